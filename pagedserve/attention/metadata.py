@@ -1,0 +1,35 @@
+"""AttentionMetadata: everything an attention backend needs for one flat batch.
+
+The batch is flattened: tokens of all sequences are concatenated, decodes first
+(one token each), then prefill chunks. Sequence i owns query tokens
+[query_start_loc[i], query_start_loc[i+1]) and, after this step's K/V are written,
+has seq_lens[i] tokens of context, read only through block_tables[i].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor      # [num_tokens] int64: block_id * block_size + offset; -1 = do not write
+    query_start_loc: torch.Tensor   # [num_seqs + 1] int32, cumulative query lengths
+    seq_lens: torch.Tensor          # [num_seqs] int32, context length after this step
+    block_tables: torch.Tensor      # [num_seqs, max_blocks_per_seq] int32, padded with 0
+    num_decodes: int                # the first num_decodes sequences have exactly one query token
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # Host copies, so backends never sync the device to learn shapes.
+    query_lens_cpu: list[int] | None = None
+    seq_lens_cpu: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.num_decodes

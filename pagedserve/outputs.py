@@ -1,0 +1,29 @@
+"""What generate() returns, in vLLM's shape."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    # One dict per generated token: token id -> logprob (top-N plus the chosen token).
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
+    stop_reason: int | str | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: dict | None = field(default=None, repr=False)

@@ -1,0 +1,82 @@
+"""SamplingParams: how one request is decoded. Field names follow vLLM so users can switch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+_MAX_N = 128
+_MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    n: int = 1
+    best_of: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.best_of is None:
+            self.best_of = self.n
+        if self.top_k == 0:
+            self.top_k = -1
+        self._validate()
+
+    def _validate(self) -> None:
+        def bad(name: str, limit: str) -> None:
+            raise ValueError(f"{name} must be {limit}, got {getattr(self, name)!r}")
+
+        if not 1 <= self.n <= _MAX_N:
+            bad("n", f"in [1, {_MAX_N}]")
+        if not self.n <= self.best_of <= _MAX_N:
+            bad("best_of", f"in [n={self.n}, {_MAX_N}]")
+        if not 0.0 <= self.temperature <= 100.0:
+            bad("temperature", "in [0, 100]")
+        if not 0.0 < self.top_p <= 1.0:
+            bad("top_p", "in (0, 1]")
+        if self.top_k < -1:
+            bad("top_k", "-1 (off), 0 (off) or a positive integer")
+        if not 0.0 <= self.min_p <= 1.0:
+            bad("min_p", "in [0, 1]")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            bad("max_tokens", ">= 1")
+        if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", "in [0, max_tokens]")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            bad("presence_penalty", "in [-2, 2]")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            bad("frequency_penalty", "in [-2, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            bad("repetition_penalty", "in (0, 2]")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and not 0 <= v <= _MAX_LOGPROBS:
+                bad(name, f"in [0, {_MAX_LOGPROBS}]")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            bad("seed", "in [0, 2**63)")
+        if any(not s for s in self.stop):
+            raise ValueError("stop must not contain empty strings")
+        if self.best_of > 1 and self.temperature == 0.0 and self.n > 1:
+            raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0

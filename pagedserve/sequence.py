@@ -1,0 +1,122 @@
+"""Sequence (one token stream) and SequenceGroup (one request: n streams sharing a prompt).
+
+A sequence's KV lives in the cache for tokens [0, num_computed_tokens); the rest
+(a prompt not yet prefilled, or the last sampled token) is what the scheduler
+still has to run. Block tables are owned by the core's KV manager, keyed by seq_id.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+from pagedserve.sampling_params import SamplingParams
+
+_seq_ids = itertools.count()
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+    FINISHED_IGNORED = "ignored"  # rejected: can never fit
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.value if self.finished else None
+
+
+@dataclass(eq=False)
+class Sequence:
+    prompt_token_ids: list[int]
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: SequenceStatus = SequenceStatus.WAITING
+    cumulative_logprob: float = 0.0
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    stop_reason: int | str | None = None
+    # Detokenizer state lives here so a fork carries it along.
+    output_text: str = ""
+    detok_state: object = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_prefill(self) -> bool:
+        """True while more than the last sampled token is still to be computed."""
+        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
+
+    def append_token(self, token_id: int, logprob: float = 0.0, top: dict[int, float] | None = None) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+        if top is not None:
+            self.output_logprobs.append(top)
+
+    def fork(self) -> "Sequence":
+        """A child with the same tokens and a new id; the KV manager shares the blocks."""
+        return Sequence(
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=list(self.output_token_ids),
+            num_computed_tokens=self.num_computed_tokens,
+            status=self.status,
+            cumulative_logprob=self.cumulative_logprob,
+            output_logprobs=list(self.output_logprobs),
+            output_text=self.output_text,
+            detok_state=self.detok_state,
+        )
+
+
+@dataclass(eq=False)
+class SequenceGroup:
+    """One request. Starts with one sequence; n > 1 / best_of forks it after the prompt is computed."""
+    request_id: str
+    seqs: list[Sequence]
+    sampling_params: SamplingParams
+    arrival_time: float = 0.0
+    prompt: str | None = None
+    # Set by the scheduler when blocks are first reserved (admission order decides preemption victims).
+    admitted_at: int | None = None
+    first_token_time: float | None = None
+    # Used by the simulator and the contiguous-oracle baseline: the true output length, if known.
+    oracle_output_len: int | None = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.finished]
+
+    def seqs_with_status(self, status: SequenceStatus) -> list[Sequence]:
+        return [s for s in self.seqs if s.status is status]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.sampling_params.max_tokens or 0
