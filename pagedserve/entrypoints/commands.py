@@ -66,7 +66,7 @@ def register_bench(sub) -> None:
     bsub = p.add_subparsers(dest="bench_command", required=True)
 
     def run_throughput(args):
-        from pagedserve.entrypoints.bench import run_throughput_cli
+        from pagedserve.benchmark.throughput import run_throughput_cli
         return run_throughput_cli(args)
 
     def run_serve(args):

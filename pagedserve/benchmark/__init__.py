@@ -1,0 +1,1 @@
+"""Benchmark harness used by `pagedserve bench` and the scripts under benchmarks/."""
