@@ -24,6 +24,7 @@ PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
+DECODE_PROGRAMS_PER_SM = 4
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -42,14 +43,15 @@ def _num_sms(device_index: int) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per sequence so that the decode grid fills the GPU about twice over.
+    """Splits per sequence so that the decode grid has about DECODE_PROGRAMS_PER_SM programs per SM.
 
-    Each split keeps at least MIN_TOKENS_PER_SPLIT tokens, so short contexts are not
-    shredded into splits whose reduction costs more than it saves.
+    A few resident programs per SM keep enough loads in flight to saturate HBM; each split
+    keeps at least MIN_TOKENS_PER_SPLIT tokens, so short contexts are not shredded into
+    splits whose reduction costs more than it saves.
     """
     programs = max(1, num_seqs * num_kv_heads)
     sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
-    wanted = triton.cdiv(2 * sms, programs)
+    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * sms, programs)
     most = max(1, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
     return max(1, min(wanted, most, MAX_SPLITS))
 
