@@ -250,15 +250,36 @@ def main():
     dev = torch.cuda.get_device_name()
     print(f"device {dev}, torch {torch.__version__}", flush=True)
 
+    results, baselines, ratios = {}, {}, {}
+    record = {
+        "benchmark": "paged_decode", "device": dev, "commit": git_commit(),
+        "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.executable).name] + sys.argv),
+        "config": {"batch": B, "context": L, "num_heads": H, "num_kv_heads": Hkv, "head_dim": D,
+                   "dtype": "bfloat16", "block_size": args.block_size, "torch": torch.__version__,
+                   "triton": __import__("triton").__version__,
+                   "timing": "triton.testing.do_bench median (L2 flushed), median of repeats"},
+        "results": results, "baselines": baselines, "ratios": ratios,
+    }
+    out_path = Path(args.output)
+
+    def save():
+        """Written after every section, so a run cut short still leaves what it measured."""
+        if ERRORS:
+            record["errors"] = ERRORS
+        out_path.parent.mkdir(parents=True, exist_ok=True)
+        out_path.write_text(json.dumps(record, indent=2) + "\n")
+        out_path.with_suffix(".md").write_text(markdown(record))
+
     copy = copy_bandwidth()
     copy_gbps = copy["GBps"] if copy else None
+    if copy:
+        baselines["device_copy"] = copy
     print("copy", copy, flush=True)
 
     q, kc, vc, tables, seq_lens = make_paged(B, L, H, Hkv, D, args.block_size, dtype)
     nbytes = decode_bytes(B, L, H, Hkv, D, args.block_size, kc.element_size())
     splits = triton_ops.choose_num_splits(B, Hkv, L, q.device)
     paged = section("paged_decode")(time_paged)(q, kc, vc, tables, seq_lens, L, scale)
-    results, baselines, ratios = {}, {}, {}
     if paged:
         paged_ms, paged_out = paged
         gbps = nbytes / paged_ms / 1e6
@@ -267,12 +288,11 @@ def main():
         if copy_gbps:
             ratios["bandwidth_fraction"] = gbps / copy_gbps
         print("paged", results["paged_decode"], flush=True)
-    if copy:
-        baselines["device_copy"] = copy
+    save()
 
-    k = contiguous_kv(kc, tables, L)
-    v = contiguous_kv(vc, tables, L)
-    sdpa = time_sdpa(q, k, v, scale)
+    kv = section("contiguous_kv")(lambda: (contiguous_kv(kc, tables, L), contiguous_kv(vc, tables, L)))()
+    k, v = kv if kv else (None, None)
+    sdpa = time_sdpa(q, k, v, scale) if kv else None
     if sdpa:
         for name, r in sdpa.items():
             entry = {key: val for key, val in r.items() if key != "out"}
@@ -285,20 +305,7 @@ def main():
         if best and paged:
             ratios["paged_over_contiguous"] = paged_ms / best
         print("sdpa", {n: e.get("ms", e.get("error")) for n, e in sdpa.items()}, flush=True)
-
-    if "flex" not in skip:
-        for name, r in (("flex_paged_block_mask", time_flex_paged(q, kc, vc, tables, L, args.block_size, scale)),
-                        ("flex_contiguous", time_flex_contiguous(q, k, v, scale))):
-            if r:
-                entry = {key: val for key, val in r.items() if key != "out"}
-                if paged:
-                    entry["max_abs_diff_vs_paged"] = (r["out"].float() - paged_out.float()).abs().max().item()
-                    ratios[f"paged_over_{name}"] = paged_ms / r["ms"]
-                entry["GBps"] = nbytes / entry["ms"] / 1e6
-                baselines[name] = entry
-                print(name, entry, flush=True)
-    del k, v
-    torch.cuda.empty_cache()
+    save()
 
     if "sweep" not in skip:
         rows = config_sweep(q, kc, vc, tables, seq_lens, L, scale)
@@ -309,36 +316,40 @@ def main():
                 best = min(ok, key=lambda r: r["ms"])
                 results["best_config"] = dict(best, GBps=nbytes / best["ms"] / 1e6)
                 print("best config", results["best_config"], flush=True)
-    del q, kc, vc, tables
+        save()
+
+    if "flex" not in skip:
+        runs = [("flex_paged_block_mask", lambda: time_flex_paged(q, kc, vc, tables, L, args.block_size, scale))]
+        if kv:
+            runs.append(("flex_contiguous", lambda: time_flex_contiguous(q, k, v, scale)))
+        for name, run in runs:
+            r = run()
+            if r:
+                entry = {key: val for key, val in r.items() if key != "out"}
+                if paged:
+                    entry["max_abs_diff_vs_paged"] = (r["out"].float() - paged_out.float()).abs().max().item()
+                    ratios[f"paged_over_{name}"] = paged_ms / r["ms"]
+                entry["GBps"] = nbytes / entry["ms"] / 1e6
+                baselines[name] = entry
+                print(name, entry, flush=True)
+            save()
+    del q, kc, vc, tables, k, v, kv
     torch.cuda.empty_cache()
+
     if "blocks" not in skip:
         rows = block_size_sweep(B, L, H, Hkv, D, dtype, scale, copy_gbps)
         if rows:
             results["block_size_sweep"] = rows
             print("block sizes", rows, flush=True)
+        save()
     if "prefill" not in skip:
         pre = prefill(H, Hkv, D, dtype, scale)
         if pre:
             results["prefill"] = pre
             print("prefill", pre, flush=True)
-
-    record = {
-        "benchmark": "paged_decode", "device": dev, "commit": git_commit(),
-        "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "config": {"batch": B, "context": L, "num_heads": H, "num_kv_heads": Hkv, "head_dim": D,
-                   "dtype": "bfloat16", "block_size": args.block_size, "torch": torch.__version__,
-                   "triton": __import__("triton").__version__,
-                   "timing": "triton.testing.do_bench median (L2 flushed), median of repeats"},
-        "results": results, "baselines": baselines, "ratios": ratios,
-    }
-    if ERRORS:
-        record["errors"] = ERRORS
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(record))
+    save()
     print(json.dumps(ratios), flush=True)
-    print(f"wrote {out}", flush=True)
+    print(f"wrote {out_path}", flush=True)
 
 
 def markdown(rec: dict) -> str:

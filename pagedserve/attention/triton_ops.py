@@ -19,7 +19,10 @@ from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kerne
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import paged_prefill_kernel
 
+# Launch defaults; benchmarks/bench_paged_decode.py sweeps the decode ones on the GPU.
 DECODE_BLOCK_N = 64
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 MAX_SPLITS = 64
@@ -78,7 +81,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, scale: float,
                  out: torch.Tensor, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
-                 num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                 num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
