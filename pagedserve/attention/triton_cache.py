@@ -1,0 +1,50 @@
+"""Triton kernels that move K/V inside the block pools: slot writes and block copies.
+
+Pools are [num_blocks, block_size, num_kv_heads, head_dim]; a block is one contiguous
+run of block_size * num_kv_heads * head_dim elements, which is what copy_blocks relies on.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def write_kv_kernel(
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+):
+    """One program per new token: copy its [num_kv_heads, head_dim] K and V into its slot."""
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:
+        return
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    h = tl.arange(0, BLOCK_H)[:, None]
+    d = tl.arange(0, BLOCK_D)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
+    k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def copy_blocks_kernel(
+    k_cache_ptr, v_cache_ptr, pairs_ptr, stride_cb,
+    BLOCK_NUMEL: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Program (pair, chunk) copies CHUNK elements of block src -> block dst, in K and in V."""
+    p = tl.program_id(0)
+    c = tl.program_id(1)
+    src = tl.load(pairs_ptr + 2 * p).to(tl.int64)
+    dst = tl.load(pairs_ptr + 2 * p + 1).to(tl.int64)
+    offs = c * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < BLOCK_NUMEL
+    k = tl.load(k_cache_ptr + src * stride_cb + offs, mask=mask)
+    v = tl.load(v_cache_ptr + src * stride_cb + offs, mask=mask)
+    tl.store(k_cache_ptr + dst * stride_cb + offs, k, mask=mask)
+    tl.store(v_cache_ptr + dst * stride_cb + offs, v, mask=mask)

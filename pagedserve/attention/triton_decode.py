@@ -1,0 +1,113 @@
+"""Paged decode attention in Triton: one query token per sequence, flash-decoding split-K.
+
+Grid (sequence, kv head, split). A program loads each K/V tile once for all query heads
+of its KV head (the GQA group is the M dimension of tl.dot, padded to >= 16), walks its
+split of the context in tiles of BLOCK_N tokens gathered through the block table (token
+by token, so any block size works, 1 included), and keeps an online softmax in fp32 with
+exp2 and a log2(e)-prescaled scale. With one split it writes the output directly; with
+several it writes per-split (normalised output, log2-sum-exp) and reduce_splits_kernel
+combines them.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+    seq_lens_ptr, block_tables_ptr, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    # tl.cdiv is itself a @jit function, which the interpreter cannot call from our kernels.
+    split_len = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    g = tl.arange(0, BLOCK_G)
+    d = tl.arange(0, BLOCK_D)
+    n = tl.arange(0, BLOCK_N)
+    heads = kv_head * GROUP + g
+    g_mask = g < GROUP
+    if BLOCK_D == HEAD_DIM:
+        q_mask = g_mask[:, None]
+    else:
+        q_mask = g_mask[:, None] & (d[None, :] < HEAD_DIM)
+    q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
+                mask=q_mask, other=0.0)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_G], 0.0, tl.float32)
+    acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = kv_head * stride_ch
+    for tile in range(start, end, BLOCK_N):
+        pos = tile + n
+        valid = pos < end
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_off
+        if BLOCK_D == HEAD_DIM:
+            kv_mask = valid[:, None]
+        else:
+            kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q.to(k.dtype), tl.trans(k))
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        # An empty split (start >= seq_len) leaves l_i = 0: store lse = -inf, output 0.
+        has = l_i > 0
+        out = acc / tl.where(has, l_i, 1.0)[:, None]
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        mid = seq.to(tl.int64) * stride_mt + heads * stride_mh + split * stride_ms
+        tl.store(mid_o_ptr + mid[:, None] + d[None, :], out, mask=q_mask)
+        tl.store(mid_lse_ptr + seq.to(tl.int64) * stride_lt + heads * stride_lh + split, lse, mask=g_mask)
+
+
+@triton.jit
+def reduce_splits_kernel(
+    mid_o_ptr, mid_lse_ptr, out_ptr,
+    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    """Program (sequence, head): out = sum_s 2^(lse_s - lse) * o_s over the non-empty splits."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    s = tl.arange(0, BLOCK_S)
+    d = tl.arange(0, BLOCK_D)
+    base = seq.to(tl.int64) * stride_mt + head * stride_mh
+    lse = tl.load(mid_lse_ptr + seq.to(tl.int64) * stride_lt + head * stride_lh + s, mask=s < NUM_SPLITS,
+                  other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    w = w / tl.sum(w, 0)
+    o = tl.load(mid_o_ptr + base + s[:, None] * stride_ms + d[None, :],
+                mask=(s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
+    out = tl.sum(o * w[:, None], 0)
+    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+             mask=d < HEAD_DIM)

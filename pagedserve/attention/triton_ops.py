@@ -1,0 +1,179 @@
+"""Triton paged attention: the GPU twins of reference.py, same signatures, same results.
+
+KV pools are [num_blocks, block_size, num_kv_heads, head_dim] per layer (head_dim
+contiguous). `paged_attention` sends the batch's decodes (the first meta.num_decodes
+sequences, one query token each) to the split-K decode kernel and the rest (prefill
+chunks, extends after a prefix-cache hit) to the varlen prefill kernel. Launch shapes
+come only from host values in `meta`, so nothing here syncs the device.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kernel
+from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
+from pagedserve.attention.triton_prefill import paged_prefill_kernel
+
+# Launch defaults; benchmarks/bench_paged_decode.py sweeps the decode ones on the GPU.
+DECODE_BLOCK_N = 64
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 64
+MAX_SPLITS = 64
+MIN_TOKENS_PER_SPLIT = 256
+DECODE_PROGRAMS_PER_SM = 4
+
+
+def _pow2_at_least_16(n: int) -> int:
+    return max(16, triton.next_power_of_2(n))
+
+
+def _check_cache(cache: torch.Tensor, head_dim: int) -> None:
+    if cache.dim() != 4 or cache.shape[3] != head_dim or cache.stride(3) != 1:
+        raise ValueError(f"KV cache must be [num_blocks, block_size, num_kv_heads, {head_dim}] with "
+                         f"contiguous head_dim, got shape {tuple(cache.shape)} strides {cache.stride()}")
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
+    """Splits per sequence so that the decode grid has about DECODE_PROGRAMS_PER_SM programs per SM.
+
+    A few resident programs per SM keep enough loads in flight to saturate HBM; each split
+    keeps at least MIN_TOKENS_PER_SPLIT tokens, so short contexts are not shredded into
+    splits whose reduction costs more than it saves.
+    """
+    programs = max(1, num_seqs * num_kv_heads)
+    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
+    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * sms, programs)
+    most = max(1, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
+    return max(1, min(wanted, most, MAX_SPLITS))
+
+
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Scatter new K/V ([num_tokens, num_kv_heads, head_dim]) into their slots; slot -1 is skipped."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if num_tokens == 0:
+        return
+    _check_cache(k_cache, head_dim)
+    if key.stride(2) != 1 or value.stride(2) != 1 or k_cache.stride() != v_cache.stride():
+        raise ValueError("write_kv needs contiguous head_dim in key/value and K/V pools of one layout")
+    write_kv_kernel[(num_tokens,)](
+        key, value, k_cache, v_cache, slot_mapping,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
+        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_SIZE=k_cache.shape[1],
+    )
+
+
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, scale: float,
+                 out: torch.Tensor, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
+                 num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
+    """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    block_d = _pow2_at_least_16(head_dim)
+    ieee = k_cache.dtype == torch.float32
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+                  BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
+                  NUM_SPLITS=num_splits, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
+    grid = (num_seqs, num_kv_heads, num_splits)
+    if num_splits == 1:
+        paged_decode_kernel[grid](
+            query, k_cache, v_cache, out, out, out, seq_lens, block_tables, scale * math.log2(math.e),
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+            0, 0, 0, 0, 0, **common)
+        return out
+    mid_o = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
+    mid_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    paged_decode_kernel[grid](
+        query, k_cache, v_cache, out, mid_o, mid_lse, seq_lens, block_tables, scale * math.log2(math.e),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), **common)
+    reduce_splits_kernel[(num_seqs, num_heads)](
+        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
+        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+    return out
+
+
+def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                  first_seq: int, num_seqs: int, max_query_len: int, scale: float, out: torch.Tensor,
+                  block_m: int = PREFILL_BLOCK_M, block_n: int = PREFILL_BLOCK_N,
+                  num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+    """Causal varlen attention of sequences first_seq .. first_seq+num_seqs-1 over their paged context.
+
+    query/out are the whole flat batch [num_tokens, num_heads, head_dim]; query_start_loc indexes it.
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    group = num_heads // k_cache.shape[2]
+    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
+    paged_prefill_kernel[grid](
+        query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq,
+        scale * math.log2(math.e),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
+        BLOCK_D=_pow2_at_least_16(head_dim), BLOCK_N=block_n, IEEE=k_cache.dtype == torch.float32,
+        num_warps=num_warps, num_stages=num_stages)
+    return out
+
+
+def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    meta: AttentionMetadata, scale: float, num_splits: int | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context (see reference.py)."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    _check_cache(k_cache, head_dim)
+    if v_cache.stride() != k_cache.stride() or query.stride(2) != 1:
+        raise ValueError("paged_attention needs K/V pools of one layout and contiguous head_dim in query")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    out = torch.empty_like(query)
+    nd, ns = meta.num_decodes, meta.num_seqs
+    seq_lens_cpu = meta.seq_lens_cpu
+    if nd > 0:
+        max_len = max(seq_lens_cpu[:nd]) if seq_lens_cpu is not None else meta.max_seq_len
+        paged_decode(query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd],
+                     max_len, scale, out[:nd], num_splits=num_splits)
+    if nd < ns:
+        q_lens = meta.query_lens_cpu
+        max_q = max(q_lens[nd:]) if q_lens is not None else meta.max_query_len
+        paged_prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                      nd, ns - nd, max_q, scale, out)
+    return out
+
+
+def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
+                pairs: list[tuple[int, int]]) -> None:
+    """Copy-on-write: block src -> block dst in every layer's pools (one launch per layer)."""
+    if not pairs:
+        return
+    pair_t = torch.tensor(pairs, dtype=torch.int64).to(k_caches[0].device, non_blocking=True)
+    for k, v in zip(k_caches, v_caches):
+        if k.stride() != v.stride() or not k[0].is_contiguous():
+            raise ValueError("copy_blocks needs K/V pools of one layout with contiguous blocks")
+        numel = k[0].numel()
+        chunk = min(4096, triton.next_power_of_2(numel))
+        copy_blocks_kernel[(len(pairs), triton.cdiv(numel, chunk))](
+            k, v, pair_t, k.stride(0), BLOCK_NUMEL=numel, CHUNK=chunk, num_warps=4)

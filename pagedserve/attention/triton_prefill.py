@@ -1,0 +1,104 @@
+"""Paged prefill/extend attention in Triton: varlen causal attention over a paged context.
+
+Grid (query tile, sequence, query head). Sequence i's q new tokens sit at positions
+L - q .. L - 1 of its context of L tokens; they attend to every cached token and causally
+to each other. K/V are read only through the block table, a tile of BLOCK_N tokens at a
+time gathered token by token (any block size). Tiles wholly below the tile's first query
+position need no causal mask; only the tiles on the diagonal pay for one.
+"""
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _attend_tiles(
+    acc, l_i, m_i, q, q_pos, lo, hi,
+    k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+    stride_cb, stride_cs, d,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
+):
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(lo, hi, BLOCK_N):
+        pos = tile + n
+        valid = pos < hi
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_off
+        if BLOCK_D == HEAD_DIM:
+            kv_mask = valid[:, None]
+        else:
+            kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        if CAUSAL:
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def paged_prefill_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, first_seq, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_cb, stride_cs, stride_ch, stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+):
+    tile_m = tl.program_id(0)
+    seq = tl.program_id(1) + first_seq
+    head = tl.program_id(2)
+    q_start = tl.load(query_start_loc_ptr + seq)
+    q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
+    if tile_m * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx_before = seq_len - q_len
+
+    m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    d = tl.arange(0, BLOCK_D)
+    m_valid = m < q_len
+    if BLOCK_D == HEAD_DIM:
+        q_mask = m_valid[:, None]
+    else:
+        q_mask = m_valid[:, None] & (d[None, :] < HEAD_DIM)
+    rows = (q_start + m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
+    q_pos = ctx_before + m
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    head_off = (head // GROUP) * stride_ch
+    # Keys below the tile's first query position are visible to every row: no mask.
+    unmasked_end = ((ctx_before + tile_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
+    causal_end = tl.minimum(ctx_before + (tile_m + 1) * BLOCK_M, seq_len)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, 0, unmasked_end,
+                                  k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+                                  stride_cb, stride_cs, d,
+                                  HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, False, IEEE)
+    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, causal_end,
+                                  k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+                                  stride_cb, stride_cs, d,
+                                  HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, True, IEEE)
+    out = acc / l_i[:, None]
+    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -1,0 +1,109 @@
+"""The compiled Triton kernels match reference.py on the GPU at Llama-3.1-8B attention sizes.
+
+32 query heads, 8 KV heads, head_dim 128 (plus head_dim 64 and MHA), bf16 by default.
+Skipped without CUDA; CPU CI covers the same kernels through the interpreter.
+"""
+import pytest
+import torch
+
+from pagedserve.attention import reference
+from paged_batch import make_batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+TOL = {torch.bfloat16: dict(rtol=2e-2, atol=2e-2), torch.float16: dict(rtol=5e-3, atol=5e-3),
+       torch.float32: dict(rtol=1e-4, atol=1e-4)}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from pagedserve.attention import triton_ops
+    return triton_ops
+
+
+def _written(batch):
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
+    return kc, vc
+
+
+MIXED = [(1500, 1), (0, 1), (4095, 1), (77, 1), (300, 1), (0, 512), (1000, 333), (2048, 64), (5, 1)]
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_mixed_batch_llama8b_shape(ops, block_size, dtype):
+    batch = make_batch(MIXED, 5, H=32, Hkv=8, D=128, block_size=block_size, dtype=dtype, device="cuda")
+    kc, vc = _written(batch)
+    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale=128 ** -0.5)
+    ops.write_kv(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    assert torch.equal(batch.k_cache, kc) and torch.equal(batch.v_cache, vc)
+    out = ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale=128 ** -0.5)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size", [8, 32, 64, 128])
+@pytest.mark.parametrize("H,Hkv,D", [(32, 8, 128), (16, 16, 64), (28, 4, 128), (14, 2, 64)])
+def test_shapes_and_block_sizes(ops, block_size, H, Hkv, D):
+    shapes = [(700, 1), (33, 1), (0, 200), (450, 129)]
+    batch = make_batch(shapes, 2, H=H, Hkv=Hkv, D=D, block_size=block_size, dtype=torch.bfloat16,
+                       device="cuda", seed=block_size)
+    kc, vc = _written(batch)
+    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale=D ** -0.5)
+    out = ops.paged_attention(batch.query, kc, vc, batch.meta, scale=D ** -0.5)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7, 16, 64])
+def test_split_k_decode(ops, num_splits):
+    shapes = [(8191, 1), (16, 1), (3000, 1)]
+    batch = make_batch(shapes, 3, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, device="cuda")
+    kc, vc = _written(batch)
+    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale=128 ** -0.5)
+    m = batch.meta
+    out = torch.empty_like(batch.query)
+    ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, m.max_seq_len, 128 ** -0.5, out,
+                     num_splits=num_splits)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+def test_write_kv_casts_like_torch(ops):
+    batch = make_batch([(10, 20), (3, 1)], 0, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16,
+                       device="cuda")
+    qkv = torch.randn(21, 48, 128, device="cuda")  # fused fp32 projection: K and V are strided views
+    key, value = qkv[:, 32:40], qkv[:, 40:48]
+    slots = batch.meta.slot_mapping.clone()
+    slots[::3] = -1
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.write_kv(key, value, kc, vc, slots)
+    ops.write_kv(key, value, batch.k_cache, batch.v_cache, slots)
+    assert torch.equal(batch.k_cache, kc) and torch.equal(batch.v_cache, vc)
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 256])
+def test_copy_blocks_all_layers(ops, block_size):
+    layers = [(torch.randn(40, block_size, 8, 128, device="cuda", dtype=torch.bfloat16),
+               torch.randn(40, block_size, 8, 128, device="cuda", dtype=torch.bfloat16)) for _ in range(4)]
+    pairs = [(0, 39), (0, 38), (5, 6), (20, 1)]
+    expect = [(k.clone(), v.clone()) for k, v in layers]
+    reference.copy_blocks([k for k, _ in expect], [v for _, v in expect], pairs)
+    ops.copy_blocks([k for k, _ in layers], [v for _, v in layers], pairs)
+    for (k, v), (ek, ev) in zip(layers, expect):
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def test_decode_is_capturable_in_a_cuda_graph(ops):
+    """The runner replays decode steps as CUDA graphs: the kernels must capture and replay correctly."""
+    batch = make_batch([(900, 1), (40, 1)], 2, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16,
+                       device="cuda")
+    kc, vc = _written(batch)
+    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale=128 ** -0.5)
+    for num_splits in (1, 4):
+        ops.paged_attention(batch.query, kc, vc, batch.meta, scale=128 ** -0.5, num_splits=num_splits)  # compile
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = ops.paged_attention(batch.query, kc, vc, batch.meta, scale=128 ** -0.5, num_splits=num_splits)
+        out.zero_()
+        graph.replay()
+        torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])

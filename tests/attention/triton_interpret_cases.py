@@ -1,0 +1,138 @@
+"""Cases for the Triton kernels under the Triton interpreter (CPU), checked against reference.py.
+
+Not collected on its own: test_triton_interpret.py runs this file in a subprocess with
+TRITON_INTERPRET=1, because Triton picks interpreter-or-compiler when @triton.jit
+decorates a function (its own standard library included), i.e. at import time; a
+subprocess keeps the switch from leaking into other tests of the same pytest run.
+"""
+import os
+import sys
+
+import pytest
+import torch
+
+from pagedserve.attention import reference
+from paged_batch import make_batch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_triton_interpret.py (needs TRITON_INTERPRET=1 before importing triton)",
+                allow_module_level=True)
+
+from triton.runtime import interpreter  # noqa: E402
+
+
+def _index_scalars_with_item(original):
+    """Triton 3.6's interpreter turns a scalar into a loop bound with int(ndarray of shape [1]),
+    which numpy >= 2.4 refuses; the same patch with .item() works with every numpy."""
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+    return patched
+
+
+interpreter._patch_lang_tensor = _index_scalars_with_item(interpreter._patch_lang_tensor)
+
+from pagedserve.attention import triton_ops as ops  # noqa: E402
+
+
+def _reference_out(batch):
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
+    return kc, vc, reference.paged_attention(batch.query, kc, vc, batch.meta, scale=batch.query.shape[-1] ** -0.5)
+
+
+def _tol(dtype):
+    return dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+def test_kernels_are_interpreted():
+    assert isinstance(ops.paged_decode_kernel, interpreter.InterpretedFunction)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+def test_write_kv_matches_reference(block_size):
+    batch = make_batch([(5, 1), (0, 7), (9, 4)], 1, H=4, Hkv=2, D=8, block_size=block_size)
+    slots = batch.meta.slot_mapping.clone()
+    slots[2] = -1  # a token whose K/V must not be written
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.write_kv(batch.new_k, batch.new_v, kc, vc, slots)
+    ops.write_kv(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache, slots)
+    assert torch.equal(batch.k_cache, kc) and torch.equal(batch.v_cache, vc)
+
+
+def test_write_kv_from_strided_views_casts_dtype():
+    batch = make_batch([(3, 5)], 0, H=2, Hkv=2, D=16, block_size=8, dtype=torch.bfloat16)
+    qkv = torch.randn(5, 3, 2, 16)  # fp32 fused projection; key/value are non-contiguous views
+    key, value = qkv[:, 1], qkv[:, 2]
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.write_kv(key, value, kc, vc, batch.meta.slot_mapping)
+    ops.write_kv(key, value, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    # The interpreter rounds fp32 -> bf16 toward zero (the GPU rounds to nearest): one bf16 ulp apart.
+    torch.testing.assert_close(batch.k_cache, kc, rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(batch.v_cache, vc, rtol=2 ** -7, atol=0)
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16])
+@pytest.mark.parametrize("H,Hkv,D", [(4, 4, 8), (8, 2, 16), (6, 1, 32)])
+def test_mixed_batch_matches_reference(block_size, H, Hkv, D):
+    """Decodes (one with a 1-token context), a fresh prefill and prefix-cached extends, GQA and MHA."""
+    shapes = [(20, 1), (0, 1), (37, 1), (0, 19), (13, 6), (40, 1)]
+    batch = make_batch(shapes, 3, H=H, Hkv=Hkv, D=D, block_size=block_size, seed=block_size + H)
+    kc, vc, ref = _reference_out(batch)
+    ops.write_kv(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
+    out = ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale=D ** -0.5)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 5])
+def test_split_k_decode_matches_reference(num_splits):
+    """Several splits, including empty ones for the short sequence, combined by the reduce kernel."""
+    shapes = [(70, 1), (3, 1), (47, 1)]
+    batch = make_batch(shapes, 3, H=8, Hkv=2, D=16, block_size=8, seed=num_splits)
+    kc, vc, ref = _reference_out(batch)
+    out = torch.empty_like(batch.query)
+    m = batch.meta
+    ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, m.max_seq_len, 16 ** -0.5, out,
+                     num_splits=num_splits, block_n=16)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
+# bf16 is left to test_triton_gpu.py: the 3.6 interpreter's tl.dot multiplies bf16 bit patterns as integers.
+@pytest.mark.parametrize("dtype", [torch.float16])
+def test_half_precision_matches_reference(dtype):
+    batch = make_batch([(25, 1), (0, 9), (11, 5)], 1, H=4, Hkv=2, D=16, block_size=8, dtype=dtype)
+    kc, vc, ref = _reference_out(batch)
+    out = ops.paged_attention(batch.query, kc, vc, batch.meta, scale=0.25)
+    torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
+
+
+def test_prefill_tiles_span_the_diagonal():
+    """Query tiles smaller than the chunk: the unmasked/causal split and partial tiles at both ends."""
+    batch = make_batch([(21, 27), (0, 33)], 0, H=2, Hkv=1, D=8, block_size=8, seed=7)
+    kc, vc, ref = _reference_out(batch)
+    m = batch.meta
+    out = torch.empty_like(batch.query)
+    ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 0, 2,
+                      m.max_query_len, 8 ** -0.5, out, block_m=16, block_n=16)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_copy_blocks_matches_reference(block_size):
+    gen = torch.Generator().manual_seed(block_size)
+    layers = [(torch.randn(6, block_size, 2, 8, generator=gen), torch.randn(6, block_size, 2, 8, generator=gen))
+              for _ in range(2)]
+    pairs = [(0, 3), (0, 4), (5, 1)]
+    expect = [(k.clone(), v.clone()) for k, v in layers]
+    reference.copy_blocks([k for k, _ in expect], [v for _, v in expect], pairs)
+    ops.copy_blocks([k for k, _ in layers], [v for _, v in layers], pairs)
+    for (k, v), (ek, ev) in zip(layers, expect):
+        assert torch.equal(k, ek) and torch.equal(v, ev)
+
+
+def test_choose_num_splits_fills_the_gpu():
+    cpu = torch.device("cpu")
+    assert ops.choose_num_splits(64, 8, 4096, cpu) * 64 * 8 >= ops.DECODE_PROGRAMS_PER_SM * 132
+    few = ops.choose_num_splits(2, 8, 32768, cpu)
+    assert few * 2 * 8 >= ops.DECODE_PROGRAMS_PER_SM * 132
+    assert ops.choose_num_splits(2, 8, 100, cpu) == 1
