@@ -51,6 +51,8 @@ class BeamSearchState:
         self.max_tokens = max_tokens
         self.finished: list[Hypothesis] = []
         self.done = False
+        # seq_id -> (top token ids, top logprobs) of live beams waiting for the rest of the group.
+        self.pending: dict[int, tuple[list[int], list[float]]] = {}
 
     @property
     def num_candidates(self) -> int:

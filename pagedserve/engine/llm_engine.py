@@ -22,30 +22,16 @@ from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutp
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
-_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}") from e
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device must be available: {name!r} requested but CUDA is not")
     return dev
-
-
-def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    """"auto": float32 on CPU; on GPU the checkpoint's half type, or bfloat16 for float32 ones."""
-    if name != "auto":
-        return _DTYPES[name]
-    if device.type == "cpu":
-        return torch.float32
-    cfg = getattr(hf_config, "torch_dtype", None) or getattr(hf_config, "dtype", None)
-    if isinstance(cfg, str):
-        cfg = _DTYPES.get(cfg.replace("torch.", ""))
-    return cfg if cfg in (torch.float16, torch.bfloat16) else torch.bfloat16
 
 
 def _eos_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
@@ -70,7 +56,7 @@ def _eos_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
 class LLMEngine:
     def __init__(self, config: EngineConfig):
         from pagedserve.core.scheduler import Scheduler
-        from pagedserve.models.loader import get_max_model_len, load_hf_config
+        from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
         from pagedserve.runner.model_runner import ModelRunner
 
         if config.model is None:
@@ -100,6 +86,8 @@ class LLMEngine:
                                         enable_prefix_caching=config.enable_prefix_caching,
                                         kv_allocator=config.kv_allocator)
         self.scheduler_config = config.scheduler_config(max_model_len)
+        if "recompute_seconds_per_token" in self.runner.profile:
+            self.scheduler_config.recompute_seconds_per_token = self.runner.profile["recompute_seconds_per_token"]
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.vocab_size = self.runner.vocab_size
 
@@ -258,7 +246,7 @@ class LLMEngine:
             logits = self.runner.execute(out)
             self.scheduler.update_after_step(out)
             sampled = [s for s in out.scheduled if s.do_sample]
-            if sampled:
+            if sampled and logits is not None:
                 now = time.time()
                 for s in sampled:
                     if s.group.first_token_time is None:
@@ -339,16 +327,21 @@ class LLMEngine:
         k = max(self._beams[s.group.request_id].num_candidates for s, _ in beam_rows)
         vals, ids = torch.log_softmax(x, dim=-1).topk(min(k, x.shape[-1]), dim=-1)
         vals, ids = vals.tolist(), ids.tolist()
-        by_group: dict[str, list[tuple[Sequence, list[int], list[float]]]] = {}
+        touched = {}
         for r, (s, _) in enumerate(beam_rows):
-            by_group.setdefault(s.group.request_id, []).append((s.seq, ids[r], vals[r]))
-        for rid, beams in by_group.items():
-            self._advance_beams(self._groups[rid], self._beams[rid], beams)
+            self._beams[s.group.request_id].pending[s.seq.seq_id] = (ids[r], vals[r])
+            touched[s.group.request_id] = s.group
+        for rid, group in touched.items():
+            state = self._beams[rid]
+            live = [s for s in group.seqs if not s.status.finished]
+            # The scheduler may run a group's beams in different steps (e.g. after a swap-in);
+            # the search advances once every live beam has its next-token distribution.
+            if all(s.seq_id in state.pending for s in live):
+                beams = [(s, *state.pending[s.seq_id]) for s in live]
+                state.pending.clear()
+                self._advance_beams(group, state, beams)
 
     def _advance_beams(self, group: SequenceGroup, state: BeamSearchState, beams: list) -> None:
-        live = [s for s in group.seqs if not s.status.finished]
-        if len(beams) != len(live):
-            raise RuntimeError(f"beam search needs all beams of {group.request_id!r} scheduled together")
         n = state.num_candidates
         conts = state.step([LiveBeam(seq.output_token_ids, seq.cumulative_logprob, tid[:n], lps[:n])
                             for seq, tid, lps in beams])
