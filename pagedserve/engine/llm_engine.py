@@ -165,6 +165,13 @@ class LLMEngine:
             raise ValueError(
                 f"prompt length ({len(ids)} tokens) + max_tokens ({params.max_tokens}) must be <= "
                 f"max_model_len ({self.max_model_len})")
+        capacity = self.cache_config.num_gpu_blocks * self.cache_config.block_size
+        if self.cache_config.kv_allocator == "paged" and len(ids) + params.max_tokens > capacity:
+            # It could never run to the end, even alone: reject it now, not halfway through.
+            raise ValueError(
+                f"prompt length ({len(ids)} tokens) + max_tokens ({params.max_tokens}) must fit in the KV "
+                f"cache ({capacity} token slots = num_gpu_blocks {self.cache_config.num_gpu_blocks} x "
+                f"block_size {self.cache_config.block_size})")
         now = time.time()
         arrival = now if arrival_time is None else arrival_time
         group = SequenceGroup(request_id=request_id, seqs=[Sequence(prompt_token_ids=ids)],
