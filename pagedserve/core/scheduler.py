@@ -97,7 +97,8 @@ class Scheduler:
 
     def free_finished_seq_groups(self) -> list[SequenceGroup]:
         done = []
-        for queue in (self.running, self.swapped, self.waiting):
+        # Waiting groups finish only by abort or rejection, which already take them out.
+        for queue in (self.running, self.swapped):
             finished = [g for g in queue if g.finished]
             for g in finished:
                 queue.remove(g)
