@@ -1,0 +1,82 @@
+"""CUDA graphs for decode steps, one per batch-size bucket.
+
+A decode step of a small model is a few hundred tiny kernels; replaying them as one
+graph removes the launch cost that otherwise dominates. Every tensor the graph reads
+lives in a static buffer sized for the largest bucket; a step copies its inputs into
+the first B rows and pads the rest so that padding writes nothing (slot -1) and
+attends to one token of block 0. The attention backend is captured with max_seq_len
+fixed to max_model_len, so its launch grid does not depend on the step.
+"""
+from __future__ import annotations
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
+    return sorted({b for b in sizes if b <= max_batch} | {max_batch})
+
+
+class DecodeCUDAGraphs:
+    def __init__(self, model, kv_caches, max_batch: int, max_model_len: int, block_size: int,
+                 device: torch.device):
+        self.model, self.kv_caches = model, kv_caches
+        self.max_model_len, self.block_size = max_model_len, block_size
+        self.buckets = batch_buckets(max_batch)
+        max_blocks = (max_model_len + block_size - 1) // block_size
+        n = self.buckets[-1]
+        i32 = dict(dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(n, dtype=torch.long, device=device)
+        self.positions = torch.zeros(n, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(n, **i32)
+        self.block_tables = torch.zeros(n, max_blocks, **i32)
+        self.query_start_loc = torch.arange(n + 1, **i32)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def _meta(self, b: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
+            seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], num_decodes=b,
+            max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        stream = torch.cuda.Stream()
+        for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
+            args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.model(*args)  # warm-up outside capture: autotuning and lazy init happen here
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[b] = self.model(*args)
+            self.pool = graph.pool()
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+
+    def bucket_for(self, batch: int) -> int | None:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        return None
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Replay the graph of the smallest bucket >= batch; returns hidden states [batch, hidden]."""
+        b = input_ids.shape[0]
+        g = self.bucket_for(b)
+        self.input_ids[:b].copy_(input_ids, non_blocking=True)
+        self.positions[:b].copy_(positions, non_blocking=True)
+        self.slot_mapping[:b].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[b:g].fill_(-1)
+        self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
+        self.seq_lens[b:g].fill_(1)
+        width = meta.block_tables.shape[1]
+        self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
+        self.graphs[g].replay()
+        return self.outputs[g][:b]
