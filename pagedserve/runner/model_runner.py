@@ -20,6 +20,7 @@ from pagedserve.distributed import get_tp_group
 from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.runner.batch import ModelInput, build_model_input, prepare_model_input
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
+from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -57,6 +58,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.max_model_len = engine_config.max_model_len or get_max_model_len(hf_config)
         self.profile: dict[str, float] = {}
+        self.graphs: DecodeCUDAGraphs | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -144,6 +146,15 @@ class ModelRunner:
         self.cache_engine = CacheEngine(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
                                         num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
         self.kv_caches = self.cache_engine.kv_caches
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.capture_decode_graphs()
+
+    def capture_decode_graphs(self) -> None:
+        """One CUDA graph per decode batch-size bucket, up to max_num_seqs."""
+        self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, max_batch=self.config.max_num_seqs,
+                                       max_model_len=self.max_model_len, block_size=self.block_size,
+                                       device=self.device)
+        self.graphs.capture()
 
     # --- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -167,6 +178,10 @@ class ModelRunner:
         if not out.scheduled:
             return None
         inp = prepare_model_input(out.scheduled, out.num_decodes, self.block_size, self.device)
+        if self.graphs is not None and out.num_decodes == len(out.scheduled) \
+                and self.graphs.bucket_for(len(out.scheduled)) is not None:
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta)
+            return self.model.compute_logits(hidden[inp.sample_indices]).float()
         if inp.num_sampling == 0:
             # Still run the forward: it writes this chunk's K/V into the cache.
             self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta)
