@@ -13,10 +13,7 @@ import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-try:  # TODO(server): plain import once branch core is merged
-    from pagedserve.core.stats import KVCacheStats
-except ImportError:  # pragma: no cover
-    KVCacheStats = None
+from pagedserve.core.stats import KVCacheStats
 
 __all__ = ["KVCacheStats", "EngineSnapshot", "ServerMetrics"]
 
