@@ -103,8 +103,8 @@ def _param_of(loc: tuple) -> str | None:
     """('body', 'messages', 0, 'content') -> 'messages.0.content'; union branch tags dropped."""
     parts = []
     for x in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(x, str) and ("[" in x or x in ("str", "int", "float", "bool", "none")
-                                   or x.startswith("function-")):
+        if isinstance(x, str) and (any(ch in x for ch in "[-(")
+                                   or x in ("str", "int", "float", "bool", "none")):
             break
         parts.append(str(x))
     return ".".join(parts) or None
@@ -123,7 +123,10 @@ def _install_error_handlers(app: FastAPI) -> None:
             return _error(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
                           code="invalid_json")
         param = _param_of(tuple(first.get("loc", ())))
-        msg = first.get("msg", "invalid value")
+        # A union reports one error per branch: say what each branch wanted.
+        msgs = list(dict.fromkeys(err.get("msg", "invalid value") for err in errors
+                                  if _param_of(tuple(err.get("loc", ()))) == param))
+        msg = " | ".join(msgs[:4])
         if param is None:
             return _error(400, f"request body is invalid: {msg}")
         return _error(400, f"{param}: {msg}", param=param)
