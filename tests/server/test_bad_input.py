@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from conftest import MAX_MODEL_LEN
+from server_process import MAX_MODEL_LEN
 
 CMPL = "/v1/completions"
 CHAT = "/v1/chat/completions"

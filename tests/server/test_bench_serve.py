@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, start_server, stop_server
+from server_process import REPO, start_server, stop_server
 from pagedserve.workloads import make_workload
 
 

@@ -5,7 +5,7 @@ import time
 
 import httpx
 
-from conftest import MAX_MODEL_LEN
+from server_process import MAX_MODEL_LEN
 
 MAX_TOKENS = MAX_MODEL_LEN - 32
 N = 6
