@@ -88,6 +88,12 @@ class AsyncLLMEngine:
     def vocab_size(self) -> int:
         return int(self.engine.vocab_size)
 
+    @property
+    def kv_cache_shape(self) -> tuple[int, int]:
+        """(device blocks, block size): a request needing more than all of it can never run."""
+        cc = self.engine.cache_config
+        return int(cc.num_gpu_blocks), int(cc.block_size)
+
     # ---- running things on the engine thread -------------------------------------------------
 
     async def run(self, fn: Callable, *args, **kwargs):

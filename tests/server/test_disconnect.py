@@ -52,7 +52,7 @@ def test_streaming_disconnect_frees_blocks(server):
 
 def test_non_streaming_disconnect_frees_blocks(server):
     before = _wait_idle(server)
-    body = {"model": server.model, "prompt": "Wait for me", "max_tokens": MAX_TOKENS, "n": 4,
+    body = {"model": server.model, "prompt": "Wait for me", "max_tokens": MAX_TOKENS, "n": 8,
             "temperature": 1.0, "ignore_eos": True}
     with httpx.Client(base_url=server.base_url, headers=server.headers) as cl:
         try:
@@ -62,4 +62,4 @@ def test_non_streaming_disconnect_frees_blocks(server):
             pass
     after = _wait_idle(server)
     generated = after["pagedserve:generation_tokens_total"] - before["pagedserve:generation_tokens_total"]
-    assert generated < 4 * MAX_TOKENS, "request ran to the end instead of being aborted"
+    assert generated < 8 * MAX_TOKENS, "request ran to the end instead of being aborted"

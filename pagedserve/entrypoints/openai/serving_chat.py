@@ -11,7 +11,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
                                                     ChatStreamChoice, DeltaMessage, TokenLogprob,
                                                     random_id)
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, OpenAIServing,
-                                                          error_event, finite_logprob, sse,
+                                                          check_not_ignored, error_event, finite_logprob, sse,
                                                           until_disconnected, usage)
 from pagedserve.outputs import RequestOutput
 
@@ -59,9 +59,11 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens, tokens_param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, tokens_param = req.max_tokens, "max_tokens"
-        max_tokens = self.resolve_max_tokens(len(prompt_ids), max_tokens, "messages", tokens_param)
+        max_tokens = self.resolve_max_tokens(len(prompt_ids), max_tokens, "messages", tokens_param,
+                                             num_seqs=req.n)
         k = (req.top_logprobs or 0) if req.logprobs else None
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k)
+        self.check_kv_capacity(len(prompt_ids), max_tokens, params.best_of, "messages", tokens_param)
         request_id = random_id("chatcmpl")
         stream = await self.start(prompt_ids, params, request_id)
         if req.stream:
@@ -74,6 +76,7 @@ class OpenAIServingChat(OpenAIServing):
         final = None
         try:
             async for out in stream:
+                check_not_ignored(out, "messages")
                 final = out
         except EngineDeadError as e:
             raise APIError(str(e), 500) from None
@@ -114,6 +117,7 @@ class OpenAIServingChat(OpenAIServing):
                 ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                 for i in range(req.n)]))
             async for out in stream:
+                check_not_ignored(out, "messages")
                 choices = []
                 for c in out.outputs:
                     st = states.setdefault(c.index, _ChoiceState())

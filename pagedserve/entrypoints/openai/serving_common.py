@@ -50,6 +50,13 @@ class APIError(Exception):
         return cls(msg, 400, param=param)
 
 
+def check_not_ignored(out: Any, prompt_param: str) -> None:
+    """The scheduler drops ("ignored") a request that can never be scheduled: a 400, not text."""
+    if any(c.finish_reason == "ignored" for c in out.outputs):
+        raise APIError(f"the {prompt_param} can never be scheduled: it does not fit in the KV cache",
+                       param=prompt_param, code="kv_cache_capacity_exceeded")
+
+
 def sse(obj: Any) -> str:
     """One server-sent event carrying JSON."""
     data = obj if isinstance(obj, str) else obj.model_dump_json()
@@ -84,8 +91,9 @@ class OpenAIServing:
                            param=param)
 
     def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, prompt_param: str,
-                           tokens_param: str = "max_tokens") -> int:
-        """max_tokens that fits max_model_len; None means 'the rest of the context'."""
+                           tokens_param: str = "max_tokens", num_seqs: int = 1) -> int:
+        """max_tokens that fits max_model_len; None means 'the rest of the context' (and of
+        what the KV cache can hold for num_seqs sequences)."""
         limit = self.engine.max_model_len
         if prompt_len == 0:
             raise APIError(f"{prompt_param} must not be empty", param=prompt_param)
@@ -94,7 +102,9 @@ class OpenAIServing:
                            f"{prompt_param} has {prompt_len} tokens, leaving no room for output.",
                            param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
-            return limit - prompt_len
+            num_blocks, bs = self.engine.kv_cache_shape
+            room = (num_blocks // num_seqs) * bs - prompt_len
+            return max(1, min(limit - prompt_len, room))
         if prompt_len + max_tokens > limit:
             raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
@@ -102,6 +112,28 @@ class OpenAIServing:
                            f"length of the {prompt_param} or {tokens_param}.",
                            param=tokens_param, code="context_length_exceeded")
         return max_tokens
+
+    def check_kv_capacity(self, prompt_len: int, max_tokens: int, num_seqs: int,
+                          prompt_param: str, tokens_param: str = "max_tokens") -> None:
+        """Reject what can never fit in the whole KV cache, instead of letting it wait forever.
+
+        Worst case, every one of the request's sequences holds its own blocks for
+        prompt + max_tokens tokens (prefix sharing only ever lowers this).
+        """
+        num_blocks, bs = self.engine.kv_cache_shape
+        per_seq = -(-(prompt_len + max_tokens) // bs)
+        if num_seqs * per_seq <= num_blocks:
+            return
+        if -(-prompt_len // bs) > num_blocks:
+            param = prompt_param
+        elif per_seq > num_blocks:
+            param = tokens_param
+        else:
+            param = "n"
+        raise APIError(f"This request needs up to {num_seqs * per_seq} KV-cache blocks ({num_seqs} "
+                       f"sequence(s) of {prompt_len} prompt + {max_tokens} new tokens, block size "
+                       f"{bs}) but the whole cache holds {num_blocks} blocks; reduce {param}.",
+                       param=param, code="kv_cache_capacity_exceeded")
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                         best_of: int | None = None) -> SamplingParams:

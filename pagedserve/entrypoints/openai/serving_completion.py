@@ -9,7 +9,7 @@ from pagedserve.entrypoints.openai.protocol import (CompletionChoice, Completion
                                                     CompletionRequest, CompletionResponse,
                                                     random_id)
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, OpenAIServing,
-                                                          error_event, finite_logprob,
+                                                          check_not_ignored, error_event, finite_logprob,
                                                           merge_streams, sse, until_disconnected,
                                                           usage)
 from pagedserve.outputs import RequestOutput
@@ -71,9 +71,14 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("echo together with logprobs is not supported (no prompt logprobs)",
                            param="echo")
         prompts = await self._prompts(req)
-        params = [self.sampling_params(
-            req, max_tokens=self.resolve_max_tokens(len(p.token_ids), req.max_tokens, "prompt"),
-            logprobs=req.logprobs, best_of=req.best_of) for p in prompts]
+        params = []
+        for p in prompts:
+            max_tokens = self.resolve_max_tokens(len(p.token_ids), req.max_tokens, "prompt",
+                                                 num_seqs=req.best_of or req.n)
+            sp = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                      best_of=req.best_of)
+            self.check_kv_capacity(len(p.token_ids), max_tokens, sp.best_of, "prompt")
+            params.append(sp)
         request_id = random_id("cmpl")
         streams: list[RequestStream] = []
         try:
@@ -93,6 +98,7 @@ class OpenAIServingCompletion(OpenAIServing):
         finals: list[Any] = [None] * len(streams)
         try:
             async for i, out in merge_streams(streams):
+                check_not_ignored(out, "prompt")
                 finals[i] = out
         except EngineDeadError as e:
             raise APIError(str(e), 500) from None
@@ -140,6 +146,7 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.served_model_name
         try:
             async for i, out in merge_streams(streams):
+                check_not_ignored(out, "prompt")
                 choices = []
                 for c in out.outputs:
                     st = states.get((i, c.index))
