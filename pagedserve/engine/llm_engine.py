@@ -230,8 +230,9 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns outputs of requests that advanced or finished."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduler step; returns outputs of requests that advanced or finished
+        (only the finished ones with final_only, which saves copying for offline use)."""
         out = self.scheduler.schedule()
         touched: dict[int, SequenceGroup] = {}
         for group in out.ignored:
@@ -262,7 +263,8 @@ class LLMEngine:
                 if group.finished:
                     self._finish_beam_group(group)
                 continue
-            outputs.append(self.output_processor.make_output(group))
+            if group.finished or not final_only:
+                outputs.append(self.output_processor.make_output(group))
             if group.finished:
                 self._groups.pop(rid, None)
                 for s in group.seqs:
