@@ -88,7 +88,7 @@ class LLM:
         try:
             with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
                 while any(engine.has_request(r) for r in order):
-                    for out in engine.step():
+                    for out in engine.step(final_only=True):
                         if out.finished and out.request_id in order:
                             results[order[out.request_id]] = out
                             bar.update(1)
@@ -112,7 +112,7 @@ class LLM:
             with tqdm(total=len(prompts), desc="Beam search", disable=not use_tqdm) as bar:
                 pending = set(rids)
                 while pending:
-                    engine.step()
+                    engine.step(final_only=True)
                     done = {r for r in pending if not engine.has_request(r)}
                     bar.update(len(done))
                     pending -= done

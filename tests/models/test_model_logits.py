@@ -2,6 +2,7 @@
 import pytest
 import torch
 
+from pagedserve.core.plan import SchedulerOutput
 from paged_harness import HandDriver, hf_model, make_runner
 from tiny_models import ARCHS
 
@@ -12,8 +13,7 @@ def _check_full_prompts(model_dir, block_size):
     runner = make_runner(model_dir, block_size=block_size)
     driver = HandDriver(runner, seed=block_size)
     seqs = [driver.add(p) for p in PROMPTS]
-    logits = driver.runner.execute(__import__("pagedserve.core.plan", fromlist=["x"]).SchedulerOutput(
-        scheduled=[driver.schedule(s) for s in seqs]))
+    logits = driver.runner.execute(SchedulerOutput(scheduled=[driver.schedule(s) for s in seqs]))
     ref = hf_model(model_dir)
     with torch.no_grad():
         expected = torch.stack([ref(torch.tensor([p])).logits[0, -1] for p in PROMPTS])
