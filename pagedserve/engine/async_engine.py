@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import copy
 import logging
 import time
 from dataclasses import dataclass, field
@@ -40,20 +39,6 @@ class _RequestState:
     num_generated: int = 0
     finished: bool = False
     extra: dict = field(default_factory=dict)
-
-
-def _copy_output(out: RequestOutput) -> RequestOutput:
-    """A copy the consumer can read while the worker thread mutates the engine's own lists."""
-    outs = []
-    for c in out.outputs:
-        c2 = copy.copy(c)
-        c2.token_ids = list(c.token_ids)
-        c2.logprobs = list(c.logprobs) if c.logprobs is not None else None
-        outs.append(c2)
-    r = copy.copy(out)
-    r.outputs = outs
-    r.prompt_token_ids = list(out.prompt_token_ids)
-    return r
 
 
 class AsyncLLMEngine:
@@ -127,7 +112,9 @@ class AsyncLLMEngine:
         if not self.engine.has_unfinished_requests():
             return None
         try:
-            outs = [_copy_output(o) for o in self.engine.step()]
+            # Each RequestOutput holds fresh lists (the output processor copies them every
+            # step), so the event loop may read them while the next step runs.
+            outs = self.engine.step()
         finally:
             self._refresh_snapshot()
         return outs

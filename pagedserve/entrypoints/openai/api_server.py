@@ -7,7 +7,6 @@ engine down for the others.
 from __future__ import annotations
 
 import hmac
-import json
 import logging
 import os
 from contextlib import asynccontextmanager
