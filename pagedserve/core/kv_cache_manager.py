@@ -101,10 +101,14 @@ class KVCacheManager:
         free = self.get_num_free_blocks()
         if total > self.num_gpu_blocks:
             return AllocStatus.NEVER
-        if needed <= free - self.watermark_blocks:
+        fork_reserve = 0
+        if len(group.seqs) == 1 and not group.seqs[0].output_token_ids:
+            # The prompt will fork into best_of sequences: keep a block for each child's first write.
+            fork_reserve = (group.sampling_params.best_of or 1) - 1
+        if needed + fork_reserve <= free - self.watermark_blocks:
             return AllocStatus.OK
-        if total > self.num_gpu_blocks - self.watermark_blocks and needed <= free and not self.block_tables:
-            # Only fits by eating the watermark: admit it alone rather than never.
+        if needed <= free and not self.block_tables:
+            # The cache is idle: admit what fits now rather than wait for a margin that never comes.
             return AllocStatus.OK
         return AllocStatus.LATER
 

@@ -144,6 +144,7 @@ class Scheduler:
                 continue
             if mgr.exceeds_capacity(group, [(s, 1) for s in decodes]):
                 self._finish_full(group)
+                pending.append((group, True))
                 continue
             victim_is_self = False
             while not mgr.can_append_slots([(s, 1) for s in decodes]):
@@ -231,6 +232,7 @@ class Scheduler:
             if status is AllocStatus.NEVER and group.admitted_at is not None:
                 self.waiting.popleft()
                 self._finish_full(group)
+                self._insert_running(group)  # handed back by free_finished_seq_groups()
                 continue
             if status is AllocStatus.NEVER or (group.sampling_params.best_of or 1) > cfg.max_num_seqs:
                 self.waiting.popleft()
@@ -261,7 +263,6 @@ class Scheduler:
         for s in group.unfinished_seqs():
             s.status = SequenceStatus.FINISHED_LENGTH
             self.kv_cache_manager.free(s)
-        self._insert_running(group)  # handed back by free_finished_seq_groups()
 
     def _insert_running(self, group: SequenceGroup) -> None:
         keys = [g.admitted_at for g in self.running]
