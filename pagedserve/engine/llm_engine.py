@@ -72,8 +72,9 @@ class LLMEngine:
                                         enable_prefix_caching=config.enable_prefix_caching,
                                         kv_allocator=config.kv_allocator)
         self.scheduler_config = config.scheduler_config(max_model_len)
-        if "recompute_seconds_per_token" in self.runner.profile:
-            self.scheduler_config.recompute_seconds_per_token = self.runner.profile["recompute_seconds_per_token"]
+        for measured in ("recompute_seconds_per_token", "swap_seconds_per_block"):
+            if measured in self.runner.profile:  # CUDA only; CPU keeps SchedulerConfig's defaults
+                setattr(self.scheduler_config, measured, self.runner.profile[measured])
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.vocab_size = self.runner.vocab_size
 

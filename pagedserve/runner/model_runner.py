@@ -146,8 +146,25 @@ class ModelRunner:
         self.cache_engine = CacheEngine(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
                                         num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
         self.kv_caches = self.cache_engine.kv_caches
+        if self.device.type == "cuda" and num_cpu_blocks > 0:
+            self._measure_swap_cost(min(32, num_gpu_blocks, num_cpu_blocks))
         if self.device.type == "cuda" and not self.config.enforce_eager:
             self.capture_decode_graphs()
+
+    def _measure_swap_cost(self, n: int) -> None:
+        """Seconds to move one block out to the CPU pool and back: preemption_mode="auto" weighs
+        this against recompute_seconds_per_token. The pools are still empty, so nothing is lost."""
+        pairs = [(i, i) for i in range(n)]
+        self.cache_engine.swap_out(pairs)
+        self.cache_engine.swap_in(pairs)
+        torch.cuda.synchronize(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.cache_engine.swap_out(pairs)
+        self.cache_engine.swap_in(pairs)
+        end.record()
+        torch.cuda.synchronize(self.device)
+        self.profile["swap_seconds_per_block"] = start.elapsed_time(end) / 1e3 / n
 
     def capture_decode_graphs(self) -> None:
         """One CUDA graph per decode batch-size bucket, up to max_num_seqs."""
