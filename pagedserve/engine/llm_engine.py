@@ -24,6 +24,15 @@ from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 from pagedserve.runner.model_runner import ModelRunner, resolve_device
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} (a local HF directory): {e}") from e
+
+
 def _eos_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
     """EOS from the tokenizer and generation_config.json (falling back to config.json)."""
     ids: set[int] = set()
@@ -37,7 +46,7 @@ def _eos_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
         add(tokenizer.eos_token_id)
     try:
         from transformers import GenerationConfig
-        add(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+        add(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
     except (OSError, ValueError):
         add(getattr(hf_config, "eos_token_id", None))
     return ids
@@ -60,8 +69,7 @@ class LLMEngine:
 
         self.tokenizer = None
         if not config.skip_tokenizer_init:
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
 
         self.runner = ModelRunner(config, self.hf_config, self.device, self.dtype)
         self.runner.load_model()
