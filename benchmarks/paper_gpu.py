@@ -3,10 +3,10 @@
 Sections (each writes its own results file, and a failing one does not stop the rest):
   serving_load       Figures 12/13: Poisson arrivals at swept rates, paged vs the three
                      contiguous baselines in the same engine and KV budget.
-  block_size         Figure 18b: end-to-end throughput per block size.
-  swap_vs_recompute  Figure 19: cost of preemption by swap and by recompute, per block size.
+  block_size         Figure 18b: end-to-end throughput per block size, and (swap_vs_recompute.json)
+                     Figure 19a: the cost of preemption by swap and by recompute, per block size.
   shared_prefix      The seed's scenario: 100 users, one 5,000-token system prompt.
-  kv_breakdown       Figure 2 confirmed on the GPU engine from KVCacheStats.
+Figure 2 is confirmed on the GPU engine inside serving_load (memory_breakdown_gpu_engine).
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from pagedserve import SamplingParams  # noqa: E402
 from pagedserve.benchmark.hardware import write_result  # noqa: E402
 from pagedserve.benchmark.replay import replay  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
+from pagedserve.core.scheduler import Scheduler  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
 
@@ -64,25 +65,50 @@ def crossing_rate(points: list[tuple[float, float]], threshold: float) -> float 
     return best
 
 
+def use_scheduler(eng: LLMEngine, **cache_changes) -> None:
+    """Give the same engine (weights, KV pools, CUDA graphs) a fresh scheduler with another policy:
+    paged vs contiguous, or prefix caching on/off, compared on identical kernels and memory."""
+    for k, v in cache_changes.items():
+        setattr(eng.cache_config, k, v)
+    eng.scheduler = Scheduler(eng.scheduler_config, eng.cache_config)
+
+
+class BreakdownMeter:
+    """Figure 2 on the GPU engine: the occupied-KV split averaged over steps."""
+
+    def __init__(self):
+        self.sums, self.steps = {}, 0
+
+    def __call__(self, eng) -> None:
+        fr = eng.scheduler.get_memory_breakdown().fractions()
+        if sum(fr.values()) > 0:
+            for k, v in fr.items():
+                self.sums[k] = self.sums.get(k, 0.0) + v
+            self.steps += 1
+
+    def mean(self) -> dict:
+        return {k: round(v / self.steps, 4) for k, v in self.sums.items()} if self.steps else {}
+
+
 def serving_load(args) -> dict:
     model = args.model
     block_size = 16
     num_blocks = int(PAPER_KV_BYTES / kv_bytes_per_token(model) / block_size)
     rates = [float(x) for x in args.rates.split(",")]
-    curves = {}
+    eng = make_engine(model, num_gpu_blocks_override=num_blocks, max_model_len=2048,
+                      enable_prefix_caching=False, block_size=block_size, max_num_seqs=256)
+    replay(eng, make_workload("sharegpt-like", 4), params, realtime=False)  # warm-up
+    curves, breakdown = {}, {}
     for alloc in args.allocators.split(","):
-        eng = make_engine(model, kv_allocator=alloc, num_gpu_blocks_override=num_blocks, max_model_len=2048,
-                          enable_prefix_caching=False, block_size=block_size)
-        eng_pts = []
+        use_scheduler(eng, kv_allocator=alloc)
+        pts, meter = [], BreakdownMeter()
         for rate in rates:
             reqs = make_workload("sharegpt-like", args.num_requests, request_rate=rate)
-            res = replay(eng, reqs, params).summary()
+            res = replay(eng, reqs, params, on_step=meter).summary()
             res["rate"] = rate
-            eng_pts.append(res)
+            pts.append(res)
             print(alloc, json.dumps(res), flush=True)
-        curves[alloc] = eng_pts
-        del eng
-        torch.cuda.empty_cache()
+        curves[alloc], breakdown[alloc] = pts, meter.mean()
     # Equal latency: twice paged's normalized latency at the lowest rate.
     threshold = 2 * curves["paged"][0]["normalized_latency_s_per_token"] if "paged" in curves else None
     sustained = {a: crossing_rate([(p["rate"], p["normalized_latency_s_per_token"]) for p in pts], threshold)
@@ -94,82 +120,85 @@ def serving_load(args) -> dict:
             ratios[key] = round(sustained["paged"] / sustained[a], 2)
     return {"config": {"model": model, "workload": "sharegpt-like", "num_requests": args.num_requests,
                        "rates": rates, "block_size": block_size, "num_gpu_blocks": num_blocks,
-                       "kv_budget_bytes": PAPER_KV_BYTES, "latency_threshold_s_per_token": threshold},
-            "results": {"curves": curves, "sustained_rate": sustained}, "ratios": ratios}
+                       "kv_budget_bytes": PAPER_KV_BYTES, "latency_threshold_s_per_token": threshold,
+                       "sustained_rate_note": "highest swept rate (interpolated) whose normalized latency stays "
+                                              "under the threshold; None: above it already at the lowest rate"},
+            "results": {"curves": curves, "sustained_rate": sustained, "memory_breakdown_gpu_engine": breakdown},
+            "ratios": ratios}
+
+
+def time_swap_and_recompute(eng: LLMEngine, ntok: int) -> dict:
+    """Figure 19a: moving ntok tokens' KV out to the CPU pool and back, against recomputing them."""
+    ce, bs = eng.runner.cache_engine, eng.cache_config.block_size
+    pairs = [(i, i) for i in range((ntok + bs - 1) // bs)]
+    for _ in range(2):
+        ce.swap_out(pairs)
+        ce.swap_in(pairs)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(5):
+        ce.swap_out(pairs)
+        ce.swap_in(pairs)
+    torch.cuda.synchronize()
+    swap_s = (time.perf_counter() - t0) / 5
+    ids = (make_workload("fixed256", 1)[0].prompt_token_ids * (ntok // 256 + 1))[:ntok]
+    use_scheduler(eng, enable_prefix_caching=False)
+    times = []
+    for i in range(4):
+        t0 = time.perf_counter()
+        eng.add_request(f"recompute{i}", {"prompt_token_ids": ids}, SamplingParams(max_tokens=1))
+        while eng.has_unfinished_requests():
+            eng.step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return {"tokens": ntok, "blocks": len(pairs), "swap_out_in_s": round(swap_s, 5),
+            "recompute_s": round(min(times[1:]), 5)}
 
 
 def block_size_sweep(args) -> dict:
-    rows = {}
+    """Figure 18b (end-to-end throughput per block size) and Figure 19a, one engine per block size."""
+    rows, svr = {}, {}
     for bs in [int(x) for x in args.block_sizes.split(",")]:
-        eng = make_engine(args.bs_model, block_size=bs, max_model_len=2048)
-        reqs = make_workload("sharegpt-like", args.bs_requests)
-        replay(eng, reqs[:4], params, realtime=False)
-        res = replay(eng, reqs, params, realtime=False).summary()
-        rows[bs] = res
-        print("block", bs, json.dumps(res), flush=True)
-        del eng
+        try:
+            eng = make_engine(args.bs_model, block_size=bs, max_model_len=2048, enable_prefix_caching=False)
+            reqs = make_workload("sharegpt-like", args.bs_requests)
+            replay(eng, reqs[:4], params, realtime=False)
+            rows[bs] = replay(eng, reqs, params, realtime=False).summary()
+            print("block", bs, json.dumps(rows[bs]), flush=True)
+            svr[bs] = time_swap_and_recompute(eng, args.svr_tokens)
+            print("svr", bs, svr[bs], flush=True)
+        except Exception as e:
+            traceback.print_exc()
+            rows[bs] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        eng = None
         torch.cuda.empty_cache()
-    best = max(r["output_tokens_per_s"] for r in rows.values())
-    return {"config": {"model": args.bs_model, "workload": "sharegpt-like", "num_requests": args.bs_requests},
-            "results": {"by_block_size": rows},
-            "ratios": {"block16_over_best_throughput": round(rows[16]["output_tokens_per_s"] / best, 3)
-                       if 16 in rows else None}}
-
-
-def swap_vs_recompute(args) -> dict:
-    """Per block size: the time to swap N tokens out and back in against recomputing them."""
-    rows = {}
-    ntok = args.svr_tokens
-    for bs in [int(x) for x in args.block_sizes.split(",")]:
-        eng = make_engine(args.bs_model, block_size=bs, max_model_len=4096, enable_prefix_caching=False)
-        ce = eng.model_runner.cache_engine
-        nb = (ntok + bs - 1) // bs
-        pairs_out = [(i, i) for i in range(nb)]
-        for _ in range(2):
-            ce.swap_out(pairs_out)
-            ce.swap_in(pairs_out)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(5):
-            ce.swap_out(pairs_out)
-            ce.swap_in(pairs_out)
-        torch.cuda.synchronize()
-        swap_s = (time.perf_counter() - t0) / 5
-        reqs = make_workload("fixed256", 1)
-        reqs[0].prompt_token_ids = (reqs[0].prompt_token_ids * (ntok // 256 + 1))[:ntok]
-        reqs[0].output_len = 1
-        replay(eng, reqs, params, realtime=False)
-        t0 = time.perf_counter()
-        for i in range(3):
-            eng.add_request(f"r{i}", {"prompt_token_ids": reqs[0].prompt_token_ids}, SamplingParams(max_tokens=1))
-            while eng.has_unfinished_requests():
-                eng.step()
-        torch.cuda.synchronize()
-        recompute_s = (time.perf_counter() - t0) / 3
-        rows[bs] = {"tokens": ntok, "swap_out_in_s": round(swap_s, 5), "recompute_s": round(recompute_s, 5)}
-        print("svr", bs, rows[bs], flush=True)
-        del eng
-        torch.cuda.empty_cache()
-    return {"config": {"model": args.bs_model, "tokens": ntok}, "results": {"by_block_size": rows},
-            "ratios": {"swap_over_recompute_block16": round(rows[16]["swap_out_in_s"] / rows[16]["recompute_s"], 3)
-                       if 16 in rows else None}}
+    ok = {b: r for b, r in rows.items() if "output_tokens_per_s" in r}
+    best = max((r["output_tokens_per_s"] for r in ok.values()), default=None)
+    cfg = {"model": args.bs_model, "workload": "sharegpt-like", "num_requests": args.bs_requests}
+    return {"block_size": {"config": cfg, "results": {"by_block_size": rows},
+                           "ratios": {"block16_over_best_throughput": round(ok[16]["output_tokens_per_s"] / best, 3)}
+                           if 16 in ok else {}},
+            "swap_vs_recompute": {"config": {**cfg, "tokens": args.svr_tokens}, "results": {"by_block_size": svr},
+                                  "ratios": {"swap_over_recompute_block16":
+                                             round(svr[16]["swap_out_in_s"] / svr[16]["recompute_s"], 3)}
+                                  if 16 in svr else {}}}
 
 
 def shared_prefix(args) -> dict:
+    eng = make_engine("llama-3.1-8b", max_model_len=8192)
+    replay(eng, make_workload("fixed256", 2), params, realtime=False)  # warm-up
     out = {}
     for caching in (False, True):
-        eng = make_engine("llama-3.1-8b", enable_prefix_caching=caching, max_model_len=8192)
+        use_scheduler(eng, enable_prefix_caching=caching)
         reqs = make_workload("shared-prefix", request_rate=args.sp_rate)
         res = replay(eng, reqs, lambda r: SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True))
         s = res.summary()
-        half = len(res.ttft_s) // 2
-        s["mean_ttft_later_half_s"] = round(sum(sorted(res.ttft_s)[:half]) / half, 4)
+        s["mean_ttft_first_user_s"] = round(res.ttft_by_arrival[0], 4)
+        s["mean_ttft_later_half_s"] = round(sum(res.ttft_by_arrival[50:]) / len(res.ttft_by_arrival[50:]), 4)
         st = eng.get_kv_cache_stats()
         s.update(prefix_cache_queries=st.prefix_cache_queries, prefix_cache_hits=st.prefix_cache_hits)
         out["cached" if caching else "uncached"] = s
         print("shared_prefix", caching, json.dumps(s), flush=True)
-        del eng
-        torch.cuda.empty_cache()
     c, u = out["cached"], out["uncached"]
     return {"config": {"model": "llama-3.1-8b", "workload": "shared-prefix", "request_rate": args.sp_rate},
             "results": out,
@@ -177,8 +206,7 @@ def shared_prefix(args) -> dict:
                        "ttft_speedup_cached": round(u["mean_ttft_s"] / c["mean_ttft_s"], 2)}}
 
 
-SECTIONS = {"serving_load": serving_load, "block_size": block_size_sweep,
-            "swap_vs_recompute": swap_vs_recompute, "shared_prefix": shared_prefix}
+SECTIONS = {"serving_load": serving_load, "block_size": block_size_sweep, "shared_prefix": shared_prefix}
 
 
 def main() -> None:
@@ -199,8 +227,10 @@ def main() -> None:
     for name in args.sections.split(","):
         try:
             doc = SECTIONS[name](args)
-            write_result(Path(args.out_dir) / f"{name}.json", name, command, doc["config"], doc["results"],
-                         doc.get("baselines", {}), doc["ratios"])
+            docs = doc if "config" not in doc else {name: doc}
+            for fname, d in docs.items():
+                write_result(Path(args.out_dir) / f"{fname}.json", fname, command, d["config"], d["results"],
+                             d.get("baselines", {}), d["ratios"])
         except Exception:
             traceback.print_exc()
             print(f"section {name} failed", flush=True)

@@ -21,6 +21,7 @@ class ReplayResult:
     e2e_s: list[float] = field(default_factory=list)
     output_lens: list[int] = field(default_factory=list)
     batch_sizes: list[int] = field(default_factory=list)
+    ttft_by_arrival: list[float] = field(default_factory=list)
     num_preemptions: int = 0
     peak_blocks_used: int = 0
 
@@ -40,10 +41,11 @@ class ReplayResult:
                 "num_preemptions": self.num_preemptions, "peak_blocks_used": self.peak_blocks_used}
 
 
-def replay(engine, reqs: list[WorkloadRequest], params_for, realtime: bool = True) -> ReplayResult:
+def replay(engine, reqs: list[WorkloadRequest], params_for, realtime: bool = True, on_step=None) -> ReplayResult:
     """Drive `engine` with `reqs`; params_for(req) gives its SamplingParams.
 
     realtime=False adds everything at once (arrival times ignored), for offline batches.
+    on_step(engine), if given, runs after every step (e.g. to sample the memory breakdown).
     """
     pending = deque(sorted(enumerate(reqs), key=lambda x: x[1].arrival_time))
     arrival, first, done = {}, {}, {}
@@ -61,6 +63,8 @@ def replay(engine, reqs: list[WorkloadRequest], params_for, realtime: bool = Tru
             continue
         outs = engine.step()
         result.batch_sizes.append(engine.scheduler.num_running)
+        if on_step is not None:
+            on_step(engine)
         now = time.perf_counter() - t0
         for o in outs:
             if o.request_id not in first and any(c.token_ids for c in o.outputs):
@@ -68,6 +72,8 @@ def replay(engine, reqs: list[WorkloadRequest], params_for, realtime: bool = Tru
             if o.finished:
                 done[o.request_id] = (now, max(len(c.token_ids) for c in o.outputs))
     result.duration_s = time.perf_counter() - t0
+    for rid in sorted(done, key=lambda r: (arrival[r], int(r))):
+        result.ttft_by_arrival.append(first.get(rid, done[rid][0]) - arrival[rid])
     for rid, (t_end, n) in done.items():
         result.ttft_s.append(first.get(rid, t_end) - arrival[rid])
         result.e2e_s.append(t_end - arrival[rid])
