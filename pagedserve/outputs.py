@@ -27,3 +27,21 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict | None = field(default=None, repr=False)
+
+
+@dataclass
+class BeamSearchSequence:
+    """One finished beam. As in vLLM, `tokens` and `text` cover prompt + generated tokens."""
+    tokens: list[int]
+    cum_logprob: float
+    score: float               # cum_logprob / generated_len ** length_penalty (HF's ranking)
+    output_tokens: list[int]
+    text: str | None = None
+    output_text: str | None = None
+    finish_reason: str | None = None  # "stop" (EOS) or "length"
+
+
+@dataclass
+class BeamSearchOutput:
+    """Beams of one prompt, best first."""
+    sequences: list[BeamSearchSequence]

@@ -80,3 +80,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+@dataclass
+class BeamSearchParams:
+    """LLM.beam_search settings, in vLLM's shape; scoring follows HF's BeamSearch with early_stopping=True.
+
+    A finished hypothesis scores cum_logprob / generated_len ** length_penalty (generated_len counts
+    the EOS token). temperature > 0 rescales logits before log_softmax; 0 uses the raw distribution.
+    """
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.beam_width <= _MAX_N:
+            raise ValueError(f"beam_width must be in [1, {_MAX_N}], got {self.beam_width!r}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
+        if not 0.0 <= self.temperature <= 100.0:
+            raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")

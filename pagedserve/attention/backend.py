@@ -1,0 +1,63 @@
+"""The one attention interface every model uses, and the choice of kernels behind it.
+
+Attention.forward writes this step's K/V into the paged pools through
+meta.slot_mapping, then attends each sequence's new queries over its whole context
+read through meta.block_tables. On CUDA the Triton kernels are used
+(pagedserve.attention.triton_ops, imported lazily); on CPU, or when they are missing,
+the plain-torch reference. Both expose the same three functions:
+write_kv, paged_attention, copy_blocks.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from types import ModuleType
+
+import torch
+from torch import nn
+
+from pagedserve.attention import reference
+from pagedserve.attention.metadata import AttentionMetadata
+
+logger = logging.getLogger(__name__)
+_BACKENDS: dict[str, ModuleType] = {}
+
+
+def get_backend(device: torch.device | str) -> ModuleType:
+    """The kernel module for tensors on `device` (PAGEDSERVE_ATTENTION=reference forces plain torch)."""
+    kind = torch.device(device).type
+    if kind not in _BACKENDS:
+        mod: ModuleType = reference
+        if kind == "cuda" and os.environ.get("PAGEDSERVE_ATTENTION", "") != "reference":
+            try:
+                mod = importlib.import_module("pagedserve.attention.triton_ops")
+            except ImportError as e:
+                logger.warning("Triton attention unavailable (%s); using the plain-torch reference", e)
+        _BACKENDS[kind] = mod
+    return _BACKENDS[kind]
+
+
+class Attention(nn.Module):
+    """Paged multi-head / grouped-query attention over one layer's K/V pools."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q: [T, num_heads * head_dim] (or [T, H, D]); k, v likewise with num_kv_heads.
+
+        Returns [T, num_heads * head_dim].
+        """
+        T = q.shape[0]
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
+        ops = get_backend(q.device)
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        return out.reshape(T, self.num_heads * self.head_dim)

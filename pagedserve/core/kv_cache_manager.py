@@ -1,0 +1,272 @@
+"""KVCacheManager: per-sequence block tables over a device BlockPool (and a CPU pool for swap).
+
+Invariants kept here (and checked by tests/core):
+- sum of ref counts of device blocks == number of device block-table entries;
+- a sequence's table covers exactly ceil(slots / block_size) blocks, where slots is the
+  number of tokens allocated for it (all known tokens at admission, then one per decode);
+- a block written this step has ref_cnt 1: a shared block in the write range is first
+  copied (copy-on-write) and the (src, dst) pair is returned for the runner;
+- only full blocks of computed tokens carry a content hash, so a hashed block is never written.
+"""
+from __future__ import annotations
+
+import enum
+from typing import Iterable
+
+from pagedserve.core.block_pool import BlockPool, hash_block_tokens
+from pagedserve.core.free_queue import KVCacheBlock
+from pagedserve.core.stats import MemoryBreakdown, breakdown_from_tables
+from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class AllocStatus(enum.Enum):
+    OK = "ok"
+    LATER = "later"   # not now: wait for blocks to be freed
+    NEVER = "never"   # larger than the whole device cache
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    supports_swap = True
+    supports_fork = True
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0,
+                 enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
+        self.block_size = block_size
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
+        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
+        # Admission keeps this many blocks spare so running sequences can grow a little first.
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.block_tables: dict[int, list[KVCacheBlock]] = {}
+        self.cpu_block_tables: dict[int, list[KVCacheBlock]] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._block_hashes: dict[int, list[bytes]] = {}
+        self._num_cached_blocks: dict[int, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+        self.peak_blocks_used = 0
+
+    # ---- queries -------------------------------------------------------------------
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return [b.block_id for b in self.block_tables[seq.seq_id]]
+
+    def get_num_free_blocks(self) -> int:
+        return self.pool.get_num_free_blocks()
+
+    def has_table(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.block_tables
+
+    def _hashes(self, seq: Sequence, num_blocks: int) -> list[bytes]:
+        """Content hashes of the first num_blocks full blocks of seq, computed once."""
+        hashes = self._block_hashes.setdefault(seq.seq_id, [])
+        if len(hashes) < num_blocks:
+            tokens = seq.token_ids
+            bs = self.block_size
+            for i in range(len(hashes), num_blocks):
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+        return hashes
+
+    def _find_cached_prefix(self, seq: Sequence) -> list[KVCacheBlock]:
+        """Longest run of cached full blocks that prefixes seq, leaving >= 1 token to compute."""
+        if not self.enable_prefix_caching:
+            return []
+        max_hits = (seq.num_tokens - 1) // self.block_size
+        hits: list[KVCacheBlock] = []
+        for h in self._hashes(seq, max_hits):
+            block = self.pool.get_cached_block(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ---- admission -----------------------------------------------------------------
+    def _blocks_to_admit(self, group: SequenceGroup) -> tuple[int, int]:
+        """(blocks the group's waiting seqs occupy in all, free-queue blocks that takes now)."""
+        total, needed, revived = 0, 0, set()
+        for seq in group.seqs_with_status(SequenceStatus.WAITING):
+            hits = self._find_cached_prefix(seq)
+            nb = cdiv(seq.num_tokens, self.block_size)
+            total += nb
+            needed += nb - len(hits)
+            revived.update(b.block_id for b in hits if b.ref_cnt == 0)
+        return total, needed + len(revived)
+
+    def can_allocate(self, group: SequenceGroup) -> AllocStatus:
+        total, needed = self._blocks_to_admit(group)
+        free = self.get_num_free_blocks()
+        if total > self.num_gpu_blocks:
+            return AllocStatus.NEVER
+        if needed <= free - self.watermark_blocks:
+            return AllocStatus.OK
+        if total > self.num_gpu_blocks - self.watermark_blocks and needed <= free and not self.block_tables:
+            # Only fits by eating the watermark: admit it alone rather than never.
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, group: SequenceGroup) -> None:
+        """Give every waiting seq of the group a table for all its known tokens.
+
+        Reuses the longest cached prefix and sets seq.num_computed_tokens to the tokens reused.
+        """
+        for seq in group.seqs_with_status(SequenceStatus.WAITING):
+            if seq.seq_id in self.block_tables:
+                raise ValueError(f"seq {seq.seq_id} already has a block table")
+            hits = self._find_cached_prefix(seq)
+            self.pool.touch(hits)
+            new = self.pool.get_new_blocks(cdiv(seq.num_tokens, self.block_size) - len(hits))
+            self.block_tables[seq.seq_id] = hits + new
+            self._seqs[seq.seq_id] = seq
+            self._num_cached_blocks[seq.seq_id] = len(hits)
+            seq.num_computed_tokens = len(hits) * self.block_size
+            self.prefix_cache_queries += seq.num_tokens if self.enable_prefix_caching else 0
+            self.prefix_cache_hits += seq.num_computed_tokens
+        self._note_usage()
+
+    # ---- growth and copy-on-write -------------------------------------------------------
+    def _write_range(self, seq: Sequence, num_new_tokens: int) -> range:
+        bs = self.block_size
+        start = seq.num_computed_tokens
+        return range(start // bs, cdiv(start + num_new_tokens, bs))
+
+    def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        table = self.block_tables[seq.seq_id]
+        rng = self._write_range(seq, num_new_tokens)
+        grow = max(0, rng.stop - len(table))
+        cow = sum(1 for i in rng if i < len(table) and table[i].ref_cnt > 1)
+        return grow + cow
+
+    def can_append_slots(self, seqs: Iterable[tuple[Sequence, int]]) -> bool:
+        """Whether every (seq, num_new_tokens) can get slots (new blocks and COW copies) now."""
+        needed = sum(self._blocks_needed(s, n) for s, n in seqs)
+        return needed <= self.get_num_free_blocks()
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
+        """Make slots [num_computed, num_computed + n) writable; returns COW (src, dst) pairs."""
+        table = self.block_tables[seq.seq_id]
+        rng = self._write_range(seq, num_new_tokens)
+        copies = []
+        for i in rng:
+            if i < len(table) and table[i].ref_cnt > 1:
+                old = table[i]
+                table[i] = self.pool.get_new_blocks(1)[0]
+                self.pool.free_blocks([old])
+                copies.append((old.block_id, table[i].block_id))
+        if rng.stop > len(table):
+            table.extend(self.pool.get_new_blocks(rng.stop - len(table)))
+        self._note_usage()
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """The child shares every block of the parent; writes are copied on demand."""
+        table = self.block_tables[parent.seq_id]
+        self.pool.incr_ref(table)
+        self.block_tables[child.seq_id] = list(table)
+        self._seqs[child.seq_id] = child
+        self._block_hashes[child.seq_id] = list(self._block_hashes.get(parent.seq_id, []))
+        self._num_cached_blocks[child.seq_id] = self._num_cached_blocks.get(parent.seq_id, 0)
+
+    def cache_blocks(self, seq: Sequence) -> None:
+        """Register blocks that became full of computed tokens, so later requests can reuse them."""
+        if not self.enable_prefix_caching or seq.seq_id not in self.block_tables:
+            return
+        table = self.block_tables[seq.seq_id]
+        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        done = self._num_cached_blocks.get(seq.seq_id, 0)
+        if full <= done:
+            return
+        hashes = self._hashes(seq, full)
+        for i in range(done, full):
+            self.pool.cache_full_block(table[i], hashes[i])
+        self._num_cached_blocks[seq.seq_id] = full
+
+    # ---- release -------------------------------------------------------------------
+    def free(self, seq: Sequence) -> None:
+        """Release the seq's device or CPU blocks; the tail goes first into the eviction queue."""
+        sid = seq.seq_id
+        if sid in self.block_tables:
+            self.pool.free_blocks(reversed(self.block_tables.pop(sid)))
+        if sid in self.cpu_block_tables:
+            self.cpu_pool.free_blocks(reversed(self.cpu_block_tables.pop(sid)))
+        self._seqs.pop(sid, None)
+        self._block_hashes.pop(sid, None)
+        self._num_cached_blocks.pop(sid, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    # ---- swap ----------------------------------------------------------------------
+    def _distinct(self, tables: Iterable[list[KVCacheBlock]]) -> dict[int, KVCacheBlock]:
+        out: dict[int, KVCacheBlock] = {}
+        for t in tables:
+            for b in t:
+                out.setdefault(b.block_id, b)
+        return out
+
+    def _group_seqs(self, group: SequenceGroup, tables: dict) -> list[Sequence]:
+        return [s for s in group.unfinished_seqs() if s.seq_id in tables]
+
+    def can_swap_out(self, group: SequenceGroup) -> bool:
+        seqs = self._group_seqs(group, self.block_tables)
+        n = len(self._distinct(self.block_tables[s.seq_id] for s in seqs))
+        return n <= self.cpu_pool.get_num_free_blocks()
+
+    def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's device blocks to CPU blocks; a block shared in the group moves once."""
+        return self._move(group, self.block_tables, self.cpu_block_tables, self.pool, self.cpu_pool)
+
+    def can_swap_in(self, group: SequenceGroup) -> bool:
+        seqs = self._group_seqs(group, self.cpu_block_tables)
+        n = len(self._distinct(self.cpu_block_tables[s.seq_id] for s in seqs))
+        # One spare block per seq for its next token (or a copy-on-write) right after.
+        return n + len(seqs) <= self.get_num_free_blocks() - self.watermark_blocks
+
+    def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
+        mapping = self._move(group, self.cpu_block_tables, self.block_tables, self.cpu_pool, self.pool)
+        for seq in self._group_seqs(group, self.block_tables):
+            self._num_cached_blocks[seq.seq_id] = 0
+            self.cache_blocks(seq)
+        self._note_usage()
+        return mapping
+
+    @staticmethod
+    def _move(group, src_tables, dst_tables, src_pool: BlockPool, dst_pool: BlockPool) -> list[tuple[int, int]]:
+        mapping: dict[int, KVCacheBlock] = {}
+        seqs = [s for s in group.unfinished_seqs() if s.seq_id in src_tables]
+        for seq in seqs:
+            new_table = []
+            for b in src_tables[seq.seq_id]:
+                if b.block_id in mapping:
+                    dst_pool.incr_ref([mapping[b.block_id]])
+                else:
+                    mapping[b.block_id] = dst_pool.get_new_blocks(1)[0]
+                new_table.append(mapping[b.block_id])
+            dst_tables[seq.seq_id] = new_table
+        for seq in seqs:
+            src_pool.free_blocks(reversed(src_tables.pop(seq.seq_id)))
+        return [(src, dst.block_id) for src, dst in mapping.items()]
+
+    # ---- statistics -------------------------------------------------------------------
+    def _note_usage(self) -> None:
+        self.peak_blocks_used = max(self.peak_blocks_used, self.pool.get_num_used_blocks())
+
+    def num_allocated_slots(self) -> int:
+        return self.pool.get_num_used_blocks() * self.block_size
+
+    def num_swapped_blocks(self) -> int:
+        return self.cpu_pool.get_num_used_blocks()
+
+    def num_cached_free_blocks(self) -> int:
+        return self.pool.num_cached_free
+
+    def memory_breakdown(self, waiting_head: SequenceGroup | None = None) -> MemoryBreakdown:
+        """Paged: slots of known-but-uncomputed tokens are reserved, the rest of a block is
+        internal fragmentation; free blocks are always usable, so no external fragmentation."""
+        entries = [([b.block_id for b in t], self._seqs[sid].num_computed_tokens, self._seqs[sid].num_tokens,
+                    any(b.ref_cnt > 1 for b in t))
+                   for sid, t in self.block_tables.items()]
+        return breakdown_from_tables(entries, self.block_size)

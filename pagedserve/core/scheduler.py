@@ -1,0 +1,317 @@
+"""Continuous (iteration-level) batching over a paged or contiguous KV manager.
+
+Each schedule() builds one step, in this order:
+  1. running groups, oldest admission first: decodes get a slot (a new block or a copy-on-write);
+     when blocks run out, the most recently admitted running group is preempted (swap or recompute);
+  2. running groups still in prefill get the next chunk of their prompt;
+  3. if nothing was preempted this step: swapped groups come back (FCFS by admission);
+  4. if nothing was preempted and nothing is left swapped: waiting groups are admitted FCFS.
+All within max_num_batched_tokens tokens and max_num_seqs sequences. Decodes are listed first.
+
+Multi-sequence groups (n > 1) are preempted whole. They prefer swap even when recompute is
+configured (as vLLM does); with no swap space each sequence recomputes its own tokens
+independently (prompt + its own outputs), so outputs stay correct but the shared prompt is
+no longer shared until it is re-cached.
+"""
+from __future__ import annotations
+
+import bisect
+import itertools
+from collections import deque
+from typing import Iterable
+
+from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.contiguous import ContiguousKVCacheManager
+from pagedserve.core.kv_cache_manager import AllocStatus, KVCacheManager
+from pagedserve.core.plan import ScheduledSequence, SchedulerOutput
+from pagedserve.core.stats import KVCacheStats, MemoryBreakdown
+from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+RUNNING, WAITING, SWAPPED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED
+
+
+def make_kv_cache_manager(cache_config: CacheConfig, max_model_len: int):
+    """The KV manager named by cache_config.kv_allocator."""
+    if cache_config.kv_allocator == "paged":
+        return KVCacheManager(cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
+                              enable_prefix_caching=cache_config.enable_prefix_caching)
+    mode = cache_config.kv_allocator.split("-", 1)[1]
+    return ContiguousKVCacheManager(cache_config.block_size, cache_config.num_gpu_blocks, max_model_len, mode)
+
+
+def _is_decode(seq: Sequence) -> bool:
+    return seq.num_uncomputed_tokens == 1 and bool(seq.output_token_ids)
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.block_size = cache_config.block_size
+        self.kv_cache_manager = make_kv_cache_manager(cache_config, scheduler_config.max_model_len)
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []   # ascending admitted_at
+        self.swapped: list[SequenceGroup] = []   # ascending admitted_at
+        self._admissions = itertools.count()
+        self.num_preemptions = 0
+
+    # ---- queues --------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def add_seq_group(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            seq.status = WAITING
+        self.waiting.append(group)
+
+    def abort_seq_group(self, request_id: str | Iterable[str]) -> None:
+        ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in [g for g in queue if g.request_id in ids]:
+                queue.remove(group)
+                for seq in group.seqs:
+                    if not seq.status.finished:
+                        seq.status = SequenceStatus.FINISHED_ABORTED
+                    self.kv_cache_manager.free(seq)
+
+    def fork_seq(self, parent: Sequence, child: Sequence) -> None:
+        self.kv_cache_manager.fork(parent, child)
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.kv_cache_manager.free(seq)
+
+    def free_finished_seq_groups(self) -> list[SequenceGroup]:
+        done = []
+        # Waiting groups finish only by abort or rejection, which already take them out.
+        for queue in (self.running, self.swapped):
+            finished = [g for g in queue if g.finished]
+            for g in finished:
+                queue.remove(g)
+                for seq in g.seqs:
+                    self.kv_cache_manager.free(seq)
+            done.extend(finished)
+        return done
+
+    # ---- one step ---------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.scheduler_config
+        mgr = self.kv_cache_manager
+        out = SchedulerOutput()
+        scheduled: list[ScheduledSequence] = []
+        self._budget = cfg.max_num_batched_tokens
+        preempted = False
+
+        remaining = deque(g for g in self.running if not g.finished)
+        self.running = []
+        pending: list[tuple[SequenceGroup, bool]] = []  # (group, already scheduled this step)
+
+        def pick_victim() -> SequenceGroup | None:
+            cands = []
+            if remaining:
+                cands.append(("r", remaining[-1]))
+            for i in range(len(pending) - 1, -1, -1):
+                if not pending[i][1]:
+                    cands.append(("p", i))
+                    break
+            if not cands:
+                return None
+            best = max(cands, key=lambda c: (remaining[-1] if c[0] == "r" else pending[c[1]][0]).admitted_at)
+            if best[0] == "r":
+                return remaining.pop()
+            return pending.pop(best[1])[0]
+
+        # 1. decodes of running groups
+        while remaining:
+            group = remaining.popleft()
+            decodes = [s for s in group.seqs_with_status(RUNNING) if _is_decode(s)]
+            if not decodes or len(decodes) > self._budget:
+                pending.append((group, False))
+                continue
+            victim_is_self = False
+            while not mgr.can_append_slots([(s, 1) for s in decodes]):
+                victim = pick_victim() or group
+                self._preempt(victim, out)
+                preempted = True
+                if victim is group:
+                    victim_is_self = True
+                    break
+            if victim_is_self:
+                continue
+            for s in decodes:
+                scheduled.append(self._run(group, s, 1, out))
+            pending.append((group, True))
+
+        # 2. prefill chunks of running groups
+        for group, _ in pending:
+            self.running.append(group)
+            for s in group.seqs_with_status(RUNNING):
+                if not _is_decode(s):
+                    self._schedule_prefill(group, s, scheduled, out)
+
+        # 3. swapped groups come back first, 4. then new ones
+        if not preempted:
+            self._schedule_swapped(scheduled, out)
+        if not preempted and not self.swapped:
+            self._schedule_waiting(scheduled, out)
+
+        out.scheduled = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
+        return out
+
+    def _run(self, group: SequenceGroup, seq: Sequence, n: int, out: SchedulerOutput) -> ScheduledSequence:
+        out.blocks_to_copy.extend(self.kv_cache_manager.append_slots(seq, n))
+        self._budget -= n
+        return ScheduledSequence(seq, group, seq.num_computed_tokens, n, self.kv_cache_manager.get_block_table(seq))
+
+    def _schedule_prefill(self, group: SequenceGroup, seq: Sequence, scheduled: list, out: SchedulerOutput) -> None:
+        todo = seq.num_uncomputed_tokens
+        n = min(todo, self._budget)
+        if n <= 0 or (n < todo and not self.scheduler_config.enable_chunked_prefill):
+            return
+        if not self.kv_cache_manager.can_append_slots([(seq, n)]):
+            return
+        scheduled.append(self._run(group, seq, n, out))
+
+    def _seq_cost(self, group: SequenceGroup) -> int:
+        """Sequences the group occupies now or will after its prompt forks into best_of."""
+        live = len(group.unfinished_seqs())
+        if len(group.seqs) == 1 and not group.seqs[0].output_token_ids:
+            return max(live, group.sampling_params.best_of or 1)
+        return live
+
+    def _num_running_seqs(self) -> int:
+        return sum(self._seq_cost(g) for g in self.running)
+
+    def _schedule_swapped(self, scheduled: list, out: SchedulerOutput) -> None:
+        mgr = self.kv_cache_manager
+        while self.swapped:
+            group = self.swapped[0]
+            seqs = group.seqs_with_status(SWAPPED)
+            if self._num_running_seqs() + self._seq_cost(group) > self.scheduler_config.max_num_seqs:
+                break
+            if sum(1 for s in seqs if _is_decode(s)) > self._budget or not mgr.can_swap_in(group):
+                break
+            self.swapped.pop(0)
+            out.blocks_to_swap_in.extend(mgr.swap_in(group))
+            for s in seqs:
+                s.status = RUNNING
+            self._insert_running(group)
+            for s in seqs:
+                if _is_decode(s):
+                    if mgr.can_append_slots([(s, 1)]):
+                        scheduled.append(self._run(group, s, 1, out))
+                else:
+                    self._schedule_prefill(group, s, scheduled, out)
+
+    def _schedule_waiting(self, scheduled: list, out: SchedulerOutput) -> None:
+        mgr = self.kv_cache_manager
+        cfg = self.scheduler_config
+        while self.waiting and self._budget > 0:
+            group = self.waiting[0]
+            seqs = group.seqs_with_status(WAITING)
+            too_long = any(s.num_tokens > cfg.max_model_len for s in seqs)
+            status = AllocStatus.NEVER if too_long else mgr.can_allocate(group)
+            if status is AllocStatus.NEVER:
+                self.waiting.popleft()
+                for s in seqs:
+                    s.status = SequenceStatus.FINISHED_IGNORED
+                out.ignored.append(group)
+                continue
+            if status is AllocStatus.LATER:
+                break
+            if self._num_running_seqs() + self._seq_cost(group) > cfg.max_num_seqs:
+                break
+            if not cfg.enable_chunked_prefill and sum(s.num_tokens for s in seqs) > self._budget:
+                break
+            self.waiting.popleft()
+            mgr.allocate(group)
+            if group.admitted_at is None:
+                group.admitted_at = next(self._admissions)
+            for s in seqs:
+                s.status = RUNNING
+            self._insert_running(group)
+            for s in seqs:
+                self._schedule_prefill(group, s, scheduled, out)
+
+    def _insert_running(self, group: SequenceGroup) -> None:
+        keys = [g.admitted_at for g in self.running]
+        self.running.insert(bisect.bisect_right(keys, group.admitted_at), group)
+
+    # ---- preemption -------------------------------------------------------------------------
+    def _preemption_uses_swap(self, group: SequenceGroup) -> bool:
+        cfg = self.scheduler_config
+        mgr = self.kv_cache_manager
+        if not (mgr.supports_swap and mgr.can_swap_out(group)):
+            return False
+        if len(group.unfinished_seqs()) > 1 or cfg.preemption_mode == "swap":
+            return True
+        if cfg.preemption_mode == "recompute":
+            return False
+        seqs = group.seqs_with_status(RUNNING)
+        blocks = len({b for s in seqs for b in mgr.get_block_table(s)})
+        tokens = sum(s.num_computed_tokens for s in seqs)
+        return blocks * cfg.swap_seconds_per_block < tokens * cfg.recompute_seconds_per_token
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        """Victims leave running: swapped out (kept in order of admission) or reset to the front of waiting."""
+        if self._preemption_uses_swap(group):
+            out.blocks_to_swap_out.extend(self.kv_cache_manager.swap_out(group))
+            for s in group.seqs_with_status(RUNNING):
+                s.status = SWAPPED
+            keys = [g.admitted_at for g in self.swapped]
+            self.swapped.insert(bisect.bisect_right(keys, group.admitted_at), group)
+        else:
+            for s in group.unfinished_seqs():
+                self.kv_cache_manager.free(s)
+                s.num_computed_tokens = 0
+                s.status = WAITING
+            self.waiting.appendleft(group)
+        out.preempted.append(group)
+        self.num_preemptions += 1
+
+    # ---- after the runner ---------------------------------------------------------------------
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """Advance computed tokens of what ran; newly full blocks become reusable prefix cache."""
+        mgr = self.kv_cache_manager
+        for ss in out.scheduled:
+            seq = ss.seq
+            if seq.status.finished or not mgr.has_table(seq):
+                continue  # aborted while the step ran
+            seq.num_computed_tokens = ss.start + ss.num_new_tokens
+            mgr.cache_blocks(seq)
+
+    # ---- statistics ---------------------------------------------------------------------------
+    def get_memory_breakdown(self) -> MemoryBreakdown:
+        return self.kv_cache_manager.memory_breakdown(self.waiting[0] if self.waiting else None)
+
+    def get_kv_cache_stats(self) -> KVCacheStats:
+        mgr = self.kv_cache_manager
+        free = mgr.get_num_free_blocks()
+        return KVCacheStats(
+            block_size=self.block_size,
+            num_blocks_total=mgr.num_gpu_blocks,
+            num_blocks_free=free,
+            num_blocks_cached=mgr.num_cached_free_blocks(),
+            num_blocks_used=mgr.num_gpu_blocks - free,
+            peak_blocks_used=mgr.peak_blocks_used,
+            num_live_tokens=mgr.memory_breakdown().token_states,
+            num_allocated_slots=mgr.num_allocated_slots(),
+            num_swapped_blocks=mgr.num_swapped_blocks(),
+            prefix_cache_queries=mgr.prefix_cache_queries,
+            prefix_cache_hits=mgr.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )

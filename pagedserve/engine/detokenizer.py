@@ -1,0 +1,58 @@
+"""Incremental detokenization: the text each new token adds, in O(window) work per token.
+
+Decoding a token on its own is wrong twice over: byte-level tokens may end in the middle of
+a UTF-8 character, and tokenizers merge or strip spaces depending on the neighbours. So each
+step decodes a short window twice — [prefix, read) (text already emitted) and [prefix, end)
+— and emits the difference. The window starts a few tokens back so the decoder sees context.
+Text that ends in U+FFFD (an incomplete character) is held back until the next tokens
+complete it; `flush` emits whatever is left when the sequence finishes.
+
+State is an immutable (prefix_offset, read_offset) pair of indices into the sequence's full
+token list (prompt + output), so a forked child may share it with its parent.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+_CONTEXT_TOKENS = 5
+_REPLACEMENT = "\ufffd"
+
+DetokState = tuple[int, int]
+
+
+def _decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                            clean_up_tokenization_spaces=False)
+
+
+def initial_state(num_prompt_tokens: int) -> DetokState:
+    return (max(num_prompt_tokens - _CONTEXT_TOKENS, 0), num_prompt_tokens)
+
+
+def _window(prompt_ids: list[int], output_ids: list[int], start: int, end: int) -> list[int]:
+    """(prompt_ids + output_ids)[start:end] without building the whole concatenation."""
+    p = len(prompt_ids)
+    if start >= p:
+        return output_ids[start - p:end - p]
+    return prompt_ids[start:min(end, p)] + output_ids[:max(end - p, 0)]
+
+
+def detokenize_incrementally(tokenizer: Any, prompt_ids: list[int], output_ids: list[int],
+                             state: DetokState, skip_special_tokens: bool = True,
+                             final: bool = False) -> tuple[str, DetokState]:
+    """The new text of the tokens from read_offset on, and the next state.
+
+    With final=True an incomplete trailing character is emitted anyway (as U+FFFD).
+    """
+    prefix, read = state
+    end = len(prompt_ids) + len(output_ids)
+    if read >= end:
+        return "", state
+    prefix_text = _decode(tokenizer, _window(prompt_ids, output_ids, prefix, read), skip_special_tokens)
+    full_text = _decode(tokenizer, _window(prompt_ids, output_ids, prefix, end), skip_special_tokens)
+    if len(full_text) <= len(prefix_text):
+        # Nothing visible yet (a skipped special token, or bytes of a character in progress).
+        return "", state
+    if full_text.endswith(_REPLACEMENT) and not final:
+        return "", state
+    return full_text[len(prefix_text):], (read, end)

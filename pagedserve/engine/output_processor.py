@@ -1,0 +1,112 @@
+"""After sampling: append the token, detokenize, decide whether the sequence stops; build outputs.
+
+Stop rules (vLLM / OpenAI semantics), checked in this order after each appended token:
+  1. EOS (unless ignore_eos) or a token in stop_token_ids -> "stop"; the token stays in
+     token_ids, its text is left out unless include_stop_str_in_output.
+  2. A stop string appears in the text -> "stop"; the text is cut before it (after it with
+     include_stop_str_in_output).
+  3. max_tokens generated, or the sequence reached max_model_len -> "length".
+Rules 1 and 2 only apply once more than min_tokens tokens exist (the sampler also masks EOS
+and stop_token_ids until then).
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pagedserve.engine.detokenizer import detokenize_incrementally, initial_state
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def find_stop_string(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends at or after `search_from` (text before it was checked)."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, max(0, search_from - len(s) + 1))
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    return best
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Any | None, eos_token_ids: set[int], max_model_len: int):
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+
+    def stop_token_ids(self, group: SequenceGroup) -> list[int]:
+        """Tokens that end the sequence (what min_tokens must suppress)."""
+        p = group.sampling_params
+        ids = list(p.stop_token_ids)
+        if not p.ignore_eos:
+            ids += [t for t in self.eos_token_ids if t not in ids]
+        return ids
+
+    def append_token(self, seq: Sequence, group: SequenceGroup, token: int, logprob: float,
+                     top: dict[int, float] | None) -> SequenceStatus | None:
+        """Append one sampled token; returns the FINISHED_* status if the sequence is done."""
+        p = group.sampling_params
+        seq.append_token(token, logprob, top if p.logprobs is not None else None)
+        n_out = len(seq.output_token_ids)
+        past_min = n_out > p.min_tokens
+        token_stop = past_min and (token in p.stop_token_ids
+                                   or (not p.ignore_eos and token in self.eos_token_ids))
+        status: SequenceStatus | None = None
+        if token_stop:
+            status = SequenceStatus.FINISHED_STOPPED
+            seq.stop_reason = token if token in p.stop_token_ids else None
+        hide_token = token_stop and not p.include_stop_str_in_output
+        stop_hit = None
+        if self.tokenizer is not None and not hide_token:
+            old_len = len(seq.output_text)
+            new_text = self._detokenize(seq, group, seq.output_token_ids, final=False)
+            if new_text and p.stop and past_min and not token_stop:
+                stop_hit = find_stop_string(seq.output_text, p.stop, old_len)
+                if stop_hit is not None:
+                    i, s = stop_hit
+                    seq.output_text = seq.output_text[:i + len(s) if p.include_stop_str_in_output else i]
+                    seq.stop_reason = s
+                    status = SequenceStatus.FINISHED_STOPPED
+        if status is None and (n_out >= (p.max_tokens or self.max_model_len)
+                               or seq.num_tokens >= self.max_model_len):
+            status = SequenceStatus.FINISHED_LENGTH
+        if status is not None and self.tokenizer is not None and stop_hit is None:
+            visible = seq.output_token_ids[:-1] if hide_token else seq.output_token_ids
+            self._detokenize(seq, group, visible, final=True)
+        return status
+
+    def _detokenize(self, seq: Sequence, group: SequenceGroup, output_ids: list[int], final: bool) -> str:
+        state = seq.detok_state or initial_state(seq.num_prompt_tokens)
+        new_text, seq.detok_state = detokenize_incrementally(
+            self.tokenizer, seq.prompt_token_ids, output_ids, state,
+            group.sampling_params.skip_special_tokens, final=final)
+        seq.output_text += new_text
+        return new_text
+
+    def make_output(self, group: SequenceGroup) -> RequestOutput:
+        """Cumulative output of a request; while running, text that may still turn out to be
+        the start of a stop string is held back so a stream never has to take text back."""
+        p = group.sampling_params
+        seqs = group.seqs
+        if p.best_of > p.n:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:p.n]
+        hold = 0
+        if p.stop and not p.include_stop_str_in_output:
+            hold = max(len(s) for s in p.stop) - 1
+        outs = []
+        for i, seq in enumerate(seqs):
+            text = seq.output_text
+            if hold and not seq.status.finished:
+                text = text[:max(len(text) - hold, 0)]
+            outs.append(CompletionOutput(
+                index=i, text=text, token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.output_logprobs) if p.logprobs is not None else None,
+                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
+        finished = group.finished
+        if finished and "finished_time" not in group.metrics:
+            group.metrics["finished_time"] = time.time()
+        return RequestOutput(request_id=group.request_id, prompt=group.prompt,
+                             prompt_token_ids=group.prompt_token_ids, outputs=outs,
+                             finished=finished, metrics=dict(group.metrics))

@@ -1,0 +1,124 @@
+"""LLM: offline batched generation and beam search over an LLMEngine, in vLLM's shape."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.llm_engine import LLMEngine, make_engine_config
+from pagedserve.outputs import BeamSearchOutput, RequestOutput
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto",
+                 device: str = "auto", seed: int = 0, block_size: int = 16,
+                 gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
+                 swap_space: float = 4, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
+                 enable_prefix_caching: bool = True, preemption_mode: str = "auto",
+                 enable_chunked_prefill: bool = True, enforce_eager: bool = False,
+                 load_format: str = "auto", skip_tokenizer_init: bool = False,
+                 tensor_parallel_size: int = 1, kv_allocator: str = "paged", **kwargs: Any):
+        config = make_engine_config(
+            model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, block_size=block_size,
+            gpu_memory_utilization=gpu_memory_utilization, num_gpu_blocks_override=num_gpu_blocks_override,
+            swap_space=swap_space, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            preemption_mode=preemption_mode, enable_chunked_prefill=enable_chunked_prefill,
+            enforce_eager=enforce_eager, load_format=load_format, skip_tokenizer_init=skip_tokenizer_init,
+            tensor_parallel_size=tensor_parallel_size, kv_allocator=kv_allocator, **kwargs)
+        self._init_from_config(config)
+
+    def _init_from_config(self, config: EngineConfig) -> None:
+        self.llm_engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._init_from_config(config)
+        return llm
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def get_kv_cache_stats(self):
+        return self.llm_engine.get_kv_cache_stats()
+
+    @staticmethod
+    def _as_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        prompts = list(prompts)
+        # A flat list of ints is one tokenized prompt, not many.
+        if prompts and all(isinstance(t, int) for t in prompts):
+            return [prompts]
+        return prompts
+
+    def generate(self, prompts: PromptType | Seq[PromptType],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        prompts = self._as_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params = [sampling_params] * len(prompts)
+        else:
+            params = list(sampling_params)
+            if len(params) != len(prompts):
+                raise ValueError(f"sampling_params must be one per prompt: got {len(params)} "
+                                 f"for {len(prompts)} prompts")
+        engine = self.llm_engine
+        order: dict[str, int] = {}
+        try:
+            for i, (prompt, sp) in enumerate(zip(prompts, params)):
+                rid = str(next(self._ids))
+                engine.add_request(rid, prompt, sp)
+                order[rid] = i
+        except Exception:
+            engine.abort_request(list(order))
+            raise
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        try:
+            with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
+                while any(engine.has_request(r) for r in order):
+                    for out in engine.step():
+                        if out.finished and out.request_id in order:
+                            results[order[out.request_id]] = out
+                            bar.update(1)
+        except BaseException:
+            engine.abort_request(list(order))
+            raise
+        return results  # type: ignore[return-value]
+
+    def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search per prompt (HF semantics, early_stopping=True); beams share blocks by
+        copy-on-write. Returns one BeamSearchOutput per prompt, sequences best first."""
+        prompts = self._as_list(prompts)
+        engine = self.llm_engine
+        rids: list[str] = []
+        try:
+            for prompt in prompts:
+                rid = f"beam-{next(self._ids)}"
+                engine.add_beam_search_request(rid, prompt, params)
+                rids.append(rid)
+            with tqdm(total=len(prompts), desc="Beam search", disable=not use_tqdm) as bar:
+                pending = set(rids)
+                while pending:
+                    engine.step()
+                    done = {r for r in pending if not engine.has_request(r)}
+                    bar.update(len(done))
+                    pending -= done
+        except BaseException:
+            engine.abort_request(rids)
+            for r in rids:
+                engine.pop_beam_search_output(r)
+            raise
+        return [engine.pop_beam_search_output(r) for r in rids]  # type: ignore[misc]

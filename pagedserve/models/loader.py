@@ -1,0 +1,190 @@
+"""Build a model from a local HF directory: config via AutoConfig, weights streamed from safetensors.
+
+Weights are read one tensor at a time with safe_open and handed to the owning parameter's
+weight_loader as a lazy slice, so a tensor-parallel rank reads only its own part. Pickled
+checkpoints are never loaded; remote code is never run; nothing is fetched from a hub.
+"""
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pagedserve.layers.weights import default_weight_loader
+from pagedserve.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+PICKLE_PATTERNS = ("*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl")
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+
+def load_hf_config(model_dir: str | os.PathLike):
+    """The model's PretrainedConfig, from a local directory only (no hub, no remote code)."""
+    from transformers import AutoConfig
+
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        raise ValueError(f"model: {model_dir!r} is not a local directory (pagedserve loads local HF directories; "
+                         "there is no model-hub download)")
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"model: no config.json in {model_dir!r}")
+    return AutoConfig.from_pretrained(model_dir, trust_remote_code=False, local_files_only=True)
+
+
+def get_max_model_len(hf_config) -> int:
+    """The longest context the model supports: its position limit (and Mistral's sliding window,
+    which our kernels do not implement, so longer contexts would be silently wrong)."""
+    limit = None
+    for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length"):
+        value = getattr(hf_config, key, None)
+        if isinstance(value, int) and value > 0:
+            limit = value
+            break
+    if limit is None:
+        raise ValueError("cannot find the model's maximum length in its config; pass max_model_len")
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = getattr(hf_config, "use_sliding_window", True)
+    if isinstance(window, int) and window > 0 and uses_window:
+        limit = min(limit, window)
+    return limit
+
+
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+           "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def resolve_dtype(dtype: str | torch.dtype, hf_config, device: torch.device | str) -> torch.dtype:
+    """"auto": float32 on CPU; on CUDA float16 if the checkpoint is float16, else bfloat16."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {dtype!r}")
+        return _DTYPES[dtype]
+    if torch.device(device).type == "cpu":
+        return torch.float32
+    cfg = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    if cfg in (torch.float16, "float16"):
+        return torch.float16
+    return torch.bfloat16
+
+
+@contextmanager
+def _building_on(device: torch.device, dtype: torch.dtype):
+    """Parameters created inside are allocated directly on `device` in `dtype` (no CPU detour)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def safetensors_files(model_dir: str | os.PathLike) -> list[str]:
+    """The checkpoint's safetensors files (from the index when sharded); refuses pickled checkpoints."""
+    model_dir = os.fspath(model_dir)
+    index = os.path.join(model_dir, SAFETENSORS_INDEX)
+    if os.path.isfile(index):
+        with open(index) as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(model_dir, n) for n in names]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"{SAFETENSORS_INDEX} lists missing shard(s): {[os.path.basename(m) for m in missing]}")
+        return files
+    files = sorted(glob.glob(os.path.join(model_dir, "*.safetensors")))
+    if files:
+        return files
+    pickled = sorted(os.path.basename(p) for pat in PICKLE_PATTERNS for p in glob.glob(os.path.join(model_dir, pat)))
+    if pickled:
+        raise ValueError(f"model: {model_dir!r} holds only pickled checkpoint(s) {pickled}; pagedserve never loads "
+                         "pickles (they can run arbitrary code). Convert them to safetensors, e.g. "
+                         "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
+    raise ValueError(f"model: no *.safetensors weights in {model_dir!r} (use load_format='dummy' for random weights)")
+
+
+def iterate_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, object]]:
+    """(name, lazy slice) for every tensor, one file open at a time."""
+    from safetensors import safe_open
+
+    for path in safetensors_files(model_dir):
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_slice(name)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> None:
+    """Route each checkpoint tensor to its parameter's weight_loader (fusing q/k/v and gate/up)."""
+    params = dict(model.named_parameters())
+    stacked = getattr(model, "stacked_params", [])
+    tied = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in params
+    loaded: set[str] = set()
+    for name, w in weights:
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        shard = None
+        for fused, ckpt, shard_id in stacked:
+            if f".{ckpt}." in name:
+                name, shard = name.replace(f".{ckpt}.", f".{fused}."), shard_id
+                break
+        param = params.get(name)
+        if param is None:
+            if name == "lm_head.weight":  # tied: the checkpoint repeats the embedding
+                continue
+            logger.warning("checkpoint tensor %s has no matching parameter; skipped", name)
+            continue
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            loader(param, w, shard) if shard is not None else loader(param, w)
+        except ValueError as e:
+            raise ValueError(f"loading {name}: {e}") from None
+        loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} parameter(s), e.g. {missing[:5]}")
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Deterministic random weights on the parameters' own device: matrices ~ N(0, std),
+    norm scales 1, biases 0 — so activations stay finite through any depth."""
+    gen = None
+    for name, p in model.named_parameters():
+        if gen is None:
+            gen = torch.Generator(device=p.device).manual_seed(seed)
+        if p.dim() >= 2:
+            p.normal_(0.0, std, generator=gen)
+        elif name.endswith("norm.weight"):
+            p.fill_(1.0)
+        else:
+            p.zero_()
+
+
+def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
+              load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
+    """Instantiate config.architectures[0] on `device` in `dtype` and fill its weights."""
+    if load_format not in ("auto", "safetensors", "dummy"):
+        raise ValueError(f"load_format must be auto, safetensors or dummy, got {load_format!r}")
+    cls = get_model_class(hf_config)
+    files = None
+    if load_format != "dummy":
+        if model_dir is None:
+            raise ValueError("model: a directory is required unless load_format='dummy'")
+        files = safetensors_files(model_dir)  # fail before allocating anything
+    device = torch.device(device)
+    with _building_on(device, dtype):
+        model = cls(hf_config, tp_rank=tp_rank, tp_size=tp_size)
+    model.to(device)  # buffers made on CPU (rotary inv_freq) follow the parameters
+    if files is None:
+        init_dummy_weights(model, seed)
+    else:
+        load_weights(model, iterate_safetensors(model_dir))
+    return model.eval()

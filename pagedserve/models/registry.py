@@ -1,0 +1,29 @@
+"""config.architectures[0] -> model class."""
+from __future__ import annotations
+
+from torch import nn
+
+from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from pagedserve.models.opt import OPTForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": MistralForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "OPTForCausalLM": OPTForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def get_model_class(hf_config) -> type[nn.Module]:
+    archs = getattr(hf_config, "architectures", None) or []
+    if not archs:
+        raise ValueError(f"config.architectures is empty; supported architectures: {supported_architectures()}")
+    if archs[0] not in MODEL_REGISTRY:
+        raise ValueError(f"architecture {archs[0]!r} is not supported; supported architectures: "
+                         f"{supported_architectures()}")
+    return MODEL_REGISTRY[archs[0]]

@@ -1,0 +1,157 @@
+"""ModelRunner: executes one SchedulerOutput on the device.
+
+Order inside execute(): cache ops first (swap out, then swap in, then copy-on-write),
+then one forward pass over the flattened mixed batch (decodes and prefill chunks together),
+then logits for the last token of every sequence that samples this step, as float32,
+in schedule order. The runner never decides policy; it only carries out the plan.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+from torch import nn
+
+from pagedserve.attention.backend import Attention
+from pagedserve.config import EngineConfig
+from pagedserve.core.plan import SchedulerOutput
+from pagedserve.distributed import get_tp_group
+from pagedserve.models.loader import get_max_model_len, get_model
+from pagedserve.runner.batch import ModelInput, build_model_input, prepare_model_input
+from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
+
+
+class ModelRunner:
+    def __init__(self, engine_config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype):
+        self.config, self.hf_config = engine_config, hf_config
+        self.device, self.dtype = torch.device(device), dtype
+        self.block_size = engine_config.block_size
+        tp = get_tp_group()
+        if engine_config.tensor_parallel_size != tp.size:
+            raise ValueError(f"tensor_parallel_size={engine_config.tensor_parallel_size} but this process's TP group "
+                             f"has size {tp.size}: start the TP workers (pagedserve.distributed.init_tp_group) first")
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        self.model: nn.Module | None = None
+        self.cache_engine: CacheEngine | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.max_model_len = engine_config.max_model_len or get_max_model_len(hf_config)
+        self.profile: dict[str, float] = {}
+
+    @property
+    def vocab_size(self) -> int:
+        return self.hf_config.vocab_size
+
+    # --- model -----------------------------------------------------------------------------------------------
+    def load_model(self) -> nn.Module:
+        fmt = self.config.load_format
+        self.model = get_model(self.hf_config, model_dir=self.config.model, device=self.device, dtype=self.dtype,
+                               load_format=fmt, seed=self.config.seed, tp_rank=self.tp_rank, tp_size=self.tp_size)
+        attn = [m for m in self.model.modules() if isinstance(m, Attention)]
+        self.num_layers = len(attn)
+        self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
+        return self.model
+
+    def _require(self, what: str):
+        if what == "model" and self.model is None:
+            raise RuntimeError("call load_model() first")
+        if what == "cache" and self.cache_engine is None:
+            raise RuntimeError("call init_kv_cache() first")
+
+    # --- KV cache sizing ------------------------------------------------------------------------------------
+    @property
+    def block_bytes(self) -> int:
+        self._require("model")
+        return cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+
+    def determine_num_blocks(self) -> tuple[int, int]:
+        """(num_gpu_blocks, num_cpu_blocks): override, else profiled (CUDA) or cpu_kv_cache_gib (CPU)."""
+        self._require("model")
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            num_gpu = cfg.num_gpu_blocks_override
+        elif self.device.type == "cuda":
+            num_gpu = self._profile_num_gpu_blocks()
+        else:
+            num_gpu = int(cfg.cpu_kv_cache_gib * GiB // self.block_bytes)
+        if num_gpu < 1:
+            raise ValueError(f"no room for KV cache blocks ({self.block_bytes} bytes each): raise "
+                             "gpu_memory_utilization / cpu_kv_cache_gib or use a smaller model")
+        num_cpu = int(cfg.swap_space * GiB // self.block_bytes)
+        return num_gpu, num_cpu
+
+    def _profile_num_gpu_blocks(self) -> int:
+        """Blocks that fit in gpu_memory_utilization of the device after the model's weights and the
+        peak activations of a forward pass of max_num_batched_tokens tokens (max_num_seqs sequences)."""
+        cfg = self.config
+        sched = cfg.scheduler_config(self.max_model_len)
+        num_tokens, num_seqs = sched.max_num_batched_tokens, min(sched.max_num_seqs, sched.max_num_batched_tokens)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        query_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
+        query_lens[: num_tokens % num_seqs] += 1
+        tables, nxt = [], 0
+        for q in query_lens.tolist():
+            nb = -(-q // self.block_size)
+            tables.append(list(range(nxt, nxt + nb)))
+            nxt += nb
+        scratch = CacheEngine(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, nxt, 0,
+                              self.dtype, self.device)
+        ids = np.random.default_rng(0).integers(0, self.vocab_size, size=num_tokens)
+        inp = build_model_input(ids, np.zeros(num_seqs, dtype=np.int64), query_lens, tables,
+                                np.ones(num_seqs, dtype=bool), 0, self.block_size, self.device)
+        self._forward(inp, scratch.kv_caches)
+        torch.cuda.synchronize(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self._forward(inp, scratch.kv_caches)
+        end.record()
+        torch.cuda.synchronize(self.device)
+        self.profile["recompute_seconds_per_token"] = start.elapsed_time(end) / 1e3 / num_tokens
+        peak = torch.cuda.max_memory_allocated(self.device) - scratch.gpu_pool.numel() * scratch.gpu_pool.element_size()
+        del scratch, inp
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        non_torch = total - free - torch.cuda.memory_reserved(self.device)  # CUDA context, cuBLAS, NCCL
+        budget = total * cfg.gpu_memory_utilization - peak - non_torch
+        self.profile.update(peak_bytes=float(peak), non_torch_bytes=float(non_torch), kv_budget_bytes=float(budget))
+        logger.info("KV cache budget %.2f GiB (peak %.2f GiB, other %.2f GiB of %.2f GiB)", budget / GiB, peak / GiB,
+                    non_torch / GiB, total / GiB)
+        return int(max(0, budget) // self.block_bytes)
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._require("model")
+        self.cache_engine = CacheEngine(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
+                                        num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
+        self.kv_caches = self.cache_engine.kv_caches
+
+    # --- one step -------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def _forward(self, inp: ModelInput, kv_caches) -> torch.Tensor:
+        hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_meta)
+        return self.model.compute_logits(hidden[inp.sample_indices]).float()
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """Run the plan; float32 logits [num_sampling, vocab] in the order of out.scheduled filtered by
+        do_sample, or None when no sequence samples this step."""
+        self._require("model")
+        self._require("cache")
+        ce = self.cache_engine
+        if out.blocks_to_swap_out:
+            ce.swap_out(out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            ce.swap_in(out.blocks_to_swap_in)
+        if out.blocks_to_copy:
+            ce.copy(out.blocks_to_copy)
+        if not out.scheduled:
+            return None
+        inp = prepare_model_input(out.scheduled, out.num_decodes, self.block_size, self.device)
+        if inp.num_sampling == 0:
+            # Still run the forward: it writes this chunk's K/V into the cache.
+            self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta)
+            return None
+        return self._forward(inp, self.kv_caches)

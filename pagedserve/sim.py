@@ -1,0 +1,180 @@
+"""`pagedserve sim`: replay a workload through the real Scheduler and KV manager, without weights.
+
+Time advances by a linear step-time model; every scheduled sequence that reaches its end
+samples a dummy token, and a request finishes at its workload output length. The default
+setup is the paper's §6 one: OPT-13B on one A100-40GB, whose Table 1 leaves 12 GB for the
+KV cache = 15.7K token slots (800 KB per token), max_model_len 2048 for OPT. The KV budget is
+given in tokens so that block sizes compare at equal memory. Deterministic for a seed.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import asdict, dataclass
+
+from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.scheduler import Scheduler
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedserve.workloads import WORKLOADS, make_workload
+
+KV_BUDGET_TOKENS = 15_700          # paper Table 1: OPT-13B on A100-40GB, 12 GB of KV cache
+KV_BYTES_PER_TOKEN = 819_200       # OPT-13B: 2 (K, V) * 40 layers * 5120 hidden * 2 bytes
+SWAP_SPACE_BYTES = 4 * 2**30       # vLLM's default swap_space of 4 GiB
+
+
+@dataclass
+class StepTimeModel:
+    """step seconds = fixed + per_token * batched tokens + per_context_token * attended tokens.
+
+    Defaults for OPT-13B (fp16) on an A100-40GB: fixed = reading 26 GB of weights at 1.55 TB/s;
+    per_token = 2 * 13e9 FLOPs at half of 312 TFLOP/s; per_context_token = reading 800 KB of KV.
+    """
+    fixed: float = 26e9 / 1.555e12
+    per_token: float = 2 * 13e9 / (0.5 * 312e12)
+    per_context_token: float = KV_BYTES_PER_TOKEN / 1.555e12
+    pcie_bytes_per_s: float = 25e9
+
+    def step_time(self, num_tokens: int, num_context_tokens: int) -> float:
+        return self.fixed + self.per_token * num_tokens + self.per_context_token * num_context_tokens
+
+
+def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_size: int = 16,
+             num_blocks: int | None = None, num_requests: int | None = None,
+             request_rate: float | None = None, max_num_seqs: int = 256, max_model_len: int | None = None,
+             seed: int = 0, max_num_batched_tokens: int = 8192, preemption_mode: str = "auto",
+             enable_prefix_caching: bool = True, time_model: StepTimeModel | None = None) -> dict:
+    """Run the workload to completion and return the summary dict (see run_sim_cli)."""
+    tm = time_model or StepTimeModel()
+    spec = WORKLOADS.get(workload)
+    if spec is None:
+        raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {workload!r}")
+    max_model_len = max_model_len or spec.max_total_len
+    if num_blocks is None:
+        num_blocks = KV_BUDGET_TOKENS // block_size
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    num_cpu_blocks = SWAP_SPACE_BYTES // (KV_BYTES_PER_TOKEN * block_size)
+    paged = allocator == "paged"
+    cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks,
+                               num_cpu_blocks=num_cpu_blocks if paged else 0,
+                               enable_prefix_caching=enable_prefix_caching and paged, kv_allocator=allocator)
+    sched_config = SchedulerConfig(
+        max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+        preemption_mode=preemption_mode,
+        swap_seconds_per_block=2 * block_size * KV_BYTES_PER_TOKEN / tm.pcie_bytes_per_s,
+        recompute_seconds_per_token=tm.per_token)
+    scheduler = Scheduler(sched_config, cache_config)
+
+    reqs = make_workload(workload, num_requests, request_rate, seed=seed)
+    token_rng = random.Random(seed + 2)
+    pending = sorted(((r.arrival_time, i, r) for i, r in enumerate(reqs)), key=lambda x: (x[0], x[1]))
+    next_arrival = 0
+    now, steps = 0.0, 0
+    arrival, finish, out_len = {}, {}, {}
+    sums = {"running": 0.0, "util": 0.0, "util_n": 0, "bd_n": 0}
+    bd_sum = {"token_states": 0.0, "reserved": 0.0, "internal_fragmentation": 0.0, "external_fragmentation": 0.0}
+    ignored: list[str] = []
+
+    while next_arrival < len(pending) or scheduler.has_unfinished_seqs():
+        while next_arrival < len(pending) and pending[next_arrival][0] <= now:
+            t, i, r = pending[next_arrival]
+            next_arrival += 1
+            rid = str(i)
+            group = SequenceGroup(rid, [Sequence(list(r.prompt_token_ids))],
+                                  SamplingParams(max_tokens=r.output_len, ignore_eos=True),
+                                  arrival_time=t, oracle_output_len=r.output_len)
+            arrival[rid], out_len[rid] = t, r.output_len
+            scheduler.add_seq_group(group)
+        if not scheduler.has_unfinished_seqs():
+            now = pending[next_arrival][0]
+            continue
+        out = scheduler.schedule()
+        ignored.extend(g.request_id for g in out.ignored)
+        if out.is_empty:
+            if out.ignored:
+                continue
+            if next_arrival < len(pending):
+                now = max(now, pending[next_arrival][0])
+                continue
+            raise RuntimeError("simulation stalled: nothing schedulable and nothing arriving")
+        context = sum(s.context_len for s in out.scheduled)
+        dt = tm.step_time(out.num_batched_tokens, context)
+        dt += (len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)) * block_size * KV_BYTES_PER_TOKEN \
+            / tm.pcie_bytes_per_s
+        sample = [s for s in out.scheduled if s.do_sample]
+        scheduler.update_after_step(out)
+        now += dt
+        steps += 1
+
+        sums["running"] += scheduler.num_running
+        bd = scheduler.get_memory_breakdown()
+        if bd.total:
+            for k, v in bd.fractions().items():
+                bd_sum[k] += v
+            sums["bd_n"] += 1
+        stats = scheduler.get_kv_cache_stats()
+        if stats.num_allocated_slots:
+            sums["util"] += stats.utilization
+            sums["util_n"] += 1
+
+        for s in sample:
+            seq, group = s.seq, s.group
+            seq.append_token(token_rng.randrange(10000))
+            if len(seq.output_token_ids) >= out_len[group.request_id] or seq.num_tokens >= max_model_len:
+                seq.status = SequenceStatus.FINISHED_LENGTH
+                scheduler.free_seq(seq)
+        for g in scheduler.free_finished_seq_groups():
+            finish[g.request_id] = now
+
+    stats = scheduler.get_kv_cache_stats()
+    done = [rid for rid in finish]
+    total_out = sum(out_len[r] for r in done)
+    norm_lat = [(finish[r] - arrival[r]) / out_len[r] for r in done]
+    n_bd = max(1, sums["bd_n"])
+    return {
+        "workload": workload,
+        "allocator": allocator,
+        "block_size": block_size,
+        "num_blocks": num_blocks,
+        "kv_budget_tokens": num_blocks * block_size,
+        "max_model_len": max_model_len,
+        "num_requests": len(reqs),
+        "num_finished": len(done),
+        "num_ignored": len(ignored),
+        "request_rate": request_rate,
+        "seed": seed,
+        "steps": steps,
+        "sim_time_s": now,
+        "avg_running": sums["running"] / max(1, steps),
+        "preemptions": stats.num_preemptions,
+        "peak_blocks_used": stats.peak_blocks_used,
+        "kv_utilization": sums["util"] / max(1, sums["util_n"]),
+        "breakdown": {k: v / n_bd for k, v in bd_sum.items()},
+        "normalized_latency_s_per_token": sum(norm_lat) / len(norm_lat) if norm_lat else None,
+        "throughput_output_tokens_per_s": total_out / now if now else 0.0,
+        "throughput_requests_per_s": len(done) / now if now else 0.0,
+        "prefix_cache_hit_rate": stats.prefix_cache_hit_rate,
+        "step_time_model": asdict(tm),
+    }
+
+
+def run_sim_cli(args) -> int:
+    result = simulate(workload=args.workload, allocator=args.allocator, block_size=args.block_size,
+                      num_blocks=args.num_blocks, num_requests=args.num_requests,
+                      request_rate=args.request_rate, max_num_seqs=args.max_num_seqs,
+                      max_model_len=args.max_model_len, seed=args.seed)
+    bd = result["breakdown"]
+    print(f"{result['workload']} / {result['allocator']} / block_size {result['block_size']}: "
+          f"{result['num_finished']} of {result['num_requests']} requests in {result['steps']} steps "
+          f"({result['sim_time_s']:.1f} s simulated), avg running {result['avg_running']:.1f}, "
+          f"preemptions {result['preemptions']}")
+    print(f"KV memory: token states {bd['token_states']:.1%}, reserved {bd['reserved']:.1%}, "
+          f"internal fragmentation {bd['internal_fragmentation']:.1%}, "
+          f"external fragmentation {bd['external_fragmentation']:.1%}; utilization {result['kv_utilization']:.1%}")
+    print(f"throughput {result['throughput_output_tokens_per_s']:.0f} out tok/s, "
+          f"normalized latency {result['normalized_latency_s_per_token'] or 0:.4f} s/token")
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(result, f, indent=2)
+    return 0

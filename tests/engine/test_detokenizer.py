@@ -1,0 +1,74 @@
+"""Incremental detokenization against the tokenizer's own full decode."""
+import pytest
+
+from pagedserve.engine.detokenizer import detokenize_incrementally, initial_state
+from pagedserve.engine.output_processor import find_stop_string
+
+TEXTS = [
+    "Héllo wörld! Ünïcödé text, 日本語のテキスト, emoji 🚀🔥 and ΕΛΛΗΝΙΚΑ letters.",
+    "Привет, мир! Как дела? Всё хорошо. 🚀🚀🔥",
+    "def main():\n    print('hello, world')\n    return 0\n",
+    "日本語🔥Привет",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from tiny_models import train_tokenizer
+    from transformers import AutoTokenizer
+    path = tmp_path_factory.mktemp("tok")
+    train_tokenizer(path)
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _stream(tokenizer, prompt, output, skip_special_tokens=True):
+    state = initial_state(len(prompt))
+    pieces = []
+    for i in range(1, len(output) + 1):
+        new, state = detokenize_incrementally(tokenizer, prompt, output[:i], state, skip_special_tokens)
+        pieces.append(new)
+    new, state = detokenize_incrementally(tokenizer, prompt, output, state, skip_special_tokens, final=True)
+    pieces.append(new)
+    return pieces
+
+
+@pytest.mark.parametrize("text", TEXTS)
+@pytest.mark.parametrize("split", [0, 3, 7])
+def test_stream_equals_full_decode_without_replacement_chars(tokenizer, text, split):
+    ids = tokenizer.encode(text)
+    # The test must exercise tokens that end mid-character.
+    assert any("\ufffd" in tokenizer.decode([t]) for t in ids) or text.isascii()
+    # Split at a character boundary: the output's own text is then well defined.
+    while split and tokenizer.decode(ids[:split]).endswith("\ufffd"):
+        split += 1
+    prompt, output = ids[:split] or tokenizer.encode("A"), ids[split:]
+    pieces = _stream(tokenizer, prompt, output)
+    assert "".join(pieces) == tokenizer.decode(output)
+    assert not any("\ufffd" in p for p in pieces)
+
+
+def test_special_tokens_skipped_or_kept(tokenizer):
+    eos = tokenizer.eos_token_id
+    out = tokenizer.encode("Привет") + [eos] + tokenizer.encode(" 🚀")
+    prompt = tokenizer.encode("Hi")
+    assert "".join(_stream(tokenizer, prompt, out)) == tokenizer.decode(out, skip_special_tokens=True)
+    kept = "".join(_stream(tokenizer, prompt, out, skip_special_tokens=False))
+    assert kept == tokenizer.decode(out, skip_special_tokens=False)
+    assert tokenizer.eos_token in kept
+
+
+def test_incomplete_tail_is_held_until_final(tokenizer):
+    ids = tokenizer.encode("🚀")
+    assert len(ids) > 1
+    prompt = tokenizer.encode("x")
+    state = initial_state(len(prompt))
+    new, state2 = detokenize_incrementally(tokenizer, prompt, ids[:1], state)
+    assert new == "" and state2 == state
+    new, _ = detokenize_incrementally(tokenizer, prompt, ids[:1], state, final=True)
+    assert new == tokenizer.decode(ids[:1])
+
+
+def test_find_stop_string_earliest_and_only_new_region():
+    assert find_stop_string("hello world", ["wor", "lo"], 0) == (3, "lo")
+    assert find_stop_string("hello world", ["lo"], 6) is None       # already checked before
+    assert find_stop_string("hello world", ["o w"], 5) == (4, "o w")  # straddles the boundary
