@@ -57,7 +57,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig):
         from pagedserve.core.scheduler import Scheduler
         from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
-        from pagedserve.runner.model_runner import ModelRunner
+        from pagedserve.runner.executor import build_executor
 
         if config.model is None:
             raise ValueError("model must be a local HF model directory, got None")
@@ -77,7 +77,8 @@ class LLMEngine:
             from transformers import AutoTokenizer
             self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
 
-        self.runner = ModelRunner(config, self.hf_config, self.device, self.dtype)
+        # One process, or rank 0 of a tensor-parallel group: the engine cannot tell them apart.
+        self.runner = build_executor(config, self.hf_config, self.device, self.dtype)
         self.runner.load_model()
         num_gpu_blocks, num_cpu_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
@@ -115,6 +116,10 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Release the executor (with tensor parallelism: stop and reap the other ranks). Idempotent."""
+        self.runner.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -26,15 +26,12 @@ import sys
 import torch
 import torch.distributed as dist
 
-from pagedserve.runner.dist_env import DistEnv, compute_device, destroy_distributed, free_port, init_control, \
-    read_error, torchrun_env
+from pagedserve.runner.dist_env import DistEnv, free_port, is_external_worker, torchrun_env
+from pagedserve.runner.dist_groups import compute_device, destroy_distributed, init_control, read_error
 from pagedserve.runner.launch import NUM_THREADS_ENV, PARENT_PID_ENV
-from pagedserve.runner.tp_worker import SHUTDOWN, Command, Worker, _RemoteError
+from pagedserve.runner.tp_worker import DEFAULT_RUNNER, SHUTDOWN, Command, Worker, _RemoteError, _resolve
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_RUNNER = "pagedserve.runner.model_runner:ModelRunner"
-
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or died; the engine cannot continue."""
@@ -45,9 +42,8 @@ class UniProcExecutor:
 
     world_size = 1
 
-    def __init__(self, config, runner_factory: str | None = None):
-        from pagedserve.runner.tp_worker import _resolve
-        self.runner = _resolve(runner_factory or DEFAULT_RUNNER)(config)
+    def __init__(self, config, hf_config, device, dtype, runner_factory: str | None = None):
+        self.runner = _resolve(runner_factory or DEFAULT_RUNNER)(config, hf_config, device, dtype)
 
     def execute(self, plan):
         return self.runner.execute(plan)
@@ -78,7 +74,7 @@ class MultiProcExecutor:
     # Methods whose per-rank answers must agree: rank 0 takes the minimum over ranks.
     REDUCE_MIN = ("determine_num_blocks",)
 
-    def __init__(self, config, runner_factory: str | None = None):
+    def __init__(self, config, hf_config, device, dtype, runner_factory: str | None = None):
         self.world_size = config.tensor_parallel_size
         self._procs: dict[int, object] = {}
         self._failure: TensorParallelError | None = None
@@ -114,15 +110,16 @@ class MultiProcExecutor:
             self._teardown(graceful=False)
             raise
         self.worker = Worker(self.groups)
-        self.collective_rpc("init_runner", config, runner_factory)
+        # Each rank picks its own device (cuda:<local rank>, or the cpu); `device` names the kind.
+        self.collective_rpc("init_runner", config, hf_config, dtype, runner_factory)
         self.runner = self.worker.runner
 
     # -- the runner contract -------------------------------------------------------------
 
     def execute(self, plan):
         """Run one step on every rank; returns rank 0's logits (already gathered over the vocab)."""
-        model_input = self.runner.prepare_inputs(plan)
-        return self.collective_rpc("execute_model", model_input)
+        step = self.runner.prepare_inputs(plan)
+        return self.collective_rpc("execute_model", step)
 
     def __getattr__(self, name):
         if name in ("runner", "worker", "groups"):
@@ -294,8 +291,16 @@ def _import_path() -> str:
     return os.pathsep.join(dict.fromkeys(keep))
 
 
-def build_executor(config, runner_factory: str | None = None):
-    """The executor for this engine: one process, or one process per tensor-parallel rank."""
+def build_executor(config, hf_config, device, dtype, runner_factory: str | None = None):
+    """The executor for this engine: one process, or one process per tensor-parallel rank.
+
+    Either way the result answers the ModelRunner's calls (load_model, determine_num_blocks,
+    init_kv_cache, execute, profile, vocab_size, ...), so the engine never knows which it got.
+    """
     if config.tensor_parallel_size == 1:
-        return UniProcExecutor(config, runner_factory)
-    return MultiProcExecutor(config, runner_factory)
+        return UniProcExecutor(config, hf_config, device, dtype, runner_factory)
+    if is_external_worker():
+        # A script started by torchrun on every rank: only rank 0 runs the engine, the others serve it.
+        from pagedserve.runner.launch import main as worker_main
+        raise SystemExit(worker_main())
+    return MultiProcExecutor(config, hf_config, device, dtype, runner_factory)

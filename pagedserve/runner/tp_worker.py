@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from pagedserve.runner.dist_env import (DistEnv, DistGroups, destroy_distributed, init_compute, init_control,
+from pagedserve.runner.dist_env import DistEnv
+from pagedserve.runner.dist_groups import (DistGroups, destroy_distributed, init_compute, init_control,
                                         report_error)
 
 logger = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
+DEFAULT_RUNNER = "pagedserve.runner.model_runner:ModelRunner"
 # Test hook: "RANK:CALL" makes that rank raise on its CALL-th execute_model (1-based).
 FAIL_ENV = "PAGEDSERVE_TP_TEST_FAIL"
 
@@ -59,12 +61,11 @@ class Worker:
             if int(r) == self.rank:
                 self._fail_at = int(n)
 
-    def init_runner(self, config, runner_factory: str | None = None) -> None:
-        """Build the compute group and this rank's ModelRunner (it loads only its own weight slices)."""
+    def init_runner(self, config, hf_config, dtype, runner_factory: str | None = None) -> None:
+        """Build the compute group and this rank's ModelRunner (load_model then reads only its slices)."""
         init_compute(self.groups, config.device)
-        factory = _resolve(runner_factory or "pagedserve.runner.model_runner:ModelRunner")
-        self.runner = factory(config, tp_rank=self.rank, tp_size=self.groups.env.world_size,
-                              device=self.groups.device)
+        factory = _resolve(runner_factory or DEFAULT_RUNNER)
+        self.runner = factory(config, hf_config, self.groups.device, dtype)
 
     def call(self, method: str, *args, **kwargs):
         """Any other method of the runner (determine_num_blocks, init_kv_cache, ...)."""
@@ -83,6 +84,7 @@ class Worker:
 
 
 def _resolve(path: str):
+    """"module:attr" -> the object (so a runner class can be named across processes)."""
     import importlib
     mod, _, name = path.partition(":")
     return getattr(importlib.import_module(mod), name)
