@@ -169,7 +169,12 @@ class MultiProcExecutor:
             raise self._fail(None)
 
     def _monitor(self) -> None:
-        """Notice a worker process that exits while the engine still needs it."""
+        """Notice a worker process that exits while the engine still needs it.
+
+        On CPU the next collective fails at once (gloo sees the socket close) and the main
+        thread raises. NCCL instead waits for a dead peer until its timeout, so there the
+        compute group is aborted, which turns the wait into an error the main thread raises.
+        """
         pending = dict(self._procs)
         while pending and not self._closed:
             for rank, p in list(pending.items()):
@@ -178,7 +183,20 @@ class MultiProcExecutor:
                     del pending[rank]
                     self._dead.append((rank, code))
                     logger.error("tensor-parallel rank %d (pid %d) exited with code %s", rank, p.pid, code)
+                    self._abort_compute_if_stuck()
             time.sleep(0.1)
+
+    def _abort_compute_if_stuck(self, grace_s: float = 2.0) -> None:
+        groups = getattr(self, "groups", None)
+        if groups is None or groups.device is None or groups.device.type != "cuda":
+            return
+        time.sleep(grace_s)
+        if self._failure is None and not self._closed:
+            try:
+                from torch.distributed.distributed_c10d import _abort_process_group
+                _abort_process_group(groups.compute)
+            except Exception as e:  # experimental API: the NCCL watchdog's timeout remains the backstop
+                logger.error("could not abort the NCCL group after a rank died: %s", e)
 
     def _raise_if_dead(self) -> None:
         for rank, p in self._procs.items():
