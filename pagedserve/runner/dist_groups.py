@@ -13,6 +13,7 @@ The store doubles as the error channel: a worker that fails writes its traceback
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -40,7 +41,7 @@ def compute_device(env: DistEnv, device: str) -> torch.device:
 
 
 def joined_key(rank: int) -> str:
-    return f"pagedserve/joined/{rank}"
+    return f"joined/{rank}"
 
 
 def init_control(env: DistEnv, check_alive=None) -> DistGroups:
@@ -54,8 +55,11 @@ def init_control(env: DistEnv, check_alive=None) -> DistGroups:
         raise RuntimeError("torch.distributed is already initialized in this process: "
                            "one tensor-parallel engine per process")
     timeout = compute_timeout()
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=env.rank == 0,
-                          timeout=timeout, wait_for_workers=False)
+    # Under torchrun the agent of node 0 already hosts a store at MASTER_PORT: every rank is a client.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    tcp = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                        is_master=env.rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False)
+    store = dist.PrefixStore("pagedserve", tcp)  # the agent's store is shared with torchrun itself
     if env.rank == 0:
         deadline = time.monotonic() + timeout.total_seconds()
         missing = list(range(1, env.world_size))
@@ -100,7 +104,7 @@ def destroy_distributed() -> None:
 
 
 def error_key(rank: int) -> str:
-    return f"pagedserve/error/{rank}"
+    return f"error/{rank}"
 
 
 def report_error(store: dist.Store, rank: int, message: str) -> None:

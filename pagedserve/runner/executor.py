@@ -94,6 +94,12 @@ class MultiProcExecutor:
         else:
             env = DistEnv(rank=0, world_size=self.world_size, local_rank=0, master_addr="127.0.0.1",
                           master_port=free_port(), external=False)
+        check_tp_shapes(hf_config, self.world_size)
+        if compute_device(env, config.device).type == "cuda" and not env.external:
+            gpus = torch.cuda.device_count()
+            if self.world_size > gpus:
+                raise ValueError(f"tensor_parallel_size ({self.world_size}) must be <= the number of visible "
+                                 f"GPUs ({gpus}); across machines, start the ranks with torchrun")
         self.env = env
         self._threads = 0
         if compute_device(env, config.device).type == "cpu" and not env.external:
@@ -151,7 +157,16 @@ class MultiProcExecutor:
                 gathered = [None] * self.world_size
                 dist.gather_object(result, gathered, dst=0, group=self.groups.control)
             except BaseException as e:
-                raise self._fail(e) from e
+                found = self._describe_failures(wait_s=5.0 if isinstance(e, RuntimeError) else 0.2)
+                if found:
+                    raise self._fail_with(TensorParallelError("; ".join(found))) from e
+                if isinstance(e, dist.DistError):  # e.g. a rank stopped answering: the compute timeout
+                    raise self._fail_with(TensorParallelError(f"a tensor-parallel collective failed in {method}: "
+                                                              f"{e}")) from e
+                # Rank 0's own error (a bad setting, no room for the KV cache, Ctrl-C, ...): the other
+                # ranks may be stuck mid-step, so stop them, then let the original exception through.
+                self._fail_with(TensorParallelError(f"tensor-parallel rank 0 failed in {method}: {e!r}"))
+                raise
             for r in gathered:
                 if isinstance(r, _RemoteError):
                     raise self._fail_with(TensorParallelError(
@@ -166,7 +181,7 @@ class MultiProcExecutor:
         if self._closed:
             raise TensorParallelError("the tensor-parallel executor is shut down")
         if self._dead:
-            raise self._fail(None)
+            raise self._fail()
 
     def _monitor(self) -> None:
         """Notice a worker process that exits while the engine still needs it.
@@ -224,10 +239,10 @@ class MultiProcExecutor:
                 return found
             time.sleep(0.05)
 
-    def _fail(self, exc: BaseException | None) -> TensorParallelError:
-        found = self._describe_failures(wait_s=5.0 if exc is not None else 0.5)
-        if not found:
-            found = [f"tensor-parallel collective failed on rank 0: {type(exc).__name__}: {exc}"]
+    def _fail(self) -> TensorParallelError:
+        """A worker is known to be dead: name it and its cause."""
+        found = self._describe_failures(wait_s=0.5) or [f"tensor-parallel rank {r} exited with code {c}"
+                                                        for r, c in self._dead]
         return self._fail_with(TensorParallelError("; ".join(found)))
 
     def _fail_with(self, err: TensorParallelError) -> TensorParallelError:
@@ -290,6 +305,21 @@ class MultiProcExecutor:
             except Exception as e:
                 logger.warning("tensor-parallel shutdown broadcast failed: %s", e)
         self._teardown(graceful)
+
+
+def check_tp_shapes(hf_config, tp: int) -> None:
+    """Refuse, before any process starts, a model whose heads or widths do not split into tp parts."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads ({heads})")
+    if kv % tp and tp % kv:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide num_key_value_heads ({kv}) or be a multiple "
+                         "of it (KV heads are then replicated)")
+    for key in ("intermediate_size", "ffn_dim"):
+        width = getattr(hf_config, key, None)
+        if isinstance(width, int) and width % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide {key} ({width})")
 
 
 def _signal_name(code: int | None) -> str:

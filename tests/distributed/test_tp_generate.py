@@ -50,3 +50,9 @@ def test_tp2_under_preemption_and_chunked_prefill(tiny_model_dir):
         assert stats.num_blocks_used == 0
     finally:
         llm.shutdown()
+
+
+def test_tp_size_that_does_not_split_the_heads_is_a_value_error(tiny_model_dir):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) must divide num_attention_heads \(4\)"):
+        LLM(str(tiny_model_dir("llama")), device="cpu", tensor_parallel_size=3)
+    assert not launch_children()
