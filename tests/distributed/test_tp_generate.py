@@ -37,9 +37,9 @@ def test_tp2_matches_tp1(tiny_model_dir, case):
 
 def test_tp2_under_preemption_and_chunked_prefill(tiny_model_dir):
     model = str(tiny_model_dir("llama"))
-    prompts = PROMPTS * 2
+    prompts = PROMPTS
     ref = greedy(LLM(model, device="cpu", num_gpu_blocks_override=256, block_size=4), prompts, 24)
-    # 24 blocks of 4 tokens cannot hold 8 sequences of 30-80 tokens; 8 tokens a step chunks every prompt.
+    # 24 blocks of 4 tokens cannot hold 4 sequences of 30-80 tokens; 8 tokens a step chunks every prompt.
     kw = dict(device="cpu", num_gpu_blocks_override=24, block_size=4, max_num_batched_tokens=8,
               max_model_len=96, preemption_mode="swap", enable_prefix_caching=False)
     llm = LLM(model, tensor_parallel_size=2, **kw)
