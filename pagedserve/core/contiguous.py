@@ -137,6 +137,9 @@ class ContiguousKVCacheManager:
     def can_append_slots(self, seqs: Iterable[tuple[Sequence, int]]) -> bool:
         return all(s.num_computed_tokens + n <= self._runs[s.seq_id][1] * self.block_size for s, n in seqs)
 
+    def exceeds_capacity(self, group: SequenceGroup, seqs: Iterable[tuple[Sequence, int]]) -> bool:
+        return any(s.num_computed_tokens + n > self.num_gpu_blocks * self.block_size for s, n in seqs)
+
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         if not self.can_append_slots([(seq, num_new_tokens)]):
             raise ValueError(f"seq {seq.seq_id} outgrew its contiguous reservation")

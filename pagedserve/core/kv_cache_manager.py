@@ -101,10 +101,14 @@ class KVCacheManager:
         free = self.get_num_free_blocks()
         if total > self.num_gpu_blocks:
             return AllocStatus.NEVER
-        if needed <= free - self.watermark_blocks:
+        fork_reserve = 0
+        if len(group.seqs) == 1 and not group.seqs[0].output_token_ids:
+            # The prompt will fork into best_of sequences: keep a block for each child's first write.
+            fork_reserve = (group.sampling_params.best_of or 1) - 1
+        if needed + fork_reserve <= free - self.watermark_blocks:
             return AllocStatus.OK
-        if total > self.num_gpu_blocks - self.watermark_blocks and needed <= free and not self.block_tables:
-            # Only fits by eating the watermark: admit it alone rather than never.
+        if needed <= free and not self.block_tables:
+            # The cache is idle: admit what fits now rather than wait for a margin that never comes.
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -144,6 +148,11 @@ class KVCacheManager:
         """Whether every (seq, num_new_tokens) can get slots (new blocks and COW copies) now."""
         needed = sum(self._blocks_needed(s, n) for s, n in seqs)
         return needed <= self.get_num_free_blocks()
+
+    def exceeds_capacity(self, group: SequenceGroup, seqs: Iterable[tuple[Sequence, int]]) -> bool:
+        """Whether the group would need more blocks than the whole device cache to take this step."""
+        own = len(self._distinct(self.block_tables[s.seq_id] for s in self._group_seqs(group, self.block_tables)))
+        return own + sum(self._blocks_needed(s, n) for s, n in seqs) > self.num_gpu_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make slots [num_computed, num_computed + n) writable; returns COW (src, dst) pairs."""
@@ -222,8 +231,10 @@ class KVCacheManager:
     def can_swap_in(self, group: SequenceGroup) -> bool:
         seqs = self._group_seqs(group, self.cpu_block_tables)
         n = len(self._distinct(self.cpu_block_tables[s.seq_id] for s in seqs))
-        # One spare block per seq for its next token (or a copy-on-write) right after.
-        return n + len(seqs) <= self.get_num_free_blocks() - self.watermark_blocks
+        # One spare block per seq for its next token (or a copy-on-write) right after,
+        # unless the cache is empty: then it comes back anyway and grows as far as it can.
+        free = self.get_num_free_blocks()
+        return n + len(seqs) <= free - self.watermark_blocks or (n <= free and not self.block_tables)
 
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         mapping = self._move(group, self.cpu_block_tables, self.block_tables, self.cpu_pool, self.pool)

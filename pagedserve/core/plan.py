@@ -15,29 +15,33 @@ class ScheduledSequence:
 
     block_table covers at least start + num_new_tokens tokens; the runner writes the
     new K/V into those slots and attends over [0, start + num_new_tokens).
+    do_sample and is_decode are fixed when the step is planned, so they stay true to the
+    plan after the engine appends the sampled token to seq.
     """
     seq: Sequence
     group: SequenceGroup
     start: int
     num_new_tokens: int
     block_table: list[int]
+    do_sample: bool = field(init=False)
+    is_decode: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        n = self.seq.num_tokens
+        # A token is sampled only when this step reaches the end of the sequence.
+        self.do_sample = self.start + self.num_new_tokens == n
+        self.is_decode = self.num_new_tokens == 1 and self.start == n - 1 and bool(self.seq.output_token_ids)
 
     @property
     def context_len(self) -> int:
         return self.start + self.num_new_tokens
 
-    @property
-    def do_sample(self) -> bool:
-        """A token is sampled only when this step reaches the end of the sequence."""
-        return self.context_len == self.seq.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.start == self.seq.num_tokens - 1 and bool(self.seq.output_token_ids)
-
 
 @dataclass
 class SchedulerOutput:
+    """One step. The runner applies, in this order: blocks_to_swap_out, blocks_to_swap_in,
+    blocks_to_copy, then the forward pass (a block freed by a swap-out may be reused as a
+    copy or swap-in destination within the same step)."""
     # Decodes first, then prefill chunks (kernels rely on that order).
     scheduled: list[ScheduledSequence] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)   # (cpu block, device block)

@@ -138,9 +138,13 @@ class Scheduler:
         # 1. decodes of running groups
         while remaining:
             group = remaining.popleft()
-            decodes = [s for s in group.seqs_with_status(RUNNING) if _is_decode(s)]
-            if not decodes or len(decodes) > self._budget:
+            decodes = [s for s in group.seqs_with_status(RUNNING) if _is_decode(s)][:self._budget]
+            if not decodes:
                 pending.append((group, False))
+                continue
+            if mgr.exceeds_capacity(group, [(s, 1) for s in decodes]):
+                self._finish_full(group)
+                pending.append((group, True))
                 continue
             victim_is_self = False
             while not mgr.can_append_slots([(s, 1) for s in decodes]):
@@ -225,7 +229,12 @@ class Scheduler:
             seqs = group.seqs_with_status(WAITING)
             too_long = any(s.num_tokens > cfg.max_model_len for s in seqs)
             status = AllocStatus.NEVER if too_long else mgr.can_allocate(group)
-            if status is AllocStatus.NEVER:
+            if status is AllocStatus.NEVER and group.admitted_at is not None:
+                self.waiting.popleft()
+                self._finish_full(group)
+                self._insert_running(group)  # handed back by free_finished_seq_groups()
+                continue
+            if status is AllocStatus.NEVER or (group.sampling_params.best_of or 1) > cfg.max_num_seqs:
                 self.waiting.popleft()
                 for s in seqs:
                     s.status = SequenceStatus.FINISHED_IGNORED
@@ -235,7 +244,7 @@ class Scheduler:
                 break
             if self._num_running_seqs() + self._seq_cost(group) > cfg.max_num_seqs:
                 break
-            if not cfg.enable_chunked_prefill and sum(s.num_tokens for s in seqs) > self._budget:
+            if not cfg.enable_chunked_prefill and max(s.num_tokens for s in seqs) > self._budget:
                 break
             self.waiting.popleft()
             mgr.allocate(group)
@@ -246,6 +255,14 @@ class Scheduler:
             self._insert_running(group)
             for s in seqs:
                 self._schedule_prefill(group, s, scheduled, out)
+
+    def _finish_full(self, group: SequenceGroup) -> None:
+        """The group alone outgrew the whole device cache: end it as if it hit max_model_len
+        (finish_reason "length") instead of preempting it forever. Engines that size
+        max_model_len to the cache, as vLLM does, never get here."""
+        for s in group.unfinished_seqs():
+            s.status = SequenceStatus.FINISHED_LENGTH
+            self.kv_cache_manager.free(s)
 
     def _insert_running(self, group: SequenceGroup) -> None:
         keys = [g.admitted_at for g in self.running]

@@ -91,10 +91,12 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:
             with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
-                while any(engine.has_request(r) for r in order):
-                    for out in engine.step():
-                        if out.finished and out.request_id in order:
+                remaining = len(order)
+                while remaining and engine.has_unfinished_requests():
+                    for out in engine.step(final_only=True):
+                        if out.request_id in order:
                             results[order[out.request_id]] = out
+                            remaining -= 1
                             bar.update(1)
         except BaseException:
             engine.abort_request(list(order))
@@ -116,7 +118,7 @@ class LLM:
             with tqdm(total=len(prompts), desc="Beam search", disable=not use_tqdm) as bar:
                 pending = set(rids)
                 while pending:
-                    engine.step()
+                    engine.step(final_only=True)
                     done = {r for r in pending if not engine.has_request(r)}
                     bar.update(len(done))
                     pending -= done

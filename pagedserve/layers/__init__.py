@@ -1,0 +1,1 @@
+"""Building blocks for models: norms, rotary embeddings, tensor-parallel linear layers, weight loaders."""

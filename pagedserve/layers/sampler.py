@@ -172,11 +172,17 @@ class Sampler:
         chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
         want = [r.params.logprobs for r in rows]
         max_n = max((w for w in want if w is not None), default=None)
-        top_vals = top_ids = None
+        # One device->host transfer per step (float64 holds every token id exactly).
+        parts = [tokens.double()[:, None], chosen.double()[:, None]]
         if max_n:
             top_vals, top_ids = raw_logprobs.topk(max_n, dim=-1)
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        token_list, chosen_list = tokens.tolist(), chosen.tolist()
+            parts += [top_ids.double(), top_vals.double()]
+        host = torch.cat(parts, dim=1).cpu()
+        token_list = host[:, 0].long().tolist()
+        chosen_list = host[:, 1].tolist()
+        if max_n:
+            top_ids = host[:, 2:2 + max_n].long().tolist()
+            top_vals = host[:, 2 + max_n:].tolist()
 
         tops: list[dict[int, float] | None] = []
         for i, w in enumerate(want):

@@ -39,6 +39,23 @@ class StepInput:
     batch: HostBatch | None
 
 
+def resolve_device(device: str | torch.device = "auto") -> torch.device:
+    """"auto": the current CUDA device when there is one, else CPU."""
+    if isinstance(device, torch.device):
+        return device
+    if device == "auto":
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
+    return dev
+
+
 class ModelRunner:
     def __init__(self, engine_config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype):
         self.config, self.hf_config = engine_config, hf_config

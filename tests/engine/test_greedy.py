@@ -24,3 +24,63 @@ def test_greedy_batch_matches_hf(tiny_model_dir, arch):
     model_dir = tiny_model_dir(arch)
     llm = make_llm(model_dir)
     _check(llm, model_dir, prompt_ids(model_dir))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_greedy_under_preemption(tiny_model_dir, mode):
+    model_dir = tiny_model_dir("llama")
+    ids = prompt_ids(model_dir)
+    # 8 tokens per block; the longest request (90 + 20 tokens) needs 14 blocks: 16 force preemptions.
+    llm = make_llm(model_dir, block_size=8, num_gpu_blocks_override=16, preemption_mode=mode,
+                   swap_space=0.05, max_num_batched_tokens=64)
+    sched = llm.llm_engine.scheduler
+    swaps = []
+    schedule = sched.schedule
+
+    def spy():
+        out = schedule()
+        swaps.append(len(out.blocks_to_swap_out))
+        return out
+    sched.schedule = spy
+    _check(llm, model_dir, ids, max_tokens=20, ignore_eos=True)
+    assert llm.get_kv_cache_stats().num_preemptions > 0
+    assert (sum(swaps) > 0) == (mode == "swap")
+
+
+@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+def test_greedy_block_sizes_and_chunked_prefill(tiny_model_dir, block_size):
+    model_dir = tiny_model_dir("qwen2")
+    # A 7-token budget chunks every prompt longer than that, mixed with decodes.
+    llm = make_llm(model_dir, block_size=block_size, max_num_batched_tokens=7)
+    _check(llm, model_dir, prompt_ids(model_dir))
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_greedy_prefix_caching_on_off(tiny_model_dir, prefix_caching):
+    model_dir = tiny_model_dir("mistral")
+    ids = prompt_ids(model_dir)
+    llm = make_llm(model_dir, block_size=4, enable_prefix_caching=prefix_caching)
+    _check(llm, model_dir, ids)
+    _check(llm, model_dir, ids)  # second round: every full prompt block is cached
+    stats = llm.get_kv_cache_stats()
+    assert (stats.prefix_cache_hits > 0) == prefix_caching
+
+
+def test_requests_arriving_while_others_decode(tiny_model_dir):
+    model_dir = tiny_model_dir("opt")
+    ids = prompt_ids(model_dir)
+    llm = make_llm(model_dir, block_size=8, max_num_batched_tokens=16)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    done, pending, step = {}, list(enumerate(ids)), 0
+    while pending or engine.has_unfinished_requests():
+        if pending and step % 3 == 0:
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", {"prompt_token_ids": p}, params)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    for i, p in enumerate(ids):
+        assert done[f"r{i}"] == hf_greedy(model_dir, p, MAX_TOKENS)
+    assert_no_leak(llm)

@@ -1,0 +1,231 @@
+"""Scheduler behaviour: budgets, step order, chunked prefill, preemption, swap, rejection."""
+from pagedserve.config import SchedulerConfig
+from pagedserve.sequence import SequenceStatus
+
+from core_helpers import Driver, check_invariants, make_group, make_scheduler
+
+
+def prompt(n, base=0):
+    return [base + i for i in range(n)]
+
+
+def test_token_budget_and_max_num_seqs_respected():
+    s = make_scheduler(64, max_num_seqs=3, max_num_batched_tokens=10)
+    groups = [make_group(str(i), prompt(6, 100 * i), max_tokens=5) for i in range(5)]
+    for g in groups:
+        s.add_seq_group(g)
+    d = Driver(s)
+    out = d.step()
+    assert [(x.seq.seq_id, x.start, x.num_new_tokens) for x in out.scheduled] == \
+        [(groups[0].seqs[0].seq_id, 0, 6), (groups[1].seqs[0].seq_id, 0, 4)]
+    while s.has_unfinished_seqs():
+        out = d.step()
+        check_invariants(s)
+        assert out.num_batched_tokens <= 10
+        assert sum(len(g.unfinished_seqs()) for g in s.running) <= 3
+        assert len({x.seq.seq_id for x in out.scheduled}) <= 3
+    assert all(len(g.seqs[0].output_token_ids) == 5 for g in groups)
+
+
+def test_decodes_listed_before_prefill_chunks():
+    s = make_scheduler(64)
+    a, b = make_group("a", prompt(5)), make_group("b", prompt(7, 50))
+    s.add_seq_group(a)
+    s.add_seq_group(b)
+    d = Driver(s)
+    d.step()
+    c = make_group("c", prompt(9, 200))
+    s.add_seq_group(c)
+    out = d.step()
+    assert [x.is_decode for x in out.scheduled] == [True, True, False]
+    assert out.num_decodes == 2 and out.scheduled[2].group is c
+
+
+def test_chunked_prefill_splits_long_prompt():
+    s = make_scheduler(64, max_num_batched_tokens=8)
+    g = make_group("a", prompt(20), max_tokens=2)
+    s.add_seq_group(g)
+    d = Driver(s)
+    chunks = []
+    for _ in range(3):
+        out = d.step()
+        (x,) = out.scheduled
+        chunks.append((x.start, x.num_new_tokens, x.do_sample))
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
+    assert g.seqs[0].num_computed_tokens == 20 and len(g.seqs[0].output_token_ids) == 1
+
+
+def test_no_chunking_when_disabled():
+    s = make_scheduler(64, max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
+    a, b = make_group("a", prompt(10)), make_group("b", prompt(10, 50))
+    s.add_seq_group(a)
+    s.add_seq_group(b)
+    out = Driver(s).step()
+    assert [(x.group.request_id, x.num_new_tokens) for x in out.scheduled] == [("a", 10)]
+
+
+def _three_one_block_requests(s):
+    groups = [make_group(str(i), prompt(4, 10 * i), max_tokens=6) for i in range(3)]
+    for g in groups:
+        s.add_seq_group(g)
+    return groups
+
+
+def test_recompute_preempts_most_recent_and_requeues_it_first():
+    s = make_scheduler(4, block_size=4, preemption_mode="recompute")
+    g0, g1, g2 = _three_one_block_requests(s)
+    d = Driver(s)
+    d.step()  # all three prefilled, one block each, one block free
+    assert [g.admitted_at for g in (g0, g1, g2)] == [0, 1, 2]
+    out = d.step()  # each now needs a second block: g0 takes the free one, g2 is the victim
+    assert out.preempted == [g2] and s.waiting[0] is g2
+    seq = g2.seqs[0]
+    assert seq.status is SequenceStatus.WAITING and seq.num_computed_tokens == 0
+    assert len(seq.output_token_ids) == 1, "outputs stay and are recomputed with the prompt"
+    assert [x.group for x in out.scheduled] == [g0, g1]
+    assert not s.kv_cache_manager.has_table(seq)
+    d.run()
+    assert all(len(g.seqs[0].output_token_ids) == 6 for g in (g0, g1, g2))
+    assert s.get_kv_cache_stats().num_preemptions >= 1
+
+
+def test_swap_round_trip_resumes_before_new_requests():
+    s = make_scheduler(4, block_size=4, num_cpu_blocks=8, preemption_mode="swap")
+    g0, g1, g2 = _three_one_block_requests(s)
+    d = Driver(s)
+    d.step()
+    victim_block = s.kv_cache_manager.get_block_table(g2.seqs[0])[0]
+    out = d.step()
+    assert out.preempted == [g2] and out.blocks_to_swap_out == [(victim_block, 0)]
+    assert s.swapped == [g2] and g2.seqs[0].status is SequenceStatus.SWAPPED
+    assert s.get_kv_cache_stats().num_swapped_blocks == 1
+    late = make_group("late", prompt(3, 900), max_tokens=2)
+    s.add_seq_group(late)
+    while g2.seqs[0].status is not SequenceStatus.RUNNING:
+        out = d.step()
+        check_invariants(s)
+        assert late.admitted_at is None or g2.seqs[0].status is SequenceStatus.RUNNING, \
+            "a new request jumped ahead of a swapped one"
+    assert [c for c, _ in out.blocks_to_swap_in] == [0]  # g2's block comes back from CPU block 0
+    d.run()  # ShadowKV checked that g2 attends to its own swapped-back KV
+    assert len(g2.seqs[0].output_token_ids) == 6 and len(late.seqs[0].output_token_ids) == 2
+
+
+def test_auto_mode_chooses_the_cheaper_preemption():
+    for swap_cost, expect_swap in ((1.0, False), (1e-9, True)):
+        s = make_scheduler(4, block_size=4, num_cpu_blocks=8, preemption_mode="auto")
+        s.scheduler_config.swap_seconds_per_block = swap_cost
+        s.scheduler_config.recompute_seconds_per_token = 1e-5
+        _three_one_block_requests(s)
+        d = Driver(s)
+        d.step()
+        out = d.step()
+        assert out.preempted and bool(out.blocks_to_swap_out) == expect_swap
+
+
+def test_swap_falls_back_to_recompute_without_cpu_room():
+    s = make_scheduler(4, block_size=4, num_cpu_blocks=0, preemption_mode="swap")
+    g0, g1, g2 = _three_one_block_requests(s)
+    d = Driver(s)
+    d.step()
+    out = d.step()
+    assert out.preempted == [g2] and not out.blocks_to_swap_out and s.waiting[0] is g2
+
+
+def test_requests_that_can_never_fit_are_ignored_once():
+    s = make_scheduler(4, block_size=4, max_model_len=32)
+    ok1 = make_group("ok1", prompt(5), max_tokens=3)
+    too_long = make_group("too_long", prompt(33))           # longer than max_model_len
+    too_big = make_group("too_big", prompt(17))             # 5 blocks > the 4 of the cache
+    ok2 = make_group("ok2", prompt(3, 40), max_tokens=3)
+    for g in (ok1, too_long, too_big, ok2):
+        s.add_seq_group(g)
+    d = Driver(s)
+    d.run()
+    assert [g.request_id for g in d.ignored] == ["too_long", "too_big"]
+    assert all(g.seqs[0].status is SequenceStatus.FINISHED_IGNORED for g in d.ignored)
+    assert {g.request_id for g in d.finished} == {"ok1", "ok2"}
+    assert all(len(g.seqs[0].output_token_ids) == 3 for g in (ok1, ok2))
+
+
+def test_abort_frees_blocks_in_every_queue():
+    s = make_scheduler(4, block_size=4, num_cpu_blocks=8, preemption_mode="swap")
+    g0, g1, g2 = _three_one_block_requests(s)
+    d = Driver(s)
+    d.step()
+    d.step()
+    assert s.swapped == [g2]
+    waiting = make_group("w", prompt(4, 70))
+    s.add_seq_group(waiting)
+    s.abort_seq_group(["2", "w", "0"])
+    check_invariants(s)
+    assert all(g.seqs[0].status is SequenceStatus.FINISHED_ABORTED for g in (g0, g2, waiting))
+    assert s.get_num_unfinished_seq_groups() == 1 and s.get_kv_cache_stats().num_swapped_blocks == 0
+    s.abort_seq_group("1")
+    assert not s.has_unfinished_seqs() and s.get_kv_cache_stats().num_blocks_used == 0
+
+
+def test_prefix_cache_hits_counted_in_tokens():
+    s = make_scheduler(64, block_size=4)
+    shared = prompt(8, 500)
+    a = make_group("a", shared + [1, 2], max_tokens=2)
+    s.add_seq_group(a)
+    d = Driver(s)
+    d.run()
+    b = make_group("b", shared + [3], max_tokens=2)
+    s.add_seq_group(b)
+    out = d.step()
+    assert out.scheduled[0].start == 8 and out.scheduled[0].num_new_tokens == 1
+    st = s.get_kv_cache_stats()
+    assert (st.prefix_cache_queries, st.prefix_cache_hits) == (10 + 9, 8)
+    assert abs(st.prefix_cache_hit_rate - 8 / 19) < 1e-12
+    d.run()
+
+
+def test_n_greater_than_one_forks_and_copies_on_write():
+    s = make_scheduler(16, block_size=4)
+    g = make_group("a", prompt(6), max_tokens=5, n=3)
+    s.add_seq_group(g)
+    d = Driver(s)
+    d.step()
+    assert len(g.seqs) == 3
+    tables = [s.kv_cache_manager.get_block_table(x) for x in g.seqs]
+    assert tables[0] == tables[1] == tables[2]
+    out = d.step()
+    assert len(out.blocks_to_copy) == 2, "two of three writers of the shared last block copy it"
+    d.run()
+    assert all(len(x.output_token_ids) == 5 for x in g.seqs)
+
+
+def test_contiguous_reserves_runs_and_reports_external_fragmentation():
+    s = make_scheduler(10, block_size=4, max_model_len=16, kv_allocator="contiguous-max")
+    groups = [make_group(str(i), prompt(5, 10 * i), max_tokens=3, oracle=3) for i in range(3)]
+    for g in groups:
+        s.add_seq_group(g)
+    Driver(s).step()
+    mgr = s.kv_cache_manager
+    assert [mgr.get_block_table(g.seqs[0]) for g in groups[:2]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert s.num_waiting == 1 and mgr.free_holes() == [(8, 2)]
+    bd = s.get_memory_breakdown()
+    # Per request: 5 computed, final length 5 + 3 = 8, reservation 16 slots.
+    assert (bd.token_states, bd.reserved, bd.internal_fragmentation, bd.external_fragmentation) == \
+        (10, 6, 16, 8)
+    st = s.get_kv_cache_stats()
+    assert st.num_allocated_slots == 32 and st.num_live_tokens == 10
+
+
+def test_contiguous_variants_reserve_their_rule():
+    sizes = {}
+    for alloc in ("contiguous-max", "contiguous-pow2", "contiguous-oracle"):
+        s = make_scheduler(64, block_size=4, max_model_len=64, kv_allocator=alloc)
+        g = make_group("a", prompt(5), max_tokens=20, oracle=7)
+        s.add_seq_group(g)
+        Driver(s).step()
+        sizes[alloc] = len(s.kv_cache_manager.get_block_table(g.seqs[0]))
+    assert sizes == {"contiguous-max": 16, "contiguous-pow2": 8, "contiguous-oracle": 3}
+
+
+def test_scheduler_config_rejects_bad_values():
+    import pytest
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        SchedulerConfig(max_num_seqs=0)

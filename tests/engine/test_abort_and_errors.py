@@ -1,0 +1,117 @@
+"""Aborts mid-flight leave no block behind; bad arguments raise ValueError naming the field."""
+import pytest
+
+from pagedserve import LLM, BeamSearchParams, SamplingParams
+
+from .helpers import assert_no_leak, make_llm, prompt_ids
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+def test_abort_mid_flight_forked_beam_and_swapped(model_dir):
+    ids = prompt_ids(model_dir)
+    # Small cache: the mix below is forced into swap preemption while it runs.
+    llm = make_llm(model_dir, block_size=4, num_gpu_blocks_override=48, swap_space=0.05, preemption_mode="swap")
+    engine = llm.llm_engine
+    long = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=1)
+    engine.add_request("fork", {"prompt_token_ids": ids[1]}, SamplingParams(n=3, temperature=1.0, max_tokens=60,
+                                                                            ignore_eos=True))
+    engine.add_beam_search_request("beam", {"prompt_token_ids": ids[0]},
+                                   BeamSearchParams(beam_width=3, max_tokens=60, ignore_eos=True))
+    for i, p in enumerate(ids[2:8]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, long)
+    saw_swapped = saw_forked = False
+    for _ in range(40):
+        engine.step()
+        saw_swapped |= engine.scheduler.num_swapped > 0
+        saw_forked |= engine.has_request("fork") and len(engine._groups["fork"].seqs) == 3
+        if saw_swapped and saw_forked and engine.scheduler.num_swapped > 0:
+            break
+    assert saw_forked and saw_swapped
+    assert llm.get_kv_cache_stats().num_blocks_used > 0
+    engine.abort_request(["fork", "beam"] + [f"r{i}" for i in range(6)] + ["no-such-request"])
+    engine.abort_request("fork")  # twice: quietly ignored
+    assert engine.step() == []
+    assert_no_leak(llm)
+    assert engine.pop_beam_search_output("beam") is None
+
+
+def test_abort_after_finish_and_unknown_ids_are_quiet(model_dir):
+    llm = make_llm(model_dir)
+    out = llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    llm.llm_engine.abort_request(out.request_id)
+    llm.llm_engine.abort_request(["x", "y"])
+    assert_no_leak(llm)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return make_llm(model_dir, max_model_len=64, num_gpu_blocks_override=8, block_size=16)
+
+
+@pytest.mark.parametrize("prompt,params,field", [
+    ("", None, "prompt"),
+    ({"prompt_token_ids": []}, None, "prompt"),
+    ({"prompt_token_ids": [1, 2, 100000]}, None, "prompt_token_ids"),
+    ({"prompt_token_ids": [1, -1]}, None, "prompt_token_ids"),
+    ({"prompt_token_ids": [1, "a"]}, None, "prompt_token_ids"),
+    ({"nothing": 1}, None, "prompt"),
+    ({"prompt_token_ids": [1] * 60}, SamplingParams(max_tokens=10), "max_model_len"),
+    ({"prompt_token_ids": [1] * 64}, SamplingParams(max_tokens=None), "max_model_len"),
+    ({"prompt_token_ids": [1, 2]}, SamplingParams(stop_token_ids=[5000]), "stop_token_ids"),
+    ({"prompt_token_ids": [1, 2]}, SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
+])
+def test_bad_requests_raise_naming_the_field(llm, prompt, params, field):
+    with pytest.raises(ValueError, match=field):
+        llm.generate(prompt, params, use_tqdm=False)
+    assert_no_leak(llm)
+
+
+def test_duplicate_request_id_and_param_checks(llm):
+    engine = llm.llm_engine
+    engine.add_request("dup", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3))
+    with pytest.raises(ValueError, match="request_id"):
+        engine.add_request("dup", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3))
+    engine.abort_request("dup")
+    with pytest.raises(ValueError, match="sampling_params"):
+        engine.add_request("p", "hello", {"temperature": 0})
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(["a", "b"], [SamplingParams()], use_tqdm=False)
+    # prompt + max_tokens must fit the 8 x 16 = 128-slot cache... and max_model_len=64 comes first.
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("q", {"prompt_token_ids": [1] * 10}, SamplingParams(max_tokens=60))
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=3)
+    for kw, field in [(dict(top_p=0.0), "top_p"), (dict(temperature=-1), "temperature"), (dict(n=0), "n"),
+                      (dict(n=3, best_of=2), "best_of"), (dict(max_tokens=0), "max_tokens"),
+                      (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(top_k=-5), "top_k"),
+                      (dict(logprobs=99), "logprobs"), (dict(repetition_penalty=0), "repetition_penalty")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**kw)
+    assert_no_leak(llm)
+
+
+def test_cache_too_small_for_request(model_dir):
+    llm = make_llm(model_dir, num_gpu_blocks_override=2, block_size=4)
+    with pytest.raises(ValueError, match="KV cache"):
+        llm.generate({"prompt_token_ids": [1] * 6}, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert_no_leak(llm)
+
+
+def test_llm_argument_errors(model_dir):
+    with pytest.raises(ValueError, match="not_an_arg"):
+        LLM(str(model_dir), not_an_arg=1)
+    with pytest.raises(ValueError, match="block_size"):
+        LLM(str(model_dir), block_size=0)
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(str(model_dir), device="cpu", max_model_len=100000)
+    with pytest.raises(ValueError, match="model"):
+        LLM("/nonexistent/dir")
+
+
+def test_bad_tokenizer_path_names_the_field(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(model_dir), device="cpu", tokenizer=str(tmp_path / "missing"))

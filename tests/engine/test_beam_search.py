@@ -1,0 +1,100 @@
+"""Beam search equals HF generate(num_beams=k, early_stopping=True) and shares blocks by copy-on-write."""
+import pytest
+import torch
+
+from pagedserve import BeamSearchParams
+
+from .helpers import assert_no_leak, hf_greedy, hf_model, make_llm, prompt_ids
+
+K, MAX_NEW = 3, 8
+
+
+def _hf_beams(model_dir, prompt, eos, length_penalty):
+    model = hf_model(str(model_dir))
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             do_sample=False, num_beams=K, early_stopping=True, length_penalty=length_penalty,
+                             num_return_sequences=K, max_new_tokens=MAX_NEW, pad_token_id=2, eos_token_id=eos,
+                             output_scores=True, return_dict_in_generate=True)
+    beams = []
+    for seq, score in zip(out.sequences, out.sequences_scores.tolist()):
+        toks = seq[len(prompt):].tolist()
+        if eos in toks:
+            toks = toks[:toks.index(eos) + 1]
+        beams.append((toks, score))
+    return beams
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0, 2.0])
+def test_beam_search_matches_hf(tiny_model_dir, arch, length_penalty):
+    model_dir = tiny_model_dir(arch)
+    ids = prompt_ids(model_dir)[:4]
+    # A token the model likes to emit plays EOS, so hypotheses end at different lengths and
+    # the length penalty matters.
+    eos = hf_greedy(model_dir, ids[0], 3)[2]
+    llm = make_llm(model_dir, block_size=4)
+    engine = llm.llm_engine
+    engine.eos_token_ids.clear()
+    engine.eos_token_ids.add(eos)
+    outs = llm.beam_search([{"prompt_token_ids": p} for p in ids],
+                           BeamSearchParams(beam_width=K, max_tokens=MAX_NEW, length_penalty=length_penalty))
+    ended_by_eos = 0
+    for p, out in zip(ids, outs):
+        ref = _hf_beams(model_dir, p, eos, length_penalty)
+        assert [s.output_tokens for s in out.sequences] == [t for t, _ in ref], p
+        for s, (_, score) in zip(out.sequences, ref):
+            assert s.score == pytest.approx(score, abs=1e-4)
+            assert s.tokens == p + s.output_tokens
+            ended_by_eos += s.finish_reason == "stop"
+        assert [s.score for s in out.sequences] == sorted((s.score for s in out.sequences), reverse=True)
+    assert ended_by_eos > 0
+    assert_no_leak(llm)
+
+
+def test_beams_share_prompt_blocks(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen2")
+    prompt = prompt_ids(model_dir)[5]
+    llm = make_llm(model_dir, block_size=4, enable_prefix_caching=False)
+    width = 4
+    out = llm.beam_search({"prompt_token_ids": prompt},
+                          BeamSearchParams(beam_width=width, max_tokens=6, ignore_eos=True))[0]
+    assert len(out.sequences) == width
+    assert all(len(s.output_tokens) == 6 and s.finish_reason == "length" for s in out.sequences)
+    prompt_blocks = -(-len(prompt) // 4)
+    peak = llm.get_kv_cache_stats().peak_blocks_used
+    # One copy of the prompt plus a few diverged tail blocks per beam, not width copies.
+    assert peak < prompt_blocks + width * 4
+    assert peak < width * prompt_blocks
+    assert out.sequences[0].text == llm.get_tokenizer().decode(out.sequences[0].tokens, skip_special_tokens=True)
+    assert_no_leak(llm)
+
+
+def test_beam_search_unchanged_by_swaps_and_split_steps(tiny_model_dir):
+    """A tight cache (beam groups are swapped out whole) and a token budget smaller than the
+    number of live beams (a group's beams then run in different steps) give the same beams."""
+    model_dir = tiny_model_dir("llama")
+    ids = prompt_ids(model_dir)[:4]
+    params = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True, length_penalty=0.5)
+    roomy = make_llm(model_dir, block_size=4).beam_search([{"prompt_token_ids": p} for p in ids], params)
+    tight = make_llm(model_dir, block_size=4, num_gpu_blocks_override=30, swap_space=0.05)
+    split = make_llm(model_dir, block_size=4, max_num_batched_tokens=3)
+    sched = split.llm_engine.scheduler
+    schedule, partial = sched.schedule, []
+
+    def spy():
+        out = schedule()
+        per_group = {}
+        for ss in out.scheduled:
+            per_group.setdefault(id(ss.group), [ss.group, 0])[1] += ss.is_decode
+        partial.extend(g for g, n in per_group.values() if 0 < n < len(g.unfinished_seqs()))
+        return out
+    sched.schedule = spy
+    for llm in (tight, split):
+        got = llm.beam_search([{"prompt_token_ids": p} for p in ids], params)
+        for a, b in zip(roomy, got):
+            assert [s.output_tokens for s in a.sequences] == [s.output_tokens for s in b.sequences]
+            assert [s.score for s in a.sequences] == pytest.approx([s.score for s in b.sequences], abs=1e-4)
+        assert_no_leak(llm)
+    assert tight.get_kv_cache_stats().num_preemptions > 0
+    assert partial

@@ -1,0 +1,125 @@
+"""Sampling through the whole engine: logprobs vs HF, seeds, n > 1 forks, best_of."""
+import pytest
+import torch
+
+from pagedserve import SamplingParams
+from pagedserve.layers.sampler import derive_seed
+
+from .helpers import assert_no_leak, hf_greedy, hf_model, make_llm, prompt_ids
+
+
+def _hf_logprobs(model_dir, prompt, output):
+    """log_softmax of HF's logits at each generated position."""
+    model = hf_model(str(model_dir))
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + output])).logits[0]
+    return torch.log_softmax(logits[len(prompt) - 1:-1].float(), dim=-1)
+
+
+@pytest.mark.parametrize("arch", ["llama", "opt"])
+def test_logprobs_match_hf(tiny_model_dir, arch):
+    model_dir = tiny_model_dir(arch)
+    ids = prompt_ids(model_dir)[:4]
+    llm = make_llm(model_dir, block_size=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, logprobs=3),
+              SamplingParams(temperature=0.9, top_k=20, seed=5, max_tokens=8, logprobs=5)] * 2
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    for p, sp, out in zip(ids, params, outs):
+        c = out.outputs[0]
+        ref = _hf_logprobs(model_dir, p, c.token_ids)
+        assert len(c.logprobs) == len(c.token_ids)
+        total = 0.0
+        for pos, (tok, lps) in enumerate(zip(c.token_ids, c.logprobs)):
+            assert lps[tok] == pytest.approx(float(ref[pos, tok]), abs=1e-4)
+            top = set(ref[pos].topk(sp.logprobs).indices.tolist())
+            assert set(lps) == top | {tok}
+            for t, lp in lps.items():
+                assert lp == pytest.approx(float(ref[pos, t]), abs=1e-4)
+            total += float(ref[pos, tok])
+        assert c.cumulative_logprob == pytest.approx(total, abs=1e-3)
+    assert_no_leak(llm)
+
+
+def test_top_k_1_sampling_is_greedy(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen3")
+    ids = prompt_ids(model_dir)[:3]
+    llm = make_llm(model_dir)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids],
+                        SamplingParams(temperature=1.5, top_k=1, max_tokens=8), use_tqdm=False)
+    for p, out in zip(ids, outs):
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, p, 8)
+
+
+def test_seeded_sampling_reproducible_and_batch_independent(tiny_model_dir):
+    model_dir = tiny_model_dir("llama")
+    ids = prompt_ids(model_dir)
+    llm = make_llm(model_dir, block_size=8)
+    target = SamplingParams(temperature=1.0, seed=1234, max_tokens=16)
+    alone = llm.generate({"prompt_token_ids": ids[1]}, target, use_tqdm=False)[0].outputs[0].token_ids
+    # Same request inside a crowd of unseeded and differently-seeded requests, in another position.
+    crowd = [{"prompt_token_ids": p} for p in ids]
+    params = [SamplingParams(temperature=1.0, max_tokens=16, seed=None if i % 2 else i) for i in range(len(ids))]
+    params[4] = target
+    crowd[4] = {"prompt_token_ids": ids[1]}
+    outs = llm.generate(crowd, params, use_tqdm=False)
+    assert outs[4].outputs[0].token_ids == alone
+    # A different engine seed changes unseeded requests, never seeded ones.
+    llm2 = make_llm(model_dir, block_size=16, seed=99)
+    assert llm2.generate({"prompt_token_ids": ids[1]}, target, use_tqdm=False)[0].outputs[0].token_ids == alone
+    other = SamplingParams(temperature=1.0, seed=1235, max_tokens=16)
+    assert llm.generate({"prompt_token_ids": ids[1]}, other, use_tqdm=False)[0].outputs[0].token_ids != alone
+    assert_no_leak(llm)
+
+
+def test_n_forks_equal_independent_requests_with_derived_seeds(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen2")
+    prompt = prompt_ids(model_dir)[5]  # long: many shared prompt blocks
+    n, seed = 4, 77
+    llm = make_llm(model_dir, block_size=4, enable_prefix_caching=False)
+    out = llm.generate({"prompt_token_ids": prompt}, SamplingParams(n=n, temperature=1.0, seed=seed, max_tokens=10),
+                       use_tqdm=False)[0]
+    peak_forked = llm.get_kv_cache_stats().peak_blocks_used
+    assert_no_leak(llm)
+    assert [c.index for c in out.outputs] == list(range(n))
+
+    llm2 = make_llm(model_dir, block_size=4, enable_prefix_caching=False)
+    singles = llm2.generate([{"prompt_token_ids": prompt}] * n,
+                            [SamplingParams(temperature=1.0, seed=derive_seed(seed, i), max_tokens=10)
+                             for i in range(n)], use_tqdm=False)
+    peak_independent = llm2.get_kv_cache_stats().peak_blocks_used
+    for c, single in zip(out.outputs, singles):
+        assert c.token_ids == single.outputs[0].token_ids
+        assert c.cumulative_logprob == pytest.approx(single.outputs[0].cumulative_logprob, abs=1e-4)
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1
+    # Forks share the prompt's blocks; independent requests each hold a copy.
+    assert peak_forked < peak_independent
+    assert_no_leak(llm2)
+
+
+def test_best_of_returns_the_n_most_likely(tiny_model_dir):
+    model_dir = tiny_model_dir("llama")
+    prompt = prompt_ids(model_dir)[0]
+    llm = make_llm(model_dir, block_size=8)
+    out = llm.generate({"prompt_token_ids": prompt},
+                       SamplingParams(n=2, best_of=5, temperature=1.0, seed=3, max_tokens=6), use_tqdm=False)[0]
+    singles = llm.generate([{"prompt_token_ids": prompt}] * 5,
+                           [SamplingParams(temperature=1.0, seed=derive_seed(3, i), max_tokens=6) for i in range(5)],
+                           use_tqdm=False)
+    ranked = sorted((s.outputs[0] for s in singles), key=lambda c: c.cumulative_logprob, reverse=True)
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in ranked[:2]]
+    assert out.outputs[0].cumulative_logprob >= out.outputs[1].cumulative_logprob
+    assert_no_leak(llm)
+
+
+def test_n_greater_than_one_under_swap_preemption(tiny_model_dir):
+    model_dir = tiny_model_dir("llama")
+    ids = prompt_ids(model_dir)[:6]
+    params = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=12, ignore_eos=True)
+    roomy = make_llm(model_dir, block_size=4)
+    ref = roomy.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    tight = make_llm(model_dir, block_size=4, num_gpu_blocks_override=40, swap_space=0.05)
+    got = tight.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    assert tight.get_kv_cache_stats().num_preemptions > 0
+    for a, b in zip(ref, got):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+    assert_no_leak(tight)
