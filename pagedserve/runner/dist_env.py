@@ -17,8 +17,13 @@ CONTROL_TIMEOUT = timedelta(days=30)
 
 
 def compute_timeout() -> timedelta:
-    """Longest a collective inside a step may wait for a peer (PAGEDSERVE_TP_TIMEOUT seconds)."""
+    """Longest a collective inside a step waits for a peer (PAGEDSERVE_TP_TIMEOUT seconds)."""
     return timedelta(seconds=float(os.environ.get("PAGEDSERVE_TP_TIMEOUT", "600")))
+
+
+def start_timeout() -> timedelta:
+    """Longest rank 0 waits for every rank to arrive (PAGEDSERVE_TP_START_TIMEOUT seconds)."""
+    return timedelta(seconds=float(os.environ.get("PAGEDSERVE_TP_START_TIMEOUT", "600")))
 
 
 @dataclass

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from pagedserve.runner.dist_env import CONTROL_TIMEOUT, DistEnv, compute_timeout
+from pagedserve.runner.dist_env import CONTROL_TIMEOUT, DistEnv, compute_timeout, start_timeout
 
 
 @dataclass
@@ -54,7 +54,7 @@ def init_control(env: DistEnv, check_alive=None) -> DistGroups:
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process: "
                            "one tensor-parallel engine per process")
-    timeout = compute_timeout()
+    timeout = start_timeout()
     # Under torchrun the agent of node 0 already hosts a store at MASTER_PORT: every rank is a client.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     tcp = dist.TCPStore(env.master_addr, env.master_port, env.world_size,

@@ -18,20 +18,22 @@ import atexit
 import logging
 import os
 import signal
-import threading
-import time
 import subprocess
 import sys
+import threading
+import time
 
 import torch
 import torch.distributed as dist
 
+from pagedserve.distributed import CollectiveError
 from pagedserve.runner.dist_env import DistEnv, free_port, is_external_worker, torchrun_env
 from pagedserve.runner.dist_groups import compute_device, destroy_distributed, init_control, read_error
 from pagedserve.runner.launch import NUM_THREADS_ENV, PARENT_PID_ENV
 from pagedserve.runner.tp_worker import DEFAULT_RUNNER, SHUTDOWN, Command, Worker, _RemoteError, _resolve
 
 logger = logging.getLogger(__name__)
+
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or died; the engine cannot continue."""
@@ -150,19 +152,22 @@ class MultiProcExecutor:
             self._check_usable()
             cmd = Command(method, args, kwargs, want_result)
             try:
-                dist.broadcast_object_list([cmd], src=0, group=self.groups.control)
+                _control(dist.broadcast_object_list, [cmd], src=0, group=self.groups.control)
                 result = self.worker.dispatch(cmd)
                 if not want_result:
                     return result
                 gathered = [None] * self.world_size
-                dist.gather_object(result, gathered, dst=0, group=self.groups.control)
+                _control(dist.gather_object, result, gathered, dst=0, group=self.groups.control)
             except BaseException as e:
-                found = self._describe_failures(wait_s=5.0 if isinstance(e, RuntimeError) else 0.2)
+                is_collective = isinstance(e, (CollectiveError, dist.DistError))
+                found = self._describe_failures(wait_s=2.0 if is_collective else 0.0)
                 if found:
                     raise self._fail_with(TensorParallelError("; ".join(found))) from e
-                if isinstance(e, dist.DistError):  # e.g. a rank stopped answering: the compute timeout
-                    raise self._fail_with(TensorParallelError(f"a tensor-parallel collective failed in {method}: "
-                                                              f"{e}")) from e
+                if is_collective:
+                    alive = [r for r, p in self._procs.items() if p.poll() is None] or "unknown (external)"
+                    raise self._fail_with(TensorParallelError(
+                        f"tensor-parallel rank(s) {alive} stopped answering in {method} (no rank reported an "
+                        f"error; PAGEDSERVE_TP_TIMEOUT bounds the wait): {e}")) from e
                 # Rank 0's own error (a bad setting, no room for the KV cache, Ctrl-C, ...): the other
                 # ranks may be stuck mid-step, so stop them, then let the original exception through.
                 self._fail_with(TensorParallelError(f"tensor-parallel rank 0 failed in {method}: {e!r}"))
@@ -305,6 +310,16 @@ class MultiProcExecutor:
             except Exception as e:
                 logger.warning("tensor-parallel shutdown broadcast failed: %s", e)
         self._teardown(graceful)
+
+
+def _control(op, *args, **kwargs):
+    """A control-group collective; its failure means a peer is gone, like a compute one's."""
+    try:
+        return op(*args, **kwargs)
+    except RuntimeError as e:
+        if isinstance(e, CollectiveError):
+            raise
+        raise CollectiveError(f"{op.__name__} over the control group failed: {e}") from e
 
 
 def check_tp_shapes(hf_config, tp: int) -> None:

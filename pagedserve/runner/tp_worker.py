@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
 DEFAULT_RUNNER = "pagedserve.runner.model_runner:ModelRunner"
-# Test hook: "RANK:CALL" makes that rank raise on its CALL-th execute_model (1-based).
+# Test hook: "RANK:CALL" makes that rank raise on its CALL-th execute_model (1-based);
+# "RANK:CALL:hang" makes it stop answering there instead.
 FAIL_ENV = "PAGEDSERVE_TP_TEST_FAIL"
 
 
@@ -54,12 +55,10 @@ class Worker:
         self.rank = groups.env.rank
         self.runner = None
         self._executes = 0
-        fail = os.environ.get(FAIL_ENV, "")
-        self._fail_at = None
-        if fail:
-            r, n = fail.split(":")
-            if int(r) == self.rank:
-                self._fail_at = int(n)
+        fail = os.environ.get(FAIL_ENV, "").split(":")
+        self._fail_at, self._fail_hang = None, False
+        if len(fail) >= 2 and int(fail[0]) == self.rank:
+            self._fail_at, self._fail_hang = int(fail[1]), fail[2:] == ["hang"]
 
     def init_runner(self, config, hf_config, dtype, runner_factory: str | None = None) -> None:
         """Build the compute group and this rank's ModelRunner (load_model then reads only its slices)."""
@@ -74,6 +73,8 @@ class Worker:
     def execute_model(self, model_input):
         self._executes += 1
         if self._fail_at is not None and self._executes == self._fail_at:
+            while self._fail_hang:
+                time.sleep(1)
             raise InjectedFailure(f"injected failure on rank {self.rank} at execute #{self._executes}")
         return self.runner.execute_model(model_input)
 

@@ -72,3 +72,17 @@ def test_workers_exit_when_rank0_is_killed(tiny_model_dir):
     while pid_alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not pid_alive(worker), "an orphaned tensor-parallel worker kept running"
+
+
+@pytest.mark.timeout(180)
+def test_hung_worker_is_reported_after_the_collective_timeout(tiny_model_dir, monkeypatch):
+    monkeypatch.setenv(FAIL_ENV, "1:2:hang")  # rank 1 stops answering (alive, silent) on its second step
+    monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT", "3")
+    llm = LLM(str(tiny_model_dir("llama")), **KW)
+    try:
+        pid = llm.llm_engine.runner.worker_pids[1]
+        with pytest.raises(TensorParallelError, match=r"rank\(s\) \[1\] stopped answering in execute_model"):
+            greedy(llm, PROMPTS, 8)
+    finally:
+        llm.shutdown()
+    assert not pid_alive(pid)
