@@ -30,7 +30,8 @@ from pagedserve.distributed import CollectiveError
 from pagedserve.runner.dist_env import DistEnv, free_port, is_external_worker, torchrun_env
 from pagedserve.runner.dist_groups import compute_device, destroy_distributed, init_control, read_error
 from pagedserve.runner.launch import NUM_THREADS_ENV, PARENT_PID_ENV
-from pagedserve.runner.tp_worker import DEFAULT_RUNNER, SHUTDOWN, Command, Worker, _RemoteError, _resolve
+from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError,
+                                         _resolve)
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ def _min_over_ranks(results: list):
 class MultiProcExecutor:
     """Rank 0 of a tensor-parallel group: broadcasts each call, runs its own share, returns its result."""
 
-    # Methods whose per-rank answers must agree: rank 0 takes the minimum over ranks.
-    REDUCE_MIN = ("determine_num_blocks",)
+    # Per-rank answers that must agree (tp_worker.RETURNS_VALUE): rank 0 takes the minimum over ranks.
+    REDUCE_MIN = RETURNS_VALUE
 
     def __init__(self, config, hf_config, device, dtype, runner_factory: str | None = None):
         self.world_size = config.tensor_parallel_size
@@ -119,7 +120,7 @@ class MultiProcExecutor:
             raise
         self.worker = Worker(self.groups)
         # Each rank picks its own device (cuda:<local rank>, or the cpu); `device` names the kind.
-        self.collective_rpc("init_runner", config, hf_config, dtype, runner_factory)
+        self.collective_rpc("init_runner", config, hf_config, dtype, runner_factory, want_result=True)
         self.runner = self.worker.runner
 
     # -- the runner contract -------------------------------------------------------------
@@ -137,7 +138,8 @@ class MultiProcExecutor:
             return value
 
         def on_all_ranks(*args, **kwargs):
-            return self.collective_rpc(name, *args, want_result=name in self.REDUCE_MIN, **kwargs)
+            # Set-up calls wait for every rank's answer, so a rank's error surfaces here, synchronously.
+            return self.collective_rpc(name, *args, want_result=True, **kwargs)
         return on_all_ranks
 
     @property
@@ -147,7 +149,12 @@ class MultiProcExecutor:
     # -- broadcasting ----------------------------------------------------------------------
 
     def collective_rpc(self, method: str, *args, want_result: bool = False, **kwargs):
-        """Call Worker.<method> on every rank (rank 0 here); with want_result, combine all ranks' answers."""
+        """Call Worker.<method> on every rank (rank 0 here) and return rank 0's result.
+
+        With want_result, wait for every rank's answer: an error there fails the engine naming
+        the rank, and REDUCE_MIN results are combined. Steps do not wait (no extra round trip):
+        a failing worker there reports through the store and the step's collectives fail.
+        """
         with self._lock:
             self._check_usable()
             cmd = Command(method, args, kwargs, want_result)

@@ -29,6 +29,8 @@ from pagedserve.runner.dist_groups import (DistGroups, destroy_distributed, init
 logger = logging.getLogger(__name__)
 
 SHUTDOWN = "shutdown"
+# Calls whose worker results rank 0 needs; every other call only acknowledges (or reports an error).
+RETURNS_VALUE = ("determine_num_blocks",)
 DEFAULT_RUNNER = "pagedserve.runner.model_runner:ModelRunner"
 # Test hook: "RANK:CALL" makes that rank raise on its CALL-th execute_model (1-based);
 # "RANK:CALL:hang" makes it stop answering there instead.
@@ -112,6 +114,8 @@ def worker_loop(worker: Worker) -> None:
             # Rank 0 is waiting in gather_object: hand the error back there instead of dying.
             result = _RemoteError(worker.rank, f"{type(e).__name__}: {e}", traceback.format_exc())
         if cmd.want_result:
+            if cmd.method not in RETURNS_VALUE and not isinstance(result, _RemoteError):
+                result = None  # an acknowledgement; e.g. load_model's nn.Module stays here
             dist.gather_object(result, None, dst=0, group=groups.control)
 
 
