@@ -98,6 +98,9 @@ class MultiProcExecutor:
             env = DistEnv(rank=0, world_size=self.world_size, local_rank=0, master_addr="127.0.0.1",
                           master_port=free_port(), external=False)
         check_tp_shapes(hf_config, self.world_size)
+        if config.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda with tensor_parallel_size > 1 (rank r uses "
+                             f"cuda:<LOCAL_RANK>; pick the GPUs with CUDA_VISIBLE_DEVICES), got {config.device!r}")
         if compute_device(env, config.device).type == "cuda" and not env.external:
             gpus = torch.cuda.device_count()
             if self.world_size > gpus:
