@@ -2,6 +2,8 @@
 KV heads split across ranks (llama), one KV head replicated on both ranks with per-head q/k
 norms (qwen3), qkv bias with tied embeddings (qwen2), and OPT's biases, learned positions and
 tied LM head; and under preemption (swap and recompute) with chunked prefill."""
+import os
+
 import pytest
 
 from pagedserve import LLM
@@ -32,7 +34,7 @@ def test_tp2_matches_tp1(tiny_model_dir, case):
         assert_same_greedy(greedy(LLM(model, **kw), PROMPTS[::-1], 8), greedy(llm, PROMPTS[::-1], 8))
     finally:
         llm.shutdown()
-    assert not launch_children()
+    assert not launch_children(os.getpid())
 
 
 def test_tp2_under_preemption_and_chunked_prefill(tiny_model_dir):
@@ -55,4 +57,4 @@ def test_tp2_under_preemption_and_chunked_prefill(tiny_model_dir):
 def test_tp_size_that_does_not_split_the_heads_is_a_value_error(tiny_model_dir):
     with pytest.raises(ValueError, match=r"tensor_parallel_size \(3\) must divide num_attention_heads \(4\)"):
         LLM(str(tiny_model_dir("llama")), device="cpu", tensor_parallel_size=3)
-    assert not launch_children()
+    assert not launch_children(os.getpid())
