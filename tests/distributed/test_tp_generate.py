@@ -1,7 +1,8 @@
 """TP=2 (two processes, gloo, float32) generates exactly what TP=1 does, for every sharding case:
 KV heads split across ranks (llama), one KV head replicated on both ranks with per-head q/k
 norms (qwen3), qkv bias with tied embeddings (qwen2), and OPT's biases, learned positions and
-tied LM head; and under preemption (swap and recompute) with chunked prefill."""
+tied LM head; and under preemption by swapping (every rank moves its own heads' blocks)
+with chunked prefill."""
 import os
 
 import pytest
