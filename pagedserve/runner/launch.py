@@ -26,6 +26,10 @@ def main() -> int:
         torch.set_num_threads(int(os.environ[NUM_THREADS_ENV]))
     from pagedserve.runner.tp_worker import run_worker
     parent = os.environ.get(PARENT_PID_ENV)
+    if parent:
+        # Spawned by rank 0, in its process group: Ctrl-C is rank 0's to handle (it stops us cleanly).
+        import signal
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     return run_worker(env, int(parent) if parent else None)
 
 
