@@ -34,13 +34,20 @@ def init_tp_group(rank: int, size: int, group: object = None) -> TPGroup:
     return _TP_GROUP
 
 
+class CollectiveError(RuntimeError):
+    """A collective over the TP group failed: a peer died, or stopped answering within the timeout."""
+
+
 def all_reduce(x: torch.Tensor, tp_size: int | None = None) -> torch.Tensor:
     """Sum x over the TP ranks, in place; identity at size 1."""
     g = get_tp_group()
     if (tp_size if tp_size is not None else g.size) == 1:
         return x
     import torch.distributed as dist
-    dist.all_reduce(x, group=g.group)
+    try:
+        dist.all_reduce(x, group=g.group)
+    except RuntimeError as e:
+        raise CollectiveError(f"all_reduce over the tensor-parallel group failed: {e}") from e
     return x
 
 
@@ -52,5 +59,8 @@ def all_gather(x: torch.Tensor, dim: int = -1, tp_size: int | None = None) -> to
         return x
     import torch.distributed as dist
     parts = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(parts, x.contiguous(), group=g.group)
+    try:
+        dist.all_gather(parts, x.contiguous(), group=g.group)
+    except RuntimeError as e:
+        raise CollectiveError(f"all_gather over the tensor-parallel group failed: {e}") from e
     return torch.cat(parts, dim=dim)

@@ -21,7 +21,8 @@ from pagedserve.layers.sampler import Sampler, SampleRow, derive_seed
 from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
 from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
-from pagedserve.runner.model_runner import ModelRunner, resolve_device
+from pagedserve.runner.executor import build_executor
+from pagedserve.runner.model_runner import resolve_device
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -71,7 +72,8 @@ class LLMEngine:
         if not config.skip_tokenizer_init:
             self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
 
-        self.runner = ModelRunner(config, self.hf_config, self.device, self.dtype)
+        # One process, or rank 0 of a tensor-parallel group: the engine cannot tell them apart.
+        self.runner = build_executor(config, self.hf_config, self.device, self.dtype)
         self.runner.load_model()
         num_gpu_blocks, num_cpu_blocks = self.runner.determine_num_blocks()
         self.runner.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
@@ -109,6 +111,10 @@ class LLMEngine:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Release the executor (with tensor parallelism: stop and reap the other ranks). Idempotent."""
+        self.runner.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
 

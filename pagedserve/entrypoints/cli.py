@@ -38,6 +38,11 @@ def engine_config_from_args(args: argparse.Namespace, model: str | None) -> Engi
 
 
 def main(argv: list[str] | None = None) -> int:
+    from pagedserve.runner.dist_env import is_external_worker
+    if is_external_worker():
+        # torchrun started this command on every node: ranks > 0 serve rank 0's engine instead.
+        from pagedserve.runner.launch import main as worker_main
+        return worker_main()
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 

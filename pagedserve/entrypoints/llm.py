@@ -47,6 +47,10 @@ class LLM:
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); the LLM is unusable afterwards."""
+        self.llm_engine.shutdown()
+
     def get_kv_cache_stats(self):
         return self.llm_engine.get_kv_cache_stats()
 

@@ -80,9 +80,27 @@ def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.
                       sample_indices=dev(sample_indices, torch.int64), num_sampling=int(sample_indices.shape[0]))
 
 
-def prepare_model_input(scheduled: list[ScheduledSequence], num_decodes: int, block_size: int,
-                        device: torch.device, pad_blocks_to: int | None = None) -> ModelInput:
-    """The batch for one SchedulerOutput's scheduled sequences (in their order)."""
+@dataclass
+class HostBatch:
+    """One step's flat batch as host arrays, before any device tensor exists.
+
+    This is what a tensor-parallel rank 0 sends to every rank (it pickles small: no
+    Sequence objects, only the new tokens); each rank then builds its own device tensors.
+    """
+    input_ids: np.ndarray          # [T] int64, the new tokens of every scheduled sequence
+    starts: np.ndarray             # [S] int64, first position computed this step
+    query_lens: np.ndarray         # [S] int64
+    block_tables: list[list[int]]  # [S] physical block ids
+    sample_mask: np.ndarray        # [S] bool, sequences that sample a token this step
+    num_decodes: int
+
+    def to_model_input(self, block_size: int, device: torch.device, pad_blocks_to: int | None = None) -> ModelInput:
+        return build_model_input(self.input_ids, self.starts, self.query_lens, self.block_tables, self.sample_mask,
+                                 self.num_decodes, block_size, device, pad_blocks_to)
+
+
+def host_batch(scheduled: list[ScheduledSequence], num_decodes: int) -> HostBatch:
+    """The host arrays of one SchedulerOutput's scheduled sequences (in their order)."""
     n = len(scheduled)
     starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
     query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
@@ -92,5 +110,11 @@ def prepare_model_input(scheduled: list[ScheduledSequence], num_decodes: int, bl
         ids.extend(_new_tokens(s))
     if len(ids) != int(query_lens.sum()):
         raise ValueError("a scheduled sequence asks for tokens beyond its length")
-    return build_model_input(np.asarray(ids, dtype=np.int64), starts, query_lens, [s.block_table for s in scheduled],
-                             sample_mask, num_decodes, block_size, device, pad_blocks_to)
+    return HostBatch(np.asarray(ids, dtype=np.int64), starts, query_lens, [s.block_table for s in scheduled],
+                     sample_mask, num_decodes)
+
+
+def prepare_model_input(scheduled: list[ScheduledSequence], num_decodes: int, block_size: int,
+                        device: torch.device, pad_blocks_to: int | None = None) -> ModelInput:
+    """The batch for one SchedulerOutput's scheduled sequences (in their order)."""
+    return host_batch(scheduled, num_decodes).to_model_input(block_size, device, pad_blocks_to)

@@ -8,6 +8,7 @@ in schedule order. The runner never decides policy; it only carries out the plan
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -16,14 +17,27 @@ from torch import nn
 from pagedserve.attention.backend import Attention
 from pagedserve.config import EngineConfig
 from pagedserve.core.plan import SchedulerOutput
-from pagedserve.distributed import get_tp_group
+from pagedserve.distributed import TPGroup, get_tp_group
 from pagedserve.models.loader import get_max_model_len, get_model
-from pagedserve.runner.batch import ModelInput, build_model_input, prepare_model_input
+from pagedserve.runner.batch import HostBatch, ModelInput, build_model_input, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
+
+
+@dataclass
+class StepInput:
+    """Everything one step needs, as plain host data: the plan minus the Sequence objects.
+
+    Built once (on tensor-parallel rank 0) by prepare_inputs and run by every rank's
+    execute_model, each against its own KV pool under the same block ids.
+    """
+    blocks_to_swap_out: list[tuple[int, int]]
+    blocks_to_swap_in: list[tuple[int, int]]
+    blocks_to_copy: list[tuple[int, int]]
+    batch: HostBatch | None
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -48,7 +62,8 @@ class ModelRunner:
         self.config, self.hf_config = engine_config, hf_config
         self.device, self.dtype = torch.device(device), dtype
         self.block_size = engine_config.block_size
-        tp = get_tp_group()
+        # A single-rank engine stays single-rank even beside a tensor-parallel one in this process.
+        tp = get_tp_group() if engine_config.tensor_parallel_size > 1 else TPGroup()
         if engine_config.tensor_parallel_size != tp.size:
             raise ValueError(f"tensor_parallel_size={engine_config.tensor_parallel_size} but this process's TP group "
                              f"has size {tp.size}: start the TP workers (pagedserve.distributed.init_tp_group) first")
@@ -179,24 +194,34 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_meta)
         return self.model.compute_logits(hidden[inp.sample_indices]).float()
 
+    def prepare_inputs(self, out: SchedulerOutput) -> StepInput:
+        """The host-side half of a step: no device work, nothing rank-specific."""
+        batch = host_batch(out.scheduled, out.num_decodes) if out.scheduled else None
+        return StepInput(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, batch)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
         """Run the plan; float32 logits [num_sampling, vocab] in the order of out.scheduled filtered by
         do_sample, or None when no sequence samples this step."""
+        return self.execute_model(self.prepare_inputs(out))
+
+    @torch.inference_mode()
+    def execute_model(self, step: StepInput) -> torch.Tensor | None:
+        """The device-side half: cache ops, then the forward over this rank's heads."""
         self._require("model")
         self._require("cache")
         ce = self.cache_engine
-        if out.blocks_to_swap_out:
-            ce.swap_out(out.blocks_to_swap_out)
-        if out.blocks_to_swap_in:
-            ce.swap_in(out.blocks_to_swap_in)
-        if out.blocks_to_copy:
-            ce.copy(out.blocks_to_copy)
-        if not out.scheduled:
+        if step.blocks_to_swap_out:
+            ce.swap_out(step.blocks_to_swap_out)
+        if step.blocks_to_swap_in:
+            ce.swap_in(step.blocks_to_swap_in)
+        if step.blocks_to_copy:
+            ce.copy(step.blocks_to_copy)
+        if step.batch is None:
             return None
-        inp = prepare_model_input(out.scheduled, out.num_decodes, self.block_size, self.device)
-        if self.graphs is not None and out.num_decodes == len(out.scheduled) \
-                and self.graphs.bucket_for(len(out.scheduled)) is not None:
+        inp = step.batch.to_model_input(self.block_size, self.device)
+        n = len(step.batch.query_lens)
+        if self.graphs is not None and step.batch.num_decodes == n and self.graphs.bucket_for(n) is not None:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta)
             return self.model.compute_logits(hidden[inp.sample_indices]).float()
         if inp.num_sampling == 0:

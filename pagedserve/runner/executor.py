@@ -1,0 +1,379 @@
+"""Executors: what the engine talks to instead of a ModelRunner.
+
+Both expose the runner contract the engine uses — determine_num_blocks(...),
+init_kv_cache(...), execute(plan) -> logits — so the engine only chooses which one
+to build (build_executor). The scheduler and KV manager exist once, on rank 0; the
+plan turns into compact tensors there (runner.prepare_inputs) and those go to every
+rank, each of which holds a KV pool for its own heads under the same block tables.
+
+- UniProcExecutor: one ModelRunner in this process (tensor_parallel_size == 1).
+- MultiProcExecutor: this process is rank 0 with its own ModelRunner; ranks 1..N-1 are
+  processes spawned here (or, under torchrun's env:// variables, started externally).
+  Every runner call is broadcast and executed on all ranks, so the collectives inside
+  the model line up. A rank that dies fails the engine with that rank's number and cause.
+"""
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+from pagedserve.distributed import CollectiveError
+from pagedserve.runner.dist_env import DistEnv, free_port, is_external_worker, torchrun_env
+from pagedserve.runner.dist_groups import compute_device, destroy_distributed, init_control, read_error
+from pagedserve.runner.launch import NUM_THREADS_ENV, PARENT_PID_ENV
+from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError,
+                                         _resolve)
+
+logger = logging.getLogger(__name__)
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed or died; the engine cannot continue."""
+
+
+class UniProcExecutor:
+    """tensor_parallel_size == 1: a thin shell over one ModelRunner."""
+
+    world_size = 1
+
+    def __init__(self, config, hf_config, device, dtype, runner_factory: str | None = None):
+        self.runner = _resolve(runner_factory or DEFAULT_RUNNER)(config, hf_config, device, dtype)
+
+    def execute(self, plan):
+        return self.runner.execute(plan)
+
+    def shutdown(self) -> None:
+        pass
+
+    def __getattr__(self, name):
+        # Only reached for names this class lacks: the runner's own methods and attributes.
+        if name == "runner":
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+
+def _min_over_ranks(results: list):
+    """Capacities every rank can honour: the element-wise minimum (ints, or tuples of ints)."""
+    first = results[0]
+    if isinstance(first, (int, float)):
+        return min(results)
+    if isinstance(first, (tuple, list)) and all(isinstance(x, (int, float)) for x in first):
+        return type(first)(min(col) for col in zip(*results))
+    return first
+
+
+class MultiProcExecutor:
+    """Rank 0 of a tensor-parallel group: broadcasts each call, runs its own share, returns its result."""
+
+    # Per-rank answers that must agree (tp_worker.RETURNS_VALUE): rank 0 takes the minimum over ranks.
+    REDUCE_MIN = RETURNS_VALUE
+
+    def __init__(self, config, hf_config, device, dtype, runner_factory: str | None = None):
+        self.world_size = config.tensor_parallel_size
+        self._procs: dict[int, object] = {}
+        self._failure: TensorParallelError | None = None
+        self._dead: list[tuple[int, int | None]] = []
+        self._closed = False
+        self._lock = threading.Lock()
+        self._saved_threads = torch.get_num_threads()
+
+        env = torchrun_env()
+        if env is not None:
+            if env.world_size != self.world_size:
+                raise ValueError(f"tensor_parallel_size ({self.world_size}) must equal the launcher's "
+                                 f"WORLD_SIZE ({env.world_size})")
+            if env.rank != 0:
+                raise RuntimeError(f"rank {env.rank} must run the worker loop, not an engine "
+                                   "(see pagedserve.runner.launch)")
+        else:
+            env = DistEnv(rank=0, world_size=self.world_size, local_rank=0, master_addr="127.0.0.1",
+                          master_port=free_port(), external=False)
+        check_tp_shapes(hf_config, self.world_size)
+        if config.device not in ("auto", "cpu", "cuda"):
+            raise ValueError(f"device must be auto, cpu or cuda with tensor_parallel_size > 1 (rank r uses "
+                             f"cuda:<LOCAL_RANK>; pick the GPUs with CUDA_VISIBLE_DEVICES), got {config.device!r}")
+        if compute_device(env, config.device).type == "cuda" and not env.external:
+            gpus = torch.cuda.device_count()
+            if self.world_size > gpus:
+                raise ValueError(f"tensor_parallel_size ({self.world_size}) must be <= the number of visible "
+                                 f"GPUs ({gpus}); across machines, start the ranks with torchrun")
+        self.env = env
+        self._threads = 0
+        if compute_device(env, config.device).type == "cpu" and not env.external:
+            # The ranks share this host's cores; without this they oversubscribe them N-fold.
+            self._threads = max(1, (os.cpu_count() or 1) // self.world_size)
+            torch.set_num_threads(self._threads)
+        atexit.register(self.shutdown)
+        if not env.external:
+            self._spawn_workers()
+            threading.Thread(target=self._monitor, daemon=True, name="tp-monitor").start()
+        try:
+            self.groups = init_control(env, check_alive=self._raise_if_dead)
+        except BaseException:
+            self._teardown(graceful=False)
+            raise
+        self.worker = Worker(self.groups)
+        # Each rank picks its own device (cuda:<local rank>, or the cpu); `device` names the kind.
+        self.collective_rpc("init_runner", config, hf_config, dtype, runner_factory, want_result=True)
+        self.runner = self.worker.runner
+
+    # -- the runner contract -------------------------------------------------------------
+
+    def execute(self, plan):
+        """Run one step on every rank; returns rank 0's logits (already gathered over the vocab)."""
+        step = self.runner.prepare_inputs(plan)
+        return self.collective_rpc("execute_model", step)
+
+    def __getattr__(self, name):
+        if name in ("runner", "worker", "groups"):
+            raise AttributeError(name)
+        value = getattr(self.runner, name)
+        if not callable(value):
+            return value
+
+        def on_all_ranks(*args, **kwargs):
+            # Set-up calls wait for every rank's answer, so a rank's error surfaces here, synchronously.
+            return self.collective_rpc(name, *args, want_result=True, **kwargs)
+        return on_all_ranks
+
+    @property
+    def worker_pids(self) -> dict[int, int]:
+        return {r: p.pid for r, p in self._procs.items()}
+
+    # -- broadcasting ----------------------------------------------------------------------
+
+    def collective_rpc(self, method: str, *args, want_result: bool = False, **kwargs):
+        """Call Worker.<method> on every rank (rank 0 here) and return rank 0's result.
+
+        With want_result, wait for every rank's answer: an error there fails the engine naming
+        the rank, and REDUCE_MIN results are combined. Steps do not wait (no extra round trip):
+        a failing worker there reports through the store and the step's collectives fail.
+        """
+        with self._lock:
+            self._check_usable()
+            cmd = Command(method, args, kwargs, want_result)
+            try:
+                _control(dist.broadcast_object_list, [cmd], src=0, group=self.groups.control)
+                result = self.worker.dispatch(cmd)
+                if not want_result:
+                    return result
+                gathered = [None] * self.world_size
+                _control(dist.gather_object, result, gathered, dst=0, group=self.groups.control)
+            except BaseException as e:
+                is_collective = isinstance(e, (CollectiveError, dist.DistError))
+                found = self._describe_failures(wait_s=2.0 if is_collective else 0.0)
+                if found:
+                    raise self._fail_with(TensorParallelError("; ".join(found))) from e
+                if is_collective:
+                    alive = [r for r, p in self._procs.items() if p.poll() is None] or "unknown (external)"
+                    raise self._fail_with(TensorParallelError(
+                        f"tensor-parallel rank(s) {alive} stopped answering in {method} (no rank reported an "
+                        f"error; PAGEDSERVE_TP_TIMEOUT bounds the wait): {e}")) from e
+                # Rank 0's own error (a bad setting, no room for the KV cache, Ctrl-C, ...): the other
+                # ranks may be stuck mid-step, so stop them, then let the original exception through.
+                self._fail_with(TensorParallelError(f"tensor-parallel rank 0 failed in {method}: {e!r}"))
+                raise
+            for r in gathered:
+                if isinstance(r, _RemoteError):
+                    raise self._fail_with(TensorParallelError(
+                        f"tensor-parallel rank {r.rank} failed in {method}: {r.summary}\n{r.traceback}"))
+            return _min_over_ranks(gathered) if method in self.REDUCE_MIN else result
+
+    # -- failure handling ------------------------------------------------------------------
+
+    def _check_usable(self) -> None:
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise TensorParallelError("the tensor-parallel executor is shut down")
+        if self._dead:
+            raise self._fail()
+
+    def _monitor(self) -> None:
+        """Notice a worker process that exits while the engine still needs it.
+
+        On CPU the next collective fails at once (gloo sees the socket close) and the main
+        thread raises. NCCL instead waits for a dead peer until its timeout, so there the
+        compute group is aborted, which turns the wait into an error the main thread raises.
+        """
+        pending = dict(self._procs)
+        while pending and not self._closed:
+            for rank, p in list(pending.items()):
+                code = p.poll()
+                if code is not None and not self._closed:
+                    del pending[rank]
+                    self._dead.append((rank, code))
+                    logger.error("tensor-parallel rank %d (pid %d) exited with code %s", rank, p.pid, code)
+                    self._abort_compute_if_stuck()
+            time.sleep(0.1)
+
+    def _abort_compute_if_stuck(self, grace_s: float = 2.0) -> None:
+        groups = getattr(self, "groups", None)
+        if groups is None or groups.device is None or groups.device.type != "cuda":
+            return
+        time.sleep(grace_s)
+        if self._failure is None and not self._closed:
+            try:
+                from torch.distributed.distributed_c10d import _abort_process_group
+                _abort_process_group(groups.compute)
+            except Exception as e:  # experimental API: the NCCL watchdog's timeout remains the backstop
+                logger.error("could not abort the NCCL group after a rank died: %s", e)
+
+    def _raise_if_dead(self) -> None:
+        for rank, p in self._procs.items():
+            code = p.poll()
+            if code is not None:
+                self._teardown(graceful=False)
+                raise TensorParallelError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
+                                          f"{code}{_signal_name(code)} while starting")
+
+    def _describe_failures(self, wait_s: float) -> list[str]:
+        """Which ranks failed and why, waiting briefly for a failing rank's report or exit."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = []
+            for rank in range(1, self.world_size):
+                msg = read_error(self.groups.store, rank)
+                proc = self._procs.get(rank)
+                code = proc.poll() if proc is not None else None
+                if msg is not None:
+                    found.append(f"tensor-parallel rank {rank} failed: {msg.strip()}")
+                elif code is not None:
+                    found.append(f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit code "
+                                 f"{code}{_signal_name(code)}")
+            if found or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.05)
+
+    def _fail(self) -> TensorParallelError:
+        """A worker is known to be dead: name it and its cause."""
+        found = self._describe_failures(wait_s=0.5) or [f"tensor-parallel rank {r} exited with code {c}"
+                                                        for r, c in self._dead]
+        return self._fail_with(TensorParallelError("; ".join(found)))
+
+    def _fail_with(self, err: TensorParallelError) -> TensorParallelError:
+        logger.error("%s", err)
+        self._failure = err
+        self._teardown(graceful=False)
+        return err
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def _spawn_workers(self) -> None:
+        """Start ranks 1..N-1 as `python -m pagedserve.runner.launch`: the same env:// path torchrun uses.
+
+        A fresh interpreter (not multiprocessing's spawn) so the user's main script is never
+        re-imported in the workers, guarded by `if __name__ == "__main__"` or not.
+        """
+        for rank in range(1, self.world_size):
+            env = dict(os.environ, MASTER_ADDR=self.env.master_addr, MASTER_PORT=str(self.env.master_port),
+                       WORLD_SIZE=str(self.world_size), RANK=str(rank), LOCAL_RANK=str(rank),
+                       **{PARENT_PID_ENV: str(os.getpid())})
+            if self._threads:
+                env[NUM_THREADS_ENV] = str(self._threads)
+            env["PYTHONPATH"] = _import_path()
+            self._procs[rank] = subprocess.Popen([sys.executable, "-m", "pagedserve.runner.launch"], env=env)
+
+    def _kill_workers(self, grace_s: float = 0.0) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self._procs.values():
+            try:
+                p.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self._procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait(5.0)
+
+    def _teardown(self, graceful: bool) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._kill_workers(grace_s=10.0 if graceful else 0.0)
+        destroy_distributed()
+        torch.set_num_threads(self._saved_threads)
+        try:
+            atexit.unregister(self.shutdown)
+        except Exception:
+            pass
+
+    def shutdown(self) -> None:
+        """Tell every rank to exit, then reap them. Idempotent."""
+        if self._closed:
+            return
+        graceful = False
+        if self._failure is None and not self._dead and hasattr(self, "groups"):
+            try:
+                with self._lock:
+                    dist.broadcast_object_list([Command(SHUTDOWN)], src=0, group=self.groups.control)
+                graceful = True
+            except Exception as e:
+                logger.warning("tensor-parallel shutdown broadcast failed: %s", e)
+        self._teardown(graceful)
+
+
+def _control(op, *args, **kwargs):
+    """A control-group collective; its failure means a peer is gone, like a compute one's."""
+    try:
+        return op(*args, **kwargs)
+    except RuntimeError as e:
+        if isinstance(e, CollectiveError):
+            raise
+        raise CollectiveError(f"{op.__name__} over the control group failed: {e}") from e
+
+
+def check_tp_shapes(hf_config, tp: int) -> None:
+    """Refuse, before any process starts, a model whose heads or widths do not split into tp parts."""
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    if heads % tp:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide num_attention_heads ({heads})")
+    if kv % tp and tp % kv:
+        raise ValueError(f"tensor_parallel_size ({tp}) must divide num_key_value_heads ({kv}) or be a multiple "
+                         "of it (KV heads are then replicated)")
+    for key in ("intermediate_size", "ffn_dim"):
+        width = getattr(hf_config, key, None)
+        if isinstance(width, int) and width % tp:
+            raise ValueError(f"tensor_parallel_size ({tp}) must divide {key} ({width})")
+
+
+def _signal_name(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f" ({signal.Signals(-code).name})"
+        except ValueError:
+            pass
+    return ""
+
+
+def _import_path() -> str:
+    """This process's sys.path minus the interpreter's own dirs: workers import what rank 0 imports."""
+    own = tuple(os.path.realpath(p) for p in {sys.prefix, sys.base_prefix, sys.exec_prefix})
+    keep = [os.path.abspath(p or os.getcwd()) for p in sys.path
+            if not os.path.realpath(p or os.getcwd()).startswith(own)]
+    return os.pathsep.join(dict.fromkeys(keep))
+
+
+def build_executor(config, hf_config, device, dtype, runner_factory: str | None = None):
+    """The executor for this engine: one process, or one process per tensor-parallel rank.
+
+    Either way the result answers the ModelRunner's calls (load_model, determine_num_blocks,
+    init_kv_cache, execute, profile, vocab_size, ...), so the engine never knows which it got.
+    """
+    if config.tensor_parallel_size == 1:
+        return UniProcExecutor(config, hf_config, device, dtype, runner_factory)
+    if is_external_worker():
+        # A script started by torchrun on every rank: only rank 0 runs the engine, the others serve it.
+        from pagedserve.runner.launch import main as worker_main
+        raise SystemExit(worker_main())
+    return MultiProcExecutor(config, hf_config, device, dtype, runner_factory)

@@ -1,0 +1,153 @@
+"""A tensor-parallel rank: its own ModelRunner (its shard of the weights and KV heads) and,
+for ranks > 0, the loop that executes rank 0's commands.
+
+Rank 0 broadcasts one command at a time over the control group: (method, args, kwargs,
+want_result). Every rank, rank 0 included, calls the same Worker method with the same
+arguments, so the model's collectives line up. Results come back to rank 0 only when
+asked (gather_object); a step's logits never do, rank 0 has its own copy.
+
+A worker that fails writes its traceback into the store under its rank and exits; a
+worker whose rank 0 is gone exits too (the control group fails, and spawned workers also
+watch their parent's pid), so nothing is left behind.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+
+from pagedserve.runner.dist_env import DistEnv
+from pagedserve.runner.dist_groups import (DistGroups, destroy_distributed, init_compute, init_control,
+                                        report_error)
+
+logger = logging.getLogger(__name__)
+
+SHUTDOWN = "shutdown"
+# Calls whose worker results rank 0 needs; every other call only acknowledges (or reports an error).
+RETURNS_VALUE = ("determine_num_blocks",)
+DEFAULT_RUNNER = "pagedserve.runner.model_runner:ModelRunner"
+# Test hook: "RANK:CALL" makes that rank raise on its CALL-th execute_model (1-based);
+# "RANK:CALL:hang" makes it stop answering there instead.
+FAIL_ENV = "PAGEDSERVE_TP_TEST_FAIL"
+
+
+@dataclass
+class Command:
+    method: str
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    want_result: bool = False
+
+
+class InjectedFailure(RuntimeError):
+    pass
+
+
+class Worker:
+    """The per-rank half of the executor: everything a rank does, called identically on every rank."""
+
+    def __init__(self, groups: DistGroups):
+        self.groups = groups
+        self.rank = groups.env.rank
+        self.runner = None
+        self._executes = 0
+        fail = os.environ.get(FAIL_ENV, "").split(":")
+        self._fail_at, self._fail_hang = None, False
+        if len(fail) >= 2 and int(fail[0]) == self.rank:
+            self._fail_at, self._fail_hang = int(fail[1]), fail[2:] == ["hang"]
+
+    def init_runner(self, config, hf_config, dtype, runner_factory: str | None = None) -> None:
+        """Build the compute group and this rank's ModelRunner (load_model then reads only its slices)."""
+        init_compute(self.groups, config.device)
+        factory = _resolve(runner_factory or DEFAULT_RUNNER)
+        self.runner = factory(config, hf_config, self.groups.device, dtype)
+
+    def call(self, method: str, *args, **kwargs):
+        """Any other method of the runner (determine_num_blocks, init_kv_cache, ...)."""
+        return getattr(self.runner, method)(*args, **kwargs)
+
+    def execute_model(self, model_input):
+        self._executes += 1
+        if self._fail_at is not None and self._executes == self._fail_at:
+            while self._fail_hang:
+                time.sleep(1)
+            raise InjectedFailure(f"injected failure on rank {self.rank} at execute #{self._executes}")
+        return self.runner.execute_model(model_input)
+
+    def dispatch(self, cmd: Command):
+        if cmd.method in ("init_runner", "execute_model"):
+            return getattr(self, cmd.method)(*cmd.args, **cmd.kwargs)
+        return self.call(cmd.method, *cmd.args, **cmd.kwargs)
+
+
+def _resolve(path: str):
+    """"module:attr" -> the object (so a runner class can be named across processes)."""
+    import importlib
+    mod, _, name = path.partition(":")
+    return getattr(importlib.import_module(mod), name)
+
+
+def recv_command(groups: DistGroups) -> Command:
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=groups.control)
+    return box[0]
+
+
+def worker_loop(worker: Worker) -> None:
+    """Serve rank 0 until it says shutdown; raises whatever a command raised."""
+    groups = worker.groups
+    while True:
+        cmd = recv_command(groups)
+        if cmd.method == SHUTDOWN:
+            return
+        try:
+            result = worker.dispatch(cmd)
+        except Exception as e:
+            if not cmd.want_result:
+                raise
+            # Rank 0 is waiting in gather_object: hand the error back there instead of dying.
+            result = _RemoteError(worker.rank, f"{type(e).__name__}: {e}", traceback.format_exc())
+        if cmd.want_result:
+            if cmd.method not in RETURNS_VALUE and not isinstance(result, _RemoteError):
+                result = None  # an acknowledgement; e.g. load_model's nn.Module stays here
+            dist.gather_object(result, None, dst=0, group=groups.control)
+
+
+@dataclass
+class _RemoteError:
+    rank: int
+    summary: str
+    traceback: str
+
+
+def _watch_parent(ppid: int) -> None:
+    """Exit when the spawning process is gone (it may have been SIGKILLed and never said shutdown)."""
+    while True:
+        if os.getppid() != ppid:
+            os._exit(3)
+        time.sleep(0.5)
+
+
+def run_worker(env: DistEnv, parent_pid: int | None = None) -> int:
+    """Serve rank 0 as rank env.rank > 0 until it shuts down; returns the process exit code."""
+    if parent_pid is not None:
+        threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
+    groups = None
+    try:
+        groups = init_control(env)
+        worker_loop(Worker(groups))
+        return 0
+    except BaseException as e:
+        msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+        if groups is not None:
+            report_error(groups.store, env.rank, msg)
+        print(f"pagedserve tensor-parallel rank {env.rank} failed: {msg}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        destroy_distributed()

@@ -1,0 +1,97 @@
+"""Sharded loading: each rank reads, straight from the safetensors file, only its own slice of
+every split parameter, each slice exactly once, and the ranks' slices together cover every
+tensor. What is split follows Megatron: q/k/v, gate/up and fc1 by output rows, o/down/fc2 by
+input columns, embeddings and LM head by vocab rows; norms, row-parallel biases, OPT's learned
+positions and (with fewer KV heads than ranks) k/v are replicated, read whole by every rank."""
+import itertools
+import re
+
+import pytest
+import torch
+
+import pagedserve.models.loader as loader
+from pagedserve.models.loader import get_model, load_hf_config
+
+REPLICATED = re.compile(r"(norm|layernorm|layer_norm)\.(weight|bias)$|embed_positions|"
+                        r"(o_proj|out_proj|down_proj|fc2)\.bias$")
+
+
+class RecordingSlice:
+    """A safetensors slice that logs every read as a box of [start, stop) ranges per dim."""
+
+    def __init__(self, name, inner, log):
+        self.name, self.inner, self.log = name, inner, log
+
+    def get_shape(self):
+        return self.inner.get_shape()
+
+    def get_dtype(self):
+        return self.inner.get_dtype()
+
+    def __getitem__(self, index):
+        shape = self.inner.get_shape()
+        index = index if isinstance(index, tuple) else (index,)
+        box = []
+        for d, size in enumerate(shape):
+            s = index[d] if d < len(index) else slice(None)
+            start, stop, step = s.indices(size)
+            assert step == 1
+            box.append((start, stop))
+        self.log.append((self.name, tuple(box)))
+        return self.inner[index]
+
+
+def box_cells(box):
+    return set(itertools.product(*(range(a, b) for a, b in box)))
+
+
+def load_rank(monkeypatch, model_dir, rank, tp):
+    """Build rank `rank` of `tp` exactly as its process would, logging every read from the file."""
+    log = []
+    real = loader.iterate_safetensors
+
+    def recording(d):
+        for name, sl in real(d):
+            yield name, RecordingSlice(name, sl, log)
+    monkeypatch.setattr(loader, "iterate_safetensors", recording)
+    get_model(load_hf_config(model_dir), model_dir=model_dir, device=torch.device("cpu"), dtype=torch.float32,
+              tp_rank=rank, tp_size=tp)
+    monkeypatch.undo()
+    return log
+
+
+@pytest.mark.parametrize("arch,overrides,kv_replicated", [
+    ("llama", {}, False),
+    ("qwen3", {"num_key_value_heads": 1}, True),
+    ("qwen2", {}, False),
+    ("opt", {}, False),
+])
+def test_each_rank_reads_its_slices_once(tiny_model_dir, monkeypatch, arch, overrides, kv_replicated):
+    from safetensors import safe_open
+    model_dir = str(tiny_model_dir(arch, **overrides))
+    tp = 2
+    shapes = {}
+    for path in loader.safetensors_files(model_dir):
+        with safe_open(path, "pt") as f:
+            shapes.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys()})
+    logs = [load_rank(monkeypatch, model_dir, r, tp) for r in range(tp)]
+
+    tied = getattr(load_hf_config(model_dir), "tie_word_embeddings", False)
+    expected = {n for n in shapes if not (tied and n == "lm_head.weight")}
+    for rank, log in enumerate(logs):
+        names = [n for n, _ in log]
+        assert sorted(names) == sorted(expected), f"rank {rank}: each tensor read exactly once"
+    for name in expected:
+        shape = shapes[name]
+        numel = 1
+        for s in shape:
+            numel *= s
+        boxes = [dict(log)[name] for log in logs]
+        cells = [box_cells(b) for b in boxes]
+        assert set().union(*cells) == box_cells(tuple((0, s) for s in shape)), f"{name}: union covers the tensor"
+        replicated = bool(REPLICATED.search(name)) or (kv_replicated and re.search(r"\.(k|v)_proj\.", name))
+        for rank, c in enumerate(cells):
+            want = numel if replicated else numel // tp
+            assert len(c) == want, f"{name}: rank {rank} read {len(c)} of {numel} elements"
+        if not replicated:
+            assert not (cells[0] & cells[1]), f"{name}: ranks' slices are disjoint"

@@ -1,0 +1,63 @@
+"""Shared pieces of the tensor-parallel tests: prompts, greedy runs, and finding leftover workers."""
+from __future__ import annotations
+
+import os
+
+from pagedserve import LLM, SamplingParams
+
+PROMPTS = [
+    "The quick brown fox",
+    "Paged attention stores the KV cache in fixed-size blocks, like pages of virtual memory.",
+    "def main():\n    print('hello, world')",
+    "Привет, мир! Как дела?",
+]
+
+
+def greedy(llm: LLM, prompts=PROMPTS, max_tokens: int = 16, logprobs: int | None = 3):
+    """(token ids, per-token logprob dicts) of each prompt, greedy, ignoring EOS."""
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    outs = llm.generate(prompts, sp, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
+
+
+def assert_same_greedy(ref, got, atol: float = 1e-4) -> None:
+    """Same tokens, and the top logprobs agree to float32 reduction-order noise."""
+    ref_ids, ref_lp = ref
+    got_ids, got_lp = got
+    assert got_ids == ref_ids
+    for a_seq, b_seq in zip(ref_lp, got_lp):
+        if a_seq is None:
+            continue
+        for a, b in zip(a_seq, b_seq):
+            assert set(a) == set(b)
+            for tok in a:
+                assert abs(a[tok] - b[tok]) <= atol, (tok, a[tok], b[tok])
+
+
+def launch_children(parent: int | None = None) -> list[int]:
+    """Pids of live `pagedserve.runner.launch` processes (children of `parent` when given)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ")
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state == "Z":
+            continue
+        if b"pagedserve.runner.launch" in cmd and (parent is None or int(ppid) == parent):
+            pids.append(int(entry))
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
