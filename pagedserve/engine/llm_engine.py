@@ -102,6 +102,8 @@ class LLMEngine:
         self._beams: dict[str, BeamSearchState] = {}
         self._beam_results: dict[str, BeamSearchOutput] = {}
         self._counter = itertools.count()
+        # Optional phase clock (pagedserve.engine.step_timer.StepTimer); None costs nothing.
+        self.step_timer = None
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -242,7 +244,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduler step; returns outputs of requests that advanced or finished."""
+        timer = self.step_timer
+        if timer is not None:
+            timer.begin()
         out = self.scheduler.schedule()
+        if timer is not None:
+            timer.mark("schedule")
         touched: dict[int, SequenceGroup] = {}
         for group in out.ignored:
             for seq in group.seqs:
@@ -251,6 +258,8 @@ class LLMEngine:
             touched[id(group)] = group
         if not out.is_empty:
             logits = self.runner.execute(out)
+            if timer is not None:
+                timer.mark("execute", sync=True)
             self.scheduler.update_after_step(out)
             sampled = [s for s in out.scheduled if s.do_sample]
             if sampled and logits is not None:
@@ -277,6 +286,8 @@ class LLMEngine:
                 self._groups.pop(rid, None)
                 for s in group.seqs:
                     self._seq_generators.pop(s.seq_id, None)
+        if timer is not None:
+            timer.mark("postprocess")
         return outputs
 
     def _process_samples(self, logits: torch.Tensor, sampled: list) -> None:
@@ -300,7 +311,12 @@ class LLMEngine:
                 rows.append(SampleRow(i, p, seq.prompt_token_ids, seq.output_token_ids, gen, suppress))
                 targets.append((s, j))
         if rows:
+            timer = self.step_timer
+            if timer is not None:
+                timer.mark("postprocess")
             result = self.sampler.sample(logits, rows)
+            if timer is not None:
+                timer.mark("sample")
             forks: dict[int, Sequence] = {}
             # Fork first: children copy the parent's tokens before the parent appends its own.
             for r, (s, j) in enumerate(targets):
