@@ -27,6 +27,7 @@ import shlex
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +39,7 @@ from pagedserve.benchmark.hardware import write_result  # noqa: E402
 from pagedserve.benchmark.throughput import BENCH_TEMPERATURE  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine, make_engine_config  # noqa: E402
 from pagedserve.engine.step_timer import StepTimer  # noqa: E402
-from pagedserve.sampling_params import SamplingParams  # noqa: E402
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 HOST_PHASES = ("schedule", "cache_ops", "prepare", "postprocess")
 ALL_PHASES = ("schedule", "cache_ops", "prepare", "forward", "sample", "postprocess")
@@ -105,8 +106,16 @@ def main() -> None:
                     help="random hidden states instead of the model body (for CPU runs; not with CUDA graphs)")
     ap.add_argument("--profile", default=None,
                     help="after timing, run --steps more steps under cProfile and write the stats here (.prof)")
+    ap.add_argument("--cpu-threads", type=int, default=1,
+                    help="torch threads when running on CPU (1: steadier timings on a shared machine)")
+    ap.add_argument("--clock", choices=["wall", "thread"], default=None,
+                    help="wall (default on CUDA) or this thread's CPU time (default on CPU: steady on a busy machine)")
+    ap.add_argument("--cumulative", action="store_true",
+                    help="a RequestOutput per request per step (streaming), instead of LLM.generate's final-only")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    if args.device == "cpu" or not torch.cuda.is_available():
+        torch.set_num_threads(args.cpu_threads)
 
     if args.model is None:
         sys.path.insert(0, str(ROOT / "tests"))
@@ -131,12 +140,14 @@ def main() -> None:
     lo, hi = (int(x) for x in args.prompt_len.split(","))
     hi = min(hi, max_len // 2)
     lo = min(lo, hi)
+    output_kind = RequestOutputKind.CUMULATIVE if args.cumulative else RequestOutputKind.FINAL_ONLY
     rng = random.Random(0)
     lens = [rng.randint(lo, hi) for _ in range(n)]
     vocab = min(engine.vocab_size, 10000)
     for i, plen in enumerate(lens):
         ids = [rng.randrange(vocab) for _ in range(plen)]
-        params = SamplingParams(temperature=BENCH_TEMPERATURE, max_tokens=max_len - plen, ignore_eos=True)
+        params = SamplingParams(temperature=BENCH_TEMPERATURE, max_tokens=max_len - plen, ignore_eos=True,
+                                output_kind=output_kind)
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
     ramp = 0
     while not _all_decoding(engine, n):
@@ -150,7 +161,8 @@ def main() -> None:
         raise RuntimeError("a sequence stopped during warm-up: lower --steps or raise --max-model-len")
 
     hooked = _hook_prepare(engine)
-    timer = StepTimer(sync)
+    clock = {"wall": time.perf_counter, "thread": time.thread_time}[args.clock or ("wall" if on_cuda else "thread")]
+    timer = StepTimer(sync, clock)
     before = {s.seq_id: len(s.output_token_ids) for g in engine.scheduler.running for s in g.seqs}
     engine.step_timer = timer
     for _ in range(args.steps):
@@ -188,7 +200,9 @@ def main() -> None:
     config = {"model": model if args.model else "tiny random llama (tests/tiny_models.py)",
               "load_format": load_format, "device": str(engine.device), "dtype": str(engine.dtype),
               "num_seqs": n, "prompt_len": [lo, hi], "temperature": BENCH_TEMPERATURE, "ignore_eos": True,
-              "max_model_len": max_len, "stub_forward": args.stub_forward, "warmup_steps": args.warmup, "ramp_steps": ramp, **extra}
+              "max_model_len": max_len, "stub_forward": args.stub_forward,
+              "output_kind": output_kind.name,
+              "clock": "wall" if clock is time.perf_counter else "thread", "warmup_steps": args.warmup, "ramp_steps": ramp, **extra}
     out = args.output or str(ROOT / "benchmarks/results" / ("h200" if on_cuda else "cpu") / "host_overhead.json")
     command = "python benchmarks/host_overhead.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     ratios = {"host_share_of_step": round(sum(host) / sum(total), 4)}

@@ -17,9 +17,9 @@ import torch
 from pagedserve.config import CacheConfig, EngineConfig
 from pagedserve.engine.beam_search import BeamSearchState, LiveBeam
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.layers.sampler import Sampler, SampleRow, derive_seed
+from pagedserve.layers.sampler import Sampler, SampleRow, derive_seed, needs_only_temperature
 from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 def resolve_device(name: str) -> torch.device:
@@ -98,6 +98,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_model_len)
 
         self._groups: dict[str, SequenceGroup] = {}
+        # request_id -> True when its rows can take Sampler.sample_plain (decided once, at add).
+        self._plain_sampling: dict[str, bool] = {}
         self._seq_generators: dict[int, torch.Generator] = {}
         self._beams: dict[str, BeamSearchState] = {}
         self._beam_results: dict[str, BeamSearchOutput] = {}
@@ -192,6 +194,8 @@ class LLMEngine:
         seq = group.seqs[0]
         if sampling_params.seed is not None:
             self._seq_generators[seq.seq_id] = self._make_generator(sampling_params.seed)
+        p = group.sampling_params
+        self._plain_sampling[request_id] = needs_only_temperature(p) and p.min_tokens == 0 and p.best_of == 1
         self._groups[request_id] = group
         self.scheduler.add_seq_group(group)
 
@@ -218,6 +222,7 @@ class LLMEngine:
         self.scheduler.abort_seq_group(known)
         for r in known:
             group = self._groups.pop(r)
+            self._plain_sampling.pop(r, None)
             self._beams.pop(r, None)
             for s in group.seqs:
                 self._seq_generators.pop(s.seq_id, None)
@@ -265,25 +270,31 @@ class LLMEngine:
             if sampled and logits is not None:
                 now = time.time()
                 for s in sampled:
-                    if s.group.first_token_time is None:
-                        s.group.first_token_time = now
-                        s.group.metrics["first_token_time"] = now
-                    touched[id(s.group)] = s.group
+                    group = s.group
+                    if group.first_token_time is None:
+                        group.first_token_time = now
+                        group.metrics["first_token_time"] = now
+                    touched[id(group)] = group
                 self._process_samples(logits, sampled)
 
+        for group in self.scheduler.free_finished_seq_groups():
+            # Also groups the scheduler ended on its own (outgrew the cache) without running them.
+            if group.request_id in self._groups:
+                touched.setdefault(id(group), group)
         outputs = []
-        finished = {id(g) for g in self.scheduler.free_finished_seq_groups()}
+        final_only = RequestOutputKind.FINAL_ONLY
         for group in touched.values():
             rid = group.request_id
-            if group.finished:
-                finished.add(id(group))
+            finished = group.finished
             if rid in self._beams:
-                if group.finished:
+                if finished:
                     self._finish_beam_group(group)
                 continue
-            outputs.append(self.output_processor.make_output(group))
-            if group.finished:
+            if finished or group.sampling_params.output_kind is not final_only:
+                outputs.append(self.output_processor.make_output(group))
+            if finished:
                 self._groups.pop(rid, None)
+                self._plain_sampling.pop(rid, None)
                 for s in group.seqs:
                     self._seq_generators.pop(s.seq_id, None)
         if timer is not None:
@@ -291,6 +302,12 @@ class LLMEngine:
         return outputs
 
     def _process_samples(self, logits: torch.Tensor, sampled: list) -> None:
+        plain = self._plain_sampling
+        if all(plain.get(s.group.request_id, False) for s in sampled):
+            temps = [s.group.sampling_params.temperature for s in sampled]
+            if all(temps) or not any(temps):
+                self._process_plain_samples(logits, sampled, temps)
+                return
         rows: list[SampleRow] = []
         targets: list[tuple[Any, int]] = []  # (scheduled seq, fork index) per row
         beam_rows: list[tuple[Any, int]] = []
@@ -337,6 +354,22 @@ class LLMEngine:
                     self._seq_generators.pop(seq.seq_id, None)
         if beam_rows:
             self._beam_step(logits, beam_rows)
+
+    def _process_plain_samples(self, logits: torch.Tensor, sampled: list, temps: list[float]) -> None:
+        """Every row needs only its temperature (no seeds, filters, penalties, logprobs, forks)."""
+        timer = self.step_timer
+        if timer is not None:
+            timer.mark("postprocess")
+        result = self.sampler.sample_plain(logits, temps)
+        if timer is not None:
+            timer.mark("sample")
+        append = self.output_processor.append_token
+        for s, token, logprob in zip(sampled, result.token_ids, result.logprobs):
+            seq = s.seq
+            status = append(seq, s.group, token, logprob, None)
+            if status is not None:
+                seq.status = status
+                self.scheduler.free_seq(seq)
 
     # ---- beam search ----------------------------------------------------------------------
 

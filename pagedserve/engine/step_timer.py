@@ -12,8 +12,11 @@ from typing import Callable
 
 
 class StepTimer:
-    def __init__(self, sync: Callable[[], None] | None = None):
+    def __init__(self, sync: Callable[[], None] | None = None, clock: Callable[[], float] = time.perf_counter):
+        """clock: time.perf_counter (wall), or time.thread_time to count only this thread's CPU
+        time (steadier on a shared CPU, but blind to device waits)."""
         self.sync = sync
+        self.clock = clock
         self.records: list[dict[str, float]] = []   # one {phase: seconds} per step
         self._last = 0.0
 
@@ -22,13 +25,13 @@ class StepTimer:
         if self.sync is not None:
             self.sync()
         self.records.append({})
-        self._last = time.perf_counter()
+        self._last = self.clock()
 
     def mark(self, phase: str, sync: bool = False) -> None:
         """Charge the time since the last mark to `phase` (synchronizing first if asked)."""
         if sync and self.sync is not None:
             self.sync()
-        now = time.perf_counter()
+        now = self.clock()
         rec = self.records[-1]
         rec[phase] = rec.get(phase, 0.0) + now - self._last
         self._last = now
