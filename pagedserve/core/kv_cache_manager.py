@@ -154,6 +154,9 @@ class KVCacheManager:
         table = self.block_tables[seq.seq_id]
         bs = self.block_size
         start = seq.num_computed_tokens
+        if num_new_tokens == 1:  # a decode: one slot, in a new block or in the last one
+            i = start // bs
+            return 1 if i >= len(table) or table[i].ref_cnt > 1 else 0
         first, stop = start // bs, cdiv(start + num_new_tokens, bs)
         n = len(table)
         grow = stop - n if stop > n else 0
@@ -165,13 +168,21 @@ class KVCacheManager:
 
     def can_append_slots(self, seqs: Iterable[tuple[Sequence, int]]) -> bool:
         """Whether every (seq, num_new_tokens) can get slots (new blocks and COW copies) now."""
-        needed = sum(self._blocks_needed(s, n) for s, n in seqs)
-        return needed <= self.get_num_free_blocks()
+        needed = 0
+        for s, n in seqs:
+            needed += self._blocks_needed(s, n)
+        return needed <= self.pool.free_block_queue.num_free_blocks
 
     def exceeds_capacity(self, group: SequenceGroup, seqs: Iterable[tuple[Sequence, int]]) -> bool:
         """Whether the group would need more blocks than the whole device cache to take this step."""
-        seqs = list(seqs)
-        needed = sum(self._blocks_needed(s, n) for s, n in seqs)
+        needed = 0
+        for s, n in seqs:
+            needed += self._blocks_needed(s, n)
+        if len(group.seqs) == 1:
+            seq = group.seqs[0]
+            table = self.block_tables.get(seq.seq_id)
+            own = len(table) if table is not None and not seq.status.finished else 0
+            return own + needed > self.num_gpu_blocks
         tables = [self.block_tables[s.seq_id] for s in self._group_seqs(group, self.block_tables)]
         # Entries bound distinct blocks from above: only count distinct ones when that bound is too big.
         if sum(len(t) for t in tables) + needed <= self.num_gpu_blocks:
@@ -182,6 +193,16 @@ class KVCacheManager:
         """Make slots [num_computed, num_computed + n) writable; returns COW (src, dst) pairs."""
         table = self.block_tables[seq.seq_id]
         ids = self._block_ids[seq.seq_id]
+        if num_new_tokens == 1:
+            i = seq.num_computed_tokens // self.block_size
+            if i == len(table):  # the decode opens a new block
+                block = self.pool.get_new_blocks(1)[0]
+                table.append(block)
+                ids.append(block.block_id)
+                self._note_usage()
+                return []
+            if i < len(table) and table[i].ref_cnt == 1:  # room in an unshared last block
+                return []
         rng = self._write_range(seq, num_new_tokens)
         copies = []
         for i in range(rng.start, min(rng.stop, len(table))):
@@ -211,9 +232,11 @@ class KVCacheManager:
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Register blocks that became full of computed tokens, so later requests can reuse them."""
-        if not self.enable_prefix_caching or seq.seq_id not in self.block_tables:
+        if not self.enable_prefix_caching:
             return
-        table = self.block_tables[seq.seq_id]
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            return
         full = min(seq.num_computed_tokens // self.block_size, len(table))
         done = self._num_cached_blocks.get(seq.seq_id, 0)
         if full <= done:

@@ -168,8 +168,10 @@ class Scheduler:
             pending.append((group, True))
 
         # 2. prefill chunks of running groups
-        for group, _ in pending:
+        for group, decoded in pending:
             self.running.append(group)
+            if decoded and len(group.seqs) == 1:
+                continue  # its one sequence decoded (or finished): no prefill left
             for s in group.seqs:
                 if s.status is RUNNING and not _is_decode(s):
                     self._schedule_prefill(group, s, scheduled, out)
