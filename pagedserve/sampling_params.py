@@ -1,17 +1,10 @@
 """SamplingParams: how one request is decoded. Field names follow vLLM so users can switch."""
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 _MAX_N = 128
 _MAX_LOGPROBS = 20
-
-
-class RequestOutputKind(enum.Enum):
-    """When LLMEngine.step returns a RequestOutput for a request (vLLM's names and values)."""
-    CUMULATIVE = 0   # every step the request advances, holding everything generated so far
-    FINAL_ONLY = 2   # once, when it finishes: what offline LLM.generate needs, and much cheaper
 
 
 @dataclass
@@ -35,7 +28,6 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -82,8 +74,6 @@ class SamplingParams:
             bad("seed", "in [0, 2**63)")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
-        if not isinstance(self.output_kind, RequestOutputKind):
-            raise ValueError(f"output_kind must be a RequestOutputKind, got {self.output_kind!r}")
         if self.best_of > 1 and self.temperature == 0.0 and self.n > 1:
             raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical")
 

@@ -84,7 +84,7 @@ def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0, max_shard
     torch.manual_seed(seed)
     # Padded past the tokenizer, as real checkpoints pad their vocab (and some AutoTokenizer
     # classes add a special token on load).
-    cfg = tiny_config(arch, 384, **overrides)
+    cfg = tiny_config(arch, overrides.pop("vocab_size", 384), **overrides)
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
     # Random init is small; scale weights up so logits are peaked and greedy ties are rare.
     with torch.no_grad():

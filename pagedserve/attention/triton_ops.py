@@ -22,12 +22,12 @@ from pagedserve.attention.triton_prefill import paged_prefill_kernel
 # Launch defaults; benchmarks/bench_paged_decode.py sweeps the decode ones on the GPU.
 DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
-DECODE_NUM_STAGES = 2
+DECODE_NUM_STAGES = 3
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
-DECODE_PROGRAMS_PER_SM = 4
+DECODE_PROGRAMS_PER_SM = 3
 
 
 def _pow2_at_least_16(n: int) -> int:

@@ -87,5 +87,14 @@ class BeamSearchState:
             return []
         return live
 
+    def finish_live(self, beams: list[tuple[list[int], float]]) -> None:
+        """Close the search early: live beams become "length" hypotheses."""
+        for tokens, cum in beams:
+            self.finished.append(Hypothesis(list(tokens), cum, cum / len(tokens) ** self.params.length_penalty,
+                                            "length"))
+        self.finished.sort(key=lambda h: -h.score)
+        del self.finished[self.params.beam_width:]
+        self.done = True
+
     def best(self) -> list[Hypothesis]:
         return list(self.finished)

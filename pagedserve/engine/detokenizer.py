@@ -21,6 +21,11 @@ DetokState = tuple[int, int]
 
 
 def _decode(tokenizer: Any, ids: list[int], skip_special_tokens: bool) -> str:
+    # A fast tokenizer's Rust backend is what its decode() calls anyway (without clean-up);
+    # calling it directly skips the Python wrapper, which dominates at one call per token.
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:
+        return backend.decode(ids, skip_special_tokens=skip_special_tokens)
     return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
                             clean_up_tokenization_spaces=False)
 

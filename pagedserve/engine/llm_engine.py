@@ -8,30 +8,29 @@ O(scheduled sequences), never O(blocks).
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from typing import Any, Iterable
 
 import torch
 
 from pagedserve.config import CacheConfig, EngineConfig
+from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.beam_search import BeamSearchState, LiveBeam
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.layers.sampler import Sampler, SampleRow, derive_seed, needs_only_temperature
+from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
 from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.runner.model_runner import ModelRunner, resolve_device
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+def _load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
     try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise ValueError(f"device must be auto, cpu or cuda[:N], got {name!r}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device must be available: {name!r} requested but CUDA is not")
-    return dev
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} (a local HF directory): {e}") from e
 
 
 def _eos_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
@@ -47,7 +46,7 @@ def _eos_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
         add(tokenizer.eos_token_id)
     try:
         from transformers import GenerationConfig
-        add(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+        add(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
     except (OSError, ValueError):
         add(getattr(hf_config, "eos_token_id", None))
     return ids
@@ -55,10 +54,6 @@ def _eos_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig):
-        from pagedserve.core.scheduler import Scheduler
-        from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
-        from pagedserve.runner.model_runner import ModelRunner
-
         if config.model is None:
             raise ValueError("model must be a local HF model directory, got None")
         self.config = config
@@ -74,8 +69,7 @@ class LLMEngine:
 
         self.tokenizer = None
         if not config.skip_tokenizer_init:
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+            self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
 
         self.runner = ModelRunner(config, self.hf_config, self.device, self.dtype)
         self.runner.load_model()
@@ -86,8 +80,9 @@ class LLMEngine:
                                         enable_prefix_caching=config.enable_prefix_caching,
                                         kv_allocator=config.kv_allocator)
         self.scheduler_config = config.scheduler_config(max_model_len)
-        if "recompute_seconds_per_token" in self.runner.profile:
-            self.scheduler_config.recompute_seconds_per_token = self.runner.profile["recompute_seconds_per_token"]
+        for measured in ("recompute_seconds_per_token", "swap_seconds_per_block"):
+            if measured in self.runner.profile:  # CUDA only; CPU keeps SchedulerConfig's defaults
+                setattr(self.scheduler_config, measured, self.runner.profile[measured])
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.vocab_size = self.runner.vocab_size
 
@@ -103,7 +98,6 @@ class LLMEngine:
         self._seq_generators: dict[int, torch.Generator] = {}
         self._beams: dict[str, BeamSearchState] = {}
         self._beam_results: dict[str, BeamSearchOutput] = {}
-        self._counter = itertools.count()
         # Optional phase clock (pagedserve.engine.step_timer.StepTimer); None costs nothing.
         self.step_timer = None
 
@@ -161,6 +155,8 @@ class LLMEngine:
         self._check_token_ids("stop_token_ids", params.stop_token_ids)
         if params.prompt_logprobs is not None:
             raise ValueError("prompt_logprobs is not supported (must be None)")
+        if params.best_of > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"best_of ({params.best_of}) must be <= max_num_seqs ({self.scheduler_config.max_num_seqs})")
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompt length ({len(ids)} tokens) must be < max_model_len ({self.max_model_len})")
         if params.max_tokens is None:
@@ -204,6 +200,9 @@ class LLMEngine:
         """Queue a beam search; its result is taken with pop_beam_search_output once finished."""
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        if params.beam_width > self.scheduler_config.max_num_seqs:
+            raise ValueError(f"beam_width ({params.beam_width}) must be <= max_num_seqs "
+                             f"({self.scheduler_config.max_num_seqs})")
         sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
         group = self._new_group(request_id, prompt, sp, None)
         self._beams[request_id] = BeamSearchState(params, self.eos_token_ids, params.max_tokens)
@@ -247,8 +246,9 @@ class LLMEngine:
 
     # ---- the step -------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """Run one scheduler step; returns outputs of requests that advanced or finished."""
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """Run one scheduler step; returns outputs of requests that advanced or finished
+        (only the finished ones with final_only, which saves copying for offline use)."""
         timer = self.step_timer
         if timer is not None:
             timer.begin()
@@ -277,12 +277,10 @@ class LLMEngine:
                     touched[id(group)] = group
                 self._process_samples(logits, sampled)
 
+        # The scheduler may also end groups on its own (one that outgrew the whole cache).
         for group in self.scheduler.free_finished_seq_groups():
-            # Also groups the scheduler ended on its own (outgrew the cache) without running them.
-            if group.request_id in self._groups:
-                touched.setdefault(id(group), group)
+            touched.setdefault(id(group), group)
         outputs = []
-        final_only = RequestOutputKind.FINAL_ONLY
         for group in touched.values():
             rid = group.request_id
             finished = group.finished
@@ -290,7 +288,7 @@ class LLMEngine:
                 if finished:
                     self._finish_beam_group(group)
                 continue
-            if finished or group.sampling_params.output_kind is not final_only:
+            if finished or not final_only:
                 outputs.append(self.output_processor.make_output(group))
             if finished:
                 self._groups.pop(rid, None)
@@ -431,6 +429,11 @@ class LLMEngine:
         state = self._beams.pop(rid)
         self._groups.pop(rid, None)
         prompt = group.prompt_token_ids
+        if not state.done:
+            # Ended from outside the search (the scheduler ran out of cache): the live beams
+            # count as length-finished hypotheses.
+            state.finish_live([(s.output_token_ids, s.cumulative_logprob) for s in group.seqs
+                               if s.output_token_ids])
         seqs = []
         for h in state.best():
             out_text = full_text = None

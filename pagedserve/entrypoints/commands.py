@@ -90,5 +90,8 @@ def register_bench(sub) -> None:
     s.add_argument("--num-requests", type=int, default=100)
     s.add_argument("--request-rate", type=float, default=float("inf"))
     s.add_argument("--api-key", default=None)
+    s.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=0, help="workload draw seed (arrivals use seed + 1)")
     s.add_argument("--output", default=None)
     s.set_defaults(func=run_serve)

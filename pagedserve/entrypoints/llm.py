@@ -1,7 +1,6 @@
 """LLM: offline batched generation and beam search over an LLMEngine, in vLLM's shape."""
 from __future__ import annotations
 
-import dataclasses
 import itertools
 from typing import Any, Sequence as Seq
 
@@ -10,7 +9,7 @@ from tqdm.auto import tqdm
 from pagedserve.config import EngineConfig
 from pagedserve.engine.llm_engine import LLMEngine, make_engine_config
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict
 
@@ -77,29 +76,23 @@ class LLM:
                                  f"for {len(prompts)} prompts")
         engine = self.llm_engine
         order: dict[str, int] = {}
-        final_only: dict[int, SamplingParams] = {}  # id(user's params) -> FINAL_ONLY copy
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
-                if isinstance(sp, SamplingParams) and sp.output_kind is not RequestOutputKind.FINAL_ONLY:
-                    # Only finished outputs are returned, so the engine need not build the others.
-                    if id(sp) not in final_only:
-                        final_only[id(sp)] = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-                    sp = final_only[id(sp)]
                 engine.add_request(rid, prompt, sp)
                 order[rid] = i
         except Exception:
             engine.abort_request(list(order))
             raise
         results: list[RequestOutput | None] = [None] * len(prompts)
-        pending = set(order)
         try:
             with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
-                while pending and engine.has_unfinished_requests():
-                    for out in engine.step():
-                        if out.finished and out.request_id in pending:
-                            pending.discard(out.request_id)
+                remaining = len(order)
+                while remaining and engine.has_unfinished_requests():
+                    for out in engine.step(final_only=True):
+                        if out.request_id in order:
                             results[order[out.request_id]] = out
+                            remaining -= 1
                             bar.update(1)
         except BaseException:
             engine.abort_request(list(order))
@@ -121,7 +114,7 @@ class LLM:
             with tqdm(total=len(prompts), desc="Beam search", disable=not use_tqdm) as bar:
                 pending = set(rids)
                 while pending:
-                    engine.step()
+                    engine.step(final_only=True)
                     done = {r for r in pending if not engine.has_request(r)}
                     bar.update(len(done))
                     pending -= done

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from pagedserve.sampling_params import SamplingParams
@@ -73,9 +72,9 @@ def _chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
 
 
 def _to_host(tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Both lists in one device-to-host copy (token ids < 2**53 are exact in float64)."""
-    packed = torch.stack((tokens.to(torch.float64), chosen.to(torch.float64))).cpu().numpy()
-    return packed[0].astype(np.int64).tolist(), packed[1].tolist()
+    """Both lists in one device-to-host copy (float64 holds every token id exactly)."""
+    host = torch.stack((tokens.double(), chosen.double()), dim=1).cpu()
+    return host[:, 0].long().tolist(), host[:, 1].tolist()
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -227,11 +226,18 @@ class Sampler:
 
         want = [r.params.logprobs for r in rows]
         max_n = max((w for w in want if w is not None), default=None)
-        top_vals = top_ids = None
+        # One device->host transfer per step (float64 holds every token id exactly).
+        chosen = _chosen_logprobs(logits, tokens)
+        parts = [tokens.double()[:, None], chosen.double()[:, None]]
         if max_n:
             top_vals, top_ids = torch.log_softmax(logits, dim=-1).topk(max_n, dim=-1)
-            top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-        token_list, chosen_list = _to_host(tokens, _chosen_logprobs(logits, tokens))
+            parts += [top_ids.double(), top_vals.double()]
+        host = torch.cat(parts, dim=1).cpu()
+        token_list = host[:, 0].long().tolist()
+        chosen_list = host[:, 1].tolist()
+        if max_n:
+            top_ids = host[:, 2:2 + max_n].long().tolist()
+            top_vals = host[:, 2 + max_n:].tolist()
 
         tops: list[dict[int, float] | None] = []
         for i, w in enumerate(want):

@@ -20,6 +20,7 @@ from pagedserve.distributed import get_tp_group
 from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.runner.batch import ModelInput, build_model_input, prepare_model_input
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
+from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -57,6 +58,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.max_model_len = engine_config.max_model_len or get_max_model_len(hf_config)
         self.profile: dict[str, float] = {}
+        self.graphs: DecodeCUDAGraphs | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -144,6 +146,32 @@ class ModelRunner:
         self.cache_engine = CacheEngine(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
                                         num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
         self.kv_caches = self.cache_engine.kv_caches
+        if self.device.type == "cuda" and num_cpu_blocks > 0:
+            self._measure_swap_cost(min(32, num_gpu_blocks, num_cpu_blocks))
+        if self.device.type == "cuda" and not self.config.enforce_eager:
+            self.capture_decode_graphs()
+
+    def _measure_swap_cost(self, n: int) -> None:
+        """Seconds to move one block out to the CPU pool and back: preemption_mode="auto" weighs
+        this against recompute_seconds_per_token. The pools are still empty, so nothing is lost."""
+        pairs = [(i, i) for i in range(n)]
+        self.cache_engine.swap_out(pairs)
+        self.cache_engine.swap_in(pairs)
+        torch.cuda.synchronize(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.cache_engine.swap_out(pairs)
+        self.cache_engine.swap_in(pairs)
+        end.record()
+        torch.cuda.synchronize(self.device)
+        self.profile["swap_seconds_per_block"] = start.elapsed_time(end) / 1e3 / n
+
+    def capture_decode_graphs(self) -> None:
+        """One CUDA graph per decode batch-size bucket, up to max_num_seqs."""
+        self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, max_batch=self.config.max_num_seqs,
+                                       max_model_len=self.max_model_len, block_size=self.block_size,
+                                       device=self.device)
+        self.graphs.capture()
 
     # --- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -167,6 +195,10 @@ class ModelRunner:
         if not out.scheduled:
             return None
         inp = prepare_model_input(out.scheduled, out.num_decodes, self.block_size, self.device)
+        if self.graphs is not None and out.num_decodes == len(out.scheduled) \
+                and self.graphs.bucket_for(len(out.scheduled)) is not None:
+            hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta)
+            return self.model.compute_logits(hidden[inp.sample_indices]).float()
         if inp.num_sampling == 0:
             # Still run the forward: it writes this chunk's K/V into the cache.
             self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta)

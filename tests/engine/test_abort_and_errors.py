@@ -110,3 +110,8 @@ def test_llm_argument_errors(model_dir):
         LLM(str(model_dir), device="cpu", max_model_len=100000)
     with pytest.raises(ValueError, match="model"):
         LLM("/nonexistent/dir")
+
+
+def test_bad_tokenizer_path_names_the_field(model_dir, tmp_path):
+    with pytest.raises(ValueError, match="tokenizer"):
+        LLM(str(model_dir), device="cpu", tokenizer=str(tmp_path / "missing"))

@@ -68,3 +68,33 @@ def test_beams_share_prompt_blocks(tiny_model_dir):
     assert peak < width * prompt_blocks
     assert out.sequences[0].text == llm.get_tokenizer().decode(out.sequences[0].tokens, skip_special_tokens=True)
     assert_no_leak(llm)
+
+
+def test_beam_search_unchanged_by_swaps_and_split_steps(tiny_model_dir):
+    """A tight cache (beam groups are swapped out whole) and a token budget smaller than the
+    number of live beams (a group's beams then run in different steps) give the same beams."""
+    model_dir = tiny_model_dir("llama")
+    ids = prompt_ids(model_dir)[:4]
+    params = BeamSearchParams(beam_width=4, max_tokens=10, ignore_eos=True, length_penalty=0.5)
+    roomy = make_llm(model_dir, block_size=4).beam_search([{"prompt_token_ids": p} for p in ids], params)
+    tight = make_llm(model_dir, block_size=4, num_gpu_blocks_override=30, swap_space=0.05)
+    split = make_llm(model_dir, block_size=4, max_num_batched_tokens=3)
+    sched = split.llm_engine.scheduler
+    schedule, partial = sched.schedule, []
+
+    def spy():
+        out = schedule()
+        per_group = {}
+        for ss in out.scheduled:
+            per_group.setdefault(id(ss.group), [ss.group, 0])[1] += ss.is_decode
+        partial.extend(g for g, n in per_group.values() if 0 < n < len(g.unfinished_seqs()))
+        return out
+    sched.schedule = spy
+    for llm in (tight, split):
+        got = llm.beam_search([{"prompt_token_ids": p} for p in ids], params)
+        for a, b in zip(roomy, got):
+            assert [s.output_tokens for s in a.sequences] == [s.output_tokens for s in b.sequences]
+            assert [s.score for s in a.sequences] == pytest.approx([s.score for s in b.sequences], abs=1e-4)
+        assert_no_leak(llm)
+    assert tight.get_kv_cache_stats().num_preemptions > 0
+    assert partial

@@ -1,0 +1,226 @@
+"""The OpenAI-compatible HTTP server: FastAPI app factory and `pagedserve serve`.
+
+Every error a client can cause answers 4xx with OpenAI's error JSON
+{"error": {"message", "type", "param", "code"}}; nothing a client sends can take the
+engine down for the others.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                                    CompletionRequest, CompletionResponse,
+                                                    ErrorResponse, ModelCard, ModelList)
+from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+from pagedserve.entrypoints.openai.serving_common import APIError, ClientDisconnected
+from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("pagedserve.server")
+
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500)}
+_V1 = "/v1/"
+
+
+def _error(status: int, message: str, param: str | None = None, code: str | None = None,
+           type: str | None = None) -> JSONResponse:
+    err = APIError(message, status, param=param, code=code, type=type)
+    return JSONResponse(err.response().model_dump(), status_code=status)
+
+
+class BodyLimitMiddleware:
+    """Reads at most max_bytes of a request body; more answers 413 before any parsing."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            return await self.app(scope, receive, send)
+        too_big = _error(413, f"request body exceeds the limit of {self.max_bytes} bytes",
+                         code="request_too_large")
+        for k, v in scope.get("headers", []):
+            if k == b"content-length":
+                if not v.isdigit() or int(v) > self.max_bytes:
+                    return await too_big(scope, receive, send)
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            body = message.get("body", b"")
+            total += len(body)
+            if total > self.max_bytes:
+                return await too_big(scope, receive, send)
+            chunks.append(body)
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        # Bodies are JSON whatever the client says (curl -d sends a form content type).
+        headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
+        scope = dict(scope, headers=headers + [(b"content-type", b"application/json")])
+        await self.app(scope, replay, send)
+
+
+class APIKeyMiddleware:
+    """With an API key set, /v1/* needs `Authorization: Bearer <key>`; health and metrics stay open."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(_V1):
+            got = dict(scope.get("headers", [])).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                return await _error(401, "Incorrect or missing API key: send it as "
+                                         "'Authorization: Bearer <key>'",
+                                    code="invalid_api_key")(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _param_of(loc: tuple) -> str | None:
+    """('body', 'messages', 0, 'content') -> 'messages.0.content'; union branch tags dropped."""
+    parts = []
+    for x in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(x, str) and (any(ch in x for ch in "[-(")
+                                   or x in ("str", "int", "float", "bool", "none")):
+            break
+        parts.append(str(x))
+    return ".".join(parts) or None
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError):
+        return JSONResponse(e.response().model_dump(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError):
+        errors = e.errors()
+        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
+        if first.get("type") == "json_invalid":
+            return _error(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
+                          code="invalid_json")
+        param = _param_of(tuple(first.get("loc", ())))
+        # A union reports one error per branch: say what each branch wanted.
+        msgs = list(dict.fromkeys(err.get("msg", "invalid value") for err in errors
+                                  if _param_of(tuple(err.get("loc", ()))) == param))
+        msg = " | ".join(msgs[:4])
+        if param is None:
+            return _error(400, f"request body is invalid: {msg}")
+        return _error(400, f"{param}: {msg}", param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        return _error(e.status_code, str(e.detail))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return _error(500, f"internal error: {type(e).__name__}")
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
+              max_request_bytes: int = 1 << 20) -> FastAPI:
+    """The OpenAI-compatible app around one AsyncLLMEngine."""
+    completion = OpenAIServingCompletion(engine, served_model_name)
+    chat = OpenAIServingChat(engine, served_model_name)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        await engine.shutdown()
+
+    app = FastAPI(title="pagedserve", description="OpenAI-compatible server of pagedserve",
+                  lifespan=lifespan)
+    app.state.engine = engine
+    _install_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if not engine.is_running:
+            return _error(503, "the engine loop has stopped", type="server_error")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
+
+    async def respond(result: Any) -> Response:
+        if hasattr(result, "model_dump_json"):
+            return Response(result.model_dump_json(), media_type="application/json")
+        return StreamingResponse(result, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        try:
+            return await respond(await completion.create(body, request))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        try:
+            return await respond(await chat.create(body, request))
+        except ClientDisconnected:
+            return Response(status_code=499)
+
+    # The last one added runs first: the key is checked before any body is read.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def run_server_cli(args: Any) -> int:
+    """`pagedserve serve`: build the engine from the CLI flags and serve it with uvicorn."""
+    import uvicorn
+
+    from pagedserve.entrypoints.cli import engine_config_from_args
+
+    if args.model_pos and args.model and args.model_pos != args.model:
+        raise ValueError(f"MODEL ({args.model_pos!r}) and --model ({args.model!r}) disagree")
+    model = args.model_pos or args.model
+    if model is None:
+        try:
+            from pagedserve.demo_model import DEMO_MODEL_DIR
+        except ImportError:
+            raise ValueError("no MODEL given and the bundled demo model is not installed") from None
+        model = str(DEMO_MODEL_DIR)
+    if args.max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
+    config = engine_config_from_args(args, model)
+    engine = AsyncLLMEngine.from_engine_config(config)
+    api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
+    name = args.served_model_name or model
+    app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes)
+    logging.basicConfig(level=logging.INFO)
+    logger.info("serving %s on http://%s:%d/v1%s", name, args.host, args.port,
+                " (API key required)" if api_key else "")
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
+    return 0

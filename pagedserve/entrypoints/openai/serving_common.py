@@ -1,0 +1,289 @@
+"""What completions and chat share: errors, limits, SamplingParams, logprobs, stream merging."""
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from typing import Any, AsyncIterator
+
+from pagedserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, SamplingFields,
+                                                    TopLogprob, Usage)
+from pagedserve.sampling_params import SamplingParams
+
+MAX_CHOICES = 256  # prompts x n in one request; each one is a sequence in the batch
+
+_SAMPLING_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
+                    "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+                    "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
+class APIError(Exception):
+    """An error the client caused (or, with status 5xx, one it did not), as OpenAI reports it."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None,
+                 type: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.param = param
+        self.type = type or ("invalid_request_error" if status < 500 else "server_error")
+        self.code = code
+
+    def response(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=self.type, param=self.param,
+                                             code=self.code))
+
+    @classmethod
+    def from_value_error(cls, e: ValueError, fields=_SAMPLING_FIELDS) -> "APIError":
+        """Engine-side ValueErrors start with (or quote) the field name: recover it for `param`."""
+        msg = str(e)
+        m = re.match(r"\W*([A-Za-z_][A-Za-z_0-9]*)", msg)
+        param = m.group(1) if m and m.group(1) in fields else None
+        if param is None:
+            for f in fields:
+                if re.search(rf"\b{f}\b", msg):
+                    param = f
+                    break
+        if param is None and "prompt" in msg:
+            param = "prompt"
+        return cls(msg, 400, param=param)
+
+
+def check_not_ignored(out: Any, prompt_param: str) -> None:
+    """The scheduler drops ("ignored") a request that can never be scheduled: a 400, not text."""
+    if any(c.finish_reason == "ignored" for c in out.outputs):
+        raise APIError(f"the {prompt_param} can never be scheduled: it does not fit in the KV cache",
+                       param=prompt_param, code="kv_cache_capacity_exceeded")
+
+
+def sse(obj: Any) -> str:
+    """One server-sent event carrying JSON."""
+    data = obj if isinstance(obj, str) else obj.model_dump_json()
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def error_event(err: APIError) -> str:
+    return sse(json.dumps(err.response().model_dump()))
+
+
+class OpenAIServing:
+    """Base of the completion and chat handlers: one engine, one served model name."""
+
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+        self.engine = engine
+        self.served_model_name = served_model_name
+        self._token_str_cache: dict[int, str] = {}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.served_model_name:
+            raise APIError(f"The model `{model}` does not exist; this server serves "
+                           f"`{self.served_model_name}`.", 404, param="model", code="model_not_found")
+
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        vocab = self.engine.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(f"{param} contains token id {bad}, outside the vocabulary [0, {vocab})",
+                           param=param)
+
+    def resolve_max_tokens(self, prompt_len: int, max_tokens: int | None, prompt_param: str,
+                           tokens_param: str = "max_tokens", num_seqs: int = 1) -> int:
+        """max_tokens that fits max_model_len; None means 'the rest of the context' (and of
+        what the KV cache can hold for num_seqs sequences)."""
+        limit = self.engine.max_model_len
+        if prompt_len == 0:
+            raise APIError(f"{prompt_param} must not be empty", param=prompt_param)
+        if prompt_len >= limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens, but the "
+                           f"{prompt_param} has {prompt_len} tokens, leaving no room for output.",
+                           param=prompt_param, code="context_length_exceeded")
+        if max_tokens is None:
+            num_blocks, bs = self.engine.kv_cache_shape
+            room = (num_blocks // num_seqs) * bs - prompt_len
+            return max(1, min(limit - prompt_len, room))
+        if prompt_len + max_tokens > limit:
+            raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
+                           f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
+                           f"{prompt_param}, {max_tokens} in {tokens_param}). Please reduce the "
+                           f"length of the {prompt_param} or {tokens_param}.",
+                           param=tokens_param, code="context_length_exceeded")
+        return max_tokens
+
+    def check_kv_capacity(self, prompt_len: int, max_tokens: int, num_seqs: int,
+                          prompt_param: str, tokens_param: str = "max_tokens") -> None:
+        """Reject what can never fit in the whole KV cache, instead of letting it wait forever.
+
+        Worst case, every one of the request's sequences holds its own blocks for
+        prompt + max_tokens tokens (prefix sharing only ever lowers this).
+        """
+        num_blocks, bs = self.engine.kv_cache_shape
+        per_seq = -(-(prompt_len + max_tokens) // bs)
+        if num_seqs * per_seq <= num_blocks:
+            return
+        if -(-prompt_len // bs) > num_blocks:
+            param = prompt_param
+        elif per_seq > num_blocks:
+            param = tokens_param
+        else:
+            param = "n"
+        raise APIError(f"This request needs up to {num_seqs * per_seq} KV-cache blocks ({num_seqs} "
+                       f"sequence(s) of {prompt_len} prompt + {max_tokens} new tokens, block size "
+                       f"{bs}) but the whole cache holds {num_blocks} blocks; reduce {param}.",
+                       param=param, code="kv_cache_capacity_exceeded")
+
+    def sampling_params(self, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                        best_of: int | None = None) -> SamplingParams:
+        kw: dict[str, Any] = dict(
+            n=req.n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs,
+            min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
+            ignore_eos=req.ignore_eos, seed=req.seed, skip_special_tokens=req.skip_special_tokens,
+            include_stop_str_in_output=req.include_stop_str_in_output)
+        for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty"):
+            v = getattr(req, name)
+            if v is not None:
+                kw[name] = v
+        if getattr(req, "logit_bias", None):
+            raise APIError("logit_bias is not supported", param="logit_bias")
+        if req.stop_token_ids:
+            self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        try:
+            return SamplingParams(**kw)
+        except ValueError as e:
+            raise APIError.from_value_error(e) from None
+
+    @staticmethod
+    def check_choices(num_prompts: int, n: int) -> None:
+        if num_prompts * n > MAX_CHOICES:
+            raise APIError(f"n * number of prompts must be <= {MAX_CHOICES}, got "
+                           f"{n} * {num_prompts}", param="n")
+
+    async def start(self, prompt_ids: list[int], params: SamplingParams,
+                    request_id: str) -> RequestStream:
+        """Hand one prompt to the engine; its ValueError becomes a 400."""
+        try:
+            return await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+        except ValueError as e:
+            raise APIError.from_value_error(e) from None
+
+    async def start_all(self, prompts: list[list[int]], params: SamplingParams,
+                        request_id: str) -> list[RequestStream]:
+        """Start every prompt of a request; if one is rejected, abort the others."""
+        streams: list[RequestStream] = []
+        try:
+            for i, ids in enumerate(prompts):
+                streams.append(await self.start(ids, params, f"{request_id}-{i}"))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        return streams
+
+    # ---- logprobs ----------------------------------------------------------------------------
+
+    def token_str(self, token_id: int) -> str:
+        s = self._token_str_cache.get(token_id)
+        if s is None:
+            s = self.engine.tokenizer.decode([token_id])
+            if len(self._token_str_cache) < 1_000_000:
+                self._token_str_cache[token_id] = s
+        return s
+
+    def top_entries(self, lp: dict[int, float], k: int) -> list[tuple[int, float]]:
+        return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+
+    def top_logprobs_chat(self, lp: dict[int, float], k: int) -> list[TopLogprob]:
+        out = []
+        for t, v in self.top_entries(lp, k):
+            s = self.token_str(t)
+            out.append(TopLogprob(token=s, logprob=_finite(v), bytes=list(s.encode("utf-8"))))
+        return out
+
+
+def _finite(x: float) -> float:
+    """-inf is not JSON; OpenAI clients expect a number."""
+    return x if x > -1e30 else -9999.0
+
+
+finite_logprob = _finite
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+    return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                 total_tokens=prompt_tokens + completion_tokens)
+
+
+async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:
+    """Interleave several async iterators as (index, item); closing this closes them all."""
+    if len(streams) == 1:
+        try:
+            async for item in streams[0]:
+                yield 0, item
+        finally:
+            streams[0].close()
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, it: RequestStream) -> None:
+        try:
+            async for item in it:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            await queue.put((i, e))
+        finally:
+            it.close()
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await queue.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        for s in streams:  # a task cancelled before it ran never reaches its own finally
+            s.close()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def until_disconnected(raw_request: Any, coro) -> Any:
+    """Await coro, but cancel it (aborting its requests) if the HTTP client goes away."""
+    work = asyncio.ensure_future(coro)
+
+    async def listen() -> None:
+        while True:
+            message = await raw_request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(listen())
+    try:
+        await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        watcher.cancel()
+        raise
+    watcher.cancel()
+    if work.done():
+        return work.result()
+    work.cancel()
+    await asyncio.gather(work, return_exceptions=True)
+    raise ClientDisconnected()

@@ -1,0 +1,188 @@
+"""POST /v1/completions: prompts (text or token ids, one or many) -> text, streamed or not."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from pagedserve.engine.async_engine import EngineDeadError, RequestStream
+from pagedserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
+                                                    CompletionRequest, CompletionResponse,
+                                                    random_id)
+from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, OpenAIServing,
+                                                          check_not_ignored, error_event, finite_logprob,
+                                                          merge_streams, sse, until_disconnected,
+                                                          usage)
+from pagedserve.outputs import RequestOutput
+
+
+@dataclass
+class _Prompt:
+    text: str | None       # as given, when given as text (echo returns it verbatim)
+    token_ids: list[int]
+
+
+@dataclass
+class _ChoiceState:
+    """What has been streamed of one choice so far."""
+    num_tokens: int = 0
+    text_len: int = 0
+    text_offset: int = 0
+    finished: bool = False
+
+
+class OpenAIServingCompletion(OpenAIServing):
+
+    async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
+        p = req.prompt
+        if isinstance(p, str):
+            items: list[Any] = [p]
+        elif len(p) == 0:
+            raise APIError("prompt must not be empty", param="prompt")
+        elif isinstance(p[0], int):
+            items = [p]
+        else:
+            items = list(p)
+        self.check_choices(len(items), req.n)
+        tok = self.engine.tokenizer
+        out = []
+        for item in items:
+            if isinstance(item, str):
+                if not item:
+                    raise APIError("prompt must not be empty", param="prompt")
+                ids = await self.engine.run(lambda t=item: tok(t).input_ids)
+                out.append(_Prompt(item, list(ids)))
+            else:
+                if not item:
+                    raise APIError("prompt must not be empty", param="prompt")
+                self.check_token_ids(item, "prompt")
+                out.append(_Prompt(None, list(item)))
+        return out
+
+    async def create(self, req: CompletionRequest, raw_request: Any):
+        """Returns a CompletionResponse, or an async iterator of SSE lines when streaming."""
+        self.check_model(req.model)
+        if req.suffix:
+            raise APIError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of < req.n:
+            raise APIError(f"best_of must be >= n ({req.n}), got {req.best_of}", param="best_of")
+        if req.stream and req.best_of is not None and req.best_of > req.n:
+            raise APIError("best_of > n cannot be streamed", param="best_of")
+        if req.echo and req.logprobs is not None:
+            raise APIError("echo together with logprobs is not supported (no prompt logprobs)",
+                           param="echo")
+        prompts = await self._prompts(req)
+        params = []
+        for p in prompts:
+            max_tokens = self.resolve_max_tokens(len(p.token_ids), req.max_tokens, "prompt",
+                                                 num_seqs=req.best_of or req.n)
+            sp = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                      best_of=req.best_of)
+            self.check_kv_capacity(len(p.token_ids), max_tokens, sp.best_of, "prompt")
+            params.append(sp)
+        request_id = random_id("cmpl")
+        streams: list[RequestStream] = []
+        try:
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                streams.append(await self.start(p.token_ids, sp, f"{request_id}-{i}"))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        if req.stream:
+            return self._stream(req, request_id, prompts, streams)
+        finals = await until_disconnected(raw_request, self._collect(streams))
+        return self._response(req, request_id, prompts, finals)
+
+    @staticmethod
+    async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
+        finals: list[Any] = [None] * len(streams)
+        try:
+            async for i, out in merge_streams(streams):
+                check_not_ignored(out, "prompt")
+                finals[i] = out
+        except EngineDeadError as e:
+            raise APIError(str(e), 500) from None
+        return finals
+
+    def _echo_text(self, p: _Prompt) -> str:
+        return p.text if p.text is not None else self.engine.tokenizer.decode(p.token_ids)
+
+    def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]] | None, k: int,
+                  offset: int) -> tuple[CompletionLogProbs, int]:
+        res = CompletionLogProbs()
+        for t, lp in zip(token_ids, lps or []):
+            s = self.token_str(t)
+            res.tokens.append(s)
+            chosen = lp.get(t)
+            res.token_logprobs.append(None if chosen is None else finite_logprob(chosen))
+            res.top_logprobs.append({self.token_str(x): finite_logprob(v)
+                                     for x, v in self.top_entries(lp, k)})
+            res.text_offset.append(offset)
+            offset += len(s)
+        return res, offset
+
+    def _response(self, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
+                  finals: list[RequestOutput]) -> CompletionResponse:
+        choices = []
+        completion_tokens = 0
+        for i, (p, out) in enumerate(zip(prompts, finals)):
+            prefix = self._echo_text(p) if req.echo else ""
+            for c in out.outputs:
+                completion_tokens += len(c.token_ids)
+                lp = None
+                if req.logprobs is not None:
+                    lp, _ = self._logprobs(c.token_ids, c.logprobs, req.logprobs, len(prefix))
+                choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
+                                                logprobs=lp, finish_reason=c.finish_reason))
+        choices.sort(key=lambda ch: ch.index)
+        prompt_tokens = sum(len(p.token_ids) for p in prompts)
+        return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                  usage=usage(prompt_tokens, completion_tokens))
+
+    async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
+                      streams: list[RequestStream]) -> AsyncIterator[str]:
+        include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        states: dict[tuple[int, int], _ChoiceState] = {}
+        model = self.served_model_name
+        try:
+            async for i, out in merge_streams(streams):
+                check_not_ignored(out, "prompt")
+                choices = []
+                for c in out.outputs:
+                    st = states.get((i, c.index))
+                    if st is None:
+                        st = states[(i, c.index)] = _ChoiceState()
+                        prefix = self._echo_text(prompts[i]) if req.echo else ""
+                    else:
+                        prefix = ""
+                    if st.finished:
+                        continue
+                    new_ids = c.token_ids[st.num_tokens:]
+                    delta = c.text[st.text_len:] if len(c.text) > st.text_len else ""
+                    if not (new_ids or delta or prefix or c.finish_reason):
+                        continue
+                    lp = None
+                    if req.logprobs is not None:
+                        new_lps = (c.logprobs or [])[st.num_tokens:]
+                        lp, st.text_offset = self._logprobs(new_ids, new_lps, req.logprobs,
+                                                            st.text_offset + len(prefix))
+                    choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + delta,
+                                                    logprobs=lp, finish_reason=c.finish_reason))
+                    st.num_tokens = len(c.token_ids)
+                    st.text_len = max(st.text_len, len(c.text))
+                    st.finished = c.finish_reason is not None
+                if choices:
+                    yield sse(CompletionResponse(id=request_id, model=model, choices=choices))
+            if include_usage:
+                prompt_tokens = sum(len(p.token_ids) for p in prompts)
+                completion_tokens = sum(st.num_tokens for st in states.values())
+                yield sse(CompletionResponse(id=request_id, model=model, choices=[],
+                                             usage=usage(prompt_tokens, completion_tokens)))
+        except APIError as e:
+            yield error_event(e)
+        except EngineDeadError as e:
+            yield error_event(APIError(str(e), 500))
+        finally:
+            for s in streams:
+                s.close()
+        yield SSE_DONE

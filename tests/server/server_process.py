@@ -1,0 +1,92 @@
+"""Start and stop a real `pagedserve serve` process (shared by the server tests' fixtures)."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[2]
+API_KEY = "sk-pagedserve-test"
+MAX_MODEL_LEN = 512
+NUM_BLOCKS = 512
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Server:
+    base_url: str           # http://127.0.0.1:PORT
+    model: str              # served model name
+    model_dir: Path
+    api_key: str | None
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def v1(self) -> str:
+        return self.base_url + "/v1"
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:]
+
+    def metrics(self) -> dict[str, float]:
+        """Unlabelled samples of /metrics (histograms' _sum and _count included)."""
+        text = httpx.get(self.base_url + "/metrics", timeout=10).text
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("#") or "{" in line or not line.strip():
+                continue
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+        return out
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None,
+                 timeout: float = 180.0) -> Server:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(model_dir),
+           "--port", str(port), "--device", "cpu", "--dtype", "float32",
+           "--served-model-name", "tiny", *extra]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
+    server = Server(f"http://127.0.0.1:{port}", "tiny", Path(model_dir), api_key, proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop_server(server)
+    raise RuntimeError(f"server did not become healthy in {timeout} s:\n{server.log()}")
+
+
+def stop_server(server: Server) -> None:
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        server.proc.kill()
+        server.proc.wait()
