@@ -39,7 +39,7 @@ from pagedserve.benchmark.hardware import write_result  # noqa: E402
 from pagedserve.benchmark.throughput import BENCH_TEMPERATURE  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine, make_engine_config  # noqa: E402
 from pagedserve.engine.step_timer import StepTimer  # noqa: E402
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from pagedserve.sampling_params import SamplingParams  # noqa: E402
 
 HOST_PHASES = ("schedule", "cache_ops", "prepare", "postprocess")
 ALL_PHASES = ("schedule", "cache_ops", "prepare", "forward", "sample", "postprocess")
@@ -114,7 +114,8 @@ def main() -> None:
     ap.add_argument("--clock", choices=["wall", "thread"], default=None,
                     help="wall (default on CUDA) or this thread's CPU time (default on CPU: steady on a busy machine)")
     ap.add_argument("--cumulative", action="store_true",
-                    help="a RequestOutput per request per step (streaming), instead of LLM.generate's final-only")
+                    help="step(final_only=False): a RequestOutput per request per step (streaming), "
+                         "instead of LLM.generate's final-only")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     if args.device == "cpu" or not torch.cuda.is_available():
@@ -143,23 +144,22 @@ def main() -> None:
     lo, hi = (int(x) for x in args.prompt_len.split(","))
     hi = min(hi, max_len // 2)
     lo = min(lo, hi)
-    output_kind = RequestOutputKind.CUMULATIVE if args.cumulative else RequestOutputKind.FINAL_ONLY
+    final_only = not args.cumulative  # LLM.generate steps with final_only=True
     rng = random.Random(0)
     lens = [rng.randint(lo, hi) for _ in range(n)]
     vocab = min(engine.vocab_size, 10000)
     for i, plen in enumerate(lens):
         ids = [rng.randrange(vocab) for _ in range(plen)]
-        params = SamplingParams(temperature=BENCH_TEMPERATURE, max_tokens=max_len - plen, ignore_eos=True,
-                                output_kind=output_kind)
+        params = SamplingParams(temperature=BENCH_TEMPERATURE, max_tokens=max_len - plen, ignore_eos=True)
         engine.add_request(str(i), {"prompt_token_ids": ids}, params)
     ramp = 0
     while not _all_decoding(engine, n):
-        engine.step()
+        engine.step(final_only=final_only)
         ramp += 1
         if ramp > 10_000:
             raise RuntimeError("the batch never became all decodes: raise the KV cache or lower --num-seqs")
     for _ in range(args.warmup):
-        engine.step()
+        engine.step(final_only=final_only)
     if not _all_decoding(engine, n):
         raise RuntimeError("a sequence stopped during warm-up: lower --steps or raise --max-model-len")
 
@@ -169,7 +169,7 @@ def main() -> None:
     before = {s.seq_id: len(s.output_token_ids) for g in engine.scheduler.running for s in g.seqs}
     engine.step_timer = timer
     for _ in range(args.steps):
-        engine.step()
+        engine.step(final_only=final_only)
     engine.step_timer = None
     after = {s.seq_id: len(s.output_token_ids) for g in engine.scheduler.running for s in g.seqs}
     if after.keys() != before.keys() or any(after[k] - before[k] != args.steps for k in before):
@@ -179,7 +179,7 @@ def main() -> None:
         prof = cProfile.Profile()
         prof.enable()
         for _ in range(args.steps):
-            engine.step()
+            engine.step(final_only=final_only)
         prof.disable()
         prof.dump_stats(args.profile)
 
@@ -205,7 +205,7 @@ def main() -> None:
               "load_format": load_format, "device": str(engine.device), "dtype": str(engine.dtype),
               "num_seqs": n, "prompt_len": [lo, hi], "temperature": BENCH_TEMPERATURE, "ignore_eos": True,
               "max_model_len": max_len, "stub_forward": args.stub_forward,
-              "output_kind": output_kind.name,
+              "final_only": final_only,
               "clock": "wall" if clock is time.perf_counter else "thread", "warmup_steps": args.warmup, "ramp_steps": ramp, **extra}
     out = args.output or str(ROOT / "benchmarks/results" / ("h200" if on_cuda else "cpu") / "host_overhead.json")
     command = "python benchmarks/host_overhead.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
