@@ -50,8 +50,9 @@ def padded_block_tables(block_tables: list[list[int]], table_lens: np.ndarray, w
 
 def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """The arrays as tensors on `device`, moved in one host-to-device copy (one staging buffer,
-    8-byte aligned segments viewed back with their dtype and shape)."""
-    sizes = [(a.nbytes + 7) // 8 * 8 for a in arrays]
+    segments viewed back with their dtype and shape). Segments start at multiples of 16 bytes,
+    the alignment Triton specializes kernels on, so every step sees the same variant."""
+    sizes = [(a.nbytes + 15) // 16 * 16 for a in arrays]
     buf = np.empty(sum(sizes), dtype=np.uint8)
     offsets, off = [], 0
     for a, size in zip(arrays, sizes):
