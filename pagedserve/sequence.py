@@ -24,13 +24,10 @@ class SequenceStatus(enum.Enum):
     FINISHED_ABORTED = "abort"
     FINISHED_IGNORED = "ignored"  # rejected: can never fit
 
-    @property
-    def finished(self) -> bool:
-        return self.name.startswith("FINISHED")
-
-    @property
-    def finish_reason(self) -> str | None:
-        return self.value if self.finished else None
+    def __init__(self, value: str) -> None:
+        # Plain attributes, fixed per member: read for every sequence on every step.
+        self.finished: bool = self.name.startswith("FINISHED")
+        self.finish_reason: str | None = value if self.finished else None
 
 
 @dataclass(eq=False)
@@ -115,7 +112,10 @@ class SequenceGroup:
 
     @property
     def finished(self) -> bool:
-        return all(s.status.finished for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:
+            return seqs[0].status.finished
+        return all(s.status.finished for s in seqs)
 
     @property
     def max_tokens(self) -> int:

@@ -39,6 +39,7 @@ class ContiguousKVCacheManager:
         self.mode = mode
         self._holes: list[list[int]] = [[0, num_gpu_blocks]] if num_gpu_blocks else []  # [start, length], by start
         self._runs: dict[int, tuple[int, int]] = {}  # seq_id -> (start block, num blocks)
+        self._views: dict[int, tuple[tuple[int, int], list[int]]] = {}
         self._seqs: dict[int, Sequence] = {}
         self._final_len: dict[int, int] = {}
         self.num_free_blocks = num_gpu_blocks
@@ -104,6 +105,14 @@ class ContiguousKVCacheManager:
         start, n = self._runs[seq.seq_id]
         return list(range(start, start + n))
 
+    def block_table_view(self, seq: Sequence) -> list[int]:
+        """The table without a copy per step (a run never moves): callers must not modify it."""
+        run = self._runs[seq.seq_id]
+        cached = self._views.get(seq.seq_id)
+        if cached is None or cached[0] != run:
+            cached = self._views[seq.seq_id] = (run, list(range(run[0], run[0] + run[1])))
+        return cached[1]
+
     def has_table(self, seq: Sequence) -> bool:
         return seq.seq_id in self._runs
 
@@ -154,6 +163,7 @@ class ContiguousKVCacheManager:
 
     def free(self, seq: Sequence) -> None:
         run = self._runs.pop(seq.seq_id, None)
+        self._views.pop(seq.seq_id, None)
         if run is not None:
             self._give_back(*run)
         self._seqs.pop(seq.seq_id, None)

@@ -43,6 +43,9 @@ class KVCacheManager:
         # Admission keeps this many blocks spare so running sequences can grow a little first.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.block_tables: dict[int, list[KVCacheBlock]] = {}
+        # The same device tables as block ids, kept in step with block_tables so the scheduler
+        # hands the runner a table without rebuilding it (O(1) per sequence per step).
+        self._block_ids: dict[int, list[int]] = {}
         self.cpu_block_tables: dict[int, list[KVCacheBlock]] = {}
         self._seqs: dict[int, Sequence] = {}
         self._block_hashes: dict[int, list[bytes]] = {}
@@ -53,7 +56,17 @@ class KVCacheManager:
 
     # ---- queries -------------------------------------------------------------------
     def get_block_table(self, seq: Sequence) -> list[int]:
-        return [b.block_id for b in self.block_tables[seq.seq_id]]
+        """A copy of the seq's device block ids."""
+        return list(self._block_ids[seq.seq_id])
+
+    def block_table_view(self, seq: Sequence) -> list[int]:
+        """The seq's live device block ids (no copy): valid until the table next changes,
+        i.e. for the rest of the step it was scheduled in. Callers must not modify it."""
+        return self._block_ids[seq.seq_id]
+
+    def _set_table(self, sid: int, table: list[KVCacheBlock]) -> None:
+        self.block_tables[sid] = table
+        self._block_ids[sid] = [b.block_id for b in table]
 
     def get_num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
@@ -123,7 +136,7 @@ class KVCacheManager:
             hits = self._find_cached_prefix(seq)
             self.pool.touch(hits)
             new = self.pool.get_new_blocks(cdiv(seq.num_tokens, self.block_size) - len(hits))
-            self.block_tables[seq.seq_id] = hits + new
+            self._set_table(seq.seq_id, hits + new)
             self._seqs[seq.seq_id] = seq
             self._num_cached_blocks[seq.seq_id] = len(hits)
             seq.num_computed_tokens = len(hits) * self.block_size
@@ -139,51 +152,91 @@ class KVCacheManager:
 
     def _blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         table = self.block_tables[seq.seq_id]
-        rng = self._write_range(seq, num_new_tokens)
-        grow = max(0, rng.stop - len(table))
-        cow = sum(1 for i in rng if i < len(table) and table[i].ref_cnt > 1)
+        bs = self.block_size
+        start = seq.num_computed_tokens
+        if num_new_tokens == 1:  # a decode: one slot, in a new block or in the last one
+            i = start // bs
+            return 1 if i >= len(table) or table[i].ref_cnt > 1 else 0
+        first, stop = start // bs, cdiv(start + num_new_tokens, bs)
+        n = len(table)
+        grow = stop - n if stop > n else 0
+        cow = 0
+        for i in range(first, min(stop, n)):
+            if table[i].ref_cnt > 1:
+                cow += 1
         return grow + cow
 
     def can_append_slots(self, seqs: Iterable[tuple[Sequence, int]]) -> bool:
         """Whether every (seq, num_new_tokens) can get slots (new blocks and COW copies) now."""
-        needed = sum(self._blocks_needed(s, n) for s, n in seqs)
-        return needed <= self.get_num_free_blocks()
+        needed = 0
+        for s, n in seqs:
+            needed += self._blocks_needed(s, n)
+        return needed <= self.pool.free_block_queue.num_free_blocks
 
     def exceeds_capacity(self, group: SequenceGroup, seqs: Iterable[tuple[Sequence, int]]) -> bool:
         """Whether the group would need more blocks than the whole device cache to take this step."""
-        own = len(self._distinct(self.block_tables[s.seq_id] for s in self._group_seqs(group, self.block_tables)))
-        return own + sum(self._blocks_needed(s, n) for s, n in seqs) > self.num_gpu_blocks
+        needed = 0
+        for s, n in seqs:
+            needed += self._blocks_needed(s, n)
+        if len(group.seqs) == 1:
+            seq = group.seqs[0]
+            table = self.block_tables.get(seq.seq_id)
+            own = len(table) if table is not None and not seq.status.finished else 0
+            return own + needed > self.num_gpu_blocks
+        tables = [self.block_tables[s.seq_id] for s in self._group_seqs(group, self.block_tables)]
+        # Entries bound distinct blocks from above: only count distinct ones when that bound is too big.
+        if sum(len(t) for t in tables) + needed <= self.num_gpu_blocks:
+            return False
+        return len(self._distinct(tables)) + needed > self.num_gpu_blocks
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make slots [num_computed, num_computed + n) writable; returns COW (src, dst) pairs."""
         table = self.block_tables[seq.seq_id]
+        ids = self._block_ids[seq.seq_id]
+        if num_new_tokens == 1:
+            i = seq.num_computed_tokens // self.block_size
+            if i == len(table):  # the decode opens a new block
+                block = self.pool.get_new_blocks(1)[0]
+                table.append(block)
+                ids.append(block.block_id)
+                self._note_usage()
+                return []
+            if i < len(table) and table[i].ref_cnt == 1:  # room in an unshared last block
+                return []
         rng = self._write_range(seq, num_new_tokens)
         copies = []
-        for i in rng:
-            if i < len(table) and table[i].ref_cnt > 1:
+        for i in range(rng.start, min(rng.stop, len(table))):
+            if table[i].ref_cnt > 1:
                 old = table[i]
                 table[i] = self.pool.get_new_blocks(1)[0]
+                ids[i] = table[i].block_id
                 self.pool.free_blocks([old])
                 copies.append((old.block_id, table[i].block_id))
         if rng.stop > len(table):
-            table.extend(self.pool.get_new_blocks(rng.stop - len(table)))
-        self._note_usage()
+            new = self.pool.get_new_blocks(rng.stop - len(table))
+            table.extend(new)
+            ids.extend(b.block_id for b in new)
+            self._note_usage()
+        elif copies:
+            self._note_usage()
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; writes are copied on demand."""
         table = self.block_tables[parent.seq_id]
         self.pool.incr_ref(table)
-        self.block_tables[child.seq_id] = list(table)
+        self._set_table(child.seq_id, list(table))
         self._seqs[child.seq_id] = child
         self._block_hashes[child.seq_id] = list(self._block_hashes.get(parent.seq_id, []))
         self._num_cached_blocks[child.seq_id] = self._num_cached_blocks.get(parent.seq_id, 0)
 
     def cache_blocks(self, seq: Sequence) -> None:
         """Register blocks that became full of computed tokens, so later requests can reuse them."""
-        if not self.enable_prefix_caching or seq.seq_id not in self.block_tables:
+        if not self.enable_prefix_caching:
             return
-        table = self.block_tables[seq.seq_id]
+        table = self.block_tables.get(seq.seq_id)
+        if table is None:
+            return
         full = min(seq.num_computed_tokens // self.block_size, len(table))
         done = self._num_cached_blocks.get(seq.seq_id, 0)
         if full <= done:
@@ -199,6 +252,7 @@ class KVCacheManager:
         sid = seq.seq_id
         if sid in self.block_tables:
             self.pool.free_blocks(reversed(self.block_tables.pop(sid)))
+            del self._block_ids[sid]
         if sid in self.cpu_block_tables:
             self.cpu_pool.free_blocks(reversed(self.cpu_block_tables.pop(sid)))
         self._seqs.pop(sid, None)
@@ -226,6 +280,8 @@ class KVCacheManager:
 
     def swap_out(self, group: SequenceGroup) -> list[tuple[int, int]]:
         """Move the group's device blocks to CPU blocks; a block shared in the group moves once."""
+        for seq in self._group_seqs(group, self.block_tables):
+            del self._block_ids[seq.seq_id]
         return self._move(group, self.block_tables, self.cpu_block_tables, self.pool, self.cpu_pool)
 
     def can_swap_in(self, group: SequenceGroup) -> bool:
@@ -239,6 +295,7 @@ class KVCacheManager:
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         mapping = self._move(group, self.cpu_block_tables, self.block_tables, self.cpu_pool, self.pool)
         for seq in self._group_seqs(group, self.block_tables):
+            self._block_ids[seq.seq_id] = [b.block_id for b in self.block_tables[seq.seq_id]]
             self._num_cached_blocks[seq.seq_id] = 0
             self.cache_blocks(seq)
         self._note_usage()

@@ -9,12 +9,13 @@ from dataclasses import dataclass, field
 from pagedserve.sequence import Sequence, SequenceGroup
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledSequence:
     """Run tokens [start, start + num_new_tokens) of `seq` this step.
 
     block_table covers at least start + num_new_tokens tokens; the runner writes the
-    new K/V into those slots and attends over [0, start + num_new_tokens).
+    new K/V into those slots and attends over [0, start + num_new_tokens). It may be the KV
+    manager's live list (no copy per step): read it during this step, never modify it.
     do_sample and is_decode are fixed when the step is planned, so they stay true to the
     plan after the engine appends the sampled token to seq.
     """
@@ -27,10 +28,11 @@ class ScheduledSequence:
     is_decode: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        n = self.seq.num_tokens
+        out = self.seq.output_token_ids
+        n = len(self.seq.prompt_token_ids) + len(out)
         # A token is sampled only when this step reaches the end of the sequence.
         self.do_sample = self.start + self.num_new_tokens == n
-        self.is_decode = self.num_new_tokens == 1 and self.start == n - 1 and bool(self.seq.output_token_ids)
+        self.is_decode = self.num_new_tokens == 1 and self.start == n - 1 and bool(out)
 
     @property
     def context_len(self) -> int:

@@ -40,7 +40,8 @@ def make_kv_cache_manager(cache_config: CacheConfig, max_model_len: int):
 
 
 def _is_decode(seq: Sequence) -> bool:
-    return seq.num_uncomputed_tokens == 1 and bool(seq.output_token_ids)
+    out = seq.output_token_ids
+    return bool(out) and len(seq.prompt_token_ids) + len(out) - seq.num_computed_tokens == 1
 
 
 class Scheduler:
@@ -138,16 +139,22 @@ class Scheduler:
         # 1. decodes of running groups
         while remaining:
             group = remaining.popleft()
-            decodes = [s for s in group.seqs_with_status(RUNNING) if _is_decode(s)][:self._budget]
+            seqs = group.seqs
+            if len(seqs) == 1:  # the common case, without the list-building below
+                s = seqs[0]
+                decodes = [s] if s.status is RUNNING and self._budget > 0 and _is_decode(s) else []
+            else:
+                decodes = [s for s in seqs if s.status is RUNNING and _is_decode(s)][:self._budget]
             if not decodes:
                 pending.append((group, False))
                 continue
-            if mgr.exceeds_capacity(group, [(s, 1) for s in decodes]):
+            wants = [(s, 1) for s in decodes]
+            if mgr.exceeds_capacity(group, wants):
                 self._finish_full(group)
                 pending.append((group, True))
                 continue
             victim_is_self = False
-            while not mgr.can_append_slots([(s, 1) for s in decodes]):
+            while not mgr.can_append_slots(wants):
                 victim = pick_victim() or group
                 self._preempt(victim, out)
                 preempted = True
@@ -161,10 +168,12 @@ class Scheduler:
             pending.append((group, True))
 
         # 2. prefill chunks of running groups
-        for group, _ in pending:
+        for group, decoded in pending:
             self.running.append(group)
-            for s in group.seqs_with_status(RUNNING):
-                if not _is_decode(s):
+            if decoded and len(group.seqs) == 1:
+                continue  # its one sequence decoded (or finished): no prefill left
+            for s in group.seqs:
+                if s.status is RUNNING and not _is_decode(s):
                     self._schedule_prefill(group, s, scheduled, out)
 
         # 3. swapped groups come back first, 4. then new ones
@@ -173,13 +182,15 @@ class Scheduler:
         if not preempted and not self.swapped:
             self._schedule_waiting(scheduled, out)
 
-        out.scheduled = [s for s in scheduled if s.is_decode] + [s for s in scheduled if not s.is_decode]
+        decodes = [s for s in scheduled if s.is_decode]
+        out.scheduled = decodes if len(decodes) == len(scheduled) else \
+            decodes + [s for s in scheduled if not s.is_decode]
         return out
 
     def _run(self, group: SequenceGroup, seq: Sequence, n: int, out: SchedulerOutput) -> ScheduledSequence:
         out.blocks_to_copy.extend(self.kv_cache_manager.append_slots(seq, n))
         self._budget -= n
-        return ScheduledSequence(seq, group, seq.num_computed_tokens, n, self.kv_cache_manager.get_block_table(seq))
+        return ScheduledSequence(seq, group, seq.num_computed_tokens, n, self.kv_cache_manager.block_table_view(seq))
 
     def _schedule_prefill(self, group: SequenceGroup, seq: Sequence, scheduled: list, out: SchedulerOutput) -> None:
         todo = seq.num_uncomputed_tokens

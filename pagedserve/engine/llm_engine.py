@@ -17,7 +17,7 @@ from pagedserve.config import CacheConfig, EngineConfig
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.beam_search import BeamSearchState, LiveBeam
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.layers.sampler import Sampler, SampleRow, derive_seed
+from pagedserve.layers.sampler import Sampler, SampleRow, derive_seed, needs_only_temperature
 from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
 from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
@@ -95,9 +95,13 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_model_len)
 
         self._groups: dict[str, SequenceGroup] = {}
+        # request_id -> True when its rows can take Sampler.sample_plain (decided once, at add).
+        self._plain_sampling: dict[str, bool] = {}
         self._seq_generators: dict[int, torch.Generator] = {}
         self._beams: dict[str, BeamSearchState] = {}
         self._beam_results: dict[str, BeamSearchOutput] = {}
+        # Optional phase clock (pagedserve.engine.step_timer.StepTimer); None costs nothing.
+        self.step_timer = None
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -192,6 +196,8 @@ class LLMEngine:
         seq = group.seqs[0]
         if sampling_params.seed is not None:
             self._seq_generators[seq.seq_id] = self._make_generator(sampling_params.seed)
+        p = group.sampling_params
+        self._plain_sampling[request_id] = needs_only_temperature(p) and p.min_tokens == 0 and p.best_of == 1
         self._groups[request_id] = group
         self.scheduler.add_seq_group(group)
 
@@ -221,6 +227,7 @@ class LLMEngine:
         self.scheduler.abort_seq_group(known)
         for r in known:
             group = self._groups.pop(r)
+            self._plain_sampling.pop(r, None)
             self._beams.pop(r, None)
             for s in group.seqs:
                 self._seq_generators.pop(s.seq_id, None)
@@ -248,7 +255,12 @@ class LLMEngine:
     def step(self, final_only: bool = False) -> list[RequestOutput]:
         """Run one scheduler step; returns outputs of requests that advanced or finished
         (only the finished ones with final_only, which saves copying for offline use)."""
+        timer = self.step_timer
+        if timer is not None:
+            timer.begin()
         out = self.scheduler.schedule()
+        if timer is not None:
+            timer.mark("schedule")
         touched: dict[int, SequenceGroup] = {}
         for group in out.ignored:
             for seq in group.seqs:
@@ -257,15 +269,18 @@ class LLMEngine:
             touched[id(group)] = group
         if not out.is_empty:
             logits = self.runner.execute(out)
+            if timer is not None:
+                timer.mark("execute", sync=True)
             self.scheduler.update_after_step(out)
             sampled = [s for s in out.scheduled if s.do_sample]
             if sampled and logits is not None:
                 now = time.time()
                 for s in sampled:
-                    if s.group.first_token_time is None:
-                        s.group.first_token_time = now
-                        s.group.metrics["first_token_time"] = now
-                    touched[id(s.group)] = s.group
+                    group = s.group
+                    if group.first_token_time is None:
+                        group.first_token_time = now
+                        group.metrics["first_token_time"] = now
+                    touched[id(group)] = group
                 self._process_samples(logits, sampled)
 
         # The scheduler may also end groups on its own (one that outgrew the whole cache).
@@ -274,19 +289,29 @@ class LLMEngine:
         outputs = []
         for group in touched.values():
             rid = group.request_id
+            finished = group.finished
             if rid in self._beams:
-                if group.finished:
+                if finished:
                     self._finish_beam_group(group)
                 continue
-            if group.finished or not final_only:
+            if finished or not final_only:
                 outputs.append(self.output_processor.make_output(group))
-            if group.finished:
+            if finished:
                 self._groups.pop(rid, None)
+                self._plain_sampling.pop(rid, None)
                 for s in group.seqs:
                     self._seq_generators.pop(s.seq_id, None)
+        if timer is not None:
+            timer.mark("postprocess")
         return outputs
 
     def _process_samples(self, logits: torch.Tensor, sampled: list) -> None:
+        plain = self._plain_sampling
+        if all(plain.get(s.group.request_id, False) for s in sampled):
+            temps = [s.group.sampling_params.temperature for s in sampled]
+            if all(temps) or not any(temps):
+                self._process_plain_samples(logits, sampled, temps)
+                return
         rows: list[SampleRow] = []
         targets: list[tuple[Any, int]] = []  # (scheduled seq, fork index) per row
         beam_rows: list[tuple[Any, int]] = []
@@ -307,7 +332,12 @@ class LLMEngine:
                 rows.append(SampleRow(i, p, seq.prompt_token_ids, seq.output_token_ids, gen, suppress))
                 targets.append((s, j))
         if rows:
+            timer = self.step_timer
+            if timer is not None:
+                timer.mark("postprocess")
             result = self.sampler.sample(logits, rows)
+            if timer is not None:
+                timer.mark("sample")
             forks: dict[int, Sequence] = {}
             # Fork first: children copy the parent's tokens before the parent appends its own.
             for r, (s, j) in enumerate(targets):
@@ -328,6 +358,22 @@ class LLMEngine:
                     self._seq_generators.pop(seq.seq_id, None)
         if beam_rows:
             self._beam_step(logits, beam_rows)
+
+    def _process_plain_samples(self, logits: torch.Tensor, sampled: list, temps: list[float]) -> None:
+        """Every row needs only its temperature (no seeds, filters, penalties, logprobs, forks)."""
+        timer = self.step_timer
+        if timer is not None:
+            timer.mark("postprocess")
+        result = self.sampler.sample_plain(logits, temps)
+        if timer is not None:
+            timer.mark("sample")
+        append = self.output_processor.append_token
+        for s, token, logprob in zip(sampled, result.token_ids, result.logprobs):
+            seq = s.seq
+            status = append(seq, s.group, token, logprob, None)
+            if status is not None:
+                seq.status = status
+                self.scheduler.free_seq(seq)
 
     # ---- beam search ----------------------------------------------------------------------
 

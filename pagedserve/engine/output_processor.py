@@ -69,7 +69,7 @@ class OutputProcessor:
                     seq.stop_reason = s
                     status = SequenceStatus.FINISHED_STOPPED
         if status is None and (n_out >= (p.max_tokens or self.max_model_len)
-                               or seq.num_tokens >= self.max_model_len):
+                               or len(seq.prompt_token_ids) + n_out >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
         if status is not None and self.tokenizer is not None and stop_hit is None:
             visible = seq.output_token_ids[:-1] if hide_token else seq.output_token_ids

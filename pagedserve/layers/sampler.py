@@ -10,6 +10,11 @@ step, so its tokens depend only on its seed and its logits, not on what else is 
 Logprobs (the chosen token's, the top-N, and the cumulative sum) come from the model's *raw*
 distribution, log_softmax of the unprocessed logits (vLLM's default "raw_logprobs"), so they
 are comparable across sampling settings and equal to HF's log_softmax of the same logits.
+The chosen token's is computed as logit - logsumexp (no vocab-sized output); the full
+log_softmax is only formed when some row asks for top-N logprobs.
+
+sample_plain is the fast path for a batch whose rows need nothing but a temperature: a few
+batched ops and one device-to-host copy. It draws exactly what sample() draws for such rows.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ def derive_seed(seed: int, index: int) -> int:
     return (z ^ (z >> 31)) & 0x7FFFFFFFFFFFFFFF
 
 
-@dataclass
+@dataclass(slots=True)
 class SampleRow:
     """One token to draw. Several rows may read the same logits row (a fork's first samples)."""
     logits_index: int
@@ -53,6 +58,23 @@ class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float]                           # raw logprob of each chosen token
     top_logprobs: list[dict[int, float] | None]     # top-N raw logprobs + the chosen one, if asked
+
+
+def needs_only_temperature(p: SamplingParams) -> bool:
+    """Whether sample_plain can draw for these params (given no seed generator and no suppression)."""
+    return (p.seed is None and p.logprobs is None and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
+            and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty)
+
+
+def _chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[i, tokens[i]] without forming the whole log_softmax."""
+    return logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
+
+
+def _to_host(tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[list[int], list[float]]:
+    """Both lists in one device-to-host copy (float64 holds every token id exactly)."""
+    host = torch.stack((tokens.double(), chosen.double()), dim=1).cpu()
+    return host[:, 0].long().tolist(), host[:, 1].tolist()
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -141,6 +163,35 @@ class Sampler:
             logits = apply_min_p(logits, min_p)
         return logits
 
+    def _draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """Exponential-race noise for unseeded rows, from the shared generator."""
+        return torch.empty_like(probs).exponential_(generator=self.generator)
+
+    def sample_plain(self, logits: torch.Tensor, temperatures: list[float]) -> SamplerOutput:
+        """Row i of logits, drawn at temperatures[i] (0: greedy) with the shared generator; rows
+        must satisfy needs_only_temperature and be all greedy or all temperature > 0."""
+        n = len(temperatures)
+        if logits.shape[0] != n:
+            raise ValueError(f"sample_plain needs one logits row per temperature: {logits.shape[0]} != {n}")
+        logits = logits.float()
+        t0 = temperatures[0]
+        if t0 == 0.0:
+            if any(temperatures):
+                raise ValueError("sample_plain rows must be all greedy or all temperature > 0")
+            tokens = logits.argmax(dim=-1)
+        else:
+            if not all(temperatures):
+                raise ValueError("sample_plain rows must be all greedy or all temperature > 0")
+            if all(t == t0 for t in temperatures):
+                temps = torch.full((n, 1), t0, device=logits.device, dtype=logits.dtype)
+            else:
+                temps = torch.tensor(temperatures, device=logits.device, dtype=logits.dtype)[:, None]
+            probs = (logits / temps).softmax(dim=-1)
+            noise = self._draw(probs).clamp_min_(torch.finfo(probs.dtype).tiny)
+            tokens = (probs / noise).argmax(dim=-1)
+        token_list, chosen_list = _to_host(tokens, _chosen_logprobs(logits, tokens))
+        return SamplerOutput(token_list, chosen_list, [None] * n)
+
     def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
         if not rows:
             return SamplerOutput([], [], [])
@@ -149,12 +200,11 @@ class Sampler:
         if index != list(range(logits.shape[0])):
             logits = logits.index_select(0, torch.tensor(index, device=dev))
         logits = logits.float()
-        raw_logprobs = torch.log_softmax(logits, dim=-1)
         x = self.process_logits(logits, rows)
 
         # Greedy rows: the top token survives every filter, so argmax of x is the greedy choice.
-        tokens = x.argmax(dim=-1)
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
+        tokens = x.argmax(dim=-1) if len(sampled) < len(rows) else None
         if sampled:
             probs = x[sampled].softmax(dim=-1)
             noise = torch.empty_like(probs)
@@ -163,19 +213,24 @@ class Sampler:
                 if rows[i].generator is not None:
                     noise[j].exponential_(generator=rows[i].generator)
             if shared:
-                draw = torch.empty((len(shared), probs.shape[1]), device=dev, dtype=probs.dtype)
-                draw.exponential_(generator=self.generator)
-                noise[torch.tensor(shared, device=dev)] = draw
+                draw = self._draw(probs.new_empty((len(shared), probs.shape[1])))
+                if len(shared) == len(sampled):
+                    noise = draw
+                else:
+                    noise[torch.tensor(shared, device=dev)] = draw
             noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-            tokens[torch.tensor(sampled, device=dev)] = (probs / noise).argmax(dim=-1)
+            if len(sampled) == len(rows):
+                tokens = (probs / noise).argmax(dim=-1)
+            else:
+                tokens[torch.tensor(sampled, device=dev)] = (probs / noise).argmax(dim=-1)
 
-        chosen = raw_logprobs.gather(1, tokens[:, None]).squeeze(1)
         want = [r.params.logprobs for r in rows]
         max_n = max((w for w in want if w is not None), default=None)
         # One device->host transfer per step (float64 holds every token id exactly).
+        chosen = _chosen_logprobs(logits, tokens)
         parts = [tokens.double()[:, None], chosen.double()[:, None]]
         if max_n:
-            top_vals, top_ids = raw_logprobs.topk(max_n, dim=-1)
+            top_vals, top_ids = torch.log_softmax(logits, dim=-1).topk(max_n, dim=-1)
             parts += [top_ids.double(), top_vals.double()]
         host = torch.cat(parts, dim=1).cpu()
         token_list = host[:, 0].long().tolist()

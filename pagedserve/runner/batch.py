@@ -8,6 +8,7 @@ number of sequences and the block-table width, which is what a CUDA-graph runner
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -36,39 +37,74 @@ def _new_tokens(s: ScheduledSequence) -> list[int]:
     return seq.prompt_token_ids[lo:] + seq.output_token_ids[:hi - p]
 
 
+def padded_block_tables(block_tables: list[list[int]], table_lens: np.ndarray, width: int) -> np.ndarray:
+    """[num_seqs, width] int32, row i = block_tables[i] then zeros; one C-level pass over all entries."""
+    num_seqs = len(block_tables)
+    tables = np.zeros((num_seqs, width), dtype=np.int32)
+    total = int(table_lens.sum())
+    if total:
+        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=total)
+        tables[np.arange(width)[None, :] < table_lens[:, None]] = flat
+    return tables
+
+
+def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
+    """The arrays as tensors on `device`, moved in one host-to-device copy (one staging buffer,
+    segments viewed back with their dtype and shape). Segments start at multiples of 16 bytes,
+    the alignment Triton specializes kernels on, so every step sees the same variant."""
+    sizes = [(a.nbytes + 15) // 16 * 16 for a in arrays]
+    buf = np.empty(sum(sizes), dtype=np.uint8)
+    offsets, off = [], 0
+    for a, size in zip(arrays, sizes):
+        buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        offsets.append(off)
+        off += size
+    staged = torch.from_numpy(buf)
+    if device.type != "cpu":
+        staged = staged.to(device, non_blocking=True)
+    out = []
+    for a, o in zip(arrays, offsets):
+        dtype = torch.int64 if a.dtype == np.int64 else torch.int32
+        out.append(staged[o:o + a.nbytes].view(dtype).view(a.shape))
+    return out
+
+
 def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
                       block_tables: list[list[int]], sample_mask: np.ndarray, num_decodes: int, block_size: int,
                       device: torch.device, pad_blocks_to: int | None = None) -> ModelInput:
     """The arrays are per sequence except input_ids (per token). Raises if a block table is too short."""
     num_seqs = len(block_tables)
+    starts = np.asarray(starts, dtype=np.int64)
+    query_lens = np.asarray(query_lens, dtype=np.int64)
     cu = np.zeros(num_seqs + 1, dtype=np.int64)
     np.cumsum(query_lens, out=cu[1:])
     seq_lens = starts + query_lens
-    table_lens = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=num_seqs)
+    table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
     short = np.nonzero(table_lens * block_size < seq_lens)[0]
     if short.size:
         i = int(short[0])
         raise ValueError(f"block table of scheduled sequence {i} has {table_lens[i]} blocks of {block_size}, "
                          f"too few for {seq_lens[i]} tokens")
     width = int(max(pad_blocks_to or 0, table_lens.max(initial=1)))
-    tables = np.zeros((num_seqs, width), dtype=np.int32)
-    for i, t in enumerate(block_tables):
-        tables[i, :len(t)] = t
-    seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
-    positions = np.arange(cu[-1], dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
+    tables = padded_block_tables(block_tables, table_lens, width)
+    num_tokens = int(cu[-1])
+    if num_tokens == num_seqs:  # one token per sequence (all decodes): no per-token expansion
+        seq_of_token, positions = np.arange(num_seqs), starts
+    else:
+        seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
+        positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
     slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
     sample_indices = cu[1:][sample_mask] - 1
 
-    def dev(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(a)).to(dtype)
-        return t.to(device, non_blocking=True) if device.type != "cpu" else t
-
     query_lens_l, seq_lens_l = query_lens.tolist(), seq_lens.tolist()
+    ids_t, pos_t, slots_t, cu_t, seq_lens_t, tables_t, sample_t = _to_device(
+        [np.asarray(input_ids, dtype=np.int64), positions, slots, cu.astype(np.int32), seq_lens.astype(np.int32),
+         tables, sample_indices], device)
     meta = AttentionMetadata(
-        slot_mapping=dev(slots, torch.int64),
-        query_start_loc=dev(cu, torch.int32),
-        seq_lens=dev(seq_lens, torch.int32),
-        block_tables=dev(tables, torch.int32),
+        slot_mapping=slots_t,
+        query_start_loc=cu_t,
+        seq_lens=seq_lens_t,
+        block_tables=tables_t,
         num_decodes=num_decodes,
         max_query_len=int(max(query_lens_l, default=0)),
         max_seq_len=int(max(seq_lens_l, default=0)),
@@ -76,8 +112,8 @@ def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.
         query_lens_cpu=query_lens_l,
         seq_lens_cpu=seq_lens_l,
     )
-    return ModelInput(input_ids=dev(input_ids, torch.int64), positions=dev(positions, torch.int64), attn_meta=meta,
-                      sample_indices=dev(sample_indices, torch.int64), num_sampling=int(sample_indices.shape[0]))
+    return ModelInput(input_ids=ids_t, positions=pos_t, attn_meta=meta,
+                      sample_indices=sample_t, num_sampling=int(sample_indices.shape[0]))
 
 
 @dataclass
@@ -102,14 +138,20 @@ class HostBatch:
 def host_batch(scheduled: list[ScheduledSequence], num_decodes: int) -> HostBatch:
     """The host arrays of one SchedulerOutput's scheduled sequences (in their order)."""
     n = len(scheduled)
-    starts = np.fromiter((s.start for s in scheduled), dtype=np.int64, count=n)
-    query_lens = np.fromiter((s.num_new_tokens for s in scheduled), dtype=np.int64, count=n)
-    sample_mask = np.fromiter((s.do_sample for s in scheduled), dtype=bool, count=n)
-    ids: list[int] = []
-    for s in scheduled:
-        ids.extend(_new_tokens(s))
-    if len(ids) != int(query_lens.sum()):
-        raise ValueError("a scheduled sequence asks for tokens beyond its length")
+    starts = np.fromiter([s.start for s in scheduled], dtype=np.int64, count=n)
+    if num_decodes == n:
+        # Decode-only step: one token each, the last one appended, and every sequence samples.
+        query_lens = np.ones(n, dtype=np.int64)
+        sample_mask = np.ones(n, dtype=bool)
+        ids = [s.seq.output_token_ids[-1] for s in scheduled]
+    else:
+        query_lens = np.fromiter([s.num_new_tokens for s in scheduled], dtype=np.int64, count=n)
+        sample_mask = np.fromiter([s.do_sample for s in scheduled], dtype=bool, count=n)
+        ids = []
+        for s in scheduled:
+            ids.extend(_new_tokens(s))
+        if len(ids) != int(query_lens.sum()):
+            raise ValueError("a scheduled sequence asks for tokens beyond its length")
     return HostBatch(np.asarray(ids, dtype=np.int64), starts, query_lens, [s.block_table for s in scheduled],
                      sample_mask, num_decodes)
 

@@ -112,6 +112,8 @@ def check_invariants(sched: Scheduler) -> None:
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"block {b.block_id} ref {b.ref_cnt} != entries"
+    # The block-id mirror the scheduler hands the runner matches the block objects.
+    assert {sid: [b.block_id for b in t] for sid, t in mgr.block_tables.items()} == mgr._block_ids
     live_ids = set()
     for g in groups:
         for s in g.seqs:

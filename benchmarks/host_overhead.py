@@ -1,0 +1,220 @@
+"""Host overhead per decode step at a full batch of running sequences.
+
+Builds an LLMEngine, adds --num-seqs requests (random prompt ids, ignore_eos, temperature 0.6,
+max_tokens as large as the model allows), steps until every one of them is a running decode,
+then times --steps decode steps with the engine's StepTimer, split into phases:
+
+  schedule     Scheduler.schedule()
+  cache_ops    runner work before input building (swap / copy-on-write; none in steady decode)
+  prepare      input building: token ids, positions, slot mapping, block tables -> device
+  forward      model forward + logits (device time: synchronized on both sides; excluded)
+  sample       Sampler.sample (device ops plus the one device->host copy; reported apart)
+  postprocess  update_after_step, sample rows, append tokens, stop checks, outputs, frees
+
+Host overhead (`results.ms_per_decode_step_at_256`) is schedule + cache_ops + prepare +
+postprocess, the median over the timed steps. The input-building split relies on the runner
+calling HostBatch.to_model_input; if a runner stops doing that, the prepare time shows up
+inside `forward` and the JSON says so.
+
+  python benchmarks/host_overhead.py                                     # tiny llama, CPU or CUDA
+  python benchmarks/host_overhead.py --model benchmarks/models/qwen3-0.6b --load-format dummy
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from pagedserve.benchmark.hardware import write_result  # noqa: E402
+from pagedserve.benchmark.throughput import BENCH_TEMPERATURE  # noqa: E402
+from pagedserve.engine.llm_engine import LLMEngine, make_engine_config  # noqa: E402
+from pagedserve.engine.step_timer import StepTimer  # noqa: E402
+from pagedserve.sampling_params import SamplingParams  # noqa: E402
+
+HOST_PHASES = ("schedule", "cache_ops", "prepare", "postprocess")
+ALL_PHASES = ("schedule", "cache_ops", "prepare", "forward", "sample", "postprocess")
+
+
+def _hook_prepare(engine: LLMEngine) -> list[int]:
+    """Time input building inside runner.execute by wrapping HostBatch.to_model_input (host arrays
+    to device tensors); the host-array half (host_batch) lands in cache_ops, also host time.
+    Returns a one-element call counter."""
+    from pagedserve.runner.batch import HostBatch
+    calls = [0]
+    original = HostBatch.to_model_input
+
+    def timed(self, *args, **kwargs):
+        timer = engine.step_timer
+        if timer is not None:
+            calls[0] += 1
+            timer.mark("cache_ops", sync=True)
+        result = original(self, *args, **kwargs)
+        if timer is not None:
+            timer.mark("prepare", sync=True)
+        return result
+    HostBatch.to_model_input = timed
+    return calls
+
+
+def _stub_forward(engine: LLMEngine) -> None:
+    """Replace the model body with random hidden states: the CPU reference attention costs
+    seconds per step at 256 sequences, and host phases do not depend on what the forward computes."""
+    model = engine.runner.model
+    width = model.lm_head.weight.shape[1]
+    gen = torch.Generator(device=engine.device).manual_seed(0)
+
+    def forward(input_ids, positions, kv_caches, attn_meta):
+        return torch.randn(input_ids.shape[0], width, generator=gen, device=input_ids.device,
+                           dtype=engine.dtype)
+    model.forward = forward
+
+
+def _all_decoding(engine: LLMEngine, n: int) -> bool:
+    sched = engine.scheduler
+    if sched.waiting or sched.swapped or len(sched.running) != n:
+        return False
+    return all(s.num_computed_tokens == s.num_tokens - 1 and s.output_token_ids
+               for g in sched.running for s in g.seqs)
+
+
+def _ms(xs: list[float]) -> float:
+    """Median in milliseconds."""
+    return round(1e3 * statistics.median(xs), 4)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="HF model dir (default: a tiny random llama made now)")
+    ap.add_argument("--load-format", default=None, help="auto | safetensors | dummy (default: dummy with --model)")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--prompt-len", default="100,400", help="lo,hi: uniform prompt lengths (clipped to the model)")
+    ap.add_argument("--max-model-len", type=int, default=None)
+    ap.add_argument("--engine-args", default="", help="extra engine kwargs as k=v, space separated")
+    ap.add_argument("--stub-forward", action="store_true",
+                    help="random hidden states instead of the model body (for CPU runs; not with CUDA graphs)")
+    ap.add_argument("--profile", default=None,
+                    help="after timing, run --steps more steps under cProfile and write the stats here (.prof)")
+    ap.add_argument("--cpu-threads", type=int, default=1,
+                    help="torch threads when running on CPU (1: steadier timings on a shared machine)")
+    ap.add_argument("--clock", choices=["wall", "thread"], default=None,
+                    help="wall (default on CUDA) or this thread's CPU time (default on CPU: steady on a busy machine)")
+    ap.add_argument("--cumulative", action="store_true",
+                    help="step(final_only=False): a RequestOutput per request per step (streaming), "
+                         "instead of LLM.generate's final-only")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    if args.device == "cpu" or not torch.cuda.is_available():
+        torch.set_num_threads(args.cpu_threads)
+
+    if args.model is None:
+        sys.path.insert(0, str(ROOT / "tests"))
+        from tiny_models import make_tiny_model
+        model = str(make_tiny_model("llama", Path(tempfile.mkdtemp()) / "tiny-llama"))
+        load_format = args.load_format or "auto"
+    else:
+        model, load_format = args.model, args.load_format or "dummy"
+    extra = {}
+    for kv in shlex.split(args.engine_args):
+        k, v = kv.split("=", 1)
+        extra[k] = {"True": True, "False": False, "None": None}.get(v, int(v) if v.lstrip("-").isdigit() else v)
+    kwargs = dict(device=args.device, dtype=args.dtype, load_format=load_format, max_num_seqs=args.num_seqs,
+                  skip_tokenizer_init=True, max_model_len=args.max_model_len, **extra)
+    engine = LLMEngine(make_engine_config(model, **kwargs))
+    on_cuda = engine.device.type == "cuda"
+    sync = torch.cuda.synchronize if on_cuda else None
+    if args.stub_forward:
+        _stub_forward(engine)
+
+    n, max_len = args.num_seqs, engine.max_model_len
+    lo, hi = (int(x) for x in args.prompt_len.split(","))
+    hi = min(hi, max_len // 2)
+    lo = min(lo, hi)
+    final_only = not args.cumulative  # LLM.generate steps with final_only=True
+    rng = random.Random(0)
+    lens = [rng.randint(lo, hi) for _ in range(n)]
+    vocab = min(engine.vocab_size, 10000)
+    for i, plen in enumerate(lens):
+        ids = [rng.randrange(vocab) for _ in range(plen)]
+        params = SamplingParams(temperature=BENCH_TEMPERATURE, max_tokens=max_len - plen, ignore_eos=True)
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    ramp = 0
+    while not _all_decoding(engine, n):
+        engine.step(final_only=final_only)
+        ramp += 1
+        if ramp > 10_000:
+            raise RuntimeError("the batch never became all decodes: raise the KV cache or lower --num-seqs")
+    for _ in range(args.warmup):
+        engine.step(final_only=final_only)
+    if not _all_decoding(engine, n):
+        raise RuntimeError("a sequence stopped during warm-up: lower --steps or raise --max-model-len")
+
+    prepare_calls = _hook_prepare(engine)
+    clock = {"wall": time.perf_counter, "thread": time.thread_time}[args.clock or ("wall" if on_cuda else "thread")]
+    timer = StepTimer(sync, clock)
+    before = {s.seq_id: len(s.output_token_ids) for g in engine.scheduler.running for s in g.seqs}
+    engine.step_timer = timer
+    for _ in range(args.steps):
+        engine.step(final_only=final_only)
+    engine.step_timer = None
+    after = {s.seq_id: len(s.output_token_ids) for g in engine.scheduler.running for s in g.seqs}
+    if after.keys() != before.keys() or any(after[k] - before[k] != args.steps for k in before):
+        raise RuntimeError("not every timed step was a full batch of decodes")
+    if args.profile:
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(args.steps):
+            engine.step(final_only=final_only)
+        prof.disable()
+        prof.dump_stats(args.profile)
+
+    recs = timer.records
+    for r in recs:
+        r["forward"] = r.pop("execute", 0.0)
+    per_phase = {p: [r.get(p, 0.0) for r in recs] for p in ALL_PHASES}
+    host = [sum(r.get(p, 0.0) for p in HOST_PHASES) for r in recs]
+    total = [sum(r.values()) for r in recs]
+    results = {
+        "ms_per_decode_step_at_256" if n == 256 else f"ms_per_decode_step_at_{n}": _ms(host),
+        "host_ms_mean": round(1e3 * statistics.fmean(host), 4),
+        "sample_ms": _ms(per_phase["sample"]),
+        "forward_ms": _ms(per_phase["forward"]),
+        "step_ms": _ms(total),
+        "breakdown_ms": {p: _ms(v) for p, v in per_phase.items()},
+        "num_running_seqs": n,
+        "timed_steps": args.steps,
+        # False: the runner built its inputs some other way, and that time sits inside forward_ms.
+        "prepare_split_measured": prepare_calls[0] >= args.steps,
+    }
+    config = {"model": model if args.model else "tiny random llama (tests/tiny_models.py)",
+              "load_format": load_format, "device": str(engine.device), "dtype": str(engine.dtype),
+              "num_seqs": n, "prompt_len": [lo, hi], "temperature": BENCH_TEMPERATURE, "ignore_eos": True,
+              "max_model_len": max_len, "stub_forward": args.stub_forward,
+              "final_only": final_only,
+              "clock": "wall" if clock is time.perf_counter else "thread", "warmup_steps": args.warmup, "ramp_steps": ramp, **extra}
+    out = args.output or str(ROOT / "benchmarks/results" / ("h200" if on_cuda else "cpu") / "host_overhead.json")
+    command = "python benchmarks/host_overhead.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    ratios = {"host_share_of_step": round(sum(host) / sum(total), 4)}
+    write_result(out, "host_overhead", command, config, results, {"target_ms": 1.0}, ratios)
+    print(f"host {results[next(iter(results))]:.3f} ms/step (median of {args.steps}) at {n} running seqs")
+    for p in ALL_PHASES:
+        print(f"  {p:12s} {results['breakdown_ms'][p]:9.3f} ms")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
