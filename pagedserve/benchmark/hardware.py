@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -43,6 +44,10 @@ def device_name() -> str:
 
 
 def git_commit() -> str:
+    """The commit that produced a result; PAGEDSERVE_COMMIT names it where the tree has no .git
+    (the GPU machine receives a plain copy of the working tree)."""
+    if os.environ.get("PAGEDSERVE_COMMIT"):
+        return os.environ["PAGEDSERVE_COMMIT"]
     try:
         return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL).strip()
     except (OSError, subprocess.CalledProcessError):
