@@ -23,8 +23,9 @@ def _save(fig, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def memory_breakdown(results: dict, path: Path) -> None:
-    """Figure 2: one stacked bar per allocator, per workload."""
+def memory_breakdown(results: dict, path: Path, paper: dict | None = None) -> None:
+    """Figure 2: one stacked bar per allocator, per workload; paper: {workload: {allocator: %}} markers."""
+    paper = paper or {}
     fig, axes = plt.subplots(1, len(results), figsize=(6.2 * len(results), 4.6), sharey=True)
     for ax, (workload, by_alloc) in zip(axes, results.items()):
         names = list(by_alloc)
@@ -33,14 +34,20 @@ def memory_breakdown(results: dict, path: Path) -> None:
             vals = [100 * by_alloc[a]["breakdown"][key] for a in names]
             ax.bar(range(len(names)), vals, bottom=bottom, color=color, label=label, width=0.65)
             for i, v in enumerate(vals):
-                if v >= 4:
-                    ax.text(i, bottom[i] + v / 2, f"{v:.1f}%", ha="center", va="center", fontsize=8, color="white")
+                if v >= 2.5:
+                    ax.text(i, bottom[i] + v / 2, f"{v:.1f}%", ha="center", va="center", fontsize=7.5,
+                            color="black" if key == "reserved" else "white")
             bottom = [b + v for b, v in zip(bottom, vals)]
+        if workload in paper:
+            xs = [i for i, a in enumerate(names) if a in paper[workload]]
+            ax.scatter(xs, [paper[workload][names[i]] for i in xs], marker="D", s=28, color="black", zorder=3,
+                       label="paper Fig. 2 token states (ShareGPT, OPT-13B)")
         ax.set_xticks(range(len(names)), [LABELS.get(a, a) for a in names], fontsize=8)
         ax.set_title(f"{workload}: KV memory, time-averaged")
         ax.set_ylim(0, 100)
     axes[0].set_ylabel("share of KV cache memory (%)")
-    axes[-1].legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=5, fontsize=8, frameon=False)
     _save(fig, path)
 
 
@@ -82,7 +89,7 @@ def paging_picture(snap: dict, path: Path, cols: int = 36) -> None:
 
     def slab(b):
         if b in ext:
-            return [(1.0, "#e1bee7")]
+            return [(1.0, "#37474f")]
         if b not in owner:
             return []
         r, j = owner[b]
@@ -121,7 +128,7 @@ def paging_picture(snap: dict, path: Path, cols: int = 36) -> None:
     handles = [Patch(color="#555555", label="live token states (one color per request)"),
                Patch(color="#555555", alpha=0.3, label="reserved: this request will fill it"),
                Patch(color="#d9d9d9", label="never used (internal fragmentation)"),
-               Patch(color="#e1bee7", label="free hole too small for the next request (external fragmentation)"),
+               Patch(color="#37474f", label="free hole too small for the next request (external fragmentation)"),
                Patch(facecolor="white", edgecolor="#bbbbbb", label="free block")]
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(f"The same KV memory ({nb} blocks x {bs} slots), sharegpt-like, sim step {snap['step']}; "
