@@ -185,12 +185,13 @@ def sharing(results: dict, paper: dict, path: Path) -> None:
         lo, hi = paper[kind]
         ax.axhspan(100 * lo, 100 * hi, color="#f9a825", alpha=0.3, label="paper Fig. 15 range (OPT-13B)")
         for i, k in enumerate(ks):
-            ax.text(i, 100 * by_k[k]["saving_mean_over_steps"] + 0.5, f"{by_k[k]['saving_mean_over_steps']:.1%}",
-                    ha="center", fontsize=8)
+            v = 100 * by_k[k]["saving_mean_over_steps"]
+            ax.text(i, v / 2, f"{v:.1f}%", ha="center", va="center", fontsize=9, color="white")
+        ax.set_ylim(0, 1.35 * max(100 * hi, max(100 * by_k[k]["saving_mean_over_steps"] for k in ks)))
         label = "# output sequences" if kind == "parallel_sampling" else "beam width"
         ax.set_xticks(range(len(ks)), ks)
         ax.set_xlabel(label)
         ax.set_ylabel("memory saving (%)")
         ax.set_title(kind.replace("_", " ") + ", alpaca-like lengths")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="upper left")
     _save(fig, path)

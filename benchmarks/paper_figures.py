@@ -258,10 +258,12 @@ def main(argv=None) -> None:
     ap.add_argument("--block-sizes", default="1,8,16,32,64,128,256")
     # Near the knee of paged block 16 (serving_load), where memory decides the batch size.
     ap.add_argument("--rate-sharegpt", type=float, default=2.5, help="block-size: Poisson req/s")
-    ap.add_argument("--rate-alpaca", type=float, default=40.0, help="block-size: Poisson req/s")
+    ap.add_argument("--rate-alpaca", type=float, default=50.0, help="block-size: Poisson req/s")
     ap.add_argument("--rates", default="0.25,0.5,0.75,1,1.25,1.5,1.75,2,2.25,2.5,2.75,3,3.5")
     ap.add_argument("--sharing-requests", type=int, default=16, help="sharing: alpaca-like requests per run")
     ap.add_argument("--sharing-widths", default="2,4,6")
+    ap.add_argument("--sharing-model", default=None,
+                    help="sharing: a tiny OPT made by tests/tiny_models.py (default: make one, seed 0)")
     args = ap.parse_args(argv)
     {"memory": cmd_memory, "picture": cmd_picture, "block-size": cmd_block_size, "load": cmd_load,
      "sharing": cmd_sharing, "gpu": cmd_gpu, "all": cmd_all}[args.command](args)

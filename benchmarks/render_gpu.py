@@ -123,7 +123,7 @@ def run(args) -> None:
         return
     text = doc_path.read_text()
     for name, body in sections.items():
-        pat = re.compile(rf"(<!-- gpu:{name} -->\n).*?(\n<!-- /gpu:{name} -->)", re.S)
-        text = pat.sub(lambda m: m.group(1) + body + m.group(2), text)
+        pat = re.compile(rf"(<!-- gpu:{name} -->\n).*?(<!-- /gpu:{name} -->)", re.S)
+        text = pat.sub(lambda m: m.group(1) + body + "\n" + m.group(2), text)
     doc_path.write_text(text)
     print(f"wrote {doc_path}")

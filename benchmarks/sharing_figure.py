@@ -29,7 +29,7 @@ def run(args, write_json) -> dict:
 
     widths = [int(x) for x in args.sharing_widths.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = make_tiny_model("opt", tmp)
+        model_dir = args.sharing_model or make_tiny_model("opt", tmp)
 
         def make_llm():
             return LLM(str(model_dir), device="cpu", dtype="float32", block_size=16, enable_prefix_caching=False,

@@ -10,7 +10,7 @@ FIGURES = ["memory_breakdown", "paging_picture", "block_size", "serving_load", "
            "h200_serving_load"]
 
 
-def test_all_figure_commands_write_pngs_and_json(tmp_path):
+def test_all_figure_commands_write_pngs_and_json(tmp_path, tiny_model_dir):
     res, fig, doc = tmp_path / "results", tmp_path / "figures", tmp_path / "paper-results.md"
     # The shape benchmarks/paper_gpu.py writes for serving_load; the other GPU files are absent.
     curves = {a: [{"rate": r, "normalized_latency_s_per_token": lat} for r, lat in pts]
@@ -26,6 +26,7 @@ def test_all_figure_commands_write_pngs_and_json(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "paper_figures.py"), "all", "--num-requests", "12",
          "--rates", "1,4", "--block-sizes", "16,64", "--sharing-requests", "1", "--sharing-widths", "2",
+         "--sharing-model", str(tiny_model_dir("opt")),
          "--fig-dir", str(fig), "--results-dir", str(res), "--doc", str(doc)],
         capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
