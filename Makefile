@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve sim clean
+.PHONY: test serve sim figures clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -21,6 +21,10 @@ serve: $(STAMP)
 
 sim: $(STAMP)
 	$(VENV)/bin/pagedserve sim --workload sharegpt-like --allocator paged --block-size 16
+
+# The paper's memory figures (docs/paper-results.md): sim sweeps and the CPU sharing run, minutes.
+figures: $(STAMP)
+	$(PY) benchmarks/paper_figures.py all --jobs 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info

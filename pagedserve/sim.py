@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.scheduler import Scheduler
@@ -43,8 +44,13 @@ def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_si
              num_blocks: int | None = None, num_requests: int | None = None,
              request_rate: float | None = None, max_num_seqs: int = 256, max_model_len: int | None = None,
              seed: int = 0, max_num_batched_tokens: int = 8192, preemption_mode: str = "auto",
-             enable_prefix_caching: bool = True, time_model: StepTimeModel | None = None) -> dict:
-    """Run the workload to completion and return the summary dict (see run_sim_cli)."""
+             enable_prefix_caching: bool = True, time_model: StepTimeModel | None = None,
+             on_step: Callable[[int, Scheduler], None] | None = None) -> dict:
+    """Run the workload to completion and return the summary dict (see run_sim_cli).
+
+    on_step(step, scheduler), if given, sees the scheduler after every step (for snapshots);
+    it must not change it.
+    """
     tm = time_model or StepTimeModel()
     spec = WORKLOADS.get(workload)
     if spec is None:
@@ -126,6 +132,8 @@ def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_si
                 scheduler.free_seq(seq)
         for g in scheduler.free_finished_seq_groups():
             finish[g.request_id] = now
+        if on_step is not None:
+            on_step(steps, scheduler)
 
     stats = scheduler.get_kv_cache_stats()
     done = [rid for rid in finish]

@@ -15,7 +15,7 @@ import bisect
 from typing import Iterable
 
 from pagedserve.core.kv_cache_manager import AllocStatus, cdiv
-from pagedserve.core.stats import MemoryBreakdown, breakdown_from_tables
+from pagedserve.core.stats import MemoryBreakdown, SeqKVLayout, breakdown_from_tables
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 CONTIGUOUS_MODES = ("max", "pow2", "oracle")
@@ -195,6 +195,11 @@ class ContiguousKVCacheManager:
 
     def free_holes(self) -> list[tuple[int, int]]:
         return [(s, n) for s, n in self._holes]
+
+    def seq_layouts(self) -> list[SeqKVLayout]:
+        """A snapshot of every reserved run, in admission order (for figures)."""
+        return [SeqKVLayout(sid, self.get_block_table(s), s.num_computed_tokens, self._final_len[sid])
+                for sid, s in self._seqs.items()]
 
     def memory_breakdown(self, waiting_head: SequenceGroup | None = None) -> MemoryBreakdown:
         """Reserved = slots up to the final length; internal = beyond it; external = free

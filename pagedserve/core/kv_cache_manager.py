@@ -15,7 +15,7 @@ from typing import Iterable
 
 from pagedserve.core.block_pool import BlockPool, hash_block_tokens
 from pagedserve.core.free_queue import KVCacheBlock
-from pagedserve.core.stats import MemoryBreakdown, breakdown_from_tables
+from pagedserve.core.stats import MemoryBreakdown, SeqKVLayout, breakdown_from_tables
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -330,6 +330,12 @@ class KVCacheManager:
 
     def num_cached_free_blocks(self) -> int:
         return self.pool.num_cached_free
+
+    def seq_layouts(self) -> list[SeqKVLayout]:
+        """A snapshot of every device block table (for figures and sharing counts)."""
+        return [SeqKVLayout(sid, [b.block_id for b in t], self._seqs[sid].num_computed_tokens,
+                            self._seqs[sid].num_tokens)
+                for sid, t in self.block_tables.items()]
 
     def memory_breakdown(self, waiting_head: SequenceGroup | None = None) -> MemoryBreakdown:
         """Paged: slots of known-but-uncomputed tokens are reserved, the rest of a block is

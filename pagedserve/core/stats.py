@@ -45,6 +45,16 @@ class KVCacheStats:
 
 
 @dataclass
+class SeqKVLayout:
+    """Where one sequence's KV lives: its block ids in table order (contiguous: its reserved run),
+    how many tokens are computed, and how many it will certainly hold (the breakdown's horizon)."""
+    seq_id: int
+    block_ids: list[int]
+    num_computed_tokens: int
+    horizon: int
+
+
+@dataclass
 class MemoryBreakdown:
     """Occupied KV memory split as in the paper's Figure 2, in token slots.
 

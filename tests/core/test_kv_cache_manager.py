@@ -228,3 +228,34 @@ def test_contiguous_refuses_fork():
     m.allocate(g)
     with pytest.raises(ValueError, match="contiguous"):
         m.fork(g.seqs[0], g.seqs[0].fork())
+
+
+def test_seq_layouts_snapshot_tables_and_sharing():
+    m = mgr()
+    g = make_group("a", list(range(6)), n=2)
+    parent = g.seqs[0]
+    m.allocate(g)
+    compute(m, parent)
+    child = parent.fork()
+    m.fork(parent, child)
+    parent.append_token(1)
+    m.append_slots(parent, 1)  # copy-on-write of block 1 into block 2
+    lay = {x.seq_id: x for x in m.seq_layouts()}
+    assert lay[parent.seq_id].block_ids == m.get_block_table(parent) == [0, 2]
+    assert lay[child.seq_id].block_ids == [0, 1]
+    assert (lay[parent.seq_id].num_computed_tokens, lay[parent.seq_id].horizon) == (6, 7)
+    # Table entries = sum of ref counts; distinct ids = blocks actually used.
+    entries = sum(len(x.block_ids) for x in lay.values())
+    assert entries == sum(b.ref_cnt for b in m.pool.blocks) == 4
+    assert len({b for x in lay.values() for b in x.block_ids}) == m.pool.get_num_used_blocks() == 3
+
+
+def test_contiguous_seq_layouts_are_reserved_runs():
+    from pagedserve.core.contiguous import ContiguousKVCacheManager
+    m = ContiguousKVCacheManager(4, 16, max_model_len=32, mode="oracle")
+    a, b = make_group("a", [1, 2, 3], max_tokens=6, oracle=2), make_group("b", [4] * 9, max_tokens=2)
+    m.allocate(a)
+    m.allocate(b)
+    lay = m.seq_layouts()
+    assert [x.block_ids for x in lay] == [[0, 1], [2, 3, 4]]   # 3 + 2 -> 2 blocks; 9 + 2 -> 3 blocks
+    assert [x.horizon for x in lay] == [5, 11] and [x.num_computed_tokens for x in lay] == [0, 0]
