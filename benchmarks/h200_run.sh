@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 figure in benchmarks/results/h200/, in two phases that fit the device tool's
 # 10-minute calls. Run from the repo root on the GPU machine:
-#   PAGEDSERVE_COMMIT=<sha> bash benchmarks/h200_run.sh throughput|paper
+#   PAGEDSERVE_COMMIT=<sha> bash benchmarks/h200_run.sh throughput|paper|paper2
 # Each step logs and carries on, so one failure does not lose the other figures.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
@@ -14,7 +14,9 @@ if [ "$phase" = throughput ]; then
   timeout 200 python3 benchmarks/run_throughput.py --workload nanovllm --hf-requests 128 --hf-max-new-tokens 128 > logs/nanovllm.log 2>&1
   timeout 220 python3 benchmarks/run_throughput.py --workload fixed256 --hf-requests 128 --hf-max-new-tokens 64 > logs/fixed256.log 2>&1
   timeout 90 python3 benchmarks/host_overhead.py --model benchmarks/models/qwen3-0.6b --max-model-len 4096 --steps 50 --output $R/host_overhead.json > logs/host_overhead.log 2>&1
-else
-  timeout 560 python3 benchmarks/paper_gpu.py --rates 3,6,12,24 --num-requests 50 --bs-requests 100 > logs/paper_gpu.log 2>&1
+elif [ "$phase" = paper ]; then
+  timeout 560 python3 benchmarks/paper_gpu.py --sections serving_load --rates 3,6,12,24 --num-requests 50 > logs/paper_gpu.log 2>&1
+else  # paper2: too long to share a call with serving_load (the first run of both together hit the limit)
+  timeout 560 python3 benchmarks/paper_gpu.py --sections block_size,shared_prefix --bs-requests 100 > logs/paper_gpu2.log 2>&1
 fi
-tail -3 logs/*.log
+for f in logs/*.log; do tail -n 3 "$f"; done

@@ -159,20 +159,28 @@ def block_size_sweep(args) -> dict:
     """Figure 18b (end-to-end throughput per block size) and Figure 19a, one engine per block size."""
     rows, svr = {}, {}
     for bs in [int(x) for x in args.block_sizes.split(",")]:
+        eng = None
         try:
             eng = make_engine(args.bs_model, block_size=bs, max_model_len=2048, enable_prefix_caching=False)
             reqs = make_workload("sharegpt-like", args.bs_requests)
-            replay(eng, reqs[:4], params, realtime=False)
+            # Warm-up on enough requests that every kernel variant is compiled before timing.
+            replay(eng, reqs[:32], params, realtime=False)
             rows[bs] = replay(eng, reqs, params, realtime=False).summary()
             print("block", bs, json.dumps(rows[bs]), flush=True)
-            svr[bs] = time_swap_and_recompute(eng, args.svr_tokens)
-            print("svr", bs, svr[bs], flush=True)
         except Exception as e:
             traceback.print_exc()
             rows[bs] = {"error": f"{type(e).__name__}: {e}"[:300]}
+        try:
+            if eng is not None:
+                svr[bs] = time_swap_and_recompute(eng, min(args.svr_tokens, eng.max_model_len - 1))
+                print("svr", bs, svr[bs], flush=True)
+        except Exception as e:
+            traceback.print_exc()
+            svr[bs] = {"error": f"{type(e).__name__}: {e}"[:300]}
         eng = None
         torch.cuda.empty_cache()
     ok = {b: r for b, r in rows.items() if "output_tokens_per_s" in r}
+    svr_ok = {b: r for b, r in svr.items() if "recompute_s" in r}
     best = max((r["output_tokens_per_s"] for r in ok.values()), default=None)
     cfg = {"model": args.bs_model, "workload": "sharegpt-like", "num_requests": args.bs_requests}
     return {"block_size": {"config": cfg, "results": {"by_block_size": rows},
@@ -181,7 +189,7 @@ def block_size_sweep(args) -> dict:
             "swap_vs_recompute": {"config": {**cfg, "tokens": args.svr_tokens}, "results": {"by_block_size": svr},
                                   "ratios": {"swap_over_recompute_block16":
                                              round(svr[16]["swap_out_in_s"] / svr[16]["recompute_s"], 3)}
-                                  if 16 in svr else {}}}
+                                  if 16 in svr_ok else {}}}
 
 
 def shared_prefix(args) -> dict:
