@@ -141,3 +141,20 @@ def test_eval_record_is_consistent():
     rec = demo_eval_record()
     assert rec["bound"] == pytest.approx(rec["heldout_perplexity"] * 1.05, rel=1e-3)
     assert json.loads((DEMO_MODEL_DIR / "generation_config.json").read_text())["eos_token_id"] == 1
+
+
+def test_pagedserve_greedy_equals_hf_on_the_demo_model(tok, model):
+    """The shipped model through pagedserve's own loader, paged cache and sampler: HF's greedy tokens."""
+    from pagedserve import LLM, SamplingParams
+
+    prompts = ["In the beginning", "And the LORD said unto Moses,", "Blessed are the"]
+    llm = LLM(str(DEMO_MODEL_DIR), device="cpu", dtype="float32", num_gpu_blocks_override=256, swap_space=0.01)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            ref = model.generate(ids, do_sample=False, max_new_tokens=24, min_new_tokens=24,
+                                 attention_mask=torch.ones_like(ids), pad_token_id=tok.pad_token_id)
+        assert out.prompt_token_ids == ids[0].tolist()
+        assert out.outputs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+        assert out.outputs[0].text == tok.decode(ref[0, ids.shape[1]:], skip_special_tokens=True)

@@ -197,6 +197,20 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     return app
 
 
+DEMO_MODEL_NAME = "pagedserve-demo"
+
+
+def _usage_hint(name: str, host: str, port: int, keyed: bool) -> str:
+    base = f"http://{host}:{port}/v1"
+    auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if keyed else ""
+    return (f"\nServing {name!r} at {base}. Try:\n"
+            f"  curl {base}/completions{auth} -H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"model\": \"{name}\", \"prompt\": \"In the beginning\", \"max_tokens\": 32}}'\n"
+            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='x'); "
+            f"print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', "
+            f"'content': 'Continue: The LORD is my shepherd'}}]).choices[0].message.content)\"\n")
+
+
 def run_server_cli(args: Any) -> int:
     """`pagedserve serve`: build the engine from the CLI flags and serve it with uvicorn."""
     import uvicorn
@@ -206,21 +220,23 @@ def run_server_cli(args: Any) -> int:
     if args.model_pos and args.model and args.model_pos != args.model:
         raise ValueError(f"MODEL ({args.model_pos!r}) and --model ({args.model!r}) disagree")
     model = args.model_pos or args.model
+    default_name = model
     if model is None:
         try:
             from pagedserve.demo_model import DEMO_MODEL_DIR
         except ImportError:
             raise ValueError("no MODEL given and the bundled demo model is not installed") from None
-        model = str(DEMO_MODEL_DIR)
+        model, default_name = str(DEMO_MODEL_DIR), DEMO_MODEL_NAME
     if args.max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
     config = engine_config_from_args(args, model)
     engine = AsyncLLMEngine.from_engine_config(config)
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
-    name = args.served_model_name or model
+    name = args.served_model_name or default_name
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes)
     logging.basicConfig(level=logging.INFO)
     logger.info("serving %s on http://%s:%d/v1%s", name, args.host, args.port,
                 " (API key required)" if api_key else "")
+    print(_usage_hint(name, args.host, args.port, api_key is not None), flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
     return 0
