@@ -15,6 +15,9 @@ import matplotlib.pyplot as plt
 from figure_plots import COLORS, LABELS, _save
 
 SECTIONS = ["serving_load", "block_size", "swap_vs_recompute", "kv_breakdown"]
+# The results file each section reads, and the h200_run.sh phase that writes it.
+SOURCE = {"serving_load": ("serving_load", "paper"), "block_size": ("block_size", "paper2"),
+          "swap_vs_recompute": ("swap_vs_recompute", "paper2"), "kv_breakdown": ("serving_load", "paper")}
 
 
 def _load(path: Path) -> dict | None:
@@ -25,8 +28,11 @@ def _load(path: Path) -> dict | None:
 
 
 def _header(doc: dict) -> list[str]:
-    return [f"Measured on {doc.get('device')} at commit `{str(doc.get('commit'))[:10]}` on {doc.get('date')}:",
-            "", f"    {doc.get('command')}", ""]
+    lines = [f"Measured on {doc.get('device')} at commit `{str(doc.get('commit'))[:10]}` on {doc.get('date')}:",
+             "", f"    {doc.get('command')}", ""]
+    if doc.get("note"):
+        lines += [f"_Note: {doc['note']}_", ""]
+    return lines
 
 
 def serving_load(doc: dict, fig_dir: Path) -> list[str]:
@@ -54,7 +60,7 @@ def serving_load(doc: dict, fig_dir: Path) -> list[str]:
 
 
 def block_size(doc: dict, fig_dir: Path) -> list[str]:
-    rows = doc["results"]["by_block_size"]
+    rows = {k: v for k, v in doc["results"]["by_block_size"].items() if "output_tokens_per_s" in v}
     sizes = sorted(rows, key=int)
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ax.bar(range(len(sizes)), [rows[s]["output_tokens_per_s"] for s in sizes], color="#1565c0")
@@ -71,7 +77,7 @@ def block_size(doc: dict, fig_dir: Path) -> list[str]:
 
 
 def swap_vs_recompute(doc: dict, fig_dir: Path) -> list[str]:
-    rows = doc["results"]["by_block_size"]
+    rows = {k: v for k, v in doc["results"]["by_block_size"].items() if "recompute_s" in v}
     sizes = sorted(rows, key=int)
     fig, ax = plt.subplots(figsize=(6.4, 4))
     ax.plot(range(len(sizes)), [1e3 * rows[s]["swap_out_in_s"] for s in sizes], "o-", label="swap out + in")
@@ -89,10 +95,14 @@ def swap_vs_recompute(doc: dict, fig_dir: Path) -> list[str]:
 
 
 def kv_breakdown(doc: dict, fig_dir: Path) -> list[str]:
-    """No fixed layout yet in paper_gpu.py: list whatever scalar results and ratios it wrote."""
-    flat = {**doc.get("results", {}), **{f"ratio.{k}": v for k, v in doc.get("ratios", {}).items()}}
-    return _header(doc) + ["| key | value |", "|---|---|"] + \
-        [f"| {k} | {v} |" for k, v in flat.items() if not isinstance(v, (dict, list))]
+    """Figure 2 measured on the GPU engine during the serving-load sweep (serving_load.json)."""
+    split = doc["results"]["memory_breakdown_gpu_engine"]
+    keys = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation")
+    lines = [f"Measured on {doc.get('device')} at commit `{str(doc.get('commit'))[:10]}` on {doc.get('date')}, "
+             "averaged over every engine step of the serving-load sweep above (same requests, same engine):", "",
+             "| allocator | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    lines += [f"| {a} | " + " | ".join(f"{100 * fr.get(k, 0):.1f}%" for k in keys) + " |" for a, fr in split.items()]
+    return lines
 
 
 RENDER = {"serving_load": serving_load, "block_size": block_size, "swap_vs_recompute": swap_vs_recompute,
@@ -102,10 +112,11 @@ RENDER = {"serving_load": serving_load, "block_size": block_size, "swap_vs_recom
 def render(results_dir: Path, fig_dir: Path) -> dict[str, str]:
     out = {}
     for name in SECTIONS:
-        doc = _load(results_dir / "h200" / f"{name}.json")
+        fname, phase = SOURCE[name]
+        doc = _load(results_dir / "h200" / f"{fname}.json")
         if doc is None:
-            out[name] = (f"_Not measured yet: `benchmarks/results/h200/{name}.json` is absent. Run "
-                         f"`python benchmarks/paper_gpu.py --sections {name}` on the H200, then "
+            out[name] = (f"_Not measured yet: `benchmarks/results/h200/{fname}.json` is absent. Run "
+                         f"`bash benchmarks/h200_run.sh {phase}` on the H200, then "
                          f"`python benchmarks/paper_figures.py gpu`._")
             continue
         try:

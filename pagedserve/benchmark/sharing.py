@@ -51,8 +51,8 @@ class BlockRecorder:
         inner = self.engine.step
         mgr = self.engine.scheduler.kv_cache_manager
 
-        def step():
-            out = inner()
+        def step(*args, **kwargs):
+            out = inner(*args, **kwargs)
             layouts = mgr.seq_layouts()
             entries = sum(len(lay.block_ids) for lay in layouts)
             if entries:
