@@ -189,6 +189,34 @@ class KVCacheManager:
             return False
         return len(self._distinct(tables)) + needed > self.num_gpu_blocks
 
+    def append_decode_slots(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
+        """One slot each for running single-sequence decodes, all or nothing.
+
+        None (nothing changed) when the blocks they need together exceed the free ones, or one
+        alone would outgrow the whole cache; then the caller takes the per-group path. Otherwise
+        the COW (src, dst) pairs. Needs are counted before any append: a copy-on-write only
+        lowers the ref_cnt of a shared block, so the sum bounds what the appends really take.
+        """
+        bs = self.block_size
+        tables = self.block_tables
+        cap = self.num_gpu_blocks
+        grow: list[Sequence] = []
+        for s in seqs:
+            table = tables[s.seq_id]
+            i = s.num_computed_tokens // bs
+            n = len(table)
+            if i < n and table[i].ref_cnt == 1:
+                continue  # room in an unshared block: the common case
+            if i > n or n + 1 > cap:
+                return None
+            grow.append(s)
+        if len(grow) > self.pool.free_block_queue.num_free_blocks:
+            return None
+        copies: list[tuple[int, int]] = []
+        for s in grow:
+            copies.extend(self.append_slots(s, 1))
+        return copies
+
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make slots [num_computed, num_computed + n) writable; returns COW (src, dst) pairs."""
         table = self.block_tables[seq.seq_id]
