@@ -355,12 +355,15 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed tokens of what ran; newly full blocks become reusable prefix cache."""
         mgr = self.kv_cache_manager
+        has_table, cache_blocks, bs = mgr.has_table, mgr.cache_blocks, self.block_size
         for ss in out.scheduled:
             seq = ss.seq
-            if seq.status.finished or not mgr.has_table(seq):
+            if seq.status.finished or not has_table(seq):
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = ss.start + ss.num_new_tokens
-            mgr.cache_blocks(seq)
+            seq.num_computed_tokens = n = ss.start + ss.num_new_tokens
+            # A decode fills a block only with its block's last slot; otherwise nothing to cache.
+            if n % bs == 0 or not ss.is_decode:
+                cache_blocks(seq)
 
     # ---- statistics ---------------------------------------------------------------------------
     def get_memory_breakdown(self) -> MemoryBreakdown:

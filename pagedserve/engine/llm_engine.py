@@ -280,7 +280,10 @@ class LLMEngine:
                     if group.first_token_time is None:
                         group.first_token_time = now
                         group.metrics["first_token_time"] = now
-                    touched[id(group)] = group
+                    # final_only reports finished groups only, and every group that finishes
+                    # here is still in running, so free_finished_seq_groups() hands it back below.
+                    if not final_only:
+                        touched[id(group)] = group
                 self._process_samples(logits, sampled)
 
         # The scheduler may also end groups on its own (one that outgrew the whole cache).
@@ -367,6 +370,13 @@ class LLMEngine:
         result = self.sampler.sample_plain(logits, temps)
         if timer is not None:
             timer.mark("sample")
+        if self.output_processor.tokenizer is None:
+            free = self.scheduler.free_seq
+            for seq, status in self.output_processor.append_plain_tokens(sampled, result.token_ids,
+                                                                          result.logprobs):
+                seq.status = status
+                free(seq)
+            return
         append = self.output_processor.append_token
         for s, token, logprob in zip(sampled, result.token_ids, result.logprobs):
             seq = s.seq
