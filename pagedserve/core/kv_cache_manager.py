@@ -78,10 +78,14 @@ class KVCacheManager:
         """Content hashes of the first num_blocks full blocks of seq, computed once."""
         hashes = self._block_hashes.setdefault(seq.seq_id, [])
         if len(hashes) < num_blocks:
-            tokens = seq.token_ids
             bs = self.block_size
+            prompt, out = seq.prompt_token_ids, seq.output_token_ids
+            p = len(prompt)
             for i in range(len(hashes), num_blocks):
-                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+                lo, hi = i * bs, (i + 1) * bs
+                # Slices of the prompt / outputs: no copy of the whole token list per block.
+                block = prompt[lo:hi] if hi <= p else out[lo - p:hi - p] if lo >= p else prompt[lo:] + out[:hi - p]
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block))
         return hashes
 
     def _find_cached_prefix(self, seq: Sequence) -> list[KVCacheBlock]:
