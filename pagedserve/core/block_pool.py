@@ -21,7 +21,7 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Seq[int]) -> bytes:
     sha256 rather than Python's hash(): a collision would silently serve another prompt's KV.
     """
     h = hashlib.sha256(parent_hash or b"")
-    h.update(b",".join(str(t).encode() for t in token_ids))
+    h.update(",".join(map(str, token_ids)).encode())  # the same bytes as joining each encoded id
     return h.digest()
 
 

@@ -149,6 +149,11 @@ class ContiguousKVCacheManager:
     def exceeds_capacity(self, group: SequenceGroup, seqs: Iterable[tuple[Sequence, int]]) -> bool:
         return any(s.num_computed_tokens + n > self.num_gpu_blocks * self.block_size for s, n in seqs)
 
+    def append_decode_slots(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
+        """[] when every decode's next slot is inside its reservation, else None (nothing changed)."""
+        runs, bs = self._runs, self.block_size
+        return [] if all(s.num_computed_tokens < runs[s.seq_id][1] * bs for s in seqs) else None
+
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         if not self.can_append_slots([(seq, num_new_tokens)]):
             raise ValueError(f"seq {seq.seq_id} outgrew its contiguous reservation")

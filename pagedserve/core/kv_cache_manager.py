@@ -78,10 +78,14 @@ class KVCacheManager:
         """Content hashes of the first num_blocks full blocks of seq, computed once."""
         hashes = self._block_hashes.setdefault(seq.seq_id, [])
         if len(hashes) < num_blocks:
-            tokens = seq.token_ids
             bs = self.block_size
+            prompt, out = seq.prompt_token_ids, seq.output_token_ids
+            p = len(prompt)
             for i in range(len(hashes), num_blocks):
-                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+                lo, hi = i * bs, (i + 1) * bs
+                # Slices of the prompt / outputs: no copy of the whole token list per block.
+                block = prompt[lo:hi] if hi <= p else out[lo - p:hi - p] if lo >= p else prompt[lo:] + out[:hi - p]
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block))
         return hashes
 
     def _find_cached_prefix(self, seq: Sequence) -> list[KVCacheBlock]:
@@ -188,6 +192,34 @@ class KVCacheManager:
         if sum(len(t) for t in tables) + needed <= self.num_gpu_blocks:
             return False
         return len(self._distinct(tables)) + needed > self.num_gpu_blocks
+
+    def append_decode_slots(self, seqs: list[Sequence]) -> list[tuple[int, int]] | None:
+        """One slot each for running single-sequence decodes, all or nothing.
+
+        None (nothing changed) when the blocks they need together exceed the free ones, or one
+        alone would outgrow the whole cache; then the caller takes the per-group path. Otherwise
+        the COW (src, dst) pairs. Needs are counted before any append: a copy-on-write only
+        lowers the ref_cnt of a shared block, so the sum bounds what the appends really take.
+        """
+        bs = self.block_size
+        tables = self.block_tables
+        cap = self.num_gpu_blocks
+        grow: list[Sequence] = []
+        for s in seqs:
+            table = tables[s.seq_id]
+            i = s.num_computed_tokens // bs
+            n = len(table)
+            if i < n and table[i].ref_cnt == 1:
+                continue  # room in an unshared block: the common case
+            if i > n or n + 1 > cap:
+                return None
+            grow.append(s)
+        if len(grow) > self.pool.free_block_queue.num_free_blocks:
+            return None
+        copies: list[tuple[int, int]] = []
+        for s in grow:
+            copies.extend(self.append_slots(s, 1))
+        return copies
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
         """Make slots [num_computed, num_computed + n) writable; returns COW (src, dst) pairs."""

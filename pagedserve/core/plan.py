@@ -34,6 +34,20 @@ class ScheduledSequence:
         self.do_sample = self.start + self.num_new_tokens == n
         self.is_decode = self.num_new_tokens == 1 and self.start == n - 1 and bool(out)
 
+    @classmethod
+    def decode(cls, seq: Sequence, group: SequenceGroup, block_table: list[int]) -> "ScheduledSequence":
+        """Run the last sampled token of a sequence in decode (what __post_init__ would find:
+        do_sample and is_decode true), without re-deriving it; the scheduler's all-decode path."""
+        ss = object.__new__(cls)
+        ss.seq = seq
+        ss.group = group
+        ss.start = seq.num_computed_tokens
+        ss.num_new_tokens = 1
+        ss.block_table = block_table
+        ss.do_sample = True
+        ss.is_decode = True
+        return ss
+
     @property
     def context_len(self) -> int:
         return self.start + self.num_new_tokens

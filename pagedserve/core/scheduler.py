@@ -110,13 +110,63 @@ class Scheduler:
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        cfg = self.scheduler_config
-        mgr = self.kv_cache_manager
         out = SchedulerOutput()
-        scheduled: list[ScheduledSequence] = []
-        self._budget = cfg.max_num_batched_tokens
+        self._budget = self.scheduler_config.max_num_batched_tokens
+        scheduled = self._schedule_all_decodes(out)
         preempted = False
+        if scheduled is None:
+            scheduled = []
+            preempted = self._schedule_running(scheduled, out)
 
+        # 3. swapped groups come back first, 4. then new ones
+        if not preempted:
+            self._schedule_swapped(scheduled, out)
+        if not preempted and not self.swapped:
+            self._schedule_waiting(scheduled, out)
+
+        decodes = [s for s in scheduled if s.is_decode]
+        out.scheduled = decodes if len(decodes) == len(scheduled) else \
+            decodes + [s for s in scheduled if not s.is_decode]
+        return out
+
+    def _schedule_all_decodes(self, out: SchedulerOutput) -> list[ScheduledSequence] | None:
+        """Steps 1-2 in one pass when every running group is one sequence in decode and all
+        their next slots fit at once: nothing is preempted and nothing is left to prefill, so
+        the per-group path would schedule exactly these decodes in this order. None otherwise
+        (nothing changed)."""
+        groups: list[SequenceGroup] = []
+        seqs: list[Sequence] = []
+        for group in self.running:
+            gs = group.seqs
+            if len(gs) != 1:
+                return None
+            s = gs[0]
+            status = s.status
+            if status.finished:
+                continue  # leaves running, as in the per-group path
+            out_ids = s.output_token_ids
+            if status is not RUNNING or not out_ids or \
+                    len(s.prompt_token_ids) + len(out_ids) - s.num_computed_tokens != 1:
+                return None
+            groups.append(group)
+            seqs.append(s)
+        if len(seqs) > self._budget:
+            return None
+        mgr = self.kv_cache_manager
+        copies = mgr.append_decode_slots(seqs)
+        if copies is None:
+            return None
+        out.blocks_to_copy.extend(copies)
+        self._budget -= len(seqs)
+        self.running = groups
+        view = mgr.block_table_view
+        make = ScheduledSequence.decode
+        return [make(s, g, view(s)) for s, g in zip(seqs, groups)]
+
+    def _schedule_running(self, scheduled: list[ScheduledSequence], out: SchedulerOutput) -> bool:
+        """Steps 1-2, group by group; returns whether anything was preempted."""
+        mgr = self.kv_cache_manager
+        preempted = False
         remaining = deque(g for g in self.running if not g.finished)
         self.running = []
         pending: list[tuple[SequenceGroup, bool]] = []  # (group, already scheduled this step)
@@ -175,17 +225,7 @@ class Scheduler:
             for s in group.seqs:
                 if s.status is RUNNING and not _is_decode(s):
                     self._schedule_prefill(group, s, scheduled, out)
-
-        # 3. swapped groups come back first, 4. then new ones
-        if not preempted:
-            self._schedule_swapped(scheduled, out)
-        if not preempted and not self.swapped:
-            self._schedule_waiting(scheduled, out)
-
-        decodes = [s for s in scheduled if s.is_decode]
-        out.scheduled = decodes if len(decodes) == len(scheduled) else \
-            decodes + [s for s in scheduled if not s.is_decode]
-        return out
+        return preempted
 
     def _run(self, group: SequenceGroup, seq: Sequence, n: int, out: SchedulerOutput) -> ScheduledSequence:
         out.blocks_to_copy.extend(self.kv_cache_manager.append_slots(seq, n))
@@ -315,12 +355,15 @@ class Scheduler:
     def update_after_step(self, out: SchedulerOutput) -> None:
         """Advance computed tokens of what ran; newly full blocks become reusable prefix cache."""
         mgr = self.kv_cache_manager
+        has_table, cache_blocks, bs = mgr.has_table, mgr.cache_blocks, self.block_size
         for ss in out.scheduled:
             seq = ss.seq
-            if seq.status.finished or not mgr.has_table(seq):
+            if seq.status.finished or not has_table(seq):
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = ss.start + ss.num_new_tokens
-            mgr.cache_blocks(seq)
+            seq.num_computed_tokens = n = ss.start + ss.num_new_tokens
+            # A decode fills a block only with its block's last slot; otherwise nothing to cache.
+            if n % bs == 0 or not ss.is_decode:
+                cache_blocks(seq)
 
     # ---- statistics ---------------------------------------------------------------------------
     def get_memory_breakdown(self) -> MemoryBreakdown:

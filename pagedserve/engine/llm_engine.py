@@ -96,7 +96,8 @@ class LLMEngine:
 
         self._groups: dict[str, SequenceGroup] = {}
         # request_id -> True when its rows can take Sampler.sample_plain (decided once, at add).
-        self._plain_sampling: dict[str, bool] = {}
+        # request id -> temperature, for requests whose rows need nothing but it (the sampler's plain path)
+        self._plain_sampling: dict[str, float] = {}
         self._seq_generators: dict[int, torch.Generator] = {}
         self._beams: dict[str, BeamSearchState] = {}
         self._beam_results: dict[str, BeamSearchOutput] = {}
@@ -197,7 +198,8 @@ class LLMEngine:
         if sampling_params.seed is not None:
             self._seq_generators[seq.seq_id] = self._make_generator(sampling_params.seed)
         p = group.sampling_params
-        self._plain_sampling[request_id] = needs_only_temperature(p) and p.min_tokens == 0 and p.best_of == 1
+        if needs_only_temperature(p) and p.min_tokens == 0 and p.best_of == 1:
+            self._plain_sampling[request_id] = p.temperature
         self._groups[request_id] = group
         self.scheduler.add_seq_group(group)
 
@@ -280,7 +282,10 @@ class LLMEngine:
                     if group.first_token_time is None:
                         group.first_token_time = now
                         group.metrics["first_token_time"] = now
-                    touched[id(group)] = group
+                    # final_only reports finished groups only, and every group that finishes
+                    # here is still in running, so free_finished_seq_groups() hands it back below.
+                    if not final_only:
+                        touched[id(group)] = group
                 self._process_samples(logits, sampled)
 
         # The scheduler may also end groups on its own (one that outgrew the whole cache).
@@ -306,12 +311,11 @@ class LLMEngine:
         return outputs
 
     def _process_samples(self, logits: torch.Tensor, sampled: list) -> None:
-        plain = self._plain_sampling
-        if all(plain.get(s.group.request_id, False) for s in sampled):
-            temps = [s.group.sampling_params.temperature for s in sampled]
-            if all(temps) or not any(temps):
-                self._process_plain_samples(logits, sampled, temps)
-                return
+        get = self._plain_sampling.get
+        temps = [get(s.group.request_id) for s in sampled]
+        if None not in temps and (all(temps) or not any(temps)):
+            self._process_plain_samples(logits, sampled, temps)
+            return
         rows: list[SampleRow] = []
         targets: list[tuple[Any, int]] = []  # (scheduled seq, fork index) per row
         beam_rows: list[tuple[Any, int]] = []
@@ -367,6 +371,13 @@ class LLMEngine:
         result = self.sampler.sample_plain(logits, temps)
         if timer is not None:
             timer.mark("sample")
+        if self.output_processor.tokenizer is None:
+            free = self.scheduler.free_seq
+            for seq, status in self.output_processor.append_plain_tokens(sampled, result.token_ids,
+                                                                          result.logprobs):
+                seq.status = status
+                free(seq)
+            return
         append = self.output_processor.append_token
         for s, token, logprob in zip(sampled, result.token_ids, result.logprobs):
             seq = s.seq

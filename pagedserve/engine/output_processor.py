@@ -76,6 +76,37 @@ class OutputProcessor:
             self._detokenize(seq, group, visible, final=True)
         return status
 
+    def append_plain_tokens(self, sampled: list, token_ids: list[int],
+                            logprobs: list[float]) -> list[tuple[Sequence, SequenceStatus]]:
+        """append_token for a whole step of plain rows (scheduled sequences whose requests keep no
+        logprobs), with no tokenizer: no text, so no stop strings; rules 1 and 3 on plain ints.
+        Returns the (seq, FINISHED_* status) pairs of the sequences that are done."""
+        if self.tokenizer is not None:
+            raise ValueError("append_plain_tokens is for engines without a tokenizer")
+        eos = self.eos_token_ids
+        max_len = self.max_model_len
+        stopped, length = SequenceStatus.FINISHED_STOPPED, SequenceStatus.FINISHED_LENGTH
+        done: list[tuple[Sequence, SequenceStatus]] = []
+        for s, token, logprob in zip(sampled, token_ids, logprobs):
+            seq = s.seq
+            p = s.group.sampling_params
+            out = seq.output_token_ids
+            out.append(token)
+            seq.cumulative_logprob += logprob
+            n_out = len(out)
+            if n_out > p.min_tokens:
+                if token in p.stop_token_ids:
+                    seq.stop_reason = token
+                    done.append((seq, stopped))
+                    continue
+                if not p.ignore_eos and token in eos:
+                    seq.stop_reason = None
+                    done.append((seq, stopped))
+                    continue
+            if n_out >= (p.max_tokens or max_len) or len(seq.prompt_token_ids) + n_out >= max_len:
+                done.append((seq, length))
+        return done
+
     def _detokenize(self, seq: Sequence, group: SequenceGroup, output_ids: list[int], final: bool) -> str:
         state = seq.detok_state or initial_state(seq.num_prompt_tokens)
         new_text, seq.detok_state = detokenize_incrementally(

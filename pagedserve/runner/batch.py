@@ -40,11 +40,13 @@ def _new_tokens(s: ScheduledSequence) -> list[int]:
 def padded_block_tables(block_tables: list[list[int]], table_lens: np.ndarray, width: int) -> np.ndarray:
     """[num_seqs, width] int32, row i = block_tables[i] then zeros; one C-level pass over all entries."""
     num_seqs = len(block_tables)
-    tables = np.zeros((num_seqs, width), dtype=np.int32)
     total = int(table_lens.sum())
-    if total:
-        flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=total)
-        tables[np.arange(width)[None, :] < table_lens[:, None]] = flat
+    # fromiter over the chained lists beats np.array(block_tables) even when no row needs padding.
+    flat = np.fromiter(itertools.chain.from_iterable(block_tables), dtype=np.int32, count=total)
+    if total == num_seqs * width:  # every row is full: no padding to scatter into
+        return flat.reshape(num_seqs, width)
+    tables = np.zeros((num_seqs, width), dtype=np.int32)
+    tables[np.arange(width)[None, :] < table_lens[:, None]] = flat
     return tables
 
 
@@ -64,8 +66,8 @@ def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Ten
         staged = staged.to(device, non_blocking=True)
     out = []
     for a, o in zip(arrays, offsets):
-        dtype = torch.int64 if a.dtype == np.int64 else torch.int32
-        out.append(staged[o:o + a.nbytes].view(dtype).view(a.shape))
+        t = staged[o:o + a.nbytes].view(torch.int64 if a.dtype == np.int64 else torch.int32)
+        out.append(t if a.ndim == 1 else t.view(a.shape))
     return out
 
 
@@ -76,9 +78,16 @@ def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.
     num_seqs = len(block_tables)
     starts = np.asarray(starts, dtype=np.int64)
     query_lens = np.asarray(query_lens, dtype=np.int64)
-    cu = np.zeros(num_seqs + 1, dtype=np.int64)
-    np.cumsum(query_lens, out=cu[1:])
-    seq_lens = starts + query_lens
+    # One token per sequence (all decodes): no per-token expansion, no cumsum.
+    sample_mask = np.asarray(sample_mask, dtype=bool)
+    decode_only = num_decodes == num_seqs and bool((query_lens == 1).all())
+    if decode_only:
+        cu = np.arange(num_seqs + 1, dtype=np.int64)
+        seq_lens = starts + 1
+    else:
+        cu = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(query_lens, out=cu[1:])
+        seq_lens = starts + query_lens
     table_lens = np.fromiter(map(len, block_tables), dtype=np.int64, count=num_seqs)
     short = np.nonzero(table_lens * block_size < seq_lens)[0]
     if short.size:
@@ -87,16 +96,20 @@ def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.
                          f"too few for {seq_lens[i]} tokens")
     width = int(max(pad_blocks_to or 0, table_lens.max(initial=1)))
     tables = padded_block_tables(block_tables, table_lens, width)
-    num_tokens = int(cu[-1])
-    if num_tokens == num_seqs:  # one token per sequence (all decodes): no per-token expansion
-        seq_of_token, positions = np.arange(num_seqs), starts
+    if decode_only:
+        positions = starts
+        slots = tables[cu[:-1], positions // block_size].astype(np.int64) * block_size + positions % block_size
+        sample_indices = cu[:-1] if sample_mask.all() else cu[1:][sample_mask] - 1
+        query_lens_l, seq_lens_l = [1] * num_seqs, seq_lens.tolist()
+        max_query_len, max_seq_len = (1 if num_seqs else 0), int(seq_lens.max(initial=0))
     else:
+        num_tokens = int(cu[-1])
         seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
-    slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
-    sample_indices = cu[1:][sample_mask] - 1
-
-    query_lens_l, seq_lens_l = query_lens.tolist(), seq_lens.tolist()
+        slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        sample_indices = cu[1:][sample_mask] - 1
+        query_lens_l, seq_lens_l = query_lens.tolist(), seq_lens.tolist()
+        max_query_len, max_seq_len = int(max(query_lens_l, default=0)), int(max(seq_lens_l, default=0))
     ids_t, pos_t, slots_t, cu_t, seq_lens_t, tables_t, sample_t = _to_device(
         [np.asarray(input_ids, dtype=np.int64), positions, slots, cu.astype(np.int32), seq_lens.astype(np.int32),
          tables, sample_indices], device)
@@ -106,8 +119,8 @@ def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.
         seq_lens=seq_lens_t,
         block_tables=tables_t,
         num_decodes=num_decodes,
-        max_query_len=int(max(query_lens_l, default=0)),
-        max_seq_len=int(max(seq_lens_l, default=0)),
+        max_query_len=max_query_len,
+        max_seq_len=max_seq_len,
         block_size=block_size,
         query_lens_cpu=query_lens_l,
         seq_lens_cpu=seq_lens_l,

@@ -259,3 +259,20 @@ def test_contiguous_seq_layouts_are_reserved_runs():
     lay = m.seq_layouts()
     assert [x.block_ids for x in lay] == [[0, 1], [2, 3, 4]]   # 3 + 2 -> 2 blocks; 9 + 2 -> 3 blocks
     assert [x.horizon for x in lay] == [5, 11] and [x.num_computed_tokens for x in lay] == [0, 0]
+
+
+def test_block_hashes_chain_over_prompt_and_output_tokens():
+    """Hashes of blocks that straddle the prompt/output boundary or lie in the outputs are the
+    chained hashes of the full token list's blocks."""
+    from pagedserve.core.block_pool import hash_block_tokens
+    from pagedserve.sequence import Sequence
+    for plen in (3, 4, 5, 8):
+        seq = Sequence(list(range(10, 10 + plen)), output_token_ids=list(range(50, 61)))
+        mgr = KVCacheManager(4, 16, 0)
+        got = mgr._hashes(seq, seq.num_tokens // 4)
+        want, prev = [], None
+        toks = seq.token_ids
+        for i in range(seq.num_tokens // 4):
+            prev = hash_block_tokens(prev, toks[4 * i:4 * i + 4])
+            want.append(prev)
+        assert got == want

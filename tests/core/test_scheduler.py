@@ -1,4 +1,8 @@
 """Scheduler behaviour: budgets, step order, chunked prefill, preemption, swap, rejection."""
+import random
+
+import pytest
+
 from pagedserve.config import SchedulerConfig
 from pagedserve.sequence import SequenceStatus
 
@@ -229,3 +233,43 @@ def test_scheduler_config_rejects_bad_values():
     import pytest
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+
+
+def _trace(monkeypatch, fast: bool, kv_allocator: str, preemption_mode: str, seed: int):
+    """Every step's plan for a memory-tight workload that preempts and swaps, as plain values."""
+    from pagedserve.core.scheduler import Scheduler
+    real, taken = Scheduler._schedule_all_decodes, [0]
+
+    def counted(self, out):
+        plan = real(self, out) if fast else None
+        taken[0] += plan is not None
+        return plan
+    monkeypatch.setattr(Scheduler, "_schedule_all_decodes", counted)
+    rng = random.Random(seed)
+    s = make_scheduler(24, num_cpu_blocks=32, preemption_mode=preemption_mode, kv_allocator=kv_allocator,
+                       max_num_batched_tokens=40)
+    shared = list(range(100, 109))  # odd requests share a prefix: prefix-cache hits
+    groups = [make_group(str(i), shared[:9 * (i % 2)] + [rng.randrange(30) for _ in range(rng.randint(2, 14))],
+                         max_tokens=rng.randint(3, 20)) for i in range(10)]
+    for g in groups:
+        s.add_seq_group(g)
+    d = Driver(s, seed)
+    steps = []
+    while s.has_unfinished_seqs():
+        out = d.step()
+        check_invariants(s)
+        steps.append(([(x.seq.prompt_token_ids, x.start, x.num_new_tokens, list(x.block_table), x.is_decode,
+                        x.do_sample) for x in out.scheduled],
+                      out.blocks_to_copy, out.blocks_to_swap_in, out.blocks_to_swap_out,
+                      [g.request_id for g in out.preempted], [g.request_id for g in s.running]))
+        assert len(steps) < 2000
+    monkeypatch.undo()
+    assert (taken[0] > 0) == fast
+    return steps, [(g.seqs[0].output_token_ids, g.seqs[0].status) for g in groups]
+
+
+@pytest.mark.parametrize("kv_allocator,mode", [("paged", "recompute"), ("paged", "swap"), ("contiguous-max", "recompute")])
+def test_all_decode_fast_path_plans_what_the_per_group_path_plans(monkeypatch, kv_allocator, mode):
+    for seed in range(3):
+        assert _trace(monkeypatch, True, kv_allocator, mode, seed) == \
+            _trace(monkeypatch, False, kv_allocator, mode, seed)

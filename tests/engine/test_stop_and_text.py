@@ -122,3 +122,29 @@ def test_skip_tokenizer_init_gives_token_ids_only(tiny_model_dir):
     assert out.outputs[0].text == ""
     with pytest.raises(ValueError, match="prompt"):
         llm.generate("text needs a tokenizer", use_tqdm=False)
+
+
+def test_without_tokenizer_same_tokens_and_stop_rules(setup):
+    """skip_tokenizer_init takes the int-only stop checks; tokens, finish and stop reasons match
+    the engine with a tokenizer for stop_token_ids, EOS, max_tokens and min_tokens."""
+    model_dir, _, ids, base = setup
+    toks = base[0].outputs[0].token_ids
+    runs = {}
+    for bare in (False, True):
+        llm = make_llm(model_dir, block_size=8, skip_tokenizer_init=bare)
+        # An EOS the tiny random model actually emits, the same for both engines.
+        llm.llm_engine.output_processor.eos_token_ids = {toks[4]}
+        cases = [SamplingParams(temperature=0.0, max_tokens=N, stop_token_ids=[toks[2]]),
+                 SamplingParams(temperature=0.0, max_tokens=N),
+                 SamplingParams(temperature=0.0, max_tokens=3),
+                 SamplingParams(temperature=0.0, max_tokens=N, ignore_eos=True, stop_token_ids=[toks[4]]),
+                 SamplingParams(temperature=0.0, max_tokens=N, min_tokens=6)]
+        runs[bare] = [[(o.outputs[0].token_ids, o.outputs[0].finish_reason, o.outputs[0].stop_reason,
+                        round(o.outputs[0].cumulative_logprob, 4))
+                       for o in llm.generate([{"prompt_token_ids": p} for p in ids], sp, use_tqdm=False)]
+                      for sp in cases]
+        assert_no_leak(llm)
+    assert runs[True] == runs[False]
+    # Every rule fired somewhere: a stop token, EOS, and a length limit.
+    kinds = {(fin, type(reason).__name__) for case in runs[True] for _, fin, reason, _ in case}
+    assert {("stop", "int"), ("stop", "NoneType"), ("length", "NoneType")} <= kinds
