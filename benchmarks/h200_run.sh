@@ -15,7 +15,7 @@ if [ "$phase" = throughput ]; then
   timeout 220 python3 benchmarks/run_throughput.py --workload fixed256 --hf-requests 128 --hf-max-new-tokens 64 > logs/fixed256.log 2>&1
   timeout 90 python3 benchmarks/host_overhead.py --model benchmarks/models/qwen3-0.6b --max-model-len 4096 --steps 50 --output $R/host_overhead.json > logs/host_overhead.log 2>&1
 elif [ "$phase" = paper ]; then
-  timeout 560 python3 benchmarks/paper_gpu.py --sections serving_load --rates 3,6,12,24 --num-requests 50 > logs/paper_gpu.log 2>&1
+  timeout 560 python3 benchmarks/paper_gpu.py --sections serving_load --rates 4,8,16,32 --num-requests 100 > logs/paper_gpu.log 2>&1
 else  # paper2: too long to share a call with serving_load (the first run of both together hit the limit)
   timeout 560 python3 benchmarks/paper_gpu.py --sections block_size,shared_prefix --bs-requests 100 > logs/paper_gpu2.log 2>&1
 fi

@@ -1,7 +1,7 @@
 """SamplingParams: how one request is decoded. Field names follow vLLM so users can switch."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _MAX_N = 128
 _MAX_LOGPROBS = 20

@@ -80,7 +80,7 @@ def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0, max_shard
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    tok = train_tokenizer(path)
+    train_tokenizer(path)
     torch.manual_seed(seed)
     # Padded past the tokenizer, as real checkpoints pad their vocab (and some AutoTokenizer
     # classes add a special token on load).

@@ -27,7 +27,6 @@ def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     b = torch.empty_like(a)
     t = _time_cuda(lambda: b.copy_(a), 10)
-    del a, b
     return 2 * nbytes / t
 
 

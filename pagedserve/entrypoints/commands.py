@@ -1,7 +1,6 @@
 """Argument parsers of the subcommands; each handler imports its implementation lazily."""
 from __future__ import annotations
 
-import argparse
 
 
 def register_sim(sub) -> None:

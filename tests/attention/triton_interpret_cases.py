@@ -6,7 +6,6 @@ decorates a function (its own standard library included), i.e. at import time; a
 subprocess keeps the switch from leaking into other tests of the same pytest run.
 """
 import os
-import sys
 
 import pytest
 import torch
