@@ -1,22 +1,36 @@
 #!/usr/bin/env bash
-# Every H200 figure in benchmarks/results/h200/, in two phases that fit the device tool's
-# 10-minute calls. Run from the repo root on the GPU machine:
-#   PAGEDSERVE_COMMIT=<sha> bash benchmarks/h200_run.sh throughput|paper|paper2
-# Each step logs and carries on, so one failure does not lose the other figures.
+# Every H200 figure in benchmarks/results/h200/. Run from the repo root on the GPU machine:
+#   PAGEDSERVE_COMMIT=<sha> bash benchmarks/h200_run.sh throughput|paper|paper2|session
+# paper = serving_load, paper2 = block_size + swap_vs_recompute + shared_prefix; session = GPU
+# tests, paper2, paper, throughput one after another (about 25 min): start it detached
+# (`setsid nohup ... &`) and collect over several device calls, since one call lasts 10 min.
+# Each step logs and carries on, so one failure does not lose the other figures; logs/progress.log
+# says when each step started and ended, and logs/DONE appears at the end.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 R=benchmarks/results/h200
 mkdir -p $R logs
-phase=${1:-throughput}
-if [ "$phase" = throughput ]; then
-  timeout 120 python3 -m pytest -q tests/engine/test_cuda_engine.py tests/runner/test_cuda_runner.py 2>&1 | tail -5 | tee logs/gpu_tests.log
-  timeout 120 python3 benchmarks/bench_paged_decode.py --skip sweep --output $R/paged_decode.json > logs/paged_decode.log 2>&1
-  timeout 200 python3 benchmarks/run_throughput.py --workload nanovllm --hf-requests 128 --hf-max-new-tokens 128 > logs/nanovllm.log 2>&1
-  timeout 220 python3 benchmarks/run_throughput.py --workload fixed256 --hf-requests 128 --hf-max-new-tokens 64 > logs/fixed256.log 2>&1
-  timeout 90 python3 benchmarks/host_overhead.py --model benchmarks/models/qwen3-0.6b --max-model-len 4096 --steps 50 --output $R/host_overhead.json > logs/host_overhead.log 2>&1
-elif [ "$phase" = paper ]; then
-  timeout 560 python3 benchmarks/paper_gpu.py --sections serving_load --rates 4,8,16,32 --num-requests 100 > logs/paper_gpu.log 2>&1
-else  # paper2: too long to share a call with serving_load (the first run of both together hit the limit)
-  timeout 560 python3 benchmarks/paper_gpu.py --sections block_size,shared_prefix --bs-requests 100 > logs/paper_gpu2.log 2>&1
-fi
-for f in logs/*.log; do tail -n 3 "$f"; done
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to logs/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "$(date +%T) start $name" >> logs/progress.log
+  timeout "$limit" "$@" > "logs/$name.log" 2>&1
+  echo "$(date +%T) end $name rc=$?" >> logs/progress.log
+}
+gpu_tests() { step gpu_tests 240 python3 -m pytest -q tests/engine/test_cuda_engine.py tests/runner/test_cuda_runner.py; }
+paper() { step paper_gpu 1200 python3 benchmarks/paper_gpu.py --sections serving_load; }
+paper2() { step paper_gpu2 900 python3 benchmarks/paper_gpu.py --sections block_size,shared_prefix --bs-requests 100; }
+throughput() {
+  step nanovllm 240 python3 benchmarks/run_throughput.py --workload nanovllm --hf-requests 128 --hf-max-new-tokens 128
+  step host_overhead 120 python3 benchmarks/host_overhead.py --model benchmarks/models/qwen3-0.6b --max-model-len 4096 \
+    --steps 50 --output $R/host_overhead.json
+  step fixed256 240 python3 benchmarks/run_throughput.py --workload fixed256 --hf-requests 128 --hf-max-new-tokens 64
+}
+case ${1:-throughput} in
+  throughput) gpu_tests; step paged_decode 120 python3 benchmarks/bench_paged_decode.py --skip sweep \
+                --output $R/paged_decode.json; throughput ;;
+  paper) paper ;;
+  paper2) paper2 ;;
+  session) gpu_tests; paper2; paper; throughput ;;
+esac
+touch logs/DONE
+for f in logs/*.log; do echo "== $f"; tail -n 3 "$f"; done
