@@ -1,7 +1,8 @@
 """Rotary position embeddings (NeoX / HF "rotate_half" layout), default, linear and llama3 scaling.
 
 cos/sin are computed from positions on the fly in float32, once per forward at the model
-level, exactly as HF does (positions * inv_freq), so there is no max-position cache to size.
+level, exactly as HF does (positions * inv_freq), so there is no max-position cache to size. On CUDA, rotate_qk runs q and k (and Qwen3's
+per-head q/k RMSNorm before it) through one Triton kernel (triton_fused.qk_norm_rotary_).
 """
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import math
 
 import torch
 from torch import nn
+
+from pagedserve.layers.fused import fused_ops
 
 
 def rope_parameters(config) -> dict:
@@ -73,3 +76,18 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     x1, x2 = rot[..., : rd // 2], rot[..., rd // 2:]
     rotated = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
     return rotated if rest.shape[-1] == 0 else torch.cat((rotated, rest), dim=-1)
+
+
+def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_norm=None,
+              k_norm=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary on q [T, Hq, D] and k [T, Hk, D], after the optional per-head RMSNorms (Qwen3).
+
+    The fused path works in place: q and k must be views of this step's own projection output."""
+    ops = fused_ops(q.device)
+    if ops is not None and (q_norm is None or q_norm.weight.dtype == q.dtype == k.dtype):
+        if q_norm is None:
+            return ops.qk_norm_rotary_(q, k, cos, sin)
+        return ops.qk_norm_rotary_(q, k, cos, sin, q_norm.weight, k_norm.weight, q_norm.eps)
+    if q_norm is not None:
+        q, k = q_norm(q), k_norm(k)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

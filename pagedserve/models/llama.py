@@ -1,20 +1,22 @@
 """Llama-family decoders: Llama (incl. llama3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
 
 Pre-norm blocks: x += attn(norm(x)); x += mlp(norm(x)), SwiGLU MLP, rotary on q and k.
-Module and parameter names follow the HF checkpoints, except that q/k/v and gate/up are
-fused (see stacked_params).
+The residual stream is carried beside the hidden state (x, residual = norm(x, residual)) so that
+each add lands inside the next norm: one kernel on CUDA (layers/fused.py), the same arithmetic
+in torch. Module and parameter names follow the HF checkpoints, except that q/k/v and gate/up
+are fused (see stacked_params).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention import Attention, AttentionMetadata
+from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                       RowParallelLinear, VocabParallelEmbedding)
 from pagedserve.layers.norm import RMSNorm
-from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters, rotate_qk
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -46,9 +48,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = rotate_qk(q, k, cos, sin, self.q_norm, self.k_norm)
         out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
         return self.o_proj(out)
 
@@ -65,8 +65,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp_rank, tp_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -77,9 +76,12 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config, tp_rank, tp_size)
 
-    def forward(self, x, cos, sin, kv_cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, cos, sin, kv_cache, meta):
+        """Returns (mlp output, residual stream before it); the caller's next norm adds them."""
+        x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
@@ -95,9 +97,10 @@ class LlamaModel(nn.Module):
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
+        residual = None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv, meta)
-        return self.norm(x)
+            x, residual = layer(x, residual, cos, sin, kv, meta)
+        return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
