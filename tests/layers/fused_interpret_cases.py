@@ -1,0 +1,148 @@
+"""Cases for the fused layer kernels under the Triton interpreter (CPU), against the torch path.
+
+Not collected on its own: test_fused_interpret.py runs this file in a subprocess with
+TRITON_INTERPRET=1 (Triton picks interpreter-or-compiler at import time).
+
+Tolerances, and why:
+- float32: allclose at 1e-5; the kernels' sums of squares and exp are not torch's, bit for bit.
+- bfloat16, no reduction or transcendental in between (the residual add; rotary without
+  q/k norm): bit-equal, because the kernels round to bfloat16 exactly where torch does.
+- bfloat16 norms and silu: within one bfloat16 ulp (rtol 2**-7), and >= 99% of the elements
+  bit-equal: a last-bit float32 difference in the reduction or exp can flip one rounding.
+- bfloat16 q/k norm + rotary: a flipped norm rounding is carried through the rotation
+  (a difference of two rounded products), so atol 2**-6 on unit-scale values, >= 99% bit-equal.
+"""
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_fused_interpret.py (needs TRITON_INTERPRET=1 before importing triton)",
+                allow_module_level=True)
+
+from interpreter_fixes import apply as _fix_interpreter  # noqa: E402
+
+_fix_interpreter()
+
+from triton.runtime import interpreter  # noqa: E402
+
+from pagedserve.layers import fused  # noqa: E402
+from pagedserve.layers import triton_fused as ops  # noqa: E402
+from pagedserve.layers.norm import RMSNorm  # noqa: E402
+from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary  # noqa: E402
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _check(actual, expected, exact_in_bf16: bool, bf16_atol: float = 0.0):
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
+    elif exact_in_bf16:
+        assert torch.equal(actual, expected), (actual.float() - expected.float()).abs().max()
+    else:
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2 ** -7, atol=bf16_atol)
+        assert (actual == expected).float().mean() >= 0.99
+
+
+def _norm(dim, dtype, seed):
+    norm = RMSNorm(dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(dim, generator=torch.Generator().manual_seed(seed)))
+    return norm.to(dtype)
+
+
+def test_kernels_are_interpreted_and_torch_path_is_default_on_cpu():
+    assert isinstance(ops._rms_norm_kernel, interpreter.InterpretedFunction)
+    assert fused.fused_ops(torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(1, 64), (37, 96), (5, 1000)])
+def test_rms_norm_and_fused_add(dtype, T, H):
+    g = torch.Generator().manual_seed(T * H)
+    x = (3 * torch.randn(T, H, generator=g)).to(dtype)
+    res = torch.randn(T, H, generator=g).to(dtype)
+    norm = _norm(H, dtype, seed=H)
+    _check(ops.rms_norm(x, norm.weight, norm.eps), norm(x), exact_in_bf16=False)
+    out, new_res = ops.fused_add_rms_norm(x, res, norm.weight, norm.eps)
+    ref_out, ref_res = norm(x, res)
+    assert torch.equal(new_res, ref_res)  # the add is rounded once, as torch's add: bit-equal in any dtype
+    _check(out, ref_out, exact_in_bf16=False)
+
+
+def test_fused_add_leaves_inputs_alone_and_handles_3d():
+    x, res = torch.randn(2, 3, 40).bfloat16(), torch.randn(2, 3, 40).bfloat16()
+    x0, res0 = x.clone(), res.clone()
+    norm = _norm(40, torch.bfloat16, seed=1)
+    out, new_res = ops.fused_add_rms_norm(x, res, norm.weight, norm.eps)
+    assert torch.equal(x, x0) and torch.equal(res, res0)
+    assert out.shape == new_res.shape == (2, 3, 40) and torch.equal(new_res, x + res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,inter", [(1, 48), (37, 200), (3, 1500)])
+def test_silu_and_mul(dtype, T, inter):
+    gate_up = (2 * torch.randn(T, 2 * inter, generator=torch.Generator().manual_seed(inter))).to(dtype)
+    gate, up = gate_up.chunk(2, dim=-1)
+    _check(ops.silu_and_mul(gate_up), F.silu(gate) * up, exact_in_bf16=False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,Hq,Hk,D,rd,qk_norm", [
+    (1, 4, 2, 16, 16, False), (37, 4, 2, 16, 16, False), (37, 4, 2, 32, 32, True),   # plain; Qwen3 qk-norm
+    (5, 6, 2, 24, 24, True),                                                          # head_dim not a power of 2
+    (3, 2, 1, 40, 12, False), (4, 4, 4, 32, 16, True),                                # partial rotary
+])
+def test_qk_norm_rotary_in_place_on_qkv_views(dtype, T, Hq, Hk, D, rd, qk_norm):
+    g = torch.Generator().manual_seed(T + D + rd)
+    qkv = (2 * torch.randn(T, (Hq + 2 * Hk) * D, generator=g)).to(dtype)
+    positions = torch.randint(0, 4000, (T,), generator=g)
+    rope = RotaryEmbedding(D, {"rope_type": "default", "rope_theta": 1e6}, partial_rotary_factor=rd / D)
+    cos, sin = rope(positions, dtype)
+    assert cos.shape == (T, 1, rd)
+    q, k, v = qkv.split([Hq * D, Hk * D, Hk * D], dim=-1)
+    q, k = q.view(T, Hq, D), k.view(T, Hk, D)
+    q_norm, k_norm = (_norm(D, dtype, seed=2), _norm(D, dtype, seed=3)) if qk_norm else (None, None)
+    ref_q, ref_k = (q_norm(q), k_norm(k)) if qk_norm else (q, k)
+    ref_q, ref_k = apply_rotary(ref_q, cos, sin), apply_rotary(ref_k, cos, sin)
+    v_before = v.clone()
+    weights = (q_norm.weight, k_norm.weight, q_norm.eps) if qk_norm else ()
+    out_q, out_k = ops.qk_norm_rotary_(q, k, cos, sin, *weights)
+    assert out_q.data_ptr() == qkv.data_ptr() and out_k.data_ptr() == k.data_ptr()  # in place, same views
+    assert torch.equal(v, v_before)
+    _check(out_q, ref_q, exact_in_bf16=not qk_norm, bf16_atol=2 ** -6)
+    _check(out_k, ref_k, exact_in_bf16=not qk_norm, bf16_atol=2 ** -6)
+
+
+def test_qk_norm_rotary_rejects_odd_rotary_dim():
+    q, k = torch.randn(2, 2, 16), torch.randn(2, 1, 16)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        ops.qk_norm_rotary_(q, k, torch.randn(2, 1, 7), torch.randn(2, 1, 7))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_whole_model_fused_equals_torch(tiny_model_dir, arch, monkeypatch):
+    """A tiny model's prompt logits with every fused op forced on (interpreted) equal the torch path's."""
+    from pagedserve.core.plan import SchedulerOutput
+    from paged_harness import HandDriver, make_runner
+
+    prompts = [[5, 17, 33, 101, 7], [9], list(range(3, 30))]
+
+    def logits():
+        driver = HandDriver(make_runner(tiny_model_dir(arch), block_size=4), seed=0)
+        seqs = [driver.add(p) for p in prompts]
+        return driver.runner.execute(SchedulerOutput(scheduled=[driver.schedule(s) for s in seqs]))
+
+    expected = logits()
+    monkeypatch.setenv("PAGEDSERVE_FUSED", "force")
+    fused.reset()
+    try:
+        assert fused.fused_ops(torch.device("cpu")) is ops
+        actual = logits()
+    finally:
+        monkeypatch.delenv("PAGEDSERVE_FUSED")
+        fused.reset()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5)
