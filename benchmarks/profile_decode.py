@@ -1,0 +1,172 @@
+"""Which CUDA kernels one decode step runs, and for how long, with the fused layer ops on and off.
+
+Builds an LLMEngine (eager: enforce_eager=True, so every kernel shows in the profiler) with
+--num-seqs running sequences, steps until all of them are decodes, then for each mode
+(PAGEDSERVE_FUSED=1: Triton fused norms / rotary / silu-mul; =0: plain torch) warms up, times
+--steps steps with the wall clock, and records --steps more under torch.profiler. Per mode the
+result holds kernels per step, kernel time per step (the sum of kernel durations: device busy
+time, host gaps excluded) and the top kernels by time. Needs CUDA.
+
+  python benchmarks/profile_decode.py                      # Qwen3-0.6B, dummy weights, 256 seqs
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import shlex
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from pagedserve.benchmark.hardware import write_result  # noqa: E402
+from pagedserve.engine.llm_engine import LLMEngine, make_engine_config  # noqa: E402
+from pagedserve.layers import fused  # noqa: E402
+from pagedserve.sampling_params import SamplingParams  # noqa: E402
+
+MODES = {"fused": "1", "torch": "0"}
+
+
+def _all_decoding(engine: LLMEngine, n: int) -> bool:
+    sched = engine.scheduler
+    if sched.waiting or sched.swapped or len(sched.running) != n:
+        return False
+    return all(s.num_computed_tokens == s.num_tokens - 1 and s.output_token_ids
+               for g in sched.running for s in g.seqs)
+
+
+def _fill(engine: LLMEngine, n: int, prompt_len: tuple[int, int]) -> int:
+    """Add n random-id requests and step until every one is a running decode; returns the steps taken."""
+    rng = random.Random(0)
+    max_len = engine.max_model_len
+    hi = min(prompt_len[1], max_len // 2)
+    lo = min(prompt_len[0], hi)
+    for i in range(n):
+        plen = rng.randint(lo, hi)
+        ids = [rng.randrange(min(engine.vocab_size, 10000)) for _ in range(plen)]
+        engine.add_request(str(i), {"prompt_token_ids": ids},
+                           SamplingParams(temperature=0.0, max_tokens=max_len - plen, ignore_eos=True))
+    steps = 0
+    while not _all_decoding(engine, n):
+        engine.step(final_only=True)
+        steps += 1
+        if steps > 10_000:
+            raise RuntimeError("the batch never became all decodes: raise the KV cache or lower --num-seqs")
+    return steps
+
+
+def _kernel_table(prof, steps: int, top: int) -> dict:
+    """Device activity from the profiler, per step: kernels apart from memcpy/memset."""
+    per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per_name[e.name][0] += 1
+            per_name[e.name][1] += e.time_range.elapsed_us()
+    kernels = {k: v for k, v in per_name.items() if not k.startswith(("Memcpy", "Memset"))}
+    copies = {k: v for k, v in per_name.items() if k not in kernels}
+    total_us = sum(t for _, t in kernels.values())
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
+    return {
+        "kernels_per_step": round(sum(c for c, _ in kernels.values()) / steps, 2),
+        "kernel_ms_per_step": round(total_us / steps / 1e3, 4),
+        "memcpy_memset_per_step": round(sum(c for c, _ in copies.values()) / steps, 2),
+        "memcpy_memset_ms_per_step": round(sum(t for _, t in copies.values()) / steps / 1e3, 4),
+        "distinct_kernels": len(kernels),
+        "top_kernels": [{"name": name[:200], "calls_per_step": round(c / steps, 2),
+                         "us_per_step": round(t / steps, 2), "us_per_call": round(t / c, 3),
+                         "share": round(t / total_us, 4)} for name, (c, t) in ranked],
+    }
+
+
+def _profile_mode(engine: LLMEngine, n: int, args) -> dict:
+    for _ in range(args.warmup):  # Triton compiles on the first fused step
+        engine.step(final_only=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        engine.step(final_only=True)
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / args.steps * 1e3
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            engine.step(final_only=True)
+        torch.cuda.synchronize()
+    if not _all_decoding(engine, n):
+        raise RuntimeError("a sequence stopped or was preempted while profiling: raise --max-model-len")
+    return {"eager_wall_ms_per_step": round(wall_ms, 4), **_kernel_table(prof, args.steps, args.top)}
+
+
+def _table(results: dict, command: str) -> str:
+    lines = ["# profile_decode", "", f"`{command}`", "",
+             "| mode | kernels/step | kernel ms/step | eager wall ms/step |", "|---|---|---|---|"]
+    for mode, r in results.items():
+        lines.append(f"| {mode} | {r['kernels_per_step']} | {r['kernel_ms_per_step']} | {r['eager_wall_ms_per_step']} |")
+    for mode, r in results.items():
+        lines += ["", f"## top kernels, {mode}", "", "| kernel | calls/step | us/step | share |", "|---|---|---|---|"]
+        lines += [f"| `{k['name'][:90]}` | {k['calls_per_step']} | {k['us_per_step']} | {k['share']} |"
+                  for k in r["top_kernels"]]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=str(ROOT / "benchmarks/models/qwen3-0.6b"))
+    ap.add_argument("--load-format", default="dummy")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--num-seqs", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps, then as many profiled, per mode")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--prompt-len", default="100,400", help="lo,hi: uniform prompt lengths")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--output", default=str(ROOT / "benchmarks/results/h200/profile_decode.json"))
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("profile_decode.py profiles CUDA kernels and needs a CUDA GPU; torch.cuda.is_available() "
+                         "is False here")
+
+    engine = LLMEngine(make_engine_config(
+        args.model, device="cuda", dtype=args.dtype, load_format=args.load_format, max_num_seqs=args.num_seqs,
+        skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=True))
+    n = args.num_seqs
+    ramp = _fill(engine, n, tuple(int(x) for x in args.prompt_len.split(",")))
+    saved = os.environ.get("PAGEDSERVE_FUSED")
+    results = {}
+    try:
+        for mode, flag in MODES.items():
+            os.environ["PAGEDSERVE_FUSED"] = flag
+            fused.reset()
+            active = fused.fused_ops(engine.device) is not None
+            if active != (mode == "fused"):
+                raise RuntimeError(f"PAGEDSERVE_FUSED={flag} did not select the {mode} path (Triton missing?)")
+            results[mode] = _profile_mode(engine, n, args)
+            print(f"{mode:6s} {results[mode]['kernels_per_step']:8.1f} kernels/step  "
+                  f"{results[mode]['kernel_ms_per_step']:8.3f} kernel ms/step  "
+                  f"{results[mode]['eager_wall_ms_per_step']:8.3f} eager wall ms/step")
+    finally:
+        if saved is None:
+            os.environ.pop("PAGEDSERVE_FUSED", None)
+        else:
+            os.environ["PAGEDSERVE_FUSED"] = saved
+        fused.reset()
+    f, t = results["fused"], results["torch"]
+    ratios = {"kernels_fused_over_torch": round(f["kernels_per_step"] / t["kernels_per_step"], 4),
+              "kernel_time_fused_over_torch": round(f["kernel_ms_per_step"] / t["kernel_ms_per_step"], 4)}
+    config = {"model": args.model, "load_format": args.load_format, "dtype": str(engine.dtype), "num_seqs": n,
+              "prompt_len": args.prompt_len, "max_model_len": engine.max_model_len, "enforce_eager": True,
+              "steps": args.steps, "warmup": args.warmup, "ramp_steps": ramp, "temperature": 0.0,
+              "note": "one engine; modes run one after the other, so contexts grow by a few tokens between them"}
+    command = "python benchmarks/profile_decode.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    write_result(args.output, "profile_decode", command, config, results, {}, ratios, _table(results, command))
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,98 @@
+"""The fused Triton layer ops on CUDA (skipped without a GPU), against the plain-torch path on
+the same device, at Qwen3-0.6B's shapes in bfloat16, plus CUDA-graph capture.
+
+Tolerances as in fused_interpret_cases.py: the residual add and rotary without q/k norm are
+bit-equal; norms and silu are within one bfloat16 ulp (the kernels' float32 reductions and
+exp are not torch's bit for bit) with >= 99% of elements bit-equal. Greedy tokens of tiny fp32
+models with fusion on equal HF's in tests/engine/test_cuda_engine.py (fusion is the CUDA default).
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+T_DECODE, HIDDEN, INTER, HQ, HK, D = 256, 1024, 3072, 16, 8, 128
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from pagedserve.layers import fused
+    fused.reset()
+    mod = fused.fused_ops(torch.device("cuda"))
+    if mod is None:
+        pytest.skip("fused ops disabled (PAGEDSERVE_FUSED=0) or Triton missing")
+    return mod
+
+
+def _close_bf16(actual, expected):
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=2 ** -7, atol=0)
+    assert (actual == expected).float().mean() >= 0.99
+
+
+def _norm(dim, seed):
+    from pagedserve.layers.norm import RMSNorm
+    norm = RMSNorm(dim, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(dim, generator=torch.Generator().manual_seed(seed)))
+    return norm.to("cuda", torch.bfloat16)
+
+
+@pytest.mark.parametrize("T", [1, 37, T_DECODE])
+def test_norms_and_silu_match_torch_bf16(ops, T):
+    g = torch.Generator(device="cuda").manual_seed(T)
+    x = (3 * torch.randn(T, HIDDEN, device="cuda", generator=g)).bfloat16()
+    res = torch.randn(T, HIDDEN, device="cuda", generator=g).bfloat16()
+    norm = _norm(HIDDEN, seed=T)
+    _close_bf16(ops.rms_norm(x, norm.weight, norm.eps), norm._norm(x))
+    out, new_res = ops.fused_add_rms_norm(x, res, norm.weight, norm.eps)
+    assert torch.equal(new_res, x + res)
+    _close_bf16(out, norm._norm(x + res))
+    gate_up = (2 * torch.randn(T, 2 * INTER, device="cuda", generator=g)).bfloat16()
+    gate, up = gate_up.chunk(2, dim=-1)
+    _close_bf16(ops.silu_and_mul(gate_up), F.silu(gate) * up)
+
+
+@pytest.mark.parametrize("qk_norm", [False, True])
+@pytest.mark.parametrize("rotary_dim", [D, D // 2])
+def test_qk_rotary_matches_torch_bf16(ops, qk_norm, rotary_dim):
+    from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
+    T = T_DECODE
+    g = torch.Generator(device="cuda").manual_seed(rotary_dim)
+    qkv = (2 * torch.randn(T, (HQ + 2 * HK) * D, device="cuda", generator=g)).bfloat16()
+    positions = torch.randint(0, 40000, (T,), device="cuda", generator=g)
+    rope = RotaryEmbedding(D, {"rope_type": "default", "rope_theta": 1e6}, rotary_dim / D).cuda()
+    cos, sin = rope(positions, torch.bfloat16)
+    q, k, v = qkv.split([HQ * D, HK * D, HK * D], dim=-1)
+    q, k = q.view(T, HQ, D), k.view(T, HK, D)
+    q_norm, k_norm = _norm(D, 1), _norm(D, 2)
+    ref_q, ref_k = (q_norm._norm(q), k_norm._norm(k)) if qk_norm else (q, k)
+    ref_q, ref_k = apply_rotary(ref_q, cos, sin), apply_rotary(ref_k, cos, sin)
+    weights = (q_norm.weight, k_norm.weight, q_norm.eps) if qk_norm else ()
+    out_q, out_k = ops.qk_norm_rotary_(q, k, cos, sin, *weights)
+    if qk_norm:
+        torch.testing.assert_close(out_q.float(), ref_q.float(), rtol=2 ** -7, atol=2 ** -6)
+        torch.testing.assert_close(out_k.float(), ref_k.float(), rtol=2 ** -7, atol=2 ** -6)
+        assert (out_q == ref_q).float().mean() >= 0.99 and (out_k == ref_k).float().mean() >= 0.99
+    else:
+        assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+
+
+def test_fused_ops_capture_in_a_cuda_graph(ops):
+    norm = _norm(HIDDEN, seed=0)
+    x = torch.randn(T_DECODE, HIDDEN, device="cuda").bfloat16()
+    res = torch.randn_like(x)
+    gate_up = torch.randn(T_DECODE, 2 * INTER, device="cuda").bfloat16()
+
+    def body():
+        a, r = ops.fused_add_rms_norm(x, res, norm.weight, norm.eps)
+        return a, r, ops.rms_norm(x, norm.weight, norm.eps), ops.silu_and_mul(gate_up)
+    eager = body()  # compiles the kernels outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = body()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    for c, e in zip(captured, body()):
+        assert torch.equal(c, e)
+    assert not all(torch.equal(c, e) for c, e in zip(captured, eager))
