@@ -55,10 +55,10 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, N, BLOCK: tl.cons
 
 @triton.jit
 def _norm_rope_head(ptr, w_ptr, cos_ptr, sin_ptr, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                    BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, HAS_NORM: tl.constexpr):
-    """One head vector in place: optional RMSNorm over HEAD_DIM, then NeoX rotary of the first
-    2*HALF features (the rest pass through). Rounds where the torch path rounds."""
-    REST: tl.constexpr = HEAD_DIM - 2 * HALF
+                    REST: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+                    HAS_NORM: tl.constexpr):
+    """One head vector in place: optional RMSNorm over HEAD_DIM = 2*HALF + REST, then NeoX rotary
+    of the first 2*HALF features (the REST pass through). Rounds where the torch path rounds."""
     i = tl.arange(0, BLOCK_HALF)
     m = i < HALF
     x1 = tl.load(ptr + i, mask=m, other=0.0).to(tl.float32)
@@ -91,7 +91,7 @@ def _norm_rope_head(ptr, w_ptr, cos_ptr, sin_ptr, eps, HEAD_DIM: tl.constexpr, H
 @triton.jit
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                          q_stride_t, q_stride_h, k_stride_t, k_stride_h, cos_stride, sin_stride,
-                         NUM_Q_HEADS, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                         NUM_Q_HEADS, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
                          BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, HAS_NORM: tl.constexpr):
     """Grid (tokens, q heads + k heads): one program per head vector of q or k."""
     t = tl.program_id(0).to(tl.int64)
@@ -100,10 +100,10 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
     sin = sin_ptr + t * sin_stride
     if h < NUM_Q_HEADS:
         _norm_rope_head(q_ptr + t * q_stride_t + h * q_stride_h, qw_ptr, cos, sin, eps,
-                        HEAD_DIM, HALF, BLOCK_HALF, BLOCK_REST, HAS_NORM)
+                        HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM)
     else:
         _norm_rope_head(k_ptr + t * k_stride_t + (h - NUM_Q_HEADS) * k_stride_h, kw_ptr, cos, sin, eps,
-                        HEAD_DIM, HALF, BLOCK_HALF, BLOCK_REST, HAS_NORM)
+                        HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -171,6 +171,6 @@ def qk_norm_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         _qk_norm_rope_kernel[(T, num_q + k.shape[1])](
             q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos2, sin2,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0), sin2.stride(0),
-            num_q, eps, HEAD_DIM=D, HALF=rd // 2, BLOCK_HALF=triton.next_power_of_2(max(rd // 2, 1)),
+            num_q, eps, HEAD_DIM=D, HALF=rd // 2, REST=D - rd, BLOCK_HALF=triton.next_power_of_2(max(rd // 2, 1)),
             BLOCK_REST=triton.next_power_of_2(max(D - rd, 1)), HAS_NORM=has_norm, num_warps=1)
     return q, k
