@@ -1,0 +1,23 @@
+"""layers/fused.py picks the Triton module on CUDA unless PAGEDSERVE_FUSED=0, plain torch on CPU."""
+import pytest
+import torch
+
+from pagedserve.layers import fused
+
+
+@pytest.fixture(autouse=True)
+def _fresh_choice():
+    fused.reset()
+    yield
+    fused.reset()
+
+
+def test_cuda_gets_triton_unless_switched_off(monkeypatch):
+    pytest.importorskip("triton")
+    monkeypatch.delenv("PAGEDSERVE_FUSED", raising=False)
+    assert fused.fused_ops(torch.device("cuda")).__name__ == "pagedserve.layers.triton_fused"
+    assert fused.fused_ops(torch.device("cpu")) is None
+    monkeypatch.setenv("PAGEDSERVE_FUSED", "0")
+    assert fused.fused_ops(torch.device("cuda")) is not None  # cached until reset()
+    fused.reset()
+    assert fused.fused_ops(torch.device("cuda")) is None
