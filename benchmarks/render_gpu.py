@@ -69,9 +69,12 @@ def serving_load(doc: dict, fig_dir: Path, _results: Path) -> list[str]:
         lines.append(f"| {a} | " + " | ".join(row) + " |")
     lines += ["", f"Sustained rate at the threshold ({thr:.4f} s/token, 2x paged's at {rates[0]:g} req/s):", "",
               "| allocator | sustained rate (req/s) | paged's advantage |", "|---|---|---|"]
+    note = {"lower": " (never crossed: at least this)", "upper": " (crossed at the lowest rate: at most this)"}
     for a, v in sustained.items():
-        note = {"lower": " (never crossed: at least this)", "upper": " (crossed at the lowest rate: at most this)"}
-        adv = "—" if a == "paged" else f"{sustained['paged'] / v:.2f}x"
+        if v is None:
+            lines.append(f"| {a} | below the lowest rate | |")
+            continue
+        adv = "—" if a == "paged" or not sustained.get("paged") else f"{sustained['paged'] / v:.2f}x"
         lines.append(f"| {a} | {v:.2f}{note.get(bound.get(a), '')} | {adv} |")
     lines += ["", "Ratios: " + ", ".join(f"{k} = {v}" for k, v in doc.get("ratios", {}).items())]
     return lines
