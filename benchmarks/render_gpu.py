@@ -14,11 +14,11 @@ import matplotlib.pyplot as plt
 
 from figure_plots import COLORS, LABELS, _save
 
-SECTIONS = ["serving_load", "block_size", "swap_vs_recompute", "kv_breakdown", "shared_prefix"]
+SECTIONS = ["serving_load", "block_size", "swap_vs_recompute", "kv_breakdown", "memory_gpu", "shared_prefix"]
 # The results file each section reads, and the h200_run.sh phase that writes it.
 SOURCE = {"serving_load": ("serving_load", "paper"), "block_size": ("block_size", "paper2"),
           "swap_vs_recompute": ("swap_vs_recompute", "paper2"), "kv_breakdown": ("serving_load", "paper"),
-          "shared_prefix": ("shared_prefix", "paper2")}
+          "shared_prefix": ("shared_prefix", "paper2"), "memory_gpu": ("memory_breakdown", "memory")}
 
 
 def _load(path: Path) -> dict | None:
@@ -148,6 +148,27 @@ def kv_breakdown(doc: dict, fig_dir: Path, _results: Path) -> list[str]:
     return lines
 
 
+def memory_gpu(doc: dict, fig_dir: Path, results: Path) -> list[str]:
+    """Figure 2 on the GPU engine with the sim's requests and settings (memory_breakdown.json), beside
+    the sim over the same steps and the sim's whole run (results/sim/memory_breakdown.json)."""
+    cfg, res = doc["config"], doc["results"]
+    full = (_load(results / "sim" / "memory_breakdown.json") or {}).get("results", {})
+    keys = ("token_states", "reserved", "internal_fragmentation", "external_fragmentation")
+    pct = lambda fr: " / ".join(f"{100 * fr[k]:.1f}" for k in keys)  # noqa: E731
+    lines = _header(doc) + [
+        f"{cfg['num_requests']} requests of each workload queued at t=0, {cfg['num_gpu_blocks']} blocks of "
+        f"{cfg['block_size']}, preemption by recompute, prefix caching off, {cfg['model']} shape; the first "
+        f"{cfg['steps']} engine steps. Shares in % (token states / reserved / internal / external):", "",
+        "| workload | allocator | GPU engine | sim, same steps | largest difference at any step | sim, whole run |",
+        "|---|---|---|---|---|---|"]
+    for w, by in res.items():
+        for a, r in by.items():
+            whole = full.get(w, {}).get(a, {}).get("breakdown")
+            lines.append(f"| {w} | {a} | {pct(r['breakdown_gpu_engine'])} | {pct(r['breakdown_sim'])} | "
+                         f"{r['max_abs_step_difference']} | {pct(whole) if whole else '-'} |")
+    return lines
+
+
 def shared_prefix(doc: dict, fig_dir: Path, _results: Path) -> list[str]:
     """The seed's scenario (issue 6): the same users with prefix caching off, then on."""
     cfg, res = doc["config"], doc["results"]
@@ -166,7 +187,7 @@ def shared_prefix(doc: dict, fig_dir: Path, _results: Path) -> list[str]:
 
 
 RENDER = {"serving_load": serving_load, "block_size": block_size, "swap_vs_recompute": swap_vs_recompute,
-          "kv_breakdown": kv_breakdown, "shared_prefix": shared_prefix}
+          "kv_breakdown": kv_breakdown, "memory_gpu": memory_gpu, "shared_prefix": shared_prefix}
 
 
 
