@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every H200 figure in benchmarks/results/h200/. Run from the repo root on the GPU machine:
-#   PAGEDSERVE_COMMIT=<sha> bash benchmarks/h200_run.sh throughput|paper|paper2|session
-# paper = serving_load, paper2 = block_size + swap_vs_recompute + shared_prefix; session = GPU
-# tests, paper2, paper, throughput one after another (about 25 min): start it detached
+#   PAGEDSERVE_COMMIT=<sha> bash benchmarks/h200_run.sh throughput|paper|paper2|memory|session
+# paper = serving_load, paper2 = block_size + swap_vs_recompute + shared_prefix, memory = Figure 2
+# on the GPU engine beside the sim; session = GPU tests, paper2, paper, memory, throughput one
+# after another (about 20 min): start it detached
 # (`setsid nohup ... &`) and collect over several device calls, since one call lasts 10 min.
 # Each step logs and carries on, so one failure does not lose the other figures; logs/progress.log
 # says when each step started and ended, and logs/DONE appears at the end.
@@ -19,6 +20,7 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to logs/NAME.lo
 gpu_tests() { step gpu_tests 240 python3 -m pytest -q tests/engine/test_cuda_engine.py tests/runner/test_cuda_runner.py; }
 paper() { step paper_gpu 1200 python3 benchmarks/paper_gpu.py --sections serving_load; }
 paper2() { step paper_gpu2 900 python3 benchmarks/paper_gpu.py --sections block_size,shared_prefix --bs-requests 100; }
+memory() { step paper_gpu_memory 300 python3 benchmarks/paper_gpu.py --sections memory; }
 throughput() {
   step nanovllm 240 python3 benchmarks/run_throughput.py --workload nanovllm --hf-requests 128 --hf-max-new-tokens 128
   step host_overhead 120 python3 benchmarks/host_overhead.py --model benchmarks/models/qwen3-0.6b --max-model-len 4096 \
@@ -30,7 +32,8 @@ case ${1:-throughput} in
                 --output $R/paged_decode.json; throughput ;;
   paper) paper ;;
   paper2) paper2 ;;
-  session) gpu_tests; paper2; paper; throughput ;;
+  memory) memory ;;
+  session) gpu_tests; paper2; paper; memory; throughput ;;
 esac
 touch logs/DONE
 for f in logs/*.log; do echo "== $f"; tail -n 3 "$f"; done

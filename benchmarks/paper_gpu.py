@@ -6,7 +6,9 @@ Sections (each writes its own results file, and a failing one does not stop the 
   block_size         Figure 18b: end-to-end throughput per block size, and (swap_vs_recompute.json)
                      Figure 19a: the cost of preemption by swap and by recompute, per block size.
   shared_prefix      The seed's scenario: 100 users, one 5,000-token system prompt.
-Figure 2 is confirmed on the GPU engine inside serving_load (memory_breakdown_gpu_engine).
+  memory             Figure 2 on the GPU engine: the sim's requests and settings, the engine's
+                     KVCacheStats step by step beside the sim's (memory_breakdown.json).
+Figure 2 is also measured on the GPU engine during serving_load (memory_breakdown_gpu_engine).
 
 --model/--bs-model/--sp-model take a config name under benchmarks/models or a model directory,
 and --device cpu runs the same code on a tiny model: tests/benchmark/test_paper_gpu_smoke.py
@@ -31,6 +33,7 @@ from pagedserve.benchmark.replay import replay  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.core.scheduler import Scheduler  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
+from pagedserve.sim import KV_BUDGET_TOKENS, simulate  # noqa: E402
 from pagedserve.workloads import WORKLOADS, make_workload  # noqa: E402
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -303,7 +306,55 @@ def shared_prefix(args, save) -> dict:
                        "ttft_speedup_cached": round(u["mean_ttft_s"] / c["mean_ttft_s"], 2)}}
 
 
-SECTIONS = {"serving_load": serving_load, "block_size": block_size_sweep, "shared_prefix": shared_prefix}
+def memory(args, save) -> dict:
+    """Figure 2 on the GPU engine, on exactly the sim's requests and settings: both workloads, every
+    allocator, all --mem-requests requests queued at t=0, the sim's KV budget, preemption by
+    recompute, prefix caching off. Nothing the scheduler sees differs from the sim (outputs end
+    at their workload lengths; token values do not matter to it), so its decisions, and so the
+    memory split, must be the sim's step for step; the JSON gives both, over the first
+    --mem-steps steps, and the largest difference of any share at any step."""
+    block_size, steps = 16, args.mem_steps
+    num_blocks = KV_BUDGET_TOKENS // block_size
+    eng = make_engine(args.model, num_gpu_blocks_override=num_blocks, max_model_len=2048, block_size=block_size,
+                      enable_prefix_caching=False, preemption_mode="recompute", max_num_seqs=256,
+                      max_num_batched_tokens=8192)
+    rows = {}
+    for w in ("sharegpt-like", "alpaca-like"):
+        reqs = workload(eng, w, args.mem_requests)
+        for alloc in ALLOCATORS:
+            use_scheduler(eng, kv_allocator=alloc)
+            ids = [f"{w}/{alloc}/{i}" for i in range(len(reqs))]
+            for rid, r in zip(ids, reqs):
+                eng.add_request(rid, {"prompt_token_ids": r.prompt_token_ids},  # full lengths, as in the sim
+                                SamplingParams(temperature=0.6, max_tokens=r.output_len, ignore_eos=True))
+            gpu = []
+            t0 = time.perf_counter()
+            while eng.has_unfinished_requests() and len(gpu) < steps:
+                eng.step(final_only=True)
+                gpu.append(eng.scheduler.get_memory_breakdown().fractions())
+            seconds = time.perf_counter() - t0
+            eng.abort_request(ids)
+            sim = []
+            simulate(workload=w, allocator=alloc, block_size=block_size, num_blocks=num_blocks,
+                     num_requests=args.mem_requests, max_model_len=2048, preemption_mode="recompute",
+                     enable_prefix_caching=False, max_steps=steps,
+                     on_step=lambda _s, sch: sim.append(sch.get_memory_breakdown().fractions()))
+            diff = max((abs(g[k] - s_[k]) for g, s_ in zip(gpu, sim) for k in g), default=None)
+            mean = lambda xs: {k: round(sum(x[k] for x in xs) / len(xs), 4) for k in xs[0]}  # noqa: E731
+            rows.setdefault(w, {})[alloc] = {
+                "steps_gpu": len(gpu), "steps_sim": len(sim), "gpu_seconds": round(seconds, 2),
+                "breakdown_gpu_engine": mean(gpu), "breakdown_sim": mean(sim), "max_abs_step_difference": diff}
+            print("memory", w, alloc, json.dumps(rows[w][alloc]), flush=True)
+    diffs = [r["max_abs_step_difference"] for by in rows.values() for r in by.values()]
+    config = {"model": args.model, "num_requests": args.mem_requests, "steps": steps, "block_size": block_size,
+              "num_gpu_blocks": num_blocks, "arrivals": "all at t=0", "preemption_mode": "recompute",
+              "enable_prefix_caching": False}
+    ratios = {"max_abs_step_difference_gpu_vs_sim": None if None in diffs else max(diffs)}
+    ratios.update({f"{w}.{a}.token_states_gpu": r["breakdown_gpu_engine"]["token_states"]
+                   for w, by in rows.items() for a, r in by.items()})
+    return {"memory_breakdown": {"config": config, "results": rows, "ratios": ratios}}
+
+SECTIONS = {"memory": memory, "serving_load": serving_load, "block_size": block_size_sweep, "shared_prefix": shared_prefix}
 
 
 def main(argv=None) -> None:
@@ -327,6 +378,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sp-model", default="llama-3.1-8b")
     ap.add_argument("--sp-users", type=int, default=None)
     ap.add_argument("--sp-rate", type=float, default=20.0)
+    ap.add_argument("--mem-requests", type=int, default=1000)
+    ap.add_argument("--mem-steps", type=int, default=400)
     args = ap.parse_args(argv)
     ARGS.device, ARGS.dtype, ARGS.max_output = args.device, args.dtype, args.max_output
     command = "python benchmarks/paper_gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -45,8 +45,9 @@ def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_si
              request_rate: float | None = None, max_num_seqs: int = 256, max_model_len: int | None = None,
              seed: int = 0, max_num_batched_tokens: int = 8192, preemption_mode: str = "auto",
              enable_prefix_caching: bool = True, time_model: StepTimeModel | None = None,
-             on_step: Callable[[int, Scheduler], None] | None = None) -> dict:
-    """Run the workload to completion and return the summary dict (see run_sim_cli).
+             on_step: Callable[[int, Scheduler], None] | None = None, max_steps: int | None = None) -> dict:
+    """Run the workload to completion (or for max_steps steps) and return the summary dict (see
+    run_sim_cli).
 
     on_step(step, scheduler), if given, sees the scheduler after every step (for snapshots);
     it must not change it.
@@ -82,7 +83,7 @@ def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_si
     bd_sum = {"token_states": 0.0, "reserved": 0.0, "internal_fragmentation": 0.0, "external_fragmentation": 0.0}
     ignored: list[str] = []
 
-    while next_arrival < len(pending) or scheduler.has_unfinished_seqs():
+    while (next_arrival < len(pending) or scheduler.has_unfinished_seqs()) and steps != max_steps:
         while next_arrival < len(pending) and pending[next_arrival][0] <= now:
             t, i, r = pending[next_arrival]
             next_arrival += 1

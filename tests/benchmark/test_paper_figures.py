@@ -13,7 +13,7 @@ FIGURES = ["memory_breakdown", "paging_picture", "block_size", "serving_load", "
 def test_all_figure_commands_write_pngs_and_json(tmp_path, tiny_model_dir):
     res, fig, doc = tmp_path / "results", tmp_path / "figures", tmp_path / "paper-results.md"
     # The shape benchmarks/paper_gpu.py writes for serving_load; the other GPU files are absent.
-    curves = {a: [{"rate": r, "normalized_latency_s_per_token": lat} for r, lat in pts]
+    curves = {a: [{"rate": r, "normalized_latency_s_per_token": lat, "avg_batched_requests": 2 * r} for r, lat in pts]
               for a, pts in {"paged": [(4, 0.02), (8, 0.03)], "contiguous-max": [(4, 0.05), (8, 0.4)]}.items()}
     (res / "h200").mkdir(parents=True)
     (res / "h200" / "serving_load.json").write_text(json.dumps(
@@ -21,8 +21,8 @@ def test_all_figure_commands_write_pngs_and_json(tmp_path, tiny_model_dir):
          "config": {"model": "opt-13b", "latency_threshold_s_per_token": 0.04},
          "results": {"curves": curves, "sustained_rate": {"paged": 8.0, "contiguous-max": None}},
          "ratios": {}}))
-    doc.write_text("# x\n<!-- gpu:serving_load -->\nold\n<!-- /gpu:serving_load -->\n"
-                   "<!-- gpu:block_size -->\nold\n<!-- /gpu:block_size -->\n")
+    doc.write_text("# x\n<!-- gpu:serving_load -->\nSTALE-BODY\n<!-- /gpu:serving_load -->\n"
+                   "<!-- gpu:block_size -->\nSTALE-BODY\n<!-- /gpu:block_size -->\n")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "paper_figures.py"), "all", "--num-requests", "12",
          "--rates", "1,4", "--block-sizes", "16,64", "--sharing-requests", "1", "--sharing-widths", "2",
@@ -43,5 +43,5 @@ def test_all_figure_commands_write_pngs_and_json(tmp_path, tiny_model_dir):
         for alloc, r in mem[workload].items():
             assert abs(sum(r["breakdown"].values()) - 1) < 1e-9, (workload, alloc)
     text = doc.read_text()
-    assert "old" not in text and "figures/h200_serving_load.png" in text and "| paged | 8.00 |" in text
+    assert "STALE-BODY" not in text and "figures/h200_serving_load.png" in text and "| paged | 8.00 |" in text
     assert "Not measured yet" in text  # block_size.json is absent

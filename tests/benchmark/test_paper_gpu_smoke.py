@@ -18,9 +18,20 @@ def test_every_section_runs_and_writes_consistent_json(tmp_path, tiny_model_dir)
            "--min-requests", "3",
            "--bs-model", str(model), "--block-sizes", "8,16", "--bs-requests", "4", "--bs-max-model-len", "512",
            "--svr-tokens", "100",
-           "--sp-model", str(model), "--sp-users", "3", "--sp-rate", "50"]
+           "--sp-model", str(model), "--sp-users", "3", "--sp-rate", "50",
+           "--mem-requests", "8", "--mem-steps", "12"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+    mem = json.loads((out / "memory_breakdown.json").read_text())
+    for w in ("sharegpt-like", "alpaca-like"):
+        for alloc, r in mem["results"][w].items():
+            # The engine, given the sim's requests and settings, makes the sim's decisions step by
+            # step, so every share of the memory split is the same number at every step.
+            assert r["steps_gpu"] == r["steps_sim"] == 12, (w, alloc)
+            assert r["max_abs_step_difference"] == 0.0, (w, alloc)
+            assert r["breakdown_gpu_engine"] == r["breakdown_sim"], (w, alloc)
+    assert mem["results"]["sharegpt-like"]["contiguous-max"]["breakdown_sim"]["internal_fragmentation"] > 0.2
 
     load = json.loads((out / "serving_load.json").read_text())
     assert load["command"].startswith("python benchmarks/paper_gpu.py --device cpu")

@@ -1,0 +1,36 @@
+"""`pagedserve bench throughput` on CPU with a tiny model: the timed runs do the workload's
+whole work, and the warm-up leaves none of the timed prompts in the prefix cache."""
+import json
+import subprocess
+import sys
+
+from pagedserve.benchmark.throughput import warm_up_requests
+from pagedserve.workloads import make_workload
+
+
+def test_warm_up_has_the_shapes_but_not_the_prompts():
+    reqs = make_workload("nanovllm", 8)
+    warm = warm_up_requests(reqs, max_tokens=16)
+    assert [len(w.prompt_token_ids) for w in warm] == [len(r.prompt_token_ids) for r in reqs]
+    assert [w.output_len for w in warm] == [min(r.output_len, 16) for r in reqs]
+    assert all(w.prompt_token_ids[0] != r.prompt_token_ids[0] for w, r in zip(warm, reqs))
+
+
+def test_bench_throughput_counts_the_whole_workload(tmp_path, tiny_model_dir):
+    model = tiny_model_dir("llama", vocab_size=10240, max_position_embeddings=4096)
+    out = tmp_path / "ours.json"
+    proc = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "throughput",
+                           "--workload", "nanovllm", "--model", str(model), "--num-requests", "3",
+                           "--device", "cpu", "--dtype", "float32", "--block-size", "16", "--output", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(out.read_text())["results"]
+    reqs = make_workload("nanovllm", 3)
+    assert res["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in reqs)
+    assert res["output_tokens"] == sum(r.output_len for r in reqs)
+    first, second = res["runs"]
+    # The warm-up's prompts differ from the timed ones: the first timed run computes every prefill.
+    assert first["prefix_cache_hit_tokens"] == 0
+    # The repeat finds its full prompt blocks cached, all but a last token that must be computed
+    # for its logits (vLLM's bar was measured the same way, prefix caching on).
+    assert second["prefix_cache_hit_tokens"] == sum((len(r.prompt_token_ids) - 1) // 16 * 16 for r in reqs)
