@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Every H200 figure in benchmarks/results/h200/. Run from the repo root on the GPU machine:
-#   PAGEDSERVE_COMMIT=<sha> bash benchmarks/h200_run.sh throughput|paper|paper2|memory|session
+#   PAGEDSERVE_COMMIT=<sha> bash benchmarks/h200_run.sh throughput|paper|paper2|memory|perf|session
+# perf = GPU tests, decode profile and host overhead with the fused layer ops on and off, nanovllm.
 # paper = serving_load, paper2 = block_size + swap_vs_recompute + shared_prefix, memory = Figure 2
 # on the GPU engine beside the sim; session = GPU tests, paper2, paper, memory, throughput one
 # after another (about 20 min): start it detached
@@ -27,12 +28,28 @@ throughput() {
     --steps 50 --output $R/host_overhead.json
   step fixed256 240 python3 benchmarks/run_throughput.py --workload fixed256 --hf-requests 128 --hf-max-new-tokens 64
 }
+perf() {
+  step gpu_tests 240 python3 -m pytest -q tests/layers/test_fused_gpu.py tests/engine/test_cuda_engine.py \
+    tests/runner/test_cuda_runner.py
+  # Fused ops broken on this GPU: measure the rest without them, and say so in the log.
+  grep -q " failed" logs/gpu_tests.log && export PAGEDSERVE_FUSED=0 && echo "PAGEDSERVE_FUSED=0" >> logs/progress.log
+  step profile_decode 180 python3 benchmarks/profile_decode.py
+  step host_overhead 120 python3 benchmarks/host_overhead.py --model benchmarks/models/qwen3-0.6b --max-model-len 4096 \
+    --steps 50 --output $R/host_overhead.json
+  PAGEDSERVE_FUSED=0 step host_overhead_unfused 120 python3 benchmarks/host_overhead.py \
+    --model benchmarks/models/qwen3-0.6b --max-model-len 4096 --steps 50 --output $R/host_overhead_unfused.json
+  step nanovllm 240 python3 benchmarks/run_throughput.py --workload nanovllm --hf-requests 128 --hf-max-new-tokens 128 \
+    --hf-modes generate
+  step fixed256 240 python3 benchmarks/run_throughput.py --workload fixed256 --hf-requests 128 --hf-max-new-tokens 64 \
+    --hf-modes generate
+}
 case ${1:-throughput} in
   throughput) gpu_tests; step paged_decode 120 python3 benchmarks/bench_paged_decode.py --skip sweep \
                 --output $R/paged_decode.json; throughput ;;
   paper) paper ;;
   paper2) paper2 ;;
   memory) memory ;;
+  perf) perf ;;
   session) gpu_tests; paper2; paper; memory; throughput ;;
 esac
 touch logs/DONE
