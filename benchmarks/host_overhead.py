@@ -79,12 +79,40 @@ def _stub_forward(engine: LLMEngine) -> None:
     model.forward = forward
 
 
-def _all_decoding(engine: LLMEngine, n: int) -> bool:
+def all_decoding(engine: LLMEngine, n: int) -> bool:
     sched = engine.scheduler
     if sched.waiting or sched.swapped or len(sched.running) != n:
         return False
     return all(s.num_computed_tokens == s.num_tokens - 1 and s.output_token_ids
                for g in sched.running for s in g.seqs)
+
+
+def prompt_bounds(prompt_len: tuple[int, int], max_len: int) -> tuple[int, int]:
+    hi = min(prompt_len[1], max_len // 2)
+    return min(prompt_len[0], hi), hi
+
+
+def fill_decode_batch(engine: LLMEngine, n: int, prompt_len: tuple[int, int], temperature: float,
+                      final_only: bool = True) -> int:
+    """Add n requests of random ids (prompt lengths uniform in prompt_len, capped at half the
+    context) that decode to the end of the context, and step until every one of them is a
+    running decode; returns the steps taken. Shared with profile_decode.py."""
+    max_len = engine.max_model_len
+    lo, hi = prompt_bounds(prompt_len, max_len)
+    rng = random.Random(0)
+    lens = [rng.randint(lo, hi) for _ in range(n)]
+    vocab = min(engine.vocab_size, 10000)
+    for i, plen in enumerate(lens):
+        ids = [rng.randrange(vocab) for _ in range(plen)]
+        params = SamplingParams(temperature=temperature, max_tokens=max_len - plen, ignore_eos=True)
+        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
+    steps = 0
+    while not all_decoding(engine, n):
+        engine.step(final_only=final_only)
+        steps += 1
+        if steps > 10_000:
+            raise RuntimeError("the batch never became all decodes: raise the KV cache or lower --num-seqs")
+    return steps
 
 
 def _ms(xs: list[float]) -> float:
@@ -140,26 +168,13 @@ def main() -> None:
         _stub_forward(engine)
 
     n, max_len = args.num_seqs, engine.max_model_len
-    lo, hi = (int(x) for x in args.prompt_len.split(","))
-    hi = min(hi, max_len // 2)
-    lo = min(lo, hi)
     final_only = not args.cumulative  # LLM.generate steps with final_only=True
-    rng = random.Random(0)
-    lens = [rng.randint(lo, hi) for _ in range(n)]
-    vocab = min(engine.vocab_size, 10000)
-    for i, plen in enumerate(lens):
-        ids = [rng.randrange(vocab) for _ in range(plen)]
-        params = SamplingParams(temperature=BENCH_TEMPERATURE, max_tokens=max_len - plen, ignore_eos=True)
-        engine.add_request(str(i), {"prompt_token_ids": ids}, params)
-    ramp = 0
-    while not _all_decoding(engine, n):
-        engine.step(final_only=final_only)
-        ramp += 1
-        if ramp > 10_000:
-            raise RuntimeError("the batch never became all decodes: raise the KV cache or lower --num-seqs")
+    prompt_len = tuple(int(x) for x in args.prompt_len.split(","))
+    lo, hi = prompt_bounds(prompt_len, max_len)
+    ramp = fill_decode_batch(engine, n, prompt_len, BENCH_TEMPERATURE, final_only)
     for _ in range(args.warmup):
         engine.step(final_only=final_only)
-    if not _all_decoding(engine, n):
+    if not all_decoding(engine, n):
         raise RuntimeError("a sequence stopped during warm-up: lower --steps or raise --max-model-len")
 
     prepare_calls = _hook_prepare(engine)

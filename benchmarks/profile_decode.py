@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import random
 import shlex
 import sys
 import time
@@ -28,37 +27,10 @@ import torch  # noqa: E402
 from pagedserve.benchmark.hardware import write_result  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine, make_engine_config  # noqa: E402
 from pagedserve.layers import fused  # noqa: E402
-from pagedserve.sampling_params import SamplingParams  # noqa: E402
+
+from host_overhead import all_decoding, fill_decode_batch  # noqa: E402  (benchmarks/, this script's folder)
 
 MODES = {"fused": "1", "torch": "0"}
-
-
-def _all_decoding(engine: LLMEngine, n: int) -> bool:
-    sched = engine.scheduler
-    if sched.waiting or sched.swapped or len(sched.running) != n:
-        return False
-    return all(s.num_computed_tokens == s.num_tokens - 1 and s.output_token_ids
-               for g in sched.running for s in g.seqs)
-
-
-def _fill(engine: LLMEngine, n: int, prompt_len: tuple[int, int]) -> int:
-    """Add n random-id requests and step until every one is a running decode; returns the steps taken."""
-    rng = random.Random(0)
-    max_len = engine.max_model_len
-    hi = min(prompt_len[1], max_len // 2)
-    lo = min(prompt_len[0], hi)
-    for i in range(n):
-        plen = rng.randint(lo, hi)
-        ids = [rng.randrange(min(engine.vocab_size, 10000)) for _ in range(plen)]
-        engine.add_request(str(i), {"prompt_token_ids": ids},
-                           SamplingParams(temperature=0.0, max_tokens=max_len - plen, ignore_eos=True))
-    steps = 0
-    while not _all_decoding(engine, n):
-        engine.step(final_only=True)
-        steps += 1
-        if steps > 10_000:
-            raise RuntimeError("the batch never became all decodes: raise the KV cache or lower --num-seqs")
-    return steps
 
 
 def _kernel_table(prof, steps: int, top: int) -> dict:
@@ -98,7 +70,7 @@ def _profile_mode(engine: LLMEngine, n: int, args) -> dict:
         for _ in range(args.steps):
             engine.step(final_only=True)
         torch.cuda.synchronize()
-    if not _all_decoding(engine, n):
+    if not all_decoding(engine, n):
         raise RuntimeError("a sequence stopped or was preempted while profiling: raise --max-model-len")
     return {"eager_wall_ms_per_step": round(wall_ms, 4), **_kernel_table(prof, args.steps, args.top)}
 
@@ -136,7 +108,7 @@ def main() -> None:
         args.model, device="cuda", dtype=args.dtype, load_format=args.load_format, max_num_seqs=args.num_seqs,
         skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=True))
     n = args.num_seqs
-    ramp = _fill(engine, n, tuple(int(x) for x in args.prompt_len.split(",")))
+    ramp = fill_decode_batch(engine, n, tuple(int(x) for x in args.prompt_len.split(",")), temperature=0.0)
     saved = os.environ.get("PAGEDSERVE_FUSED")
     results = {}
     try:
