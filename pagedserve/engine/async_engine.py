@@ -98,7 +98,8 @@ class AsyncLLMEngine:
     def _refresh_snapshot(self) -> None:
         """Called on the engine thread only."""
         try:
-            stats = self.engine.get_kv_cache_stats()
+            # O(1): the snapshot needs no live-token count, which walks every block table.
+            stats = self.engine.get_kv_cache_stats(token_counts=False)
             sched = self.engine.scheduler
             self.metrics.snapshot = EngineSnapshot(
                 num_running=sched.num_running, num_waiting=sched.num_waiting,

@@ -244,8 +244,9 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
-    def get_kv_cache_stats(self):
-        return self.scheduler.get_kv_cache_stats()
+    def get_kv_cache_stats(self, token_counts: bool = True):
+        """KVCacheStats; token_counts=False is the O(1) read (num_live_tokens left None)."""
+        return self.scheduler.get_kv_cache_stats(token_counts)
 
     def _make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
