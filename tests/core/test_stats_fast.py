@@ -3,7 +3,6 @@ equals the full stats in every field it fills, under preemption (recompute and s
 import dataclasses
 
 import pytest
-
 from core_helpers import Driver, make_group, make_scheduler
 
 
@@ -30,4 +29,4 @@ def test_fast_stats_equal_full_stats_step_by_step(mode, cpu_blocks):
     final = s.get_kv_cache_stats()
     assert final.num_preemptions > 0 and final.prefix_cache_hits > 0 and live_seen
     with pytest.raises(ValueError, match="token_counts"):
-        s.get_kv_cache_stats(token_counts=False).utilization
+        _ = s.get_kv_cache_stats(token_counts=False).utilization

@@ -1,7 +1,13 @@
-"""step(final_only=True): one output per request, when it finishes, equal to the per-step stream's last."""
-from pagedserve import SamplingParams
+"""Output shapes: step(final_only=True), and SamplingParams.output_kind (CUMULATIVE, DELTA,
+FINAL_ONLY) — DELTA outputs joined back together equal the CUMULATIVE ones exactly."""
+import dataclasses
+import random
 
-from .helpers import assert_no_leak, hf_greedy, make_llm, prompt_ids
+import pytest
+
+from pagedserve import RequestOutputKind, SamplingParams
+
+from .helpers import assert_no_leak, hf_greedy, make_llm, prompt_ids, tokenizer
 
 N = 12
 
@@ -38,15 +44,6 @@ def test_final_only_outputs_once_and_equals_the_stream(tiny_model_dir):
 
 # ---- SamplingParams.output_kind: CUMULATIVE (default), DELTA, FINAL_ONLY -----------------------
 
-import dataclasses  # noqa: E402
-import random  # noqa: E402
-
-import pytest  # noqa: E402
-
-from pagedserve import RequestOutputKind  # noqa: E402
-
-from .helpers import tokenizer  # noqa: E402
-
 M = 16
 
 
@@ -67,7 +64,8 @@ def _joined(deltas):
     joined: dict[int, dict] = {}
     for out in deltas:
         for c in out.outputs:
-            j = joined.setdefault(c.index, dict(token_ids=[], text="", logprobs=[], finishes=0, last=None))
+            j = joined.setdefault(c.index, {"token_ids": [], "text": "", "logprobs": [], "finishes": 0,
+                                            "last": None})
             assert j["finishes"] == 0, "nothing may follow a sequence's finish_reason"
             j["token_ids"] += c.token_ids
             j["text"] += c.text
@@ -152,7 +150,7 @@ def test_delta_joins_to_cumulative_step_by_step(kinds_setup):
 
 
 def test_delta_with_n_and_include_stop_str(kinds_setup):
-    model_dir, llm, prompts, params = kinds_setup
+    _, llm, prompts, params = kinds_setup
     engine = llm.llm_engine
     sampled = [dataclasses.replace(p, n=3, best_of=None, temperature=1.0, seed=11 + i,
                                    include_stop_str_in_output=i % 2 == 1)
@@ -169,7 +167,7 @@ def test_delta_with_n_and_include_stop_str(kinds_setup):
 
 
 def test_final_only_kind_reports_once_equal_to_cumulative(kinds_setup):
-    model_dir, llm, prompts, params = kinds_setup
+    _, llm, prompts, params = kinds_setup
     engine = llm.llm_engine
     cum = _kind_run(engine, prompts, params, RequestOutputKind.CUMULATIVE)
     final = _kind_run(engine, prompts, params, RequestOutputKind.FINAL_ONLY)

@@ -25,7 +25,7 @@ def _join_completion_stream(chunks):
         if chunk.usage is not None:
             usage = chunk.usage
         for c in chunk.choices:
-            j = joined.setdefault(c.index, dict(text="", tokens=[], token_logprobs=[], finish=[]))
+            j = joined.setdefault(c.index, {"text": "", "tokens": [], "token_logprobs": [], "finish": []})
             assert not j["finish"], "a choice streamed on after its finish_reason"
             j["text"] += c.text
             if c.logprobs is not None:
@@ -82,7 +82,7 @@ def test_chat_stream_joins_to_the_response(client, server):
     for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
         usage = chunk.usage or usage
         for c in chunk.choices:
-            j = joined.setdefault(c.index, dict(text="", logprobs=[], finish=[]))
+            j = joined.setdefault(c.index, {"text": "", "logprobs": [], "finish": []})
             assert not j["finish"]
             j["text"] += c.delta.content or ""
             if c.logprobs is not None:
