@@ -12,6 +12,7 @@ _LAZY = {
     "LLMEngine": "pagedserve.engine.llm_engine",
     "SamplingParams": "pagedserve.sampling_params",
     "BeamSearchParams": "pagedserve.sampling_params",
+    "RequestOutputKind": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "BeamSearchOutput": "pagedserve.outputs",

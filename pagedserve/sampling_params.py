@@ -1,10 +1,24 @@
 """SamplingParams: how one request is decoded. Field names follow vLLM so users can switch."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 _MAX_N = 128
 _MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.Enum):
+    """What each RequestOutput of a request carries (vLLM's names).
+
+    CUMULATIVE: everything generated so far, every step the request advanced.
+    DELTA: only what is new since that request's previous output (token_ids, text, logprobs);
+        cumulative_logprob, finish_reason and stop_reason stay whole-request values.
+    FINAL_ONLY: one output, when the request finishes (the same as CUMULATIVE's last).
+    """
+    CUMULATIVE = "cumulative"
+    DELTA = "delta"
+    FINAL_ONLY = "final_only"
 
 
 @dataclass
@@ -28,8 +42,16 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                names = ", ".join(k.value for k in RequestOutputKind)
+                raise ValueError(f"output_kind must be a RequestOutputKind or one of {names}, "
+                                 f"got {self.output_kind!r}") from None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -76,6 +98,9 @@ class SamplingParams:
             raise ValueError("stop must not contain empty strings")
         if self.best_of > 1 and self.temperature == 0.0 and self.n > 1:
             raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical")
+        if self.output_kind is RequestOutputKind.DELTA and self.best_of != self.n:
+            raise ValueError(f"best_of must equal n ({self.n}) with output_kind=delta: which "
+                             f"sequences are the best can change until the end, got {self.best_of}")
 
     @property
     def greedy(self) -> bool:

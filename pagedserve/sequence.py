@@ -43,6 +43,12 @@ class Sequence:
     # Detokenizer state lives here so a fork carries it along.
     output_text: str = ""
     detok_state: object = None
+    # How much of this stream DELTA outputs have sent: output tokens (and their logprobs),
+    # characters of output_text, and whether the finish_reason went out. A fork starts at zero:
+    # it is a new stream to the client.
+    sent_tokens: int = 0
+    sent_text_len: int = 0
+    sent_finish: bool = False
 
     @property
     def token_ids(self) -> list[int]:
@@ -72,7 +78,8 @@ class Sequence:
             self.output_logprobs.append(top)
 
     def fork(self) -> "Sequence":
-        """A child with the same tokens and a new id; the KV manager shares the blocks."""
+        """A child with the same tokens and a new id; the KV manager shares the blocks.
+        Nothing of it has been sent yet (sent_* start at zero)."""
         return Sequence(
             prompt_token_ids=self.prompt_token_ids,
             output_token_ids=list(self.output_token_ids),

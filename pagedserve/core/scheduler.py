@@ -369,7 +369,9 @@ class Scheduler:
     def get_memory_breakdown(self) -> MemoryBreakdown:
         return self.kv_cache_manager.memory_breakdown(self.waiting[0] if self.waiting else None)
 
-    def get_kv_cache_stats(self) -> KVCacheStats:
+    def get_kv_cache_stats(self, token_counts: bool = True) -> KVCacheStats:
+        """The device KV cache now. token_counts=False leaves num_live_tokens None and skips
+        the walk over every block table it needs, so the rest costs O(1) (a per-step snapshot)."""
         mgr = self.kv_cache_manager
         free = mgr.get_num_free_blocks()
         return KVCacheStats(
@@ -379,7 +381,7 @@ class Scheduler:
             num_blocks_cached=mgr.num_cached_free_blocks(),
             num_blocks_used=mgr.num_gpu_blocks - free,
             peak_blocks_used=mgr.peak_blocks_used,
-            num_live_tokens=mgr.memory_breakdown().token_states,
+            num_live_tokens=mgr.memory_breakdown().token_states if token_counts else None,
             num_allocated_slots=mgr.num_allocated_slots(),
             num_swapped_blocks=mgr.num_swapped_blocks(),
             prefix_cache_queries=mgr.prefix_cache_queries,

@@ -15,6 +15,8 @@ class KVCacheStats:
     num_blocks_used + num_blocks_free == num_blocks_total; num_blocks_cached counts the
     free blocks that still hold reusable prefix content (a subset of num_blocks_free).
     prefix_cache_* are in tokens: queries = prompt tokens looked up, hits = tokens reused.
+    num_live_tokens is None when the stats were taken with token_counts=False (counting live
+    tokens walks every block table; every other field is O(1) to read).
     """
     block_size: int
     num_blocks_total: int
@@ -22,7 +24,7 @@ class KVCacheStats:
     num_blocks_cached: int
     num_blocks_used: int
     peak_blocks_used: int
-    num_live_tokens: int          # physical slots holding computed KV (shared slots once)
+    num_live_tokens: int | None   # physical slots holding computed KV (shared slots once)
     num_allocated_slots: int      # slots owned by some request (contiguous: whole reservations)
     num_swapped_blocks: int
     prefix_cache_queries: int
@@ -41,6 +43,8 @@ class KVCacheStats:
     @property
     def utilization(self) -> float:
         """Share of allocated slots that hold live token states."""
+        if self.num_live_tokens is None:
+            raise ValueError("utilization needs num_live_tokens: take the stats with token_counts=True")
         return self.num_live_tokens / self.num_allocated_slots if self.num_allocated_slots else 0.0
 
 

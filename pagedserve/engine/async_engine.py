@@ -5,7 +5,8 @@ scheduler). Every call into it — add_request, step, abort, tokenization — ru
 dedicated worker thread, in submission order, so the engine is never entered twice at
 once and the model forward never blocks the event loop. An asyncio task drives the loop:
 while the engine has work, it runs step() on the worker and hands each RequestOutput to
-the asyncio.Queue of its request.
+the asyncio.Queue of its request, in the shape its SamplingParams.output_kind asks for
+(the server streams DELTA outputs and answers non-streaming requests from FINAL_ONLY ones).
 
 Invariant: a request whose stream is closed before it finished (client disconnect,
 cancellation) is aborted, so its KV blocks go back to the pool.
@@ -21,7 +22,7 @@ from typing import Any, AsyncIterator, Callable
 
 from pagedserve.metrics import EngineSnapshot, ServerMetrics
 from pagedserve.outputs import RequestOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +40,9 @@ class _RequestState:
     num_generated: int = 0
     finished: bool = False
     extra: dict = field(default_factory=dict)
+    kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # DELTA: tokens delivered so far per output index (the outputs only carry what is new).
+    delta_lengths: dict[int, int] = field(default_factory=dict)
 
 
 class AsyncLLMEngine:
@@ -98,7 +102,8 @@ class AsyncLLMEngine:
     def _refresh_snapshot(self) -> None:
         """Called on the engine thread only."""
         try:
-            stats = self.engine.get_kv_cache_stats()
+            # O(1): the snapshot needs no live-token count, which walks every block table.
+            stats = self.engine.get_kv_cache_stats(token_counts=False)
             sched = self.engine.scheduler
             self.metrics.snapshot = EngineSnapshot(
                 num_running=sched.num_running, num_waiting=sched.num_waiting,
@@ -112,8 +117,8 @@ class AsyncLLMEngine:
         if not self.engine.has_unfinished_requests():
             return None
         try:
-            # Each RequestOutput holds fresh lists (the output processor copies them every
-            # step), so the event loop may read them while the next step runs.
+            # Each RequestOutput holds fresh lists (cumulative outputs are copies, DELTA ones
+            # new slices), so the event loop may read them while the next step runs.
             outs = self.engine.step()
         finally:
             self._refresh_snapshot()
@@ -156,21 +161,41 @@ class AsyncLLMEngine:
         if st is None or st.finished:
             return
         m = self.metrics
-        generated = sum(len(c.token_ids) for c in out.outputs)
+        if st.kind is RequestOutputKind.DELTA:
+            lengths = st.delta_lengths
+            generated = st.num_generated
+            for c in out.outputs:
+                if c.token_ids:
+                    lengths[c.index] = lengths.get(c.index, 0) + len(c.token_ids)
+                    generated += len(c.token_ids)
+        else:
+            generated = sum(len(c.token_ids) for c in out.outputs)
+        # A FINAL_ONLY request shows up only when it ends: its first-token time is the engine's.
+        engine_clock = st.kind is RequestOutputKind.FINAL_ONLY and out.metrics is not None \
+            and "first_token_time" in out.metrics
         if generated > st.num_generated:
             if st.first_token_time is None:
                 st.first_token_time = now
                 st.num_prompt_tokens = len(out.prompt_token_ids)
                 m.prompt_tokens.inc(st.num_prompt_tokens)
-                m.time_to_first_token.observe(now - st.arrival)
+                ttft = now - st.arrival
+                if engine_clock:
+                    ttft = out.metrics["first_token_time"] - out.metrics["arrival_time"]
+                m.time_to_first_token.observe(ttft)
             m.generation_tokens.inc(generated - st.num_generated)
             st.num_generated = generated
         if out.finished:
             st.finished = True
             m.e2e_request_latency.observe(now - st.arrival)
-            longest = max((len(c.token_ids) for c in out.outputs), default=0)
+            if st.kind is RequestOutputKind.DELTA:
+                longest = max(st.delta_lengths.values(), default=0)
+            else:
+                longest = max((len(c.token_ids) for c in out.outputs), default=0)
             if st.first_token_time is not None and longest > 1:
-                m.time_per_output_token.observe((now - st.first_token_time) / (longest - 1))
+                decode = now - st.first_token_time
+                if engine_clock:
+                    decode = out.metrics.get("finished_time", now) - out.metrics["first_token_time"]
+                m.time_per_output_token.observe(decode / (longest - 1))
         st.queue.put_nowait(out)
 
     def _fail_all(self, error: BaseException) -> None:
@@ -194,7 +219,8 @@ class AsyncLLMEngine:
         self._ensure_loop()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        st = _RequestState(queue=asyncio.Queue(), arrival=time.monotonic())
+        st = _RequestState(queue=asyncio.Queue(), arrival=time.monotonic(),
+                           kind=getattr(sampling_params, "output_kind", RequestOutputKind.CUMULATIVE))
         self._requests[request_id] = st
         try:
             await self.run(self._add_sync, request_id, prompt, sampling_params, time.time())
@@ -208,7 +234,8 @@ class AsyncLLMEngine:
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
-        """add_request, then yield cumulative RequestOutputs until the request finishes."""
+        """add_request, then yield RequestOutputs (shaped by sampling_params.output_kind)
+        until the request finishes."""
         stream = await self.add_request(request_id, prompt, sampling_params)
         try:
             async for out in stream:

@@ -20,10 +20,13 @@ from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.layers.sampler import Sampler, SampleRow, derive_seed, needs_only_temperature
 from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
 from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
-from pagedserve.sampling_params import BeamSearchParams, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedserve.runner.executor import build_executor
 from pagedserve.runner.model_runner import resolve_device
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
 def _load_tokenizer(path: str) -> Any:
@@ -244,8 +247,9 @@ class LLMEngine:
     def get_num_unfinished_requests(self) -> int:
         return len(self._groups)
 
-    def get_kv_cache_stats(self):
-        return self.scheduler.get_kv_cache_stats()
+    def get_kv_cache_stats(self, token_counts: bool = True):
+        """KVCacheStats; token_counts=False is the O(1) read (num_live_tokens left None)."""
+        return self.scheduler.get_kv_cache_stats(token_counts)
 
     def _make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
@@ -255,8 +259,10 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
-        """Run one scheduler step; returns outputs of requests that advanced or finished
-        (only the finished ones with final_only, which saves copying for offline use)."""
+        """Run one scheduler step; returns outputs of requests that advanced or finished, each
+        in its SamplingParams.output_kind shape. final_only=True treats every request as
+        FINAL_ONLY (only finished ones report, which saves copying for offline use); a DELTA
+        request then reports everything not yet sent."""
         timer = self.step_timer
         if timer is not None:
             timer.begin()
@@ -282,9 +288,10 @@ class LLMEngine:
                     if group.first_token_time is None:
                         group.first_token_time = now
                         group.metrics["first_token_time"] = now
-                    # final_only reports finished groups only, and every group that finishes
-                    # here is still in running, so free_finished_seq_groups() hands it back below.
-                    if not final_only:
+                    # final_only (for the whole step, or FINAL_ONLY for this request) reports
+                    # finished groups only, and every group that finishes here is still in
+                    # running, so free_finished_seq_groups() hands it back below.
+                    if not final_only and group.sampling_params.output_kind is not FINAL_ONLY:
                         touched[id(group)] = group
                 self._process_samples(logits, sampled)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from pagedserve.engine.detokenizer import detokenize_incrementally, initial_state
 from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -116,28 +117,64 @@ class OutputProcessor:
         return new_text
 
     def make_output(self, group: SequenceGroup) -> RequestOutput:
-        """Cumulative output of a request; while running, text that may still turn out to be
-        the start of a stop string is held back so a stream never has to take text back."""
+        """The request's output in its sampling_params.output_kind shape.
+
+        While running, text that may still turn out to be the start of a stop string is held
+        back, so a sequence's visible text only ever grows and a stream never takes text back.
+        CUMULATIVE and FINAL_ONLY (asked for only once finished) copy everything generated;
+        DELTA slices from each sequence's sent_* offsets and advances them: O(new) per step.
+        """
         p = group.sampling_params
-        seqs = group.seqs
-        if p.best_of > p.n:
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:p.n]
         hold = 0
         if p.stop and not p.include_stop_str_in_output:
             hold = max(len(s) for s in p.stop) - 1
-        outs = []
-        for i, seq in enumerate(seqs):
-            text = seq.output_text
-            if hold and not seq.status.finished:
-                text = text[:max(len(text) - hold, 0)]
-            outs.append(CompletionOutput(
-                index=i, text=text, token_ids=list(seq.output_token_ids),
-                cumulative_logprob=seq.cumulative_logprob,
-                logprobs=list(seq.output_logprobs) if p.logprobs is not None else None,
-                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
+        if p.output_kind is RequestOutputKind.DELTA:
+            outs = self._delta_outputs(group, hold)
+        else:
+            outs = self._cumulative_outputs(group, hold)
         finished = group.finished
         if finished and "finished_time" not in group.metrics:
             group.metrics["finished_time"] = time.time()
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outs,
                              finished=finished, metrics=dict(group.metrics))
+
+    @staticmethod
+    def _visible_len(seq: Sequence, hold: int) -> int:
+        n = len(seq.output_text)
+        return n if not hold or seq.status.finished else max(n - hold, 0)
+
+    def _cumulative_outputs(self, group: SequenceGroup, hold: int) -> list[CompletionOutput]:
+        p = group.sampling_params
+        seqs = group.seqs
+        if p.best_of > p.n:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:p.n]
+        return [CompletionOutput(
+                    index=i, text=seq.output_text[:self._visible_len(seq, hold)],
+                    token_ids=list(seq.output_token_ids), cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.output_logprobs) if p.logprobs is not None else None,
+                    finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason)
+                for i, seq in enumerate(seqs)]
+
+    def _delta_outputs(self, group: SequenceGroup, hold: int) -> list[CompletionOutput]:
+        """One CompletionOutput per sequence with something unsent (tokens, text, or its
+        finish_reason), carrying only that; index is the sequence's place in the group
+        (stable: DELTA requires best_of == n, so no re-ranking)."""
+        keep_logprobs = group.sampling_params.logprobs is not None
+        outs = []
+        for i, seq in enumerate(group.seqs):
+            ids = seq.output_token_ids
+            t0, c0 = seq.sent_tokens, seq.sent_text_len
+            end = self._visible_len(seq, hold)
+            finished = seq.status.finished
+            if len(ids) == t0 and end <= c0 and (seq.sent_finish or not finished):
+                continue
+            outs.append(CompletionOutput(
+                index=i, text=seq.output_text[c0:end] if end > c0 else "", token_ids=ids[t0:],
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.output_logprobs[t0:] if keep_logprobs else None,
+                finish_reason=seq.status.finish_reason, stop_reason=seq.stop_reason))
+            seq.sent_tokens = len(ids)
+            seq.sent_text_len = max(c0, end)
+            seq.sent_finish = finished
+        return outs

@@ -18,8 +18,8 @@ from pagedserve.outputs import RequestOutput
 
 @dataclass
 class _ChoiceState:
+    """What has been streamed of one choice so far."""
     num_tokens: int = 0
-    text_len: int = 0
     finished: bool = False
 
 
@@ -119,22 +119,17 @@ class OpenAIServingChat(OpenAIServing):
             async for out in stream:
                 check_not_ignored(out, "messages")
                 choices = []
+                # DELTA outputs: each choice carries only its new tokens, text and logprobs.
                 for c in out.outputs:
                     st = states.setdefault(c.index, _ChoiceState())
-                    if st.finished:
-                        continue
-                    new_ids = c.token_ids[st.num_tokens:]
-                    delta = c.text[st.text_len:] if len(c.text) > st.text_len else ""
-                    if not (new_ids or delta or c.finish_reason):
+                    if st.finished or not (c.token_ids or c.text or c.finish_reason):
                         continue
                     lp = None
                     if req.logprobs:
-                        lp = self._logprobs(new_ids, (c.logprobs or [])[st.num_tokens:],
-                                            req.top_logprobs or 0)
-                    choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=delta),
+                        lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                    choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
                                                     logprobs=lp, finish_reason=c.finish_reason))
-                    st.num_tokens = len(c.token_ids)
-                    st.text_len = max(st.text_len, len(c.text))
+                    st.num_tokens += len(c.token_ids)
                     st.finished = c.finish_reason is not None
                 if choices:
                     yield sse(ChatCompletionChunk(id=request_id, model=model, choices=choices))

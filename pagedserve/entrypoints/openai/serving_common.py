@@ -9,7 +9,7 @@ from typing import Any, AsyncIterator
 from pagedserve.engine.async_engine import AsyncLLMEngine, RequestStream
 from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, SamplingFields,
                                                     TopLogprob, Usage)
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 MAX_CHOICES = 256  # prompts x n in one request; each one is a sequence in the batch
 
@@ -137,8 +137,10 @@ class OpenAIServing:
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                         best_of: int | None = None) -> SamplingParams:
+        """Streams take DELTA outputs (O(new) per step); a plain response needs only the end."""
+        kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         kw: dict[str, Any] = dict(
-            n=req.n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs,
+            output_kind=kind, n=req.n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, seed=req.seed, skip_special_tokens=req.skip_special_tokens,
             include_stop_str_in_output=req.include_stop_str_in_output)

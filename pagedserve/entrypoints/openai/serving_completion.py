@@ -25,7 +25,6 @@ class _Prompt:
 class _ChoiceState:
     """What has been streamed of one choice so far."""
     num_tokens: int = 0
-    text_len: int = 0
     text_offset: int = 0
     finished: bool = False
 
@@ -155,21 +154,16 @@ class OpenAIServingCompletion(OpenAIServing):
                         prefix = self._echo_text(prompts[i]) if req.echo else ""
                     else:
                         prefix = ""
-                    if st.finished:
-                        continue
-                    new_ids = c.token_ids[st.num_tokens:]
-                    delta = c.text[st.text_len:] if len(c.text) > st.text_len else ""
-                    if not (new_ids or delta or prefix or c.finish_reason):
+                    # DELTA outputs: each choice carries only its new tokens, text and logprobs.
+                    if st.finished or not (c.token_ids or c.text or prefix or c.finish_reason):
                         continue
                     lp = None
                     if req.logprobs is not None:
-                        new_lps = (c.logprobs or [])[st.num_tokens:]
-                        lp, st.text_offset = self._logprobs(new_ids, new_lps, req.logprobs,
+                        lp, st.text_offset = self._logprobs(c.token_ids, c.logprobs, req.logprobs,
                                                             st.text_offset + len(prefix))
-                    choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + delta,
+                    choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
                                                     logprobs=lp, finish_reason=c.finish_reason))
-                    st.num_tokens = len(c.token_ids)
-                    st.text_len = max(st.text_len, len(c.text))
+                    st.num_tokens += len(c.token_ids)
                     st.finished = c.finish_reason is not None
                 if choices:
                     yield sse(CompletionResponse(id=request_id, model=model, choices=choices))
