@@ -17,19 +17,11 @@ if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("run through test_triton_interpret.py (needs TRITON_INTERPRET=1 before importing triton)",
                 allow_module_level=True)
 
+from interpreter_fixes import apply as _fix_interpreter  # noqa: E402  (tests/, shared with the fused ops)
+
+_fix_interpreter()
+
 from triton.runtime import interpreter  # noqa: E402
-
-
-def _index_scalars_with_item(original):
-    """Triton 3.6's interpreter turns a scalar into a loop bound with int(ndarray of shape [1]),
-    which numpy >= 2.4 refuses; the same patch with .item() works with every numpy."""
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-    return patched
-
-
-interpreter._patch_lang_tensor = _index_scalars_with_item(interpreter._patch_lang_tensor)
 
 from pagedserve.attention import triton_ops as ops  # noqa: E402
 
