@@ -1,9 +1,11 @@
 """The fused Triton layer ops on CUDA (skipped without a GPU), against the plain-torch path on
 the same device, at Qwen3-0.6B's shapes in bfloat16, plus CUDA-graph capture.
 
-Tolerances as in fused_interpret_cases.py: the residual add and rotary without q/k norm are
-bit-equal; norms and silu are within one bfloat16 ulp (the kernels' float32 reductions and
-exp are not torch's bit for bit) with >= 99% of elements bit-equal. Greedy tokens of tiny fp32
+The residual add is bit-equal; norms, silu and rotary are within one bfloat16 ulp (the
+kernels' float32 reductions, rsqrt and exp are not torch's bit for bit, and the compiler may
+contract a multiply-add), with >= 99% of elements bit-equal except after Qwen3's q/k norm
+(see test_qk_rotary_matches_torch_bf16). Under the interpreter (fused_interpret_cases.py) they
+are bit-equal. Greedy tokens of tiny fp32
 models with fusion on equal HF's in tests/engine/test_cuda_engine.py (fusion is the CUDA default).
 """
 import pytest
