@@ -316,6 +316,7 @@ class MultiProcExecutor:
             try:
                 with self._lock:
                     dist.broadcast_object_list([Command(SHUTDOWN)], src=0, group=self.groups.control)
+                    dist.barrier(group=self.groups.control)  # every rank has it: see worker_loop
                 graceful = True
             except Exception as e:
                 logger.warning("tensor-parallel shutdown broadcast failed: %s", e)

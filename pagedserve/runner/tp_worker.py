@@ -105,6 +105,9 @@ def worker_loop(worker: Worker) -> None:
     while True:
         cmd = recv_command(groups)
         if cmd.method == SHUTDOWN:
+            # Rank 0 waits here too: no send is still in flight when either side tears its
+            # groups down (gloo can abort a process whose pair is destroyed mid-send).
+            dist.barrier(group=groups.control)
             return
         try:
             result = worker.dispatch(cmd)

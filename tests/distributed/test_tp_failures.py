@@ -77,7 +77,8 @@ def test_workers_exit_when_rank0_is_killed(tiny_model_dir):
 @pytest.mark.timeout(180)
 def test_hung_worker_is_reported_after_the_collective_timeout(tiny_model_dir, monkeypatch):
     monkeypatch.setenv(FAIL_ENV, "1:2:hang")  # rank 1 stops answering (alive, silent) on its second step
-    monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT", "3")
+    # Long enough that a start-up on two busy cores never trips it, short enough for a test.
+    monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT", "8")
     llm = LLM(str(tiny_model_dir("llama")), **KW)
     try:
         pid = llm.llm_engine.runner.worker_pids[1]
