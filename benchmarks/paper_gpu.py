@@ -61,9 +61,7 @@ ARGS = argparse.Namespace(device="cuda", dtype="bfloat16", max_output=None)
 def make_engine(model: str, **kw) -> LLMEngine:
     base = dict(model=str(model_dir(model)), load_format="dummy", skip_tokenizer_init=True, dtype=ARGS.dtype,
                 device=ARGS.device)
-    eng = LLMEngine(EngineConfig(**{**base, **kw}))
-    eng.vocab_size = json.loads((model_dir(model) / "config.json").read_text())["vocab_size"]
-    return eng
+    return LLMEngine(EngineConfig(**{**base, **kw}))
 
 
 def sync() -> None:
