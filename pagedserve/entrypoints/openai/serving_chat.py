@@ -1,7 +1,6 @@
 """POST /v1/chat/completions: messages -> the tokenizer's chat template -> one prompt."""
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from pagedserve.engine.async_engine import EngineDeadError, RequestStream
@@ -10,17 +9,10 @@ from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
                                                     ChatLogprobs, ChatResponseMessage,
                                                     ChatStreamChoice, DeltaMessage, TokenLogprob,
                                                     random_id)
-from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, OpenAIServing,
+from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, OpenAIServing, StreamedChoice,
                                                           check_not_ignored, error_event, finite_logprob, sse,
                                                           until_disconnected, usage)
 from pagedserve.outputs import RequestOutput
-
-
-@dataclass
-class _ChoiceState:
-    """What has been streamed of one choice so far."""
-    num_tokens: int = 0
-    finished: bool = False
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -110,7 +102,7 @@ class OpenAIServingChat(OpenAIServing):
                       stream: RequestStream) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model = self.served_model_name
-        states: dict[int, _ChoiceState] = {}
+        states: dict[int, StreamedChoice] = {}
         try:
             # The role comes first, on its own, as OpenAI sends it.
             yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
@@ -121,16 +113,13 @@ class OpenAIServingChat(OpenAIServing):
                 choices = []
                 # DELTA outputs: each choice carries only its new tokens, text and logprobs.
                 for c in out.outputs:
-                    st = states.setdefault(c.index, _ChoiceState())
-                    if st.finished or not (c.token_ids or c.text or c.finish_reason):
+                    if not states.setdefault(c.index, StreamedChoice()).take(c):
                         continue
                     lp = None
                     if req.logprobs:
                         lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
                     choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
                                                     logprobs=lp, finish_reason=c.finish_reason))
-                    st.num_tokens += len(c.token_ids)
-                    st.finished = c.finish_reason is not None
                 if choices:
                     yield sse(ChatCompletionChunk(id=request_id, model=model, choices=choices))
             if include_usage:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, RequestStream
@@ -55,6 +56,22 @@ def check_not_ignored(out: Any, prompt_param: str) -> None:
     if any(c.finish_reason == "ignored" for c in out.outputs):
         raise APIError(f"the {prompt_param} can never be scheduled: it does not fit in the KV cache",
                        param=prompt_param, code="kv_cache_capacity_exceeded")
+
+
+@dataclass
+class StreamedChoice:
+    """What has been streamed of one choice so far; the engine sends it DELTA outputs."""
+    num_tokens: int = 0
+    text_offset: int = 0     # completions' logprobs text_offset
+    finished: bool = False
+
+    def take(self, delta: Any, extra_text: str = "") -> bool:
+        """Whether this delta (a CompletionOutput) is worth a chunk; if so, counts it as sent."""
+        if self.finished or not (delta.token_ids or delta.text or extra_text or delta.finish_reason):
+            return False
+        self.num_tokens += len(delta.token_ids)
+        self.finished = delta.finish_reason is not None
+        return True
 
 
 def sse(obj: Any) -> str:

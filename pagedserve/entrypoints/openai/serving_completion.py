@@ -8,7 +8,7 @@ from pagedserve.engine.async_engine import EngineDeadError, RequestStream
 from pagedserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
                                                     CompletionRequest, CompletionResponse,
                                                     random_id)
-from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, OpenAIServing,
+from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, OpenAIServing, StreamedChoice,
                                                           check_not_ignored, error_event, finite_logprob,
                                                           merge_streams, sse, until_disconnected,
                                                           usage)
@@ -19,14 +19,6 @@ from pagedserve.outputs import RequestOutput
 class _Prompt:
     text: str | None       # as given, when given as text (echo returns it verbatim)
     token_ids: list[int]
-
-
-@dataclass
-class _ChoiceState:
-    """What has been streamed of one choice so far."""
-    num_tokens: int = 0
-    text_offset: int = 0
-    finished: bool = False
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -141,7 +133,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
                       streams: list[RequestStream]) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        states: dict[tuple[int, int], _ChoiceState] = {}
+        states: dict[tuple[int, int], StreamedChoice] = {}
         model = self.served_model_name
         try:
             async for i, out in merge_streams(streams):
@@ -150,12 +142,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 for c in out.outputs:
                     st = states.get((i, c.index))
                     if st is None:
-                        st = states[(i, c.index)] = _ChoiceState()
+                        st = states[(i, c.index)] = StreamedChoice()
                         prefix = self._echo_text(prompts[i]) if req.echo else ""
                     else:
                         prefix = ""
                     # DELTA outputs: each choice carries only its new tokens, text and logprobs.
-                    if st.finished or not (c.token_ids or c.text or prefix or c.finish_reason):
+                    if not st.take(c, prefix):
                         continue
                     lp = None
                     if req.logprobs is not None:
@@ -163,8 +155,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                                             st.text_offset + len(prefix))
                     choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
                                                     logprobs=lp, finish_reason=c.finish_reason))
-                    st.num_tokens += len(c.token_ids)
-                    st.finished = c.finish_reason is not None
                 if choices:
                     yield sse(CompletionResponse(id=request_id, model=model, choices=choices))
             if include_usage:
