@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from pagedserve.engine.core_client import EngineDeadError, MPCoreClient
+from pagedserve.engine.text_output import RequestText, core_params
 from pagedserve.metrics import ServerMetrics
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -55,6 +56,8 @@ class _RequestState:
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # DELTA: tokens delivered so far per output index (the outputs only carry what is new).
     delta_lengths: dict[int, int] = field(default_factory=dict)
+    # Text, stop strings, output shape; None when the server has no tokenizer (tokens only).
+    text: RequestText | None = None
 
 
 class AsyncLLMEngine:
@@ -133,8 +136,23 @@ class AsyncLLMEngine:
                 if out.failed:
                     self._fail(out.failed, EngineDeadError(out.step_error or "engine step failed"))
                 now = time.monotonic()
-                for o in out.outputs:
-                    self._deliver(o, now)
+                requests = self._requests
+                for core_out in out.outputs:
+                    st = requests.get(core_out.request_id)
+                    if st is None or st.finished:
+                        continue
+                    o = core_out
+                    if st.first_token_time is None and any(c.token_ids for c in core_out.outputs):
+                        # The core streams tokens as they come, whatever shape the caller takes.
+                        self._first_token(st, core_out, now, now - st.arrival)
+                    if st.text is not None:
+                        o = st.text.process(core_out)
+                        if st.text.finished and not core_out.finished:
+                            # Done here (stop strings) but not in the core: free its blocks.
+                            client.abort_requests([core_out.request_id])
+                        if o is None:
+                            continue
+                    self._deliver(st, o, now)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # an undecodable message: nothing more can be trusted
@@ -169,10 +187,13 @@ class AsyncLLMEngine:
                 st.finished = True
                 st.queue.put_nowait(error)
 
-    def _deliver(self, out: RequestOutput, now: float) -> None:
-        st = self._requests.get(out.request_id)
-        if st is None or st.finished:
-            return
+    def _first_token(self, st: _RequestState, out: RequestOutput, now: float, ttft: float) -> None:
+        st.first_token_time = now
+        st.num_prompt_tokens = len(out.prompt_token_ids)
+        self.metrics.prompt_tokens.inc(st.num_prompt_tokens)
+        self.metrics.time_to_first_token.observe(ttft)
+
+    def _deliver(self, st: _RequestState, out: RequestOutput, now: float) -> None:
         m = self.metrics
         if st.kind is RequestOutputKind.DELTA:
             lengths = st.delta_lengths
@@ -183,18 +204,16 @@ class AsyncLLMEngine:
                     generated += len(c.token_ids)
         else:
             generated = sum(len(c.token_ids) for c in out.outputs)
-        # A FINAL_ONLY request shows up only when it ends: its first-token time is the engine's.
+        # Without a tokenizer here, a FINAL_ONLY request crosses from the core only when it
+        # ends: its first-token time is the engine's.
         engine_clock = st.kind is RequestOutputKind.FINAL_ONLY and out.metrics is not None \
             and "first_token_time" in out.metrics
         if generated > st.num_generated:
             if st.first_token_time is None:
-                st.first_token_time = now
-                st.num_prompt_tokens = len(out.prompt_token_ids)
-                m.prompt_tokens.inc(st.num_prompt_tokens)
                 ttft = now - st.arrival
                 if engine_clock:
                     ttft = out.metrics["first_token_time"] - out.metrics["arrival_time"]
-                m.time_to_first_token.observe(ttft)
+                self._first_token(st, out, now, ttft)
             m.generation_tokens.inc(generated - st.num_generated)
             st.num_generated = generated
         if out.finished:
@@ -254,9 +273,13 @@ class AsyncLLMEngine:
         text, ids = await self._prompt_ids(prompt)
         st = _RequestState(queue=asyncio.Queue(), arrival=time.monotonic(),
                            kind=sampling_params.output_kind)
+        wire_params = sampling_params
+        if self.tokenizer is not None:  # the core then runs without detokenizing
+            st.text = RequestText(self.tokenizer, sampling_params, text, ids)
+            wire_params = core_params(sampling_params)
         self._requests[request_id] = st
         try:
-            await self.client.add_request_async(request_id, ids, sampling_params, time.time(), text)
+            await self.client.add_request_async(request_id, ids, wire_params, time.time(), text)
         except BaseException as e:
             self._requests.pop(request_id, None)
             if not isinstance(e, (ValueError, EngineDeadError)):

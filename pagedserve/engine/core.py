@@ -55,10 +55,11 @@ class StepFailed(RuntimeError):
 class EngineCore:
     """Owns one LLMEngine. Not thread-safe: one loop (or one in-process client) drives it."""
 
-    def __init__(self, config: EngineConfig, engine: Any | None = None) -> None:
+    def __init__(self, config: EngineConfig | None, engine: Any | None = None,
+                 detokenize: bool = True) -> None:
         if engine is None:
             from pagedserve.engine.llm_engine import LLMEngine
-            engine = LLMEngine(config)
+            engine = LLMEngine(config, detokenize=detokenize)
         self.engine = engine
         # Requests the engine holds (added, not yet finished or aborted): a failed step fails these.
         self._live: set[str] = set()
@@ -221,7 +222,8 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     out.connect(output_address)
     codec = Codec()
     try:
-        core = EngineCore(config)
+        # Text, stop strings and output shapes are the API server's (engine/text_output.py).
+        core = EngineCore(config, detokenize=False)
     except BaseException as e:
         logger.error("engine core failed to start: %s", traceback.format_exc())
         out.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))
