@@ -185,7 +185,12 @@ class EngineCore:
                     break
             out = StepOutputs()
             for frame in frames:
-                if not self.handle_inputs(decode(frame.buffer), out):
+                try:
+                    inputs = decode(frame.buffer)
+                except msgspec.MsgspecError:  # a client bug must not take every request down
+                    logger.exception("dropped an undecodable input message")
+                    continue
+                if not self.handle_inputs(inputs, out):
                     running = False
                     break
             if running and self.engine.has_unfinished_requests():
