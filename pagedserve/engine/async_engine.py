@@ -1,34 +1,47 @@
-"""AsyncLLMEngine: the engine loop behind the server, one async stream per request.
+"""AsyncLLMEngine: the server's engine object, one async stream per request, the core elsewhere.
 
-One LLMEngine serves every HTTP request (continuous batching happens inside its
-scheduler). Every call into it — add_request, step, abort, tokenization — runs on one
-dedicated worker thread, in submission order, so the engine is never entered twice at
-once and the model forward never blocks the event loop. An asyncio task drives the loop:
-while the engine has work, it runs step() on the worker and hands each RequestOutput to
-the asyncio.Queue of its request, in the shape its SamplingParams.output_kind asks for
-(the server streams DELTA outputs and answers non-streaming requests from FINAL_ONLY ones).
+The engine core (scheduler, KV manager, runner: pagedserve.engine.core) runs in its own process
+behind an MPCoreClient, so the model never competes with HTTP, JSON and SSE for this process's
+interpreter lock. Here: tokenization (on one worker thread), one output-dispatch task that reads
+each step's batched message and hands every RequestOutput to the asyncio.Queue of its request
+(in the shape its SamplingParams.output_kind asks for), the latency metrics, and a watcher that
+notices a dead core.
 
-Invariant: a request whose stream is closed before it finished (client disconnect,
-cancellation) is aborted, so its KV blocks go back to the pool.
+Invariants:
+- a request whose stream is closed before it finished (client disconnect, cancellation) is
+  aborted in the core, which frees its KV blocks before its next step;
+- once the core process is gone every request in flight fails with EngineDeadError (status
+  503), every new one is refused with the same error, and on_core_death is called once.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
-from pagedserve.metrics import EngineSnapshot, ServerMetrics
+from pagedserve.engine.core_client import EngineDeadError, MPCoreClient
+from pagedserve.engine.text_output import RequestText, core_params
+from pagedserve.metrics import ServerMetrics
 from pagedserve.outputs import RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
+__all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestStream", "load_tokenizer"]
+
 logger = logging.getLogger(__name__)
 
+CORE_POLL_S = 0.2
 
-class EngineDeadError(RuntimeError):
-    """step() raised: the requests in flight at that moment are failed with this error."""
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} (a local HF directory): {e}") from e
 
 
 @dataclass
@@ -43,123 +56,144 @@ class _RequestState:
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # DELTA: tokens delivered so far per output index (the outputs only carry what is new).
     delta_lengths: dict[int, int] = field(default_factory=dict)
+    # Text, stop strings, output shape; None when the server has no tokenizer (tokens only).
+    text: RequestText | None = None
 
 
 class AsyncLLMEngine:
-    """Serves many concurrent async generate() calls from one LLMEngine."""
+    """Serves many concurrent async generate() calls from one engine-core process."""
 
-    def __init__(self, engine: Any, metrics: ServerMetrics | None = None) -> None:
-        self.engine = engine
+    def __init__(self, client: MPCoreClient, tokenizer: Any | None,
+                 metrics: ServerMetrics | None = None,
+                 on_core_death: Callable[[EngineDeadError], None] | None = None) -> None:
+        self.client = client
+        self.tokenizer = tokenizer
         self.metrics = metrics or ServerMetrics()
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-engine")
+        self.on_core_death = on_core_death
+        ready = client.ready
+        self.max_model_len = ready.max_model_len
+        self.vocab_size = ready.vocab_size
+        self.eos_token_ids = set(ready.eos_token_ids)
+        self._kv_cache_shape = (ready.num_gpu_blocks, ready.block_size)
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
         self._requests: dict[str, _RequestState] = {}
-        self._wake: asyncio.Event | None = None
-        self._loop_task: asyncio.Task | None = None
-        self.errored: BaseException | None = None
-        self._refresh_snapshot()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread: int | None = None
+        self._tasks: list[asyncio.Task] = []
+        self.errored: EngineDeadError | None = None
 
     @classmethod
     def from_engine_config(cls, config: Any, metrics: ServerMetrics | None = None) -> "AsyncLLMEngine":
-        from pagedserve.engine.llm_engine import LLMEngine
-        return cls(LLMEngine(config), metrics)
+        """Load the tokenizer here, start the core process and wait until it is ready."""
+        tokenizer = None
+        if not config.skip_tokenizer_init:
+            tokenizer = load_tokenizer(config.tokenizer or config.model)
+        client = MPCoreClient(config)
+        logger.info("engine core ready (pid %d)", client.pid)
+        return cls(client, tokenizer, metrics)
 
     # ---- what the serving layer needs to know about the engine -------------------------------
 
     @property
-    def tokenizer(self):
-        return self.engine.tokenizer
-
-    @property
-    def max_model_len(self) -> int:
-        return int(self.engine.max_model_len)
-
-    @property
-    def vocab_size(self) -> int:
-        return int(self.engine.vocab_size)
-
-    @property
     def kv_cache_shape(self) -> tuple[int, int]:
         """(device blocks, block size): a request needing more than all of it can never run."""
-        cc = self.engine.cache_config
-        return int(cc.num_gpu_blocks), int(cc.block_size)
-
-    # ---- running things on the engine thread -------------------------------------------------
-
-    async def run(self, fn: Callable, *args, **kwargs):
-        """Run fn on the engine thread (after whatever is queued there) and await its result."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
-
-    def _ensure_loop(self) -> None:
-        if self._loop_task is None or self._loop_task.done():
-            self._wake = asyncio.Event()
-            self._loop_task = asyncio.get_running_loop().create_task(self._run_loop())
+        return self._kv_cache_shape
 
     @property
     def is_running(self) -> bool:
-        return self._loop_task is None or not self._loop_task.done()
+        return self.errored is None
 
-    def _refresh_snapshot(self) -> None:
-        """Called on the engine thread only."""
-        try:
-            # O(1): the snapshot needs no live-token count, which walks every block table.
-            stats = self.engine.get_kv_cache_stats(token_counts=False)
-            sched = self.engine.scheduler
-            self.metrics.snapshot = EngineSnapshot(
-                num_running=sched.num_running, num_waiting=sched.num_waiting,
-                num_swapped=sched.num_swapped, kv_cache_usage=stats.usage,
-                prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-                num_preemptions=stats.num_preemptions)
-        except Exception:  # metrics must never take the engine down
-            logger.exception("could not read engine statistics")
+    @property
+    def core_pid(self) -> int:
+        return self.client.pid
 
-    def _step_sync(self) -> list[RequestOutput] | None:
-        if not self.engine.has_unfinished_requests():
-            return None
-        try:
-            # Each RequestOutput holds fresh lists (cumulative outputs are copies, DELTA ones
-            # new slices), so the event loop may read them while the next step runs.
-            outs = self.engine.step()
-        finally:
-            self._refresh_snapshot()
-        return outs
+    async def run(self, fn: Callable, *args, **kwargs):
+        """Run fn (tokenization, chat templates) on the worker thread and await its result."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, lambda: fn(*args, **kwargs))
 
-    def _add_sync(self, request_id: str, prompt: Any, params: SamplingParams, arrival: float) -> None:
-        try:
-            self.engine.add_request(request_id, prompt, params, arrival_time=arrival)
-        finally:
-            self._refresh_snapshot()
+    async def get_kv_cache_stats(self, token_counts: bool = True) -> dict:
+        return await self.client.call_utility_async("get_kv_cache_stats", token_counts)
 
-    def _abort_sync(self, request_ids: list[str]) -> None:
-        try:
-            self.engine.abort_request(request_ids)
-        except Exception:
-            logger.exception("abort of %s failed", request_ids)
-        finally:
-            self._refresh_snapshot()
+    # ---- background tasks --------------------------------------------------------------------
 
-    async def _run_loop(self) -> None:
-        assert self._wake is not None
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while True:
-                try:
-                    outs = await self.run(self._step_sync)
-                except Exception as e:
-                    logger.exception("engine step failed; failing the requests in flight")
-                    self._fail_all(e)
-                    continue
-                if outs is None:
-                    break
-                now = time.monotonic()
-                for out in outs:
-                    self._deliver(out, now)
-
-    def _deliver(self, out: RequestOutput, now: float) -> None:
-        st = self._requests.get(out.request_id)
-        if st is None or st.finished:
+    def start(self) -> None:
+        """Start the output-dispatch and core-watch tasks on the running loop (idempotent)."""
+        if self._tasks or self.errored is not None:
             return
+        self._loop = asyncio.get_running_loop()
+        self._loop_thread = threading.get_ident()
+        self._tasks = [self._loop.create_task(self._dispatch_outputs()),
+                       self._loop.create_task(self._watch_core())]
+
+    async def _dispatch_outputs(self) -> None:
+        client = self.client
+        try:
+            while True:
+                out = await client.get_output_async()
+                if out.snapshot is not None:
+                    self.metrics.snapshot = out.snapshot
+                if out.failed:
+                    self._fail(out.failed, EngineDeadError(out.step_error or "engine step failed"))
+                now = time.monotonic()
+                requests = self._requests
+                for core_out in out.outputs:
+                    st = requests.get(core_out.request_id)
+                    if st is None or st.finished:
+                        continue
+                    o = core_out
+                    if st.first_token_time is None and any(c.token_ids for c in core_out.outputs):
+                        # The core streams tokens as they come, whatever shape the caller takes.
+                        self._first_token(st, core_out, now, now - st.arrival)
+                    if st.text is not None:
+                        o = st.text.process(core_out)
+                        if st.text.finished and not core_out.finished:
+                            # Done here (stop strings) but not in the core: free its blocks.
+                            client.abort_requests([core_out.request_id])
+                        if o is None:
+                            continue
+                    self._deliver(st, o, now)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # an undecodable message: nothing more can be trusted
+            logger.exception("engine-core output dispatch failed")
+            self._core_died(f"reading the engine core's outputs failed: {e!r}")
+
+    async def _watch_core(self) -> None:
+        while self.errored is None:
+            await asyncio.sleep(CORE_POLL_S)
+            reason = self.client.dead_reason()
+            if reason is not None:
+                self._core_died(reason)
+
+    def _core_died(self, reason: str) -> None:
+        if self.errored is not None:
+            return
+        err = EngineDeadError(f"engine core is dead: {reason}", status=503)
+        logger.error("%s; failing every request", err)
+        self.errored = err
+        self.client.fail(err)
+        self._fail(list(self._requests), err)
+        for t in self._tasks:
+            if t is not asyncio.current_task():
+                t.cancel()
+        if self.on_core_death is not None:
+            self.on_core_death(err)
+
+    def _fail(self, request_ids: list[str], error: EngineDeadError) -> None:
+        for rid in request_ids:
+            st = self._requests.get(rid)
+            if st is not None and not st.finished:
+                st.finished = True
+                st.queue.put_nowait(error)
+
+    def _first_token(self, st: _RequestState, out: RequestOutput, now: float, ttft: float) -> None:
+        st.first_token_time = now
+        st.num_prompt_tokens = len(out.prompt_token_ids)
+        self.metrics.prompt_tokens.inc(st.num_prompt_tokens)
+        self.metrics.time_to_first_token.observe(ttft)
+
+    def _deliver(self, st: _RequestState, out: RequestOutput, now: float) -> None:
         m = self.metrics
         if st.kind is RequestOutputKind.DELTA:
             lengths = st.delta_lengths
@@ -170,18 +204,16 @@ class AsyncLLMEngine:
                     generated += len(c.token_ids)
         else:
             generated = sum(len(c.token_ids) for c in out.outputs)
-        # A FINAL_ONLY request shows up only when it ends: its first-token time is the engine's.
+        # Without a tokenizer here, a FINAL_ONLY request crosses from the core only when it
+        # ends: its first-token time is the engine's.
         engine_clock = st.kind is RequestOutputKind.FINAL_ONLY and out.metrics is not None \
             and "first_token_time" in out.metrics
         if generated > st.num_generated:
             if st.first_token_time is None:
-                st.first_token_time = now
-                st.num_prompt_tokens = len(out.prompt_token_ids)
-                m.prompt_tokens.inc(st.num_prompt_tokens)
                 ttft = now - st.arrival
                 if engine_clock:
                     ttft = out.metrics["first_token_time"] - out.metrics["arrival_time"]
-                m.time_to_first_token.observe(ttft)
+                self._first_token(st, out, now, ttft)
             m.generation_tokens.inc(generated - st.num_generated)
             st.num_generated = generated
         if out.finished:
@@ -198,38 +230,61 @@ class AsyncLLMEngine:
                 m.time_per_output_token.observe(decode / (longest - 1))
         st.queue.put_nowait(out)
 
-    def _fail_all(self, error: BaseException) -> None:
-        ids = [rid for rid, st in self._requests.items() if not st.finished]
-        for rid in ids:
-            st = self._requests[rid]
-            st.finished = True
-            st.queue.put_nowait(EngineDeadError(f"engine step failed: {error!r}"))
-        if ids:
-            self._executor.submit(self._abort_sync, ids)
-
     # ---- the public API ----------------------------------------------------------------------
+
+    async def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
+        """Tokenize here (the core gets ids); the core checks lengths and the vocabulary."""
+        text = None
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            elif "prompt" in prompt:
+                return await self._prompt_ids(prompt["prompt"])
+            else:
+                raise ValueError("prompt dict must hold 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt must be token ids (prompt_token_ids) when skip_tokenizer_init=True")
+            tok = self.tokenizer
+            return prompt, list(await self.run(lambda: tok.encode(prompt)))
+        else:
+            ids = prompt
+        if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                                    for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        return text, list(ids)
 
     async def add_request(self, request_id: str, prompt: Any,
                           sampling_params: SamplingParams) -> "RequestStream":
         """Add a request to the engine; its outputs arrive on the returned stream.
 
-        Raises ValueError (from the engine) for bad input. Closing the stream before the
-        request finished aborts it.
+        Raises ValueError (from the core) for bad input, EngineDeadError once the core is gone.
+        Closing the stream before the request finished aborts it.
         """
-        self._ensure_loop()
+        if self.errored is not None:
+            raise self.errored
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        self.start()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        text, ids = await self._prompt_ids(prompt)
         st = _RequestState(queue=asyncio.Queue(), arrival=time.monotonic(),
-                           kind=getattr(sampling_params, "output_kind", RequestOutputKind.CUMULATIVE))
+                           kind=sampling_params.output_kind)
+        wire_params = sampling_params
+        if self.tokenizer is not None:  # the core then runs without detokenizing
+            st.text = RequestText(self.tokenizer, sampling_params, text, ids)
+            wire_params = core_params(sampling_params)
         self._requests[request_id] = st
         try:
-            await self.run(self._add_sync, request_id, prompt, sampling_params, time.time())
+            await self.client.add_request_async(request_id, ids, wire_params, time.time(), text)
         except BaseException as e:
             self._requests.pop(request_id, None)
-            if not isinstance(e, ValueError):
-                self.abort(request_id)  # cancelled while queued: the add may still run
+            if not isinstance(e, (ValueError, EngineDeadError)):
+                self.abort(request_id)  # cancelled while the core took it: it may be running
             raise
-        self._wake.set()
         return RequestStream(self, request_id, st)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams,
@@ -250,26 +305,27 @@ class AsyncLLMEngine:
             self.abort(request_id)
 
     def abort(self, request_id: str | list[str]) -> None:
-        """Abort without waiting; runs on the engine thread after anything queued before it."""
+        """Abort without waiting; the core frees the blocks before its next step. Safe to call
+        from any thread (a stream garbage-collected elsewhere)."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        loop = self._loop
+        if loop is not None and threading.get_ident() != self._loop_thread:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(self.abort, ids)
+            return
         for rid in ids:
             st = self._requests.get(rid)
             if st is not None:
                 st.finished = True
-        try:
-            self._executor.submit(self._abort_sync, ids)
-        except RuntimeError:  # shut down: nothing left to free
-            return
-        if self._wake is not None:
-            self._wake.set()
+        if self.errored is None:
+            self.client.abort_requests(ids)
 
     async def shutdown(self) -> None:
-        if self._loop_task is not None:
-            self._loop_task.cancel()
-            try:
-                await self._loop_task
-            except (asyncio.CancelledError, Exception):
-                pass
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        self._tasks = []
+        await asyncio.get_running_loop().run_in_executor(None, self.client.shutdown)
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 

@@ -57,7 +57,9 @@ def _eos_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, detokenize: bool = True):
+        """detokenize=False: outputs carry token ids only and stop strings are not applied
+        (the API server does both); the tokenizer is still loaded for its EOS ids."""
         if config.model is None:
             raise ValueError("model must be a local HF model directory, got None")
         self.config = config
@@ -95,7 +97,8 @@ class LLMEngine:
         self.generator.manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
         self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids, max_model_len)
+        self.output_processor = OutputProcessor(self.tokenizer if detokenize else None,
+                                                self.eos_token_ids, max_model_len)
 
         self._groups: dict[str, SequenceGroup] = {}
         # request_id -> True when its rows can take Sampler.sample_plain (decided once, at add).

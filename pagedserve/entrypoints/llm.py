@@ -1,4 +1,8 @@
-"""LLM: offline batched generation and beam search over an LLMEngine, in vLLM's shape."""
+"""LLM: offline batched generation and beam search, in vLLM's shape.
+
+The engine core lives in this process behind an InprocCoreClient: the same client interface
+the server uses over ZMQ, with no IPC and no encoding. `llm_engine` is the core's LLMEngine.
+"""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +11,8 @@ from typing import Any, Sequence as Seq
 from tqdm.auto import tqdm
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.llm_engine import LLMEngine, make_engine_config
+from pagedserve.engine.core_client import InprocCoreClient
+from pagedserve.engine.llm_engine import make_engine_config
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -35,7 +40,8 @@ class LLM:
         self._init_from_config(config)
 
     def _init_from_config(self, config: EngineConfig) -> None:
-        self.llm_engine = LLMEngine(config)
+        self.engine_core = InprocCoreClient(config)
+        self.llm_engine = self.engine_core.engine
         self._ids = itertools.count()
 
     @classmethod
@@ -49,7 +55,7 @@ class LLM:
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); the LLM is unusable afterwards."""
-        self.llm_engine.shutdown()
+        self.engine_core.shutdown()
 
     def get_kv_cache_stats(self):
         return self.llm_engine.get_kv_cache_stats()
@@ -78,28 +84,28 @@ class LLM:
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params must be one per prompt: got {len(params)} "
                                  f"for {len(prompts)} prompts")
-        engine = self.llm_engine
+        core = self.engine_core
         order: dict[str, int] = {}
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
-                engine.add_request(rid, prompt, sp)
+                core.add_request(rid, prompt, sp)
                 order[rid] = i
         except Exception:
-            engine.abort_request(list(order))
+            core.abort_requests(list(order))
             raise
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:
             with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
                 remaining = len(order)
-                while remaining and engine.has_unfinished_requests():
-                    for out in engine.step(final_only=True):
+                while remaining and core.has_unfinished_requests():
+                    for out in core.get_output(final_only=True).outputs:
                         if out.request_id in order:
                             results[order[out.request_id]] = out
                             remaining -= 1
                             bar.update(1)
         except BaseException:
-            engine.abort_request(list(order))
+            core.abort_requests(list(order))
             raise
         return results  # type: ignore[return-value]
 
@@ -118,7 +124,7 @@ class LLM:
             with tqdm(total=len(prompts), desc="Beam search", disable=not use_tqdm) as bar:
                 pending = set(rids)
                 while pending:
-                    engine.step(final_only=True)
+                    self.engine_core.get_output(final_only=True)
                     done = {r for r in pending if not engine.has_request(r)}
                     bar.update(len(done))
                     pending -= done

@@ -1,14 +1,20 @@
 """The OpenAI-compatible HTTP server: FastAPI app factory and `pagedserve serve`.
 
+`pagedserve serve` runs two processes: this one (HTTP, validation, tokenization, SSE) and the
+engine core (pagedserve.engine.core), started and awaited before the port opens. If the core
+dies, requests answer 503 naming the cause and the server exits non-zero shortly after.
+
 Every error a client can cause answers 4xx with OpenAI's error JSON
 {"error": {"message", "type", "param", "code"}}; nothing a client sends can take the
 engine down for the others.
 """
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import os
+import sys
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -28,7 +34,10 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 
 logger = logging.getLogger("pagedserve.server")
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)}
+# After the engine core died: how long the server keeps answering 503 (so clients learn the
+# cause) before it exits non-zero.
+CORE_DEATH_EXIT_DELAY_S = 3.0
 _V1 = "/v1/"
 
 
@@ -148,6 +157,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        engine.start()
         yield
         await engine.shutdown()
 
@@ -159,7 +169,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
-            return _error(503, "the engine loop has stopped", type="server_error")
+            return _error(503, str(engine.errored), type="server_error", code="engine_dead")
         return Response(status_code=200)
 
     @app.get("/metrics")
@@ -230,13 +240,28 @@ def run_server_cli(args: Any) -> int:
     if args.max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
     config = engine_config_from_args(args, model)
-    engine = AsyncLLMEngine.from_engine_config(config)
+    logging.basicConfig(level=logging.INFO)
+    engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     name = args.served_model_name or default_name
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes)
-    logging.basicConfig(level=logging.INFO)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
+                                           timeout_keep_alive=5, timeout_graceful_shutdown=5))
+
+    def exit_soon(error: Exception) -> None:
+        logger.error("%s: exiting in %.0f s", error, CORE_DEATH_EXIT_DELAY_S)
+        asyncio.get_running_loop().call_later(CORE_DEATH_EXIT_DELAY_S,
+                                              lambda: setattr(server, "should_exit", True))
+
+    engine.on_core_death = exit_soon
     logger.info("serving %s on http://%s:%d/v1%s", name, args.host, args.port,
                 " (API key required)" if api_key else "")
     print(_usage_hint(name, args.host, args.port, api_key is not None), flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
+    try:
+        server.run()
+    finally:
+        engine.client.shutdown()  # idempotent; covers a server that never ran its lifespan
+    if engine.errored is not None:
+        print(f"pagedserve: error: {engine.errored}", file=sys.stderr)
+        return 1
     return 0

@@ -9,8 +9,9 @@ from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
                                                     ChatLogprobs, ChatResponseMessage,
                                                     ChatStreamChoice, DeltaMessage, TokenLogprob,
                                                     random_id)
-from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, OpenAIServing, StreamedChoice,
-                                                          check_not_ignored, error_event, finite_logprob, sse,
+from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
+                                                          engine_error, error_event, finite_logprob,
+                                                          OpenAIServing, sse, StreamedChoice,
                                                           until_disconnected, usage)
 from pagedserve.outputs import RequestOutput
 
@@ -71,7 +72,7 @@ class OpenAIServingChat(OpenAIServing):
                 check_not_ignored(out, "messages")
                 final = out
         except EngineDeadError as e:
-            raise APIError(str(e), 500) from None
+            raise engine_error(e) from None
         finally:
             stream.close()
         return final
@@ -129,7 +130,7 @@ class OpenAIServingChat(OpenAIServing):
         except APIError as e:
             yield error_event(e)
         except EngineDeadError as e:
-            yield error_event(APIError(str(e), 500))
+            yield error_event(engine_error(e))
         finally:
             stream.close()
         yield SSE_DONE

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
-from pagedserve.engine.async_engine import AsyncLLMEngine, RequestStream
+from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, SamplingFields,
                                                     TopLogprob, Usage)
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -188,6 +188,8 @@ class OpenAIServing:
             return await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
         except ValueError as e:
             raise APIError.from_value_error(e) from None
+        except EngineDeadError as e:
+            raise engine_error(e) from None
 
     async def start_all(self, prompts: list[list[int]], params: SamplingParams,
                         request_id: str) -> list[RequestStream]:
@@ -277,6 +279,11 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
         for s in streams:  # a task cancelled before it ran never reaches its own finally
             s.close()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def engine_error(e: EngineDeadError) -> APIError:
+    """500 for a failed step, 503 once the engine core is gone."""
+    return APIError(str(e), e.status, code="engine_dead" if e.status == 503 else None)
 
 
 class ClientDisconnected(Exception):

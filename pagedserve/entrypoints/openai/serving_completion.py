@@ -8,10 +8,10 @@ from pagedserve.engine.async_engine import EngineDeadError, RequestStream
 from pagedserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
                                                     CompletionRequest, CompletionResponse,
                                                     random_id)
-from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, OpenAIServing, StreamedChoice,
-                                                          check_not_ignored, error_event, finite_logprob,
-                                                          merge_streams, sse, until_disconnected,
-                                                          usage)
+from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
+                                                          engine_error, error_event, finite_logprob,
+                                                          merge_streams, OpenAIServing, sse,
+                                                          StreamedChoice, until_disconnected, usage)
 from pagedserve.outputs import RequestOutput
 
 
@@ -92,7 +92,7 @@ class OpenAIServingCompletion(OpenAIServing):
                 check_not_ignored(out, "prompt")
                 finals[i] = out
         except EngineDeadError as e:
-            raise APIError(str(e), 500) from None
+            raise engine_error(e) from None
         return finals
 
     def _echo_text(self, p: _Prompt) -> str:
@@ -165,7 +165,7 @@ class OpenAIServingCompletion(OpenAIServing):
         except APIError as e:
             yield error_event(e)
         except EngineDeadError as e:
-            yield error_event(APIError(str(e), 500))
+            yield error_event(engine_error(e))
         finally:
             for s in streams:
                 s.close()

@@ -1,0 +1,262 @@
+"""EngineCore: the LLMEngine (scheduler + KV manager + runner) and, in its own process, the busy loop.
+
+One loop iteration: take every queued input (adds, aborts, utility calls, in the order the
+client sent them) -> run one engine step if any request is unfinished -> send ONE StepOutputs.
+With nothing to run the loop blocks on the input socket; it never spins.
+
+The process (`run_engine_core`, or `python -m pagedserve.engine.core`) loads the model, sizes
+the KV cache and captures graphs, then sends Ready on its output socket; a start-up error is
+sent as StartupFailed and the process exits non-zero. A watchdog thread exits the process
+within a second once its parent (the API server) is gone, so a SIGKILLed server never leaves
+an engine holding the GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import msgspec
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine.core_messages import (AbortRequests, AddRequest, Codec, CompletionDelta,
+                                             CoreInputs, Ready, RequestDelta, Shutdown,
+                                             StartupFailed, StepOutputs, UtilityCall, UtilityResult)
+from pagedserve.metrics import EngineSnapshot
+from pagedserve.outputs import RequestOutput
+
+logger = logging.getLogger("pagedserve.engine_core")
+
+PARENT_POLL_S = 0.5
+
+
+def utility(fn: Callable) -> Callable:
+    """Marks an EngineCore method as callable through call_utility (its result must be
+    msgspec-encodable: builtins, dataclasses, Structs). Adding a call is this decorator."""
+    fn.is_core_utility = True
+    return fn
+
+
+class StepFailed(RuntimeError):
+    """LLMEngine.step raised; request_ids were in flight and have been aborted."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"engine step failed: {cause!r}")
+        self.request_ids = request_ids
+
+
+class EngineCore:
+    """Owns one LLMEngine. Not thread-safe: one loop (or one in-process client) drives it."""
+
+    def __init__(self, config: EngineConfig | None, engine: Any | None = None,
+                 detokenize: bool = True) -> None:
+        if engine is None:
+            from pagedserve.engine.llm_engine import LLMEngine
+            engine = LLMEngine(config, detokenize=detokenize)
+        self.engine = engine
+        # Requests the engine holds (added, not yet finished or aborted): a failed step fails these.
+        self._live: set[str] = set()
+
+    # ---- inputs ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Any, params: Any,
+                    arrival_time: float | None = None) -> None:
+        """LLMEngine.add_request; raises its ValueError for bad input."""
+        self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time)
+        self._live.add(request_id)
+
+    def abort_requests(self, request_ids: list[str]) -> None:
+        self.engine.abort_request(request_ids)
+        self._live.difference_update(request_ids)
+
+    def call_utility(self, method: str, args: list[Any]) -> Any:
+        fn = getattr(self, method, None)
+        if not getattr(fn, "is_core_utility", False):
+            raise ValueError(f"method must be an engine-core utility, got {method!r}")
+        return fn(*args)
+
+    @utility
+    def get_kv_cache_stats(self, token_counts: bool = True) -> dict:
+        return dataclasses.asdict(self.engine.get_kv_cache_stats(token_counts))
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self, final_only: bool = False) -> list[RequestOutput]:
+        """One engine step. If the step raises, every live request is aborted (its blocks
+        freed) and StepFailed names them: the caller fails them, the core lives on."""
+        try:
+            outs = self.engine.step(final_only=final_only)
+        except Exception as e:
+            failed = sorted(self._live)
+            self._live.clear()
+            try:
+                self.engine.abort_request(failed)
+            except Exception:
+                logger.exception("could not abort the requests of a failed step")
+            raise StepFailed(failed, e) from e
+        for out in outs:
+            if out.finished:
+                self._live.discard(out.request_id)
+        return outs
+
+    def has_unfinished_requests(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def snapshot(self) -> EngineSnapshot:
+        # O(1): no live-token count, which would walk every block table.
+        stats = self.engine.get_kv_cache_stats(token_counts=False)
+        sched = self.engine.scheduler
+        return EngineSnapshot(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                              num_swapped=sched.num_swapped, kv_cache_usage=stats.usage,
+                              prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
+                              num_preemptions=stats.num_preemptions)
+
+    def ready_message(self) -> Ready:
+        e = self.engine
+        cc = e.cache_config
+        return Ready(pid=os.getpid(), max_model_len=int(e.max_model_len), vocab_size=int(e.vocab_size),
+                     num_gpu_blocks=int(cc.num_gpu_blocks), num_cpu_blocks=int(cc.num_cpu_blocks),
+                     block_size=int(cc.block_size), max_num_seqs=int(e.scheduler_config.max_num_seqs),
+                     eos_token_ids=sorted(e.eos_token_ids))
+
+    def shutdown(self) -> None:
+        self.engine.shutdown()
+
+    # ---- one iteration of the process's loop ----------------------------------------------
+
+    def handle_inputs(self, inputs: CoreInputs, out: StepOutputs) -> bool:
+        """Apply the ops in order, recording their results in `out`; False on Shutdown."""
+        for op in inputs.ops:
+            if isinstance(op, AddRequest):
+                try:
+                    self.add_request(op.request_id, {"prompt_token_ids": op.prompt_token_ids,
+                                                     "prompt": op.prompt},
+                                     op.params, op.arrival_time)
+                    out.added.append(op.request_id)
+                except ValueError as e:
+                    out.rejected.append((op.request_id, str(e)))
+            elif isinstance(op, AbortRequests):
+                try:
+                    self.abort_requests(op.request_ids)
+                except Exception:
+                    logger.exception("abort of %s failed", op.request_ids)
+            elif isinstance(op, UtilityCall):
+                try:
+                    result = msgspec.to_builtins(self.call_utility(op.method, op.args))
+                    out.utility_results.append(UtilityResult(op.call_id, result))
+                except Exception as e:
+                    out.utility_results.append(UtilityResult(op.call_id, error=f"{type(e).__name__}: {e}"))
+            elif isinstance(op, Shutdown):
+                return False
+        return True
+
+    def step_outputs(self, out: StepOutputs) -> None:
+        """Run one step into `out` (a failed step fails the requests it held, the core lives on)."""
+        try:
+            outs = self.step()
+        except StepFailed as e:
+            logger.exception("engine step failed; failing the requests in flight")
+            out.failed = e.request_ids
+            out.step_error = str(e)
+            return
+        out.outputs = [RequestDelta(o.request_id, [CompletionDelta.of(c) for c in o.outputs],
+                                    o.finished, o.metrics if o.finished else None)
+                       for o in outs]
+
+    def run_busy_loop(self, input_socket: Any, output_socket: Any) -> None:
+        """Serve until a Shutdown arrives. Blocks on input_socket while idle."""
+        import zmq
+        codec = Codec()
+        decode, encode = codec.inputs.decode, codec.encode
+        running = True
+        while running:
+            frames = [] if self.engine.has_unfinished_requests() else [input_socket.recv(copy=False)]
+            while True:
+                try:
+                    frames.append(input_socket.recv(zmq.NOBLOCK, copy=False))
+                except zmq.Again:
+                    break
+            out = StepOutputs()
+            for frame in frames:
+                try:
+                    inputs = decode(frame.buffer)
+                except msgspec.MsgspecError:  # a client bug must not take every request down
+                    logger.exception("dropped an undecodable input message")
+                    continue
+                if not self.handle_inputs(inputs, out):
+                    running = False
+                    break
+            if running and self.engine.has_unfinished_requests():
+                self.step_outputs(out)
+            out.snapshot = self.snapshot()
+            output_socket.send(encode(out), copy=False)
+
+
+# ---- the process ------------------------------------------------------------------------------
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """Runs in a daemon thread: the API server is our parent; once it is gone, so are we."""
+    while True:
+        time.sleep(PARENT_POLL_S)
+        if os.getppid() != parent_pid:
+            logger.error("the API server (pid %d) is gone; engine core exiting", parent_pid)
+            os._exit(1)
+
+
+def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
+                    parent_pid: int) -> int:
+    """Process entry point: start up, send Ready (or StartupFailed), serve until Shutdown."""
+    import zmq
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
+                     name="pagedserve-parent-watch").start()
+    # Ctrl-C reaches the whole process group: the API server decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_address)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.SNDHWM, 0)
+    out.connect(output_address)
+    codec = Codec()
+    try:
+        # Text, stop strings and output shapes are the API server's (engine/text_output.py).
+        core = EngineCore(config, detokenize=False)
+    except BaseException as e:
+        logger.error("engine core failed to start: %s", traceback.format_exc())
+        out.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))
+        out.close(linger=2000)
+        ctx.term()
+        return 1
+    out.send(codec.encode(core.ready_message()))
+    try:
+        core.run_busy_loop(inp, out)
+    finally:
+        core.shutdown()
+        inp.close(linger=0)
+        out.close(linger=1000)
+        ctx.term()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description="pagedserve engine core (started by `pagedserve serve`)")
+    p.add_argument("--config", required=True, help="EngineConfig as JSON")
+    p.add_argument("--input", required=True, help="ZMQ address to pull inputs from")
+    p.add_argument("--output", required=True, help="ZMQ address to push outputs to")
+    p.add_argument("--parent-pid", type=int, required=True)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    config = msgspec.json.decode(args.config, type=EngineConfig)
+    return run_engine_core(config, args.input, args.output, args.parent_pid)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

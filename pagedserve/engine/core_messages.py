@@ -1,0 +1,129 @@
+"""The messages between the API server and the engine-core process, as msgspec Structs.
+
+Traffic is batched both ways: the client sends a CoreInputs holding every add, abort and
+utility call queued since its last send; the core answers each loop iteration (drain inputs,
+step) with ONE StepOutputs holding every request's new output, the fate of the adds it took
+(accepted / rejected with the engine's ValueError text), utility results and the scheduler's
+gauges. Encoding is msgpack through msgspec: no pickle on the per-step path.
+
+Invariant: a StepOutputs' outputs carry no prompt (the client keeps prompt and prompt ids from
+the add), and metrics only once a request finished, so a step message is O(new tokens).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from pagedserve.metrics import EngineSnapshot
+from pagedserve.outputs import CompletionOutput
+from pagedserve.sampling_params import SamplingParams
+
+
+# ---- client -> core ---------------------------------------------------------------------------
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+
+
+class AbortRequests(msgspec.Struct, tag="abort", array_like=True):
+    request_ids: list[str]
+
+
+class UtilityCall(msgspec.Struct, tag="utility", array_like=True):
+    """Call EngineCore method `method` (one marked @utility) with args; answered by call_id."""
+    call_id: int
+    method: str
+    args: list[Any] = []
+
+
+class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
+    pass
+
+
+CoreOp = AddRequest | AbortRequests | UtilityCall | Shutdown
+
+
+class CoreInputs(msgspec.Struct, array_like=True):
+    """Ops in the order the client issued them (an abort after its add, never before)."""
+    ops: list[CoreOp]
+
+
+# ---- core -> client ---------------------------------------------------------------------------
+
+class CompletionDelta(msgspec.Struct, array_like=True):
+    """CompletionOutput on the wire (same fields, same meaning per output_kind)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+    @classmethod
+    def of(cls, c: CompletionOutput) -> "CompletionDelta":
+        return cls(c.index, c.text, c.token_ids, c.cumulative_logprob, c.logprobs,
+                   c.finish_reason, c.stop_reason)
+
+    def to_output(self) -> CompletionOutput:
+        return CompletionOutput(self.index, self.text, self.token_ids, self.cumulative_logprob,
+                                self.logprobs, self.finish_reason, self.stop_reason)
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    request_id: str
+    outputs: list[CompletionDelta]
+    finished: bool
+    metrics: dict[str, float] | None = None
+
+
+class UtilityResult(msgspec.Struct, array_like=True):
+    call_id: int
+    result: Any = None
+    error: str | None = None
+
+
+class StepOutputs(msgspec.Struct, array_like=True):
+    """Everything one core loop iteration produced."""
+    outputs: list[RequestDelta] = []
+    added: list[str] = []
+    rejected: list[tuple[str, str]] = []     # (request_id, ValueError text)
+    utility_results: list[UtilityResult] = []
+    snapshot: EngineSnapshot | None = None
+    failed: list[str] = []                   # requests a failed step took down
+    step_error: str | None = None
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    """The core loaded the model, sized the KV cache and is waiting for requests."""
+    pid: int
+    max_model_len: int
+    vocab_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    block_size: int
+    max_num_seqs: int
+    eos_token_ids: list[int]
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
+    error: str
+
+
+class Codec:
+    """The encoder and typed decoders, built once per process side (msgspec caches nothing
+    per call, so reusing them is what makes the per-step cost small)."""
+
+    def __init__(self) -> None:
+        self.encoder = msgspec.msgpack.Encoder()
+        self.inputs = msgspec.msgpack.Decoder(CoreInputs)
+        self.step = msgspec.msgpack.Decoder(StepOutputs)
+        self.handshake = msgspec.msgpack.Decoder(Ready | StartupFailed)
+
+    def encode(self, msg: msgspec.Struct) -> bytes:
+        return self.encoder.encode(msg)

@@ -1,0 +1,177 @@
+"""The server's half of output processing: text, stop strings and output shapes.
+
+The engine core runs without detokenizing: it applies EOS, stop_token_ids, min_tokens and
+max_tokens, and streams every request to the server as token-only DELTA outputs (one token per
+sequence per step). RequestText turns those into what the request asked for, exactly as
+LLMEngine's OutputProcessor does in one process (pagedserve.engine.output_processor; its rules,
+in its order):
+  - text is detokenized incrementally per token (engine/detokenizer.py);
+  - an EOS / stop_token_ids token keeps its id but not its text (unless
+    include_stop_str_in_output); the core tells us by finishing with "stop";
+  - a stop string (checked once more than min_tokens tokens exist, before the length rule)
+    cuts the text and finishes the sequence with "stop": the core knows nothing of it, so the
+    caller aborts the request in the core once every sequence is done;
+  - while running, text that could be the start of a stop string is held back;
+  - outputs take the request's output_kind shape (DELTA, CUMULATIVE, FINAL_ONLY), and with
+    best_of > n the best n sequences by cumulative logprob, ranked.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.engine.detokenizer import detokenize_incrementally, initial_state
+from pagedserve.engine.output_processor import find_stop_string
+from pagedserve.outputs import CompletionOutput, RequestOutput
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+DELTA, FINAL_ONLY = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+
+
+def core_params(params: SamplingParams) -> SamplingParams:
+    """What the core is asked for: token-only DELTA outputs of every sequence (n = best_of, so
+    the ranking of best_of > n happens here), no stop strings. Greedy best_of > 1 forks
+    identical copies, so the core runs one (n > 1 needs temperature > 0)."""
+    n = params.best_of if params.temperature > 0 else 1
+    return dataclasses.replace(params, n=n, best_of=n, stop=[], output_kind=DELTA)
+
+
+@dataclass
+class _SeqText:
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float = 0.0
+    text: str = ""
+    detok_state: tuple[int, int] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    sent_tokens: int = 0
+    sent_text_len: int = 0
+    sent_finish: bool = False
+
+
+class RequestText:
+    """One request's text state in the API server."""
+
+    def __init__(self, tokenizer: Any, params: SamplingParams, prompt: str | None,
+                 prompt_token_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.params = params
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.num_seqs = core_params(params).n
+        self.seqs: dict[int, _SeqText] = {}
+        self.finished = False
+        self.hold = max(len(s) for s in params.stop) - 1 \
+            if params.stop and not params.include_stop_str_in_output else 0
+
+    def process(self, out: RequestOutput) -> RequestOutput | None:
+        """Fold in one core output; returns the request's output to deliver now (None: nothing
+        to say yet). Afterwards `finished` tells whether the request is done here."""
+        for c in out.outputs:
+            seq = self.seqs.get(c.index)
+            if seq is None:
+                seq = self.seqs[c.index] = _SeqText(
+                    logprobs=[] if self.params.logprobs is not None else None)
+            if seq.finish_reason is None:
+                self._append(seq, c)
+        done = out.finished or (len(self.seqs) == self.num_seqs
+                                and all(s.finish_reason is not None for s in self.seqs.values()))
+        if done:
+            for seq in self.seqs.values():
+                if seq.finish_reason is None:  # ended by the core without a reason of its own
+                    seq.finish_reason = "abort"
+        self.finished = done
+        kind = self.params.output_kind
+        if kind is DELTA:
+            outs = self._delta_outputs()
+            if not outs and not done:
+                return None
+        elif kind is FINAL_ONLY and not done:
+            return None
+        else:
+            outs = self._cumulative_outputs()
+        metrics = out.metrics if out.finished else None
+        return RequestOutput(out.request_id, self.prompt, self.prompt_token_ids, outs, done, metrics)
+
+    # ---- one sequence -------------------------------------------------------------------------
+
+    def _detokenize(self, seq: _SeqText, ids: list[int], final: bool) -> str:
+        state = seq.detok_state or initial_state(len(self.prompt_token_ids))
+        new_text, seq.detok_state = detokenize_incrementally(
+            self.tokenizer, self.prompt_token_ids, ids, state, self.params.skip_special_tokens,
+            final=final)
+        seq.text += new_text
+        return new_text
+
+    def _append(self, seq: _SeqText, c: CompletionOutput) -> None:
+        p = self.params
+        last = len(c.token_ids) - 1
+        for k, token in enumerate(c.token_ids):
+            seq.token_ids.append(token)
+            if seq.logprobs is not None and c.logprobs is not None:
+                seq.logprobs.append(c.logprobs[k])
+            core_finish = c.finish_reason if k == last else None
+            # The core finishes with "stop" only for EOS / stop_token_ids: this token.
+            token_stop = core_finish == "stop"
+            hide_token = token_stop and not p.include_stop_str_in_output
+            if not hide_token:
+                old_len = len(seq.text)
+                new_text = self._detokenize(seq, seq.token_ids, final=False)
+                if new_text and p.stop and len(seq.token_ids) > p.min_tokens and not token_stop:
+                    hit = find_stop_string(seq.text, p.stop, old_len)
+                    if hit is not None:
+                        i, s = hit
+                        seq.text = seq.text[:i + len(s) if p.include_stop_str_in_output else i]
+                        seq.finish_reason, seq.stop_reason = "stop", s
+                        seq.cumulative_logprob = c.cumulative_logprob or 0.0
+                        return
+            if core_finish is not None:
+                seq.finish_reason, seq.stop_reason = core_finish, c.stop_reason
+                visible = seq.token_ids[:-1] if hide_token else seq.token_ids
+                self._detokenize(seq, visible, final=True)
+        if not c.token_ids and c.finish_reason is not None:  # "ignored", "abort": no new token
+            seq.finish_reason, seq.stop_reason = c.finish_reason, c.stop_reason
+        if c.cumulative_logprob is not None:
+            seq.cumulative_logprob = c.cumulative_logprob
+
+    # ---- output shapes -----------------------------------------------------------------------
+
+    def _visible_len(self, seq: _SeqText) -> int:
+        n = len(seq.text)
+        return n if not self.hold or seq.finish_reason is not None else max(n - self.hold, 0)
+
+    def _ordered(self) -> list[_SeqText]:
+        return [self.seqs[i] for i in sorted(self.seqs)]
+
+    def _cumulative_outputs(self) -> list[CompletionOutput]:
+        p = self.params
+        seqs = self._ordered()
+        if p.best_of > p.n:
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:p.n]
+        return [CompletionOutput(
+                    index=i, text=seq.text[:self._visible_len(seq)], token_ids=list(seq.token_ids),
+                    cumulative_logprob=seq.cumulative_logprob,
+                    logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason)
+                for i, seq in enumerate(seqs)]
+
+    def _delta_outputs(self) -> list[CompletionOutput]:
+        outs = []
+        for i, seq in enumerate(self._ordered()):
+            ids = seq.token_ids
+            t0, c0 = seq.sent_tokens, seq.sent_text_len
+            end = self._visible_len(seq)
+            finished = seq.finish_reason is not None
+            if len(ids) == t0 and end <= c0 and (seq.sent_finish or not finished):
+                continue
+            outs.append(CompletionOutput(
+                index=i, text=seq.text[c0:end] if end > c0 else "", token_ids=ids[t0:],
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=seq.logprobs[t0:] if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason, stop_reason=seq.stop_reason))
+            seq.sent_tokens = len(ids)
+            seq.sent_text_len = max(c0, end)
+            seq.sent_finish = finished
+        return outs
