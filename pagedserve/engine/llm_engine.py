@@ -299,14 +299,16 @@ class LLMEngine:
         timer = self.step_timer
         timer.begin()
         touched: dict[int, SequenceGroup] = {}
-        prev, self._inflight = self._inflight, None
+        prev = self._inflight  # stays visible until processed: the step the scheduler plans around
         overlap = self.async_scheduling and not self._sync_requests
         if prev is not None and not overlap:
             # A request that needs every token on the host joined: finish the step in flight first.
+            self._inflight = None
             self._process_inflight(prev, touched, final_only)
             prev = None
         out = self.scheduler.schedule()
         timer.mark("schedule")
+        self._inflight = None
         for group in out.ignored:
             for seq in group.seqs:
                 if not seq.status.finished:
@@ -319,6 +321,8 @@ class LLMEngine:
                 self._run_sync(out, touched, final_only)
         if prev is not None:
             self._process_inflight(prev, touched, final_only)
+        if self._inflight is not None and not self._groups:
+            self._inflight = None  # every request ended: its rows would all be discarded
 
         # The scheduler may also end groups on its own (one that outgrew the whole cache).
         for group in self.scheduler.free_finished_seq_groups():
