@@ -473,7 +473,9 @@ class LLMEngine:
         if rows:
             timer = self.step_timer
             timer.mark("postprocess")
-            result = self.sampler.sample(logits, rows)
+            drawn = self.sampler.sample_device(logits, rows)
+            timer.launch_end()
+            result = drawn.to_host()
             timer.mark("sample")
             forks: dict[int, Sequence] = {}
             # Fork first: children copy the parent's tokens before the parent appends its own.
@@ -500,7 +502,9 @@ class LLMEngine:
         """Every row needs only its temperature (no seeds, filters, penalties, logprobs, forks)."""
         timer = self.step_timer
         timer.mark("postprocess")
-        result = self.sampler.sample_plain(logits, temps)
+        drawn = self.sampler.sample_plain_device(logits, temps)
+        timer.launch_end()
+        result = drawn.to_host()
         timer.mark("sample")
         if self.output_processor.tokenizer is None:
             free = self.scheduler.free_seq

@@ -76,7 +76,8 @@ class StepTimer(NullStepTimer):
             self._events.append((self._event(), None))
 
     def launch_end(self) -> None:
-        if self._gpu_gaps and self._events:
+        """After the step's last device work is queued (the first call per step counts)."""
+        if self._gpu_gaps and self._events and self._events[-1][1] is None:
             self._events[-1] = (self._events[-1][0], self._event())
 
     def gpu_gaps(self) -> list[float]:
