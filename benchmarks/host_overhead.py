@@ -14,7 +14,15 @@ then times --steps decode steps with the engine's StepTimer, split into phases:
 Host overhead (`results.ms_per_decode_step_at_256`) is schedule + cache_ops + prepare +
 postprocess, the median over the timed steps. The input-building split relies on the runner
 calling HostBatch.to_model_input; if a runner stops doing that, the prepare time shows up
-inside `forward` and the JSON says so.
+inside `forward` and the JSON says so. With --async-scheduling (the engine's default) the step
+launches the device work and sampling without waiting (`forward` and `sample` are launch time
+and count as host work) and `wait` is the time spent waiting for the previous step's tokens.
+
+What overlapping is for: `results.gpu_idle_ms_per_decode_step` (CUDA only), the host time the
+GPU waits for. A second pass of --steps steps runs with no synchronization at all and CUDA
+events around each step's device work; the gap from one step's last kernel to the next step's
+first is the time the device sat idle waiting for the host (median over the steps). Run it
+with --async-scheduling and --no-async-scheduling for the A/B.
 
   python benchmarks/host_overhead.py                                     # tiny llama, CPU or CUDA
   python benchmarks/host_overhead.py --model benchmarks/models/qwen3-0.6b --load-format dummy
@@ -38,11 +46,11 @@ import torch  # noqa: E402
 from pagedserve.benchmark.hardware import write_result  # noqa: E402
 from pagedserve.benchmark.throughput import BENCH_TEMPERATURE  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine, make_engine_config  # noqa: E402
-from pagedserve.engine.step_timer import StepTimer  # noqa: E402
+from pagedserve.engine.step_timer import NULL_STEP_TIMER, StepTimer  # noqa: E402
 from pagedserve.sampling_params import SamplingParams  # noqa: E402
 
 HOST_PHASES = ("schedule", "cache_ops", "prepare", "postprocess")
-ALL_PHASES = ("schedule", "cache_ops", "prepare", "forward", "sample", "postprocess")
+ALL_PHASES = ("schedule", "cache_ops", "prepare", "forward", "sample", "wait", "postprocess")
 
 
 def _hook_prepare(engine: LLMEngine) -> list[int]:
@@ -55,12 +63,11 @@ def _hook_prepare(engine: LLMEngine) -> list[int]:
 
     def timed(self, *args, **kwargs):
         timer = engine.step_timer
-        if timer is not None:
+        if timer is not NULL_STEP_TIMER:
             calls[0] += 1
-            timer.mark("cache_ops", sync=True)
+        timer.mark("cache_ops", sync=True)
         result = original(self, *args, **kwargs)
-        if timer is not None:
-            timer.mark("prepare", sync=True)
+        timer.mark("prepare", sync=True)
         return result
     HostBatch.to_model_input = timed
     return calls
@@ -83,8 +90,7 @@ def all_decoding(engine: LLMEngine, n: int) -> bool:
     sched = engine.scheduler
     if sched.waiting or sched.swapped or len(sched.running) != n:
         return False
-    return all(s.num_computed_tokens == s.num_tokens - 1 and s.output_token_ids
-               for g in sched.running for s in g.seqs)
+    return all(s.is_decode for g in sched.running for s in g.seqs)
 
 
 def prompt_bounds(prompt_len: tuple[int, int], max_len: int) -> tuple[int, int]:
@@ -143,6 +149,8 @@ def main() -> None:
     ap.add_argument("--cumulative", action="store_true",
                     help="step(final_only=False): a RequestOutput per request per step (streaming), "
                          "instead of LLM.generate's final-only")
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="overlapped steps (the engine's default); --no-async-scheduling: synchronous steps")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     if args.device == "cpu" or not torch.cuda.is_available():
@@ -160,7 +168,8 @@ def main() -> None:
         k, v = kv.split("=", 1)
         extra[k] = {"True": True, "False": False, "None": None}.get(v, int(v) if v.lstrip("-").isdigit() else v)
     kwargs = dict(device=args.device, dtype=args.dtype, load_format=load_format, max_num_seqs=args.num_seqs,
-                  skip_tokenizer_init=True, max_model_len=args.max_model_len, **extra)
+                  skip_tokenizer_init=True, max_model_len=args.max_model_len,
+                  async_scheduling=args.async_scheduling, **extra)
     engine = LLMEngine(make_engine_config(model, **kwargs))
     on_cuda = engine.device.type == "cuda"
     sync = torch.cuda.synchronize if on_cuda else None
@@ -184,7 +193,7 @@ def main() -> None:
     engine.step_timer = timer
     for _ in range(args.steps):
         engine.step(final_only=final_only)
-    engine.step_timer = None
+    engine.step_timer = NULL_STEP_TIMER
     after = {s.seq_id: len(s.output_token_ids) for g in engine.scheduler.running for s in g.seqs}
     if after.keys() != before.keys() or any(after[k] - before[k] != args.steps for k in before):
         raise RuntimeError("not every timed step was a full batch of decodes")
@@ -196,12 +205,23 @@ def main() -> None:
             engine.step(final_only=final_only)
         prof.disable()
         prof.dump_stats(args.profile)
+    gaps = busy = None
+    if on_cuda:
+        # No synchronization here: only the events, so the device waits exactly as it would unmeasured.
+        gap_timer = StepTimer(None, time.perf_counter, gpu_gaps=True)
+        engine.step_timer = gap_timer
+        for _ in range(args.steps):
+            engine.step(final_only=final_only)
+        engine.step_timer = NULL_STEP_TIMER
+        gaps, busy = gap_timer.gpu_gaps(), gap_timer.gpu_busy()
 
     recs = timer.records
     for r in recs:
         r["forward"] = r.pop("execute", 0.0)
     per_phase = {p: [r.get(p, 0.0) for r in recs] for p in ALL_PHASES}
-    host = [sum(r.get(p, 0.0) for p in HOST_PHASES) for r in recs]
+    # Overlapped steps only launch the forward and the sampling: that is host time too.
+    host_phases = HOST_PHASES + (("forward", "sample") if engine.async_scheduling else ())
+    host = [sum(r.get(p, 0.0) for p in host_phases) for r in recs]
     total = [sum(r.values()) for r in recs]
     results = {
         "ms_per_decode_step_at_256" if n == 256 else f"ms_per_decode_step_at_{n}": _ms(host),
@@ -214,18 +234,29 @@ def main() -> None:
         "timed_steps": args.steps,
         # False: the runner built its inputs some other way, and that time sits inside forward_ms.
         "prepare_split_measured": prepare_calls[0] >= args.steps,
+        # The host time the GPU waits for, per decode step (CUDA events; None on the CPU).
+        "gpu_idle_ms_per_decode_step": _ms(gaps) if gaps else None,
+        "gpu_idle_ms_mean": round(1e3 * statistics.fmean(gaps), 4) if gaps else None,
+        "gpu_busy_ms_per_step": _ms(busy) if busy else None,
+        "host_phases": list(host_phases),
     }
     config = {"model": model if args.model else "tiny random llama (tests/tiny_models.py)",
               "load_format": load_format, "device": str(engine.device), "dtype": str(engine.dtype),
               "num_seqs": n, "prompt_len": [lo, hi], "temperature": BENCH_TEMPERATURE, "ignore_eos": True,
               "max_model_len": max_len, "stub_forward": args.stub_forward,
-              "final_only": final_only,
+              "final_only": final_only, "async_scheduling": engine.async_scheduling,
               "clock": "wall" if clock is time.perf_counter else "thread", "warmup_steps": args.warmup, "ramp_steps": ramp, **extra}
-    out = args.output or str(ROOT / "benchmarks/results" / ("h200" if on_cuda else "cpu") / "host_overhead.json")
+    name = "host_overhead.json" if engine.async_scheduling else "host_overhead_sync.json"
+    out = args.output or str(ROOT / "benchmarks/results" / ("h200" if on_cuda else "cpu") / name)
     command = "python benchmarks/host_overhead.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     ratios = {"host_share_of_step": round(sum(host) / sum(total), 4)}
-    write_result(out, "host_overhead", command, config, results, {"target_ms": 1.0}, ratios)
-    print(f"host {results[next(iter(results))]:.3f} ms/step (median of {args.steps}) at {n} running seqs")
+    write_result(out, "host_overhead", command, config, results,
+                 {"target_ms": 1.0, "target_gpu_idle_ms_per_decode_step": 0.3}, ratios)
+    print(f"host {results[next(iter(results))]:.3f} ms/step (median of {args.steps}) at {n} running seqs, "
+          f"async_scheduling={engine.async_scheduling}")
+    if gaps:
+        print(f"  GPU idle between steps (host time the GPU waits for): {results['gpu_idle_ms_per_decode_step']:.3f} ms "
+              f"median, {results['gpu_idle_ms_mean']:.3f} ms mean; GPU busy {results['gpu_busy_ms_per_step']:.3f} ms/step")
     for p in ALL_PHASES:
         print(f"  {p:12s} {results['breakdown_ms'][p]:9.3f} ms")
     print(f"wrote {out}")

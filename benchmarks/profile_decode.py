@@ -5,9 +5,12 @@ Builds an LLMEngine (eager: enforce_eager=True, so every kernel shows in the pro
 (PAGEDSERVE_FUSED=1: Triton fused norms / rotary / silu-mul; =0: plain torch) warms up, times
 --steps steps with the wall clock, and records --steps more under torch.profiler. Per mode the
 result holds kernels per step, kernel time per step (the sum of kernel durations: device busy
-time, host gaps excluded) and the top kernels by time. Needs CUDA.
+time, host gaps excluded), the device's idle time per step (the profiled window minus the union
+of all device activity: the time the GPU waited for the host, launch gaps of eager mode
+included) and the top kernels by time. Needs CUDA.
 
   python benchmarks/profile_decode.py                      # Qwen3-0.6B, dummy weights, 256 seqs
+  python benchmarks/profile_decode.py --no-async-scheduling   # synchronous steps, for the A/B
 """
 from __future__ import annotations
 
@@ -43,6 +46,13 @@ def _kernel_table(prof, steps: int, top: int) -> dict:
     kernels = {k: v for k, v in per_name.items() if not k.startswith(("Memcpy", "Memset"))}
     copies = {k: v for k, v in per_name.items() if k not in kernels}
     total_us = sum(t for _, t in kernels.values())
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    idle_us, reach = 0.0, spans[0][1] if spans else 0.0
+    for start, end in spans[1:]:
+        if start > reach:
+            idle_us += start - reach
+        reach = max(reach, end)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
     return {
         "kernels_per_step": round(sum(c for c, _ in kernels.values()) / steps, 2),
@@ -50,6 +60,7 @@ def _kernel_table(prof, steps: int, top: int) -> dict:
         "memcpy_memset_per_step": round(sum(c for c, _ in copies.values()) / steps, 2),
         "memcpy_memset_ms_per_step": round(sum(t for _, t in copies.values()) / steps / 1e3, 4),
         "distinct_kernels": len(kernels),
+        "gpu_idle_ms_per_step": round(idle_us / steps / 1e3, 4),
         "top_kernels": [{"name": name[:200], "calls_per_step": round(c / steps, 2),
                          "us_per_step": round(t / steps, 2), "us_per_call": round(t / c, 3),
                          "share": round(t / total_us, 4)} for name, (c, t) in ranked],
@@ -77,9 +88,10 @@ def _profile_mode(engine: LLMEngine, n: int, args) -> dict:
 
 def _table(results: dict, command: str) -> str:
     lines = ["# profile_decode", "", f"`{command}`", "",
-             "| mode | kernels/step | kernel ms/step | eager wall ms/step |", "|---|---|---|---|"]
+             "| mode | kernels/step | kernel ms/step | eager wall ms/step | GPU idle ms/step |", "|---|---|---|---|---|"]
     for mode, r in results.items():
-        lines.append(f"| {mode} | {r['kernels_per_step']} | {r['kernel_ms_per_step']} | {r['eager_wall_ms_per_step']} |")
+        lines.append(f"| {mode} | {r['kernels_per_step']} | {r['kernel_ms_per_step']} | {r['eager_wall_ms_per_step']} "
+                     f"| {r['gpu_idle_ms_per_step']} |")
     for mode, r in results.items():
         lines += ["", f"## top kernels, {mode}", "", "| kernel | calls/step | us/step | share |", "|---|---|---|---|"]
         lines += [f"| `{k['name'][:90]}` | {k['calls_per_step']} | {k['us_per_step']} | {k['share']} |"
@@ -98,15 +110,23 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prompt-len", default="100,400", help="lo,hi: uniform prompt lengths")
     ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--output", default=str(ROOT / "benchmarks/results/h200/profile_decode.json"))
+    ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                    help="overlapped steps (the engine's default); --no-async-scheduling: synchronous steps")
+    ap.add_argument("--output", default=None,
+                    help="default benchmarks/results/h200/profile_decode.json (profile_decode_sync.json with "
+                         "--no-async-scheduling)")
     args = ap.parse_args()
+    if args.output is None:
+        name = "profile_decode.json" if args.async_scheduling else "profile_decode_sync.json"
+        args.output = str(ROOT / "benchmarks/results/h200" / name)
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py profiles CUDA kernels and needs a CUDA GPU; torch.cuda.is_available() "
                          "is False here")
 
     engine = LLMEngine(make_engine_config(
         args.model, device="cuda", dtype=args.dtype, load_format=args.load_format, max_num_seqs=args.num_seqs,
-        skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=True))
+        skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=True,
+        async_scheduling=args.async_scheduling))
     n = args.num_seqs
     ramp = fill_decode_batch(engine, n, tuple(int(x) for x in args.prompt_len.split(",")), temperature=0.0)
     saved = os.environ.get("PAGEDSERVE_FUSED")
@@ -121,7 +141,8 @@ def main() -> None:
             results[mode] = _profile_mode(engine, n, args)
             print(f"{mode:6s} {results[mode]['kernels_per_step']:8.1f} kernels/step  "
                   f"{results[mode]['kernel_ms_per_step']:8.3f} kernel ms/step  "
-                  f"{results[mode]['eager_wall_ms_per_step']:8.3f} eager wall ms/step")
+                  f"{results[mode]['eager_wall_ms_per_step']:8.3f} eager wall ms/step  "
+                  f"{results[mode]['gpu_idle_ms_per_step']:8.3f} GPU idle ms/step")
     finally:
         if saved is None:
             os.environ.pop("PAGEDSERVE_FUSED", None)
@@ -134,6 +155,7 @@ def main() -> None:
     config = {"model": args.model, "load_format": args.load_format, "dtype": str(engine.dtype), "num_seqs": n,
               "prompt_len": args.prompt_len, "max_model_len": engine.max_model_len, "enforce_eager": True,
               "steps": args.steps, "warmup": args.warmup, "ramp_steps": ramp, "temperature": 0.0,
+              "async_scheduling": engine.async_scheduling,
               "note": "one engine; modes run one after the other, so contexts grow by a few tokens between them"}
     command = "python benchmarks/profile_decode.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     write_result(args.output, "profile_decode", command, config, results, {}, ratios, _table(results, command))

@@ -55,6 +55,18 @@ class SchedulerConfig:
 
 @dataclass
 class EngineConfig:
+    """Everything LLM(...) / `pagedserve serve` accept (one CLI flag per field).
+
+    async_scheduling (vLLM's name; on by default): overlapped steps. The engine schedules and
+    prepares step N+1 while step N runs on the device; N's sampled ids feed N+1 on the device and
+    reach the host on a side stream while N+1 runs. Steps fall back to the synchronous path while
+    any unfinished request needs what the overlap cannot serve cheaply: beam search, n > 1 or
+    best_of > 1 (forks), repetition / frequency / presence penalties and min_tokens (they need
+    the newest token on the host), and logprobs (top-N); also with tensor_parallel_size > 1.
+    Greedy, temperature, top-k, top-p, min-p, seeds, stop tokens / strings and max_tokens overlap.
+    Outputs are token-exact either way for greedy and seeded requests; unseeded sampling shares
+    one generator, so its draws depend on the batch in both modes. False: always synchronous (A/B).
+    """
     model: str | None = None
     tokenizer: str | None = None
     dtype: str = "auto"
@@ -77,6 +89,7 @@ class EngineConfig:
     kv_allocator: str = "paged"
     # CPU default pool when no override is given: bounded so a laptop is not exhausted.
     cpu_kv_cache_gib: float = 1.0
+    async_scheduling: bool = True
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -3,6 +3,11 @@
 A sequence's KV lives in the cache for tokens [0, num_computed_tokens); the rest
 (a prompt not yet prefilled, or the last sampled token) is what the scheduler
 still has to run. Block tables are owned by the core's KV manager, keyed by seq_id.
+
+With overlapped steps (EngineConfig.async_scheduling) a sequence may also hold placeholders:
+tokens already sampled on the device by a step whose results the host has not seen yet
+(num_inflight_tokens). They count in num_tokens, so the scheduler plans the next step as if
+they were known; the engine replaces each placeholder with the real token when it arrives.
 """
 from __future__ import annotations
 
@@ -49,27 +54,50 @@ class Sequence:
     sent_tokens: int = 0
     sent_text_len: int = 0
     sent_finish: bool = False
+    # Tokens sampled on the device whose values the host does not know yet (0, 1, or 2 while
+    # one step's results are processed after the next step was launched); and the row of this
+    # sequence in the sampled-token tensor of the latest launched step (its newest placeholder).
+    num_inflight_tokens: int = 0
+    inflight_sample_row: int = -1
 
     @property
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
+
+    def token_slice(self, lo: int, hi: int) -> list[int]:
+        """Known tokens [lo, hi) of prompt + outputs, without concatenating the whole list."""
+        prompt, out = self.prompt_token_ids, self.output_token_ids
+        p = len(prompt)
+        if hi <= p:
+            return prompt[lo:hi]
+        if lo >= p:
+            return out[lo - p:hi - p]
+        return prompt[lo:] + out[:hi - p]
 
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
     @property
-    def num_tokens(self) -> int:
+    def num_known_tokens(self) -> int:
+        """Prompt + outputs the host holds (num_tokens minus placeholders)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + outputs, counting placeholders (tokens sampled but not yet on the host)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
     @property
-    def is_prefill(self) -> bool:
-        """True while more than the last sampled token is still to be computed."""
-        return self.num_uncomputed_tokens > 1 or not self.output_token_ids
+    def is_decode(self) -> bool:
+        """Whether the one token left to compute is the last sampled one (or its placeholder):
+        the sequence is past its prompt and runs one token per step."""
+        return (len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight_tokens
+                - self.num_computed_tokens == 1) and bool(self.output_token_ids or self.num_inflight_tokens)
 
     def append_token(self, token_id: int, logprob: float = 0.0, top: dict[int, float] | None = None) -> None:
         self.output_token_ids.append(token_id)

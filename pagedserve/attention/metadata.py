@@ -29,7 +29,3 @@ class AttentionMetadata:
     @property
     def num_seqs(self) -> int:
         return self.seq_lens.shape[0]
-
-    @property
-    def num_decode_tokens(self) -> int:
-        return self.num_decodes

@@ -79,12 +79,8 @@ class KVCacheManager:
         hashes = self._block_hashes.setdefault(seq.seq_id, [])
         if len(hashes) < num_blocks:
             bs = self.block_size
-            prompt, out = seq.prompt_token_ids, seq.output_token_ids
-            p = len(prompt)
             for i in range(len(hashes), num_blocks):
-                lo, hi = i * bs, (i + 1) * bs
-                # Slices of the prompt / outputs: no copy of the whole token list per block.
-                block = prompt[lo:hi] if hi <= p else out[lo - p:hi - p] if lo >= p else prompt[lo:] + out[:hi - p]
+                block = seq.token_slice(i * bs, (i + 1) * bs)
                 hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block))
         return hashes
 
@@ -269,7 +265,8 @@ class KVCacheManager:
         table = self.block_tables.get(seq.seq_id)
         if table is None:
             return
-        full = min(seq.num_computed_tokens // self.block_size, len(table))
+        # Only blocks whose tokens the host knows: a computed placeholder has no content hash yet.
+        full = min(min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size, len(table))
         done = self._num_cached_blocks.get(seq.seq_id, 0)
         if full <= done:
             return

@@ -17,7 +17,9 @@ class ScheduledSequence:
     new K/V into those slots and attends over [0, start + num_new_tokens). It may be the KV
     manager's live list (no copy per step): read it during this step, never modify it.
     do_sample and is_decode are fixed when the step is planned, so they stay true to the
-    plan after the engine appends the sampled token to seq.
+    plan after the engine appends the sampled token to seq. A decode's one token may be a
+    placeholder (seq.num_inflight_tokens > 0): the runner takes it from the previous step's
+    sampled tokens on the device. A prefill chunk never contains a placeholder.
     """
     seq: Sequence
     group: SequenceGroup
@@ -28,11 +30,10 @@ class ScheduledSequence:
     is_decode: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        out = self.seq.output_token_ids
-        n = len(self.seq.prompt_token_ids) + len(out)
+        n = self.seq.num_tokens  # placeholders included: a decode may run a token not yet on the host
         # A token is sampled only when this step reaches the end of the sequence.
         self.do_sample = self.start + self.num_new_tokens == n
-        self.is_decode = self.num_new_tokens == 1 and self.start == n - 1 and bool(out)
+        self.is_decode = self.num_new_tokens == 1 and self.start == n - 1 and self.seq.is_decode
 
     @classmethod
     def decode(cls, seq: Sequence, group: SequenceGroup, block_table: list[int]) -> "ScheduledSequence":

@@ -8,6 +8,19 @@ Each schedule() builds one step, in this order:
   4. if nothing was preempted and nothing is left swapped: waiting groups are admitted FCFS.
 All within max_num_batched_tokens tokens and max_num_seqs sequences. Decodes are listed first.
 
+Overlapped steps (async scheduling): the engine may call schedule() for step N+1 while step N
+runs, before N's sampled tokens reach the host. A sequence sampled in N then holds a placeholder
+(Sequence.num_inflight_tokens), counted in num_tokens, so it is planned as a decode of that
+placeholder and gets its slot like any decode. Invariants that make this safe:
+  - at schedule() time every placeholder belongs to the one step in flight (the engine processes
+    step N before it schedules N+2), so a preempted sequence is never re-admitted or swapped in
+    with a placeholder: neither happens in the step that preempts it;
+  - a sequence is never planned past its max_tokens / max_model_len counting placeholders
+    (_reached_limit), since those are known ahead;
+  - a sequence found finished when N's tokens arrive is freed at once: its N+1 work still runs,
+    but every later step that could reuse its blocks is queued behind N+1 on the same device
+    stream, and N+1 writes only into the sequence's own last, not yet cached, block.
+
 Multi-sequence groups (n > 1) are preempted whole. They prefer swap even when recompute is
 configured (as vLLM does); with no swap space each sequence recomputes its own tokens
 independently (prompt + its own outputs), so outputs stay correct but the shared prompt is
@@ -39,9 +52,14 @@ def make_kv_cache_manager(cache_config: CacheConfig, max_model_len: int):
     return ContiguousKVCacheManager(cache_config.block_size, cache_config.num_gpu_blocks, max_model_len, mode)
 
 
-def _is_decode(seq: Sequence) -> bool:
-    out = seq.output_token_ids
-    return bool(out) and len(seq.prompt_token_ids) + len(out) - seq.num_computed_tokens == 1
+def _reached_limit(seq: Sequence, group: SequenceGroup, max_model_len: int) -> bool:
+    """A sequence whose placeholders already take it to max_tokens or max_model_len: its last
+    token is in flight and the step that samples it ends it, so there is nothing left to plan."""
+    n = seq.num_inflight_tokens
+    if not n:
+        return False
+    max_tokens = group.sampling_params.max_tokens
+    return (max_tokens is not None and len(seq.output_token_ids) + n >= max_tokens) or seq.num_tokens >= max_model_len
 
 
 class Scheduler:
@@ -96,6 +114,19 @@ class Scheduler:
     def free_seq(self, seq: Sequence) -> None:
         self.kv_cache_manager.free(seq)
 
+    def token_arrived(self, seq: Sequence) -> None:
+        """A placeholder of seq was replaced by its token (overlapped steps): a block whose last
+        token it was, and which is already computed, can now be cached under its content hash."""
+        n = seq.num_known_tokens
+        if n % self.block_size == 0 and seq.num_computed_tokens >= n:
+            self.kv_cache_manager.cache_blocks(seq)
+
+    def drop_finished_waiting(self, group: SequenceGroup) -> None:
+        """Take a finished group out of waiting: preempted for recompute while its last token was
+        in flight, that token ended it."""
+        if group in self.waiting:
+            self.waiting.remove(group)
+
     def free_finished_seq_groups(self) -> list[SequenceGroup]:
         done = []
         # Waiting groups finish only by abort or rejection, which already take them out.
@@ -134,8 +165,10 @@ class Scheduler:
         their next slots fit at once: nothing is preempted and nothing is left to prefill, so
         the per-group path would schedule exactly these decodes in this order. None otherwise
         (nothing changed)."""
+        kept: list[SequenceGroup] = []
         groups: list[SequenceGroup] = []
         seqs: list[Sequence] = []
+        max_len = self.scheduler_config.max_model_len
         for group in self.running:
             gs = group.seqs
             if len(gs) != 1:
@@ -144,10 +177,11 @@ class Scheduler:
             status = s.status
             if status.finished:
                 continue  # leaves running, as in the per-group path
-            out_ids = s.output_token_ids
-            if status is not RUNNING or not out_ids or \
-                    len(s.prompt_token_ids) + len(out_ids) - s.num_computed_tokens != 1:
+            if status is not RUNNING or not s.is_decode:
                 return None
+            kept.append(group)
+            if s.num_inflight_tokens and _reached_limit(s, group, max_len):
+                continue
             groups.append(group)
             seqs.append(s)
         if len(seqs) > self._budget:
@@ -158,7 +192,7 @@ class Scheduler:
             return None
         out.blocks_to_copy.extend(copies)
         self._budget -= len(seqs)
-        self.running = groups
+        self.running = kept
         view = mgr.block_table_view
         make = ScheduledSequence.decode
         return [make(s, g, view(s)) for s, g in zip(seqs, groups)]
@@ -166,6 +200,7 @@ class Scheduler:
     def _schedule_running(self, scheduled: list[ScheduledSequence], out: SchedulerOutput) -> bool:
         """Steps 1-2, group by group; returns whether anything was preempted."""
         mgr = self.kv_cache_manager
+        max_len = self.scheduler_config.max_model_len
         preempted = False
         remaining = deque(g for g in self.running if not g.finished)
         self.running = []
@@ -192,9 +227,11 @@ class Scheduler:
             seqs = group.seqs
             if len(seqs) == 1:  # the common case, without the list-building below
                 s = seqs[0]
-                decodes = [s] if s.status is RUNNING and self._budget > 0 and _is_decode(s) else []
+                decodes = [s] if s.status is RUNNING and self._budget > 0 and s.is_decode \
+                    and not _reached_limit(s, group, max_len) else []
             else:
-                decodes = [s for s in seqs if s.status is RUNNING and _is_decode(s)][:self._budget]
+                decodes = [s for s in seqs if s.status is RUNNING and s.is_decode
+                           and not _reached_limit(s, group, max_len)][:self._budget]
             if not decodes:
                 pending.append((group, False))
                 continue
@@ -223,7 +260,7 @@ class Scheduler:
             if decoded and len(group.seqs) == 1:
                 continue  # its one sequence decoded (or finished): no prefill left
             for s in group.seqs:
-                if s.status is RUNNING and not _is_decode(s):
+                if s.status is RUNNING and not s.is_decode:
                     self._schedule_prefill(group, s, scheduled, out)
         return preempted
 
@@ -258,7 +295,7 @@ class Scheduler:
             seqs = group.seqs_with_status(SWAPPED)
             if self._num_running_seqs() + self._seq_cost(group) > self.scheduler_config.max_num_seqs:
                 break
-            if sum(1 for s in seqs if _is_decode(s)) > self._budget or not mgr.can_swap_in(group):
+            if sum(1 for s in seqs if s.is_decode) > self._budget or not mgr.can_swap_in(group):
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in.extend(mgr.swap_in(group))
@@ -266,7 +303,7 @@ class Scheduler:
                 s.status = RUNNING
             self._insert_running(group)
             for s in seqs:
-                if _is_decode(s):
+                if s.is_decode:
                     if mgr.can_append_slots([(s, 1)]):
                         scheduled.append(self._run(group, s, 1, out))
                 else:

@@ -4,6 +4,13 @@ The engine owns the glue and nothing else: the Scheduler (core) decides which to
 owns every block; the ModelRunner turns the plan into logits; the Sampler picks tokens; the
 OutputProcessor appends, detokenizes and applies the stop rules. Per-step host work is
 O(scheduled sequences), never O(blocks).
+
+Overlapped steps (EngineConfig.async_scheduling): step() schedules and launches step N+1 (its
+placeholder tokens read from N's sampled ids on the device), and only then waits for N's tokens
+(copied out on a side stream) and processes them, so the device runs N+1 while the host appends,
+detokenizes, checks stops and builds N's outputs, and then schedules N+2. Each call still
+returns the outputs of one step (one step late); a request added after a step is launched joins
+the next one. A sequence that N finishes has its N+1 row discarded.
 """
 from __future__ import annotations
 
@@ -17,16 +24,33 @@ from pagedserve.config import CacheConfig, EngineConfig
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.beam_search import BeamSearchState, LiveBeam
 from pagedserve.engine.output_processor import OutputProcessor
-from pagedserve.layers.sampler import Sampler, SampleRow, derive_seed, needs_only_temperature
+from pagedserve.engine.step_timer import NULL_STEP_TIMER
+from pagedserve.layers.sampler import DeviceSample, Sampler, SampleRow, derive_seed, needs_only_temperature
 from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
 from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
+from pagedserve.runner.async_output import AsyncHostCopy
 from pagedserve.runner.executor import build_executor
 from pagedserve.runner.model_runner import resolve_device
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
+
+
+def overlaps(p: SamplingParams) -> bool:
+    """Whether a request's steps can overlap (see EngineConfig.async_scheduling): nothing it needs
+    reads the newest token on the host before the next step, and it never forks."""
+    return (p.logprobs is None and p.min_tokens == 0 and p.best_of == 1 and p.repetition_penalty == 1.0
+            and not p.frequency_penalty and not p.presence_penalty)
+
+
+@dataclasses.dataclass
+class InflightStep:
+    """A launched step whose sampled tokens the host has not processed yet."""
+    sampled: list                 # ScheduledSequence rows that sample, in the order of tokens
+    tokens: torch.Tensor          # [len(sampled)] sampled ids on the device (the next step's placeholders)
+    copy: AsyncHostCopy
 
 
 def _load_tokenizer(path: str) -> Any:
@@ -107,14 +131,14 @@ class LLMEngine:
         self._seq_generators: dict[int, torch.Generator] = {}
         self._beams: dict[str, BeamSearchState] = {}
         self._beam_results: dict[str, BeamSearchOutput] = {}
-        # Optional phase clock (pagedserve.engine.step_timer.StepTimer); None costs nothing.
-        self.step_timer = None
+        # Phase clock (pagedserve.engine.step_timer.StepTimer); the null one does nothing.
+        self.step_timer = NULL_STEP_TIMER
+        # Overlap needs the sampled ids on this process's device: one rank only.
+        self.async_scheduling = config.async_scheduling and getattr(self.runner, "world_size", 1) == 1
+        self._sync_requests: set[str] = set()   # unfinished requests that force synchronous steps
+        self._inflight: InflightStep | None = None
 
     # ---- construction helpers -------------------------------------------------------------
-
-    @classmethod
-    def from_engine_args(cls, config: EngineConfig) -> "LLMEngine":
-        return cls(config)
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "LLMEngine":
@@ -206,6 +230,8 @@ class LLMEngine:
         p = group.sampling_params
         if needs_only_temperature(p) and p.min_tokens == 0 and p.best_of == 1:
             self._plain_sampling[request_id] = p.temperature
+        if not overlaps(p):
+            self._sync_requests.add(request_id)
         self._groups[request_id] = group
         self.scheduler.add_seq_group(group)
 
@@ -220,6 +246,7 @@ class LLMEngine:
         sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
         group = self._new_group(request_id, prompt, sp, None)
         self._beams[request_id] = BeamSearchState(params, self.eos_token_ids, params.max_tokens)
+        self._sync_requests.add(request_id)
         self._groups[request_id] = group
         self.scheduler.add_seq_group(group)
 
@@ -234,11 +261,8 @@ class LLMEngine:
             return
         self.scheduler.abort_seq_group(known)
         for r in known:
-            group = self._groups.pop(r)
-            self._plain_sampling.pop(r, None)
+            self._forget(self._groups.pop(r))
             self._beams.pop(r, None)
-            for s in group.seqs:
-                self._seq_generators.pop(s.seq_id, None)
 
     def has_request(self, request_id: str) -> bool:
         """True while the request is queued or running."""
@@ -254,6 +278,14 @@ class LLMEngine:
         """KVCacheStats; token_counts=False is the O(1) read (num_live_tokens left None)."""
         return self.scheduler.get_kv_cache_stats(token_counts)
 
+    def _forget(self, group: SequenceGroup) -> None:
+        """Drop the engine's per-request state of a finished or aborted group."""
+        rid = group.request_id
+        self._plain_sampling.pop(rid, None)
+        self._sync_requests.discard(rid)
+        for s in group.seqs:
+            self._seq_generators.pop(s.seq_id, None)
+
     def _make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
         g.manual_seed(seed)
@@ -265,38 +297,35 @@ class LLMEngine:
         """Run one scheduler step; returns outputs of requests that advanced or finished, each
         in its SamplingParams.output_kind shape. final_only=True treats every request as
         FINAL_ONLY (only finished ones report, which saves copying for offline use); a DELTA
-        request then reports everything not yet sent."""
+        request then reports everything not yet sent. With overlapped steps the outputs are
+        those of the step launched by the previous call (see the module docstring)."""
         timer = self.step_timer
-        if timer is not None:
-            timer.begin()
-        out = self.scheduler.schedule()
-        if timer is not None:
-            timer.mark("schedule")
+        timer.begin()
         touched: dict[int, SequenceGroup] = {}
+        prev = self._inflight  # stays visible until processed: the step the scheduler plans around
+        overlap = self.async_scheduling and not self._sync_requests
+        if prev is not None and not overlap:
+            # A request that needs every token on the host joined: finish the step in flight first.
+            self._inflight = None
+            self._process_inflight(prev, touched, final_only)
+            prev = None
+        out = self.scheduler.schedule()
+        timer.mark("schedule")
+        self._inflight = None
         for group in out.ignored:
             for seq in group.seqs:
                 if not seq.status.finished:
                     seq.status = SequenceStatus.FINISHED_IGNORED
             touched[id(group)] = group
         if not out.is_empty:
-            logits = self.runner.execute(out)
-            if timer is not None:
-                timer.mark("execute", sync=True)
-            self.scheduler.update_after_step(out)
-            sampled = [s for s in out.scheduled if s.do_sample]
-            if sampled and logits is not None:
-                now = time.time()
-                for s in sampled:
-                    group = s.group
-                    if group.first_token_time is None:
-                        group.first_token_time = now
-                        group.metrics["first_token_time"] = now
-                    # final_only (for the whole step, or FINAL_ONLY for this request) reports
-                    # finished groups only, and every group that finishes here is still in
-                    # running, so free_finished_seq_groups() hands it back below.
-                    if not final_only and group.sampling_params.output_kind is not FINAL_ONLY:
-                        touched[id(group)] = group
-                self._process_samples(logits, sampled)
+            if overlap:
+                self._inflight = self._launch(out, prev)
+            else:
+                self._run_sync(out, touched, final_only)
+        if prev is not None:
+            self._process_inflight(prev, touched, final_only)
+        if self._inflight is not None and not self._groups:
+            self._inflight = None  # every request ended: its rows would all be discarded
 
         # The scheduler may also end groups on its own (one that outgrew the whole cache).
         for group in self.scheduler.free_finished_seq_groups():
@@ -313,12 +342,111 @@ class LLMEngine:
                 outputs.append(self.output_processor.make_output(group))
             if finished:
                 self._groups.pop(rid, None)
-                self._plain_sampling.pop(rid, None)
-                for s in group.seqs:
-                    self._seq_generators.pop(s.seq_id, None)
-        if timer is not None:
-            timer.mark("postprocess")
+                self._forget(group)
+        timer.mark("postprocess")
         return outputs
+
+    def _note_sampled(self, group: SequenceGroup, now: float, touched: dict, final_only: bool) -> None:
+        if group.first_token_time is None:
+            group.first_token_time = now
+            group.metrics["first_token_time"] = now
+        # final_only (for the whole step, or FINAL_ONLY for this request) reports finished groups
+        # only, and every group that finishes here is still queued, so free_finished_seq_groups()
+        # (or touched, for one finished while waiting) hands it back.
+        if not final_only and group.sampling_params.output_kind is not FINAL_ONLY:
+            touched[id(group)] = group
+
+    def _run_sync(self, out, touched: dict, final_only: bool) -> None:
+        """The synchronous step: execute, sample, and append before returning."""
+        timer = self.step_timer
+        timer.launch_begin()
+        logits = self.runner.execute(out)
+        timer.mark("execute", sync=True)
+        self.scheduler.update_after_step(out)
+        sampled = [s for s in out.scheduled if s.do_sample]
+        if sampled and logits is not None:
+            now = time.time()
+            for s in sampled:
+                self._note_sampled(s.group, now, touched, final_only)
+            self._process_samples(logits, sampled)
+        timer.launch_end()
+
+    # ---- overlapped steps -----------------------------------------------------------------
+
+    def _launch(self, out, prev: InflightStep | None) -> InflightStep | None:
+        """Queue the step on the device, sampling included, and start copying its tokens out;
+        every sampled sequence gets a placeholder. Nothing here waits for the device."""
+        timer = self.step_timer
+        timer.launch_begin()
+        logits = self.runner.execute(out, None if prev is None else prev.tokens)
+        timer.mark("execute")
+        self.scheduler.update_after_step(out)
+        sampled = [s for s in out.scheduled if s.do_sample]
+        if not sampled or logits is None:
+            timer.launch_end()
+            return None
+        result = self._sample_device(logits, sampled)
+        for r, s in enumerate(sampled):
+            seq = s.seq
+            seq.num_inflight_tokens += 1
+            seq.inflight_sample_row = r
+        step = InflightStep(sampled, result.tokens, AsyncHostCopy(result))
+        timer.launch_end()
+        timer.mark("sample")
+        return step
+
+    def _sample_device(self, logits: torch.Tensor, sampled: list) -> DeviceSample:
+        get = self._plain_sampling.get
+        temps = [get(s.group.request_id) for s in sampled]
+        if None not in temps and (all(temps) or not any(temps)):
+            return self.sampler.sample_plain_device(logits, temps)
+        gens = self._seq_generators
+        rows = [SampleRow(i, s.group.sampling_params, s.seq.prompt_token_ids, s.seq.output_token_ids,
+                          gens.get(s.seq.seq_id)) for i, s in enumerate(sampled)]
+        return self.sampler.sample_device(logits, rows)
+
+    def _process_inflight(self, step: InflightStep, touched: dict, final_only: bool) -> None:
+        """Wait for a launched step's tokens and append them: placeholders become tokens. Rows of
+        sequences that ended meanwhile (a stop in the step before, an abort) are discarded."""
+        result = step.copy.result()
+        self.step_timer.mark("wait")
+        now = time.time()
+        live, tokens, logprobs = [], [], []
+        for s, token, logprob in zip(step.sampled, result.token_ids, result.logprobs):
+            seq = s.seq
+            seq.num_inflight_tokens -= 1
+            if seq.status.finished:
+                continue
+            live.append(s)
+            tokens.append(token)
+            logprobs.append(logprob)
+            self._note_sampled(s.group, now, touched, final_only)
+        if self.output_processor.tokenizer is None:
+            done = self.output_processor.append_plain_tokens(live, tokens, logprobs)
+        else:
+            append = self.output_processor.append_token
+            done = []
+            for s, token, logprob in zip(live, tokens, logprobs):
+                status = append(s.seq, s.group, token, logprob, None)
+                if status is not None:
+                    done.append((s.seq, status))
+        if done:
+            group_of = {s.seq.seq_id: s.group for s in live}
+            for seq, status in done:
+                self._end_seq(seq, group_of[seq.seq_id], status, touched)
+        arrived = self.scheduler.token_arrived
+        for s in live:
+            if not s.seq.status.finished:
+                arrived(s.seq)
+
+    def _end_seq(self, seq: Sequence, group: SequenceGroup, status: SequenceStatus, touched: dict) -> None:
+        was_waiting = seq.status is SequenceStatus.WAITING
+        seq.status = status
+        self.scheduler.free_seq(seq)
+        if was_waiting:
+            # Preempted for recompute while its last token was in flight, and that token ended it.
+            self.scheduler.drop_finished_waiting(group)
+            touched[id(group)] = group
 
     def _process_samples(self, logits: torch.Tensor, sampled: list) -> None:
         get = self._plain_sampling.get
@@ -347,11 +475,11 @@ class LLMEngine:
                 targets.append((s, j))
         if rows:
             timer = self.step_timer
-            if timer is not None:
-                timer.mark("postprocess")
-            result = self.sampler.sample(logits, rows)
-            if timer is not None:
-                timer.mark("sample")
+            timer.mark("postprocess")
+            drawn = self.sampler.sample_device(logits, rows)
+            timer.launch_end()
+            result = drawn.to_host()
+            timer.mark("sample")
             forks: dict[int, Sequence] = {}
             # Fork first: children copy the parent's tokens before the parent appends its own.
             for r, (s, j) in enumerate(targets):
@@ -376,11 +504,11 @@ class LLMEngine:
     def _process_plain_samples(self, logits: torch.Tensor, sampled: list, temps: list[float]) -> None:
         """Every row needs only its temperature (no seeds, filters, penalties, logprobs, forks)."""
         timer = self.step_timer
-        if timer is not None:
-            timer.mark("postprocess")
-        result = self.sampler.sample_plain(logits, temps)
-        if timer is not None:
-            timer.mark("sample")
+        timer.mark("postprocess")
+        drawn = self.sampler.sample_plain_device(logits, temps)
+        timer.launch_end()
+        result = drawn.to_host()
+        timer.mark("sample")
         if self.output_processor.tokenizer is None:
             free = self.scheduler.free_seq
             for seq, status in self.output_processor.append_plain_tokens(sampled, result.token_ids,
@@ -455,6 +583,7 @@ class LLMEngine:
         rid = group.request_id
         state = self._beams.pop(rid)
         self._groups.pop(rid, None)
+        self._forget(group)
         prompt = group.prompt_token_ids
         if not state.done:
             # Ended from outside the search (the scheduler ran out of cache): the live beams

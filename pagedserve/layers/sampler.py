@@ -15,6 +15,14 @@ log_softmax is only formed when some row asks for top-N logprobs.
 
 sample_plain is the fast path for a batch whose rows need nothing but a temperature: a few
 batched ops and one device-to-host copy. It draws exactly what sample() draws for such rows.
+
+Every draw has a device half (sample_device / sample_plain_device: a DeviceSample, tensors only,
+no host sync unless a row needs penalties) and a host half (DeviceSample.packed() -> one
+device-to-host copy -> SamplerOutput.from_packed), so overlapped steps can feed the sampled ids
+to the next step on the device and copy them out on a side stream. Per-row parameters reach the
+device through pinned, non-blocking copies. top-k / top-p never sort the vocab: torch.topk of the
+largest k in the batch, top-p inside those k; rows with top-p but no top-k bisect a probability
+threshold instead.
 """
 from __future__ import annotations
 
@@ -59,6 +67,55 @@ class SamplerOutput:
     logprobs: list[float]                           # raw logprob of each chosen token
     top_logprobs: list[dict[int, float] | None]     # top-N raw logprobs + the chosen one, if asked
 
+    @classmethod
+    def from_packed(cls, host: torch.Tensor, want: list[int | None]) -> "SamplerOutput":
+        """From DeviceSample.packed() copied to the host."""
+        token_list = host[:, 0].long().tolist()
+        chosen_list = host[:, 1].tolist()
+        max_n = max((w for w in want if w is not None), default=None)
+        if max_n:
+            top_ids = host[:, 2:2 + max_n].long().tolist()
+            top_vals = host[:, 2 + max_n:].tolist()
+        tops: list[dict[int, float] | None] = []
+        for i, w in enumerate(want):
+            if w is None:
+                tops.append(None)
+                continue
+            d = {} if not w else dict(zip(top_ids[i][:w], top_vals[i][:w]))
+            d[token_list[i]] = chosen_list[i]
+            tops.append(d)
+        return cls(token_list, chosen_list, tops)
+
+
+@dataclass
+class DeviceSample:
+    """One draw, still on the device: nothing here has been copied to the host."""
+    tokens: torch.Tensor                  # [n] int64 sampled ids
+    logprobs: torch.Tensor                # [n] raw logprob of each
+    want: list[int | None]                # per row: how many top logprobs (None: not asked)
+    top_ids: torch.Tensor | None = None   # [n, max_n]
+    top_vals: torch.Tensor | None = None
+
+    def packed(self) -> torch.Tensor:
+        """Everything the host needs as one float64 tensor (float64 holds every token id exactly)."""
+        parts = [self.tokens.double()[:, None], self.logprobs.double()[:, None]]
+        if self.top_ids is not None:
+            parts += [self.top_ids.double(), self.top_vals.double()]
+        return torch.cat(parts, dim=1)
+
+    def to_host(self) -> SamplerOutput:
+        """Synchronous: one device-to-host copy."""
+        return SamplerOutput.from_packed(self.packed().cpu(), self.want)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on `device` without a host sync: pinned and copied non-blocking on CUDA
+    (a plain torch.tensor(..., device=cuda) waits for the stream)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
 
 def needs_only_temperature(p: SamplingParams) -> bool:
     """Whether sample_plain can draw for these params (given no seed generator and no suppression)."""
@@ -69,12 +126,6 @@ def needs_only_temperature(p: SamplingParams) -> bool:
 def _chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits)[i, tokens[i]] without forming the whole log_softmax."""
     return logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
-
-
-def _to_host(tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[list[int], list[float]]:
-    """Both lists in one device-to-host copy (float64 holds every token id exactly)."""
-    host = torch.stack((tokens.double(), chosen.double()), dim=1).cpu()
-    return host[:, 0].long().tolist(), host[:, 1].tolist()
 
 
 def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
@@ -108,22 +159,57 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
     return logits
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+_TOP_P_BISECTIONS = 32  # float32 probabilities: the threshold's interval is below one ulp by then
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                      k_limit: int | None = None, every_row_top_k: bool | None = None,
+                      any_top_p: bool | None = None) -> torch.Tensor:
     """Mask to -inf what top-k (k >= vocab: off) and then top-p (p >= 1: off) exclude.
 
     top-p keeps the smallest prefix of tokens, by descending probability, whose mass reaches p
     (at least one token): token t is dropped when the mass strictly before it is already >= p.
+    k_limit: the largest top_k below vocab among the rows (0: no row has one), every_row_top_k:
+    whether every row has one, any_top_p: whether some row has top_p < 1; the device sampler
+    passes them from the host so nothing here reads the device (None: read from the tensors). Without a full sort: when every row has a top-k, the top k_limit candidates
+    (torch.topk, descending) hold every survivor, and top-p runs inside them; otherwise the k-th
+    largest logit is each row's top-k threshold and top-p's threshold is found by bisection on
+    the probability (keep p_t >= t for the largest t whose kept mass still reaches p).
     """
     vocab = logits.shape[-1]
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(vocab, device=logits.device)
-    sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= top_k[:, None], _MASK)
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
-    drop[:, 0] = False
-    sorted_logits = sorted_logits.masked_fill(drop, _MASK)
-    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+    if k_limit is None or every_row_top_k is None:
+        ks = top_k.tolist()
+        k_limit = max((k for k in ks if k < vocab), default=0)
+        every_row_top_k = all(k < vocab for k in ks)
+    if any_top_p is None:
+        any_top_p = bool((top_p < 1.0).any())
+    if k_limit and every_row_top_k:
+        vals, idx = logits.topk(k_limit, dim=-1)
+        ranks = torch.arange(k_limit, device=logits.device)
+        vals = vals.masked_fill(ranks[None, :] >= top_k[:, None], _MASK)
+        if any_top_p:
+            probs = vals.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+            drop[:, 0] = False
+            vals = vals.masked_fill(drop, _MASK)
+        return torch.full_like(logits, _MASK).scatter_(1, idx, vals)
+    x = logits
+    if k_limit:
+        kth = x.topk(k_limit, dim=-1).values.gather(1, (top_k.clamp(max=k_limit) - 1)[:, None])
+        x = x.masked_fill((top_k[:, None] < vocab) & (x < kth), _MASK)
+    if any_top_p:
+        probs = x.softmax(dim=-1)
+        p = top_p[:, None].to(probs.dtype)
+        lo = torch.zeros_like(p)
+        hi = probs.max(dim=-1, keepdim=True).values
+        for _ in range(_TOP_P_BISECTIONS):
+            mid = (lo + hi) * 0.5
+            reaches = (probs * (probs >= mid)).sum(dim=-1, keepdim=True) >= p
+            lo = torch.where(reaches, mid, lo)
+            hi = torch.where(reaches, hi, mid)
+        x = x.masked_fill((probs < lo) & (p < 1.0), _MASK)
+    return x
 
 
 def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
@@ -147,19 +233,21 @@ class Sampler:
         if suppress:
             ri, ti = zip(*suppress)
             logits = logits.clone()
-            logits[torch.tensor(ri, device=dev), torch.tensor(ti, device=dev)] = _MASK
+            logits[to_device(list(ri), torch.long, dev), to_device(list(ti), torch.long, dev)] = _MASK
         if all(p.greedy for p in params):
             return logits
-        temps = torch.tensor([p.temperature if p.temperature > 0 else 1.0 for p in params],
-                             device=dev, dtype=logits.dtype)
+        temps = to_device([p.temperature if p.temperature > 0 else 1.0 for p in params], logits.dtype, dev)
         logits = logits / temps[:, None]
         vocab = logits.shape[-1]
-        if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=dev)
-            top_p = torch.tensor([p.top_p for p in params], device=dev, dtype=logits.dtype)
-            logits = apply_top_k_top_p(logits, top_k, top_p)
+        ks = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        any_top_p = any(p.top_p < 1.0 for p in params)
+        k_limit = max((k for k in ks if k < vocab), default=0)
+        if k_limit or any_top_p:
+            top_k = to_device(ks, torch.long, dev)
+            top_p = to_device([p.top_p for p in params], logits.dtype, dev)
+            logits = apply_top_k_top_p(logits, top_k, top_p, k_limit, all(k < vocab for k in ks), any_top_p)
         if any(p.min_p > 0 for p in params):
-            min_p = torch.tensor([p.min_p for p in params], device=dev, dtype=logits.dtype)
+            min_p = to_device([p.min_p for p in params], logits.dtype, dev)
             logits = apply_min_p(logits, min_p)
         return logits
 
@@ -167,7 +255,7 @@ class Sampler:
         """Exponential-race noise for unseeded rows, from the shared generator."""
         return torch.empty_like(probs).exponential_(generator=self.generator)
 
-    def sample_plain(self, logits: torch.Tensor, temperatures: list[float]) -> SamplerOutput:
+    def sample_plain_device(self, logits: torch.Tensor, temperatures: list[float]) -> DeviceSample:
         """Row i of logits, drawn at temperatures[i] (0: greedy) with the shared generator; rows
         must satisfy needs_only_temperature and be all greedy or all temperature > 0."""
         n = len(temperatures)
@@ -183,22 +271,22 @@ class Sampler:
             if not all(temperatures):
                 raise ValueError("sample_plain rows must be all greedy or all temperature > 0")
             if all(t == t0 for t in temperatures):
-                temps = torch.full((n, 1), t0, device=logits.device, dtype=logits.dtype)
+                probs = (logits / t0).softmax(dim=-1)
             else:
-                temps = torch.tensor(temperatures, device=logits.device, dtype=logits.dtype)[:, None]
-            probs = (logits / temps).softmax(dim=-1)
+                probs = (logits / to_device(temperatures, logits.dtype, logits.device)[:, None]).softmax(dim=-1)
             noise = self._draw(probs).clamp_min_(torch.finfo(probs.dtype).tiny)
             tokens = (probs / noise).argmax(dim=-1)
-        token_list, chosen_list = _to_host(tokens, _chosen_logprobs(logits, tokens))
-        return SamplerOutput(token_list, chosen_list, [None] * n)
+        return DeviceSample(tokens, _chosen_logprobs(logits, tokens), [None] * n)
 
-    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
-        if not rows:
-            return SamplerOutput([], [], [])
+    def sample_plain(self, logits: torch.Tensor, temperatures: list[float]) -> SamplerOutput:
+        return self.sample_plain_device(logits, temperatures).to_host()
+
+    def sample_device(self, logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSample:
+        """The draw for every row, left on the device (penalties are the one part that reads it)."""
         dev = logits.device
         index = [r.logits_index for r in rows]
         if index != list(range(logits.shape[0])):
-            logits = logits.index_select(0, torch.tensor(index, device=dev))
+            logits = logits.index_select(0, to_device(index, torch.long, dev))
         logits = logits.float()
         x = self.process_logits(logits, rows)
 
@@ -206,7 +294,7 @@ class Sampler:
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]
         tokens = x.argmax(dim=-1) if len(sampled) < len(rows) else None
         if sampled:
-            probs = x[sampled].softmax(dim=-1)
+            probs = (x if len(sampled) == len(rows) else x[to_device(sampled, torch.long, dev)]).softmax(dim=-1)
             noise = torch.empty_like(probs)
             shared = [j for j, i in enumerate(sampled) if rows[i].generator is None]
             for j, i in enumerate(sampled):
@@ -217,34 +305,21 @@ class Sampler:
                 if len(shared) == len(sampled):
                     noise = draw
                 else:
-                    noise[torch.tensor(shared, device=dev)] = draw
+                    noise[to_device(shared, torch.long, dev)] = draw
             noise.clamp_min_(torch.finfo(noise.dtype).tiny)
             if len(sampled) == len(rows):
                 tokens = (probs / noise).argmax(dim=-1)
             else:
-                tokens[torch.tensor(sampled, device=dev)] = (probs / noise).argmax(dim=-1)
+                tokens[to_device(sampled, torch.long, dev)] = (probs / noise).argmax(dim=-1)
 
         want = [r.params.logprobs for r in rows]
         max_n = max((w for w in want if w is not None), default=None)
-        # One device->host transfer per step (float64 holds every token id exactly).
-        chosen = _chosen_logprobs(logits, tokens)
-        parts = [tokens.double()[:, None], chosen.double()[:, None]]
+        result = DeviceSample(tokens, _chosen_logprobs(logits, tokens), want)
         if max_n:
-            top_vals, top_ids = torch.log_softmax(logits, dim=-1).topk(max_n, dim=-1)
-            parts += [top_ids.double(), top_vals.double()]
-        host = torch.cat(parts, dim=1).cpu()
-        token_list = host[:, 0].long().tolist()
-        chosen_list = host[:, 1].tolist()
-        if max_n:
-            top_ids = host[:, 2:2 + max_n].long().tolist()
-            top_vals = host[:, 2 + max_n:].tolist()
+            result.top_vals, result.top_ids = torch.log_softmax(logits, dim=-1).topk(max_n, dim=-1)
+        return result
 
-        tops: list[dict[int, float] | None] = []
-        for i, w in enumerate(want):
-            if w is None:
-                tops.append(None)
-                continue
-            d = {} if not w else dict(zip(top_ids[i][:w], top_vals[i][:w]))
-            d[token_list[i]] = chosen_list[i]
-            tops.append(d)
-        return SamplerOutput(token_list, chosen_list, tops)
+    def sample(self, logits: torch.Tensor, rows: list[SampleRow]) -> SamplerOutput:
+        if not rows:
+            return SamplerOutput([], [], [])
+        return self.sample_device(logits, rows).to_host()

@@ -25,16 +25,18 @@ class ModelInput:
     attn_meta: AttentionMetadata
     sample_indices: torch.Tensor  # [num_sampling] int64: rows of the hidden states to turn into logits
     num_sampling: int
+    # Placeholder tokens (overlapped steps): input_ids[placeholder_dst[i]] is row placeholder_src[i]
+    # of the previous step's sampled tokens, filled in on the device (fill_placeholders).
+    placeholder_dst: torch.Tensor | None = None
+    placeholder_src: torch.Tensor | None = None
 
-
-def _new_tokens(s: ScheduledSequence) -> list[int]:
-    seq, lo, hi = s.seq, s.start, s.start + s.num_new_tokens
-    p = len(seq.prompt_token_ids)
-    if lo >= p:
-        return seq.output_token_ids[lo - p:hi - p]
-    if hi <= p:
-        return seq.prompt_token_ids[lo:hi]
-    return seq.prompt_token_ids[lo:] + seq.output_token_ids[:hi - p]
+    def fill_placeholders(self, prev_sampled: torch.Tensor | None) -> None:
+        """Write the previous step's sampled tokens into their input slots, on the device (no sync)."""
+        if self.placeholder_dst is None:
+            return
+        if prev_sampled is None:
+            raise ValueError("the batch has placeholder tokens but no previous step's sampled tokens were given")
+        self.input_ids.index_copy_(0, self.placeholder_dst, prev_sampled.index_select(0, self.placeholder_src))
 
 
 def padded_block_tables(block_tables: list[list[int]], table_lens: np.ndarray, width: int) -> np.ndarray:
@@ -73,8 +75,10 @@ def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Ten
 
 def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
                       block_tables: list[list[int]], sample_mask: np.ndarray, num_decodes: int, block_size: int,
-                      device: torch.device, pad_blocks_to: int | None = None) -> ModelInput:
-    """The arrays are per sequence except input_ids (per token). Raises if a block table is too short."""
+                      device: torch.device, pad_blocks_to: int | None = None,
+                      placeholders: tuple[np.ndarray, np.ndarray] | None = None) -> ModelInput:
+    """The arrays are per sequence except input_ids (per token). Raises if a block table is too short.
+    placeholders: (token index, row of the previous step's sampled tokens) pairs, or None."""
     num_seqs = len(block_tables)
     starts = np.asarray(starts, dtype=np.int64)
     query_lens = np.asarray(query_lens, dtype=np.int64)
@@ -110,9 +114,11 @@ def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.
         sample_indices = cu[1:][sample_mask] - 1
         query_lens_l, seq_lens_l = query_lens.tolist(), seq_lens.tolist()
         max_query_len, max_seq_len = int(max(query_lens_l, default=0)), int(max(seq_lens_l, default=0))
-    ids_t, pos_t, slots_t, cu_t, seq_lens_t, tables_t, sample_t = _to_device(
-        [np.asarray(input_ids, dtype=np.int64), positions, slots, cu.astype(np.int32), seq_lens.astype(np.int32),
-         tables, sample_indices], device)
+    arrays = [np.asarray(input_ids, dtype=np.int64), positions, slots, cu.astype(np.int32),
+              seq_lens.astype(np.int32), tables, sample_indices]
+    if placeholders is not None and len(placeholders[0]):
+        arrays += [np.asarray(placeholders[0], dtype=np.int64), np.asarray(placeholders[1], dtype=np.int64)]
+    ids_t, pos_t, slots_t, cu_t, seq_lens_t, tables_t, sample_t, *ph = _to_device(arrays, device)
     meta = AttentionMetadata(
         slot_mapping=slots_t,
         query_start_loc=cu_t,
@@ -126,7 +132,8 @@ def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.
         seq_lens_cpu=seq_lens_l,
     )
     return ModelInput(input_ids=ids_t, positions=pos_t, attn_meta=meta,
-                      sample_indices=sample_t, num_sampling=int(sample_indices.shape[0]))
+                      sample_indices=sample_t, num_sampling=int(sample_indices.shape[0]),
+                      placeholder_dst=ph[0] if ph else None, placeholder_src=ph[1] if ph else None)
 
 
 @dataclass
@@ -142,10 +149,33 @@ class HostBatch:
     block_tables: list[list[int]]  # [S] physical block ids
     sample_mask: np.ndarray        # [S] bool, sequences that sample a token this step
     num_decodes: int
+    # Decodes whose token is a placeholder: their token index in input_ids (0 there for now) and
+    # their row in the previous step's sampled tokens. Empty unless steps overlap.
+    placeholder_dst: np.ndarray | None = None
+    placeholder_src: np.ndarray | None = None
 
     def to_model_input(self, block_size: int, device: torch.device, pad_blocks_to: int | None = None) -> ModelInput:
+        ph = None if self.placeholder_dst is None else (self.placeholder_dst, self.placeholder_src)
         return build_model_input(self.input_ids, self.starts, self.query_lens, self.block_tables, self.sample_mask,
-                                 self.num_decodes, block_size, device, pad_blocks_to)
+                                 self.num_decodes, block_size, device, pad_blocks_to, ph)
+
+
+def _decode_tokens(decodes: list[ScheduledSequence]) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
+    """Each decode's one token (0 for a placeholder), and the placeholders' (index, source row)."""
+    ids: list[int] = []
+    dst: list[int] = []
+    src: list[int] = []
+    for i, s in enumerate(decodes):
+        seq = s.seq
+        if seq.num_inflight_tokens:
+            ids.append(0)
+            dst.append(i)
+            src.append(seq.inflight_sample_row)
+        else:
+            ids.append(seq.output_token_ids[-1])
+    if not dst:
+        return ids, None, None
+    return ids, np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
 
 
 def host_batch(scheduled: list[ScheduledSequence], num_decodes: int) -> HostBatch:
@@ -156,20 +186,16 @@ def host_batch(scheduled: list[ScheduledSequence], num_decodes: int) -> HostBatc
         # Decode-only step: one token each, the last one appended, and every sequence samples.
         query_lens = np.ones(n, dtype=np.int64)
         sample_mask = np.ones(n, dtype=bool)
-        ids = [s.seq.output_token_ids[-1] for s in scheduled]
+        ids, dst, src = _decode_tokens(scheduled)
     else:
         query_lens = np.fromiter([s.num_new_tokens for s in scheduled], dtype=np.int64, count=n)
         sample_mask = np.fromiter([s.do_sample for s in scheduled], dtype=bool, count=n)
-        ids = []
-        for s in scheduled:
-            ids.extend(_new_tokens(s))
+        ids, dst, src = _decode_tokens(scheduled[:num_decodes])
+        for s in scheduled[num_decodes:]:
+            if s.seq.num_inflight_tokens:
+                raise ValueError("a prefill chunk must not contain a placeholder token")
+            ids.extend(s.seq.token_slice(s.start, s.start + s.num_new_tokens))
         if len(ids) != int(query_lens.sum()):
             raise ValueError("a scheduled sequence asks for tokens beyond its length")
     return HostBatch(np.asarray(ids, dtype=np.int64), starts, query_lens, [s.block_table for s in scheduled],
-                     sample_mask, num_decodes)
-
-
-def prepare_model_input(scheduled: list[ScheduledSequence], num_decodes: int, block_size: int,
-                        device: torch.device, pad_blocks_to: int | None = None) -> ModelInput:
-    """The batch for one SchedulerOutput's scheduled sequences (in their order)."""
-    return host_batch(scheduled, num_decodes).to_model_input(block_size, device, pad_blocks_to)
+                     sample_mask, num_decodes, dst, src)

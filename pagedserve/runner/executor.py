@@ -48,8 +48,8 @@ class UniProcExecutor:
     def __init__(self, config, hf_config, device, dtype, runner_factory: str | None = None):
         self.runner = _resolve(runner_factory or DEFAULT_RUNNER)(config, hf_config, device, dtype)
 
-    def execute(self, plan):
-        return self.runner.execute(plan)
+    def execute(self, plan, prev_sampled=None):
+        return self.runner.execute(plan, prev_sampled)
 
     def shutdown(self) -> None:
         pass

@@ -200,13 +200,14 @@ class ModelRunner:
         return StepInput(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, batch)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> torch.Tensor | None:
+    def execute(self, out: SchedulerOutput, prev_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run the plan; float32 logits [num_sampling, vocab] in the order of out.scheduled filtered by
-        do_sample, or None when no sequence samples this step."""
-        return self.execute_model(self.prepare_inputs(out))
+        do_sample, or None when no sequence samples this step. prev_sampled: the previous step's
+        sampled token ids on the device, the source of this step's placeholder tokens (if any)."""
+        return self.execute_model(self.prepare_inputs(out), prev_sampled)
 
     @torch.inference_mode()
-    def execute_model(self, step: StepInput) -> torch.Tensor | None:
+    def execute_model(self, step: StepInput, prev_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
         """The device-side half: cache ops, then the forward over this rank's heads."""
         self._require("model")
         self._require("cache")
@@ -220,6 +221,7 @@ class ModelRunner:
         if step.batch is None:
             return None
         inp = step.batch.to_model_input(self.block_size, self.device)
+        inp.fill_placeholders(prev_sampled)
         n = len(step.batch.query_lens)
         if self.graphs is not None and step.batch.num_decodes == n and self.graphs.bucket_for(n) is not None:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta)

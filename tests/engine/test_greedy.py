@@ -26,13 +26,16 @@ def test_greedy_batch_matches_hf(tiny_model_dir, arch):
     _check(llm, model_dir, prompt_ids(model_dir))
 
 
+# Every test here runs with overlapped steps (the default); those that exercise the scheduler's
+# preemption, chunking and caching paths also run synchronous (async_scheduling=False).
+@pytest.mark.parametrize("async_scheduling", [True, False])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_greedy_under_preemption(tiny_model_dir, mode):
+def test_greedy_under_preemption(tiny_model_dir, mode, async_scheduling):
     model_dir = tiny_model_dir("llama")
     ids = prompt_ids(model_dir)
     # 8 tokens per block; the longest request (90 + 20 tokens) needs 14 blocks: 16 force preemptions.
     llm = make_llm(model_dir, block_size=8, num_gpu_blocks_override=16, preemption_mode=mode,
-                   swap_space=0.05, max_num_batched_tokens=64)
+                   swap_space=0.05, max_num_batched_tokens=64, async_scheduling=async_scheduling)
     sched = llm.llm_engine.scheduler
     swaps = []
     schedule = sched.schedule
@@ -47,29 +50,30 @@ def test_greedy_under_preemption(tiny_model_dir, mode):
     assert (sum(swaps) > 0) == (mode == "swap")
 
 
-@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
-def test_greedy_block_sizes_and_chunked_prefill(tiny_model_dir, block_size):
+@pytest.mark.parametrize("block_size,async_scheduling", [(1, True), (8, True), (16, True), (32, True), (8, False)])
+def test_greedy_block_sizes_and_chunked_prefill(tiny_model_dir, block_size, async_scheduling):
     model_dir = tiny_model_dir("qwen2")
     # A 7-token budget chunks every prompt longer than that, mixed with decodes.
-    llm = make_llm(model_dir, block_size=block_size, max_num_batched_tokens=7)
+    llm = make_llm(model_dir, block_size=block_size, max_num_batched_tokens=7, async_scheduling=async_scheduling)
     _check(llm, model_dir, prompt_ids(model_dir))
 
 
-@pytest.mark.parametrize("prefix_caching", [True, False])
-def test_greedy_prefix_caching_on_off(tiny_model_dir, prefix_caching):
+@pytest.mark.parametrize("prefix_caching,async_scheduling", [(True, True), (False, True), (True, False)])
+def test_greedy_prefix_caching_on_off(tiny_model_dir, prefix_caching, async_scheduling):
     model_dir = tiny_model_dir("mistral")
     ids = prompt_ids(model_dir)
-    llm = make_llm(model_dir, block_size=4, enable_prefix_caching=prefix_caching)
+    llm = make_llm(model_dir, block_size=4, enable_prefix_caching=prefix_caching, async_scheduling=async_scheduling)
     _check(llm, model_dir, ids)
     _check(llm, model_dir, ids)  # second round: every full prompt block is cached
     stats = llm.get_kv_cache_stats()
     assert (stats.prefix_cache_hits > 0) == prefix_caching
 
 
-def test_requests_arriving_while_others_decode(tiny_model_dir):
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_requests_arriving_while_others_decode(tiny_model_dir, async_scheduling):
     model_dir = tiny_model_dir("opt")
     ids = prompt_ids(model_dir)
-    llm = make_llm(model_dir, block_size=8, max_num_batched_tokens=16)
+    llm = make_llm(model_dir, block_size=8, max_num_batched_tokens=16, async_scheduling=async_scheduling)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     done, pending, step = {}, list(enumerate(ids)), 0

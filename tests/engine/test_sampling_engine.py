@@ -66,6 +66,9 @@ def test_seeded_sampling_reproducible_and_batch_independent(tiny_model_dir):
     # A different engine seed changes unseeded requests, never seeded ones.
     llm2 = make_llm(model_dir, block_size=16, seed=99)
     assert llm2.generate({"prompt_token_ids": ids[1]}, target, use_tqdm=False)[0].outputs[0].token_ids == alone
+    # Synchronous steps draw the same tokens as overlapped ones (the default), in a crowd too.
+    sync = make_llm(model_dir, block_size=8, async_scheduling=False)
+    assert sync.generate(crowd, params, use_tqdm=False)[4].outputs[0].token_ids == alone
     other = SamplingParams(temperature=1.0, seed=1235, max_tokens=16)
     assert llm.generate({"prompt_token_ids": ids[1]}, other, use_tqdm=False)[0].outputs[0].token_ids != alone
     assert_no_leak(llm)

@@ -1,0 +1,161 @@
+"""Overlapped steps (EngineConfig.async_scheduling): the same tokens as synchronous steps, a
+scheduler that really plans step N+1 before N's tokens are on the host, and nothing left behind."""
+import pytest
+
+from pagedserve import SamplingParams
+from pagedserve.runner.batch import host_batch
+
+from .helpers import assert_no_leak, make_llm, prompt_ids
+
+ABORT_AT = 5          # step at which the "victim" requests are aborted
+LATE_SYNC_AT = 8      # step at which a request the overlap cannot serve (logprobs) joins
+
+
+def _engine(model_dir, async_scheduling, mode="recompute", **kw):
+    # 4-token blocks, 40 of them, a 32-token budget: chunked prompts, decodes and preemptions mix.
+    kw = {**dict(block_size=4, num_gpu_blocks_override=40, swap_space=0.05, preemption_mode=mode,
+                 max_num_batched_tokens=32), **kw}
+    return make_llm(model_dir, async_scheduling=async_scheduling, **kw)
+
+
+def _workload(ids, stop_after):
+    """(step to add it at, request id, prompt, params). Greedy requests (some ended mid-batch by a
+    stop token or EOS), seeded top-k / top-p sampling, twins of the aborted ones, and a late
+    logprobs request that forces synchronous steps while it runs."""
+    reqs = []
+    for i, p in enumerate(ids):
+        if i % 3 == 0:
+            params = SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop_after[i]])
+        elif i % 3 == 1:
+            params = SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=100 + i, max_tokens=14)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=12 + i)  # EOS may end it
+        reqs.append((i % 4, f"r{i}", p, params))
+    long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    for i in (1, 4):
+        reqs += [(0, f"victim{i}", ids[i], long), (0, f"twin{i}", ids[i], long)]
+    reqs.append((LATE_SYNC_AT, "logprobs", ids[2], SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)))
+    return reqs
+
+
+def _run(llm, reqs, spy=None):
+    engine = llm.llm_engine
+    if spy is not None:
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda: spy(engine, schedule())
+    finals, partial, step = {}, {}, 0
+    pending = sorted(reqs, key=lambda r: r[0])
+    while pending or engine.has_unfinished_requests():
+        while pending and pending[0][0] <= step:
+            _, rid, prompt, params = pending.pop(0)
+            engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+        if step == ABORT_AT:
+            engine.abort_request(["victim1", "victim4"])
+        for out in engine.step():
+            c = out.outputs[0]
+            partial[out.request_id] = list(c.token_ids)
+            if out.finished:
+                finals[out.request_id] = (list(c.token_ids), c.finish_reason, c.text)
+        step += 1
+        assert step < 500
+    assert_no_leak(llm)
+    assert engine._inflight is None
+    return finals, partial
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def stop_after(model_dir):
+    """For each prompt, its 4th greedy token: a stop token that ends it mid-batch."""
+    ids = prompt_ids(model_dir)
+    outs = make_llm(model_dir).generate([{"prompt_token_ids": p} for p in ids],
+                                        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                                        use_tqdm=False)
+    return [o.outputs[0].token_ids[-1] for o in outs]
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_token_exact_with_overlap_on_and_off(model_dir, stop_after, mode):
+    ids = prompt_ids(model_dir)
+    reqs = _workload(ids, stop_after)
+    runs = {}
+    for on in (True, False):
+        llm = _engine(model_dir, on, mode)
+        runs[on] = _run(llm, reqs)
+        assert llm.get_kv_cache_stats().num_preemptions > 0
+    (on_final, on_partial), (off_final, off_partial) = runs[True], runs[False]
+    survivors = {r[1] for r in reqs} - {"victim1", "victim4"}
+    assert survivors <= on_final.keys() and survivors <= off_final.keys()
+    for rid in sorted(survivors):
+        assert on_final[rid] == off_final[rid], rid
+    assert any(on_final[f"r{i}"][1] == "stop" and len(on_final[f"r{i}"][0]) < 16 for i in range(0, len(ids), 3))
+    for victim, twin in (("victim1", "twin1"), ("victim4", "twin4")):
+        assert victim not in on_final and victim not in off_final
+        for partial in (on_partial, off_partial):
+            got = partial.get(victim, [])
+            assert got == on_final[twin][0][:len(got)] and len(got) < 20
+
+
+def test_next_step_is_planned_before_the_tokens_arrive(model_dir, stop_after):
+    """Exact state at every schedule(): each decode planned right after a step that sampled it
+    runs a placeholder, with a slot allocated for it; no sequence is planned past max_tokens."""
+    ids = prompt_ids(model_dir)[:6]
+    seen = {"placeholder_steps": 0, "max_inflight": 0, "rows": {}}
+
+    def spy(engine, out):
+        inflight = engine._inflight
+        in_prev = {id(s.seq) for s in inflight.sampled} if inflight is not None else set()
+        for g in engine.scheduler.running:
+            for seq in g.seqs:
+                seen["max_inflight"] = max(seen["max_inflight"], seq.num_inflight_tokens)
+                if not seq.status.finished:
+                    # A placeholder exists exactly for the sequences the step in flight samples.
+                    assert seq.num_inflight_tokens == (1 if id(seq) in in_prev else 0)
+        batch = host_batch(out.scheduled, out.num_decodes) if out.scheduled else None
+        placeholders = set() if batch is None or batch.placeholder_dst is None else set(batch.placeholder_dst.tolist())
+        for i, s in enumerate(out.scheduled):
+            seq = s.seq
+            if s.do_sample:
+                seen["rows"][s.seq.seq_id] = seen["rows"].get(s.seq.seq_id, 0) + 1
+            if seq.num_inflight_tokens:
+                assert s.is_decode and s.start == seq.num_known_tokens == seq.num_computed_tokens
+                assert i in placeholders
+                assert batch.placeholder_src[sorted(placeholders).index(i)] == seq.inflight_sample_row
+                assert len(s.block_table) * 4 >= s.start + 1  # the placeholder's slot is allocated
+            else:
+                assert i not in placeholders
+        if placeholders:
+            seen["placeholder_steps"] += 1
+        return out
+
+    llm = _engine(model_dir, True, num_gpu_blocks_override=400)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    stopped = SamplingParams(temperature=0.0, max_tokens=10, stop_token_ids=[stop_after[0]])
+    reqs = [(0, f"r{i}", p, params) for i, p in enumerate(ids[1:])] + [(0, "stop", ids[0], stopped)]
+    finals, _ = _run(llm, reqs, spy)
+    assert seen["placeholder_steps"] >= 5 and seen["max_inflight"] == 1
+    rows = sorted(seen["rows"].values())
+    # Length-capped requests sample exactly max_tokens rows: none is planned past its limit. The
+    # stopped one samples one row more than it keeps (the step after its stop token was in flight).
+    assert rows.count(10) == len(ids) - 1
+    n_stop = len(finals["stop"][0])
+    assert finals["stop"][1] == "stop" and n_stop < 10
+    assert n_stop + 1 in rows
+    assert engine.scheduler.kv_cache_manager.get_num_free_blocks() == 400
+
+
+def test_overlap_off_never_holds_placeholders(model_dir):
+    llm = _engine(model_dir, False)
+    held = []
+
+    def spy(engine, out):
+        held.extend(s.seq.num_inflight_tokens for s in out.scheduled)
+        return out
+    reqs = [(0, f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=6)) for i, p in enumerate(prompt_ids(model_dir)[:3])]
+    _run(llm, reqs, spy)
+    assert held and not any(held)
