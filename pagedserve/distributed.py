@@ -34,6 +34,13 @@ def init_tp_group(rank: int, size: int, group: object = None) -> TPGroup:
     return _TP_GROUP
 
 
+def reset_tp_group() -> TPGroup:
+    """Back to the single-rank group (the multi-process runtime calls this when it tears down)."""
+    global _TP_GROUP
+    _TP_GROUP = TPGroup()
+    return _TP_GROUP
+
+
 class CollectiveError(RuntimeError):
     """A collective over the TP group failed: a peer died, or stopped answering within the timeout."""
 

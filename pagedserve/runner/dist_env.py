@@ -26,6 +26,37 @@ def start_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("PAGEDSERVE_TP_START_TIMEOUT", "600")))
 
 
+PHASE_TIMEOUT_ENV = "PAGEDSERVE_TP_PHASE_TIMEOUT"
+STEP_TIMEOUT_ENV = "PAGEDSERVE_TP_STEP_TIMEOUT"
+
+
+def _seconds(name: str, default: float) -> float:
+    raw = os.environ.get(name, "")
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if value <= 0:
+        raise ValueError(f"{name} must be > 0 seconds, got {raw!r}")
+    return value
+
+
+def phase_timeout() -> float:
+    """Longest one start-up phase (load, profile, KV allocation, swap measurement, graph capture)
+    may take on any rank before the engine fails naming the rank and the phase
+    (PAGEDSERVE_TP_PHASE_TIMEOUT seconds, default 900: a cold read of a large checkpoint)."""
+    return _seconds(PHASE_TIMEOUT_ENV, 900.0)
+
+
+def step_timeout() -> float:
+    """Longest one step may take, from rank 0's broadcast to its logits being ready, before the
+    engine fails naming the lagging rank (PAGEDSERVE_TP_STEP_TIMEOUT seconds, default 300: the
+    first steps compile kernels)."""
+    return _seconds(STEP_TIMEOUT_ENV, 300.0)
+
+
 @dataclass
 class DistEnv:
     rank: int

@@ -13,7 +13,10 @@ The store doubles as the error channel: a worker that fails writes its traceback
 """
 from __future__ import annotations
 
+import json
+import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -21,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.runner.dist_env import CONTROL_TIMEOUT, DistEnv, compute_timeout, start_timeout
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -91,16 +96,42 @@ def init_compute(groups: DistGroups, device: str) -> None:
     init_tp_group(groups.env.rank, groups.env.world_size, groups.compute)
 
 
-def destroy_distributed() -> None:
-    """Leave the groups and give this process back its single-rank TP group."""
-    from pagedserve.distributed import TPGroup
-    import pagedserve.distributed as pd
-    if dist.is_initialized():
+def abort_group(group) -> None:
+    """Make every wait on `group` in this process fail now (best effort; NCCL honours it, gloo may not)."""
+    if group is None:
+        return
+    try:
+        from torch.distributed.distributed_c10d import _abort_process_group
+        _abort_process_group(group)
+    except Exception as e:  # experimental API: the group's own timeout remains the backstop
+        logger.warning("could not abort a tensor-parallel process group: %s", e)
+
+
+def destroy_distributed(wait_s: float | None = None) -> None:
+    """Leave the groups and give this process back its single-rank TP group.
+
+    With wait_s, the teardown runs on a helper thread and is abandoned after wait_s seconds:
+    destroying an NCCL group whose peer died can block forever, and a failed engine must
+    still return its error.
+    """
+    from pagedserve.distributed import reset_tp_group
+    reset_tp_group()
+    if not dist.is_initialized():
+        return
+
+    def destroy():
         try:
             dist.destroy_process_group()
         except Exception:  # a broken group (a peer died) may fail to tear down; it is gone either way
             pass
-    pd._TP_GROUP = TPGroup()
+    if wait_s is None:
+        destroy()
+        return
+    t = threading.Thread(target=destroy, daemon=True, name="tp-destroy")
+    t.start()
+    t.join(wait_s)
+    if t.is_alive():
+        logger.warning("tensor-parallel process groups did not tear down within %.0f s; abandoning them", wait_s)
 
 
 def error_key(rank: int) -> str:
@@ -119,6 +150,63 @@ def read_error(store: dist.Store, rank: int) -> str | None:
     try:
         if store.check([error_key(rank)]):
             return store.get(error_key(rank)).decode(errors="replace")
+    except Exception:
+        pass
+    return None
+
+
+# -- progress: what each rank is doing, for naming a stuck rank and its phase ------------------
+
+def progress_key(rank: int) -> str:
+    return f"progress/{rank}"
+
+
+class Progress:
+    """This rank's latest call (seq, method, running/done), published to the store.
+
+    Set-up calls publish at once (they are few and slow); steps only update the fields, and a
+    heartbeat thread publishes them every `interval` s, so the hot path never waits on the store.
+    """
+
+    def __init__(self, store: dist.Store, rank: int, interval: float = 0.25):
+        self.store, self.rank, self.interval = store, rank, interval
+        self.seq, self.method, self.state, self.since = 0, "start", "done", time.time()
+        self._published = None
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+
+    def update(self, seq: int, method: str, state: str, publish: bool) -> None:
+        self.seq, self.method, self.state, self.since = seq, method, state, time.time()
+        if publish:
+            self.publish()
+
+    def publish(self) -> None:
+        snapshot = (self.seq, self.method, self.state, self.since)
+        with self._lock:
+            if snapshot == self._published:
+                return
+            try:
+                self.store.set(progress_key(self.rank), json.dumps(snapshot))
+                self._published = snapshot
+            except Exception:  # rank 0 (the store's host) is gone: nobody is left to read it
+                pass
+
+    def start_heartbeat(self) -> None:
+        def beat():
+            while not self._stopped.wait(self.interval):
+                self.publish()
+        threading.Thread(target=beat, daemon=True, name=f"tp-progress-{self.rank}").start()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def read_progress(store: dist.Store, rank: int) -> dict | None:
+    """Rank `rank`'s last published progress: {seq, method, state, since}, or None."""
+    try:
+        if store.check([progress_key(rank)]):
+            seq, method, state, since = json.loads(store.get(progress_key(rank)))
+            return {"seq": seq, "method": method, "state": state, "since": since}
     except Exception:
         pass
     return None

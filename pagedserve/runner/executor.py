@@ -11,6 +11,14 @@ rank, each of which holds a KV pool for its own heads under the same block table
   processes spawned here (or, under torchrun's env:// variables, started externally).
   Every runner call is broadcast and executed on all ranks, so the collectives inside
   the model line up. A rank that dies fails the engine with that rank's number and cause.
+
+Start-up runs as the same phases, in the same order, on every rank (tp_worker.STARTUP_PHASES):
+load_model, determine_num_blocks (the profile; the minimum over ranks is the agreed block count),
+then allocate_kv_cache, measure_swap_cost and capture_decode_graphs (the engine's one
+init_kv_cache call, split here into one command per phase). No wait is unbounded: a watchdog
+fails the engine when a start-up phase outlives PAGEDSERVE_TP_PHASE_TIMEOUT or a step
+PAGEDSERVE_TP_STEP_TIMEOUT, naming the phase and each rank's progress in it, and unblocks rank 0
+(it kills spawned ranks, which fails gloo waits at once, and aborts the NCCL group).
 """
 from __future__ import annotations
 
@@ -27,11 +35,13 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.distributed import CollectiveError
-from pagedserve.runner.dist_env import DistEnv, free_port, is_external_worker, torchrun_env
-from pagedserve.runner.dist_groups import compute_device, destroy_distributed, init_control, read_error
+from pagedserve.runner.dist_env import (PHASE_TIMEOUT_ENV, STEP_TIMEOUT_ENV, DistEnv, free_port,
+                                        is_external_worker, phase_timeout, step_timeout, torchrun_env)
+from pagedserve.runner.dist_groups import (abort_group, compute_device, destroy_distributed, init_control,
+                                           read_error, read_progress)
 from pagedserve.runner.launch import NUM_THREADS_ENV, PARENT_PID_ENV
 from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError,
-                                         _resolve)
+                                         _resolve, reply)
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +95,9 @@ class MultiProcExecutor:
         self._closed = False
         self._lock = threading.Lock()
         self._saved_threads = torch.get_num_threads()
+        self._seq = 0
+        self._watch: _Watch | None = None  # the call the watchdog is timing
+        self._phase_timeout, self._step_timeout = phase_timeout(), step_timeout()
 
         env = torchrun_env()
         if env is not None:
@@ -122,6 +135,7 @@ class MultiProcExecutor:
             self._teardown(graceful=False)
             raise
         self.worker = Worker(self.groups)
+        threading.Thread(target=self._watchdog, daemon=True, name="tp-watchdog").start()
         # Each rank picks its own device (cuda:<local rank>, or the cpu); `device` names the kind.
         self.collective_rpc("init_runner", config, hf_config, dtype, runner_factory, want_result=True)
         self.runner = self.worker.runner
@@ -132,6 +146,12 @@ class MultiProcExecutor:
         """Run one step on every rank; returns rank 0's logits (already gathered over the vocab)."""
         step = self.runner.prepare_inputs(plan)
         return self.collective_rpc("execute_model", step)
+
+    def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """The runner's init_kv_cache as three phases, each finished by every rank before the next."""
+        self.collective_rpc("allocate_kv_cache", num_gpu_blocks, num_cpu_blocks, want_result=True)
+        self.collective_rpc("measure_swap_cost", want_result=True)
+        self.collective_rpc("capture_decode_graphs", want_result=True)
 
     def __getattr__(self, name):
         if name in ("runner", "worker", "groups"):
@@ -157,18 +177,29 @@ class MultiProcExecutor:
         With want_result, wait for every rank's answer: an error there fails the engine naming
         the rank, and REDUCE_MIN results are combined. Steps do not wait (no extra round trip):
         a failing worker there reports through the store and the step's collectives fail.
+        Either way the watchdog bounds the call (see _watchdog).
         """
         with self._lock:
             self._check_usable()
-            cmd = Command(method, args, kwargs, want_result)
+            self._seq += 1
+            cmd = Command(method, args, kwargs, want_result, self._seq)
+            step = method == "execute_model"
+            watch = _Watch(method, self._seq, time.monotonic() + (self._step_timeout if step else self._phase_timeout))
+            if not (step and self._watch is not None and not self._watch.finished()):
+                self._watch = watch  # a step still running on the device keeps its own, earlier deadline
             try:
                 _control(dist.broadcast_object_list, [cmd], src=0, group=self.groups.control)
                 result = self.worker.dispatch(cmd)
+                watch.own_done = True
                 if not want_result:
+                    watch.device_done = _device_done_marker(self.groups.device)
                     return result
                 gathered = [None] * self.world_size
-                _control(dist.gather_object, result, gathered, dst=0, group=self.groups.control)
+                _control(dist.gather_object, reply(method, result), gathered, dst=0, group=self.groups.control)
+                watch.device_done = lambda: True
             except BaseException as e:
+                if self._failure is not None:  # the watchdog timed this call out and unblocked us
+                    raise self._fail_with(self._failure) from e
                 is_collective = isinstance(e, (CollectiveError, dist.DistError))
                 found = self._describe_failures(wait_s=2.0 if is_collective else 0.0)
                 if found:
@@ -187,6 +218,69 @@ class MultiProcExecutor:
                     raise self._fail_with(TensorParallelError(
                         f"tensor-parallel rank {r.rank} failed in {method}: {r.summary}\n{r.traceback}"))
             return _min_over_ranks(gathered) if method in self.REDUCE_MIN else result
+
+    # -- the watchdog ----------------------------------------------------------------------
+
+    def _watchdog(self, poll_s: float = 0.2) -> None:
+        """Fail the engine when the current call outlives its deadline, naming the phase and ranks.
+
+        The main thread is then blocked in a collective (or in a device sync behind one), so it is
+        unblocked from here: spawned ranks are killed (gloo sees their sockets close) and the
+        compute group is aborted (NCCL); the main thread then raises this diagnosis.
+        """
+        while not self._closed:
+            time.sleep(poll_s)
+            watch = self._watch
+            if watch is None or watch.finished() or self._failure is not None:
+                continue
+            if time.monotonic() < watch.deadline:
+                continue
+            err = self._diagnose(watch)
+            logger.error("%s", err)
+            self._failure = err
+            for p in self._procs.values():
+                if p.poll() is None:
+                    p.kill()
+            self._abort_nccl()
+            return
+
+    def _abort_nccl(self) -> None:
+        """NCCL waits for a dead or silent peer until its timeout: abort them. (Gloo waits fail
+        as soon as the peer's process is gone.)"""
+        groups = getattr(self, "groups", None)
+        if groups is not None and groups.device is not None and groups.device.type == "cuda":
+            abort_group(groups.compute)
+
+    def _diagnose(self, watch: "_Watch") -> TensorParallelError:
+        step = watch.method == "execute_model"
+        what = (f"step (execute_model #{watch.seq}) did not finish within {self._step_timeout:.0f} s "
+                f"({STEP_TIMEOUT_ENV})" if step else
+                f"start-up phase {watch.method} did not finish within {self._phase_timeout:.0f} s "
+                f"({PHASE_TIMEOUT_ENV})")
+        now = time.time()
+        ranks = ["rank 0 finished its share" + (" and waits for the others" if watch.method != "execute_model"
+                                                else ", its device work has not completed")
+                 if watch.own_done else f"rank 0 is still in {watch.method} (in a collective, if another rank "
+                                         "is stuck)"]
+        stuck = []
+        for r in range(1, self.world_size):
+            p = read_progress(self.groups.store, r)
+            if p is None:
+                ranks.append(f"rank {r} has reported no progress")
+                stuck.append(r)
+            elif p["seq"] < watch.seq:
+                ranks.append(f"rank {r} never started {watch.method}: its last call was {p['method']} "
+                             f"({p['state']} {now - p['since']:.0f} s ago)")
+                stuck.append(r)
+            elif p["seq"] == watch.seq and p["state"] != "done":
+                ranks.append(f"rank {r} is stuck in {watch.method} ({p['state']} for {now - p['since']:.0f} s)")
+                stuck.append(r)
+            else:
+                ranks.append(f"rank {r} finished {watch.method}")
+        if not stuck and not watch.own_done:
+            stuck = [0]  # every other rank is past it: rank 0 itself is the one stuck
+        who = f"rank(s) {stuck}" if stuck else "no rank (all report done; a collective never completed)"
+        return TensorParallelError(f"tensor-parallel {what}; stuck: {who} in {watch.method}. " + "; ".join(ranks))
 
     # -- failure handling ------------------------------------------------------------------
 
@@ -222,11 +316,7 @@ class MultiProcExecutor:
             return
         time.sleep(grace_s)
         if self._failure is None and not self._closed:
-            try:
-                from torch.distributed.distributed_c10d import _abort_process_group
-                _abort_process_group(groups.compute)
-            except Exception as e:  # experimental API: the NCCL watchdog's timeout remains the backstop
-                logger.error("could not abort the NCCL group after a rank died: %s", e)
+            self._abort_nccl()
 
     def _raise_if_dead(self) -> None:
         for rank, p in self._procs.items():
@@ -300,7 +390,10 @@ class MultiProcExecutor:
             return
         self._closed = True
         self._kill_workers(grace_s=10.0 if graceful else 0.0)
-        destroy_distributed()
+        if not graceful:
+            self._abort_nccl()
+        # After a failure a peer is gone, and NCCL's teardown can then block forever.
+        destroy_distributed(wait_s=None if graceful else 10.0)
         torch.set_num_threads(self._saved_threads)
         try:
             atexit.unregister(self.shutdown)
@@ -321,6 +414,28 @@ class MultiProcExecutor:
             except Exception as e:
                 logger.warning("tensor-parallel shutdown broadcast failed: %s", e)
         self._teardown(graceful)
+
+
+class _Watch:
+    """One call the watchdog times: done when rank 0 has its answer and its device work completed."""
+
+    def __init__(self, method: str, seq: int, deadline: float):
+        self.method, self.seq, self.deadline = method, seq, deadline
+        self.own_done = False
+        self.device_done = None  # () -> bool, set once rank 0's share is issued
+
+    def finished(self) -> bool:
+        return self.device_done is not None and self.device_done()
+
+
+def _device_done_marker(device):
+    """() -> bool: has the device finished what was queued until now? (CUDA work is asynchronous:
+    a step's collective can still be pending after execute_model returns.)"""
+    if device is None or device.type != "cuda":
+        return lambda: True
+    event = torch.cuda.Event()
+    event.record()
+    return event.query
 
 
 def _control(op, *args, **kwargs):

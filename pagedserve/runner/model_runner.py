@@ -8,6 +8,8 @@ in schedule order. The runner never decides policy; it only carries out the plan
 from __future__ import annotations
 
 import logging
+import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +27,9 @@ from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
+# "1": a CPU runner also runs the profile phase (the same forward as on CUDA, timed; the pool is
+# still sized from cpu_kv_cache_gib), so CPU runs take the GPU's start-up path and measure costs.
+PROFILE_ON_CPU_ENV = "PAGEDSERVE_PROFILE_ON_CPU"
 
 
 @dataclass
@@ -101,30 +106,48 @@ class ModelRunner:
         self._require("model")
         return cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
 
+    @property
+    def measures_costs(self) -> bool:
+        """Whether start-up runs the profile and the swap measurement: always on CUDA; on CPU only
+        with PAGEDSERVE_PROFILE_ON_CPU=1 (otherwise the scheduler keeps SchedulerConfig's constant
+        recompute_seconds_per_token / swap_seconds_per_block)."""
+        return self.device.type == "cuda" or os.environ.get(PROFILE_ON_CPU_ENV, "") == "1"
+
     def determine_num_blocks(self) -> tuple[int, int]:
-        """(num_gpu_blocks, num_cpu_blocks): override, else profiled (CUDA) or cpu_kv_cache_gib (CPU)."""
+        """(num_gpu_blocks, num_cpu_blocks): override, else profiled (CUDA) or cpu_kv_cache_gib (CPU).
+
+        The profile runs whenever measures_costs, override or not: it measures
+        recompute_seconds_per_token, and under tensor parallelism every rank must run its forward
+        (and so its collectives) alike."""
         self._require("model")
         cfg = self.config
+        profiled = self._profile_num_gpu_blocks() if self.measures_costs else None
         if cfg.num_gpu_blocks_override is not None:
             num_gpu = cfg.num_gpu_blocks_override
-        elif self.device.type == "cuda":
-            num_gpu = self._profile_num_gpu_blocks()
+        elif profiled is not None:
+            num_gpu = profiled
         else:
-            num_gpu = int(cfg.cpu_kv_cache_gib * GiB // self.block_bytes)
+            num_gpu = self._cpu_pool_blocks()
         if num_gpu < 1:
             raise ValueError(f"no room for KV cache blocks ({self.block_bytes} bytes each): raise "
                              "gpu_memory_utilization / cpu_kv_cache_gib or use a smaller model")
         num_cpu = int(cfg.swap_space * GiB // self.block_bytes)
         return num_gpu, num_cpu
 
+    def _cpu_pool_blocks(self) -> int:
+        return int(self.config.cpu_kv_cache_gib * GiB // self.block_bytes)
+
     def _profile_num_gpu_blocks(self) -> int:
         """Blocks that fit in gpu_memory_utilization of the device after the model's weights and the
-        peak activations of a forward pass of max_num_batched_tokens tokens (max_num_seqs sequences)."""
+        peak activations of a forward pass of max_num_batched_tokens tokens (max_num_seqs sequences).
+        On CPU the same forward runs and is timed, and the pool comes from cpu_kv_cache_gib."""
         cfg = self.config
+        cuda = self.device.type == "cuda"
         sched = cfg.scheduler_config(self.max_model_len)
         num_tokens, num_seqs = sched.max_num_batched_tokens, min(sched.max_num_seqs, sched.max_num_batched_tokens)
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(self.device)
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(self.device)
         query_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
         query_lens[: num_tokens % num_seqs] += 1
         tables, nxt = [], 0
@@ -137,14 +160,11 @@ class ModelRunner:
         ids = np.random.default_rng(0).integers(0, self.vocab_size, size=num_tokens)
         inp = build_model_input(ids, np.zeros(num_seqs, dtype=np.int64), query_lens, tables,
                                 np.ones(num_seqs, dtype=bool), 0, self.block_size, self.device)
-        self._forward(inp, scratch.kv_caches)
-        torch.cuda.synchronize(self.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self._forward(inp, scratch.kv_caches)
-        end.record()
-        torch.cuda.synchronize(self.device)
-        self.profile["recompute_seconds_per_token"] = start.elapsed_time(end) / 1e3 / num_tokens
+        self._forward(inp, scratch.kv_caches)  # warm-up: kernel compilation and autotuning happen here
+        seconds = self._timed(lambda: self._forward(inp, scratch.kv_caches))
+        self.profile["recompute_seconds_per_token"] = seconds / num_tokens
+        if not cuda:
+            return self._cpu_pool_blocks()
         peak = torch.cuda.max_memory_allocated(self.device) - scratch.gpu_pool.numel() * scratch.gpu_pool.element_size()
         del scratch, inp
         torch.cuda.empty_cache()
@@ -156,33 +176,54 @@ class ModelRunner:
                     non_torch / GiB, total / GiB)
         return int(max(0, budget) // self.block_bytes)
 
+    def _timed(self, fn) -> float:
+        """Seconds fn() takes on this device (CUDA events on a GPU, the wall clock on CPU)."""
+        if self.device.type != "cuda":
+            t0 = time.perf_counter()
+            fn()
+            return time.perf_counter() - t0
+        torch.cuda.synchronize(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize(self.device)
+        return start.elapsed_time(end) / 1e3
+
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """The three start-up phases after sizing, in order (a tensor-parallel executor runs them one
+        command at a time, every rank finishing each before the next)."""
+        self.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
+        self.measure_swap_cost()
+        self.capture_decode_graphs()
+
+    def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._require("model")
         self.cache_engine = CacheEngine(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
                                         num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
         self.kv_caches = self.cache_engine.kv_caches
-        if self.device.type == "cuda" and num_cpu_blocks > 0:
-            self._measure_swap_cost(min(32, num_gpu_blocks, num_cpu_blocks))
-        if self.device.type == "cuda" and not self.config.enforce_eager:
-            self.capture_decode_graphs()
 
-    def _measure_swap_cost(self, n: int) -> None:
+    def measure_swap_cost(self) -> None:
         """Seconds to move one block out to the CPU pool and back: preemption_mode="auto" weighs
         this against recompute_seconds_per_token. The pools are still empty, so nothing is lost."""
+        self._require("cache")
+        ce = self.cache_engine
+        n = min(32, ce.num_gpu_blocks, ce.num_cpu_blocks)
+        if not self.measures_costs or n < 1:
+            return
         pairs = [(i, i) for i in range(n)]
-        self.cache_engine.swap_out(pairs)
-        self.cache_engine.swap_in(pairs)
-        torch.cuda.synchronize(self.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        self.cache_engine.swap_out(pairs)
-        self.cache_engine.swap_in(pairs)
-        end.record()
-        torch.cuda.synchronize(self.device)
-        self.profile["swap_seconds_per_block"] = start.elapsed_time(end) / 1e3 / n
+
+        def round_trip():
+            ce.swap_out(pairs)
+            ce.swap_in(pairs)
+        round_trip()
+        self.profile["swap_seconds_per_block"] = self._timed(round_trip) / n
 
     def capture_decode_graphs(self) -> None:
-        """One CUDA graph per decode batch-size bucket, up to max_num_seqs."""
+        """One CUDA graph per decode batch-size bucket, up to max_num_seqs (CUDA, unless enforce_eager)."""
+        self._require("cache")
+        if self.device.type != "cuda" or self.config.enforce_eager:
+            return
         self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, max_batch=self.config.max_num_seqs,
                                        max_model_len=self.max_model_len, block_size=self.block_size,
                                        device=self.device)

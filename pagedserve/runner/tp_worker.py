@@ -6,6 +6,12 @@ want_result). Every rank, rank 0 included, calls the same Worker method with the
 arguments, so the model's collectives line up. Results come back to rank 0 only when
 asked (gather_object); a step's logits never do, rank 0 has its own copy.
 
+Start-up is a fixed sequence of phases, each one command run by every rank in the same
+order (STARTUP_PHASES): load_model, determine_num_blocks (the profile: the same forward,
+hence the same collectives, on every rank; rank 0 takes the minimum block count),
+allocate_kv_cache, measure_swap_cost, capture_decode_graphs. Every rank publishes which
+command it is in (dist_groups.Progress), so rank 0 can name a rank stuck in a phase.
+
 A worker that fails writes its traceback into the store under its rank and exits; a
 worker whose rank 0 is gone exits too (the control group fails, and spawned workers also
 watch their parent's pid), so nothing is left behind.
@@ -23,8 +29,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from pagedserve.runner.dist_env import DistEnv
-from pagedserve.runner.dist_groups import (DistGroups, destroy_distributed, init_compute, init_control,
-                                        report_error)
+from pagedserve.runner.dist_groups import (DistGroups, Progress, destroy_distributed, init_compute, init_control,
+                                           report_error)
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +38,12 @@ SHUTDOWN = "shutdown"
 # Calls whose worker results rank 0 needs; every other call only acknowledges (or reports an error).
 RETURNS_VALUE = ("determine_num_blocks",)
 DEFAULT_RUNNER = "pagedserve.runner.model_runner:ModelRunner"
-# Test hook: "RANK:CALL" makes that rank raise on its CALL-th execute_model (1-based);
-# "RANK:CALL:hang" makes it stop answering there instead.
+# The start-up phases, in order; every rank runs each one (init_runner comes first).
+STARTUP_PHASES = ("load_model", "determine_num_blocks", "allocate_kv_cache", "measure_swap_cost",
+                  "capture_decode_graphs")
+# Test hook: "RANK:CALL" makes that rank raise on its CALL-th execute_model (1-based), or, when
+# CALL is a method name (a start-up phase), on that call; "RANK:CALL:hang" makes it stop
+# answering there instead.
 FAIL_ENV = "PAGEDSERVE_TP_TEST_FAIL"
 
 
@@ -43,6 +53,7 @@ class Command:
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
     want_result: bool = False
+    seq: int = 0  # rank 0's running count of commands, so a rank's progress says which call it is in
 
 
 class InjectedFailure(RuntimeError):
@@ -57,10 +68,15 @@ class Worker:
         self.rank = groups.env.rank
         self.runner = None
         self._executes = 0
+        self.progress = Progress(groups.store, self.rank)
         fail = os.environ.get(FAIL_ENV, "").split(":")
-        self._fail_at, self._fail_hang = None, False
-        if len(fail) >= 2 and int(fail[0]) == self.rank:
-            self._fail_at, self._fail_hang = int(fail[1]), fail[2:] == ["hang"]
+        self._fail_at, self._fail_method, self._fail_hang = None, None, False
+        if len(fail) >= 2 and fail[0].isdigit() and int(fail[0]) == self.rank:
+            if fail[1].isdigit():
+                self._fail_at = int(fail[1])
+            else:
+                self._fail_method = fail[1]
+            self._fail_hang = fail[2:] == ["hang"]
 
     def init_runner(self, config, hf_config, dtype, runner_factory: str | None = None) -> None:
         """Build the compute group and this rank's ModelRunner (load_model then reads only its slices)."""
@@ -75,15 +91,26 @@ class Worker:
     def execute_model(self, model_input):
         self._executes += 1
         if self._fail_at is not None and self._executes == self._fail_at:
-            while self._fail_hang:
-                time.sleep(1)
-            raise InjectedFailure(f"injected failure on rank {self.rank} at execute #{self._executes}")
+            self._injected_failure(f"execute #{self._executes}")
         return self.runner.execute_model(model_input)
 
+    def _injected_failure(self, where: str) -> None:
+        while self._fail_hang:
+            time.sleep(1)
+        raise InjectedFailure(f"injected failure on rank {self.rank} at {where}")
+
     def dispatch(self, cmd: Command):
+        """Run one command, keeping this rank's published progress current."""
+        step = cmd.method == "execute_model"
+        self.progress.update(cmd.seq, cmd.method, "running", publish=not step)
+        if cmd.method == self._fail_method:
+            self._injected_failure(cmd.method)
         if cmd.method in ("init_runner", "execute_model"):
-            return getattr(self, cmd.method)(*cmd.args, **cmd.kwargs)
-        return self.call(cmd.method, *cmd.args, **cmd.kwargs)
+            result = getattr(self, cmd.method)(*cmd.args, **cmd.kwargs)
+        else:
+            result = self.call(cmd.method, *cmd.args, **cmd.kwargs)
+        self.progress.update(cmd.seq, cmd.method, "done", publish=not step)
+        return result
 
 
 def _resolve(path: str):
@@ -112,14 +139,21 @@ def worker_loop(worker: Worker) -> None:
         try:
             result = worker.dispatch(cmd)
         except Exception as e:
+            worker.progress.update(cmd.seq, cmd.method, "failed", publish=True)
             if not cmd.want_result:
                 raise
             # Rank 0 is waiting in gather_object: hand the error back there instead of dying.
             result = _RemoteError(worker.rank, f"{type(e).__name__}: {e}", traceback.format_exc())
         if cmd.want_result:
-            if cmd.method not in RETURNS_VALUE and not isinstance(result, _RemoteError):
-                result = None  # an acknowledgement; e.g. load_model's nn.Module stays here
+            if not isinstance(result, _RemoteError):
+                result = reply(cmd.method, result)
             dist.gather_object(result, None, dst=0, group=groups.control)
+
+
+def reply(method: str, result):
+    """What a rank sends back for a set-up call: its value for RETURNS_VALUE calls, else a bare
+    acknowledgement (load_model's nn.Module must never be pickled through the control group)."""
+    return result if method in RETURNS_VALUE else None
 
 
 @dataclass
@@ -142,9 +176,13 @@ def run_worker(env: DistEnv, parent_pid: int | None = None) -> int:
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     groups = None
+    ok = False
     try:
         groups = init_control(env)
-        worker_loop(Worker(groups))
+        worker = Worker(groups)
+        worker.progress.start_heartbeat()
+        worker_loop(worker)
+        ok = True
         return 0
     except BaseException as e:
         msg = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
@@ -153,4 +191,5 @@ def run_worker(env: DistEnv, parent_pid: int | None = None) -> int:
         print(f"pagedserve tensor-parallel rank {env.rank} failed: {msg}", file=sys.stderr, flush=True)
         return 1
     finally:
-        destroy_distributed()
+        # After a failure a peer may be gone, and NCCL's teardown can then block forever.
+        destroy_distributed(wait_s=None if ok else 10.0)
