@@ -168,7 +168,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len,
+                                         vocab_size=engine.vocab_size)])
 
     async def respond(result: Any) -> Response:
         if hasattr(result, "model_dump_json"):
@@ -201,12 +202,17 @@ DEMO_MODEL_NAME = "pagedserve-demo"
 
 
 def _usage_hint(name: str, host: str, port: int, keyed: bool) -> str:
-    base = f"http://{host}:{port}/v1"
+    """Commands that work as printed; with a key they read it from $PAGEDSERVE_API_KEY, so the
+    key itself never lands in the log."""
+    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}/v1"
     auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if keyed else ""
-    return (f"\nServing {name!r} at {base}. Try:\n"
+    key = "os.environ['PAGEDSERVE_API_KEY']" if keyed else "'x'"
+    first = "  # with PAGEDSERVE_API_KEY set to the server's key:\n" if keyed else ""
+    return (f"\nServing {name!r} at {base}. Try:\n{first}"
             f"  curl {base}/completions{auth} -H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{name}\", \"prompt\": \"In the beginning\", \"max_tokens\": 32}}'\n"
-            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='x'); "
+            f"  python -c \"import os; from openai import OpenAI; "
+            f"c = OpenAI(base_url='{base}', api_key={key}); "
             f"print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', "
             f"'content': 'Continue: The LORD is my shepherd'}}]).choices[0].message.content)\"\n")
 
@@ -215,7 +221,7 @@ def run_server_cli(args: Any) -> int:
     """`pagedserve serve`: build the engine from the CLI flags and serve it with uvicorn."""
     import uvicorn
 
-    from pagedserve.entrypoints.cli import engine_config_from_args
+    from pagedserve.engine_args import engine_config_from_args
 
     if args.model_pos and args.model and args.model_pos != args.model:
         raise ValueError(f"MODEL ({args.model_pos!r}) and --model ({args.model!r}) disagree")
@@ -238,5 +244,6 @@ def run_server_cli(args: Any) -> int:
     logger.info("serving %s on http://%s:%d/v1%s", name, args.host, args.port,
                 " (API key required)" if api_key else "")
     print(_usage_hint(name, args.host, args.port, api_key is not None), flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5,
+                access_log=not getattr(args, "disable_uvicorn_access_log", False))
     return 0

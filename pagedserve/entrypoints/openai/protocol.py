@@ -225,6 +225,8 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=now)
     owned_by: str = "pagedserve"
     max_model_len: Optional[int] = None
+    # Not OpenAI's: lets clients (`pagedserve bench serve`) send valid token-id prompts.
+    vocab_size: Optional[int] = None
 
 
 class ModelList(OpenAIModel):
