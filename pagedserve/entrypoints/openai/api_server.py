@@ -66,13 +66,19 @@ class BodyLimitMiddleware:
             chunks.append(body)
             if not message.get("more_body", False):
                 break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")  # JSON over HTTP is UTF-8 (RFC 8259); say where it is not
+        except UnicodeDecodeError as e:
+            return await _error(400, f"request body is not valid UTF-8: byte 0x{body[e.start]:02x} "
+                                     f"at offset {e.start}", code="invalid_json")(scope, receive, send)
         replayed = False
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         # Bodies are JSON whatever the client says (curl -d sends a form content type).
