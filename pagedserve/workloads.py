@@ -1,4 +1,4 @@
-"""The benchmark workloads of BENCHMARKS.md, drawn by its rule so two engines run the same work.
+"""The benchmark workloads of docs/benchmarks.md, drawn by its rule so two engines run the same work.
 
 With random.Random(0): all prompt lengths first, then all output lengths, then each
 request's token ids uniform in [0, 10000), request by request. Poisson arrival
@@ -63,7 +63,7 @@ def make_workload(name: str, num_requests: int | None = None, request_rate: floa
 
     For a model smaller than the workload assumes, vocab_size (ids drawn from
     [0, min(10000, vocab_size))) and max_total_len (prompt + output never above it; the
-    workload's own cap when larger) fit it. Left at None, the draw is BENCHMARKS.md's exactly.
+    workload's own cap when larger) fit it. Left at None, the draw is docs/benchmarks.md's exactly.
     """
     if name not in WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {name!r}")

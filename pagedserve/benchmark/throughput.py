@@ -1,4 +1,4 @@
-"""Offline throughput of a named workload, timed as BENCHMARKS.md asks.
+"""Offline throughput of a named workload, timed as docs/benchmarks.md asks.
 
 Warm-up, then at least two timed runs of the whole request set; every run is reported
 and the best one is the headline. The roofline is computed for the schedule executed.
@@ -12,7 +12,7 @@ from pathlib import Path
 
 from pagedserve.workloads import VOCAB_DRAW, WorkloadRequest, make_workload
 
-# vLLM's settings for the bar in BENCHMARKS.md.
+# vLLM's settings for the bar in docs/benchmarks.md.
 BENCH_TEMPERATURE = 0.6
 DEFAULT_MODELS = {"nanovllm": "qwen3-0.6b", "fixed256": "llama-3.1-8b", "sharegpt-like": "llama-3.1-8b",
                   "alpaca-like": "opt-13b", "shared-prefix": "llama-3.1-8b"}
