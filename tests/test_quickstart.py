@@ -109,3 +109,17 @@ def test_readme_quickstart_from_a_fresh_clone(tmp_path):
                        capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert re.search(r"\d+ passed", p.stdout) and "failed" not in p.stdout
+
+
+def test_docs_link_only_inside_the_repo():
+    """A clone has no sibling folders: every relative link of the README and docs/ resolves in it."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+            if re.match(r"[a-z]+:", target) or target.startswith("#"):
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            if not path.exists() or REPO not in path.parents:
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert not broken, broken
