@@ -109,3 +109,14 @@ def test_missing_weights_suggest_the_flag(tiny_model_dir, tmp_path, capsys):
             shutil.copy(f, tmp_path / f.name)
     err = _one_line_error(["generate", "--model", str(tmp_path), "--device", "cpu", "hi"], capsys)
     assert "no *.safetensors" in err and "--load-format dummy" in err
+
+
+def test_llm_signature_defaults_are_the_config_defaults():
+    """LLM(...) spells its arguments out for editors; they must not drift from EngineConfig."""
+    import inspect
+
+    from pagedserve import LLM
+    params = inspect.signature(LLM.__init__).parameters
+    for f, _ in engine_fields():
+        if f.name in params:
+            assert params[f.name].default == f.default, f.name

@@ -19,7 +19,7 @@ def wide_server(tiny_model_dir, tmp_path_factory):
     model = tiny_model_dir("llama", vocab_size=10240, max_position_embeddings=2048)
     s = start_server(model, tmp_path_factory.mktemp("bench") / "server.log",
                      "--max-model-len", "2048", "--num-gpu-blocks-override", "512",
-                     "--swap-space", "0.05")
+                     "--swap-space", "0.05", "--disable-uvicorn-access-log")
     yield s
     stop_server(s)
 
@@ -46,6 +46,7 @@ def test_bench_serve_against_server(wide_server, tmp_path):
         assert 0 < res[key]["p50"] <= res[key]["p90"] <= res[key]["p99"]
     assert res["request_throughput"] > 0 and res["output_throughput"] > 0
     assert res["config"]["request_rate"] == rate
+    assert '"POST /v1/completions' not in wide_server.log()  # --disable-uvicorn-access-log
 
 
 def _bench(argv: list[str], capsys) -> tuple[int, str, str]:
@@ -75,6 +76,7 @@ def test_bench_serve_fits_a_small_model(server, tmp_path, capsys):
     assert [r["prompt_len"] for r in res["requests"]] == [len(w.prompt_token_ids) for w in work]
     assert [r["output_len"] for r in res["requests"]] == [w.output_len for w in work]
     assert f"{n}/{n}" in stderr  # the progress bar reached the end
+    assert '"POST /v1/completions HTTP/1.1" 200' in server.log()  # access log on by default
 
 
 def test_bench_serve_flags_override_the_model_card(server, tmp_path, capsys):
