@@ -45,8 +45,9 @@ def _check_text(value: Any) -> None:
             raise ValueError(f"contains a lone UTF-16 surrogate (U+{ord(m.group()):04X}) at "
                              f"character {m.start()}, which is not valid Unicode text")
     elif isinstance(value, list):
-        for v in value:
-            if not isinstance(v, int):
+        # Runs after type validation, so a list is all of one type: token ids need no look.
+        if value and not isinstance(value[0], (int, float)):
+            for v in value:
                 _check_text(v)
     elif isinstance(value, dict):
         for k, v in value.items():
