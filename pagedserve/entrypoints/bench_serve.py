@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -256,6 +257,7 @@ def run_serve_cli(args: Any) -> int:
     max_concurrency = getattr(args, "max_concurrency", None)
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    args.api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     served = asyncio.run(_describe_model(args))
     seed = getattr(args, "seed", 0)
     requests = make_workload(args.workload, args.num_requests, args.request_rate, seed=seed,

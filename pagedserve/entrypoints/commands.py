@@ -161,7 +161,8 @@ def register_bench(sub) -> None:
     s.add_argument("--num-requests", type=_at_least(1), default=100, help="requests to send")
     s.add_argument("--request-rate", type=positive_rate, default=float("inf"),
                    help="Poisson arrivals per second (inf: all at once)")
-    s.add_argument("--api-key", default=None, help="sent as `Authorization: Bearer KEY`")
+    s.add_argument("--api-key", default=None,
+                   help="sent as `Authorization: Bearer KEY` (default: $PAGEDSERVE_API_KEY if set)")
     s.add_argument("--max-concurrency", type=_at_least(1), default=None,
                    help="at most this many requests in flight")
     s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
