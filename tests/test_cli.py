@@ -120,3 +120,14 @@ def test_llm_signature_defaults_are_the_config_defaults():
     for f, _ in engine_fields():
         if f.name in params:
             assert params[f.name].default == f.default, f.name
+
+
+def test_taken_port_is_one_line_before_loading(tiny_model_dir, capsys):
+    import socket
+    model = str(tiny_model_dir("llama"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = _one_line_error(["serve", model, "--port", str(port), "--device", "cpu"], capsys)
+    assert f"cannot listen on 127.0.0.1:{port}" in err

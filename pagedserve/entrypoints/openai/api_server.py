@@ -223,6 +223,18 @@ def _usage_hint(name: str, host: str, port: int, keyed: bool) -> str:
             f"'content': 'Continue: The LORD is my shepherd'}}]).choices[0].message.content)\"\n")
 
 
+def _check_can_listen(host: str, port: int) -> None:
+    """A taken port is a one-line error before the model loads, not a bind failure after."""
+    import socket
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
 def run_server_cli(args: Any) -> int:
     """`pagedserve serve`: build the engine from the CLI flags and serve it with uvicorn."""
     import uvicorn
@@ -242,6 +254,7 @@ def run_server_cli(args: Any) -> int:
     if args.max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
     config = engine_config_from_args(args, model)
+    _check_can_listen(args.host, args.port)
     engine = AsyncLLMEngine.from_engine_config(config)
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     name = args.served_model_name or default_name
