@@ -3,7 +3,7 @@
 `generate`: one left-padded batch, its default cache. `generate_batch`: transformers' own
 continuous batching with a paged cache. Both take one max_new_tokens for all requests, so
 every request gets the workload's mean output length and the total work matches
-(BENCHMARKS.md). Dummy (random) weights in bf16; sampling at temperature 0.6.
+(docs/benchmarks.md). Dummy (random) weights in bf16; sampling at temperature 0.6.
 """
 from __future__ import annotations
 

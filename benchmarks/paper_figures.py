@@ -1,6 +1,6 @@
 """The paper's memory figures from `pagedserve sim` (deterministic, no weights) and the CPU engine.
 
-Each subcommand writes a JSON (BENCHMARKS.md's format, with the exact command) and a PNG:
+Each subcommand writes a JSON (docs/benchmarks.md's format, with the exact command) and a PNG:
   memory      Figure 2: KV memory split into token states / reserved / internal / external
               fragmentation, paged (block 16) vs contiguous-max / -pow2 / -oracle, both workloads
   picture     the seeds' opening picture from a real sim snapshot: contiguous slabs vs pages

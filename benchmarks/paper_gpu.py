@@ -78,7 +78,7 @@ def params(r) -> SamplingParams:
 
 
 def workload(eng: LLMEngine, name: str, n: int | None = None, rate: float | None = None) -> list:
-    """BENCHMARKS.md's workload; token ids folded into the vocabulary (a no-op for the real configs,
+    """docs/benchmarks.md's workload; token ids folded into the vocabulary (a no-op for the real configs,
     whose vocabularies exceed the 10,000 ids drawn, but not for the smoke test's tiny model)."""
     reqs = make_workload(name, n, request_rate=rate)
     for r in reqs:

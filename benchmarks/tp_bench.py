@@ -5,7 +5,7 @@
    their first difference each engine's token must be among the other's top-5 logprobs (bf16
    all-reduces sum in a different order, so a near-tie may flip; after that the contexts
    differ and the comparison stops).
-2. Throughput: `fixed256` (BENCHMARKS.md's draw) with dummy weights on Llama-3.1-8B and on
+2. Throughput: `fixed256` (docs/benchmarks.md's draw) with dummy weights on Llama-3.1-8B and on
    OPT-13B, each at TP=1 and TP=2, timed by pagedserve.benchmark.throughput.run_throughput.
 
 Every engine runs in its own process, so each gets clean GPUs. Writes

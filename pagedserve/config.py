@@ -53,9 +53,23 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
 
 
+DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
+DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def option(default, help: str, choices: tuple | None = None):
+    """A config field with its user-facing description: the CLI builds each flag's help, default
+    and choices from this, so a new field gets its documented flag without touching the CLI."""
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    return field(default=default, metadata=metadata)
+
+
 @dataclass
 class EngineConfig:
-    """Everything LLM(...) / `pagedserve serve` accept (one CLI flag per field).
+    """Every `LLM(...)` argument; `pagedserve serve/generate/bench` take each as --dashed-flag.
 
     async_scheduling (vLLM's name; on by default): overlapped steps. The engine schedules and
     prepares step N+1 while step N runs on the device; N's sampled ids feed N+1 on the device and
@@ -67,29 +81,43 @@ class EngineConfig:
     Outputs are token-exact either way for greedy and seeded requests; unseeded sampling shares
     one generator, so its draws depend on the batch in both modes. False: always synchronous (A/B).
     """
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    swap_space: float = 4.0  # GiB of pinned CPU memory for swapped-out blocks
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    preemption_mode: str = "auto"
-    enable_chunked_prefill: bool = True
-    enforce_eager: bool = False
-    load_format: str = "auto"
-    skip_tokenizer_init: bool = False
-    tensor_parallel_size: int = 1
-    kv_allocator: str = "paged"
+    model: str | None = option(None, "local HF model directory (config.json + *.safetensors)")
+    tokenizer: str | None = option(None, "tokenizer directory (default: the model directory)")
+    dtype: str = option("auto", "weight and activation dtype; auto: float32 on CPU, the checkpoint's "
+                                "float16 or else bfloat16 on CUDA", DTYPES)
+    device: str = option("auto", "auto: CUDA when available, else CPU", DEVICES)
+    seed: int = option(0, "seed of the engine's random state (requests may set their own)")
+    block_size: int = option(16, "tokens per KV-cache block, 1 to 1024")
+    gpu_memory_utilization: float = option(0.9, "fraction of GPU memory the engine may use, weights "
+                                                "and KV cache together, in (0, 1]")
+    num_gpu_blocks_override: int | None = option(None, "KV-cache blocks to allocate instead of "
+                                                       "profiling memory (on CPU: instead of "
+                                                       "--cpu-kv-cache-gib)")
+    swap_space: float = option(4.0, "GiB of pinned CPU memory for KV blocks swapped out under "
+                                    "memory pressure")
+    max_num_seqs: int = option(256, "most sequences in one batch")
+    max_num_batched_tokens: int | None = option(None, "token budget of one step (default: 8192, or "
+                                                      "max_model_len with chunked prefill off)")
+    max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the "
+                                             "model's own limit)")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")
+    preemption_mode: str = option("auto", "what to do with a sequence when KV blocks run out; auto: "
+                                          "the cheaper of swap and recompute, measured",
+                                  PREEMPTION_MODES)
+    enable_chunked_prefill: bool = option(True, "split long prompts across steps, decodes first")
+    enforce_eager: bool = option(False, "never capture CUDA graphs")
+    load_format: str = option("auto", "dummy: random weights of the config's shapes (benchmarks, "
+                                      "no *.safetensors needed)", LOAD_FORMATS)
+    skip_tokenizer_init: bool = option(False, "load no tokenizer: prompts must be token ids and "
+                                              "outputs carry no text")
+    tensor_parallel_size: int = option(1, "GPUs (ranks) one model is split over")
+    kv_allocator: str = option("paged", "paged KV cache, or a contiguous baseline of the paper",
+                               KV_ALLOCATORS)
     # CPU default pool when no override is given: bounded so a laptop is not exhausted.
-    cpu_kv_cache_gib: float = 1.0
-    async_scheduling: bool = True
+    cpu_kv_cache_gib: float = option(1.0, "GiB of KV cache on CPU when --num-gpu-blocks-override "
+                                          "is not given")
+    async_scheduling: bool = option(True, "overlap steps: schedule and prepare step N+1 while step N "
+                                          "runs on the device (off: every step synchronous, for A/B)")
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -99,9 +127,9 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32"):
+        if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
+        if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

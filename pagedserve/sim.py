@@ -57,6 +57,7 @@ def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_si
     if spec is None:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {workload!r}")
     max_model_len = max_model_len or spec.max_total_len
+    CacheConfig(block_size=block_size, kv_allocator=allocator)  # its checks, before any division by it
     if num_blocks is None:
         num_blocks = KV_BUDGET_TOKENS // block_size
     if num_blocks < 1:

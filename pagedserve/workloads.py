@@ -1,4 +1,4 @@
-"""The benchmark workloads of BENCHMARKS.md, drawn by its rule so two engines run the same work.
+"""The benchmark workloads of docs/benchmarks.md, drawn by its rule so two engines run the same work.
 
 With random.Random(0): all prompt lengths first, then all output lengths, then each
 request's token ids uniform in [0, 10000), request by request. Poisson arrival
@@ -57,16 +57,32 @@ def _draw_len(rng: random.Random, dist: tuple, cap: int) -> int:
 
 
 def make_workload(name: str, num_requests: int | None = None, request_rate: float | None = None,
-                  seed: int = 0) -> list[WorkloadRequest]:
-    """Requests of a named workload; request_rate (req/s) gives Poisson arrival times."""
+                  seed: int = 0, vocab_size: int | None = None,
+                  max_total_len: int | None = None) -> list[WorkloadRequest]:
+    """Requests of a named workload; request_rate (req/s) gives Poisson arrival times.
+
+    For a model smaller than the workload assumes, vocab_size (ids drawn from
+    [0, min(10000, vocab_size))) and max_total_len (prompt + output never above it; the
+    workload's own cap when larger) fit it. Left at None, the draw is docs/benchmarks.md's exactly.
+    """
     if name not in WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {name!r}")
     spec = WORKLOADS[name]
     n = spec.num_requests if num_requests is None else num_requests
     if n < 1:
         raise ValueError(f"num_requests must be >= 1, got {n}")
+    if vocab_size is not None and vocab_size < 1:
+        raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+    draw = VOCAB_DRAW if vocab_size is None else min(VOCAB_DRAW, vocab_size)
+    total = spec.max_total_len if max_total_len is None else min(spec.max_total_len, max_total_len)
+    fixed_total = (spec.prompt[1] if spec.prompt[0] == "fixed" else 0) + \
+        (spec.output[1] if spec.output[0] == "fixed" else 0)
+    if total < spec.shared_prefix_len + 2 or total < fixed_total + spec.shared_prefix_len:
+        raise ValueError(f"max_total_len: workload {name!r} needs at least "
+                         f"{max(spec.shared_prefix_len + 2, fixed_total + spec.shared_prefix_len)} "
+                         f"tokens per request, got {total}")
     rng = random.Random(seed)
-    half = spec.max_total_len // 2
+    half = (total - spec.shared_prefix_len) // 2
     if spec.prompt[0] == "fixed":
         prompt_lens = [spec.prompt[1]] * n
     else:
@@ -74,11 +90,12 @@ def make_workload(name: str, num_requests: int | None = None, request_rate: floa
     if spec.output[0] == "fixed":
         output_lens = [spec.output[1]] * n
     else:
-        output_lens = [_draw_len(rng, spec.output, spec.max_total_len - p) for p in prompt_lens]
-    prefix = [rng.randrange(VOCAB_DRAW) for _ in range(spec.shared_prefix_len)]
+        output_lens = [_draw_len(rng, spec.output, total - spec.shared_prefix_len - p)
+                       for p in prompt_lens]
+    prefix = [rng.randrange(draw) for _ in range(spec.shared_prefix_len)]
     reqs = []
     for p, o in zip(prompt_lens, output_lens):
-        ids = prefix + [rng.randrange(VOCAB_DRAW) for _ in range(p)]
+        ids = prefix + [rng.randrange(draw) for _ in range(p)]
         reqs.append(WorkloadRequest(ids, o))
     if request_rate is not None and math.isfinite(request_rate):
         if request_rate <= 0:

@@ -1,4 +1,4 @@
-"""Measured ceilings of the device, taken in the same run as a benchmark (BENCHMARKS.md)."""
+"""Measured ceilings of the device, taken in the same run as a benchmark (docs/benchmarks.md)."""
 from __future__ import annotations
 
 import datetime
@@ -55,7 +55,7 @@ def git_commit() -> str:
 
 def write_result(path: str | Path, name: str, command: str, config: dict, results: dict,
                  baselines: dict, ratios: dict, table_md: str | None = None) -> dict:
-    """BENCHMARKS.md's result format, plus a short markdown table beside the JSON."""
+    """docs/benchmarks.md's result format, plus a short markdown table beside the JSON."""
     doc = {"benchmark": name, "device": device_name(), "commit": git_commit(),
            "date": datetime.date.today().isoformat(), "command": command, "config": config,
            "results": results, "baselines": baselines, "ratios": ratios}

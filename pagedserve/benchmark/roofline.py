@@ -1,4 +1,4 @@
-"""The time a perfect engine would need for the schedule actually executed (BENCHMARKS.md).
+"""The time a perfect engine would need for the schedule actually executed (docs/benchmarks.md).
 
 Per step: max(bytes moved / copy bandwidth, FLOPs / matmul rate), where bytes are the
 weights once plus the KV bytes of every context token attended to, summed over steps.

@@ -1,20 +1,23 @@
-"""Offline throughput of a named workload, timed as BENCHMARKS.md asks.
+"""Offline throughput of a named workload, timed as docs/benchmarks.md asks.
 
 Warm-up, then at least two timed runs of the whole request set; every run is reported
 and the best one is the headline. The roofline is computed for the schedule executed.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from pagedserve.workloads import VOCAB_DRAW, WorkloadRequest, make_workload
 
-# vLLM's settings for the bar in BENCHMARKS.md.
+# vLLM's settings for the bar in docs/benchmarks.md.
 BENCH_TEMPERATURE = 0.6
-DEFAULT_MODELS = {"nanovllm": "benchmarks/models/qwen3-0.6b", "fixed256": "benchmarks/models/llama-3.1-8b",
-                  "sharegpt-like": "benchmarks/models/llama-3.1-8b", "alpaca-like": "benchmarks/models/opt-13b",
-                  "shared-prefix": "benchmarks/models/llama-3.1-8b"}
+DEFAULT_MODELS = {"nanovllm": "qwen3-0.6b", "fixed256": "llama-3.1-8b", "sharegpt-like": "llama-3.1-8b",
+                  "alpaca-like": "opt-13b", "shared-prefix": "llama-3.1-8b"}
+# The configs ship in the repo (benchmarks/models/), found from this file, not the working directory.
+BENCH_MODELS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "models"
 
 
 @dataclass
@@ -91,17 +94,40 @@ def warm_up_requests(reqs: list[WorkloadRequest], max_tokens: int = 16) -> list[
             for r in reqs]
 
 
+def default_model(workload: str) -> str:
+    """The workload's model config in benchmarks/models/, wherever the command runs from."""
+    path = BENCH_MODELS_DIR / DEFAULT_MODELS[workload]
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model: the default config for {workload!r} ({path}) is not there (a "
+                         "pagedserve installed without its repository); pass --model DIR")
+    return str(path)
+
+
+def progress(message: str) -> None:
+    """A line on stderr, so long CPU runs are not silent and stdout stays JSON."""
+    print(f"[bench throughput] {message}", file=sys.stderr, flush=True)
+
+
 def run_throughput(workload: str, model: str, engine_kwargs: dict, num_requests: int | None = None,
                    repeats: int = 2, measure_roofline: bool = True) -> dict:
     from pagedserve import LLM
 
     reqs = make_workload(workload, num_requests)
+    progress(f"loading {model} with dummy weights")
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, **engine_kwargs)
+    progress(f"warm-up: {len(reqs)} requests of the timed shapes, short outputs")
+    t0 = time.perf_counter()
     timed_generate(llm, warm_up_requests(reqs))
+    progress(f"warm-up done in {time.perf_counter() - t0:.1f} s")
     runs, hits = [], []
-    for _ in range(repeats):
+    for i in range(repeats):
         before = llm.get_kv_cache_stats().prefix_cache_hits
+        # Timed runs carry no progress bar: its updates would be inside the measurement.
+        progress(f"timed run {i + 1}/{repeats}: {len(reqs)} requests, "
+                 f"{sum(r.output_len for r in reqs)} output tokens")
         runs.append(timed_generate(llm, reqs))
+        progress(f"timed run {i + 1}/{repeats}: {runs[-1].seconds:.2f} s, "
+                 f"{runs[-1].output_tokens_per_s:.1f} output tok/s")
         # Prefix caching is on by default here as in vLLM's run of the bar, so a repeat of the same
         # prompts finds them cached; reported so that nobody mistakes it for prefill speed.
         hits.append(llm.get_kv_cache_stats().prefix_cache_hits - before)
@@ -123,6 +149,7 @@ def run_throughput(workload: str, model: str, engine_kwargs: dict, num_requests:
         if torch.cuda.is_available():
             from pagedserve.benchmark.hardware import measure_copy_bandwidth, measure_matmul_rate
             from pagedserve.benchmark.roofline import ModelCost
+            progress("roofline: recording one more run's schedule, measuring the device")
             log = record_schedule(llm, reqs)
             bw, rate = measure_copy_bandwidth(), measure_matmul_rate()
             cost = ModelCost.from_hf_config(llm.llm_engine.hf_config)
@@ -135,13 +162,6 @@ def run_throughput(workload: str, model: str, engine_kwargs: dict, num_requests:
     return {"results": results, "ratios": ratios}
 
 
-def engine_kwargs_from_args(args) -> dict:
-    from pagedserve.entrypoints.cli import engine_config_from_args
-    import dataclasses
-    cfg = engine_config_from_args(args, model=None)
-    defaults = type(cfg)()
-    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)
-            if f.name not in ("model", "extra") and getattr(cfg, f.name) != getattr(defaults, f.name)}
 
 
 def run_throughput_cli(args) -> int:
@@ -150,10 +170,10 @@ def run_throughput_cli(args) -> int:
     import sys
     from pagedserve.benchmark.hardware import write_result
 
-    model = args.model or DEFAULT_MODELS.get(args.workload)
-    if model is None:
-        raise ValueError(f"--model is required for workload {args.workload!r}")
-    kwargs = {"max_model_len": 4096, **engine_kwargs_from_args(args)}
+    from pagedserve.engine_args import changed_engine_kwargs
+
+    model = args.model or default_model(args.workload)
+    kwargs = {"max_model_len": 4096, **changed_engine_kwargs(args)}
     out = run_throughput(args.workload, model, kwargs, args.num_requests, args.repeats)
     print(json.dumps(out, indent=2))
     if args.output:

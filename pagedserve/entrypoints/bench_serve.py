@@ -5,12 +5,17 @@ max_tokens = output_len and ignore_eos, streamed, at Poisson arrival times (or a
 once for an infinite rate). Latencies are measured on the client: TTFT is the time to
 the first streamed choice, TPOT the mean gap between the following tokens, e2e the
 whole request. Output token counts come from the server's usage (stream_options).
+
+Prompt token ids are drawn below the served model's vocabulary size and prompt + output
+kept within its context: both from /v1/models (`vocab_size`, `max_model_len`), or from
+--vocab-size / --tokenizer / --max-model-len for servers that do not report them.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -18,8 +23,9 @@ from typing import Any
 
 import httpx
 import numpy as np
+from tqdm import tqdm
 
-from pagedserve.workloads import WorkloadRequest, make_workload
+from pagedserve.workloads import VOCAB_DRAW, WorkloadRequest, make_workload
 
 PERCENTILES = (50, 90, 99)
 
@@ -111,33 +117,74 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     }
 
 
-async def resolve_model(client: httpx.AsyncClient, base_url: str, headers: dict) -> str:
-    r = await client.get(f"{base_url}/models", headers=headers)
-    r.raise_for_status()
-    data = r.json().get("data") or []
+@dataclass
+class ServedModel:
+    """What /v1/models says of the model under test (vocab_size and max_model_len when known)."""
+    id: str
+    vocab_size: int | None = None
+    max_model_len: int | None = None
+
+
+async def fetch_served_model(client: httpx.AsyncClient, base_url: str, headers: dict,
+                             model: str | None) -> ServedModel:
+    """The named model's card (or the first listed); a one-line ValueError when unreachable."""
+    url = f"{base_url}/models"
+    try:
+        r = await client.get(url, headers=headers)
+    except httpx.HTTPError as e:
+        raise ValueError(f"base_url: cannot reach {url} ({type(e).__name__}: {e or 'no detail'}); "
+                         "is the server running?") from None
+    if r.status_code != 200:
+        hint = " (pass --api-key)" if r.status_code == 401 else ""
+        raise ValueError(f"base_url: GET {url} answered HTTP {r.status_code}{hint}: "
+                         f"{r.text[:200].strip()}")
+    try:
+        data = r.json().get("data") or []
+    except (json.JSONDecodeError, AttributeError):
+        raise ValueError(f"base_url: GET {url} did not answer an OpenAI model list") from None
     if not data:
-        raise ValueError(f"model: {base_url}/models lists no model; pass --model")
-    return data[0]["id"]
+        raise ValueError(f"model: {url} lists no model; pass --model")
+    card = next((c for c in data if c.get("id") == model), None) if model else data[0]
+    if card is None:  # the server may still serve it under that name: trust the user
+        return ServedModel(model)
+
+    def positive(key: str) -> int | None:
+        v = card.get(key)
+        return v if isinstance(v, int) and v > 0 else None
+    return ServedModel(card["id"], positive("vocab_size"), positive("max_model_len"))
 
 
-async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: str | None = None,
+def tokenizer_vocab_size(path: str) -> int:
+    """len() of a local tokenizer: every id below it is one the tokenizer knows."""
+    from transformers import AutoTokenizer
+    try:
+        return len(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} ({e})") from None
+
+
+async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: str,
                         api_key: str | None = None, max_concurrency: int | None = None,
-                        temperature: float = 0.0, timeout: float = 3600.0) -> dict[str, Any]:
+                        temperature: float = 0.0, timeout: float = 3600.0,
+                        progress: bool = False) -> dict[str, Any]:
     """Send every request at its arrival_time (seconds after start); returns the summary."""
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) + 8,
                           max_keepalive_connections=max_concurrency or len(requests) + 8)
     sem = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    bar = tqdm(total=len(requests), desc="requests", unit="req", disable=not progress,
+               file=sys.stderr)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
-        if model is None:
-            model = await resolve_model(client, base_url, headers)
 
         async def one(req: WorkloadRequest) -> RequestResult:
-            if sem is None:
-                return await send_request(client, base_url, model, req, headers, temperature)
-            async with sem:
-                return await send_request(client, base_url, model, req, headers, temperature)
+            try:
+                if sem is None:
+                    return await send_request(client, base_url, model, req, headers, temperature)
+                async with sem:
+                    return await send_request(client, base_url, model, req, headers, temperature)
+            finally:
+                bar.update(1)
 
         start = time.perf_counter()
         tasks = []
@@ -148,10 +195,30 @@ async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: s
             tasks.append(asyncio.create_task(one(req)))
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
+    bar.close()
     summary = summarize(results, duration)
     summary["model"] = model
     summary["requests"] = [{k: v for k, v in asdict(r).items() if k != "itl"} for r in results]
     return summary
+
+
+async def _describe_model(args: Any) -> ServedModel:
+    """/v1/models, with the command line's overrides on top."""
+    base_url = args.base_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
+        served = await fetch_served_model(client, base_url, headers, args.model)
+    if args.vocab_size is not None:
+        served.vocab_size = args.vocab_size
+    elif args.tokenizer is not None:
+        served.vocab_size = tokenizer_vocab_size(args.tokenizer)
+    if args.max_model_len is not None:
+        served.max_model_len = args.max_model_len
+    if served.vocab_size is None:
+        raise ValueError(f"vocab_size: {base_url}/models does not report the model's vocabulary "
+                         "size; pass --vocab-size N or --tokenizer DIR so that prompt token ids "
+                         "are valid")
+    return served
 
 
 def format_summary(s: dict[str, Any]) -> str:
@@ -190,15 +257,23 @@ def run_serve_cli(args: Any) -> int:
     max_concurrency = getattr(args, "max_concurrency", None)
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
-    requests = make_workload(args.workload, args.num_requests, args.request_rate,
-                             seed=getattr(args, "seed", 0))
+    args.api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
+    served = asyncio.run(_describe_model(args))
+    seed = getattr(args, "seed", 0)
+    requests = make_workload(args.workload, args.num_requests, args.request_rate, seed=seed,
+                             vocab_size=served.vocab_size, max_total_len=served.max_model_len)
+    print(f"{len(requests)} {args.workload} requests to {served.id!r} at {args.base_url} (token ids "
+          f"< {min(VOCAB_DRAW, served.vocab_size)}, prompt + output <= "
+          f"{max(len(r.prompt_token_ids) + r.output_len for r in requests)})", file=sys.stderr)
     summary = asyncio.run(run_benchmark(
-        args.base_url, requests, model=args.model, api_key=args.api_key,
-        max_concurrency=max_concurrency, temperature=getattr(args, "temperature", 0.0)))
+        args.base_url, requests, model=served.id, api_key=args.api_key,
+        max_concurrency=max_concurrency, temperature=getattr(args, "temperature", 0.0),
+        progress=not getattr(args, "disable_tqdm", False)))
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
     summary["config"] = {"base_url": args.base_url, "workload": args.workload,
                          "num_requests": len(requests), "request_rate": rate,
-                         "max_concurrency": max_concurrency, "seed": getattr(args, "seed", 0)}
+                         "max_concurrency": max_concurrency, "seed": seed,
+                         "vocab_size": served.vocab_size, "max_model_len": served.max_model_len}
     print(format_summary(summary))
     errors = [r["error"] for r in summary["requests"] if r["error"]]
     if errors:

@@ -1,21 +1,86 @@
-"""Argument parsers of the subcommands; each handler imports its implementation lazily."""
+"""Argument parsers of the subcommands; each handler imports its implementation lazily.
+
+Every flag has help; the formatter appends its default, and argparse lists its choices.
+Engine flags come from the EngineConfig fields (pagedserve.engine_args).
+"""
 from __future__ import annotations
 
+import argparse
+import math
+
+from pagedserve.engine_args import add_engine_args
+from pagedserve.workloads import WORKLOADS
+
+WORKLOAD_NAMES = sorted(WORKLOADS)
+SIM_ALLOCATORS = ["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"]
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults shown after each help text; None defaults ('not set') are left unsaid."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False and action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _add(sub, name: str, help: str) -> argparse.ArgumentParser:
+    return sub.add_parser(name, help=help, description=help, formatter_class=HelpFormatter)
+
+
+def _at_least(minimum: float, kind: type = int):
+    """argparse type: a number >= minimum, named in the error."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if not value >= minimum:  # also rejects NaN
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text}")
+        return value
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0 to 65535 (0: any free port)."""
+    try:
+        port = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port
+
+
+def positive_rate(text: str) -> float:
+    """argparse type: requests per second > 0; inf sends all at once."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or inf, got {text!r}") from None
+    if math.isnan(rate) or rate <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (inf: all at once), got {text}")
+    return rate
 
 
 def register_sim(sub) -> None:
-    p = sub.add_parser("sim", help="replay a synthetic workload through the real scheduler, no weights")
-    p.add_argument("--workload", default="sharegpt-like",
-                   choices=["sharegpt-like", "alpaca-like", "nanovllm", "fixed256", "shared-prefix"])
-    p.add_argument("--allocator", default="paged",
-                   choices=["paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle"])
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=None)
-    p.add_argument("--num-requests", type=int, default=None)
-    p.add_argument("--request-rate", type=float, default=None, help="Poisson arrivals per second (default: all at t=0)")
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
+    p = _add(sub, "sim", "replay a synthetic workload through the real scheduler, no weights")
+    p.add_argument("--workload", default="sharegpt-like", choices=WORKLOAD_NAMES,
+                   help="which synthetic request set to replay")
+    p.add_argument("--allocator", default="paged", choices=SIM_ALLOCATORS,
+                   help="paged KV cache, or one of the paper's contiguous baselines")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block, 1 to 1024")
+    p.add_argument("--num-blocks", type=_at_least(1), default=None,
+                   help="KV blocks (default: the paper's 15,700-token budget / block size)")
+    p.add_argument("--num-requests", type=_at_least(1), default=None,
+                   help="requests to draw (default: the workload's own count)")
+    p.add_argument("--request-rate", type=positive_rate, default=None,
+                   help="Poisson arrivals per second (default: all at t=0)")
+    p.add_argument("--max-num-seqs", type=_at_least(1), default=256, help="most sequences in one batch")
+    p.add_argument("--max-model-len", type=_at_least(1), default=None,
+                   help="longest prompt + output (default: the workload's cap)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the workload draw")
     p.add_argument("--output", default=None, help="write the JSON result here")
 
     def run(args):
@@ -25,15 +90,14 @@ def register_sim(sub) -> None:
 
 
 def register_generate(sub) -> None:
-    from pagedserve.entrypoints.cli import add_engine_args
-    p = sub.add_parser("generate", help="generate completions for prompts given on the command line")
-    p.add_argument("prompts", nargs="+")
+    p = _add(sub, "generate", "generate completions for prompts given on the command line")
+    p.add_argument("prompts", nargs="+", metavar="PROMPT", help="text prompts, one per argument")
     p.add_argument("--model", default=None, help="HF model directory (default: the bundled demo model)")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=64, help="most new tokens per completion")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass, in (0, 1]")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest tokens (-1: all)")
+    p.add_argument("--n", type=int, default=1, help="completions per prompt")
     add_engine_args(p)
 
     def run(args):
@@ -43,15 +107,21 @@ def register_generate(sub) -> None:
 
 
 def register_serve(sub) -> None:
-    from pagedserve.entrypoints.cli import add_engine_args
-    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL")
-    p.add_argument("--model", default=None)
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None)
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20)
+    p = _add(sub, "serve", "OpenAI-compatible HTTP server (completions, chat, models, metrics)")
+    p.add_argument("model_pos", nargs="?", default=None, metavar="MODEL",
+                   help="HF model directory (default: the bundled demo model)")
+    p.add_argument("--model", default=None, help="the same as MODEL")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as `model` (default: MODEL, or pagedserve-demo)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on")
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEDSERVE_API_KEY "
+                        "if set, else no key)")
+    p.add_argument("--max-request-bytes", type=_at_least(1), default=1 << 20,
+                   help="larger request bodies are answered 413")
+    p.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="do not log a line per HTTP request")
     add_engine_args(p)
 
     def run(args):
@@ -61,36 +131,50 @@ def register_serve(sub) -> None:
 
 
 def register_bench(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: throughput (offline) and serve (against any OpenAI URL)")
-    bsub = p.add_subparsers(dest="bench_command", required=True)
+    p = sub.add_parser("bench", help="benchmarks: throughput (offline) and serve (against any OpenAI URL)",
+                       description="benchmarks: throughput (offline) and serve (against any OpenAI URL)")
+    bsub = p.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
 
     def run_throughput(args):
         from pagedserve.benchmark.throughput import run_throughput_cli
         return run_throughput_cli(args)
 
     def run_serve(args):
-        from pagedserve.entrypoints.bench import run_serve_cli
+        from pagedserve.entrypoints.bench_serve import run_serve_cli
         return run_serve_cli(args)
 
-    from pagedserve.entrypoints.cli import add_engine_args
-    t = bsub.add_parser("throughput", help="offline throughput of a workload")
-    t.add_argument("--workload", default="nanovllm")
-    t.add_argument("--model", default=None)
-    t.add_argument("--num-requests", type=int, default=None)
-    t.add_argument("--repeats", type=int, default=2)
-    t.add_argument("--output", default=None)
+    t = _add(bsub, "throughput", "offline throughput of a workload, dummy weights of a real config")
+    t.add_argument("--workload", default="nanovllm", choices=WORKLOAD_NAMES, help="request set to time")
+    t.add_argument("--model", default=None,
+                   help="HF model directory (default: the workload's config in benchmarks/models/)")
+    t.add_argument("--num-requests", type=_at_least(1), default=None,
+                   help="requests to draw (default: the workload's own count)")
+    t.add_argument("--repeats", type=_at_least(1), default=2, help="timed runs; the best is reported")
+    t.add_argument("--output", default=None, help="write the JSON result (and a .md table) here")
     add_engine_args(t)
     t.set_defaults(func=run_throughput)
 
-    s = bsub.add_parser("serve", help="replay a workload against an OpenAI-compatible server")
-    s.add_argument("--base-url", default="http://127.0.0.1:8000/v1")
-    s.add_argument("--model", default=None)
-    s.add_argument("--workload", default="sharegpt-like")
-    s.add_argument("--num-requests", type=int, default=100)
-    s.add_argument("--request-rate", type=float, default=float("inf"))
-    s.add_argument("--api-key", default=None)
-    s.add_argument("--max-concurrency", type=int, default=None, help="at most this many requests in flight")
-    s.add_argument("--temperature", type=float, default=0.0)
+    s = _add(bsub, "serve", "replay a workload against an OpenAI-compatible server")
+    s.add_argument("--base-url", default="http://127.0.0.1:8000/v1", help="the server's /v1 URL")
+    s.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
+    s.add_argument("--workload", default="sharegpt-like", choices=WORKLOAD_NAMES, help="request set to replay")
+    s.add_argument("--num-requests", type=_at_least(1), default=100, help="requests to send")
+    s.add_argument("--request-rate", type=positive_rate, default=float("inf"),
+                   help="Poisson arrivals per second (inf: all at once)")
+    s.add_argument("--api-key", default=None,
+                   help="sent as `Authorization: Bearer KEY` (default: $PAGEDSERVE_API_KEY if set)")
+    s.add_argument("--max-concurrency", type=_at_least(1), default=None,
+                   help="at most this many requests in flight")
+    s.add_argument("--temperature", type=float, default=0.0, help="sampling temperature of every request")
     s.add_argument("--seed", type=int, default=0, help="workload draw seed (arrivals use seed + 1)")
-    s.add_argument("--output", default=None)
+    s.add_argument("--vocab-size", type=_at_least(1), default=None,
+                   help="draw prompt token ids below this (default: vocab_size from /v1/models, "
+                        "else the --tokenizer's size)")
+    s.add_argument("--tokenizer", default=None,
+                   help="local tokenizer directory whose size bounds the token ids, for servers "
+                        "whose /v1/models has no vocab_size")
+    s.add_argument("--max-model-len", type=_at_least(2), default=None,
+                   help="cap prompt + output tokens (default: max_model_len from /v1/models)")
+    s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    s.add_argument("--output", default=None, help="write the JSON summary and every request here")
     s.set_defaults(func=run_serve)

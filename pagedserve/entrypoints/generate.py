@@ -15,7 +15,7 @@ def _default_model() -> str:
 
 
 def run_generate_cli(args: argparse.Namespace) -> int:
-    from pagedserve.entrypoints.cli import engine_config_from_args
+    from pagedserve.engine_args import engine_config_from_args
     from pagedserve.entrypoints.llm import LLM
     from pagedserve.sampling_params import SamplingParams
 

@@ -32,9 +32,21 @@ def load_hf_config(model_dir: str | os.PathLike):
     if not os.path.isdir(model_dir):
         raise ValueError(f"model: {model_dir!r} is not a local directory (pagedserve loads local HF directories; "
                          "there is no model-hub download)")
-    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+    path = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(path):
         raise ValueError(f"model: no config.json in {model_dir!r}")
-    return AutoConfig.from_pretrained(model_dir, trust_remote_code=False, local_files_only=True)
+    # Checked here so a truncated or hand-edited file is one line naming the spot, not HF's traceback.
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"model: {path} is not valid JSON ({e})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"model: {path} must hold a JSON object, got {type(raw).__name__}")
+    try:
+        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False, local_files_only=True)
+    except (OSError, KeyError) as e:
+        raise ValueError(f"model: {path} could not be read as a transformers config ({e})") from None
 
 
 def get_max_model_len(hf_config) -> int:
@@ -108,7 +120,8 @@ def safetensors_files(model_dir: str | os.PathLike) -> list[str]:
         raise ValueError(f"model: {model_dir!r} holds only pickled checkpoint(s) {pickled}; pagedserve never loads "
                          "pickles (they can run arbitrary code). Convert them to safetensors, e.g. "
                          "AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, safe_serialization=True)")
-    raise ValueError(f"model: no *.safetensors weights in {model_dir!r} (use load_format='dummy' for random weights)")
+    raise ValueError(f"model: no *.safetensors weights in {model_dir!r} (for random weights: --load-format dummy on the "
+                     "command line, load_format='dummy' in LLM(...))")
 
 
 def iterate_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, object]]:

@@ -1,5 +1,5 @@
 """benchmarks/paper_gpu.py end to end on CPU with a tiny model: every section runs, writes
-BENCHMARKS.md's JSON, and its derived numbers follow from its own measurements. The H200 run
+docs/benchmarks.md's JSON, and its derived numbers follow from its own measurements. The H200 run
 uses the same code with real configs; this catches a broken script before device time is spent."""
 import json
 import subprocess

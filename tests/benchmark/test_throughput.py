@@ -4,8 +4,18 @@ import json
 import subprocess
 import sys
 
-from pagedserve.benchmark.throughput import warm_up_requests
+import pytest
+
+from pagedserve.benchmark.throughput import DEFAULT_MODELS, default_model, warm_up_requests
+from pagedserve.models.loader import load_hf_config
 from pagedserve.workloads import make_workload
+
+
+@pytest.mark.parametrize("workload", sorted(DEFAULT_MODELS))
+def test_default_models_resolve_from_any_directory(workload, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    cfg = load_hf_config(default_model(workload))
+    assert cfg.vocab_size > 10000  # real configs, wide enough for the workloads' token ids
 
 
 def test_warm_up_has_the_shapes_but_not_the_prompts():
@@ -24,6 +34,7 @@ def test_bench_throughput_counts_the_whole_workload(tmp_path, tiny_model_dir):
                            "--device", "cpu", "--dtype", "float32", "--block-size", "16", "--output", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "warm-up done" in proc.stderr and "timed run 2/2" in proc.stderr  # not silent for minutes
     res = json.loads(out.read_text())["results"]
     reqs = make_workload("nanovllm", 3)
     assert res["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in reqs)

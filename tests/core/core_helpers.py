@@ -1,5 +1,5 @@
 """Shared helpers for the core tests: build groups, drive the scheduler like the engine does,
-shadow the KV memory like the runner would, and check the DESIGN.md invariants."""
+shadow the KV memory like the runner would, and check the docs/design.md invariants."""
 from __future__ import annotations
 
 from pagedserve.config import CacheConfig, SchedulerConfig

@@ -1,4 +1,4 @@
-"""pagedserve.core and the simulator stay pure Python: no torch import (DESIGN.md)."""
+"""pagedserve.core and the simulator stay pure Python: no torch import (docs/design.md)."""
 import subprocess
 import sys
 

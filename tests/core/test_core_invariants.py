@@ -1,5 +1,5 @@
 """Random interleavings of add / step / fork / abort under memory pressure (so preemption by swap
-and by recompute, copy-on-write and prefix hits all happen), checking every DESIGN.md invariant
+and by recompute, copy-on-write and prefix hits all happen), checking every docs/design.md invariant
 after each operation and the KV each sequence attends to after each step."""
 from __future__ import annotations
 

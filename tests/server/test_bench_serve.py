@@ -6,9 +6,10 @@ import os
 import subprocess
 import sys
 
+import httpx
 import pytest
 
-from server_process import REPO, start_server, stop_server
+from server_process import MAX_MODEL_LEN, REPO, free_port, start_server, stop_server
 from pagedserve.workloads import make_workload
 
 
@@ -18,7 +19,7 @@ def wide_server(tiny_model_dir, tmp_path_factory):
     model = tiny_model_dir("llama", vocab_size=10240, max_position_embeddings=2048)
     s = start_server(model, tmp_path_factory.mktemp("bench") / "server.log",
                      "--max-model-len", "2048", "--num-gpu-blocks-override", "512",
-                     "--swap-space", "0.05")
+                     "--swap-space", "0.05", "--disable-uvicorn-access-log")
     yield s
     stop_server(s)
 
@@ -45,3 +46,70 @@ def test_bench_serve_against_server(wide_server, tmp_path):
         assert 0 < res[key]["p50"] <= res[key]["p90"] <= res[key]["p99"]
     assert res["request_throughput"] > 0 and res["output_throughput"] > 0
     assert res["config"]["request_rate"] == rate
+    assert '"POST /v1/completions' not in wide_server.log()  # --disable-uvicorn-access-log
+
+
+def _bench(argv: list[str], capsys) -> tuple[int, str, str]:
+    from pagedserve.entrypoints.cli import main
+    rc = main(["bench", "serve", *argv])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_bench_serve_fits_a_small_model(server, tmp_path, capsys):
+    """The shared server's model has 384 token ids and a 512-token context, far below what the
+    workloads assume (ids < 10000, 2048 tokens): /v1/models tells bench serve both."""
+    cfg = json.loads((server.model_dir / "config.json").read_text())
+    card = httpx.get(server.v1 + "/models", headers=server.headers, timeout=10).json()["data"][0]
+    assert card["vocab_size"] == cfg["vocab_size"] and card["max_model_len"] == MAX_MODEL_LEN
+    out, n = tmp_path / "bench.json", 6
+    rc, stdout, stderr = _bench(["--base-url", server.v1, "--api-key", server.api_key,
+                                 "--workload", "sharegpt-like", "--num-requests", str(n),
+                                 "--max-concurrency", "3", "--output", str(out)], capsys)
+    assert rc == 0, stderr
+    res = json.loads(out.read_text())
+    assert res["completed"] == n and res["failed"] == 0
+    assert res["config"]["vocab_size"] == cfg["vocab_size"]
+    assert res["config"]["max_model_len"] == MAX_MODEL_LEN
+    work = make_workload("sharegpt-like", n, vocab_size=cfg["vocab_size"], max_total_len=MAX_MODEL_LEN)
+    assert all(max(w.prompt_token_ids) < cfg["vocab_size"] for w in work)
+    assert [r["prompt_len"] for r in res["requests"]] == [len(w.prompt_token_ids) for w in work]
+    assert [r["output_len"] for r in res["requests"]] == [w.output_len for w in work]
+    assert f"{n}/{n}" in stderr  # the progress bar reached the end
+    assert '"POST /v1/completions HTTP/1.1" 200' in server.log()  # access log on by default
+
+
+def test_bench_serve_flags_override_the_model_card(server, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    rc, _, stderr = _bench(["--base-url", server.v1, "--api-key", server.api_key, "--workload",
+                            "alpaca-like", "--num-requests", "2", "--tokenizer", str(server.model_dir),
+                            "--max-model-len", "64", "--disable-tqdm", "--output", str(out)], capsys)
+    assert rc == 0, stderr
+    from transformers import AutoTokenizer
+    cfg = json.loads(out.read_text())["config"]
+    assert cfg["vocab_size"] == len(AutoTokenizer.from_pretrained(server.model_dir))
+    assert cfg["max_model_len"] == 64
+    assert "requests:" not in stderr
+    rc, _, _ = _bench(["--base-url", server.v1, "--api-key", server.api_key, "--num-requests", "1",
+                       "--vocab-size", "7", "--max-model-len", "64", "--disable-tqdm", "--output",
+                       str(out)], capsys)
+    assert rc == 0 and json.loads(out.read_text())["config"]["vocab_size"] == 7
+
+
+def test_bench_serve_errors_are_one_line(server, capsys):
+    unreachable = f"http://127.0.0.1:{free_port()}/v1"
+    for argv, words in [
+        (["--base-url", unreachable], ["cannot reach", unreachable]),
+        (["--base-url", server.v1, "--api-key", "wrong"], ["401", "--api-key"]),
+        (["--base-url", server.v1, "--api-key", server.api_key, "--workload", "fixed256",
+          "--max-model-len", "100"], ["max_total_len", "512"]),
+        (["--base-url", server.v1, "--request-rate", "0"], ["--request-rate", "> 0"]),
+    ]:
+        try:
+            rc, stdout, stderr = _bench(argv, capsys)
+        except SystemExit as e:  # argparse's own errors exit; ours return
+            rc, stderr = e.code, capsys.readouterr().err
+        assert rc == 2, argv
+        assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
+        for w in words:
+            assert w in stderr, (w, stderr)

@@ -75,13 +75,19 @@ class BodyLimitMiddleware:
             chunks.append(body)
             if not message.get("more_body", False):
                 break
+        body = b"".join(chunks)
+        try:
+            body.decode("utf-8")  # JSON over HTTP is UTF-8 (RFC 8259); say where it is not
+        except UnicodeDecodeError as e:
+            return await _error(400, f"request body is not valid UTF-8: byte 0x{body[e.start]:02x} "
+                                     f"at offset {e.start}", code="invalid_json")(scope, receive, send)
         replayed = False
 
         async def replay():
             nonlocal replayed
             if not replayed:
                 replayed = True
-                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+                return {"type": "http.request", "body": body, "more_body": False}
             return await receive()
 
         # Bodies are JSON whatever the client says (curl -d sends a form content type).
@@ -178,7 +184,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len)])
+        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len,
+                                         vocab_size=engine.vocab_size)])
 
     async def respond(result: Any) -> Response:
         if hasattr(result, "model_dump_json"):
@@ -211,21 +218,38 @@ DEMO_MODEL_NAME = "pagedserve-demo"
 
 
 def _usage_hint(name: str, host: str, port: int, keyed: bool) -> str:
-    base = f"http://{host}:{port}/v1"
+    """Commands that work as printed; with a key they read it from $PAGEDSERVE_API_KEY, so the
+    key itself never lands in the log."""
+    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}/v1"
     auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if keyed else ""
-    return (f"\nServing {name!r} at {base}. Try:\n"
+    key = "os.environ['PAGEDSERVE_API_KEY']" if keyed else "'x'"
+    first = "  # with PAGEDSERVE_API_KEY set to the server's key:\n" if keyed else ""
+    return (f"\nServing {name!r} at {base}. Try:\n{first}"
             f"  curl {base}/completions{auth} -H 'Content-Type: application/json' \\\n"
             f"    -d '{{\"model\": \"{name}\", \"prompt\": \"In the beginning\", \"max_tokens\": 32}}'\n"
-            f"  python -c \"from openai import OpenAI; c = OpenAI(base_url='{base}', api_key='x'); "
+            f"  python -c \"import os; from openai import OpenAI; "
+            f"c = OpenAI(base_url='{base}', api_key={key}); "
             f"print(c.chat.completions.create(model='{name}', messages=[{{'role': 'user', "
             f"'content': 'Continue: The LORD is my shepherd'}}]).choices[0].message.content)\"\n")
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """A taken port is a one-line error before the model loads, not a bind failure after."""
+    import socket
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror or e})") from None
 
 
 def run_server_cli(args: Any) -> int:
     """`pagedserve serve`: build the engine from the CLI flags and serve it with uvicorn."""
     import uvicorn
 
-    from pagedserve.entrypoints.cli import engine_config_from_args
+    from pagedserve.engine_args import engine_config_from_args
 
     if args.model_pos and args.model and args.model_pos != args.model:
         raise ValueError(f"MODEL ({args.model_pos!r}) and --model ({args.model!r}) disagree")
@@ -241,12 +265,14 @@ def run_server_cli(args: Any) -> int:
         raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
     config = engine_config_from_args(args, model)
     logging.basicConfig(level=logging.INFO)
+    _check_can_listen(args.host, args.port)
     engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     name = args.served_model_name or default_name
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_keep_alive=5, timeout_graceful_shutdown=5))
+                                           timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                                           access_log=not args.disable_uvicorn_access_log))
 
     def exit_soon(error: Exception) -> None:
         logger.error("%s: exiting in %.0f s", error, CORE_DEATH_EXIT_DELAY_S)

@@ -6,11 +6,12 @@ what is valid and a violation becomes a 400 that names the field. Cross-field li
 """
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 MAX_N = 128          # SamplingParams' own limit
 MAX_LOGPROBS = 20
@@ -31,8 +32,38 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", ser_json_inf_nan="null")
 
 
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _check_text(value: Any) -> None:
+    """Raise ValueError for a string (anywhere in lists and dict keys/values) holding a lone
+    UTF-16 surrogate: JSON can escape one ("\\ud800", a JavaScript string cut inside an emoji),
+    but it is no Unicode text, so no tokenizer or UTF-8 encoder downstream can take it."""
+    if isinstance(value, str):
+        m = _LONE_SURROGATE.search(value)
+        if m:
+            raise ValueError(f"contains a lone UTF-16 surrogate (U+{ord(m.group()):04X}) at "
+                             f"character {m.start()}, which is not valid Unicode text")
+    elif isinstance(value, list):
+        # Runs after type validation, so a list is all of one type: token ids need no look.
+        if value and not isinstance(value[0], (int, float)):
+            for v in value:
+                _check_text(v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_text(k)
+            _check_text(v)
+
+
 class Request(OpenAIModel):
+    """Base of every request body: also refuses lone surrogates in any of its text fields."""
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _valid_unicode(cls, value: Any) -> Any:
+        _check_text(value)
+        return value
 
 
 # ---- errors --------------------------------------------------------------------------------
@@ -225,6 +256,8 @@ class ModelCard(OpenAIModel):
     created: int = Field(default_factory=now)
     owned_by: str = "pagedserve"
     max_model_len: Optional[int] = None
+    # Not OpenAI's: lets clients (`pagedserve bench serve`) send valid token-id prompts.
+    vocab_size: Optional[int] = None
 
 
 class ModelList(OpenAIModel):

@@ -1,0 +1,60 @@
+"""EngineConfig <-> command-line flags: one --dashed-flag per field, its help from the field.
+
+The config dataclass is the one source of truth: each field's `option(default, help, choices)`
+becomes the flag's type, default, choices and help text, so `LLM(...)` and the CLI cannot drift
+apart. Both the CLI and the benchmarks import this module; it imports nothing of theirs.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from pagedserve.config import EngineConfig
+
+# model is positional or per-command; extra is not a flag.
+SKIPPED_FIELDS = frozenset({"model", "extra"})
+
+
+def _value_type(annotation: Any) -> type:
+    """int for `int`, `int | None` and `Optional[int]`."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def engine_fields() -> list[tuple[dataclasses.Field, type]]:
+    """The EngineConfig fields that are flags, with their value types."""
+    hints = typing.get_type_hints(EngineConfig)
+    return [(f, _value_type(hints[f.name])) for f in dataclasses.fields(EngineConfig)
+            if f.name not in SKIPPED_FIELDS]
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add every EngineConfig field to parser as --dashed-name (bools as --x / --no-x)."""
+    group = parser.add_argument_group("engine", "the arguments of LLM(...), as flags")
+    for f, kind in engine_fields():
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if kind is bool:
+            group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
+                               help=help_text)
+        else:
+            group.add_argument(flag, type=kind, default=f.default, help=help_text,
+                               choices=f.metadata.get("choices"))
+
+
+def engine_config_from_args(args: argparse.Namespace, model: str | None) -> EngineConfig:
+    """The EngineConfig the parsed flags describe; its own checks raise ValueError."""
+    kwargs = {f.name: getattr(args, f.name) for f, _ in engine_fields() if hasattr(args, f.name)}
+    return EngineConfig(model=model, **kwargs)
+
+
+def changed_engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the flags set to something other than their default, as LLM(...) keyword arguments."""
+    cfg = engine_config_from_args(args, model=None)
+    return {f.name: getattr(cfg, f.name) for f, _ in engine_fields()
+            if getattr(cfg, f.name) != f.default}
