@@ -232,6 +232,10 @@ class AsyncLLMEngine:
         self._wake.set()
         return RequestStream(self, request_id, st)
 
+    async def get_kv_cache_state(self) -> dict:
+        """LLMEngine.get_kv_cache_state, taken on the engine thread between two steps."""
+        return await self.run(self.engine.get_kv_cache_state)
+
     async def generate(self, prompt: Any, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """add_request, then yield RequestOutputs (shaped by sampling_params.output_kind)

@@ -14,6 +14,7 @@ from typing import Any, Iterable
 import torch
 
 from pagedserve.config import CacheConfig, EngineConfig
+from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.beam_search import BeamSearchState, LiveBeam
 from pagedserve.engine.output_processor import OutputProcessor
@@ -250,6 +251,11 @@ class LLMEngine:
     def get_kv_cache_stats(self, token_counts: bool = True):
         """KVCacheStats; token_counts=False is the O(1) read (num_live_tokens left None)."""
         return self.scheduler.get_kv_cache_stats(token_counts)
+
+    def get_kv_cache_state(self) -> dict:
+        """Every block's state, the live block tables and the counters, as plain data
+        (pagedserve.core.kv_state). O(blocks): for a dashboard at a few Hz, never per step."""
+        return kv_cache_state(self.scheduler)
 
     def _make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
