@@ -1,0 +1,113 @@
+"""The dashboard's data feed: throttled snapshots, the public JSON, and incremental SSE frames.
+
+A snapshot costs O(blocks) on the engine thread, so every reader (the JSON endpoint and
+every open page) shares one: a snapshot younger than min_interval is served again instead of
+taking a new one, and concurrent readers wait on the same in-flight call. Each snapshot gets
+a version number, so a reader can tell which one it holds. Nothing here runs per engine step;
+with no page open nothing runs at all.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from pagedserve.core.kv_state import block_owners
+
+MIN_SNAPSHOT_INTERVAL_S = 0.25
+STREAM_INTERVAL_RANGE_S = (0.25, 10.0)
+_DIFFED = ("states", "cpu_states")
+
+
+class ThrottledSnapshot:
+    """At most one snapshot per min_interval seconds, shared by all readers."""
+
+    def __init__(self, take: Callable[[], Awaitable[dict]], min_interval: float = MIN_SNAPSHOT_INTERVAL_S,
+                 extra: Callable[[], dict] | None = None) -> None:
+        self._take = take
+        self._extra = extra
+        self.min_interval = min_interval
+        self._last: dict | None = None
+        self._taken_at = float("-inf")
+        self._lock: asyncio.Lock | None = None
+        self.version = 0
+
+    async def get(self) -> dict:
+        """The latest snapshot (a dict with a 'version'); callers must not modify it."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._last is None or time.monotonic() - self._taken_at >= self.min_interval:
+                state = await self._take()
+                self.version += 1
+                state["version"] = self.version
+                state["time"] = time.time()
+                if self._extra is not None:
+                    state.update(self._extra())
+                self._last = state
+                self._taken_at = time.monotonic()
+            return self._last
+
+
+def public_state(snapshot: dict) -> dict:
+    """GET /kv_cache/state: the snapshot plus, per device block, its state and owners
+    ([request_id, seq_id, logical block index] for each table entry pointing at it)."""
+    owners = block_owners(snapshot)
+    cpu_owners = block_owners(snapshot, "cpu")
+    out = {k: v for k, v in snapshot.items() if k not in _DIFFED}
+    out["blocks"] = [{"block": i, "state": s, "owners": owners.get(i, [])}
+                     for i, s in enumerate(snapshot["states"])]
+    out["cpu_blocks"] = [{"block": i, "state": s, "owners": cpu_owners.get(i, [])}
+                         for i, s in enumerate(snapshot["cpu_states"])]
+    return out
+
+
+def _changes(prev: list[str], cur: list[str]) -> list[list]:
+    if prev == cur:
+        return []
+    return [[i, s] for i, (p, s) in enumerate(zip(prev, cur)) if p != s]
+
+
+def make_frame(prev: dict | None, snapshot: dict) -> dict:
+    """One SSE frame: 'full' (every block state) when the reader has nothing comparable yet,
+    else 'diff' with only the cells that changed since prev; the rest (tables, counters) whole."""
+    frame = {k: v for k, v in snapshot.items() if k not in _DIFFED}
+    comparable = prev is not None and all(len(prev[k]) == len(snapshot[k]) for k in _DIFFED)
+    if not comparable:
+        frame["type"] = "full"
+        for k in _DIFFED:
+            frame[k] = snapshot[k]
+    else:
+        frame["type"] = "diff"
+        for k in _DIFFED:
+            frame[k + "_changed"] = _changes(prev[k], snapshot[k])
+    return frame
+
+
+def parse_interval(raw: str | None, default: float = 0.5) -> float:
+    """The stream's ?interval= in seconds; ValueError names the field and the range."""
+    lo, hi = STREAM_INTERVAL_RANGE_S
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"interval must be a number of seconds in [{lo}, {hi}], got {raw!r}") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"interval must be in [{lo}, {hi}] seconds, got {value}")
+    return value
+
+
+async def sse_frames(feed: ThrottledSnapshot, interval: float) -> AsyncIterator[bytes]:
+    """Server-sent events, one frame per interval: a full frame first, then diffs."""
+    prev = None
+    while True:
+        snapshot = await feed.get()
+        if prev is None or snapshot["version"] != prev["version"]:
+            frame = make_frame(prev, snapshot)
+            prev = snapshot
+            yield b"data: " + json.dumps(frame, separators=(",", ":")).encode() + b"\n\n"
+        else:
+            yield b": idle\n\n"  # keeps proxies and the reader's liveness check happy
+        await asyncio.sleep(interval)
