@@ -212,8 +212,8 @@ class ContiguousKVCacheManager:
             states[start + used:start + n] = ["reserved"] * (n - used)
         return states
 
-    def cpu_block_states(self) -> list[str]:
-        return []
+    def cpu_block_states(self) -> tuple[int, dict[int, str]]:
+        return 0, {}
 
     def cpu_block_table(self, seq: Sequence) -> list[int] | None:
         return None

@@ -369,9 +369,11 @@ class KVCacheManager:
         return [("shared" if b.ref_cnt > 1 else "used") if b.ref_cnt else
                 ("cached" if b.block_hash is not None else "free") for b in self.pool.blocks]
 
-    def cpu_block_states(self) -> list[str]:
-        """Each CPU (swap) block's state: free, used or shared."""
-        return [("shared" if b.ref_cnt > 1 else "used") if b.ref_cnt else "free" for b in self.cpu_pool.blocks]
+    def cpu_block_states(self) -> tuple[int, dict[int, str]]:
+        """(CPU blocks in all, {block id: used | shared} for the swapped-out ones); every other
+        CPU block is free. Sparse because swap space often has far more blocks than the device."""
+        owned = self._distinct(self.cpu_block_tables.values())
+        return self.cpu_pool.num_blocks, {i: "shared" if b.ref_cnt > 1 else "used" for i, b in owned.items()}
 
     def cpu_block_table(self, seq: Sequence) -> list[int] | None:
         """The seq's CPU block ids while it is swapped out, else None."""

@@ -4,6 +4,8 @@ The snapshot is built from the scheduler and its KV manager and holds only dicts
 strings and numbers (JSON as is). It costs O(blocks), so callers take it a few times a
 second at most, never per step. Invariants a snapshot satisfies (tests/core check them):
 - len(states) == num_blocks, each one of BLOCK_STATES (contiguous allocators add "reserved");
+- cpu_states maps the id (a string, as JSON keys are) of every swapped-out CPU block to used or
+  shared; the other num_cpu_blocks CPU blocks are free;
 - a block is "used" or "shared" iff some table of a running request lists it, and "shared"
   iff its reference count (table entries pointing at it) is above one;
 - stats are the scheduler's KVCacheStats at the same instant.
@@ -57,13 +59,15 @@ def kv_cache_state(scheduler: Any) -> dict[str, Any]:
                                  "prompt_len": len(g.prompt_token_ids),
                                  "max_tokens": g.sampling_params.max_tokens, "seqs": seqs})
     max_model_len = scheduler.scheduler_config.max_model_len
+    num_cpu_blocks, cpu_states = mgr.cpu_block_states()
     return {
         "allocator": scheduler.cache_config.kv_allocator,
         "num_blocks": mgr.num_gpu_blocks,
         "block_size": mgr.block_size,
         "max_model_len": max_model_len,
         "states": mgr.block_states(),
-        "cpu_states": mgr.cpu_block_states(),
+        "num_cpu_blocks": num_cpu_blocks,
+        "cpu_states": {str(i): st for i, st in sorted(cpu_states.items())},
         "requests": requests,
         "num_running": scheduler.num_running,
         "num_waiting": scheduler.num_waiting,

@@ -17,7 +17,7 @@ from pagedserve.core.kv_state import block_owners
 
 MIN_SNAPSHOT_INTERVAL_S = 0.25
 STREAM_INTERVAL_RANGE_S = (0.25, 10.0)
-_DIFFED = ("states", "cpu_states")
+_DIFFED = ("states",)  # the sparse cpu_states (swapped-out blocks only) travel whole
 
 
 class ThrottledSnapshot:
@@ -52,14 +52,16 @@ class ThrottledSnapshot:
 
 def public_state(snapshot: dict) -> dict:
     """GET /kv_cache/state: the snapshot plus, per device block, its state and owners
-    ([request_id, seq_id, logical block index] for each table entry pointing at it)."""
+    ([request_id, seq_id, logical block index] for each table entry pointing at it), and the
+    same for each swapped-out CPU block."""
     owners = block_owners(snapshot)
     cpu_owners = block_owners(snapshot, "cpu")
-    out = {k: v for k, v in snapshot.items() if k not in _DIFFED}
+    out = {k: v for k, v in snapshot.items() if k not in ("states", "cpu_states")}
     out["blocks"] = [{"block": i, "state": s, "owners": owners.get(i, [])}
                      for i, s in enumerate(snapshot["states"])]
-    out["cpu_blocks"] = [{"block": i, "state": s, "owners": cpu_owners.get(i, [])}
-                         for i, s in enumerate(snapshot["cpu_states"])]
+    # Only the swapped-out CPU blocks: the other num_cpu_blocks are free.
+    out["cpu_blocks"] = [{"block": int(i), "state": s, "owners": cpu_owners.get(int(i), [])}
+                         for i, s in snapshot["cpu_states"].items()]
     return out
 
 

@@ -10,10 +10,11 @@
   const SERIES_STEPS = 600;             // sim charts: the last 600 steps
   const MAX_TABLE_REQUESTS = 48;
   const MAX_TABLE_CELLS = 96;
+  const CPU_SHOWN_MIN = 512;
 
   const S = {
     key: null, config: null, frame: null,
-    states: [], cpuStates: [], cells: [], cpuCells: [],
+    states: [], cpuStates: {}, cpuOwned: {}, cells: [], cpuCells: [],
     owners: new Map(), cpuOwners: new Map(),
     series: [], lastTokens: null, playing: false,
   };
@@ -51,27 +52,42 @@
       frag.appendChild(c);
     }
     el.appendChild(frag);
+    el.classList.toggle("big", n <= 1024);
     el.classList.toggle("dense", n > 2048 && n <= 16384);
     el.classList.toggle("tiny", n > 16384);
     return cells;
   }
 
-  function applyStates(which, full, changed) {
-    const gpu = which === "gpu";
-    let cells = gpu ? S.cells : S.cpuCells;
-    const states = gpu ? S.states : S.cpuStates;
+  function applyStates(full, changed) {
     if (full) {
-      if (cells.length !== full.length) {
-        cells = buildGrid(gpu ? $("gpu-map") : $("cpu-map"), full.length, gpu ? "block" : "cpuBlock");
-        if (gpu) S.cells = cells; else S.cpuCells = cells;
-        states.length = 0;
+      if (S.cells.length !== full.length) {
+        S.cells = buildGrid($("gpu-map"), full.length, "block");
+        S.states = [];
       }
       for (let i = 0; i < full.length; i++) {
-        if (states[i] !== full[i]) { states[i] = full[i]; cells[i].dataset.state = full[i]; }
+        if (S.states[i] !== full[i]) { S.states[i] = full[i]; S.cells[i].dataset.state = full[i]; }
       }
     } else if (changed) {
-      for (const [i, s] of changed) { states[i] = s; cells[i].dataset.state = s; }
+      for (const [i, s] of changed) { S.states[i] = s; S.cells[i].dataset.state = s; }
     }
+  }
+
+  // The CPU pool is sparse (often far more blocks than the device): draw its first blocks,
+  // enough to include every swapped-out one; the rest are free.
+  function applyCpu(total, owned) {
+    const ids = Object.keys(owned).map(Number);
+    const top = ids.length ? Math.max(...ids) + 1 : 0;
+    const shown = Math.min(total, Math.max(CPU_SHOWN_MIN, Math.ceil(top / 256) * 256));
+    if (S.cpuCells.length !== shown) {
+      S.cpuCells = buildGrid($("cpu-map"), shown, "cpuBlock");
+      S.cpuOwned = {};
+    }
+    for (const i of Object.keys(S.cpuOwned)) if (!(i in owned)) S.cpuCells[i].dataset.state = "free";
+    for (const [i, st] of Object.entries(owned)) S.cpuCells[i].dataset.state = st;
+    S.cpuOwned = owned;
+    S.cpuStates = owned;
+    $("cpu-caption").textContent = total ? `${fmt(ids.length)} of ${fmt(total)} in use` +
+      (shown < total ? ` (first ${fmt(shown)} drawn; the rest are free)` : "") : "";
   }
 
   function ownersOf(requests, where) {
@@ -90,8 +106,8 @@
 
   // ---- one frame -------------------------------------------------------------------------
   function applyFrame(f) {
-    applyStates("gpu", f.states, f.states_changed);
-    applyStates("cpu", f.cpu_states, f.cpu_states_changed);
+    applyStates(f.states, f.states_changed);
+    applyCpu(f.num_cpu_blocks, f.cpu_states);
     S.frame = f;
     S.owners = ownersOf(f.requests, "gpu");
     S.cpuOwners = ownersOf(f.requests, "cpu");
@@ -99,7 +115,6 @@
     document.body.dataset.numBlocks = f.num_blocks;
     $("allocator-name").textContent = f.allocator;
     $("map-caption").textContent = `${fmt(f.num_blocks)} blocks × ${f.block_size} tokens`;
-    $("cpu-caption").textContent = S.cpuCells.length ? `${fmt(S.cpuCells.length)} blocks` : "";
     renderCounters(f);
     renderBars(f);
     renderTables(f);
@@ -306,7 +321,7 @@
         const resp = await fetch(url, { headers: authHeaders(), cache: "no-store", signal: ctrl.signal });
         if (resp.status === 401) { clearTimeout(watchdog); askKey(S.key ? "wrong API key" : "API key needed"); return; }
         if (!resp.ok) throw new Error("HTTP " + resp.status);
-        setStatus("live");
+        setStatus("live", "connected");
         delay = 250;
         await readEvents(resp, alive);
       } catch (e) { /* the server went away or stalled: reconnect below */ }
@@ -376,7 +391,7 @@
         await sleep(1000);
       }
     }
-    $("mode").textContent = S.config.mode === "sim" ? "simulator replay" : "live";
+    $("mode").textContent = S.config.mode === "sim" ? "simulator replay" : "live server";
     if (S.config.mode === "sim") startSim(S.config);
     else streamLive();
   }
