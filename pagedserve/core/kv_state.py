@@ -13,6 +13,7 @@ second at most, never per step. Invariants a snapshot satisfies (tests/core chec
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from pagedserve.sequence import SequenceStatus
@@ -47,9 +48,12 @@ def contiguous_would_need(groups: list, max_model_len: int) -> dict[str, int]:
 
 
 def kv_cache_state(scheduler: Any) -> dict[str, Any]:
-    """The KV cache right now, as plain data (see the module docstring)."""
+    """The KV cache right now, as plain data (see the module docstring); snapshot_s is what
+    taking it cost, so callers can keep their rate within a budget."""
+    started = time.perf_counter()
     mgr = scheduler.kv_cache_manager
-    stats = scheduler.get_kv_cache_stats(token_counts=True)
+    stats = scheduler.get_kv_cache_stats(token_counts=False)
+    states = mgr.block_states()
     requests = []
     for status, groups in (("running", scheduler.running), ("swapped", scheduler.swapped)):
         for g in groups:
@@ -58,14 +62,19 @@ def kv_cache_state(scheduler: Any) -> dict[str, Any]:
                 requests.append({"request_id": g.request_id, "status": status,
                                  "prompt_len": len(g.prompt_token_ids),
                                  "max_tokens": g.sampling_params.max_tokens, "seqs": seqs})
+    if "shared" in states:
+        stats.num_live_tokens = mgr.memory_breakdown().token_states  # shared blocks count once
+    else:  # the same number without walking every table: no block is counted twice
+        stats.num_live_tokens = sum(s["num_computed_tokens"] for r in requests for s in r["seqs"]
+                                    if s["where"] == "gpu")
     max_model_len = scheduler.scheduler_config.max_model_len
     num_cpu_blocks, cpu_states = mgr.cpu_block_states()
-    return {
+    state = {
         "allocator": scheduler.cache_config.kv_allocator,
         "num_blocks": mgr.num_gpu_blocks,
         "block_size": mgr.block_size,
         "max_model_len": max_model_len,
-        "states": mgr.block_states(),
+        "states": states,
         "num_cpu_blocks": num_cpu_blocks,
         "cpu_states": {str(i): st for i, st in sorted(cpu_states.items())},
         "requests": requests,
@@ -80,6 +89,8 @@ def kv_cache_state(scheduler: Any) -> dict[str, Any]:
                       usage=stats.usage),
         "contiguous_would_need": contiguous_would_need(scheduler.running, max_model_len),
     }
+    state["snapshot_s"] = time.perf_counter() - started
+    return state
 
 
 def block_owners(state: dict[str, Any], where: str = "gpu") -> dict[int, list[list]]:

@@ -11,11 +11,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from itertools import compress, count
+from operator import ne
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from pagedserve.core.kv_state import block_owners
 
 MIN_SNAPSHOT_INTERVAL_S = 0.25
+# Snapshots may take at most this share of the engine thread's time: a very large cache is
+# then refreshed less often rather than slowing the engine down.
+SNAPSHOT_TIME_BUDGET = 0.01
 STREAM_INTERVAL_RANGE_S = (0.25, 10.0)
 _DIFFED = ("states",)  # the sparse cpu_states (swapped-out blocks only) travel whole
 
@@ -24,10 +29,12 @@ class ThrottledSnapshot:
     """At most one snapshot per min_interval seconds, shared by all readers."""
 
     def __init__(self, take: Callable[[], Awaitable[dict]], min_interval: float = MIN_SNAPSHOT_INTERVAL_S,
-                 extra: Callable[[], dict] | None = None) -> None:
+                 extra: Callable[[], dict] | None = None, budget: float = SNAPSHOT_TIME_BUDGET) -> None:
         self._take = take
         self._extra = extra
         self.min_interval = min_interval
+        self.budget = budget
+        self.interval = min_interval  # min_interval, or longer if snapshots cost more than the budget
         self._last: dict | None = None
         self._taken_at = float("-inf")
         self._lock: asyncio.Lock | None = None
@@ -38,8 +45,9 @@ class ThrottledSnapshot:
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
-            if self._last is None or time.monotonic() - self._taken_at >= self.min_interval:
+            if self._last is None or time.monotonic() - self._taken_at >= self.interval:
                 state = await self._take()
+                self.interval = max(self.min_interval, state.get("snapshot_s", 0.0) / self.budget)
                 self.version += 1
                 state["version"] = self.version
                 state["time"] = time.time()
@@ -66,14 +74,36 @@ def public_state(snapshot: dict) -> dict:
 
 
 def _changes(prev: list[str], cur: list[str]) -> list[list]:
+    """[index, new state] of each cell that changed; the O(blocks) compare runs in C."""
     if prev == cur:
         return []
-    return [[i, s] for i, (p, s) in enumerate(zip(prev, cur)) if p != s]
+    return [[i, cur[i]] for i in compress(count(), map(ne, prev, cur))]
+
+
+def _table_diffs(prev_requests: list[dict], requests: list[dict]) -> list[dict]:
+    """The requests with each sequence's table replaced by what grew since prev ('append')
+    when the old table is a prefix of the new one (the usual case), else sent whole."""
+    old = {(s["seq_id"], s["where"]): s["block_table"] for r in prev_requests for s in r["seqs"]}
+    out = []
+    for r in requests:
+        seqs = []
+        for s in r["seqs"]:
+            table = s["block_table"]
+            before = old.get((s["seq_id"], s["where"]))
+            entry = {k: v for k, v in s.items() if k != "block_table"}
+            if before is not None and len(before) <= len(table) and table[:len(before)] == before:
+                entry["append"] = table[len(before):]
+            else:
+                entry["block_table"] = table
+            seqs.append(entry)
+        out.append(dict(r, seqs=seqs))
+    return out
 
 
 def make_frame(prev: dict | None, snapshot: dict) -> dict:
-    """One SSE frame: 'full' (every block state) when the reader has nothing comparable yet,
-    else 'diff' with only the cells that changed since prev; the rest (tables, counters) whole."""
+    """One SSE frame: 'full' (every block state and table) when the reader has nothing
+    comparable yet, else 'diff': only the cells that changed since prev and only what each
+    block table grew by (see _table_diffs); counters and the sparse CPU states whole."""
     frame = {k: v for k, v in snapshot.items() if k not in _DIFFED}
     comparable = prev is not None and all(len(prev[k]) == len(snapshot[k]) for k in _DIFFED)
     if not comparable:
@@ -84,6 +114,7 @@ def make_frame(prev: dict | None, snapshot: dict) -> dict:
         frame["type"] = "diff"
         for k in _DIFFED:
             frame[k + "_changed"] = _changes(prev[k], snapshot[k])
+        frame["requests"] = _table_diffs(prev["requests"], snapshot["requests"])
     return frame
 
 

@@ -26,6 +26,7 @@ def _check_against_pool(sched, state):
     assert st["num_blocks_used"] == sum(s in ("used", "shared") for s in state["states"])
     assert st["num_blocks_cached"] == state["states"].count("cached")
     assert st["num_blocks_free"] == state["states"].count("free") + state["states"].count("cached")
+    assert st["num_live_tokens"] == mgr.memory_breakdown().token_states
     json.dumps(state)  # plain data only
 
 
@@ -127,3 +128,36 @@ def test_contiguous_would_need_counts_running_sequences():
     need = kv_cache_state(sched)["contiguous_would_need"]
     assert need == {"max_model_len": 3 * 100, "prompt_plus_max_tokens": (6 + 10) + 2 * (9 + 5)}
     assert set(kv_cache_state(sched)["states"]) <= set(BLOCK_STATES)
+
+
+def test_snapshot_matches_the_pool_at_every_step_of_a_busy_run():
+    """Prefix sharing, forks, swaps and preemption by recompute, all checked step by step."""
+    import random
+    rng = random.Random(7)
+    sched = make_scheduler(40, block_size=4, num_cpu_blocks=24, preemption_mode="auto")
+    base = [rng.randrange(50) for _ in range(9)]
+    for i in range(14):
+        tokens = base + [rng.randrange(50) for _ in range(rng.randrange(1, 12))] if i % 2 else \
+            [rng.randrange(50) for _ in range(rng.randrange(3, 20))]
+        sched.add_seq_group(make_group(str(i), tokens, max_tokens=rng.randrange(4, 24), n=1 + (i % 3 == 0)))
+    d = Driver(sched, seed=1)
+    kinds = set()
+    while sched.has_unfinished_seqs():
+        d.step()
+        state = kv_cache_state(sched)
+        _check_against_pool(sched, state)
+        kinds.update(state["states"])
+        kinds.update(r["status"] for r in state["requests"])
+    assert {"used", "shared", "cached", "swapped"} <= kinds
+
+
+def test_contiguous_live_tokens_match_the_breakdown():
+    sched = make_scheduler(64, block_size=4, kv_allocator="contiguous-pow2", max_model_len=64)
+    for i in range(6):
+        sched.add_seq_group(make_group(str(i), list(range(3 + i)), max_tokens=5 + i))
+    d = Driver(sched)
+    while sched.has_unfinished_seqs():
+        d.step()
+        state = kv_cache_state(sched)
+        assert state["stats"]["num_live_tokens"] == sched.kv_cache_manager.memory_breakdown().token_states
+        assert state["stats"]["num_blocks_used"] == sum(s != "free" for s in state["states"])

@@ -19,13 +19,14 @@ def _busy_scheduler():
 
 def test_diff_frames_rebuild_every_step_exactly():
     sched, driver = _busy_scheduler()
-    prev, shown, diffs = None, None, 0
+    prev, shown, tables, diffs, appends = None, None, {}, 0, 0
     while sched.has_unfinished_seqs():
         driver.step()
         snap = kv_cache_state(sched)
         frame = json.loads(json.dumps(make_frame(prev, snap)))  # as the page receives it
         if frame["type"] == "full":
             shown = list(frame["states"])
+            tables = {}
         else:
             diffs += 1
             assert "states" not in frame
@@ -33,8 +34,16 @@ def test_diff_frames_rebuild_every_step_exactly():
                 shown[i] = s
             assert len(frame["states_changed"]) == sum(a != b for a, b in zip(prev["states"], snap["states"]))
         assert shown == snap["states"] and frame["cpu_states"] == snap["cpu_states"]
+        rebuilt = {}
+        for r in frame["requests"]:
+            for q in r["seqs"]:
+                key = (q["where"], q["seq_id"])
+                rebuilt[key] = q["block_table"] if "block_table" in q else tables[key] + q["append"]
+                appends += "append" in q
+        assert rebuilt == {(q["where"], q["seq_id"]): q["block_table"] for r in snap["requests"] for q in r["seqs"]}
+        tables = rebuilt
         prev = snap
-    assert diffs > 5
+    assert diffs > 5 and appends > 10
 
 
 def test_a_different_block_count_sends_a_full_frame():
@@ -70,10 +79,21 @@ def test_throttle_shares_one_snapshot_between_readers():
         feed = ThrottledSnapshot(take, min_interval=3600)
         got = await asyncio.gather(*(feed.get() for _ in range(5)))
         assert len(calls) == 1 and all(g is got[0] for g in got) and got[0]["version"] == 1
-        feed.min_interval = 0
+        feed.min_interval = feed.interval = 0
         again = await feed.get()
         assert len(calls) == 2 and again["version"] == 2
     asyncio.run(main())
+
+
+def test_costly_snapshots_are_taken_less_often():
+    async def take():
+        return {"snapshot_s": 0.05}
+
+    async def main():
+        feed = ThrottledSnapshot(take, min_interval=0.25, budget=0.01)
+        await feed.get()
+        return feed.interval
+    assert asyncio.run(main()) == pytest.approx(5.0)  # 50 ms at most 1% of the time
 
 
 def test_stream_sends_full_then_diff_frames():
@@ -84,7 +104,7 @@ def test_stream_sends_full_then_diff_frames():
         return kv_cache_state(sched)
 
     async def main():
-        gen = sse_frames(ThrottledSnapshot(take, min_interval=0), 0.0)
+        gen = sse_frames(ThrottledSnapshot(take, min_interval=0, budget=float("inf")), 0.0)
         frames = [json.loads((await gen.__anext__())[len(b"data: "):]) for _ in range(3)]
         await gen.aclose()
         return frames

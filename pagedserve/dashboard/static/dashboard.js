@@ -16,7 +16,7 @@
     key: null, config: null, frame: null,
     states: [], cpuStates: {}, cpuOwned: {}, cells: [], cpuCells: [],
     owners: new Map(), cpuOwners: new Map(),
-    series: [], lastTokens: null, playing: false,
+    series: [], lastTokens: null, playing: false, tables: new Map(),
   };
 
   const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
@@ -104,8 +104,22 @@
     return owners;
   }
 
+  // Diff frames carry only what each block table grew by ('append'); rebuild the full tables.
+  function rebuildTables(f) {
+    const tables = new Map();
+    for (const r of f.requests) {
+      for (const s of r.seqs) {
+        const key = s.where + ":" + s.seq_id;
+        if (!s.block_table) s.block_table = (S.tables.get(key) || []).concat(s.append || []);
+        tables.set(key, s.block_table);
+      }
+    }
+    S.tables = tables;
+  }
+
   // ---- one frame -------------------------------------------------------------------------
   function applyFrame(f) {
+    rebuildTables(f);
     applyStates(f.states, f.states_changed);
     applyCpu(f.num_cpu_blocks, f.cpu_states);
     S.frame = f;
@@ -114,7 +128,8 @@
     document.body.dataset.version = f.version;
     document.body.dataset.numBlocks = f.num_blocks;
     $("allocator-name").textContent = f.allocator;
-    $("map-caption").textContent = `${fmt(f.num_blocks)} blocks × ${f.block_size} tokens`;
+    $("map-caption").textContent = `${fmt(f.num_blocks)} blocks × ${f.block_size} tokens` +
+      (f.snapshot_s != null ? ` · snapshot ${(1000 * f.snapshot_s).toFixed(1)} ms` : "");
     renderCounters(f);
     renderBars(f);
     renderTables(f);
