@@ -19,10 +19,10 @@ import dataclasses
 import json
 import os
 import shlex
+import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -38,30 +38,39 @@ KEY = "sk-dashboard-overhead"
 
 
 class SSEViewer:
-    """Reads the dashboard's event stream in a thread, as an open page does; counts frames."""
+    """Reads the dashboard's event stream in its own process, as an open page would (the
+    benchmark client's process stays undisturbed); counts the frames it parsed."""
 
     def __init__(self, base_url: str, interval: float) -> None:
         self.url = f"{base_url}/kv_cache/events?interval={interval}"
         self.frames = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        with httpx.stream("GET", self.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=None) as r:
-            for line in r.iter_lines():
-                if line.startswith("data:"):
-                    json.loads(line[5:])  # the page parses every frame too
-                    self.frames += 1
-                if self._stop.is_set():
-                    return
+        self.snapshot_s = 0.0  # engine-thread time the snapshots behind those frames took
 
     def __enter__(self) -> "SSEViewer":
-        self._thread.start()
+        self._proc = subprocess.Popen([sys.executable, __file__, "--sse-viewer", self.url],
+                                      stdout=subprocess.PIPE, text=True)
         return self
 
     def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
+        self._proc.send_signal(signal.SIGINT)
+        out, _ = self._proc.communicate(timeout=30)
+        frames, snapshot_s = out.strip().splitlines()[-1].split()
+        self.frames, self.snapshot_s = int(frames), float(snapshot_s)
+
+
+def _sse_viewer_main(url: str) -> int:
+    frames, snapshot_s = 0, 0.0
+    try:
+        with httpx.stream("GET", url, headers={"Authorization": f"Bearer {KEY}"}, timeout=None) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    frame = json.loads(line[5:])  # the page parses every frame too
+                    frames += 1
+                    snapshot_s += frame.get("snapshot_s", 0.0)
+    except KeyboardInterrupt:
+        pass
+    print(frames, snapshot_s, flush=True)
+    return 0
 
 
 class BrowserViewer:
@@ -70,6 +79,7 @@ class BrowserViewer:
     def __init__(self, base_url: str, interval: float) -> None:
         self.url = f"{base_url}/dashboard?interval={interval}#key={KEY}"
         self.frames = 0
+        self.snapshot_s = float("nan")
 
     def __enter__(self) -> "BrowserViewer":
         from playwright.sync_api import sync_playwright
@@ -120,7 +130,8 @@ def one_round(base: str, requests, viewer_cls, interval: float) -> dict:
     with viewer_cls(base, interval) as viewer:
         s = asyncio.run(run_benchmark(base + "/v1", requests, api_key=KEY))
     return {"output_throughput": s["output_throughput"], "duration_s": s["duration_s"], "failed": s["failed"],
-            "viewer_frames": viewer.frames, "viewer_hz": viewer.frames / s["duration_s"]}
+            "viewer_frames": viewer.frames, "viewer_hz": viewer.frames / s["duration_s"],
+            "snapshot_time_share": viewer.snapshot_s / s["duration_s"]}
 
 
 def main() -> int:
@@ -164,9 +175,12 @@ def main() -> int:
     result = {"command": " ".join(sys.argv), "device": args.device, "workload": args.workload,
               "num_requests": len(requests), "viewer": args.viewer, "interval_s": args.interval,
               "closed_output_tok_s": c, "open_output_tok_s": o, "drop": (c - o) / c,
-              "viewer_hz_min": min(r["viewer_hz"] for r in opened), "closed": closed, "open": opened}
+              "viewer_hz_min": min(r["viewer_hz"] for r in opened),
+              "snapshot_time_share_max": max(r["snapshot_time_share"] for r in opened),
+              "closed": closed, "open": opened}
     print(f"closed {c:.1f} tok/s, open {o:.1f} tok/s: drop {100 * result['drop']:.2f}% "
-          f"(viewer got >= {result['viewer_hz_min']:.2f} frames/s under load)")
+          f"(viewer got >= {result['viewer_hz_min']:.2f} frames/s under load; snapshots took "
+          f"<= {100 * result['snapshot_time_share_max']:.3f}% of the engine thread's time)")
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
@@ -174,4 +188,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--sse-viewer":
+        sys.exit(_sse_viewer_main(sys.argv[2]))
     sys.exit(main())

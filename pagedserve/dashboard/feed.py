@@ -135,6 +135,7 @@ def parse_interval(raw: str | None, default: float = 0.5) -> float:
 async def sse_frames(feed: ThrottledSnapshot, interval: float) -> AsyncIterator[bytes]:
     """Server-sent events, one frame per interval: a full frame first, then diffs."""
     prev = None
+    due = time.monotonic()
     while True:
         snapshot = await feed.get()
         if prev is None or snapshot["version"] != prev["version"]:
@@ -143,4 +144,6 @@ async def sse_frames(feed: ThrottledSnapshot, interval: float) -> AsyncIterator[
             yield b"data: " + json.dumps(frame, separators=(",", ":")).encode() + b"\n\n"
         else:
             yield b": idle\n\n"  # keeps proxies and the reader's liveness check happy
-        await asyncio.sleep(interval)
+        # A fixed cadence, not a fixed pause: the wait for the engine thread does not add up.
+        due = max(due + interval, time.monotonic())
+        await asyncio.sleep(due - time.monotonic())
