@@ -36,13 +36,25 @@ def _start(cmd: list[str], ready_url: str) -> subprocess.Popen:
     raise SystemExit(f"{cmd[0]} did not come up")
 
 
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def _load(base: str) -> threading.Thread:
     """Requests that share a prompt prefix, some forked (n=2), more than the cache holds."""
     def one(i: int) -> None:
         prompt = "And God said, Let there be light: and there was light. " * (1 + i % 3) + f"Verse {i}."
-        httpx.post(base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=300,
-                   json={"model": "pagedserve-demo", "prompt": prompt, "max_tokens": 400, "n": 1 + (i % 4 == 0),
-                         "temperature": 0.8, "seed": i, "ignore_eos": True})
+        body = {"model": "pagedserve-demo", "prompt": prompt, "max_tokens": 400, "n": 1 + (i % 4 == 0),
+                "temperature": 0.8, "seed": i, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", base + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                          timeout=300, json=body) as r:
+            for _ in r.iter_lines():
+                pass
 
     def run() -> None:
         threads = [threading.Thread(target=one, args=(i,)) for i in range(28)]
@@ -60,21 +72,21 @@ def live(browser) -> None:
     port = 18931
     base = f"http://127.0.0.1:{port}"
     proc = _start(["serve", "--device", "cpu", "--port", str(port), "--api-key", KEY,
-                   "--num-gpu-blocks-override", "384", "--swap-space", "0.008"], base + "/health")
+                   "--num-gpu-blocks-override", "256", "--swap-space", "0.008",
+                   "--preemption-mode", "swap"], base + "/health")
     try:
         page = browser.new_page(viewport={"width": 1400, "height": 1050})
         page.goto(f"{base}/dashboard#key={KEY}")
         page.wait_for_function("document.body.dataset.status === 'live'")
         load = _load(base)
-        page.wait_for_function("document.querySelectorAll('#gpu-map .cell[data-state=used]').length > 250 && "
+        page.wait_for_function("document.querySelectorAll('#cpu-map .cell[data-state=used]').length > 8 && "
                                "document.querySelectorAll('#gpu-map .cell[data-state=shared]').length > 4",
-                               timeout=120_000)
-        time.sleep(1.0)
+                               timeout=180_000)
+        time.sleep(0.5)
         page.screenshot(path=str(OUT / "dashboard_live.png"), full_page=True)
         load.join()
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        _stop(proc)
 
 
 def sim(browser) -> None:
@@ -92,8 +104,7 @@ def sim(browser) -> None:
         page.mouse.move(40, 180)
         page.screenshot(path=str(OUT / "dashboard_sim.png"), full_page=True)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        _stop(proc)
 
 
 def main() -> int:

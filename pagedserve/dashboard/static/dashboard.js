@@ -173,6 +173,7 @@
       if (r.status !== "running") continue;
       for (const s of r.seqs) for (const b of s.block_table) if (!seen.has(b)) { seen.add(b); paged += f.block_size; }
     }
+    $("bar-paged-label").textContent = `${f.allocator}, held now`;
     const need = f.contiguous_would_need;
     const rows = [["paged", paged], ["request", need.prompt_plus_max_tokens], ["max", need.max_model_len], ["cap", cap]];
     const top = Math.max(1, ...rows.map((r) => r[1]));
