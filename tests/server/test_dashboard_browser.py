@@ -28,9 +28,13 @@ class DashServer:
         self.server = start_server(self.model_dir, self.log_dir / f"dash-{num_blocks}.log", *BASE_ARGS,
                                    "--num-gpu-blocks-override", str(num_blocks), api_key=KEY, port=self.port)
 
-    def stop(self) -> None:
+    def stop(self, crash: bool = False) -> None:
         if self.server is not None:
-            stop_server(self.server)
+            if crash:
+                self.server.proc.kill()
+                self.server.proc.wait()
+            else:
+                stop_server(self.server)
             self.server = None
 
     def state(self) -> dict:
@@ -124,7 +128,8 @@ def test_cell_states_and_counters_agree_with_the_server(page, dash):
 
 
 def test_page_recovers_after_server_restart(page, dash):
-    dash.stop()
+    # Killed, not stopped: uvicorn's graceful shutdown would wait for the page's open stream.
+    dash.stop(crash=True)
     page.wait_for_function("document.body.dataset.status === 'reconnecting'", timeout=15_000)
     dash.start(RESTART_BLOCKS)  # same port, a different cache: the grid must be rebuilt
     page.wait_for_function(f"document.body.dataset.status === 'live' && "
