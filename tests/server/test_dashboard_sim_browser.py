@@ -61,6 +61,13 @@ def test_replay_steps_plays_and_switches_allocator(browser, sim_url):  # noqa: F
     page.wait_for_function("document.getElementById('sim-step').dataset.value === '2'", timeout=10_000)
     second = _agrees(page, sim_url)
     assert second["sim"]["step"] == 2 and second["stats"] != first["stats"]
+    # Hovering a cell names its owners and their logical block; the tables panel lists requests.
+    block = next(b for b in second["blocks"] if b["owners"])
+    page.hover(f'#gpu-map .cell[data-block="{block["block"]}"]')
+    tip = page.locator("#tooltip").text_content()
+    for rid, sid, idx in block["owners"]:
+        assert f"req {rid} · seq {sid} · logical block {idx}" in tip
+    assert page.locator("#tables .req").count() == min(48, len(second["requests"]))
 
     page.select_option("#sim-allocator", "contiguous-max")
     page.wait_for_function("document.getElementById('allocator-name').textContent === 'contiguous-max' && "
