@@ -7,9 +7,11 @@ Reports the median output throughput of each, the drop, and the frames per secon
 viewer received under load (the issue asks >= 2 Hz).
 
 CPU (demo model):  python benchmarks/dashboard_overhead.py --device cpu
-H200:              python benchmarks/dashboard_overhead.py --model <dir> --device cuda \\
-                      --workload sharegpt-like --num-requests 400 --rounds 3 \\
-                      --serve-args "--load-format dummy --max-model-len 2048"
+H200: the demo model is host-bound there, the case where host-side work costs the most; its
+KV cache is capped at 65,536 blocks, the size of Qwen3-0.6B's cache on an H200:
+    python benchmarks/dashboard_overhead.py --device cuda --rounds 3 --num-requests 400 \\
+        --serve-args "--num-gpu-blocks-override 65536" \\
+        --output benchmarks/results/h200/dashboard_overhead.json
 """
 from __future__ import annotations
 
