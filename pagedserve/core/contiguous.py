@@ -201,6 +201,23 @@ class ContiguousKVCacheManager:
     def free_holes(self) -> list[tuple[int, int]]:
         return [(s, n) for s, n in self._holes]
 
+    def block_states(self) -> list[str]:
+        """Each block's state, by block id: free, used (a reservation's blocks up to its known
+        tokens) or reserved (held by a reservation, no token in it yet). O(blocks)."""
+        states = ["free"] * self.num_gpu_blocks
+        bs = self.block_size
+        for sid, (start, n) in self._runs.items():
+            used = min(n, cdiv(self._seqs[sid].num_tokens, bs))
+            states[start:start + used] = ["used"] * used
+            states[start + used:start + n] = ["reserved"] * (n - used)
+        return states
+
+    def cpu_block_states(self) -> tuple[int, dict[int, str]]:
+        return 0, {}
+
+    def cpu_block_table(self, seq: Sequence) -> list[int] | None:
+        return None
+
     def seq_layouts(self) -> list[SeqKVLayout]:
         """A snapshot of every reserved run, in admission order (for figures)."""
         return [SeqKVLayout(sid, self.get_block_table(s), s.num_computed_tokens, self._final_len[sid])

@@ -360,6 +360,23 @@ class KVCacheManager:
     def num_cached_free_blocks(self) -> int:
         return self.pool.num_cached_free
 
+    def block_states(self) -> list[str]:
+        """Each device block's state, by block id: free, used (ref 1), shared (ref > 1) or
+        cached (free but holding reusable prefix content). O(blocks): for snapshots only."""
+        return [("shared" if b.ref_cnt > 1 else "used") if b.ref_cnt else
+                ("cached" if b.block_hash is not None else "free") for b in self.pool.blocks]
+
+    def cpu_block_states(self) -> tuple[int, dict[int, str]]:
+        """(CPU blocks in all, {block id: used | shared} for the swapped-out ones); every other
+        CPU block is free. Sparse because swap space often has far more blocks than the device."""
+        owned = self._distinct(self.cpu_block_tables.values())
+        return self.cpu_pool.num_blocks, {i: "shared" if b.ref_cnt > 1 else "used" for i, b in owned.items()}
+
+    def cpu_block_table(self, seq: Sequence) -> list[int] | None:
+        """The seq's CPU block ids while it is swapped out, else None."""
+        table = self.cpu_block_tables.get(seq.seq_id)
+        return None if table is None else [b.block_id for b in table]
+
     def seq_layouts(self) -> list[SeqKVLayout]:
         """A snapshot of every device block table (for figures and sharing counts)."""
         return [SeqKVLayout(sid, [b.block_id for b in t], self._seqs[sid].num_computed_tokens,

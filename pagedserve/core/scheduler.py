@@ -73,6 +73,8 @@ class Scheduler:
         self.swapped: list[SequenceGroup] = []   # ascending admitted_at
         self._admissions = itertools.count()
         self.num_preemptions = 0
+        self.num_swap_outs = 0   # groups swapped out to CPU (a subset of the preemptions)
+        self.num_swap_ins = 0    # groups swapped back in
 
     # ---- queues --------------------------------------------------------------------------
     @property
@@ -299,6 +301,7 @@ class Scheduler:
                 break
             self.swapped.pop(0)
             out.blocks_to_swap_in.extend(mgr.swap_in(group))
+            self.num_swap_ins += 1
             for s in seqs:
                 s.status = RUNNING
             self._insert_running(group)
@@ -375,6 +378,7 @@ class Scheduler:
         """Victims leave running: swapped out (kept in order of admission) or reset to the front of waiting."""
         if self._preemption_uses_swap(group):
             out.blocks_to_swap_out.extend(self.kv_cache_manager.swap_out(group))
+            self.num_swap_outs += 1
             for s in group.seqs_with_status(RUNNING):
                 s.status = SWAPPED
             keys = [g.admitted_at for g in self.swapped]

@@ -287,6 +287,10 @@ class AsyncLLMEngine:
             raise
         return RequestStream(self, request_id, st)
 
+    async def get_kv_cache_state(self) -> dict:
+        """LLMEngine.get_kv_cache_state, taken in the core between two steps."""
+        return await self.client.call_utility_async("get_kv_cache_state")
+
     async def generate(self, prompt: Any, sampling_params: SamplingParams,
                        request_id: str) -> AsyncIterator[RequestOutput]:
         """add_request, then yield RequestOutputs (shaped by sampling_params.output_kind)

@@ -83,6 +83,10 @@ class EngineCore:
         return fn(*args)
 
     @utility
+    def get_kv_cache_state(self) -> dict:
+        return self.engine.get_kv_cache_state()
+
+    @utility
     def get_kv_cache_stats(self, token_counts: bool = True) -> dict:
         return dataclasses.asdict(self.engine.get_kv_cache_stats(token_counts))
 

@@ -21,6 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from pagedserve.config import CacheConfig, EngineConfig
+from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.beam_search import BeamSearchState, LiveBeam
 from pagedserve.engine.output_processor import OutputProcessor
@@ -285,6 +286,11 @@ class LLMEngine:
         self._sync_requests.discard(rid)
         for s in group.seqs:
             self._seq_generators.pop(s.seq_id, None)
+
+    def get_kv_cache_state(self) -> dict:
+        """Every block's state, the live block tables and the counters, as plain data
+        (pagedserve.core.kv_state). O(blocks): for a dashboard at a few Hz, never per step."""
+        return kv_cache_state(self.scheduler)
 
     def _make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)

@@ -82,8 +82,16 @@ def register_sim(sub) -> None:
                    help="longest prompt + output (default: the workload's cap)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload draw")
     p.add_argument("--output", default=None, help="write the JSON result here")
+    p.add_argument("--dashboard", action="store_true",
+                   help="instead of running to the end, serve the KV page map of the run at /dashboard "
+                        "with play / pause / step (no model, no GPU)")
+    p.add_argument("--host", default="127.0.0.1", help="with --dashboard: address to listen on")
+    p.add_argument("--port", type=int, default=8001, help="with --dashboard: port to listen on")
 
     def run(args):
+        if args.dashboard:
+            from pagedserve.dashboard.sim_app import run_sim_dashboard
+            return run_sim_dashboard(args)
         from pagedserve.sim import run_sim_cli
         return run_sim_cli(args)
     p.set_defaults(func=run)

@@ -57,8 +57,8 @@ def free_port() -> int:
 
 
 def start_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None,
-                 timeout: float = 180.0) -> Server:
-    port = free_port()
+                 timeout: float = 180.0, port: int | None = None) -> Server:
+    port = port or free_port()
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(model_dir),
            "--port", str(port), "--device", "cpu", "--dtype", "float32",
            "--served-model-name", "tiny", *extra]

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.entrypoints.openai.dashboard import dashboard_router
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                     CompletionRequest, CompletionResponse,
                                                     ErrorResponse, ModelCard, ModelList)
@@ -207,6 +208,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         except ClientDisconnected:
             return Response(status_code=499)
 
+    app.include_router(dashboard_router(engine, api_key))
     # The last one added runs first: the key is checked before any body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:

@@ -1,0 +1,195 @@
+"""Serving throughput with the KV dashboard open vs closed (issue #17: at most a 2% drop).
+
+Starts one `pagedserve serve`, then replays the same workload in rounds that alternate
+closed (nobody watching) and open (a viewer on /kv_cache/events, the stream the page reads,
+or the real page in headless chromium with --viewer browser), so drift hits both alike.
+Reports the median output throughput of each, the drop, and the frames per second the
+viewer received under load (the issue asks >= 2 Hz).
+
+CPU (demo model):  python benchmarks/dashboard_overhead.py --device cpu
+H200: the demo model is host-bound there, the case where host-side work costs the most; its
+KV cache is capped at 65,536 blocks, the size of Qwen3-0.6B's cache on an H200:
+    python benchmarks/dashboard_overhead.py --device cuda --rounds 3 --num-requests 400 \\
+        --serve-args "--num-gpu-blocks-override 65536" \\
+        --output benchmarks/results/h200/dashboard_overhead.json
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import shlex
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pagedserve.entrypoints.bench_serve import run_benchmark  # noqa: E402
+from pagedserve.workloads import make_workload  # noqa: E402
+
+KEY = "sk-dashboard-overhead"
+
+
+class SSEViewer:
+    """Reads the dashboard's event stream in its own process, as an open page would (the
+    benchmark client's process stays undisturbed); counts the frames it parsed."""
+
+    def __init__(self, base_url: str, interval: float) -> None:
+        self.url = f"{base_url}/kv_cache/events?interval={interval}"
+        self.frames = 0
+        self.snapshot_s = 0.0  # engine-thread time the snapshots behind those frames took
+
+    def __enter__(self) -> "SSEViewer":
+        self._proc = subprocess.Popen([sys.executable, __file__, "--sse-viewer", self.url],
+                                      stdout=subprocess.PIPE, text=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._proc.send_signal(signal.SIGINT)
+        out, _ = self._proc.communicate(timeout=30)
+        frames, snapshot_s = out.strip().splitlines()[-1].split()
+        self.frames, self.snapshot_s = int(frames), float(snapshot_s)
+
+
+def _sse_viewer_main(url: str) -> int:
+    frames, snapshot_s = 0, 0.0
+    try:
+        with httpx.stream("GET", url, headers={"Authorization": f"Bearer {KEY}"}, timeout=None) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    frame = json.loads(line[5:])  # the page parses every frame too
+                    frames += 1
+                    snapshot_s += frame.get("snapshot_s", 0.0)
+    except KeyboardInterrupt:
+        pass
+    print(frames, snapshot_s, flush=True)
+    return 0
+
+
+class BrowserViewer:
+    """The real page in headless chromium (the system one); frames = versions it rendered."""
+
+    def __init__(self, base_url: str, interval: float) -> None:
+        self.url = f"{base_url}/dashboard?interval={interval}#key={KEY}"
+        self.frames = 0
+        self.snapshot_s = float("nan")
+
+    def __enter__(self) -> "BrowserViewer":
+        from playwright.sync_api import sync_playwright
+        chromium = os.environ.get("PAGEDSERVE_CHROMIUM", "/usr/bin/chromium")
+        self._pw = sync_playwright().start()
+        self._browser = self._pw.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        self._page = self._browser.new_page()
+        self._page.add_init_script("window.__frames = 0; new MutationObserver(() => window.__frames++)"
+                                   ".observe(document.documentElement, {attributes: true, subtree: true, "
+                                   "attributeFilter: ['data-version']});")
+        self._page.goto(self.url)
+        self._page.wait_for_function("document.body.dataset.status === 'live'", timeout=60_000)
+        self._start = self._page.evaluate("window.__frames")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.frames = self._page.evaluate("window.__frames") - self._start
+        self._browser.close()
+        self._pw.stop()
+
+
+def start_server(args) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(args.port),
+           "--device", args.device, "--api-key", KEY, *shlex.split(args.serve_args)]
+    if args.model:
+        cmd.insert(4, args.model)
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{args.port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}: {' '.join(cmd)}")
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    proc.kill()
+    raise SystemExit("server did not become healthy")
+
+
+def one_round(base: str, requests, viewer_cls, interval: float) -> dict:
+    if viewer_cls is None:
+        s = asyncio.run(run_benchmark(base + "/v1", requests, api_key=KEY))
+        return {"output_throughput": s["output_throughput"], "duration_s": s["duration_s"], "failed": s["failed"]}
+    with viewer_cls(base, interval) as viewer:
+        s = asyncio.run(run_benchmark(base + "/v1", requests, api_key=KEY))
+    return {"output_throughput": s["output_throughput"], "duration_s": s["duration_s"], "failed": s["failed"],
+            "viewer_frames": viewer.frames, "viewer_hz": viewer.frames / s["duration_s"],
+            "snapshot_time_share": viewer.snapshot_s / s["duration_s"]}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="HF model dir (default: the bundled demo model)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--workload", default="alpaca-like")
+    p.add_argument("--num-requests", type=int, default=96)
+    p.add_argument("--max-total-len", type=int, default=1024, help="drop requests longer than this")
+    p.add_argument("--rounds", type=int, default=3, help="pairs of closed/open runs")
+    p.add_argument("--viewer", choices=["sse", "browser"], default="sse")
+    p.add_argument("--interval", type=float, default=0.5, help="the page's update period in seconds")
+    p.add_argument("--port", type=int, default=18917)
+    p.add_argument("--serve-args", default="", help="extra `pagedserve serve` flags, one string")
+    p.add_argument("--output", default=None)
+    args = p.parse_args()
+
+    model_dir = args.model or str(__import__("pagedserve.demo_model", fromlist=["DEMO_MODEL_DIR"]).DEMO_MODEL_DIR)
+    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
+    requests = [dataclasses.replace(r, prompt_token_ids=[t % vocab for t in r.prompt_token_ids])
+                for r in make_workload(args.workload, args.num_requests, None, seed=0)
+                if len(r.prompt_token_ids) + r.output_len <= args.max_total_len]
+    viewer_cls = SSEViewer if args.viewer == "sse" else BrowserViewer
+    proc, base = start_server(args)
+    try:
+        one_round(base, requests[: max(8, len(requests) // 8)], None, args.interval)  # warm-up
+        closed, opened = [], []
+        for i in range(args.rounds):
+            # Alternate which goes first, so slow drift does not favour either.
+            order = [(closed, None), (opened, viewer_cls)]
+            for runs, cls in order if i % 2 == 0 else reversed(order):
+                runs.append(one_round(base, requests, cls, args.interval))
+                print(("open  " if cls else "closed"), json.dumps(runs[-1]), flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    if any(r["failed"] for r in closed + opened):
+        raise SystemExit("some requests failed: the comparison would be meaningless")
+    c = statistics.median(r["output_throughput"] for r in closed)
+    o = statistics.median(r["output_throughput"] for r in opened)
+    result = {"command": " ".join(sys.argv), "device": args.device, "workload": args.workload,
+              "num_requests": len(requests), "viewer": args.viewer, "interval_s": args.interval,
+              "closed_output_tok_s": c, "open_output_tok_s": o, "drop": (c - o) / c,
+              "viewer_hz_min": min(r["viewer_hz"] for r in opened),
+              "snapshot_time_share_max": max(r["snapshot_time_share"] for r in opened),
+              "closed": closed, "open": opened}
+    print(f"closed {c:.1f} tok/s, open {o:.1f} tok/s: drop {100 * result['drop']:.2f}% "
+          f"(viewer got >= {result['viewer_hz_min']:.2f} frames/s under load; snapshots took "
+          f"<= {100 * result['snapshot_time_share_max']:.3f}% of the engine thread's time)")
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--sse-viewer":
+        sys.exit(_sse_viewer_main(sys.argv[2]))
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""The dashboard's data feed: throttled snapshots, the public JSON, and incremental SSE frames.
+
+A snapshot costs O(blocks) on the engine thread, so every reader (the JSON endpoint and
+every open page) shares one: a snapshot younger than min_interval is served again instead of
+taking a new one, and concurrent readers wait on the same in-flight call. Each snapshot gets
+a version number, so a reader can tell which one it holds. Nothing here runs per engine step;
+with no page open nothing runs at all.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from itertools import compress, count
+from operator import ne
+from typing import Any, AsyncIterator, Awaitable, Callable
+
+from pagedserve.core.kv_state import block_owners
+
+MIN_SNAPSHOT_INTERVAL_S = 0.25
+# Snapshots may take at most this share of the engine thread's time: a very large cache is
+# then refreshed less often rather than slowing the engine down.
+SNAPSHOT_TIME_BUDGET = 0.01
+STREAM_INTERVAL_RANGE_S = (0.25, 10.0)
+_DIFFED = ("states",)  # the sparse cpu_states (swapped-out blocks only) travel whole
+
+
+class ThrottledSnapshot:
+    """At most one snapshot per min_interval seconds, shared by all readers."""
+
+    def __init__(self, take: Callable[[], Awaitable[dict]], min_interval: float = MIN_SNAPSHOT_INTERVAL_S,
+                 extra: Callable[[], dict] | None = None, budget: float = SNAPSHOT_TIME_BUDGET) -> None:
+        self._take = take
+        self._extra = extra
+        self.min_interval = min_interval
+        self.budget = budget
+        self.interval = min_interval  # min_interval, or longer if snapshots cost more than the budget
+        self._last: dict | None = None
+        self._taken_at = float("-inf")
+        self._lock: asyncio.Lock | None = None
+        self.version = 0
+
+    async def get(self) -> dict:
+        """The latest snapshot (a dict with a 'version'); callers must not modify it."""
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._last is None or time.monotonic() - self._taken_at >= self.interval:
+                state = await self._take()
+                self.interval = max(self.min_interval, state.get("snapshot_s", 0.0) / self.budget)
+                self.version += 1
+                state["version"] = self.version
+                state["time"] = time.time()
+                if self._extra is not None:
+                    state.update(self._extra())
+                self._last = state
+                self._taken_at = time.monotonic()
+            return self._last
+
+
+def public_state(snapshot: dict) -> dict:
+    """GET /kv_cache/state: the snapshot plus, per device block, its state and owners
+    ([request_id, seq_id, logical block index] for each table entry pointing at it), and the
+    same for each swapped-out CPU block."""
+    owners = block_owners(snapshot)
+    cpu_owners = block_owners(snapshot, "cpu")
+    out = {k: v for k, v in snapshot.items() if k not in ("states", "cpu_states")}
+    out["blocks"] = [{"block": i, "state": s, "owners": owners.get(i, [])}
+                     for i, s in enumerate(snapshot["states"])]
+    # Only the swapped-out CPU blocks: the other num_cpu_blocks are free.
+    out["cpu_blocks"] = [{"block": int(i), "state": s, "owners": cpu_owners.get(int(i), [])}
+                         for i, s in snapshot["cpu_states"].items()]
+    return out
+
+
+def _changes(prev: list[str], cur: list[str]) -> list[list]:
+    """[index, new state] of each cell that changed; the O(blocks) compare runs in C."""
+    if prev == cur:
+        return []
+    return [[i, cur[i]] for i in compress(count(), map(ne, prev, cur))]
+
+
+def _table_diffs(prev_requests: list[dict], requests: list[dict]) -> list[dict]:
+    """The requests with each sequence's table replaced by what grew since prev ('append')
+    when the old table is a prefix of the new one (the usual case), else sent whole."""
+    old = {(s["seq_id"], s["where"]): s["block_table"] for r in prev_requests for s in r["seqs"]}
+    out = []
+    for r in requests:
+        seqs = []
+        for s in r["seqs"]:
+            table = s["block_table"]
+            before = old.get((s["seq_id"], s["where"]))
+            entry = {k: v for k, v in s.items() if k != "block_table"}
+            if before is not None and len(before) <= len(table) and table[:len(before)] == before:
+                entry["append"] = table[len(before):]
+            else:
+                entry["block_table"] = table
+            seqs.append(entry)
+        out.append(dict(r, seqs=seqs))
+    return out
+
+
+def make_frame(prev: dict | None, snapshot: dict) -> dict:
+    """One SSE frame: 'full' (every block state and table) when the reader has nothing
+    comparable yet, else 'diff': only the cells that changed since prev and only what each
+    block table grew by (see _table_diffs); counters and the sparse CPU states whole."""
+    frame = {k: v for k, v in snapshot.items() if k not in _DIFFED}
+    comparable = prev is not None and all(len(prev[k]) == len(snapshot[k]) for k in _DIFFED)
+    if not comparable:
+        frame["type"] = "full"
+        for k in _DIFFED:
+            frame[k] = snapshot[k]
+    else:
+        frame["type"] = "diff"
+        for k in _DIFFED:
+            frame[k + "_changed"] = _changes(prev[k], snapshot[k])
+        frame["requests"] = _table_diffs(prev["requests"], snapshot["requests"])
+    return frame
+
+
+def parse_interval(raw: str | None, default: float = 0.5) -> float:
+    """The stream's ?interval= in seconds; ValueError names the field and the range."""
+    lo, hi = STREAM_INTERVAL_RANGE_S
+    if raw is None:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"interval must be a number of seconds in [{lo}, {hi}], got {raw!r}") from None
+    if not lo <= value <= hi:
+        raise ValueError(f"interval must be in [{lo}, {hi}] seconds, got {value}")
+    return value
+
+
+async def sse_frames(feed: ThrottledSnapshot, interval: float) -> AsyncIterator[bytes]:
+    """Server-sent events, one frame per interval: a full frame first, then diffs."""
+    prev = None
+    due = time.monotonic()
+    while True:
+        snapshot = await feed.get()
+        if prev is None or snapshot["version"] != prev["version"]:
+            frame = make_frame(prev, snapshot)
+            prev = snapshot
+            yield b"data: " + json.dumps(frame, separators=(",", ":")).encode() + b"\n\n"
+        else:
+            yield b": idle\n\n"  # keeps proxies and the reader's liveness check happy
+        # A fixed cadence, not a fixed pause: the wait for the engine thread does not add up.
+        due = max(due + interval, time.monotonic())
+        await asyncio.sleep(due - time.monotonic())

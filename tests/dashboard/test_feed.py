@@ -1,0 +1,120 @@
+"""The dashboard feed: shared throttled snapshots, SSE diffs that rebuild the exact states,
+the public JSON's owners, and the interval check."""
+import asyncio
+import json
+
+import pytest
+
+from core.core_helpers import Driver, make_group, make_scheduler
+from pagedserve.core.kv_state import block_owners, kv_cache_state
+from pagedserve.dashboard.feed import ThrottledSnapshot, make_frame, parse_interval, public_state, sse_frames
+
+
+def _busy_scheduler():
+    sched = make_scheduler(24, block_size=4, num_cpu_blocks=8, preemption_mode="swap")
+    for i in range(4):
+        sched.add_seq_group(make_group(str(i), [1, 2, 3, 4, 5, 6] + [i] * 3, max_tokens=10, n=1 + i % 2))
+    return sched, Driver(sched)
+
+
+def test_diff_frames_rebuild_every_step_exactly():
+    sched, driver = _busy_scheduler()
+    prev, shown, tables, diffs, appends = None, None, {}, 0, 0
+    while sched.has_unfinished_seqs():
+        driver.step()
+        snap = kv_cache_state(sched)
+        frame = json.loads(json.dumps(make_frame(prev, snap)))  # as the page receives it
+        if frame["type"] == "full":
+            shown = list(frame["states"])
+            tables = {}
+        else:
+            diffs += 1
+            assert "states" not in frame
+            for i, s in frame["states_changed"]:
+                shown[i] = s
+            assert len(frame["states_changed"]) == sum(a != b for a, b in zip(prev["states"], snap["states"]))
+        assert shown == snap["states"] and frame["cpu_states"] == snap["cpu_states"]
+        rebuilt = {}
+        for r in frame["requests"]:
+            for q in r["seqs"]:
+                key = (q["where"], q["seq_id"])
+                rebuilt[key] = q["block_table"] if "block_table" in q else tables[key] + q["append"]
+                appends += "append" in q
+        assert rebuilt == {(q["where"], q["seq_id"]): q["block_table"] for r in snap["requests"] for q in r["seqs"]}
+        tables = rebuilt
+        prev = snap
+    assert diffs > 5 and appends > 10
+
+
+def test_a_different_block_count_sends_a_full_frame():
+    a, b = kv_cache_state(make_scheduler(8)), kv_cache_state(make_scheduler(12))
+    assert make_frame(a, b)["type"] == "full" and make_frame(None, a)["type"] == "full"
+    assert make_frame(a, a)["states_changed"] == []
+
+
+def test_public_state_lists_owners_per_block():
+    sched, driver = _busy_scheduler()
+    for _ in range(3):
+        driver.step()
+    snap = kv_cache_state(sched)
+    out = public_state(snap)
+    owners = block_owners(snap)
+    assert [b["block"] for b in out["blocks"]] == list(range(24))
+    for b in out["blocks"]:
+        assert b["state"] == snap["states"][b["block"]]
+        assert b["owners"] == owners.get(b["block"], [])
+        assert (b["state"] in ("used", "shared")) == bool(b["owners"])
+        assert (b["state"] == "shared") == (len(b["owners"]) > 1)
+
+
+def test_throttle_shares_one_snapshot_between_readers():
+    calls = []
+
+    async def take():
+        calls.append(1)
+        await asyncio.sleep(0.01)
+        return {"n": len(calls)}
+
+    async def main():
+        feed = ThrottledSnapshot(take, min_interval=3600)
+        got = await asyncio.gather(*(feed.get() for _ in range(5)))
+        assert len(calls) == 1 and all(g is got[0] for g in got) and got[0]["version"] == 1
+        feed.min_interval = feed.interval = 0
+        again = await feed.get()
+        assert len(calls) == 2 and again["version"] == 2
+    asyncio.run(main())
+
+
+def test_costly_snapshots_are_taken_less_often():
+    async def take():
+        return {"snapshot_s": 0.05}
+
+    async def main():
+        feed = ThrottledSnapshot(take, min_interval=0.25, budget=0.01)
+        await feed.get()
+        return feed.interval
+    assert asyncio.run(main()) == pytest.approx(5.0)  # 50 ms at most 1% of the time
+
+
+def test_stream_sends_full_then_diff_frames():
+    sched, driver = _busy_scheduler()
+
+    async def take():
+        driver.step()  # the cache moves between two snapshots
+        return kv_cache_state(sched)
+
+    async def main():
+        gen = sse_frames(ThrottledSnapshot(take, min_interval=0, budget=float("inf")), 0.0)
+        frames = [json.loads((await gen.__anext__())[len(b"data: "):]) for _ in range(3)]
+        await gen.aclose()
+        return frames
+    frames = asyncio.run(main())
+    assert [f["type"] for f in frames] == ["full", "diff", "diff"]
+    assert [f["version"] for f in frames] == [1, 2, 3]
+
+
+@pytest.mark.parametrize("raw", ["0.1", "11", "fast", "nan"])
+def test_interval_out_of_range_names_the_field(raw):
+    with pytest.raises(ValueError, match="interval"):
+        parse_interval(raw)
+    assert parse_interval(None) == 0.5 and parse_interval("2") == 2.0
