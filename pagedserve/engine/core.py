@@ -234,7 +234,9 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         # Text, stop strings and output shapes are the API server's (engine/text_output.py).
         core = EngineCore(config, detokenize=False)
     except BaseException as e:
-        logger.error("engine core failed to start: %s", traceback.format_exc())
+        # Bad settings are the user's to fix (one line); anything else needs the traceback.
+        logger.error("engine core failed to start: %s",
+                     e if isinstance(e, ValueError) else traceback.format_exc())
         out.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))
         out.close(linger=2000)
         ctx.term()

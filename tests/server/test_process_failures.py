@@ -3,17 +3,21 @@
 - The engine core is killed: the stream in flight ends with an error naming the cause, new
   requests and /health answer 503 with it, and the server exits non-zero on its own.
 - The server is SIGKILLed (no chance to clean up): the core notices and exits within 5 s.
+- The core fails to start (a setting only the engine can check): `pagedserve serve` prints the
+  engine's one-line error and exits 2, leaving no process behind.
 """
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import httpx
 
-from server_process import start_server, stop_server
+from server_process import REPO, free_port, start_server, stop_server
 
 
 def _core_pid(server) -> int:
@@ -83,3 +87,14 @@ def test_sigkilled_server_takes_the_core_down_within_5s(tiny_model_dir, tmp_path
     if alive:  # do not leave it behind, whatever the verdict
         os.kill(core, signal.SIGKILL)
     assert not alive, "the engine core outlived its server by more than 5 s"
+
+
+def test_core_start_up_error_is_one_line_and_exit_2(tiny_model_dir):
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(tiny_model_dir("llama")),
+           "--device", "cpu", "--max-model-len", "100000", "--port", str(free_port())]
+    env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    # run() reads stdout/stderr to EOF; the core shares them, so it has exited too by then.
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pagedserve: error: max_model_len must be <=") and "100000" in last

@@ -19,7 +19,7 @@ from pagedserve.outputs import RequestOutput
 class OpenAIServingChat(OpenAIServing):
 
     def _render(self, req: ChatCompletionRequest) -> list[int]:
-        """Runs on the engine thread: the template and the tokenizer are the engine's."""
+        """Runs on the API process's tokenizer thread (AsyncLLMEngine.run)."""
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError("this model's tokenizer has no chat template; use /v1/completions",
