@@ -317,5 +317,5 @@ class MPCoreClient(EngineCoreClient):
         # The asyncio socket is a shadow of _output: closing the owner closes both.
         self._input.close(linger=0)
         self._output.close(linger=0)
-        self._ctx.term()
+        self._ctx.destroy(linger=0)  # closes any socket still open (term() would wait on it)
         shutil.rmtree(self._dir, ignore_errors=True)
