@@ -109,7 +109,9 @@ class AsyncLLMEngine:
                 num_running=sched.num_running, num_waiting=sched.num_waiting,
                 num_swapped=sched.num_swapped, kv_cache_usage=stats.usage,
                 prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-                num_preemptions=stats.num_preemptions)
+                num_preemptions=stats.num_preemptions,
+                prefix_cache_queries=stats.prefix_cache_queries,
+                prefix_cache_hits=stats.prefix_cache_hits)
         except Exception:  # metrics must never take the engine down
             logger.exception("could not read engine statistics")
 
