@@ -53,6 +53,8 @@ def register_serve(sub) -> None:
     p.add_argument("--api-key", default=None)
     p.add_argument("--max-request-bytes", type=int, default=1 << 20)
     add_engine_args(p)
+    from pagedserve.serving.launch import add_dp_args  # hook (issue #15)
+    add_dp_args(p)
 
     def run(args):
         from pagedserve.entrypoints.openai.api_server import run_server_cli

@@ -230,9 +230,13 @@ def run_server_cli(args: Any) -> int:
     if args.max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
     config = engine_config_from_args(args, model)
-    engine = AsyncLLMEngine.from_engine_config(config)
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     name = args.served_model_name or default_name
+    # Hook (issue #15): --data-parallel-size N / --data-parallel-backend ray serve replicas.
+    from pagedserve.serving.launch import run_dp_server_cli, wants_dp
+    if wants_dp(args):
+        return run_dp_server_cli(args, config, name, api_key)
+    engine = AsyncLLMEngine.from_engine_config(config)
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes)
     logging.basicConfig(level=logging.INFO)
     logger.info("serving %s on http://%s:%d/v1%s", name, args.host, args.port,
