@@ -274,4 +274,4 @@ def run_ray_server(args: argparse.Namespace, config: EngineConfig, served_name: 
             pass
         if started_here:
             serve.shutdown()
-        ray.shutdown()
+        ray.shutdown(wait_for_processes=True)

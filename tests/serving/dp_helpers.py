@@ -54,7 +54,29 @@ class DPServer:
 
 def child_env() -> dict:
     return dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+
+
+def start_single_server(log_path: Path, timeout: float = 180.0) -> DPServer:
+    """One plain `pagedserve serve` with the replicas' flags: the one-replica baseline."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
+           "--served-model-name", MODEL, *REPLICA_FLAGS]
+    log = open(log_path, "w")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO)
+    server = DPServer(f"http://127.0.0.1:{port}", proc, log_path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
+        try:
+            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    stop_process(proc)
+    raise RuntimeError(f"server not healthy within {timeout} s:\n{server.log()}")
 
 
 def wait_healthy(base_url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
@@ -73,7 +95,8 @@ def wait_healthy(base_url: str, proc: subprocess.Popen, log: Path, timeout: floa
     raise RuntimeError(f"server not healthy within {timeout} s:\n{log.read_text()[-6000:]}")
 
 
-def start_mp_server(log_path: Path, *extra: str, timeout: float = 240.0) -> DPServer:
+def start_dp_server(log_path: Path, *extra: str, timeout: float = 300.0) -> DPServer:
+    """`pagedserve serve --data-parallel-size 2` (extra may pick the backend)."""
     port = free_port()
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
            "--served-model-name", MODEL, "--api-key", API_KEY, "--data-parallel-size", "2",
