@@ -241,15 +241,17 @@ def run_ray_server(args: argparse.Namespace, config: EngineConfig, served_name: 
                    api_key: str | None, policy: Any) -> int:
     """`pagedserve serve --data-parallel-backend ray`: deploy, then serve until interrupted."""
     logging.basicConfig(level=logging.INFO)
-
-    def stop(signum, frame):
-        raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, stop)  # a terminated front end takes its app down with it
     started_here = args.ray_address is None
     if started_here:
         ray.init(include_dashboard=False)
     else:
         ray.init(address=args.ray_address)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+    # After ray.init, which installs its own: a terminated server takes its app (and the
+    # cluster it started) down with it.
+    signal.signal(signal.SIGTERM, stop)
     try:
         gpus_in_cluster = ray.cluster_resources().get("GPU", 0)
         gpus = float(config.tensor_parallel_size) if config.device != "cpu" and gpus_in_cluster else 0.0

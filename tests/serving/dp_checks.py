@@ -72,13 +72,16 @@ def check_metrics_aggregate(server, http: httpx.Client) -> None:
     assert per_replica(merged, "pagedserve:generation_tokens_total") == tokens
 
 
+N_LOAD = 16
+
+
 def check_kill_under_load(server, recovered) -> None:
     """SIGKILL one replica with requests in flight on both: in flight there, a clean 503 or
     SSE error; everything else is served; /health degraded until `recovered(health)`."""
     results: list[tuple[str, int, object]] = []
 
     def one(i: int) -> None:
-        body = {"model": MODEL, "prompt": [7 + i] * 40, "max_tokens": 150, "ignore_eos": True,
+        body = {"model": MODEL, "prompt": [7 + i] * 24, "max_tokens": 480, "ignore_eos": True,
                 "temperature": 0, "stream": i % 2 == 0}
         with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120) as c:
             with c.stream("POST", "/v1/completions", json=body) as r:
@@ -89,17 +92,16 @@ def check_kill_under_load(server, recovered) -> None:
                     events = [ln[6:] for ln in r.text.splitlines() if ln.startswith("data: ")]
                     results.append(("sse", r.status_code, events))
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(N_LOAD)]
     for t in threads:
         t.start()
 
     def busy_everywhere():
-        running = per_replica(httpx.get(server.base_url + "/metrics").text,
+        running = per_replica(httpx.get(server.base_url + "/metrics", timeout=60).text,
                               "vllm:num_requests_running")
         return len(running) == 2 and all(v >= 1 for v in running.values())
     wait_for(busy_everywhere, 60, "requests running on both replicas")
-    code, h = server.health()
-    victim = h["replicas"][1]
+    victim = next(r for r in server.health()[1]["replicas"] if r["replica"] == "1")
     os.kill(victim["pid"], signal.SIGKILL)
 
     wait_for(lambda: server.health()[1]["status"] == "degraded", 20, "degraded /health")
@@ -116,7 +118,7 @@ def check_kill_under_load(server, recovered) -> None:
     ok = failed = 0
     for kind, status, payload in results:
         if kind == "json" and status == 200:
-            ok += payload["usage"]["completion_tokens"] == 150
+            ok += payload["usage"]["completion_tokens"] == 480
         elif kind == "json":
             assert status == 503 and payload["error"]["code"] == "replica_failed", payload
             failed += 1
@@ -127,7 +129,7 @@ def check_kill_under_load(server, recovered) -> None:
         else:
             assert payload[-1] == "[DONE]"
             ok += json.loads(payload[-2])["choices"][0]["finish_reason"] == "length"
-    assert ok + failed == 12 and ok >= 2 and failed >= 1, (ok, failed)
+    assert ok + failed == N_LOAD and ok >= 2 and failed >= 1, (ok, failed)
 
     wait_for(lambda: server.health()[1]["status"] == "ok", 240, "the replica's restart")
     assert recovered(server.health()[1], victim)

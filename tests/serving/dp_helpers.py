@@ -48,7 +48,7 @@ class DPServer:
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def health(self) -> tuple[int, dict]:
-        r = httpx.get(self.base_url + "/health", timeout=10)
+        r = httpx.get(self.base_url + "/health", timeout=60)
         return r.status_code, r.json()
 
 
