@@ -118,6 +118,10 @@ def replica_commands(config: EngineConfig, dp: int, served_name: str,
 
 
 def load_tokenizer(config: EngineConfig) -> Any:
+    """The replicas' tokenizer, for routing keys; None with skip_tokenizer_init (then only
+    token-id prompts have a key, text prompts are routed by load)."""
+    if config.skip_tokenizer_init:
+        return None
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(config.tokenizer or config.model, local_files_only=True)
 

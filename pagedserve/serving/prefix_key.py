@@ -51,13 +51,15 @@ def request_token_ids(tokenizer: Any, path: str, raw_body: bytes) -> list[int]:
         if not isinstance(body, dict):
             return []
         if path.endswith("/chat/completions"):
+            if tokenizer is None:
+                return []
             text = _chat_text(tokenizer, body)
             return [] if text is None else list(tokenizer(text, add_special_tokens=False).input_ids)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return list(tokenizer(prompt).input_ids)
+            return [] if tokenizer is None else list(tokenizer(prompt).input_ids)
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
             return prompt
     except Exception:  # the router never rejects: a body it cannot read is routed by load

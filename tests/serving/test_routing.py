@@ -101,3 +101,9 @@ def test_merge_adds_the_replica_label_and_keeps_values():
     assert 'vllm:time_to_first_token_seconds_count{replica="0"} 1.0' in text
     assert 'vllm:time_to_first_token_seconds_bucket{le="0.04",replica="0"} 1.0' in text
     assert text.count("# TYPE vllm:time_to_first_token_seconds histogram") == 1
+
+
+def test_without_a_tokenizer_only_token_id_prompts_have_a_key():
+    assert request_token_ids(None, "/v1/completions", b'{"prompt": [5, 6, 7]}') == [5, 6, 7]
+    assert request_token_ids(None, "/v1/completions", b'{"prompt": "text"}') == []
+    assert request_token_ids(None, "/v1/chat/completions", b'{"messages": []}') == []
