@@ -33,7 +33,6 @@ logger = logging.getLogger("pagedserve.dp")
 
 APP_NAME = "pagedserve"
 ENGINE_DEPLOYMENT = "EngineReplica"
-BOARD_NAME = "pagedserve-replica-board"
 REPORT_INTERVAL_S = 0.5
 STALE_AFTER_S = 3.0  # a replica silent this long is gone (dead or restarting)
 
@@ -53,9 +52,14 @@ class ReplicaBoard:
         return {k: v for k, v in self.reports.items() if now - v[0] <= max_age_s}
 
 
-def _board():
-    return ReplicaBoard.options(name=BOARD_NAME, namespace="serve", get_if_exists=True,
-                                lifetime="detached").remote()
+def _board_name(app_name: str) -> str:
+    return f"pagedserve-replica-board-{app_name}"
+
+
+def _board(app_name: str):
+    """The app's board; detached so that it outlives any one replica (deleted with the app)."""
+    return ReplicaBoard.options(name=_board_name(app_name), namespace="serve",
+                                get_if_exists=True, lifetime="detached").remote()
 
 
 class EngineReplica:
@@ -69,7 +73,7 @@ class EngineReplica:
         ctx = serve.get_replica_context()
         rank = getattr(ctx, "rank", None)
         self.label = str(getattr(rank, "rank", rank)) if rank is not None else ctx.replica_id.unique_id
-        self.board = _board()
+        self.board = _board(ctx.app_name)
         self._reporter = asyncio.get_running_loop().create_task(self._report_loop())
 
     async def _report_loop(self) -> None:
@@ -99,9 +103,10 @@ class RayReplicaPool:
 
     backend = "ray"
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, app_name: str) -> None:
         self.handle = handle.options(stream=True)
-        self.board = _board()
+        self.app_name = app_name
+        self.board = _board(app_name)
 
     async def start(self) -> None:
         pass
@@ -151,7 +156,7 @@ class RayReplicaPool:
 
     async def health(self) -> dict:
         fresh = await self._fresh()
-        status = serve.status().applications.get(APP_NAME)
+        status = serve.status().applications.get(self.app_name)
         dep = status.deployments.get(ENGINE_DEPLOYMENT) if status else None
         states = {str(k.value if hasattr(k, "value") else k): v
                   for k, v in (dep.replica_states.items() if dep else [])}
@@ -180,8 +185,9 @@ def _ingress_deployment(frontend: dict):
     def build():
         from pagedserve.serving.frontend import build_dp_app
         from pagedserve.serving.launch import load_tokenizer
-        handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=APP_NAME)
-        return build_dp_app(RayReplicaPool(handle), load_tokenizer(EngineConfig(**frontend["config"])),
+        app_name = serve.get_replica_context().app_name
+        handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)
+        return build_dp_app(RayReplicaPool(handle, app_name), load_tokenizer(EngineConfig(**frontend["config"])),
                             frontend["config"]["block_size"], api_key=frontend["api_key"],
                             max_request_bytes=frontend["max_request_bytes"], manage_pool=False)
 
@@ -271,7 +277,7 @@ def run_ray_server(args: argparse.Namespace, config: EngineConfig, served_name: 
     finally:
         try:
             serve.delete(APP_NAME)
-            ray.kill(ray.get_actor(BOARD_NAME, namespace="serve"))
+            ray.kill(ray.get_actor(_board_name(APP_NAME), namespace="serve"))
         except Exception:
             pass
         if started_here:
