@@ -31,8 +31,8 @@ def add_dp_args(parser: argparse.ArgumentParser) -> None:
                    help="prefix: the replica holding the request's prefix, unless its queue is "
                         "too long; round-robin: replicas in turn")
     g.add_argument("--routing-imbalance-threshold", type=int, default=8,
-                   help="prefix routing falls back to the least-loaded replica when the prefix "
-                        "holder has more than this many requests in flight above it")
+                   help="prefix routing leaves a prefix's replica when it has more than this "
+                        "many requests in flight above the least-loaded replica")
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (ray backend; default: start a local one)")
     g.add_argument("--min-replicas", type=int, default=None,

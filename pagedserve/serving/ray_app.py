@@ -156,7 +156,7 @@ class RayReplicaPool:
 
     async def health(self) -> dict:
         fresh = await self._fresh()
-        status = serve.status().applications.get(self.app_name)
+        status = (await asyncio.to_thread(serve.status)).applications.get(self.app_name)
         dep = status.deployments.get(ENGINE_DEPLOYMENT) if status else None
         states = {str(k.value if hasattr(k, "value") else k): v
                   for k, v in (dep.replica_states.items() if dep else [])}

@@ -36,11 +36,11 @@ class PrefixAffinityPolicy:
 
     Keeps a bounded LRU map block-hash -> replica of its own recent decisions; since block
     hashes are chained, the deepest hash found names the replica holding the longest prefix.
-    Fallback, and for prefixes never seen: the least-loaded replica, ties broken by fewer
-    requests routed so far (so new prefix groups spread evenly even when nothing is in flight).
 
-    Invariant: a replica is preferred for affinity only while its in-flight count exceeds
-    the least-loaded replica's by at most `imbalance_threshold`.
+    Eligible replicas: those whose in-flight count exceeds the least-loaded one's by at most
+    `imbalance_threshold`. The prefix holder is chosen if eligible; otherwise (and for
+    prefixes never seen) the eligible replica that received the fewest requests so far, so
+    prefix groups spread evenly over time rather than by momentary in-flight noise.
     """
 
     name = "prefix"
@@ -65,10 +65,11 @@ class PrefixAffinityPolicy:
     def choose(self, prefix_hashes: Sequence[bytes], loads: Mapping[Hashable, int]) -> Hashable:
         if not loads:
             raise ValueError("no live replica to route to")
-        least = min(loads, key=lambda r: (loads[r], self._routed.get(r, 0), str(r)))
+        lowest = min(loads.values())
+        eligible = [r for r in loads if loads[r] <= lowest + self.imbalance_threshold]
         chosen = self._affine(prefix_hashes, loads)
-        if chosen is None or loads[chosen] - loads[least] > self.imbalance_threshold:
-            chosen = least
+        if chosen is None or chosen not in eligible:
+            chosen = min(eligible, key=lambda r: (self._routed.get(r, 0), loads[r], str(r)))
         self._record(prefix_hashes, chosen)
         return chosen
 
