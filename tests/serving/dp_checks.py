@@ -136,3 +136,27 @@ def check_kill_under_load(server, recovered) -> None:
     r = httpx.post(server.v1 + "/completions", headers=server.headers, timeout=120,
                    json={"model": MODEL, "prompt": [400] * 20, "max_tokens": 3})
     assert r.status_code == 200, r.text
+
+
+def check_client_disconnect_aborts_on_the_replica(server) -> None:
+    """A client that leaves mid-stream frees its replica's slot: the request stops running
+    there long before its 480 tokens (the engine aborted it)."""
+    gen = "vllm:generation_tokens_total"
+
+    def totals():
+        m = httpx.get(server.base_url + "/metrics", timeout=60).text
+        return sum(per_replica(m, gen).values()), sum(per_replica(m, "vllm:num_requests_running").values())
+    before, _ = wait_for(lambda: (lambda t: t if t[1] == 0 else None)(totals()), 60, "an idle server")
+    body = {"model": MODEL, "prompt": [11] * 24, "max_tokens": 480, "ignore_eos": True, "stream": True}
+    with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120) as c:
+        with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    break  # one token, then hang up
+    after, _ = wait_for(lambda: (lambda t: t if t[1] == 0 else None)(totals()), 30,
+                        "the abandoned request to stop running")
+    time.sleep(1.0)  # the ray replicas report every half second
+    generated = totals()[0] - before
+    print(f"\ntokens generated for the abandoned request: {generated:.0f} of 480")
+    assert generated < 480

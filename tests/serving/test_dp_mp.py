@@ -8,7 +8,8 @@ import json
 
 import httpx
 
-from dp_checks import check_kill_under_load, check_metrics_aggregate, check_openai_client
+from dp_checks import (check_client_disconnect_aborts_on_the_replica, check_kill_under_load,
+                       check_metrics_aggregate, check_openai_client)
 from dp_helpers import (BLOCK_SIZE, arun_workload, replica_figures, run_workload,
                         shared_prefix_workload)
 
@@ -83,6 +84,10 @@ def test_metrics_aggregate_every_replica_with_a_label(mp_server, mp_http):
 
 def test_openai_client_against_the_dp_endpoint(mp_server):
     check_openai_client(mp_server, _replica_urls(mp_server)[1] + "/v1")
+
+
+def test_client_disconnect_aborts_on_the_replica(mp_server):
+    check_client_disconnect_aborts_on_the_replica(mp_server)
 
 
 def test_killing_a_replica_under_load(mp_server):

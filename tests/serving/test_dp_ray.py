@@ -10,7 +10,8 @@ import pytest
 
 pytest.importorskip("ray.serve")
 
-from dp_checks import check_kill_under_load, check_metrics_aggregate, check_openai_client  # noqa: E402
+from dp_checks import (check_client_disconnect_aborts_on_the_replica, check_kill_under_load,
+                       check_metrics_aggregate, check_openai_client)  # noqa: E402
 from dp_helpers import replica_figures, run_workload, shared_prefix_workload  # noqa: E402
 
 
@@ -49,6 +50,10 @@ def test_ray_metrics_aggregate_every_replica_with_a_label(ray_server, ray_http):
 
 def test_ray_openai_client_against_the_dp_endpoint(ray_server, single_server):
     check_openai_client(ray_server, single_server.v1)
+
+
+def test_ray_client_disconnect_aborts_on_the_replica(ray_server):
+    check_client_disconnect_aborts_on_the_replica(ray_server)
 
 
 def test_ray_killing_a_replica_under_load(ray_server):
