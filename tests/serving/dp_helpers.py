@@ -152,7 +152,7 @@ def shared_prefix_workload(seed: int, groups: int = 8, per_group: int = 6,
 
 
 async def arun_workload(client: httpx.AsyncClient, prompts: list[list[int]],
-                        concurrency: int = 4) -> None:
+                        concurrency: int = 2) -> None:
     """Send every prompt (max_tokens 4) with `concurrency` in flight; all must succeed."""
     import asyncio
     sem = asyncio.Semaphore(concurrency)
@@ -167,7 +167,7 @@ async def arun_workload(client: httpx.AsyncClient, prompts: list[list[int]],
 
 
 def run_workload(base_url: str, prompts: list[list[int]], headers: dict | None = None,
-                 concurrency: int = 4) -> None:
+                 concurrency: int = 2) -> None:
     import asyncio
 
     async def go():
