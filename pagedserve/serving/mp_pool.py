@@ -51,6 +51,7 @@ class LocalReplica:
     routed: int = 0
     restarts: int = 0
     started_at: float = 0.0
+    respawn_at: float | None = None   # set while down: when to start it again
     failures: list[str] = field(default_factory=list)
 
     @property
@@ -151,8 +152,14 @@ class ProcessReplicaPool:
             await asyncio.sleep(self.poll_interval)
             for r in self.replicas:
                 try:
-                    if r.exited():
+                    if r.exited() and r.respawn_at is None:
                         self._mark_down(r, f"process exited with {r.proc.returncode}")
+                        # A replica that dies again soon after starting waits longer each time.
+                        lived = time.monotonic() - r.started_at
+                        delay = 0.0 if lived > 60 else min(30.0, 2.0 ** min(r.restarts, 5) - 1)
+                        r.respawn_at = time.monotonic() + delay
+                    if r.respawn_at is not None and time.monotonic() >= r.respawn_at:
+                        r.respawn_at = None
                         r.restarts += 1
                         logger.warning("restarting replica %d (restart %d)", r.index, r.restarts)
                         r.spawn()
