@@ -10,7 +10,7 @@ Every child is bounded: server start-up by --start-timeout, each replay by --run
 Progress lines go to stdout and, when $OUT is set, to $OUT/dp_bench.log.
 
     python benchmarks/dp_bench.py                        # on a host with 2 GPUs
-    python benchmarks/dp_bench.py --smoke --device cpu   # the same plumbing, demo model, CPU
+    python benchmarks/dp_bench.py --smoke --device cpu   # the same plumbing, demo config, CPU
 """
 from __future__ import annotations
 
@@ -53,9 +53,8 @@ def start_server(dp: int, args, log_path: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(args.model),
            "--port", str(port), "--served-model-name", "bench", "--device", args.device,
            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
-           "--data-parallel-size", str(dp), *shlex.split(args.server_args)]
-    if not args.smoke:
-        cmd += ["--load-format", "dummy", "--skip-tokenizer-init"]
+           "--data-parallel-size", str(dp), "--load-format", "dummy", "--skip-tokenizer-init",
+           *shlex.split(args.server_args)]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                TOKENIZERS_PARALLELISM="false")
     if dp == 1 and args.device != "cpu":
@@ -122,7 +121,7 @@ def main() -> None:
     ap.add_argument("--server-args", default="", help="extra `pagedserve serve` flags for both runs")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--run-timeout", type=float, default=240.0)
-    ap.add_argument("--smoke", action="store_true", help="demo model, few requests: the plumbing")
+    ap.add_argument("--smoke", action="store_true", help="demo config, few requests: the plumbing")
     args = ap.parse_args()
     args.dtype = args.dtype or ("float32" if args.smoke else "bfloat16")
     args.num_requests = args.num_requests or (8 if args.smoke else 1000)
@@ -156,7 +155,7 @@ def main() -> None:
                                                 / results["dp1"]["output_throughput"], 3),
     }
     config = {"model": str(Path(args.model).relative_to(ROOT)) if not args.smoke else "demo",
-              "load_format": "auto" if args.smoke else "dummy", "dtype": args.dtype,
+              "load_format": "dummy", "dtype": args.dtype,
               "workload": args.workload, "num_requests": args.num_requests, "arrivals": "all at t=0",
               "max_model_len": args.max_model_len, "dp1": "plain server, GPU 0",
               "dp2": "--data-parallel-size 2 (mp backend, prefix routing), GPUs 0 and 1",
