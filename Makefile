@@ -1,5 +1,5 @@
 # All set-up happens here: a fresh clone needs only `make serve` or `make test`.
-# `make serve` installs what serving needs; `make test` adds the test extras ([dev]).
+# `make serve` installs what serving needs; `make test` adds the test extras ([dev], [ray]).
 # ARGS goes to the command: make serve ARGS="--port 9000", make test ARGS="tests/core -k pool".
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -18,7 +18,7 @@ $(SERVE_STAMP): pyproject.toml
 	touch $(SERVE_STAMP)
 
 $(TEST_STAMP): $(SERVE_STAMP)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,ray]'
 	touch $(TEST_STAMP)
 
 install: $(SERVE_STAMP)

@@ -4,6 +4,8 @@ Each app owns its own CollectorRegistry, so several servers (or tests) can live 
 process. Gauges that mirror engine state are read at scrape time from an EngineSnapshot,
 which the engine thread refreshes after every engine call: the scrape never touches the
 engine itself, so it cannot race a step running in the worker thread.
+
+The core series are exported twice: as pagedserve:* and under vLLM's names (vllm:*).
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from dataclasses import dataclass
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from pagedserve.core.stats import KVCacheStats
 
@@ -38,6 +40,8 @@ class EngineSnapshot:
     kv_cache_usage: float = 0.0
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache, since start
+    prefix_cache_hits: int = 0      # of those, tokens found cached
 
 
 class _SnapshotCollector:
@@ -64,6 +68,54 @@ class _SnapshotCollector:
         return []
 
 
+VLLM_PREFIX = "vllm:"
+
+
+class _VllmNamesCollector:
+    """The core series again under vLLM's names, so routers and dashboards built for vLLM
+    (production-stack router, llm-d scheduler, Grafana boards) read pagedserve unchanged.
+
+    Same values as the pagedserve:* series, read at scrape time; nothing is counted twice.
+    """
+
+    def __init__(self, metrics: "ServerMetrics") -> None:
+        self._metrics = metrics
+
+    def collect(self):
+        m, s = self._metrics, self._metrics.snapshot
+        for name, doc, value in (
+            ("num_requests_running", "Number of requests in model execution batches.", s.num_running),
+            ("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
+            ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
+        ):
+            yield GaugeMetricFamily(VLLM_PREFIX + name, doc, value=value)
+        for name, doc, value in (
+            ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
+             s.prefix_cache_queries),
+            ("prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.",
+             s.prefix_cache_hits),
+            ("num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions),
+        ):
+            yield CounterMetricFamily(VLLM_PREFIX + name, doc, value=value)
+        for source, name in ((m.prompt_tokens, "prompt_tokens"),
+                             (m.generation_tokens, "generation_tokens"),
+                             (m.time_to_first_token, "time_to_first_token_seconds"),
+                             (m.time_per_output_token, "time_per_output_token_seconds"),
+                             (m.e2e_request_latency, "e2e_request_latency_seconds")):
+            for family in source.collect():
+                yield _renamed(family, PREFIX, VLLM_PREFIX)
+
+    def describe(self):
+        return []
+
+
+def _renamed(family: Metric, old_prefix: str, new_prefix: str) -> Metric:
+    """A copy of a collected family whose name and sample names swap old_prefix for new_prefix."""
+    out = Metric(new_prefix + family.name[len(old_prefix):], family.documentation, family.type)
+    out.samples = [s._replace(name=new_prefix + s.name[len(old_prefix):]) for s in family.samples]
+    return out
+
+
 class ServerMetrics:
     """All metrics of one server; token counters and latencies are fed by the async engine."""
 
@@ -71,6 +123,7 @@ class ServerMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self.snapshot = EngineSnapshot()
         self.registry.register(_SnapshotCollector(self))
+        self.registry.register(_VllmNamesCollector(self))
         r = self.registry
         self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prefilled prompt tokens.", registry=r)
         self.generation_tokens = Counter(PREFIX + "generation_tokens", "Generated tokens.", registry=r)

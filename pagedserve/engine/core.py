@@ -120,7 +120,9 @@ class EngineCore:
         return EngineSnapshot(num_running=sched.num_running, num_waiting=sched.num_waiting,
                               num_swapped=sched.num_swapped, kv_cache_usage=stats.usage,
                               prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
-                              num_preemptions=stats.num_preemptions)
+                              num_preemptions=stats.num_preemptions,
+                              prefix_cache_queries=stats.prefix_cache_queries,
+                              prefix_cache_hits=stats.prefix_cache_hits)
 
     def ready_message(self) -> Ready:
         e = self.engine

@@ -131,6 +131,8 @@ def register_serve(sub) -> None:
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="do not log a line per HTTP request")
     add_engine_args(p)
+    from pagedserve.serving.launch import add_dp_args  # hook (issue #15)
+    add_dp_args(p)
 
     def run(args):
         from pagedserve.entrypoints.openai.api_server import run_server_cli

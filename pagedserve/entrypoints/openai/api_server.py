@@ -268,9 +268,13 @@ def run_server_cli(args: Any) -> int:
     config = engine_config_from_args(args, model)
     logging.basicConfig(level=logging.INFO)
     _check_can_listen(args.host, args.port)
-    engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     name = args.served_model_name or default_name
+    # Hook (issue #15): --data-parallel-size N / --data-parallel-backend ray serve replicas.
+    from pagedserve.serving.launch import run_dp_server_cli, wants_dp
+    if wants_dp(args):
+        return run_dp_server_cli(args, config, name, api_key)
+    engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_keep_alive=5, timeout_graceful_shutdown=5,

@@ -1,0 +1,172 @@
+"""Data parallelism on two GPUs: DP=2 against DP=1 at saturation, through the OpenAI server.
+
+Starts `pagedserve serve` twice (DP=1: the plain server on GPU 0; DP=2: the mp backend,
+one replica per GPU, prefix routing), replays `sharegpt-like` against each with every
+request sent at t=0 (`pagedserve bench serve`'s client, streamed), and stops it. Llama-3.1-8B
+architecture, dummy weights, bf16. Writes benchmarks/results/h200x2/dp.json with
+ratios.dp2_over_dp1_throughput (total tokens/s; target >= 1.9) and its output-token twin.
+
+Every child is bounded: server start-up by --start-timeout, each replay by --run-timeout.
+Progress lines go to stdout and, when $OUT is set, to $OUT/dp_bench.log.
+
+    python benchmarks/dp_bench.py                        # on a host with 2 GPUs
+    python benchmarks/dp_bench.py --smoke --device cpu   # the same plumbing, demo config, CPU
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LLAMA = ROOT / "benchmarks/models/llama-3.1-8b"
+
+
+def log(msg: str) -> None:
+    line = f"[dp_bench {time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    if os.environ.get("OUT"):
+        with open(Path(os.environ["OUT"]) / "dp_bench.log", "a") as f:
+            f.write(line + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(dp: int, args, log_path: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(args.model),
+           "--port", str(port), "--served-model-name", "bench", "--device", args.device,
+           "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
+           "--data-parallel-size", str(dp), "--load-format", "dummy", "--skip-tokenizer-init",
+           *shlex.split(args.server_args)]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               TOKENIZERS_PARALLELISM="false")
+    if dp == 1 and args.device != "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = env.get("CUDA_VISIBLE_DEVICES", "0,1").split(",")[0]
+    log(f"DP={dp}: {shlex.join(cmd)}")
+    proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env,
+                            cwd=ROOT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"DP={dp} server exited with {proc.returncode}; see {log_path}")
+        try:
+            r = httpx.get(base + "/health", timeout=5)
+            if r.status_code == 200 and (dp == 1 or r.json().get("status") == "ok"):
+                return proc, base
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(2)
+    stop_server(proc)
+    raise RuntimeError(f"DP={dp} server not healthy within {args.start_timeout} s; see {log_path}")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    except ProcessLookupError:
+        pass
+
+
+def replay(base: str, args) -> dict:
+    from pagedserve.entrypoints.bench_serve import run_benchmark
+    from pagedserve.workloads import make_workload
+    warm = make_workload(args.workload, num_requests=8, seed=99)
+    reqs = make_workload(args.workload, num_requests=args.num_requests, seed=args.seed)
+    for r in reqs + warm:
+        r.arrival_time = 0.0  # saturation: everything queued at once
+        if args.smoke:  # the demo model: 2048-token vocabulary, short context
+            r.prompt_token_ids = [3 + t % 2000 for t in r.prompt_token_ids[:200]]
+            r.output_len = min(r.output_len, 48)
+
+    async def go():
+        await run_benchmark(base + "/v1", warm, model="bench")
+        return await run_benchmark(base + "/v1", reqs, model="bench")
+    summary = asyncio.run(asyncio.wait_for(go(), args.run_timeout))
+    errors = [r["error"] for r in summary.pop("requests") if r["error"]]
+    summary["first_error"] = errors[0] if errors else None
+    return summary
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/h200x2/dp.json"))
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 (float32 with --smoke)")
+    ap.add_argument("--workload", default="sharegpt-like")
+    ap.add_argument("--num-requests", type=int, default=None, help="default 1000 (8 with --smoke)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-model-len", type=int, default=None, help="default 4096 (512 with --smoke)")
+    ap.add_argument("--server-args", default="", help="extra `pagedserve serve` flags for both runs")
+    ap.add_argument("--start-timeout", type=float, default=300.0)
+    ap.add_argument("--run-timeout", type=float, default=240.0)
+    ap.add_argument("--smoke", action="store_true", help="demo config, few requests: the plumbing")
+    args = ap.parse_args()
+    args.dtype = args.dtype or ("float32" if args.smoke else "bfloat16")
+    args.num_requests = args.num_requests or (8 if args.smoke else 1000)
+    args.max_model_len = args.max_model_len or (512 if args.smoke else 4096)
+    if args.smoke:
+        from pagedserve.demo_model import DEMO_MODEL_DIR
+        args.model = DEMO_MODEL_DIR
+        args.server_args = args.server_args or "--num-gpu-blocks-override 512 --swap-space 0.05"
+    else:
+        args.model = LLAMA
+
+    from pagedserve.benchmark.hardware import write_result
+    out_dir = Path(os.environ.get("OUT") or "/tmp")
+    results = {}
+    for dp in (1, 2):
+        proc, base = start_server(dp, args, out_dir / f"dp{dp}_server.log")
+        try:
+            log(f"DP={dp}: replaying {args.num_requests} {args.workload} requests at t=0")
+            results[f"dp{dp}"] = replay(base, args)
+            s = results[f"dp{dp}"]
+            if s["failed"]:
+                log(f"DP={dp}: first error: {s['first_error']}")
+            log(f"DP={dp}: {s['completed']} done, {s['failed']} failed in {s['duration_s']:.1f} s, "
+                f"{s['total_token_throughput']:.0f} tok/s total, {s['output_throughput']:.0f} out tok/s")
+        finally:
+            stop_server(proc)
+    ratios = {
+        "dp2_over_dp1_throughput": round(results["dp2"]["total_token_throughput"]
+                                         / results["dp1"]["total_token_throughput"], 3),
+        "dp2_over_dp1_output_throughput": round(results["dp2"]["output_throughput"]
+                                                / results["dp1"]["output_throughput"], 3),
+    }
+    config = {"model": str(Path(args.model).relative_to(ROOT)) if not args.smoke else "demo",
+              "load_format": "dummy", "dtype": args.dtype,
+              "workload": args.workload, "num_requests": args.num_requests, "arrivals": "all at t=0",
+              "max_model_len": args.max_model_len, "dp1": "plain server, GPU 0",
+              "dp2": "--data-parallel-size 2 (mp backend, prefix routing), GPUs 0 and 1",
+              "server_args": args.server_args, "smoke": args.smoke}
+    doc = write_result(args.out, "dp", "python benchmarks/dp_bench.py " + shlex.join(sys.argv[1:]),
+                       config, results, {}, ratios)
+    log(json.dumps(doc["ratios"]))
+    if any(r["failed"] for r in results.values()):
+        log("some requests failed: see results.*.failed")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

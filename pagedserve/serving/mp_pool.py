@@ -1,0 +1,264 @@
+"""The mp backend: each replica is a local `pagedserve serve` process on 127.0.0.1.
+
+The pool routes with a policy over the in-flight counts it keeps itself, forwards over
+HTTP, and supervises: a replica whose process exits is marked down at once (its prefixes
+forgotten), restarted with the same port and GPUs, and marked live when its /health
+answers 200 again.
+
+Faults: a request that could not be delivered (connection refused) is sent to another
+replica; one that was delivered and lost its replica fails with ReplicaFailed (non-stream)
+or an SSE error event followed by [DONE] (stream). No request hangs on a dead replica.
+"""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Sequence
+
+import httpx
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from pagedserve.entrypoints.openai.serving_common import SSE_DONE, APIError, error_event
+from pagedserve.serving.pool import NoReplicaAvailable, ReplicaFailed, ReplicaResponse, one_chunk
+
+logger = logging.getLogger("pagedserve.dp")
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the front end dies (Linux)."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class LocalReplica:
+    """One replica; cmd None: attached to a server someone else runs (never restarted)."""
+    index: int
+    cmd: list[str] | None
+    env: dict[str, str]
+    base_url: str
+    proc: subprocess.Popen | None = None
+    live: bool = False
+    in_flight: int = 0
+    routed: int = 0
+    restarts: int = 0
+    started_at: float = 0.0
+    respawn_at: float | None = None   # set while down: when to start it again
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return self.base_url
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
+
+    def spawn(self) -> None:
+        if self.cmd is None:
+            return
+        self.proc = subprocess.Popen(self.cmd, env=self.env, preexec_fn=_die_with_parent)
+        self.started_at = time.monotonic()
+        self.live = False
+
+
+class ProcessReplicaPool:
+    """N local replica processes; see the module docstring for the fault contract."""
+
+    backend = "mp"
+
+    def __init__(self, commands: Sequence[tuple[list[str], dict[str, str], int]], policy,
+                 startup_timeout: float = 600.0, poll_interval: float = 0.2) -> None:
+        """commands: (argv, env, port) of each replica; argv must serve on 127.0.0.1:port."""
+        self.replicas = [LocalReplica(i, list(c), dict(e), f"http://127.0.0.1:{p}")
+                         for i, (c, e, p) in enumerate(commands)]
+        self.policy = policy
+        self.startup_timeout = startup_timeout
+        self.poll_interval = poll_interval
+        self._client: httpx.AsyncClient | None = None
+        self._supervisor: asyncio.Task | None = None
+
+    @classmethod
+    def attach(cls, urls: Sequence[str], policy, **kwargs) -> "ProcessReplicaPool":
+        """A pool over replica servers already running at urls (e.g. started by hand)."""
+        pool = cls([], policy, **kwargs)
+        pool.replicas = [LocalReplica(i, None, {}, u.rstrip("/")) for i, u in enumerate(urls)]
+        return pool
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
+                                         limits=httpx.Limits(max_connections=None,
+                                                             max_keepalive_connections=64))
+        for r in self.replicas:
+            r.spawn()
+        deadline = time.monotonic() + self.startup_timeout
+        while not all(r.live for r in self.replicas):
+            for r in self.replicas:
+                if r.exited():
+                    await self.stop()
+                    raise RuntimeError(f"replica {r.index} exited with {r.proc.returncode} "
+                                       "during start-up (its log is above)")
+                if not r.live:
+                    r.live = await self._probe(r)
+            if time.monotonic() > deadline:
+                await self.stop()
+                raise RuntimeError(f"replicas not healthy within {self.startup_timeout:.0f} s")
+            await asyncio.sleep(self.poll_interval)
+        logger.info("all %d replicas live: %s", len(self.replicas),
+                    ", ".join(r.url for r in self.replicas))
+        self._supervisor = asyncio.get_running_loop().create_task(self._supervise())
+
+    async def stop(self) -> None:
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+        for r in self.replicas:
+            if r.proc is not None and r.proc.poll() is None:
+                r.proc.terminate()
+        for r in self.replicas:
+            if r.proc is not None:
+                try:
+                    await asyncio.to_thread(r.proc.wait, 15)
+                except subprocess.TimeoutExpired:
+                    r.proc.kill()
+                    r.proc.wait()
+            r.live = False
+        if self._client is not None:
+            await self._client.aclose()
+
+    async def _probe(self, r: LocalReplica) -> bool:
+        try:
+            return (await self._client.get(r.url + "/health", timeout=2.0)).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _mark_down(self, r: LocalReplica, why: str) -> None:
+        if r.live:
+            logger.warning("replica %d down: %s", r.index, why)
+            r.failures.append(why)
+        r.live = False
+        self.policy.forget(r.index)
+
+    async def _supervise(self) -> None:
+        while True:
+            await asyncio.sleep(self.poll_interval)
+            for r in self.replicas:
+                try:
+                    if r.exited() and r.respawn_at is None:
+                        self._mark_down(r, f"process exited with {r.proc.returncode}")
+                        # A replica that dies again soon after starting waits longer each time.
+                        lived = time.monotonic() - r.started_at
+                        delay = 0.0 if lived > 60 else min(30.0, 2.0 ** min(r.restarts, 5) - 1)
+                        r.respawn_at = time.monotonic() + delay
+                    if r.respawn_at is not None and time.monotonic() >= r.respawn_at:
+                        r.respawn_at = None
+                        r.restarts += 1
+                        logger.warning("restarting replica %d (restart %d)", r.index, r.restarts)
+                        r.spawn()
+                    elif not r.live and await self._probe(r):
+                        r.live = True
+                        logger.info("replica %d live again", r.index)
+                except Exception:  # the supervisor must outlive any one replica's trouble
+                    logger.exception("supervising replica %d", r.index)
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    async def forward(self, method: str, path: str, body: bytes,
+                      prefix_hashes: Sequence[bytes]) -> ReplicaResponse:
+        tried: set[int] = set()
+        while True:
+            loads = {r.index: r.in_flight for r in self.replicas if r.live and r.index not in tried}
+            if not loads:
+                raise NoReplicaAvailable("no replica is live to serve this request; retry later")
+            r = self.replicas[self.policy.choose(prefix_hashes, loads)]
+            r.in_flight += 1
+            request = self._client.build_request(method, r.url + path, content=body or None,
+                                                 headers={"content-type": "application/json"})
+            try:
+                resp = await self._client.send(request, stream=True)
+            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                # Never delivered: safe to send elsewhere.
+                r.in_flight -= 1
+                tried.add(r.index)
+                self._mark_down(r, f"connect failed: {e!r}")
+                continue
+            except httpx.HTTPError as e:
+                r.in_flight -= 1
+                self._mark_down(r, f"request lost: {e!r}")
+                raise ReplicaFailed(f"replica {r.index} failed while serving this request") from None
+            except BaseException:
+                r.in_flight -= 1
+                raise
+            r.routed += 1
+            content_type = resp.headers.get("content-type", "application/json")
+            if content_type.startswith("text/event-stream"):
+                return ReplicaResponse(resp.status_code, content_type, self._stream(r, resp))
+            try:
+                data = await resp.aread()
+            except httpx.HTTPError as e:
+                self._mark_down(r, f"response lost: {e!r}")
+                raise ReplicaFailed(f"replica {r.index} failed while serving this request") from None
+            finally:
+                r.in_flight -= 1
+                await resp.aclose()
+            return ReplicaResponse(resp.status_code, content_type, one_chunk(data))
+
+    async def _stream(self, r: LocalReplica, resp: httpx.Response) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in resp.aiter_raw():
+                yield chunk
+        except httpx.HTTPError as e:
+            self._mark_down(r, f"stream lost: {e!r}")
+            err = APIError(f"replica {r.index} failed while serving this request", 503,
+                           type="server_error", code="replica_failed")
+            yield (error_event(err) + SSE_DONE).encode()
+        finally:
+            r.in_flight -= 1
+            await resp.aclose()
+
+    # ---- observability -----------------------------------------------------------------------
+
+    async def health(self) -> dict:
+        n_live = sum(r.live for r in self.replicas)
+        status = "ok" if n_live == len(self.replicas) else "degraded" if n_live else "down"
+        return {"status": status, "backend": self.backend,
+                "live_replicas": n_live, "replicas": [
+                    {"replica": str(r.index), "live": r.live, "url": r.url,
+                     "pid": r.proc.pid if r.proc else None, "in_flight": r.in_flight,
+                     "routed": r.routed, "restarts": r.restarts} for r in self.replicas]}
+
+    async def metrics_texts(self) -> dict[str, str]:
+        async def one(r: LocalReplica) -> tuple[str, str | None]:
+            try:
+                resp = await self._client.get(r.url + "/metrics", timeout=5.0)
+                return str(r.index), resp.text if resp.status_code == 200 else None
+            except httpx.HTTPError:
+                return str(r.index), None
+        got = await asyncio.gather(*(one(r) for r in self.replicas if r.live))
+        return {k: v for k, v in got if v is not None}
+
+    def router_metrics(self) -> list[Metric]:
+        live = GaugeMetricFamily("pagedserve:replica_live", "1 while the replica serves, 0 while "
+                                 "it is down or restarting.", labels=["replica"])
+        in_flight = GaugeMetricFamily("pagedserve:router_in_flight_requests",
+                                      "Requests the router has in flight on the replica.",
+                                      labels=["replica"])
+        routed = CounterMetricFamily("pagedserve:router_routed_requests",
+                                     "Requests the router sent to the replica.",
+                                     labels=["replica", "policy"])
+        restarts = CounterMetricFamily("pagedserve:replica_restarts", "Restarts of the replica.",
+                                       labels=["replica"])
+        for r in self.replicas:
+            live.add_metric([str(r.index)], float(r.live))
+            in_flight.add_metric([str(r.index)], r.in_flight)
+            routed.add_metric([str(r.index), self.policy.name], r.routed)
+            restarts.add_metric([str(r.index)], r.restarts)
+        return [live, in_flight, routed, restarts]

@@ -1,0 +1,43 @@
+"""DP servers (2 demo-model replicas), one per test module so that the mp replicas are gone
+before the Ray cluster starts (the CI machine has 2 cores)."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+from dp_helpers import start_dp_server, start_single_server, stop_process  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def mp_server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("dp") / "mp_server.log"
+    s = start_dp_server(log)
+    yield s
+    stop_process(s.proc)
+
+
+@pytest.fixture(scope="module")
+def ray_server(tmp_path_factory):
+    """`--data-parallel-backend ray`: the server starts (and at exit stops) its local cluster."""
+    log = tmp_path_factory.mktemp("dp") / "ray_server.log"
+    s = start_dp_server(log, "--data-parallel-backend", "ray")
+    yield s
+    stop_process(s.proc)
+
+
+@pytest.fixture
+def single_server(tmp_path_factory):
+    """One replica alone, for the baseline figures; stopped right after its test."""
+    s = start_single_server(tmp_path_factory.mktemp("dp") / "single.log")
+    yield s
+    stop_process(s.proc)
+
+
+@pytest.fixture(scope="module")
+def mp_http(mp_server):
+    with httpx.Client(base_url=mp_server.base_url, headers=mp_server.headers, timeout=120) as c:
+        yield c
