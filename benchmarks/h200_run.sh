@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Every H200 figure in benchmarks/results/h200/. Run from the repo root on the GPU machine:
-#   PAGEDSERVE_COMMIT=<sha> bash benchmarks/h200_run.sh throughput|paper|paper2|memory|perf|session
+#   bash benchmarks/h200_run.sh throughput|paper|paper2|memory|perf|session
+# A copy of the tree without .git must carry pagedserve/_build_commit.json (git-ignored), written in
+# the checkout by `python -m pagedserve.benchmark.results stamp`; without it every result refuses.
 # perf = GPU tests, decode profile and host overhead with the fused layer ops on and off, nanovllm.
 # paper = serving_load, paper2 = block_size + swap_vs_recompute + shared_prefix, memory = Figure 2
 # on the GPU engine beside the sim; session = GPU tests, paper2, paper, memory, throughput one

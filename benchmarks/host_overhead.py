@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from pagedserve.benchmark.hardware import write_result  # noqa: E402
+from pagedserve.benchmark.results import engine_switches, git_commit, write_result  # noqa: E402
 from pagedserve.benchmark.throughput import BENCH_TEMPERATURE  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine, make_engine_config  # noqa: E402
 from pagedserve.engine.step_timer import StepTimer  # noqa: E402
@@ -145,6 +145,7 @@ def main() -> None:
                          "instead of LLM.generate's final-only")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    git_commit()  # refuse before measuring, not after
     if args.device == "cpu" or not torch.cuda.is_available():
         torch.set_num_threads(args.cpu_threads)
 
@@ -224,7 +225,8 @@ def main() -> None:
     out = args.output or str(ROOT / "benchmarks/results" / ("h200" if on_cuda else "cpu") / "host_overhead.json")
     command = "python benchmarks/host_overhead.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     ratios = {"host_share_of_step": round(sum(host) / sum(total), 4)}
-    write_result(out, "host_overhead", command, config, results, {"target_ms": 1.0}, ratios)
+    write_result(out, "host_overhead", command, config, results, {"target_ms": 1.0}, ratios,
+                 switches=engine_switches(engine.config))
     print(f"host {results[next(iter(results))]:.3f} ms/step (median of {args.steps}) at {n} running seqs")
     for p in ALL_PHASES:
         print(f"  {p:12s} {results['breakdown_ms'][p]:9.3f} ms")

@@ -16,10 +16,7 @@ Each subcommand writes a JSON (BENCHMARKS.md's format, with the exact command) a
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import shlex
-import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -32,6 +29,7 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import figure_plots as plots  # noqa: E402
 
+from pagedserve.benchmark.results import write_result  # noqa: E402
 from pagedserve.core.block_pool import BlockPool  # noqa: E402
 from pagedserve.core.kv_cache_manager import cdiv  # noqa: E402
 from pagedserve.sim import simulate  # noqa: E402
@@ -47,21 +45,9 @@ KEEP = ("num_requests", "num_finished", "steps", "sim_time_s", "avg_running", "p
         "throughput_requests_per_s", "kv_budget_tokens", "num_blocks")
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write_json(path: Path, name: str, device: str, config: dict, results: dict, ratios: dict) -> dict:
-    doc = {"benchmark": name, "device": device, "commit": git_commit(),
-           "date": datetime.date.today().isoformat(),
-           "command": "python benchmarks/paper_figures.py " + shlex.join(sys.argv[1:]),
-           "config": config, "results": results, "baselines": {}, "ratios": ratios}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    doc = write_result(path, name, "python benchmarks/paper_figures.py " + shlex.join(sys.argv[1:]), config,
+                       results, {}, ratios, device=device)
     print(f"wrote {path}")
     return doc
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from pagedserve import SamplingParams  # noqa: E402
-from pagedserve.benchmark.hardware import write_result  # noqa: E402
+from pagedserve.benchmark.results import git_commit, write_result  # noqa: E402
 from pagedserve.benchmark.replay import replay  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.core.scheduler import Scheduler  # noqa: E402
@@ -379,6 +379,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mem-requests", type=int, default=1000)
     ap.add_argument("--mem-steps", type=int, default=400)
     args = ap.parse_args(argv)
+    git_commit()  # refuse before measuring, not after
     ARGS.device, ARGS.dtype, ARGS.max_output = args.device, args.dtype, args.max_output
     command = "python benchmarks/paper_gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)
 

@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from pagedserve.benchmark.hardware import write_result  # noqa: E402
+from pagedserve.benchmark.results import engine_switches, git_commit, write_result  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine, make_engine_config  # noqa: E402
 from pagedserve.layers import fused  # noqa: E402
 
@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--output", default=str(ROOT / "benchmarks/results/h200/profile_decode.json"))
     args = ap.parse_args()
+    git_commit()  # refuse before measuring, not after
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py profiles CUDA kernels and needs a CUDA GPU; torch.cuda.is_available() "
                          "is False here")
@@ -136,7 +137,8 @@ def main() -> None:
               "steps": args.steps, "warmup": args.warmup, "ramp_steps": ramp, "temperature": 0.0,
               "note": "one engine; modes run one after the other, so contexts grow by a few tokens between them"}
     command = "python benchmarks/profile_decode.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    write_result(args.output, "profile_decode", command, config, results, {}, ratios, _table(results, command))
+    write_result(args.output, "profile_decode", command, config, results, {}, ratios, _table(results, command),
+                 switches=engine_switches(engine.config))
     print(f"wrote {args.output}")
 
 
