@@ -30,6 +30,7 @@ matplotlib.use("Agg")
 import figure_plots as plots  # noqa: E402
 
 from pagedserve.benchmark.results import write_result  # noqa: E402
+from pagedserve.benchmark.sustained import crossing_rate  # noqa: E402
 from pagedserve.core.block_pool import BlockPool  # noqa: E402
 from pagedserve.core.kv_cache_manager import cdiv  # noqa: E402
 from pagedserve.sim import simulate  # noqa: E402
@@ -176,20 +177,6 @@ def cmd_block_size(args) -> None:
 
 
 # ---- Figures 12/13 ------------------------------------------------------------------------
-def crossing_rate(points: list[tuple[float, float]], threshold: float) -> float | None:
-    """The highest rate whose normalized latency stays <= threshold, linear between sweep points;
-    None if even the lowest rate is above it."""
-    best = None
-    for i, (r0, l0) in enumerate(points):
-        if l0 > threshold:
-            break
-        best = r0
-        if i + 1 < len(points) and points[i + 1][1] > threshold:
-            r1, l1 = points[i + 1]
-            return r0 + (r1 - r0) * (threshold - l0) / (l1 - l0)
-    return best
-
-
 def cmd_load(args) -> None:
     rates = [float(x) for x in args.rates.split(",")]
     grid = [(a, r) for a in ALLOCATORS for r in rates]
