@@ -33,14 +33,13 @@ from pagedserve.benchmark.results import write_result  # noqa: E402
 from pagedserve.benchmark.sustained import crossing_rate  # noqa: E402
 from pagedserve.core.block_pool import BlockPool  # noqa: E402
 from pagedserve.core.kv_cache_manager import cdiv  # noqa: E402
-from pagedserve.sim import simulate  # noqa: E402
+from pagedserve.sim import SIM_DEVICE, simulate  # noqa: E402
 
 ALLOCATORS = ["paged", "contiguous-oracle", "contiguous-pow2", "contiguous-max"]
 WORKLOADS = ["sharegpt-like", "alpaca-like"]
 # Paper Figure 2, token states share (%), measured during its ShareGPT serving run.
 PAPER_FIG2 = {"sharegpt-like": {"paged": 96.3, "contiguous-oracle": 38.2, "contiguous-pow2": 26.8,
                                 "contiguous-max": 20.4}}
-SIM_DEVICE = "sim (pagedserve.sim: real scheduler and KV managers, OPT-13B/A100 step-time model)"
 KEEP = ("num_requests", "num_finished", "steps", "sim_time_s", "avg_running", "preemptions", "peak_blocks_used",
         "kv_utilization", "breakdown", "normalized_latency_s_per_token", "throughput_output_tokens_per_s",
         "throughput_requests_per_s", "kv_budget_tokens", "num_blocks")

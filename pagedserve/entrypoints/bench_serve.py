@@ -5,12 +5,15 @@ max_tokens = output_len and ignore_eos, streamed, at Poisson arrival times (or a
 once for an infinite rate). Latencies are measured on the client: TTFT is the time to
 the first streamed choice, TPOT the mean gap between the following tokens, e2e the
 whole request. Output token counts come from the server's usage (stream_options).
+--output writes through pagedserve.benchmark.results; its commit is this client's, and the
+server (possibly another engine) is named only by its URL and the model it reported.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import math
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -190,21 +193,24 @@ def run_serve_cli(args: Any) -> int:
     max_concurrency = getattr(args, "max_concurrency", None)
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if args.output:
+        from pagedserve.benchmark.results import git_commit
+        git_commit()  # refuse before measuring, not after
     requests = make_workload(args.workload, args.num_requests, args.request_rate,
                              seed=getattr(args, "seed", 0))
     summary = asyncio.run(run_benchmark(
         args.base_url, requests, model=args.model, api_key=args.api_key,
         max_concurrency=max_concurrency, temperature=getattr(args, "temperature", 0.0)))
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
-    summary["config"] = {"base_url": args.base_url, "workload": args.workload,
-                         "num_requests": len(requests), "request_rate": rate,
-                         "max_concurrency": max_concurrency, "seed": getattr(args, "seed", 0)}
+    config = {"base_url": args.base_url, "workload": args.workload, "num_requests": len(requests),
+              "request_rate": rate, "max_concurrency": max_concurrency, "seed": getattr(args, "seed", 0)}
     print(format_summary(summary))
     errors = [r["error"] for r in summary["requests"] if r["error"]]
     if errors:
         print(f"{len(errors)} requests failed; first error: {errors[0]}", file=sys.stderr)
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(_json_safe(summary), f, indent=2)
+        from pagedserve.benchmark.results import write_result
+        write_result(args.output, "serve", "pagedserve " + shlex.join(sys.argv[1:]), config, _json_safe(summary),
+                     device=f"the server at {args.base_url} (measured from the client)")
         print(f"wrote {args.output}", file=sys.stderr)
     return 0 if summary["failed"] == 0 else 1

@@ -33,7 +33,9 @@ def test_bench_serve_against_server(wide_server, tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr + wide_server.log()
     assert "output throughput" in p.stdout
-    res = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    assert doc["commit"] and doc["command"].startswith("pagedserve bench serve --base-url")
+    res = doc["results"]
     work = make_workload("alpaca-like", n, rate)
     assert res["completed"] == n and res["failed"] == 0
     # ignore_eos and max_tokens = output_len: the server produced exactly the workload's tokens
@@ -44,4 +46,4 @@ def test_bench_serve_against_server(wide_server, tmp_path):
         assert set(res[key]) == {"mean", "p50", "p90", "p99"}
         assert 0 < res[key]["p50"] <= res[key]["p90"] <= res[key]["p99"]
     assert res["request_throughput"] > 0 and res["output_throughput"] > 0
-    assert res["config"]["request_rate"] == rate
+    assert doc["config"]["request_rate"] == rate
