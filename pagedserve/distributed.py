@@ -1,7 +1,7 @@
 """Tensor-parallel group: who am I among the ranks that split one model.
 
-Until a multi-process runtime installs a real group (init_tp_group), the group is
-rank 0 of size 1 and every collective here is a no-op that never touches
+Until a multi-process runtime installs a real group (init_tp_group; reset_tp_group
+undoes it), the group is rank 0 of size 1 and every collective here is a no-op that never touches
 torch.distributed, so single-device code pays nothing for being TP-aware.
 """
 from __future__ import annotations
@@ -32,6 +32,12 @@ def init_tp_group(rank: int, size: int, group: object = None) -> TPGroup:
         raise ValueError(f"tp rank must be in [0, {size}), got {rank}")
     _TP_GROUP = TPGroup(rank=rank, size=size, group=group)
     return _TP_GROUP
+
+
+def reset_tp_group() -> None:
+    """Back to the single-rank group (the multi-process runtime's teardown)."""
+    global _TP_GROUP
+    _TP_GROUP = TPGroup()
 
 
 class CollectiveError(RuntimeError):

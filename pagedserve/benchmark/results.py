@@ -106,20 +106,14 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
-def _chosen(module_name: str, attr: str) -> dict[str, str]:
-    """The kernel module each device type got in this process (empty if none was picked yet)."""
-    mod = sys.modules.get(module_name)
-    picks = getattr(mod, attr, {}) if mod is not None else {}
-    return {kind: (m.__name__.rsplit(".", 1)[-1] if m is not None else "torch") for kind, m in picks.items()}
-
-
 def engine_switches(engine_config: Any = None) -> dict:
     """ENV_SWITCHES as set (None = unset, the default), the kernels this process picked, and the
     ENGINE_SWITCH_FIELDS of `engine_config` (an EngineConfig or a dict of its fields)."""
     out: dict = {k: os.environ.get(k) for k in ENV_SWITCHES}
-    for key, (module, attr) in {"fused_layer_ops": ("pagedserve.layers.fused", "_CHOICE"),
-                                "attention_kernels": ("pagedserve.attention.backend", "_BACKENDS")}.items():
-        picked = _chosen(module, attr)
+    # Only modules this process already imported: asking must not import torch.
+    for key, module in {"fused_layer_ops": "pagedserve.layers.fused",
+                        "attention_kernels": "pagedserve.attention.backend"}.items():
+        picked = sys.modules[module].choices() if module in sys.modules else {}
         if picked:
             out[key] = picked
     if engine_config is not None:

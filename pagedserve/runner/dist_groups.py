@@ -93,14 +93,13 @@ def init_compute(groups: DistGroups, device: str) -> None:
 
 def destroy_distributed() -> None:
     """Leave the groups and give this process back its single-rank TP group."""
-    from pagedserve.distributed import TPGroup
-    import pagedserve.distributed as pd
+    from pagedserve.distributed import reset_tp_group
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
         except Exception:  # a broken group (a peer died) may fail to tear down; it is gone either way
             pass
-    pd._TP_GROUP = TPGroup()
+    reset_tp_group()
 
 
 def error_key(rank: int) -> str:
