@@ -114,7 +114,9 @@ def test_write_result_refuses_without_a_commit(tmp_path, monkeypatch):
 
 def test_built_package_carries_its_commit(tmp_path):
     """setup.py's build_py stamps the built copy, which then names the commit outside any checkout."""
-    proc = subprocess.run([sys.executable, "setup.py", "-q", "build_py", "--build-lib", str(tmp_path)],
+    (tmp_path / "egg").mkdir()
+    proc = subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path / "egg"),
+                           "build_py", "--build-lib", str(tmp_path / "lib")],
                           cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert results.git_commit(tmp_path / "pagedserve") == results.git_commit()
+    assert results.git_commit(tmp_path / "lib" / "pagedserve") == results.git_commit()
