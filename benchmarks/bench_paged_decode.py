@@ -12,11 +12,8 @@ error and the run goes on; a number that was not measured is absent from the JSO
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import os
-import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -28,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from pagedserve.attention import triton_ops  # noqa: E402
+from pagedserve.benchmark.results import git_commit, write_result  # noqa: E402
 
 ERRORS: dict[str, str] = {}
 
@@ -56,14 +54,6 @@ def bench_ms(fn, reps: int = 7) -> float:
     times = [triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") for _ in range(reps)]
     times.sort()
     return times[len(times) // 2]
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return os.environ.get("PAGEDSERVE_COMMIT", "unknown")
 
 
 @section("copy_bandwidth")
@@ -245,30 +235,23 @@ def main():
     ap.add_argument("--skip", default="", help="comma list: sweep,flex,blocks,prefill")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    git_commit()  # refuse before measuring, not after
     B, L, H, Hkv, D, dtype = args.batch, args.context, 32, 8, 128, torch.bfloat16
     scale = D ** -0.5
     dev = torch.cuda.get_device_name()
     print(f"device {dev}, torch {torch.__version__}", flush=True)
 
     results, baselines, ratios = {}, {}, {}
-    record = {
-        "benchmark": "paged_decode", "device": dev, "commit": git_commit(),
-        "date": datetime.date.today().isoformat(), "command": " ".join([Path(sys.executable).name] + sys.argv),
-        "config": {"batch": B, "context": L, "num_heads": H, "num_kv_heads": Hkv, "head_dim": D,
-                   "dtype": "bfloat16", "block_size": args.block_size, "torch": torch.__version__,
-                   "triton": __import__("triton").__version__,
-                   "timing": "triton.testing.do_bench median (L2 flushed), median of repeats"},
-        "results": results, "baselines": baselines, "ratios": ratios,
-    }
+    config = {"batch": B, "context": L, "num_heads": H, "num_kv_heads": Hkv, "head_dim": D,
+              "dtype": "bfloat16", "block_size": args.block_size, "torch": torch.__version__,
+              "triton": __import__("triton").__version__,
+              "timing": "triton.testing.do_bench median (L2 flushed), median of repeats"}
     out_path = Path(args.output)
 
     def save():
         """Written after every section, so a run cut short still leaves what it measured."""
-        if ERRORS:
-            record["errors"] = ERRORS
-        out_path.parent.mkdir(parents=True, exist_ok=True)
-        out_path.write_text(json.dumps(record, indent=2) + "\n")
-        out_path.with_suffix(".md").write_text(markdown(record))
+        write_result(out_path, "paged_decode", None, config, results, baselines, ratios, markdown, device=dev,
+                     extra={"errors": ERRORS} if ERRORS else None)
 
     copy = copy_bandwidth()
     copy_gbps = copy["GBps"] if copy else None

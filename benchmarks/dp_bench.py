@@ -133,7 +133,7 @@ def main() -> None:
     else:
         args.model = LLAMA
 
-    from pagedserve.benchmark.hardware import write_result
+    from pagedserve.benchmark.results import write_result
     out_dir = Path(os.environ.get("OUT") or "/tmp")
     results = {}
     for dp in (1, 2):

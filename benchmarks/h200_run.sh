@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Every H200 figure in benchmarks/results/h200/. Run from the repo root on the GPU machine:
-#   PAGEDSERVE_COMMIT=<sha> bash benchmarks/h200_run.sh throughput|paper|paper2|memory|perf|session
+#   bash benchmarks/h200_run.sh throughput|paper|paper2|memory|perf|hf_full|session
+# A copy of the tree without .git must carry pagedserve/_build_commit.json (git-ignored), written in
+# the checkout by `python -m pagedserve.benchmark.results stamp`; without it every result refuses.
 # perf = GPU tests, decode profile and host overhead with the fused layer ops on and off, nanovllm.
+# hf_full = HF generate on the whole nanovllm workload beside pagedserve's runs (results/h200/hf_full/).
 # paper = serving_load, paper2 = block_size + swap_vs_recompute + shared_prefix, memory = Figure 2
 # on the GPU engine beside the sim; session = GPU tests, paper2, paper, memory, throughput one
 # after another (about 20 min): start it detached
@@ -50,6 +53,8 @@ case ${1:-throughput} in
   paper2) paper2 ;;
   memory) memory ;;
   perf) perf ;;
+  hf_full) step nanovllm_hf_full 540 python3 benchmarks/run_throughput.py --workload nanovllm --hf-modes generate \
+             --out-dir $R/hf_full ;;
   session) gpu_tests; paper2; paper; memory; throughput ;;
 esac
 touch logs/DONE

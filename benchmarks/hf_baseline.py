@@ -4,6 +4,7 @@
 continuous batching with a paged cache. Both take one max_new_tokens for all requests, so
 every request gets the workload's mean output length and the total work matches
 (docs/benchmarks.md). Dummy (random) weights in bf16; sampling at temperature 0.6.
+--output writes the result through pagedserve.benchmark.results (device, commit, versions).
 """
 from __future__ import annotations
 
@@ -12,11 +13,13 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-sys.path.insert(0, ".")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from pagedserve.benchmark.results import git_commit, write_result  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
 
 
@@ -72,14 +75,19 @@ def main() -> None:
     ap.add_argument("--modes", default="generate,generate_batch")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    if args.output:
+        git_commit()  # refuse before measuring, not after
     reqs = make_workload(args.workload)
     mean_out = round(statistics.mean(r.output_len for r in reqs))
     reqs = reqs[:args.num_requests] if args.num_requests else reqs
     max_new = args.max_new_tokens or mean_out
     prompts = [r.prompt_token_ids for r in reqs]
     model = load(args.model)
-    report = {"workload": args.workload, "num_requests": len(prompts), "max_new_tokens": max_new,
-              "workload_mean_output": mean_out, "batch_size": args.batch_size}
+    config = {"model": args.model, "workload": args.workload, "num_requests": len(prompts),
+              "workload_num_requests": len(make_workload(args.workload)), "max_new_tokens": max_new,
+              "workload_mean_output": mean_out, "batch_size": args.batch_size, "load_format": "dummy",
+              "dtype": "bfloat16", "temperature": 0.6}
+    report: dict = {}
     for mode in args.modes.split(","):
         try:
             if mode == "generate":
@@ -95,8 +103,7 @@ def main() -> None:
             report[mode] = {"error": f"{type(e).__name__}: {e}"[:500]}
         print(json.dumps({mode: report[mode]}), flush=True)
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(report, f, indent=2)
+        write_result(args.output, f"hf_{args.workload}", None, config, report)
 
 
 if __name__ == "__main__":

@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from pagedserve.benchmark.hardware import write_result  # noqa: E402
+from pagedserve.benchmark.results import engine_switches, git_commit, write_result  # noqa: E402
 from pagedserve.benchmark.throughput import BENCH_TEMPERATURE  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine, make_engine_config  # noqa: E402
 from pagedserve.engine.step_timer import NULL_STEP_TIMER, StepTimer  # noqa: E402
@@ -153,6 +153,7 @@ def main() -> None:
                     help="overlapped steps (the engine's default); --no-async-scheduling: synchronous steps")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    git_commit()  # refuse before measuring, not after
     if args.device == "cpu" or not torch.cuda.is_available():
         torch.set_num_threads(args.cpu_threads)
 
@@ -251,7 +252,8 @@ def main() -> None:
     command = "python benchmarks/host_overhead.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     ratios = {"host_share_of_step": round(sum(host) / sum(total), 4)}
     write_result(out, "host_overhead", command, config, results,
-                 {"target_ms": 1.0, "target_gpu_idle_ms_per_decode_step": 0.3}, ratios)
+                 {"target_ms": 1.0, "target_gpu_idle_ms_per_decode_step": 0.3}, ratios,
+                 switches=engine_switches(engine.config))
     print(f"host {results[next(iter(results))]:.3f} ms/step (median of {args.steps}) at {n} running seqs, "
           f"async_scheduling={engine.async_scheduling}")
     if gaps:

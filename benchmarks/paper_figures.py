@@ -16,10 +16,7 @@ Each subcommand writes a JSON (docs/benchmarks.md's format, with the exact comma
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import shlex
-import subprocess
 import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -32,36 +29,25 @@ import matplotlib  # noqa: E402
 matplotlib.use("Agg")
 import figure_plots as plots  # noqa: E402
 
+from pagedserve.benchmark.results import write_result  # noqa: E402
+from pagedserve.benchmark.sustained import crossing_rate  # noqa: E402
 from pagedserve.core.block_pool import BlockPool  # noqa: E402
 from pagedserve.core.kv_cache_manager import cdiv  # noqa: E402
-from pagedserve.sim import simulate  # noqa: E402
+from pagedserve.sim import SIM_DEVICE, simulate  # noqa: E402
 
 ALLOCATORS = ["paged", "contiguous-oracle", "contiguous-pow2", "contiguous-max"]
 WORKLOADS = ["sharegpt-like", "alpaca-like"]
 # Paper Figure 2, token states share (%), measured during its ShareGPT serving run.
 PAPER_FIG2 = {"sharegpt-like": {"paged": 96.3, "contiguous-oracle": 38.2, "contiguous-pow2": 26.8,
                                 "contiguous-max": 20.4}}
-SIM_DEVICE = "sim (pagedserve.sim: real scheduler and KV managers, OPT-13B/A100 step-time model)"
 KEEP = ("num_requests", "num_finished", "steps", "sim_time_s", "avg_running", "preemptions", "peak_blocks_used",
         "kv_utilization", "breakdown", "normalized_latency_s_per_token", "throughput_output_tokens_per_s",
         "throughput_requests_per_s", "kv_budget_tokens", "num_blocks")
 
 
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def write_json(path: Path, name: str, device: str, config: dict, results: dict, ratios: dict) -> dict:
-    doc = {"benchmark": name, "device": device, "commit": git_commit(),
-           "date": datetime.date.today().isoformat(),
-           "command": "python benchmarks/paper_figures.py " + shlex.join(sys.argv[1:]),
-           "config": config, "results": results, "baselines": {}, "ratios": ratios}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(doc, indent=2) + "\n")
+    doc = write_result(path, name, "python benchmarks/paper_figures.py " + shlex.join(sys.argv[1:]), config,
+                       results, {}, ratios, device=device)
     print(f"wrote {path}")
     return doc
 
@@ -190,20 +176,6 @@ def cmd_block_size(args) -> None:
 
 
 # ---- Figures 12/13 ------------------------------------------------------------------------
-def crossing_rate(points: list[tuple[float, float]], threshold: float) -> float | None:
-    """The highest rate whose normalized latency stays <= threshold, linear between sweep points;
-    None if even the lowest rate is above it."""
-    best = None
-    for i, (r0, l0) in enumerate(points):
-        if l0 > threshold:
-            break
-        best = r0
-        if i + 1 < len(points) and points[i + 1][1] > threshold:
-            r1, l1 = points[i + 1]
-            return r0 + (r1 - r0) * (threshold - l0) / (l1 - l0)
-    return best
-
-
 def cmd_load(args) -> None:
     rates = [float(x) for x in args.rates.split(",")]
     grid = [(a, r) for a in ALLOCATORS for r in rates]

@@ -28,8 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from pagedserve import SamplingParams  # noqa: E402
-from pagedserve.benchmark.hardware import write_result  # noqa: E402
 from pagedserve.benchmark.replay import replay  # noqa: E402
+from pagedserve.benchmark.results import git_commit, write_result  # noqa: E402
+from pagedserve.benchmark.sustained import crossing_rate  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.core.scheduler import Scheduler  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine  # noqa: E402
@@ -84,19 +85,6 @@ def workload(eng: LLMEngine, name: str, n: int | None = None, rate: float | None
     for r in reqs:
         r.prompt_token_ids = [t % eng.vocab_size for t in r.prompt_token_ids]
     return reqs
-
-
-def crossing_rate(points: list[tuple[float, float]], threshold: float) -> float | None:
-    """Highest rate whose normalized latency stays under threshold, interpolated between sweep points."""
-    best = None
-    for (r0, l0), (r1, l1) in zip(points, points[1:] + [(None, None)]):
-        if l0 > threshold:
-            break
-        best = r0
-        if r1 is not None and l1 > threshold:
-            best = r0 + (r1 - r0) * (threshold - l0) / (l1 - l0)
-            break
-    return best
 
 
 def use_scheduler(eng: LLMEngine, **cache_changes) -> None:
@@ -379,6 +367,7 @@ def main(argv=None) -> None:
     ap.add_argument("--mem-requests", type=int, default=1000)
     ap.add_argument("--mem-steps", type=int, default=400)
     args = ap.parse_args(argv)
+    git_commit()  # refuse before measuring, not after
     ARGS.device, ARGS.dtype, ARGS.max_output = args.device, args.dtype, args.max_output
     command = "python benchmarks/paper_gpu.py " + shlex.join(sys.argv[1:] if argv is None else argv)
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from pagedserve.benchmark.hardware import write_result  # noqa: E402
+from pagedserve.benchmark.results import engine_switches, git_commit, write_result  # noqa: E402
 from pagedserve.engine.llm_engine import LLMEngine, make_engine_config  # noqa: E402
 from pagedserve.layers import fused  # noqa: E402
 
@@ -116,6 +116,7 @@ def main() -> None:
                     help="default benchmarks/results/h200/profile_decode.json (profile_decode_sync.json with "
                          "--no-async-scheduling)")
     args = ap.parse_args()
+    git_commit()  # refuse before measuring, not after
     if args.output is None:
         name = "profile_decode.json" if args.async_scheduling else "profile_decode_sync.json"
         args.output = str(ROOT / "benchmarks/results/h200" / name)
@@ -158,7 +159,8 @@ def main() -> None:
               "async_scheduling": engine.async_scheduling,
               "note": "one engine; modes run one after the other, so contexts grow by a few tokens between them"}
     command = "python benchmarks/profile_decode.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    write_result(args.output, "profile_decode", command, config, results, {}, ratios, _table(results, command))
+    write_result(args.output, "profile_decode", command, config, results, {}, ratios, _table(results, command),
+                 switches=engine_switches(engine.config))
     print(f"wrote {args.output}")
 
 

@@ -131,7 +131,8 @@ def main() -> None:
         Path(args.child_out).write_text(json.dumps(result))
         return
 
-    from pagedserve.benchmark.hardware import write_result
+    from pagedserve.benchmark.results import git_commit, write_result
+    git_commit()  # refuse before measuring, not after
     tmp = Path(tempfile.mkdtemp(prefix="tp_bench_"))
     common = dict(device=args.device, dtype=args.dtype)
     results, ratios, config = {}, {}, {"dtype": args.dtype, "device": args.device, "smoke": args.smoke}

@@ -157,7 +157,7 @@ def _load(p: Path):
 
 
 def phase_collect(args, work: Path) -> None:
-    from pagedserve.benchmark.hardware import write_result
+    from pagedserve.benchmark.results import write_result
     results: dict = {"online": {}, "offline": {}}
     ratios: dict = {}
     for engine in ("vllm", "pagedserve"):
@@ -167,6 +167,7 @@ def phase_collect(args, work: Path) -> None:
             d = _load(work / f"online_{engine}_r{rate:g}.json")
             if d is None:
                 continue
+            d = d.get("results", d)  # bench serve writes through the result writer
             per_rate[f"r{rate:g}"] = {k: d[k] for k in ("completed", "failed", "request_throughput", "output_throughput",
                                                         "ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms") if k in d}
         results["online"][engine] = {"startup_seconds": info.get("startup_seconds"), "server_args": info.get("server_args"),
@@ -200,11 +201,11 @@ def phase_collect(args, work: Path) -> None:
               "pagedserve_args": args.pagedserve_args, "pagedserve_offline_args": args.pagedserve_offline_args,
               "vllm_args": args.vllm_args, "switches": {k: os.environ.get(k) for k in ("PAGEDSERVE_FUSED",)}}
     out = Path(args.output)
-    doc = write_result(out, "serving_vs_vllm", " ".join([sys.executable] + sys.argv), config, results,
-                       {"vllm": "0.26.0"}, ratios)
-    if args.device:  # collected off the GPU machine: name the machine the phases ran on
-        doc["device"] = args.device
-        out.write_text(json.dumps(doc, indent=2) + "\n")
+    from pagedserve.config import EngineConfig
+    from pagedserve.benchmark.results import engine_switches
+    switches = engine_switches(EngineConfig(async_scheduling="--no-async-scheduling" not in args.pagedserve_args))
+    write_result(out, "serving_vs_vllm", "python benchmarks/vs_vllm.py " + shlex.join(sys.argv[1:]), config, results,
+                 {"vllm": "0.26.0"}, ratios, device=args.device, switches=switches)
     print(json.dumps(ratios, indent=1))
 
 

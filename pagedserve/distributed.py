@@ -1,7 +1,7 @@
 """Tensor-parallel group: who am I among the ranks that split one model.
 
-Until a multi-process runtime installs a real group (init_tp_group), the group is
-rank 0 of size 1 and every collective here is a no-op that never touches
+Until a multi-process runtime installs a real group (init_tp_group; reset_tp_group
+undoes it), the group is rank 0 of size 1 and every collective here is a no-op that never touches
 torch.distributed, so single-device code pays nothing for being TP-aware.
 """
 from __future__ import annotations

@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-_MAX_N = 128
+MAX_N = 128
 _MAX_LOGPROBS = 20
 
 
@@ -66,10 +66,10 @@ class SamplingParams:
         def bad(name: str, limit: str) -> None:
             raise ValueError(f"{name} must be {limit}, got {getattr(self, name)!r}")
 
-        if not 1 <= self.n <= _MAX_N:
-            bad("n", f"in [1, {_MAX_N}]")
-        if not self.n <= self.best_of <= _MAX_N:
-            bad("best_of", f"in [n={self.n}, {_MAX_N}]")
+        if not 1 <= self.n <= MAX_N:
+            bad("n", f"in [1, {MAX_N}]")
+        if not self.n <= self.best_of <= MAX_N:
+            bad("best_of", f"in [n={self.n}, {MAX_N}]")
         if not 0.0 <= self.temperature <= 100.0:
             bad("temperature", "in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
@@ -121,8 +121,8 @@ class BeamSearchParams:
     length_penalty: float = 1.0
 
     def __post_init__(self) -> None:
-        if not 1 <= self.beam_width <= _MAX_N:
-            raise ValueError(f"beam_width must be in [1, {_MAX_N}], got {self.beam_width!r}")
+        if not 1 <= self.beam_width <= MAX_N:
+            raise ValueError(f"beam_width must be in [1, {MAX_N}], got {self.beam_width!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:

@@ -8,8 +8,9 @@ given in tokens so that block sizes compare at equal memory. Deterministic for a
 """
 from __future__ import annotations
 
-import json
 import random
+import shlex
+import sys
 from dataclasses import asdict, dataclass
 from typing import Callable
 
@@ -22,6 +23,8 @@ from pagedserve.workloads import WORKLOADS, make_workload
 KV_BUDGET_TOKENS = 15_700          # paper Table 1: OPT-13B on A100-40GB, 12 GB of KV cache
 KV_BYTES_PER_TOKEN = 819_200       # OPT-13B: 2 (K, V) * 40 layers * 5120 hidden * 2 bytes
 SWAP_SPACE_BYTES = 4 * 2**30       # vLLM's default swap_space of 4 GiB
+# The "device" of a result made here.
+SIM_DEVICE = "sim (pagedserve.sim: real scheduler and KV managers, OPT-13B/A100 step-time model)"
 
 
 @dataclass
@@ -185,6 +188,9 @@ def run_sim_cli(args) -> int:
     print(f"throughput {result['throughput_output_tokens_per_s']:.0f} out tok/s, "
           f"normalized latency {result['normalized_latency_s_per_token'] or 0:.4f} s/token")
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(result, f, indent=2)
+        from pagedserve.benchmark.results import write_result
+        config = {k: getattr(args, k) for k in ("workload", "allocator", "block_size", "num_blocks", "num_requests",
+                                                "request_rate", "max_num_seqs", "max_model_len", "seed")}
+        write_result(args.output, "sim", "pagedserve " + shlex.join(sys.argv[1:]), config, result,
+                     device=SIM_DEVICE)
     return 0

@@ -38,6 +38,11 @@ def get_backend(device: torch.device | str) -> ModuleType:
     return _BACKENDS[kind]
 
 
+def choices() -> dict[str, str]:
+    """The kernel module each device type got so far in this process (for result files)."""
+    return {kind: mod.__name__.rsplit(".", 1)[-1] for kind, mod in _BACKENDS.items()}
+
+
 class Attention(nn.Module):
     """Paged multi-head / grouped-query attention over one layer's K/V pools."""
 

@@ -1,15 +1,16 @@
 """Paged decode attention in Triton: one query token per sequence, flash-decoding split-K.
 
 Grid (sequence, kv head, split). A program loads each K/V tile once for all query heads
-of its KV head (the GQA group is the M dimension of tl.dot, padded to >= 16), walks its
-split of the context in tiles of BLOCK_N tokens gathered through the block table (token
-by token, so any block size works, 1 included), and keeps an online softmax in fp32 with
-exp2 and a log2(e)-prescaled scale. With one split it writes the output directly; with
-several it writes per-split (normalised output, log2-sum-exp) and reduce_splits_kernel
-combines them.
+of its KV head (the GQA group is the M dimension of tl.dot, padded to >= 16) and walks its
+split of the context with triton_tiles.attend_tiles, the loop the prefill kernel shares
+(tiles gathered through the block table, online softmax in fp32). With one split it writes
+the output directly; with several it writes per-split (normalised output, log2-sum-exp) and
+reduce_splits_kernel combines them.
 """
 import triton
 import triton.language as tl
+
+from pagedserve.attention.triton_tiles import IN_CONTEXT, attend_tiles
 
 
 @triton.jit
@@ -34,7 +35,6 @@ def paged_decode_kernel(
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
-    n = tl.arange(0, BLOCK_N)
     heads = kv_head * GROUP + g
     g_mask = g < GROUP
     if BLOCK_D == HEAD_DIM:
@@ -43,37 +43,20 @@ def paged_decode_kernel(
         q_mask = g_mask[:, None] & (d[None, :] < HEAD_DIM)
     q = tl.load(q_ptr + seq.to(tl.int64) * stride_qt + heads[:, None] * stride_qh + d[None, :],
                 mask=q_mask, other=0.0)
+    if IEEE:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_cache_ptr.dtype.element_ty)
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
     acc = tl.full([BLOCK_G, BLOCK_D], 0.0, tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_off = kv_head * stride_ch
-    for tile in range(start, end, BLOCK_N):
-        pos = tile + n
-        valid = pos < end
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_off
-        if BLOCK_D == HEAD_DIM:
-            kv_mask = valid[:, None]
-        else:
-            kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q.to(tl.float32), tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q.to(k.dtype), tl.trans(k))
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+    # q_pos (heads) is not read: IN_CONTEXT masks by position < end only.
+    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, heads, start, end,
+                                 k_cache_ptr, v_cache_ptr, table, kv_head * stride_ch, qk_scale,
+                                 stride_cb, stride_cs, d,
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, IN_CONTEXT, IEEE)
 
     if NUM_SPLITS == 1:
         out = acc / l_i[:, None]

@@ -2,51 +2,14 @@
 
 Grid (query tile, sequence, query head). Sequence i's q new tokens sit at positions
 L - q .. L - 1 of its context of L tokens; they attend to every cached token and causally
-to each other. K/V are read only through the block table, a tile of BLOCK_N tokens at a
-time gathered token by token (any block size). Tiles wholly below the tile's first query
-position need no causal mask; only the tiles on the diagonal pay for one.
+to each other. K/V are read only through the block table by triton_tiles.attend_tiles, the
+loop the decode kernel shares. Tiles wholly below the tile's first query position need no
+causal mask; only the tiles on the diagonal pay for one.
 """
 import triton
 import triton.language as tl
 
-
-@triton.jit
-def _attend_tiles(
-    acc, l_i, m_i, q, q_pos, lo, hi,
-    k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-    stride_cb, stride_cs, d,
-    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, IEEE: tl.constexpr,
-):
-    n = tl.arange(0, BLOCK_N)
-    for tile in range(lo, hi, BLOCK_N):
-        pos = tile + n
-        valid = pos < hi
-        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-        kv_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_off
-        if BLOCK_D == HEAD_DIM:
-            kv_mask = valid[:, None]
-        else:
-            kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = s * qk_scale
-        if CAUSAL:
-            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
-    return acc, l_i, m_i
+from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles
 
 
 @triton.jit
@@ -91,14 +54,14 @@ def paged_prefill_kernel(
     # Keys below the tile's first query position are visible to every row: no mask.
     unmasked_end = ((ctx_before + tile_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
     causal_end = tl.minimum(ctx_before + (tile_m + 1) * BLOCK_M, seq_len)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, 0, unmasked_end,
-                                  k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                  stride_cb, stride_cs, d,
-                                  HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, False, IEEE)
-    acc, l_i, m_i = _attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, causal_end,
-                                  k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                  stride_cb, stride_cs, d,
-                                  HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, True, IEEE)
+    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, 0, unmasked_end,
+                                 k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+                                 stride_cb, stride_cs, d,
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE)
+    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, causal_end,
+                                 k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+                                 stride_cb, stride_cs, d,
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE)
     out = acc / l_i[:, None]
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -158,8 +158,11 @@ def run_throughput(workload: str, model: str, engine_kwargs: dict, num_requests:
                            measured_matmul_TFLOPs=round(rate / 1e12, 1),
                            roofline_ideal_seconds=round(ideal, 3), num_steps=len(log.steps))
             ratios["roofline_fraction"] = round(ideal / best.seconds, 3)
+    # Taken here, in the process that ran the engine, so the kernels it picked are recorded too.
+    from pagedserve.benchmark.results import engine_switches
+    switches = engine_switches(llm.llm_engine.config)
     del llm
-    return {"results": results, "ratios": ratios}
+    return {"results": results, "ratios": ratios, "switches": switches}
 
 
 
@@ -168,16 +171,18 @@ def run_throughput_cli(args) -> int:
     import json
     import shlex
     import sys
-    from pagedserve.benchmark.hardware import write_result
+    from pagedserve.benchmark.results import git_commit, write_result
 
     from pagedserve.engine_args import changed_engine_kwargs
 
     model = args.model or default_model(args.workload)
     kwargs = {"max_model_len": 4096, **changed_engine_kwargs(args)}
+    if args.output:
+        git_commit()  # refuse before the run, not after it
     out = run_throughput(args.workload, model, kwargs, args.num_requests, args.repeats)
     print(json.dumps(out, indent=2))
     if args.output:
         write_result(args.output, args.workload, "pagedserve bench " + shlex.join(sys.argv[2:]),
                      {"model": model, "workload": args.workload, **kwargs, "temperature": BENCH_TEMPERATURE},
-                     out["results"], {}, out["ratios"])
+                     out["results"], {}, out["ratios"], switches=out["switches"])
     return 0

@@ -9,6 +9,8 @@ whole request. Output token counts come from the server's usage (stream_options)
 Prompt token ids are drawn below the served model's vocabulary size and prompt + output
 kept within its context: both from /v1/models (`vocab_size`, `max_model_len`), or from
 --vocab-size / --tokenizer / --max-model-len for servers that do not report them.
+--output writes through pagedserve.benchmark.results; its commit is this client's, and the
+server (possibly another engine) is named only by its URL and the model it reported.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import asyncio
 import json
 import math
 import os
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -257,6 +260,9 @@ def run_serve_cli(args: Any) -> int:
     max_concurrency = getattr(args, "max_concurrency", None)
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
+    if args.output:
+        from pagedserve.benchmark.results import git_commit
+        git_commit()  # refuse before measuring, not after
     args.api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     served = asyncio.run(_describe_model(args))
     seed = getattr(args, "seed", 0)
@@ -270,16 +276,17 @@ def run_serve_cli(args: Any) -> int:
         max_concurrency=max_concurrency, temperature=getattr(args, "temperature", 0.0),
         progress=not getattr(args, "disable_tqdm", False)))
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
-    summary["config"] = {"base_url": args.base_url, "workload": args.workload,
-                         "num_requests": len(requests), "request_rate": rate,
-                         "max_concurrency": max_concurrency, "seed": seed,
-                         "vocab_size": served.vocab_size, "max_model_len": served.max_model_len}
+    config = {"base_url": args.base_url, "workload": args.workload,
+              "num_requests": len(requests), "request_rate": rate,
+              "max_concurrency": max_concurrency, "seed": seed,
+              "vocab_size": served.vocab_size, "max_model_len": served.max_model_len}
     print(format_summary(summary))
     errors = [r["error"] for r in summary["requests"] if r["error"]]
     if errors:
         print(f"{len(errors)} requests failed; first error: {errors[0]}", file=sys.stderr)
     if args.output:
-        with open(args.output, "w") as f:
-            json.dump(_json_safe(summary), f, indent=2)
+        from pagedserve.benchmark.results import write_result
+        write_result(args.output, "serve", "pagedserve " + shlex.join(sys.argv[1:]), config, _json_safe(summary),
+                     device=f"the server at {args.base_url} (measured from the client)")
         print(f"wrote {args.output}", file=sys.stderr)
     return 0 if summary["failed"] == 0 else 1

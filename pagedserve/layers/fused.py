@@ -35,3 +35,8 @@ def fused_ops(device: torch.device) -> ModuleType | None:
 
 def reset() -> None:
     _CHOICE.clear()
+
+
+def choices() -> dict[str, str]:
+    """What each device type got so far in this process: "triton" or "torch" (for result files)."""
+    return {kind: "torch" if mod is None else "triton" for kind, mod in _CHOICE.items()}

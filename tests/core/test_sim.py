@@ -54,7 +54,10 @@ def test_cli_writes_json(tmp_path):
                            "--allocator", "contiguous-pow2", "--block-size", "8", "--num-requests", "30",
                            "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    r = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    assert doc["command"].startswith("pagedserve sim --workload alpaca-like") and doc["commit"]
+    assert doc["config"]["allocator"] == "contiguous-pow2" and doc["device"].startswith("sim")
+    r = doc["results"]
     for key in ("workload", "allocator", "block_size", "num_requests", "steps", "avg_running", "preemptions",
                 "peak_blocks_used", "kv_utilization", "breakdown", "normalized_latency_s_per_token",
                 "throughput_output_tokens_per_s"):

@@ -1,13 +1,15 @@
 """The fused Triton layer ops on CUDA (skipped without a GPU), against the plain-torch path on
 the same device, at Qwen3-0.6B's shapes in bfloat16, plus CUDA-graph capture.
 
-The residual add is bit-equal; norms, silu and rotary are within one bfloat16 ulp (the
-kernels' float32 reductions, rsqrt and exp are not torch's bit for bit, and the compiler may
-contract a multiply-add), with >= 99% of elements bit-equal except after Qwen3's q/k norm
-(see test_qk_rotary_matches_torch_bf16). Under the interpreter (fused_interpret_cases.py) they
-are bit-equal. Greedy tokens of tiny fp32
-models with fusion on equal HF's in tests/engine/test_cuda_engine.py (fusion is the CUDA default).
+The residual add is bit-equal; norms and silu are within one bfloat16 ulp with >= 99% of
+elements bit-equal (the kernels' float32 reductions, rsqrt and exp are not torch's bit for bit);
+q/k norm + rotary is within one bf16 rounding of torch and not bit-equal (see
+test_qk_rotary_matches_torch_bf16). Under the interpreter (fused_interpret_cases.py) they are
+bit-equal. Greedy tokens of tiny fp32 models with fusion on equal HF's in
+tests/engine/test_cuda_engine.py (fusion is the CUDA default).
 """
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -23,7 +25,9 @@ def ops():
     fused.reset()
     mod = fused.fused_ops(torch.device("cuda"))
     if mod is None:
-        pytest.skip("fused ops disabled (PAGEDSERVE_FUSED=0) or Triton missing")
+        if os.environ.get("PAGEDSERVE_FUSED", "1").strip().lower() in ("0", "false", "off"):
+            pytest.skip("fused ops switched off (PAGEDSERVE_FUSED=0)")
+        pytest.fail("fused ops unavailable on CUDA: importing pagedserve.layers.triton_fused failed (see the log)")
     return mod
 
 
@@ -72,14 +76,14 @@ def test_qk_rotary_matches_torch_bf16(ops, qk_norm, rotary_dim):
     ref_q, ref_k = apply_rotary(ref_q, cos, sin), apply_rotary(ref_k, cos, sin)
     weights = (q_norm.weight, k_norm.weight, q_norm.eps) if qk_norm else ()
     out_q, out_k = ops.qk_norm_rotary_(q, k, cos, sin, *weights)
-    # Within one bf16 rounding of torch's op-by-op result. Not bit-equal on the H200 (7adfa8c..726e751):
-    # without qk-norm >= 99% of elements were identical; with it 78-89%, since a last-bit difference
-    # in the norm (the GPU's rsqrt and sum order are not torch's) moves a value across a bf16
-    # rounding boundary and the rotation carries it into both halves of the pair.
+    # Within one bf16 rounding of torch's op-by-op result (rtol 2^-7 is one bf16 ulp relative; atol
+    # covers outputs near zero after the rotation's cancellation), and no bit-equality claim: on the
+    # H200 at 726e751 (benchmarks/results/h200/logs/gpu_tests.log) no case was bit-equal, and with
+    # qk-norm only 77.7% (rotary_dim 128) and 88.9% (64) of elements were, since a last-bit
+    # difference in the norm (the GPU's rsqrt and sum order are not torch's) moves a value across a
+    # bf16 rounding boundary and the rotation carries it into both halves of the pair.
     torch.testing.assert_close(out_q.float(), ref_q.float(), rtol=2 ** -7, atol=2 ** -6)
     torch.testing.assert_close(out_k.float(), ref_k.float(), rtol=2 ** -7, atol=2 ** -6)
-    if not qk_norm:
-        assert (out_q == ref_q).float().mean() >= 0.99 and (out_k == ref_k).float().mean() >= 0.99
 
 
 def test_fused_ops_capture_in_a_cuda_graph(ops):

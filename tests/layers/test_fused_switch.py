@@ -1,6 +1,7 @@
 """layers/fused.py picks the Triton module on CUDA unless PAGEDSERVE_FUSED=0, plain torch on CPU."""
 import pytest
 import torch
+import triton  # noqa: F401  (a pinned dev dependency: missing must fail, not skip)
 
 from pagedserve.layers import fused
 
@@ -13,7 +14,6 @@ def _fresh_choice():
 
 
 def test_cuda_gets_triton_unless_switched_off(monkeypatch):
-    pytest.importorskip("triton")
     monkeypatch.delenv("PAGEDSERVE_FUSED", raising=False)
     assert fused.fused_ops(torch.device("cuda")).__name__ == "pagedserve.layers.triton_fused"
     assert fused.fused_ops(torch.device("cpu")) is None

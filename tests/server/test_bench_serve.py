@@ -34,7 +34,9 @@ def test_bench_serve_against_server(wide_server, tmp_path):
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr + wide_server.log()
     assert "output throughput" in p.stdout
-    res = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    assert doc["commit"] and doc["command"].startswith("pagedserve bench serve --base-url")
+    res = doc["results"]
     work = make_workload("alpaca-like", n, rate)
     assert res["completed"] == n and res["failed"] == 0
     # ignore_eos and max_tokens = output_len: the server produced exactly the workload's tokens
@@ -45,7 +47,7 @@ def test_bench_serve_against_server(wide_server, tmp_path):
         assert set(res[key]) == {"mean", "p50", "p90", "p99"}
         assert 0 < res[key]["p50"] <= res[key]["p90"] <= res[key]["p99"]
     assert res["request_throughput"] > 0 and res["output_throughput"] > 0
-    assert res["config"]["request_rate"] == rate
+    assert doc["config"]["request_rate"] == rate
     assert '"POST /v1/completions' not in wide_server.log()  # --disable-uvicorn-access-log
 
 
@@ -67,10 +69,11 @@ def test_bench_serve_fits_a_small_model(server, tmp_path, capsys):
                                  "--workload", "sharegpt-like", "--num-requests", str(n),
                                  "--max-concurrency", "3", "--output", str(out)], capsys)
     assert rc == 0, stderr
-    res = json.loads(out.read_text())
+    doc = json.loads(out.read_text())
+    res = doc["results"]
     assert res["completed"] == n and res["failed"] == 0
-    assert res["config"]["vocab_size"] == cfg["vocab_size"]
-    assert res["config"]["max_model_len"] == MAX_MODEL_LEN
+    assert doc["config"]["vocab_size"] == cfg["vocab_size"]
+    assert doc["config"]["max_model_len"] == MAX_MODEL_LEN
     work = make_workload("sharegpt-like", n, vocab_size=cfg["vocab_size"], max_total_len=MAX_MODEL_LEN)
     assert all(max(w.prompt_token_ids) < cfg["vocab_size"] for w in work)
     assert [r["prompt_len"] for r in res["requests"]] == [len(w.prompt_token_ids) for w in work]

@@ -13,7 +13,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
-MAX_N = 128          # SamplingParams' own limit
+from pagedserve.sampling_params import MAX_N
+
 MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_SEED = 2**63 - 1

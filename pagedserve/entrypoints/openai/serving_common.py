@@ -191,19 +191,6 @@ class OpenAIServing:
         except EngineDeadError as e:
             raise engine_error(e) from None
 
-    async def start_all(self, prompts: list[list[int]], params: SamplingParams,
-                        request_id: str) -> list[RequestStream]:
-        """Start every prompt of a request; if one is rejected, abort the others."""
-        streams: list[RequestStream] = []
-        try:
-            for i, ids in enumerate(prompts):
-                streams.append(await self.start(ids, params, f"{request_id}-{i}"))
-        except BaseException:
-            for s in streams:
-                s.close()
-            raise
-        return streams
-
     # ---- logprobs ----------------------------------------------------------------------------
 
     def token_str(self, token_id: int) -> str:

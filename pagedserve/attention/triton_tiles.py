@@ -1,0 +1,59 @@
+"""The inner loop both paged attention kernels share: walk K/V tiles through a block table and
+fold them into an online softmax.
+
+A tile is BLOCK_N consecutive context positions gathered token by token through the sequence's
+block table (so any block size works, 1 included). The softmax runs in fp32 with exp2 on scores
+pre-scaled by log2(e) (qk_scale); (acc, l_i, m_i) are the running weighted sum, normaliser and
+row maximum, and the caller divides acc by l_i at the end.
+"""
+import triton
+import triton.language as tl
+
+# MASK: which scores a tile keeps. Tiles known to lie wholly inside the context and below every
+# query row (prefill's un-masked stretch) need no mask at all.
+NO_MASK: tl.constexpr = tl.constexpr(0)
+IN_CONTEXT: tl.constexpr = tl.constexpr(1)   # positions < hi (decode: the whole split)
+CAUSAL: tl.constexpr = tl.constexpr(2)       # positions < hi and <= the query row's position
+
+
+@triton.jit
+def attend_tiles(
+    acc, l_i, m_i, q, q_pos, lo, hi,
+    k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+    stride_cb, stride_cs, d,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
+):
+    """Context positions [lo, hi) for query rows q ([rows, BLOCK_D], already in the dot's dtype:
+    fp32 when IEEE, else the cache's) at positions q_pos (read only when MASK is CAUSAL)."""
+    n = tl.arange(0, BLOCK_N)
+    for tile in range(lo, hi, BLOCK_N):
+        pos = tile + n
+        valid = pos < hi
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_off
+        if BLOCK_D == HEAD_DIM:
+            kv_mask = valid[:, None]
+        else:
+            kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        if MASK == IN_CONTEXT:
+            s = tl.where(valid[None, :], s, float("-inf"))
+        elif MASK == CAUSAL:
+            s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i

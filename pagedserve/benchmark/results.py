@@ -1,0 +1,189 @@
+"""The one writer of benchmark results, and the one answer to "which code made this figure".
+
+Every result JSON has the same top-level keys (RESULT_KEYS): what ran (benchmark, command,
+config), where (device), which code (commit), how it was switched (switches: the PAGEDSERVE_*
+environment switches, the kernels this process actually picked, and the engine settings the
+caller names), and what came out (results, baselines, ratios).
+
+The commit comes from the git checkout this package lives in, or, where the package is not in
+a checkout (a wheel, a plain copy of the tree on a GPU machine), from the stamp written by
+`python -m pagedserve.benchmark.results stamp` or by the package build. A stamp is trusted only
+while the package's source still hashes to what was stamped. Anything else refuses: a result
+must never carry some other repository's commit (a CWD inside another checkout) or "unknown".
+
+Stdlib only at import time: setup.py loads this file to stamp builds, and the simulator's
+figures must not pay for importing torch.
+"""
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+STAMP_NAME = "_build_commit.json"
+RESULT_KEYS = ("benchmark", "device", "commit", "date", "command", "switches", "versions", "config",
+               "results", "baselines", "ratios")
+# Environment switches that change which kernels run (layers/fused.py, attention/backend.py).
+ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_ATTENTION")
+# EngineConfig fields that switch engine behaviour rather than size it; absent fields are skipped.
+ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
+                        "preemption_mode", "kv_allocator", "tensor_parallel_size")
+
+
+class UnknownCommitError(RuntimeError):
+    """The code that would produce a result cannot be named; no result is written."""
+
+
+def _git(args: list[str], cwd: Path) -> str:
+    # GIT_DIR / GIT_WORK_TREE from the caller's environment would point git at another repository.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_")}
+    return subprocess.check_output(["git", *args], cwd=cwd, env=env, text=True,
+                                   stderr=subprocess.DEVNULL).strip()
+
+
+def _checkout_commit(package_dir: Path) -> str | None:
+    """HEAD of the checkout whose top level holds `package_dir` and tracks its __init__.py, "+dirty" if
+    tracked files differ; None for a copy of the tree that sits inside some other repository."""
+    root = package_dir.parent
+    try:
+        if Path(_git(["rev-parse", "--show-toplevel"], root)).resolve() != root.resolve():
+            return None
+        _git(["ls-files", "--error-unmatch", f"{package_dir.name}/__init__.py"], root)
+        sha = _git(["rev-parse", "HEAD"], root)
+        dirty = _git(["status", "--porcelain", "--untracked-files=no"], root)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return sha + ("+dirty" if dirty else "")
+
+
+def source_hash(package_dir: Path | None = None) -> str:
+    """sha256 over the package's .py files (relative paths and contents, in sorted order)."""
+    package_dir = package_dir or PACKAGE_DIR
+    h = hashlib.sha256()
+    for f in sorted(package_dir.rglob("*.py")):
+        h.update(f.relative_to(package_dir).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def write_stamp(package_dir: Path | None = None, commit: str | None = None) -> Path:
+    """Record the checkout's commit and the source hash beside the package (for copies without .git)."""
+    package_dir = package_dir or PACKAGE_DIR
+    commit = commit or _checkout_commit(package_dir)
+    if commit is None:
+        raise UnknownCommitError(f"{package_dir.parent} is not a git checkout: nothing to stamp")
+    path = package_dir / STAMP_NAME
+    path.write_text(json.dumps({"commit": commit, "source_sha256": source_hash(package_dir)}) + "\n")
+    return path
+
+
+def git_commit(package_dir: Path | None = None) -> str:
+    """The pagedserve commit this code is, or UnknownCommitError; never the CWD's repository."""
+    package_dir = package_dir or PACKAGE_DIR
+    commit = _checkout_commit(package_dir)
+    if commit is not None:
+        return commit
+    stamp = package_dir / STAMP_NAME
+    if not stamp.exists():
+        raise UnknownCommitError(
+            f"{package_dir} is neither in a git checkout nor stamped: run "
+            "`python -m pagedserve.benchmark.results stamp` in the checkout before copying it")
+    data = json.loads(stamp.read_text())
+    if data.get("source_sha256") != source_hash(package_dir):
+        raise UnknownCommitError(f"{stamp} names {data.get('commit')}, but the package's source has changed "
+                                 "since it was stamped: stamp again")
+    return data["commit"]
+
+
+def device_name() -> str:
+    import torch
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def engine_switches(engine_config: Any = None) -> dict:
+    """ENV_SWITCHES as set (None = unset, the default), the kernels this process picked, and the
+    ENGINE_SWITCH_FIELDS of `engine_config` (an EngineConfig or a dict of its fields)."""
+    out: dict = {k: os.environ.get(k) for k in ENV_SWITCHES}
+    # Only modules this process already imported: asking must not import torch.
+    for key, module in {"fused_layer_ops": "pagedserve.layers.fused",
+                        "attention_kernels": "pagedserve.attention.backend"}.items():
+        picked = sys.modules[module].choices() if module in sys.modules else {}
+        if picked:
+            out[key] = picked
+    if engine_config is not None:
+        get = engine_config.get if isinstance(engine_config, dict) else (lambda k, d: getattr(engine_config, k, d))
+        missing = object()
+        for name in ENGINE_SWITCH_FIELDS:
+            value = get(name, missing)
+            if value is not missing:
+                out[name] = value
+    return out
+
+
+def _versions() -> dict:
+    """Python, and torch / triton / transformers where this process imported them."""
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "triton", "transformers"):
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "__version__"):
+            out[name] = str(mod.__version__)
+    return out
+
+
+def default_command() -> str:
+    return "python " + shlex.join(sys.argv)
+
+
+def write_result(path: str | Path, name: str, command: str | None, config: dict, results: dict,
+                 baselines: dict | None = None, ratios: dict | None = None,
+                 table_md: str | Callable[[dict], str] | None = None, *, device: str | None = None,
+                 switches: dict | None = None, extra: dict | None = None) -> dict:
+    """Write `path` (JSON, RESULT_KEYS first, then `extra`) and a markdown table beside it.
+
+    command: how to re-run it (default: this process's argv). device: default the CUDA device's
+    name, or "cpu". switches: merged over engine_switches() (pass engine_switches(cfg) to record
+    an engine's settings). table_md: the markdown, or a function of the document. Raises
+    UnknownCommitError before writing anything if the commit cannot be named.
+    """
+    doc = {"benchmark": name, "device": device or device_name(), "commit": git_commit(),
+           "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+           "command": command or default_command(), "switches": {**engine_switches(), **(switches or {})},
+           "versions": _versions(), "config": config, "results": results, "baselines": baselines or {},
+           "ratios": ratios or {}, **(extra or {})}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+    md = table_md(doc) if callable(table_md) else table_md
+    path.with_suffix(".md").write_text((md or _default_table(doc)) + "\n")
+    return doc
+
+
+def _default_table(doc: dict) -> str:
+    rows = {**doc["results"], **{f"ratio.{k}": v for k, v in doc["ratios"].items()}}
+    return "\n".join([f"# {doc['benchmark']}", "", f"`{doc['command']}`", "",
+                      f"{doc['device']}, commit {doc['commit']}, {doc['date']}, switches "
+                      + ", ".join(f"{k}={v}" for k, v in doc["switches"].items()), "",
+                      "| key | value |", "|---|---|"]
+                     + [f"| {k} | {v} |" for k, v in rows.items() if not isinstance(v, (list, dict))])
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv == ["stamp"]:
+        print(write_stamp())
+        return 0
+    if argv == ["commit"]:
+        print(git_commit())
+        return 0
+    print("usage: python -m pagedserve.benchmark.results stamp|commit", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
