@@ -37,7 +37,8 @@ def add_dp_args(parser: argparse.ArgumentParser) -> None:
                    help="Ray cluster to join (ray backend; default: start a local one)")
     g.add_argument("--min-replicas", type=int, default=None,
                    help="ray backend: autoscale between --min-replicas and --max-replicas")
-    g.add_argument("--max-replicas", type=int, default=None)
+    g.add_argument("--max-replicas", type=int, default=None,
+                   help="ray backend: the most replicas autoscaling may start")
 
 
 def wants_dp(args: argparse.Namespace) -> bool:
