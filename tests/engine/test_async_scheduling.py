@@ -156,6 +156,7 @@ def test_overlap_off_never_holds_placeholders(model_dir):
     def spy(engine, out):
         held.extend(s.seq.num_inflight_tokens for s in out.scheduled)
         return out
-    reqs = [(0, f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=6)) for i, p in enumerate(prompt_ids(model_dir)[:3])]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    reqs = [(0, f"r{i}", p, params) for i, p in enumerate(prompt_ids(model_dir)[:3])]
     _run(llm, reqs, spy)
     assert held and not any(held)
