@@ -158,6 +158,7 @@ def run_throughput_cli(args) -> int:
     print(json.dumps(out, indent=2))
     if args.output:
         write_result(args.output, args.workload, "pagedserve bench " + shlex.join(sys.argv[2:]),
-                     {"model": model, "workload": args.workload, **kwargs, "temperature": BENCH_TEMPERATURE},
+                     {"model": model, "workload": args.workload, "async_scheduling": True, **kwargs,
+                      "temperature": BENCH_TEMPERATURE},
                      out["results"], {}, out["ratios"])
     return 0
