@@ -257,8 +257,9 @@ def main() -> None:
     print(f"host {results[next(iter(results))]:.3f} ms/step (median of {args.steps}) at {n} running seqs, "
           f"async_scheduling={engine.async_scheduling}")
     if gaps:
-        print(f"  GPU idle between steps (host time the GPU waits for): {results['gpu_idle_ms_per_decode_step']:.3f} ms "
-              f"median, {results['gpu_idle_ms_mean']:.3f} ms mean; GPU busy {results['gpu_busy_ms_per_step']:.3f} ms/step")
+        print(f"  GPU idle between steps (host time the GPU waits for): "
+              f"{results['gpu_idle_ms_per_decode_step']:.3f} ms median, {results['gpu_idle_ms_mean']:.3f} ms mean; "
+              f"GPU busy {results['gpu_busy_ms_per_step']:.3f} ms/step")
     for p in ALL_PHASES:
         print(f"  {p:12s} {results['breakdown_ms'][p]:9.3f} ms")
     print(f"wrote {out}")

@@ -301,9 +301,11 @@ def memory(args, save) -> dict:
     --mem-steps steps, and the largest difference of any share at any step."""
     block_size, steps = 16, args.mem_steps
     num_blocks = KV_BUDGET_TOKENS // block_size
+    # Synchronous steps, as the sim takes them: overlapped ones plan (and allocate for) step N+1
+    # before step() returns N's outputs, so the split would be read one step ahead of the sim's.
     eng = make_engine(args.model, num_gpu_blocks_override=num_blocks, max_model_len=2048, block_size=block_size,
                       enable_prefix_caching=False, preemption_mode="recompute", max_num_seqs=256,
-                      max_num_batched_tokens=8192)
+                      max_num_batched_tokens=8192, async_scheduling=False)
     rows = {}
     for w in ("sharegpt-like", "alpaca-like"):
         reqs = workload(eng, w, args.mem_requests)

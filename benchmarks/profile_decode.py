@@ -88,7 +88,8 @@ def _profile_mode(engine: LLMEngine, n: int, args) -> dict:
 
 def _table(results: dict, command: str) -> str:
     lines = ["# profile_decode", "", f"`{command}`", "",
-             "| mode | kernels/step | kernel ms/step | eager wall ms/step | GPU idle ms/step |", "|---|---|---|---|---|"]
+             "| mode | kernels/step | kernel ms/step | eager wall ms/step | GPU idle ms/step |",
+             "|---|---|---|---|---|"]
     for mode, r in results.items():
         lines.append(f"| {mode} | {r['kernels_per_step']} | {r['kernel_ms_per_step']} | {r['eager_wall_ms_per_step']} "
                      f"| {r['gpu_idle_ms_per_step']} |")

@@ -79,7 +79,9 @@ class EngineConfig:
     the newest token on the host), and logprobs (top-N); also with tensor_parallel_size > 1.
     Greedy, temperature, top-k, top-p, min-p, seeds, stop tokens / strings and max_tokens overlap.
     Outputs are token-exact either way for greedy and seeded requests; unseeded sampling shares
-    one generator, so its draws depend on the batch in both modes. False: always synchronous (A/B).
+    one generator, so its draws depend on the batch in both modes. The cost: each running
+    sequence holds its next KV slot one step early, and one that stops computes one discarded
+    token. False: always synchronous (A/B).
     """
     model: str | None = option(None, "local HF model directory (config.json + *.safetensors)")
     tokenizer: str | None = option(None, "tokenizer directory (default: the model directory)")

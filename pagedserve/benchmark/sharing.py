@@ -86,6 +86,9 @@ def measure_parallel_sampling(make_llm, requests, k: int, seed: int = 0) -> dict
     with BlockRecorder(llm.llm_engine) as shared:
         outs = llm.generate(prompts, params, use_tqdm=False)
     ind_llm = make_llm()
+    # n > 1 always steps synchronously; so must its independent twin, or the overlap's one-step-early
+    # slot of every running sequence would count as memory that sharing saves.
+    ind_llm.llm_engine.async_scheduling = False
     ind_params = [SamplingParams(temperature=1.0, seed=derive_seed(seed + i, j), max_tokens=o, ignore_eos=True)
                   for i, (_, o) in enumerate(requests) for j in range(k)]
     ind_prompts = [pr for pr in prompts for _ in range(k)]

@@ -426,7 +426,9 @@ class LLMEngine:
             live.append(s)
             tokens.append(token)
             logprobs.append(logprob)
-            self._note_sampled(s.group, now, touched, final_only)
+            group = s.group
+            if group.first_token_time is None or not final_only:
+                self._note_sampled(group, now, touched, final_only)
         if self.output_processor.tokenizer is None:
             done = self.output_processor.append_plain_tokens(live, tokens, logprobs)
         else:
@@ -440,10 +442,13 @@ class LLMEngine:
             group_of = {s.seq.seq_id: s.group for s in live}
             for seq, status in done:
                 self._end_seq(seq, group_of[seq.seq_id], status, touched)
-        arrived = self.scheduler.token_arrived
-        for s in live:
-            if not s.seq.status.finished:
-                arrived(s.seq)
+        if self.cache_config.enable_prefix_caching:
+            # A block whose last token just arrived can be cached now (its KV is computed).
+            bs, arrived = self.cache_config.block_size, self.scheduler.token_arrived
+            for s in live:
+                seq = s.seq
+                if seq.num_known_tokens % bs == 0 and not seq.status.finished:
+                    arrived(seq)
 
     def _end_seq(self, seq: Sequence, group: SequenceGroup, status: SequenceStatus, touched: dict) -> None:
         was_waiting = seq.status is SequenceStatus.WAITING

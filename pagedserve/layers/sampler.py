@@ -171,7 +171,8 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     (at least one token): token t is dropped when the mass strictly before it is already >= p.
     k_limit: the largest top_k below vocab among the rows (0: no row has one), every_row_top_k:
     whether every row has one, any_top_p: whether some row has top_p < 1; the device sampler
-    passes them from the host so nothing here reads the device (None: read from the tensors). Without a full sort: when every row has a top-k, the top k_limit candidates
+    passes them from the host so nothing here reads the device (None: read from the tensors).
+    Without a full sort: when every row has a top-k, the top k_limit candidates
     (torch.topk, descending) hold every survivor, and top-p runs inside them; otherwise the k-th
     largest logit is each row's top-k threshold and top-p's threshold is found by bisection on
     the probability (keep p_t >= t for the largest t whose kept mass still reaches p).

@@ -55,16 +55,21 @@ def padded_block_tables(block_tables: list[list[int]], table_lens: np.ndarray, w
 def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Tensor]:
     """The arrays as tensors on `device`, moved in one host-to-device copy (one staging buffer,
     segments viewed back with their dtype and shape). Segments start at multiples of 16 bytes,
-    the alignment Triton specializes kernels on, so every step sees the same variant."""
+    the alignment Triton specializes kernels on, so every step sees the same variant.
+    On CUDA the staging buffer is pinned: a copy from pageable memory this large (block tables
+    alone reach 256 KB at 256 sequences) can block the host until the stream reaches it, which
+    would make the host wait for the step in flight instead of running ahead of it."""
     sizes = [(a.nbytes + 15) // 16 * 16 for a in arrays]
-    buf = np.empty(sum(sizes), dtype=np.uint8)
+    total = sum(sizes)
+    on_cpu = device.type == "cpu"
+    staged = torch.empty(total, dtype=torch.uint8, pin_memory=not on_cpu)
+    buf = staged.numpy()
     offsets, off = [], 0
     for a, size in zip(arrays, sizes):
         buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
         offsets.append(off)
         off += size
-    staged = torch.from_numpy(buf)
-    if device.type != "cpu":
+    if not on_cpu:
         staged = staged.to(device, non_blocking=True)
     out = []
     for a, o in zip(arrays, offsets):

@@ -156,6 +156,33 @@ def test_overlap_off_never_holds_placeholders(model_dir):
     def spy(engine, out):
         held.extend(s.seq.num_inflight_tokens for s in out.scheduled)
         return out
-    reqs = [(0, f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=6)) for i, p in enumerate(prompt_ids(model_dir)[:3])]
+    params = SamplingParams(temperature=0.0, max_tokens=6)
+    reqs = [(0, f"r{i}", p, params) for i, p in enumerate(prompt_ids(model_dir)[:3])]
     _run(llm, reqs, spy)
     assert held and not any(held)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=4, logprobs=2),
+                                    SamplingParams(temperature=0.8, max_tokens=4, n=2, seed=3),
+                                    SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2),
+                                    SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.2)])
+def test_requests_the_overlap_cannot_serve_make_steps_synchronous(model_dir, params):
+    """While such a request is unfinished no step is planned around placeholders; before it
+    joins and after it ends, steps overlap again."""
+    ids = prompt_ids(model_dir)
+    seen = []  # (sync-only request unfinished, any placeholder at schedule time)
+
+    def spy(engine, out):
+        seen.append((engine.has_request("special"),
+                     any(s.seq.num_inflight_tokens for s in out.scheduled)))
+        return out
+    long = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    reqs = [(0, "a", ids[0], long), (0, "b", ids[1], long), (4, "special", ids[2], params)]
+    llm = _engine(model_dir, True, num_gpu_blocks_override=400)
+    finals, _ = _run(llm, reqs, spy)
+    assert "special" in finals
+    assert not any(placeholder for special, placeholder in seen if special)
+    assert any(placeholder for special, placeholder in seen[:4])
+    last_special = max(i for i, (special, _) in enumerate(seen) if special)
+    assert any(placeholder for _, placeholder in seen[last_special + 1:])
+    assert not llm.llm_engine._sync_requests

@@ -37,3 +37,24 @@ def test_cuda_preemption_keeps_tokens(tiny_model_dir, mode):
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(model_dir, p, MAX_NEW, ignore_eos=True)
     assert_no_leak(llm)
+
+
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_cuda_overlap_on_and_off_token_exact(tiny_model_dir, enforce_eager):
+    """Overlapped steps on the GPU (side-stream copies, placeholders filled on the device, CUDA
+    graphs) give the tokens synchronous steps give, on the mixed workload of the CPU test."""
+    from .test_async_scheduling import _run, _workload
+    model_dir = tiny_model_dir("llama")
+    ids = prompt_ids(model_dir)
+    stops = [t[3] for t in (o.outputs[0].token_ids for o in make_llm(model_dir, device="cuda").generate(
+        [{"prompt_token_ids": p} for p in ids], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        use_tqdm=False))]
+    reqs = _workload(ids, stops)
+    finals = {}
+    for on in (True, False):
+        llm = make_llm(model_dir, device="cuda", enforce_eager=enforce_eager, block_size=4, num_gpu_blocks_override=40,
+                       swap_space=0.05, max_num_batched_tokens=32, max_num_seqs=16, async_scheduling=on)
+        finals[on] = _run(llm, reqs)[0]
+    survivors = {r[1] for r in reqs} - {"victim1", "victim4"}
+    for rid in survivors:
+        assert finals[True][rid] == finals[False][rid], rid

@@ -60,6 +60,19 @@ def test_filters_keep_exactly_the_reference_set(k, p, min_p):
         assert torch.equal(x[i][ref], logits[i][ref])
 
 
+def test_filters_with_mixed_rows_keep_exactly_the_reference_set():
+    """One batch mixing top-k rows, top-p-only rows (the bisection path) and unfiltered rows."""
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(12, V, generator=g) * 3
+    ks = [5, -1, 10, -1, -1, 3, 8, -1, 1, -1, 20, -1]
+    ps = [1.0, 0.7, 0.5, 1.0, 0.95, 0.9, 1.0, 0.3, 1.0, 0.05, 0.8, 0.999]
+    x = apply_top_k_top_p(logits, torch.tensor([k if k > 0 else V for k in ks]), torch.tensor(ps))
+    for i, (k, p) in enumerate(zip(ks, ps)):
+        ref = _ref_filter(logits[i].double().numpy(), k, p, 0.0)
+        assert np.array_equal(torch.isfinite(x[i]).numpy(), ref), i
+        assert torch.equal(x[i][ref], logits[i][ref])
+
+
 def test_sampled_distribution_matches_filtered_softmax():
     torch.manual_seed(0)
     logits = torch.randn(V) * 2
