@@ -23,12 +23,13 @@ import torch
 from pagedserve.config import CacheConfig, EngineConfig
 from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.core.scheduler import Scheduler
-from pagedserve.engine.beam_search import BeamSearchState, LiveBeam
+from pagedserve.engine.beam_driver import BeamSearchDriver
+from pagedserve.engine.beam_search import BeamSearchState
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.step_timer import NULL_STEP_TIMER
 from pagedserve.layers.sampler import DeviceSample, Sampler, SampleRow, derive_seed, needs_only_temperature
 from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
-from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, RequestOutput
+from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 from pagedserve.runner.async_output import AsyncHostCopy
 from pagedserve.runner.executor import build_executor
@@ -130,8 +131,7 @@ class LLMEngine:
         # request id -> temperature, for requests whose rows need nothing but it (the sampler's plain path)
         self._plain_sampling: dict[str, float] = {}
         self._seq_generators: dict[int, torch.Generator] = {}
-        self._beams: dict[str, BeamSearchState] = {}
-        self._beam_results: dict[str, BeamSearchOutput] = {}
+        self._beams = BeamSearchDriver(self.scheduler, self.tokenizer)
         # Phase clock (pagedserve.engine.step_timer.StepTimer); the null one does nothing.
         self.step_timer = NULL_STEP_TIMER
         # Overlap needs the sampled ids on this process's device: one rank only.
@@ -246,13 +246,13 @@ class LLMEngine:
                              f"({self.scheduler_config.max_num_seqs})")
         sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
         group = self._new_group(request_id, prompt, sp, None)
-        self._beams[request_id] = BeamSearchState(params, self.eos_token_ids, params.max_tokens)
+        self._beams.add(request_id, BeamSearchState(params, self.eos_token_ids, params.max_tokens))
         self._sync_requests.add(request_id)
         self._groups[request_id] = group
         self.scheduler.add_seq_group(group)
 
     def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
-        return self._beam_results.pop(request_id, None)
+        return self._beams.results.pop(request_id, None)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort running requests; unknown (or already finished) ids are ignored."""
@@ -263,7 +263,7 @@ class LLMEngine:
         self.scheduler.abort_seq_group(known)
         for r in known:
             self._forget(self._groups.pop(r))
-            self._beams.pop(r, None)
+            self._beams.discard(r)
 
     def has_request(self, request_id: str) -> bool:
         """True while the request is queued or running."""
@@ -342,7 +342,9 @@ class LLMEngine:
             finished = group.finished
             if rid in self._beams:
                 if finished:
-                    self._finish_beam_group(group)
+                    self._groups.pop(rid, None)
+                    self._forget(group)
+                    self._beams.finish(group)
                 continue
             if finished or not final_only:
                 outputs.append(self.output_processor.make_output(group))
@@ -510,7 +512,7 @@ class LLMEngine:
                     self.scheduler.free_seq(seq)
                     self._seq_generators.pop(seq.seq_id, None)
         if beam_rows:
-            self._beam_step(logits, beam_rows)
+            self._beams.step(logits, beam_rows)
 
     def _process_plain_samples(self, logits: torch.Tensor, sampled: list, temps: list[float]) -> None:
         """Every row needs only its temperature (no seeds, filters, penalties, logprobs, forks)."""
@@ -534,83 +536,6 @@ class LLMEngine:
             if status is not None:
                 seq.status = status
                 self.scheduler.free_seq(seq)
-
-    # ---- beam search ----------------------------------------------------------------------
-
-    def _beam_step(self, logits: torch.Tensor, beam_rows: list) -> None:
-        idx = torch.tensor([i for _, i in beam_rows], device=logits.device)
-        x = logits.index_select(0, idx).float()
-        temps = [self._beams[s.group.request_id].params.temperature for s, _ in beam_rows]
-        if any(t > 0 for t in temps):
-            t = torch.tensor([t if t > 0 else 1.0 for t in temps], device=x.device)
-            x = x / t[:, None]
-        k = max(self._beams[s.group.request_id].num_candidates for s, _ in beam_rows)
-        vals, ids = torch.log_softmax(x, dim=-1).topk(min(k, x.shape[-1]), dim=-1)
-        vals, ids = vals.tolist(), ids.tolist()
-        touched = {}
-        for r, (s, _) in enumerate(beam_rows):
-            self._beams[s.group.request_id].pending[s.seq.seq_id] = (ids[r], vals[r])
-            touched[s.group.request_id] = s.group
-        for rid, group in touched.items():
-            state = self._beams[rid]
-            live = [s for s in group.seqs if not s.status.finished]
-            # The scheduler may run a group's beams in different steps (e.g. after a swap-in);
-            # the search advances once every live beam has its next-token distribution.
-            if all(s.seq_id in state.pending for s in live):
-                beams = [(s, *state.pending[s.seq_id]) for s in live]
-                state.pending.clear()
-                self._advance_beams(group, state, beams)
-
-    def _advance_beams(self, group: SequenceGroup, state: BeamSearchState, beams: list) -> None:
-        n = state.num_candidates
-        conts = state.step([LiveBeam(seq.output_token_ids, seq.cumulative_logprob, tid[:n], lps[:n])
-                            for seq, tid, lps in beams])
-        children: dict[int, list] = {}
-        for c in conts:
-            children.setdefault(c.parent, []).append(c)
-        new_seqs: list[Sequence] = []
-        for b, (seq, _, _) in enumerate(beams):
-            if b not in children:
-                seq.status = SequenceStatus.FINISHED_ABORTED
-                self.scheduler.free_seq(seq)
-        for b, (seq, _, _) in enumerate(beams):
-            mine = children.get(b, [])
-            for c in mine[1:]:
-                child = seq.fork()
-                self.scheduler.fork_seq(seq, child)
-                child.append_token(c.token, c.logprob)
-                new_seqs.append(child)
-            if mine:
-                seq.append_token(mine[0].token, mine[0].logprob)
-                new_seqs.append(seq)
-        if state.done:
-            for seq in new_seqs:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                self.scheduler.free_seq(seq)
-        # Dead beams leave the group once freed, so the group never grows past beam_width.
-        group.seqs[:] = new_seqs or [beams[0][0]]
-
-    def _finish_beam_group(self, group: SequenceGroup) -> None:
-        rid = group.request_id
-        state = self._beams.pop(rid)
-        self._groups.pop(rid, None)
-        self._forget(group)
-        prompt = group.prompt_token_ids
-        if not state.done:
-            # Ended from outside the search (the scheduler ran out of cache): the live beams
-            # count as length-finished hypotheses.
-            state.finish_live([(s.output_token_ids, s.cumulative_logprob) for s in group.seqs
-                               if s.output_token_ids])
-        seqs = []
-        for h in state.best():
-            out_text = full_text = None
-            if self.tokenizer is not None:
-                out_text = self.tokenizer.decode(h.output_tokens, skip_special_tokens=True)
-                full_text = self.tokenizer.decode(prompt + h.output_tokens, skip_special_tokens=True)
-            seqs.append(BeamSearchSequence(tokens=prompt + h.output_tokens, cum_logprob=h.cum_logprob,
-                                           score=h.score, output_tokens=h.output_tokens, text=full_text,
-                                           output_text=out_text, finish_reason=h.finish_reason))
-        self._beam_results[rid] = BeamSearchOutput(sequences=seqs)
 
 
 def make_engine_config(model: str | None, **kwargs: Any) -> EngineConfig:

@@ -1,0 +1,106 @@
+"""The engine's side of beam search: logits in, forks and frees out.
+
+beam_search.py decides which continuations live (pure bookkeeping); this driver turns each
+step's logits into that bookkeeping's input and its answer into scheduler operations (forks
+that share blocks, frees), and assembles the finished request's BeamSearchOutput.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pagedserve.engine.beam_search import BeamSearchState, LiveBeam
+from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence
+from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+class BeamSearchDriver:
+    """Beam-search requests of one engine: their states (by request id) and finished results."""
+
+    def __init__(self, scheduler: Any, tokenizer: Any | None) -> None:
+        self.scheduler, self.tokenizer = scheduler, tokenizer
+        self.states: dict[str, BeamSearchState] = {}
+        self.results: dict[str, BeamSearchOutput] = {}
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self.states
+
+    def add(self, request_id: str, state: BeamSearchState) -> None:
+        self.states[request_id] = state
+
+    def discard(self, request_id: str) -> None:
+        self.states.pop(request_id, None)
+
+    def step(self, logits: torch.Tensor, beam_rows: list) -> None:
+        idx = torch.tensor([i for _, i in beam_rows], device=logits.device)
+        x = logits.index_select(0, idx).float()
+        temps = [self.states[s.group.request_id].params.temperature for s, _ in beam_rows]
+        if any(t > 0 for t in temps):
+            t = torch.tensor([t if t > 0 else 1.0 for t in temps], device=x.device)
+            x = x / t[:, None]
+        k = max(self.states[s.group.request_id].num_candidates for s, _ in beam_rows)
+        vals, ids = torch.log_softmax(x, dim=-1).topk(min(k, x.shape[-1]), dim=-1)
+        vals, ids = vals.tolist(), ids.tolist()
+        touched = {}
+        for r, (s, _) in enumerate(beam_rows):
+            self.states[s.group.request_id].pending[s.seq.seq_id] = (ids[r], vals[r])
+            touched[s.group.request_id] = s.group
+        for rid, group in touched.items():
+            state = self.states[rid]
+            live = [s for s in group.seqs if not s.status.finished]
+            # The scheduler may run a group's beams in different steps (e.g. after a swap-in);
+            # the search advances once every live beam has its next-token distribution.
+            if all(s.seq_id in state.pending for s in live):
+                beams = [(s, *state.pending[s.seq_id]) for s in live]
+                state.pending.clear()
+                self._advance(group, state, beams)
+
+    def _advance(self, group: SequenceGroup, state: BeamSearchState, beams: list) -> None:
+        n = state.num_candidates
+        conts = state.step([LiveBeam(seq.output_token_ids, seq.cumulative_logprob, tid[:n], lps[:n])
+                            for seq, tid, lps in beams])
+        children: dict[int, list] = {}
+        for c in conts:
+            children.setdefault(c.parent, []).append(c)
+        new_seqs: list[Sequence] = []
+        for b, (seq, _, _) in enumerate(beams):
+            if b not in children:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+                self.scheduler.free_seq(seq)
+        for b, (seq, _, _) in enumerate(beams):
+            mine = children.get(b, [])
+            for c in mine[1:]:
+                child = seq.fork()
+                self.scheduler.fork_seq(seq, child)
+                child.append_token(c.token, c.logprob)
+                new_seqs.append(child)
+            if mine:
+                seq.append_token(mine[0].token, mine[0].logprob)
+                new_seqs.append(seq)
+        if state.done:
+            for seq in new_seqs:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                self.scheduler.free_seq(seq)
+        # Dead beams leave the group once freed, so the group never grows past beam_width.
+        group.seqs[:] = new_seqs or [beams[0][0]]
+
+    def finish(self, group: SequenceGroup) -> None:
+        rid = group.request_id
+        state = self.states.pop(rid)
+        prompt = group.prompt_token_ids
+        if not state.done:
+            # Ended from outside the search (the scheduler ran out of cache): the live beams
+            # count as length-finished hypotheses.
+            state.finish_live([(s.output_token_ids, s.cumulative_logprob) for s in group.seqs
+                               if s.output_token_ids])
+        seqs = []
+        for h in state.best():
+            out_text = full_text = None
+            if self.tokenizer is not None:
+                out_text = self.tokenizer.decode(h.output_tokens, skip_special_tokens=True)
+                full_text = self.tokenizer.decode(prompt + h.output_tokens, skip_special_tokens=True)
+            seqs.append(BeamSearchSequence(tokens=prompt + h.output_tokens, cum_logprob=h.cum_logprob,
+                                           score=h.score, output_tokens=h.output_tokens, text=full_text,
+                                           output_text=out_text, finish_reason=h.finish_reason))
+        self.results[rid] = BeamSearchOutput(sequences=seqs)
