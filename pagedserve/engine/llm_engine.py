@@ -25,6 +25,7 @@ from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.beam_driver import BeamSearchDriver
 from pagedserve.engine.beam_search import BeamSearchState
+from pagedserve.engine.input_processor import InputProcessor, eos_token_ids, load_tokenizer
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.step_timer import NULL_STEP_TIMER
 from pagedserve.layers.sampler import DeviceSample, Sampler, SampleRow, derive_seed, needs_only_temperature
@@ -55,33 +56,6 @@ class InflightStep:
     copy: AsyncHostCopy
 
 
-def _load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} (a local HF directory): {e}") from e
-
-
-def _eos_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
-    """EOS from the tokenizer and generation_config.json (falling back to config.json)."""
-    ids: set[int] = set()
-
-    def add(v):
-        if isinstance(v, int):
-            ids.add(v)
-        elif isinstance(v, (list, tuple)):
-            ids.update(x for x in v if isinstance(x, int))
-    if tokenizer is not None:
-        add(tokenizer.eos_token_id)
-    try:
-        from transformers import GenerationConfig
-        add(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
-    except (OSError, ValueError):
-        add(getattr(hf_config, "eos_token_id", None))
-    return ids
-
-
 class LLMEngine:
     def __init__(self, config: EngineConfig, detokenize: bool = True):
         """detokenize=False: outputs carry token ids only and stop strings are not applied
@@ -101,7 +75,7 @@ class LLMEngine:
 
         self.tokenizer = None
         if not config.skip_tokenizer_init:
-            self.tokenizer = _load_tokenizer(config.tokenizer or config.model)
+            self.tokenizer = load_tokenizer(config.tokenizer or config.model)
 
         # One process, or rank 0 of a tensor-parallel group: the engine cannot tell them apart.
         self.runner = build_executor(config, self.hf_config, self.device, self.dtype)
@@ -122,7 +96,7 @@ class LLMEngine:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
-        self.eos_token_ids = _eos_ids(config.model, self.hf_config, self.tokenizer)
+        self.eos_token_ids = eos_token_ids(config.model, self.hf_config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer if detokenize else None,
                                                 self.eos_token_ids, max_model_len)
 
@@ -132,6 +106,8 @@ class LLMEngine:
         self._plain_sampling: dict[str, float] = {}
         self._seq_generators: dict[int, torch.Generator] = {}
         self._beams = BeamSearchDriver(self.scheduler, self.tokenizer)
+        self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
+                                              self.scheduler_config.max_num_seqs, self.cache_config)
         # Phase clock (pagedserve.engine.step_timer.StepTimer); the null one does nothing.
         self.step_timer = NULL_STEP_TIMER
         # Overlap needs the sampled ids on this process's device: one rank only.
@@ -154,62 +130,13 @@ class LLMEngine:
 
     # ---- requests -------------------------------------------------------------------------
 
-    def _prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
-            elif "prompt" in prompt:
-                return self._prompt_ids(prompt["prompt"])
-            else:
-                raise ValueError("prompt dict must hold 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt must be token ids (prompt_token_ids) when skip_tokenizer_init=True")
-            return prompt, list(self.tokenizer.encode(prompt))
-        else:
-            ids, text = prompt, None
-        if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        ids = list(ids)
-        if not ids:
-            raise ValueError("prompt must not be empty (prompt_token_ids is [])")
-        return text, ids
-
-    def _check_token_ids(self, name: str, ids: Iterable[int]) -> None:
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"{name} must be in [0, {self.vocab_size}) (the model's vocab), got {bad[:5]}")
-
     def _new_group(self, request_id: str, prompt: Any, params: SamplingParams,
                    arrival_time: float | None) -> SequenceGroup:
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self._groups:
             raise ValueError(f"request_id must be unique: {request_id!r} is already running")
-        text, ids = self._prompt_ids(prompt)
-        self._check_token_ids("prompt_token_ids", ids)
-        self._check_token_ids("stop_token_ids", params.stop_token_ids)
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported (must be None)")
-        if params.best_of > self.scheduler_config.max_num_seqs:
-            raise ValueError(f"best_of ({params.best_of}) must be <= max_num_seqs ({self.scheduler_config.max_num_seqs})")
-        if len(ids) >= self.max_model_len:
-            raise ValueError(f"prompt length ({len(ids)} tokens) must be < max_model_len ({self.max_model_len})")
-        if params.max_tokens is None:
-            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
-        elif len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"prompt length ({len(ids)} tokens) + max_tokens ({params.max_tokens}) must be <= "
-                f"max_model_len ({self.max_model_len})")
-        capacity = self.cache_config.num_gpu_blocks * self.cache_config.block_size
-        if self.cache_config.kv_allocator == "paged" and len(ids) + params.max_tokens > capacity:
-            # It could never run to the end, even alone: reject it now, not halfway through.
-            raise ValueError(
-                f"prompt length ({len(ids)} tokens) + max_tokens ({params.max_tokens}) must fit in the KV "
-                f"cache ({capacity} token slots = num_gpu_blocks {self.cache_config.num_gpu_blocks} x "
-                f"block_size {self.cache_config.block_size})")
+        text, ids, params = self.input_processor.process(prompt, params)
         now = time.time()
         arrival = now if arrival_time is None else arrival_time
         group = SequenceGroup(request_id=request_id, seqs=[Sequence(prompt_token_ids=ids)],

@@ -1,0 +1,102 @@
+"""Input processing: a prompt (text, token ids, or a dict of either) and its SamplingParams
+become validated token ids, or a ValueError that names the field and the limit.
+
+The engine owns request ids and groups; this owns what a request may ask for, given the model
+(vocabulary, context length) and the KV cache (a request that could never fit is refused now,
+not halfway through).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Iterable
+
+from pagedserve.config import CacheConfig
+from pagedserve.sampling_params import SamplingParams
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} (a local HF directory): {e}") from e
+
+
+def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[int]:
+    """EOS from the tokenizer and generation_config.json (falling back to config.json)."""
+    ids: set[int] = set()
+
+    def add(v):
+        if isinstance(v, int):
+            ids.add(v)
+        elif isinstance(v, (list, tuple)):
+            ids.update(x for x in v if isinstance(x, int))
+    if tokenizer is not None:
+        add(tokenizer.eos_token_id)
+    try:
+        from transformers import GenerationConfig
+        add(GenerationConfig.from_pretrained(model_dir, local_files_only=True).eos_token_id)
+    except (OSError, ValueError):
+        add(getattr(hf_config, "eos_token_id", None))
+    return ids
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int, max_num_seqs: int,
+                 cache_config: CacheConfig) -> None:
+        self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.max_num_seqs, self.cache_config = max_num_seqs, cache_config
+
+    def prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            elif "prompt" in prompt:
+                return self.prompt_ids(prompt["prompt"])
+            else:
+                raise ValueError("prompt dict must hold 'prompt' or 'prompt_token_ids'")
+        elif isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            if self.tokenizer is None:
+                raise ValueError("prompt must be token ids (prompt_token_ids) when skip_tokenizer_init=True")
+            return prompt, list(self.tokenizer.encode(prompt))
+        else:
+            ids, text = prompt, None
+        if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("prompt_token_ids must be a list of integers")
+        ids = list(ids)
+        if not ids:
+            raise ValueError("prompt must not be empty (prompt_token_ids is [])")
+        return text, ids
+
+    def check_token_ids(self, name: str, ids: Iterable[int]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"{name} must be in [0, {self.vocab_size}) (the model's vocab), got {bad[:5]}")
+
+    def process(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
+        """(prompt text or None, prompt token ids, params with max_tokens resolved)."""
+        text, ids = self.prompt_ids(prompt)
+        self.check_token_ids("prompt_token_ids", ids)
+        self.check_token_ids("stop_token_ids", params.stop_token_ids)
+        if params.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs is not supported (must be None)")
+        if params.best_of > self.max_num_seqs:
+            raise ValueError(f"best_of ({params.best_of}) must be <= max_num_seqs ({self.max_num_seqs})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompt length ({len(ids)} tokens) must be < max_model_len ({self.max_model_len})")
+        if params.max_tokens is None:
+            params = dataclasses.replace(params, max_tokens=self.max_model_len - len(ids))
+        elif len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt length ({len(ids)} tokens) + max_tokens ({params.max_tokens}) must be <= "
+                f"max_model_len ({self.max_model_len})")
+        capacity = self.cache_config.num_gpu_blocks * self.cache_config.block_size
+        if self.cache_config.kv_allocator == "paged" and len(ids) + params.max_tokens > capacity:
+            # It could never run to the end, even alone: reject it now, not halfway through.
+            raise ValueError(
+                f"prompt length ({len(ids)} tokens) + max_tokens ({params.max_tokens}) must fit in the KV "
+                f"cache ({capacity} token slots = num_gpu_blocks {self.cache_config.num_gpu_blocks} x "
+                f"block_size {self.cache_config.block_size})")
+        return text, ids, params
