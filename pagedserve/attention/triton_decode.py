@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The block-table width changes every step: one compile serves all (see runner/warmup.py).
+@triton.jit(do_not_specialize=["stride_bt"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     seq_lens_ptr, block_tables_ptr, qk_scale,

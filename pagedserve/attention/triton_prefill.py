@@ -49,7 +49,8 @@ def _attend_tiles(
     return acc, l_i, m_i
 
 
-@triton.jit
+# The decode count (first_seq) and the block-table width change every step: one compile serves all.
+@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, first_seq, qk_scale,
