@@ -106,3 +106,23 @@ def test_warmup_fits_a_tiny_pool_and_short_context(monkeypatch, tiny_model_dir):
     out = llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(temperature=0.0, max_tokens=4),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_split_variants_cover_every_choice(monkeypatch):
+    """Every split count the decode kernel can be launched with is warmed up: the warm-up's
+    (decodes, context length) per count equals the brute-force set over every batch and length."""
+    from types import SimpleNamespace
+
+    from pagedserve.attention import triton_ops
+    from pagedserve.runner import warmup
+
+    monkeypatch.setattr(warmup, "get_backend", lambda device: triton_ops)
+    runner = SimpleNamespace(device=torch.device("cpu"), num_kv_heads=2)
+    max_seqs, max_len = 12, 20000
+    found = warmup._split_variants(runner, max_seqs, max_len)
+    every = {triton_ops.choose_num_splits(n, 2, seq_len, runner.device)
+             for n in range(1, max_seqs + 1) for seq_len in range(1, max_len + 1, 7)}
+    assert set(found) == every and len(every) > 10
+    for splits, (n, seq_len) in found.items():
+        assert 1 <= n <= max_seqs and 1 <= seq_len <= max_len
+        assert triton_ops.choose_num_splits(n, 2, seq_len, runner.device) == splits
