@@ -163,7 +163,7 @@ def warm_up(runner: "ModelRunner") -> float:
     with torch.random.fork_rng(devices=fork_devices):
         run = runner.execute_model
         # Prefills from position 0, over the token counts cuBLAS picks kernels by.
-        for total in _token_counts(max_tokens):
+        for total in _token_counts(min(max_tokens, max_seqs * max_len)):
             run(steps.step(_prefill(total, max_len, max_seqs), 0))
         # A chunk after context (a prefix hit, a chunk continuation, mid-block): sampling and not.
         chunk = max(1, min(max_tokens, max_len // 2, 64))
