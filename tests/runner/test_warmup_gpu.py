@@ -70,7 +70,7 @@ def _workload(vocab: int, max_len: int) -> tuple[list[dict], list[SamplingParams
 def test_no_compile_or_capture_after_start(tiny_model_dir, monkeypatch, enforce_eager, async_scheduling):
     model_dir = tiny_model_dir("llama")
     llm = make_llm(model_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
-                   async_scheduling=async_scheduling, block_size=16, num_gpu_blocks_override=40,
+                   async_scheduling=async_scheduling, block_size=16, num_gpu_blocks_override=34,
                    max_num_seqs=32, max_num_batched_tokens=128, enable_prefix_caching=True,
                    preemption_mode="swap", swap_space=0.05)
     runner = llm.llm_engine.runner
