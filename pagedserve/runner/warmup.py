@@ -170,7 +170,7 @@ def warm_up(runner: "ModelRunner") -> float:
         start = max(0, min(max_len - chunk, steps.block_size + 1))
         run(steps.step([(start, chunk, True)], 0))
         run(steps.step([(start, chunk, False)], 0))
-        # Decode-only steps at every bucket size; the last one again with device-fed tokens.
+        # Decode-only steps at every bucket size, each again with its tokens fed on the device.
         ctx = max(1, min(max_len - 1, 2 * steps.block_size + 3))
         for b in batch_buckets(max_seqs):
             if b > max_tokens:
