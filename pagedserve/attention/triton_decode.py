@@ -13,7 +13,8 @@ import triton.language as tl
 from pagedserve.attention.triton_tiles import IN_CONTEXT, attend_tiles
 
 
-@triton.jit
+# The block-table width changes every step: one compile serves all (see runner/warmup.py).
+@triton.jit(do_not_specialize=["stride_bt"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     seq_lens_ptr, block_tables_ptr, qk_scale,

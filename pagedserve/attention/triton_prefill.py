@@ -12,7 +12,8 @@ import triton.language as tl
 from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles
 
 
-@triton.jit
+# The decode count (first_seq) and the block-table width change every step: one compile serves all.
+@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, first_seq, qk_scale,

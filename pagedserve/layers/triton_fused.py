@@ -89,7 +89,8 @@ def _norm_rope_head(ptr, w_ptr, cos_ptr, sin_ptr, eps, HEAD_DIM: tl.constexpr, H
     tl.store(ptr + HALF + i, o2.to(ptr.dtype.element_ty), mask=m)
 
 
-@triton.jit
+# A one-token step may give cos/sin a size-1 leading dim with any stride: do not compile per value.
+@triton.jit(do_not_specialize=["cos_stride", "sin_stride"])
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                          q_stride_t, q_stride_h, k_stride_t, k_stride_h, cos_stride, sin_stride,
                          NUM_Q_HEADS, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,

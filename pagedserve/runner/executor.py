@@ -14,7 +14,7 @@ rank, each of which holds a KV pool for its own heads under the same block table
 
 Start-up runs as the same phases, in the same order, on every rank (tp_worker.STARTUP_PHASES):
 load_model, determine_num_blocks (the profile; the minimum over ranks is the agreed block count),
-then allocate_kv_cache, measure_swap_cost and capture_decode_graphs (the engine's one
+then allocate_kv_cache, measure_swap_cost, capture_decode_graphs and warm_up (the engine's one
 init_kv_cache call, split here into one command per phase). No wait is unbounded: a watchdog
 fails the engine when a start-up phase outlives PAGEDSERVE_TP_PHASE_TIMEOUT or a step
 PAGEDSERVE_TP_STEP_TIMEOUT, naming the phase and each rank's progress in it, and unblocks rank 0
@@ -148,10 +148,11 @@ class MultiProcExecutor:
         return self.collective_rpc("execute_model", step)
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """The runner's init_kv_cache as three phases, each finished by every rank before the next."""
+        """The runner's init_kv_cache as four phases, each finished by every rank before the next."""
         self.collective_rpc("allocate_kv_cache", num_gpu_blocks, num_cpu_blocks, want_result=True)
         self.collective_rpc("measure_swap_cost", want_result=True)
         self.collective_rpc("capture_decode_graphs", want_result=True)
+        self.collective_rpc("warm_up", want_result=True)
 
     def __getattr__(self, name):
         if name in ("runner", "worker", "groups"):

@@ -24,6 +24,7 @@ from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.runner.batch import HostBatch, ModelInput, build_model_input, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
+from pagedserve.runner.warmup import warm_up, warmup_enabled
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
@@ -191,11 +192,12 @@ class ModelRunner:
         return start.elapsed_time(end) / 1e3
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """The three start-up phases after sizing, in order (a tensor-parallel executor runs them one
+        """The four start-up phases after sizing, in order (a tensor-parallel executor runs them one
         command at a time, every rank finishing each before the next)."""
         self.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self.measure_swap_cost()
         self.capture_decode_graphs()
+        self.warm_up()
 
     def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._require("model")
@@ -228,6 +230,13 @@ class ModelRunner:
                                        max_model_len=self.max_model_len, block_size=self.block_size,
                                        device=self.device)
         self.graphs.capture()
+
+    def warm_up(self) -> None:
+        """Run every kernel variant serving can meet once, leaving the pools as they were
+        (pagedserve.runner.warmup; on CUDA, or wherever PAGEDSERVE_WARMUP=1)."""
+        self._require("cache")
+        if warmup_enabled(self.device):
+            self.profile["warmup_seconds"] = warm_up(self)
 
     # --- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()

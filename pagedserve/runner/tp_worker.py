@@ -9,7 +9,7 @@ asked (gather_object); a step's logits never do, rank 0 has its own copy.
 Start-up is a fixed sequence of phases, each one command run by every rank in the same
 order (STARTUP_PHASES): load_model, determine_num_blocks (the profile: the same forward,
 hence the same collectives, on every rank; rank 0 takes the minimum block count),
-allocate_kv_cache, measure_swap_cost, capture_decode_graphs. Every rank publishes which
+allocate_kv_cache, measure_swap_cost, capture_decode_graphs, warm_up. Every rank publishes which
 command it is in (dist_groups.Progress), so rank 0 can name a rank stuck in a phase.
 
 A worker that fails writes its traceback into the store under its rank and exits; a
@@ -40,7 +40,7 @@ RETURNS_VALUE = ("determine_num_blocks",)
 DEFAULT_RUNNER = "pagedserve.runner.model_runner:ModelRunner"
 # The start-up phases, in order; every rank runs each one (init_runner comes first).
 STARTUP_PHASES = ("load_model", "determine_num_blocks", "allocate_kv_cache", "measure_swap_cost",
-                  "capture_decode_graphs")
+                  "capture_decode_graphs", "warm_up")
 # Test hook: "RANK:CALL" makes that rank raise on its CALL-th execute_model (1-based), or, when
 # CALL is a method name (a start-up phase), on that call; "RANK:CALL:hang" makes it stop
 # answering there instead.

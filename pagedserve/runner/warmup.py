@@ -1,0 +1,202 @@
+"""The start-up warm-up: every kernel variant serving can meet runs once before the core is Ready.
+
+Lazy work otherwise lands on the first requests: Triton compiles a kernel the first time it sees
+a new specialisation (a constexpr value such as the decode kernel's NUM_SPLITS, an integer's value
+class), cuBLAS loads the GEMM kernel it picks for a new token count, a CUDA graph uploads on its
+first replay, and torch loads each sampling kernel on first use. warm_up runs, on the runner's
+own pools and with synthetic inputs identical on every tensor-parallel rank (so collectives
+match):
+
+- prefills without context over token counts 1, 2, 4, ... up to max_num_batched_tokens;
+- prefill chunks with prior context (a prefix hit or a chunk continuation), sampling or not;
+- decode-only steps of every graph bucket size (graph replays; eager steps under enforce_eager),
+  one with its tokens fed from a previous step's sampled ids on the device (overlapped steps);
+- mixed batches (decodes + a prefill chunk), one for every decode split count the attention
+  backend can choose;
+- every sampler path (greedy, temperature, top-k, top-p, both, min-p, seeds, logprobs,
+  penalties, suppressed tokens) at one row and at max_num_seqs rows, and the host copy;
+- a swap out, a swap in and a block copy.
+
+Invariant: afterwards the engine is as if nothing had run. The runner holds no scheduler, KV
+manager, prefix cache or stats, so those are untouched by construction; the device pool is
+zeroed again (it is allocated zeroed), the sampler draws from generators of its own, and the
+global RNG states are restored.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedserve.attention.backend import get_backend
+from pagedserve.layers.sampler import Sampler, SampleRow
+from pagedserve.runner.async_output import AsyncHostCopy
+from pagedserve.runner.batch import HostBatch
+from pagedserve.runner.cuda_graph import batch_buckets
+from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.runner.model_runner import ModelRunner, StepInput
+
+logger = logging.getLogger(__name__)
+# "auto" (default): warm up on CUDA only; "1": on CPU too (tests); "0": never (A/B of start-up).
+WARMUP_ENV = "PAGEDSERVE_WARMUP"
+# A fixed seed for the warm-up's own random logits and generators.
+_SEED = 1234
+
+
+def warmup_enabled(device: torch.device) -> bool:
+    mode = os.environ.get(WARMUP_ENV, "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{WARMUP_ENV} must be auto, 0 or 1, got {mode!r}")
+    return mode == "1" or (mode == "auto" and device.type == "cuda")
+
+
+class _Steps:
+    """Synthetic StepInputs on the runner's pool: block ids wrap around the pool (several tokens
+    may write one slot; the pool is zeroed afterwards), token ids are a fixed pattern."""
+
+    def __init__(self, runner: "ModelRunner", max_model_len: int):
+        self.block_size = runner.block_size
+        self.num_blocks = runner.cache_engine.num_gpu_blocks
+        self.vocab = runner.vocab_size
+        self.max_model_len = max_model_len
+
+    def table(self, seq_len: int, offset: int) -> list[int]:
+        n = -(-seq_len // self.block_size)
+        return [(offset + i) % self.num_blocks for i in range(n)]
+
+    def step(self, seqs: list[tuple[int, int, bool]], num_decodes: int,
+             placeholders: bool = False) -> "StepInput":
+        """seqs: (start, query_len, samples) per sequence, decodes first."""
+        from pagedserve.runner.model_runner import StepInput
+        starts = np.array([s for s, _, _ in seqs], dtype=np.int64)
+        query_lens = np.array([q for _, q, _ in seqs], dtype=np.int64)
+        total = int(query_lens.sum())
+        ids = (np.arange(total, dtype=np.int64) * 7919 + 11) % self.vocab
+        tables = [self.table(s + q, 3 * i) for i, (s, q, _) in enumerate(seqs)]
+        mask = np.array([smp for _, _, smp in seqs], dtype=bool)
+        dst = src = None
+        if placeholders:
+            dst = src = np.arange(num_decodes, dtype=np.int64)
+        batch = HostBatch(ids, starts, query_lens, tables, mask, num_decodes, dst, src)
+        return StepInput([], [], [], batch)
+
+
+def _token_counts(max_tokens: int) -> list[int]:
+    counts, t = [], 1
+    while t < max_tokens:
+        counts.append(t)
+        t *= 2
+    return counts + [max_tokens]
+
+
+def _prefill(total: int, max_len: int, max_seqs: int) -> list[tuple[int, int, bool]]:
+    """`total` new tokens as prompts of at most max_len tokens each (at most max_seqs of them)."""
+    n = min(max_seqs, -(-total // max_len))
+    lens = [total // n + (1 if i < total % n else 0) for i in range(n)]
+    return [(0, q, True) for q in lens]
+
+
+def _split_variants(runner: "ModelRunner", max_seqs: int, max_len: int) -> dict[int, tuple[int, int]]:
+    """num_splits -> (decodes, context length) choosing it, for every split count the backend's
+    decode kernel can be launched with in a mixed batch (an empty dict: no such choice)."""
+    ops = get_backend(runner.device)
+    choose = getattr(ops, "choose_num_splits", None)
+    if choose is None:
+        return {}
+    lens = sorted({min(max_len, max(1, 256 * k)) for k in range(0, 65)} | {max_len})
+    found: dict[int, tuple[int, int]] = {}
+    for n in range(1, max_seqs + 1):
+        for seq_len in lens:
+            found.setdefault(choose(n, runner.num_kv_heads, seq_len, runner.device), (n, seq_len))
+    return found
+
+
+def _sampler_paths(device: torch.device, vocab: int, max_seqs: int) -> None:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(_SEED)
+    sampler = Sampler(gen)
+    variants = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.8),
+        SamplingParams(temperature=0.8, top_k=20),
+        SamplingParams(temperature=0.8, top_p=0.9),
+        SamplingParams(temperature=0.8, top_k=20, top_p=0.9),
+        SamplingParams(temperature=0.8, min_p=0.05),
+        SamplingParams(temperature=0.8, seed=7),
+        SamplingParams(temperature=0.0, logprobs=5),
+        SamplingParams(temperature=0.8, logprobs=0),
+        SamplingParams(temperature=0.8, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5),
+    ]
+    for rows in sorted({1, max_seqs}):
+        logits = torch.randn(rows, vocab, generator=gen, device=device, dtype=torch.float32)
+        for temps in ([0.0] * rows, [0.8] * rows, [0.5 + 0.5 * (i % 2) for i in range(rows)]):
+            AsyncHostCopy(sampler.sample_plain_device(logits, temps)).result()
+        for params in variants + [None]:
+            sample_rows = []
+            for i in range(rows):
+                p = params or variants[i % len(variants)]  # None: every path in one batch
+                seeded = None
+                if p.seed is not None:
+                    seeded = torch.Generator(device=device)
+                    seeded.manual_seed(p.seed + i)
+                sample_rows.append(SampleRow(i, p, [1, 2, 3], [4, 5], seeded, [6] if i % 3 == 0 else []))
+            sampler.sample_device(logits, sample_rows).to_host()
+
+
+@torch.inference_mode()
+def warm_up(runner: "ModelRunner") -> float:
+    """Run every variant once (see the module docstring); returns the seconds it took."""
+    t0 = time.perf_counter()
+    cfg = runner.config
+    sched = cfg.scheduler_config(runner.max_model_len)
+    max_len, max_seqs = runner.max_model_len, sched.max_num_seqs
+    max_tokens = sched.max_num_batched_tokens
+    steps = _Steps(runner, max_len)
+    dev = runner.device
+    fork_devices = [dev.index if dev.index is not None else torch.cuda.current_device()] if dev.type == "cuda" else []
+    with torch.random.fork_rng(devices=fork_devices):
+        run = runner.execute_model
+        # Prefills from position 0, over the token counts cuBLAS picks kernels by.
+        for total in _token_counts(min(max_tokens, max_seqs * max_len)):
+            run(steps.step(_prefill(total, max_len, max_seqs), 0))
+        # A chunk after context (a prefix hit, a chunk continuation, mid-block): sampling and not.
+        chunk = max(1, min(max_tokens, max_len // 2, 64))
+        start = max(0, min(max_len - chunk, steps.block_size + 1))
+        run(steps.step([(start, chunk, True)], 0))
+        run(steps.step([(start, chunk, False)], 0))
+        # Decode-only steps at every bucket size, each again with its tokens fed on the device.
+        ctx = max(1, min(max_len - 1, 2 * steps.block_size + 3))
+        for b in batch_buckets(max_seqs):
+            if b > max_tokens:
+                break
+            logits = run(steps.step([(ctx - 1, 1, True)] * b, b))
+            # A tensor-parallel rank other than 0 may get no logits: any ids serve as placeholders.
+            sampled = torch.zeros(b, dtype=torch.long, device=dev) if logits is None else logits.argmax(dim=-1)
+            run(steps.step([(ctx - 1, 1, True)] * b, b, placeholders=True), sampled)
+        # Mixed batches: decodes beside a prefill chunk, for every split count the decodes can get.
+        if max_seqs > 1 and max_tokens > 1:
+            variants = _split_variants(runner, min(max_seqs - 1, max_tokens - 1), max_len) or {1: (1, ctx)}
+            for n, seq_len in variants.values():
+                seq_len = min(seq_len, max_len)
+                run(steps.step([(seq_len - 1, 1, True)] * n + [(start, 1, True)], n))
+        # Cache operations: copy-on-write and a swap round trip.
+        ce = runner.cache_engine
+        ce.copy([(0, min(1, ce.num_gpu_blocks - 1))])
+        if ce.num_cpu_blocks:
+            ce.swap_out([(0, 0)])
+            ce.swap_in([(0, 0)])
+        _sampler_paths(dev, runner.vocab_size, max_seqs)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        ce.gpu_pool.zero_()
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+    seconds = time.perf_counter() - t0
+    logger.info("warm-up took %.1f s", seconds)
+    return seconds

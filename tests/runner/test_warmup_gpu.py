@@ -1,0 +1,101 @@
+"""No cold start on CUDA (skipped without a GPU): after the engine is built, a varied workload
+compiles no new Triton kernel and captures no new CUDA graph.
+
+Triton 3.6 keeps each JITFunction's compiled kernels per device in device_caches[device][0]
+(a dict keyed by specialisation and options); the sizes of those dicts before and after the
+workload must be equal for every kernel of every pagedserve module loaded.
+"""
+import random
+import sys
+
+import pytest
+import torch
+
+from pagedserve import SamplingParams
+
+from engine.helpers import make_llm
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _jit_functions() -> dict[str, object]:
+    """name -> JITFunction, for every Triton function of a loaded pagedserve module."""
+    from triton.runtime.jit import JITFunction
+    found = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("pagedserve.") or mod is None:
+            continue
+        for name, obj in vars(mod).items():
+            while not isinstance(obj, JITFunction) and hasattr(obj, "fn"):  # Autotuner, Heuristics
+                obj = obj.fn
+            if isinstance(obj, JITFunction):
+                found.setdefault(id(obj), (f"{mod_name}.{name}", obj))  # re-exports count once
+    return dict(found.values())
+
+
+def _compiled_counts() -> dict[str, int]:
+    return {name: sum(len(entry[0]) for entry in fn.device_caches.values())
+            for name, fn in _jit_functions().items()}
+
+
+def _workload(vocab: int, max_len: int) -> tuple[list[dict], list[SamplingParams]]:
+    rng = random.Random(0)
+    shared = [rng.randrange(3, vocab) for _ in range(40)]
+    prompts, params = [], []
+    kinds = [
+        dict(temperature=0.0),
+        dict(temperature=0.8),
+        dict(temperature=0.7, top_k=10),
+        dict(temperature=0.9, top_p=0.85),
+        dict(temperature=0.9, top_k=30, top_p=0.9, min_p=0.02),
+        dict(temperature=1.0, seed=7),
+        dict(temperature=0.0, logprobs=4),
+        dict(temperature=0.8, logprobs=0, repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=0.3),
+        dict(temperature=0.8, n=2, seed=3),                 # forks: copy-on-write of the last block
+        dict(temperature=0.0, min_tokens=6),
+    ]
+    lengths = [1, 2, 3, 15, 16, 17, 31, 64, 100, 130, 200, 300, max_len - 40]
+    for i in range(48):
+        n = lengths[i % len(lengths)]
+        body = [rng.randrange(3, vocab) for _ in range(n)]
+        prompts.append({"prompt_token_ids": (shared + body)[:max_len - 20] if i % 3 == 0 else body})
+        kind = kinds[i % len(kinds)]
+        max_tokens = max(rng.randrange(1, 20), kind.get("min_tokens", 0))
+        params.append(SamplingParams(max_tokens=max_tokens, ignore_eos=True, **kind))
+    return prompts, params
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_no_compile_or_capture_after_start(tiny_model_dir, monkeypatch, enforce_eager, async_scheduling):
+    model_dir = tiny_model_dir("llama")
+    llm = make_llm(model_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
+                   async_scheduling=async_scheduling, block_size=16, num_gpu_blocks_override=34,
+                   max_num_seqs=32, max_num_batched_tokens=128, enable_prefix_caching=True,
+                   preemption_mode="swap", swap_space=0.05)
+    runner = llm.llm_engine.runner
+    assert "warmup_seconds" in runner.profile
+    graphs_before = sorted(runner.graphs.graphs) if runner.graphs is not None else []
+    compiled_before = _compiled_counts()
+    assert sum(compiled_before.values()) > 0, "no Triton kernel found: the check would be vacuous"
+    captures = []
+    original = torch.cuda.CUDAGraph.capture_begin
+
+    def counting(self, *args, **kwargs):
+        captures.append(1)
+        return original(self, *args, **kwargs)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", counting)
+
+    vocab = llm.llm_engine.vocab_size
+    prompts, params = _workload(vocab, llm.llm_engine.max_model_len)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert all(len(c.token_ids) == p.max_tokens for o, p in zip(outs, params) for c in o.outputs)
+    stats = llm.get_kv_cache_stats()
+    assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0  # the workload met swaps and prefix hits
+
+    compiled_after = _compiled_counts()
+    new = {k: compiled_after[k] - compiled_before.get(k, 0) for k in compiled_after
+           if compiled_after[k] != compiled_before.get(k, 0)}
+    assert not new, f"Triton compiled after start-up: {new}"
+    assert not captures
+    assert (sorted(runner.graphs.graphs) if runner.graphs is not None else []) == graphs_before
