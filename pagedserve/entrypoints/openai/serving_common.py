@@ -196,7 +196,9 @@ class OpenAIServing:
     def token_str(self, token_id: int) -> str:
         s = self._token_str_cache.get(token_id)
         if s is None:
-            s = self.engine.tokenizer.decode([token_id])
+            tok = self.engine.tokenizer
+            # Without a tokenizer (--skip-tokenizer-init) a token is named by its id, as vLLM does.
+            s = f"token_id:{token_id}" if tok is None else tok.decode([token_id])
             if len(self._token_str_cache) < 1_000_000:
                 self._token_str_cache[token_id] = s
         return s
