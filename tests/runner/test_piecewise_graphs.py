@@ -5,6 +5,7 @@ exactly the logits and KV cache of the plain eager runner, padded bucket or not.
 the row count of every GEMM; on CPU rows come out bit-identical from 8 rows on, which every
 piecewise step here has: decode-only steps, the short ones, never take the piecewise path.)"""
 import argparse
+import random
 
 import pytest
 import torch
@@ -95,3 +96,35 @@ def test_cudagraph_mode_flag():
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args([]), None).cudagraph_mode == "piecewise"
     assert engine_config_from_args(parser.parse_args(["--cudagraph-mode", "decode"]), None).cudagraph_mode == "decode"
+
+
+def test_engine_with_piecewise_steps_equals_eager(tiny_model_dir, monkeypatch):
+    """The whole engine (overlapped steps: placeholder tokens filled on the device before the copy
+    into the static buffers), with the start-up phase capturing through the recorder on CPU."""
+    from pagedserve import SamplingParams
+    from pagedserve.runner.model_runner import ModelRunner
+    from engine.helpers import make_llm
+
+    def capture_with_recorder(self):
+        max_tokens = self.config.scheduler_config(self.max_model_len).max_num_batched_tokens
+        self.piecewise = PiecewiseCUDAGraphs(self.model, self.kv_caches, max_tokens, self.device,
+                                             graph_factory=RecordedGraph)
+        self.piecewise.capture()
+
+    model_dir = tiny_model_dir("llama")
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(3, 60))] for _ in range(10)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(3, 12), ignore_eos=True) for _ in prompts]
+    requests = [{"prompt_token_ids": p} for p in prompts]
+    kw = dict(max_num_seqs=4, max_num_batched_tokens=MAX_TOKENS)
+    want = [o.outputs[0].token_ids for o in make_llm(model_dir, **kw).generate(requests, params, use_tqdm=False)]
+    monkeypatch.setattr(ModelRunner, "capture_piecewise_graphs", capture_with_recorder)
+    llm = make_llm(model_dir, **kw)
+    assert llm.llm_engine.config.async_scheduling
+    runner = llm.llm_engine.runner
+    used: list[int] = []
+    run = runner.piecewise.run
+    runner.piecewise.run = lambda ids, pos, meta: (used.append(ids.shape[0]), run(ids, pos, meta))[1]
+    got = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
+    assert got == want
+    assert len(used) >= 5 and any(u not in runner.piecewise.buckets for u in used)
