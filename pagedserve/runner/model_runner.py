@@ -239,8 +239,11 @@ class ModelRunner:
         those steps eager: its executor runs the start-up phases one by one and has no such phase)."""
         self._require("cache")
         cfg = self.config
-        if (self.device.type != "cuda" or cfg.enforce_eager or cfg.cudagraph_mode != "piecewise"
-                or self.tp_size > 1 or not supports_piecewise(self.model)):
+        if self.device.type != "cuda" or cfg.enforce_eager or cfg.cudagraph_mode != "piecewise":
+            return
+        if self.tp_size > 1 or not supports_piecewise(self.model):
+            logger.info("no piecewise CUDA graphs for %s with tensor_parallel_size=%d: steps with prefill "
+                        "tokens run eagerly", type(self.model).__name__, self.tp_size)
             return
         max_tokens = cfg.scheduler_config(self.max_model_len).max_num_batched_tokens
         t0 = time.perf_counter()
