@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+CUDAGRAPH_MODES = ("decode", "piecewise")
 
 
 @dataclass
@@ -108,6 +109,10 @@ class EngineConfig:
                                   PREEMPTION_MODES)
     enable_chunked_prefill: bool = option(True, "split long prompts across steps, decodes first")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
+    cudagraph_mode: str = option("piecewise", "decode: CUDA graphs for decode-only steps, steps with "
+                                              "prefill tokens eager; piecewise: also graphs for those "
+                                              "steps (up to 1024 tokens) with attention run eagerly "
+                                              "between them (Llama family, one GPU)", CUDAGRAPH_MODES)
     load_format: str = option("auto", "dummy: random weights of the config's shapes (benchmarks, "
                                       "no *.safetensors needed)", LOAD_FORMATS)
     skip_tokenizer_init: bool = option(False, "load no tokenizer: prompts must be token ids and "
@@ -143,6 +148,8 @@ class EngineConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
 
     def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
         budget = self.max_num_batched_tokens

@@ -12,7 +12,10 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from contextlib import contextmanager
+from contextvars import ContextVar
 from types import ModuleType
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -22,6 +25,20 @@ from pagedserve.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
 _BACKENDS: dict[str, ModuleType] = {}
+# Set only while runner/piecewise_graphs.py captures a forward: every Attention call goes to the
+# hook instead (a ContextVar, so a forward on another thread is never diverted).
+_BOUNDARY_HOOK: ContextVar[Callable | None] = ContextVar("attention_boundary_hook", default=None)
+
+
+@contextmanager
+def attention_boundary(hook: Callable) -> Iterator[None]:
+    """Within the block, Attention.forward(q, k, v, k_cache, v_cache, meta) returns
+    hook(module, q, k, v, k_cache, v_cache, meta) and runs no attention itself."""
+    token = _BOUNDARY_HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _BOUNDARY_HOOK.reset(token)
 
 
 def get_backend(device: torch.device | str) -> ModuleType:
@@ -58,6 +75,14 @@ class Attention(nn.Module):
 
         Returns [T, num_heads * head_dim].
         """
+        hook = _BOUNDARY_HOOK.get()
+        if hook is not None:
+            return hook(self, q, k, v, k_cache, v_cache, meta)
+        return self.attend(q, k, v, k_cache, v_cache, meta)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+               v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The attention itself (forward without the boundary hook)."""
         T = q.shape[0]
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)

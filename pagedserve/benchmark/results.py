@@ -33,8 +33,8 @@ RESULT_KEYS = ("benchmark", "device", "commit", "date", "command", "switches", "
 # Environment switches that change which kernels run (layers/fused.py, attention/backend.py).
 ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_ATTENTION")
 # EngineConfig fields that switch engine behaviour rather than size it; absent fields are skipped.
-ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "enable_prefix_caching", "enable_chunked_prefill",
-                        "preemption_mode", "kv_allocator", "tensor_parallel_size")
+ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",
+                        "enable_chunked_prefill", "preemption_mode", "kv_allocator", "tensor_parallel_size")
 
 
 class UnknownCommitError(RuntimeError):

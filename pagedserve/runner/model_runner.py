@@ -24,6 +24,7 @@ from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.runner.batch import HostBatch, ModelInput, build_model_input, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
+from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
 from pagedserve.runner.warmup import warm_up, warmup_enabled
 
 logger = logging.getLogger(__name__)
@@ -80,6 +81,7 @@ class ModelRunner:
         self.max_model_len = engine_config.max_model_len or get_max_model_len(hf_config)
         self.profile: dict[str, float] = {}
         self.graphs: DecodeCUDAGraphs | None = None
+        self.piecewise: PiecewiseCUDAGraphs | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -192,11 +194,12 @@ class ModelRunner:
         return start.elapsed_time(end) / 1e3
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        """The four start-up phases after sizing, in order (a tensor-parallel executor runs them one
-        command at a time, every rank finishing each before the next)."""
+        """The start-up phases after sizing, in order (a tensor-parallel executor runs them one
+        command at a time, every rank finishing each before the next; it skips the piecewise one)."""
         self.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self.measure_swap_cost()
         self.capture_decode_graphs()
+        self.capture_piecewise_graphs()
         self.warm_up()
 
     def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
@@ -238,6 +241,28 @@ class ModelRunner:
         if warmup_enabled(self.device):
             self.profile["warmup_seconds"] = warm_up(self)
 
+    def capture_piecewise_graphs(self) -> None:
+        """Piecewise graphs (runner/piecewise_graphs.py) for steps with prefill tokens, per token-count
+        bucket up to min(max_num_batched_tokens, 1024). Only with cudagraph_mode="piecewise", on CUDA,
+        unless enforce_eager, for Llama-family models and a single rank (tensor parallelism keeps
+        those steps eager: its executor runs the start-up phases one by one and has no such phase)."""
+        self._require("cache")
+        cfg = self.config
+        if self.device.type != "cuda" or cfg.enforce_eager or cfg.cudagraph_mode != "piecewise":
+            return
+        if self.tp_size > 1 or not supports_piecewise(self.model):
+            logger.info("no piecewise CUDA graphs for %s with tensor_parallel_size=%d: steps with prefill "
+                        "tokens run eagerly", type(self.model).__name__, self.tp_size)
+            return
+        max_tokens = cfg.scheduler_config(self.max_model_len).max_num_batched_tokens
+        t0 = time.perf_counter()
+        self.piecewise = PiecewiseCUDAGraphs(self.model, self.kv_caches, max_tokens, self.device,
+                                             pool=self.graphs.pool if self.graphs is not None else None)
+        self.piecewise.capture()
+        logger.info("captured %d piecewise CUDA graphs (%d token buckets up to %d) in %.1f s",
+                    self.piecewise.num_graphs, len(self.piecewise.buckets), self.piecewise.buckets[-1],
+                    time.perf_counter() - t0)
+
     # --- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
     def _forward(self, inp: ModelInput, kv_caches) -> torch.Tensor:
@@ -275,6 +300,12 @@ class ModelRunner:
         n = len(step.batch.query_lens)
         if self.graphs is not None and step.batch.num_decodes == n and self.graphs.bucket_for(n) is not None:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta)
+            return self.model.compute_logits(hidden[inp.sample_indices]).float()
+        if (self.piecewise is not None and step.batch.num_decodes < n
+                and self.piecewise.bucket_for(len(step.batch.input_ids)) is not None):
+            hidden = self.piecewise.run(inp.input_ids, inp.positions, inp.attn_meta)
+            if inp.num_sampling == 0:
+                return None
             return self.model.compute_logits(hidden[inp.sample_indices]).float()
         if inp.num_sampling == 0:
             # Still run the forward: it writes this chunk's K/V into the cache.
