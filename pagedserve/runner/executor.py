@@ -40,10 +40,14 @@ from pagedserve.runner.dist_env import (PHASE_TIMEOUT_ENV, STEP_TIMEOUT_ENV, Dis
 from pagedserve.runner.dist_groups import (abort_group, compute_device, destroy_distributed, init_control,
                                            read_error, read_progress)
 from pagedserve.runner.launch import NUM_THREADS_ENV, PARENT_PID_ENV
-from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError,
-                                         _resolve, reply)
+from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, STARTUP_PHASES, Command, Worker,
+                                         _RemoteError, _resolve, reply)
 
 logger = logging.getLogger(__name__)
+
+
+# How long shutdown waits for every rank to acknowledge before killing them.
+SHUTDOWN_WAIT_S = 30.0
 
 
 class TensorParallelError(RuntimeError):
@@ -252,11 +256,14 @@ class MultiProcExecutor:
             abort_group(groups.compute)
 
     def _diagnose(self, watch: "_Watch") -> TensorParallelError:
-        step = watch.method == "execute_model"
-        what = (f"step (execute_model #{watch.seq}) did not finish within {self._step_timeout:.0f} s "
-                f"({STEP_TIMEOUT_ENV})" if step else
-                f"start-up phase {watch.method} did not finish within {self._phase_timeout:.0f} s "
-                f"({PHASE_TIMEOUT_ENV})")
+        if watch.method == "execute_model":
+            what = (f"step (execute_model #{watch.seq}) did not finish within {self._step_timeout:.0f} s "
+                    f"({STEP_TIMEOUT_ENV})")
+        elif watch.method in ("init_runner",) + STARTUP_PHASES:
+            what = (f"start-up phase {watch.method} did not finish within {self._phase_timeout:.0f} s "
+                    f"({PHASE_TIMEOUT_ENV})")
+        else:
+            what = f"call {watch.method} did not finish in time"
         now = time.time()
         ranks = ["rank 0 finished its share" + (" and waits for the others" if watch.method != "execute_model"
                                                 else ", its device work has not completed")
@@ -408,8 +415,13 @@ class MultiProcExecutor:
         if self._failure is None and not self._dead and hasattr(self, "groups"):
             try:
                 with self._lock:
-                    dist.broadcast_object_list([Command(SHUTDOWN)], src=0, group=self.groups.control)
+                    # A rank that never reaches the barrier must not keep rank 0 here: the watchdog
+                    # kills it after SHUTDOWN_WAIT_S, which fails the barrier.
+                    watch = self._watch = _Watch(SHUTDOWN, self._seq + 1, time.monotonic() + SHUTDOWN_WAIT_S)
+                    dist.broadcast_object_list([Command(SHUTDOWN, seq=self._seq + 1)], src=0,
+                                               group=self.groups.control)
                     dist.barrier(group=self.groups.control)  # every rank has it: see worker_loop
+                    watch.device_done = lambda: True
                 graceful = True
             except Exception as e:
                 logger.warning("tensor-parallel shutdown broadcast failed: %s", e)

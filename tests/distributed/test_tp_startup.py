@@ -24,6 +24,10 @@ def test_tp2_profiles_agrees_on_blocks_and_feeds_measured_costs(tiny_model_dir, 
     model = str(tiny_model_dir("llama"))
     ref = LLM(model, **KW, num_gpu_blocks_override=override)
     try:
+        measured = ref.llm_engine.runner.runner.profile
+        ref_sched = ref.llm_engine.scheduler.scheduler_config
+        assert (ref_sched.recompute_seconds_per_token, ref_sched.swap_seconds_per_block) == (
+            measured["recompute_seconds_per_token"], measured["swap_seconds_per_block"])
         want = greedy(ref, PROMPTS, 8)
     finally:
         ref.shutdown()
