@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -241,12 +242,27 @@ class MultiProcExecutor:
                 continue
             err = self._diagnose(watch)
             logger.error("%s", err)
+            self._dump_stacks()
             self._failure = err
             for p in self._procs.values():
                 if p.poll() is None:
                     p.kill()
             self._abort_nccl()
             return
+
+    def _dump_stacks(self, wait_s: float = 1.0) -> None:
+        """Every rank's Python stacks to stderr (spawned ranks dump theirs on SIGUSR1, see launch)."""
+        for p in self._procs.values():
+            if p.poll() is None:
+                try:
+                    p.send_signal(signal.SIGUSR1)
+                except OSError:
+                    pass
+        names = {t.ident: t.name for t in threading.enumerate()}
+        stacks = [f"thread {names.get(ident, ident)}:\n" + "".join(traceback.format_stack(frame))
+                  for ident, frame in sys._current_frames().items()]
+        print("tensor-parallel rank 0 stacks:\n" + "\n".join(stacks), file=sys.stderr, flush=True)
+        time.sleep(wait_s)  # the ranks write theirs before they are killed
 
     def _abort_nccl(self) -> None:
         """NCCL waits for a dead or silent peer until its timeout: abort them. (Gloo waits fail
