@@ -166,6 +166,30 @@ def write_random_checkpoint(arch_dir: Path, out_dir: Path, smoke: bool) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
+def merge(paths: list[str], out: str) -> None:
+    """One tp.json from several partial ones: results and ratios united, configs side by side."""
+    from pagedserve.benchmark.hardware import write_result
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    commits = sorted({d["config"].get("commit", d.get("commit")) for d in docs})
+    if len(commits) > 1:
+        raise SystemExit(f"refusing to merge runs of different commits: {commits}")
+    results, ratios, config = {}, {}, {"merged_from": [d["command"] for d in docs], "commit": commits[0]}
+    for d in docs:
+        errors = {**results.get("errors", {}), **d["results"].get("errors", {})}
+        results.update(d["results"])
+        for key in [k for k in d["results"] if k.startswith("fixed256_")]:
+            results[key] = {**results.get(key, {}), **d["results"][key]}
+        if errors:
+            results["errors"] = errors
+        ratios.update(d["ratios"])
+        for k, v in d["config"].items():
+            config.setdefault(k, v)
+    os.environ["PAGEDSERVE_COMMIT"] = commits[0]  # the runs' commit, not the one merging them
+    doc = write_result(out, "tp", "python benchmarks/tp_bench.py --merge " + " ".join(paths), config, results, {},
+                       ratios)
+    print(json.dumps(doc["ratios"], indent=2))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/h200x2/tp.json"))
@@ -179,6 +203,8 @@ def main() -> None:
     ap.add_argument("--skip-agreement", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--child-timeout", type=float, default=900, help="seconds one engine process may run")
+    ap.add_argument("--merge", nargs="+", metavar="TP_JSON",
+                    help="combine tp.json files of separate runs (e.g. one per device-machine command) into --out")
     ap.add_argument("--progress-dir", default=os.environ.get("OUT"),
                     help="progress.log, per-child logs and tp.partial.json go here (default: $OUT)")
     # child mode
@@ -196,6 +222,9 @@ def main() -> None:
         return
 
     from pagedserve.benchmark.hardware import git_commit, write_result
+    if args.merge:
+        merge(args.merge, args.out)
+        return
     # A stuck rank must fail inside the engine (naming rank and phase) before the child is killed.
     bound = max(30, int(args.child_timeout * 0.6))
     os.environ.setdefault("PAGEDSERVE_TP_PHASE_TIMEOUT", str(bound))
