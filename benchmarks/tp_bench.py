@@ -106,7 +106,8 @@ def run_child(kind: str, out: Path, progress: Progress, timeout_s: float, name: 
     log_path = progress.child_log(name)
     log = open(log_path, "w") if log_path else None
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log, stderr=subprocess.STDOUT if log else None)
+    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True, stdout=log,
+                            stderr=subprocess.STDOUT if log else None)
     try:
         code = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
@@ -277,7 +278,8 @@ def main() -> None:
                                 num_requests=num_requests, **common) for tp in (1, 2)}
             results[f"fixed256_{name}"] = {f"tp{tp}": r["results"] for tp, r in per_tp.items() if r is not None}
             if per_tp[1] is not None and per_tp[2] is not None:
-                ratio = round(per_tp[2]["results"]["total_tokens_per_s"] / per_tp[1]["results"]["total_tokens_per_s"], 3)
+                rate = {tp: r["results"]["total_tokens_per_s"] for tp, r in per_tp.items()}
+                ratio = round(rate[2] / rate[1], 3)
                 key = "tp2_over_tp1_throughput" if name == "llama-3.1-8b" else f"tp2_over_tp1_throughput_{name}"
                 ratios[key] = ratio
                 progress.log(f"{name}: TP=2 / TP=1 total tokens/s = {ratio}")

@@ -71,8 +71,8 @@ def ask(base: str, vocab: int, timeout: float) -> dict:
                                             stream=True, extra_body={"ignore_eos": True}))
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == ["length"], finish
-    return {"models": models, "completion_tokens": usage.completion_tokens, "finish_reason": done.choices[0].finish_reason,
-            "stream_chunks": len(chunks)}
+    return {"models": models, "completion_tokens": usage.completion_tokens,
+            "finish_reason": done.choices[0].finish_reason, "stream_chunks": len(chunks)}
 
 
 def main() -> int:

@@ -58,7 +58,8 @@ def test_rank_stuck_in_a_startup_phase_fails_naming_rank_and_phase(tiny_model_di
     monkeypatch.setenv(PROFILE_ON_CPU_ENV, "1")
     monkeypatch.setenv(FAIL_ENV, f"1:{phase}:hang")  # rank 1 stops answering (alive, silent) there
     monkeypatch.setenv("PAGEDSERVE_TP_PHASE_TIMEOUT", "8")
-    with pytest.raises(TensorParallelError, match=rf"start-up phase {phase} did not finish .*rank\(s\) \[1\] in {phase}"):
+    stuck = rf"start-up phase {phase} did not finish .*rank\(s\) \[1\] in {phase}"
+    with pytest.raises(TensorParallelError, match=stuck):
         LLM(str(tiny_model_dir("llama")), **KW, tensor_parallel_size=2)
     assert not launch_children(os.getpid())
 
