@@ -248,7 +248,22 @@ class MultiProcExecutor:
                 if p.poll() is None:
                     p.kill()
             self._abort_nccl()
+            if self.env.external:
+                self._exit_if_still_blocked(err)
             return
+
+    def _exit_if_still_blocked(self, err: TensorParallelError, grace_s: float = 30.0) -> None:
+        """Ranks on other nodes cannot be killed from here, and an aborted gloo group does not release
+        a wait on it: if the main thread is still blocked after grace_s, end this process (torchrun
+        then stops the other ranks) rather than hang."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if self._closed:
+                return
+            time.sleep(0.2)
+        print(f"pagedserve: {err}; rank 0 is still blocked {grace_s:.0f} s later: exiting", file=sys.stderr,
+              flush=True)
+        os._exit(1)
 
     def _abort_nccl(self) -> None:
         """NCCL waits for a dead or silent peer until its timeout: abort them. (Gloo waits fail
