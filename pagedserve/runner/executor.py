@@ -248,14 +248,14 @@ class MultiProcExecutor:
                 if p.poll() is None:
                     p.kill()
             self._abort_nccl()
-            if self.env.external:
-                self._exit_if_still_blocked(err)
+            self._exit_if_still_blocked(err)
             return
 
-    def _exit_if_still_blocked(self, err: TensorParallelError, grace_s: float = 30.0) -> None:
-        """Ranks on other nodes cannot be killed from here, and an aborted gloo group does not release
-        a wait on it: if the main thread is still blocked after grace_s, end this process (torchrun
-        then stops the other ranks) rather than hang."""
+    def _exit_if_still_blocked(self, err: TensorParallelError, grace_s: float = 60.0) -> None:
+        """The last resort: ranks on other nodes cannot be killed from here, an aborted gloo group does
+        not release a wait on it, and NCCL's abort is an experimental API. If the main thread is still
+        blocked grace_s after the diagnosis, end this process (torchrun then stops the other ranks)
+        rather than hang."""
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
             if self._closed:
