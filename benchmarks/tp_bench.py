@@ -167,6 +167,20 @@ def write_random_checkpoint(arch_dir: Path, out_dir: Path, smoke: bool) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
 
 
+def ratio_key(name: str) -> str:
+    return "tp2_over_tp1_throughput" if name == "llama-3.1-8b" else f"tp2_over_tp1_throughput_{name}"
+
+
+def throughput_ratios(results: dict) -> dict:
+    """TP=2 over TP=1 total tokens/s for every model with both runs."""
+    out = {}
+    for key, runs in results.items():
+        if key.startswith("fixed256_") and "tp1" in runs and "tp2" in runs:
+            out[ratio_key(key[len("fixed256_"):])] = round(
+                runs["tp2"]["total_tokens_per_s"] / runs["tp1"]["total_tokens_per_s"], 3)
+    return out
+
+
 def merge(paths: list[str], out: str) -> None:
     """One tp.json from several partial ones: results and ratios united, configs side by side."""
     from pagedserve.benchmark.hardware import write_result
@@ -177,14 +191,14 @@ def merge(paths: list[str], out: str) -> None:
     results, ratios, config = {}, {}, {"merged_from": [d["command"] for d in docs], "commit": commits[0]}
     for d in docs:
         errors = {**results.get("errors", {}), **d["results"].get("errors", {})}
-        results.update(d["results"])
-        for key in [k for k in d["results"] if k.startswith("fixed256_")]:
-            results[key] = {**results.get(key, {}), **d["results"][key]}
+        for key, value in d["results"].items():
+            results[key] = {**results.get(key, {}), **value} if key.startswith("fixed256_") else value
         if errors:
             results["errors"] = errors
         ratios.update(d["ratios"])
         for k, v in d["config"].items():
             config.setdefault(k, v)
+    ratios.update(throughput_ratios(results))
     os.environ["PAGEDSERVE_COMMIT"] = commits[0]  # the runs' commit, not the one merging them
     doc = write_result(out, "tp", "python benchmarks/tp_bench.py --merge " + " ".join(paths), config, results, {},
                        ratios)
@@ -204,6 +218,8 @@ def main() -> None:
     ap.add_argument("--skip-agreement", action="store_true")
     ap.add_argument("--skip-throughput", action="store_true")
     ap.add_argument("--child-timeout", type=float, default=900, help="seconds one engine process may run")
+    ap.add_argument("--tp-sizes", default="1,2", help="throughput runs: which TP sizes (split them over "
+                    "device-machine commands if one command cannot hold both; --merge joins them)")
     ap.add_argument("--merge", nargs="+", metavar="TP_JSON",
                     help="combine tp.json files of separate runs (e.g. one per device-machine command) into --out")
     ap.add_argument("--progress-dir", default=os.environ.get("OUT"),
@@ -266,6 +282,7 @@ def main() -> None:
             snapshot()
 
     if not args.skip_throughput:
+        tp_sizes = [int(t) for t in args.tp_sizes.split(",")]
         num_requests = args.num_requests or (4 if args.smoke else None)
         config["throughput"] = {"workload": "fixed256", "models": args.models.split(","),
                                 "num_requests": num_requests or 1000, "load_format": "dummy"}
@@ -275,14 +292,11 @@ def main() -> None:
                 model_dir, max_len = tmp / "agreement-ckpt", 1024
             config["throughput"][f"{name}_max_model_len"] = max_len
             per_tp = {tp: child("throughput", f"{name}-tp{tp}", model=model_dir, tp=tp, max_model_len=max_len,
-                                num_requests=num_requests, **common) for tp in (1, 2)}
+                                num_requests=num_requests, **common) for tp in tp_sizes}
             results[f"fixed256_{name}"] = {f"tp{tp}": r["results"] for tp, r in per_tp.items() if r is not None}
-            if per_tp[1] is not None and per_tp[2] is not None:
-                rate = {tp: r["results"]["total_tokens_per_s"] for tp, r in per_tp.items()}
-                ratio = round(rate[2] / rate[1], 3)
-                key = "tp2_over_tp1_throughput" if name == "llama-3.1-8b" else f"tp2_over_tp1_throughput_{name}"
-                ratios[key] = ratio
-                progress.log(f"{name}: TP=2 / TP=1 total tokens/s = {ratio}")
+            ratios.update(throughput_ratios(results))
+            if ratio_key(name) in ratios:
+                progress.log(f"{name}: TP=2 / TP=1 total tokens/s = {ratios[ratio_key(name)]}")
             snapshot()
 
     if errors:

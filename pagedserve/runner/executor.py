@@ -253,12 +253,12 @@ class MultiProcExecutor:
 
     def _exit_if_still_blocked(self, err: TensorParallelError, grace_s: float = 60.0) -> None:
         """The last resort: ranks on other nodes cannot be killed from here, an aborted gloo group does
-        not release a wait on it, and NCCL's abort is an experimental API. If the main thread is still
-        blocked grace_s after the diagnosis, end this process (torchrun then stops the other ranks)
-        rather than hang."""
+        not release a wait on it, and NCCL's abort is an experimental API. If a call (they all hold
+        _lock) is still blocked grace_s after the diagnosis, end this process (torchrun then stops the
+        other ranks) rather than hang."""
         deadline = time.monotonic() + grace_s
         while time.monotonic() < deadline:
-            if self._closed:
+            if self._closed or not self._lock.locked():
                 return
             time.sleep(0.2)
         print(f"pagedserve: {err}; rank 0 is still blocked {grace_s:.0f} s later: exiting", file=sys.stderr,
