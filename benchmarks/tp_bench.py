@@ -290,6 +290,8 @@ def main() -> None:
             model_dir, max_len = MODELS[name]
             if args.smoke:
                 model_dir, max_len = tmp / "agreement-ckpt", 1024
+                if not model_dir.exists():
+                    write_random_checkpoint(AGREEMENT_ARCH, model_dir, smoke=True)
             config["throughput"][f"{name}_max_model_len"] = max_len
             per_tp = {tp: child("throughput", f"{name}-tp{tp}", model=model_dir, tp=tp, max_model_len=max_len,
                                 num_requests=num_requests, **common) for tp in tp_sizes}
