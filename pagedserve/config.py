@@ -34,8 +34,10 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"
-    # Measured constants for preemption_mode="auto": moving one block over PCIe both ways
-    # against recomputing one token. The runner overwrites them after profiling.
+    # Costs for preemption_mode="auto": moving one block over PCIe both ways against recomputing
+    # one token. The engine replaces both with the runner's measurements in every CUDA setup
+    # (num_gpu_blocks_override or not); these constants remain only on CPU, unless
+    # PAGEDSERVE_PROFILE_ON_CPU=1 measures there too (ModelRunner.measures_costs).
     swap_seconds_per_block: float = 2e-5
     recompute_seconds_per_token: float = 5e-5
 

@@ -88,7 +88,7 @@ class LLMEngine:
                                         kv_allocator=config.kv_allocator)
         self.scheduler_config = config.scheduler_config(max_model_len)
         for measured in ("recompute_seconds_per_token", "swap_seconds_per_block"):
-            if measured in self.runner.profile:  # CUDA only; CPU keeps SchedulerConfig's defaults
+            if measured in self.runner.profile:  # see ModelRunner.measures_costs for when they are absent
                 setattr(self.scheduler_config, measured, self.runner.profile[measured])
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.vocab_size = self.runner.vocab_size

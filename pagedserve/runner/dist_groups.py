@@ -89,8 +89,15 @@ def init_compute(groups: DistGroups, device: str) -> None:
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
+    # Creating the group waits for every rank to arrive here, which may lag by a rank's start-up
+    # (gloo connects now); only then does the (shorter) per-collective bound apply.
     groups.compute = dist.new_group(list(range(groups.env.world_size)), backend=backend,
-                                    timeout=compute_timeout())
+                                    timeout=max(start_timeout(), compute_timeout()))
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+        _set_pg_timeout(compute_timeout(), groups.compute)
+    except Exception as e:  # private API: the watchdog still bounds every call
+        logger.warning("could not set the compute group's collective timeout: %s", e)
     groups.device = dev
     from pagedserve.distributed import init_tp_group
     init_tp_group(groups.env.rank, groups.env.world_size, groups.compute)

@@ -35,15 +35,19 @@ import torch
 import torch.distributed as dist
 
 from pagedserve.distributed import CollectiveError
-from pagedserve.runner.dist_env import (PHASE_TIMEOUT_ENV, STEP_TIMEOUT_ENV, DistEnv, free_port,
-                                        is_external_worker, phase_timeout, step_timeout, torchrun_env)
-from pagedserve.runner.dist_groups import (abort_group, compute_device, destroy_distributed, init_control,
-                                           read_error, read_progress)
+from pagedserve.runner.dist_env import (DistEnv, free_port, is_external_worker, phase_timeout, step_timeout,
+                                        torchrun_env)
+from pagedserve.runner.dist_groups import abort_group, compute_device, destroy_distributed, init_control, read_error
 from pagedserve.runner.launch import NUM_THREADS_ENV, PARENT_PID_ENV
+from pagedserve.runner.tp_watchdog import Watch, device_done_marker, diagnose, dump_stacks
 from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError,
                                          _resolve, reply)
 
 logger = logging.getLogger(__name__)
+
+
+# How long shutdown waits for every rank to acknowledge before killing them.
+SHUTDOWN_WAIT_S = 30.0
 
 
 class TensorParallelError(RuntimeError):
@@ -96,7 +100,7 @@ class MultiProcExecutor:
         self._lock = threading.Lock()
         self._saved_threads = torch.get_num_threads()
         self._seq = 0
-        self._watch: _Watch | None = None  # the call the watchdog is timing
+        self._watch: Watch | None = None  # the call the watchdog is timing
         self._phase_timeout, self._step_timeout = phase_timeout(), step_timeout()
 
         env = torchrun_env()
@@ -185,7 +189,7 @@ class MultiProcExecutor:
             self._seq += 1
             cmd = Command(method, args, kwargs, want_result, self._seq)
             step = method == "execute_model"
-            watch = _Watch(method, self._seq, time.monotonic() + (self._step_timeout if step else self._phase_timeout))
+            watch = Watch(method, self._seq, time.monotonic() + (self._step_timeout if step else self._phase_timeout))
             if not (step and self._watch is not None and not self._watch.finished()):
                 self._watch = watch  # a step still running on the device keeps its own, earlier deadline
             try:
@@ -193,7 +197,7 @@ class MultiProcExecutor:
                 result = self.worker.dispatch(cmd)
                 watch.own_done = True
                 if not want_result:
-                    watch.device_done = _device_done_marker(self.groups.device)
+                    watch.device_done = device_done_marker(self.groups.device)
                     return result
                 gathered = [None] * self.world_size
                 _control(dist.gather_object, reply(method, result), gathered, dst=0, group=self.groups.control)
@@ -236,14 +240,31 @@ class MultiProcExecutor:
                 continue
             if time.monotonic() < watch.deadline:
                 continue
-            err = self._diagnose(watch)
+            err = TensorParallelError(diagnose(watch, self.groups.store, self.world_size, self._phase_timeout,
+                                               self._step_timeout))
             logger.error("%s", err)
+            dump_stacks(self._procs.values())
             self._failure = err
             for p in self._procs.values():
                 if p.poll() is None:
                     p.kill()
             self._abort_nccl()
+            self._exit_if_still_blocked(err)
             return
+
+    def _exit_if_still_blocked(self, err: TensorParallelError, grace_s: float = 60.0) -> None:
+        """The last resort: ranks on other nodes cannot be killed from here, an aborted gloo group does
+        not release a wait on it, and NCCL's abort is an experimental API. If a call (they all hold
+        _lock) is still blocked grace_s after the diagnosis, end this process (torchrun then stops the
+        other ranks) rather than hang."""
+        deadline = time.monotonic() + grace_s
+        while time.monotonic() < deadline:
+            if self._closed or not self._lock.locked():
+                return
+            time.sleep(0.2)
+        print(f"pagedserve: {err}; rank 0 is still blocked {grace_s:.0f} s later: exiting", file=sys.stderr,
+              flush=True)
+        os._exit(1)
 
     def _abort_nccl(self) -> None:
         """NCCL waits for a dead or silent peer until its timeout: abort them. (Gloo waits fail
@@ -251,37 +272,6 @@ class MultiProcExecutor:
         groups = getattr(self, "groups", None)
         if groups is not None and groups.device is not None and groups.device.type == "cuda":
             abort_group(groups.compute)
-
-    def _diagnose(self, watch: "_Watch") -> TensorParallelError:
-        step = watch.method == "execute_model"
-        what = (f"step (execute_model #{watch.seq}) did not finish within {self._step_timeout:.0f} s "
-                f"({STEP_TIMEOUT_ENV})" if step else
-                f"start-up phase {watch.method} did not finish within {self._phase_timeout:.0f} s "
-                f"({PHASE_TIMEOUT_ENV})")
-        now = time.time()
-        ranks = ["rank 0 finished its share" + (" and waits for the others" if watch.method != "execute_model"
-                                                else ", its device work has not completed")
-                 if watch.own_done else f"rank 0 is still in {watch.method} (in a collective, if another rank "
-                                         "is stuck)"]
-        stuck = []
-        for r in range(1, self.world_size):
-            p = read_progress(self.groups.store, r)
-            if p is None:
-                ranks.append(f"rank {r} has reported no progress")
-                stuck.append(r)
-            elif p["seq"] < watch.seq:
-                ranks.append(f"rank {r} never started {watch.method}: its last call was {p['method']} "
-                             f"({p['state']} {now - p['since']:.0f} s ago)")
-                stuck.append(r)
-            elif p["seq"] == watch.seq and p["state"] != "done":
-                ranks.append(f"rank {r} is stuck in {watch.method} ({p['state']} for {now - p['since']:.0f} s)")
-                stuck.append(r)
-            else:
-                ranks.append(f"rank {r} finished {watch.method}")
-        if not stuck and not watch.own_done:
-            stuck = [0]  # every other rank is past it: rank 0 itself is the one stuck
-        who = f"rank(s) {stuck}" if stuck else "no rank (all report done; a collective never completed)"
-        return TensorParallelError(f"tensor-parallel {what}; stuck: {who} in {watch.method}. " + "; ".join(ranks))
 
     # -- failure handling ------------------------------------------------------------------
 
@@ -409,34 +399,17 @@ class MultiProcExecutor:
         if self._failure is None and not self._dead and hasattr(self, "groups"):
             try:
                 with self._lock:
-                    dist.broadcast_object_list([Command(SHUTDOWN)], src=0, group=self.groups.control)
+                    # A rank that never reaches the barrier must not keep rank 0 here: the watchdog
+                    # kills it after SHUTDOWN_WAIT_S, which fails the barrier.
+                    watch = self._watch = Watch(SHUTDOWN, self._seq + 1, time.monotonic() + SHUTDOWN_WAIT_S)
+                    dist.broadcast_object_list([Command(SHUTDOWN, seq=self._seq + 1)], src=0,
+                                               group=self.groups.control)
                     dist.barrier(group=self.groups.control)  # every rank has it: see worker_loop
+                    watch.device_done = lambda: True
                 graceful = True
             except Exception as e:
                 logger.warning("tensor-parallel shutdown broadcast failed: %s", e)
         self._teardown(graceful)
-
-
-class _Watch:
-    """One call the watchdog times: done when rank 0 has its answer and its device work completed."""
-
-    def __init__(self, method: str, seq: int, deadline: float):
-        self.method, self.seq, self.deadline = method, seq, deadline
-        self.own_done = False
-        self.device_done = None  # () -> bool, set once rank 0's share is issued
-
-    def finished(self) -> bool:
-        return self.device_done is not None and self.device_done()
-
-
-def _device_done_marker(device):
-    """() -> bool: has the device finished what was queued until now? (CUDA work is asynchronous:
-    a step's collective can still be pending after execute_model returns.)"""
-    if device is None or device.type != "cuda":
-        return lambda: True
-    event = torch.cuda.Event()
-    event.record()
-    return event.query
 
 
 def _control(op, *args, **kwargs):

@@ -21,6 +21,11 @@ def main() -> int:
         print("pagedserve.runner.launch runs ranks > 0: set MASTER_ADDR, MASTER_PORT, WORLD_SIZE >= 2 "
               "and RANK >= 1 (torchrun does); rank 0 is the engine itself", file=sys.stderr)
         return 2
+    import faulthandler
+    import signal
+    # Rank 0's watchdog sends SIGUSR1 before it kills a stuck rank: every thread's stack goes to
+    # stderr, so the report shows where the rank was stuck.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     import torch
     if os.environ.get(NUM_THREADS_ENV):
         torch.set_num_threads(int(os.environ[NUM_THREADS_ENV]))
@@ -28,7 +33,6 @@ def main() -> int:
     parent = os.environ.get(PARENT_PID_ENV)
     if parent:
         # Spawned by rank 0, in its process group: Ctrl-C is rank 0's to handle (it stops us cleanly).
-        import signal
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     return run_worker(env, int(parent) if parent else None)
 

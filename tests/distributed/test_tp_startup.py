@@ -24,6 +24,10 @@ def test_tp2_profiles_agrees_on_blocks_and_feeds_measured_costs(tiny_model_dir, 
     model = str(tiny_model_dir("llama"))
     ref = LLM(model, **KW, num_gpu_blocks_override=override)
     try:
+        measured = ref.llm_engine.runner.runner.profile
+        ref_sched = ref.llm_engine.scheduler.scheduler_config
+        assert (ref_sched.recompute_seconds_per_token, ref_sched.swap_seconds_per_block) == (
+            measured["recompute_seconds_per_token"], measured["swap_seconds_per_block"])
         want = greedy(ref, PROMPTS, 8)
     finally:
         ref.shutdown()
@@ -54,7 +58,8 @@ def test_rank_stuck_in_a_startup_phase_fails_naming_rank_and_phase(tiny_model_di
     monkeypatch.setenv(PROFILE_ON_CPU_ENV, "1")
     monkeypatch.setenv(FAIL_ENV, f"1:{phase}:hang")  # rank 1 stops answering (alive, silent) there
     monkeypatch.setenv("PAGEDSERVE_TP_PHASE_TIMEOUT", "8")
-    with pytest.raises(TensorParallelError, match=rf"start-up phase {phase} did not finish .*rank\(s\) \[1\] in {phase}"):
+    stuck = rf"start-up phase {phase} did not finish .*rank\(s\) \[1\] in {phase}"
+    with pytest.raises(TensorParallelError, match=stuck):
         LLM(str(tiny_model_dir("llama")), **KW, tensor_parallel_size=2)
     assert not launch_children(os.getpid())
 
