@@ -46,6 +46,9 @@ TOP_K = 5
 
 # ---- children: one engine each ------------------------------------------------------------------
 
+SAME_SETTINGS = {"async_scheduling": False, "cudagraph_mode": "decode"}
+
+
 def child_agreement(args) -> dict:
     from pagedserve import LLM, SamplingParams
     llm = LLM(args.model, dtype=args.dtype, device=args.device, tensor_parallel_size=args.tp,
@@ -62,7 +65,10 @@ def child_agreement(args) -> dict:
 
 def child_throughput(args) -> dict:
     from pagedserve.benchmark.throughput import run_throughput
-    kwargs = {"max_model_len": args.max_model_len, "tensor_parallel_size": args.tp, "device": args.device}
+    # TP>1 steps run synchronously and without piecewise graphs: TP=1 runs the same way, so the ratio
+    # is tensor parallelism's alone.
+    kwargs = {"max_model_len": args.max_model_len, "tensor_parallel_size": args.tp, "device": args.device,
+              **SAME_SETTINGS}
     if args.dtype != "auto":
         kwargs["dtype"] = args.dtype
     return run_throughput("fixed256", args.model, kwargs, args.num_requests, repeats=2, measure_roofline=False)
@@ -253,7 +259,7 @@ def main() -> None:
     common = dict(device=args.device, dtype=args.dtype)
     results, ratios, errors = {}, {}, {}
     config = {"dtype": args.dtype, "device": args.device, "smoke": args.smoke, "commit": git_commit(),
-              "engine_env": engine_env(), "engine_defaults": "EngineConfig defaults (CUDA graphs on, prefix caching "
+              "engine_env": engine_env(), "engine_settings_both_tp_sizes": SAME_SETTINGS, "engine_defaults": "EngineConfig defaults (CUDA graphs on, prefix caching "
               "on, gpu_memory_utilization 0.9) unless named here", "child_timeout_s": args.child_timeout}
 
     def snapshot():
