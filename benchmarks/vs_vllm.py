@@ -96,7 +96,9 @@ def online_one(engine: str, gpu: str, args, model_dir: Path, work: Path) -> None
             out = work / f"online_{engine}_r{rate:g}.json"
             cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve",
                    "--base-url", f"http://127.0.0.1:{port}/v1", "--workload", args.workload,
-                   "--num-requests", str(args.num_requests), "--request-rate", str(rate), "--output", str(out)]
+                   "--num-requests", str(args.num_requests), "--request-rate", str(rate), "--output", str(out),
+                   # vLLM's /v1/models reports no vocabulary size: both engines' ids come from the tokenizer
+                   "--tokenizer", str(model_dir), "--disable-tqdm"]
             r = subprocess.run(cmd, env={**os.environ, **ENV, "PYTHONPATH": f"{REPO}:{args.site}"},
                                capture_output=True, text=True, timeout=args.rate_limit)
             tail = [ln for ln in r.stdout.splitlines() if any(k in ln for k in ("completed", "throughput", "TTFT", "TPOT"))]
@@ -171,7 +173,8 @@ def phase_collect(args, work: Path) -> None:
             per_rate[f"r{rate:g}"] = {k: d[k] for k in ("completed", "failed", "request_throughput", "output_throughput",
                                                         "ttft_ms", "tpot_ms", "itl_ms", "e2e_latency_ms") if k in d}
         results["online"][engine] = {"startup_seconds": info.get("startup_seconds"), "server_args": info.get("server_args"),
-                                     "gpu": info.get("gpu"), "error": info.get("error"), "rates": per_rate}
+                                     "gpu": info.get("gpu"), "error": info.get("error"), "note": info.get("note"),
+                                     "rates": per_rate}
         for wl in args.workloads:
             d = _load(work / f"offline_{engine}_{wl}.json")
             if d is not None:
@@ -204,8 +207,13 @@ def phase_collect(args, work: Path) -> None:
     from pagedserve.config import EngineConfig
     from pagedserve.benchmark.results import engine_switches
     switches = engine_switches(EngineConfig(async_scheduling="--no-async-scheduling" not in args.pagedserve_args))
-    write_result(out, "serving_vs_vllm", "python benchmarks/vs_vllm.py " + shlex.join(sys.argv[1:]), config, results,
-                 {"vllm": "0.26.0"}, ratios, device=args.device, switches=switches)
+    doc = write_result(out, "serving_vs_vllm", "python benchmarks/vs_vllm.py " + shlex.join(sys.argv[1:]), config,
+                       results, {"vllm": "0.26.0"}, ratios, device=args.device, switches=switches)
+    # The code measured is what the phases ran; collect may run later, elsewhere.
+    measured = {(_load(f) or {}).get("commit") for f in work.glob("o*_pagedserve_*.json")} - {None}
+    if len(measured) == 1:
+        doc["collected_at_commit"], doc["commit"] = doc["commit"], measured.pop()
+        out.write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps(ratios, indent=1))
 
 

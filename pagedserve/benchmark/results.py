@@ -87,18 +87,23 @@ def git_commit(package_dir: Path | None = None) -> str:
     """The pagedserve commit this code is, or UnknownCommitError; never the CWD's repository."""
     package_dir = package_dir or PACKAGE_DIR
     commit = _checkout_commit(package_dir)
+    if commit is not None and not commit.endswith("+dirty"):
+        return commit
+    # A stamp that matches the source names the code exactly; it wins over a dirty checkout, which may
+    # be a stale .git travelling with a copy of the tree (the GPU machine's copy had one).
+    stamp = package_dir / STAMP_NAME
+    if stamp.exists():
+        data = json.loads(stamp.read_text())
+        if data.get("source_sha256") == source_hash(package_dir):
+            return data["commit"]
+        if commit is None:
+            raise UnknownCommitError(f"{stamp} names {data.get('commit')}, but the package's source has "
+                                     "changed since it was stamped: stamp again")
     if commit is not None:
         return commit
-    stamp = package_dir / STAMP_NAME
-    if not stamp.exists():
-        raise UnknownCommitError(
-            f"{package_dir} is neither in a git checkout nor stamped: run "
-            "`python -m pagedserve.benchmark.results stamp` in the checkout before copying it")
-    data = json.loads(stamp.read_text())
-    if data.get("source_sha256") != source_hash(package_dir):
-        raise UnknownCommitError(f"{stamp} names {data.get('commit')}, but the package's source has changed "
-                                 "since it was stamped: stamp again")
-    return data["commit"]
+    raise UnknownCommitError(
+        f"{package_dir} is neither in a git checkout nor stamped: run "
+        "`python -m pagedserve.benchmark.results stamp` in the checkout before copying it")
 
 
 def device_name() -> str:

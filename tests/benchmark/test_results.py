@@ -62,6 +62,22 @@ def test_stamp_names_the_commit_until_the_source_changes(tmp_path):
         results.git_commit(copy)
 
 
+def test_matching_stamp_wins_over_a_stale_dirty_checkout(tmp_path):
+    """A copy of the tree that travels with an old .git (as the GPU machine's did): the checkout is
+    dirty against that old HEAD, and the stamp made for this source names the code."""
+    copy = _copy_package(tmp_path)
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "pagedserve")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "stale")
+    stale = _git(tmp_path, "rev-parse", "HEAD")
+    (copy / "config.py").write_text((copy / "config.py").read_text() + "\n# newer than the stale HEAD\n")
+    assert results.git_commit(copy) == stale + "+dirty"
+    results.write_stamp(copy, commit="fresh123")
+    assert results.git_commit(copy) == "fresh123"
+    (copy / "config.py").write_text((copy / "config.py").read_text() + "\n# and edited after stamping\n")
+    assert results.git_commit(copy) == stale + "+dirty"
+
+
 def test_stamp_command_in_a_checkout_records_head(tmp_path):
     head = _git(ROOT, "rev-parse", "HEAD")
     copy = _copy_package(tmp_path)
