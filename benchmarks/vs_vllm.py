@@ -207,13 +207,11 @@ def phase_collect(args, work: Path) -> None:
     from pagedserve.config import EngineConfig
     from pagedserve.benchmark.results import engine_switches
     switches = engine_switches(EngineConfig(async_scheduling="--no-async-scheduling" not in args.pagedserve_args))
-    doc = write_result(out, "serving_vs_vllm", "python benchmarks/vs_vllm.py " + shlex.join(sys.argv[1:]), config,
-                       results, {"vllm": "0.26.0"}, ratios, device=args.device, switches=switches)
     # The code measured is what the phases ran; collect may run later, elsewhere.
     measured = {(_load(f) or {}).get("commit") for f in work.glob("o*_pagedserve_*.json")} - {None}
-    if len(measured) == 1:
-        doc["collected_at_commit"], doc["commit"] = doc["commit"], measured.pop()
-        out.write_text(json.dumps(doc, indent=2) + "\n")
+    write_result(out, "serving_vs_vllm", "python benchmarks/vs_vllm.py " + shlex.join(sys.argv[1:]), config,
+                 results, {"vllm": "0.26.0"}, ratios, device=args.device, switches=switches,
+                 measured_commit=measured.pop() if len(measured) == 1 else None)
     print(json.dumps(ratios, indent=1))
 
 
