@@ -25,7 +25,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -33,6 +32,7 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pagedserve.benchmark.server_process import stop_process, wait_until_ready  # noqa: E402
 from pagedserve.entrypoints.bench_serve import run_benchmark  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
 
@@ -111,18 +111,12 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{args.port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not become healthy")
+    try:
+        wait_until_ready(proc, base + "/health", 600, interval=0.5)
+    except RuntimeError as e:
+        stop_process(proc)
+        raise SystemExit(f"{e}: {' '.join(cmd)}") from None
+    return proc, base
 
 
 def one_round(base: str, requests, viewer_cls, interval: float) -> dict:
@@ -168,8 +162,7 @@ def main() -> int:
                 runs.append(one_round(base, requests, cls, args.interval))
                 print(("open  " if cls else "closed"), json.dumps(runs[-1]), flush=True)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_process(proc)
     if any(r["failed"] for r in closed + opened):
         raise SystemExit("some requests failed: the comparison would be meaningless")
     c = statistics.median(r["output_throughput"] for r in closed)
