@@ -37,6 +37,7 @@ from pagedserve.entrypoints.bench_serve import run_benchmark  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
 
 KEY = "sk-dashboard-overhead"
+MODEL = "bench"  # the served model name the requests ask for
 
 
 class SSEViewer:
@@ -105,7 +106,7 @@ class BrowserViewer:
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(args.port),
-           "--device", args.device, "--api-key", KEY, *shlex.split(args.serve_args)]
+           "--device", args.device, "--api-key", KEY, "--served-model-name", MODEL, *shlex.split(args.serve_args)]
     if args.model:
         cmd.insert(4, args.model)
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -121,10 +122,10 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
 
 def one_round(base: str, requests, viewer_cls, interval: float) -> dict:
     if viewer_cls is None:
-        s = asyncio.run(run_benchmark(base + "/v1", requests, api_key=KEY))
+        s = asyncio.run(run_benchmark(base + "/v1", requests, MODEL, api_key=KEY))
         return {"output_throughput": s["output_throughput"], "duration_s": s["duration_s"], "failed": s["failed"]}
     with viewer_cls(base, interval) as viewer:
-        s = asyncio.run(run_benchmark(base + "/v1", requests, api_key=KEY))
+        s = asyncio.run(run_benchmark(base + "/v1", requests, MODEL, api_key=KEY))
     return {"output_throughput": s["output_throughput"], "duration_s": s["duration_s"], "failed": s["failed"],
             "viewer_frames": viewer.frames, "viewer_hz": viewer.frames / s["duration_s"],
             "snapshot_time_share": viewer.snapshot_s / s["duration_s"]}
