@@ -104,10 +104,6 @@ class AsyncLLMEngine:
     def is_running(self) -> bool:
         return self.errored is None
 
-    @property
-    def core_pid(self) -> int:
-        return self.client.pid
-
     async def run(self, fn: Callable, *args, **kwargs):
         """Run fn (tokenization, chat templates) on the worker thread and await its result."""
         loop = asyncio.get_running_loop()
