@@ -114,4 +114,4 @@ def test_core_start_up_error_is_one_line_and_exit_2(tiny_model_dir):
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("pagedserve: error: max_model_len must be <=") and "100000" in last
+    assert last.startswith("pagedserve serve: error: max_model_len must be <=") and "100000" in last
