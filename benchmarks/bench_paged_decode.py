@@ -81,7 +81,6 @@ def make_paged(B, L, H, Hkv, D, block_size, dtype, seed=0):
 
 def contiguous_kv(cache, tables, L):
     """[B, Hkv, L, D] copy of every sequence's K or V, read through its block table."""
-    B = tables.shape[0]
     return cache[tables.long()].flatten(1, 2)[:, :L].transpose(1, 2).contiguous()
 
 

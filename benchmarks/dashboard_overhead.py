@@ -25,7 +25,6 @@ import signal
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -33,10 +32,12 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pagedserve.benchmark.server_process import stop_process, wait_until_ready  # noqa: E402
 from pagedserve.entrypoints.bench_serve import run_benchmark  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
 
 KEY = "sk-dashboard-overhead"
+MODEL = "bench"  # the served model name the requests ask for
 
 
 class SSEViewer:
@@ -105,32 +106,26 @@ class BrowserViewer:
 
 def start_server(args) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(args.port),
-           "--device", args.device, "--api-key", KEY, *shlex.split(args.serve_args)]
+           "--device", args.device, "--api-key", KEY, "--served-model-name", MODEL, *shlex.split(args.serve_args)]
     if args.model:
         cmd.insert(4, args.model)
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base = f"http://127.0.0.1:{args.port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}: {' '.join(cmd)}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("server did not become healthy")
+    try:
+        wait_until_ready(proc, base + "/health", 600, interval=0.5)
+    except RuntimeError as e:
+        stop_process(proc)
+        raise SystemExit(f"{e}: {' '.join(cmd)}") from None
+    return proc, base
 
 
 def one_round(base: str, requests, viewer_cls, interval: float) -> dict:
     if viewer_cls is None:
-        s = asyncio.run(run_benchmark(base + "/v1", requests, api_key=KEY))
+        s = asyncio.run(run_benchmark(base + "/v1", requests, MODEL, api_key=KEY))
         return {"output_throughput": s["output_throughput"], "duration_s": s["duration_s"], "failed": s["failed"]}
     with viewer_cls(base, interval) as viewer:
-        s = asyncio.run(run_benchmark(base + "/v1", requests, api_key=KEY))
+        s = asyncio.run(run_benchmark(base + "/v1", requests, MODEL, api_key=KEY))
     return {"output_throughput": s["output_throughput"], "duration_s": s["duration_s"], "failed": s["failed"],
             "viewer_frames": viewer.frames, "viewer_hz": viewer.frames / s["duration_s"],
             "snapshot_time_share": viewer.snapshot_s / s["duration_s"]}
@@ -168,8 +163,7 @@ def main() -> int:
                 runs.append(one_round(base, requests, cls, args.interval))
                 print(("open  " if cls else "closed"), json.dumps(runs[-1]), flush=True)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        stop_process(proc)
     if any(r["failed"] for r in closed + opened):
         raise SystemExit("some requests failed: the comparison would be meaningless")
     c = statistics.median(r["output_throughput"] for r in closed)

@@ -19,17 +19,15 @@ import asyncio
 import json
 import os
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from pagedserve.benchmark.server_process import free_port, stop_process, wait_until_ready  # noqa: E402
 
 LLAMA = ROOT / "benchmarks/models/llama-3.1-8b"
 
@@ -40,12 +38,6 @@ def log(msg: str) -> None:
     if os.environ.get("OUT"):
         with open(Path(os.environ["OUT"]) / "dp_bench.log", "a") as f:
             f.write(line + "\n")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(dp: int, args, log_path: Path) -> tuple[subprocess.Popen, str]:
@@ -63,30 +55,18 @@ def start_server(dp: int, args, log_path: Path) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, stdout=open(log_path, "w"), stderr=subprocess.STDOUT, env=env,
                             cwd=ROOT, start_new_session=True)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + args.start_timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"DP={dp} server exited with {proc.returncode}; see {log_path}")
-        try:
-            r = httpx.get(base + "/health", timeout=5)
-            if r.status_code == 200 and (dp == 1 or r.json().get("status") == "ok"):
-                return proc, base
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(2)
-    stop_server(proc)
-    raise RuntimeError(f"DP={dp} server not healthy within {args.start_timeout} s; see {log_path}")
+    try:
+        # A DP front answers 200 before every replica is up; {"status": "ok"} means all are.
+        wait_until_ready(proc, base + "/health", args.start_timeout, interval=2, request_timeout=5,
+                         ready=lambda r: dp == 1 or r.json().get("status") == "ok")
+    except RuntimeError as e:
+        stop_server(proc)
+        raise RuntimeError(f"DP={dp}: {e}; see {log_path}") from None
+    return proc, base
 
 
 def stop_server(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    except ProcessLookupError:
-        pass
+    stop_process(proc, timeout=60, group=True)
 
 
 def replay(base: str, args) -> dict:

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,9 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pagedserve.benchmark.server_process import free_port, stop_process, wait_until_ready  # noqa: E402
 
 
 def _commit() -> str:
@@ -35,12 +37,6 @@ def _commit() -> str:
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _prompts(n: int) -> list[str]:
@@ -84,34 +80,23 @@ def _engine_flags(args: argparse.Namespace) -> list[str]:
 
 
 def run_server(args: argparse.Namespace, prompts: list[str]) -> tuple[float, list[tuple[str, int]]]:
-    port = _free_port()
+    port = free_port()
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", *_engine_flags(args),
            "--port", str(port)]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + args.start_timeout
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError("server did not become healthy in time")
-            time.sleep(0.3)
+        try:
+            wait_until_ready(proc, base + "/health", args.start_timeout)
+        except RuntimeError as e:
+            if proc.poll() is None:
+                raise
+            raise RuntimeError(f"{e}: {proc.stderr.read()[-2000:]}") from None
         asyncio.run(_wave(base, prompts[:2], 2))  # warm-up: first-call costs are not the path's
         return asyncio.run(_wave(base, prompts, args.max_tokens))
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
 
 
 def run_offline(args: argparse.Namespace, prompts: list[str]) -> tuple[float, list[tuple[str, int]]]:

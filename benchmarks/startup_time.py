@@ -17,8 +17,6 @@ import json
 import os
 import re
 import shlex
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,15 +26,12 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pagedserve.benchmark.server_process import free_port, stop_process, wait_until_ready  # noqa: E402
 # (prompt tokens, max_tokens, extra request fields): a decode-heavy one, a long prefill, sampling paths.
 PROBES = [(8, 32, {}), (1500, 4, {}), (300, 16, {"temperature": 0.8, "top_p": 0.9, "top_k": 40}),
           (64, 16, {"temperature": 0.7, "seed": 3}), (40, 8, {"frequency_penalty": 0.5})]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def probe(base: str, prompt_len: int, max_tokens: int, extra: dict, salt: int) -> float:
@@ -77,17 +72,10 @@ def main() -> int:
                     "warmup_env": os.environ.get("PAGEDSERVE_WARMUP", "auto"),
                     "fresh_triton_cache": args.fresh_triton_cache}
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"server exited with {proc.returncode}; see {log_path}")
-            if time.monotonic() - t0 > args.timeout:
-                raise RuntimeError(f"server not healthy within {args.timeout} s; see {log_path}")
-            try:
-                if httpx.get(base + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
+        try:
+            wait_until_ready(proc, base + "/health", args.timeout - (time.monotonic() - t0), interval=0.25)
+        except RuntimeError as e:
+            raise RuntimeError(f"{e}; see {log_path}") from None
         result["startup_seconds"] = round(time.monotonic() - t0, 2)
         found = re.findall(r"warm-up took ([0-9.]+) s", log_path.read_text())
         result["warmup_seconds"] = float(found[-1]) if found else None
@@ -99,14 +87,7 @@ def main() -> int:
             result["probes"].append({"prompt_tokens": n, "max_tokens": m, **extra,
                                      "first_s": round(first, 4), "second_s": round(second, 4)})
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        except ProcessLookupError:
-            pass
+        stop_process(proc, timeout=60, group=True)
     text = json.dumps(result, indent=1)
     print(text)
     if args.output:

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,12 +24,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagedserve.benchmark.server_process import free_port, wait_until_ready  # noqa: E402
 
 
 def tiny_checkpoint(out_dir: Path) -> Path:
@@ -42,20 +38,6 @@ def tiny_checkpoint(out_dir: Path) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(cfg).save_pretrained(out_dir, safe_serialization=True)
     return out_dir
-
-
-def wait_healthy(base: str, proc: subprocess.Popen, deadline: float, log_path: Path) -> None:
-    import httpx
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with code {proc.returncode}:\n{log_path.read_text()[-4000:]}")
-        try:
-            if httpx.get(base + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise TimeoutError(f"server not healthy in time:\n{log_path.read_text()[-4000:]}")
 
 
 def ask(base: str, vocab: int, timeout: float) -> dict:
@@ -112,7 +94,8 @@ def main() -> int:
     code = 1
     try:
         base = f"http://127.0.0.1:{port}"
-        wait_healthy(base, proc, t0 + args.timeout, log_path)
+        wait_until_ready(proc, base + "/health", t0 + args.timeout - time.monotonic(), interval=1,
+                         log_path=log_path, log_chars=4000)
         summary["startup_s"] = round(time.monotonic() - t0, 1)
         summary.update(ask(base, vocab, timeout=120))
         summary["ok"] = True

@@ -31,11 +31,13 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from pagedserve.benchmark.server_process import stop_process, wait_until_ready  # noqa: E402
+
 ENV = {"PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
        "NVSHMEM_DISABLE_NVLS": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
        "TRANSFORMERS_OFFLINE": "1", "VLLM_USE_FLASHINFER_SAMPLER": "0", "TOKENIZERS_PARALLELISM": "false"}
@@ -57,16 +59,11 @@ def env_for(engine: str, site: str, gpu: str) -> dict:
 
 
 def wait_up(port: int, proc: subprocess.Popen, limit: float) -> bool:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < limit:
-        if proc.poll() is not None:
-            return False
-        try:
-            urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
-            return True
-        except OSError:
-            time.sleep(1)
-    return False
+    try:  # /v1/models: vLLM and pagedserve both answer it once the model is loaded
+        wait_until_ready(proc, f"http://127.0.0.1:{port}/v1/models", limit, interval=1)
+        return True
+    except RuntimeError:
+        return False
 
 
 def serve_cmd(engine: str, model_dir: Path, port: int, max_len: int, extra: str) -> list[str]:
@@ -106,11 +103,7 @@ def online_one(engine: str, gpu: str, args, model_dir: Path, work: Path) -> None
             if r.returncode != 0 and not out.exists():
                 log(work, r.stderr[-1500:])
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_process(proc)
         (work / f"online_{engine}_info.json").write_text(json.dumps(info, indent=1))
 
 

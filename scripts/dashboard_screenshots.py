@@ -17,6 +17,10 @@ import httpx
 from playwright.sync_api import sync_playwright
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from pagedserve.benchmark.server_process import stop_process, wait_until_ready  # noqa: E402
+
 OUT = REPO / "docs" / "figures"
 CHROMIUM = os.environ.get("PAGEDSERVE_CHROMIUM", "/usr/bin/chromium")
 KEY = "sk-screenshot"
@@ -26,23 +30,16 @@ def _start(cmd: list[str], ready_url: str) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     proc = subprocess.Popen([sys.executable, "-m", "pagedserve.entrypoints.cli", *cmd], env=env, cwd=REPO,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    for _ in range(600):
-        try:
-            if httpx.get(ready_url, timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit(f"{cmd[0]} did not come up")
+    try:
+        wait_until_ready(proc, ready_url, 300, interval=0.5)
+    except RuntimeError as e:
+        stop_process(proc)
+        raise SystemExit(f"{cmd[0]} did not come up: {e}") from None
+    return proc
 
 
 def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=15)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    stop_process(proc, timeout=15)
 
 
 def _load(base: str) -> threading.Thread:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import site
 import subprocess
 import sys
@@ -21,10 +20,9 @@ import sysconfig
 import time
 from pathlib import Path
 
-import httpx
 import pytest
 
-from server.server_process import free_port
+from pagedserve.benchmark.server_process import free_port, stop_process, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -80,15 +78,8 @@ def test_readme_quickstart_from_a_fresh_clone(tmp_path):
     server = subprocess.Popen(["bash", "-c", f'{serve} ARGS="--port {port}"'], cwd=clone, env=env,
                               stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert server.poll() is None, (tmp_path / "serve.log").read_text()[-3000:]
-            assert time.monotonic() < deadline, "the server did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+        wait_until_ready(server, f"http://127.0.0.1:{port}/health", 180, interval=0.5,
+                         log_path=tmp_path / "serve.log", log_chars=3000)
         script = "set -euo pipefail\n" + query_block.replace("8000", str(port))
         p = subprocess.run(["bash", "-c", script], cwd=clone, env=env, capture_output=True,
                            text=True, timeout=300)
@@ -97,12 +88,7 @@ def test_readme_quickstart_from_a_fresh_clone(tmp_path):
         assert "completed / failed          20 / 0" in p.stdout       # bench serve
         assert "usage: pagedserve" in p.stdout                       # --help
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_process(server, group=True)
         log.close()
 
     p = subprocess.run(["make", "test", "ARGS=tests/models/test_loader.py"], cwd=clone, env=env,

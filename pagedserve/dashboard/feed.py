@@ -13,7 +13,7 @@ import json
 import time
 from itertools import compress, count
 from operator import ne
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import AsyncIterator, Awaitable, Callable
 
 from pagedserve.core.kv_state import block_owners
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from pagedserve.engine.core_client import EngineDeadError, MPCoreClient
+from pagedserve.engine.input_processor import split_prompt
 from pagedserve.engine.text_output import RequestText, core_params
 from pagedserve.metrics import ServerMetrics
 from pagedserve.outputs import RequestOutput
@@ -102,10 +103,6 @@ class AsyncLLMEngine:
     @property
     def is_running(self) -> bool:
         return self.errored is None
-
-    @property
-    def core_pid(self) -> int:
-        return self.client.pid
 
     async def run(self, fn: Callable, *args, **kwargs):
         """Run fn (tokenization, chat templates) on the worker thread and await its result."""
@@ -234,27 +231,11 @@ class AsyncLLMEngine:
 
     async def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
         """Tokenize here (the core gets ids); the core checks lengths and the vocabulary."""
-        text = None
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
-            elif "prompt" in prompt:
-                return await self._prompt_ids(prompt["prompt"])
-            else:
-                raise ValueError("prompt dict must hold 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt must be token ids (prompt_token_ids) when skip_tokenizer_init=True")
+        text, ids = split_prompt(prompt, can_tokenize=self.tokenizer is not None)
+        if ids is None:
             tok = self.tokenizer
-            return prompt, list(await self.run(lambda: tok.encode(prompt)))
-        else:
-            ids = prompt
-        if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                                    for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        return text, list(ids)
+            ids = list(await self.run(lambda: tok.encode(text)))
+        return text, ids
 
     async def add_request(self, request_id: str, prompt: Any,
                           sampling_params: SamplingParams) -> "RequestStream":

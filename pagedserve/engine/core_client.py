@@ -303,8 +303,14 @@ class MPCoreClient(EngineCoreClient):
         if self._closed:
             return
         if self.proc.poll() is None:
+            import zmq
             try:
-                self._input.send(self._codec.encode(CoreInputs([Shutdown()])))
+                # NOBLOCK: a PUSH with no peer blocks forever, and a core that is exiting on its
+                # own (SIGTERM to the whole process group) has already closed its end.
+                self._input.send(self._codec.encode(CoreInputs([Shutdown()])), flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+            try:
                 self.proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
                 self.proc.terminate()

@@ -41,6 +41,31 @@ def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[
     return ids
 
 
+def split_prompt(prompt: Any, can_tokenize: bool) -> tuple[str | None, list[int] | None]:
+    """(text, token ids) of a prompt: text, token ids, or a dict of either. The ids are None when
+    the text still needs tokenizing (the caller tokenizes where it should: the API process does it
+    off its event loop). Raises ValueError for an ill-formed prompt, or for text that cannot be
+    tokenized (`can_tokenize` False: skip_tokenizer_init)."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" in prompt:
+            ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+        elif "prompt" in prompt:
+            return split_prompt(prompt["prompt"], can_tokenize)
+        else:
+            raise ValueError("prompt dict must hold 'prompt' or 'prompt_token_ids'")
+    elif isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        if not can_tokenize:
+            raise ValueError("prompt must be token ids (prompt_token_ids) when skip_tokenizer_init=True")
+        return prompt, None
+    else:
+        ids, text = prompt, None
+    if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        raise ValueError("prompt_token_ids must be a list of integers")
+    return text, list(ids)
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int, max_num_seqs: int,
                  cache_config: CacheConfig) -> None:
@@ -48,24 +73,9 @@ class InputProcessor:
         self.max_num_seqs, self.cache_config = max_num_seqs, cache_config
 
     def prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, dict):
-            if "prompt_token_ids" in prompt:
-                ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
-            elif "prompt" in prompt:
-                return self.prompt_ids(prompt["prompt"])
-            else:
-                raise ValueError("prompt dict must hold 'prompt' or 'prompt_token_ids'")
-        elif isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("prompt must not be empty")
-            if self.tokenizer is None:
-                raise ValueError("prompt must be token ids (prompt_token_ids) when skip_tokenizer_init=True")
-            return prompt, list(self.tokenizer.encode(prompt))
-        else:
-            ids, text = prompt, None
-        if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("prompt_token_ids must be a list of integers")
-        ids = list(ids)
+        text, ids = split_prompt(prompt, can_tokenize=self.tokenizer is not None)
+        if ids is None:
+            return text, list(self.tokenizer.encode(text))
         if not ids:
             raise ValueError("prompt must not be empty (prompt_token_ids is [])")
         return text, ids

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import os
 import signal
 import subprocess
 import time

@@ -2,14 +2,14 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
+
+from pagedserve.benchmark.server_process import free_port, stop_process, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-pagedserve-test"
@@ -50,12 +50,6 @@ class Server:
         return out
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None,
                  timeout: float = 180.0, port: int | None = None) -> Server:
     port = port or free_port()
@@ -69,24 +63,13 @@ def start_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | No
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
     server = Server(f"http://127.0.0.1:{port}", "tiny", Path(model_dir), api_key, proc, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    stop_server(server)
-    raise RuntimeError(f"server did not become healthy in {timeout} s:\n{server.log()}")
+    try:
+        wait_until_ready(proc, server.base_url + "/health", timeout, log_path=log_path)
+    except RuntimeError:
+        stop_server(server)
+        raise
+    return server
 
 
 def stop_server(server: Server) -> None:
-    server.proc.terminate()
-    try:
-        server.proc.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        server.proc.kill()
-        server.proc.wait()
+    stop_process(server.proc, timeout=20)

@@ -3,6 +3,7 @@
 - The engine core is killed: the stream in flight ends with an error naming the cause, new
   requests and /health answer 503 with it, and the server exits non-zero on its own.
 - The server is SIGKILLed (no chance to clean up): the core notices and exits within 5 s.
+- Both get SIGTERM at once (a process-group stop): the server still exits.
 - The core fails to start (a setting only the engine can check): `pagedserve serve` prints the
   engine's one-line error and exits 2, leaving no process behind.
 """
@@ -87,6 +88,22 @@ def test_sigkilled_server_takes_the_core_down_within_5s(tiny_model_dir, tmp_path
     if alive:  # do not leave it behind, whatever the verdict
         os.kill(core, signal.SIGKILL)
     assert not alive, "the engine core outlived its server by more than 5 s"
+
+
+def test_sigterm_to_both_processes_stops_the_server(tiny_model_dir, tmp_path):
+    """What `kill -TERM -PGID`, systemd and `docker stop` do: the core exits on its SIGTERM while
+    the server shuts down, and the server's goodbye to the gone core must not block its exit."""
+    server = _start(tiny_model_dir, tmp_path)
+    core = _core_pid(server)
+    os.kill(core, signal.SIGTERM)
+    server.proc.terminate()
+    try:
+        server.proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        stop_server(server)
+        raise AssertionError(f"the server still ran 30 s after SIGTERM:\n{server.log()}") from None
+    assert server.proc.returncode in (0, -signal.SIGTERM)
+    assert not _alive(core)
 
 
 def test_core_start_up_error_is_one_line_and_exit_2(tiny_model_dir):

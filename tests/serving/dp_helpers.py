@@ -6,12 +6,13 @@ import os
 import random
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
+
+from pagedserve.benchmark.server_process import free_port, stop_process, wait_until_ready
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-dp-test"
@@ -21,13 +22,6 @@ BLOCK_SIZE = 16
 REPLICA_FLAGS = ("--device", "cpu", "--dtype", "float32", "--block-size", str(BLOCK_SIZE),
                  "--num-gpu-blocks-override", "1024", "--swap-space", "0.05",
                  "--max-model-len", "512", "--max-num-seqs", "32")
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -65,34 +59,23 @@ def start_single_server(log_path: Path, timeout: float = 180.0) -> DPServer:
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO)
     server = DPServer(f"http://127.0.0.1:{port}", proc, log_path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{server.log()}")
-        try:
-            if httpx.get(server.base_url + "/health", timeout=2).status_code == 200:
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    stop_process(proc)
-    raise RuntimeError(f"server not healthy within {timeout} s:\n{server.log()}")
+    wait_healthy(server.base_url, proc, log_path, timeout, every_replica=False)
+    return server
 
 
-def wait_healthy(base_url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()[-6000:]}")
-        try:
-            r = httpx.get(base_url + "/health", timeout=2)
-            if r.status_code == 200 and r.json().get("status") == "ok":
-                return
-        except (httpx.HTTPError, ValueError):
-            pass
-        time.sleep(0.5)
-    proc.terminate()
-    raise RuntimeError(f"server not healthy within {timeout} s:\n{log.read_text()[-6000:]}")
+def wait_healthy(base_url: str, proc: subprocess.Popen, log: Path, timeout: float,
+                 every_replica: bool = True) -> None:
+    """Until /health answers 200 (and, with `every_replica`, says {"status": "ok"}); stops the
+    server if it never does."""
+    try:
+        if every_replica:
+            wait_until_ready(proc, base_url + "/health", timeout, interval=0.5, log_path=log, log_chars=6000,
+                             ready=lambda r: r.json().get("status") == "ok")
+        else:
+            wait_until_ready(proc, base_url + "/health", timeout, log_path=log, log_chars=6000)
+    except RuntimeError:
+        stop_process(proc)
+        raise
 
 
 def start_dp_server(log_path: Path, *extra: str, timeout: float = 300.0) -> DPServer:
@@ -106,15 +89,6 @@ def start_dp_server(log_path: Path, *extra: str, timeout: float = 300.0) -> DPSe
     server = DPServer(f"http://127.0.0.1:{port}", proc, log_path)
     wait_healthy(server.base_url, proc, log_path, timeout)
     return server
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
 
 
 def per_replica(metrics_text: str, name: str) -> dict[str, float]:
