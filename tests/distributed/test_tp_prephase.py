@@ -1,0 +1,100 @@
+"""Before the first start-up phase (spawn, store, control group, set device, compute group) no wait
+is unbounded: a rank stuck there fails the engine within the start-up bound, with an error naming
+the rank and its sub-step; every rank's stacks reach stderr, and with PAGEDSERVE_TP_DEBUG=1 each
+rank prints one line per sub-step, so the log of a hung engine is never empty."""
+import os
+import time
+
+import pytest
+
+from pagedserve import LLM
+from pagedserve.runner.executor import TensorParallelError
+from pagedserve.runner.tp_startup import DEBUG_ENV, FAIL_ENV
+from tp_helpers import launch_children
+
+KW = dict(device="cpu", block_size=8, max_num_batched_tokens=64, max_num_seqs=8, num_gpu_blocks_override=32)
+BOUND_S = 5
+
+
+def _start_stuck(monkeypatch, model: str, substep: str) -> tuple[TensorParallelError, float]:
+    monkeypatch.setenv(FAIL_ENV, f"1:{substep}:hang")  # rank 1 stays alive and silent at that sub-step
+    monkeypatch.setenv("PAGEDSERVE_TP_PHASE_TIMEOUT", str(BOUND_S))  # the pre-phase bound follows it
+    monkeypatch.setenv(DEBUG_ENV, "1")
+    t0 = time.monotonic()
+    with pytest.raises(TensorParallelError) as info:
+        LLM(model, **KW, tensor_parallel_size=2)
+    return info.value, time.monotonic() - t0
+
+
+@pytest.mark.timeout(90)
+def test_worker_that_never_joins_the_store_fails_naming_rank_and_substep(tiny_model_dir, monkeypatch, capfd):
+    err, took = _start_stuck(monkeypatch, str(tiny_model_dir("llama")), "join store")
+    msg = str(err)
+    assert "rank(s) [1] did not join the store" in msg
+    assert "rank 1 is at sub-step join store" in msg
+    assert took < 60  # the bound (5 s) plus start-up, far below the 600 s PAGEDSERVE_TP_START_TIMEOUT
+    log = capfd.readouterr().err
+    # The worker's stacks (SIGUSR1 from rank 0's dump) show it at the hook, and rank 0's its own.
+    assert "_maybe_hang" in log and "tensor-parallel rank 0 stacks" in log
+    assert "pagedserve tp rank 1 +" in log and ": join store" in log
+    assert "pagedserve tp rank 0 +" in log and ": spawn" in log
+    assert not launch_children(os.getpid())
+
+
+@pytest.mark.timeout(90)
+def test_worker_stuck_creating_the_compute_group_fails_naming_rank_and_substep(tiny_model_dir, monkeypatch,
+                                                                              capfd):
+    err, took = _start_stuck(monkeypatch, str(tiny_model_dir("llama")), "compute group")
+    msg = str(err)
+    assert "start-up phase init_runner did not finish" in msg
+    assert "rank(s) [1] in init_runner" in msg
+    assert "rank 1 is at sub-step compute group" in msg
+    # Rank 0 got there too and waits for rank 1 inside the group's creation.
+    assert "rank 0 is at sub-step compute group" in msg
+    assert took < 60
+    log = capfd.readouterr().err
+    # faulthandler's timed dump (a C thread: it works even if the main thread holds the GIL) or the
+    # watchdog's SIGUSR1 dump: either way the worker's stack shows where it is.
+    assert "_maybe_hang" in log and "init_compute" in log
+    assert ": control group" in log and ": compute group" in log
+    assert not launch_children(os.getpid())
+
+
+@pytest.mark.timeout(60)
+def test_watchdog_store_answers_while_the_main_connection_waits_in_a_rendezvous():
+    """A group's rendezvous blocks in the store for a missing peer; the watchdog must still read
+    progress then. One TCPStore client serves one request at a time, so it needs its own."""
+    import threading
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pagedserve.runner.dist_env import DistEnv, free_port
+    from pagedserve.runner.dist_groups import side_store
+
+    env = DistEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=free_port(),
+                  external=False)
+    tcp = dist.TCPStore(env.master_addr, env.master_port, None, is_master=True, timeout=timedelta(seconds=3),
+                        wait_for_workers=False)
+    main = dist.PrefixStore("pagedserve", tcp)
+    main.set("progress/1", "x")
+
+    def order_of(reader) -> list[str]:
+        events = []
+
+        def wait_for_peer():  # what a rendezvous does for a rank that never arrives
+            try:
+                main.get("never-set")
+            except Exception:
+                pass
+            events.append("wait failed")
+        t = threading.Thread(target=wait_for_peer)
+        t.start()
+        time.sleep(1.0)  # the wait is in progress (it lasts 3 s)
+        reader.check(["progress/1"])
+        events.append("read")
+        t.join()
+        return events
+
+    assert order_of(main) == ["wait failed", "read"]  # the defect: sharing the connection queues the read
+    assert order_of(side_store(env)) == ["read", "wait failed"]
