@@ -104,7 +104,7 @@ def init_control(env: DistEnv, trace=None, check_alive=None, describe=None) -> D
                            f"{backstop.total_seconds():.0f} s (sub-step control group)"
                            + (f"; {where}" if where else "") + f": {e}") from e
     # Idle workers wait in the control group for the next command: from now on, effectively forever.
-    _set_timeout(dist.group.WORLD, CONTROL_TIMEOUT)
+    _set_timeout(dist.group.WORLD, CONTROL_TIMEOUT, required=True)
     return DistGroups(env=env, store=store, control=dist.group.WORLD)
 
 
@@ -124,11 +124,15 @@ class StartupError(RuntimeError):
     """A rank did not get through a pre-phase start-up sub-step within the bound."""
 
 
-def _set_timeout(group, timeout: timedelta) -> None:
+def _set_timeout(group, timeout: timedelta, required: bool = False) -> None:
+    """required: the control group, created under the start-up bound, must not keep it (idle
+    workers would then fail after the bound); the compute group's is a backstop to the watchdog."""
     try:
         from torch.distributed.distributed_c10d import _set_pg_timeout
         _set_pg_timeout(timeout, group)
-    except Exception as e:  # private API: the watchdog still bounds every call
+    except Exception as e:  # private API
+        if required:
+            raise RuntimeError(f"could not lift the tensor-parallel control group's start-up timeout: {e}") from e
         logger.warning("could not set a tensor-parallel group's timeout: %s", e)
 
 

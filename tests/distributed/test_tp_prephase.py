@@ -98,3 +98,20 @@ def test_watchdog_store_answers_while_the_main_connection_waits_in_a_rendezvous(
 
     assert order_of(main) == ["wait failed", "read"]  # the defect: sharing the connection queues the read
     assert order_of(side_store(env)) == ["read", "wait failed"]
+
+
+@pytest.mark.timeout(120)
+def test_idle_engine_outlives_the_startup_bound(tiny_model_dir, monkeypatch):
+    """The control group is created under the start-up bound, then idles without one: workers wait
+    in it for rank 0's next command for as long as the server has no request."""
+    from pagedserve import SamplingParams
+    monkeypatch.setenv("PAGEDSERVE_TP_START_TIMEOUT", "8")
+    llm = LLM(str(tiny_model_dir("llama")), **KW, tensor_parallel_size=2)
+    try:
+        time.sleep(8 + 1 + 3)  # past the bound and the store's / gloo's backstop
+        sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+        out = llm.generate(["The quick brown fox"], sp, use_tqdm=False)
+        assert len(out[0].outputs[0].token_ids) == 4
+    finally:
+        llm.shutdown()
+    assert not launch_children(os.getpid())
