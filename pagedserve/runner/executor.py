@@ -240,8 +240,8 @@ class MultiProcExecutor:
                 is_collective = isinstance(e, (CollectiveError, dist.DistError))
                 found = self._describe_failures(wait_s=2.0 if is_collective else 0.0)
                 if self._failure is None and time.monotonic() >= watch.deadline:
-                    # Overran and then failed by its own timeout (a c10d constructor holds the GIL while
-                    # it waits, which starves the watchdog thread): let the watchdog's diagnosis in.
+                    # Overran, then failed by its own (backstop) timeout while the watchdog, which polls,
+                    # is about to diagnose it: its diagnosis names the ranks and sub-steps, so it wins.
                     deadline = time.monotonic() + 2.0
                     while self._failure is None and time.monotonic() < deadline:
                         time.sleep(0.05)

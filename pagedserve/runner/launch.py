@@ -41,6 +41,7 @@ def main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     return run_worker(env, int(parent) if parent else None, trace)
 
+
 if __name__ == "__main__":
     code = main()
     sys.stdout.flush()

@@ -32,8 +32,8 @@ STARTUP_DIR_ENV = "PAGEDSERVE_TP_STARTUP_DIR"
 DEBUG_ENV = "PAGEDSERVE_TP_DEBUG"
 # Same variable as tp_worker.FAIL_ENV: "RANK:SUB-STEP:hang" makes that rank stop at that sub-step.
 FAIL_ENV = "PAGEDSERVE_TP_TEST_FAIL"
-# Gloo and store waits give up this much after the bound. Not more: a c10d constructor holds the GIL
-# while it waits, so rank 0's watchdog thread only runs (and diagnoses) once the wait has failed.
+# Gloo and store waits give up this much after the bound: rank 0's watchdog diagnoses first, and a
+# hang its Python thread cannot see (the main thread blocked in C++) still ends right after.
 BACKSTOP_MARGIN_S = 1.0
 
 
