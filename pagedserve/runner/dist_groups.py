@@ -111,9 +111,9 @@ def init_control(env: DistEnv, trace=None, check_alive=None, describe=None) -> D
 def side_store(env: DistEnv, timeout_s: float = 10.0) -> dist.Store:
     """A second connection to the rendezvous store, for rank 0's watchdog threads.
 
-    A TCPStore client serves one request at a time: while the main thread waits in it (a group's
-    rendezvous waits there for a peer's address or NCCL id), every other thread's check or get on
-    the same client queues behind that wait, so a watchdog sharing it cannot diagnose the hang.
+    While the main thread waits in the store (a group's rendezvous waits there for a peer's address
+    or NCCL id), another thread's check or get on the same client can queue behind that wait (seen
+    with gloo's new_group), so a watchdog sharing it could not diagnose the hang it is there for.
     """
     tcp = dist.TCPStore(env.master_addr, env.master_port, None, is_master=False,
                         timeout=timedelta(seconds=timeout_s), wait_for_workers=False)

@@ -60,7 +60,7 @@ class StartupTrace:
         self.t0 = time.monotonic() if t0 is None else t0
         self.store = None
         self.substep, self.since = "start", time.time()
-        self.debug = os.environ.get(DEBUG_ENV, "") not in ("", "0")
+        self.debug = debug_enabled()
         self._armed = False
 
     def attach_store(self, store) -> None:
@@ -72,8 +72,7 @@ class StartupTrace:
         self.substep, self.since = substep, time.time()
         self._publish()
         if self.debug:
-            print(f"pagedserve tp rank {self.rank} +{time.monotonic() - self.t0:.1f}s: {substep}"
-                  + (f" ({detail})" if detail else ""), file=sys.stderr, flush=True)
+            debug_line(self.rank, time.monotonic() - self.t0, substep + (f" ({detail})" if detail else ""))
         _maybe_hang(self.rank, substep)
 
     def _publish(self) -> None:
@@ -103,6 +102,16 @@ class StartupTrace:
         if self._armed:
             faulthandler.cancel_dump_traceback_later()
             self._armed = False
+
+
+def debug_enabled() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")
+
+
+def debug_line(rank: int, elapsed_s: float, what: str) -> None:
+    """One stderr line: wall clock (to line up the ranks), rank, seconds since its start, what."""
+    print(f"pagedserve tp {time.strftime('%H:%M:%S')} rank {rank} +{elapsed_s:.1f}s: {what}",
+          file=sys.stderr, flush=True)
 
 
 def read_startup(rank: int, folder: str | None, store=None) -> dict | None:

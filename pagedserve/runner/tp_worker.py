@@ -31,7 +31,7 @@ import torch.distributed as dist
 from pagedserve.runner.dist_env import DistEnv
 from pagedserve.runner.dist_groups import (DistGroups, Progress, destroy_distributed, init_compute, init_control,
                                            report_error)
-from pagedserve.runner.tp_startup import FAIL_ENV, StartupTrace
+from pagedserve.runner.tp_startup import FAIL_ENV, StartupTrace, debug_enabled, debug_line
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ class Worker:
     def __init__(self, groups: DistGroups, trace: StartupTrace | None = None):
         self.groups = groups
         self.trace = trace
+        self._debug = debug_enabled()
         self.rank = groups.env.rank
         self.runner = None
         self._executes = 0
@@ -112,6 +113,9 @@ class Worker:
             self.trace.disarm_stack_dump()
             self.trace = None
         self.progress.update(cmd.seq, cmd.method, "running", publish=not step)
+        t0 = time.monotonic()
+        if self._debug and not step:
+            debug_line(self.rank, 0.0, f"{cmd.method} started")
         if cmd.method == self._fail_method:
             self._injected_failure(cmd.method)
         if cmd.method in ("init_runner", "execute_model"):
@@ -119,6 +123,8 @@ class Worker:
         else:
             result = self.call(cmd.method, *cmd.args, **cmd.kwargs)
         self.progress.update(cmd.seq, cmd.method, "done", publish=not step)
+        if self._debug and not step:
+            debug_line(self.rank, time.monotonic() - t0, f"{cmd.method} done")
         return result
 
 

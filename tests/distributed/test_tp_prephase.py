@@ -3,6 +3,7 @@ is unbounded: a rank stuck there fails the engine within the start-up bound, wit
 the rank and its sub-step; every rank's stacks reach stderr, and with PAGEDSERVE_TP_DEBUG=1 each
 rank prints one line per sub-step, so the log of a hung engine is never empty."""
 import os
+import re
 import time
 
 import pytest
@@ -36,8 +37,8 @@ def test_worker_that_never_joins_the_store_fails_naming_rank_and_substep(tiny_mo
     log = capfd.readouterr().err
     # The worker's stacks (SIGUSR1 from rank 0's dump) show it at the hook, and rank 0's its own.
     assert "_maybe_hang" in log and "tensor-parallel rank 0 stacks" in log
-    assert "pagedserve tp rank 1 +" in log and ": join store" in log
-    assert "pagedserve tp rank 0 +" in log and ": spawn" in log
+    assert re.search(r"pagedserve tp \S+ rank 1 \+[\d.]+s: join store", log)
+    assert re.search(r"pagedserve tp \S+ rank 0 \+[\d.]+s: spawn", log)
     assert not launch_children(os.getpid())
 
 
@@ -63,7 +64,7 @@ def test_worker_stuck_creating_the_compute_group_fails_naming_rank_and_substep(t
 @pytest.mark.timeout(60)
 def test_watchdog_store_answers_while_the_main_connection_waits_in_a_rendezvous():
     """A group's rendezvous blocks in the store for a missing peer; the watchdog must still read
-    progress then. One TCPStore client serves one request at a time, so it needs its own."""
+    progress then, so it reads through its own connection."""
     import threading
     from datetime import timedelta
 
@@ -80,9 +81,10 @@ def test_watchdog_store_answers_while_the_main_connection_waits_in_a_rendezvous(
     main.set("progress/1", "x")
 
     def order_of(reader) -> list[str]:
-        events = []
+        events, waiting = [], threading.Event()
 
         def wait_for_peer():  # what a rendezvous does for a rank that never arrives
+            waiting.set()
             try:
                 main.get("never-set")
             except Exception:
@@ -90,13 +92,15 @@ def test_watchdog_store_answers_while_the_main_connection_waits_in_a_rendezvous(
             events.append("wait failed")
         t = threading.Thread(target=wait_for_peer)
         t.start()
-        time.sleep(1.0)  # the wait is in progress (it lasts 3 s)
+        waiting.wait()
+        time.sleep(0.5)  # inside the 3 s wait
         reader.check(["progress/1"])
         events.append("read")
         t.join()
         return events
 
-    assert order_of(main) == ["wait failed", "read"]  # the defect: sharing the connection queues the read
+    # (Through `main` itself the read may queue behind the wait: whether it does depends on the
+    # client's timing, which is why the watchdog never shares that connection.)
     assert order_of(side_store(env)) == ["read", "wait failed"]
 
 
