@@ -430,6 +430,7 @@ class MultiProcExecutor:
             self._abort_nccl()
         # After a failure a peer is gone, and NCCL's teardown can then block forever.
         destroy_distributed(wait_s=None if graceful else 10.0)
+        self._store = None  # its connection closes now, while the store it talks to still exists
         torch.set_num_threads(self._saved_threads)
         if getattr(self, "_startup_dir", None):
             shutil.rmtree(self._startup_dir, ignore_errors=True)

@@ -68,6 +68,7 @@ class Worker:
         self.groups = groups
         self.trace = trace
         self._debug = debug_enabled()
+        self._t0 = trace.t0 if trace is not None else time.monotonic()  # debug lines: seconds since start
         self.rank = groups.env.rank
         self.runner = None
         self._executes = 0
@@ -115,7 +116,7 @@ class Worker:
         self.progress.update(cmd.seq, cmd.method, "running", publish=not step)
         t0 = time.monotonic()
         if self._debug and not step:
-            debug_line(self.rank, 0.0, f"{cmd.method} started")
+            debug_line(self.rank, t0 - self._t0, f"{cmd.method} started")
         if cmd.method == self._fail_method:
             self._injected_failure(cmd.method)
         if cmd.method in ("init_runner", "execute_model"):
@@ -124,7 +125,7 @@ class Worker:
             result = self.call(cmd.method, *cmd.args, **cmd.kwargs)
         self.progress.update(cmd.seq, cmd.method, "done", publish=not step)
         if self._debug and not step:
-            debug_line(self.rank, time.monotonic() - t0, f"{cmd.method} done")
+            debug_line(self.rank, time.monotonic() - self._t0, f"{cmd.method} done in {time.monotonic() - t0:.1f} s")
         return result
 
 
