@@ -254,6 +254,8 @@ def main() -> None:
     os.environ.setdefault("PAGEDSERVE_TP_PHASE_TIMEOUT", str(bound))
     os.environ.setdefault("PAGEDSERVE_TP_STEP_TIMEOUT", str(min(bound, 180)))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # NVLink multicast stays off on the lent machines
+    # One stderr line per pre-phase start-up sub-step of every rank: a child's log is never empty.
+    os.environ.setdefault("PAGEDSERVE_TP_DEBUG", "1")
     progress = Progress(args.progress_dir)
     tmp = Path(tempfile.mkdtemp(prefix="tp_bench_"))
     common = dict(device=args.device, dtype=args.dtype)

@@ -19,11 +19,12 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from pagedserve.runner.dist_env import CONTROL_TIMEOUT, DistEnv, compute_timeout, start_timeout
+from pagedserve.runner.dist_env import CONTROL_TIMEOUT, DistEnv, compute_timeout
 
 logger = logging.getLogger(__name__)
 
@@ -49,55 +50,109 @@ def joined_key(rank: int) -> str:
     return f"joined/{rank}"
 
 
-def init_control(env: DistEnv, check_alive=None) -> DistGroups:
+def init_control(env: DistEnv, trace=None, check_alive=None, describe=None) -> DistGroups:
     """Join the rendezvous and the control group (blocks until every rank has arrived).
 
-    Rank 0 first waits for every rank's `joined` key in the store, calling check_alive()
-    between polls, so a worker that dies while starting fails the start-up at once instead
-    of leaving rank 0 inside gloo's connect for the control group's whole timeout.
+    Every wait here is bounded by tp_startup.startup_bound(). Rank 0 first waits for every rank's
+    `joined` key in the store, calling check_alive() between polls, so a worker that dies while
+    starting fails the start-up at once; a worker that is alive but never joins fails it at the
+    bound, with describe(ranks) (where those ranks are) in the error. trace (a StartupTrace)
+    records this rank's sub-steps: "join store", "control group".
     """
+    from pagedserve.runner.tp_startup import BACKSTOP_MARGIN_S, bound_names, startup_bound
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process: "
                            "one tensor-parallel engine per process")
-    timeout = start_timeout()
+    step = trace.step if trace is not None else (lambda name, detail="": None)
+    bound = startup_bound()
+    # Store and gloo waits are the backstop: they give up a little after rank 0's own bound.
+    backstop = timedelta(seconds=bound + BACKSTOP_MARGIN_S)
+    step("join store", f"{env.master_addr}:{env.master_port}")
     # Under torchrun the agent of node 0 already hosts a store at MASTER_PORT: every rank is a client.
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    tcp = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                        is_master=env.rank == 0 and not agent_store, timeout=timeout, wait_for_workers=False)
+    try:
+        tcp = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                            is_master=env.rank == 0 and not agent_store, timeout=backstop, wait_for_workers=False)
+    except Exception as e:
+        raise StartupError(f"tensor-parallel rank {env.rank} could not join the store at {env.master_addr}:"
+                           f"{env.master_port} (sub-step join store): {e}") from e
     store = dist.PrefixStore("pagedserve", tcp)  # the agent's store is shared with torchrun itself
+    if trace is not None:
+        trace.attach_store(store)
     if env.rank == 0:
-        deadline = time.monotonic() + timeout.total_seconds()
+        deadline = time.monotonic() + bound
         missing = list(range(1, env.world_size))
         while missing:
             if check_alive is not None:
                 check_alive()
             missing = [r for r in missing if not store.check([joined_key(r)])]
             if missing and time.monotonic() > deadline:
-                raise TimeoutError(f"tensor-parallel ranks {missing} did not join {env.master_addr}:"
-                                   f"{env.master_port} within {timeout.total_seconds():.0f} s")
+                where = describe(missing, store) if describe is not None else ""
+                raise StartupError(f"tensor-parallel start-up: rank(s) {missing} did not join the store at "
+                                   f"{env.master_addr}:{env.master_port} within {bound:.0f} s ({bound_names()}); "
+                                   f"rank 0 is at sub-step join store" + (f"; {where}" if where else ""))
             time.sleep(0.02)
     else:
         store.set(joined_key(env.rank), "1")
-    dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size,
-                            timeout=CONTROL_TIMEOUT)
+    step("control group")
+    try:
+        dist.init_process_group("gloo", store=store, rank=env.rank, world_size=env.world_size, timeout=backstop)
+    except Exception as e:
+        others = [r for r in range(env.world_size) if r != env.rank]
+        where = describe(others, store) if describe is not None else ""
+        raise StartupError(f"tensor-parallel rank {env.rank} could not build the control group within "
+                           f"{backstop.total_seconds():.0f} s (sub-step control group)"
+                           + (f"; {where}" if where else "") + f": {e}") from e
+    # Idle workers wait in the control group for the next command: from now on, effectively forever.
+    _set_timeout(dist.group.WORLD, CONTROL_TIMEOUT, required=True)
     return DistGroups(env=env, store=store, control=dist.group.WORLD)
 
 
-def init_compute(groups: DistGroups, device: str) -> None:
+def side_store(env: DistEnv, timeout_s: float = 10.0) -> dist.Store:
+    """A second connection to the rendezvous store, for rank 0's watchdog threads.
+
+    While the main thread waits in the store (a group's rendezvous waits there for a peer's address
+    or NCCL id), another thread's check or get on the same client can queue behind that wait (seen
+    with gloo's new_group), so a watchdog sharing it could not diagnose the hang it is there for.
+    """
+    tcp = dist.TCPStore(env.master_addr, env.master_port, None, is_master=False,
+                        timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
+    return dist.PrefixStore("pagedserve", tcp)
+
+
+class StartupError(RuntimeError):
+    """A rank did not get through a pre-phase start-up sub-step within the bound."""
+
+
+def _set_timeout(group, timeout: timedelta, required: bool = False) -> None:
+    """required: the control group, created under the start-up bound, must not keep it (idle
+    workers would then fail after the bound); the compute group's is a backstop to the watchdog."""
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+        _set_pg_timeout(timeout, group)
+    except Exception as e:  # private API
+        if required:
+            raise RuntimeError(f"could not lift the tensor-parallel control group's start-up timeout: {e}") from e
+        logger.warning("could not set a tensor-parallel group's timeout: %s", e)
+
+
+def init_compute(groups: DistGroups, device: str, trace=None) -> None:
     """Every rank, together: pick the device and build the compute group the model's collectives use."""
+    from pagedserve.runner.tp_startup import BACKSTOP_MARGIN_S, startup_bound
+    step = trace.step if trace is not None else (lambda name, detail="": None)
     dev = compute_device(groups.env, device)
+    step("set device", str(dev))
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     backend = "nccl" if dev.type == "cuda" else "gloo"
-    # Creating the group waits for every rank to arrive here, which may lag by a rank's start-up
-    # (gloo connects now); only then does the (shorter) per-collective bound apply.
+    step("compute group", backend)
+    # Creating the group waits for every rank to arrive here (gloo connects now; NCCL when
+    # device_id is given); the phase watchdog bounds it, this timeout is the backstop. Only
+    # then does the (shorter) per-collective bound apply.
+    kwargs = {"device_id": dev} if dev.type == "cuda" else {}
     groups.compute = dist.new_group(list(range(groups.env.world_size)), backend=backend,
-                                    timeout=max(start_timeout(), compute_timeout()))
-    try:
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-        _set_pg_timeout(compute_timeout(), groups.compute)
-    except Exception as e:  # private API: the watchdog still bounds every call
-        logger.warning("could not set the compute group's collective timeout: %s", e)
+                                    timeout=timedelta(seconds=startup_bound() + BACKSTOP_MARGIN_S), **kwargs)
+    _set_timeout(groups.compute, compute_timeout())
     groups.device = dev
     from pagedserve.distributed import init_tp_group
     init_tp_group(groups.env.rank, groups.env.world_size, groups.compute)

@@ -26,8 +26,10 @@ import atexit
 import logging
 import os
 import signal
+import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -37,8 +39,10 @@ import torch.distributed as dist
 from pagedserve.distributed import CollectiveError
 from pagedserve.runner.dist_env import (DistEnv, free_port, is_external_worker, phase_timeout, step_timeout,
                                         torchrun_env)
-from pagedserve.runner.dist_groups import abort_group, compute_device, destroy_distributed, init_control, read_error
+from pagedserve.runner.dist_groups import (StartupError, abort_group, compute_device, destroy_distributed,
+                                           init_control, read_error, side_store)
 from pagedserve.runner.launch import NUM_THREADS_ENV, PARENT_PID_ENV
+from pagedserve.runner.tp_startup import STARTUP_DIR_ENV, StartupTrace, describe_ranks, startup_bound
 from pagedserve.runner.tp_watchdog import Watch, device_done_marker, diagnose, dump_stacks
 from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError,
                                          _resolve, reply)
@@ -130,19 +134,45 @@ class MultiProcExecutor:
             self._threads = max(1, (os.cpu_count() or 1) // self.world_size)
             torch.set_num_threads(self._threads)
         atexit.register(self.shutdown)
+        # Until the first start-up phase, every rank records its sub-step (tp_startup) and dumps its
+        # stacks if still there after the bound; spawned ranks write theirs under this folder.
+        self._startup_dir = None if env.external else tempfile.mkdtemp(prefix="pagedserve-tp-")
+        self._trace = StartupTrace(0, self._startup_dir)
+        self._trace.arm_stack_dump()
+        try:
+            self._start(env, config, hf_config, dtype, runner_factory)
+        finally:
+            self._trace.disarm_stack_dump()
+
+    def _start(self, env, config, hf_config, dtype, runner_factory) -> None:
+        """Everything before the first start-up phase: spawn, rendezvous, groups, runners."""
         if not env.external:
+            self._trace.step("spawn", f"ranks 1..{self.world_size - 1}")
             self._spawn_workers()
             threading.Thread(target=self._monitor, daemon=True, name="tp-monitor").start()
         try:
-            self.groups = init_control(env, check_alive=self._raise_if_dead)
+            self.groups = init_control(env, self._trace, check_alive=self._raise_if_dead,
+                                       describe=self._describe_startup)
+        except StartupError as e:
+            dump_stacks(self._procs.values())
+            err = TensorParallelError(str(e))
+            self._fail_with(err)
+            raise err from e
         except BaseException:
             self._teardown(graceful=False)
             raise
-        self.worker = Worker(self.groups)
+        # The watchdog's and the error readers' own connection: the main thread's may be stuck in a wait.
+        self._store = side_store(env)
+        self.worker = Worker(self.groups, self._trace)
         threading.Thread(target=self._watchdog, daemon=True, name="tp-watchdog").start()
         # Each rank picks its own device (cuda:<local rank>, or the cpu); `device` names the kind.
         self.collective_rpc("init_runner", config, hf_config, dtype, runner_factory, want_result=True)
         self.runner = self.worker.runner
+
+    def _describe_startup(self, ranks, store=None) -> str:
+        """Where each of `ranks` is in the pre-phase start-up (their sub-step records)."""
+        store = store if store is not None else getattr(self, "_store", None)
+        return describe_ranks(ranks, self._startup_dir, store)
 
     # -- the runner contract -------------------------------------------------------------
 
@@ -189,7 +219,9 @@ class MultiProcExecutor:
             self._seq += 1
             cmd = Command(method, args, kwargs, want_result, self._seq)
             step = method == "execute_model"
-            watch = Watch(method, self._seq, time.monotonic() + (self._step_timeout if step else self._phase_timeout))
+            bound = (self._step_timeout if step else startup_bound() if method == "init_runner"
+                     else self._phase_timeout)
+            watch = Watch(method, self._seq, time.monotonic() + bound)
             if not (step and self._watch is not None and not self._watch.finished()):
                 self._watch = watch  # a step still running on the device keeps its own, earlier deadline
             try:
@@ -207,6 +239,14 @@ class MultiProcExecutor:
                     raise self._fail_with(self._failure) from e
                 is_collective = isinstance(e, (CollectiveError, dist.DistError))
                 found = self._describe_failures(wait_s=2.0 if is_collective else 0.0)
+                if self._failure is None and time.monotonic() >= watch.deadline:
+                    # Overran, then failed by its own (backstop) timeout while the watchdog, which polls,
+                    # is about to diagnose it: its diagnosis names the ranks and sub-steps, so it wins.
+                    deadline = time.monotonic() + 2.0
+                    while self._failure is None and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                if self._failure is not None:
+                    raise self._fail_with(self._failure) from e
                 if found:
                     raise self._fail_with(TensorParallelError("; ".join(found))) from e
                 if is_collective:
@@ -240,11 +280,14 @@ class MultiProcExecutor:
                 continue
             if time.monotonic() < watch.deadline:
                 continue
-            err = TensorParallelError(diagnose(watch, self.groups.store, self.world_size, self._phase_timeout,
-                                               self._step_timeout))
+            bound = startup_bound() if watch.method == "init_runner" else self._phase_timeout
+            what = diagnose(watch, self._store, self.world_size, bound, self._step_timeout)
+            if watch.method == "init_runner":  # still before the phases: say which sub-step each rank is in
+                what += "; " + self._describe_startup(range(self.world_size))
+            err = TensorParallelError(what)
             logger.error("%s", err)
+            self._failure = err  # first: the main thread may fail any moment now, and must raise this
             dump_stacks(self._procs.values())
-            self._failure = err
             for p in self._procs.values():
                 if p.poll() is None:
                     p.kill()
@@ -323,7 +366,7 @@ class MultiProcExecutor:
         while True:
             found = []
             for rank in range(1, self.world_size):
-                msg = read_error(self.groups.store, rank)
+                msg = read_error(getattr(self, "_store", None) or self.groups.store, rank)
                 proc = self._procs.get(rank)
                 code = proc.poll() if proc is not None else None
                 if msg is not None:
@@ -362,6 +405,8 @@ class MultiProcExecutor:
             if self._threads:
                 env[NUM_THREADS_ENV] = str(self._threads)
             env["PYTHONPATH"] = _import_path()
+            if self._startup_dir:
+                env[STARTUP_DIR_ENV] = self._startup_dir
             self._procs[rank] = subprocess.Popen([sys.executable, "-m", "pagedserve.runner.launch"], env=env)
 
     def _kill_workers(self, grace_s: float = 0.0) -> None:
@@ -385,7 +430,10 @@ class MultiProcExecutor:
             self._abort_nccl()
         # After a failure a peer is gone, and NCCL's teardown can then block forever.
         destroy_distributed(wait_s=None if graceful else 10.0)
+        self._store = None  # its connection closes now, while the store it talks to still exists
         torch.set_num_threads(self._saved_threads)
+        if getattr(self, "_startup_dir", None):
+            shutil.rmtree(self._startup_dir, ignore_errors=True)
         try:
             atexit.unregister(self.shutdown)
         except Exception:

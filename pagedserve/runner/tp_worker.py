@@ -31,6 +31,7 @@ import torch.distributed as dist
 from pagedserve.runner.dist_env import DistEnv
 from pagedserve.runner.dist_groups import (DistGroups, Progress, destroy_distributed, init_compute, init_control,
                                            report_error)
+from pagedserve.runner.tp_startup import FAIL_ENV, StartupTrace, debug_enabled, debug_line
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +45,7 @@ STARTUP_PHASES = ("load_model", "determine_num_blocks", "allocate_kv_cache", "me
 # Test hook: "RANK:CALL" makes that rank raise on its CALL-th execute_model (1-based), or, when
 # CALL is a method name (a start-up phase), on that call; "RANK:CALL:hang" makes it stop
 # answering there instead.
-FAIL_ENV = "PAGEDSERVE_TP_TEST_FAIL"
+# A pre-phase sub-step in place of CALL ("1:compute group:hang") makes the rank stop there (tp_startup).
 
 
 @dataclass
@@ -63,8 +64,11 @@ class InjectedFailure(RuntimeError):
 class Worker:
     """The per-rank half of the executor: everything a rank does, called identically on every rank."""
 
-    def __init__(self, groups: DistGroups):
+    def __init__(self, groups: DistGroups, trace: StartupTrace | None = None):
         self.groups = groups
+        self.trace = trace
+        self._debug = debug_enabled()
+        self._t0 = trace.t0 if trace is not None else time.monotonic()  # debug lines: seconds since start
         self.rank = groups.env.rank
         self.runner = None
         self._executes = 0
@@ -80,7 +84,9 @@ class Worker:
 
     def init_runner(self, config, hf_config, dtype, runner_factory: str | None = None) -> None:
         """Build the compute group and this rank's ModelRunner (load_model then reads only its slices)."""
-        init_compute(self.groups, config.device)
+        init_compute(self.groups, config.device, self.trace)
+        if self.trace is not None:
+            self.trace.step("build runner")
         factory = _resolve(runner_factory or DEFAULT_RUNNER)
         self.runner = factory(config, hf_config, self.groups.device, dtype)
 
@@ -102,7 +108,15 @@ class Worker:
     def dispatch(self, cmd: Command):
         """Run one command, keeping this rank's published progress current."""
         step = cmd.method == "execute_model"
+        if self.trace is not None and cmd.method in STARTUP_PHASES:
+            # The phases have begun: the phase watchdog bounds them from here.
+            self.trace.step("phases", cmd.method)
+            self.trace.disarm_stack_dump()
+            self.trace = None
         self.progress.update(cmd.seq, cmd.method, "running", publish=not step)
+        t0 = time.monotonic()
+        if self._debug and not step:
+            debug_line(self.rank, t0 - self._t0, f"{cmd.method} started")
         if cmd.method == self._fail_method:
             self._injected_failure(cmd.method)
         if cmd.method in ("init_runner", "execute_model"):
@@ -110,6 +124,8 @@ class Worker:
         else:
             result = self.call(cmd.method, *cmd.args, **cmd.kwargs)
         self.progress.update(cmd.seq, cmd.method, "done", publish=not step)
+        if self._debug and not step:
+            debug_line(self.rank, time.monotonic() - self._t0, f"{cmd.method} done in {time.monotonic() - t0:.1f} s")
         return result
 
 
@@ -171,15 +187,17 @@ def _watch_parent(ppid: int) -> None:
         time.sleep(0.5)
 
 
-def run_worker(env: DistEnv, parent_pid: int | None = None) -> int:
+def run_worker(env: DistEnv, parent_pid: int | None = None, trace: StartupTrace | None = None) -> int:
     """Serve rank 0 as rank env.rank > 0 until it shuts down; returns the process exit code."""
     if parent_pid is not None:
         threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="parent-watch").start()
     groups = None
     ok = False
     try:
-        groups = init_control(env)
-        worker = Worker(groups)
+        trace = trace or StartupTrace(env.rank)
+        groups = init_control(env, trace)
+        trace.step("wait for init_runner")
+        worker = Worker(groups, trace)
         worker.progress.start_heartbeat()
         worker_loop(worker)
         ok = True
