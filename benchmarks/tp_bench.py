@@ -28,6 +28,7 @@ import json
 import os
 import random
 import shlex
+import faulthandler
 import signal
 import subprocess
 import sys
@@ -59,8 +60,9 @@ def child_agreement(args) -> dict:
                for _ in range(args.num_prompts)]
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=TOP_K)
     outs = llm.generate(prompts, sp, use_tqdm=False)
-    return {"tokens": [o.outputs[0].token_ids for o in outs],
-            "top": [[sorted(lp, key=lp.get, reverse=True)[:TOP_K] for lp in o.outputs[0].logprobs] for o in outs]}
+    result = {"tokens": [o.outputs[0].token_ids for o in outs],
+              "top": [[sorted(lp, key=lp.get, reverse=True)[:TOP_K] for lp in o.outputs[0].logprobs] for o in outs]}
+    return result, llm
 
 
 def child_throughput(args) -> dict:
@@ -104,7 +106,7 @@ class ChildFailed(RuntimeError):
 
 def run_child(kind: str, out: Path, progress: Progress, timeout_s: float, name: str, **kw) -> dict:
     """One engine in its own session; the whole session (rank 0 and its workers) dies on timeout."""
-    cmd = [sys.executable, __file__, "--child", kind, "--child-out", str(out)]
+    cmd = [sys.executable, __file__, "--child", kind, "--child-out", str(out), "--child-timeout", str(timeout_s)]
     for k, v in kw.items():
         if v is not None:
             cmd += [f"--{k.replace('_', '-')}", str(v)]
@@ -240,8 +242,18 @@ def main() -> None:
     args.dtype = args.dtype or ("float32" if args.smoke else "bfloat16")
 
     if args.child:
-        result = child_agreement(args) if args.child == "agreement" else child_throughput(args)
+        # A child about to be killed for overrunning first says where every thread is.
+        faulthandler.dump_traceback_later(max(5.0, args.child_timeout - 15), exit=False)
+        llm = None
+        if args.child == "agreement":
+            result, llm = child_agreement(args)
+        else:
+            result = child_throughput(args)
         Path(args.child_out).write_text(json.dumps(result))
+        if llm is not None:  # shut down here, timed, not at exit: a teardown hang must show as one
+            t0 = time.monotonic()
+            llm.shutdown()
+            print(f"engine shutdown took {time.monotonic() - t0:.1f} s", flush=True)
         return
 
     from pagedserve.benchmark.results import git_commit, write_result

@@ -125,14 +125,15 @@ def offline_one(engine: str, gpu: str, args, work: Path) -> None:
 
 def run_pair(fn, args, work: Path, *extra) -> None:
     gpus = args.gpus.split(",")
-    if len(gpus) >= 2:
-        ts = [threading.Thread(target=fn, args=(e, g, args, *extra, work)) for e, g in zip(("vllm", "pagedserve"), gpus)]
+    engines = [e for e in ("vllm", "pagedserve") if e in args.engines.split(",")]
+    if len(gpus) >= 2 and len(engines) == 2:
+        ts = [threading.Thread(target=fn, args=(e, g, args, *extra, work)) for e, g in zip(engines, gpus)]
         for t in ts:
             t.start()
         for t in ts:
             t.join()
     else:
-        for e in ("vllm", "pagedserve"):
+        for e in engines:
             fn(e, gpus[0], args, *extra, work)
 
 
@@ -217,6 +218,9 @@ def main() -> None:
     ap.add_argument("--work", default=os.environ.get("OUT") or tempfile.mkdtemp(), help="phase files and progress log")
     ap.add_argument("--model", default=str(REPO / "benchmarks/models/llama-3.1-8b"))
     ap.add_argument("--workload", default="sharegpt-like")
+    ap.add_argument("--engines", default="vllm,pagedserve",
+                    help="online/offline: which engines run ('pagedserve' alone: an A/B of our own flags; "
+                         "collect still needs both engines' files for the ratios)")
     ap.add_argument("--rates", type=float, nargs="+", default=[10, 20, 40])
     ap.add_argument("--num-requests", type=int, default=300)
     ap.add_argument("--max-model-len", type=int, default=4096)

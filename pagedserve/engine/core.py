@@ -29,6 +29,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.engine.core_messages import (AbortRequests, AddRequest, Codec, CompletionDelta,
                                              CoreInputs, Ready, RequestDelta, Shutdown,
                                              StartupFailed, StepOutputs, UtilityCall, UtilityResult)
+from pagedserve.engine.pauses import freeze_startup_heap, install_gc_pause_log, pause_threshold_s
 from pagedserve.metrics import EngineSnapshot
 from pagedserve.outputs import RequestOutput
 
@@ -181,6 +182,7 @@ class EngineCore:
         import zmq
         codec = Codec()
         decode, encode = codec.inputs.decode, codec.encode
+        slow_s = pause_threshold_s()
         running = True
         while running:
             frames = [] if self.engine.has_unfinished_requests() else [input_socket.recv(copy=False)]
@@ -189,6 +191,7 @@ class EngineCore:
                     frames.append(input_socket.recv(zmq.NOBLOCK, copy=False))
                 except zmq.Again:
                     break
+            t0 = time.perf_counter()  # after any idle wait: only the work counts as a pause
             out = StepOutputs()
             for frame in frames:
                 try:
@@ -203,6 +206,10 @@ class EngineCore:
                 self.step_outputs(out)
             out.snapshot = self.snapshot()
             output_socket.send(encode(out), copy=False)
+            if slow_s is not None and time.perf_counter() - t0 >= slow_s:
+                logger.warning("engine core: loop iteration took %.1f ms (%d outputs, %d unfinished)",
+                               (time.perf_counter() - t0) * 1e3, len(out.outputs),
+                               self.engine.get_num_unfinished_requests())
 
 
 # ---- the process ------------------------------------------------------------------------------
@@ -243,6 +250,10 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
         out.close(linger=2000)
         ctx.term()
         return 1
+    # What start-up left alive stays alive: keep full collections from walking it mid-serving.
+    frozen = freeze_startup_heap()
+    install_gc_pause_log("engine core")
+    logger.info("froze %d start-up objects out of the garbage collector", frozen)
     out.send(codec.encode(core.ready_message()))
     try:
         core.run_busy_loop(inp, out)

@@ -160,21 +160,20 @@ def init_compute(groups: DistGroups, device: str, trace=None) -> None:
 
 def abort_group(group) -> None:
     """Make every wait on `group` in this process fail now (best effort; NCCL honours it, gloo may not)."""
-    if group is None:
-        return
     try:
         from torch.distributed.distributed_c10d import _abort_process_group
-        _abort_process_group(group)
+        _abort_process_group(group)  # None: the default group, hence every group
     except Exception as e:  # experimental API: the group's own timeout remains the backstop
         logger.warning("could not abort a tensor-parallel process group: %s", e)
 
 
-def destroy_distributed(wait_s: float | None = None) -> None:
+def destroy_distributed(wait_s: float | None = None, abort_on_timeout: bool = False) -> None:
     """Leave the groups and give this process back its single-rank TP group.
 
     With wait_s, the teardown runs on a helper thread and is abandoned after wait_s seconds:
     destroying an NCCL group whose peer died can block forever, and a failed engine must
-    still return its error.
+    still return its error. abort_on_timeout then also aborts every group (NCCL's abort needs
+    no peer), so nothing of this process stays blocked on them.
     """
     from pagedserve.distributed import reset_tp_group
     reset_tp_group()
@@ -193,7 +192,10 @@ def destroy_distributed(wait_s: float | None = None) -> None:
     t.start()
     t.join(wait_s)
     if t.is_alive():
-        logger.warning("tensor-parallel process groups did not tear down within %.0f s; abandoning them", wait_s)
+        logger.warning("tensor-parallel process groups did not tear down within %.0f s; %s", wait_s,
+                       "aborting them" if abort_on_timeout else "abandoning them")
+        if abort_on_timeout:
+            abort_group(None)
 
 
 def error_key(rank: int) -> str:

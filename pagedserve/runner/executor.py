@@ -42,7 +42,8 @@ from pagedserve.runner.dist_env import (DistEnv, free_port, is_external_worker, 
 from pagedserve.runner.dist_groups import (StartupError, abort_group, compute_device, destroy_distributed,
                                            init_control, read_error, side_store)
 from pagedserve.runner.launch import NUM_THREADS_ENV, PARENT_PID_ENV
-from pagedserve.runner.tp_startup import STARTUP_DIR_ENV, StartupTrace, describe_ranks, startup_bound
+from pagedserve.runner.tp_startup import (STARTUP_DIR_ENV, StartupTrace, debug_enabled, debug_line, describe_ranks,
+                                          startup_bound)
 from pagedserve.runner.tp_watchdog import Watch, device_done_marker, diagnose, dump_stacks
 from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError,
                                          _resolve, reply)
@@ -52,6 +53,8 @@ logger = logging.getLogger(__name__)
 
 # How long shutdown waits for every rank to acknowledge before killing them.
 SHUTDOWN_WAIT_S = 30.0
+# How long a graceful teardown of the process groups may take before they are aborted instead.
+TEARDOWN_WAIT_S = 15.0
 
 
 class TensorParallelError(RuntimeError):
@@ -106,6 +109,7 @@ class MultiProcExecutor:
         self._seq = 0
         self._watch: Watch | None = None  # the call the watchdog is timing
         self._phase_timeout, self._step_timeout = phase_timeout(), step_timeout()
+        self._t0 = time.monotonic()
 
         env = torchrun_env()
         if env is not None:
@@ -313,7 +317,8 @@ class MultiProcExecutor:
         """NCCL waits for a dead or silent peer until its timeout: abort them. (Gloo waits fail
         as soon as the peer's process is gone.)"""
         groups = getattr(self, "groups", None)
-        if groups is not None and groups.device is not None and groups.device.type == "cuda":
+        if (groups is not None and groups.compute is not None and groups.device is not None
+                and groups.device.type == "cuda"):
             abort_group(groups.compute)
 
     # -- failure handling ------------------------------------------------------------------
@@ -425,11 +430,21 @@ class MultiProcExecutor:
         if self._closed:
             return
         self._closed = True
-        self._kill_workers(grace_s=10.0 if graceful else 0.0)
-        if not graceful:
+        if graceful:
+            # Every rank is past the shutdown barrier and tears its groups down now: rank 0 must do
+            # so at the same time, not after reaping the workers. Destroying an NCCL communicator
+            # whose peer has already exited blocked rank 0 for good on 2xH200 (the "TP=2 hang":
+            # rank 1 finished, freed its GPU and exited; rank 0 sat in the teardown).
+            self._debug("shutdown: destroy groups")
+            destroy_distributed(wait_s=TEARDOWN_WAIT_S, abort_on_timeout=True)
+            self._debug("shutdown: reap workers")
+            self._kill_workers(grace_s=10.0)
+        else:
+            self._kill_workers(grace_s=0.0)
             self._abort_nccl()
-        # After a failure a peer is gone, and NCCL's teardown can then block forever.
-        destroy_distributed(wait_s=None if graceful else 10.0)
+            # After a failure a peer is gone, and NCCL's teardown can then block forever.
+            destroy_distributed(wait_s=10.0)
+        self._debug("shutdown: done")
         self._store = None  # its connection closes now, while the store it talks to still exists
         torch.set_num_threads(self._saved_threads)
         if getattr(self, "_startup_dir", None):
@@ -439,10 +454,15 @@ class MultiProcExecutor:
         except Exception:
             pass
 
+    def _debug(self, what: str) -> None:
+        if debug_enabled():
+            debug_line(0, time.monotonic() - self._t0, what)
+
     def shutdown(self) -> None:
         """Tell every rank to exit, then reap them. Idempotent."""
         if self._closed:
             return
+        self._debug("shutdown")
         graceful = False
         if self._failure is None and not self._dead and hasattr(self, "groups"):
             try:

@@ -151,6 +151,8 @@ def worker_loop(worker: Worker) -> None:
             # Rank 0 waits here too: no send is still in flight when either side tears its
             # groups down (gloo can abort a process whose pair is destroyed mid-send).
             dist.barrier(group=groups.control)
+            if worker._debug:
+                debug_line(worker.rank, time.monotonic() - worker._t0, "shutdown: destroy groups")
             return
         try:
             result = worker.dispatch(cmd)
@@ -210,4 +212,5 @@ def run_worker(env: DistEnv, parent_pid: int | None = None, trace: StartupTrace 
         return 1
     finally:
         # After a failure a peer may be gone, and NCCL's teardown can then block forever.
-        destroy_distributed(wait_s=None if ok else 10.0)
+        # Rank 0 tears its groups down at the same time (executor._teardown); bounded either way.
+        destroy_distributed(wait_s=15.0 if ok else 10.0, abort_on_timeout=ok)

@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.pauses import freeze_startup_heap, install_gc_pause_log, watch_event_loop
 from pagedserve.entrypoints.openai.dashboard import dashboard_router
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                     CompletionRequest, CompletionResponse,
@@ -165,7 +166,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
+        watcher = asyncio.get_running_loop().create_task(watch_event_loop("api server"))
         yield
+        watcher.cancel()
         await engine.shutdown()
 
     app = FastAPI(title="pagedserve", description="OpenAI-compatible server of pagedserve",
@@ -286,6 +289,8 @@ def run_server_cli(args: Any) -> int:
                                               lambda: setattr(server, "should_exit", True))
 
     engine.on_core_death = exit_soon
+    freeze_startup_heap()  # see engine/pauses.py: no full collection walks the start-up heap mid-serving
+    install_gc_pause_log("api server")
     logger.info("serving %s on http://%s:%d/v1%s", name, args.host, args.port,
                 " (API key required)" if api_key else "")
     print(_usage_hint(name, args.host, args.port, api_key is not None), flush=True)

@@ -1,0 +1,77 @@
+"""Pauses of a serving process's loop: keep the garbage collector out of them, and find the rest.
+
+A full (oldest-generation) collection walks every object the interpreter tracks. After start-up
+that is the model's modules, the tokenizer and everything imported; a collection that lands in
+the middle of serving stalls the engine-core loop or the API server's event loop for as long as
+the walk takes, and every request waiting on it sees that as latency. freeze_startup_heap()
+moves what start-up left alive into the permanent generation the collector never walks (as vLLM
+does); later garbage is collected as usual.
+
+PAGEDSERVE_LOG_PAUSES_MS=N (default: off) logs, in the process that calls the installers, every
+collection over N ms, every engine-core loop iteration over N ms (core.py) and every event-loop
+stall over N ms in the API server: the tool for a latency tail that has no other explanation.
+"""
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import os
+import time
+
+logger = logging.getLogger(__name__)
+
+LOG_PAUSES_ENV = "PAGEDSERVE_LOG_PAUSES_MS"
+
+
+def pause_threshold_s() -> float | None:
+    """The PAGEDSERVE_LOG_PAUSES_MS threshold in seconds, or None when unset/0."""
+    raw = os.environ.get(LOG_PAUSES_ENV, "").strip()
+    if not raw:
+        return None
+    try:
+        ms = float(raw)
+    except ValueError:
+        raise ValueError(f"{LOG_PAUSES_ENV} must be a number of milliseconds, got {raw!r}") from None
+    return ms / 1000.0 if ms > 0 else None
+
+
+def freeze_startup_heap() -> int:
+    """Collect once, then exempt every surviving object from future collections; returns how many."""
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
+
+
+def install_gc_pause_log(process: str) -> bool:
+    """Log collections longer than the threshold (no-op without PAGEDSERVE_LOG_PAUSES_MS)."""
+    threshold = pause_threshold_s()
+    if threshold is None:
+        return False
+    started: dict[int, float] = {}
+
+    def on_gc(phase: str, info: dict) -> None:
+        gen = info.get("generation", -1)
+        if phase == "start":
+            started[gen] = time.perf_counter()
+        elif gen in started:
+            took = time.perf_counter() - started.pop(gen)
+            if took >= threshold:
+                logger.warning("%s: gc generation %d took %.1f ms (collected %d)", process, gen, took * 1e3,
+                               info.get("collected", 0))
+    gc.callbacks.append(on_gc)
+    return True
+
+
+async def watch_event_loop(process: str, period_s: float = 0.01) -> None:
+    """Log every time this event loop could not run a 10 ms timer for longer than the threshold."""
+    threshold = pause_threshold_s()
+    if threshold is None:
+        return
+    loop = asyncio.get_running_loop()
+    while True:
+        t0 = loop.time()
+        await asyncio.sleep(period_s)
+        lag = loop.time() - t0 - period_s
+        if lag >= threshold:
+            logger.warning("%s: event loop stalled %.1f ms", process, lag * 1e3)

@@ -1,0 +1,67 @@
+"""engine/pauses.py: the start-up heap leaves the collector's walk; long pauses are logged on request."""
+import asyncio
+import gc
+import logging
+import time
+
+import pytest
+
+from pagedserve.engine import pauses
+
+
+def test_freeze_moves_live_objects_out_of_collection():
+    before = gc.get_freeze_count()
+    keep = [object() for _ in range(1000)]
+    try:
+        frozen = pauses.freeze_startup_heap()
+        assert frozen == gc.get_freeze_count() >= before + 1000
+        # Frozen objects are no longer in any generation the collector walks.
+        assert not any(o is keep[0] for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
+
+
+def test_threshold_parsing(monkeypatch):
+    monkeypatch.delenv(pauses.LOG_PAUSES_ENV, raising=False)
+    assert pauses.pause_threshold_s() is None
+    monkeypatch.setenv(pauses.LOG_PAUSES_ENV, "0")
+    assert pauses.pause_threshold_s() is None
+    monkeypatch.setenv(pauses.LOG_PAUSES_ENV, "250")
+    assert pauses.pause_threshold_s() == 0.25
+    monkeypatch.setenv(pauses.LOG_PAUSES_ENV, "slow")
+    with pytest.raises(ValueError, match=pauses.LOG_PAUSES_ENV):
+        pauses.pause_threshold_s()
+
+
+def test_gc_pause_log_reports_collections_over_threshold(monkeypatch, caplog):
+    monkeypatch.setenv(pauses.LOG_PAUSES_ENV, "0.000001")  # every collection is "long"
+    n = len(gc.callbacks)
+    try:
+        assert pauses.install_gc_pause_log("test process")
+        with caplog.at_level(logging.WARNING, logger=pauses.__name__):
+            gc.collect()
+        assert any("test process: gc generation 2 took" in r.getMessage() for r in caplog.records)
+    finally:
+        del gc.callbacks[n:]
+
+
+def test_gc_pause_log_is_off_without_the_variable(monkeypatch):
+    monkeypatch.delenv(pauses.LOG_PAUSES_ENV, raising=False)
+    n = len(gc.callbacks)
+    assert not pauses.install_gc_pause_log("test process")
+    assert len(gc.callbacks) == n
+
+
+def test_event_loop_watch_reports_a_blocked_loop(monkeypatch, caplog):
+    monkeypatch.setenv(pauses.LOG_PAUSES_ENV, "50")
+
+    async def main():
+        watcher = asyncio.create_task(pauses.watch_event_loop("test server"))
+        await asyncio.sleep(0.02)
+        time.sleep(0.2)  # the loop cannot run its timer meanwhile
+        await asyncio.sleep(0.05)
+        watcher.cancel()
+
+    with caplog.at_level(logging.WARNING, logger=pauses.__name__):
+        asyncio.run(main())
+    assert any("test server: event loop stalled" in r.getMessage() for r in caplog.records)
