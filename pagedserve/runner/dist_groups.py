@@ -194,8 +194,10 @@ def destroy_distributed(wait_s: float | None = None, abort_on_timeout: bool = Fa
     if t.is_alive():
         logger.warning("tensor-parallel process groups did not tear down within %.0f s; %s", wait_s,
                        "aborting them" if abort_on_timeout else "abandoning them")
-        if abort_on_timeout:
-            abort_group(None)
+        if abort_on_timeout:  # on a thread of its own too: NCCL's abort can block like its destroy
+            a = threading.Thread(target=abort_group, args=(None,), daemon=True, name="tp-abort")
+            a.start()
+            a.join(5.0)
 
 
 def error_key(rank: int) -> str:

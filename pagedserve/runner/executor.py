@@ -435,12 +435,18 @@ class MultiProcExecutor:
             # so at the same time, not after reaping the workers. Destroying an NCCL communicator
             # whose peer has already exited blocked rank 0 for good on 2xH200 (the "TP=2 hang":
             # rank 1 finished, freed its GPU and exited; rank 0 sat in the teardown).
+            worker = getattr(self, "worker", None)
+            if worker is not None:
+                worker.release_cuda_graphs()  # else NCCL's destroy never returns (see the runner)
             self._debug("shutdown: destroy groups")
             destroy_distributed(wait_s=TEARDOWN_WAIT_S, abort_on_timeout=True)
             self._debug("shutdown: reap workers")
             self._kill_workers(grace_s=10.0)
         else:
             self._kill_workers(grace_s=0.0)
+            worker = getattr(self, "worker", None)
+            if worker is not None and not self._lock.locked():  # no step is replaying a graph
+                worker.release_cuda_graphs()
             self._abort_nccl()
             # After a failure a peer is gone, and NCCL's teardown can then block forever.
             destroy_distributed(wait_s=10.0)

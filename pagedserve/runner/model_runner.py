@@ -241,6 +241,25 @@ class ModelRunner:
         if warmup_enabled(self.device):
             self.profile["warmup_seconds"] = warm_up(self)
 
+    def release_cuda_graphs(self) -> int:
+        """Destroy every captured CUDA graph now; returns how many. Tensor parallelism needs this before
+        its NCCL groups go: a graph that captured an all-reduce holds a reference on the communicator,
+        and NCCL's destroy (and abort) spins until every such graph is gone: with the graphs still
+        alive, the teardown never returned (2xH200). Eager steps still work afterwards."""
+        graphs = []
+        if self.graphs is not None:
+            graphs += list(self.graphs.graphs.values())
+        if self.piecewise is not None:
+            graphs += [g for pieces in self.piecewise.pieces.values() for g in pieces]
+        self.graphs = self.piecewise = None
+        for g in graphs:
+            reset = getattr(g, "reset", None)
+            if reset is not None:
+                reset()
+        if graphs and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return len(graphs)
+
     def capture_piecewise_graphs(self) -> None:
         """Piecewise graphs (runner/piecewise_graphs.py) for steps with prefill tokens, per token-count
         bucket up to min(max_num_batched_tokens, 1024). Only with cudagraph_mode="piecewise", on CUDA,

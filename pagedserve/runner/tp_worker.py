@@ -94,6 +94,12 @@ class Worker:
         """Any other method of the runner (determine_num_blocks, init_kv_cache, ...)."""
         return getattr(self.runner, method)(*args, **kwargs)
 
+    def release_cuda_graphs(self) -> None:
+        """Before the groups are destroyed (ModelRunner.release_cuda_graphs says why)."""
+        runner = getattr(self, "runner", None)
+        if runner is not None and hasattr(runner, "release_cuda_graphs"):
+            runner.release_cuda_graphs()
+
     def execute_model(self, model_input):
         self._executes += 1
         if self._fail_at is not None and self._executes == self._fail_at:
@@ -151,6 +157,7 @@ def worker_loop(worker: Worker) -> None:
             # Rank 0 waits here too: no send is still in flight when either side tears its
             # groups down (gloo can abort a process whose pair is destroyed mid-send).
             dist.barrier(group=groups.control)
+            worker.release_cuda_graphs()
             if worker._debug:
                 debug_line(worker.rank, time.monotonic() - worker._t0, "shutdown: destroy groups")
             return
