@@ -431,13 +431,13 @@ class MultiProcExecutor:
             return
         self._closed = True
         if graceful:
-            # Every rank is past the shutdown barrier and tears its groups down now: rank 0 must do
-            # so at the same time, not after reaping the workers. Destroying an NCCL communicator
-            # whose peer has already exited blocked rank 0 for good on 2xH200 (the "TP=2 hang":
-            # rank 1 finished, freed its GPU and exited; rank 0 sat in the teardown).
+            # Every rank is past the shutdown barrier. Each first destroys its CUDA graphs: NCCL's
+            # destroy (and abort) waits until no graph that captured one of its collectives is
+            # left, which was the 2xH200 "TP=2 hang" (ModelRunner.release_cuda_graphs). Then all
+            # tear their groups down at the same time: rank 0 does not wait for the workers first.
             worker = getattr(self, "worker", None)
             if worker is not None:
-                worker.release_cuda_graphs()  # else NCCL's destroy never returns (see the runner)
+                worker.release_cuda_graphs()
             self._debug("shutdown: destroy groups")
             destroy_distributed(wait_s=TEARDOWN_WAIT_S, abort_on_timeout=True)
             self._debug("shutdown: reap workers")
