@@ -10,7 +10,8 @@ rank, each of which holds a KV pool for its own heads under the same block table
 - MultiProcExecutor: this process is rank 0 with its own ModelRunner; ranks 1..N-1 are
   processes spawned here (or, under torchrun's env:// variables, started externally).
   Every runner call is broadcast and executed on all ranks, so the collectives inside
-  the model line up. A rank that dies fails the engine with that rank's number and cause.
+  the model line up. A rank that dies fails the engine with that rank's number and cause
+  (the watchdog, the worker monitor and the failure reports are its mixin, tp_failures.py).
 
 Start-up runs as the same phases, in the same order, on every rank (tp_worker.STARTUP_PHASES):
 load_model, determine_num_blocks (the profile; the minimum over ranks is the agreed block count),
@@ -25,7 +26,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import signal
 import shutil
 import subprocess
 import sys
@@ -39,12 +39,13 @@ import torch.distributed as dist
 from pagedserve.distributed import CollectiveError
 from pagedserve.runner.dist_env import (DistEnv, free_port, is_external_worker, phase_timeout, step_timeout,
                                         torchrun_env)
-from pagedserve.runner.dist_groups import (StartupError, abort_group, compute_device, destroy_distributed,
-                                           init_control, read_error, side_store)
+from pagedserve.runner.dist_groups import (StartupError, compute_device, destroy_distributed, init_control,
+                                           side_store)
 from pagedserve.runner.launch import NUM_THREADS_ENV, PARENT_PID_ENV
 from pagedserve.runner.tp_startup import (STARTUP_DIR_ENV, StartupTrace, debug_enabled, debug_line, describe_ranks,
                                           startup_bound)
-from pagedserve.runner.tp_watchdog import Watch, device_done_marker, diagnose, dump_stacks
+from pagedserve.runner.tp_failures import FailureHandling, TensorParallelError
+from pagedserve.runner.tp_watchdog import Watch, device_done_marker, dump_stacks
 from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError,
                                          _resolve, reply)
 
@@ -55,10 +56,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 30.0
 # How long a graceful teardown of the process groups may take before they are aborted instead.
 TEARDOWN_WAIT_S = 15.0
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank failed or died; the engine cannot continue."""
 
 
 class UniProcExecutor:
@@ -92,7 +89,7 @@ def _min_over_ranks(results: list):
     return first
 
 
-class MultiProcExecutor:
+class MultiProcExecutor(FailureHandling):
     """Rank 0 of a tensor-parallel group: broadcasts each call, runs its own share, returns its result."""
 
     # Per-rank answers that must agree (tp_worker.RETURNS_VALUE): rank 0 takes the minimum over ranks.
@@ -268,133 +265,6 @@ class MultiProcExecutor:
                         f"tensor-parallel rank {r.rank} failed in {method}: {r.summary}\n{r.traceback}"))
             return _min_over_ranks(gathered) if method in self.REDUCE_MIN else result
 
-    # -- the watchdog ----------------------------------------------------------------------
-
-    def _watchdog(self, poll_s: float = 0.2) -> None:
-        """Fail the engine when the current call outlives its deadline, naming the phase and ranks.
-
-        The main thread is then blocked in a collective (or in a device sync behind one), so it is
-        unblocked from here: spawned ranks are killed (gloo sees their sockets close) and the
-        compute group is aborted (NCCL); the main thread then raises this diagnosis.
-        """
-        while not self._closed:
-            time.sleep(poll_s)
-            watch = self._watch
-            if watch is None or watch.finished() or self._failure is not None:
-                continue
-            if time.monotonic() < watch.deadline:
-                continue
-            bound = startup_bound() if watch.method == "init_runner" else self._phase_timeout
-            what = diagnose(watch, self._store, self.world_size, bound, self._step_timeout)
-            if watch.method == "init_runner":  # still before the phases: say which sub-step each rank is in
-                what += "; " + self._describe_startup(range(self.world_size))
-            err = TensorParallelError(what)
-            logger.error("%s", err)
-            self._failure = err  # first: the main thread may fail any moment now, and must raise this
-            dump_stacks(self._procs.values())
-            for p in self._procs.values():
-                if p.poll() is None:
-                    p.kill()
-            self._abort_nccl()
-            self._exit_if_still_blocked(err)
-            return
-
-    def _exit_if_still_blocked(self, err: TensorParallelError, grace_s: float = 60.0) -> None:
-        """The last resort: ranks on other nodes cannot be killed from here, an aborted gloo group does
-        not release a wait on it, and NCCL's abort is an experimental API. If a call (they all hold
-        _lock) is still blocked grace_s after the diagnosis, end this process (torchrun then stops the
-        other ranks) rather than hang."""
-        deadline = time.monotonic() + grace_s
-        while time.monotonic() < deadline:
-            if self._closed or not self._lock.locked():
-                return
-            time.sleep(0.2)
-        print(f"pagedserve: {err}; rank 0 is still blocked {grace_s:.0f} s later: exiting", file=sys.stderr,
-              flush=True)
-        os._exit(1)
-
-    def _abort_nccl(self) -> None:
-        """NCCL waits for a dead or silent peer until its timeout: abort them. (Gloo waits fail
-        as soon as the peer's process is gone.)"""
-        groups = getattr(self, "groups", None)
-        if (groups is not None and groups.compute is not None and groups.device is not None
-                and groups.device.type == "cuda"):
-            abort_group(groups.compute)
-
-    # -- failure handling ------------------------------------------------------------------
-
-    def _check_usable(self) -> None:
-        if self._failure is not None:
-            raise self._failure
-        if self._closed:
-            raise TensorParallelError("the tensor-parallel executor is shut down")
-        if self._dead:
-            raise self._fail()
-
-    def _monitor(self) -> None:
-        """Notice a worker process that exits while the engine still needs it.
-
-        On CPU the next collective fails at once (gloo sees the socket close) and the main
-        thread raises. NCCL instead waits for a dead peer until its timeout, so there the
-        compute group is aborted, which turns the wait into an error the main thread raises.
-        """
-        pending = dict(self._procs)
-        while pending and not self._closed:
-            for rank, p in list(pending.items()):
-                code = p.poll()
-                if code is not None and not self._closed:
-                    del pending[rank]
-                    self._dead.append((rank, code))
-                    logger.error("tensor-parallel rank %d (pid %d) exited with code %s", rank, p.pid, code)
-                    self._abort_compute_if_stuck()
-            time.sleep(0.1)
-
-    def _abort_compute_if_stuck(self, grace_s: float = 2.0) -> None:
-        groups = getattr(self, "groups", None)
-        if groups is None or groups.device is None or groups.device.type != "cuda":
-            return
-        time.sleep(grace_s)
-        if self._failure is None and not self._closed:
-            self._abort_nccl()
-
-    def _raise_if_dead(self) -> None:
-        for rank, p in self._procs.items():
-            code = p.poll()
-            if code is not None:
-                self._teardown(graceful=False)
-                raise TensorParallelError(f"tensor-parallel rank {rank} (pid {p.pid}) exited with code "
-                                          f"{code}{_signal_name(code)} while starting")
-
-    def _describe_failures(self, wait_s: float) -> list[str]:
-        """Which ranks failed and why, waiting briefly for a failing rank's report or exit."""
-        deadline = time.monotonic() + wait_s
-        while True:
-            found = []
-            for rank in range(1, self.world_size):
-                msg = read_error(getattr(self, "_store", None) or self.groups.store, rank)
-                proc = self._procs.get(rank)
-                code = proc.poll() if proc is not None else None
-                if msg is not None:
-                    found.append(f"tensor-parallel rank {rank} failed: {msg.strip()}")
-                elif code is not None:
-                    found.append(f"tensor-parallel rank {rank} (pid {proc.pid}) died with exit code "
-                                 f"{code}{_signal_name(code)}")
-            if found or time.monotonic() >= deadline:
-                return found
-            time.sleep(0.05)
-
-    def _fail(self) -> TensorParallelError:
-        """A worker is known to be dead: name it and its cause."""
-        found = self._describe_failures(wait_s=0.5) or [f"tensor-parallel rank {r} exited with code {c}"
-                                                        for r, c in self._dead]
-        return self._fail_with(TensorParallelError("; ".join(found)))
-
-    def _fail_with(self, err: TensorParallelError) -> TensorParallelError:
-        logger.error("%s", err)
-        self._failure = err
-        self._teardown(graceful=False)
-        return err
-
     # -- lifecycle -------------------------------------------------------------------------
 
     def _spawn_workers(self) -> None:
@@ -509,15 +379,6 @@ def check_tp_shapes(hf_config, tp: int) -> None:
         width = getattr(hf_config, key, None)
         if isinstance(width, int) and width % tp:
             raise ValueError(f"tensor_parallel_size ({tp}) must divide {key} ({width})")
-
-
-def _signal_name(code: int | None) -> str:
-    if code is not None and code < 0:
-        try:
-            return f" ({signal.Signals(-code).name})"
-        except ValueError:
-            pass
-    return ""
 
 
 def _import_path() -> str:
