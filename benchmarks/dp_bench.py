@@ -65,6 +65,13 @@ def start_server(dp: int, args, log_path: Path) -> tuple[subprocess.Popen, str]:
     return proc, base
 
 
+def front_end_facts(base: str) -> dict:
+    """What the DP front end says of itself on /health (backend, relay client)."""
+    import httpx
+    h = httpx.get(base + "/health", timeout=10).json()
+    return {k: h[k] for k in ("backend", "relay_client") if k in h}
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     stop_process(proc, timeout=60, group=True)
 
@@ -129,6 +136,8 @@ def main() -> None:
             log(f"DP={dp}: replaying {args.num_requests} {args.workload} requests at t=0")
             results[f"dp{dp}"] = replay(base, args)
             s = results[f"dp{dp}"]
+            if dp > 1:
+                s["front_end"] = front_end_facts(base)
             if s["failed"]:
                 log(f"DP={dp}: first error: {s['first_error']}")
             log(f"DP={dp}: {s['completed']} done, {s['failed']} failed in {s['duration_s']:.1f} s, "

@@ -224,7 +224,8 @@ async def _send_all_processes(base_url: str, requests: list[WorkloadRequest], nu
 
     One asyncio process parses ~10k SSE events/s at most; K of them keep the client from
     being what a saturation benchmark measures. time.perf_counter is CLOCK_MONOTONIC on
-    Linux, one clock for every process of the host."""
+    Linux, one clock for every process of the host. The processes are spawned: a script
+    calling this needs the `if __name__ == "__main__"` guard."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")  # the parent may hold threads (tqdm, executors): no fork
     go = ctx.Event()
@@ -244,12 +245,16 @@ async def _send_all_processes(base_url: str, requests: list[WorkloadRequest], nu
             conns.append(parent)
 
         def recv(conn, what: str):
-            got = conn.recv()
+            try:
+                got = conn.recv()
+            except EOFError:  # e.g. a main module without `if __name__ == "__main__"`
+                raise RuntimeError(f"a client process exited {what} (spawned processes "
+                                   "import the main module: is it guarded?)") from None
             if isinstance(got, Exception):
                 raise RuntimeError(f"a client process failed {what}: {got!r}") from got
             return got
         for c in conns:
-            await asyncio.to_thread(recv, c, "to start")
+            await asyncio.to_thread(recv, c, "before it started")
         go.set()
         parts = [await asyncio.to_thread(recv, c, "while sending") for c in conns]
     finally:
