@@ -85,11 +85,76 @@ def fake_replica_app(token_delay_s: float):
     return app
 
 
-def serve_fake_replica(port: int, token_delay_s: float) -> None:
+class FakeCore:
+    """An engine core without a model, for the real API server (AsyncLLMEngine + build_app):
+    every step_s, one token for every running request, as one EngineCoreOutputs (a real core
+    also emits one batch per step). What it leaves out: the zmq hop and msgspec decoding."""
+
+    def __init__(self, step_s: float) -> None:
+        from pagedserve.engine.core_messages import Ready
+        self.step_s = step_s
+        self.ready = Ready(os.getpid(), 4096, 32000, 1 << 20, 0, 16, 4096, [2])
+        self.pid = os.getpid()
+        self.running: dict[str, list] = {}   # request id -> [prompt ids, max_tokens, generated]
+        self.has_work: asyncio.Event | None = None
+
+    async def add_request_async(self, request_id, prompt_token_ids, params, arrival_time,
+                                prompt=None) -> None:
+        self.running[request_id] = [prompt_token_ids, params.max_tokens or 16, 0]
+        if self.has_work is None:
+            self.has_work = asyncio.Event()
+        self.has_work.set()
+
+    def abort_requests(self, request_ids) -> None:
+        for rid in request_ids:
+            self.running.pop(rid, None)
+
+    async def get_output_async(self):
+        from pagedserve.engine.core_client import EngineCoreOutputs
+        from pagedserve.outputs import CompletionOutput, RequestOutput
+        if self.has_work is None:
+            self.has_work = asyncio.Event()
+        while not self.running:
+            self.has_work.clear()
+            await self.has_work.wait()
+        # Steps on a fixed clock, as a core in its own process would run them, whatever this
+        # process is busy with meanwhile.
+        now = time.monotonic()
+        self.next_step = max(getattr(self, "next_step", now) + self.step_s, now)
+        await asyncio.sleep(self.next_step - now)
+        outs = []
+        for rid, st in list(self.running.items()):
+            st[2] += 1
+            done = st[2] >= st[1]
+            outs.append(RequestOutput(rid, None, st[0], [CompletionOutput(
+                0, "", [100 + st[2] % 1000], None, None, "length" if done else None)], done))
+            if done:
+                del self.running[rid]
+        return EngineCoreOutputs(outs)
+
+    async def call_utility_async(self, method, *args):
+        return {}
+
+    def dead_reason(self):
+        return None
+
+    def fail(self, error) -> None:
+        pass
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        pass
+
+
+def serve_fake_replica(port: int, token_delay_s: float, kind: str) -> None:
     import uvicorn
+    if kind == "api":  # the real pagedserve API server over FakeCore
+        from pagedserve.engine.async_engine import AsyncLLMEngine
+        from pagedserve.entrypoints.openai.api_server import build_app
+        app = build_app(AsyncLLMEngine(FakeCore(token_delay_s), None), "bench")
+    else:
+        app = fake_replica_app(token_delay_s)
     # The same uvicorn settings as `pagedserve serve` (loop and http "auto").
-    uvicorn.run(fake_replica_app(token_delay_s), host="127.0.0.1", port=port, log_level="warning",
-                timeout_keep_alive=5)
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=5)
 
 
 def serve_frontend(port: int, urls: list[str]) -> None:
@@ -141,7 +206,8 @@ def run_setup(setup: str, args) -> dict:
         for i in range(n_replicas):
             port = free_port()
             procs[f"replica{i}"] = spawn(["--role", "replica", "--port", str(port),
-                                          "--token-delay-ms", str(args.token_delay_ms)])
+                                          "--token-delay-ms", str(args.token_delay_ms),
+                                          "--replica", args.replica])
             urls.append(f"http://127.0.0.1:{port}")
         for u in urls:
             wait_health(u)
@@ -187,7 +253,7 @@ def run_setup(setup: str, args) -> dict:
                 p.kill()
     # Per request: output_len token events + the usage event + [DONE].
     events = summary["completed"] * (args.output_len + 2)
-    out = {"setup": setup, "num_requests": args.num_requests, "output_len": args.output_len,
+    out = {"setup": setup, "replica": args.replica, "num_requests": args.num_requests, "output_len": args.output_len,
            "token_delay_ms": args.token_delay_ms, "num_client_processes": args.num_client_processes,
            "completed": summary["completed"], "failed": summary["failed"], "wall_s": round(wall, 2),
            "events": events, "events_per_s": round(events / summary["duration_s"]),
@@ -210,12 +276,16 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--token-delay-ms", type=float, default=0.0)
     ap.add_argument("--num-client-processes", type=int, default=1)
+    ap.add_argument("--replica", default="api", choices=["api", "minimal"],
+                    help="api: pagedserve's own API server (build_app) over an engine core that "
+                         "emits one token per running request every --token-delay-ms; minimal: "
+                         "a bare FastAPI stream of the same chunks, each request on its own timer")
     ap.add_argument("--profile-dir", default=None,
                     help="py-spy each server process (raw collapsed stacks in this folder)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     if args.role == "replica":
-        return serve_fake_replica(args.port, args.token_delay_ms / 1000)
+        return serve_fake_replica(args.port, args.token_delay_ms / 1000, args.replica)
     if args.role == "frontend":
         return serve_frontend(args.port, args.replica_urls.split(","))
     results = []
