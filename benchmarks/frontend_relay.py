@@ -174,9 +174,13 @@ def serve_frontend(port: int, urls: list[str]) -> None:
 
 # ---- the driver --------------------------------------------------------------------------------
 
+SERVER_TREE: str | None = None  # --server-tree: the pagedserve the servers import
+
+
 def spawn(role: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    return subprocess.Popen([sys.executable, __file__, *role], env=env, cwd=ROOT)
+    tree = ["--server-tree", SERVER_TREE] if SERVER_TREE else []
+    return subprocess.Popen([sys.executable, __file__, *role, *tree], env=env, cwd=ROOT)
 
 
 def wait_health(url: str, timeout: float = 60.0) -> None:
@@ -253,7 +257,9 @@ def run_setup(setup: str, args) -> dict:
                 p.kill()
     # Per request: output_len token events + the usage event + [DONE].
     events = summary["completed"] * (args.output_len + 2)
-    out = {"setup": setup, "replica": args.replica, "num_requests": args.num_requests, "output_len": args.output_len,
+    out = {"setup": setup, "replica": args.replica, "server_tree": SERVER_TREE or str(ROOT),
+           "relay_client": os.environ.get("PAGEDSERVE_DP_RELAY_CLIENT", "default"),
+           "num_requests": args.num_requests, "output_len": args.output_len,
            "token_delay_ms": args.token_delay_ms, "num_client_processes": args.num_client_processes,
            "completed": summary["completed"], "failed": summary["failed"], "wall_s": round(wall, 2),
            "events": events, "events_per_s": round(events / summary["duration_s"]),
@@ -280,10 +286,19 @@ def main() -> None:
                     help="api: pagedserve's own API server (build_app) over an engine core that "
                          "emits one token per running request every --token-delay-ms; minimal: "
                          "a bare FastAPI stream of the same chunks, each request on its own timer")
+    ap.add_argument("--server-tree", default=None,
+                    help="replicas and front end import pagedserve from this source tree")
     ap.add_argument("--profile-dir", default=None,
                     help="py-spy each server process (raw collapsed stacks in this folder)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    if args.server_tree:
+        # Servers import pagedserve from there (e.g. `git archive BASE | tar -x -C DIR`, for a
+        # before/after); the client stays this tree's.
+        global SERVER_TREE
+        SERVER_TREE = str(Path(args.server_tree).resolve())
+        if args.role != "driver":
+            sys.path.insert(0, SERVER_TREE)
     if args.role == "replica":
         return serve_fake_replica(args.port, args.token_delay_ms / 1000, args.replica)
     if args.role == "frontend":
