@@ -1,20 +1,26 @@
 """Where the per-token (SSE event) ceiling is, on CPU alone: client, DP front end, replica HTTP.
 
-No engine and no GPU: fake replicas stream pagedserve-shaped `/v1/completions` chunks (the
-same JSON, one SSE event per token, then the usage chunk and `data: [DONE]`) through the
-same stack as `pagedserve serve` (FastAPI + StreamingResponse under uvicorn), as fast as
-possible or with --token-delay-ms between a request's tokens. Two set-ups:
+No model and no GPU. Each replica is pagedserve's own API server (build_app + AsyncLLMEngine,
+under uvicorn as `pagedserve serve` runs it) over a model-less engine core (FakeCore) that
+emits one token for every running request every --token-delay-ms, on a fixed clock as a
+core in its own process would (--replica minimal: a bare FastAPI stream of the same chunks
+instead). Requests are token-id prompts, streamed, all sent at t=0. Two set-ups:
 
-  client   the benchmark client (`pagedserve bench serve`'s run_benchmark) -> 1 fake replica
-  relay    the client -> the real DP front end (build_dp_app, mp pool attached) -> 2 fake replicas
+  client   the benchmark client (`pagedserve bench serve`'s run_benchmark) -> 1 replica
+  relay    the client -> the real DP front end (build_dp_app, mp pool attached) -> 2 replicas
 
-Each process's CPU seconds come from /proc (user + system), so the figure that matters is
-CPU microseconds per event in each process: its ceiling is 1e6 / that, in events per second
-of one core, whatever else shares the machine. Events/s (wall) are also printed, but on a
-small machine every process here competes for the same cores.
+The servers' CPU seconds come from /proc (user + system) over the measured run, the client's
+from its own processes (run_benchmark's client_cpu_s). The figure that matters is CPU
+microseconds per event in each process: 1e6 / that is its ceiling in events per second of
+one core, whatever else shares the machine. Events/s (wall) are printed too, but on a small
+machine every process here competes for the same cores.
 
-    python benchmarks/frontend_relay.py --setup client relay --num-requests 400 --output-len 200
-    python benchmarks/frontend_relay.py --setup relay --num-client-processes 2
+    python benchmarks/frontend_relay.py --num-requests 1000 --output-len 100 --token-delay-ms 20
+    python benchmarks/frontend_relay.py --setup relay --num-client-processes 4 --out relay.json
+    # before/after: the servers from another checkout, the same client
+    git archive BASE pagedserve | tar -x -C /tmp/before
+    python benchmarks/frontend_relay.py --server-tree /tmp/before ...
+    PAGEDSERVE_DP_RELAY_CLIENT=httpx python benchmarks/frontend_relay.py --setup relay ...
 """
 
 import argparse
@@ -229,7 +235,6 @@ def run_setup(setup: str, args) -> dict:
                     for i in range(n)]
 
         asyncio.run(run_benchmark(base + "/v1", requests(16), "bench"))  # warm connections
-        spies = []
         if args.profile_dir:  # py-spy on every server process, for the measured run only
             Path(args.profile_dir).mkdir(parents=True, exist_ok=True)
             spies = [subprocess.Popen(["py-spy", "record", "--nonblocking", "--format", "raw",

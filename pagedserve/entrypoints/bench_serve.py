@@ -222,7 +222,7 @@ async def _send_all_processes(base_url: str, requests: list[WorkloadRequest], nu
     """_send_all split over num_processes processes (request i to process i % K, arrival times
     kept), started together; results in request order, the union's start and end.
 
-    One asyncio process parses ~10k SSE events/s at most; K of them keep the client from
+    One asyncio process parses 10-20k SSE events/s at most; K of them keep the client from
     being what a saturation benchmark measures. time.perf_counter is CLOCK_MONOTONIC on
     Linux, one clock for every process of the host. The processes are spawned: a script
     calling this needs the `if __name__ == "__main__"` guard."""
@@ -282,14 +282,15 @@ async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: s
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
     kwargs = dict(model=model, api_key=api_key, max_concurrency=max_concurrency,
                   temperature=temperature, timeout=timeout, progress=progress)
-    if num_processes == 1 or len(requests) < 2:
+    # No more processes than requests, nor than requests allowed in flight.
+    k = max(1, min(num_processes, len(requests), max_concurrency or len(requests)))
+    if k == 1:
         results, start, end, cpu = await _send_all(base_url, requests, **kwargs)
     else:
-        k = min(num_processes, len(requests), max_concurrency or len(requests))
         results, start, end, cpu = await _send_all_processes(base_url, requests, k, kwargs)
     summary = summarize(results, end - start)
     summary["model"] = model
-    summary["num_client_processes"] = num_processes
+    summary["num_client_processes"] = k
     # The client's own CPU while sending (all its processes): near num_processes x duration
     # means the client, not the server, set the pace.
     summary["client_cpu_s"] = cpu
