@@ -65,11 +65,62 @@ def start_server(dp: int, args, log_path: Path) -> tuple[subprocess.Popen, str]:
     return proc, base
 
 
+def front_end_facts(base: str) -> dict:
+    """What the DP front end says of itself on /health (backend, relay client)."""
+    import httpx
+    h = httpx.get(base + "/health", timeout=10).json()
+    return {k: h[k] for k in ("backend", "relay_client") if k in h}
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     stop_process(proc, timeout=60, group=True)
 
 
-def replay(base: str, args) -> dict:
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out += [int(x) for x in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _cpu_seconds(pid: int) -> float | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def server_processes(proc: subprocess.Popen, dp: int) -> dict[str, int]:
+    """label -> pid of the server's Python processes: DP=1 the API server and its engine
+    core; DP>1 the front end, each replica's API server and each replica's engine core."""
+    def python_children(pid: int) -> list[int]:
+        keep = []
+        for c in _children(pid):
+            try:
+                cmd = open(f"/proc/{c}/cmdline", "rb").read()
+            except OSError:
+                continue
+            if b"python" in cmd and b"resource_tracker" not in cmd:
+                keep.append(c)
+        return keep
+    if dp == 1:
+        return {"api_server": proc.pid,
+                **{f"engine_core{i or ''}": c for i, c in enumerate(python_children(proc.pid))}}
+    out = {"frontend": proc.pid}
+    for i, r in enumerate(python_children(proc.pid)):
+        out[f"replica{i}_api_server"] = r
+        for j, c in enumerate(python_children(r)):
+            out[f"replica{i}_engine_core{j or ''}"] = c
+    return out
+
+
+def replay(base: str, args, pids: dict[str, int] | None = None) -> dict:
     from pagedserve.entrypoints.bench_serve import run_benchmark
     from pagedserve.workloads import make_workload
     warm = make_workload(args.workload, num_requests=8, seed=99)
@@ -80,10 +131,19 @@ def replay(base: str, args) -> dict:
             r.prompt_token_ids = [3 + t % 2000 for t in r.prompt_token_ids[:200]]
             r.output_len = min(r.output_len, 48)
 
-    async def go():
-        await run_benchmark(base + "/v1", warm, model="bench")
-        return await run_benchmark(base + "/v1", reqs, model="bench")
-    summary = asyncio.run(asyncio.wait_for(go(), args.run_timeout))
+    deadline = time.monotonic() + args.run_timeout
+    asyncio.run(asyncio.wait_for(run_benchmark(base + "/v1", warm, model="bench"), args.run_timeout))
+    before = {k: _cpu_seconds(p) for k, p in (pids or {}).items()}
+    summary = asyncio.run(asyncio.wait_for(
+        run_benchmark(base + "/v1", reqs, model="bench", num_processes=args.num_client_processes),
+        max(1.0, deadline - time.monotonic())))
+    # Each server process's CPU over the measured run: near 1 core (share 1.0) means that
+    # process set the pace (one event loop, one core).
+    spent = {k: (_cpu_seconds(p), before[k]) for k, p in (pids or {}).items()}
+    summary["server_cpu_s"] = {k: round(a - b, 2) for k, (a, b) in spent.items()
+                               if a is not None and b is not None}
+    summary["server_cpu_share"] = {k: round(v / summary["duration_s"], 3)
+                                   for k, v in summary["server_cpu_s"].items()}
     errors = [r["error"] for r in summary.pop("requests") if r["error"]]
     summary["first_error"] = errors[0] if errors else None
     return summary
@@ -101,8 +161,14 @@ def main() -> None:
     ap.add_argument("--server-args", default="", help="extra `pagedserve serve` flags for both runs")
     ap.add_argument("--start-timeout", type=float, default=300.0)
     ap.add_argument("--run-timeout", type=float, default=240.0)
+    ap.add_argument("--num-client-processes", type=int, default=1,
+                    help="split the requests over K client processes (one asyncio process "
+                         "parses ~10-20k SSE events/s at most); percentiles come from the "
+                         "merged per-request records, throughput from the union's wall time")
     ap.add_argument("--smoke", action="store_true", help="demo config, few requests: the plumbing")
     args = ap.parse_args()
+    if args.num_client_processes < 1:
+        ap.error("--num-client-processes must be >= 1")
     args.dtype = args.dtype or ("float32" if args.smoke else "bfloat16")
     args.num_requests = args.num_requests or (8 if args.smoke else 1000)
     args.max_model_len = args.max_model_len or (512 if args.smoke else 4096)
@@ -120,12 +186,18 @@ def main() -> None:
         proc, base = start_server(dp, args, out_dir / f"dp{dp}_server.log")
         try:
             log(f"DP={dp}: replaying {args.num_requests} {args.workload} requests at t=0")
-            results[f"dp{dp}"] = replay(base, args)
+            pids = server_processes(proc, dp)
+            log(f"DP={dp}: server processes {pids}")
+            results[f"dp{dp}"] = replay(base, args, pids)
             s = results[f"dp{dp}"]
+            if dp > 1:
+                s["front_end"] = front_end_facts(base)
             if s["failed"]:
                 log(f"DP={dp}: first error: {s['first_error']}")
             log(f"DP={dp}: {s['completed']} done, {s['failed']} failed in {s['duration_s']:.1f} s, "
-                f"{s['total_token_throughput']:.0f} tok/s total, {s['output_throughput']:.0f} out tok/s")
+                f"{s['total_token_throughput']:.0f} tok/s total, {s['output_throughput']:.0f} out tok/s; "
+                f"client CPU {s['client_cpu_s']:.1f} s over {s['num_client_processes']} process(es); "
+                f"server CPU share (cores) {s['server_cpu_share']}")
         finally:
             stop_server(proc)
     ratios = {
@@ -139,7 +211,8 @@ def main() -> None:
               "workload": args.workload, "num_requests": args.num_requests, "arrivals": "all at t=0",
               "max_model_len": args.max_model_len, "dp1": "plain server, GPU 0",
               "dp2": "--data-parallel-size 2 (mp backend, prefix routing), GPUs 0 and 1",
-              "server_args": args.server_args, "smoke": args.smoke}
+              "server_args": args.server_args, "smoke": args.smoke,
+              "num_client_processes": args.num_client_processes}
     doc = write_result(args.out, "dp", "python benchmarks/dp_bench.py " + shlex.join(sys.argv[1:]),
                        config, results, {}, ratios)
     log(json.dumps(doc["ratios"]))

@@ -166,11 +166,13 @@ def tokenizer_vocab_size(path: str) -> int:
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} ({e})") from None
 
 
-async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: str,
-                        api_key: str | None = None, max_concurrency: int | None = None,
-                        temperature: float = 0.0, timeout: float = 3600.0,
-                        progress: bool = False) -> dict[str, Any]:
-    """Send every request at its arrival_time (seconds after start); returns the summary."""
+async def _send_all(base_url: str, requests: list[WorkloadRequest], model: str,
+                    api_key: str | None, max_concurrency: int | None, temperature: float,
+                    timeout: float, progress: bool
+                    ) -> tuple[list[RequestResult], float, float, float]:
+    """Send every request at its arrival_time; (results, start, end, CPU seconds this process
+    spent meanwhile), times on the monotonic clock."""
+    cpu0 = time.process_time()
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) + 8,
@@ -197,10 +199,101 @@ async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: s
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(one(req)))
         results = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
+        end = time.perf_counter()
     bar.close()
-    summary = summarize(results, duration)
+    return list(results), start, end, time.process_time() - cpu0
+
+
+def _client_worker(conn, base_url: str, requests: list[WorkloadRequest], kwargs: dict,
+                   go) -> None:
+    """One client process of a multi-process run: ready, wait for go, send, return results."""
+    try:
+        conn.send("ready")
+        go.wait()
+        conn.send(asyncio.run(_send_all(base_url, requests, **kwargs)))
+    except BaseException as e:  # the parent reports it; a worker must not hang the run
+        conn.send(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+    finally:
+        conn.close()
+
+
+async def _send_all_processes(base_url: str, requests: list[WorkloadRequest], num_processes: int,
+                              kwargs: dict) -> tuple[list[RequestResult], float, float, float]:
+    """_send_all split over num_processes processes (request i to process i % K, arrival times
+    kept), started together; results in request order, the union's start and end.
+
+    One asyncio process parses 10-20k SSE events/s at most; K of them keep the client from
+    being what a saturation benchmark measures. time.perf_counter is CLOCK_MONOTONIC on
+    Linux, one clock for every process of the host. The processes are spawned: a script
+    calling this needs the `if __name__ == "__main__"` guard."""
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")  # the parent may hold threads (tqdm, executors): no fork
+    go = ctx.Event()
+    procs, conns = [], []
+    try:
+        for k in range(num_processes):
+            parent, child = ctx.Pipe(duplex=False)
+            share = requests[k::num_processes]
+            mine = dict(kwargs, progress=False)
+            if max_c := kwargs.get("max_concurrency"):  # the bound holds for the whole client
+                mine["max_concurrency"] = max_c // num_processes + (k < max_c % num_processes)
+            p = ctx.Process(target=_client_worker, args=(child, base_url, share, mine, go),
+                            daemon=True, name=f"bench-client-{k}")
+            p.start()
+            child.close()
+            procs.append(p)
+            conns.append(parent)
+
+        def recv(conn, what: str):
+            try:
+                got = conn.recv()
+            except EOFError:  # e.g. a main module without `if __name__ == "__main__"`
+                raise RuntimeError(f"a client process exited {what} (spawned processes "
+                                   "import the main module: is it guarded?)") from None
+            if isinstance(got, Exception):
+                raise RuntimeError(f"a client process failed {what}: {got!r}") from got
+            return got
+        for c in conns:
+            await asyncio.to_thread(recv, c, "before it started")
+        go.set()
+        parts = [await asyncio.to_thread(recv, c, "while sending") for c in conns]
+    finally:
+        for p in procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+    results: list[RequestResult | None] = [None] * len(requests)
+    for k, (res, _, _, _) in enumerate(parts):
+        results[k::num_processes] = res
+    return (results, min(p[1] for p in parts), max(p[2] for p in parts),
+            sum(p[3] for p in parts))
+
+
+async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: str,
+                        api_key: str | None = None, max_concurrency: int | None = None,
+                        temperature: float = 0.0, timeout: float = 3600.0,
+                        progress: bool = False, num_processes: int = 1) -> dict[str, Any]:
+    """Send every request at its arrival_time (seconds after start); returns the summary.
+
+    num_processes > 1 splits the requests over that many client processes; the summary is
+    of the merged per-request records (percentiles over all of them, throughput over the
+    union's wall time, from the first process's start to the last one's end)."""
+    if num_processes < 1:
+        raise ValueError(f"num_processes must be >= 1, got {num_processes}")
+    kwargs = dict(model=model, api_key=api_key, max_concurrency=max_concurrency,
+                  temperature=temperature, timeout=timeout, progress=progress)
+    # No more processes than requests, nor than requests allowed in flight.
+    k = max(1, min(num_processes, len(requests), max_concurrency or len(requests)))
+    if k == 1:
+        results, start, end, cpu = await _send_all(base_url, requests, **kwargs)
+    else:
+        results, start, end, cpu = await _send_all_processes(base_url, requests, k, kwargs)
+    summary = summarize(results, end - start)
     summary["model"] = model
+    summary["num_client_processes"] = k
+    # The client's own CPU while sending (all its processes): near num_processes x duration
+    # means the client, not the server, set the pace.
+    summary["client_cpu_s"] = cpu
     summary["requests"] = [{k: v for k, v in asdict(r).items() if k != "itl"} for r in results]
     return summary
 
@@ -274,11 +367,13 @@ def run_serve_cli(args: Any) -> int:
     summary = asyncio.run(run_benchmark(
         args.base_url, requests, model=served.id, api_key=args.api_key,
         max_concurrency=max_concurrency, temperature=getattr(args, "temperature", 0.0),
-        progress=not getattr(args, "disable_tqdm", False)))
+        progress=not getattr(args, "disable_tqdm", False),
+        num_processes=getattr(args, "num_client_processes", 1)))
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
     config = {"base_url": args.base_url, "workload": args.workload,
               "num_requests": len(requests), "request_rate": rate,
               "max_concurrency": max_concurrency, "seed": seed,
+              "num_client_processes": getattr(args, "num_client_processes", 1),
               "vocab_size": served.vocab_size, "max_model_len": served.max_model_len}
     print(format_summary(summary))
     errors = [r["error"] for r in summary["requests"] if r["error"]]

@@ -185,6 +185,10 @@ def register_bench(sub) -> None:
                         "whose /v1/models has no vocab_size")
     s.add_argument("--max-model-len", type=_at_least(2), default=None,
                    help="cap prompt + output tokens (default: max_model_len from /v1/models)")
+    s.add_argument("--num-client-processes", type=_at_least(1), default=1,
+                   help="split the requests over this many client processes, so that the "
+                        "client's SSE parsing does not bound the measurement; percentiles are "
+                        "of the merged records (no progress bar when > 1)")
     s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     s.add_argument("--output", default=None, help="write the JSON summary and every request here")
     s.set_defaults(func=run_serve)

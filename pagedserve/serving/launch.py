@@ -39,6 +39,11 @@ def add_dp_args(parser: argparse.ArgumentParser) -> None:
                    help="ray backend: autoscale between --min-replicas and --max-replicas")
     g.add_argument("--max-replicas", type=int, default=None,
                    help="ray backend: the most replicas autoscaling may start")
+    g.add_argument("--ray-autoscaling-config", default=None, metavar="JSON",
+                   help="ray backend with --min/--max-replicas: more Ray Serve autoscaling_config "
+                        "fields as a JSON object, e.g. '{\"upscale_delay_s\": 10, "
+                        "\"downscale_delay_s\": 120}' (default target_ongoing_requests: "
+                        "max_num_seqs / 2)")
 
 
 def wants_dp(args: argparse.Namespace) -> bool:
@@ -60,6 +65,27 @@ def check_dp_args(args: argparse.Namespace) -> None:
         if not 1 <= args.min_replicas <= args.max_replicas:
             raise ValueError(f"need 1 <= min_replicas <= max_replicas, got {args.min_replicas} "
                              f"and {args.max_replicas}")
+    autoscaling_overrides(args)
+
+
+def autoscaling_overrides(args: argparse.Namespace) -> dict:
+    """--ray-autoscaling-config as a dict ({} when not given); ValueError when malformed."""
+    text = getattr(args, "ray_autoscaling_config", None)
+    if text is None:
+        return {}
+    if args.min_replicas is None:
+        raise ValueError("ray_autoscaling_config needs --min-replicas and --max-replicas")
+    import json
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"ray_autoscaling_config: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise ValueError("ray_autoscaling_config: must be a JSON object")
+    for key in ("min_replicas", "max_replicas"):
+        if key in value:
+            raise ValueError(f"ray_autoscaling_config: set {key} with --{key.replace('_', '-')}")
+    return value
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -146,7 +172,8 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
                        max_request_bytes=args.max_request_bytes)
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request
-    logger.info("serving %s with %d replicas (mp, %s routing) on http://%s:%d/v1", served_name,
-                args.data_parallel_size, policy.name, args.host, args.port)
+    logger.info("serving %s with %d replicas (mp, %s routing, relayed with %s) on http://%s:%d/v1",
+                served_name, args.data_parallel_size, policy.name, pool.relay_client, args.host,
+                args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
     return 0

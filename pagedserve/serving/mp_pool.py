@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import signal
 import subprocess
 import time
@@ -27,6 +28,27 @@ from pagedserve.entrypoints.openai.serving_common import SSE_DONE, APIError, err
 from pagedserve.serving.pool import NoReplicaAvailable, ReplicaFailed, ReplicaResponse, one_chunk
 
 logger = logging.getLogger("pagedserve.dp")
+
+try:  # the relay's HTTP client: aiohttp where installed (a C parser: ~3x less CPU per event)
+    import aiohttp
+except ImportError:  # pragma: no cover - httpx does the same, dearer per streamed event
+    aiohttp = None
+
+RELAY_CLIENTS = ("aiohttp", "httpx")
+
+
+def default_relay_client() -> str:
+    """$PAGEDSERVE_DP_RELAY_CLIENT (aiohttp | httpx), else aiohttp if installed, else httpx."""
+    name = os.environ.get("PAGEDSERVE_DP_RELAY_CLIENT") or ("aiohttp" if aiohttp else "httpx")
+    if name not in RELAY_CLIENTS:
+        raise ValueError(f"PAGEDSERVE_DP_RELAY_CLIENT must be one of {RELAY_CLIENTS}, got {name!r}")
+    if name == "aiohttp" and aiohttp is None:
+        raise ValueError("PAGEDSERVE_DP_RELAY_CLIENT=aiohttp but aiohttp is not installed")
+    return name
+
+# Replicas (uvicorn, timeout_keep_alive=5) close idle connections after 5 s: the relay drops
+# its own idle ones sooner, so it never sends a request down one the replica is closing.
+RELAY_KEEPALIVE_S = 3.0
 
 
 def _die_with_parent() -> None:
@@ -74,14 +96,21 @@ class ProcessReplicaPool:
     backend = "mp"
 
     def __init__(self, commands: Sequence[tuple[list[str], dict[str, str], int]], policy,
-                 startup_timeout: float = 600.0, poll_interval: float = 0.2) -> None:
-        """commands: (argv, env, port) of each replica; argv must serve on 127.0.0.1:port."""
+                 startup_timeout: float = 600.0, poll_interval: float = 0.2,
+                 relay_client: str | None = None) -> None:
+        """commands: (argv, env, port) of each replica; argv must serve on 127.0.0.1:port.
+        relay_client: aiohttp | httpx, the client that forwards requests (default:
+        default_relay_client()); probes and /metrics always use httpx."""
         self.replicas = [LocalReplica(i, list(c), dict(e), f"http://127.0.0.1:{p}")
                          for i, (c, e, p) in enumerate(commands)]
         self.policy = policy
         self.startup_timeout = startup_timeout
         self.poll_interval = poll_interval
+        self.relay_client = relay_client or default_relay_client()
+        if self.relay_client not in RELAY_CLIENTS:
+            raise ValueError(f"relay_client must be one of {RELAY_CLIENTS}, got {relay_client!r}")
         self._client: httpx.AsyncClient | None = None
+        self._session = None  # aiohttp.ClientSession with relay_client aiohttp
         self._supervisor: asyncio.Task | None = None
 
     @classmethod
@@ -94,9 +123,18 @@ class ProcessReplicaPool:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
+        # (A larger keep-alive pool costs more here than it saves: httpcore scans its whole pool
+        # for every request and response.)
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                          limits=httpx.Limits(max_connections=None,
-                                                             max_keepalive_connections=64))
+                                                             max_keepalive_connections=64,
+                                                             keepalive_expiry=RELAY_KEEPALIVE_S))
+        if self.relay_client == "aiohttp":
+            # Every request in flight holds one connection: aiohttp keeps them all for reuse.
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=RELAY_KEEPALIVE_S),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
+                auto_decompress=False)
         for r in self.replicas:
             r.spawn()
         deadline = time.monotonic() + self.startup_timeout
@@ -132,6 +170,8 @@ class ProcessReplicaPool:
             r.live = False
         if self._client is not None:
             await self._client.aclose()
+        if self._session is not None:
+            await self._session.close()
 
     async def _probe(self, r: LocalReplica) -> bool:
         try:
@@ -172,6 +212,8 @@ class ProcessReplicaPool:
 
     async def forward(self, method: str, path: str, body: bytes,
                       prefix_hashes: Sequence[bytes]) -> ReplicaResponse:
+        if self._session is not None:
+            return await self._forward_aiohttp(method, path, body, prefix_hashes)
         tried: set[int] = set()
         while True:
             loads = {r.index: r.in_flight for r in self.replicas if r.live and r.index not in tried}
@@ -223,12 +265,75 @@ class ProcessReplicaPool:
             r.in_flight -= 1
             await resp.aclose()
 
+    def _pick(self, prefix_hashes: Sequence[bytes], tried: set[int]) -> LocalReplica:
+        loads = {r.index: r.in_flight for r in self.replicas if r.live and r.index not in tried}
+        if not loads:
+            raise NoReplicaAvailable("no replica is live to serve this request; retry later")
+        return self.replicas[self.policy.choose(prefix_hashes, loads)]
+
+    async def _forward_aiohttp(self, method: str, path: str, body: bytes,
+                               prefix_hashes: Sequence[bytes]) -> ReplicaResponse:
+        """forward() over aiohttp: the same routing, retries and fault contract."""
+        tried: set[int] = set()
+        while True:
+            r = self._pick(prefix_hashes, tried)
+            r.in_flight += 1
+            try:
+                resp = await self._session.request(method, r.url + path, data=body or None,
+                                                   headers={"content-type": "application/json"})
+            except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as e:
+                # Never delivered (refused, or no connection within sock_connect): send elsewhere.
+                r.in_flight -= 1
+                tried.add(r.index)
+                self._mark_down(r, f"connect failed: {e!r}")
+                continue
+            except aiohttp.ClientError as e:
+                r.in_flight -= 1
+                self._mark_down(r, f"request lost: {e!r}")
+                raise ReplicaFailed(f"replica {r.index} failed while serving this request") from None
+            except BaseException:
+                r.in_flight -= 1
+                raise
+            r.routed += 1
+            content_type = resp.headers.get("content-type", "application/json")
+            if content_type.startswith("text/event-stream"):
+                return ReplicaResponse(resp.status, content_type, self._stream_aiohttp(r, resp))
+            try:
+                data = await resp.read()
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                self._mark_down(r, f"response lost: {e!r}")
+                raise ReplicaFailed(f"replica {r.index} failed while serving this request") from None
+            finally:
+                r.in_flight -= 1
+                resp.release()
+            return ReplicaResponse(resp.status, content_type, one_chunk(data))
+
+    async def _stream_aiohttp(self, r: LocalReplica, resp) -> AsyncIterator[bytes]:
+        """The replica's bytes as they arrive (whatever one socket read holds: the same bytes,
+        one relay hop for however many events came together)."""
+        complete = False
+        try:
+            async for chunk in resp.content.iter_any():
+                yield chunk
+            complete = True
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            self._mark_down(r, f"stream lost: {e!r}")
+            err = APIError(f"replica {r.index} failed while serving this request", 503,
+                           type="server_error", code="replica_failed")
+            yield (error_event(err) + SSE_DONE).encode()
+        finally:
+            r.in_flight -= 1
+            if complete:
+                resp.release()  # the connection goes back to the pool
+            else:
+                resp.close()    # the client left: closing tells the replica to abort
+
     # ---- observability -----------------------------------------------------------------------
 
     async def health(self) -> dict:
         n_live = sum(r.live for r in self.replicas)
         status = "ok" if n_live == len(self.replicas) else "degraded" if n_live else "down"
-        return {"status": status, "backend": self.backend,
+        return {"status": status, "backend": self.backend, "relay_client": self.relay_client,
                 "live_replicas": n_live, "replicas": [
                     {"replica": str(r.index), "live": r.live, "url": r.url,
                      "pid": r.proc.pid if r.proc else None, "in_flight": r.in_flight,

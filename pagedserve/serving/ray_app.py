@@ -204,7 +204,8 @@ def _ingress_deployment(frontend: dict):
 def build_serve_app(config: EngineConfig, served_name: str, api_key: str | None,
                     max_request_bytes: int, num_replicas: int, routing_policy: str = "prefix",
                     imbalance_threshold: int = 8, min_replicas: int | None = None,
-                    max_replicas: int | None = None, num_gpus_per_replica: float = 0.0):
+                    max_replicas: int | None = None, num_gpus_per_replica: float = 0.0,
+                    autoscaling: dict | None = None):
     """The Serve application: ingress bound to N EngineReplicas (or min..max, autoscaled)."""
     config_dict = dataclasses.asdict(config)
     options: dict[str, Any] = dict(
@@ -218,8 +219,9 @@ def build_serve_app(config: EngineConfig, served_name: str, api_key: str | None,
             request_router_kwargs={"policy": routing_policy,
                                    "imbalance_threshold": imbalance_threshold}))
     if min_replicas is not None:
-        options["autoscaling_config"] = {"min_replicas": min_replicas, "max_replicas": max_replicas,
-                                         "target_ongoing_requests": max(1, config.max_num_seqs // 2)}
+        options["autoscaling_config"] = {"target_ongoing_requests": max(1, config.max_num_seqs // 2),
+                                         **(autoscaling or {}),
+                                         "min_replicas": min_replicas, "max_replicas": max_replicas}
     else:
         options["num_replicas"] = num_replicas
     engine = serve.deployment(**options)(EngineReplica)
@@ -230,22 +232,25 @@ def build_serve_app(config: EngineConfig, served_name: str, api_key: str | None,
 def app_builder(args: dict):
     """Import path for a Serve config / KubeRay RayService:
     `pagedserve.serving.ray_app:app_builder` with args {model, data_parallel_size,
-    tensor_parallel_size, routing_policy, served_model_name, ...EngineConfig fields}."""
+    tensor_parallel_size, routing_policy, served_model_name, min_replicas, max_replicas,
+    autoscaling_config (more Ray Serve autoscaling fields), ...EngineConfig fields}."""
     args = dict(args)
     dp = int(args.pop("data_parallel_size", 1))
     policy = args.pop("routing_policy", "prefix")
     name = args.pop("served_model_name", None) or args.get("model")
     api_key = args.pop("api_key", None) or os.environ.get("PAGEDSERVE_API_KEY")
     min_r, max_r = args.pop("min_replicas", None), args.pop("max_replicas", None)
+    autoscaling = args.pop("autoscaling_config", None)
     config = EngineConfig(**args)
     gpus = float(config.tensor_parallel_size) if config.device != "cpu" else 0.0
     return build_serve_app(config, name, api_key, 1 << 20, dp, policy, min_replicas=min_r,
-                           max_replicas=max_r, num_gpus_per_replica=gpus)
+                           max_replicas=max_r, num_gpus_per_replica=gpus, autoscaling=autoscaling)
 
 
 def run_ray_server(args: argparse.Namespace, config: EngineConfig, served_name: str,
                    api_key: str | None, policy: Any) -> int:
     """`pagedserve serve --data-parallel-backend ray`: deploy, then serve until interrupted."""
+    from pagedserve.serving.launch import autoscaling_overrides
     logging.basicConfig(level=logging.INFO)
     started_here = args.ray_address is None
     if started_here:
@@ -264,7 +269,7 @@ def run_ray_server(args: argparse.Namespace, config: EngineConfig, served_name: 
         app = build_serve_app(config, served_name, api_key, args.max_request_bytes,
                               args.data_parallel_size, policy.name,
                               args.routing_imbalance_threshold, args.min_replicas,
-                              args.max_replicas, gpus)
+                              args.max_replicas, gpus, autoscaling_overrides(args))
         serve.start(http_options={"host": args.host, "port": args.port})
         serve.run(app, name=APP_NAME, route_prefix="/", blocking=False)
         logger.info("serving %s on Ray Serve at http://%s:%d/v1 (%s routing)", served_name,

@@ -116,3 +116,25 @@ def test_bench_serve_errors_are_one_line(server, capsys):
         assert len(stderr.strip().splitlines()) == 1 and "Traceback" not in stderr, stderr
         for w in words:
             assert w in stderr, (w, stderr)
+
+
+def test_bench_serve_several_client_processes(server, tmp_path, capsys):
+    """--num-client-processes K: the requests split over K processes, merged back in order."""
+    cfg = json.loads((server.model_dir / "config.json").read_text())
+    out, n = tmp_path / "bench.json", 7
+    rc, stdout, stderr = _bench(["--base-url", server.v1, "--api-key", server.api_key,
+                                 "--workload", "sharegpt-like", "--num-requests", str(n),
+                                 "--max-concurrency", "4", "--num-client-processes", "3",
+                                 "--output", str(out)], capsys)
+    assert rc == 0, stderr
+    doc = json.loads(out.read_text())
+    res = doc["results"]
+    assert res["completed"] == n and res["failed"] == 0
+    assert doc["config"]["num_client_processes"] == 3 and res["num_client_processes"] == 3
+    assert res["client_cpu_s"] > 0
+    work = make_workload("sharegpt-like", n, vocab_size=cfg["vocab_size"], max_total_len=MAX_MODEL_LEN)
+    assert [r["prompt_len"] for r in res["requests"]] == [len(w.prompt_token_ids) for w in work]
+    assert [r["output_len"] for r in res["requests"]] == [w.output_len for w in work]
+    assert res["total_output_tokens"] == sum(w.output_len for w in work)
+    assert 0 < res["ttft_ms"]["p50"] <= res["ttft_ms"]["p99"]
+    assert res["duration_s"] >= max(r["latency"] for r in res["requests"])

@@ -15,6 +15,15 @@ from pagedserve.entrypoints.cli import main
     (["--data-parallel-backend", "ray", "--min-replicas", "3", "--max-replicas", "2"],
      "need 1 <= min_replicas <= max_replicas, got 3 and 2"),
     (["--data-parallel-backend", "ray", "--min-replicas", "3"], "min_replicas and max_replicas go together"),
+    (["--data-parallel-backend", "ray", "--ray-autoscaling-config", "{}"],
+     "ray_autoscaling_config needs --min-replicas and --max-replicas"),
+    (["--data-parallel-backend", "ray", "--min-replicas", "1", "--max-replicas", "2",
+      "--ray-autoscaling-config", "{oops"], "ray_autoscaling_config: not JSON"),
+    (["--data-parallel-backend", "ray", "--min-replicas", "1", "--max-replicas", "2",
+      "--ray-autoscaling-config", "[1]"], "ray_autoscaling_config: must be a JSON object"),
+    (["--data-parallel-backend", "ray", "--min-replicas", "1", "--max-replicas", "2",
+      "--ray-autoscaling-config", '{"max_replicas": 4}'],
+     "ray_autoscaling_config: set max_replicas with --max-replicas"),
 ])
 def test_bad_dp_flags(flags, message, capsys):
     assert main(["serve", "--device", "cpu", *flags]) == 2
