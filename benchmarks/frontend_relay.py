@@ -319,8 +319,13 @@ def main() -> None:
         print(f"{r['setup']:<8}{r['num_client_processes']:>3}{r['events_per_s']:>10}" + "".join(
             f"{r['cpu_us_per_event'].get(k, float('nan')):>18}"
             for k in ("client", "frontend", "replica0", "replica1")))
-    if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    if args.out:  # through the one result writer: the commit and the switches go in
+        from pagedserve.benchmark.results import write_result
+        config = {k: getattr(args, k) for k in ("setup", "num_requests", "output_len", "prompt_len",
+                                                "token_delay_ms", "num_client_processes", "replica", "server_tree")}
+        config["relay_client_env"] = os.environ.get("PAGEDSERVE_DP_RELAY_CLIENT")
+        write_result(args.out, "frontend_relay", "python benchmarks/frontend_relay.py " + " ".join(sys.argv[1:]),
+                     config, {"setups": results}, {}, {}, device="cpu")
 
 
 if __name__ == "__main__":
