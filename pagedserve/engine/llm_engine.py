@@ -91,6 +91,9 @@ class LLMEngine:
             if measured in self.runner.profile:  # see ModelRunner.measures_costs for when they are absent
                 setattr(self.scheduler_config, measured, self.runner.profile[measured])
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        if getattr(self.runner, "incremental_inputs", False) is True:
+            # The runner keeps block tables on the device and wants only what changed each step.
+            self.scheduler.enable_table_log()
         self.vocab_size = self.runner.vocab_size
 
         self.generator = torch.Generator(device=self.device)
