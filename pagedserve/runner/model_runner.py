@@ -291,15 +291,7 @@ class ModelRunner:
         if self.row_tracker is None:
             sched = self.config.scheduler_config(self.max_model_len)
             self.row_tracker = RowTracker(sched.max_num_seqs, -(-self.max_model_len // self.block_size))
-        n = len(out.scheduled)
-        if batch is None:
-            table_lens = starts = query_lens = np.zeros(0, dtype=np.int64)
-        else:
-            table_lens = np.fromiter(map(len, batch.block_tables), dtype=np.int64, count=n)
-            batch.block_tables = []  # the device has them: a tensor-parallel step message stays small
-            starts, query_lens = batch.starts, batch.query_lens
-        rows = self.row_tracker.step(out.table_changes, [s.seq.seq_id for s in out.scheduled], table_lens,
-                                     starts, query_lens, decode_only=out.num_decodes == n)
+        rows = self.row_tracker.step_inputs(out, batch)
         return StepInput(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, batch, rows)
 
     @torch.inference_mode()

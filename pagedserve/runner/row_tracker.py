@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedserve.core.plan import SchedulerOutput
 from pagedserve.core.table_log import TableChanges
 
 _I64 = np.int64
@@ -94,6 +95,19 @@ class RowTracker:
             if first + n > self.num_cols:
                 self.num_cols = first + n
         return np.asarray(cleared, dtype=_I64), e_rows, e_cols, e_vals
+
+    def step_inputs(self, out: SchedulerOutput, batch) -> RowInputs:
+        """step() for one plan and its HostBatch (None when nothing is scheduled). Takes the block
+        tables out of the batch: the device has them, so a tensor-parallel step message stays small."""
+        n = len(out.scheduled)
+        if batch is None:
+            table_lens = starts = query_lens = _empty()
+        else:
+            table_lens = np.fromiter(map(len, batch.block_tables), dtype=_I64, count=n)
+            batch.block_tables = []
+            starts, query_lens = batch.starts, batch.query_lens
+        return self.step(out.table_changes, [s.seq.seq_id for s in out.scheduled], table_lens, starts, query_lens,
+                         decode_only=out.num_decodes == n)
 
     def step(self, changes: TableChanges, seq_ids: list[int], table_lens: np.ndarray, starts: np.ndarray,
              query_lens: np.ndarray, decode_only: bool) -> RowInputs:

@@ -22,8 +22,6 @@ from pagedserve.runner.request_state import DeviceRequestState
 
 from engine.helpers import assert_no_leak, make_llm, prompt_ids
 
-CPU = torch.device("cpu")
-
 
 class StateChecker:
     """Wraps one engine's runner: compares every incremental step with a full rebuild."""
@@ -63,7 +61,7 @@ class StateChecker:
 
     def _check_input(self, inp, block_size: int) -> None:
         full, _ = self._full
-        ref = full.to_model_input(block_size, CPU)
+        ref = full.to_model_input(block_size, self.runner.device)
         self.steps += 1
         self.decode_steps += full.num_decodes == len(full.starts)
         for name in ("input_ids", "positions", "sample_indices", "placeholder_dst", "placeholder_src"):
@@ -83,7 +81,7 @@ class StateChecker:
         state, tracker = self.runner.request_state, self.runner.row_tracker
         if state is None:
             return
-        table, computed = state.block_table.numpy(), state.computed.numpy()
+        table, computed = state.block_table.cpu().numpy(), state.computed.cpu().numpy()
         live = {sid: self.mgr.table_ids(sid) for sid in self._live_ids()}
         assert set(tracker.row_of) == set(live)
         used = np.zeros(table.shape[0], dtype=bool)
@@ -173,3 +171,21 @@ def test_state_with_contiguous_allocator(model_dir, monkeypatch):
     ids = prompt_ids(model_dir)
     _generate(llm, checker, [{"prompt_token_ids": p} for p in ids],
               SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("async_scheduling", [True, False])
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_state_on_cuda_with_graphs(model_dir, monkeypatch, async_scheduling, enforce_eager):
+    """The same exact-state checks on the GPU: decode graphs and piecewise graphs read the per-step
+    gathers, overlapped steps fill placeholders on the device, and swaps run on pinned memory."""
+    llm = make_llm(model_dir, device="cuda", block_size=8, num_gpu_blocks_override=24, preemption_mode="swap",
+                   swap_space=0.05, max_num_batched_tokens=64, max_num_seqs=16, enforce_eager=enforce_eager,
+                   async_scheduling=async_scheduling)
+    if not enforce_eager:
+        assert llm.llm_engine.runner.graphs is not None
+    checker = StateChecker(llm, monkeypatch)
+    ids = prompt_ids(model_dir)
+    _generate(llm, checker, [{"prompt_token_ids": p} for p in ids],
+              SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
+    assert llm.get_kv_cache_stats().num_preemptions > 0
