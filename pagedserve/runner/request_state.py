@@ -136,7 +136,8 @@ def _host_side(batch: HostBatch, rows: np.ndarray, table_lens: np.ndarray, block
            "max_seq_len": int(seq_lens.max(initial=0)), "num_sampling": int(batch.sample_mask.sum())}
     if decode_only:
         out.update(query_lens=[1] * n, max_query_len=1 if n else 0)
-        out["sample_indices"] = np.nonzero(batch.sample_mask)[0].astype(np.int64)
+        if out["num_sampling"] not in (0, n):  # otherwise derived on the device, nothing to send
+            out["sample_indices"] = np.nonzero(batch.sample_mask)[0].astype(np.int64)
         return out
     cu = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(query_lens, out=cu[1:])
