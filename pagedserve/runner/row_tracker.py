@@ -107,7 +107,7 @@ class RowTracker:
             batch.block_tables = []
             starts, query_lens = batch.starts, batch.query_lens
         return self.step(out.table_changes, [s.seq.seq_id for s in out.scheduled], table_lens, starts, query_lens,
-                         decode_only=out.num_decodes == n)
+                         decode_only=batch is not None and batch.num_decodes == n)
 
     def step(self, changes: TableChanges, seq_ids: list[int], table_lens: np.ndarray, starts: np.ndarray,
              query_lens: np.ndarray, decode_only: bool) -> RowInputs:
