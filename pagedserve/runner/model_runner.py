@@ -294,6 +294,11 @@ class ModelRunner:
         rows = self.row_tracker.step_inputs(out, batch)
         return StepInput(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, batch, rows)
 
+    def reset_request_state(self) -> None:
+        """Forget every row (host and device): for a fresh scheduler, whose table log starts empty."""
+        self.row_tracker = None
+        self.request_state = None
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run the plan; float32 logits [num_sampling, vocab] in the order of out.scheduled filtered by

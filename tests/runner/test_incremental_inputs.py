@@ -189,3 +189,18 @@ def test_state_on_cuda_with_graphs(model_dir, monkeypatch, async_scheduling, enf
     _generate(llm, checker, [{"prompt_token_ids": p} for p in ids],
               SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True))
     assert llm.get_kv_cache_stats().num_preemptions > 0
+
+
+def test_a_fresh_scheduler_starts_fresh_rows(model_dir, monkeypatch):
+    """LLMEngine.use_scheduler (benchmarks swap policies on one engine): the runner forgets the old
+    rows and the new scheduler's log starts with the runner, so steps stay exact."""
+    from pagedserve.core.scheduler import Scheduler
+    llm = make_llm(model_dir, block_size=8)
+    engine = llm.llm_engine
+    ids = [{"prompt_token_ids": p} for p in prompt_ids(model_dir)[:4]]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate(ids, params, use_tqdm=False)]
+    engine.use_scheduler(Scheduler(engine.scheduler_config, engine.cache_config))
+    assert engine.runner.request_state is None and engine.scheduler.kv_cache_manager.table_log is not None
+    checker = StateChecker(llm, monkeypatch)
+    assert [o.outputs[0].token_ids for o in _generate(llm, checker, ids, params)] == first
