@@ -13,8 +13,9 @@ then times --steps decode steps with the engine's StepTimer, split into phases:
 
 Host overhead (`results.ms_per_decode_step_at_256`) is schedule + cache_ops + prepare +
 postprocess, the median over the timed steps. The input-building split relies on the runner
-calling HostBatch.to_model_input; if a runner stops doing that, the prepare time shows up
-inside `forward` and the JSON says so. With --async-scheduling (the engine's default) the step
+calling DeviceRequestState.prepare (the persistent device state, the engine's default) or
+HostBatch.to_model_input (PAGEDSERVE_INCREMENTAL_INPUTS=0: every table rebuilt); if a runner
+stops doing either, the prepare time shows up inside `forward` and the JSON says so. With --async-scheduling (the engine's default) the step
 launches the device work and sampling without waiting (`forward` and `sample` are launch time
 and count as host work) and `wait` is the time spent waiting for the previous step's tokens.
 
@@ -54,22 +55,28 @@ ALL_PHASES = ("schedule", "cache_ops", "prepare", "forward", "sample", "wait", "
 
 
 def _hook_prepare(engine: LLMEngine) -> list[int]:
-    """Time input building inside runner.execute by wrapping HostBatch.to_model_input (host arrays
-    to device tensors); the host-array half (host_batch) lands in cache_ops, also host time.
+    """Time input building inside runner.execute by wrapping DeviceRequestState.prepare and
+    HostBatch.to_model_input (host arrays to device tensors, whichever the runner uses); the
+    host-array half (host_batch, the row tracker) lands in cache_ops, also host time.
     Returns a one-element call counter."""
     from pagedserve.runner.batch import HostBatch
+    from pagedserve.runner.request_state import DeviceRequestState
     calls = [0]
-    original = HostBatch.to_model_input
 
-    def timed(self, *args, **kwargs):
-        timer = engine.step_timer
-        if timer is not NULL_STEP_TIMER:
-            calls[0] += 1
-        timer.mark("cache_ops", sync=True)
-        result = original(self, *args, **kwargs)
-        timer.mark("prepare", sync=True)
-        return result
-    HostBatch.to_model_input = timed
+    def wrap(cls, name):
+        original = getattr(cls, name)
+
+        def timed(self, *args, **kwargs):
+            timer = engine.step_timer
+            if timer is not NULL_STEP_TIMER:
+                calls[0] += 1
+            timer.mark("cache_ops", sync=True)
+            result = original(self, *args, **kwargs)
+            timer.mark("prepare", sync=True)
+            return result
+        setattr(cls, name, timed)
+    wrap(HostBatch, "to_model_input")
+    wrap(DeviceRequestState, "prepare")
     return calls
 
 

@@ -92,7 +92,7 @@ def use_scheduler(eng: LLMEngine, **cache_changes) -> None:
     paged vs contiguous, or prefix caching on/off, compared on identical kernels and memory."""
     for k, v in cache_changes.items():
         setattr(eng.cache_config, k, v)
-    eng.scheduler = Scheduler(eng.scheduler_config, eng.cache_config)
+    eng.use_scheduler(Scheduler(eng.scheduler_config, eng.cache_config))
 
 
 class BreakdownMeter:

@@ -16,6 +16,7 @@ from typing import Iterable
 
 from pagedserve.core.kv_cache_manager import AllocStatus, cdiv
 from pagedserve.core.stats import MemoryBreakdown, SeqKVLayout, breakdown_from_tables
+from pagedserve.core.table_log import TableChangeLog
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 CONTIGUOUS_MODES = ("max", "pow2", "oracle")
@@ -46,6 +47,7 @@ class ContiguousKVCacheManager:
         self.peak_blocks_used = 0
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+        self.table_log: TableChangeLog | None = None  # see KVCacheManager.enable_table_log
 
     # ---- sizing --------------------------------------------------------------------------
     def _output_budget(self, group: SequenceGroup, seq: Sequence) -> int:
@@ -116,6 +118,16 @@ class ContiguousKVCacheManager:
     def has_table(self, seq: Sequence) -> bool:
         return seq.seq_id in self._runs
 
+    def enable_table_log(self) -> TableChangeLog:
+        """Record every new and freed reservation from now on (a run never changes in between)."""
+        self.table_log = TableChangeLog()
+        for sid in self._runs:
+            self.table_log.replaced(sid)
+        return self.table_log
+
+    def table_ids(self, seq_id: int) -> list[int]:
+        return self.block_table_view(self._seqs[seq_id])
+
     def get_num_free_blocks(self) -> int:
         return self.num_free_blocks
 
@@ -140,6 +152,8 @@ class ContiguousKVCacheManager:
             n = cdiv(self.reservation_tokens(group, seq), self.block_size)
             self._runs[seq.seq_id] = (self._take(n), n)
             self._seqs[seq.seq_id] = seq
+            if self.table_log is not None:
+                self.table_log.replaced(seq.seq_id)
             self._final_len[seq.seq_id] = self.final_len(group, seq)
             seq.num_computed_tokens = 0
 
@@ -171,6 +185,8 @@ class ContiguousKVCacheManager:
         self._views.pop(seq.seq_id, None)
         if run is not None:
             self._give_back(*run)
+            if self.table_log is not None:
+                self.table_log.removed(seq.seq_id)
         self._seqs.pop(seq.seq_id, None)
         self._final_len.pop(seq.seq_id, None)
 

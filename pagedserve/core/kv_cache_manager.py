@@ -16,6 +16,7 @@ from typing import Iterable
 from pagedserve.core.block_pool import BlockPool, hash_block_tokens
 from pagedserve.core.free_queue import KVCacheBlock
 from pagedserve.core.stats import MemoryBreakdown, SeqKVLayout, breakdown_from_tables
+from pagedserve.core.table_log import TableChangeLog
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -53,6 +54,8 @@ class KVCacheManager:
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
         self.peak_blocks_used = 0
+        # Off unless a runner keeps tables on the device (Scheduler.enable_table_log).
+        self.table_log: TableChangeLog | None = None
 
     # ---- queries -------------------------------------------------------------------
     def get_block_table(self, seq: Sequence) -> list[int]:
@@ -67,6 +70,19 @@ class KVCacheManager:
     def _set_table(self, sid: int, table: list[KVCacheBlock]) -> None:
         self.block_tables[sid] = table
         self._block_ids[sid] = [b.block_id for b in table]
+        if self.table_log is not None:
+            self.table_log.replaced(sid)
+
+    def enable_table_log(self) -> TableChangeLog:
+        """Record every change to a device table from now on (tables that exist count as new)."""
+        self.table_log = TableChangeLog()
+        for sid in self._block_ids:
+            self.table_log.replaced(sid)
+        return self.table_log
+
+    def table_ids(self, seq_id: int) -> list[int]:
+        """The live device block ids of a sequence by id (the table log reads changes through it)."""
+        return self._block_ids[seq_id]
 
     def get_num_free_blocks(self) -> int:
         return self.pool.get_num_free_blocks()
@@ -221,12 +237,15 @@ class KVCacheManager:
         """Make slots [num_computed, num_computed + n) writable; returns COW (src, dst) pairs."""
         table = self.block_tables[seq.seq_id]
         ids = self._block_ids[seq.seq_id]
+        log = self.table_log
         if num_new_tokens == 1:
             i = seq.num_computed_tokens // self.block_size
             if i == len(table):  # the decode opens a new block
                 block = self.pool.get_new_blocks(1)[0]
                 table.append(block)
                 ids.append(block.block_id)
+                if log is not None:
+                    log.changed(seq.seq_id, i)
                 self._note_usage()
                 return []
             if i < len(table) and table[i].ref_cnt == 1:  # room in an unshared last block
@@ -240,7 +259,11 @@ class KVCacheManager:
                 ids[i] = table[i].block_id
                 self.pool.free_blocks([old])
                 copies.append((old.block_id, table[i].block_id))
+                if log is not None:
+                    log.changed(seq.seq_id, i)
         if rng.stop > len(table):
+            if log is not None:
+                log.changed(seq.seq_id, len(table))
             new = self.pool.get_new_blocks(rng.stop - len(table))
             table.extend(new)
             ids.extend(b.block_id for b in new)
@@ -282,6 +305,8 @@ class KVCacheManager:
         if sid in self.block_tables:
             self.pool.free_blocks(reversed(self.block_tables.pop(sid)))
             del self._block_ids[sid]
+            if self.table_log is not None:
+                self.table_log.removed(sid)
         if sid in self.cpu_block_tables:
             self.cpu_pool.free_blocks(reversed(self.cpu_block_tables.pop(sid)))
         self._seqs.pop(sid, None)
@@ -311,6 +336,8 @@ class KVCacheManager:
         """Move the group's device blocks to CPU blocks; a block shared in the group moves once."""
         for seq in self._group_seqs(group, self.block_tables):
             del self._block_ids[seq.seq_id]
+            if self.table_log is not None:
+                self.table_log.removed(seq.seq_id)
         return self._move(group, self.block_tables, self.cpu_block_tables, self.pool, self.cpu_pool)
 
     def can_swap_in(self, group: SequenceGroup) -> bool:
@@ -325,6 +352,8 @@ class KVCacheManager:
         mapping = self._move(group, self.cpu_block_tables, self.block_tables, self.cpu_pool, self.pool)
         for seq in self._group_seqs(group, self.block_tables):
             self._block_ids[seq.seq_id] = [b.block_id for b in self.block_tables[seq.seq_id]]
+            if self.table_log is not None:
+                self.table_log.replaced(seq.seq_id)
             self._num_cached_blocks[seq.seq_id] = 0
             self.cache_blocks(seq)
         self._note_usage()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.core.table_log import TableChanges
 from pagedserve.sequence import Sequence, SequenceGroup
 
 
@@ -66,6 +67,9 @@ class SchedulerOutput:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)      # (src, dst) device blocks, copy-on-write
     preempted: list[SequenceGroup] = field(default_factory=list)
     ignored: list[SequenceGroup] = field(default_factory=list)  # rejected (can never fit); finished with an error
+    # The device block tables changed since the previous executed step, when the scheduler keeps
+    # a table log (Scheduler.enable_table_log); None otherwise (the runner then rebuilds every table).
+    table_changes: TableChanges | None = None
 
     @property
     def num_batched_tokens(self) -> int:

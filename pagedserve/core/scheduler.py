@@ -110,6 +110,11 @@ class Scheduler:
                         seq.status = SequenceStatus.FINISHED_ABORTED
                     self.kv_cache_manager.free(seq)
 
+    def enable_table_log(self) -> None:
+        """From now on every non-empty SchedulerOutput carries table_changes: the device block tables
+        changed since the previous one (core/table_log.py), for a runner that keeps them on the device."""
+        self.kv_cache_manager.enable_table_log()
+
     def fork_seq(self, parent: Sequence, child: Sequence) -> None:
         self.kv_cache_manager.fork(parent, child)
 
@@ -160,6 +165,10 @@ class Scheduler:
         decodes = [s for s in scheduled if s.is_decode]
         out.scheduled = decodes if len(decodes) == len(scheduled) else \
             decodes + [s for s in scheduled if not s.is_decode]
+        mgr = self.kv_cache_manager
+        # An empty output is never executed: its changes wait in the log for the next step that is.
+        if mgr.table_log is not None and not out.is_empty:
+            out.table_changes = mgr.table_log.drain(mgr.table_ids)
         return out
 
     def _schedule_all_decodes(self, out: SchedulerOutput) -> list[ScheduledSequence] | None:

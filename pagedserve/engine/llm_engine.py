@@ -90,7 +90,7 @@ class LLMEngine:
         for measured in ("recompute_seconds_per_token", "swap_seconds_per_block"):
             if measured in self.runner.profile:  # see ModelRunner.measures_costs for when they are absent
                 setattr(self.scheduler_config, measured, self.runner.profile[measured])
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.use_scheduler(Scheduler(self.scheduler_config, self.cache_config))
         self.vocab_size = self.runner.vocab_size
 
         self.generator = torch.Generator(device=self.device)
@@ -116,6 +116,16 @@ class LLMEngine:
         self._inflight: InflightStep | None = None
 
     # ---- construction helpers -------------------------------------------------------------
+
+    def use_scheduler(self, scheduler: Scheduler) -> None:
+        """Run the engine's steps through `scheduler` (start-up, or a benchmark's fresh policy on the
+        same weights and pools); call it with no request in flight."""
+        self.scheduler = scheduler
+        if getattr(self.runner, "incremental_inputs", False) is True:
+            # The runner keeps block tables on the device and wants only what changed each step:
+            # it forgets the old scheduler's rows, the new scheduler logs its changes from the start.
+            self.runner.reset_request_state()
+            scheduler.enable_table_log()
 
     @classmethod
     def from_kwargs(cls, model: str, **kwargs: Any) -> "LLMEngine":

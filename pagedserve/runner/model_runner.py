@@ -25,6 +25,8 @@ from pagedserve.runner.batch import HostBatch, ModelInput, build_model_input, ho
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
+from pagedserve.runner.request_state import DeviceRequestState
+from pagedserve.runner.row_tracker import RowInputs, RowTracker
 from pagedserve.runner.warmup import warm_up, warmup_enabled
 
 logger = logging.getLogger(__name__)
@@ -32,6 +34,8 @@ GiB = 1 << 30
 # "1": a CPU runner also runs the profile phase (the same forward as on CUDA, timed; the pool is
 # still sized from cpu_kv_cache_gib), so CPU runs take the GPU's start-up path and measure costs.
 PROFILE_ON_CPU_ENV = "PAGEDSERVE_PROFILE_ON_CPU"
+# "0": rebuild and upload every block table each step instead of keeping them on the device (A/B runs).
+INCREMENTAL_ENV = "PAGEDSERVE_INCREMENTAL_INPUTS"
 
 
 @dataclass
@@ -39,12 +43,16 @@ class StepInput:
     """Everything one step needs, as plain host data: the plan minus the Sequence objects.
 
     Built once (on tensor-parallel rank 0) by prepare_inputs and run by every rank's
-    execute_model, each against its own KV pool under the same block ids.
+    execute_model, each against its own KV pool under the same block ids. With `rows` the
+    block tables live on the device (request_state.py): batch then carries no tables, and rows
+    carries what changed since the last step, which every rank applies alike. Without it (warm-up,
+    profiling, a scheduler without a table log) batch carries every table and nothing persists.
     """
     blocks_to_swap_out: list[tuple[int, int]]
     blocks_to_swap_in: list[tuple[int, int]]
     blocks_to_copy: list[tuple[int, int]]
     batch: HostBatch | None
+    rows: RowInputs | None = None
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
@@ -82,6 +90,12 @@ class ModelRunner:
         self.profile: dict[str, float] = {}
         self.graphs: DecodeCUDAGraphs | None = None
         self.piecewise: PiecewiseCUDAGraphs | None = None
+        # Persistent per-request state: the host rows (rank 0, prepare_inputs) and the device tensors
+        # (every rank, execute_model), both made on first use. The engine turns the scheduler's table
+        # log on when this is true.
+        self.incremental_inputs = os.environ.get(INCREMENTAL_ENV, "1") != "0"
+        self.row_tracker: RowTracker | None = None
+        self.request_state: DeviceRequestState | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -291,7 +305,18 @@ class ModelRunner:
     def prepare_inputs(self, out: SchedulerOutput) -> StepInput:
         """The host-side half of a step: no device work, nothing rank-specific."""
         batch = host_batch(out.scheduled, out.num_decodes) if out.scheduled else None
-        return StepInput(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, batch)
+        if out.table_changes is None or not self.incremental_inputs:
+            return StepInput(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, batch)
+        if self.row_tracker is None:
+            sched = self.config.scheduler_config(self.max_model_len)
+            self.row_tracker = RowTracker(sched.max_num_seqs, -(-self.max_model_len // self.block_size))
+        rows = self.row_tracker.step_inputs(out, batch)
+        return StepInput(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, batch, rows)
+
+    def reset_request_state(self) -> None:
+        """Forget every row (host and device): for a fresh scheduler, whose table log starts empty."""
+        self.row_tracker = None
+        self.request_state = None
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -312,9 +337,16 @@ class ModelRunner:
             ce.swap_in(step.blocks_to_swap_in)
         if step.blocks_to_copy:
             ce.copy(step.blocks_to_copy)
-        if step.batch is None:
+        if step.rows is not None:
+            if self.request_state is None:
+                self.request_state = DeviceRequestState(step.rows.num_rows, step.rows.num_cols, self.device)
+            inp = self.request_state.prepare(step.rows, step.batch, self.block_size)
+            if inp is None:
+                return None
+        elif step.batch is None:
             return None
-        inp = step.batch.to_model_input(self.block_size, self.device)
+        else:
+            inp = step.batch.to_model_input(self.block_size, self.device)
         inp.fill_placeholders(prev_sampled)
         n = len(step.batch.query_lens)
         if self.graphs is not None and step.batch.num_decodes == n and self.graphs.bucket_for(n) is not None:
