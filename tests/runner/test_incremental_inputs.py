@@ -18,6 +18,7 @@ import torch
 
 from pagedserve import BeamSearchParams, SamplingParams
 from pagedserve.runner.batch import host_batch
+from pagedserve.runner.model_runner import INCREMENTAL_ENV
 from pagedserve.runner.request_state import DeviceRequestState
 
 from engine.helpers import assert_no_leak, make_llm, prompt_ids
@@ -179,6 +180,7 @@ def test_state_with_contiguous_allocator(model_dir, monkeypatch):
 def test_state_on_cuda_with_graphs(model_dir, monkeypatch, async_scheduling, enforce_eager):
     """The same exact-state checks on the GPU: decode graphs and piecewise graphs read the per-step
     gathers, overlapped steps fill placeholders on the device, and swaps run on pinned memory."""
+    monkeypatch.setenv(INCREMENTAL_ENV, "1")  # off by default on CUDA until this test has passed there
     llm = make_llm(model_dir, device="cuda", block_size=8, num_gpu_blocks_override=24, preemption_mode="swap",
                    swap_space=0.05, max_num_batched_tokens=64, max_num_seqs=16, enforce_eager=enforce_eager,
                    async_scheduling=async_scheduling)

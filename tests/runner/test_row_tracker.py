@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from pagedserve.core.table_log import TableChanges
@@ -77,3 +78,17 @@ def test_decode_positions_come_from_the_device_and_stale_rows_are_corrected(monk
     assert rows.start_rows.tolist() == [0] and inp.positions.tolist() == [3]
     assert state.computed.tolist()[:2] == [4, 11]
     assert len(copies) == 3 and all(n >= 2 for n in copies)
+
+
+def test_incremental_inputs_switch(monkeypatch):
+    from pagedserve.runner.model_runner import INCREMENTAL_ENV, incremental_inputs_enabled
+    monkeypatch.delenv(INCREMENTAL_ENV, raising=False)
+    assert incremental_inputs_enabled(torch.device("cpu"))
+    assert not incremental_inputs_enabled(torch.device("cuda"))  # until its GPU tests have run there
+    monkeypatch.setenv(INCREMENTAL_ENV, "1")
+    assert incremental_inputs_enabled(torch.device("cuda"))
+    monkeypatch.setenv(INCREMENTAL_ENV, "0")
+    assert not incremental_inputs_enabled(torch.device("cpu"))
+    monkeypatch.setenv(INCREMENTAL_ENV, "yes")
+    with pytest.raises(ValueError, match=INCREMENTAL_ENV):
+        incremental_inputs_enabled(torch.device("cpu"))
