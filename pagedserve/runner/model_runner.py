@@ -12,7 +12,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -21,9 +20,10 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.plan import SchedulerOutput
 from pagedserve.distributed import TPGroup, get_tp_group
 from pagedserve.models.loader import get_max_model_len, get_model
-from pagedserve.runner.batch import HostBatch, ModelInput, build_model_input, host_batch
+from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
+from pagedserve.runner.kv_sizing import device_seconds, profile_num_gpu_blocks
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
 from pagedserve.runner.request_state import DeviceRequestState
 from pagedserve.runner.row_tracker import RowInputs, RowTracker
@@ -149,7 +149,7 @@ class ModelRunner:
         (and so its collectives) alike."""
         self._require("model")
         cfg = self.config
-        profiled = self._profile_num_gpu_blocks() if self.measures_costs else None
+        profiled = profile_num_gpu_blocks(self) if self.measures_costs else None
         if cfg.num_gpu_blocks_override is not None:
             num_gpu = cfg.num_gpu_blocks_override
         elif profiled is not None:
@@ -164,59 +164,6 @@ class ModelRunner:
 
     def _cpu_pool_blocks(self) -> int:
         return int(self.config.cpu_kv_cache_gib * GiB // self.block_bytes)
-
-    def _profile_num_gpu_blocks(self) -> int:
-        """Blocks that fit in gpu_memory_utilization of the device after the model's weights and the
-        peak activations of a forward pass of max_num_batched_tokens tokens (max_num_seqs sequences).
-        On CPU the same forward runs and is timed, and the pool comes from cpu_kv_cache_gib."""
-        cfg = self.config
-        cuda = self.device.type == "cuda"
-        sched = cfg.scheduler_config(self.max_model_len)
-        num_tokens, num_seqs = sched.max_num_batched_tokens, min(sched.max_num_seqs, sched.max_num_batched_tokens)
-        if cuda:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(self.device)
-        query_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
-        query_lens[: num_tokens % num_seqs] += 1
-        tables, nxt = [], 0
-        for q in query_lens.tolist():
-            nb = -(-q // self.block_size)
-            tables.append(list(range(nxt, nxt + nb)))
-            nxt += nb
-        scratch = CacheEngine(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, nxt, 0,
-                              self.dtype, self.device)
-        ids = np.random.default_rng(0).integers(0, self.vocab_size, size=num_tokens)
-        inp = build_model_input(ids, np.zeros(num_seqs, dtype=np.int64), query_lens, tables,
-                                np.ones(num_seqs, dtype=bool), 0, self.block_size, self.device)
-        self._forward(inp, scratch.kv_caches)  # warm-up: kernel compilation and autotuning happen here
-        seconds = self._timed(lambda: self._forward(inp, scratch.kv_caches))
-        self.profile["recompute_seconds_per_token"] = seconds / num_tokens
-        if not cuda:
-            return self._cpu_pool_blocks()
-        peak = torch.cuda.max_memory_allocated(self.device) - scratch.gpu_pool.numel() * scratch.gpu_pool.element_size()
-        del scratch, inp
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        non_torch = total - free - torch.cuda.memory_reserved(self.device)  # CUDA context, cuBLAS, NCCL
-        budget = total * cfg.gpu_memory_utilization - peak - non_torch
-        self.profile.update(peak_bytes=float(peak), non_torch_bytes=float(non_torch), kv_budget_bytes=float(budget))
-        logger.info("KV cache budget %.2f GiB (peak %.2f GiB, other %.2f GiB of %.2f GiB)", budget / GiB, peak / GiB,
-                    non_torch / GiB, total / GiB)
-        return int(max(0, budget) // self.block_bytes)
-
-    def _timed(self, fn) -> float:
-        """Seconds fn() takes on this device (CUDA events on a GPU, the wall clock on CPU)."""
-        if self.device.type != "cuda":
-            t0 = time.perf_counter()
-            fn()
-            return time.perf_counter() - t0
-        torch.cuda.synchronize(self.device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize(self.device)
-        return start.elapsed_time(end) / 1e3
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """The start-up phases after sizing, in order (a tensor-parallel executor runs them one
@@ -247,7 +194,7 @@ class ModelRunner:
             ce.swap_out(pairs)
             ce.swap_in(pairs)
         round_trip()
-        self.profile["swap_seconds_per_block"] = self._timed(round_trip) / n
+        self.profile["swap_seconds_per_block"] = device_seconds(self.device, round_trip) / n
 
     def capture_decode_graphs(self) -> None:
         """One CUDA graph per decode batch-size bucket, up to max_num_seqs (CUDA, unless enforce_eager)."""
