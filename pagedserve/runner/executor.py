@@ -44,7 +44,7 @@ from pagedserve.runner.dist_groups import (StartupError, compute_device, destroy
 from pagedserve.runner.launch import NUM_THREADS_ENV, PARENT_PID_ENV
 from pagedserve.runner.tp_startup import (STARTUP_DIR_ENV, StartupTrace, debug_enabled, debug_line, describe_ranks,
                                           startup_bound)
-from pagedserve.runner.tp_failures import FailureHandling, TensorParallelError
+from pagedserve.runner.tp_failures import FailureHandling, TensorParallelError, run_bounded
 from pagedserve.runner.tp_watchdog import Watch, device_done_marker, dump_stacks
 from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError,
                                          _resolve, reply)
@@ -314,9 +314,13 @@ class MultiProcExecutor(FailureHandling):
             self._kill_workers(grace_s=10.0)
         else:
             self._kill_workers(grace_s=0.0)
+            # This thread is not replaying a graph (the watchdog never tears down; it only aborts).
+            # Released first, NCCL's abort can finish: CUDA destroys a graph still stuck in a
+            # collective once the abort lets that kernel exit.
+            # Bounded and without a device sync: a graph may be stuck in a collective until then.
             worker = getattr(self, "worker", None)
-            if worker is not None and not self._lock.locked():  # no step is replaying a graph
-                worker.release_cuda_graphs()
+            if worker is not None:
+                run_bounded(worker.release_cuda_graphs, 5.0, "tp-release-graphs", synchronize=False)
             self._abort_nccl()
             # After a failure a peer is gone, and NCCL's teardown can then block forever.
             destroy_distributed(wait_s=10.0)

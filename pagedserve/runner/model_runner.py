@@ -213,11 +213,12 @@ class ModelRunner:
         if warmup_enabled(self.device):
             self.profile["warmup_seconds"] = warm_up(self)
 
-    def release_cuda_graphs(self) -> int:
+    def release_cuda_graphs(self, synchronize: bool = True) -> int:
         """Destroy every captured CUDA graph now; returns how many. Tensor parallelism needs this before
         its NCCL groups go: a graph that captured an all-reduce holds a reference on the communicator,
         and NCCL's destroy (and abort) spins until every such graph is gone: with the graphs still
-        alive, the teardown never returned (2xH200). Eager steps still work afterwards."""
+        alive, the teardown never returned (2xH200). Eager steps still work afterwards.
+        synchronize=False after a failure: a graph stuck in a collective must not block here."""
         graphs = []
         if self.graphs is not None:
             graphs += list(self.graphs.graphs.values())
@@ -228,7 +229,7 @@ class ModelRunner:
             reset = getattr(g, "reset", None)
             if reset is not None:
                 reset()
-        if graphs and self.device.type == "cuda":
+        if graphs and synchronize and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         return len(graphs)
 

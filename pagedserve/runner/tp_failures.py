@@ -18,6 +18,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import time
 
 from pagedserve.runner.dist_groups import abort_group, read_error
@@ -80,13 +81,16 @@ class FailureHandling:
               flush=True)
         os._exit(1)
 
-    def _abort_nccl(self) -> None:
+    def _abort_nccl(self, wait_s: float = 5.0) -> None:
         """NCCL waits for a dead or silent peer until its timeout: abort them. (Gloo waits fail
-        as soon as the peer's process is gone.)"""
+        as soon as the peer's process is gone.) On a thread of its own, waited for at most
+        wait_s: NCCL's abort also waits for every CUDA graph that captured its collectives to
+        be destroyed, which only the main thread can do (see ModelRunner.release_cuda_graphs),
+        and the caller must go on to its own bound either way."""
         groups = getattr(self, "groups", None)
         if (groups is not None and groups.compute is not None and groups.device is not None
                 and groups.device.type == "cuda"):
-            abort_group(groups.compute)
+            run_bounded(abort_group, wait_s, "tp-abort", groups.compute)
 
     # -- failure handling ------------------------------------------------------------------
 
@@ -170,3 +174,11 @@ def _signal_name(code: int | None) -> str:
         except ValueError:
             pass
     return ""
+
+
+def run_bounded(fn, wait_s: float, name: str, *args, **kwargs) -> bool:
+    """fn(*args, **kwargs) on a daemon thread, waited for at most wait_s; whether it finished."""
+    t = threading.Thread(target=fn, args=args, kwargs=kwargs, daemon=True, name=name)
+    t.start()
+    t.join(wait_s)
+    return not t.is_alive()

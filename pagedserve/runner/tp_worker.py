@@ -94,11 +94,11 @@ class Worker:
         """Any other method of the runner (determine_num_blocks, init_kv_cache, ...)."""
         return getattr(self.runner, method)(*args, **kwargs)
 
-    def release_cuda_graphs(self) -> None:
+    def release_cuda_graphs(self, synchronize: bool = True) -> None:
         """Before the groups are destroyed (ModelRunner.release_cuda_graphs says why)."""
         runner = getattr(self, "runner", None)
         if runner is not None and hasattr(runner, "release_cuda_graphs"):
-            runner.release_cuda_graphs()
+            runner.release_cuda_graphs(synchronize=synchronize)
 
     def execute_model(self, model_input):
         self._executes += 1

@@ -17,8 +17,8 @@ class RecordingWorker:
         self.events = events
         self.rank, self._debug, self._t0 = 1, False, 0.0
 
-    def release_cuda_graphs(self):
-        self.events.append("release graphs")
+    def release_cuda_graphs(self, synchronize=True):
+        self.events.append("release graphs" + ("" if synchronize else " (no sync)"))
 
 
 def test_worker_releases_graphs_after_the_barrier_and_before_leaving_its_loop(monkeypatch):
@@ -43,3 +43,18 @@ def test_rank0_graceful_teardown_releases_graphs_then_destroys_groups_then_reaps
     ex._teardown(graceful=True)
     assert events == ["release graphs", f"destroy groups (bounded {executor_mod.TEARDOWN_WAIT_S} s)", "reap workers"]
     assert ex._closed
+
+
+def test_rank0_failed_teardown_releases_graphs_unsynchronized_before_the_abort(monkeypatch):
+    events = []
+    ex = MultiProcExecutor.__new__(MultiProcExecutor)
+    ex._closed, ex._t0, ex._saved_threads, ex._startup_dir = False, 0.0, torch.get_num_threads(), None
+    ex.worker = RecordingWorker(events)
+    monkeypatch.setattr(executor_mod, "destroy_distributed",
+                        lambda wait_s=None, abort_on_timeout=False: events.append(f"destroy groups (bounded {wait_s} s)"))
+    monkeypatch.setattr(MultiProcExecutor, "_kill_workers", lambda self, grace_s=0.0: events.append("kill workers"))
+    monkeypatch.setattr(MultiProcExecutor, "_abort_nccl", lambda self, wait_s=5.0: events.append("abort nccl"))
+    ex._teardown(graceful=False)
+    # A graph may still be stuck in a collective: no device sync, and the abort comes after it.
+    assert events == ["kill workers", "release graphs (no sync)", "abort nccl", "destroy groups (bounded 10.0 s)"]
+
