@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
-import os
 import signal
 import subprocess
 import time
@@ -26,30 +25,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from pagedserve.entrypoints.openai.serving_common import SSE_DONE, APIError, error_event
 from pagedserve.serving.pool import NoReplicaAvailable, ReplicaFailed, ReplicaResponse, one_chunk
+from pagedserve.serving.relay_clients import RELAY_CLIENTS, Lost, NotDelivered, default_relay_client, make_relay
 
 logger = logging.getLogger("pagedserve.dp")
-
-try:  # the relay's HTTP client: aiohttp where installed (a C parser: ~3x less CPU per event)
-    import aiohttp
-except ImportError:  # pragma: no cover - httpx does the same, dearer per streamed event
-    aiohttp = None
-
-RELAY_CLIENTS = ("aiohttp", "httpx")
-
-
-def default_relay_client() -> str:
-    """$PAGEDSERVE_DP_RELAY_CLIENT (aiohttp | httpx), else aiohttp if installed, else httpx."""
-    name = os.environ.get("PAGEDSERVE_DP_RELAY_CLIENT") or ("aiohttp" if aiohttp else "httpx")
-    if name not in RELAY_CLIENTS:
-        raise ValueError(f"PAGEDSERVE_DP_RELAY_CLIENT must be one of {RELAY_CLIENTS}, got {name!r}")
-    if name == "aiohttp" and aiohttp is None:
-        raise ValueError("PAGEDSERVE_DP_RELAY_CLIENT=aiohttp but aiohttp is not installed")
-    return name
-
-# Replicas (uvicorn, timeout_keep_alive=5) close idle connections after 5 s: the relay drops
-# its own idle ones sooner, so it never sends a request down one the replica is closing.
-RELAY_KEEPALIVE_S = 3.0
-
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it when the front end dies (Linux)."""
@@ -110,7 +88,7 @@ class ProcessReplicaPool:
         if self.relay_client not in RELAY_CLIENTS:
             raise ValueError(f"relay_client must be one of {RELAY_CLIENTS}, got {relay_client!r}")
         self._client: httpx.AsyncClient | None = None
-        self._session = None  # aiohttp.ClientSession with relay_client aiohttp
+        self._relay = None  # relay_clients.HttpxRelay | AiohttpRelay, from start()
         self._supervisor: asyncio.Task | None = None
 
     @classmethod
@@ -123,18 +101,8 @@ class ProcessReplicaPool:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     async def start(self) -> None:
-        # (A larger keep-alive pool costs more here than it saves: httpcore scans its whole pool
-        # for every request and response.)
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
-                                         limits=httpx.Limits(max_connections=None,
-                                                             max_keepalive_connections=64,
-                                                             keepalive_expiry=RELAY_KEEPALIVE_S))
-        if self.relay_client == "aiohttp":
-            # Every request in flight holds one connection: aiohttp keeps them all for reuse.
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=RELAY_KEEPALIVE_S),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0),
-                auto_decompress=False)
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0))  # probes, /metrics
+        self._relay = make_relay(self.relay_client)
         for r in self.replicas:
             r.spawn()
         deadline = time.monotonic() + self.startup_timeout
@@ -170,8 +138,8 @@ class ProcessReplicaPool:
             r.live = False
         if self._client is not None:
             await self._client.aclose()
-        if self._session is not None:
-            await self._session.close()
+        if self._relay is not None:
+            await self._relay.aclose()
 
     async def _probe(self, r: LocalReplica) -> bool:
         try:
@@ -210,123 +178,64 @@ class ProcessReplicaPool:
 
     # ---- requests ----------------------------------------------------------------------------
 
-    async def forward(self, method: str, path: str, body: bytes,
-                      prefix_hashes: Sequence[bytes]) -> ReplicaResponse:
-        if self._session is not None:
-            return await self._forward_aiohttp(method, path, body, prefix_hashes)
-        tried: set[int] = set()
-        while True:
-            loads = {r.index: r.in_flight for r in self.replicas if r.live and r.index not in tried}
-            if not loads:
-                raise NoReplicaAvailable("no replica is live to serve this request; retry later")
-            r = self.replicas[self.policy.choose(prefix_hashes, loads)]
-            r.in_flight += 1
-            request = self._client.build_request(method, r.url + path, content=body or None,
-                                                 headers={"content-type": "application/json"})
-            try:
-                resp = await self._client.send(request, stream=True)
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
-                # Never delivered: safe to send elsewhere.
-                r.in_flight -= 1
-                tried.add(r.index)
-                self._mark_down(r, f"connect failed: {e!r}")
-                continue
-            except httpx.HTTPError as e:
-                r.in_flight -= 1
-                self._mark_down(r, f"request lost: {e!r}")
-                raise ReplicaFailed(f"replica {r.index} failed while serving this request") from None
-            except BaseException:
-                r.in_flight -= 1
-                raise
-            r.routed += 1
-            content_type = resp.headers.get("content-type", "application/json")
-            if content_type.startswith("text/event-stream"):
-                return ReplicaResponse(resp.status_code, content_type, self._stream(r, resp))
-            try:
-                data = await resp.aread()
-            except httpx.HTTPError as e:
-                self._mark_down(r, f"response lost: {e!r}")
-                raise ReplicaFailed(f"replica {r.index} failed while serving this request") from None
-            finally:
-                r.in_flight -= 1
-                await resp.aclose()
-            return ReplicaResponse(resp.status_code, content_type, one_chunk(data))
-
-    async def _stream(self, r: LocalReplica, resp: httpx.Response) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in resp.aiter_raw():
-                yield chunk
-        except httpx.HTTPError as e:
-            self._mark_down(r, f"stream lost: {e!r}")
-            err = APIError(f"replica {r.index} failed while serving this request", 503,
-                           type="server_error", code="replica_failed")
-            yield (error_event(err) + SSE_DONE).encode()
-        finally:
-            r.in_flight -= 1
-            await resp.aclose()
-
     def _pick(self, prefix_hashes: Sequence[bytes], tried: set[int]) -> LocalReplica:
         loads = {r.index: r.in_flight for r in self.replicas if r.live and r.index not in tried}
         if not loads:
             raise NoReplicaAvailable("no replica is live to serve this request; retry later")
         return self.replicas[self.policy.choose(prefix_hashes, loads)]
 
-    async def _forward_aiohttp(self, method: str, path: str, body: bytes,
-                               prefix_hashes: Sequence[bytes]) -> ReplicaResponse:
-        """forward() over aiohttp: the same routing, retries and fault contract."""
-        tried: set[int] = set()
+    @staticmethod
+    def _failed(r: LocalReplica) -> ReplicaFailed:
+        return ReplicaFailed(f"replica {r.index} failed while serving this request")
+
+    async def forward(self, method: str, path: str, body: bytes,
+                      prefix_hashes: Sequence[bytes]) -> ReplicaResponse:
+        relay, tried = self._relay, set()
         while True:
             r = self._pick(prefix_hashes, tried)
             r.in_flight += 1
             try:
-                resp = await self._session.request(method, r.url + path, data=body or None,
-                                                   headers={"content-type": "application/json"})
-            except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as e:
-                # Never delivered (refused, or no connection within sock_connect): send elsewhere.
+                resp = await relay.send(method, r.url + path, body)
+            except NotDelivered as e:  # safe to send elsewhere
                 r.in_flight -= 1
                 tried.add(r.index)
-                self._mark_down(r, f"connect failed: {e!r}")
+                self._mark_down(r, f"connect failed: {e}")
                 continue
-            except aiohttp.ClientError as e:
+            except Lost as e:
                 r.in_flight -= 1
-                self._mark_down(r, f"request lost: {e!r}")
-                raise ReplicaFailed(f"replica {r.index} failed while serving this request") from None
+                self._mark_down(r, f"request lost: {e}")
+                raise self._failed(r) from None
             except BaseException:
                 r.in_flight -= 1
                 raise
             r.routed += 1
-            content_type = resp.headers.get("content-type", "application/json")
+            status, content_type = relay.head(resp)
             if content_type.startswith("text/event-stream"):
-                return ReplicaResponse(resp.status, content_type, self._stream_aiohttp(r, resp))
+                return ReplicaResponse(status, content_type, self._stream(r, resp))
             try:
-                data = await resp.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                self._mark_down(r, f"response lost: {e!r}")
-                raise ReplicaFailed(f"replica {r.index} failed while serving this request") from None
+                data = await relay.read(resp)
+            except Lost as e:
+                self._mark_down(r, f"response lost: {e}")
+                raise self._failed(r) from None
             finally:
                 r.in_flight -= 1
-                resp.release()
-            return ReplicaResponse(resp.status, content_type, one_chunk(data))
+                await relay.close(resp, complete=True)
+            return ReplicaResponse(status, content_type, one_chunk(data))
 
-    async def _stream_aiohttp(self, r: LocalReplica, resp) -> AsyncIterator[bytes]:
-        """The replica's bytes as they arrive (whatever one socket read holds: the same bytes,
-        one relay hop for however many events came together)."""
+    async def _stream(self, r: LocalReplica, resp) -> AsyncIterator[bytes]:
+        """The replica's bytes as they arrive; a replica lost mid-stream ends it with an error event."""
         complete = False
         try:
-            async for chunk in resp.content.iter_any():
+            async for chunk in self._relay.chunks(resp):
                 yield chunk
             complete = True
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            self._mark_down(r, f"stream lost: {e!r}")
-            err = APIError(f"replica {r.index} failed while serving this request", 503,
-                           type="server_error", code="replica_failed")
+        except Lost as e:
+            self._mark_down(r, f"stream lost: {e}")
+            err = APIError(str(self._failed(r)), 503, type="server_error", code="replica_failed")
             yield (error_event(err) + SSE_DONE).encode()
         finally:
             r.in_flight -= 1
-            if complete:
-                resp.release()  # the connection goes back to the pool
-            else:
-                resp.close()    # the client left: closing tells the replica to abort
+            await self._relay.close(resp, complete)
 
     # ---- observability -----------------------------------------------------------------------
 

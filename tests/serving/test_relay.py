@@ -15,7 +15,8 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from pagedserve.serving.mp_pool import RELAY_CLIENTS, ProcessReplicaPool, aiohttp
+from pagedserve.serving.mp_pool import ProcessReplicaPool
+from pagedserve.serving.relay_clients import RELAY_CLIENTS, aiohttp
 from pagedserve.serving.pool import ReplicaFailed
 from pagedserve.serving.routing import RoundRobinPolicy
 
