@@ -21,6 +21,16 @@ class RecordingWorker:
         self.events.append("release graphs" + ("" if synchronize else " (no sync)"))
 
 
+def bare_executor(events, monkeypatch) -> MultiProcExecutor:
+    """Rank 0's executor with only what _teardown reads; the group teardown is recorded."""
+    ex = MultiProcExecutor.__new__(MultiProcExecutor)
+    ex._closed, ex._t0, ex._saved_threads, ex._startup_dir = False, 0.0, torch.get_num_threads(), None
+    ex.worker = RecordingWorker(events)
+    monkeypatch.setattr(executor_mod, "destroy_distributed",
+                        lambda wait_s=None, abort_on_timeout=False: events.append(f"destroy groups (bounded {wait_s} s)"))
+    return ex
+
+
 def test_worker_releases_graphs_after_the_barrier_and_before_leaving_its_loop(monkeypatch):
     events = []
     monkeypatch.setattr(tp_worker, "recv_command", lambda groups: tp_worker.Command(tp_worker.SHUTDOWN, seq=7))
@@ -34,11 +44,7 @@ def test_worker_releases_graphs_after_the_barrier_and_before_leaving_its_loop(mo
 
 def test_rank0_graceful_teardown_releases_graphs_then_destroys_groups_then_reaps(monkeypatch):
     events = []
-    ex = MultiProcExecutor.__new__(MultiProcExecutor)
-    ex._closed, ex._t0, ex._saved_threads, ex._startup_dir = False, 0.0, torch.get_num_threads(), None
-    ex.worker = RecordingWorker(events)
-    monkeypatch.setattr(executor_mod, "destroy_distributed",
-                        lambda wait_s=None, abort_on_timeout=False: events.append(f"destroy groups (bounded {wait_s} s)"))
+    ex = bare_executor(events, monkeypatch)
     monkeypatch.setattr(MultiProcExecutor, "_kill_workers", lambda self, grace_s=0.0: events.append("reap workers"))
     ex._teardown(graceful=True)
     assert events == ["release graphs", f"destroy groups (bounded {executor_mod.TEARDOWN_WAIT_S} s)", "reap workers"]
@@ -47,11 +53,7 @@ def test_rank0_graceful_teardown_releases_graphs_then_destroys_groups_then_reaps
 
 def test_rank0_failed_teardown_releases_graphs_unsynchronized_before_the_abort(monkeypatch):
     events = []
-    ex = MultiProcExecutor.__new__(MultiProcExecutor)
-    ex._closed, ex._t0, ex._saved_threads, ex._startup_dir = False, 0.0, torch.get_num_threads(), None
-    ex.worker = RecordingWorker(events)
-    monkeypatch.setattr(executor_mod, "destroy_distributed",
-                        lambda wait_s=None, abort_on_timeout=False: events.append(f"destroy groups (bounded {wait_s} s)"))
+    ex = bare_executor(events, monkeypatch)
     monkeypatch.setattr(MultiProcExecutor, "_kill_workers", lambda self, grace_s=0.0: events.append("kill workers"))
     monkeypatch.setattr(MultiProcExecutor, "_abort_nccl", lambda self, wait_s=5.0: events.append("abort nccl"))
     ex._teardown(graceful=False)
