@@ -1,0 +1,159 @@
+"""The half of LLMEngine (llm_engine.py) that turns a step's logits into appended tokens.
+
+Sampling on the device, then for every row: its token appended (OutputProcessor: detokenize,
+stop rules), forks for best_of > 1 made before the parent appends, beam-search rows handed to
+the beam driver, finished sequences freed in the scheduler. Overlapped steps arrive here one
+step late (_process_inflight): rows of sequences that ended meanwhile are discarded, and a block
+whose last token just arrived is offered to the prefix cache. Everything here acts on the
+engine's own state; the mixin holds none of its own.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pagedserve.layers.sampler import DeviceSample, SampleRow, derive_seed
+from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+if TYPE_CHECKING:
+    from pagedserve.engine.llm_engine import InflightStep
+
+
+class TokenApplication:
+    """Mixin of LLMEngine: sampled tokens into sequences."""
+
+    def _sample_device(self, logits: torch.Tensor, sampled: list) -> DeviceSample:
+        get = self._plain_sampling.get
+        temps = [get(s.group.request_id) for s in sampled]
+        if None not in temps and (all(temps) or not any(temps)):
+            return self.sampler.sample_plain_device(logits, temps)
+        gens = self._seq_generators
+        rows = [SampleRow(i, s.group.sampling_params, s.seq.prompt_token_ids, s.seq.output_token_ids,
+                          gens.get(s.seq.seq_id)) for i, s in enumerate(sampled)]
+        return self.sampler.sample_device(logits, rows)
+
+    def _process_inflight(self, step: InflightStep, touched: dict, final_only: bool) -> None:
+        """Wait for a launched step's tokens and append them: placeholders become tokens. Rows of
+        sequences that ended meanwhile (a stop in the step before, an abort) are discarded."""
+        result = step.copy.result()
+        self.step_timer.mark("wait")
+        now = time.time()
+        live, tokens, logprobs = [], [], []
+        for s, token, logprob in zip(step.sampled, result.token_ids, result.logprobs):
+            seq = s.seq
+            seq.num_inflight_tokens -= 1
+            if seq.status.finished:
+                continue
+            live.append(s)
+            tokens.append(token)
+            logprobs.append(logprob)
+            group = s.group
+            if group.first_token_time is None or not final_only:
+                self._note_sampled(group, now, touched, final_only)
+        if self.output_processor.tokenizer is None:
+            done = self.output_processor.append_plain_tokens(live, tokens, logprobs)
+        else:
+            append = self.output_processor.append_token
+            done = []
+            for s, token, logprob in zip(live, tokens, logprobs):
+                status = append(s.seq, s.group, token, logprob, None)
+                if status is not None:
+                    done.append((s.seq, status))
+        if done:
+            group_of = {s.seq.seq_id: s.group for s in live}
+            for seq, status in done:
+                self._end_seq(seq, group_of[seq.seq_id], status, touched)
+        if self.cache_config.enable_prefix_caching:
+            # A block whose last token just arrived can be cached now (its KV is computed).
+            bs, arrived = self.cache_config.block_size, self.scheduler.token_arrived
+            for s in live:
+                seq = s.seq
+                if seq.num_known_tokens % bs == 0 and not seq.status.finished:
+                    arrived(seq)
+
+    def _end_seq(self, seq: Sequence, group: SequenceGroup, status: SequenceStatus, touched: dict) -> None:
+        was_waiting = seq.status is SequenceStatus.WAITING
+        seq.status = status
+        self.scheduler.free_seq(seq)
+        if was_waiting:
+            # Preempted for recompute while its last token was in flight, and that token ended it.
+            self.scheduler.drop_finished_waiting(group)
+            touched[id(group)] = group
+
+    def _process_samples(self, logits: torch.Tensor, sampled: list) -> None:
+        get = self._plain_sampling.get
+        temps = [get(s.group.request_id) for s in sampled]
+        if None not in temps and (all(temps) or not any(temps)):
+            self._process_plain_samples(logits, sampled, temps)
+            return
+        rows: list[SampleRow] = []
+        targets: list[tuple[Any, int]] = []  # (scheduled seq, fork index) per row
+        beam_rows: list[tuple[Any, int]] = []
+        for i, s in enumerate(sampled):
+            if s.group.request_id in self._beams:
+                beam_rows.append((s, i))
+                continue
+            p = s.group.sampling_params
+            seq = s.seq
+            suppress = self.output_processor.stop_token_ids(s.group) \
+                if len(seq.output_token_ids) < p.min_tokens else []
+            first_fork = p.best_of > 1 and len(s.group.seqs) == 1 and not seq.output_token_ids
+            for j in range(p.best_of if first_fork else 1):
+                if j == 0:
+                    gen = self._seq_generators.get(seq.seq_id)
+                else:
+                    gen = None if p.seed is None else self._make_generator(derive_seed(p.seed, j))
+                rows.append(SampleRow(i, p, seq.prompt_token_ids, seq.output_token_ids, gen, suppress))
+                targets.append((s, j))
+        if rows:
+            timer = self.step_timer
+            timer.mark("postprocess")
+            drawn = self.sampler.sample_device(logits, rows)
+            timer.launch_end()
+            result = drawn.to_host()
+            timer.mark("sample")
+            forks: dict[int, Sequence] = {}
+            # Fork first: children copy the parent's tokens before the parent appends its own.
+            for r, (s, j) in enumerate(targets):
+                if j > 0:
+                    child = s.seq.fork()
+                    self.scheduler.fork_seq(s.seq, child)
+                    s.group.seqs.append(child)
+                    if rows[r].generator is not None:
+                        self._seq_generators[child.seq_id] = rows[r].generator
+                    forks[r] = child
+            for r, (s, j) in enumerate(targets):
+                seq = forks.get(r, s.seq)
+                status = self.output_processor.append_token(
+                    seq, s.group, result.token_ids[r], result.logprobs[r], result.top_logprobs[r])
+                if status is not None:
+                    seq.status = status
+                    self.scheduler.free_seq(seq)
+                    self._seq_generators.pop(seq.seq_id, None)
+        if beam_rows:
+            self._beams.step(logits, beam_rows)
+
+    def _process_plain_samples(self, logits: torch.Tensor, sampled: list, temps: list[float]) -> None:
+        """Every row needs only its temperature (no seeds, filters, penalties, logprobs, forks)."""
+        timer = self.step_timer
+        timer.mark("postprocess")
+        drawn = self.sampler.sample_plain_device(logits, temps)
+        timer.launch_end()
+        result = drawn.to_host()
+        timer.mark("sample")
+        if self.output_processor.tokenizer is None:
+            free = self.scheduler.free_seq
+            for seq, status in self.output_processor.append_plain_tokens(sampled, result.token_ids,
+                                                                          result.logprobs):
+                seq.status = status
+                free(seq)
+            return
+        append = self.output_processor.append_token
+        for s, token, logprob in zip(sampled, result.token_ids, result.logprobs):
+            seq = s.seq
+            status = append(seq, s.group, token, logprob, None)
+            if status is not None:
+                seq.status = status
+                self.scheduler.free_seq(seq)
