@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from pagedserve.benchmark.results import ENV_SWITCHES  # noqa: E402
 from pagedserve.benchmark.server_process import stop_process, wait_until_ready  # noqa: E402
 
 ENV = {"PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
@@ -81,7 +82,9 @@ def online_one(engine: str, gpu: str, args, model_dir: Path, work: Path) -> None
     t0 = time.monotonic()
     proc = subprocess.Popen(serve_cmd(engine, model_dir, port, args.max_model_len, extra),
                             env=env_for(engine, args.site, gpu), stdout=server_log, stderr=subprocess.STDOUT)
-    info = {"engine": engine, "gpu": gpu, "server_args": extra}
+    info = {"engine": engine, "gpu": gpu, "server_args": extra,
+            # the server's environment switches, for collect (which may run later, elsewhere)
+            "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES}}
     try:
         if not wait_up(port, proc, args.startup_limit):
             info["error"] = f"server did not start (rc={proc.poll()})"
@@ -196,11 +199,15 @@ def phase_collect(args, work: Path) -> None:
               "max_model_len": args.max_model_len, "gpus": args.gpus,
               "placement": "concurrent, one engine per GPU" if len(args.gpus.split(",")) > 1 else "one after the other",
               "pagedserve_args": args.pagedserve_args, "pagedserve_offline_args": args.pagedserve_offline_args,
-              "vllm_args": args.vllm_args, "switches": {k: os.environ.get(k) for k in ("PAGEDSERVE_FUSED",)}}
+              "vllm_args": args.vllm_args}
     out = Path(args.output)
     from pagedserve.config import EngineConfig
     from pagedserve.benchmark.results import engine_switches
     switches = engine_switches(EngineConfig(async_scheduling="--no-async-scheduling" not in args.pagedserve_args))
+    # Environment switches as the measured server saw them, not as this process does.
+    ran_with = (_load(work / "online_pagedserve_info.json") or {}).get("env_switches")
+    if ran_with is not None:
+        switches.update(ran_with)
     # The code measured is what the phases ran; collect may run later, elsewhere.
     measured = {(_load(f) or {}).get("commit") for f in work.glob("o*_pagedserve_*.json")} - {None}
     write_result(out, "serving_vs_vllm", "python benchmarks/vs_vllm.py " + shlex.join(sys.argv[1:]), config,
