@@ -83,12 +83,13 @@ def test_decode_positions_come_from_the_device_and_stale_rows_are_corrected(monk
 def test_incremental_inputs_switch(monkeypatch):
     from pagedserve.runner.model_runner import INCREMENTAL_ENV, incremental_inputs_enabled
     monkeypatch.delenv(INCREMENTAL_ENV, raising=False)
-    assert incremental_inputs_enabled(torch.device("cpu"))
-    assert not incremental_inputs_enabled(torch.device("cuda"))  # until its GPU tests have run there
+    assert incremental_inputs_enabled()
+    monkeypatch.setenv(INCREMENTAL_ENV, "auto")
+    assert incremental_inputs_enabled()
     monkeypatch.setenv(INCREMENTAL_ENV, "1")
-    assert incremental_inputs_enabled(torch.device("cuda"))
+    assert incremental_inputs_enabled()
     monkeypatch.setenv(INCREMENTAL_ENV, "0")
-    assert not incremental_inputs_enabled(torch.device("cpu"))
+    assert not incremental_inputs_enabled()
     monkeypatch.setenv(INCREMENTAL_ENV, "yes")
     with pytest.raises(ValueError, match=INCREMENTAL_ENV):
-        incremental_inputs_enabled(torch.device("cpu"))
+        incremental_inputs_enabled()
