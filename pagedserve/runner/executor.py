@@ -7,7 +7,7 @@ scheduler and KV manager exist once, on rank 0; the plan turns into compact tens
 (runner.prepare_inputs) and those go to every rank, each of which holds a KV pool for its
 own heads under the same block tables.
 
-- UniProcExecutor: one ModelRunner in this process (tensor_parallel_size == 1).
+- UniProcExecutor (uniproc_executor.py): one ModelRunner in this process (tensor_parallel_size == 1).
 - MultiProcExecutor: this process is rank 0 with its own ModelRunner; ranks 1..N-1 are
   processes spawned here (or, under torchrun's env:// variables, started externally).
   Every runner call is broadcast and executed on all ranks, so the collectives inside
@@ -47,8 +47,8 @@ from pagedserve.runner.tp_startup import (STARTUP_DIR_ENV, StartupTrace, debug_e
                                           startup_bound)
 from pagedserve.runner.tp_failures import FailureHandling, TensorParallelError, run_bounded
 from pagedserve.runner.tp_watchdog import Watch, device_done_marker, dump_stacks
-from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError,
-                                         _resolve, reply)
+from pagedserve.runner.tp_worker import RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError, reply
+from pagedserve.runner.uniproc_executor import UniProcExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -57,32 +57,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 30.0
 # How long a graceful teardown of the process groups may take before they are aborted instead.
 TEARDOWN_WAIT_S = 15.0
-
-
-class UniProcExecutor:
-    """tensor_parallel_size == 1: a thin shell over one ModelRunner."""
-
-    world_size = 1
-
-    def __init__(self, config, hf_config, device, dtype, runner_factory: str | None = None):
-        self.runner = _resolve(runner_factory or DEFAULT_RUNNER)(config, hf_config, device, dtype)
-
-    def execute(self, plan, prev_sampled=None, sample=None):
-        """The step's logits; with sample (an overlapped step's sampler), sample(logits) instead
-        (None when nothing samples), as MultiProcExecutor.execute returns."""
-        logits = self.runner.execute(plan, prev_sampled)
-        if sample is None or logits is None:
-            return logits
-        return sample(logits)
-
-    def shutdown(self) -> None:
-        pass
-
-    def __getattr__(self, name):
-        # Only reached for names this class lacks: the runner's own methods and attributes.
-        if name == "runner":
-            raise AttributeError(name)
-        return getattr(self.runner, name)
 
 
 def _min_over_ranks(results: list):
