@@ -116,8 +116,10 @@ class Worker:
         if self.rank != 0:
             prev_sampled = received
         logits = self.runner.execute_model(model_input, prev_sampled)
-        if not model_input.share_sampled or logits is None:
+        if not model_input.share_sampled:
             return logits
+        if logits is None or logits.shape[0] == 0:
+            return None  # nothing sampled, nothing to share: the same on every rank (same step input)
         return self.sampled_ids.share(logits, sample)
 
     def _injected_failure(self, where: str) -> None:

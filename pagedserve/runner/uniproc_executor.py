@@ -18,9 +18,9 @@ class UniProcExecutor:
         """The step's logits; with sample (an overlapped step's sampler), sample(logits) instead
         (None when nothing samples), as MultiProcExecutor.execute returns."""
         logits = self.runner.execute(plan, prev_sampled)
-        if sample is None or logits is None:
+        if sample is None:
             return logits
-        return sample(logits)
+        return None if logits is None or logits.shape[0] == 0 else sample(logits)
 
     def shutdown(self) -> None:
         pass
