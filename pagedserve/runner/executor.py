@@ -1,8 +1,8 @@
 """Executors: what the engine talks to instead of a ModelRunner.
 
 Both expose the runner contract the engine uses — determine_num_blocks(...),
-init_kv_cache(...), execute(plan, prev_sampled, sample) -> logits (or, given sample, the
-sampled ids) — so the engine only chooses which one to build (build_executor). The
+init_kv_cache(...), execute(plan, prev_sampled, sample) -> logits (or, given sample,
+sample(logits)) — so the engine only chooses which one to build (build_executor). The
 scheduler and KV manager exist once, on rank 0; the plan turns into compact tensors there
 (runner.prepare_inputs) and those go to every rank, each of which holds a KV pool for its
 own heads under the same block tables.
