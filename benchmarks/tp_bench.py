@@ -47,7 +47,11 @@ TOP_K = 5
 
 # ---- children: one engine each ------------------------------------------------------------------
 
-SAME_SETTINGS = {"async_scheduling": False, "cudagraph_mode": "decode"}
+def same_settings(async_scheduling: str) -> dict:
+    """What both TP sizes run with, so the ratio is tensor parallelism's alone. Steps overlap at
+    every TP size (runner/sampled_ids.py); --async-scheduling off is the A/B (and what the runs
+    before overlapped TP steps measured)."""
+    return {"async_scheduling": async_scheduling == "on", "cudagraph_mode": "decode"}
 
 
 def child_agreement(args) -> dict:
@@ -67,10 +71,10 @@ def child_agreement(args) -> dict:
 
 def child_throughput(args) -> dict:
     from pagedserve.benchmark.throughput import run_throughput
-    # TP>1 steps run synchronously and without piecewise graphs: TP=1 runs the same way, so the ratio
-    # is tensor parallelism's alone.
+    # TP>1 steps run without piecewise graphs: TP=1 runs the same way, so the ratio is tensor
+    # parallelism's alone.
     kwargs = {"max_model_len": args.max_model_len, "tensor_parallel_size": args.tp, "device": args.device,
-              **SAME_SETTINGS}
+              **same_settings(args.async_scheduling)}
     if args.dtype != "auto":
         kwargs["dtype"] = args.dtype
     return run_throughput("fixed256", args.model, kwargs, args.num_requests, repeats=2, measure_roofline=False)
@@ -238,6 +242,8 @@ def main() -> None:
     ap.add_argument("--model")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--async-scheduling", choices=["on", "off"], default="on",
+                    help="overlapped steps in the throughput runs, at both TP sizes (off: the A/B)")
     args = ap.parse_args()
     args.dtype = args.dtype or ("float32" if args.smoke else "bfloat16")
 
@@ -273,7 +279,7 @@ def main() -> None:
     common = dict(device=args.device, dtype=args.dtype)
     results, ratios, errors = {}, {}, {}
     config = {"dtype": args.dtype, "device": args.device, "smoke": args.smoke, "commit": git_commit(),
-              "engine_env": engine_env(), "engine_settings_both_tp_sizes": SAME_SETTINGS, "engine_defaults": "EngineConfig defaults (CUDA graphs on, prefix caching "
+              "engine_env": engine_env(), "engine_settings_both_tp_sizes": same_settings(args.async_scheduling), "engine_defaults": "EngineConfig defaults (CUDA graphs on, prefix caching "
               "on, gpu_memory_utilization 0.9) unless named here", "child_timeout_s": args.child_timeout}
 
     def snapshot():
@@ -315,7 +321,8 @@ def main() -> None:
                     write_random_checkpoint(AGREEMENT_ARCH, model_dir, smoke=True)
             config["throughput"][f"{name}_max_model_len"] = max_len
             per_tp = {tp: child("throughput", f"{name}-tp{tp}", model=model_dir, tp=tp, max_model_len=max_len,
-                                num_requests=num_requests, **common) for tp in tp_sizes}
+                                num_requests=num_requests, async_scheduling=args.async_scheduling, **common)
+                      for tp in tp_sizes}
             results[f"fixed256_{name}"] = {f"tp{tp}": r["results"] for tp, r in per_tp.items() if r is not None}
             ratios.update(throughput_ratios(results))
             if ratio_key(name) in ratios:

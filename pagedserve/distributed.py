@@ -71,3 +71,16 @@ def all_gather(x: torch.Tensor, dim: int = -1, tp_size: int | None = None) -> to
     except RuntimeError as e:
         raise CollectiveError(f"all_gather over the tensor-parallel group failed: {e}") from e
     return torch.cat(parts, dim=dim)
+
+
+def broadcast(x: torch.Tensor, src: int = 0, tp_size: int | None = None) -> torch.Tensor:
+    """Rank src's x into every rank's x (same shape and dtype everywhere), in place; identity at size 1."""
+    g = get_tp_group()
+    if (tp_size if tp_size is not None else g.size) == 1:
+        return x
+    import torch.distributed as dist
+    try:
+        dist.broadcast(x, src=src, group=g.group)
+    except RuntimeError as e:
+        raise CollectiveError(f"broadcast over the tensor-parallel group failed: {e}") from e
+    return x

@@ -111,8 +111,9 @@ class LLMEngine(TokenApplication):
                                               self.scheduler_config.max_num_seqs, self.cache_config)
         # Phase clock (pagedserve.engine.step_timer.StepTimer); the null one does nothing.
         self.step_timer = NULL_STEP_TIMER
-        # Overlap needs the sampled ids on this process's device: one rank only.
-        self.async_scheduling = config.async_scheduling and getattr(self.runner, "world_size", 1) == 1
+        # With tensor parallelism too: the executor hands the sampled ids to every rank's device
+        # inside the step (runner/sampled_ids.py).
+        self.async_scheduling = config.async_scheduling
         self._sync_requests: set[str] = set()   # unfinished requests that force synchronous steps
         self._inflight: InflightStep | None = None
 
@@ -321,17 +322,23 @@ class LLMEngine(TokenApplication):
 
     def _launch(self, out, prev: InflightStep | None) -> InflightStep | None:
         """Queue the step on the device, sampling included, and start copying its tokens out;
-        every sampled sequence gets a placeholder. Nothing here waits for the device."""
+        every sampled sequence gets a placeholder. Nothing here waits for the device. The
+        executor calls the sampler inside the step (with tensor parallelism it then hands the
+        ids to every rank's device before the step ends)."""
         timer = self.step_timer
         timer.launch_begin()
-        logits = self.runner.execute(out, None if prev is None else prev.tokens)
-        timer.mark("execute")
-        self.scheduler.update_after_step(out)
         sampled = [s for s in out.scheduled if s.do_sample]
-        if not sampled or logits is None:
+
+        def sample(logits):
+            timer.mark("execute")
+            return self._sample_device(logits, sampled)
+        result = self.runner.execute(out, None if prev is None else prev.tokens, sample=sample)
+        if result is None:
+            timer.mark("execute")
+        self.scheduler.update_after_step(out)
+        if not sampled or result is None:
             timer.launch_end()
             return None
-        result = self._sample_device(logits, sampled)
         for r, s in enumerate(sampled):
             seq = s.seq
             seq.num_inflight_tokens += 1

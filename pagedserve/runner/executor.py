@@ -1,12 +1,13 @@
 """Executors: what the engine talks to instead of a ModelRunner.
 
 Both expose the runner contract the engine uses — determine_num_blocks(...),
-init_kv_cache(...), execute(plan) -> logits — so the engine only chooses which one
-to build (build_executor). The scheduler and KV manager exist once, on rank 0; the
-plan turns into compact tensors there (runner.prepare_inputs) and those go to every
-rank, each of which holds a KV pool for its own heads under the same block tables.
+init_kv_cache(...), execute(plan, prev_sampled, sample) -> logits (or, given sample,
+sample(logits)) — so the engine only chooses which one to build (build_executor). The
+scheduler and KV manager exist once, on rank 0; the plan turns into compact tensors there
+(runner.prepare_inputs) and those go to every rank, each of which holds a KV pool for its
+own heads under the same block tables.
 
-- UniProcExecutor: one ModelRunner in this process (tensor_parallel_size == 1).
+- UniProcExecutor (uniproc_executor.py): one ModelRunner in this process (tensor_parallel_size == 1).
 - MultiProcExecutor: this process is rank 0 with its own ModelRunner; ranks 1..N-1 are
   processes spawned here (or, under torchrun's env:// variables, started externally).
   Every runner call is broadcast and executed on all ranks, so the collectives inside
@@ -46,8 +47,8 @@ from pagedserve.runner.tp_startup import (STARTUP_DIR_ENV, StartupTrace, debug_e
                                           startup_bound)
 from pagedserve.runner.tp_failures import FailureHandling, TensorParallelError, run_bounded
 from pagedserve.runner.tp_watchdog import Watch, device_done_marker, dump_stacks
-from pagedserve.runner.tp_worker import (DEFAULT_RUNNER, RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError,
-                                         _resolve, reply)
+from pagedserve.runner.tp_worker import RETURNS_VALUE, SHUTDOWN, Command, Worker, _RemoteError, reply
+from pagedserve.runner.uniproc_executor import UniProcExecutor
 
 logger = logging.getLogger(__name__)
 
@@ -56,27 +57,6 @@ logger = logging.getLogger(__name__)
 SHUTDOWN_WAIT_S = 30.0
 # How long a graceful teardown of the process groups may take before they are aborted instead.
 TEARDOWN_WAIT_S = 15.0
-
-
-class UniProcExecutor:
-    """tensor_parallel_size == 1: a thin shell over one ModelRunner."""
-
-    world_size = 1
-
-    def __init__(self, config, hf_config, device, dtype, runner_factory: str | None = None):
-        self.runner = _resolve(runner_factory or DEFAULT_RUNNER)(config, hf_config, device, dtype)
-
-    def execute(self, plan, prev_sampled=None):
-        return self.runner.execute(plan, prev_sampled)
-
-    def shutdown(self) -> None:
-        pass
-
-    def __getattr__(self, name):
-        # Only reached for names this class lacks: the runner's own methods and attributes.
-        if name == "runner":
-            raise AttributeError(name)
-        return getattr(self.runner, name)
 
 
 def _min_over_ranks(results: list):
@@ -177,10 +157,17 @@ class MultiProcExecutor(FailureHandling):
 
     # -- the runner contract -------------------------------------------------------------
 
-    def execute(self, plan):
-        """Run one step on every rank; returns rank 0's logits (already gathered over the vocab)."""
+    def execute(self, plan, prev_sampled=None, sample=None):
+        """Run one step on every rank; returns rank 0's logits (already gathered over the vocab).
+
+        An overlapped step passes prev_sampled (the previous step's sampled ids on rank 0's
+        device) and sample (logits -> DeviceSample): rank 0 then samples inside the step and
+        broadcasts the ids to the other ranks, which keep them for the next step's placeholders
+        (sampled_ids.py says why this way), and this returns rank 0's DeviceSample. Nothing in
+        the command depends on the previous step's results on the host."""
         step = self.runner.prepare_inputs(plan)
-        return self.collective_rpc("execute_model", step)
+        step.share_sampled = sample is not None
+        return self.collective_rpc("execute_model", step, local={"prev_sampled": prev_sampled, "sample": sample})
 
     def init_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         """The runner's init_kv_cache as four phases, each finished by every rank before the next."""
@@ -207,8 +194,9 @@ class MultiProcExecutor(FailureHandling):
 
     # -- broadcasting ----------------------------------------------------------------------
 
-    def collective_rpc(self, method: str, *args, want_result: bool = False, **kwargs):
-        """Call Worker.<method> on every rank (rank 0 here) and return rank 0's result.
+    def collective_rpc(self, method: str, *args, want_result: bool = False, local: dict | None = None, **kwargs):
+        """Call Worker.<method> on every rank (rank 0 here) and return rank 0's result. local: keyword
+        arguments for rank 0's own call only (tensors, callables), never sent.
 
         With want_result, wait for every rank's answer: an error there fails the engine naming
         the rank, and REDUCE_MIN results are combined. Steps do not wait (no extra round trip):
@@ -227,7 +215,7 @@ class MultiProcExecutor(FailureHandling):
                 self._watch = watch  # a step still running on the device keeps its own, earlier deadline
             try:
                 _control(dist.broadcast_object_list, [cmd], src=0, group=self.groups.control)
-                result = self.worker.dispatch(cmd)
+                result = self.worker.dispatch(cmd, local)
                 watch.own_done = True
                 if not want_result:
                     watch.device_done = device_done_marker(self.groups.device)

@@ -58,12 +58,15 @@ class StepInput:
     block tables live on the device (request_state.py): batch then carries no tables, and rows
     carries what changed since the last step, which every rank applies alike. Without it (warm-up,
     profiling, a scheduler without a table log) batch carries every table and nothing persists.
+    share_sampled (tensor parallelism, overlapped steps): the step ends with rank 0's sampled ids
+    broadcast to every rank, for the next step's placeholders (sampled_ids.py).
     """
     blocks_to_swap_out: list[tuple[int, int]]
     blocks_to_swap_in: list[tuple[int, int]]
     blocks_to_copy: list[tuple[int, int]]
     batch: HostBatch | None
     rows: RowInputs | None = None
+    share_sampled: bool = False
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

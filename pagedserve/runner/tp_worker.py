@@ -4,7 +4,9 @@ for ranks > 0, the loop that executes rank 0's commands.
 Rank 0 broadcasts one command at a time over the control group: (method, args, kwargs,
 want_result). Every rank, rank 0 included, calls the same Worker method with the same
 arguments, so the model's collectives line up. Results come back to rank 0 only when
-asked (gather_object); a step's logits never do, rank 0 has its own copy.
+asked (gather_object); a step's logits never do, rank 0 has its own copy. An overlapped step
+ends with rank 0 sampling and broadcasting the sampled ids, which the next step's placeholders
+read on every rank (sampled_ids.py).
 
 Start-up is a fixed sequence of phases, each one command run by every rank in the same
 order (STARTUP_PHASES): load_model, determine_num_blocks (the profile: the same forward,
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from pagedserve.runner.dist_env import DistEnv
 from pagedserve.runner.dist_groups import (DistGroups, Progress, destroy_distributed, init_compute, init_control,
                                            report_error)
+from pagedserve.runner.sampled_ids import SampledIdRelay
 from pagedserve.runner.tp_startup import FAIL_ENV, StartupTrace, debug_enabled, debug_line
 
 logger = logging.getLogger(__name__)
@@ -72,6 +75,7 @@ class Worker:
         self.rank = groups.env.rank
         self.runner = None
         self._executes = 0
+        self.sampled_ids = SampledIdRelay(self.rank)
         self.progress = Progress(groups.store, self.rank)
         fail = os.environ.get(FAIL_ENV, "").split(":")
         self._fail_at, self._fail_method, self._fail_hang = None, None, False
@@ -100,19 +104,32 @@ class Worker:
         if runner is not None and hasattr(runner, "release_cuda_graphs"):
             runner.release_cuda_graphs(synchronize=synchronize)
 
-    def execute_model(self, model_input):
+    def execute_model(self, model_input, prev_sampled=None, sample=None):
+        """One step. prev_sampled and sample are rank 0's own (never sent): the previous step's
+        sampled ids on its device, and the engine's sampler for a step that shares its ids
+        (model_input.share_sampled); then this returns rank 0's DeviceSample, not logits. The
+        other ranks read their placeholders from the ids the previous step shared."""
         self._executes += 1
         if self._fail_at is not None and self._executes == self._fail_at:
             self._injected_failure(f"execute #{self._executes}")
-        return self.runner.execute_model(model_input)
+        received = self.sampled_ids.take()
+        if self.rank != 0:
+            prev_sampled = received
+        logits = self.runner.execute_model(model_input, prev_sampled)
+        if not model_input.share_sampled:
+            return logits
+        if logits is None or logits.shape[0] == 0:
+            return None  # nothing sampled, nothing to share: the same on every rank (same step input)
+        return self.sampled_ids.share(logits, sample)
 
     def _injected_failure(self, where: str) -> None:
         while self._fail_hang:
             time.sleep(1)
         raise InjectedFailure(f"injected failure on rank {self.rank} at {where}")
 
-    def dispatch(self, cmd: Command):
-        """Run one command, keeping this rank's published progress current."""
+    def dispatch(self, cmd: Command, local: dict | None = None):
+        """Run one command, keeping this rank's published progress current. local: keyword
+        arguments only this rank's call gets (rank 0's tensors and callables, never pickled)."""
         step = cmd.method == "execute_model"
         if self.trace is not None and cmd.method in STARTUP_PHASES:
             # The phases have begun: the phase watchdog bounds them from here.
@@ -125,10 +142,11 @@ class Worker:
             debug_line(self.rank, t0 - self._t0, f"{cmd.method} started")
         if cmd.method == self._fail_method:
             self._injected_failure(cmd.method)
+        kwargs = {**cmd.kwargs, **local} if local else cmd.kwargs
         if cmd.method in ("init_runner", "execute_model"):
-            result = getattr(self, cmd.method)(*cmd.args, **cmd.kwargs)
+            result = getattr(self, cmd.method)(*cmd.args, **kwargs)
         else:
-            result = self.call(cmd.method, *cmd.args, **cmd.kwargs)
+            result = self.call(cmd.method, *cmd.args, **kwargs)
         self.progress.update(cmd.seq, cmd.method, "done", publish=not step)
         if self._debug and not step:
             debug_line(self.rank, time.monotonic() - self._t0, f"{cmd.method} done in {time.monotonic() - t0:.1f} s")

@@ -1,5 +1,6 @@
 """A tensor-parallel rank that dies fails the engine loudly, naming the rank and the cause, and
-leaves no process behind; workers whose rank 0 dies exit on their own."""
+leaves no process behind; workers whose rank 0 dies exit on their own. Each failure mid-run is
+tried with synchronous and with overlapped steps (a step in flight when the rank fails)."""
 import json
 import os
 import signal
@@ -12,23 +13,31 @@ import pytest
 from pagedserve import LLM
 from pagedserve.runner.executor import TensorParallelError
 from pagedserve.runner.tp_worker import FAIL_ENV
-from tp_helpers import PROMPTS, greedy, launch_children, pid_alive
+from tp_helpers import PROMPTS, STEP_MODES, count_placeholder_steps, greedy, launch_children, pid_alive
 
 KW = dict(device="cpu", num_gpu_blocks_override=64, block_size=8, tensor_parallel_size=2)
 
 
+def _assert_step_mode(placeholder_steps: list[int], mode: str) -> None:
+    assert (placeholder_steps[0] > 0) == (mode == "overlap")
+
+
 @pytest.mark.timeout(180)
-def test_killed_worker_fails_engine_naming_rank(tiny_model_dir):
+@pytest.mark.parametrize("mode", list(STEP_MODES))
+def test_killed_worker_fails_engine_naming_rank(tiny_model_dir, mode):
+    logprobs = STEP_MODES[mode]
     llm = LLM(str(tiny_model_dir("llama")), **KW)
     try:
-        greedy(llm, PROMPTS[:1], 4)
+        placeholder_steps = count_placeholder_steps(llm)
+        greedy(llm, PROMPTS[:1], 4, logprobs)
+        _assert_step_mode(placeholder_steps, mode)
         pid = llm.llm_engine.runner.worker_pids[1]
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(TensorParallelError, match=r"rank 1 .*SIGKILL"):
-            greedy(llm, PROMPTS, 8)
+            greedy(llm, PROMPTS, 8, logprobs)
         # The engine stays failed, with the same diagnosis, instead of hanging on the next call.
         with pytest.raises(TensorParallelError, match="rank 1"):
-            greedy(llm, PROMPTS[:1], 2)
+            greedy(llm, PROMPTS[:1], 2, logprobs)
     finally:
         llm.shutdown()
     assert not pid_alive(pid)
@@ -36,12 +45,16 @@ def test_killed_worker_fails_engine_naming_rank(tiny_model_dir):
 
 
 @pytest.mark.timeout(180)
-def test_worker_exception_reports_rank_and_cause(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("mode", list(STEP_MODES))
+def test_worker_exception_reports_rank_and_cause(tiny_model_dir, monkeypatch, mode):
     monkeypatch.setenv(FAIL_ENV, "1:3")  # rank 1 raises on its third step; the workers inherit the env
     llm = LLM(str(tiny_model_dir("llama")), **KW)
     try:
+        placeholder_steps = count_placeholder_steps(llm)
         with pytest.raises(TensorParallelError, match=r"rank 1 failed: InjectedFailure: injected failure on rank 1"):
-            greedy(llm, PROMPTS, 8)
+            greedy(llm, PROMPTS, 8, STEP_MODES[mode])
+        # Overlapped: step 2 (the first with placeholders) was still in flight when rank 1 failed in step 3.
+        _assert_step_mode(placeholder_steps, mode)
     finally:
         llm.shutdown()
     assert not launch_children(os.getpid())
@@ -75,15 +88,18 @@ def test_workers_exit_when_rank0_is_killed(tiny_model_dir):
 
 
 @pytest.mark.timeout(180)
-def test_hung_worker_is_reported_after_the_collective_timeout(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("mode", list(STEP_MODES))
+def test_hung_worker_is_reported_after_the_collective_timeout(tiny_model_dir, monkeypatch, mode):
     monkeypatch.setenv(FAIL_ENV, "1:2:hang")  # rank 1 stops answering (alive, silent) on its second step
     # Long enough that a start-up on two busy cores never trips it, short enough for a test.
     monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT", "8")
     llm = LLM(str(tiny_model_dir("llama")), **KW)
     try:
         pid = llm.llm_engine.runner.worker_pids[1]
+        placeholder_steps = count_placeholder_steps(llm)
         with pytest.raises(TensorParallelError, match=r"rank\(s\) \[1\] stopped answering in execute_model"):
-            greedy(llm, PROMPTS, 8)
+            greedy(llm, PROMPTS, 8, STEP_MODES[mode])
+        _assert_step_mode(placeholder_steps, mode)
     finally:
         llm.shutdown()
     assert not pid_alive(pid)

@@ -2,13 +2,13 @@
 KV heads split across ranks (llama), one KV head replicated on both ranks with per-head q/k
 norms (qwen3), qkv bias with tied embeddings (qwen2), and OPT's biases, learned positions and
 tied LM head; and under preemption by swapping (every rank moves its own heads' blocks)
-with chunked prefill."""
+with chunked prefill, with synchronous and with overlapped steps."""
 import os
 
 import pytest
 
 from pagedserve import LLM
-from tp_helpers import PROMPTS, assert_same_greedy, greedy, launch_children
+from tp_helpers import PROMPTS, STEP_MODES, assert_same_greedy, count_placeholder_steps, greedy, launch_children
 
 CASES = {
     # arch, tiny_config overrides, KV heads each rank holds at TP=2
@@ -38,16 +38,20 @@ def test_tp2_matches_tp1(tiny_model_dir, case):
     assert not launch_children(os.getpid())
 
 
-def test_tp2_under_preemption_and_chunked_prefill(tiny_model_dir):
+@pytest.mark.parametrize("mode", list(STEP_MODES))
+def test_tp2_under_preemption_and_chunked_prefill(tiny_model_dir, mode):
     model = str(tiny_model_dir("llama"))
     prompts = PROMPTS
-    ref = greedy(LLM(model, device="cpu", num_gpu_blocks_override=256, block_size=4), prompts, 24)
+    logprobs = STEP_MODES[mode]
+    ref = greedy(LLM(model, device="cpu", num_gpu_blocks_override=256, block_size=4), prompts, 24, logprobs)
     # 24 blocks of 4 tokens cannot hold 4 sequences of 30-80 tokens; 8 tokens a step chunks every prompt.
     kw = dict(device="cpu", num_gpu_blocks_override=24, block_size=4, max_num_batched_tokens=8,
               max_model_len=96, preemption_mode="swap", enable_prefix_caching=False)
     llm = LLM(model, tensor_parallel_size=2, **kw)
     try:
-        assert_same_greedy(ref, greedy(llm, prompts, 24))
+        placeholder_steps = count_placeholder_steps(llm)
+        assert_same_greedy(ref, greedy(llm, prompts, 24, logprobs))
+        assert (placeholder_steps[0] > 0) == (mode == "overlap")
         stats = llm.get_kv_cache_stats()
         assert stats.num_preemptions > 0
         assert stats.num_blocks_used == 0

@@ -10,7 +10,8 @@ from pagedserve import LLM
 from pagedserve.runner.executor import TensorParallelError
 from pagedserve.runner.model_runner import GiB, PROFILE_ON_CPU_ENV
 from pagedserve.runner.tp_worker import FAIL_ENV
-from tp_helpers import PROMPTS, assert_same_greedy, greedy, launch_children, pid_alive
+from tp_helpers import (PROMPTS, STEP_MODES, assert_same_greedy, count_placeholder_steps, greedy, launch_children,
+                        pid_alive)
 
 # A small profile batch keeps the CPU forward quick; a small pool keeps the block count readable.
 KW = dict(device="cpu", block_size=8, max_num_batched_tokens=64, max_num_seqs=8, cpu_kv_cache_gib=1 / 1024,
@@ -65,14 +66,18 @@ def test_rank_stuck_in_a_startup_phase_fails_naming_rank_and_phase(tiny_model_di
 
 
 @pytest.mark.timeout(180)
-def test_rank_stuck_in_a_step_fails_naming_rank_within_the_step_timeout(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("mode", list(STEP_MODES))
+def test_rank_stuck_in_a_step_fails_naming_rank_within_the_step_timeout(tiny_model_dir, monkeypatch, mode):
     monkeypatch.setenv(FAIL_ENV, "1:2:hang")  # rank 1 stops answering on its second step
     monkeypatch.setenv("PAGEDSERVE_TP_STEP_TIMEOUT", "8")
     llm = LLM(str(tiny_model_dir("llama")), **KW, num_gpu_blocks_override=64, tensor_parallel_size=2)
     try:
         pid = llm.llm_engine.runner.worker_pids[1]
+        placeholder_steps = count_placeholder_steps(llm)
         with pytest.raises(TensorParallelError, match=r"step \(execute_model #\d+\) did not finish .*rank\(s\) \[1\]"):
-            greedy(llm, PROMPTS, 8)
+            greedy(llm, PROMPTS, 8, STEP_MODES[mode])
+        # Overlapped: rank 1 hung in step 2, the first one planned around placeholders.
+        assert (placeholder_steps[0] > 0) == (mode == "overlap")
     finally:
         llm.shutdown()
     assert not pid_alive(pid)

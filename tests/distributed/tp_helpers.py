@@ -13,8 +13,14 @@ PROMPTS = [
 ]
 
 
+# Steps run both ways: a request that asks for logprobs makes every step synchronous (the engine's
+# overlap cannot serve top-N logprobs), one that does not lets steps overlap.
+STEP_MODES = {"sync": 3, "overlap": None}  # name -> the logprobs to ask for
+
+
 def greedy(llm: LLM, prompts=PROMPTS, max_tokens: int = 16, logprobs: int | None = 3):
-    """(token ids, per-token logprob dicts) of each prompt, greedy, ignoring EOS."""
+    """(token ids, per-token logprob dicts) of each prompt, greedy, ignoring EOS. logprobs=None
+    lets the steps overlap (STEP_MODES); the logprob dicts are then None."""
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
@@ -32,6 +38,21 @@ def assert_same_greedy(ref, got, atol: float = 1e-4) -> None:
             assert set(a) == set(b)
             for tok in a:
                 assert abs(a[tok] - b[tok]) <= atol, (tok, a[tok], b[tok])
+
+
+def count_placeholder_steps(llm: LLM) -> list[int]:
+    """From now on, counter[0] counts the steps the engine plans around a placeholder: overlapped
+    steps, whose other ranks read the previous step's ids from rank 0's broadcast."""
+    engine = llm.llm_engine
+    schedule = engine.scheduler.schedule
+    counter = [0]
+
+    def spy():
+        out = schedule()
+        counter[0] += any(s.seq.num_inflight_tokens for s in out.scheduled)
+        return out
+    engine.scheduler.schedule = spy
+    return counter
 
 
 def launch_children(parent: int | None = None) -> list[int]:

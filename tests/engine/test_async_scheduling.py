@@ -1,9 +1,12 @@
 """Overlapped steps (EngineConfig.async_scheduling): the same tokens as synchronous steps, a
-scheduler that really plans step N+1 before N's tokens are on the host, and nothing left behind."""
+scheduler that really plans step N+1 before N's tokens are on the host, and nothing left behind;
+with tensor parallelism (TP=2 on gloo) too, where the other rank's placeholders come from the ids
+rank 0 broadcasts inside each step (runner/sampled_ids.py)."""
 import pytest
 
 from pagedserve import SamplingParams
 from pagedserve.runner.batch import host_batch
+from pagedserve.runner.model_runner import INCREMENTAL_ENV
 
 from .helpers import assert_no_leak, make_llm, prompt_ids
 
@@ -36,6 +39,14 @@ def _workload(ids, stop_after):
         reqs += [(0, f"victim{i}", ids[i], long), (0, f"twin{i}", ids[i], long)]
     reqs.append((LATE_SYNC_AT, "logprobs", ids[2], SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)))
     return reqs
+
+
+def _count_placeholder_steps(counter: list):
+    """A schedule spy: counter[0] counts the steps planned around at least one placeholder."""
+    def spy(engine, out):
+        counter[0] += any(s.seq.num_inflight_tokens for s in out.scheduled)
+        return out
+    return spy
 
 
 def _run(llm, reqs, spy=None):
@@ -78,20 +89,46 @@ def stop_after(model_dir):
     return [o.outputs[0].token_ids[-1] for o in outs]
 
 
-@pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_token_exact_with_overlap_on_and_off(model_dir, stop_after, mode):
+# (tensor_parallel_size, preemption mode, PAGEDSERVE_INCREMENTAL_INPUTS; None: the default, on for CPU).
+# At TP=2 both input paths run: the incremental device state (the CPU default) and the full
+# rebuild ("0", still the default on CUDA).
+EXACT_CASES = [(1, "recompute", None), (1, "swap", None), (2, "recompute", "1"), (2, "swap", "1"),
+               (2, "recompute", "0")]
+
+
+@pytest.mark.parametrize("tp,mode,incremental", EXACT_CASES,
+                         ids=[f"tp{t}-{m}-incremental{i or 'default'}" for t, m, i in EXACT_CASES])
+def test_token_exact_with_overlap_on_and_off(model_dir, stop_after, monkeypatch, tp, mode, incremental):
+    """Greedy, stop tokens, EOS, seeded top-k/top-p, aborts mid-run, a late request that forces
+    synchronous steps, chunked prefill, prefix hits and preemption: overlap on equals overlap off,
+    and at TP=2 both equal TP=1."""
+    if incremental is not None:
+        monkeypatch.setenv(INCREMENTAL_ENV, incremental)  # the spawned rank inherits it
     ids = prompt_ids(model_dir)
     reqs = _workload(ids, stop_after)
     runs = {}
     for on in (True, False):
-        llm = _engine(model_dir, on, mode)
-        runs[on] = _run(llm, reqs)
-        assert llm.get_kv_cache_stats().num_preemptions > 0
+        llm = _engine(model_dir, on, mode, tensor_parallel_size=tp)
+        try:
+            placeholder_steps = [0]
+            runs[on] = _run(llm, reqs, _count_placeholder_steps(placeholder_steps))
+            # Overlap really ran (the late logprobs request makes some steps synchronous, not all).
+            assert placeholder_steps[0] >= 5 if on else placeholder_steps[0] == 0
+            stats = llm.get_kv_cache_stats()
+            assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
+            runner = llm.llm_engine.runner.runner  # rank 0's own ModelRunner
+            assert (runner.row_tracker is not None) == (incremental != "0")
+        finally:
+            llm.shutdown()
+    if tp > 1:
+        runs["tp1"] = _run(_engine(model_dir, False, mode), reqs)
     (on_final, on_partial), (off_final, off_partial) = runs[True], runs[False]
     survivors = {r[1] for r in reqs} - {"victim1", "victim4"}
     assert survivors <= on_final.keys() and survivors <= off_final.keys()
     for rid in sorted(survivors):
         assert on_final[rid] == off_final[rid], rid
+        if tp > 1:
+            assert on_final[rid] == runs["tp1"][0][rid], rid
     assert any(on_final[f"r{i}"][1] == "stop" and len(on_final[f"r{i}"][0]) < 16 for i in range(0, len(ids), 3))
     for victim, twin in (("victim1", "twin1"), ("victim4", "twin4")):
         assert victim not in on_final and victim not in off_final
