@@ -204,6 +204,9 @@ def phase_collect(args, work: Path) -> None:
     from pagedserve.config import EngineConfig
     from pagedserve.benchmark.results import engine_switches
     switches = engine_switches(EngineConfig(async_scheduling="--no-async-scheduling" not in args.pagedserve_args))
+    for unresolved in ("max_num_seqs", "max_num_batched_tokens"):  # the device decides (config.batch_defaults)
+        if switches.get(unresolved) is None:
+            switches.pop(unresolved, None)
     # Environment switches as the measured server saw them, not as this process does.
     ran_with = (_load(work / "online_pagedserve_info.json") or {}).get("env_switches")
     if ran_with is not None:

@@ -32,9 +32,11 @@ RESULT_KEYS = ("benchmark", "device", "commit", "date", "command", "switches", "
                "results", "baselines", "ratios")
 # Environment switches that change which kernels run (layers/fused.py, attention/backend.py).
 ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_ATTENTION", "PAGEDSERVE_INCREMENTAL_INPUTS")
-# EngineConfig fields that switch engine behaviour rather than size it; absent fields are skipped.
+# EngineConfig fields that switch engine behaviour, and the batch limits (their defaults follow the
+# device); absent fields are skipped.
 ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",
-                        "enable_chunked_prefill", "preemption_mode", "kv_allocator", "tensor_parallel_size")
+                        "enable_chunked_prefill", "preemption_mode", "kv_allocator", "tensor_parallel_size",
+                        "max_num_seqs", "max_num_batched_tokens")
 
 
 class UnknownCommitError(RuntimeError):

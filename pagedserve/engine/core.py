@@ -57,10 +57,10 @@ class EngineCore:
     """Owns one LLMEngine. Not thread-safe: one loop (or one in-process client) drives it."""
 
     def __init__(self, config: EngineConfig | None, engine: Any | None = None,
-                 detokenize: bool = True) -> None:
+                 detokenize: bool = True, serving: bool = False) -> None:
         if engine is None:
             from pagedserve.engine.llm_engine import LLMEngine
-            engine = LLMEngine(config, detokenize=detokenize)
+            engine = LLMEngine(config, detokenize=detokenize, serving=serving)
         self.engine = engine
         # Requests the engine holds (added, not yet finished or aborted): a failed step fails these.
         self._live: set[str] = set()
@@ -241,7 +241,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     codec = Codec()
     try:
         # Text, stop strings and output shapes are the API server's (engine/text_output.py).
-        core = EngineCore(config, detokenize=False)
+        core = EngineCore(config, detokenize=False, serving=True)
     except BaseException as e:
         # Bad settings are the user's to fix (one line); anything else needs the traceback.
         logger.error("engine core failed to start: %s",

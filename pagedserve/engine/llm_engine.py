@@ -58,14 +58,21 @@ class InflightStep:
 
 
 class LLMEngine(TokenApplication):
-    def __init__(self, config: EngineConfig, detokenize: bool = True):
+    def __init__(self, config: EngineConfig, detokenize: bool = True, serving: bool = False):
         """detokenize=False: outputs carry token ids only and stop strings are not applied
-        (the API server does both); the tokenizer is still loaded for its EOS ids."""
+        (the API server does both); the tokenizer is still loaded for its EOS ids. serving: the
+        engine runs behind the server, which picks its default step budget (config.batch_defaults)."""
         if config.model is None:
             raise ValueError("model must be a local HF model directory, got None")
-        self.config = config
         self.hf_config = load_hf_config(config.model)
         self.device = resolve_device(config.device)
+        # Unset batch limits follow the device, as vLLM's do; the executor and every rank get the result.
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            config = config.with_batch_defaults(props.total_memory, props.name, serving)
+        else:
+            config = config.with_batch_defaults(serving=serving)
+        self.config = config
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
 
         model_max = get_max_model_len(self.hf_config)

@@ -23,7 +23,7 @@ class LLM:
     def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto",
                  device: str = "auto", seed: int = 0, block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
-                 swap_space: float = 4, max_num_seqs: int = 256,
+                 swap_space: float = 4, max_num_seqs: int | None = None,
                  max_num_batched_tokens: int | None = None, max_model_len: int | None = None,
                  enable_prefix_caching: bool = True, preemption_mode: str = "auto",
                  enable_chunked_prefill: bool = True, enforce_eager: bool = False,

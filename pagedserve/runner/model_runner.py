@@ -204,7 +204,8 @@ class ModelRunner:
         self._require("cache")
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
-        self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, max_batch=self.config.max_num_seqs,
+        max_batch = self.config.scheduler_config(self.max_model_len).max_num_seqs
+        self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, max_batch=max_batch,
                                        max_model_len=self.max_model_len, block_size=self.block_size,
                                        device=self.device)
         self.graphs.capture()

@@ -25,7 +25,7 @@ import ray
 from ray import serve
 from ray.serve.config import RequestRouterConfig
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import SMALL_DEVICE_MAX_NUM_SEQS, EngineConfig
 from pagedserve.entrypoints.openai.serving_common import SSE_DONE, APIError, error_event
 from pagedserve.serving.pool import NoReplicaAvailable, ReplicaFailed, ReplicaResponse, one_chunk
 
@@ -208,18 +208,21 @@ def build_serve_app(config: EngineConfig, served_name: str, api_key: str | None,
                     autoscaling: dict | None = None):
     """The Serve application: ingress bound to N EngineReplicas (or min..max, autoscaled)."""
     config_dict = dataclasses.asdict(config)
+    # The ingress cannot see the replicas' devices: an unset max_num_seqs bounds each replica's
+    # queue at the small-device default (a GPU of >= 70 GiB batches up to 1024; set it to use that).
+    max_seqs = config.max_num_seqs or SMALL_DEVICE_MAX_NUM_SEQS
     options: dict[str, Any] = dict(
         name=ENGINE_DEPLOYMENT,
         ray_actor_options={"num_cpus": 1, "num_gpus": num_gpus_per_replica},
         # Beyond max_num_seqs a replica only queues: let Ray hold the rest at the router.
-        max_ongoing_requests=config.max_num_seqs,
+        max_ongoing_requests=max_seqs,
         health_check_period_s=2.0, health_check_timeout_s=60.0,
         request_router_config=RequestRouterConfig(
             request_router_class="pagedserve.serving.ray_router:PrefixAffinityRequestRouter",
             request_router_kwargs={"policy": routing_policy,
                                    "imbalance_threshold": imbalance_threshold}))
     if min_replicas is not None:
-        options["autoscaling_config"] = {"target_ongoing_requests": max(1, config.max_num_seqs // 2),
+        options["autoscaling_config"] = {"target_ongoing_requests": max(1, max_seqs // 2),
                                          **(autoscaling or {}),
                                          "min_replicas": min_replicas, "max_replicas": max_replicas}
     else:

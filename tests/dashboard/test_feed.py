@@ -96,6 +96,40 @@ def test_costly_snapshots_are_taken_less_often():
     assert asyncio.run(main()) == pytest.approx(5.0)  # 50 ms at most 1% of the time
 
 
+def test_the_default_budget_keeps_2hz_for_an_8ms_snapshot():
+    async def take():
+        return {"snapshot_s": 0.008}  # 65,536 blocks took ~5 ms on the H200's host
+
+    async def main():
+        feed = ThrottledSnapshot(take)
+        await feed.get()
+        return feed.interval
+    assert asyncio.run(main()) <= 0.5
+
+
+def test_a_reader_at_the_feeds_interval_gets_a_new_snapshot_every_tick(monkeypatch):
+    """The snapshot's age counts from when it was asked for: a take that waits 40 ms for the engine
+    thread, read every 0.5 s (the page's cadence, the feed's interval), is new at every tick, also
+    when the timer fires a little early. Counted from its arrival, every other tick found it 'fresh'
+    and the page got 1 frame per second instead of 2."""
+    from pagedserve.dashboard import feed as feed_mod
+    clock = [100.0]
+    monkeypatch.setattr(feed_mod.time, "monotonic", lambda: clock[0])
+
+    async def take():
+        clock[0] += 0.04  # the engine thread answers after its current step
+        return {"snapshot_s": 0.004}
+
+    async def main():
+        feed = ThrottledSnapshot(take, min_interval=0.5)
+        versions = []
+        for tick in range(6):
+            clock[0] = 100.0 + 0.5 * tick - (0.001 if tick % 2 else 0.0)
+            versions.append((await feed.get())["version"])
+        return versions
+    assert asyncio.run(main()) == [1, 2, 3, 4, 5, 6]
+
+
 def test_stream_sends_full_then_diff_frames():
     sched, driver = _busy_scheduler()
 

@@ -89,9 +89,9 @@ def stop_after(model_dir):
     return [o.outputs[0].token_ids[-1] for o in outs]
 
 
-# (tensor_parallel_size, preemption mode, PAGEDSERVE_INCREMENTAL_INPUTS; None: the default, on for CPU).
-# At TP=2 both input paths run: the incremental device state (the CPU default) and the full
-# rebuild ("0", still the default on CUDA).
+# (tensor_parallel_size, preemption mode, PAGEDSERVE_INCREMENTAL_INPUTS; None: the default, on).
+# At TP=2 both input paths run: the incremental device state (the default) and the full
+# rebuild ("0", the A/B switch).
 EXACT_CASES = [(1, "recompute", None), (1, "swap", None), (2, "recompute", "1"), (2, "swap", "1"),
                (2, "recompute", "0")]
 
