@@ -72,6 +72,22 @@ def front_end_facts(base: str) -> dict:
     return {k: h[k] for k in ("backend", "relay_client") if k in h}
 
 
+def replica_totals(base: str) -> dict[str, dict[str, float]]:
+    """Finished requests and generated tokens so far, per replica label of the merged /metrics
+    ("-" for a plain server, which has no replica label)."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict[str, dict[str, float]] = {}
+    wanted = {"pagedserve:e2e_request_latency_seconds_count": "requests",
+              "pagedserve:generation_tokens_total": "output_tokens"}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                per = out.setdefault(sample.labels.get("replica", "-"), {})
+                per[wanted[sample.name]] = per.get(wanted[sample.name], 0.0) + sample.value
+    return out
+
+
 def stop_server(proc: subprocess.Popen) -> None:
     stop_process(proc, timeout=60, group=True)
 
@@ -134,6 +150,7 @@ def replay(base: str, args, pids: dict[str, int] | None = None) -> dict:
     deadline = time.monotonic() + args.run_timeout
     asyncio.run(asyncio.wait_for(run_benchmark(base + "/v1", warm, model="bench"), args.run_timeout))
     before = {k: _cpu_seconds(p) for k, p in (pids or {}).items()}
+    totals_before = replica_totals(base)
     summary = asyncio.run(asyncio.wait_for(
         run_benchmark(base + "/v1", reqs, model="bench", num_processes=args.num_client_processes),
         max(1.0, deadline - time.monotonic())))
@@ -144,6 +161,10 @@ def replay(base: str, args, pids: dict[str, int] | None = None) -> dict:
                                if a is not None and b is not None}
     summary["server_cpu_share"] = {k: round(v / summary["duration_s"], 3)
                                    for k, v in summary["server_cpu_s"].items()}
+    # How the measured requests split over the replicas (an uneven split caps the DP ratio).
+    totals_after = replica_totals(base)
+    summary["per_replica"] = {rep: {k: int(v - totals_before.get(rep, {}).get(k, 0.0)) for k, v in t.items()}
+                              for rep, t in sorted(totals_after.items())}
     errors = [r["error"] for r in summary.pop("requests") if r["error"]]
     summary["first_error"] = errors[0] if errors else None
     return summary
