@@ -140,7 +140,10 @@ class MPCoreClient(EngineCoreClient):
     captured) and raises if it fails to start. The async methods must all run on one event loop.
     """
 
-    def __init__(self, config: EngineConfig, ready_timeout_s: float = 3600.0) -> None:
+    def __init__(self, config: EngineConfig, ready_timeout_s: float = 3600.0,
+                 core_cmd: list[str] | None = None) -> None:
+        """core_cmd: the program to start instead of `python -m pagedserve.engine.core`, given
+        the same flags (a benchmark's model-less core behind this very transport)."""
         import zmq
         self._codec = Codec()
         self._dir = tempfile.mkdtemp(prefix="pagedserve-core-")
@@ -153,7 +156,7 @@ class MPCoreClient(EngineCoreClient):
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(out_addr)
         self._async_output: Any = None
-        cmd = [sys.executable, "-m", "pagedserve.engine.core", "--config",
+        cmd = [*(core_cmd or [sys.executable, "-m", "pagedserve.engine.core"]), "--config",
                msgspec.json.encode(config).decode(), "--input", in_addr, "--output", out_addr,
                "--parent-pid", str(os.getpid())]
         # Our stdout/stderr: the core's log lines land beside the server's.
