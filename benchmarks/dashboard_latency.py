@@ -43,6 +43,13 @@ KEY = "sk-dashboard-latency"
 mono = time.monotonic
 
 
+def cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process, from /proc/PID/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def run_core(args, rest: list[str]) -> None:
     from pagedserve.benchmark import modelless_core as mc
     args = mc.parse_args(["--step-ms", str(args.step_ms), "--num-blocks", str(args.num_blocks),
@@ -57,6 +64,7 @@ def run_server(args) -> None:
     from pagedserve.config import EngineConfig
     from pagedserve.engine.async_engine import AsyncLLMEngine
     from pagedserve.engine.core_client import MPCoreClient
+    from pagedserve.engine import pauses
     from pagedserve.engine.pauses import freeze_startup_heap
     from pagedserve.entrypoints.openai.api_server import build_app
     core = [sys.executable, __file__, "--role", "core", "--step-ms", str(args.step_ms),
@@ -66,6 +74,8 @@ def run_server(args) -> None:
     app = build_app(engine, "bench", api_key=KEY)
     app.include_router(routes)
     freeze_startup_heap()  # as run_server_cli does
+    if hasattr(pauses, "set_serving_gc_thresholds"):  # as run_server_cli does, where the tree has it
+        pauses.set_serving_gc_thresholds()
     if os.environ.get("BENCH_GC_THRESHOLD"):  # an experiment: "700,10,10" is CPython's default
         import gc
         gc.set_threshold(*map(int, os.environ["BENCH_GC_THRESHOLD"].split(",")))
@@ -98,8 +108,8 @@ def _stats(xs: list[float]) -> dict:
     xs = sorted(xs)
     if not xs:
         return {}
-    return {"n": len(xs), "median": round(statistics.median(xs), 2), "p90": round(xs[math.ceil(0.9 * len(xs)) - 1], 2),
-            "max": round(xs[-1], 2)}
+    return {"n": len(xs), "median": round(statistics.median(xs), 2),
+            "p90": round(xs[math.ceil(0.9 * len(xs)) - 1], 2), "max": round(xs[-1], 2)}
 
 
 def breakdown(timings: dict, seen: list, t0: float, t1: float) -> dict:
@@ -119,6 +129,11 @@ def breakdown(timings: dict, seen: list, t0: float, t1: float) -> dict:
         for name, a, b in marks:
             segs.setdefault(name, []).append((rec[b] - rec[a]) * 1e3)
     out = {k: _stats(v) for k, v in segs.items()}
+    # The core's collections while the streams ran (cumulative counters carried by the snapshots).
+    core = [r for r in timings["frames"] if "core_gc_ms" in r and t0 <= r["call"] <= t1]
+    if len(core) > 1:
+        out["core_gc"] = {"total_ms": round(core[-1]["core_gc_ms"] - core[0]["core_gc_ms"]),
+                          "full": core[-1]["core_gc_full"] - core[0]["core_gc_full"]}
     out["sleep_late_ms"] = _stats([x * 1e3 for x in timings["sleep_late"]])
     out["loop_lag_ms"] = _stats([x * 1e3 for a, x in timings["loop_lag"] if t0 <= a <= t1])
     out["loop_stalls_over_100ms"] = [(round(a - t0, 2), round(x * 1e3)) for a, x in timings["loop_lag"]
@@ -186,21 +201,30 @@ def main() -> int:
     try:
         wait_until_ready(server, base + "/health", 120, interval=0.3)
         asyncio.run(run_benchmark(base + "/v1", reqs[:16], "bench", api_key=KEY))  # warm-up
+        core_pid = httpx.get(base + "/bench/timings", timeout=60).json()["core_pid"]
         httpx.post(base + "/bench/reset")
+        core_cpu0 = cpu_seconds(core_pid)
         viewer = _spawn(["--role", "viewer", "--url", f"{base}/kv_cache/events?interval={args.interval}"])
         time.sleep(2.0)  # its first (full) frame, before the load
         t0 = mono()
         summary = asyncio.run(run_benchmark(base + "/v1", reqs, "bench", api_key=KEY))
         t1 = mono()
+        core_cpu = cpu_seconds(core_pid) - core_cpu0
         viewer.send_signal(signal.SIGINT)
         seen = json.loads(viewer.communicate(timeout=60)[0].strip().splitlines()[-1])
         timings = httpx.get(base + "/bench/timings", timeout=60).json()
     finally:
         stop_process(server)
     in_run = [v for v, t in seen if t0 <= t <= t1]
+    tokens = summary["output_throughput"] * summary["duration_s"]
     result = {"frames_per_s": round(len(in_run) / (t1 - t0), 3), "frames": len(in_run),
               "duration_s": round(t1 - t0, 2), "output_tok_s": round(summary["output_throughput"]),
-              "failed": summary["failed"], "breakdown_ms": breakdown(timings, seen, t0, t1)}
+              "failed": summary["failed"],
+              # CPU per output token: what each process would cost on a machine of its own.
+              "cpu_us_per_token": {"server": round(timings["server_cpu_s"] / tokens * 1e6, 1),
+                                   "core": round(core_cpu / tokens * 1e6, 1),
+                                   "client": round(summary["client_cpu_s"] / tokens * 1e6, 1)},
+              "breakdown_ms": breakdown(timings, seen, t0, t1)}
     print(json.dumps(result, indent=1))
     if args.out:
         from pagedserve.benchmark.results import write_result

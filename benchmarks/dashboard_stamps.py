@@ -19,13 +19,21 @@ mono = time.monotonic
 def instrument_core(engine: Any):
     """Stamps in the core: when its loop last took an input message, the snapshot's span, when
     the message carrying it was sent. Each snapshot carries the send times of the earlier ones."""
-    st = {"got": 0.0, "seq": 0, "pending": None, "sent": []}
+    st = {"got": 0.0, "seq": 0, "pending": None, "sent": [], "gc_ms": 0.0, "gc_full": 0, "gc_t0": 0.0}
+
+    def on_gc(phase: str, info: dict) -> None:  # the core's collections, reported with each snapshot
+        if phase == "start":
+            st["gc_t0"] = mono()
+        else:
+            st["gc_ms"] += (mono() - st["gc_t0"]) * 1e3
+            st["gc_full"] += info.get("generation") == 2
+    gc.callbacks.append(on_gc)
 
     def on_snapshot(state: dict) -> None:
         end = mono()
         st["seq"] += 1
         state["_bench"] = {"seq": st["seq"], "got": st["got"], "start": end - state["snapshot_s"],
-                           "end": end, "sent": st["sent"]}
+                           "end": end, "sent": st["sent"], "gc_ms": st["gc_ms"], "gc_full": st["gc_full"]}
         st["sent"], st["pending"] = [], st["seq"]
     engine.hooks.append(on_snapshot)
 
@@ -58,7 +66,8 @@ def instrument_server(engine: Any):
     from pagedserve.engine.core_messages import UtilityCall
     client = engine.client
     t: dict[str, Any] = {}
-    cur: dict[str, Any] = {"rec": None, "decoded": {}, "by_version": {}, "last_return": None, "probe": None}
+    cur: dict[str, Any] = {"rec": None, "decoded": {}, "by_version": {}, "last_return": None, "probe": None,
+                           "cpu0": time.process_time()}
 
     def reset() -> None:
         t.update(frames=[], sent={}, sleep_late=[], loop_lag=[], dispatch=[], outputs_per_message=[],
@@ -72,7 +81,8 @@ def instrument_server(engine: Any):
         state = await take()
         rec["resumed"] = mono()
         b = state["_bench"]
-        rec.update(seq=b["seq"], core_got=b["got"], snap_start=b["start"], snap_end=b["end"])
+        rec.update(seq=b["seq"], core_got=b["got"], snap_start=b["start"], snap_end=b["end"],
+                   core_gc_ms=b["gc_ms"], core_gc_full=b["gc_full"])
         rec.update(cur["decoded"].pop(b["seq"], {}))
         for seq, ts in b["sent"]:
             t["sent"][seq] = ts
@@ -136,9 +146,9 @@ def instrument_server(engine: Any):
 
     get_snapshot = feed.ThrottledSnapshot.get
 
-    async def timed_get_snapshot(self: Any) -> dict:  # every reader's tick: (asked, answered, version, throttle)
-        t0 = mono()
-        snap = await get_snapshot(self)
+    async def timed_get_snapshot(self: Any, *a: Any, **kw: Any) -> dict:  # every reader's tick
+        t0 = mono()  # (asked, answered, version, throttle)
+        snap = await get_snapshot(self, *a, **kw)
         t["ticks"].append((t0, mono(), snap["version"], self.interval))
         return snap
     feed.ThrottledSnapshot.get = timed_get_snapshot
@@ -203,6 +213,7 @@ def instrument_server(engine: Any):
     @router.post("/bench/reset")
     async def bench_reset() -> dict:
         reset()
+        cur["cpu0"] = time.process_time()
         if cur["probe"] is None:
             cur["probe"] = asyncio.get_running_loop().create_task(probe())
         return {}
@@ -214,6 +225,7 @@ def instrument_server(engine: Any):
             if rec.get("seq") in t["sent"]:
                 rec = dict(rec, sent=t["sent"][rec["seq"]])
             frames.append(rec)
-        return dict(t, frames=frames, sent=None, gc_stats=gc.get_stats(), gc_threshold=gc.get_threshold(),
+        return dict(t, frames=frames, sent=None, server_cpu_s=time.process_time() - cur["cpu0"],
+                    core_pid=client.pid, gc_stats=gc.get_stats(), gc_threshold=gc.get_threshold(),
                     gc_tracked=len(gc.get_objects()))
     return router
