@@ -16,14 +16,21 @@ clock for all processes on Linux), and each frame's time is split into:
   wake      future resolved until the SSE generator runs again
   frame     make_frame, then json: encoding the frame; write: yielded until the viewer has it
 
-    python benchmarks/dashboard_latency.py --num-requests 1000 --output-len 100 --step-ms 20
+--step-ms sets who is the bottleneck: at 80 ms (1024 sequences a step, 12.8k tokens/s at most)
+the API server keeps up; at 20 ms the core outruns it and its output messages queue up.
+CPU per output token of each process is reported too (what it would cost on a core of its own).
+
+    git archive BASE pagedserve | tar -x -C /tmp/before   # a before/after, alternating rounds
+    python benchmarks/dashboard_latency.py --num-requests 3000 --output-len 100 --step-ms 80 \
+        --rounds 2 --baseline-tree /tmp/before --out benchmarks/results/cpu/dashboard_latency.json
+BENCH_GC_THRESHOLD=700,10,10 sets the API server's collector thresholds after start-up (an
+experiment: CPython's defaults, where the tree sets its own).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
-import math
 import os
 import signal
 import statistics
@@ -37,7 +44,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from dashboard_stamps import instrument_core, instrument_server  # noqa: E402  (this folder)
+from dashboard_stamps import breakdown, instrument_core, instrument_server  # noqa: E402  (this folder)
 
 KEY = "sk-dashboard-latency"
 mono = time.monotonic
@@ -62,10 +69,9 @@ def run_server(args) -> None:
     import uvicorn
 
     from pagedserve.config import EngineConfig
+    from pagedserve.engine import pauses
     from pagedserve.engine.async_engine import AsyncLLMEngine
     from pagedserve.engine.core_client import MPCoreClient
-    from pagedserve.engine import pauses
-    from pagedserve.engine.pauses import freeze_startup_heap
     from pagedserve.entrypoints.openai.api_server import build_app
     core = [sys.executable, __file__, "--role", "core", "--step-ms", str(args.step_ms),
             "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs), *_tree(args)]
@@ -73,7 +79,7 @@ def run_server(args) -> None:
     routes = instrument_server(engine)  # before build_app: the feed takes the wrapped call
     app = build_app(engine, "bench", api_key=KEY)
     app.include_router(routes)
-    freeze_startup_heap()  # as run_server_cli does
+    pauses.freeze_startup_heap()  # as run_server_cli does
     if hasattr(pauses, "set_serving_gc_thresholds"):  # as run_server_cli does, where the tree has it
         pauses.set_serving_gc_thresholds()
     if os.environ.get("BENCH_GC_THRESHOLD"):  # an experiment: "700,10,10" is CPython's default
@@ -104,63 +110,6 @@ def _spawn(role: list[str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, __file__, *role], env=env, stdout=subprocess.PIPE, text=True)
 
 
-def _stats(xs: list[float]) -> dict:
-    xs = sorted(xs)
-    if not xs:
-        return {}
-    return {"n": len(xs), "median": round(statistics.median(xs), 2),
-            "p90": round(xs[math.ceil(0.9 * len(xs)) - 1], 2), "max": round(xs[-1], 2)}
-
-
-def breakdown(timings: dict, seen: list, t0: float, t1: float) -> dict:
-    """Per-frame segments in ms over the frames the viewer got while the streams ran."""
-    arrived = dict(seen)
-    segs: dict[str, list[float]] = {}
-    for rec in timings["frames"]:
-        v = rec.get("version")
-        if v not in arrived or not t0 <= arrived[v] <= t1 or "sent" not in rec:
-            continue
-        marks = [("flush", "call", "flush"), ("core_wait", "flush", "core_got"),
-                 ("snapshot", "snap_start", "snap_end"), ("core_rest", "snap_end", "sent"),
-                 ("queued", "sent", "recv"), ("decode", "recv", "decoded"), ("wake", "decoded", "resumed"),
-                 ("make_frame", "frame0", "frame1"), ("json", "json0", "json1")]
-        rec = dict(rec, viewer=arrived[v])
-        marks += [("write", "json1", "viewer"), ("total", "call", "viewer")]
-        for name, a, b in marks:
-            segs.setdefault(name, []).append((rec[b] - rec[a]) * 1e3)
-    out = {k: _stats(v) for k, v in segs.items()}
-    # The core's collections while the streams ran (cumulative counters carried by the snapshots).
-    core = [r for r in timings["frames"] if "core_gc_ms" in r and t0 <= r["call"] <= t1]
-    if len(core) > 1:
-        out["core_gc"] = {"total_ms": round(core[-1]["core_gc_ms"] - core[0]["core_gc_ms"]),
-                          "full": core[-1]["core_gc_full"] - core[0]["core_gc_full"]}
-    out["sleep_late_ms"] = _stats([x * 1e3 for x in timings["sleep_late"]])
-    out["loop_lag_ms"] = _stats([x * 1e3 for a, x in timings["loop_lag"] if t0 <= a <= t1])
-    out["loop_stalls_over_100ms"] = [(round(a - t0, 2), round(x * 1e3)) for a, x in timings["loop_lag"]
-                                     if t0 <= a <= t1 and x > 0.1]
-    gcs = [g for g in timings["gc"] if t0 <= g[0] <= t1]
-    out["gc"] = {"n": len(gcs), "total_ms": round(sum(g[1] for g in gcs)), "threshold": timings["gc_threshold"],
-                 "full": sum(g[2] == 2 for g in gcs), "tracked_at_end": timings["gc_tracked"],
-                 "over_50ms": [(round(a - t0, 2), round(ms), gen) for a, ms, gen in gcs if ms > 50]}
-    out["dispatch_ms_per_message"] = _stats([x * 1e3 for x in timings["dispatch"]])
-    out["outputs_per_message"] = _stats(timings["outputs_per_message"])
-    # Runs of output messages the dispatch task read back to back without letting the loop turn.
-    runs, n = [], 0
-    for ts, turned in timings["reads"]:
-        if t0 <= ts <= t1:
-            n = 0 if turned else n + 1
-            runs.append(n)
-    out["messages_read_without_yielding"] = {"reads": len(runs), "without_yield": sum(r > 0 for r in runs),
-                                             "longest_run": max(runs, default=0)}
-    # The SSE reader's ticks while the streams ran: those that found no new snapshot sent nothing.
-    ticks = [tk for tk in timings["ticks"] if t0 <= tk[0] <= t1]
-    stale = [i for i in range(1, len(ticks)) if ticks[i][2] == ticks[i - 1][2]]
-    out["ticks"] = {"n": len(ticks), "per_s": round(len(ticks) / (t1 - t0), 3), "no_new_snapshot": len(stale),
-                    "gap_ms": _stats([(ticks[i][0] - ticks[i - 1][0]) * 1e3 for i in range(1, len(ticks))]),
-                    "throttle_ms": _stats([tk[3] * 1e3 for tk in ticks])}
-    return out
-
-
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)  # --output is the core's
     p.add_argument("--role", default="driver", choices=["driver", "server", "core", "viewer"])
@@ -174,9 +123,11 @@ def main() -> int:
     p.add_argument("--port", type=int, default=18931)
     p.add_argument("--url", default=None)
     p.add_argument("--out", default=None, help="write the result JSON here (through the result writer)")
-    p.add_argument("--server-tree", default=None,
-                   help="server and core import pagedserve from this source tree (a before/after: "
-                        "`git archive REV pagedserve | tar -x -C DIR`); the client stays this tree's")
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--baseline-tree", default=None,
+                   help="also run server and core from this source tree, alternating with this one "
+                        "(`git archive REV pagedserve | tar -x -C DIR`); the client stays this tree's")
+    p.add_argument("--server-tree", default=None, help=argparse.SUPPRESS)  # the roles' copy of it
     args, rest = p.parse_known_args()
     if args.server_tree:
         args.server_tree = str(Path(args.server_tree).resolve())
@@ -189,13 +140,47 @@ def main() -> int:
     if args.role == "viewer":
         return run_viewer(args.url)
 
+    runs: dict[str, list[dict]] = {"this": []}
+    trees = [("this", None)]
+    if args.baseline_tree:
+        runs["baseline"] = []
+        trees = [("baseline", str(Path(args.baseline_tree).resolve())), ("this", None)]
+    for i in range(args.rounds):
+        for name, tree in trees if i % 2 == 0 else trees[::-1]:  # alternate: drift hits both alike
+            r = one_run(args, tree)
+            runs[name].append(r)
+            print(name, json.dumps({k: v for k, v in r.items() if k != "breakdown_ms"}), flush=True)
+
+    def med(rs: list[dict], f) -> float:
+        return round(statistics.median(f(r) for r in rs), 3)
+    result = {name: {"frames_per_s": med(rs, lambda r: r["frames_per_s"]),
+                     "output_tok_s": med(rs, lambda r: r["output_tok_s"]),
+                     "server_cpu_us_per_token": med(rs, lambda r: r["cpu_us_per_token"]["server"]),
+                     "frame_total_ms_median": med(rs, lambda r: r["breakdown_ms"]["total"]["median"]),
+                     "runs": rs} for name, rs in runs.items()}
+    print(json.dumps({n: {k: v for k, v in r.items() if k != "runs"} for n, r in result.items()}, indent=1))
+    if args.out:
+        from pagedserve.benchmark.results import write_result
+        config = {k: getattr(args, k) for k in ("num_requests", "prompt_len", "output_len", "step_ms", "num_blocks",
+                                                "max_num_seqs", "interval", "rounds", "baseline_tree")}
+        config["BENCH_GC_THRESHOLD"] = os.environ.get("BENCH_GC_THRESHOLD")
+        ratios = {"viewer_hz": result["this"]["frames_per_s"]}
+        if "baseline" in result:
+            ratios["viewer_hz_baseline"] = result["baseline"]["frames_per_s"]
+        write_result(args.out, "dashboard_latency", "python " + " ".join(sys.argv), config, result, {}, ratios,
+                     device="cpu")
+    return 0
+
+
+def one_run(args, tree: str | None) -> dict:
+    """One server (its pagedserve from `tree`, else this one), the streams, the viewer; the figures."""
     from pagedserve.benchmark.server_process import stop_process, wait_until_ready
     from pagedserve.entrypoints.bench_serve import run_benchmark
     from pagedserve.workloads import WorkloadRequest
     base = f"http://127.0.0.1:{args.port}"
     server = _spawn(["--role", "server", "--port", str(args.port), "--step-ms", str(args.step_ms),
                      "--num-blocks", str(args.num_blocks), "--max-num-seqs", str(args.max_num_seqs),
-                     *_tree(args)])
+                     *(["--server-tree", tree] if tree else [])])
     reqs = [WorkloadRequest(prompt_token_ids=[3 + (i * 7 + j) % 1000 for j in range(args.prompt_len)],
                             output_len=args.output_len, arrival_time=0.0) for i in range(args.num_requests)]
     try:
@@ -225,14 +210,7 @@ def main() -> int:
                                    "core": round(core_cpu / tokens * 1e6, 1),
                                    "client": round(summary["client_cpu_s"] / tokens * 1e6, 1)},
               "breakdown_ms": breakdown(timings, seen, t0, t1)}
-    print(json.dumps(result, indent=1))
-    if args.out:
-        from pagedserve.benchmark.results import write_result
-        config = {k: getattr(args, k) for k in ("num_requests", "prompt_len", "output_len", "step_ms",
-                                                "num_blocks", "max_num_seqs", "interval", "server_tree")}
-        write_result(args.out, "dashboard_latency", "python " + " ".join(sys.argv), config, result, {},
-                     {"viewer_hz": result["frames_per_s"]}, device="cpu")
-    return 0
+    return result
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""The stamps benchmarks/dashboard_latency.py puts on each snapshot's way (see its docstring).
+"""The stamps benchmarks/dashboard_latency.py puts on each snapshot's way (see its docstring),
+and what they add up to (breakdown).
 
 All by wrapping, nothing in pagedserve changes: the core's sockets and the model-less engine's
 snapshot hook in the core process; the client's flush, decoder and output reads, the feed's
@@ -10,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import gc
 import json
+import math
+import statistics
 import time
 from typing import Any
 
@@ -229,3 +232,62 @@ def instrument_server(engine: Any):
                     core_pid=client.pid, gc_stats=gc.get_stats(), gc_threshold=gc.get_threshold(),
                     gc_tracked=len(gc.get_objects()))
     return router
+
+
+# ---- what the stamps add up to -----------------------------------------------------------
+
+def _stats(xs: list[float]) -> dict:
+    xs = sorted(xs)
+    if not xs:
+        return {}
+    return {"n": len(xs), "median": round(statistics.median(xs), 2),
+            "p90": round(xs[math.ceil(0.9 * len(xs)) - 1], 2), "max": round(xs[-1], 2)}
+
+
+def breakdown(timings: dict, seen: list, t0: float, t1: float) -> dict:
+    """Per-frame segments in ms over the frames the viewer got while the streams ran."""
+    arrived = dict(seen)
+    segs: dict[str, list[float]] = {}
+    for rec in timings["frames"]:
+        v = rec.get("version")
+        if v not in arrived or not t0 <= arrived[v] <= t1 or "sent" not in rec:
+            continue
+        marks = [("flush", "call", "flush"), ("core_wait", "flush", "core_got"),
+                 ("snapshot", "snap_start", "snap_end"), ("core_rest", "snap_end", "sent"),
+                 ("queued", "sent", "recv"), ("decode", "recv", "decoded"), ("wake", "decoded", "resumed"),
+                 ("make_frame", "frame0", "frame1"), ("json", "json0", "json1")]
+        rec = dict(rec, viewer=arrived[v])
+        marks += [("write", "json1", "viewer"), ("total", "call", "viewer")]
+        for name, a, b in marks:
+            segs.setdefault(name, []).append((rec[b] - rec[a]) * 1e3)
+    out = {k: _stats(v) for k, v in segs.items()}
+    # The core's collections while the streams ran (cumulative counters carried by the snapshots).
+    core = [r for r in timings["frames"] if "core_gc_ms" in r and t0 <= r["call"] <= t1]
+    if len(core) > 1:
+        out["core_gc"] = {"total_ms": round(core[-1]["core_gc_ms"] - core[0]["core_gc_ms"]),
+                          "full": core[-1]["core_gc_full"] - core[0]["core_gc_full"]}
+    out["sleep_late_ms"] = _stats([x * 1e3 for x in timings["sleep_late"]])
+    out["loop_lag_ms"] = _stats([x * 1e3 for a, x in timings["loop_lag"] if t0 <= a <= t1])
+    out["loop_stalls_over_100ms"] = [(round(a - t0, 2), round(x * 1e3)) for a, x in timings["loop_lag"]
+                                     if t0 <= a <= t1 and x > 0.1]
+    gcs = [g for g in timings["gc"] if t0 <= g[0] <= t1]
+    out["gc"] = {"n": len(gcs), "total_ms": round(sum(g[1] for g in gcs)), "threshold": timings["gc_threshold"],
+                 "full": sum(g[2] == 2 for g in gcs), "tracked_at_end": timings["gc_tracked"],
+                 "over_50ms": [(round(a - t0, 2), round(ms), gen) for a, ms, gen in gcs if ms > 50]}
+    out["dispatch_ms_per_message"] = _stats([x * 1e3 for x in timings["dispatch"]])
+    out["outputs_per_message"] = _stats(timings["outputs_per_message"])
+    # Runs of output messages the dispatch task read back to back without letting the loop turn.
+    runs, n = [], 0
+    for ts, turned in timings["reads"]:
+        if t0 <= ts <= t1:
+            n = 0 if turned else n + 1
+            runs.append(n)
+    out["messages_read_without_yielding"] = {"reads": len(runs), "without_yield": sum(r > 0 for r in runs),
+                                             "longest_run": max(runs, default=0)}
+    # The SSE reader's ticks while the streams ran: those that found no new snapshot sent nothing.
+    ticks = [tk for tk in timings["ticks"] if t0 <= tk[0] <= t1]
+    stale = [i for i in range(1, len(ticks)) if ticks[i][2] == ticks[i - 1][2]]
+    out["ticks"] = {"n": len(ticks), "per_s": round(len(ticks) / (t1 - t0), 3), "no_new_snapshot": len(stale),
+                    "gap_ms": _stats([(ticks[i][0] - ticks[i - 1][0]) * 1e3 for i in range(1, len(ticks))]),
+                    "throttle_ms": _stats([tk[3] * 1e3 for tk in ticks])}
+    return out
