@@ -25,6 +25,9 @@ SNAPSHOT_TIME_BUDGET = 0.02
 # A reader polling at the feed's own interval must not find the last snapshot a hair too young
 # (timers fire up to the clock's resolution early) and skip a frame: every other frame was lost so.
 FRESHNESS_SLACK = 0.1
+# The cost behind the budget is a running average (the newest snapshot weighs this much): one
+# snapshot slowed by a busy host must not stop the feed for seconds (at 2%, 100 ms meant 5 s).
+COST_WEIGHT = 0.25
 STREAM_INTERVAL_RANGE_S = (0.25, 10.0)
 _DIFFED = ("states",)  # the sparse cpu_states (swapped-out blocks only) travel whole
 
@@ -42,26 +45,43 @@ class ThrottledSnapshot:
         self._last: dict | None = None
         self._taken_at = float("-inf")
         self._lock: asyncio.Lock | None = None
+        self._cost: float | None = None  # running average of snapshot_s (COST_WEIGHT)
         self.version = 0
 
-    async def get(self) -> dict:
-        """The latest snapshot (a dict with a 'version'); callers must not modify it."""
+    async def get(self, newer_than: int | None = None, wait_up_to: float = 0.0) -> dict:
+        """The latest snapshot (a dict with a 'version'); callers must not modify it.
+
+        newer_than: the version the caller already holds. If the latest is that one and still
+        too young to replace, wait (up to wait_up_to seconds) until a new one may be taken
+        rather than hand the same one back: a reader whose tick comes early after a late one
+        (a busy event loop) then sends its frame a little late instead of skipping it.
+        """
         if self._lock is None:
             self._lock = asyncio.Lock()
-        async with self._lock:
-            now = time.monotonic()
-            if self._last is None or now - self._taken_at >= self.interval * (1 - FRESHNESS_SLACK):
-                # Aged from when it was asked for: the wait for the engine thread is not its age.
-                self._taken_at = now
-                state = await self._take()
-                self.interval = max(self.min_interval, state.get("snapshot_s", 0.0) / self.budget)
-                self.version += 1
-                state["version"] = self.version
-                state["time"] = time.time()
-                if self._extra is not None:
-                    state.update(self._extra())
-                self._last = state
-            return self._last
+        while True:
+            async with self._lock:
+                now = time.monotonic()
+                wait = self._taken_at + self.interval * (1 - FRESHNESS_SLACK) - now
+                if self._last is None or wait <= 0:
+                    return await self._refresh(now)
+                if newer_than is None or self._last["version"] > newer_than or wait > wait_up_to:
+                    return self._last
+            await asyncio.sleep(wait)
+
+    async def _refresh(self, now: float) -> dict:
+        # Aged from when it was asked for: the wait for the engine thread is not its age.
+        self._taken_at = now
+        state = await self._take()
+        cost = state.get("snapshot_s", 0.0)
+        self._cost = cost if self._cost is None else self._cost + COST_WEIGHT * (cost - self._cost)
+        self.interval = max(self.min_interval, self._cost / self.budget)
+        self.version += 1
+        state["version"] = self.version
+        state["time"] = time.time()
+        if self._extra is not None:
+            state.update(self._extra())
+        self._last = state
+        return state
 
 
 def public_state(snapshot: dict) -> dict:
@@ -143,7 +163,8 @@ async def sse_frames(feed: ThrottledSnapshot, interval: float) -> AsyncIterator[
     prev = None
     due = time.monotonic()
     while True:
-        snapshot = await feed.get()
+        # Wait for a new snapshot rather than skip the tick, unless none may come before the next.
+        snapshot = await feed.get(None if prev is None else prev["version"], wait_up_to=interval)
         if prev is None or snapshot["version"] != prev["version"]:
             frame = make_frame(prev, snapshot)
             prev = snapshot

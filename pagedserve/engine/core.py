@@ -1,7 +1,8 @@
 """EngineCore: the LLMEngine (scheduler + KV manager + runner) and, in its own process, the busy loop.
 
 One loop iteration: take every queued input (adds, aborts, utility calls, in the order the
-client sent them) -> run one engine step if any request is unfinished -> send ONE StepOutputs.
+client sent them) -> run one engine step if any request is unfinished -> send ONE StepOutputs
+(utility answers leave in a message of their own before the step, so they never wait for it).
 With nothing to run the loop blocks on the input socket; it never spins.
 
 The process (`run_engine_core`, or `python -m pagedserve.engine.core`) loads the model, sizes
@@ -203,6 +204,11 @@ class EngineCore:
                     running = False
                     break
             if running and self.engine.has_unfinished_requests():
+                if out.utility_results:
+                    # Answers leave now: riding with the step's outputs they would wait a whole
+                    # step for nothing (the dashboard's snapshot is taken before the step anyway).
+                    output_socket.send(encode(StepOutputs(utility_results=out.utility_results)), copy=False)
+                    out.utility_results = []
                 self.step_outputs(out)
             out.snapshot = self.snapshot()
             output_socket.send(encode(out), copy=False)

@@ -4,9 +4,11 @@
   encoding (`LLM` uses it; the sync methods).
 - MPCoreClient: the core runs in its own process (`python -m pagedserve.engine.core`); inputs
   go over a ZMQ PUSH socket and outputs come back over a PULL socket, msgpack-encoded by
-  msgspec (the async methods, for the server's event loop). Adds, aborts and utility calls
-  queued during one event-loop iteration leave as one message; the core answers each of its
-  loop iterations with one StepOutputs.
+  msgspec (the async methods, for the server's event loop). Adds and aborts queued during one
+  event-loop iteration leave as one message (a utility call leaves at once, with whatever was
+  queued before it); the core answers each of its loop iterations with one StepOutputs. The
+  answers to adds and utility calls are delivered as soon as their message is read, ahead of
+  the token outputs of messages read before it (get_output_async).
 
 Invariant (MP): add_request_async returns once the core has taken the request (or raises the
 engine's ValueError); the core's answer arrives in the same message as the request's first
@@ -15,6 +17,7 @@ outputs, so waiting for it costs no extra step.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -31,11 +34,19 @@ import msgspec
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_messages import (AbortRequests, AddRequest, Codec, CoreInputs, Ready,
-                                             Shutdown, StartupFailed, UtilityCall)
+                                             Shutdown, StartupFailed, StepOutputsHead,
+                                             UtilityCall)
 from pagedserve.metrics import EngineSnapshot
 from pagedserve.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
+
+
+# With messages waiting, get_output_async lets the event loop turn at least this often. Never
+# turning let a backlog of 160 messages hold every other task for seconds; turning after every
+# message made each stream wake for one output at a time: 37.6 us of API-server CPU per token
+# against 25.3 with 50 ms slices and 23.1 never turning (benchmarks/dashboard_latency.py).
+DISPATCH_SLICE_S = 0.05
 
 
 class EngineDeadError(RuntimeError):
@@ -140,7 +151,10 @@ class MPCoreClient(EngineCoreClient):
     captured) and raises if it fails to start. The async methods must all run on one event loop.
     """
 
-    def __init__(self, config: EngineConfig, ready_timeout_s: float = 3600.0) -> None:
+    def __init__(self, config: EngineConfig, ready_timeout_s: float = 3600.0,
+                 core_cmd: list[str] | None = None) -> None:
+        """core_cmd: the program to start instead of `python -m pagedserve.engine.core`, given
+        the same flags (a benchmark's model-less core behind this very transport)."""
         import zmq
         self._codec = Codec()
         self._dir = tempfile.mkdtemp(prefix="pagedserve-core-")
@@ -153,7 +167,7 @@ class MPCoreClient(EngineCoreClient):
         self._output.setsockopt(zmq.RCVHWM, 0)
         self._output.bind(out_addr)
         self._async_output: Any = None
-        cmd = [sys.executable, "-m", "pagedserve.engine.core", "--config",
+        cmd = [*(core_cmd or [sys.executable, "-m", "pagedserve.engine.core"]), "--config",
                msgspec.json.encode(config).decode(), "--input", in_addr, "--output", out_addr,
                "--parent-pid", str(os.getpid())]
         # Our stdout/stderr: the core's log lines land beside the server's.
@@ -169,6 +183,8 @@ class MPCoreClient(EngineCoreClient):
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}
         self._adds: dict[str, asyncio.Future] = {}
         self._utility: dict[int, asyncio.Future] = {}
+        self._read_ahead: collections.deque[StepOutputsHead] = collections.deque()
+        self._turned_at = 0.0  # when get_output_async last let the event loop turn
         self._call_ids = itertools.count()
         self.dead: EngineDeadError | None = None
 
@@ -209,7 +225,9 @@ class MPCoreClient(EngineCoreClient):
             self._flush_handle = loop.call_soon(self._flush)
 
     def _flush(self) -> None:
-        self._flush_handle = None
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()  # when called directly; a no-op from the handle itself
+            self._flush_handle = None
         if not self._ops or self._closed:
             return
         ops, self._ops = self._ops, []
@@ -245,6 +263,8 @@ class MPCoreClient(EngineCoreClient):
         fut = asyncio.get_running_loop().create_future()
         self._utility[call_id] = fut
         self._queue(UtilityCall(call_id, method, list(args)))
+        # Sent now rather than when this loop iteration ends: under load one can take long.
+        self._flush()
         try:
             return await fut
         finally:
@@ -253,12 +273,58 @@ class MPCoreClient(EngineCoreClient):
     # ---- receiving ---------------------------------------------------------------------------
 
     async def get_output_async(self) -> EngineCoreOutputs:
-        """The next StepOutputs, with add and utility answers already delivered."""
+        """The next StepOutputs, in the order the core sent them, its answers already delivered.
+
+        Every message already waiting is read (outputs left encoded) and its add and utility
+        answers delivered before the outputs of any of them are handed out: under heavy
+        streaming a dashboard snapshot's reply would otherwise wait behind all the tokens queued
+        before it. While messages wait, the event loop turns at least every DISPATCH_SLICE_S:
+        reading them back to back never suspends, and a backlog held up every other task (HTTP
+        handlers, the dashboard's stream) until it was gone, for seconds.
+        """
+        import zmq
         if self._async_output is None:
             import zmq.asyncio
             self._async_output = zmq.asyncio.Socket.from_socket(self._output)
-        frame = await self._async_output.recv(copy=False)
-        msg = self._codec.step.decode(frame.buffer)
+        if self._read_ahead or self._output.get(zmq.EVENTS) & zmq.POLLIN:
+            if time.monotonic() - self._turned_at >= DISPATCH_SLICE_S:
+                await asyncio.sleep(0)
+                self._turned_at = time.monotonic()
+            self._read_waiting()
+        while not self._read_ahead:
+            self._answer(await self._async_output.recv(copy=False))  # nothing waiting: the loop turns
+            self._turned_at = time.monotonic()
+            self._read_waiting()
+        msg = self._read_ahead.popleft()
+        outputs = []
+        prompts = self._prompts
+        for d in self._codec.step_outputs.decode(msg.outputs):
+            p = prompts.get(d.request_id)
+            if p is None:  # aborted here after the core produced this
+                continue
+            if d.finished:
+                del prompts[d.request_id]
+            outputs.append(RequestOutput(d.request_id, p[0], p[1], [c.to_output() for c in d.outputs],
+                                         d.finished, d.metrics))
+        for rid in msg.failed:
+            prompts.pop(rid, None)
+        return EngineCoreOutputs(outputs, msg.snapshot, msg.failed, msg.step_error)
+
+    def _read_waiting(self) -> None:
+        """Read every message already in the socket without waiting (the asyncio socket is a
+        shadow of _output: a non-blocking read on either is the same call)."""
+        import zmq
+        while True:
+            try:
+                frame = self._output.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._answer(frame)
+
+    def _answer(self, frame: Any) -> None:
+        """Decode a message's head, deliver its add and utility answers, queue its outputs."""
+        msg = self._codec.step_head.decode(frame.buffer)
+        self._read_ahead.append(msg)
         for rid in msg.added:
             fut = self._adds.pop(rid, None)
             if fut is not None and not fut.done():
@@ -275,19 +341,6 @@ class MPCoreClient(EngineCoreClient):
                     fut.set_result(r.result)
                 else:
                     fut.set_exception(RuntimeError(f"engine-core utility failed: {r.error}"))
-        outputs = []
-        prompts = self._prompts
-        for d in msg.outputs:
-            p = prompts.get(d.request_id)
-            if p is None:  # aborted here after the core produced this
-                continue
-            if d.finished:
-                del prompts[d.request_id]
-            outputs.append(RequestOutput(d.request_id, p[0], p[1], [c.to_output() for c in d.outputs],
-                                         d.finished, d.metrics))
-        for rid in msg.failed:
-            prompts.pop(rid, None)
-        return EngineCoreOutputs(outputs, msg.snapshot, msg.failed, msg.step_error)
 
     def fail(self, error: EngineDeadError) -> None:
         """The core is gone: every pending add and utility call raises `error` from now on."""

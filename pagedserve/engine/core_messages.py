@@ -99,6 +99,23 @@ class StepOutputs(msgspec.Struct, array_like=True):
     step_error: str | None = None
 
 
+class StepOutputsHead(msgspec.Struct, array_like=True):
+    """A StepOutputs as the client first reads it: the same fields in the same places, with the
+    outputs left encoded. Reading every waiting message this way costs next to nothing, so the
+    answers to adds and utility calls need not wait behind the token outputs queued before them;
+    each message's outputs are decoded (OUTPUTS) when their turn comes."""
+    outputs: msgspec.Raw = msgspec.Raw()
+    added: list[str] = []
+    rejected: list[tuple[str, str]] = []
+    utility_results: list[UtilityResult] = []
+    snapshot: EngineSnapshot | None = None
+    failed: list[str] = []
+    step_error: str | None = None
+
+
+OUTPUTS = list[RequestDelta]
+
+
 class Ready(msgspec.Struct, tag="ready", array_like=True):
     """The core loaded the model, sized the KV cache and is waiting for requests."""
     pid: int
@@ -123,6 +140,8 @@ class Codec:
         self.encoder = msgspec.msgpack.Encoder()
         self.inputs = msgspec.msgpack.Decoder(CoreInputs)
         self.step = msgspec.msgpack.Decoder(StepOutputs)
+        self.step_head = msgspec.msgpack.Decoder(StepOutputsHead)
+        self.step_outputs = msgspec.msgpack.Decoder(OUTPUTS)
         self.handshake = msgspec.msgpack.Decoder(Ready | StartupFailed)
 
     def encode(self, msg: msgspec.Struct) -> bytes:

@@ -43,6 +43,22 @@ def freeze_startup_heap() -> int:
     return gc.get_freeze_count()
 
 
+# The collector's thresholds in a serving process (CPython's are (700, 10, 10)). A young
+# collection runs every 700 net new container objects, which thousands of open streams create
+# in well under a millisecond, and each one promotes whatever is alive at that instant (outputs
+# waiting in queues, chunks being written); the oldest generation then grows fast enough that a
+# full collection, walking every object of every open stream, came about once a second in the
+# API server, up to 300-470 ms each; collections took a fifth of its time (3000 streams on our
+# 2-core CPU, benchmarks/dashboard_latency.py, docs/dashboard.md). With these, most of that
+# garbage is freed by reference counting before a young collection sees it, and no full
+# collection ran in the same runs. Cyclic garbage waits a little longer: a few MB at most.
+SERVING_GC_THRESHOLDS = (50_000, 20, 20)
+
+
+def set_serving_gc_thresholds() -> None:
+    gc.set_threshold(*SERVING_GC_THRESHOLDS)
+
+
 def install_gc_pause_log(process: str) -> bool:
     """Log collections longer than the threshold (no-op without PAGEDSERVE_LOG_PAUSES_MS)."""
     threshold = pause_threshold_s()

@@ -130,6 +130,57 @@ def test_a_reader_at_the_feeds_interval_gets_a_new_snapshot_every_tick(monkeypat
     assert asyncio.run(main()) == [1, 2, 3, 4, 5, 6]
 
 
+def test_a_reader_that_holds_the_latest_waits_for_the_next_instead_of_skipping(monkeypatch):
+    """A tick late by 0.3 s (a busy event loop) and the next one on time, 0.2 s later: the feed
+    may not take a new snapshot for another 0.025 s (interval 0.25, 10% slack). The reader that
+    says which version it holds waits that long and gets a new one; one that does not, as before,
+    gets the same snapshot again (its frame was skipped: every such tick cost the page a frame)."""
+    from pagedserve.dashboard import feed as feed_mod
+    clock = [100.0]
+    monkeypatch.setattr(feed_mod.time, "monotonic", lambda: clock[0])
+
+    async def fake_sleep(d):
+        clock[0] += d
+    monkeypatch.setattr(feed_mod.asyncio, "sleep", fake_sleep)
+
+    async def take():
+        return {"snapshot_s": 0.001}
+
+    async def main():
+        feed = ThrottledSnapshot(take, min_interval=0.25)
+        assert (await feed.get())["version"] == 1
+        clock[0] = 100.8   # late
+        assert (await feed.get(newer_than=1, wait_up_to=0.5))["version"] == 2
+        clock[0] = 101.0   # on time, 0.2 s later
+        assert (await feed.get())["version"] == 2  # no version held: the latest, fresh enough
+        assert (await feed.get(newer_than=2, wait_up_to=0.01))["version"] == 2  # none before the next tick
+        new = await feed.get(newer_than=2, wait_up_to=0.5)
+        assert new["version"] == 3 and clock[0] == pytest.approx(100.8 + 0.225)
+    asyncio.run(main())
+
+
+def test_one_slow_snapshot_slows_the_feed_for_a_while_not_for_its_whole_cost():
+    """The budget weighs a running average of the cost: a 100 ms snapshot among 5 ms ones (the
+    host busy elsewhere) spaces the next ones ~1.4 s apart, not 5 s, and 0.5 s again after 6."""
+    costs = iter([0.005] * 3 + [0.1] + [0.005] * 6)
+
+    async def take():
+        return {"snapshot_s": next(costs)}
+
+    async def main():
+        feed = ThrottledSnapshot(take, min_interval=0)
+        intervals = []
+        for _ in range(10):
+            feed._taken_at = float("-inf")  # due every time: only the interval it leaves counts
+            await feed.get()
+            intervals.append(feed.interval)
+        return intervals
+    intervals = asyncio.run(main())
+    assert intervals[:3] == [pytest.approx(0.25)] * 3
+    assert intervals[3] == pytest.approx((0.005 + 0.25 * 0.095) / 0.02) and intervals[3] < 1.5
+    assert intervals[-1] <= 0.5 and intervals == sorted(intervals[:4]) + sorted(intervals[4:], reverse=True)
+
+
 def test_stream_sends_full_then_diff_frames():
     sched, driver = _busy_scheduler()
 

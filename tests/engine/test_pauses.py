@@ -21,6 +21,20 @@ def test_freeze_moves_live_objects_out_of_collection():
         gc.unfreeze()
 
 
+def test_serving_thresholds_leave_young_objects_to_reference_counting():
+    """With CPython's 700 a young collection runs (and promotes what is alive) long before 10,000
+    new container objects exist; with the serving thresholds none does."""
+    before = gc.get_threshold()
+    try:
+        pauses.set_serving_gc_thresholds()
+        assert gc.get_threshold() == pauses.SERVING_GC_THRESHOLDS
+        gc.collect()
+        keep = [[] for _ in range(10_000)]
+        assert gc.get_count()[0] >= len(keep)
+    finally:
+        gc.set_threshold(*before)
+
+
 def test_threshold_parsing(monkeypatch):
     monkeypatch.delenv(pauses.LOG_PAUSES_ENV, raising=False)
     assert pauses.pause_threshold_s() is None

@@ -25,7 +25,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
-from pagedserve.engine.pauses import freeze_startup_heap, install_gc_pause_log, watch_event_loop
+from pagedserve.engine.pauses import (freeze_startup_heap, install_gc_pause_log, set_serving_gc_thresholds,
+                                      watch_event_loop)
 from pagedserve.entrypoints.openai.dashboard import dashboard_router
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                     CompletionRequest, CompletionResponse,
@@ -290,6 +291,7 @@ def run_server_cli(args: Any) -> int:
 
     engine.on_core_death = exit_soon
     freeze_startup_heap()  # see engine/pauses.py: no full collection walks the start-up heap mid-serving
+    set_serving_gc_thresholds()  # and young collections come rarely enough not to promote every stream
     install_gc_pause_log("api server")
     logger.info("serving %s on http://%s:%d/v1%s", name, args.host, args.port,
                 " (API key required)" if api_key else "")

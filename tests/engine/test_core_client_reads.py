@@ -1,0 +1,188 @@
+"""How the API server reads the core's messages (MPCoreClient.get_output_async) and how the core
+sends utility answers: answers never wait behind token outputs queued before them, each
+request's outputs keep their order, and a backlog lets the event loop turn.
+
+The client runs over its real sockets against a puppet core (it sends Ready and otherwise only
+waits for Shutdown); the test pushes the core's messages itself, so what is queued when is exact.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import zmq
+
+from pagedserve.config import EngineConfig
+from pagedserve.engine import core_client
+from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.engine.core_client import MPCoreClient
+from pagedserve.engine.core_messages import (Codec, CompletionDelta, RequestDelta, StepOutputs,
+                                             StepOutputsHead, UtilityResult)
+from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+
+PUPPET = """
+import sys, zmq
+from pagedserve.engine.core_messages import Codec, Ready, Shutdown
+a = sys.argv[1:]
+ctx = zmq.Context()
+inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+inp.connect(a[a.index("--input") + 1])
+out.connect(a[a.index("--output") + 1])
+codec = Codec()
+out.send(codec.encode(Ready(0, 64, 100, 8, 0, 16, 8, [2])))
+while not any(isinstance(op, Shutdown) for op in codec.inputs.decode(inp.recv()).ops):
+    pass
+"""
+CODEC = Codec()
+DELTA = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.DELTA)
+
+
+@pytest.fixture
+def client(monkeypatch):
+    root = str(Path(__file__).resolve().parents[2])
+    monkeypatch.setenv("PYTHONPATH", root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    c = MPCoreClient(EngineConfig(), ready_timeout_s=60, core_cmd=[sys.executable, "-c", PUPPET])
+    push = c._ctx.socket(zmq.PUSH)
+    push.connect(f"ipc://{c._dir}/outputs")  # the test speaks for the core
+    yield c, push
+    push.close(linger=0)
+    c.shutdown()
+
+
+def tokens(*pairs: tuple[str, int], reply: UtilityResult | None = None) -> bytes:
+    outs = [RequestDelta(rid, [CompletionDelta(0, "", [tok], None, None)], False) for rid, tok in pairs]
+    return CODEC.encode(StepOutputs(outputs=outs, utility_results=[reply] if reply else []))
+
+
+def read_ahead(c: MPCoreClient, n: int) -> None:
+    """Read (as get_output_async does first) until n messages are in, so what is queued is exact."""
+    while len(c._read_ahead) < n:
+        c._output.poll(5000)
+        c._read_waiting()
+
+
+async def added(c: MPCoreClient, push, rids: str) -> None:
+    adds = [asyncio.ensure_future(c.add_request_async(r, [1], DELTA, 0.0)) for r in rids]
+    await asyncio.sleep(0)
+    push.send(CODEC.encode(StepOutputs(added=list(rids))))
+    assert (await c.get_output_async()).outputs == []
+    await asyncio.gather(*adds)
+
+
+def test_the_head_reads_a_step_message_field_for_field():
+    assert StepOutputsHead.__struct_fields__ == StepOutputs.__struct_fields__
+    msg = StepOutputs(outputs=[RequestDelta("r", [CompletionDelta(0, "x", [5], -0.5, None)], True, {"t": 1.0})],
+                      added=["r"], rejected=[("q", "bad")], utility_results=[UtilityResult(3, {"a": [1]})],
+                      failed=["z"], step_error="boom")
+    head = CODEC.step_head.decode(CODEC.encode(msg))
+    assert CODEC.step_outputs.decode(head.outputs) == msg.outputs
+    assert [getattr(head, f) for f in StepOutputs.__struct_fields__[1:]] == \
+        [getattr(msg, f) for f in StepOutputs.__struct_fields__[1:]]
+
+
+def test_a_reply_queued_behind_token_outputs_is_answered_before_any_of_them(client):
+    c, push = client
+
+    async def main():
+        await added(c, push, "ab")
+        reply = asyncio.ensure_future(c.call_utility_async("get_kv_cache_state"))
+        await asyncio.sleep(0)
+        assert not c._read_ahead
+        push.send(tokens(("a", 1), ("b", 1)))
+        push.send(tokens(("b", 2), ("a", 2), reply=UtilityResult(0, {"version": 7})))
+        push.send(tokens(("a", 3), ("b", 3)))
+        read_ahead(c, 3)
+        assert c._utility[0].result() == {"version": 7}  # answered; no output handed out yet
+        seen = {"a": [], "b": []}
+        for _ in range(3):
+            for o in (await c.get_output_async()).outputs:
+                seen[o.request_id] += o.outputs[0].token_ids
+        assert seen == {"a": [1, 2, 3], "b": [1, 2, 3]}  # each request's order as the core sent it
+        assert await reply == {"version": 7}
+    asyncio.run(main())
+
+
+def test_the_reply_in_a_message_is_resolved_before_its_outputs_reach_the_streams(client):
+    c, push = client
+
+    async def main():
+        engine = AsyncLLMEngine(c, None)
+        engine.start()
+        streams = await asyncio.gather(*(engine.add_request(r, [1], DELTA) for r in "ab"), answer(c, push))
+        reply = asyncio.ensure_future(engine.get_kv_cache_state())
+        await asyncio.sleep(0)
+        seen_done = []
+        for st in engine._requests.values():
+            put = st.queue.put_nowait
+            st.queue.put_nowait = lambda item, put=put: (seen_done.append(c._utility[0].done()), put(item))
+        push.send(tokens(*[(r, t) for t in range(1, 6) for r in "ab"], reply=UtilityResult(0, {"v": 1})))
+        assert await reply == {"v": 1}
+        got = [[(await s.__anext__()).outputs[0].token_ids[0] for _ in range(5)] for s in streams[:2]]
+        assert seen_done == [True] * 10 and got == [[1, 2, 3, 4, 5]] * 2
+        await engine.shutdown()
+
+    async def answer(c, push):
+        while len(c._adds) < 2:
+            await asyncio.sleep(0.001)
+        push.send(CODEC.encode(StepOutputs(added=["a", "b"])))
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("slice_s, turns", [(0.0, True), (3600.0, False)])
+def test_a_backlog_lets_the_loop_turn_every_slice(client, monkeypatch, slice_s, turns):
+    """Messages read ahead are handed out without suspending (batching keeps the server's CPU
+    per token low) until DISPATCH_SLICE_S has passed since the loop last turned."""
+    c, push = client
+    monkeypatch.setattr(core_client, "DISPATCH_SLICE_S", slice_s)
+
+    async def main():
+        await added(c, push, "a")
+        for t in range(3):
+            push.send(tokens(("a", t)))
+        read_ahead(c, 3)
+        ran = []
+        asyncio.get_running_loop().call_soon(ran.append, 1)
+        await c.get_output_async()
+        await c.get_output_async()
+        return bool(ran)
+    assert asyncio.run(main()) is turns
+
+
+class CoreSockets:
+    """The core's two sockets: input messages handed out in turn (then Shutdown, once the core
+    would block for more), every output message kept."""
+
+    class Frame:
+        def __init__(self, data: bytes) -> None:
+            self.buffer = data
+
+    def __init__(self, inputs: list) -> None:
+        from pagedserve.engine.core_messages import CoreInputs, Shutdown
+        self.inputs = [CODEC.encode(m) for m in inputs] + [CODEC.encode(CoreInputs([Shutdown()]))]
+        self.sent: list[StepOutputs] = []
+
+    def recv(self, flags: int = 0, copy: bool = True):
+        if flags and len(self.inputs) <= 1:  # a non-blocking read finds nothing until it would block
+            raise zmq.Again()
+        return self.Frame(self.inputs.pop(0))
+
+    def send(self, data: bytes, copy: bool = True) -> None:
+        self.sent.append(CODEC.step.decode(data))
+
+
+def test_the_core_sends_a_utility_answer_before_running_the_step():
+    from pagedserve.benchmark.modelless_core import ModelLessEngine
+    from pagedserve.engine.core import EngineCore
+    from pagedserve.engine.core_messages import AddRequest, CoreInputs, UtilityCall
+    sockets = CoreSockets([CoreInputs([AddRequest("r", [1, 2, 3], DELTA, 0.0),
+                                       UtilityCall(0, "get_kv_cache_stats", [False])])])
+    core = EngineCore(None, engine=ModelLessEngine(num_blocks=16, max_num_seqs=4, step_s=0.0))
+    core.run_busy_loop(sockets, sockets)
+    first, second = sockets.sent[0], sockets.sent[1]
+    assert [r.call_id for r in first.utility_results] == [0] and first.outputs == [] and first.added == []
+    assert second.utility_results == [] and second.added == ["r"]
+    assert [o.request_id for o in second.outputs] == ["r"]
+    assert sum(len(o.outputs[0].token_ids) for m in sockets.sent for o in m.outputs) == DELTA.max_tokens
