@@ -62,7 +62,7 @@ def run_core(args, rest: list[str]) -> None:
     args = mc.parse_args(["--step-ms", str(args.step_ms), "--num-blocks", str(args.num_blocks),
                           "--max-num-seqs", str(args.max_num_seqs), *rest])
     engine = mc.make_engine(args)
-    mc.serve(engine, args.input, args.output, wrap_output=instrument_core(engine))
+    mc.serve(engine, args.input, args.output, args.parent_pid, wrap_output=instrument_core(engine))
 
 
 def run_server(args) -> None:
@@ -150,6 +150,10 @@ def main() -> int:
             r = one_run(args, tree)
             runs[name].append(r)
             print(name, json.dumps({k: v for k, v in r.items() if k != "breakdown_ms"}), flush=True)
+
+    if any("total" not in r["breakdown_ms"] for rs in runs.values() for r in rs):
+        raise SystemExit("a round ended before the viewer timed any frame: give it more work "
+                         "(--num-requests, --output-len or --step-ms)")
 
     def med(rs: list[dict], f) -> float:
         return round(statistics.median(f(r) for r in rs), 3)

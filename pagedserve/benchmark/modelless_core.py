@@ -12,7 +12,6 @@ No torch: nothing here (nor in the core's loop) imports it.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Any
@@ -119,35 +118,12 @@ class ModelLessEngine:
         pass
 
 
-def serve(engine: ModelLessEngine, input_address: str, output_address: str,
-          wrap_output: Any = None) -> None:
-    """Ready, then EngineCore.run_busy_loop until Shutdown (run_engine_core without start-up)."""
-    import threading
-
-    import zmq
-
-    from pagedserve.engine.core import EngineCore, _exit_when_orphaned
-    from pagedserve.engine.pauses import freeze_startup_heap
-    from pagedserve.engine.core_messages import Codec, Ready
-    # As a real core: gone within a second of its API server.
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(),), daemon=True).start()
-    ctx = zmq.Context()
-    inp = ctx.socket(zmq.PULL)
-    inp.connect(input_address)
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.SNDHWM, 0)
-    out.connect(output_address)
-    core = EngineCore(None, engine=engine)
-    cc, sc = engine.cache_config, engine.scheduler_config
-    out.send(Codec().encode(Ready(os.getpid(), engine.max_model_len, engine.vocab_size, cc.num_gpu_blocks,
-                                  cc.num_cpu_blocks, cc.block_size, sc.max_num_seqs, [EOS])))
-    freeze_startup_heap()  # as run_engine_core does
-    try:
-        core.run_busy_loop(inp, wrap_output(out) if wrap_output else out)
-    finally:
-        inp.close(linger=0)
-        out.close(linger=1000)
-        ctx.term()
+def serve(engine: ModelLessEngine, input_address: str, output_address: str, parent_pid: int,
+          wrap_output: Any = None) -> int:
+    """The real core process's start-up and busy loop (run_engine_core) around this engine."""
+    from pagedserve.engine.core import run_engine_core
+    return run_engine_core(None, input_address, output_address, parent_pid, engine=engine,
+                           wrap_output=wrap_output)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -171,5 +147,4 @@ def make_engine(args: argparse.Namespace) -> ModelLessEngine:
 
 if __name__ == "__main__":
     a = parse_args()
-    serve(make_engine(a), a.input, a.output)
-    sys.exit(0)
+    sys.exit(serve(make_engine(a), a.input, a.output, a.parent_pid))

@@ -229,9 +229,13 @@ def _exit_when_orphaned(parent_pid: int) -> None:
             os._exit(1)
 
 
-def run_engine_core(config: EngineConfig, input_address: str, output_address: str,
-                    parent_pid: int) -> int:
-    """Process entry point: start up, send Ready (or StartupFailed), serve until Shutdown."""
+def run_engine_core(config: EngineConfig | None, input_address: str, output_address: str,
+                    parent_pid: int, engine: Any | None = None,
+                    wrap_output: Callable[[Any], Any] | None = None) -> int:
+    """Process entry point: start up, send Ready (or StartupFailed), serve until Shutdown.
+    engine: an engine already built instead of an LLMEngine from config (a benchmark's model-less
+    one, pagedserve/benchmark/modelless_core.py); wrap_output: wraps the output socket the busy
+    loop sends on (a benchmark's instrumentation)."""
     import zmq
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
                      name="pagedserve-parent-watch").start()
@@ -247,7 +251,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     codec = Codec()
     try:
         # Text, stop strings and output shapes are the API server's (engine/text_output.py).
-        core = EngineCore(config, detokenize=False, serving=True)
+        core = EngineCore(config, engine=engine, detokenize=False, serving=True)
     except BaseException as e:
         # Bad settings are the user's to fix (one line); anything else needs the traceback.
         logger.error("engine core failed to start: %s",
@@ -262,7 +266,7 @@ def run_engine_core(config: EngineConfig, input_address: str, output_address: st
     logger.info("froze %d start-up objects out of the garbage collector", frozen)
     out.send(codec.encode(core.ready_message()))
     try:
-        core.run_busy_loop(inp, out)
+        core.run_busy_loop(inp, wrap_output(out) if wrap_output else out)
     finally:
         core.shutdown()
         inp.close(linger=0)
