@@ -108,12 +108,7 @@ class TokenApplication:
                 rows.append(SampleRow(i, p, seq.prompt_token_ids, seq.output_token_ids, gen, suppress))
                 targets.append((s, j))
         if rows:
-            timer = self.step_timer
-            timer.mark("postprocess")
-            drawn = self.sampler.sample_device(logits, rows)
-            timer.launch_end()
-            result = drawn.to_host()
-            timer.mark("sample")
+            result = self._draw(lambda: self.sampler.sample_device(logits, rows))
             forks: dict[int, Sequence] = {}
             # Fork first: children copy the parent's tokens before the parent appends its own.
             for r, (s, j) in enumerate(targets):
@@ -135,14 +130,20 @@ class TokenApplication:
         if beam_rows:
             self._beams.step(logits, beam_rows)
 
-    def _process_plain_samples(self, logits: torch.Tensor, sampled: list, temps: list[float]) -> None:
-        """Every row needs only its temperature (no seeds, filters, penalties, logprobs, forks)."""
+    def _draw(self, launch):
+        """Launch a synchronous step's sampling, then wait for its tokens on the host; the step
+        timer splits the wait from the launch."""
         timer = self.step_timer
         timer.mark("postprocess")
-        drawn = self.sampler.sample_plain_device(logits, temps)
+        drawn = launch()
         timer.launch_end()
         result = drawn.to_host()
         timer.mark("sample")
+        return result
+
+    def _process_plain_samples(self, logits: torch.Tensor, sampled: list, temps: list[float]) -> None:
+        """Every row needs only its temperature (no seeds, filters, penalties, logprobs, forks)."""
+        result = self._draw(lambda: self.sampler.sample_plain_device(logits, temps))
         if self.output_processor.tokenizer is None:
             free = self.scheduler.free_seq
             for seq, status in self.output_processor.append_plain_tokens(sampled, result.token_ids,
