@@ -120,9 +120,7 @@ class ContiguousKVCacheManager:
 
     def enable_table_log(self) -> TableChangeLog:
         """Record every new and freed reservation from now on (a run never changes in between)."""
-        self.table_log = TableChangeLog()
-        for sid in self._runs:
-            self.table_log.replaced(sid)
+        self.table_log = TableChangeLog(self._runs)
         return self.table_log
 
     def table_ids(self, seq_id: int) -> list[int]:

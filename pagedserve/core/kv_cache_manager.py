@@ -75,9 +75,7 @@ class KVCacheManager:
 
     def enable_table_log(self) -> TableChangeLog:
         """Record every change to a device table from now on (tables that exist count as new)."""
-        self.table_log = TableChangeLog()
-        for sid in self._block_ids:
-            self.table_log.replaced(sid)
+        self.table_log = TableChangeLog(self._block_ids)
         return self.table_log
 
     def table_ids(self, seq_id: int) -> list[int]:

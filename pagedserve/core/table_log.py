@@ -17,7 +17,7 @@ Plain data and no torch: the core stays testable in microseconds.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Iterable
 
 
 @dataclass
@@ -31,8 +31,10 @@ class TableChanges:
 
 
 class TableChangeLog:
-    def __init__(self) -> None:
-        self._first: dict[int, int] = {}   # seq_id -> first entry changed since the last drain
+    def __init__(self, existing: Iterable[int] = ()) -> None:
+        """existing: the seq ids that already have device tables; they count as new (replaced)."""
+        # seq_id -> first entry changed since the last drain
+        self._first: dict[int, int] = dict.fromkeys(existing, 0)
         self._removed: set[int] = set()
 
     def changed(self, seq_id: int, index: int) -> None:
