@@ -73,3 +73,20 @@ def assert_no_leak(llm: LLM) -> None:
     assert stats.num_blocks_used == 0, stats
     assert stats.num_swapped_blocks == 0, stats
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def add_fork_beam_mix(engine, ids: list[list[int]], max_tokens: int, fork_seed: int | None = None) -> None:
+    """A mix that shares and swaps blocks in a small cache: "fork" (n=3), "beam" (width 3) and
+    six seeded sampled requests "r0".."r5" of max_tokens each."""
+    from pagedserve import BeamSearchParams, SamplingParams
+    long = SamplingParams(temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=1)
+    engine.add_request("fork", {"prompt_token_ids": ids[1]},
+                       SamplingParams(n=3, temperature=1.0, max_tokens=max_tokens, ignore_eos=True, seed=fork_seed))
+    engine.add_beam_search_request("beam", {"prompt_token_ids": ids[0]},
+                                   BeamSearchParams(beam_width=3, max_tokens=max_tokens, ignore_eos=True))
+    for i, p in enumerate(ids[2:8]):
+        engine.add_request(f"r{i}", {"prompt_token_ids": p}, long)
+
+
+def fork_is_forked(engine) -> bool:
+    return engine.has_request("fork") and len(engine._groups["fork"].seqs) == 3

@@ -3,7 +3,7 @@ import pytest
 
 from pagedserve import LLM, BeamSearchParams, SamplingParams
 
-from .helpers import assert_no_leak, make_llm, prompt_ids
+from .helpers import add_fork_beam_mix, assert_no_leak, fork_is_forked, make_llm, prompt_ids
 
 
 @pytest.fixture(scope="module")
@@ -16,18 +16,12 @@ def test_abort_mid_flight_forked_beam_and_swapped(model_dir):
     # Small cache: the mix below is forced into swap preemption while it runs.
     llm = make_llm(model_dir, block_size=4, num_gpu_blocks_override=48, swap_space=0.05, preemption_mode="swap")
     engine = llm.llm_engine
-    long = SamplingParams(temperature=1.0, max_tokens=60, ignore_eos=True, seed=1)
-    engine.add_request("fork", {"prompt_token_ids": ids[1]}, SamplingParams(n=3, temperature=1.0, max_tokens=60,
-                                                                            ignore_eos=True))
-    engine.add_beam_search_request("beam", {"prompt_token_ids": ids[0]},
-                                   BeamSearchParams(beam_width=3, max_tokens=60, ignore_eos=True))
-    for i, p in enumerate(ids[2:8]):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, long)
+    add_fork_beam_mix(engine, ids, max_tokens=60)
     saw_swapped = saw_forked = False
     for _ in range(40):
         engine.step()
         saw_swapped |= engine.scheduler.num_swapped > 0
-        saw_forked |= engine.has_request("fork") and len(engine._groups["fork"].seqs) == 3
+        saw_forked |= fork_is_forked(engine)
         if saw_swapped and saw_forked and engine.scheduler.num_swapped > 0:
             break
     assert saw_forked and saw_swapped

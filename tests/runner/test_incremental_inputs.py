@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 import torch
 
-from pagedserve import BeamSearchParams, SamplingParams
+from pagedserve import SamplingParams
 from pagedserve.runner.batch import host_batch
 from pagedserve.runner.model_runner import INCREMENTAL_ENV
 from pagedserve.runner.request_state import DeviceRequestState
 
-from engine.helpers import assert_no_leak, make_llm, prompt_ids
+from engine.helpers import add_fork_beam_mix, assert_no_leak, fork_is_forked, make_llm, prompt_ids
 
 
 class StateChecker:
@@ -146,18 +146,12 @@ def test_state_with_forks_beams_swaps_and_aborts(model_dir, monkeypatch, async_s
     checker = StateChecker(llm, monkeypatch)
     engine = llm.llm_engine
     ids = prompt_ids(model_dir)
-    long = SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=1)
-    engine.add_request("fork", {"prompt_token_ids": ids[1]},
-                       SamplingParams(n=3, temperature=1.0, max_tokens=40, ignore_eos=True, seed=2))
-    engine.add_beam_search_request("beam", {"prompt_token_ids": ids[0]},
-                                   BeamSearchParams(beam_width=3, max_tokens=40, ignore_eos=True))
-    for i, p in enumerate(ids[2:8]):
-        engine.add_request(f"r{i}", {"prompt_token_ids": p}, long)
+    add_fork_beam_mix(engine, ids, max_tokens=40, fork_seed=2)
     saw_swapped = saw_forked = False
     for step in range(200):
         engine.step()
         saw_swapped |= engine.scheduler.num_swapped > 0
-        saw_forked |= engine.has_request("fork") and len(engine._groups["fork"].seqs) == 3
+        saw_forked |= fork_is_forked(engine)
         if step == 25:
             engine.abort_request(["r1", "r4"])
         if not engine.has_unfinished_requests():
