@@ -111,6 +111,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prompt-len", default="100,400", help="lo,hi: uniform prompt lengths")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="TP ranks; the profile is rank 0's (this process), whose collectives wait for the others")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="overlapped steps (the engine's default); --no-async-scheduling: synchronous steps")
     ap.add_argument("--output", default=None,
@@ -120,7 +122,10 @@ def main() -> None:
     git_commit()  # refuse before measuring, not after
     if args.output is None:
         name = "profile_decode.json" if args.async_scheduling else "profile_decode_sync.json"
-        args.output = str(ROOT / "benchmarks/results/h200" / name)
+        if args.tensor_parallel_size > 1:
+            name = name.replace(".json", f"_tp{args.tensor_parallel_size}.json")
+        folder = "h200" if args.tensor_parallel_size == 1 else f"h200x{args.tensor_parallel_size}"
+        args.output = str(ROOT / "benchmarks/results" / folder / name)
     if not torch.cuda.is_available():
         raise SystemExit("profile_decode.py profiles CUDA kernels and needs a CUDA GPU; torch.cuda.is_available() "
                          "is False here")
@@ -128,13 +133,16 @@ def main() -> None:
     engine = LLMEngine(make_engine_config(
         args.model, device="cuda", dtype=args.dtype, load_format=args.load_format, max_num_seqs=args.num_seqs,
         skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=True,
-        async_scheduling=args.async_scheduling))
+        async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size))
     n = args.num_seqs
     ramp = fill_decode_batch(engine, n, tuple(int(x) for x in args.prompt_len.split(",")), temperature=0.0)
     saved = os.environ.get("PAGEDSERVE_FUSED")
     results = {}
+    # The other ranks are processes of their own that read PAGEDSERVE_FUSED once, at spawn: at TP > 1
+    # only the fused mode (the default) is profiled, so every rank runs the same kernels.
+    modes = MODES if args.tensor_parallel_size == 1 else {"fused": MODES["fused"]}
     try:
-        for mode, flag in MODES.items():
+        for mode, flag in modes.items():
             os.environ["PAGEDSERVE_FUSED"] = flag
             fused.reset()
             active = fused.fused_ops(engine.device) is not None
@@ -151,13 +159,15 @@ def main() -> None:
         else:
             os.environ["PAGEDSERVE_FUSED"] = saved
         fused.reset()
-    f, t = results["fused"], results["torch"]
-    ratios = {"kernels_fused_over_torch": round(f["kernels_per_step"] / t["kernels_per_step"], 4),
-              "kernel_time_fused_over_torch": round(f["kernel_ms_per_step"] / t["kernel_ms_per_step"], 4)}
+    ratios = {}
+    if "torch" in results:
+        f, t = results["fused"], results["torch"]
+        ratios = {"kernels_fused_over_torch": round(f["kernels_per_step"] / t["kernels_per_step"], 4),
+                  "kernel_time_fused_over_torch": round(f["kernel_ms_per_step"] / t["kernel_ms_per_step"], 4)}
     config = {"model": args.model, "load_format": args.load_format, "dtype": str(engine.dtype), "num_seqs": n,
               "prompt_len": args.prompt_len, "max_model_len": engine.max_model_len, "enforce_eager": True,
               "steps": args.steps, "warmup": args.warmup, "ramp_steps": ramp, "temperature": 0.0,
-              "async_scheduling": engine.async_scheduling,
+              "async_scheduling": engine.async_scheduling, "tensor_parallel_size": args.tensor_parallel_size,
               "note": "one engine; modes run one after the other, so contexts grow by a few tokens between them"}
     command = "python benchmarks/profile_decode.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     write_result(args.output, "profile_decode", command, config, results, {}, ratios, _table(results, command),
