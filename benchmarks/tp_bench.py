@@ -200,9 +200,12 @@ def merge(paths: list[str], out: str) -> None:
     commits = sorted({d["config"].get("commit", d.get("commit")) for d in docs})
     if len(commits) > 1:
         raise SystemExit(f"refusing to merge runs of different commits: {commits}")
-    results, ratios, config = {}, {}, {"merged_from": [d["command"] for d in docs], "commit": commits[0]}
+    # A tp.partial.json (a run cut off before its tp.json) has no command line of its own.
+    merged_from = [d.get("command", f"{p} (the tp.partial.json of a run that ended before writing tp.json)")
+                   for p, d in zip(paths, docs)]
+    results, ratios, config = {}, {}, {"merged_from": merged_from, "commit": commits[0]}
     for d in docs:
-        errors = {**results.get("errors", {}), **d["results"].get("errors", {})}
+        errors = {**results.get("errors", {}), **d.get("errors", {}), **d["results"].get("errors", {})}
         for key, value in d["results"].items():
             results[key] = {**results.get(key, {}), **value} if key.startswith("fixed256_") else value
         if errors:
@@ -211,9 +214,10 @@ def merge(paths: list[str], out: str) -> None:
         for k, v in d["config"].items():
             config.setdefault(k, v)
     ratios.update(throughput_ratios(results))
-    os.environ["PAGEDSERVE_COMMIT"] = commits[0]  # the runs' commit, not the one merging them
+    # The runs' device and commit, not the merging machine's (a partial file names no device).
+    device = next((d["device"] for d in docs if d.get("device")), None)
     doc = write_result(out, "tp", "python benchmarks/tp_bench.py --merge " + " ".join(paths), config, results, {},
-                       ratios)
+                       ratios, device=device, measured_commit=commits[0])
     print(json.dumps(doc["ratios"], indent=2))
 
 
