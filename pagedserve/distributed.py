@@ -16,6 +16,8 @@ class TPGroup:
     rank: int = 0
     size: int = 1
     group: object = None  # a torch.distributed ProcessGroup when size > 1
+    # Optional faster path for the messages it fits (runner/symm_allreduce.py); None: all go to `group`.
+    fast_all_reduce: object = None
 
 
 _TP_GROUP = TPGroup()
@@ -50,6 +52,9 @@ def all_reduce(x: torch.Tensor, tp_size: int | None = None) -> torch.Tensor:
     g = get_tp_group()
     if (tp_size if tp_size is not None else g.size) == 1:
         return x
+    fast = g.fast_all_reduce
+    if fast is not None and fast.fits(x):
+        return fast(x)
     import torch.distributed as dist
     try:
         dist.all_reduce(x, group=g.group)

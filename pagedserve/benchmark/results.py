@@ -31,7 +31,8 @@ STAMP_NAME = "_build_commit.json"
 RESULT_KEYS = ("benchmark", "device", "commit", "date", "command", "switches", "versions", "config",
                "results", "baselines", "ratios")
 # Environment switches that change which kernels run (layers/fused.py, attention/backend.py).
-ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_ATTENTION", "PAGEDSERVE_INCREMENTAL_INPUTS")
+ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_ATTENTION", "PAGEDSERVE_INCREMENTAL_INPUTS",
+                "PAGEDSERVE_TP_ALLREDUCE")
 # EngineConfig fields that switch engine behaviour, and the batch limits (their defaults follow the
 # device); absent fields are skipped.
 ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",

@@ -90,6 +90,12 @@ class Worker:
         """Build the compute group and this rank's ModelRunner (load_model then reads only its slices)."""
         init_compute(self.groups, config.device, self.trace)
         if self.trace is not None:
+            self.trace.step("fast all-reduce")
+        from pagedserve.distributed import get_tp_group
+        from pagedserve.runner.symm_allreduce import install
+        get_tp_group().fast_all_reduce = install(self.groups.compute, self.rank, self.groups.env.world_size,
+                                                 self.groups.device, dtype)
+        if self.trace is not None:
             self.trace.step("build runner")
         factory = _resolve(runner_factory or DEFAULT_RUNNER)
         self.runner = factory(config, hf_config, self.groups.device, dtype)
