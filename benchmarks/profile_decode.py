@@ -43,6 +43,9 @@ def _kernel_table(prof, steps: int, top: int) -> dict:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             per_name[e.name][0] += 1
             per_name[e.name][1] += e.time_range.elapsed_us()
+    # "nccl:all_reduce" and the like are c10d's ranges on the device timeline, spanning the NCCL
+    # kernel that is counted already: left out, or every collective counts twice.
+    per_name = {k: v for k, v in per_name.items() if not k.startswith("nccl:")}
     kernels = {k: v for k, v in per_name.items() if not k.startswith(("Memcpy", "Memset"))}
     copies = {k: v for k, v in per_name.items() if k not in kernels}
     total_us = sum(t for _, t in kernels.values())
