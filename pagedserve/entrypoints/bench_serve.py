@@ -42,6 +42,7 @@ class RequestResult:
     latency: float = 0.0
     itl: list[float] = field(default_factory=list)
     error: str | None = None
+    sent_at: float | None = None  # seconds after the run's start (its client process's) it was sent
 
     @property
     def tpot(self) -> float | None:
@@ -100,6 +101,33 @@ def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
     return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}}
 
 
+def backlog_throughput(results: list[RequestResult]) -> dict[str, float] | None:
+    """Output tokens per second from the run's start until the last request got its first token.
+
+    Until then some request was still waiting, so the servers had a backlog: with every request
+    sent at t=0 this is the saturated rate, without the drain at the end (the last batches
+    shrinking), which weighs more the shorter the run is. Chunks are counted as output_len /
+    chunks tokens each. None without first tokens or send times."""
+    ok = [r for r in results if r.error is None and r.ttft is not None and r.sent_at is not None]
+    if not ok:
+        return None
+    window = max(r.sent_at + r.ttft for r in ok)
+    if window <= 0:
+        return None
+    tokens = 0.0
+    for r in ok:
+        per_chunk = r.output_len / (1 + len(r.itl))
+        t = r.sent_at + r.ttft
+        n = 1 if t <= window else 0
+        for gap in r.itl:
+            t += gap
+            if t > window:
+                break
+            n += 1
+        tokens += n * per_chunk
+    return {"window_s": window, "output_throughput": tokens / window}
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_len for r in ok)
@@ -117,6 +145,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
         "itl_ms": _stats([x for r in ok for x in r.itl]),
         "e2e_latency_ms": _stats([r.latency for r in ok]),
+        "backlog": backlog_throughput(ok),
     }
 
 
@@ -182,12 +211,18 @@ async def _send_all(base_url: str, requests: list[WorkloadRequest], model: str,
                file=sys.stderr)
     async with httpx.AsyncClient(timeout=httpx.Timeout(timeout), limits=limits) as client:
 
+        async def send(req: WorkloadRequest) -> RequestResult:
+            sent_at = time.perf_counter() - start
+            res = await send_request(client, base_url, model, req, headers, temperature)
+            res.sent_at = sent_at
+            return res
+
         async def one(req: WorkloadRequest) -> RequestResult:
             try:
                 if sem is None:
-                    return await send_request(client, base_url, model, req, headers, temperature)
+                    return await send(req)
                 async with sem:
-                    return await send_request(client, base_url, model, req, headers, temperature)
+                    return await send(req)
             finally:
                 bar.update(1)
 
@@ -263,10 +298,13 @@ async def _send_all_processes(base_url: str, requests: list[WorkloadRequest], nu
             if p.is_alive():
                 p.kill()
     results: list[RequestResult | None] = [None] * len(requests)
-    for k, (res, _, _, _) in enumerate(parts):
+    start = min(p[1] for p in parts)
+    for k, (res, own_start, _, _) in enumerate(parts):
+        for r in res:  # send times from the union's start, not each process's own
+            if r.sent_at is not None:
+                r.sent_at += own_start - start
         results[k::num_processes] = res
-    return (results, min(p[1] for p in parts), max(p[2] for p in parts),
-            sum(p[3] for p in parts))
+    return results, start, max(p[2] for p in parts), sum(p[3] for p in parts)
 
 
 async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: str,

@@ -138,3 +138,22 @@ def test_bench_serve_several_client_processes(server, tmp_path, capsys):
     assert res["total_output_tokens"] == sum(w.output_len for w in work)
     assert 0 < res["ttft_ms"]["p50"] <= res["ttft_ms"]["p99"]
     assert res["duration_s"] >= max(r["latency"] for r in res["requests"])
+    # Send times are from the union's start: none before it, the last first token before its end.
+    assert min(r["sent_at"] for r in res["requests"]) >= 0
+    assert max(r["sent_at"] + r["ttft"] for r in res["requests"]) == res["backlog"]["window_s"]
+    assert 0 < res["backlog"]["window_s"] <= res["duration_s"]
+
+
+def test_backlog_throughput_counts_tokens_until_the_last_first_token():
+    from pagedserve.entrypoints.bench_serve import RequestResult, backlog_throughput
+    # A sent at 0, first token at 1 s, then one every second: tokens at 1, 2, 3, 4.
+    a = RequestResult(prompt_len=1, expected_output_len=4, output_len=4, ttft=1.0, itl=[1.0, 1.0, 1.0],
+                      sent_at=0.0)
+    # B sent at 0.5, first token at 3.0 (the last first token): its 1 token there counts, the next does not.
+    b = RequestResult(prompt_len=1, expected_output_len=2, output_len=2, ttft=2.5, itl=[0.5], sent_at=0.5)
+    # C: two tokens per chunk (a relay's burst), chunks at 0.5 and 2.5: 4 tokens by 3.0.
+    c = RequestResult(prompt_len=1, expected_output_len=4, output_len=4, ttft=0.5, itl=[2.0], sent_at=0.0)
+    failed = RequestResult(prompt_len=1, expected_output_len=4, ttft=9.0, sent_at=0.0, error="HTTP 500")
+    got = backlog_throughput([a, b, c, failed])
+    assert got == {"window_s": 3.0, "output_throughput": (3 + 1 + 4) / 3.0}
+    assert backlog_throughput([RequestResult(prompt_len=1, expected_output_len=1, error="x")]) is None
