@@ -215,16 +215,17 @@ class ContiguousKVCacheManager:
     def free_holes(self) -> list[tuple[int, int]]:
         return [(s, n) for s, n in self._holes]
 
-    def block_states(self) -> list[str]:
-        """Each block's state, by block id: free, used (a reservation's blocks up to its known
-        tokens) or reserved (held by a reservation, no token in it yet). O(blocks)."""
-        states = ["free"] * self.num_gpu_blocks
+    def block_states(self) -> str:
+        """Each block's state, by block id, one letter each (core/kv_state.py's STATE_CODES): free,
+        used (a reservation's blocks up to its known tokens) or reserved (held by a reservation, no
+        token in it yet)."""
+        states = bytearray(b"f") * self.num_gpu_blocks
         bs = self.block_size
         for sid, (start, n) in self._runs.items():
             used = min(n, cdiv(self._seqs[sid].num_tokens, bs))
-            states[start:start + used] = ["used"] * used
-            states[start + used:start + n] = ["reserved"] * (n - used)
-        return states
+            states[start:start + used] = b"u" * used
+            states[start + used:start + n] = b"r" * (n - used)
+        return states.decode("ascii")
 
     def cpu_block_states(self) -> tuple[int, dict[int, str]]:
         return 0, {}

@@ -387,11 +387,11 @@ class KVCacheManager:
     def num_cached_free_blocks(self) -> int:
         return self.pool.num_cached_free
 
-    def block_states(self) -> list[str]:
-        """Each device block's state, by block id: free, used (ref 1), shared (ref > 1) or
-        cached (free but holding reusable prefix content). O(blocks): for snapshots only."""
-        return [("shared" if b.ref_cnt > 1 else "used") if b.ref_cnt else
-                ("cached" if b.block_hash is not None else "free") for b in self.pool.blocks]
+    def block_states(self) -> str:
+        """Each device block's state, by block id, one letter each (core/kv_state.py's STATE_CODES):
+        free, used (ref 1), shared (ref > 1) or cached (free but holding reusable prefix content).
+        A copy of what the pool keeps up to date: O(blocks) bytes, no Python loop."""
+        return self.pool.codes.decode("ascii")
 
     def cpu_block_states(self) -> tuple[int, dict[int, str]]:
         """(CPU blocks in all, {block id: used | shared} for the swapped-out ones); every other

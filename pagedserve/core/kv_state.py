@@ -3,7 +3,10 @@
 The snapshot is built from the scheduler and its KV manager and holds only dicts, lists,
 strings and numbers (JSON as is). It costs O(blocks), so callers take it a few times a
 second at most, never per step. Invariants a snapshot satisfies (tests/core check them):
-- len(states) == num_blocks, each one of BLOCK_STATES (contiguous allocators add "reserved");
+- states is a str with one letter per block (STATE_CODES; state_names() spells them out):
+  len(states) == num_blocks, each one of BLOCK_STATES (contiguous allocators add "reserved").
+  One letter rather than a list of names: the snapshot crosses to the API server and on to the
+  page a few times a second, and 65,536 strings cost milliseconds at every hop;
 - cpu_states maps the id (a string, as JSON keys are) of every swapped-out CPU block to used or
   shared; the other num_cpu_blocks CPU blocks are free;
 - a block is "used" or "shared" iff some table of a running request lists it, and "shared"
@@ -16,10 +19,19 @@ import dataclasses
 import time
 from typing import Any
 
+from pagedserve.core import block_pool
 from pagedserve.sequence import SequenceStatus
 
 BLOCK_STATES = ("free", "used", "shared", "cached")
 CONTIGUOUS_STATES = ("free", "used", "reserved")
+STATE_CODES = {"free": chr(block_pool.FREE), "used": chr(block_pool.USED), "shared": chr(block_pool.SHARED),
+               "cached": chr(block_pool.CACHED), "reserved": "r"}
+STATE_NAMES = {c: name for name, c in STATE_CODES.items()}
+
+
+def state_names(states: str) -> list[str]:
+    """A snapshot's states, one name per block (the public JSON's spelling)."""
+    return [STATE_NAMES[c] for c in states]
 
 
 def _seq_entry(mgr: Any, seq: Any) -> dict | None:
@@ -62,7 +74,7 @@ def kv_cache_state(scheduler: Any) -> dict[str, Any]:
                 requests.append({"request_id": g.request_id, "status": status,
                                  "prompt_len": len(g.prompt_token_ids),
                                  "max_tokens": g.sampling_params.max_tokens, "seqs": seqs})
-    if "shared" in states:
+    if STATE_CODES["shared"] in states:
         stats.num_live_tokens = mgr.memory_breakdown().token_states  # shared blocks count once
     else:  # the same number without walking every table: no block is counted twice
         stats.num_live_tokens = sum(s["num_computed_tokens"] for r in requests for s in r["seqs"]

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
-from itertools import compress, count
-from operator import ne
 from typing import AsyncIterator, Awaitable, Callable
 
-from pagedserve.core.kv_state import block_owners
+from pagedserve.core.kv_state import STATE_NAMES, block_owners, state_names
 
 MIN_SNAPSHOT_INTERVAL_S = 0.25
 # Snapshots may take at most this share of the engine thread's time (the dashboard's allowance,
@@ -90,20 +89,27 @@ def public_state(snapshot: dict) -> dict:
     same for each swapped-out CPU block."""
     owners = block_owners(snapshot)
     cpu_owners = block_owners(snapshot, "cpu")
-    out = {k: v for k, v in snapshot.items() if k not in ("states", "cpu_states")}
+    out = {k: v for k, v in snapshot.items() if k not in ("states", "cpu_states", "state_names")}
     out["blocks"] = [{"block": i, "state": s, "owners": owners.get(i, [])}
-                     for i, s in enumerate(snapshot["states"])]
+                     for i, s in enumerate(state_names(snapshot["states"]))]
     # Only the swapped-out CPU blocks: the other num_cpu_blocks are free.
     out["cpu_blocks"] = [{"block": int(i), "state": s, "owners": cpu_owners.get(int(i), [])}
                          for i, s in snapshot["cpu_states"].items()]
     return out
 
 
-def _changes(prev: list[str], cur: list[str]) -> list[list]:
-    """[index, new state] of each cell that changed; the O(blocks) compare runs in C."""
+_CHANGED_RUN = re.compile(rb"[^\x00]+")
+
+
+def _changes(prev: str, cur: str) -> list[list]:
+    """[start, new letters] of each run of changed cells (states are one ASCII letter per block).
+    XOR of the two as integers leaves a zero byte wherever a cell is unchanged, and the regex finds
+    the runs of the others: both in C, so 65,536 cells cost ~0.1 ms instead of a Python loop."""
     if prev == cur:
         return []
-    return [[i, cur[i]] for i in compress(count(), map(ne, prev, cur))]
+    n = len(cur)
+    xor = (int.from_bytes(prev.encode("ascii"), "big") ^ int.from_bytes(cur.encode("ascii"), "big")).to_bytes(n, "big")
+    return [[m.start(), cur[m.start():m.end()]] for m in _CHANGED_RUN.finditer(xor)]
 
 
 def _table_diffs(prev_requests: list[dict], requests: list[dict]) -> list[dict]:
@@ -127,10 +133,12 @@ def _table_diffs(prev_requests: list[dict], requests: list[dict]) -> list[dict]:
 
 
 def make_frame(prev: dict | None, snapshot: dict) -> dict:
-    """One SSE frame: 'full' (every block state and table) when the reader has nothing
-    comparable yet, else 'diff': only the cells that changed since prev and only what each
-    block table grew by (see _table_diffs); counters and the sparse CPU states whole."""
+    """One SSE frame: 'full' (every block state, one letter each, and every table) when the reader
+    has nothing comparable yet, else 'diff': only the runs of cells that changed since prev (see
+    _changes) and only what each block table grew by (see _table_diffs); counters and the sparse
+    CPU states whole. state_names spells the letters out for the page."""
     frame = {k: v for k, v in snapshot.items() if k not in _DIFFED}
+    frame["state_names"] = STATE_NAMES
     comparable = prev is not None and all(len(prev[k]) == len(snapshot[k]) for k in _DIFFED)
     if not comparable:
         frame["type"] = "full"

@@ -12,6 +12,7 @@ from typing import Any
 
 from pagedserve.config import KV_ALLOCATORS
 from pagedserve.core.kv_state import kv_cache_state
+from pagedserve.dashboard.feed import make_frame
 
 
 class _Stopped(Exception):
@@ -84,10 +85,9 @@ class SimReplay:
 
     def frame(self) -> dict:
         """The latest snapshot with the replay's position ('sim')."""
-        state = dict(self._state) if self._state is not None else None
-        if state is None:
+        if self._state is None:
             raise RuntimeError("the simulation has not taken a step yet")
-        state["type"] = "full"
+        state = make_frame(None, self._state)  # a full frame, as the live stream's first
         state["version"] = self._step
         state["sim"] = {"step": self._step, "done": self._done, "allocator": self.allocator,
                         "workload": self.sim_kwargs.get("workload", "sharegpt-like")}

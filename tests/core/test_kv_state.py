@@ -3,18 +3,24 @@ import json
 
 from core_helpers import Driver, check_invariants, make_group, make_scheduler
 
-from pagedserve.core.kv_state import BLOCK_STATES, CONTIGUOUS_STATES, block_owners, kv_cache_state
+from pagedserve.core.kv_state import BLOCK_STATES, CONTIGUOUS_STATES, block_owners, kv_cache_state, state_names
+
+
+def names(state):
+    """The snapshot's states (one letter per block) as one name per block."""
+    return state_names(state["states"])
 
 
 def _check_against_pool(sched, state):
     """Every state, owner list and counter matches the pool's own bookkeeping."""
     mgr = sched.kv_cache_manager
-    assert len(state["states"]) == state["num_blocks"] == mgr.num_gpu_blocks
+    shown = names(state)
+    assert len(shown) == state["num_blocks"] == mgr.num_gpu_blocks
     owners = block_owners(state)
-    for b in mgr.pool.blocks:
+    for b in mgr.pool.blocks:  # the states the pool keeps up to date, against each block's own fields
         want = ("shared" if b.ref_cnt > 1 else "used") if b.ref_cnt else \
             ("cached" if b.block_hash is not None else "free")
-        assert state["states"][b.block_id] == want
+        assert shown[b.block_id] == want
         assert len(owners.get(b.block_id, [])) == b.ref_cnt  # one owner per table entry
     cpu_owners = block_owners(state, "cpu")
     assert state["num_cpu_blocks"] == mgr.cpu_pool.num_blocks
@@ -23,9 +29,9 @@ def _check_against_pool(sched, state):
         want = ("shared" if b.ref_cnt > 1 else "used") if b.ref_cnt else None
         assert state["cpu_states"].get(str(b.block_id)) == want
     st = state["stats"]
-    assert st["num_blocks_used"] == sum(s in ("used", "shared") for s in state["states"])
-    assert st["num_blocks_cached"] == state["states"].count("cached")
-    assert st["num_blocks_free"] == state["states"].count("free") + state["states"].count("cached")
+    assert st["num_blocks_used"] == sum(s in ("used", "shared") for s in shown)
+    assert st["num_blocks_cached"] == shown.count("cached")
+    assert st["num_blocks_free"] == shown.count("free") + shown.count("cached")
     assert st["num_live_tokens"] == mgr.memory_breakdown().token_states
     json.dumps(state)  # plain data only
 
@@ -33,7 +39,7 @@ def _check_against_pool(sched, state):
 def test_fresh_cache_is_all_free():
     sched = make_scheduler(8, block_size=4)
     state = kv_cache_state(sched)
-    assert state["states"] == ["free"] * 8 and state["requests"] == []
+    assert names(state) == ["free"] * 8 and state["requests"] == []
     assert state["allocator"] == "paged" and state["block_size"] == 4
 
 
@@ -47,14 +53,14 @@ def test_used_then_cached_after_finish():
     assert req["request_id"] == "a" and req["status"] == "running" and req["prompt_len"] == 10
     (seq,) = req["seqs"]
     assert seq["where"] == "gpu" and len(seq["block_table"]) == 3
-    assert sorted(i for i, s in enumerate(state["states"]) if s == "used") == sorted(seq["block_table"])
+    assert sorted(i for i, s in enumerate(names(state)) if s == "used") == sorted(seq["block_table"])
     assert block_owners(state)[seq["block_table"][1]] == [["a", seq["seq_id"], 1]]
     _check_against_pool(sched, state)
     d.run()
     state = kv_cache_state(sched)
     # 12 computed tokens (10 prompt + 2 of the 3 outputs; the last is never fed back) fill 3
     # blocks, which stay findable as prefix cache.
-    assert state["states"].count("cached") == 3 and state["states"].count("used") == 0
+    assert names(state).count("cached") == 3 and names(state).count("used") == 0
     assert state["requests"] == []
     _check_against_pool(sched, state)
 
@@ -72,7 +78,7 @@ def test_prefix_sharing_and_fork_show_as_shared():
     d.step()
     state = kv_cache_state(sched)
     owners = block_owners(state)
-    shared = [i for i, s in enumerate(state["states"]) if s == "shared"]
+    shared = [i for i, s in enumerate(names(state)) if s == "shared"]
     assert shared
     rids = {tuple(sorted({o[0] for o in owners[b]})) for b in shared}
     assert ("a", "b") in rids          # a prompt prefix reused across requests
@@ -112,10 +118,10 @@ def test_contiguous_reservations_show_reserved_blocks():
     run = seq["block_table"]
     assert run == list(range(8))  # max_model_len 32 / block_size 4, first fit at 0
     # 7 known tokens (prompt + first sample) occupy 2 blocks; the rest is reserved, unused.
-    assert [state["states"][b] for b in run] == ["used"] * 2 + ["reserved"] * 6
-    assert set(state["states"]) <= set(CONTIGUOUS_STATES) and state["cpu_states"] == {}
+    assert [names(state)[b] for b in run] == ["used"] * 2 + ["reserved"] * 6
+    assert set(names(state)) <= set(CONTIGUOUS_STATES) and state["cpu_states"] == {}
     d.run()
-    assert kv_cache_state(sched)["states"] == ["free"] * 64
+    assert names(kv_cache_state(sched)) == ["free"] * 64
 
 
 def test_contiguous_would_need_counts_running_sequences():
@@ -127,7 +133,7 @@ def test_contiguous_would_need_counts_running_sequences():
     d.step()
     need = kv_cache_state(sched)["contiguous_would_need"]
     assert need == {"max_model_len": 3 * 100, "prompt_plus_max_tokens": (6 + 10) + 2 * (9 + 5)}
-    assert set(kv_cache_state(sched)["states"]) <= set(BLOCK_STATES)
+    assert set(names(kv_cache_state(sched))) <= set(BLOCK_STATES)
 
 
 def test_snapshot_matches_the_pool_at_every_step_of_a_busy_run():
@@ -146,7 +152,7 @@ def test_snapshot_matches_the_pool_at_every_step_of_a_busy_run():
         d.step()
         state = kv_cache_state(sched)
         _check_against_pool(sched, state)
-        kinds.update(state["states"])
+        kinds.update(names(state))
         kinds.update(r["status"] for r in state["requests"])
     assert {"used", "shared", "cached", "swapped"} <= kinds
 
@@ -160,4 +166,4 @@ def test_contiguous_live_tokens_match_the_breakdown():
         d.step()
         state = kv_cache_state(sched)
         assert state["stats"]["num_live_tokens"] == sched.kv_cache_manager.memory_breakdown().token_states
-        assert state["stats"]["num_blocks_used"] == sum(s != "free" for s in state["states"])
+        assert state["stats"]["num_blocks_used"] == sum(s != "free" for s in names(state))

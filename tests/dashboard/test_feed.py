@@ -2,12 +2,14 @@
 the public JSON's owners, and the interval check."""
 import asyncio
 import json
+import random
 
 import pytest
 
 from core.core_helpers import Driver, make_group, make_scheduler
-from pagedserve.core.kv_state import block_owners, kv_cache_state
-from pagedserve.dashboard.feed import ThrottledSnapshot, make_frame, parse_interval, public_state, sse_frames
+from pagedserve.core.kv_state import block_owners, kv_cache_state, state_names
+from pagedserve.dashboard.feed import (ThrottledSnapshot, _changes, make_frame, parse_interval, public_state,
+                                       sse_frames)
 
 
 def _busy_scheduler():
@@ -30,10 +32,13 @@ def test_diff_frames_rebuild_every_step_exactly():
         else:
             diffs += 1
             assert "states" not in frame
-            for i, s in frame["states_changed"]:
-                shown[i] = s
-            assert len(frame["states_changed"]) == sum(a != b for a, b in zip(prev["states"], snap["states"]))
-        assert shown == snap["states"] and frame["cpu_states"] == snap["cpu_states"]
+            for start, run in frame["states_changed"]:  # as the page applies them
+                shown[start:start + len(run)] = run
+            # Only the changed cells travel.
+            sent = sum(len(run) for _, run in frame["states_changed"])
+            assert sent == sum(a != b for a, b in zip(prev["states"], snap["states"]))
+        assert "".join(shown) == snap["states"] and frame["cpu_states"] == snap["cpu_states"]
+        assert [frame["state_names"][c] for c in shown] == state_names(snap["states"])
         rebuilt = {}
         for r in frame["requests"]:
             for q in r["seqs"]:
@@ -52,6 +57,23 @@ def test_a_different_block_count_sends_a_full_frame():
     assert make_frame(a, a)["states_changed"] == []
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_changes_are_the_runs_of_cells_that_differ(seed):
+    """Against a plain per-cell comparison: runs at both ends, adjacent cells, one-cell runs."""
+    rng = random.Random(seed)
+    prev = "".join(rng.choice("fusc") for _ in range(1000))
+    cur = list(prev)
+    for i in [0, 999] + rng.sample(range(1000), 60):
+        cur[i] = rng.choice([c for c in "fusc" if c != prev[i]])
+    cur = "".join(cur)
+    runs = _changes(prev, cur)
+    want = [i for i in range(1000) if prev[i] != cur[i]]
+    assert [start + k for start, run in runs for k in range(len(run))] == want
+    assert all(run == cur[start:start + len(run)] for start, run in runs)
+    assert all(a[0] + len(a[1]) < b[0] for a, b in zip(runs, runs[1:]))  # maximal runs: a gap between
+    assert _changes(cur, cur) == [] and _changes("", "") == []
+
+
 def test_public_state_lists_owners_per_block():
     sched, driver = _busy_scheduler()
     for _ in range(3):
@@ -61,7 +83,7 @@ def test_public_state_lists_owners_per_block():
     owners = block_owners(snap)
     assert [b["block"] for b in out["blocks"]] == list(range(24))
     for b in out["blocks"]:
-        assert b["state"] == snap["states"][b["block"]]
+        assert b["state"] == state_names(snap["states"])[b["block"]]
         assert b["owners"] == owners.get(b["block"], [])
         assert (b["state"] in ("used", "shared")) == bool(b["owners"])
         assert (b["state"] == "shared") == (len(b["owners"]) > 1)
