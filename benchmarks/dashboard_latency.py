@@ -89,16 +89,27 @@ def run_server(args) -> None:
 
 
 def run_viewer(url: str) -> None:
-    """Reads the stream as the page does (parses every frame); prints (version, arrival) pairs."""
-    got = []
+    """Reads the stream as the page does (parses every frame); prints [version, arrival] as each
+    frame arrives, so what it saw survives however it is stopped (a SIGINT inside httpx's read
+    was once lost, and the viewer read on for a minute)."""
     try:
         with httpx.stream("GET", url, headers={"Authorization": f"Bearer {KEY}"}, timeout=None) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
-                    got.append((json.loads(line[5:])["version"], mono()))
-    except KeyboardInterrupt:
+                    print(json.dumps([json.loads(line[5:])["version"], mono()]), flush=True)
+    except (KeyboardInterrupt, httpx.HTTPError):
         pass
-    print(json.dumps(got), flush=True)
+
+
+def stop_viewer(viewer: subprocess.Popen) -> list[list]:
+    """SIGINT, else SIGKILL after 10 s; the [version, arrival] lines it printed."""
+    viewer.send_signal(signal.SIGINT)
+    try:
+        out = viewer.communicate(timeout=10)[0]
+    except subprocess.TimeoutExpired:
+        viewer.kill()
+        out = viewer.communicate()[0]
+    return [json.loads(line) for line in out.splitlines() if line.startswith("[")]
 
 
 def _tree(args) -> list[str]:
@@ -199,8 +210,7 @@ def one_run(args, tree: str | None) -> dict:
         summary = asyncio.run(run_benchmark(base + "/v1", reqs, "bench", api_key=KEY))
         t1 = mono()
         core_cpu = cpu_seconds(core_pid) - core_cpu0
-        viewer.send_signal(signal.SIGINT)
-        seen = json.loads(viewer.communicate(timeout=60)[0].strip().splitlines()[-1])
+        seen = stop_viewer(viewer)
         timings = httpx.get(base + "/bench/timings", timeout=60).json()
     finally:
         stop_process(server)

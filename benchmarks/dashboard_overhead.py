@@ -21,12 +21,12 @@ import asyncio
 import dataclasses
 import json
 import os
-import select
 import shlex
 import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -57,16 +57,27 @@ class SSEViewer:
     def __enter__(self) -> "SSEViewer":
         self._proc = subprocess.Popen([sys.executable, __file__, "--sse-viewer", self.url],
                                       stdout=subprocess.PIPE, text=True)
-        ready, _, _ = select.select([self._proc.stdout], [], [], 120)
-        if not ready or self._proc.stdout.readline().strip() != "first-frame":
+        self._first = threading.Event()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        if not self._first.wait(120):
             self._proc.kill()
             raise SystemExit(f"the SSE viewer got no first frame from {self.url}")
         return self
 
+    def _read(self) -> None:  # one reader for all its output: no line lost between two readers
+        for line in self._proc.stdout:
+            if line.startswith("["):
+                self.arrivals.append(tuple(json.loads(line)))
+                self._first.set()
+
     def __exit__(self, *exc) -> None:
         self._proc.send_signal(signal.SIGINT)
-        out, _ = self._proc.communicate(timeout=30)
-        self.arrivals = [tuple(a) for a in json.loads(out.strip().splitlines()[-1])]
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:  # a SIGINT inside httpx's read can be lost
+            self._proc.kill()
+        self._reader.join(timeout=10)
 
     def result(self, t0: float, t1: float) -> dict:
         """Frames that arrived while the load ran (monotonic t0..t1: one clock for all processes
@@ -83,18 +94,16 @@ class SSEViewer:
 
 
 def _sse_viewer_main(url: str) -> int:
-    arrivals = []
+    """Prints [arrival, snapshot_s] as each frame arrives: the first tells the parent to start the
+    load, and what it saw survives however it is stopped."""
     try:
         with httpx.stream("GET", url, headers={"Authorization": f"Bearer {KEY}"}, timeout=None) as r:
             for line in r.iter_lines():
                 if line.startswith("data:"):
                     frame = json.loads(line[5:])  # the page parses every frame too
-                    arrivals.append((time.monotonic(), frame.get("snapshot_s", 0.0)))
-                    if len(arrivals) == 1:
-                        print("first-frame", flush=True)  # the parent starts the load now
-    except KeyboardInterrupt:
+                    print(json.dumps([time.monotonic(), frame.get("snapshot_s", 0.0)]), flush=True)
+    except (KeyboardInterrupt, httpx.HTTPError):
         pass
-    print(json.dumps(arrivals), flush=True)
     return 0
 
 
