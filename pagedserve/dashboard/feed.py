@@ -31,9 +31,10 @@ STREAM_INTERVAL_RANGE_S = (0.25, 10.0)
 # The stream's interval when the page asks for none: 2.5 Hz, a margin over the 2 Hz so that
 # a late frame or a count over a few seconds does not fall below it (at 0.5 s a 17 s window holds
 # 34 frames: one late tick and it reads 1.94 Hz). Within the budget: 2.5 snapshots/s at 2% leave
-# 8 ms each, twice what one costs at 65,536 blocks and 1,024 running requests under load on our
-# 2-core CPU (~4 ms with one letter per block); the H200 host measured ~7 ms before that change.
-# A costlier snapshot stretches the feed's own interval anyway (above), not the engine's time.
+# 8 ms each; at 65,536 blocks and ~1,000 running requests one costs 2-4 ms on our CPU when idle
+# (one letter per block; 4.3 ms before), 8-9 ms at p90 with more busy processes than cores; the
+# H200 host measured ~7 ms before that change. A costlier snapshot stretches the feed's own
+# interval (above), never the engine's time.
 DEFAULT_STREAM_INTERVAL_S = 0.4
 _DIFFED = ("states",)  # the sparse cpu_states (swapped-out blocks only) travel whole
 
