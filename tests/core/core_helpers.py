@@ -3,6 +3,7 @@ shadow the KV memory like the runner would, and check the docs/design.md invaria
 from __future__ import annotations
 
 from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.block_pool import CACHED, FREE, SHARED, USED
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.plan import SchedulerOutput
 from pagedserve.core.scheduler import Scheduler
@@ -92,6 +93,10 @@ def check_pool(pool) -> None:
     assert n_cached == pool.num_cached_free
     for h, b in pool.cached_block_hash_to_block.items():
         assert b.block_hash == h
+    # The state letters the pool keeps up to date for the dashboard, against each block's fields.
+    want = bytes((SHARED if b.ref_cnt > 1 else USED) if b.ref_cnt else
+                 (CACHED if b.block_hash is not None else FREE) for b in pool.blocks)
+    assert bytes(pool.codes) == want
 
 
 def check_invariants(sched: Scheduler) -> None:
