@@ -30,17 +30,23 @@ PHASE_TIMEOUT_ENV = "PAGEDSERVE_TP_PHASE_TIMEOUT"
 STEP_TIMEOUT_ENV = "PAGEDSERVE_TP_STEP_TIMEOUT"
 
 
-def _seconds(name: str, default: float) -> float:
+def env_positive(name: str, default: float, unit: str) -> float:
+    """A positive number from the environment variable `name` (default when unset or empty);
+    ValueError names the variable and the unit."""
     raw = os.environ.get(name, "")
     if not raw:
         return default
     try:
         value = float(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a number of seconds, got {raw!r}") from None
+        raise ValueError(f"{name} must be a number of {unit}, got {raw!r}") from None
     if value <= 0:
-        raise ValueError(f"{name} must be > 0 seconds, got {raw!r}")
+        raise ValueError(f"{name} must be > 0 {unit}, got {raw!r}")
     return value
+
+
+def _seconds(name: str, default: float) -> float:
+    return env_positive(name, default, "seconds")
 
 
 def phase_timeout() -> float:

@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from pagedserve.runner.dist_env import env_positive
+
 logger = logging.getLogger(__name__)
 
 SWITCH = "PAGEDSERVE_TP_ALLREDUCE"
@@ -41,14 +43,7 @@ def requested() -> str:
 
 
 def max_bytes() -> int:
-    raw = os.environ.get(MAX_MB, "8")
-    try:
-        mb = float(raw)
-    except ValueError:
-        raise ValueError(f"{MAX_MB} must be a number of MiB > 0, got {raw!r}") from None
-    if mb <= 0:
-        raise ValueError(f"{MAX_MB} must be > 0, got {mb}")
-    return int(mb * 2**20) // _ALIGN * _ALIGN
+    return int(env_positive(MAX_MB, 8.0, "MiB") * 2**20) // _ALIGN * _ALIGN
 
 
 class SymmMemAllReduce:
