@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The 2xH200 figures still owed (issues #14, #15, #17), one device call (<= 10 min) per target.
+# Run from the repo root on the GPU machine, in this order:
+#   bash benchmarks/h200x2_run.sh tp_allreduce   # Llama-3.1-8B fixed256 at TP=1 and 2: NCCL, then
+#                                                # PAGEDSERVE_TP_ALLREDUCE=symm_mem (and its agreement
+#                                                # with TP=1), then NCCL_PROTO=LL128,Simple
+#   bash benchmarks/h200x2_run.sh tp_opt         # OPT-13B fixed256 at TP=1 and 2 (1000 requests need > 105 s a child)
+#   bash benchmarks/h200x2_run.sh dp             # DP=2 against DP=1, 5000 sharegpt-like requests at t=0
+#   bash benchmarks/h200x2_run.sh dashboard      # the dashboard's cost and frame rate on GPU 0 (0.4 s default, then 0.5 s)
+# A copy of the tree without .git must carry pagedserve/_build_commit.json (see h200_run.sh). Results
+# go to logs/x2/<target>/ (copy the ones to keep into benchmarks/results/h200x2/ or h200/), and with
+# $OUT set into $OUT/x2_<target>.tgz; logs/x2/progress.log says when each step started and ended.
+# NVLink multicast stays off.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+L=logs/x2
+mkdir -p $L
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $L/NAME.log
+  local name=$1 limit=$2; shift 2
+  mkdir -p "$L/$name"
+  echo "$(date +%T) start $name" >> $L/progress.log
+  timeout "$limit" "$@" > "$L/$name.log" 2>&1
+  echo "$(date +%T) end $name rc=$?" >> $L/progress.log
+}
+tp() {  # tp NAME SECONDS ARGS...: tp_bench into $L/NAME/
+  local name=$1 limit=$2; shift 2
+  step "$name" "$limit" python3 benchmarks/tp_bench.py --skip-agreement --out "$L/$name/tp.json" \
+    --progress-dir "$L/$name" "$@"
+}
+case "${1:-}" in
+  tp_allreduce)
+    tp tp_nccl 200 --models llama-3.1-8b --child-timeout 90
+    PAGEDSERVE_TP_ALLREDUCE=symm_mem tp tp_symm_mem 110 --models llama-3.1-8b --tp-sizes 2 --child-timeout 100
+    # The same tokens as TP=1 (or within its top 5) with the symmetric-memory all-reduce.
+    PAGEDSERVE_TP_ALLREDUCE=symm_mem step tp_symm_mem_agreement 150 python3 benchmarks/tp_bench.py --skip-throughput \
+      --out $L/tp_symm_mem_agreement/tp.json --progress-dir $L/tp_symm_mem_agreement --child-timeout 55
+    NCCL_PROTO=LL128,Simple tp tp_nccl_ll128 110 --models llama-3.1-8b --tp-sizes 2 --child-timeout 100 ;;
+  tp_opt) tp tp_opt 500 --models opt-13b --child-timeout 240 ;;
+  dp) step dp 580 python3 benchmarks/dp_bench.py --out $L/dp/dp.json --num-requests 5000 --start-timeout 200 \
+        --run-timeout 240 --num-client-processes 4 ;;
+  dashboard)
+    CUDA_VISIBLE_DEVICES=0 step dashboard 270 python3 benchmarks/dashboard_overhead.py --device cuda --rounds 3 \
+      --num-requests 3000 --serve-args "--num-gpu-blocks-override 65536" --output $L/dashboard/dashboard_overhead.json
+    CUDA_VISIBLE_DEVICES=0 step dashboard_i05 270 python3 benchmarks/dashboard_overhead.py --device cuda --rounds 3 \
+      --num-requests 3000 --interval 0.5 --serve-args "--num-gpu-blocks-override 65536" \
+      --output $L/dashboard_i05/dashboard_overhead.json ;;
+  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dashboard" >&2; exit 2 ;;
+esac
+# On the device tool's machine only $OUT comes back: everything of this target in one archive.
+[ -n "${OUT:-}" ] && tar czf "$OUT/x2_$1.tgz" -C $L . && cp $L/progress.log "$OUT/"
+exit 0
