@@ -115,8 +115,8 @@ def _changes(prev: str, cur: str) -> list[list]:
     the runs of the others: both in C, so 65,536 cells cost ~0.1 ms instead of a Python loop."""
     if prev == cur:
         return []
-    n = len(cur)
-    xor = (int.from_bytes(prev.encode("ascii"), "big") ^ int.from_bytes(cur.encode("ascii"), "big")).to_bytes(n, "big")
+    a, b = int.from_bytes(prev.encode("ascii"), "big"), int.from_bytes(cur.encode("ascii"), "big")
+    xor = (a ^ b).to_bytes(len(cur), "big")
     return [[m.start(), cur[m.start():m.end()]] for m in _CHANGED_RUN.finditer(xor)]
 
 
