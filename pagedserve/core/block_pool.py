@@ -19,6 +19,7 @@ from pagedserve.core.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
 # date where ref_cnt and the hash change, so a snapshot copies num_blocks bytes instead of reading
 # 65,536 block objects on the engine thread (1.3 ms on our CPU; one byte store per block here).
 FREE, USED, SHARED, CACHED = b"fusc"
+RESERVED = ord("r")  # the contiguous allocators' reserved-but-unwritten blocks (core/contiguous.py)
 
 
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Seq[int]) -> bytes:

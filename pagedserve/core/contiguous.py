@@ -14,6 +14,7 @@ from __future__ import annotations
 import bisect
 from typing import Iterable
 
+from pagedserve.core.block_pool import FREE, RESERVED, USED
 from pagedserve.core.kv_cache_manager import AllocStatus, cdiv
 from pagedserve.core.stats import MemoryBreakdown, SeqKVLayout, breakdown_from_tables
 from pagedserve.core.table_log import TableChangeLog
@@ -219,12 +220,12 @@ class ContiguousKVCacheManager:
         """Each block's state, by block id, one letter each (core/kv_state.py's STATE_CODES): free,
         used (a reservation's blocks up to its known tokens) or reserved (held by a reservation, no
         token in it yet)."""
-        states = bytearray(b"f") * self.num_gpu_blocks
+        states = bytearray([FREE]) * self.num_gpu_blocks
         bs = self.block_size
         for sid, (start, n) in self._runs.items():
             used = min(n, cdiv(self._seqs[sid].num_tokens, bs))
-            states[start:start + used] = b"u" * used
-            states[start + used:start + n] = b"r" * (n - used)
+            states[start:start + used] = bytes([USED]) * used
+            states[start + used:start + n] = bytes([RESERVED]) * (n - used)
         return states.decode("ascii")
 
     def cpu_block_states(self) -> tuple[int, dict[int, str]]:

@@ -25,7 +25,7 @@ from pagedserve.sequence import SequenceStatus
 BLOCK_STATES = ("free", "used", "shared", "cached")
 CONTIGUOUS_STATES = ("free", "used", "reserved")
 STATE_CODES = {"free": chr(block_pool.FREE), "used": chr(block_pool.USED), "shared": chr(block_pool.SHARED),
-               "cached": chr(block_pool.CACHED), "reserved": "r"}
+               "cached": chr(block_pool.CACHED), "reserved": chr(block_pool.RESERVED)}
 STATE_NAMES = {c: name for name, c in STATE_CODES.items()}
 
 
