@@ -6,13 +6,14 @@
 #                                                # with TP=1), then NCCL_PROTO=LL128,Simple
 #   bash benchmarks/h200x2_run.sh tp_opt         # OPT-13B fixed256 at TP=1 and 2 (1000 requests need > 105 s a child)
 #   bash benchmarks/h200x2_run.sh dp             # DP=2 against DP=1, 5000 sharegpt-like requests at t=0
-#   bash benchmarks/h200x2_run.sh dashboard      # the dashboard's cost and frame rate on GPU 0 (0.4 s default, then 0.5 s)
+#   bash benchmarks/h200x2_run.sh dashboard      # the dashboard's cost and frame rate on GPU 0 (0.4 s default), then
+#                                                # Llama-3.1-8B decode-step profiles at 16 and 32 sequences (#13's TPOT)
 # A copy of the tree without .git must carry pagedserve/_build_commit.json (see h200_run.sh). Results
 # go to logs/x2/<target>/ (copy the ones to keep into benchmarks/results/h200x2/ or h200/), and with
 # $OUT set into $OUT/x2_<target>.tgz; logs/x2/progress.log says when each step started and ended.
 # NVLink multicast stays off.
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 L=logs/x2
 mkdir -p $L
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $L/NAME.log
@@ -41,9 +42,10 @@ case "${1:-}" in
   dashboard)
     CUDA_VISIBLE_DEVICES=0 step dashboard 270 python3 benchmarks/dashboard_overhead.py --device cuda --rounds 3 \
       --num-requests 3000 --serve-args "--num-gpu-blocks-override 65536" --output $L/dashboard/dashboard_overhead.json
-    CUDA_VISIBLE_DEVICES=0 step dashboard_i05 270 python3 benchmarks/dashboard_overhead.py --device cuda --rounds 3 \
-      --num-requests 3000 --interval 0.5 --serve-args "--num-gpu-blocks-override 65536" \
-      --output $L/dashboard_i05/dashboard_overhead.json ;;
+    for n in 16 32; do
+      CUDA_VISIBLE_DEVICES=0 step profile_decode_n$n 100 python3 benchmarks/profile_decode.py \
+        --model benchmarks/models/llama-3.1-8b --num-seqs $n --output $L/profile_decode_n$n/profile_decode_llama_n$n.json
+    done ;;
   *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dashboard" >&2; exit 2 ;;
 esac
 # On the device tool's machine only $OUT comes back: everything of this target in one archive.
