@@ -101,7 +101,9 @@ class Progress:
 
     def snapshot(self, doc: dict) -> None:
         if self.folder:
-            (self.folder / "tp.partial.json").write_text(json.dumps(doc, indent=2) + "\n")
+            from pagedserve.benchmark.results import engine_switches
+            (self.folder / "tp.partial.json").write_text(
+                json.dumps({"switches": engine_switches(), **doc}, indent=2) + "\n")
 
 
 class ChildFailed(RuntimeError):
@@ -200,6 +202,12 @@ def merge(paths: list[str], out: str) -> None:
     commits = sorted({d["config"].get("commit", d.get("commit")) for d in docs})
     if len(commits) > 1:
         raise SystemExit(f"refusing to merge runs of different commits: {commits}")
+    # The runs' switches, not the merging shell's: a run with e.g. PAGEDSERVE_TP_ALLREDUCE set
+    # must not be united with one without it under either's name.
+    # (Partial files written before they carried switches have none: they constrain nothing.)
+    switches = [d["switches"] for d in docs if "switches" in d]
+    if any(sw != switches[0] for sw in switches[1:]):
+        raise SystemExit(f"refusing to merge runs with different switches: {switches}")
     # A tp.partial.json (a run cut off before its tp.json) has no command line of its own.
     merged_from = [d.get("command", f"{p} (the tp.partial.json of a run that ended before writing tp.json)")
                    for p, d in zip(paths, docs)]
@@ -217,7 +225,8 @@ def merge(paths: list[str], out: str) -> None:
     # The runs' device and commit, not the merging machine's (a partial file names no device).
     device = next((d["device"] for d in docs if d.get("device")), None)
     doc = write_result(out, "tp", "python benchmarks/tp_bench.py --merge " + " ".join(paths), config, results, {},
-                       ratios, device=device, measured_commit=commits[0])
+                       ratios, device=device, measured_commit=commits[0],
+                       switches=switches[0] if switches else None)
     print(json.dumps(doc["ratios"], indent=2))
 
 

@@ -9,8 +9,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _part(tmp: Path, name: str, commit: str, results: dict, device: str | None, command: bool = True) -> Path:
+def _part(tmp: Path, name: str, commit: str, results: dict, device: str | None, command: bool = True,
+          switches: dict | None = None) -> Path:
     doc = {"config": {"commit": commit, "dtype": "bfloat16"}, "results": results, "ratios": {}}
+    if switches is not None:
+        doc["switches"] = switches
     if device:
         doc["device"] = device
     if command:
@@ -50,3 +53,18 @@ def test_merge_refuses_runs_of_different_commits(tmp_path):
     r = _merge(a, b, out=tmp_path / "tp.json")
     assert r.returncode != 0 and "different commits" in r.stderr
     assert not (tmp_path / "tp.json").exists()
+
+
+def test_merge_keeps_the_runs_switches_and_refuses_different_ones(tmp_path):
+    commit = "a" * 40
+    symm = {"PAGEDSERVE_TP_ALLREDUCE": "symm_mem"}
+    a = _part(tmp_path, "a.json", commit, {}, "NVIDIA H200", switches=symm)
+    b = _part(tmp_path, "b.json", commit, {}, "NVIDIA H200", switches=symm)
+    nccl = _part(tmp_path, "c.json", commit, {}, "NVIDIA H200", switches={"PAGEDSERVE_TP_ALLREDUCE": None})
+    out = tmp_path / "tp.json"
+    r = _merge(a, b, out=out)  # the merging shell has no PAGEDSERVE_TP_ALLREDUCE: the runs' value wins
+    assert r.returncode == 0, r.stderr
+    assert json.loads(out.read_text())["switches"]["PAGEDSERVE_TP_ALLREDUCE"] == "symm_mem"
+    r = _merge(a, nccl, out=tmp_path / "mixed.json")
+    assert r.returncode != 0 and "different switches" in r.stderr
+    assert not (tmp_path / "mixed.json").exists()
