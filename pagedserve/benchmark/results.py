@@ -135,13 +135,15 @@ def engine_switches(engine_config: Any = None) -> dict:
 
 
 def _versions() -> dict:
-    """Python, and torch / triton / transformers where this process imported them."""
+    """Python, torch / triton / transformers where this process imported them, and the HTTP
+    parser and event loop a server started from this environment runs on."""
+    from pagedserve.entrypoints.http_stack import http_stack
     out = {"python": sys.version.split()[0]}
     for name in ("torch", "triton", "transformers"):
         mod = sys.modules.get(name)
         if mod is not None and hasattr(mod, "__version__"):
             out[name] = str(mod.__version__)
-    return out
+    return {**out, **{f"uvicorn_{k}": v for k, v in http_stack().items()}}
 
 
 def default_command() -> str:

@@ -172,8 +172,9 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
                        max_request_bytes=args.max_request_bytes)
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request
-    logger.info("serving %s with %d replicas (mp, %s routing, relayed with %s) on http://%s:%d/v1",
-                served_name, args.data_parallel_size, policy.name, pool.relay_client, args.host,
-                args.port)
+    from pagedserve.entrypoints.http_stack import describe
+    logger.info("serving %s with %d replicas (mp, %s routing, relayed with %s; %s) on http://%s:%d/v1",
+                served_name, args.data_parallel_size, policy.name, pool.relay_client, describe(),
+                args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
     return 0

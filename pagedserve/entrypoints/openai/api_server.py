@@ -278,6 +278,8 @@ def run_server_cli(args: Any) -> int:
     from pagedserve.serving.launch import run_dp_server_cli, wants_dp
     if wants_dp(args):
         return run_dp_server_cli(args, config, name, api_key)
+    from pagedserve.entrypoints.http_stack import describe
+    logger.info("%s", describe())
     engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
