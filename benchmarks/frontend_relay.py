@@ -21,6 +21,7 @@ machine every process here competes for the same cores.
     git archive BASE pagedserve | tar -x -C /tmp/before
     python benchmarks/frontend_relay.py --server-tree /tmp/before ...
     PAGEDSERVE_DP_RELAY_CLIENT=httpx python benchmarks/frontend_relay.py --setup relay ...
+    python benchmarks/frontend_relay.py --http h11 ...   # every server on uvicorn's pure-Python parser
 """
 
 import argparse
@@ -159,8 +160,8 @@ def serve_fake_replica(port: int, token_delay_s: float, kind: str) -> None:
         app = build_app(AsyncLLMEngine(FakeCore(token_delay_s), None), "bench")
     else:
         app = fake_replica_app(token_delay_s)
-    # The same uvicorn settings as `pagedserve serve` (loop and http "auto").
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=5)
+    # The same uvicorn settings as `pagedserve serve` (loop and http "auto", unless --http).
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=5, http=HTTP)
 
 
 def serve_frontend(port: int, urls: list[str]) -> None:
@@ -174,19 +175,20 @@ def serve_frontend(port: int, urls: list[str]) -> None:
     pool = ProcessReplicaPool.attach(urls, make_policy("round-robin"))
     app = build_dp_app(pool, None, 16)
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    # The same uvicorn settings as run_dp_server_cli.
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=5)
+    # The same uvicorn settings as run_dp_server_cli (http "auto", unless --http).
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=5, http=HTTP)
 
 
 # ---- the driver --------------------------------------------------------------------------------
 
 SERVER_TREE: str | None = None  # --server-tree: the pagedserve the servers import
+HTTP = "auto"  # --http: uvicorn's HTTP parser in every server (auto: httptools if installed)
 
 
 def spawn(role: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     tree = ["--server-tree", SERVER_TREE] if SERVER_TREE else []
-    return subprocess.Popen([sys.executable, __file__, *role, *tree], env=env, cwd=ROOT)
+    return subprocess.Popen([sys.executable, __file__, *role, *tree, "--http", HTTP], env=env, cwd=ROOT)
 
 
 def wait_health(url: str, timeout: float = 60.0) -> None:
@@ -295,8 +297,12 @@ def main() -> None:
                     help="replicas and front end import pagedserve from this source tree")
     ap.add_argument("--profile-dir", default=None,
                     help="py-spy each server process (raw collapsed stacks in this folder)")
+    ap.add_argument("--http", default="auto", choices=["auto", "httptools", "h11"],
+                    help="uvicorn's HTTP parser in every server (the A/B of the GPU image, which lacked httptools)")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
+    global HTTP
+    HTTP = args.http
     if args.server_tree:
         # Servers import pagedserve from there (e.g. `git archive BASE | tar -x -C DIR`, for a
         # before/after); the client stays this tree's.
@@ -322,7 +328,7 @@ def main() -> None:
     if args.out:  # through the one result writer: the commit and the switches go in
         from pagedserve.benchmark.results import write_result
         config = {k: getattr(args, k) for k in ("setup", "num_requests", "output_len", "prompt_len",
-                                                "token_delay_ms", "num_client_processes", "replica", "server_tree")}
+                                                "token_delay_ms", "num_client_processes", "replica", "server_tree", "http")}
         config["relay_client_env"] = os.environ.get("PAGEDSERVE_DP_RELAY_CLIENT")
         write_result(args.out, "frontend_relay", "python benchmarks/frontend_relay.py " + " ".join(sys.argv[1:]),
                      config, {"setups": results}, {}, {}, device="cpu")
