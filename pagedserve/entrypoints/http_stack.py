@@ -2,8 +2,9 @@
 
 uvicorn's defaults ("auto") take httptools and uvloop when they are importable and fall back to
 the pure-Python h11 parser and asyncio's own loop. Per streamed token the difference is real (on
-our CPU, a replica's API server spent 44 µs per SSE event on h11 against 31 on httptools,
-benchmarks/frontend_relay.py), so servers log it at start-up and benchmark results record it.
+our CPU, an API server spent 42-46 µs of CPU per SSE event on h11 against 35-38 on httptools,
+the DP front end 25-29 against 22-27: benchmarks/results/cpu/frontend_relay_{h11,httptools}*.json),
+so servers log it at start-up and benchmark results record it.
 """
 from __future__ import annotations
 
