@@ -8,6 +8,9 @@
 #   bash benchmarks/h200x2_run.sh dp             # DP=2 against DP=1, 5000 sharegpt-like requests at t=0
 #   bash benchmarks/h200x2_run.sh dashboard      # the dashboard's cost and frame rate on GPU 0 (0.4 s default), then
 #                                                # Llama-3.1-8B decode-step profiles at 16 and 32 sequences (#13's TPOT)
+#   bash benchmarks/h200x2_run.sh profiles       # Llama-3.1-8B decode steps as serving runs them (CUDA graphs) at 16,
+#                                                # 32 and 256 sequences on GPU 0 (#13: kernel time against the step
+#                                                # period); then TP=2 eager steps at 256 on NCCL and on symm_mem (#14)
 # A copy of the tree without .git must carry pagedserve/_build_commit.json (see h200_run.sh). Results
 # go to logs/x2/<target>/ (copy the ones to keep into benchmarks/results/h200x2/ or h200/), and with
 # $OUT set into $OUT/x2_<target>.tgz; logs/x2/progress.log says when each step started and ended.
@@ -46,7 +49,17 @@ case "${1:-}" in
       CUDA_VISIBLE_DEVICES=0 step profile_decode_n$n 100 python3 benchmarks/profile_decode.py \
         --model benchmarks/models/llama-3.1-8b --num-seqs $n --output $L/profile_decode_n$n/profile_decode_llama_n$n.json
     done ;;
-  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dashboard" >&2; exit 2 ;;
+  profiles)
+    for n in 16 32 256; do
+      CUDA_VISIBLE_DEVICES=0 step graphs_n$n 100 python3 benchmarks/profile_decode.py --cuda-graphs \
+        --model benchmarks/models/llama-3.1-8b --num-seqs $n --output $L/graphs_n$n/profile_decode_graphs_n$n.json
+    done
+    step tp2_nccl 130 python3 benchmarks/profile_decode.py --model benchmarks/models/llama-3.1-8b \
+      --tensor-parallel-size 2 --output $L/tp2_nccl/profile_decode_tp2.json
+    PAGEDSERVE_TP_ALLREDUCE=symm_mem step tp2_symm_mem 130 python3 benchmarks/profile_decode.py \
+      --model benchmarks/models/llama-3.1-8b --tensor-parallel-size 2 \
+      --output $L/tp2_symm_mem/profile_decode_tp2_symm_mem.json ;;
+  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dashboard|profiles" >&2; exit 2 ;;
 esac
 # On the device tool's machine only $OUT comes back: everything of this target in one archive.
 [ -n "${OUT:-}" ] && tar czf "$OUT/x2_$1.tgz" -C $L . && cp $L/progress.log "$OUT/"

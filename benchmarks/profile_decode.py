@@ -11,6 +11,9 @@ included) and the top kernels by time. Needs CUDA.
 
   python benchmarks/profile_decode.py                      # Qwen3-0.6B, dummy weights, 256 seqs
   python benchmarks/profile_decode.py --no-async-scheduling   # synchronous steps, for the A/B
+  python benchmarks/profile_decode.py --cuda-graphs   # as serving runs: decode graphs replayed,
+      # fused ops only; "wall ms/step" is then the step period, and GPU idle holds the gaps between
+      # replayed kernels and any wait for the host
 """
 from __future__ import annotations
 
@@ -86,15 +89,18 @@ def _profile_mode(engine: LLMEngine, n: int, args) -> dict:
         torch.cuda.synchronize()
     if not all_decoding(engine, n):
         raise RuntimeError("a sequence stopped or was preempted while profiling: raise --max-model-len")
-    return {"eager_wall_ms_per_step": round(wall_ms, 4), **_kernel_table(prof, args.steps, args.top)}
+    wall_key = "graph_wall_ms_per_step" if args.cuda_graphs else "eager_wall_ms_per_step"
+    return {wall_key: round(wall_ms, 4), **_kernel_table(prof, args.steps, args.top)}
 
 
 def _table(results: dict, command: str) -> str:
     lines = ["# profile_decode", "", f"`{command}`", "",
-             "| mode | kernels/step | kernel ms/step | eager wall ms/step | GPU idle ms/step |",
+             "| mode | kernels/step | kernel ms/step | wall ms/step | GPU idle ms/step |",
              "|---|---|---|---|---|"]
     for mode, r in results.items():
-        lines.append(f"| {mode} | {r['kernels_per_step']} | {r['kernel_ms_per_step']} | {r['eager_wall_ms_per_step']} "
+        wall = r.get("eager_wall_ms_per_step", r.get("graph_wall_ms_per_step"))
+        label = "eager" if "eager_wall_ms_per_step" in r else "graphs"
+        lines.append(f"| {mode} ({label}) | {r['kernels_per_step']} | {r['kernel_ms_per_step']} | {wall} "
                      f"| {r['gpu_idle_ms_per_step']} |")
     for mode, r in results.items():
         lines += ["", f"## top kernels, {mode}", "", "| kernel | calls/step | us/step | share |", "|---|---|---|---|"]
@@ -118,6 +124,8 @@ def main() -> None:
                     help="TP ranks; the profile is rank 0's (this process), whose collectives wait for the others")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="overlapped steps (the engine's default); --no-async-scheduling: synchronous steps")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="replay the decode CUDA graphs as serving does (fused ops only) instead of eager steps")
     ap.add_argument("--output", default=None,
                     help="default benchmarks/results/h200/profile_decode.json (profile_decode_sync.json with "
                          "--no-async-scheduling)")
@@ -125,6 +133,8 @@ def main() -> None:
     git_commit()  # refuse before measuring, not after
     if args.output is None:
         name = "profile_decode.json" if args.async_scheduling else "profile_decode_sync.json"
+        if args.cuda_graphs:
+            name = name.replace(".json", "_graphs.json")
         if args.tensor_parallel_size > 1:
             name = name.replace(".json", f"_tp{args.tensor_parallel_size}.json")
         folder = "h200" if args.tensor_parallel_size == 1 else f"h200x{args.tensor_parallel_size}"
@@ -135,7 +145,7 @@ def main() -> None:
 
     engine = LLMEngine(make_engine_config(
         args.model, device="cuda", dtype=args.dtype, load_format=args.load_format, max_num_seqs=args.num_seqs,
-        skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=True,
+        skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=not args.cuda_graphs,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size))
     n = args.num_seqs
     ramp = fill_decode_batch(engine, n, tuple(int(x) for x in args.prompt_len.split(",")), temperature=0.0)
@@ -143,7 +153,9 @@ def main() -> None:
     results = {}
     # The other ranks are processes of their own that read PAGEDSERVE_FUSED once, at spawn: at TP > 1
     # only the fused mode (the default) is profiled, so every rank runs the same kernels.
-    modes = MODES if args.tensor_parallel_size == 1 else {"fused": MODES["fused"]}
+    # With CUDA graphs, the kernels were captured at start-up with the default (fused) ops.
+    one = args.tensor_parallel_size > 1 or args.cuda_graphs
+    modes = {"fused": MODES["fused"]} if one else MODES
     try:
         for mode, flag in modes.items():
             os.environ["PAGEDSERVE_FUSED"] = flag
@@ -154,7 +166,8 @@ def main() -> None:
             results[mode] = _profile_mode(engine, n, args)
             print(f"{mode:6s} {results[mode]['kernels_per_step']:8.1f} kernels/step  "
                   f"{results[mode]['kernel_ms_per_step']:8.3f} kernel ms/step  "
-                  f"{results[mode]['eager_wall_ms_per_step']:8.3f} eager wall ms/step  "
+                  f"{results[mode].get('eager_wall_ms_per_step', results[mode].get('graph_wall_ms_per_step')):8.3f} "
+                  f"{'graph' if args.cuda_graphs else 'eager'} wall ms/step  "
                   f"{results[mode]['gpu_idle_ms_per_step']:8.3f} GPU idle ms/step")
     finally:
         if saved is None:
@@ -168,7 +181,7 @@ def main() -> None:
         ratios = {"kernels_fused_over_torch": round(f["kernels_per_step"] / t["kernels_per_step"], 4),
                   "kernel_time_fused_over_torch": round(f["kernel_ms_per_step"] / t["kernel_ms_per_step"], 4)}
     config = {"model": args.model, "load_format": args.load_format, "dtype": str(engine.dtype), "num_seqs": n,
-              "prompt_len": args.prompt_len, "max_model_len": engine.max_model_len, "enforce_eager": True,
+              "prompt_len": args.prompt_len, "max_model_len": engine.max_model_len, "enforce_eager": not args.cuda_graphs,
               "steps": args.steps, "warmup": args.warmup, "ramp_steps": ramp, "temperature": 0.0,
               "async_scheduling": engine.async_scheduling, "tensor_parallel_size": args.tensor_parallel_size,
               "note": "one engine; modes run one after the other, so contexts grow by a few tokens between them"}
