@@ -23,6 +23,7 @@ import os
 import shlex
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -138,6 +139,62 @@ def server_processes(proc: subprocess.Popen, dp: int) -> dict[str, int]:
     return out
 
 
+def queue_depths(base: str) -> dict[str, dict[str, float]]:
+    """Running and waiting requests now, per replica label of the merged /metrics."""
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+    out: dict[str, dict[str, float]] = {}
+    wanted = {"pagedserve:num_requests_running": "running", "pagedserve:num_requests_waiting": "waiting"}
+    for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
+        for sample in family.samples:
+            if sample.name in wanted:
+                out.setdefault(sample.labels.get("replica", "-"), {})[wanted[sample.name]] = sample.value
+    return out
+
+
+class Timeline:
+    """Once a second during the measured run: each server process's CPU share over the last
+    second (1.0 = one core) and each replica's running / waiting requests. It says whether a
+    process sat at one core while requests waited, and whether a replica ran dry, which the
+    whole run's averages cannot."""
+
+    def __init__(self, base: str, pids: dict[str, int], period_s: float = 1.0) -> None:
+        self.base, self.pids, self.period_s = base, pids, period_s
+        self.samples: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self) -> "Timeline":
+        self._t0 = time.monotonic()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        last = {k: _cpu_seconds(p) for k, p in self.pids.items()}
+        last_t = time.monotonic()
+        while not self._stop.wait(self.period_s):
+            now = time.monotonic()
+            cpu = {k: _cpu_seconds(p) for k, p in self.pids.items()}
+            share = {k: round((cpu[k] - last[k]) / (now - last_t), 2) for k in cpu
+                     if cpu[k] is not None and last[k] is not None}
+            last, last_t = cpu, now
+            try:
+                depths = queue_depths(self.base)
+            except Exception as e:  # a slow /metrics must not end the sampling
+                depths = {"error": repr(e)[:200]}
+            self.samples.append({"t": round(now - self._t0, 2), "cpu_share": share, "requests": depths})
+
+    def share_until(self, t_end: float) -> dict[str, float]:
+        """Each process's mean CPU share over the samples up to t_end (s from the start)."""
+        rows = [r["cpu_share"] for r in self.samples if r["t"] <= t_end]
+        keys = {k for r in rows for k in r}
+        return {k: round(sum(r.get(k, 0.0) for r in rows) / len(rows), 3) for k in sorted(keys)} if rows else {}
+
+
 def replay(base: str, args, pids: dict[str, int] | None = None) -> dict:
     from pagedserve.entrypoints.bench_serve import run_benchmark
     from pagedserve.workloads import make_workload
@@ -153,9 +210,13 @@ def replay(base: str, args, pids: dict[str, int] | None = None) -> dict:
     asyncio.run(asyncio.wait_for(run_benchmark(base + "/v1", warm, model="bench"), args.run_timeout))
     before = {k: _cpu_seconds(p) for k, p in (pids or {}).items()}
     totals_before = replica_totals(base)
-    summary = asyncio.run(asyncio.wait_for(
-        run_benchmark(base + "/v1", reqs, model="bench", num_processes=args.num_client_processes),
-        max(1.0, deadline - time.monotonic())))
+    with Timeline(base, pids or {}) as timeline:
+        summary = asyncio.run(asyncio.wait_for(
+            run_benchmark(base + "/v1", reqs, model="bench", num_processes=args.num_client_processes),
+            max(1.0, deadline - time.monotonic())))
+    summary["timeline"] = timeline.samples
+    if summary.get("backlog"):  # while requests still waited: was some process at one core?
+        summary["server_cpu_share_backlog"] = timeline.share_until(summary["backlog"]["window_s"])
     # Each server process's CPU over the measured run: near 1 core (share 1.0) means that
     # process set the pace (one event loop, one core).
     spent = {k: (_cpu_seconds(p), before[k]) for k, p in (pids or {}).items()}
@@ -222,7 +283,8 @@ def main() -> None:
             log(f"DP={dp}: {s['completed']} done, {s['failed']} failed in {s['duration_s']:.1f} s, "
                 f"{s['total_token_throughput']:.0f} tok/s total, {s['output_throughput']:.0f} out tok/s; "
                 f"client CPU {s['client_cpu_s']:.1f} s over {s['num_client_processes']} process(es); "
-                f"server CPU share (cores) {s['server_cpu_share']}")
+                f"server CPU share (cores) {s['server_cpu_share']}, while requests waited "
+                f"{s.get('server_cpu_share_backlog')}")
         finally:
             stop_server(proc)
     ratios = {
