@@ -12,6 +12,8 @@ Phases (each also runs alone, so a run can be split across calls with a time lim
            prompts, ignore_eos, Poisson arrivals), sharegpt-like, --num-requests at each rate
   offline  `nanovllm` and `fixed256`: benchmarks/peers/bench_vllm.py beside
            `pagedserve bench throughput`, two timed runs each, the faster reported by both
+  decode   (not in `all`) benchmarks/peers/decode_step_diff.py for both engines at --decode-seqs:
+           the period and kernels of one small-batch decode step, measured alike
   collect  merges the phase files into benchmarks/results/<device>/serving.json with the ratios
            tpot_p50_over_vllm_rN, ttft_p99_over_vllm_rN, throughput_over_vllm_rN,
            offline_nanovllm_over_vllm, offline_fixed256_over_vllm
@@ -126,6 +128,23 @@ def offline_one(engine: str, gpu: str, args, work: Path) -> None:
         log(work, f"offline {engine} {wl} rc={r.returncode} in {time.monotonic() - t0:.0f} s")
 
 
+def decode_one(engine: str, gpu: str, args, work: Path) -> None:
+    """benchmarks/peers/decode_step_diff.py at each --decode-seqs: one small-batch decode step of
+    this engine, its period and its kernels (#13's TPOT gap at 10 and 20 req/s)."""
+    env = env_for(engine, args.site, gpu)
+    if engine == "vllm":
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # its core in this process, where the profiler looks
+    for n in args.decode_seqs:
+        out = work / f"decode_{engine}_n{n}.json"
+        cmd = [sys.executable, str(REPO / "benchmarks/peers/decode_step_diff.py"), "--engine", engine,
+               "--num-seqs", str(n), "--config", str(Path(args.model) / "config.json"), "--out", str(out)]
+        t0 = time.monotonic()
+        with open(work / f"decode_{engine}_n{n}.log", "w") as f:
+            r = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.offline_limit)
+        log(work, f"decode {engine} n={n} rc={r.returncode} in {time.monotonic() - t0:.0f} s: "
+                  f"{json.dumps((_load(out) or {}).get('results', {}).get('step_period_ms'))} ms/step")
+
+
 def run_pair(fn, args, work: Path, *extra) -> None:
     gpus = args.gpus.split(",")
     engines = [e for e in ("vllm", "pagedserve") if e in args.engines.split(",")]
@@ -221,7 +240,9 @@ def phase_collect(args, work: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["online", "offline", "collect", "all"])
+    ap.add_argument("phase", choices=["online", "offline", "collect", "all", "decode"],
+                    help="all = online, offline, collect; decode (alone): one small-batch decode step of "
+                         "each engine through benchmarks/peers/decode_step_diff.py")
     ap.add_argument("--site", default=os.environ.get("SITE", os.path.join(tempfile.gettempdir(), "site")),
                     help="where vLLM 0.26 and the server wheels were installed (default: $SITE or <tmp>/site)")
     ap.add_argument("--gpus", default="0", help="'0' (one after the other) or '0,1' (vLLM on 0, pagedserve on 1)")
@@ -241,6 +262,7 @@ def main() -> None:
     ap.add_argument("--startup-limit", type=float, default=420)
     ap.add_argument("--rate-limit", type=float, default=300)
     ap.add_argument("--offline-limit", type=float, default=420)
+    ap.add_argument("--decode-seqs", type=int, nargs="+", default=[16, 32], help="decode: batch sizes")
     ap.add_argument("--output", default=str(REPO / "benchmarks/results/h200/serving.json"))
     ap.add_argument("--device", default=None, help="collect: the device the phases ran on (default: this one)")
     args = ap.parse_args()
@@ -252,6 +274,8 @@ def main() -> None:
         phase_offline(args, work)
     if args.phase in ("collect", "all"):
         phase_collect(args, work)
+    if args.phase == "decode":
+        run_pair(decode_one, args, work)
 
 
 if __name__ == "__main__":
