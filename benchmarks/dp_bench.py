@@ -13,6 +13,7 @@ Progress lines go to stdout and, when $OUT is set, to $OUT/dp_bench.log.
 
     python benchmarks/dp_bench.py                        # on a host with 2 GPUs
     python benchmarks/dp_bench.py --smoke --device cpu   # the same plumbing, demo config, CPU
+    python benchmarks/dp_bench.py --api-server-counts 1,4   # DP=2 again with 4 front-end processes
 """
 from __future__ import annotations
 
@@ -43,12 +44,13 @@ def log(msg: str) -> None:
             f.write(line + "\n")
 
 
-def start_server(dp: int, args, log_path: Path) -> tuple[subprocess.Popen, str]:
+def start_server(dp: int, args, log_path: Path, api_servers: int = 1) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(args.model),
            "--port", str(port), "--served-model-name", "bench", "--device", args.device,
            "--dtype", args.dtype, "--max-model-len", str(args.max_model_len),
            "--data-parallel-size", str(dp), "--load-format", "dummy", "--skip-tokenizer-init",
+           *(["--api-server-count", str(api_servers)] if api_servers > 1 else []),
            *shlex.split(args.server_args)]
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                TOKENIZERS_PARALLELISM="false")
@@ -132,7 +134,11 @@ def server_processes(proc: subprocess.Popen, dp: int) -> dict[str, int]:
         return {"api_server": proc.pid,
                 **{f"engine_core{i or ''}": c for i, c in enumerate(python_children(proc.pid))}}
     out = {"frontend": proc.pid}
-    for i, r in enumerate(python_children(proc.pid)):
+    children = python_children(proc.pid)
+    relays = [c for c in children if b"relay_worker" in open(f"/proc/{c}/cmdline", "rb").read()]
+    for k, c in enumerate(relays):
+        out[f"frontend{k + 1}"] = c
+    for i, r in enumerate(c for c in children if c not in relays):
         out[f"replica{i}_api_server"] = r
         for j, c in enumerate(python_children(r)):
             out[f"replica{i}_engine_core{j or ''}"] = c
@@ -251,6 +257,9 @@ def main() -> None:
                     help="split the requests over K client processes (one asyncio process "
                          "parses ~10-20k SSE events/s at most); percentiles come from the "
                          "merged per-request records, throughput from the union's wall time")
+    ap.add_argument("--api-server-counts", default="1",
+                    help="comma-separated: one DP=2 run per count of front-end processes "
+                         "(--api-server-count); results dp2 for the first, dp2_api<K> for the others")
     ap.add_argument("--smoke", action="store_true", help="demo config, few requests: the plumbing")
     args = ap.parse_args()
     if args.num_client_processes < 1:
@@ -268,19 +277,22 @@ def main() -> None:
     from pagedserve.benchmark.results import write_result
     out_dir = Path(os.environ.get("OUT") or "/tmp")
     results = {}
-    for dp in (1, 2):
-        proc, base = start_server(dp, args, out_dir / f"dp{dp}_server.log")
+    counts = [int(k) for k in args.api_server_counts.split(",")]
+    runs = [("dp1", 1, 1)] + [("dp2" if i == 0 else f"dp2_api{k}", 2, k) for i, k in enumerate(counts)]
+    for key, dp, api_servers in runs:
+        proc, base = start_server(dp, args, out_dir / f"{key}_server.log", api_servers)
         try:
-            log(f"DP={dp}: replaying {args.num_requests} {args.workload} requests at t=0")
+            log(f"{key}: replaying {args.num_requests} {args.workload} requests at t=0")
             pids = server_processes(proc, dp)
-            log(f"DP={dp}: server processes {pids}")
-            results[f"dp{dp}"] = replay(base, args, pids)
-            s = results[f"dp{dp}"]
+            log(f"{key}: server processes {pids}")
+            results[key] = replay(base, args, pids)
+            s = results[key]
+            s["api_server_count"] = api_servers
             if dp > 1:
                 s["front_end"] = front_end_facts(base)
             if s["failed"]:
-                log(f"DP={dp}: first error: {s['first_error']}")
-            log(f"DP={dp}: {s['completed']} done, {s['failed']} failed in {s['duration_s']:.1f} s, "
+                log(f"{key}: first error: {s['first_error']}")
+            log(f"{key}: {s['completed']} done, {s['failed']} failed in {s['duration_s']:.1f} s, "
                 f"{s['total_token_throughput']:.0f} tok/s total, {s['output_throughput']:.0f} out tok/s; "
                 f"client CPU {s['client_cpu_s']:.1f} s over {s['num_client_processes']} process(es); "
                 f"server CPU share (cores) {s['server_cpu_share']}, while requests waited "
@@ -298,11 +310,16 @@ def main() -> None:
     if results["dp1"].get("backlog") and results["dp2"].get("backlog"):
         ratios["dp2_over_dp1_backlog_output_throughput"] = round(
             results["dp2"]["backlog"]["output_throughput"] / results["dp1"]["backlog"]["output_throughput"], 3)
+    for key in results:  # the other front-end process counts, beside the first
+        if key.startswith("dp2_api"):
+            ratios[f"{key}_over_dp1_throughput"] = round(
+                results[key]["total_token_throughput"] / results["dp1"]["total_token_throughput"], 3)
     config = {"model": str(Path(args.model).relative_to(ROOT)) if not args.smoke else "demo",
               "load_format": "dummy", "dtype": args.dtype,
               "workload": args.workload, "num_requests": args.num_requests, "arrivals": "all at t=0",
               "max_model_len": args.max_model_len, "dp1": "plain server, GPU 0",
               "dp2": "--data-parallel-size 2 (mp backend, prefix routing), GPUs 0 and 1",
+              "api_server_counts": counts,
               "server_args": args.server_args, "smoke": args.smoke,
               "num_client_processes": args.num_client_processes}
     doc = write_result(args.out, "dp", "python benchmarks/dp_bench.py " + shlex.join(sys.argv[1:]),

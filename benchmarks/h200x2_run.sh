@@ -5,7 +5,7 @@
 #                                                # PAGEDSERVE_TP_ALLREDUCE=symm_mem (and its agreement
 #                                                # with TP=1), then NCCL_PROTO=LL128,Simple
 #   bash benchmarks/h200x2_run.sh tp_opt         # OPT-13B fixed256 at TP=1 and 2 (1000 requests need > 105 s a child)
-#   bash benchmarks/h200x2_run.sh dp             # DP=2 against DP=1, 5000 sharegpt-like requests at t=0
+#   bash benchmarks/h200x2_run.sh dp             # DP=2 against DP=1, 5000 sharegpt-like requests at t=0; DP=2 with 1 and 4 front-end processes
 #   bash benchmarks/h200x2_run.sh dashboard      # the dashboard's cost and frame rate on GPU 0 (0.4 s default), then
 #                                                # Llama-3.1-8B decode-step profiles at 16 and 32 sequences (#13's TPOT)
 #   bash benchmarks/h200x2_run.sh profiles       # Llama-3.1-8B decode steps as serving runs them (CUDA graphs) at 16,
@@ -40,7 +40,7 @@ case "${1:-}" in
       --out $L/tp_symm_mem_agreement/tp.json --progress-dir $L/tp_symm_mem_agreement --child-timeout 55
     NCCL_PROTO=LL128,Simple tp tp_nccl_ll128 110 --models llama-3.1-8b --tp-sizes 2 --child-timeout 100 ;;
   tp_opt) tp tp_opt 500 --models opt-13b --child-timeout 240 ;;
-  dp) step dp 580 python3 benchmarks/dp_bench.py --out $L/dp/dp.json --num-requests 5000 --start-timeout 200 \
+  dp) step dp 580 python3 benchmarks/dp_bench.py --out $L/dp/dp.json --num-requests 5000 --start-timeout 200 --api-server-counts 1,4 \
         --run-timeout 240 --num-client-processes 4 ;;
   dashboard)
     CUDA_VISIBLE_DEVICES=0 step dashboard 270 python3 benchmarks/dashboard_overhead.py --device cuda --rounds 3 \

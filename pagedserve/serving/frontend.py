@@ -26,9 +26,20 @@ from pagedserve.serving.prefix_key import prefix_block_hashes, request_token_ids
 logger = logging.getLogger("pagedserve.dp")
 
 
+async def merged_metrics(pool: ReplicaPool) -> str:
+    """Every live replica's /metrics under a `replica` label, and the router's own series; a relay
+    worker's pool (relay_worker.py) asks the front end that routes."""
+    own = getattr(pool, "metrics_text", None)
+    if own is not None:
+        return await own()
+    return merge_replica_metrics(await pool.metrics_texts(), pool.router_metrics())
+
+
 def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: str | None = None,
-                 max_request_bytes: int = 1 << 20, manage_pool: bool = True) -> FastAPI:
-    """manage_pool: start the pool with the app and stop it with the app."""
+                 max_request_bytes: int = 1 << 20, manage_pool: bool = True,
+                 after_start=None, before_stop=None) -> FastAPI:
+    """manage_pool: start the pool with the app and stop it with the app. after_start /
+    before_stop: async callables run once the pool is up / before it stops (relay workers)."""
     # Tokenizing a long prompt takes milliseconds: off the event loop, one at a time.
     tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-route")
 
@@ -36,9 +47,13 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
     async def lifespan(app: FastAPI):
         if manage_pool:
             await pool.start()
+        if after_start is not None:
+            await after_start()
         try:
             yield
         finally:
+            if before_stop is not None:
+                await before_stop()
             if manage_pool:
                 await pool.stop()
             tokenize.shutdown(wait=False, cancel_futures=True)
@@ -58,9 +73,7 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        texts = await pool.metrics_texts()
-        return Response(merge_replica_metrics(texts, pool.router_metrics()),
-                        media_type=CONTENT_TYPE_LATEST)
+        return Response(await merged_metrics(pool), media_type=CONTENT_TYPE_LATEST)
 
     @app.api_route("/v1/{rest:path}", methods=["GET", "POST"])
     async def forward(rest: str, request: Request) -> Response:

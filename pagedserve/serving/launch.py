@@ -33,6 +33,9 @@ def add_dp_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--routing-imbalance-threshold", type=int, default=8,
                    help="prefix routing leaves a prefix's replica when it has more than this "
                         "many requests in flight above the least-loaded replica")
+    g.add_argument("--api-server-count", type=int, default=1,
+                   help="mp backend: front-end processes on the one port, relaying in parallel; "
+                        "routing stays in the first (see serving/relay_worker.py)")
     g.add_argument("--ray-address", default=None,
                    help="Ray cluster to join (ray backend; default: start a local one)")
     g.add_argument("--min-replicas", type=int, default=None,
@@ -54,6 +57,10 @@ def wants_dp(args: argparse.Namespace) -> bool:
 def check_dp_args(args: argparse.Namespace) -> None:
     if args.data_parallel_size < 1:
         raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
+    if args.api_server_count < 1:
+        raise ValueError(f"api_server_count must be >= 1, got {args.api_server_count}")
+    if args.api_server_count > 1 and args.data_parallel_backend != "mp":
+        raise ValueError("api_server_count > 1 is for --data-parallel-backend mp (Ray Serve runs its own proxies)")
     if args.routing_imbalance_threshold < 0:
         raise ValueError(f"routing_imbalance_threshold must be >= 0, got "
                          f"{args.routing_imbalance_threshold}")
@@ -144,13 +151,21 @@ def replica_commands(config: EngineConfig, dp: int, served_name: str,
     return out
 
 
-def load_tokenizer(config: EngineConfig) -> Any:
-    """The replicas' tokenizer, for routing keys; None with skip_tokenizer_init (then only
-    token-id prompts have a key, text prompts are routed by load)."""
-    if config.skip_tokenizer_init:
+def tokenizer_path(config: EngineConfig) -> str | None:
+    return None if config.skip_tokenizer_init else (config.tokenizer or config.model)
+
+
+def load_tokenizer_path(path: str | None) -> Any:
+    """The replicas' tokenizer, for routing keys; None without one (skip_tokenizer_init: then
+    only token-id prompts have a key, text prompts are routed by load)."""
+    if path is None:
         return None
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(config.tokenizer or config.model, local_files_only=True)
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_tokenizer(config: EngineConfig) -> Any:
+    return load_tokenizer_path(tokenizer_path(config))
 
 
 def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_name: str,
@@ -168,13 +183,49 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
     from pagedserve.serving.mp_pool import ProcessReplicaPool
     pool = ProcessReplicaPool(replica_commands(config, args.data_parallel_size, served_name,
                                                args.max_request_bytes), policy)
+    hooks = {}
+    if args.api_server_count > 1:
+        hooks = relay_worker_hooks(args, pool, config, api_key)
     app = build_dp_app(pool, load_tokenizer(config), config.block_size, api_key=api_key,
-                       max_request_bytes=args.max_request_bytes)
+                       max_request_bytes=args.max_request_bytes, **hooks)
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request
     from pagedserve.entrypoints.http_stack import describe
-    logger.info("serving %s with %d replicas (mp, %s routing, relayed with %s; %s) on http://%s:%d/v1",
-                served_name, args.data_parallel_size, policy.name, pool.relay_client, describe(),
-                args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
+    logger.info("serving %s with %d replicas (mp, %s routing, relayed with %s by %d front-end process(es); %s) "
+                "on http://%s:%d/v1", served_name, args.data_parallel_size, policy.name, pool.relay_client,
+                args.api_server_count, describe(), args.host, args.port)
+    if args.api_server_count == 1:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
+        return 0
+    from pagedserve.serving.relay_worker import reuse_port_socket
+    sock = reuse_port_socket(args.host, args.port)  # the relay workers bind the same port
+    uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_keep_alive=5)).run(sockets=[sock])
     return 0
+
+
+def relay_worker_hooks(args: argparse.Namespace, pool, config: EngineConfig, api_key: str | None) -> dict:
+    """build_dp_app's after_start / before_stop for --api-server-count > 1: the route service
+    and the relay workers start once the replicas are live, and stop before they do."""
+    import tempfile
+
+    from pagedserve.serving.frontend import merged_metrics
+    from pagedserve.serving.relay_worker import RelayWorkers, RouteService
+
+    address = f"ipc://{tempfile.mkdtemp(prefix='pagedserve-route-')}/route"
+    if api_key:  # the workers check it too; through the environment, not their argv
+        os.environ["PAGEDSERVE_API_KEY"] = api_key
+    workers = RelayWorkers(args.api_server_count - 1, args.host, args.port, address, tokenizer_path(config),
+                           config.block_size, args.max_request_bytes)
+    state: dict = {}
+
+    async def after_start() -> None:
+        state["route"] = RouteService(pool, address, lambda: merged_metrics(pool))
+        state["route"].start()
+        await workers.start(state["route"])
+
+    async def before_stop() -> None:
+        await workers.stop()
+        if "route" in state:
+            await state["route"].stop()
+
+    return {"after_start": after_start, "before_stop": before_stop}

@@ -68,8 +68,83 @@ class LocalReplica:
         self.live = False
 
 
-class ProcessReplicaPool:
-    """N local replica processes; see the module docstring for the fault contract."""
+class RelayingPool:
+    """Forwards requests over HTTP to the replica a router picks; see the module docstring for
+    the fault contract. Subclasses route: _acquire names a replica for a request and counts it
+    in flight, _release ends that, _delivered counts it as routed, _down marks a replica failed.
+    ProcessReplicaPool routes in this process; relay_worker.RemoteRoutedPool asks the process
+    that owns the routing state (--api-server-count > 1)."""
+
+    relay_client: str
+    _relay = None  # relay_clients.HttpxRelay | AiohttpRelay, from start()
+
+    async def _acquire(self, prefix_hashes: Sequence[bytes], tried: set[int]) -> tuple[int, str]:
+        raise NotImplementedError
+
+    def _release(self, index: int) -> None:
+        raise NotImplementedError
+
+    def _delivered(self, index: int) -> None:
+        raise NotImplementedError
+
+    def _down(self, index: int, why: str) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _failed(index: int) -> ReplicaFailed:
+        return ReplicaFailed(f"replica {index} failed while serving this request")
+
+    async def forward(self, method: str, path: str, body: bytes,
+                      prefix_hashes: Sequence[bytes]) -> ReplicaResponse:
+        relay, tried = self._relay, set()
+        while True:
+            index, url = await self._acquire(prefix_hashes, tried)
+            try:
+                resp = await relay.send(method, url + path, body)
+            except NotDelivered as e:  # safe to send elsewhere
+                self._release(index)
+                tried.add(index)
+                self._down(index, f"connect failed: {e}")
+                continue
+            except Lost as e:
+                self._release(index)
+                self._down(index, f"request lost: {e}")
+                raise self._failed(index) from None
+            except BaseException:
+                self._release(index)
+                raise
+            self._delivered(index)
+            status, content_type = relay.head(resp)
+            if content_type.startswith("text/event-stream"):
+                return ReplicaResponse(status, content_type, self._stream(index, resp))
+            try:
+                data = await relay.read(resp)
+            except Lost as e:
+                self._down(index, f"response lost: {e}")
+                raise self._failed(index) from None
+            finally:
+                self._release(index)
+                await relay.close(resp, complete=True)
+            return ReplicaResponse(status, content_type, one_chunk(data))
+
+    async def _stream(self, index: int, resp) -> AsyncIterator[bytes]:
+        """The replica's bytes as they arrive; a replica lost mid-stream ends it with an error event."""
+        complete = False
+        try:
+            async for chunk in self._relay.chunks(resp):
+                yield chunk
+            complete = True
+        except Lost as e:
+            self._down(index, f"stream lost: {e}")
+            err = APIError(str(self._failed(index)), 503, type="server_error", code="replica_failed")
+            yield (error_event(err) + SSE_DONE).encode()
+        finally:
+            self._release(index)
+            await self._relay.close(resp, complete)
+
+
+class ProcessReplicaPool(RelayingPool):
+    """N local replica processes, routed and supervised here."""
 
     backend = "mp"
 
@@ -90,6 +165,7 @@ class ProcessReplicaPool:
         self._client: httpx.AsyncClient | None = None
         self._relay = None  # relay_clients.HttpxRelay | AiohttpRelay, from start()
         self._supervisor: asyncio.Task | None = None
+        self.picks_by_api_server: dict[str, int] = {}  # front-end process -> requests it routed
 
     @classmethod
     def attach(cls, urls: Sequence[str], policy, **kwargs) -> "ProcessReplicaPool":
@@ -184,58 +260,25 @@ class ProcessReplicaPool:
             raise NoReplicaAvailable("no replica is live to serve this request; retry later")
         return self.replicas[self.policy.choose(prefix_hashes, loads)]
 
-    @staticmethod
-    def _failed(r: LocalReplica) -> ReplicaFailed:
-        return ReplicaFailed(f"replica {r.index} failed while serving this request")
+    async def _acquire(self, prefix_hashes: Sequence[bytes], tried: set[int]) -> tuple[int, str]:
+        return self.acquire(prefix_hashes, tried)
 
-    async def forward(self, method: str, path: str, body: bytes,
-                      prefix_hashes: Sequence[bytes]) -> ReplicaResponse:
-        relay, tried = self._relay, set()
-        while True:
-            r = self._pick(prefix_hashes, tried)
-            r.in_flight += 1
-            try:
-                resp = await relay.send(method, r.url + path, body)
-            except NotDelivered as e:  # safe to send elsewhere
-                r.in_flight -= 1
-                tried.add(r.index)
-                self._mark_down(r, f"connect failed: {e}")
-                continue
-            except Lost as e:
-                r.in_flight -= 1
-                self._mark_down(r, f"request lost: {e}")
-                raise self._failed(r) from None
-            except BaseException:
-                r.in_flight -= 1
-                raise
-            r.routed += 1
-            status, content_type = relay.head(resp)
-            if content_type.startswith("text/event-stream"):
-                return ReplicaResponse(status, content_type, self._stream(r, resp))
-            try:
-                data = await relay.read(resp)
-            except Lost as e:
-                self._mark_down(r, f"response lost: {e}")
-                raise self._failed(r) from None
-            finally:
-                r.in_flight -= 1
-                await relay.close(resp, complete=True)
-            return ReplicaResponse(status, content_type, one_chunk(data))
+    def acquire(self, prefix_hashes: Sequence[bytes], tried: set[int], api_server: str = "0") -> tuple[int, str]:
+        """Route one request: its replica's index and URL, counted in flight until _release.
+        api_server: the front-end process asking (relay_worker.py), counted for /health."""
+        r = self._pick(prefix_hashes, tried)
+        r.in_flight += 1
+        self.picks_by_api_server[api_server] = self.picks_by_api_server.get(api_server, 0) + 1
+        return r.index, r.url
 
-    async def _stream(self, r: LocalReplica, resp) -> AsyncIterator[bytes]:
-        """The replica's bytes as they arrive; a replica lost mid-stream ends it with an error event."""
-        complete = False
-        try:
-            async for chunk in self._relay.chunks(resp):
-                yield chunk
-            complete = True
-        except Lost as e:
-            self._mark_down(r, f"stream lost: {e}")
-            err = APIError(str(self._failed(r)), 503, type="server_error", code="replica_failed")
-            yield (error_event(err) + SSE_DONE).encode()
-        finally:
-            r.in_flight -= 1
-            await self._relay.close(resp, complete)
+    def _release(self, index: int) -> None:
+        self.replicas[index].in_flight -= 1
+
+    def _delivered(self, index: int) -> None:
+        self.replicas[index].routed += 1
+
+    def _down(self, index: int, why: str) -> None:
+        self._mark_down(self.replicas[index], why)
 
     # ---- observability -----------------------------------------------------------------------
 
@@ -243,7 +286,7 @@ class ProcessReplicaPool:
         n_live = sum(r.live for r in self.replicas)
         status = "ok" if n_live == len(self.replicas) else "degraded" if n_live else "down"
         return {"status": status, "backend": self.backend, "relay_client": self.relay_client,
-                "live_replicas": n_live, "replicas": [
+                "live_replicas": n_live, "routed_by_api_server": dict(self.picks_by_api_server), "replicas": [
                     {"replica": str(r.index), "live": r.live, "url": r.url,
                      "pid": r.proc.pid if r.proc else None, "in_flight": r.in_flight,
                      "routed": r.routed, "restarts": r.restarts} for r in self.replicas]}

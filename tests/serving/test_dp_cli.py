@@ -24,6 +24,10 @@ from pagedserve.entrypoints.cli import main
     (["--data-parallel-backend", "ray", "--min-replicas", "1", "--max-replicas", "2",
       "--ray-autoscaling-config", '{"max_replicas": 4}'],
      "ray_autoscaling_config: set max_replicas with --max-replicas"),
+    (["--data-parallel-size", "2", "--api-server-count", "0"], "api_server_count must be >= 1, got 0"),
+    (["--data-parallel-backend", "ray", "--api-server-count", "2"],
+     "api_server_count > 1 is for --data-parallel-backend mp"),
+    (["--api-server-count", "2"], "api_server_count > 1 needs --data-parallel-size > 1"),
 ])
 def test_bad_dp_flags(flags, message, capsys):
     assert main(["serve", "--device", "cpu", *flags]) == 2

@@ -278,6 +278,8 @@ def run_server_cli(args: Any) -> int:
     from pagedserve.serving.launch import run_dp_server_cli, wants_dp
     if wants_dp(args):
         return run_dp_server_cli(args, config, name, api_key)
+    if getattr(args, "api_server_count", 1) != 1:
+        raise ValueError("api_server_count > 1 needs --data-parallel-size > 1 (the front end's relay processes)")
     from pagedserve.entrypoints.http_stack import describe
     logger.info("%s", describe())
     engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
