@@ -211,7 +211,8 @@ def relay_worker_hooks(args: argparse.Namespace, pool, config: EngineConfig, api
     from pagedserve.serving.frontend import merged_metrics
     from pagedserve.serving.relay_worker import RelayWorkers, RouteService
 
-    address = f"ipc://{tempfile.mkdtemp(prefix='pagedserve-route-')}/route"
+    folder = tempfile.mkdtemp(prefix="pagedserve-route-")
+    address = f"ipc://{folder}/route"
     if api_key:  # the workers check it too; through the environment, not their argv
         os.environ["PAGEDSERVE_API_KEY"] = api_key
     workers = RelayWorkers(args.api_server_count - 1, args.host, args.port, address, tokenizer_path(config),
@@ -227,5 +228,7 @@ def relay_worker_hooks(args: argparse.Namespace, pool, config: EngineConfig, api
         await workers.stop()
         if "route" in state:
             await state["route"].stop()
+        import shutil
+        shutil.rmtree(folder, ignore_errors=True)
 
     return {"after_start": after_start, "before_stop": before_stop}

@@ -61,6 +61,9 @@ class RouteService:
         self._ctx = zmq.asyncio.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
+        # No high-water marks: a ROUTER drops what it cannot queue, and no answer may be lost.
+        self._sock.setsockopt(zmq.SNDHWM, 0)
+        self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.bind(address)
         self._task: asyncio.Task | None = None
         self.ready: set[str] = set()  # workers that said hello: their socket is listening
@@ -77,6 +80,7 @@ class RouteService:
     async def _serve(self) -> None:
         while True:
             ident, frame = await self._sock.recv_multipart()
+            call_id = None
             try:
                 op, call_id, *args = msgspec.msgpack.decode(frame)
                 if op in ("health", "metrics"):  # they await replicas: answered off this loop's turn
@@ -110,7 +114,11 @@ class RouteService:
         return None
 
     async def _answer_later(self, ident: bytes, op: str, call_id: int) -> None:
-        result = await self.pool.health() if op == "health" else await self.metrics_text()
+        try:
+            result = await self.pool.health() if op == "health" else await self.metrics_text()
+        except Exception as e:  # the worker answers its client from this, not after a timeout
+            logger.exception("route service: %s", op)
+            result = {"status": "down", "error": repr(e)} if op == "health" else f"# error: {e!r}\n"
         await self._sock.send_multipart([ident, msgspec.msgpack.encode([call_id, result])])
 
 
@@ -130,6 +138,8 @@ class RemoteRoutedPool(RelayingPool):
         self._sock = self._ctx.socket(zmq.DEALER)
         self._sock.setsockopt(zmq.IDENTITY, self.worker_name.encode())
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # releases are never dropped or held back
+        self._sock.setsockopt(zmq.RCVHWM, 0)
         self._sock.connect(self.route_address)
         self._relay = make_relay(self.relay_client)
         self._reader = asyncio.get_running_loop().create_task(self._read())
@@ -164,7 +174,8 @@ class RemoteRoutedPool(RelayingPool):
             self._pending.pop(call_id, None)
 
     def _tell(self, op: str, *args) -> None:
-        self._sock.send(msgspec.msgpack.encode([op, None, *args]))  # DEALER, no HWM reached here: no wait
+        # No high-water mark, so the send completes at once; nothing to await.
+        self._sock.send(msgspec.msgpack.encode([op, None, *args]), flags=zmq.NOBLOCK)
 
     async def _acquire(self, prefix_hashes: Sequence[bytes], tried: set[int]) -> tuple[int, str]:
         got = await self._call("pick", list(prefix_hashes), sorted(tried))
