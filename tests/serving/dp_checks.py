@@ -160,3 +160,11 @@ def check_client_disconnect_aborts_on_the_replica(server) -> None:
     generated = totals()[0] - before
     print(f"\ntokens generated for the abandoned request: {generated:.0f} of 480")
     assert generated < 480
+
+
+def mp_replica_recovered(health: dict, victim: dict) -> bool:
+    """check_kill_under_load's `recovered` for the mp backend: the victim's replica restarted
+    once, under a new pid, and answers /health."""
+    r = next(r for r in health["replicas"] if r["replica"] == victim["replica"])
+    return r["restarts"] == 1 and r["pid"] != victim["pid"] and \
+        httpx.get(r["url"] + "/health").status_code == 200

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from dp_checks import check_kill_under_load, check_openai_client
+from dp_checks import check_kill_under_load, check_openai_client, mp_replica_recovered
 from dp_helpers import (MODEL, per_replica, replica_figures, run_workload, shared_prefix_workload,
                         start_dp_server, stop_process)
 
@@ -106,8 +106,4 @@ def test_a_relay_worker_that_dies_is_replaced(server):
 
 
 def test_killing_a_replica_under_load_behind_several_front_ends(server):
-    def recovered(health, victim):
-        r = next(r for r in health["replicas"] if r["replica"] == victim["replica"])
-        return r["restarts"] == 1 and r["pid"] != victim["pid"] and \
-            httpx.get(r["url"] + "/health").status_code == 200
-    check_kill_under_load(server, recovered)
+    check_kill_under_load(server, mp_replica_recovered)

@@ -9,7 +9,7 @@ import json
 import httpx
 
 from dp_checks import (check_client_disconnect_aborts_on_the_replica, check_kill_under_load,
-                       check_metrics_aggregate, check_openai_client)
+                       check_metrics_aggregate, check_openai_client, mp_replica_recovered)
 from dp_helpers import (BLOCK_SIZE, arun_workload, replica_figures, run_workload,
                         shared_prefix_workload)
 
@@ -91,8 +91,4 @@ def test_client_disconnect_aborts_on_the_replica(mp_server):
 
 
 def test_killing_a_replica_under_load(mp_server):
-    def recovered(health, victim):
-        r = next(r for r in health["replicas"] if r["replica"] == victim["replica"])
-        return r["restarts"] == 1 and r["pid"] != victim["pid"] and \
-            httpx.get(r["url"] + "/health").status_code == 200
-    check_kill_under_load(mp_server, recovered)
+    check_kill_under_load(mp_server, mp_replica_recovered)
