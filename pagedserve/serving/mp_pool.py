@@ -166,6 +166,8 @@ class ProcessReplicaPool(RelayingPool):
         self._relay = None  # relay_clients.HttpxRelay | AiohttpRelay, from start()
         self._supervisor: asyncio.Task | None = None
         self.picks_by_api_server: dict[str, int] = {}  # front-end process -> requests it routed
+        # Relay workers listening beside this process (relay_worker.RouteService keeps it).
+        self.relay_workers_listening: set[str] = set()
 
     @classmethod
     def attach(cls, urls: Sequence[str], policy, **kwargs) -> "ProcessReplicaPool":
@@ -286,7 +288,8 @@ class ProcessReplicaPool(RelayingPool):
         n_live = sum(r.live for r in self.replicas)
         status = "ok" if n_live == len(self.replicas) else "degraded" if n_live else "down"
         return {"status": status, "backend": self.backend, "relay_client": self.relay_client,
-                "live_replicas": n_live, "routed_by_api_server": dict(self.picks_by_api_server), "replicas": [
+                "live_replicas": n_live, "routed_by_api_server": dict(self.picks_by_api_server),
+                "api_servers_listening": ["0", *sorted(self.relay_workers_listening)], "replicas": [
                     {"replica": str(r.index), "live": r.live, "url": r.url,
                      "pid": r.proc.pid if r.proc else None, "in_flight": r.in_flight,
                      "routed": r.routed, "restarts": r.restarts} for r in self.replicas]}

@@ -64,9 +64,14 @@ class RouteService:
         # No high-water marks: a ROUTER drops what it cannot queue, and no answer may be lost.
         self._sock.setsockopt(zmq.SNDHWM, 0)
         self._sock.setsockopt(zmq.RCVHWM, 0)
+        # A restarted worker reconnects under its predecessor's name: the name goes to it.
+        self._sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._sock.bind(address)
         self._task: asyncio.Task | None = None
-        self.ready: set[str] = set()  # workers that said hello: their socket is listening
+        self.ready = pool.relay_workers_listening  # workers that said hello: their socket listens
+        # worker -> replica -> requests it picked and has not released: what a worker that dies
+        # leaves counted in flight, released by forget_worker.
+        self.outstanding: dict[str, dict[int, int]] = {}
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._serve())
@@ -96,15 +101,21 @@ class RouteService:
     def _handle(self, ident: bytes, op: str, args: list) -> Any:
         if op == "pick":
             hashes, tried = args
+            worker = ident.decode(errors="replace")
             try:
-                index, url = self.pool.acquire(hashes, set(tried), api_server=ident.decode(errors="replace"))
+                index, url = self.pool.acquire(hashes, set(tried), api_server=worker)
             except NoReplicaAvailable:
                 return None
+            held = self.outstanding.setdefault(worker, {})
+            held[index] = held.get(index, 0) + 1
             return [index, url]
         if op == "hello":
             self.ready.add(ident.decode(errors="replace"))
         elif op == "release":
-            self.pool._release(args[0])
+            held = self.outstanding.get(ident.decode(errors="replace"), {})
+            if held.get(args[0], 0) > 0:  # (a worker forgotten meanwhile releases nothing twice)
+                held[args[0]] -= 1
+                self.pool._release(args[0])
         elif op == "delivered":
             self.pool._delivered(args[0])
         elif op == "down":
@@ -112,6 +123,13 @@ class RouteService:
         else:
             raise ValueError(f"unknown op {op!r}")
         return None
+
+    def forget_worker(self, worker: str) -> None:
+        """A worker exited: its requests in flight ended with it; release them and forget it."""
+        for index, count in self.outstanding.pop(worker, {}).items():
+            for _ in range(count):
+                self.pool._release(index)
+        self.ready.discard(worker)
 
     async def _answer_later(self, ident: bytes, op: str, call_id: int) -> None:
         try:
@@ -214,6 +232,7 @@ class RelayWorkers:
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.restarts = 0
         self._watch: asyncio.Task | None = None
+        self._route: RouteService | None = None
 
     def _spawn(self, i: int) -> None:
         from pagedserve.serving.mp_pool import _die_with_parent
@@ -222,6 +241,7 @@ class RelayWorkers:
     async def start(self, route: RouteService, timeout_s: float = 120.0) -> None:
         """Spawn the workers and wait until each has said hello (its socket listens), so that
         /health's "ok" means every front-end process can take connections."""
+        self._route = route
         for i in range(len(self.cmds)):
             self._spawn(i)
         deadline = asyncio.get_running_loop().time() + timeout_s
@@ -240,6 +260,7 @@ class RelayWorkers:
             for i, proc in enumerate(self.procs):
                 if proc is not None and proc.poll() is not None:
                     logger.warning("relay worker %d exited with %s: restarting it", i + 1, proc.returncode)
+                    self._route.forget_worker(str(i + 1))
                     self.restarts += 1
                     self._spawn(i)
 

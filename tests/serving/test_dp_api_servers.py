@@ -52,6 +52,7 @@ def _metrics(url: str, headers: dict | None = None) -> str:
 
 def test_requests_spread_over_the_front_ends_with_one_router(server):
     assert len(_relay_workers(server)) == 2
+    assert server.health()[1]["api_servers_listening"] == ["0", "1", "2"]
     urls = _replica_urls(server)
     before = [_metrics(urls[0])]
     run_workload(urls[0], shared_prefix_workload(seed=11), headers=CLOSE)
@@ -90,19 +91,32 @@ def test_openai_client_behind_several_front_ends(server):
 
 def test_a_relay_worker_that_dies_is_replaced(server):
     workers = _relay_workers(server)
+    argv = open(f"/proc/{workers[0]}/cmdline", "rb").read().decode().split("\0")
+    name = argv[argv.index("--name") + 1]
     os.kill(workers[0], signal.SIGKILL)
     # The others (and the first front end) keep serving new connections meanwhile.
     with httpx.Client(base_url=server.base_url, headers={**server.headers, **CLOSE}, timeout=120) as c:
         for i in range(10):
             r = c.post("/v1/completions", json={"model": MODEL, "prompt": [30 + i] * 20, "max_tokens": 3})
             assert r.status_code == 200, r.text
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         now = _relay_workers(server)
-        if len(now) == 2 and workers[0] not in now:
+        listening = server.health()[1]["api_servers_listening"]
+        if len(now) == 2 and workers[0] not in now and name in listening:
             break
         time.sleep(0.5)
-    assert len(now) == 2 and workers[0] not in now, now
+    assert len(now) == 2 and workers[0] not in now and name in listening, (now, listening)
+    # The replacement takes connections and routes through the one router under the dead one's
+    # name; nothing the dead one held stays counted in flight.
+    before = server.health()[1]["routed_by_api_server"]
+    with httpx.Client(base_url=server.base_url, headers={**server.headers, **CLOSE}, timeout=120) as c:
+        for i in range(24):
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": [40 + i] * 20, "max_tokens": 3})
+            assert r.status_code == 200, r.text
+    h = server.health()[1]
+    assert h["routed_by_api_server"].get(name, 0) > before.get(name, 0), (name, before, h["routed_by_api_server"])
+    assert [r["in_flight"] for r in h["replicas"]] == [0, 0]
 
 
 def test_killing_a_replica_under_load_behind_several_front_ends(server):
