@@ -164,7 +164,7 @@ def serve_fake_replica(port: int, token_delay_s: float, kind: str) -> None:
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=5, http=HTTP)
 
 
-def serve_frontend(port: int, urls: list[str]) -> None:
+def serve_frontend(port: int, urls: list[str], api_server_count: int = 1) -> None:
     import logging
 
     import uvicorn
@@ -173,10 +173,18 @@ def serve_frontend(port: int, urls: list[str]) -> None:
     from pagedserve.serving.mp_pool import ProcessReplicaPool
     from pagedserve.serving.routing import make_policy
     pool = ProcessReplicaPool.attach(urls, make_policy("round-robin"))
-    app = build_dp_app(pool, None, 16)
+    hooks = {}
+    if api_server_count > 1:  # as run_dp_server_cli: relay workers on the same port (their http "auto")
+        from pagedserve.serving.relay_worker import relay_worker_hooks, reuse_port_socket
+        hooks = relay_worker_hooks(pool, api_server_count, "127.0.0.1", port, None, 16, 1 << 20, None)
+    app = build_dp_app(pool, None, 16, **hooks)
     logging.getLogger("httpx").setLevel(logging.WARNING)
     # The same uvicorn settings as run_dp_server_cli (http "auto", unless --http).
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=5, http=HTTP)
+    if api_server_count == 1:
+        uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", timeout_keep_alive=5, http=HTTP)
+    else:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=5, http=HTTP)).run(
+            sockets=[reuse_port_socket("127.0.0.1", port)])
 
 
 # ---- the driver --------------------------------------------------------------------------------
@@ -189,6 +197,34 @@ def spawn(role: list[str]) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     tree = ["--server-tree", SERVER_TREE] if SERVER_TREE else []
     return subprocess.Popen([sys.executable, __file__, *role, *tree, "--http", HTTP], env=env, cwd=ROOT)
+
+
+class _Pid:
+    """A process this driver did not start (a relay worker): measured, stopped with its parent."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def terminate(self) -> None:
+        pass
+
+    def wait(self, timeout: float | None = None) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+def relay_worker_pids(parent: int) -> list[int]:
+    out = []
+    for pid in os.listdir("/proc"):
+        try:
+            if pid.isdigit() and int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == parent \
+                    and b"relay_worker" in open(f"/proc/{pid}/cmdline", "rb").read():
+                out.append(int(pid))
+        except OSError:
+            pass
+    return sorted(out)
 
 
 def wait_health(url: str, timeout: float = 60.0) -> None:
@@ -227,9 +263,12 @@ def run_setup(setup: str, args) -> dict:
         if setup == "relay":
             port = free_port()
             procs["frontend"] = spawn(["--role", "frontend", "--port", str(port),
-                                       "--replica-urls", ",".join(urls)])
+                                       "--replica-urls", ",".join(urls),
+                                       "--api-server-count", str(args.api_server_count)])
             base = f"http://127.0.0.1:{port}"
             wait_health(base)
+            for k, pid in enumerate(relay_worker_pids(procs["frontend"].pid)):
+                procs[f"frontend{k + 1}"] = _Pid(pid)
 
         def requests(n: int) -> list[WorkloadRequest]:
             return [WorkloadRequest(prompt_token_ids=[3 + (i * 7 + j) % 1000 for j in range(args.prompt_len)],
@@ -265,6 +304,7 @@ def run_setup(setup: str, args) -> dict:
     # Per request: output_len token events + the usage event + [DONE].
     events = summary["completed"] * (args.output_len + 2)
     out = {"setup": setup, "replica": args.replica, "server_tree": SERVER_TREE or str(ROOT),
+           "api_server_count": args.api_server_count if setup == "relay" else None,
            "relay_client": os.environ.get("PAGEDSERVE_DP_RELAY_CLIENT", "default"),
            "num_requests": args.num_requests, "output_len": args.output_len,
            "token_delay_ms": args.token_delay_ms, "num_client_processes": args.num_client_processes,
@@ -273,6 +313,9 @@ def run_setup(setup: str, args) -> dict:
            "output_tok_per_s": round(summary["output_throughput"]),
            "cpu_s": {k: round(v, 2) for k, v in cpu.items()},
            "cpu_us_per_event": {k: round(v / events * 1e6, 1) for k, v in cpu.items()},
+           # With --api-server-count K: all K front-end processes together, per event.
+           "frontends_cpu_us_per_event": round(sum(v for k, v in cpu.items() if k.startswith("frontend"))
+                                               / events * 1e6, 1) if "frontend" in cpu else None,
            "ceiling_events_per_s_per_core": {k: round(events / v) if v > 0 else None
                                              for k, v in cpu.items()}}
     return out
@@ -283,6 +326,8 @@ def main() -> None:
     ap.add_argument("--role", default="driver", choices=["driver", "replica", "frontend"])
     ap.add_argument("--port", type=int)
     ap.add_argument("--replica-urls", default="")
+    ap.add_argument("--api-server-count", type=int, default=1,
+                    help="relay setup: front-end processes on the port (--api-server-count of the DP front end)")
     ap.add_argument("--setup", nargs="+", default=["client", "relay"], choices=["client", "relay"])
     ap.add_argument("--num-requests", type=int, default=400)
     ap.add_argument("--output-len", type=int, default=200)
@@ -313,22 +358,24 @@ def main() -> None:
     if args.role == "replica":
         return serve_fake_replica(args.port, args.token_delay_ms / 1000, args.replica)
     if args.role == "frontend":
-        return serve_frontend(args.port, args.replica_urls.split(","))
+        return serve_frontend(args.port, args.replica_urls.split(","), args.api_server_count)
     results = []
     for setup in args.setup:
         r = run_setup(setup, args)
         results.append(r)
         print(json.dumps(r), flush=True)
-    print(f"\n{'setup':<8}{'K':>3}{'events/s':>10}" + "".join(
-        f"{k + ' us/ev':>18}" for k in ("client", "frontend", "replica0", "replica1")))
+    print(f"\n{'setup':<8}{'K':>3}{'fe':>3}{'events/s':>10}" + "".join(
+        f"{k + ' us/ev':>18}" for k in ("client", "frontend", "all front ends", "replica0", "replica1")))
     for r in results:
-        print(f"{r['setup']:<8}{r['num_client_processes']:>3}{r['events_per_s']:>10}" + "".join(
-            f"{r['cpu_us_per_event'].get(k, float('nan')):>18}"
-            for k in ("client", "frontend", "replica0", "replica1")))
+        us = {**r["cpu_us_per_event"], "all front ends": r["frontends_cpu_us_per_event"]}
+        print(f"{r['setup']:<8}{r['num_client_processes']:>3}{r['api_server_count'] or '-':>3}{r['events_per_s']:>10}"
+              + "".join(f"{us.get(k) if us.get(k) is not None else float('nan'):>18}"
+                        for k in ("client", "frontend", "all front ends", "replica0", "replica1")))
     if args.out:  # through the one result writer: the commit and the switches go in
         from pagedserve.benchmark.results import write_result
         config = {k: getattr(args, k) for k in ("setup", "num_requests", "output_len", "prompt_len",
-                                                "token_delay_ms", "num_client_processes", "replica", "server_tree", "http")}
+                                                "token_delay_ms", "num_client_processes", "replica", "server_tree", "http",
+                                                "api_server_count")}
         config["relay_client_env"] = os.environ.get("PAGEDSERVE_DP_RELAY_CLIENT")
         write_result(args.out, "frontend_relay", "python benchmarks/frontend_relay.py " + " ".join(sys.argv[1:]),
                      config, {"setups": results}, {}, {}, device="cpu")

@@ -185,7 +185,9 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
                                                args.max_request_bytes), policy)
     hooks = {}
     if args.api_server_count > 1:
-        hooks = relay_worker_hooks(args, pool, config, api_key)
+        from pagedserve.serving.relay_worker import relay_worker_hooks
+        hooks = relay_worker_hooks(pool, args.api_server_count, args.host, args.port, tokenizer_path(config),
+                                   config.block_size, args.max_request_bytes, api_key)
     app = build_dp_app(pool, load_tokenizer(config), config.block_size, api_key=api_key,
                        max_request_bytes=args.max_request_bytes, **hooks)
     logging.basicConfig(level=logging.INFO)
@@ -202,33 +204,3 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
     uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_keep_alive=5)).run(sockets=[sock])
     return 0
 
-
-def relay_worker_hooks(args: argparse.Namespace, pool, config: EngineConfig, api_key: str | None) -> dict:
-    """build_dp_app's after_start / before_stop for --api-server-count > 1: the route service
-    and the relay workers start once the replicas are live, and stop before they do."""
-    import tempfile
-
-    from pagedserve.serving.frontend import merged_metrics
-    from pagedserve.serving.relay_worker import RelayWorkers, RouteService
-
-    folder = tempfile.mkdtemp(prefix="pagedserve-route-")
-    address = f"ipc://{folder}/route"
-    if api_key:  # the workers check it too; through the environment, not their argv
-        os.environ["PAGEDSERVE_API_KEY"] = api_key
-    workers = RelayWorkers(args.api_server_count - 1, args.host, args.port, address, tokenizer_path(config),
-                           config.block_size, args.max_request_bytes)
-    state: dict = {}
-
-    async def after_start() -> None:
-        state["route"] = RouteService(pool, address, lambda: merged_metrics(pool))
-        state["route"].start()
-        await workers.start(state["route"])
-
-    async def before_stop() -> None:
-        await workers.stop()
-        if "route" in state:
-            await state["route"].stop()
-        import shutil
-        shutil.rmtree(folder, ignore_errors=True)
-
-    return {"after_start": after_start, "before_stop": before_stop}

@@ -278,6 +278,37 @@ class RelayWorkers:
                     proc.kill()
 
 
+def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: str, port: int,
+                       tokenizer: str | None, block_size: int, max_request_bytes: int,
+                       api_key: str | None) -> dict:
+    """build_dp_app's after_start / before_stop for api_server_count > 1: the route service and
+    the relay workers start once the replicas are live, and stop before they do."""
+    import shutil
+    import tempfile
+
+    from pagedserve.serving.frontend import merged_metrics
+
+    folder = tempfile.mkdtemp(prefix="pagedserve-route-")
+    address = f"ipc://{folder}/route"
+    if api_key:  # the workers check it too; through the environment, not their argv
+        os.environ["PAGEDSERVE_API_KEY"] = api_key
+    workers = RelayWorkers(api_server_count - 1, host, port, address, tokenizer, block_size, max_request_bytes)
+    state: dict = {}
+
+    async def after_start() -> None:
+        state["route"] = RouteService(pool, address, lambda: merged_metrics(pool))
+        state["route"].start()
+        await workers.start(state["route"])
+
+    async def before_stop() -> None:
+        await workers.stop()
+        if "route" in state:
+            await state["route"].stop()
+        shutil.rmtree(folder, ignore_errors=True)
+
+    return {"after_start": after_start, "before_stop": before_stop}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import uvicorn
 
