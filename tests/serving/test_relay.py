@@ -17,7 +17,6 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.serving.mp_pool import ProcessReplicaPool
 from pagedserve.serving.relay_clients import RELAY_CLIENTS, aiohttp
-from pagedserve.serving.pool import ReplicaFailed
 from pagedserve.serving.routing import RoundRobinPolicy
 
 EVENTS = [f'data: {{"choices":[{{"index":0,"text":"t{i}"}}]}}\n\n' for i in range(50)]
