@@ -227,18 +227,16 @@ def test_interval_out_of_range_names_the_field(raw):
     assert parse_interval(None) == 0.4 and parse_interval("2") == 2.0
 
 
-def test_late_ticks_do_not_lower_the_stream_rate(monkeypatch):
-    """Every third wake-up of the stream comes 0.8 s late (an event-loop stall longer than the
-    interval, as under load on CPU): the ticks catch up with their grid, spaced as the feed allows,
-    so 20 s at 0.5 s still bring 40 frames. When a tick more than an interval late restarted the
-    grid from itself, this gave 32 (1.6 frames/s)."""
+def _frame_times(monkeypatch, delay_on_wakeup, until: float) -> list[float]:
+    """The (fake) clock times at which a 0.5 s stream sent its frames, up to `until` seconds, when
+    the stream's k-th wake-up comes delay_on_wakeup(k) seconds late."""
     from pagedserve.dashboard import feed as feed_mod
     clock, wakeups = [0.0], [0]
     monkeypatch.setattr(feed_mod.time, "monotonic", lambda: clock[0])
 
     async def late_sleep(d):
         wakeups[0] += 1
-        clock[0] += max(d, 0.0) + (0.8 if wakeups[0] % 3 == 0 else 0.0)
+        clock[0] += max(d, 0.0) + delay_on_wakeup(wakeups[0])
     monkeypatch.setattr(feed_mod.asyncio, "sleep", late_sleep)
 
     async def take():
@@ -247,12 +245,21 @@ def test_late_ticks_do_not_lower_the_stream_rate(monkeypatch):
     async def main():
         gen = sse_frames(ThrottledSnapshot(take), 0.5)
         sent = []
-        while clock[0] < 20.0:
+        while clock[0] < until:
             if (await gen.__anext__()).startswith(b"data:"):
                 sent.append(clock[0])
         await gen.aclose()
         return sent
-    sent = asyncio.run(main())
+    return asyncio.run(main())
+
+
+def test_late_ticks_do_not_lower_the_stream_rate(monkeypatch):
+    """Every third wake-up of the stream comes 0.8 s late (an event-loop stall longer than the
+    interval, as under load on CPU): the ticks catch up with their grid, spaced as the feed allows,
+    so 20 s at 0.5 s still bring 40 frames. When a tick more than an interval late restarted the
+    grid from itself, this gave 32 (1.6 frames/s)."""
+    from pagedserve.dashboard import feed as feed_mod
+    sent = _frame_times(monkeypatch, lambda k: 0.8 if k % 3 == 0 else 0.0, until=20.0)
     assert len(sent) >= 40
     gaps = [b - a for a, b in zip(sent, sent[1:])]
     assert min(gaps) >= 0.25 * (1 - feed_mod.FRESHNESS_SLACK) - 1e-9
@@ -262,26 +269,7 @@ def test_a_long_stall_does_not_bring_a_burst_of_frames(monkeypatch):
     """A 3 s stall (more than an interval) is not made up for by frames sent back to back: the
     grid moves on, and the frames after it are spaced at least the feed's interval apart."""
     from pagedserve.dashboard import feed as feed_mod
-    clock, wakeups = [0.0], [0]
-    monkeypatch.setattr(feed_mod.time, "monotonic", lambda: clock[0])
-
-    async def stalling_sleep(d):
-        wakeups[0] += 1
-        clock[0] += max(d, 0.0) + (3.0 if wakeups[0] == 4 else 0.0)
-    monkeypatch.setattr(feed_mod.asyncio, "sleep", stalling_sleep)
-
-    async def take():
-        return {"snapshot_s": 0.001, "states": "f", "requests": []}
-
-    async def main():
-        gen = sse_frames(ThrottledSnapshot(take), 0.5)
-        sent = []
-        while clock[0] < 10.0:
-            if (await gen.__anext__()).startswith(b"data:"):
-                sent.append(clock[0])
-        await gen.aclose()
-        return sent
-    sent = asyncio.run(main())
+    sent = _frame_times(monkeypatch, lambda k: 3.0 if k == 4 else 0.0, until=10.0)
     after = [t for t in sent if t > 3.0]
     assert all(b - a >= 0.25 * (1 - feed_mod.FRESHNESS_SLACK) - 1e-9 for a, b in zip(after, after[1:]))
     assert len(sent) <= 10.0 / 0.5 + 1
