@@ -224,11 +224,13 @@ class RelayWorkers:
     live, restarted if one exits, stopped with the front end."""
 
     def __init__(self, count: int, host: str, port: int, route_address: str, tokenizer: str | None,
-                 block_size: int, max_request_bytes: int) -> None:
+                 block_size: int, max_request_bytes: int, api_key: str | None = None) -> None:
         self.cmds = [[sys.executable, "-m", "pagedserve.serving.relay_worker", "--host", host, "--port", str(port),
                       "--route-address", route_address, "--name", str(k), "--block-size", str(block_size),
                       "--max-request-bytes", str(max_request_bytes),
                       *(["--tokenizer", tokenizer] if tokenizer else [])] for k in range(1, count + 1)]
+        # The workers check the API key too; it goes through their environment, not their argv.
+        self.env = {**os.environ, "PAGEDSERVE_API_KEY": api_key} if api_key else None
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.restarts = 0
         self._watch: asyncio.Task | None = None
@@ -236,7 +238,7 @@ class RelayWorkers:
 
     def _spawn(self, i: int) -> None:
         from pagedserve.serving.mp_pool import _die_with_parent
-        self.procs[i] = subprocess.Popen(self.cmds[i], preexec_fn=_die_with_parent)  # env: the API key too
+        self.procs[i] = subprocess.Popen(self.cmds[i], env=self.env, preexec_fn=_die_with_parent)
 
     async def start(self, route: RouteService, timeout_s: float = 120.0) -> None:
         """Spawn the workers and wait until each has said hello (its socket listens), so that
@@ -290,9 +292,8 @@ def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: st
 
     folder = tempfile.mkdtemp(prefix="pagedserve-route-")
     address = f"ipc://{folder}/route"
-    if api_key:  # the workers check it too; through the environment, not their argv
-        os.environ["PAGEDSERVE_API_KEY"] = api_key
-    workers = RelayWorkers(api_server_count - 1, host, port, address, tokenizer, block_size, max_request_bytes)
+    workers = RelayWorkers(api_server_count - 1, host, port, address, tokenizer, block_size, max_request_bytes,
+                           api_key)
     state: dict = {}
 
     async def after_start() -> None:
