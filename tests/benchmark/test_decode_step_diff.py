@@ -19,7 +19,8 @@ def test_decode_step_diff_runs_pagedserve_on_cpu(tmp_path):
                         "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     doc = json.loads(out.read_text())
-    assert doc["engine"] == "pagedserve" and len(doc["commit"]) == 40
+    from pagedserve.benchmark.results import git_commit
+    assert doc["engine"] == "pagedserve" and doc["commit"] == git_commit()  # (+dirty in a dirty tree)
     assert set(doc["results"]["wall_s"]) == {"2", "5"} and "step_period_ms" in doc["results"]
     assert "kernels_per_step" not in doc["results"]  # no CUDA, no kernel table
 
