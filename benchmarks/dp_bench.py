@@ -6,7 +6,9 @@ request sent at t=0 (`pagedserve bench serve`'s client, streamed), and stops it.
 architecture, dummy weights, bf16. Writes benchmarks/results/h200x2/dp.json with
 ratios.dp2_over_dp1_throughput (total tokens/s; target >= 1.9) and its output-token twin, and
 beside them the output rate while requests still waited, without the drain at each run's end
-(results.dpN.backlog; ratio dp2_over_dp1_backlog_output_throughput).
+(results.dpN.backlog; ratio dp2_over_dp1_backlog_output_throughput), and the rate at saturation
+from the servers' own counters: the median (and mean) 1 s rate while every replica had a queue
+(results.dpN.saturated; ratios dp2_over_dp1_saturated_{median,mean}_output_throughput).
 
 Every child is bounded: server start-up by --start-timeout, each replay by --run-timeout.
 Progress lines go to stdout and, when $OUT is set, to $OUT/dp_bench.log.
@@ -22,6 +24,7 @@ import asyncio
 import json
 import os
 import shlex
+import statistics
 import subprocess
 import sys
 import threading
@@ -146,11 +149,13 @@ def server_processes(proc: subprocess.Popen, dp: int) -> dict[str, int]:
 
 
 def queue_depths(base: str) -> dict[str, dict[str, float]]:
-    """Running and waiting requests now, per replica label of the merged /metrics."""
+    """Running and waiting requests now, and tokens generated so far, per replica label of the
+    merged /metrics."""
     import httpx
     from prometheus_client.parser import text_string_to_metric_families
     out: dict[str, dict[str, float]] = {}
-    wanted = {"pagedserve:num_requests_running": "running", "pagedserve:num_requests_waiting": "waiting"}
+    wanted = {"pagedserve:num_requests_running": "running", "pagedserve:num_requests_waiting": "waiting",
+              "pagedserve:generation_tokens_total": "output_tokens"}
     for family in text_string_to_metric_families(httpx.get(base + "/metrics", timeout=10).text):
         for sample in family.samples:
             if sample.name in wanted:
@@ -192,13 +197,48 @@ class Timeline:
                 depths = queue_depths(self.base)
             except Exception as e:  # a slow /metrics must not end the sampling
                 depths = {"error": repr(e)[:200]}
-            self.samples.append({"t": round(now - self._t0, 2), "cpu_share": share, "requests": depths})
+            # The counters were read during the query: stamp them with its midpoint.
+            t_metrics = (now + time.monotonic()) / 2 - self._t0
+            self.samples.append({"t": round(now - self._t0, 2), "t_metrics": round(t_metrics, 3),
+                                 "cpu_share": share, "requests": depths})
 
     def share_until(self, t_end: float) -> dict[str, float]:
         """Each process's mean CPU share over the samples up to t_end (s from the start)."""
         rows = [r["cpu_share"] for r in self.samples if r["t"] <= t_end]
         keys = {k for r in rows for k in r}
         return {k: round(sum(r.get(k, 0.0) for r in rows) / len(rows), 3) for k in sorted(keys)} if rows else {}
+
+
+def saturated_rate(samples: list[dict]) -> dict | None:
+    """Generated tokens per second while every replica had requests waiting: the rate at
+    saturation, from the servers' own counters in the timeline's samples.
+
+    Each pair of consecutive samples at which every replica (the same set in both) had a
+    queue gives one rate (all replicas' tokens over the interval). The median of those is the
+    steady rate: the first seconds' burst of prompts (every replica prefilling its first full
+    batch at once, about the same seconds at DP=1 and DP=2, so a larger share of DP=2's
+    shorter run) and the drain at the end (nobody waits) do not enter it. The client's clock
+    does not either: a client process that falls behind reading its streams delays its
+    timestamps, not the counters. The mean over the same intervals is beside it."""
+    rates, weights = [], []
+    for a, b in zip(samples, samples[1:]):
+        ra, rb = a.get("requests") or {}, b.get("requests") or {}
+        if not ra or "error" in ra or "error" in rb or set(ra) != set(rb):
+            continue
+        if not all(r.get("waiting", 0) > 0 for r in (*ra.values(), *rb.values())):
+            continue
+        if any("output_tokens" not in r for r in (*ra.values(), *rb.values())):
+            continue
+        dt = b["t_metrics"] - a["t_metrics"]
+        if dt <= 0:
+            continue
+        rates.append(sum(rb[k]["output_tokens"] - ra[k]["output_tokens"] for k in ra) / dt)
+        weights.append(dt)
+    if not rates:
+        return None
+    return {"intervals": len(rates), "seconds": round(sum(weights), 2),
+            "median_output_throughput": statistics.median(rates),
+            "mean_output_throughput": sum(r * w for r, w in zip(rates, weights)) / sum(weights)}
 
 
 def replay(base: str, args, pids: dict[str, int] | None = None) -> dict:
@@ -221,6 +261,7 @@ def replay(base: str, args, pids: dict[str, int] | None = None) -> dict:
             run_benchmark(base + "/v1", reqs, model="bench", num_processes=args.num_client_processes),
             max(1.0, deadline - time.monotonic())))
     summary["timeline"] = timeline.samples
+    summary["saturated"] = saturated_rate(timeline.samples)
     if summary.get("backlog"):  # while requests still waited: was some process at one core?
         summary["server_cpu_share_backlog"] = timeline.share_until(summary["backlog"]["window_s"])
     # Each server process's CPU over the measured run: near 1 core (share 1.0) means that
@@ -296,7 +337,7 @@ def main() -> None:
                 f"{s['total_token_throughput']:.0f} tok/s total, {s['output_throughput']:.0f} out tok/s; "
                 f"client CPU {s['client_cpu_s']:.1f} s over {s['num_client_processes']} process(es); "
                 f"server CPU share (cores) {s['server_cpu_share']}, while requests waited "
-                f"{s.get('server_cpu_share_backlog')}")
+                f"{s.get('server_cpu_share_backlog')}; while every replica had a queue {s['saturated']}")
         finally:
             stop_server(proc)
     ratios = {
@@ -310,6 +351,13 @@ def main() -> None:
     if results["dp1"].get("backlog") and results["dp2"].get("backlog"):
         ratios["dp2_over_dp1_backlog_output_throughput"] = round(
             results["dp2"]["backlog"]["output_throughput"] / results["dp1"]["backlog"]["output_throughput"], 3)
+    # The issue's "at saturation": each run's steady rate while every replica had a queue, from
+    # the servers' counters (saturated_rate), beside the whole-run ratio above.
+    if results["dp1"].get("saturated") and results["dp2"].get("saturated"):
+        for stat in ("median", "mean"):
+            ratios[f"dp2_over_dp1_saturated_{stat}_output_throughput"] = round(
+                results["dp2"]["saturated"][f"{stat}_output_throughput"]
+                / results["dp1"]["saturated"][f"{stat}_output_throughput"], 3)
     for key in results:  # the other front-end process counts, beside the first
         if key.startswith("dp2_api"):
             ratios[f"{key}_over_dp1_throughput"] = round(
