@@ -179,6 +179,89 @@ def one_round(base: str, requests, viewer_cls, interval: float) -> dict:
     return {**_throughputs(s), **viewer.result(t0, t1)}
 
 
+def engine_counters(base: str) -> tuple[float, float, float]:
+    """(monotonic time, generated tokens so far, requests waiting) from the server's /metrics;
+    the time is the query's midpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+    t0 = time.monotonic()
+    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
+    t1 = time.monotonic()
+    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+           if s.name in ("pagedserve:generation_tokens_total", "pagedserve:num_requests_waiting")}
+    return (t0 + t1) / 2, got["pagedserve:generation_tokens_total"], got["pagedserve:num_requests_waiting"]
+
+
+def toggled_run(base: str, requests, viewer_cls, interval: float, segment_s: float,
+                client_processes: int) -> dict:
+    """One long run (every request at t=0) while a viewer is opened and closed in turn, segment_s
+    seconds each, closed first. Each segment's rate is the engine's own: generated tokens (the
+    server's counter) over the segment. Unlike whole rounds, the two conditions meet the same
+    load moments apart, so the drift between rounds (+-10% on the H200) cancels.
+
+    A segment counts when requests waited at both its ends (the engine was saturated) and it is
+    not the first (whose rate holds the first batch's prompt burst). The drop is, per open
+    segment between two counted closed ones, 1 - open / mean(closed neighbours): the median of
+    those. An open segment starts once the viewer has its first (full) frame: what it measures
+    is a page left open (diff frames), not the page's opening."""
+    segments: list[dict] = []
+    done = threading.Event()
+    errors: list[BaseException] = []
+
+    def toggle() -> None:
+        try:
+            i = 0
+            while not done.is_set():
+                viewer = viewer_cls(base, interval) if i % 2 else None
+                if viewer is not None:
+                    viewer.__enter__()
+                try:
+                    t0, n0, w0 = engine_counters(base)
+                    done.wait(segment_s)
+                    t1, n1, w1 = engine_counters(base)
+                finally:
+                    if viewer is not None:
+                        viewer.__exit__(None, None, None)
+                seg = {"index": i, "open": viewer is not None, "start_s": round(t0 - load_t0, 3),
+                       "seconds": round(t1 - t0, 3), "output_tok_s": (n1 - n0) / (t1 - t0),
+                       "waiting": [w0, w1], "counted": i > 0 and w0 > 0 and w1 > 0 and not done.is_set()}
+                if viewer is not None:
+                    seg.update(viewer.result(t0, t1))
+                segments.append(seg)
+                i += 1
+        except BaseException as e:  # surfaces in the main thread
+            errors.append(e)
+
+    load_t0 = time.monotonic()
+    thread = threading.Thread(target=toggle, daemon=True)
+    thread.start()
+    try:
+        summary = asyncio.run(run_benchmark(base + "/v1", requests, MODEL, api_key=KEY,
+                                            num_processes=client_processes))
+    finally:
+        done.set()
+        thread.join(timeout=120)
+    if errors:
+        raise errors[0]
+    return {"summary": _throughputs(summary), "segments": segments, **toggle_drop(segments)}
+
+
+def toggle_drop(segments: list[dict]) -> dict:
+    """The paired drop (toggled_run's docstring) and, beside it, the medians of each kind."""
+    counted = {s["index"]: s for s in segments if s["counted"]}
+    pairs = []
+    for i, s in counted.items():
+        left, right = counted.get(i - 1), counted.get(i + 1)
+        if s["open"] and left and right and not left["open"] and not right["open"] \
+                and left["output_tok_s"] + right["output_tok_s"] > 0:
+            pairs.append(1 - s["output_tok_s"] / ((left["output_tok_s"] + right["output_tok_s"]) / 2))
+    opened = [s["output_tok_s"] for s in counted.values() if s["open"]]
+    closed = [s["output_tok_s"] for s in counted.values() if not s["open"]]
+    return {"paired_drops": pairs, "paired_drop_median": statistics.median(pairs) if pairs else None,
+            "open_segment_tok_s_median": statistics.median(opened) if opened else None,
+            "closed_segment_tok_s_median": statistics.median(closed) if closed else None,
+            "viewer_hz_min_segments": min((s["viewer_hz"] for i, s in counted.items() if s["open"]), default=None)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF model dir (default: the bundled demo model)")
@@ -193,6 +276,10 @@ def main() -> int:
     p.add_argument("--port", type=int, default=18917)
     p.add_argument("--serve-args", default="", help="extra `pagedserve serve` flags, one string")
     p.add_argument("--output", default=None)
+    p.add_argument("--toggle", type=float, default=None, metavar="SECONDS",
+                   help="instead of rounds: one long run, the viewer opened and closed every SECONDS "
+                        "(toggled_run); the drop from the engine's own token counter")
+    p.add_argument("--client-processes", type=int, default=1, help="with --toggle: client processes")
     args = p.parse_args()
 
     model_dir = args.model or str(__import__("pagedserve.demo_model", fromlist=["DEMO_MODEL_DIR"]).DEMO_MODEL_DIR)
@@ -202,6 +289,8 @@ def main() -> int:
                 if len(r.prompt_token_ids) + r.output_len <= args.max_total_len]
     viewer_cls = SSEViewer if args.viewer == "sse" else BrowserViewer
     proc, base = start_server(args)
+    if args.toggle:
+        return toggle_main(args, proc, base, requests, viewer_cls, model_dir)
     try:
         one_round(base, requests[: max(8, len(requests) // 8)], None, args.interval)  # warm-up
         closed, opened = [], []
@@ -238,6 +327,34 @@ def main() -> int:
                       "backlog_throughput_drop_with_dashboard_open": round(result["backlog_drop"], 4),
                       "viewer_hz_min": round(result["viewer_hz_min"], 2)},
                      device="cpu" if args.device == "cpu" else None)
+    return 0
+
+
+def toggle_main(args, proc, base, requests, viewer_cls, model_dir: str) -> int:
+    try:
+        one_round(base, requests[: max(8, len(requests) // 16)], None, args.interval)  # warm-up
+        result = toggled_run(base, requests, viewer_cls, args.interval, args.toggle, args.client_processes)
+    finally:
+        stop_process(proc)
+    if result["summary"]["failed"]:
+        raise SystemExit("some requests failed: the comparison would be meaningless")
+    for seg in result["segments"]:
+        print(("open  " if seg["open"] else "closed"), json.dumps(seg), flush=True)
+    drop = result["paired_drop_median"]
+    print(f"{len(result['paired_drops'])} open segments between closed ones: median drop "
+          f"{'n/a' if drop is None else f'{100 * drop:.2f}%'}; medians open "
+          f"{result['open_segment_tok_s_median']}, closed {result['closed_segment_tok_s_median']} tok/s; "
+          f"viewer >= {result['viewer_hz_min_segments']} frames/s")
+    if args.output:
+        from pagedserve.benchmark.results import write_result
+        config = {"model": model_dir, "device": args.device, "workload": args.workload,
+                  "num_requests": len(requests), "toggle_s": args.toggle, "viewer": args.viewer,
+                  "interval_s": args.interval, "serve_args": args.serve_args,
+                  "client_processes": args.client_processes}
+        ratios = {"paired_segment_drop_median": None if drop is None else round(drop, 4),
+                  "open_segments_between_closed": len(result["paired_drops"])}
+        write_result(args.output, "dashboard_overhead_toggle", "python " + " ".join(sys.argv), config, result,
+                     {}, ratios, device="cpu" if args.device == "cpu" else None)
     return 0
 
 

@@ -5,7 +5,9 @@
 #                                                # PAGEDSERVE_TP_ALLREDUCE=symm_mem (and its agreement
 #                                                # with TP=1), then NCCL_PROTO=LL128,Simple
 #   bash benchmarks/h200x2_run.sh tp_opt         # OPT-13B fixed256 at TP=1 and 2 (1000 requests need > 105 s a child)
-#   bash benchmarks/h200x2_run.sh dp             # DP=2 against DP=1, 5000 sharegpt-like requests at t=0; DP=2 with 1 and 4 front-end processes
+#   bash benchmarks/h200x2_run.sh dp             # DP=2 (4 front-end processes) against DP=1, 7000 sharegpt-like requests at t=0,
+#                                                # 8 client processes; the rate at saturation from the servers' counters
+#   bash benchmarks/h200x2_run.sh dashboard_toggle  # the dashboard's cost within one long run, the viewer toggled every 3 s
 #   bash benchmarks/h200x2_run.sh dashboard      # the dashboard's cost and frame rate on GPU 0 (0.4 s default), then
 #                                                # Llama-3.1-8B decode-step profiles at 16 and 32 sequences (#13's TPOT)
 #   bash benchmarks/h200x2_run.sh profiles       # Llama-3.1-8B decode steps as serving runs them (CUDA graphs) at 16,
@@ -40,8 +42,12 @@ case "${1:-}" in
       --out $L/tp_symm_mem_agreement/tp.json --progress-dir $L/tp_symm_mem_agreement --child-timeout 55
     NCCL_PROTO=LL128,Simple tp tp_nccl_ll128 110 --models llama-3.1-8b --tp-sizes 2 --child-timeout 100 ;;
   tp_opt) tp tp_opt 500 --models opt-13b --child-timeout 240 ;;
-  dp) step dp 580 python3 benchmarks/dp_bench.py --out $L/dp/dp.json --num-requests 5000 --start-timeout 200 --api-server-counts 1,4 \
-        --run-timeout 240 --num-client-processes 4 ;;
+  dp) step dp 580 python3 benchmarks/dp_bench.py --out $L/dp/dp.json --num-requests 7000 --start-timeout 200 --api-server-counts 4 \
+        --run-timeout 240 --num-client-processes 8 ;;
+  dashboard_toggle)  # one long run, the viewer opened and closed every 3 s; the drop from the engine's counter
+    CUDA_VISIBLE_DEVICES=0 step dashboard_toggle 400 python3 benchmarks/dashboard_overhead.py --device cuda --toggle 3 \
+      --num-requests 12000 --client-processes 4 --serve-args "--num-gpu-blocks-override 65536" \
+      --output $L/dashboard_toggle/dashboard_overhead_toggle.json ;;
   dashboard)
     CUDA_VISIBLE_DEVICES=0 step dashboard 270 python3 benchmarks/dashboard_overhead.py --device cuda --rounds 3 \
       --num-requests 3000 --serve-args "--num-gpu-blocks-override 65536" --output $L/dashboard/dashboard_overhead.json
@@ -59,7 +65,7 @@ case "${1:-}" in
     PAGEDSERVE_TP_ALLREDUCE=symm_mem step tp2_symm_mem 130 python3 benchmarks/profile_decode.py \
       --model benchmarks/models/llama-3.1-8b --tensor-parallel-size 2 \
       --output $L/tp2_symm_mem/profile_decode_tp2_symm_mem.json ;;
-  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dashboard|profiles" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dashboard|dashboard_toggle|profiles" >&2; exit 2 ;;
 esac
 # On the device tool's machine only $OUT comes back: everything of this target in one archive.
 [ -n "${OUT:-}" ] && tar czf "$OUT/x2_$1.tgz" -C $L . && cp $L/progress.log "$OUT/"
