@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from pagedserve.benchmark.server_process import stop_process, wait_until_ready  # noqa: E402
 from pagedserve.dashboard.feed import DEFAULT_STREAM_INTERVAL_S  # noqa: E402
-from pagedserve.entrypoints.bench_serve import run_benchmark  # noqa: E402
+from pagedserve.entrypoints.bench_serve import run_benchmark, tokens_between  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
 
 KEY = "sk-dashboard-overhead"
@@ -179,31 +179,22 @@ def one_round(base: str, requests, viewer_cls, interval: float) -> dict:
     return {**_throughputs(s), **viewer.result(t0, t1)}
 
 
-def engine_counters(base: str) -> tuple[float, float, float]:
-    """(monotonic time, generated tokens so far, requests waiting) from the server's /metrics;
-    the time is the query's midpoint."""
-    from prometheus_client.parser import text_string_to_metric_families
-    t0 = time.monotonic()
-    text = httpx.get(base + "/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).text
-    t1 = time.monotonic()
-    got = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-           if s.name in ("pagedserve:generation_tokens_total", "pagedserve:num_requests_waiting")}
-    return (t0 + t1) / 2, got["pagedserve:generation_tokens_total"], got["pagedserve:num_requests_waiting"]
-
-
 def toggled_run(base: str, requests, viewer_cls, interval: float, segment_s: float,
                 client_processes: int) -> dict:
     """One long run (every request at t=0) while a viewer is opened and closed in turn, segment_s
-    seconds each, closed first. Each segment's rate is the engine's own: generated tokens (the
-    server's counter) over the segment. Unlike whole rounds, the two conditions meet the same
-    load moments apart, so the drift between rounds (+-10% on the H200) cancels.
+    seconds each, closed first. Each segment's rate is the output tokens that reached the client
+    during it (its processes' own clocks: bench_serve.tokens_between). Unlike whole rounds, the two
+    conditions meet the same load moments apart, so the drift between rounds (+-10% on the
+    H200) cancels. The servers' /metrics is not the instrument: with the API server the
+    bottleneck, its counters lag and a scrape takes seconds.
 
-    A segment counts when requests waited at both its ends (the engine was saturated) and it is
-    not the first (whose rate holds the first batch's prompt burst). The drop is, per open
-    segment between two counted closed ones, 1 - open / mean(closed neighbours): the median of
-    those. An open segment starts once the viewer has its first (full) frame: what it measures
-    is a page left open (diff frames), not the page's opening."""
-    segments: list[dict] = []
+    A segment counts when it lies between the run's first token and the last request's first
+    token (requests still queued: the server saturated) and is not the first (whose rate holds the
+    first batch's prompt burst). The drop is, per open segment between two counted closed ones,
+    1 - open / mean(closed neighbours): the median of those. An open segment starts once the
+    viewer has its first (full) frame: what it measures is a page left open (diff frames), not
+    the page's opening."""
+    spans: list[tuple[bool, float, float, dict]] = []
     done = threading.Event()
     errors: list[BaseException] = []
 
@@ -215,33 +206,37 @@ def toggled_run(base: str, requests, viewer_cls, interval: float, segment_s: flo
                 if viewer is not None:
                     viewer.__enter__()
                 try:
-                    t0, n0, w0 = engine_counters(base)
+                    t0 = time.perf_counter()
                     done.wait(segment_s)
-                    t1, n1, w1 = engine_counters(base)
+                    t1 = time.perf_counter()
                 finally:
                     if viewer is not None:
                         viewer.__exit__(None, None, None)
-                seg = {"index": i, "open": viewer is not None, "start_s": round(t0 - load_t0, 3),
-                       "seconds": round(t1 - t0, 3), "output_tok_s": (n1 - n0) / (t1 - t0),
-                       "waiting": [w0, w1], "counted": i > 0 and w0 > 0 and w1 > 0 and not done.is_set()}
-                if viewer is not None:
-                    seg.update(viewer.result(t0, t1))
-                segments.append(seg)
+                if t1 - t0 > 0.1:  # not the stub cut short by the run's end
+                    spans.append((viewer is not None, t0, t1, viewer.result(t0, t1) if viewer else {}))
                 i += 1
         except BaseException as e:  # surfaces in the main thread
             errors.append(e)
 
-    load_t0 = time.monotonic()
     thread = threading.Thread(target=toggle, daemon=True)
     thread.start()
     try:
         summary = asyncio.run(run_benchmark(base + "/v1", requests, MODEL, api_key=KEY,
-                                            num_processes=client_processes))
+                                            num_processes=client_processes, keep_itl=True))
     finally:
         done.set()
         thread.join(timeout=120)
     if errors:
         raise errors[0]
+    records, start = summary.pop("requests"), summary["start_monotonic"]
+    firsts = [r["sent_at"] + r["ttft"] for r in records if r["error"] is None and r["ttft"] is not None]
+    segments = []
+    for i, (opened, t0, t1, seen) in enumerate(spans):
+        a, b = t0 - start, t1 - start  # seconds from the run's start, the records' clock
+        segments.append({"index": i, "open": opened, "start_s": round(a, 3), "seconds": round(b - a, 3),
+                         "output_tok_s": tokens_between(records, a, b) / (b - a),
+                         "counted": bool(firsts) and i > 0 and min(firsts) <= a and b <= max(firsts),
+                         **seen})
     return {"summary": _throughputs(summary), "segments": segments, **toggle_drop(segments)}
 
 

@@ -128,6 +128,26 @@ def backlog_throughput(results: list[RequestResult]) -> dict[str, float] | None:
     return {"window_s": window, "output_throughput": tokens / window}
 
 
+def tokens_between(records: list[dict], t0: float, t1: float) -> float:
+    """Output tokens that reached the client between t0 and t1 (seconds from the run's start),
+    from records with sent_at, ttft, itl and output_len (run_benchmark(..., keep_itl=True));
+    chunks count output_len / chunks tokens each, as in backlog_throughput."""
+    tokens = 0.0
+    for r in records:
+        if r["error"] is not None or r["ttft"] is None or r["sent_at"] is None:
+            continue
+        per_chunk = r["output_len"] / (1 + len(r["itl"]))
+        t = r["sent_at"] + r["ttft"]
+        n = 1 if t0 <= t <= t1 else 0
+        for gap in r["itl"]:
+            t += gap
+            if t > t1:
+                break
+            n += t >= t0
+        tokens += n * per_chunk
+    return tokens
+
+
 def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
     out_tokens = sum(r.output_len for r in ok)
@@ -310,10 +330,13 @@ async def _send_all_processes(base_url: str, requests: list[WorkloadRequest], nu
 async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: str,
                         api_key: str | None = None, max_concurrency: int | None = None,
                         temperature: float = 0.0, timeout: float = 3600.0,
-                        progress: bool = False, num_processes: int = 1) -> dict[str, Any]:
+                        progress: bool = False, num_processes: int = 1,
+                        keep_itl: bool = False) -> dict[str, Any]:
     """Send every request at its arrival_time (seconds after start); returns the summary.
 
-    num_processes > 1 splits the requests over that many client processes; the summary is
+    The summary's requests are the per-request records (with their inter-token gaps when
+    keep_itl) and start_monotonic the run's start on time.perf_counter's clock, from which
+    their sent_at count. num_processes > 1 splits the requests over that many client processes; the summary is
     of the merged per-request records (percentiles over all of them, throughput over the
     union's wall time, from the first process's start to the last one's end)."""
     if num_processes < 1:
@@ -332,7 +355,8 @@ async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: s
     # The client's own CPU while sending (all its processes): near num_processes x duration
     # means the client, not the server, set the pace.
     summary["client_cpu_s"] = cpu
-    summary["requests"] = [{k: v for k, v in asdict(r).items() if k != "itl"} for r in results]
+    summary["requests"] = [{k: v for k, v in asdict(r).items() if keep_itl or k != "itl"} for r in results]
+    summary["start_monotonic"] = start
     return summary
 
 
