@@ -180,7 +180,7 @@ def one_round(base: str, requests, viewer_cls, interval: float) -> dict:
 
 
 def toggled_run(base: str, requests, viewer_cls, interval: float, segment_s: float,
-                client_processes: int) -> dict:
+                client_processes: int, max_concurrency: int | None = None) -> dict:
     """One long run (every request at t=0) while a viewer is opened and closed in turn, segment_s
     seconds each, closed first. Each segment's rate is the output tokens that reached the client
     during it (its processes' own clocks: bench_serve.tokens_between). Unlike whole rounds, the two
@@ -222,7 +222,8 @@ def toggled_run(base: str, requests, viewer_cls, interval: float, segment_s: flo
     thread.start()
     try:
         summary = asyncio.run(run_benchmark(base + "/v1", requests, MODEL, api_key=KEY,
-                                            num_processes=client_processes, keep_itl=True))
+                                            num_processes=client_processes, keep_itl=True,
+                                            max_concurrency=max_concurrency))
     finally:
         done.set()
         thread.join(timeout=120)
@@ -237,7 +238,9 @@ def toggled_run(base: str, requests, viewer_cls, interval: float, segment_s: flo
                          "output_tok_s": tokens_between(records, a, b) / (b - a),
                          "counted": bool(firsts) and i > 0 and min(firsts) <= a and b <= max(firsts),
                          **seen})
-    return {"summary": _throughputs(summary), "segments": segments, **toggle_drop(segments)}
+    errors = [r["error"] for r in records if r["error"]]
+    return {"summary": {**_throughputs(summary), "first_error": errors[0] if errors else None},
+            "segments": segments, **toggle_drop(segments)}
 
 
 def toggle_drop(segments: list[dict]) -> dict:
@@ -275,6 +278,7 @@ def main() -> int:
                    help="instead of rounds: one long run, the viewer opened and closed every SECONDS "
                         "(toggled_run); the drop from the engine's own token counter")
     p.add_argument("--client-processes", type=int, default=1, help="with --toggle: client processes")
+    p.add_argument("--max-concurrency", type=int, default=None, help="with --toggle: requests in flight at most")
     args = p.parse_args()
 
     model_dir = args.model or str(__import__("pagedserve.demo_model", fromlist=["DEMO_MODEL_DIR"]).DEMO_MODEL_DIR)
@@ -328,11 +332,13 @@ def main() -> int:
 def toggle_main(args, proc, base, requests, viewer_cls, model_dir: str) -> int:
     try:
         one_round(base, requests[: max(8, len(requests) // 16)], None, args.interval)  # warm-up
-        result = toggled_run(base, requests, viewer_cls, args.interval, args.toggle, args.client_processes)
+        result = toggled_run(base, requests, viewer_cls, args.interval, args.toggle, args.client_processes,
+                             args.max_concurrency)
     finally:
         stop_process(proc)
     if result["summary"]["failed"]:
-        raise SystemExit("some requests failed: the comparison would be meaningless")
+        raise SystemExit(f"{result['summary']['failed']} requests failed, the first with "
+                         f"{result['summary']['first_error']!r}: the comparison would be meaningless")
     for seg in result["segments"]:
         print(("open  " if seg["open"] else "closed"), json.dumps(seg), flush=True)
     drop = result["paired_drop_median"]
@@ -345,7 +351,7 @@ def toggle_main(args, proc, base, requests, viewer_cls, model_dir: str) -> int:
         config = {"model": model_dir, "device": args.device, "workload": args.workload,
                   "num_requests": len(requests), "toggle_s": args.toggle, "viewer": args.viewer,
                   "interval_s": args.interval, "serve_args": args.serve_args,
-                  "client_processes": args.client_processes}
+                  "client_processes": args.client_processes, "max_concurrency": args.max_concurrency}
         ratios = {"paired_segment_drop_median": None if drop is None else round(drop, 4),
                   "open_segments_between_closed": len(result["paired_drops"])}
         write_result(args.output, "dashboard_overhead_toggle", "python " + " ".join(sys.argv), config, result,

@@ -46,7 +46,7 @@ case "${1:-}" in
         --run-timeout 240 --num-client-processes 8 ;;
   dashboard_toggle)  # one long run, the viewer opened and closed every 3 s; the drop from the engine's counter
     CUDA_VISIBLE_DEVICES=0 step dashboard_toggle 400 python3 benchmarks/dashboard_overhead.py --device cuda --toggle 3 \
-      --num-requests 20000 --client-processes 4 --serve-args "--num-gpu-blocks-override 65536" \
+      --num-requests 20000 --client-processes 4 --max-concurrency 8000 --serve-args "--num-gpu-blocks-override 65536" \
       --output $L/dashboard_toggle/dashboard_overhead_toggle.json ;;
   dashboard)
     CUDA_VISIBLE_DEVICES=0 step dashboard 270 python3 benchmarks/dashboard_overhead.py --device cuda --rounds 3 \
