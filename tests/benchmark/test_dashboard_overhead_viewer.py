@@ -66,3 +66,26 @@ def test_sse_viewer_is_ready_before_the_load_and_counts_only_its_window(stream_u
     assert result["viewer_frames"] == len(inside) > 0
     assert result["viewer_hz"] == pytest.approx(len(inside) / (t1 - t0))
     assert result["viewer_first_frame_before_load_s"] >= 0
+
+
+def _segment(i, opened, rate, counted=True):
+    return {"index": i, "open": opened, "output_tok_s": rate, "counted": counted,
+            **({"viewer_hz": 2.5} if opened else {})}
+
+
+def test_toggle_drop_pairs_each_open_segment_with_its_closed_neighbours():
+    segments = [_segment(0, False, 500.0, counted=False),  # the ramp: not counted
+                _segment(1, True, 900.0),                   # no counted closed segment before it
+                _segment(2, False, 1000.0),
+                _segment(3, True, 950.0),                   # neighbours 1000 and 1100: drop 1 - 950/1050
+                _segment(4, False, 1100.0),
+                _segment(5, True, 1100.0),                  # neighbours 1100 and 1100: drop 0
+                _segment(6, False, 1100.0),
+                _segment(7, True, 800.0),                   # its right neighbour is not counted
+                _segment(8, False, 400.0, counted=False)]
+    got = bench.toggle_drop(segments)
+    assert got["paired_drops"] == pytest.approx([1 - 950 / 1050, 0.0])
+    assert got["paired_drop_median"] == pytest.approx((1 - 950 / 1050) / 2)
+    assert got["open_segment_tok_s_median"] == 925.0       # 800, 900, 950, 1100
+    assert got["closed_segment_tok_s_median"] == 1100.0    # 1000, 1100, 1100
+    assert bench.toggle_drop(segments[:2])["paired_drop_median"] is None

@@ -157,3 +157,20 @@ def test_backlog_throughput_counts_tokens_until_the_last_first_token():
     got = backlog_throughput([a, b, c, failed])
     assert got == {"window_s": 3.0, "output_throughput": (3 + 1 + 4) / 3.0}
     assert backlog_throughput([RequestResult(prompt_len=1, expected_output_len=1, error="x")]) is None
+
+
+def test_tokens_between_counts_the_tokens_that_arrived_in_the_window():
+    from dataclasses import asdict
+
+    from pagedserve.entrypoints.bench_serve import RequestResult, tokens_between
+    # Tokens at 1, 2, 3, 4 s.
+    a = RequestResult(prompt_len=1, expected_output_len=4, output_len=4, ttft=1.0, itl=[1.0, 1.0, 1.0], sent_at=0.0)
+    # Two chunks of two tokens, at 0.5 and 2.5 s.
+    c = RequestResult(prompt_len=1, expected_output_len=4, output_len=4, ttft=0.5, itl=[2.0], sent_at=0.0)
+    failed = RequestResult(prompt_len=1, expected_output_len=4, ttft=2.0, sent_at=0.0, error="HTTP 500")
+    records = [asdict(r) for r in (a, c, failed)]
+    assert tokens_between(records, 1.5, 3.0) == 2 + 2     # a at 2 and 3; c's chunk at 2.5
+    assert tokens_between(records, 0.0, 1.0) == 1 + 2     # a's first token; c's first chunk
+    assert tokens_between(records, 4.5, 9.0) == 0
+    # Windows that tile the run count every token once.
+    assert sum(tokens_between(records, t, t + 0.5 - 1e-9) for t in [0.5 * i for i in range(10)]) == 8
