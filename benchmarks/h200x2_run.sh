@@ -58,7 +58,8 @@ case "${1:-}" in
   profiles)
     for n in 16 32 256; do
       CUDA_VISIBLE_DEVICES=0 step graphs_n$n 100 python3 benchmarks/profile_decode.py --cuda-graphs \
-        --model benchmarks/models/llama-3.1-8b --num-seqs $n --output $L/graphs_n$n/profile_decode_graphs_n$n.json
+        --model benchmarks/models/llama-3.1-8b --num-seqs $n --output $L/graphs_n$n/profile_decode_graphs_n$n.json \
+        --trace-dir $L/graphs_n$n/trace
     done
     step tp2_nccl 130 python3 benchmarks/profile_decode.py --model benchmarks/models/llama-3.1-8b \
       --tensor-parallel-size 2 --output $L/tp2_nccl/profile_decode_tp2.json

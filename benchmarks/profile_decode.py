@@ -13,7 +13,9 @@ included) and the top kernels by time. Needs CUDA.
   python benchmarks/profile_decode.py --no-async-scheduling   # synchronous steps, for the A/B
   python benchmarks/profile_decode.py --cuda-graphs   # as serving runs: decode graphs replayed,
       # fused ops only; "wall ms/step" is then the step period, and GPU idle holds the gaps between
-      # replayed kernels and any wait for the host
+      # replayed kernels and any wait for the host; gpu_idle_by_gap_length tells the two apart
+      # (a few us per launch gap inside a graph, tens of us and more for a wait for the host)
+  python benchmarks/profile_decode.py --cuda-graphs --trace-dir /tmp/t   # + Chrome traces of the steps
 """
 from __future__ import annotations
 
@@ -39,6 +41,32 @@ from host_overhead import all_decoding, fill_decode_batch  # noqa: E402  (benchm
 MODES = {"fused": "1", "torch": "0"}
 
 
+# Gap lengths that tell launch gaps inside a replayed graph (a few us each) from waits for the
+# host between launches (sampling, the next step's inputs: tens of us and more).
+GAP_BUCKETS_US = ((0.0, 5.0), (5.0, 50.0), (50.0, float("inf")))
+
+
+def idle_gaps(spans: list[tuple[float, float]]) -> list[float]:
+    """The device's idle intervals (us) between sorted (start, end) activity spans, overlaps merged."""
+    gaps, reach = [], spans[0][1] if spans else 0.0
+    for start, end in spans[1:]:
+        if start > reach:
+            gaps.append(start - reach)
+        reach = max(reach, end)
+    return gaps
+
+
+def gap_buckets(gaps: list[float], steps: int) -> dict:
+    """Per step: how many idle gaps of each length bucket (GAP_BUCKETS_US), and their ms."""
+    out = {}
+    for lo, hi in GAP_BUCKETS_US:
+        inside = [g for g in gaps if lo <= g < hi]
+        name = f"{lo:g}-{hi:g}us" if hi != float("inf") else f">={lo:g}us"
+        out[name] = {"count_per_step": round(len(inside) / steps, 2),
+                     "ms_per_step": round(sum(inside) / steps / 1e3, 4)}
+    return out
+
+
 def _kernel_table(prof, steps: int, top: int) -> dict:
     """Device activity from the profiler, per step: kernels apart from memcpy/memset."""
     per_name: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
@@ -54,11 +82,8 @@ def _kernel_table(prof, steps: int, top: int) -> dict:
     total_us = sum(t for _, t in kernels.values())
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type == torch.autograd.DeviceType.CUDA)
-    idle_us, reach = 0.0, spans[0][1] if spans else 0.0
-    for start, end in spans[1:]:
-        if start > reach:
-            idle_us += start - reach
-        reach = max(reach, end)
+    gaps = idle_gaps(spans)
+    idle_us = sum(gaps)
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:top]
     return {
         "kernels_per_step": round(sum(c for c, _ in kernels.values()) / steps, 2),
@@ -67,13 +92,14 @@ def _kernel_table(prof, steps: int, top: int) -> dict:
         "memcpy_memset_ms_per_step": round(sum(t for _, t in copies.values()) / steps / 1e3, 4),
         "distinct_kernels": len(kernels),
         "gpu_idle_ms_per_step": round(idle_us / steps / 1e3, 4),
+        "gpu_idle_by_gap_length": gap_buckets(gaps, steps),
         "top_kernels": [{"name": name[:200], "calls_per_step": round(c / steps, 2),
                          "us_per_step": round(t / steps, 2), "us_per_call": round(t / c, 3),
                          "share": round(t / total_us, 4)} for name, (c, t) in ranked],
     }
 
 
-def _profile_mode(engine: LLMEngine, n: int, args) -> dict:
+def _profile_mode(engine: LLMEngine, n: int, args, mode: str) -> dict:
     for _ in range(args.warmup):  # Triton compiles on the first fused step
         engine.step(final_only=True)
     torch.cuda.synchronize()
@@ -89,6 +115,9 @@ def _profile_mode(engine: LLMEngine, n: int, args) -> dict:
         torch.cuda.synchronize()
     if not all_decoding(engine, n):
         raise RuntimeError("a sequence stopped or was preempted while profiling: raise --max-model-len")
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
+        prof.export_chrome_trace(os.path.join(args.trace_dir, f"{mode}.json.gz"))
     wall_key = "graph_wall_ms_per_step" if args.cuda_graphs else "eager_wall_ms_per_step"
     return {wall_key: round(wall_ms, 4), **_kernel_table(prof, args.steps, args.top)}
 
@@ -126,6 +155,8 @@ def main() -> None:
                     help="overlapped steps (the engine's default); --no-async-scheduling: synchronous steps")
     ap.add_argument("--cuda-graphs", action="store_true",
                     help="replay the decode CUDA graphs as serving does (fused ops only) instead of eager steps")
+    ap.add_argument("--trace-dir", default=None,
+                    help="also write each mode's profiled steps as a Chrome trace (DIR/<mode>.json.gz)")
     ap.add_argument("--output", default=None,
                     help="default benchmarks/results/h200/profile_decode.json (profile_decode_sync.json with "
                          "--no-async-scheduling)")
@@ -163,12 +194,13 @@ def main() -> None:
             active = fused.fused_ops(engine.device) is not None
             if active != (mode == "fused"):
                 raise RuntimeError(f"PAGEDSERVE_FUSED={flag} did not select the {mode} path (Triton missing?)")
-            results[mode] = _profile_mode(engine, n, args)
+            results[mode] = _profile_mode(engine, n, args, mode)
             print(f"{mode:6s} {results[mode]['kernels_per_step']:8.1f} kernels/step  "
                   f"{results[mode]['kernel_ms_per_step']:8.3f} kernel ms/step  "
                   f"{results[mode].get('eager_wall_ms_per_step', results[mode].get('graph_wall_ms_per_step')):8.3f} "
                   f"{'graph' if args.cuda_graphs else 'eager'} wall ms/step  "
-                  f"{results[mode]['gpu_idle_ms_per_step']:8.3f} GPU idle ms/step")
+                  f"{results[mode]['gpu_idle_ms_per_step']:8.3f} GPU idle ms/step; by gap length "
+                  f"{results[mode]['gpu_idle_by_gap_length']}")
     finally:
         if saved is None:
             os.environ.pop("PAGEDSERVE_FUSED", None)
