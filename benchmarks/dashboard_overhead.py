@@ -27,6 +27,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -38,7 +39,7 @@ sys.path.insert(0, str(REPO))
 
 from pagedserve.benchmark.server_process import stop_process, wait_until_ready  # noqa: E402
 from pagedserve.dashboard.feed import DEFAULT_STREAM_INTERVAL_S  # noqa: E402
-from pagedserve.entrypoints.bench_serve import run_benchmark, tokens_between  # noqa: E402
+from pagedserve.entrypoints.bench_serve import FD_MARGIN, run_benchmark, tokens_between  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
 
 KEY = "sk-dashboard-overhead"
@@ -147,14 +148,28 @@ def start_server(args) -> tuple[subprocess.Popen, str]:
     if args.model:
         cmd.insert(4, args.model)
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # The server's log is kept: when requests fail, it says what the server saw.
+    with open(args.server_log, "w") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    print(f"server log: {args.server_log}", file=sys.stderr, flush=True)
     base = f"http://127.0.0.1:{args.port}"
     try:
-        wait_until_ready(proc, base + "/health", 600, interval=0.5)
+        wait_until_ready(proc, base + "/health", 600, interval=0.5, log_path=Path(args.server_log))
     except RuntimeError as e:
         stop_process(proc)
         raise SystemExit(f"{e}: {' '.join(cmd)}") from None
     return proc, base
+
+
+def check_server_fd_limit(in_flight: int) -> None:
+    """The server raises its open-file limit to the hard one, which it inherits from here: with
+    more connections at once than that, uvloop resets the excess (httpx ReadError: see
+    pagedserve/entrypoints/fd_limit.py), and the run would measure that. Refuse before starting."""
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and in_flight + FD_MARGIN > hard:
+        raise SystemExit(f"{in_flight} requests in flight need {in_flight + FD_MARGIN} open files in the "
+                         f"server, whose hard limit here is {hard} (ulimit -Hn): pass a lower --max-concurrency")
 
 
 def _throughputs(s: dict) -> dict:
@@ -239,7 +254,8 @@ def toggled_run(base: str, requests, viewer_cls, interval: float, segment_s: flo
                          "counted": bool(firsts) and i > 0 and min(firsts) <= a and b <= max(firsts),
                          **seen})
     errors = [r["error"] for r in records if r["error"]]
-    return {"summary": {**_throughputs(summary), "first_error": errors[0] if errors else None},
+    return {"summary": {**_throughputs(summary), "first_error": errors[0] if errors else None,
+                        "errors": summary["errors"]},
             "segments": segments, **toggle_drop(segments)}
 
 
@@ -273,6 +289,8 @@ def main() -> int:
                    help="the stream's period in seconds (default: the page's)")
     p.add_argument("--port", type=int, default=18917)
     p.add_argument("--serve-args", default="", help="extra `pagedserve serve` flags, one string")
+    p.add_argument("--server-log", default=os.path.join(tempfile.gettempdir(), "dashboard_overhead_server.log"),
+                   help="where the server's output goes")
     p.add_argument("--output", default=None)
     p.add_argument("--toggle", type=float, default=None, metavar="SECONDS",
                    help="instead of rounds: one long run, the viewer opened and closed every SECONDS "
@@ -287,6 +305,7 @@ def main() -> int:
                 for r in make_workload(args.workload, args.num_requests, None, seed=0)
                 if len(r.prompt_token_ids) + r.output_len <= args.max_total_len]
     viewer_cls = SSEViewer if args.viewer == "sse" else BrowserViewer
+    check_server_fd_limit(min(len(requests), args.max_concurrency or len(requests)) if args.toggle else len(requests))
     proc, base = start_server(args)
     if args.toggle:
         return toggle_main(args, proc, base, requests, viewer_cls, model_dir)
@@ -337,8 +356,9 @@ def toggle_main(args, proc, base, requests, viewer_cls, model_dir: str) -> int:
     finally:
         stop_process(proc)
     if result["summary"]["failed"]:
-        raise SystemExit(f"{result['summary']['failed']} requests failed, the first with "
-                         f"{result['summary']['first_error']!r}: the comparison would be meaningless")
+        raise SystemExit(f"{result['summary']['failed']} requests failed ({result['summary']['errors']}), the "
+                         f"first with {result['summary']['first_error']!r}: the comparison would be meaningless "
+                         f"(server log: {args.server_log})")
     for seg in result["segments"]:
         print(("open  " if seg["open"] else "closed"), json.dumps(seg), flush=True)
     drop = result["paired_drop_median"]

@@ -86,11 +86,33 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, req
                 if chunk.get("usage"):
                     res.output_len = int(chunk["usage"].get("completion_tokens") or 0)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
-        res.error = f"{type(e).__name__}: {e}"
+        res.error = describe_error(e)
     res.latency = time.perf_counter() - start
     if res.output_len == 0:  # server without usage in streams: one token per chunk
         res.output_len = chunks_with_text
     return res
+
+
+def describe_error(e: BaseException) -> str:
+    """`Class: message`, with the OS error beneath it when there is one: httpx's ReadError on a
+    reset connection has an empty message (anyio's BrokenResourceError), its cause says which."""
+    text = f"{type(e).__name__}: {e}"
+    inner, seen = e, 0
+    while (inner := inner.__cause__ or inner.__context__) is not None and seen < 8:
+        seen += 1
+        if isinstance(inner, OSError):
+            return f"{text} ({type(inner).__name__}: {inner})"
+    return text
+
+
+def error_counts(errors: list[str]) -> dict[str, int]:
+    """How many requests failed with each kind of error (the text before the first ':'),
+    most first."""
+    counts: dict[str, int] = {}
+    for err in errors:
+        kind = err.split(":", 1)[0]
+        counts[kind] = counts.get(kind, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
 
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
@@ -166,6 +188,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "itl_ms": _stats([x for r in ok for x in r.itl]),
         "e2e_latency_ms": _stats([r.latency for r in ok]),
         "backlog": backlog_throughput(ok),
+        "errors": error_counts([r.error for r in results if r.error is not None]),
     }
 
 
@@ -215,6 +238,22 @@ def tokenizer_vocab_size(path: str) -> int:
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} ({e})") from None
 
 
+# Descriptors a client process holds besides its connections (the interpreter, pipes, libraries).
+FD_MARGIN = 64
+
+
+def check_fd_limit(connections: int) -> None:
+    """Raise this process's open-file limit to the hard one (fd_limit); a ValueError before any
+    request is sent when `connections` open at once would still not fit, instead of requests
+    failing with EMFILE midway."""
+    from pagedserve.entrypoints.fd_limit import raise_fd_limit
+    soft = raise_fd_limit()
+    if 0 <= soft < connections + FD_MARGIN:
+        raise ValueError(f"max_concurrency: {connections} connections at once need an open-file limit of at least "
+                         f"{connections + FD_MARGIN}, this client process has {soft} (ulimit -n); lower "
+                         "--max-concurrency or use more client processes")
+
+
 async def _send_all(base_url: str, requests: list[WorkloadRequest], model: str,
                     api_key: str | None, max_concurrency: int | None, temperature: float,
                     timeout: float, progress: bool
@@ -222,6 +261,7 @@ async def _send_all(base_url: str, requests: list[WorkloadRequest], model: str,
     """Send every request at its arrival_time; (results, start, end, CPU seconds this process
     spent meanwhile), times on the monotonic clock."""
     cpu0 = time.process_time()
+    check_fd_limit(min(len(requests), max_concurrency or len(requests)))
     base_url = base_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) + 8,
@@ -440,7 +480,7 @@ def run_serve_cli(args: Any) -> int:
     print(format_summary(summary))
     errors = [r["error"] for r in summary["requests"] if r["error"]]
     if errors:
-        print(f"{len(errors)} requests failed; first error: {errors[0]}", file=sys.stderr)
+        print(f"{len(errors)} requests failed ({summary['errors']}); first error: {errors[0]}", file=sys.stderr)
     if args.output:
         from pagedserve.benchmark.results import write_result
         write_result(args.output, "serve", "pagedserve " + shlex.join(sys.argv[1:]), config, _json_safe(summary),

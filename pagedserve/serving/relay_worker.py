@@ -326,6 +326,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--max-request-bytes", type=int, required=True)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
+    from pagedserve.entrypoints.fd_limit import raise_fd_limit
+    raise_fd_limit()  # each connection is a descriptor: see fd_limit (the front end logs the limit)
     pool = RemoteRoutedPool(args.route_address, args.name)
     app = build_dp_app(pool, load_tokenizer_path(args.tokenizer), args.block_size,
                        api_key=os.environ.get("PAGEDSERVE_API_KEY"), max_request_bytes=args.max_request_bytes)

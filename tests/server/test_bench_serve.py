@@ -174,3 +174,27 @@ def test_tokens_between_counts_the_tokens_that_arrived_in_the_window():
     assert tokens_between(records, 4.5, 9.0) == 0
     # Windows that tile the run count every token once.
     assert sum(tokens_between(records, t, t + 0.5 - 1e-9) for t in [0.5 * i for i in range(10)]) == 8
+
+
+def test_a_reset_connection_names_its_cause_and_errors_are_counted_by_kind():
+    """httpx's ReadError on a reset connection has an empty message (anyio's
+    BrokenResourceError): the recorded error names the OS error beneath it."""
+    import anyio
+
+    from pagedserve.entrypoints.bench_serve import describe_error, error_counts
+
+    def reset() -> BaseException:
+        try:
+            try:
+                try:
+                    raise ConnectionResetError(104, "Connection reset by peer")
+                except OSError as e:
+                    raise anyio.BrokenResourceError from e
+            except anyio.BrokenResourceError as e:
+                raise httpx.ReadError("") from e
+        except httpx.ReadError as e:
+            return e
+    assert describe_error(reset()) == "ReadError:  (ConnectionResetError: [Errno 104] Connection reset by peer)"
+    assert describe_error(httpx.ReadTimeout("timed out")) == "ReadTimeout: timed out"
+    assert error_counts(["HTTP 500: x", describe_error(reset()), "ReadError: ", "HTTP 500: y", "HTTP 503: z"]) == \
+        {"ReadError": 2, "HTTP 500": 2, "HTTP 503": 1}

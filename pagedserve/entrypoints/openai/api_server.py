@@ -272,6 +272,11 @@ def run_server_cli(args: Any) -> int:
     config = engine_config_from_args(args, model)
     logging.basicConfig(level=logging.INFO)
     _check_can_listen(args.host, args.port)
+    # Each connection is a file descriptor: at the soft limit uvloop resets new connections
+    # (clients see httpx ReadError). Raised before the engine core and DP replicas start, so
+    # they inherit it; the relay workers raise their own.
+    from pagedserve.entrypoints.fd_limit import fd_limit_note, raise_fd_limit
+    logger.info("%s", fd_limit_note(raise_fd_limit()))
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     name = args.served_model_name or default_name
     # Hook (issue #15): --data-parallel-size N / --data-parallel-backend ray serve replicas.
