@@ -5,8 +5,9 @@ limit cannot accept(): libuv then accepts and at once closes the connections wai
 listen queue (its EMFILE trick), so their clients, whose requests the kernel already took, get a
 reset: httpx `ReadError` with an empty message (BrokenResourceError <- ConnectionResetError, or
 BrokenPipeError). The server itself can stop working too: a lazy import or a ZMQ send that needs
-a descriptor fails (seen on CPU with `prlimit --nofile=1200` and 1,600 streams at once: 481 of
-1,600 failed, 432 with that ReadError). The soft limit is often far below what the hard limit
+a descriptor fails (seen on CPU with `prlimit --nofile=1200` and 1,600 streams at once: in one
+run 1,366 of 1,600 failed, 425 with that ReadError and most others timing out once the server
+stopped answering; another run, 481 and 432). The soft limit is often far below what the hard limit
 allows (1024 against 524288 is common), so servers and benchmark clients raise it to the hard
 limit at start-up, as vLLM does; what the hard limit itself allows is the host's business
 (`ulimit -Hn`), and the servers log it.
