@@ -7,6 +7,9 @@ Reports the median output throughput of each (over the whole run, and while requ
 waited: see _throughputs), the drops, and the frames per second the
 viewer received under load (the issue asks >= 2 Hz): the load starts once the viewer has its
 first frame, and only the frames that arrived while it ran count, over the time it ran.
+With --toggle S there are no rounds: one long run, the viewer opened and closed every S seconds,
+and the drop per open segment against its closed neighbours (toggled_run), which the drift
+between rounds does not reach.
 
 CPU (demo model):  python benchmarks/dashboard_overhead.py --device cpu
 H200: the demo model is host-bound there, the case where host-side work costs the most; its
@@ -253,8 +256,8 @@ def toggled_run(base: str, requests, viewer_cls, interval: float, segment_s: flo
                          "output_tok_s": tokens_between(records, a, b) / (b - a),
                          "counted": bool(firsts) and i > 0 and min(firsts) <= a and b <= max(firsts),
                          **seen})
-    errors = [r["error"] for r in records if r["error"]]
-    return {"summary": {**_throughputs(summary), "first_error": errors[0] if errors else None,
+    failed = [r["error"] for r in records if r["error"]]
+    return {"summary": {**_throughputs(summary), "first_error": failed[0] if failed else None,
                         "errors": summary["errors"]},
             "segments": segments, **toggle_drop(segments)}
 
@@ -294,7 +297,7 @@ def main() -> int:
     p.add_argument("--output", default=None)
     p.add_argument("--toggle", type=float, default=None, metavar="SECONDS",
                    help="instead of rounds: one long run, the viewer opened and closed every SECONDS "
-                        "(toggled_run); the drop from the engine's own token counter")
+                        "(toggled_run); the drop from the tokens that reached the client in each segment")
     p.add_argument("--client-processes", type=int, default=1, help="with --toggle: client processes")
     p.add_argument("--max-concurrency", type=int, default=None, help="with --toggle: requests in flight at most")
     args = p.parse_args()
