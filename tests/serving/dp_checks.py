@@ -72,7 +72,11 @@ def check_metrics_aggregate(server, http: httpx.Client) -> None:
     assert per_replica(merged, "pagedserve:generation_tokens_total") == tokens
 
 
-N_LOAD = 16
+# Enough requests that both replicas stay busy for seconds at once (each takes its max-num-seqs of
+# 32): with 16 on the 2-core CI VM, the demo model finished each in ~3.5 s and the client's threads
+# reached the Ray ingress in waves, so both replicas ran requests together for only ~1.4 s, shorter
+# than the merged /metrics (replica reports every 0.5 s, read through the busy ingress) could show.
+N_LOAD = 32
 
 
 def check_kill_under_load(server, recovered) -> None:
