@@ -276,7 +276,7 @@ def toggle_drop(segments: list[dict]) -> dict:
     return {"paired_drops": pairs, "paired_drop_median": statistics.median(pairs) if pairs else None,
             "open_segment_tok_s_median": statistics.median(opened) if opened else None,
             "closed_segment_tok_s_median": statistics.median(closed) if closed else None,
-            "viewer_hz_min_segments": min((s["viewer_hz"] for i, s in counted.items() if s["open"]), default=None)}
+            "viewer_hz_min_segments": min((s["viewer_hz"] for s in counted.values() if s["open"]), default=None)}
 
 
 def main() -> int:

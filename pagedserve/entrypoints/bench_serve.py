@@ -21,6 +21,7 @@ import os
 import shlex
 import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -108,11 +109,7 @@ def describe_error(e: BaseException) -> str:
 def error_counts(errors: list[str]) -> dict[str, int]:
     """How many requests failed with each kind of error (the text before the first ':'),
     most first."""
-    counts: dict[str, int] = {}
-    for err in errors:
-        kind = err.split(":", 1)[0]
-        counts[kind] = counts.get(kind, 0) + 1
-    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+    return dict(Counter(err.split(":", 1)[0] for err in errors).most_common())
 
 
 def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
@@ -136,24 +133,16 @@ def backlog_throughput(results: list[RequestResult]) -> dict[str, float] | None:
     window = max(r.sent_at + r.ttft for r in ok)
     if window <= 0:
         return None
-    tokens = 0.0
-    for r in ok:
-        per_chunk = r.output_len / (1 + len(r.itl))
-        t = r.sent_at + r.ttft
-        n = 1 if t <= window else 0
-        for gap in r.itl:
-            t += gap
-            if t > window:
-                break
-            n += 1
-        tokens += n * per_chunk
+    records = [{"error": None, "ttft": r.ttft, "sent_at": r.sent_at, "itl": r.itl, "output_len": r.output_len}
+               for r in ok]
+    tokens = tokens_between(records, 0.0, window)
     return {"window_s": window, "output_throughput": tokens / window}
 
 
 def tokens_between(records: list[dict], t0: float, t1: float) -> float:
     """Output tokens that reached the client between t0 and t1 (seconds from the run's start),
-    from records with sent_at, ttft, itl and output_len (run_benchmark(..., keep_itl=True));
-    chunks count output_len / chunks tokens each, as in backlog_throughput."""
+    from records with error, sent_at, ttft, itl and output_len (run_benchmark(..., keep_itl=True));
+    a chunk counts output_len / chunks tokens (a relay may pass several tokens in one)."""
     tokens = 0.0
     for r in records:
         if r["error"] is not None or r["ttft"] is None or r["sent_at"] is None:

@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from pagedserve.benchmark.server_process import free_port, stop_process, wait_until_ready
+from pagedserve.entrypoints.fd_limit import UNLIMITED_TARGET
 
 ROOT = Path(__file__).resolve().parents[2]
 HARD = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
@@ -44,7 +45,7 @@ def test_raise_fd_limit_raises_the_soft_limit_to_the_hard_one():
     assert r.returncode == 0, r.stderr
     before, got, after = json.loads(r.stdout)
     assert before[0] == LOW
-    expected = (1 << 20) if HARD == resource.RLIM_INFINITY else HARD
+    expected = UNLIMITED_TARGET if HARD == resource.RLIM_INFINITY else HARD
     assert got == after[0] == expected and after[1] == before[1]
 
 
@@ -80,7 +81,7 @@ def test_served_process_runs_with_its_soft_limit_raised(tiny_model_dir, tmp_path
                                 preexec_fn=_limits(LOW))
     try:
         wait_until_ready(proc, f"http://127.0.0.1:{port}/health", 180, log_path=log)
-        expected = (1 << 20) if HARD == resource.RLIM_INFINITY else HARD
+        expected = UNLIMITED_TARGET if HARD == resource.RLIM_INFINITY else HARD
         assert _soft_limit(proc.pid) == expected
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
         assert children and all(_soft_limit(int(c)) == expected for c in children)
