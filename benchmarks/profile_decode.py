@@ -149,6 +149,8 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--prompt-len", default="100,400", help="lo,hi: uniform prompt lengths")
     ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="every sequence's temperature (0: greedy; > 0: the plain temperature sampling path)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="TP ranks; the profile is rank 0's (this process), whose collectives wait for the others")
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
@@ -179,7 +181,8 @@ def main() -> None:
         skip_tokenizer_init=True, max_model_len=args.max_model_len, enforce_eager=not args.cuda_graphs,
         async_scheduling=args.async_scheduling, tensor_parallel_size=args.tensor_parallel_size))
     n = args.num_seqs
-    ramp = fill_decode_batch(engine, n, tuple(int(x) for x in args.prompt_len.split(",")), temperature=0.0)
+    ramp = fill_decode_batch(engine, n, tuple(int(x) for x in args.prompt_len.split(",")),
+                            temperature=args.temperature)
     saved = os.environ.get("PAGEDSERVE_FUSED")
     results = {}
     # The other ranks are processes of their own that read PAGEDSERVE_FUSED once, at spawn: at TP > 1
@@ -214,7 +217,7 @@ def main() -> None:
                   "kernel_time_fused_over_torch": round(f["kernel_ms_per_step"] / t["kernel_ms_per_step"], 4)}
     config = {"model": args.model, "load_format": args.load_format, "dtype": str(engine.dtype), "num_seqs": n,
               "prompt_len": args.prompt_len, "max_model_len": engine.max_model_len, "enforce_eager": not args.cuda_graphs,
-              "steps": args.steps, "warmup": args.warmup, "ramp_steps": ramp, "temperature": 0.0,
+              "steps": args.steps, "warmup": args.warmup, "ramp_steps": ramp, "temperature": args.temperature,
               "async_scheduling": engine.async_scheduling, "tensor_parallel_size": args.tensor_parallel_size,
               "note": "one engine; modes run one after the other, so contexts grow by a few tokens between them"}
     command = "python benchmarks/profile_decode.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
