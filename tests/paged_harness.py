@@ -61,7 +61,7 @@ class HandDriver:
             s.seq.num_computed_tokens = s.context_len
         sampling = [s for s in scheduled if s.do_sample]
         if logits is not None:
-            assert logits.shape == (len(sampling), self.runner.vocab_size) and logits.dtype == torch.float32
+            assert logits.shape == (len(sampling), self.runner.vocab_size) and logits.dtype == self.runner.dtype
             for s, tok in zip(sampling, logits.argmax(-1).tolist()):
                 s.seq.append_token(tok)
         else:

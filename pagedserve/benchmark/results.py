@@ -31,8 +31,8 @@ STAMP_NAME = "_build_commit.json"
 RESULT_KEYS = ("benchmark", "device", "commit", "date", "command", "switches", "versions", "config",
                "results", "baselines", "ratios")
 # Environment switches that change which kernels run (layers/fused.py, attention/backend.py).
-ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_ATTENTION", "PAGEDSERVE_INCREMENTAL_INPUTS",
-                "PAGEDSERVE_TP_ALLREDUCE")
+ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_FUSED_SAMPLING", "PAGEDSERVE_ATTENTION",
+                "PAGEDSERVE_INCREMENTAL_INPUTS", "PAGEDSERVE_TP_ALLREDUCE")
 # EngineConfig fields that switch engine behaviour, and the batch limits (their defaults follow the
 # device); absent fields are skipped.
 ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",
@@ -124,6 +124,10 @@ def engine_switches(engine_config: Any = None) -> dict:
         picked = sys.modules[module].choices() if module in sys.modules else {}
         if picked:
             out[key] = picked
+    if "pagedserve.layers.fused" in sys.modules:
+        picked = sys.modules["pagedserve.layers.fused"].choices(sampling=True)
+        if picked:
+            out["fused_sampling"] = picked
     if engine_config is not None:
         get = engine_config.get if isinstance(engine_config, dict) else (lambda k, d: getattr(engine_config, k, d))
         missing = object()

@@ -14,7 +14,11 @@ The chosen token's is computed as logit - logsumexp (no vocab-sized output); the
 log_softmax is only formed when some row asks for top-N logprobs.
 
 sample_plain is the fast path for a batch whose rows need nothing but a temperature: a few
-batched ops and one device-to-host copy. It draws exactly what sample() draws for such rows.
+batched ops and one device-to-host copy. In torch (CPU, or PAGEDSERVE_FUSED_SAMPLING=0) it draws
+exactly what sample() draws for such rows. On CUDA it is one pass of Triton kernels over the
+logits (triton_sampling.py): greedy rows get exactly torch's argmax; temperature rows draw from the
+same distribution with Philox noise keyed by a per-step seed instead of the shared generator's.
+Logits arrive in the model's dtype; every torch path converts them to float32 first.
 
 Every draw has a device half (sample_device / sample_plain_device: a DeviceSample, tensors only,
 no host sync unless a row needs penalties) and a host half (DeviceSample.packed() -> one
@@ -30,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pagedserve.layers.fused import fused_sampling
 from pagedserve.sampling_params import SamplingParams
 
 _MASK = float("-inf")
@@ -95,9 +100,12 @@ class DeviceSample:
     want: list[int | None]                # per row: how many top logprobs (None: not asked)
     top_ids: torch.Tensor | None = None   # [n, max_n]
     top_vals: torch.Tensor | None = None
+    packed_ready: torch.Tensor | None = None  # packed() already built (the fused kernel writes it)
 
     def packed(self) -> torch.Tensor:
         """Everything the host needs as one float64 tensor (float64 holds every token id exactly)."""
+        if self.packed_ready is not None:
+            return self.packed_ready
         parts = [self.tokens.double()[:, None], self.logprobs.double()[:, None]]
         if self.top_ids is not None:
             parts += [self.top_ids.double(), self.top_vals.double()]
@@ -223,6 +231,13 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
 class Sampler:
     def __init__(self, generator: torch.Generator):
         self.generator = generator  # shared by unseeded rows
+        self._fused_draws = 0  # steps the fused kernel has drawn for: each gets a seed of its own
+
+    def _fused_seed(self) -> int:
+        """The next Philox seed of the fused plain path, from the shared generator's seed and a
+        host counter: reproducible for a seeded engine, and no device read."""
+        self._fused_draws += 1
+        return derive_seed(self.generator.initial_seed(), self._fused_draws) & 0x7FFFFFFF
 
     def process_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
         """The logits the draw is made from: penalties, suppression, temperature, filters."""
@@ -262,15 +277,19 @@ class Sampler:
         n = len(temperatures)
         if logits.shape[0] != n:
             raise ValueError(f"sample_plain needs one logits row per temperature: {logits.shape[0]} != {n}")
-        logits = logits.float()
         t0 = temperatures[0]
-        if t0 == 0.0:
-            if any(temperatures):
-                raise ValueError("sample_plain rows must be all greedy or all temperature > 0")
+        greedy = t0 == 0.0
+        if (any(temperatures) if greedy else not all(temperatures)):
+            raise ValueError("sample_plain rows must be all greedy or all temperature > 0")
+        kernels = fused_sampling(logits.device)
+        if kernels is not None and kernels.supports(logits):
+            temps = None if greedy else to_device(temperatures, torch.float32, logits.device)
+            tokens, packed = kernels.sample_rows(logits, temps, self._fused_seed())
+            return DeviceSample(tokens, packed[:, 1], [None] * n, packed_ready=packed)
+        logits = logits.float()
+        if greedy:
             tokens = logits.argmax(dim=-1)
         else:
-            if not all(temperatures):
-                raise ValueError("sample_plain rows must be all greedy or all temperature > 0")
             if all(t == t0 for t in temperatures):
                 probs = (logits / t0).softmax(dim=-1)
             else:

@@ -2,8 +2,9 @@
 
 Order inside execute(): cache ops first (swap out, then swap in, then copy-on-write),
 then one forward pass over the flattened mixed batch (decodes and prefill chunks together),
-then logits for the last token of every sequence that samples this step, as float32,
-in schedule order. The runner never decides policy; it only carries out the plan.
+then logits for the last token of every sequence that samples this step, in the model's dtype
+(the sampler converts to float32 where its math needs it; the fused sampling kernels read them
+as they are, which saves a copy of the [n, vocab] logits every step), in schedule order. The runner never decides policy; it only carries out the plan.
 """
 from __future__ import annotations
 
@@ -263,7 +264,7 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, inp: ModelInput, kv_caches) -> torch.Tensor:
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_meta)
-        return self.model.compute_logits(hidden[inp.sample_indices]).float()
+        return self.model.compute_logits(hidden[inp.sample_indices])
 
     def prepare_inputs(self, out: SchedulerOutput) -> StepInput:
         """The host-side half of a step: no device work, nothing rank-specific."""
@@ -283,7 +284,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run the plan; float32 logits [num_sampling, vocab] in the order of out.scheduled filtered by
+        """Run the plan; logits [num_sampling, vocab] (model dtype) in the order of out.scheduled filtered by
         do_sample, or None when no sequence samples this step. prev_sampled: the previous step's
         sampled token ids on the device, the source of this step's placeholder tokens (if any)."""
         return self.execute_model(self.prepare_inputs(out), prev_sampled)
@@ -314,13 +315,13 @@ class ModelRunner:
         n = len(step.batch.query_lens)
         if self.graphs is not None and step.batch.num_decodes == n and self.graphs.bucket_for(n) is not None:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta)
-            return self.model.compute_logits(hidden[inp.sample_indices]).float()
+            return self.model.compute_logits(hidden[inp.sample_indices])
         if (self.piecewise is not None and step.batch.num_decodes < n
                 and self.piecewise.bucket_for(len(step.batch.input_ids)) is not None):
             hidden = self.piecewise.run(inp.input_ids, inp.positions, inp.attn_meta)
             if inp.num_sampling == 0:
                 return None
-            return self.model.compute_logits(hidden[inp.sample_indices]).float()
+            return self.model.compute_logits(hidden[inp.sample_indices])
         if inp.num_sampling == 0:
             # Still run the forward: it writes this chunk's K/V into the cache.
             self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta)

@@ -14,7 +14,8 @@ match):
 - mixed batches (decodes + a prefill chunk), one for every decode split count the attention
   backend can choose;
 - every sampler path (greedy, temperature, top-k, top-p, both, min-p, seeds, logprobs,
-  penalties, suppressed tokens) at one row and at max_num_seqs rows, and the host copy;
+  penalties, suppressed tokens) at one row and at max_num_seqs rows, on logits of the model's
+  dtype (the fused plain-path kernels compile per dtype), and the host copy;
 - a swap out, a swap in and a block copy.
 
 Invariant: afterwards the engine is as if nothing had run. The runner holds no scheduler, KV
@@ -117,7 +118,8 @@ def _split_variants(runner: "ModelRunner", max_seqs: int, max_len: int) -> dict[
     return found
 
 
-def _sampler_paths(device: torch.device, vocab: int, max_seqs: int) -> None:
+def _sampler_paths(device: torch.device, vocab: int, max_seqs: int, dtype: torch.dtype) -> None:
+    """Logits in the runner's dtype, as steps hand them over (the fused kernels compile per dtype)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(_SEED)
     sampler = Sampler(gen)
@@ -134,7 +136,7 @@ def _sampler_paths(device: torch.device, vocab: int, max_seqs: int) -> None:
         SamplingParams(temperature=0.8, repetition_penalty=1.2, frequency_penalty=0.5, presence_penalty=0.5),
     ]
     for rows in sorted({1, max_seqs}):
-        logits = torch.randn(rows, vocab, generator=gen, device=device, dtype=torch.float32)
+        logits = torch.randn(rows, vocab, generator=gen, device=device, dtype=torch.float32).to(dtype)
         for temps in ([0.0] * rows, [0.8] * rows, [0.5 + 0.5 * (i % 2) for i in range(rows)]):
             AsyncHostCopy(sampler.sample_plain_device(logits, temps)).result()
         for params in variants + [None]:
@@ -191,7 +193,7 @@ def warm_up(runner: "ModelRunner") -> float:
         if ce.num_cpu_blocks:
             ce.swap_out([(0, 0)])
             ce.swap_in([(0, 0)])
-        _sampler_paths(dev, runner.vocab_size, max_seqs)
+        _sampler_paths(dev, runner.vocab_size, max_seqs, runner.dtype)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         ce.gpu_pool.zero_()

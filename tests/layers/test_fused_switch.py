@@ -21,3 +21,16 @@ def test_cuda_gets_triton_unless_switched_off(monkeypatch):
     assert fused.fused_ops(torch.device("cuda")) is not None  # cached until reset()
     fused.reset()
     assert fused.fused_ops(torch.device("cuda")) is None
+
+
+def test_sampling_kernels_on_cuda_unless_switched_off(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_FUSED_SAMPLING", raising=False)
+    assert fused.fused_sampling(torch.device("cuda")).__name__ == "pagedserve.layers.triton_sampling"
+    assert fused.fused_sampling(torch.device("cpu")) is None
+    assert fused.choices(sampling=True) == {"cuda": "triton", "cpu": "torch"}
+    monkeypatch.setenv("PAGEDSERVE_FUSED_SAMPLING", "0")
+    fused.reset()
+    assert fused.fused_sampling(torch.device("cuda")) is None
+    monkeypatch.setenv("PAGEDSERVE_FUSED_SAMPLING", "force")
+    fused.reset()
+    assert fused.fused_sampling(torch.device("cpu")).__name__ == "pagedserve.layers.triton_sampling"

@@ -1,0 +1,182 @@
+"""Cases for the fused plain-path sampling kernels (pagedserve/layers/triton_sampling.py) under
+the Triton interpreter on CPU, against torch.
+
+Not collected on its own: test_sampling_interpret.py runs this file in a subprocess with
+TRITON_INTERPRET=1 (Triton picks interpreter-or-compiler at import time).
+
+What is exact and what is not:
+- greedy tokens: exactly torch.argmax of the logits (ties to the lowest index), in every dtype
+  and for every way of cutting the vocabulary into spans;
+- the chosen token's logprob: log_softmax's within 1e-5 (an online logsumexp, summed in another order);
+- temperature draws: a distribution, so checked as one: frequencies over many rows against
+  softmax(x / T) by a chi-square bound that a correct sampler fails with probability < 1e-6 and
+  that any wrong temperature, a missing noise term or a biased index fails at once. The seed is
+  fixed, so the outcome is too.
+"""
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("run through test_sampling_interpret.py (needs TRITON_INTERPRET=1 before importing triton)",
+                allow_module_level=True)
+
+from interpreter_fixes import apply as _fix_interpreter  # noqa: E402
+
+_fix_interpreter()
+
+from pagedserve.layers import fused  # noqa: E402
+from pagedserve.layers import triton_sampling as ts  # noqa: E402
+from pagedserve.layers.sampler import Sampler  # noqa: E402
+
+BLOCK = ts.BLOCK
+
+
+def _ref_logprobs(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return torch.log_softmax(x.float(), dim=-1).gather(1, tokens[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("n,vocab", [(1, 300), (3, BLOCK + 7), (5, 3 * BLOCK + 1)])
+@pytest.mark.parametrize("splits", [1, 2, 3, None])
+def test_greedy_is_torch_argmax(dtype, n, vocab, splits):
+    g = torch.Generator().manual_seed(n * vocab)
+    x = torch.randn(n, vocab, generator=g).to(dtype)
+    top = x.float().max() + 1
+    # Ties: the lowest index wins, inside one block, across blocks and across spans.
+    x[0, 5] = x[0, vocab - 2] = top
+    if n > 1:
+        x[1, BLOCK - 1 if vocab > BLOCK else 7] = x[1, vocab - 1] = top
+    tokens, packed = ts.sample_rows(x, None, seed=3, splits=splits)
+    expected = x.float().argmax(dim=-1)
+    assert torch.equal(tokens, expected)
+    assert tokens.dtype == torch.int64 and packed.dtype == torch.float64 and packed.shape == (n, 2)
+    assert torch.equal(packed[:, 0].long(), expected)
+    torch.testing.assert_close(packed[:, 1].float(), _ref_logprobs(x, expected), rtol=0, atol=1e-5)
+
+
+def test_greedy_ignores_minus_inf_and_reads_row_strides():
+    x = torch.randn(4, 2 * BLOCK + 40)
+    x[:, : BLOCK + 3] = float("-inf")  # a whole first span masked
+    wide = torch.randn(4, x.shape[1] + 16)
+    wide[:, : x.shape[1]] = x  # rows padded: stride(0) > vocab
+    view = wide[:, : x.shape[1]]
+    tokens, packed = ts.sample_rows(view, None, seed=0, splits=3)
+    assert torch.equal(tokens, x.argmax(dim=-1))
+    torch.testing.assert_close(packed[:, 1].float(), _ref_logprobs(x, tokens), rtol=0, atol=1e-5)
+
+
+def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    return float(((counts - expected) ** 2 / expected).sum())
+
+
+# The chi-square value a correct sampler exceeds with probability < 1e-6, by degrees of freedom
+# (scipy.stats.chi2.isf(1e-6, df)).
+CHI2_1E6 = {3: 30.66}
+
+
+def test_temperature_draws_follow_softmax():
+    """Rows at three temperatures in one launch (the interpreter runs programs one by one, so
+    one launch of 1,800 rows is the budget): each third's frequencies follow its softmax(x / T);
+    the masked token is never drawn; the reported logprob is the raw one, whatever T."""
+    logits = torch.tensor([0.0, 1.0, 2.0, float("-inf"), -1.0])
+    temps = (0.5, 1.0, 2.0)
+    rows = 600 * len(temps)
+    x = logits.repeat(rows, 1).to(torch.bfloat16)
+    tokens, packed = ts.sample_rows(x, torch.tensor(temps).repeat(rows // len(temps)), seed=11)
+    for i, t in enumerate(temps):
+        counts = torch.bincount(tokens[i::len(temps)], minlength=5).float()
+        assert counts[3] == 0
+        keep = torch.tensor([True, True, True, False, True])
+        probs = torch.softmax(x[0].float() / t, dim=-1)[keep]
+        assert _chi_square(counts[keep], probs) < CHI2_1E6[3], (t, counts, probs)
+    torch.testing.assert_close(packed[:, 1].float(), _ref_logprobs(x, tokens), rtol=0, atol=1e-5)
+
+
+def test_draws_depend_on_seed_and_row_not_on_spans():
+    x = torch.randn(8, 3 * BLOCK + 5)
+    temps = torch.ones(8)
+    a, _ = ts.sample_rows(x, temps, seed=7, splits=1)
+    b, _ = ts.sample_rows(x, temps, seed=7, splits=4)
+    c, _ = ts.sample_rows(x, temps, seed=8, splits=4)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_rejects_what_it_cannot_take():
+    x = torch.randn(4, 10)
+    with pytest.raises(ValueError, match="seed"):
+        ts.sample_rows(x, None, seed=1 << 31)
+    with pytest.raises(ValueError, match="splits"):
+        ts.sample_rows(x, None, seed=0, splits=ts.MAX_SPLITS + 1)
+    assert not ts.supports(x.t())  # vocab not unit-stride
+    assert not ts.supports(torch.randn(10))
+
+
+@pytest.fixture
+def forced(monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_FUSED_SAMPLING", "force")
+    fused.reset()
+    yield
+    monkeypatch.delenv("PAGEDSERVE_FUSED_SAMPLING")
+    fused.reset()
+
+
+def test_sampler_plain_path_uses_the_kernels(forced):
+    assert fused.fused_sampling(torch.device("cpu")) is ts
+    x = torch.randn(6, 1000).to(torch.bfloat16)
+    sampler = Sampler(torch.Generator().manual_seed(0))
+    greedy = sampler.sample_plain_device(x, [0.0] * 6)
+    assert greedy.packed_ready is not None
+    assert torch.equal(greedy.tokens, x.float().argmax(dim=-1))
+    out = greedy.to_host()
+    assert out.token_ids == x.float().argmax(dim=-1).tolist()
+    assert out.top_logprobs == [None] * 6
+    assert max(abs(a - b) for a, b in zip(out.logprobs, _ref_logprobs(x, greedy.tokens).tolist())) < 1e-5
+    # Temperature: a new seed each step, reproducible from the generator's seed.
+    first = [sampler.sample_plain_device(x, [0.9] * 6).tokens for _ in range(3)]
+    again = Sampler(torch.Generator().manual_seed(0))
+    again.sample_plain_device(x, [0.0] * 6)
+    assert all(torch.equal(a, again.sample_plain_device(x, [0.9] * 6).tokens) for a in first)
+    assert not all(torch.equal(first[0], f) for f in first[1:])
+    with pytest.raises(ValueError, match="all greedy or all temperature"):
+        sampler.sample_plain_device(x, [0.0, 0.5, 0.5, 0.5, 0.5, 0.5])
+
+
+def test_engine_greedy_tokens_equal_torch_sampling(tiny_model_dir, monkeypatch):
+    """A whole engine (overlapped steps) with the fused kernels forced on gives the torch path's
+    greedy tokens; a temperature run completes with tokens inside the vocabulary."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.models.loader import load_hf_config
+
+    prompts = [{"prompt_token_ids": p} for p in ([5, 17, 33, 101, 7], [9], list(range(3, 30)))]
+    model = tiny_model_dir("llama")
+
+    def run(params):
+        llm = LLM(str(model), device="cpu", dtype="float32", num_gpu_blocks_override=256, swap_space=0.01)
+        try:
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            return tokens, llm.llm_engine.sampler._fused_draws  # steps the kernels sampled
+        finally:
+            llm.shutdown()
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    monkeypatch.setenv("PAGEDSERVE_FUSED_SAMPLING", "0")
+    fused.reset()
+    expected, draws = run(greedy)
+    assert draws == 0
+    monkeypatch.setenv("PAGEDSERVE_FUSED_SAMPLING", "force")
+    fused.reset()
+    try:
+        actual, draws = run(greedy)
+        assert actual == expected and draws >= 12
+        sampled, draws = run(SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True))
+        assert draws >= 12
+    finally:
+        monkeypatch.delenv("PAGEDSERVE_FUSED_SAMPLING")
+        fused.reset()
+    vocab = load_hf_config(model).vocab_size
+    assert all(len(t) == 12 for t in sampled)
+    assert all(0 <= tok < vocab for t in sampled for tok in t)
