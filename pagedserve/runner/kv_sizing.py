@@ -31,7 +31,10 @@ def profile_num_gpu_blocks(runner: "ModelRunner") -> int:
     cfg = runner.config
     cuda = runner.device.type == "cuda"
     sched = cfg.scheduler_config(runner.max_model_len)
-    num_tokens, num_seqs = sched.max_num_batched_tokens, min(sched.max_num_seqs, sched.max_num_batched_tokens)
+    # The largest step the scheduler can build: no sequence longer than max_model_len (a longer
+    # one would index past a learned position table, e.g. OPT's, on the device).
+    num_tokens = min(sched.max_num_batched_tokens, sched.max_num_seqs * runner.max_model_len)
+    num_seqs = min(sched.max_num_seqs, num_tokens)
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(runner.device)
