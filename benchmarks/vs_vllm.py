@@ -214,6 +214,17 @@ def phase_collect(args, work: Path) -> None:
         if v and p:
             ours = p.get("output_tokens_per_s") if wl == "nanovllm" else p.get("requests_per_s")
             ratios[f"offline_{wl}_over_vllm"] = round(ours / v[key], 3)
+    # The decode phase's files, where it ran (into work/decode/ or work/): one small-batch step.
+    for engine in ("vllm", "pagedserve"):
+        for n in args.decode_seqs:
+            d = _load(work / "decode" / f"decode_{engine}_n{n}.json") or _load(work / f"decode_{engine}_n{n}.json")
+            if d is not None:
+                results.setdefault("decode", {}).setdefault(engine, {})[f"n{n}"] = d.get("results", d)
+    dec = results.get("decode", {})
+    for n in args.decode_seqs:
+        v, p = dec.get("vllm", {}).get(f"n{n}"), dec.get("pagedserve", {}).get(f"n{n}")
+        if v and p and v.get("step_period_ms") and p.get("step_period_ms"):
+            ratios[f"decode_step_period_n{n}_over_vllm"] = round(p["step_period_ms"] / v["step_period_ms"], 3)
     config = {"model": os.path.relpath(args.model, REPO), "workload": args.workload, "num_requests": args.num_requests, "rates": args.rates,
               "max_model_len": args.max_model_len, "gpus": args.gpus,
               "placement": "concurrent, one engine per GPU" if len(args.gpus.split(",")) > 1 else "one after the other",
