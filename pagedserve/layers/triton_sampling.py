@@ -3,9 +3,11 @@ token's raw logprob, in two Triton launches instead of eight to eleven torch ops
 
 Why: at 256 sequences of a 128k vocabulary the torch path (float copy, softmax, exponential
 noise, divide, argmax, logsumexp) reads and writes the [n, vocab] float32 logits about ten times,
-0.4 ms (greedy) to 0.84 ms (temperature) of every 10.6 ms decode step on the H200
-(benchmarks/results/h200/profile_decode_graphs_n256*.json). This reads the logits once, in the
-model's dtype, and writes nothing vocab-sized.
+0.4 ms (greedy) to 0.84 ms (temperature 0.6) of a 10.5-11 ms Llama-3.1-8B decode step on the
+H200 (benchmarks/results/h200/profile_decode_graphs_n256.json and
+runs/d316dd1_profiles/profile_decode_graphs_n256_t0.6.json). This reads the logits once, in the
+model's dtype, and writes nothing vocab-sized: that step took 10.23 ms instead of 10.77
+(runs/fc14642_sampling/).
 
 How: the vocabulary is cut into `splits` spans so that small batches still fill the GPU. Each
 (row, span) program streams its span once and keeps, online:
@@ -22,7 +24,7 @@ seed, its row and the logits, never on how the vocabulary was split.
 Greedy is exact: argmax of the logits with ties to the lowest index, as torch.argmax, in any
 dtype (float32 holds bfloat16 and float16 exactly, and converting keeps the order).
 
-Imported lazily (pagedserve.layers.sampler.fused_sampling); the torch path stays the CPU path and
+Imported lazily (pagedserve.layers.fused.fused_sampling); the torch path stays the CPU path and
 the oracle. No host reads of device values: nothing here waits for the GPU.
 """
 from __future__ import annotations
