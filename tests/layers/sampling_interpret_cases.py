@@ -1,7 +1,7 @@
 """Cases for the fused plain-path sampling kernels (pagedserve/layers/triton_sampling.py) under
 the Triton interpreter on CPU, against torch.
 
-Not collected on its own: test_sampling_interpret.py runs this file in a subprocess with
+Not collected on its own: test_fused_interpret.py runs this file in a subprocess with
 TRITON_INTERPRET=1 (Triton picks interpreter-or-compiler at import time).
 
 What is exact and what is not:
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 if os.environ.get("TRITON_INTERPRET") != "1":
-    pytest.skip("run through test_sampling_interpret.py (needs TRITON_INTERPRET=1 before importing triton)",
+    pytest.skip("run through test_fused_interpret.py (needs TRITON_INTERPRET=1 before importing triton)",
                 allow_module_level=True)
 
 from interpreter_fixes import apply as _fix_interpreter  # noqa: E402
