@@ -2,9 +2,10 @@
 
 Order inside execute(): cache ops first (swap out, then swap in, then copy-on-write),
 then one forward pass over the flattened mixed batch (decodes and prefill chunks together),
-then logits for the last token of every sequence that samples this step, in the model's dtype
-(the sampler converts to float32 where its math needs it; the fused sampling kernels read them
-as they are, which saves a copy of the [n, vocab] logits every step), in schedule order. The runner never decides policy; it only carries out the plan.
+then logits for the last token of every sequence that samples this step, in schedule order and
+in the model's dtype (the sampler converts to float32 where its math needs it; the fused sampling
+kernels read them as they are, which saves a copy of the [n, vocab] logits every step). The
+runner never decides policy; it only carries out the plan.
 """
 from __future__ import annotations
 
@@ -284,9 +285,10 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev_sampled: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Run the plan; logits [num_sampling, vocab] (model dtype) in the order of out.scheduled filtered by
-        do_sample, or None when no sequence samples this step. prev_sampled: the previous step's
-        sampled token ids on the device, the source of this step's placeholder tokens (if any)."""
+        """Run the plan; logits [num_sampling, vocab] (model dtype) in the order of out.scheduled
+        filtered by do_sample, or None when no sequence samples this step. prev_sampled: the
+        previous step's sampled token ids on the device, the source of this step's placeholder
+        tokens (if any)."""
         return self.execute_model(self.prepare_inputs(out), prev_sampled)
 
     @torch.inference_mode()
