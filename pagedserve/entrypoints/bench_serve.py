@@ -365,9 +365,9 @@ async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: s
 
     The summary's requests are the per-request records (with their inter-token gaps when
     keep_itl) and start_monotonic the run's start on time.perf_counter's clock, from which
-    their sent_at count. num_processes > 1 splits the requests over that many client processes; the summary is
-    of the merged per-request records (percentiles over all of them, throughput over the
-    union's wall time, from the first process's start to the last one's end)."""
+    their sent_at count. num_processes > 1 splits the requests over that many client
+    processes; the summary is of the merged per-request records (percentiles over all of them,
+    throughput over the union's wall time, from the first process's start to the last one's end)."""
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
     kwargs = dict(model=model, api_key=api_key, max_concurrency=max_concurrency,
