@@ -134,15 +134,16 @@ def decode_one(engine: str, gpu: str, args, work: Path) -> None:
     env = env_for(engine, args.site, gpu)
     if engine == "vllm":
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # its core in this process, where the profiler looks
-    for n in args.decode_seqs:
-        out = work / f"decode_{engine}_n{n}.json"
-        cmd = [sys.executable, str(REPO / "benchmarks/peers/decode_step_diff.py"), "--engine", engine,
-               "--num-seqs", str(n), "--config", str(Path(args.model) / "config.json"), "--out", str(out)]
-        t0 = time.monotonic()
-        with open(work / f"decode_{engine}_n{n}.log", "w") as f:
-            r = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.offline_limit)
-        log(work, f"decode {engine} n={n} rc={r.returncode} in {time.monotonic() - t0:.0f} s: "
-                  f"{json.dumps((_load(out) or {}).get('results', {}).get('step_period_ms'))} ms/step")
+    # One engine for every batch size (vLLM starts in ~50 s): one process, a file per size.
+    cmd = [sys.executable, str(REPO / "benchmarks/peers/decode_step_diff.py"), "--engine", engine,
+           "--num-seqs", *map(str, args.decode_seqs), "--config", str(Path(args.model) / "config.json"),
+           "--out", str(work / f"decode_{engine}_n{{n}}.json")]
+    t0 = time.monotonic()
+    with open(work / f"decode_{engine}.log", "w") as f:
+        r = subprocess.run(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=args.offline_limit)
+    periods = {n: (_load(work / f"decode_{engine}_n{n}.json") or {}).get("results", {}).get("step_period_ms")
+               for n in args.decode_seqs}
+    log(work, f"decode {engine} rc={r.returncode} in {time.monotonic() - t0:.0f} s: ms/step {json.dumps(periods)}")
 
 
 def run_pair(fn, args, work: Path, *extra) -> None:

@@ -140,6 +140,11 @@ class EngineConfig:
                                               "prefill tokens eager; piecewise: also graphs for those "
                                               "steps (up to 1024 tokens) with attention run eagerly "
                                               "between them (Llama family, one GPU)", CUDAGRAPH_MODES)
+    cuda_graph_sizes: list[int] | None = option(None, "decode batch sizes to capture CUDA graphs "
+                                                      "for (default, as vLLM's: 1, 2, 4, every 8 up "
+                                                      "to 256, every 16 above, up to max_num_seqs); "
+                                                      "a batch pads to the next size, one above the "
+                                                      "largest runs eagerly")
     load_format: str = option("auto", "dummy: random weights of the config's shapes (benchmarks, "
                                       "no *.safetensors needed)", LOAD_FORMATS)
     skip_tokenizer_init: bool = option(False, "load no tokenizer: prompts must be token ids and "
@@ -179,6 +184,10 @@ class EngineConfig:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
+        if self.cuda_graph_sizes is not None:
+            if not self.cuda_graph_sizes or any(not isinstance(b, int) or b < 1 for b in self.cuda_graph_sizes):
+                raise ValueError(f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, "
+                                 f"got {self.cuda_graph_sizes!r}")
 
     def with_batch_defaults(self, device_memory_bytes: int = 0, device_name: str = "",
                             serving: bool = False) -> "EngineConfig":

@@ -42,6 +42,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_text)
+        elif typing.get_origin(kind) is list:  # list[int]: --flag 1 2 4
+            group.add_argument(flag, type=typing.get_args(kind)[0], nargs="+", default=f.default,
+                               help=help_text)
         else:
             group.add_argument(flag, type=kind, default=f.default, help=help_text,
                                choices=f.metadata.get("choices"))

@@ -18,6 +18,10 @@ With CUDA graphs (both engines' default) the profiler still sees every replayed 
       --engine vllm --num-seqs 16 --out $OUT/decode_vllm_n16.json
   python3 benchmarks/peers/decode_step_diff.py --engine pagedserve --num-seqs 16 --out $OUT/decode_ps_n16.json
 
+Several --num-seqs share one engine (one start-up); --out then names a file per batch size
+through "{n}". --pagedserve-kwargs passes LLM(...) arguments to pagedserve only, for an A/B of
+one engine switch (e.g. '{"cuda_graph_sizes": [1, 2, 4, 8, 16, 32, 48, 64]}').
+
 vLLM must run its engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0) for the profiler
 to see its kernels; the script refuses otherwise. On CPU (--device cpu, pagedserve only) it
 measures wall time alone: the plumbing, for tests.
@@ -58,7 +62,8 @@ def make_llm(args):
         return LLM(**common, attention_backend="FLASH_ATTN"), SamplingParams, {"vllm_version": vllm.__version__}
     sys.path.insert(0, str(ROOT))
     from pagedserve import LLM, SamplingParams
-    return LLM(**common, device=args.device), SamplingParams, {}
+    extra = json.loads(args.pagedserve_kwargs) if args.pagedserve_kwargs else {}
+    return LLM(**common, device=args.device, **extra), SamplingParams, {"pagedserve_kwargs": extra}
 
 
 def kernel_totals(prof) -> dict[str, list[float]]:
@@ -72,33 +77,11 @@ def kernel_totals(prof) -> dict[str, list[float]]:
     return out
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engine", choices=["vllm", "pagedserve"], required=True)
-    ap.add_argument("--config", default=str(ROOT / "benchmarks/models/llama-3.1-8b/config.json"))
-    ap.add_argument("--num-seqs", type=int, default=16)
-    ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--short", type=int, default=8, help="new tokens of the short runs")
-    ap.add_argument("--long", type=int, default=72, help="new tokens of the long runs")
-    ap.add_argument("--repeat", type=int, default=3, help="timed runs of each length")
-    ap.add_argument("--token-id-limit", type=int, default=10000, help="prompt ids uniform in [0, this)")
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--device", default="cuda", help="pagedserve only: cpu runs the plumbing, wall time alone")
-    ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    if args.long <= args.short:
-        ap.error("--long must exceed --short")
-    if args.engine == "vllm" and args.device != "cuda":
-        ap.error("--engine vllm runs on cuda only")
-
-    rng = random.Random(0)
+def measure(llm, SamplingParams, args, num_seqs: int) -> dict:
+    """Step period (and, on CUDA, kernels per step) of num_seqs sequences decoding together."""
+    rng = random.Random(num_seqs)
     prompts = [{"prompt_token_ids": [rng.randrange(0, args.token_id_limit) for _ in range(args.prompt_len)]}
-               for _ in range(args.num_seqs)]
-    t0 = time.perf_counter()
-    llm, SamplingParams, facts = make_llm(args)
-    init_s = time.perf_counter() - t0
+               for _ in range(num_seqs)]
 
     def run(max_tokens: int) -> float:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
@@ -114,10 +97,8 @@ def main() -> int:
     walls = {n: statistics.median(run(n) for _ in range(args.repeat)) for n in (args.short, args.long)}
     steps = args.long - args.short
     result: dict = {"step_period_ms": round((walls[args.long] - walls[args.short]) / steps * 1e3, 4),
-                    "wall_s": {str(k): round(v, 4) for k, v in walls.items()}, "init_s": round(init_s, 1)}
-
-    cuda = args.device == "cuda"
-    if cuda:
+                    "wall_s": {str(k): round(v, 4) for k, v in walls.items()}}
+    if args.device == "cuda":
         import torch
         from torch.profiler import ProfilerActivity, profile
         totals = {}
@@ -141,22 +122,59 @@ def main() -> int:
                              "share": round(us / busy_us, 4) if busy_us else None}
                             for k, (c, us) in sorted(per_step.items(), key=lambda kv: -kv[1][1])[:args.top]],
             "device": torch.cuda.get_device_name(0), "torch": torch.__version__})
-    doc = {"benchmark": "decode_step_diff", "engine": args.engine, **facts,
-           "date": time.strftime("%Y-%m-%d"), "command": " ".join([sys.executable] + sys.argv),
-           "config": {k: getattr(args, k) for k in ("config", "num_seqs", "prompt_len", "short", "long", "repeat",
-                                                    "dtype", "max_model_len", "device", "token_id_limit")},
-           "env": {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "PAGEDSERVE_FUSED",
-                                                  "PAGEDSERVE_ATTENTION", "PAGEDSERVE_INCREMENTAL_INPUTS")},
-           "results": result}
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engine", choices=["vllm", "pagedserve"], required=True)
+    ap.add_argument("--config", default=str(ROOT / "benchmarks/models/llama-3.1-8b/config.json"))
+    ap.add_argument("--num-seqs", type=int, nargs="+", default=[16], help="batch sizes, one engine for all")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--short", type=int, default=8, help="new tokens of the short runs")
+    ap.add_argument("--long", type=int, default=72, help="new tokens of the long runs")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs of each length")
+    ap.add_argument("--token-id-limit", type=int, default=10000, help="prompt ids uniform in [0, this)")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--device", default="cuda", help="pagedserve only: cpu runs the plumbing, wall time alone")
+    ap.add_argument("--pagedserve-kwargs", default=None, help="JSON object of extra LLM(...) arguments (pagedserve)")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=None, help='JSON file; with several --num-seqs it must hold "{n}"')
+    args = ap.parse_args()
+    if args.long <= args.short:
+        ap.error("--long must exceed --short")
+    if args.engine == "vllm" and args.device != "cuda":
+        ap.error("--engine vllm runs on cuda only")
+    if args.engine == "vllm" and args.pagedserve_kwargs:
+        ap.error("--pagedserve-kwargs is for --engine pagedserve")
+    if args.out and len(args.num_seqs) > 1 and "{n}" not in args.out:
+        ap.error('--out must hold "{n}" with several --num-seqs')
+
+    t0 = time.perf_counter()
+    llm, SamplingParams, facts = make_llm(args)
+    init_s = round(time.perf_counter() - t0, 1)
     # This project's commit, for either engine: the script is ours (a copy without .git reads
     # pagedserve/_build_commit.json).
     sys.path.insert(0, str(ROOT))
     from pagedserve.benchmark.results import git_commit
-    doc["commit"] = git_commit()
-    print(json.dumps({k: v for k, v in result.items() if k != "top_kernels"}))
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    commit = git_commit()
+    for n in args.num_seqs:
+        result = {**measure(llm, SamplingParams, args, n), "init_s": init_s}
+        config = {k: getattr(args, k) for k in ("config", "prompt_len", "short", "long", "repeat",
+                                                "dtype", "max_model_len", "device", "token_id_limit")}
+        doc = {"benchmark": "decode_step_diff", "engine": args.engine, **facts,
+               "date": time.strftime("%Y-%m-%d"), "command": " ".join([sys.executable] + sys.argv),
+               "config": {**config, "num_seqs": n},
+               "env": {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "PAGEDSERVE_FUSED",
+                                                      "PAGEDSERVE_ATTENTION", "PAGEDSERVE_INCREMENTAL_INPUTS",
+                                                      "PAGEDSERVE_FUSED_SAMPLING")},
+               "results": result, "commit": commit}
+        print(json.dumps({"num_seqs": n, **{k: v for k, v in result.items() if k != "top_kernels"}}), flush=True)
+        if args.out:
+            path = Path(args.out.replace("{n}", str(n)))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(doc, indent=2) + "\n")
     return 0
 
 

@@ -32,12 +32,12 @@ RESULT_KEYS = ("benchmark", "device", "commit", "date", "command", "switches", "
                "results", "baselines", "ratios")
 # Environment switches that change which kernels run (layers/fused.py, attention/backend.py).
 ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_FUSED_SAMPLING", "PAGEDSERVE_ATTENTION",
-                "PAGEDSERVE_INCREMENTAL_INPUTS", "PAGEDSERVE_TP_ALLREDUCE")
+                "PAGEDSERVE_INCREMENTAL_INPUTS", "PAGEDSERVE_TP_ALLREDUCE", "PAGEDSERVE_STEP_TRACE")
 # EngineConfig fields that switch engine behaviour, and the batch limits (their defaults follow the
 # device); absent fields are skipped.
 ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",
                         "enable_chunked_prefill", "preemption_mode", "kv_allocator", "tensor_parallel_size",
-                        "max_num_seqs", "max_num_batched_tokens")
+                        "max_num_seqs", "max_num_batched_tokens", "cuda_graph_sizes")
 
 
 class UnknownCommitError(RuntimeError):

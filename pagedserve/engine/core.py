@@ -31,6 +31,7 @@ from pagedserve.engine.core_messages import (AbortRequests, AddRequest, Codec, C
                                              CoreInputs, Ready, RequestDelta, Shutdown,
                                              StartupFailed, StepOutputs, UtilityCall, UtilityResult)
 from pagedserve.engine.pauses import freeze_startup_heap, install_gc_pause_log, pause_threshold_s
+from pagedserve.engine.step_trace import STEP_TRACE_ENV, StepTrace, step_trace_from_env
 from pagedserve.metrics import EngineSnapshot
 from pagedserve.outputs import RequestOutput
 
@@ -184,9 +185,14 @@ class EngineCore:
         codec = Codec()
         decode, encode = codec.inputs.decode, codec.encode
         slow_s = pause_threshold_s()
+        trace = getattr(self.engine, "step_timer", None)
+        trace = trace if isinstance(trace, StepTrace) else None
         running = True
         while running:
-            frames = [] if self.engine.has_unfinished_requests() else [input_socket.recv(copy=False)]
+            busy = self.engine.has_unfinished_requests()
+            if trace is not None and not busy:
+                trace.flush(idle=True)  # the device is idle: every event is complete
+            frames = [] if busy else [input_socket.recv(copy=False)]
             while True:
                 try:
                     frames.append(input_socket.recv(zmq.NOBLOCK, copy=False))
@@ -260,6 +266,13 @@ def run_engine_core(config: EngineConfig | None, input_address: str, output_addr
         out.close(linger=2000)
         ctx.term()
         return 1
+    trace = step_trace_from_env()
+    if trace is not None:
+        if getattr(core.engine, "device", None) is None or core.engine.device.type != "cuda":
+            logger.warning("%s is set but the engine does not run on CUDA: no step trace", STEP_TRACE_ENV)
+        else:
+            core.engine.step_timer = trace
+            logger.info("tracing every step's shape and device time into %s", trace.path)
     # What start-up left alive stays alive: keep full collections from walking it mid-serving.
     frozen = freeze_startup_heap()
     install_gc_pause_log("engine core")

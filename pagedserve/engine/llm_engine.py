@@ -313,7 +313,7 @@ class LLMEngine(TokenApplication):
     def _run_sync(self, out, touched: dict, final_only: bool) -> None:
         """The synchronous step: execute, sample, and append before returning."""
         timer = self.step_timer
-        timer.launch_begin()
+        timer.launch_begin(out)
         logits = self.runner.execute(out)
         timer.mark("execute", sync=True)
         self.scheduler.update_after_step(out)
@@ -333,7 +333,7 @@ class LLMEngine(TokenApplication):
         executor calls the sampler inside the step (with tensor parallelism it then hands the
         ids to every rank's device before the step ends)."""
         timer = self.step_timer
-        timer.launch_begin()
+        timer.launch_begin(out)
         sampled = [s for s in out.scheduled if s.do_sample]
 
         def sample(logits):

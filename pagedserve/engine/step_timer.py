@@ -26,7 +26,8 @@ class NullStepTimer:
     def mark(self, phase: str, sync: bool = False) -> None:
         pass
 
-    def launch_begin(self) -> None:
+    def launch_begin(self, plan=None) -> None:
+        """plan: the step's SchedulerOutput (engine/step_trace.py records its shape)."""
         pass
 
     def launch_end(self) -> None:
@@ -71,7 +72,7 @@ class StepTimer(NullStepTimer):
         e.record()
         return e
 
-    def launch_begin(self) -> None:
+    def launch_begin(self, plan=None) -> None:
         if self._gpu_gaps:
             self._events.append((self._event(), None))
 

@@ -14,17 +14,23 @@ import torch
 from pagedserve.attention.metadata import AttentionMetadata
 
 
-def batch_buckets(max_batch: int) -> list[int]:
-    sizes = [1, 2, 4, 8] + list(range(16, max_batch + 1, 16))
-    return sorted({b for b in sizes if b <= max_batch} | {max_batch})
+def batch_buckets(max_batch: int, sizes: list[int] | None = None) -> list[int]:
+    """The decode batch sizes to capture: `sizes` (EngineConfig.cuda_graph_sizes) up to
+    max_batch, or by default vLLM's: 1, 2, 4, every 8 up to 256, every 16 above, and max_batch.
+    A batch between two sizes pads to the larger, and the graph runs every layer over the padded
+    rows; a finer step wastes fewer of them (vLLM's step, not ours before, of 16)."""
+    if sizes is not None:
+        return sorted({b for b in sizes if b <= max_batch})
+    default = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, max_batch + 1, 16))
+    return sorted({b for b in default if b <= max_batch} | {max_batch})
 
 
 class DecodeCUDAGraphs:
     def __init__(self, model, kv_caches, max_batch: int, max_model_len: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, sizes: list[int] | None = None):
         self.model, self.kv_caches = model, kv_caches
         self.max_model_len, self.block_size = max_model_len, block_size
-        self.buckets = batch_buckets(max_batch)
+        self.buckets = batch_buckets(max_batch, sizes)
         max_blocks = (max_model_len + block_size - 1) // block_size
         n = self.buckets[-1]
         i32 = dict(dtype=torch.int32, device=device)

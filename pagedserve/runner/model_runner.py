@@ -24,7 +24,7 @@ from pagedserve.distributed import TPGroup, get_tp_group
 from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
-from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
+from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets
 from pagedserve.runner.kv_sizing import device_seconds, profile_num_gpu_blocks
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
 from pagedserve.runner.request_state import DeviceRequestState
@@ -207,9 +207,11 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
         max_batch = self.config.scheduler_config(self.max_model_len).max_num_seqs
+        if not batch_buckets(max_batch, self.config.cuda_graph_sizes):
+            return  # every size given exceeds max_num_seqs: decode steps run eagerly
         self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, max_batch=max_batch,
                                        max_model_len=self.max_model_len, block_size=self.block_size,
-                                       device=self.device)
+                                       device=self.device, sizes=self.config.cuda_graph_sizes)
         self.graphs.capture()
 
     def warm_up(self) -> None:

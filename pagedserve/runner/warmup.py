@@ -174,7 +174,7 @@ def warm_up(runner: "ModelRunner") -> float:
         run(steps.step([(start, chunk, False)], 0))
         # Decode-only steps at every bucket size, each again with its tokens fed on the device.
         ctx = max(1, min(max_len - 1, 2 * steps.block_size + 3))
-        for b in batch_buckets(max_seqs):
+        for b in batch_buckets(max_seqs, runner.config.cuda_graph_sizes):
             if b > max_tokens:
                 break
             logits = run(steps.step([(ctx - 1, 1, True)] * b, b))

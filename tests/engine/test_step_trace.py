@@ -1,0 +1,112 @@
+"""StepTrace (PAGEDSERVE_STEP_TRACE): one JSON line per launched step with its shape and device
+times, written only for finished steps, no gap after an idle engine; and the summary's grouping
+(benchmarks/step_trace_summary.py). On CPU the CUDA events are replaced by a clock whose
+readings the test sets; on CUDA a real engine's trace must hold one line per step it ran."""
+import importlib.util
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pagedserve import SamplingParams
+from pagedserve.engine.step_trace import StepTrace
+
+from .helpers import make_llm, prompt_ids
+
+spec = importlib.util.spec_from_file_location(
+    "step_trace_summary", Path(__file__).resolve().parents[2] / "benchmarks/step_trace_summary.py")
+summary = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(summary)
+
+
+class FakeEvent:
+    """A CUDA event stand-in: recorded at the test clock's reading; done once the clock passes it."""
+
+    def __init__(self, clock):
+        self.clock, self.t = clock, clock["now"]
+
+    def query(self):
+        return self.clock["done"] >= self.t
+
+    def elapsed_time(self, other):  # milliseconds, as torch.cuda.Event
+        return other.t - self.t
+
+
+def plan(decodes: int, prefill_tokens: int = 0):
+    sched = [SimpleNamespace(num_new_tokens=1)] * decodes
+    if prefill_tokens:
+        sched = sched + [SimpleNamespace(num_new_tokens=prefill_tokens)]
+    return SimpleNamespace(scheduled=sched, num_decodes=decodes, num_batched_tokens=decodes + prefill_tokens)
+
+
+def test_trace_lines_hold_shape_busy_and_gap(tmp_path, monkeypatch):
+    clock = {"now": 0.0, "done": -1.0}
+    trace = StepTrace(str(tmp_path / "t.jsonl"))
+    monkeypatch.setattr(trace, "_event", lambda: FakeEvent(clock))
+
+    def step(p, start, end):
+        trace.begin()
+        clock["now"] = start
+        trace.launch_begin(p)
+        clock["now"] = end
+        trace.launch_end()
+
+    step(plan(4), 0.0, 5.0)
+    step(plan(4, 300), 5.5, 15.0)
+    step(plan(8), 15.0, 21.0)
+    clock["done"] = 15.0  # the device has finished the first two steps only
+    assert trace.flush() == 2
+    clock["done"] = 100.0
+    assert trace.flush(idle=True) == 1
+    step(plan(2), 200.0, 204.0)  # after an idle engine: no gap
+    clock["done"] = 300.0
+    assert trace.flush(idle=True) == 1
+    lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    stamps = [x.pop("t") for x in lines]
+    assert stamps == sorted(stamps) and stamps[0] > 1.7e9  # wall-clock launch times
+    assert lines == [
+        {"seqs": 4, "decodes": 4, "tokens": 4, "busy_ms": 5.0, "gap_ms": None},
+        {"seqs": 5, "decodes": 4, "tokens": 304, "busy_ms": 9.5, "gap_ms": 0.5},
+        {"seqs": 8, "decodes": 8, "tokens": 8, "busy_ms": 6.0, "gap_ms": 0.0},
+        {"seqs": 2, "decodes": 2, "tokens": 2, "busy_ms": 4.0, "gap_ms": None},
+    ]
+    assert trace.records == [{}]  # phases are not kept
+
+
+def test_summary_groups_decodes_by_batch_and_mixed_by_tokens():
+    lines = [{"seqs": n, "decodes": n, "tokens": n, "busy_ms": b, "gap_ms": g}
+             for n, b, g in [(3, 5.0, None), (8, 6.0, 0.1), (9, 7.0, 0.3), (16, 8.0, 0.5)]]
+    lines.append({"seqs": 5, "decodes": 4, "tokens": 304, "busy_ms": 12.0, "gap_ms": 0.2})
+    out = summary.summarise(lines, bin_seqs=8, bin_tokens=256)
+    assert sorted(out["decode"]) == ["1-8", "9-16"]
+    assert out["decode"]["1-8"]["steps"] == 2 and out["decode"]["1-8"]["busy_ms_p50"] == 5.5
+    assert out["decode"]["1-8"]["gap_ms_mean"] == 0.1  # the step without a gap is left out
+    assert out["decode"]["9-16"]["gap_ms_p50"] == 0.4
+    assert list(out["mixed"]) == ["257-512"] and out["mixed"]["257-512"]["busy_ms_mean"] == 12.0
+    assert out["total"]["busy_ms"] == 38.0 and out["total"]["gap_ms"] == 1.1
+    assert out["total"]["decode_only_steps"] == 4
+
+
+def test_segments_cut_at_idle_gaps():
+    lines = [{"t": t} for t in (0.0, 0.5, 1.0, 9.0, 9.2, 30.0)]
+    assert [[x["t"] for x in seg] for seg in summary.segments(lines, 5.0)] == [[0.0, 0.5, 1.0], [9.0, 9.2], [30.0]]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_engine_trace_has_a_line_per_step(tiny_model_dir, tmp_path):
+    model_dir = tiny_model_dir("llama")
+    prompts = prompt_ids(model_dir)
+    llm = make_llm(model_dir, device="cuda", max_num_seqs=16)
+    trace = StepTrace(str(tmp_path / "t.jsonl"))
+    llm.llm_engine.step_timer = trace
+    llm.generate([{"prompt_token_ids": p} for p in prompts],
+                 SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    torch.cuda.synchronize()
+    trace.flush(idle=True)
+    lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    # Every prompt is prefilled once and decoded 11 times (its first token comes from the prefill).
+    assert sum(x["tokens"] - x["decodes"] for x in lines) == sum(len(p) for p in prompts)
+    assert sum(x["decodes"] for x in lines) == 11 * len(prompts)
+    assert all(x["busy_ms"] > 0 for x in lines) and lines[0]["gap_ms"] is None
