@@ -258,7 +258,8 @@ def replay(base: str, args, pids: dict[str, int] | None = None) -> dict:
     totals_before = replica_totals(base)
     with Timeline(base, pids or {}) as timeline:
         summary = asyncio.run(asyncio.wait_for(
-            run_benchmark(base + "/v1", reqs, model="bench", num_processes=args.num_client_processes),
+            run_benchmark(base + "/v1", reqs, model="bench", num_processes=args.num_client_processes,
+                          max_concurrency=args.max_concurrency),
             max(1.0, deadline - time.monotonic())))
     summary["timeline"] = timeline.samples
     summary["saturated"] = saturated_rate(timeline.samples)
@@ -298,6 +299,9 @@ def main() -> None:
                     help="split the requests over K client processes (one asyncio process "
                          "parses ~10-20k SSE events/s at most); percentiles come from the "
                          "merged per-request records, throughput from the union's wall time")
+    ap.add_argument("--max-concurrency", type=int, default=None,
+                    help="at most this many requests in flight (default: all of them); above both "
+                         "replicas' max_num_seqs the engines stay saturated while fewer streams stay open")
     ap.add_argument("--api-server-counts", default="1",
                     help="comma-separated: one DP=2 run per count of front-end processes "
                          "(--api-server-count); results dp2 for the first, dp2_api<K> for the others")
@@ -305,6 +309,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.num_client_processes < 1:
         ap.error("--num-client-processes must be >= 1")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        ap.error("--max-concurrency must be >= 1")
     args.dtype = args.dtype or ("float32" if args.smoke else "bfloat16")
     args.num_requests = args.num_requests or (8 if args.smoke else 3000)
     args.max_model_len = args.max_model_len or (512 if args.smoke else 4096)
@@ -365,6 +371,7 @@ def main() -> None:
     config = {"model": str(Path(args.model).relative_to(ROOT)) if not args.smoke else "demo",
               "load_format": "dummy", "dtype": args.dtype,
               "workload": args.workload, "num_requests": args.num_requests, "arrivals": "all at t=0",
+              "max_concurrency": args.max_concurrency,
               "max_model_len": args.max_model_len, "dp1": "plain server, GPU 0",
               "dp2": "--data-parallel-size 2 (mp backend, prefix routing), GPUs 0 and 1",
               "api_server_counts": counts,

@@ -7,6 +7,7 @@
 #   bash benchmarks/h200x2_run.sh tp_opt         # OPT-13B fixed256 at TP=1 and 2 (1000 requests need > 105 s a child)
 #   bash benchmarks/h200x2_run.sh dp             # DP=2 (4 front-end processes) against DP=1, 7000 sharegpt-like requests at t=0,
 #                                                # 8 client processes; the rate at saturation from the servers' counters
+#   bash benchmarks/h200x2_run.sh dp_long        # the same, 12000 requests (at most 4096 in flight)
 #   bash benchmarks/h200x2_run.sh dashboard_toggle  # the dashboard's cost within one long run, the viewer toggled every 3 s
 #   bash benchmarks/h200x2_run.sh dashboard      # the dashboard's cost and frame rate on GPU 0 (0.4 s default), then
 #                                                # Llama-3.1-8B decode-step profiles at 16 and 32 sequences (#13's TPOT)
@@ -44,6 +45,10 @@ case "${1:-}" in
   tp_opt) tp tp_opt 500 --models opt-13b --child-timeout 240 ;;
   dp) step dp 580 python3 benchmarks/dp_bench.py --out $L/dp/dp.json --num-requests 7000 --start-timeout 200 --api-server-counts 4 \
         --run-timeout 240 --num-client-processes 8 ;;
+  dp_long)  # the same with 12000 requests, at most 4096 in flight: the drain at the end (the last long
+            # requests at a small batch, as long in both runs) weighs less against the saturated part
+    step dp_long 585 python3 benchmarks/dp_bench.py --out $L/dp_long/dp.json --num-requests 12000 --max-concurrency 4096 \
+        --start-timeout 150 --api-server-counts 4 --run-timeout 330 --num-client-processes 8 ;;
   dashboard_toggle)  # one long run, the viewer opened and closed every 3 s; the drop from the engine's counter
     CUDA_VISIBLE_DEVICES=0 step dashboard_toggle 400 python3 benchmarks/dashboard_overhead.py --device cuda --toggle 3 \
       --num-requests 20000 --client-processes 4 --max-concurrency 8000 --serve-args "--num-gpu-blocks-override 65536" \
@@ -66,7 +71,7 @@ case "${1:-}" in
     PAGEDSERVE_TP_ALLREDUCE=symm_mem step tp2_symm_mem 130 python3 benchmarks/profile_decode.py \
       --model benchmarks/models/llama-3.1-8b --tensor-parallel-size 2 \
       --output $L/tp2_symm_mem/profile_decode_tp2_symm_mem.json ;;
-  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dashboard|dashboard_toggle|profiles" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dp_long|dashboard|dashboard_toggle|profiles" >&2; exit 2 ;;
 esac
 # On the device tool's machine only $OUT comes back: everything of this target in one archive.
 [ -n "${OUT:-}" ] && tar czf "$OUT/x2_$1.tgz" -C $L . && cp $L/progress.log "$OUT/"
