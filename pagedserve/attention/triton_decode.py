@@ -3,9 +3,18 @@
 Grid (sequence, kv head, split). A program loads each K/V tile once for all query heads
 of its KV head (the GQA group is the M dimension of tl.dot, padded to >= 16) and walks its
 split of the context with triton_tiles.attend_tiles, the loop the prefill kernel shares
-(tiles gathered through the block table, online softmax in fp32). With one split it writes
-the output directly; with several it writes per-split (normalised output, log2-sum-exp) and
-reduce_splits_kernel combines them.
+(tiles gathered through the block table, online softmax in fp32). A sequence with one
+non-empty split writes its output directly; one with several writes per-split results
+(normalised output, log2-sum-exp) and reduce_splits_kernel combines them.
+
+How a sequence is split (split_plan): into BASE_SPLITS equal parts, the count the batch size
+asks for to fill the GPU; with SPLIT_TOKENS > 0, into more when it is long, so that no split
+holds much more than SPLIT_TOKENS positions, up to the grid's NUM_SPLITS. Why: a decode graph
+is captured once per batch size, so BASE_SPLITS cannot follow the step's lengths; at 64
+sequences it is 1, and in a serving batch whose contexts run from a few tokens to 2048 the one
+program of the longest sequence kept walking tiles long after the others had finished. Programs
+past a sequence's last split return at once and write nothing; the reduction derives the same
+plan from the sequence's length, so it reads only what was written.
 """
 import triton
 import triton.language as tl
@@ -23,16 +32,50 @@ def paged_decode_kernel(
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, IEEE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BASE_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
+    split_len, active = split_plan(seq_len, NUM_SPLITS, BASE_SPLITS, SPLIT_TOKENS, BLOCK_N)
+    if split < active:
+        _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
+                      block_tables_ptr, qk_scale, seq, kv_head, split, split * split_len,
+                      tl.minimum(split * split_len + split_len, seq_len), active,
+                      stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
+                      stride_bt, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+                      GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE)
+
+
+@triton.jit
+def split_plan(seq_len, NUM_SPLITS: tl.constexpr, BASE_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """(split_len, number of non-empty splits) of a sequence of seq_len positions: BASE_SPLITS
+    parts, or with SPLIT_TOKENS > 0 as many more as keep each near SPLIT_TOKENS, at most
+    NUM_SPLITS; split_len rounded up to whole tiles. The decode and the reduce kernel agree on it."""
     # tl.cdiv is itself a @jit function, which the interpreter cannot call from our kernels.
-    split_len = ((seq_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * split_len
-    end = tl.minimum(start + split_len, seq_len)
+    if SPLIT_TOKENS > 0:
+        parts = tl.minimum(tl.maximum((seq_len + SPLIT_TOKENS - 1) // SPLIT_TOKENS, BASE_SPLITS), NUM_SPLITS)
+    else:
+        parts = BASE_SPLITS
+    split_len = tl.maximum(((seq_len + parts - 1) // parts + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
+    return split_len, (seq_len + split_len - 1) // split_len
+
+
+@triton.jit
+def _decode_split(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, block_tables_ptr, qk_scale,
+    seq, kv_head, split, start, end, active,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
+    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Positions [start, end) of one sequence for the query heads of one KV head: the output
+    itself when the sequence has one split (active), else this split's part for the reduce."""
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -59,15 +102,13 @@ def paged_decode_kernel(
                                  stride_cb, stride_cs, d,
                                  HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, IN_CONTEXT, IEEE)
 
-    if NUM_SPLITS == 1:
-        out = acc / l_i[:, None]
+    # Every split that runs holds at least one position, so l_i > 0.
+    out = acc / l_i[:, None]
+    if active == 1:
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        # An empty split (start >= seq_len) leaves l_i = 0: store lse = -inf, output 0.
-        has = l_i > 0
-        out = acc / tl.where(has, l_i, 1.0)[:, None]
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        lse = m_i + tl.log2(l_i)
         mid = seq.to(tl.int64) * stride_mt + heads * stride_mh + split * stride_ms
         tl.store(mid_o_ptr + mid[:, None] + d[None, :], out, mask=q_mask)
         tl.store(mid_lse_ptr + seq.to(tl.int64) * stride_lt + heads * stride_lh + split, lse, mask=g_mask)
@@ -75,23 +116,27 @@ def paged_decode_kernel(
 
 @triton.jit
 def reduce_splits_kernel(
-    mid_o_ptr, mid_lse_ptr, out_ptr,
+    mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, stride_ot, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, BASE_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
-    """Program (sequence, head): out = sum_s 2^(lse_s - lse) * o_s over the non-empty splits."""
+    """Program (sequence, head): out = sum_s 2^(lse_s - lse) * o_s over the sequence's non-empty
+    splits (split_plan); a sequence with one split already has its output."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    s = tl.arange(0, BLOCK_S)
-    d = tl.arange(0, BLOCK_D)
-    base = seq.to(tl.int64) * stride_mt + head * stride_mh
-    lse = tl.load(mid_lse_ptr + seq.to(tl.int64) * stride_lt + head * stride_lh + s, mask=s < NUM_SPLITS,
-                  other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))
-    w = w / tl.sum(w, 0)
-    o = tl.load(mid_o_ptr + base + s[:, None] * stride_ms + d[None, :],
-                mask=(s[:, None] < NUM_SPLITS) & (d[None, :] < HEAD_DIM), other=0.0)
-    out = tl.sum(o * w[:, None], 0)
-    tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < HEAD_DIM)
+    _, active = split_plan(tl.load(seq_lens_ptr + seq), NUM_SPLITS, BASE_SPLITS, SPLIT_TOKENS, BLOCK_N)
+    if active > 1:
+        s = tl.arange(0, BLOCK_S)
+        d = tl.arange(0, BLOCK_D)
+        base = seq.to(tl.int64) * stride_mt + head * stride_mh
+        lse = tl.load(mid_lse_ptr + seq.to(tl.int64) * stride_lt + head * stride_lh + s, mask=s < active,
+                      other=float("-inf"))
+        w = tl.exp2(lse - tl.max(lse, 0))
+        w = w / tl.sum(w, 0)
+        o = tl.load(mid_o_ptr + base + s[:, None] * stride_ms + d[None, :],
+                    mask=(s[:, None] < active) & (d[None, :] < HEAD_DIM), other=0.0)
+        out = tl.sum(o * w[:, None], 0)
+        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
+                 mask=d < HEAD_DIM)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -28,6 +29,11 @@ PREFILL_BLOCK_N = 64
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
 DECODE_PROGRAMS_PER_SM = 3
+# Length-aware splits (triton_decode.split_plan): a long sequence gets more splits than the batch
+# size asks for, each near this many positions. 0 turns it off; PAGEDSERVE_DECODE_SPLIT_TOKENS
+# overrides it (read once per process).
+DECODE_SPLIT_TOKENS = 512
+SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -43,6 +49,28 @@ def _check_cache(cache: torch.Tensor, head_dim: int) -> None:
 @functools.lru_cache(maxsize=None)
 def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def decode_split_tokens() -> int:
+    raw = os.environ.get(SPLIT_TOKENS_ENV, "").strip()
+    if not raw:
+        return DECODE_SPLIT_TOKENS
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ValueError(f"{SPLIT_TOKENS_ENV} must be a whole number of tokens (0: off), got {raw!r}") from None
+    if value < 0:
+        raise ValueError(f"{SPLIT_TOKENS_ENV} must be >= 0 (0: off), got {value}")
+    return value
+
+
+def grid_splits(base_splits: int, max_seq_len: int, split_tokens: int) -> int:
+    """The grid's splits per sequence: enough for the longest possible sequence (max_seq_len) to be
+    cut near split_tokens positions a split, never fewer than base_splits, at most MAX_SPLITS."""
+    if split_tokens <= 0:
+        return base_splits
+    return max(base_splits, min(MAX_SPLITS, triton.cdiv(max_seq_len, split_tokens)))
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -81,38 +109,45 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, scale: float,
                  out: torch.Tensor, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
-                 num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES) -> torch.Tensor:
-    """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out."""
+                 num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES,
+                 split_tokens: int | None = None) -> torch.Tensor:
+    """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
+    num_splits: each sequence's base split count (default: choose_num_splits); split_tokens: the
+    length-aware splits' size (default: decode_split_tokens(); 0: every sequence in num_splits)."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
+    if split_tokens is None:
+        split_tokens = decode_split_tokens()
+    splits = grid_splits(num_splits, max_seq_len, split_tokens)
     block_d = _pow2_at_least_16(head_dim)
     ieee = k_cache.dtype == torch.float32
+    plan = dict(NUM_SPLITS=splits, BASE_SPLITS=num_splits, SPLIT_TOKENS=split_tokens if splits > 1 else 0)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
-                  NUM_SPLITS=num_splits, IEEE=ieee, num_warps=num_warps, num_stages=num_stages)
-    grid = (num_seqs, num_kv_heads, num_splits)
-    if num_splits == 1:
+                  IEEE=ieee, num_warps=num_warps, num_stages=num_stages, **plan)
+    grid = (num_seqs, num_kv_heads, splits)
+    if splits == 1:
         paged_decode_kernel[grid](
             query, k_cache, v_cache, out, out, out, seq_lens, block_tables, scale * math.log2(math.e),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             0, 0, 0, 0, 0, **common)
         return out
-    mid_o = torch.empty(num_seqs, num_heads, num_splits, block_d, dtype=torch.float32, device=query.device)
-    mid_lse = torch.empty(num_seqs, num_heads, num_splits, dtype=torch.float32, device=query.device)
+    mid_o = torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=query.device)
+    mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
     paged_decode_kernel[grid](
         query, k_cache, v_cache, out, mid_o, mid_lse, seq_lens, block_tables, scale * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), **common)
     reduce_splits_kernel[(num_seqs, num_heads)](
-        mid_o, mid_lse, out, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, NUM_SPLITS=num_splits,
-        BLOCK_S=triton.next_power_of_2(num_splits), num_warps=4)
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(splits),
+        num_warps=4, **plan)
     return out
 
 

@@ -67,6 +67,21 @@ def test_split_k_decode(ops, num_splits):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("base", [1, 4])
+@pytest.mark.parametrize("split_tokens", [0, 64, 512])
+def test_length_aware_splits(ops, base, split_tokens):
+    """As a decode graph launches it: the grid sized for 8192 positions, contexts from 1 to 4096."""
+    shapes = [(4095, 1), (0, 1), (700, 1), (63, 1), (2047, 1), (511, 1), (1500, 1)]
+    batch = make_batch(shapes, 7, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, device="cuda")
+    kc, vc = _written(batch)
+    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale=128 ** -0.5)
+    m = batch.meta
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 8192, 128 ** -0.5, out,
+                     num_splits=base, split_tokens=split_tokens)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
 def test_write_kv_casts_like_torch(ops):
     batch = make_batch([(10, 20), (3, 1)], 0, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16,
                        device="cuda")

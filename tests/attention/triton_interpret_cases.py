@@ -88,6 +88,21 @@ def test_split_k_decode_matches_reference(num_splits):
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
+@pytest.mark.parametrize("base,split_tokens", [(1, 0), (1, 16), (2, 16), (1, 40), (3, 64)])
+def test_length_aware_splits_match_reference(base, split_tokens):
+    """A decode graph's launch: the grid sized for max_model_len (4096, so up to MAX_SPLITS splits),
+    lengths from 1 (a padded row) to 130; long sequences take more splits than the base, short
+    ones one (written directly), and the programs past a sequence's last split write nothing."""
+    shapes = [(129, 1), (0, 1), (2, 1), (46, 1), (15, 1), (100, 1)]
+    batch = make_batch(shapes, 6, H=8, Hkv=2, D=16, block_size=8, seed=base + split_tokens)
+    kc, vc, ref = _reference_out(batch)
+    out = torch.full_like(batch.query, float("nan"))
+    m = batch.meta
+    ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 4096, 16 ** -0.5, out,
+                     num_splits=base, block_n=16, split_tokens=split_tokens)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
 # bf16 is left to test_triton_gpu.py: the 3.6 interpreter's tl.dot multiplies bf16 bit patterns as integers.
 @pytest.mark.parametrize("dtype", [torch.float16])
 def test_half_precision_matches_reference(dtype):

@@ -1,0 +1,116 @@
+"""Paged decode attention as a decode graph launches it, on serving's uneven contexts and on even ones.
+
+Why: a decode CUDA graph fixes each sequence's split count by the batch size (at 64 sequences,
+one), so in a serving batch the longest context's one program can outlast everyone else's. This
+times the kernel pair (decode + split reduction) the way a captured graph runs it (max_seq_len =
+max_model_len, 4096) for Llama-3.1-8B's attention (32 query heads, 8 KV heads, head_dim 128,
+bf16, 16-token blocks) at each --num-seqs, for each --split-tokens (0: the split count alone;
+else the length-aware splits of triton_decode.split_plan), over two sets of contexts:
+  serving  contexts of running sharegpt-like requests (max 2048 tokens): a request drawn with
+           probability proportional to its output length, at a uniform point of its output
+  even     every context the serving set's mean, so the same number of positions in all
+Each case is 32 launches (one per layer) captured in a CUDA graph, replayed --replays times;
+microseconds per launch. Needs CUDA.
+
+  python benchmarks/decode_skew.py --output benchmarks/results/h200/decode_skew.json
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from pagedserve.attention import triton_ops  # noqa: E402
+from pagedserve.benchmark.results import write_result  # noqa: E402
+from pagedserve.workloads import make_workload  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
+
+
+def serving_contexts(n: int, seed: int) -> list[int]:
+    reqs = make_workload("sharegpt-like", 4000, seed=seed)
+    rng = random.Random(seed)
+    picked = rng.choices(reqs, weights=[r.output_len for r in reqs], k=n)
+    return [len(r.prompt_token_ids) + rng.randrange(r.output_len) + 1 for r in picked]
+
+
+def time_case(lens: list[int], split_tokens: int, max_len: int, replays: int, pool) -> float:
+    k_cache, v_cache = pool
+    n = len(lens)
+    dev = k_cache.device
+    blocks_per_seq = -(-max_len // BLOCK)
+    perm = torch.randperm(k_cache.shape[0], device=dev)[: n * blocks_per_seq]
+    tables = perm.view(n, blocks_per_seq).to(torch.int32)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
+    q = torch.randn(n, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
+    out = torch.empty_like(q)
+    base = triton_ops.choose_num_splits(n, KV_HEADS, max_len, dev)
+
+    def layers():
+        for _ in range(32):
+            triton_ops.paged_decode(q, k_cache, v_cache, seq_lens, tables, max_len, HEAD_DIM ** -0.5, out,
+                                    num_splits=base, split_tokens=split_tokens)
+    layers()  # compile
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layers()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / 32)
+    return round(statistics.median(times), 2)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--num-seqs", type=int, nargs="+", default=[16, 32, 64, 96])
+    ap.add_argument("--split-tokens", type=int, nargs="+", default=[0, 256, 512, 1024])
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_skew.py needs CUDA")
+    torch.manual_seed(args.seed)
+    num_blocks = max(args.num_seqs) * -(-args.max_model_len // BLOCK)
+    pool = tuple(torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+                 for _ in range(2))
+    results: dict = {}
+    for n in args.num_seqs:
+        serving = serving_contexts(n, args.seed + n)
+        even = [round(statistics.fmean(serving))] * n
+        row = {"contexts": {"mean": round(statistics.fmean(serving), 1), "max": max(serving)}}
+        for name, lens in (("serving", serving), ("even", even)):
+            row[name] = {str(t): time_case(lens, t, args.max_model_len, args.replays, pool)
+                         for t in args.split_tokens}
+        results[f"n{n}"] = row
+        print(n, row, flush=True)
+    ratios = {}
+    default = str(triton_ops.DECODE_SPLIT_TOKENS)
+    if "0" in [str(t) for t in args.split_tokens] and default in [str(t) for t in args.split_tokens]:
+        for k, row in results.items():
+            for name in ("serving", "even"):
+                ratios[f"{k}_{name}_split{default}_over_off"] = round(row[name][default] / row[name]["0"], 3)
+    if args.output:
+        write_result(args.output, "decode_skew", None,
+                     {k: getattr(args, k) for k in ("num_seqs", "split_tokens", "max_model_len", "replays", "seed")} |
+                     {"attention": "32 q heads, 8 KV heads, head_dim 128, bf16, block 16", "unit": "us per launch"},
+                     results, {}, ratios)
+    print(ratios)
+
+
+if __name__ == "__main__":
+    main()
