@@ -30,9 +30,14 @@ MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
 DECODE_PROGRAMS_PER_SM = 3
 # Length-aware splits (triton_decode.split_plan): a long sequence gets more splits than the batch
-# size asks for, each near this many positions. 0 turns it off; PAGEDSERVE_DECODE_SPLIT_TOKENS
-# overrides it (read once per process).
-DECODE_SPLIT_TOKENS = 512
+# size asks for, each near this many positions; PAGEDSERVE_DECODE_SPLIT_TOKENS sets it (read once
+# per process). Off by default. On the H200 (benchmarks/decode_skew.py, runs/2cf31a8_decode_skew/)
+# 512 took a graph-launched decode over serving's uneven contexts from 70.3 to 52.7 us at 64
+# sequences (0.75x; 0.82x at 96, 0.93x at 32, 1.0x at 16), but over even contexts of the same
+# total from 39.6 to 50.5 us (1.27x): the grid is sized for max_model_len, and its programs past a
+# sequence's last split still cost a launch each, a cost that grows with the batch (unmeasured
+# above 96 sequences). A grid bounded by the batch size is the next step before it can be on.
+DECODE_SPLIT_TOKENS = 0
 SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
 
 
