@@ -105,6 +105,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + flag[2:])
+        elif isinstance(value, list):  # list[int] flags take their values one argument each
+            out += [flag, *map(str, value)]
         elif value is not None:
             out += [flag, str(value)]
     return out

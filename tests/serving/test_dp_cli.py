@@ -47,3 +47,16 @@ def test_more_gpus_than_visible_is_refused(capsys, monkeypatch):
     assert rc == 2
     assert "data_parallel_size x tensor_parallel_size = 2 x 2 needs 4 GPUs, only 2 visible" \
         in capsys.readouterr().err
+
+
+def test_replica_flags_rebuild_the_config():
+    """A replica is started with engine_flags(config); parsed back they must give the same config
+    (lists one argument per value, bools as --x / --no-x)."""
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine_args import engine_config_from_args
+    from pagedserve.entrypoints.cli import build_parser
+    from pagedserve.serving.launch import engine_flags
+    config = EngineConfig(model="m", cuda_graph_sizes=[1, 8, 24], enable_prefix_caching=False,
+                          max_num_seqs=48, gpu_memory_utilization=0.5, cudagraph_mode="decode")
+    args = build_parser().parse_args(["serve", "--model", "m", *engine_flags(config)])
+    assert engine_config_from_args(args, "m") == config
