@@ -3,8 +3,9 @@
 Why: a benchmark's inter-token latency mixes the device's time per step with everything around
 it (the core's host work, the API server, the client). Under real serving load this records,
 for every launched step, its host launch time (`t`, Unix seconds), its shape (sequences,
-decodes, tokens) and two device-side durations from CUDA events on the compute stream: busy (first to last device work of the step) and the
-gap before it (the device idle since the previous step's last work: host time it waited for).
+decodes, tokens) and two device-side durations from CUDA events on the compute stream: busy
+(first to last device work of the step) and the gap before it (the device idle since the
+previous step's last work: host time it waited for).
 Set PAGEDSERVE_STEP_TRACE=/path/file.jsonl in the engine core's environment; the core appends
 one JSON line per step whenever it goes idle (and every FLUSH_EVERY steps under load, for the
 steps already done), so nothing is synchronized mid-step. benchmarks/step_trace_summary.py
@@ -29,8 +30,8 @@ class StepTrace(StepTimer):
     def __init__(self, path: str):
         super().__init__(None, time.perf_counter, gpu_gaps=True)
         self.path = path
-        self._shapes: list[tuple[float, int, int, int]] = []   # one per launch_begin, as _events
-        self._prev_end = None                           # last written step's end event
+        self._shapes: list[tuple[float, int, int, int]] = []  # one per launch_begin, as _events
+        self._prev_end = None  # the last written step's end event
 
     def begin(self) -> None:
         # Phases are not traced: keep records from growing without bound.

@@ -18,7 +18,9 @@ def batch_buckets(max_batch: int, sizes: list[int] | None = None) -> list[int]:
     """The decode batch sizes to capture: `sizes` (EngineConfig.cuda_graph_sizes) up to
     max_batch, or by default vLLM's: 1, 2, 4, every 8 up to 256, every 16 above, and max_batch.
     A batch between two sizes pads to the larger, and the graph runs every layer over the padded
-    rows; a finer step wastes fewer of them (vLLM's step, not ours before, of 16)."""
+    rows. Against every 16 (ours before) the step of 8 measured no different on the H200 at 24-96
+    sequences of Llama-3.1-8B, where the GEMMs read every weight whatever the rows; it is kept so
+    that a batch pads as it would in vLLM."""
     if sizes is not None:
         return sorted({b for b in sizes if b <= max_batch})
     default = [1, 2, 4] + list(range(8, 257, 8)) + list(range(272, max_batch + 1, 16))
