@@ -50,9 +50,21 @@ def _metrics(url: str, headers: dict | None = None) -> str:
     return httpx.get(url + "/metrics", headers={**(headers or {}), **CLOSE}, timeout=30).text
 
 
+def _wait_listening(server, want: list[str], timeout: float = 60.0) -> list[str]:
+    """api_servers_listening once it is `want`, or as it stands at the deadline. /health turns ok
+    when the replicas are up; a relay worker may register a moment later (on a loaded CI host
+    one did), and until it listens the kernel hands it no connection."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = server.health()[1]["api_servers_listening"]
+        if got == want or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
 def test_requests_spread_over_the_front_ends_with_one_router(server):
     assert len(_relay_workers(server)) == 2
-    assert server.health()[1]["api_servers_listening"] == ["0", "1", "2"]
+    assert _wait_listening(server, ["0", "1", "2"]) == ["0", "1", "2"]
     urls = _replica_urls(server)
     before = [_metrics(urls[0])]
     run_workload(urls[0], shared_prefix_workload(seed=11), headers=CLOSE)
