@@ -98,12 +98,13 @@ def main() -> None:
                          for t in args.split_tokens}
         results[f"n{n}"] = row
         print(n, row, flush=True)
-    ratios = {}
-    default = str(triton_ops.DECODE_SPLIT_TOKENS)
-    if "0" in [str(t) for t in args.split_tokens] and default in [str(t) for t in args.split_tokens]:
+    ratios = {}  # each split size against the switch off, where both ran
+    if 0 in args.split_tokens:
         for k, row in results.items():
             for name in ("serving", "even"):
-                ratios[f"{k}_{name}_split{default}_over_off"] = round(row[name][default] / row[name]["0"], 3)
+                for t in args.split_tokens:
+                    if t:
+                        ratios[f"{k}_{name}_split{t}_over_off"] = round(row[name][str(t)] / row[name]["0"], 3)
     if args.output:
         write_result(args.output, "decode_skew", None,
                      {k: getattr(args, k) for k in ("num_seqs", "split_tokens", "max_model_len", "replays", "seed")} |

@@ -157,7 +157,7 @@ def main() -> int:
     # This project's commit, for either engine: the script is ours (a copy without .git reads
     # pagedserve/_build_commit.json).
     sys.path.insert(0, str(ROOT))
-    from pagedserve.benchmark.results import git_commit
+    from pagedserve.benchmark.results import ENV_SWITCHES, git_commit
     commit = git_commit()
     for n in args.num_seqs:
         result = {**measure(llm, SamplingParams, args, n), "init_s": init_s}
@@ -166,9 +166,7 @@ def main() -> int:
         doc = {"benchmark": "decode_step_diff", "engine": args.engine, **facts,
                "date": time.strftime("%Y-%m-%d"), "command": " ".join([sys.executable] + sys.argv),
                "config": {**config, "num_seqs": n},
-               "env": {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", "PAGEDSERVE_FUSED",
-                                                      "PAGEDSERVE_ATTENTION", "PAGEDSERVE_INCREMENTAL_INPUTS",
-                                                      "PAGEDSERVE_FUSED_SAMPLING")},
+               "env": {k: os.environ.get(k) for k in ("VLLM_ENABLE_V1_MULTIPROCESSING", *ENV_SWITCHES)},
                "results": result, "commit": commit}
         print(json.dumps({"num_seqs": n, **{k: v for k, v in result.items() if k != "top_kernels"}}), flush=True)
         if args.out:

@@ -131,7 +131,8 @@ def split_count(num_rows: int, vocab: int, device: torch.device) -> int:
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor | None, seed: int,
                 splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Row i: argmax (temperatures None) or a draw at temperatures[i] (> 0, float32 on the device).
-    seed: in [0, 2**31) (one integer class: no recompile when it changes). Returns (tokens [n] int64, packed [n, 2] float64: token, raw logprob), as DeviceSample.packed()."""
+    seed: in [0, 2**31) (one integer class: no recompile when it changes). Returns (tokens [n]
+    int64, packed [n, 2] float64: token, raw logprob), as DeviceSample.packed()."""
     if not supports(logits):
         raise ValueError(f"logits must be 2-D with unit vocab stride and n * vocab < 2**31, "
                          f"got shape {tuple(logits.shape)} strides {logits.stride()}")

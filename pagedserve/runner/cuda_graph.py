@@ -28,11 +28,12 @@ def batch_buckets(max_batch: int, sizes: list[int] | None = None) -> list[int]:
 
 
 class DecodeCUDAGraphs:
-    def __init__(self, model, kv_caches, max_batch: int, max_model_len: int, block_size: int,
-                 device: torch.device, sizes: list[int] | None = None):
+    def __init__(self, model, kv_caches, buckets: list[int], max_model_len: int, block_size: int,
+                 device: torch.device):
+        """buckets: the batch sizes to capture, ascending (batch_buckets), at least one."""
         self.model, self.kv_caches = model, kv_caches
         self.max_model_len, self.block_size = max_model_len, block_size
-        self.buckets = batch_buckets(max_batch, sizes)
+        self.buckets = buckets
         max_blocks = (max_model_len + block_size - 1) // block_size
         n = self.buckets[-1]
         i32 = dict(dtype=torch.int32, device=device)

@@ -207,11 +207,11 @@ class ModelRunner:
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
         max_batch = self.config.scheduler_config(self.max_model_len).max_num_seqs
-        if not batch_buckets(max_batch, self.config.cuda_graph_sizes):
+        buckets = batch_buckets(max_batch, self.config.cuda_graph_sizes)
+        if not buckets:
             return  # every size given exceeds max_num_seqs: decode steps run eagerly
-        self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, max_batch=max_batch,
-                                       max_model_len=self.max_model_len, block_size=self.block_size,
-                                       device=self.device, sizes=self.config.cuda_graph_sizes)
+        self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, buckets, max_model_len=self.max_model_len,
+                                       block_size=self.block_size, device=self.device)
         self.graphs.capture()
 
     def warm_up(self) -> None:

@@ -30,8 +30,8 @@ def test_given_sizes_are_sorted_and_capped():
 
 
 def test_a_batch_pads_to_the_next_size_and_none_above_the_largest():
-    graphs = DecodeCUDAGraphs(None, [], max_batch=64, max_model_len=64, block_size=16,
-                              device=torch.device("cpu"), sizes=[1, 8, 32])
+    graphs = DecodeCUDAGraphs(None, [], batch_buckets(64, [1, 8, 32]), max_model_len=64, block_size=16,
+                              device=torch.device("cpu"))
     assert [graphs.bucket_for(b) for b in (1, 2, 8, 9, 32, 33)] == [1, 8, 8, 32, 32, None]
 
 
