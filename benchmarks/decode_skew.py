@@ -5,7 +5,8 @@ one), so in a serving batch the longest context's one program can outlast everyo
 times the kernel pair (decode + split reduction) the way a captured graph runs it (max_seq_len =
 max_model_len, 4096) for Llama-3.1-8B's attention (32 query heads, 8 KV heads, head_dim 128,
 bf16, 16-token blocks) at each --num-seqs, for each --split-tokens (0: the split count alone;
-else the length-aware splits of triton_decode.split_plan), over two sets of contexts:
+N: length-aware splits of about N positions; "balanced", or "balanced@R" with R programs taken as
+resident instead of the device's default: see triton_decode.split_plan), over two sets of contexts:
   serving  contexts of running sharegpt-like requests (max 2048 tokens): a request drawn with
            probability proportional to its output length, at a uniform point of its output
   even     every context the serving set's mean, so the same number of positions in all
@@ -41,7 +42,16 @@ def serving_contexts(n: int, seed: int) -> list[int]:
     return [len(r.prompt_token_ids) + rng.randrange(r.output_len) + 1 for r in picked]
 
 
-def time_case(lens: list[int], split_tokens: int, max_len: int, replays: int, pool) -> float:
+def split_mode(text: str) -> tuple[int, int | None]:
+    """--split-tokens value -> (split_tokens for paged_decode, resident programs or None)."""
+    if text.startswith("balanced"):
+        resident = text.partition("@")[2]
+        return triton_ops.BALANCED, (int(resident) if resident else None)
+    return int(text), None
+
+
+def time_case(lens: list[int], mode: str, max_len: int, replays: int, pool) -> float:
+    split_tokens, resident = split_mode(mode)
     k_cache, v_cache = pool
     n = len(lens)
     dev = k_cache.device
@@ -56,7 +66,7 @@ def time_case(lens: list[int], split_tokens: int, max_len: int, replays: int, po
     def layers():
         for _ in range(32):
             triton_ops.paged_decode(q, k_cache, v_cache, seq_lens, tables, max_len, HEAD_DIM ** -0.5, out,
-                                    num_splits=base, split_tokens=split_tokens)
+                                    num_splits=base, split_tokens=split_tokens, resident_programs=resident)
     layers()  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -76,12 +86,14 @@ def time_case(lens: list[int], split_tokens: int, max_len: int, replays: int, po
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-seqs", type=int, nargs="+", default=[16, 32, 64, 96])
-    ap.add_argument("--split-tokens", type=int, nargs="+", default=[0, 256, 512, 1024])
+    ap.add_argument("--split-tokens", nargs="+", default=["0", "512", "1024", "balanced"])
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    for mode in args.split_tokens:
+        split_mode(mode)  # a bad value fails here, before any GPU work
     if not torch.cuda.is_available():
         sys.exit("decode_skew.py needs CUDA")
     torch.manual_seed(args.seed)
@@ -94,17 +106,17 @@ def main() -> None:
         even = [round(statistics.fmean(serving))] * n
         row = {"contexts": {"mean": round(statistics.fmean(serving), 1), "max": max(serving)}}
         for name, lens in (("serving", serving), ("even", even)):
-            row[name] = {str(t): time_case(lens, t, args.max_model_len, args.replays, pool)
+            row[name] = {t: time_case(lens, t, args.max_model_len, args.replays, pool)
                          for t in args.split_tokens}
         results[f"n{n}"] = row
         print(n, row, flush=True)
     ratios = {}  # each split size against the switch off, where both ran
-    if 0 in args.split_tokens:
+    if "0" in args.split_tokens:
         for k, row in results.items():
             for name in ("serving", "even"):
                 for t in args.split_tokens:
-                    if t:
-                        ratios[f"{k}_{name}_split{t}_over_off"] = round(row[name][str(t)] / row[name]["0"], 3)
+                    if t != "0":
+                        ratios[f"{k}_{name}_split{t}_over_off"] = round(row[name][t] / row[name]["0"], 3)
     if args.output:
         write_result(args.output, "decode_skew", None,
                      {k: getattr(args, k) for k in ("num_seqs", "split_tokens", "max_model_len", "replays", "seed")} |

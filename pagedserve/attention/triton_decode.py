@@ -7,14 +7,18 @@ split of the context with triton_tiles.attend_tiles, the loop the prefill kernel
 non-empty split writes its output directly; one with several writes per-split results
 (normalised output, log2-sum-exp) and reduce_splits_kernel combines them.
 
-How a sequence is split (split_plan): into BASE_SPLITS equal parts, the count the batch size
-asks for to fill the GPU; with SPLIT_TOKENS > 0, into more when it is long, so that no split
-holds much more than SPLIT_TOKENS positions, up to the grid's NUM_SPLITS. Why: a decode graph
-is captured once per batch size, so BASE_SPLITS cannot follow the step's lengths; at 64
-sequences it is 1, and in a serving batch whose contexts run from a few tokens to 2048 the one
-program of the longest sequence kept walking tiles long after the others had finished. Programs
-past a sequence's last split return at once and write nothing; the reduction derives the same
-plan from the sequence's length, so it reads only what was written.
+How a sequence is split (split_plan): into base_splits equal parts, the count the batch size
+asks for to fill the GPU, or into more when it is long, up to the grid's splits:
+  SPLIT_TOKENS > 0  so that no split holds much more than SPLIT_TOKENS positions;
+  SPLIT_TOKENS < 0  ("balanced") so that no split's chain of tiles is longer than an even share
+                    of the step's work: every sequence's tiles times the KV heads, over the
+                    programs the GPU holds at once (RESIDENT), read from seq_lens on the device.
+Why: a decode graph is captured once per batch size, so base_splits cannot follow the step's
+lengths; at 64 sequences it is 1, and in a serving batch whose contexts run from a few tokens to
+2048 the one program of the longest sequence kept walking tiles long after the others had
+finished. Programs past a sequence's last split return at once and write nothing; the reduction
+derives the same plan from the same lengths, so it reads only what was written. base_splits and
+the grid's split count are runtime values, so one compile serves every batch size.
 """
 import triton
 import triton.language as tl
@@ -22,24 +26,27 @@ import triton.language as tl
 from pagedserve.attention.triton_tiles import IN_CONTEXT, attend_tiles
 
 
-# The block-table width changes every step: one compile serves all (see runner/warmup.py).
-@triton.jit(do_not_specialize=["stride_bt"])
+# The block-table width and the split counts change from launch to launch: one compile serves all
+# (see runner/warmup.py).
+@triton.jit(do_not_specialize=["stride_bt", "stride_mt", "stride_mh", "stride_lt", "stride_lh", "base_splits"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     seq_lens_ptr, block_tables_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
+    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, base_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BASE_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr, RESIDENT: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len, active = split_plan(seq_len, NUM_SPLITS, BASE_SPLITS, SPLIT_TOKENS, BLOCK_N)
+    split_len, active = split_plan(seq_len, seq_lens_ptr, tl.num_programs(0), tl.num_programs(1),
+                                   tl.num_programs(2), base_splits, SPLIT_TOKENS, RESIDENT,
+                                   MIN_CHAIN_TILES, BLOCK_N)
     if split < active:
         _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
                       block_tables_ptr, qk_scale, seq, kv_head, split, split * split_len,
@@ -50,18 +57,39 @@ def paged_decode_kernel(
 
 
 @triton.jit
-def split_plan(seq_len, NUM_SPLITS: tl.constexpr, BASE_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+def split_plan(seq_len, seq_lens_ptr, num_seqs, num_kv_heads, num_splits, base_splits,
+               SPLIT_TOKENS: tl.constexpr, RESIDENT: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
                BLOCK_N: tl.constexpr):
-    """(split_len, number of non-empty splits) of a sequence of seq_len positions: BASE_SPLITS
-    parts, or with SPLIT_TOKENS > 0 as many more as keep each near SPLIT_TOKENS, at most
-    NUM_SPLITS; split_len rounded up to whole tiles. The decode and the reduce kernel agree on it."""
+    """(split_len, number of non-empty splits) of a sequence of seq_len positions: base_splits
+    parts, or more by SPLIT_TOKENS (see the module docstring), at most num_splits; split_len
+    rounded up to whole tiles. The decode and the reduce kernel agree on it."""
     # tl.cdiv is itself a @jit function, which the interpreter cannot call from our kernels.
     if SPLIT_TOKENS > 0:
-        parts = tl.minimum(tl.maximum((seq_len + SPLIT_TOKENS - 1) // SPLIT_TOKENS, BASE_SPLITS), NUM_SPLITS)
+        parts = tl.minimum(tl.maximum((seq_len + SPLIT_TOKENS - 1) // SPLIT_TOKENS, base_splits), num_splits)
+    elif SPLIT_TOKENS < 0:
+        chain = balanced_chain_tiles(seq_lens_ptr, num_seqs, num_kv_heads, RESIDENT, MIN_CHAIN_TILES, BLOCK_N)
+        tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+        parts = tl.minimum(tl.maximum((tiles + chain - 1) // chain, base_splits), num_splits)
     else:
-        parts = BASE_SPLITS
+        parts = base_splits
     split_len = tl.maximum(((seq_len + parts - 1) // parts + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
     return split_len, (seq_len + split_len - 1) // split_len
+
+
+@triton.jit
+def balanced_chain_tiles(seq_lens_ptr, num_seqs, num_kv_heads, RESIDENT: tl.constexpr,
+                         MIN_CHAIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tiles one program may walk without outlasting an even share of the step: all tiles of
+    all sequences and KV heads over RESIDENT, at least MIN_CHAIN_TILES. Every program computes it
+    from seq_lens (a few hundred int32 in L2), so no plan travels from the host."""
+    CHUNK: tl.constexpr = 256
+    total = tl.zeros([CHUNK], dtype=tl.int32)
+    for start in range(0, num_seqs, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        lens = tl.load(seq_lens_ptr + offs, mask=offs < num_seqs, other=0)
+        total += (lens + BLOCK_N - 1) // BLOCK_N
+    work = tl.sum(total, 0) * num_kv_heads
+    return tl.maximum((work + RESIDENT - 1) // RESIDENT, MIN_CHAIN_TILES)
 
 
 @triton.jit
@@ -114,19 +142,22 @@ def _decode_split(
         tl.store(mid_lse_ptr + seq.to(tl.int64) * stride_lt + heads * stride_lh + split, lse, mask=g_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["stride_mt", "stride_mh", "stride_lt", "stride_lh", "num_kv_heads",
+                                "num_splits", "base_splits"])
 def reduce_splits_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, stride_ot, stride_oh,
+    num_kv_heads, num_splits, base_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, BASE_SPLITS: tl.constexpr, SPLIT_TOKENS: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr, RESIDENT: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     """Program (sequence, head): out = sum_s 2^(lse_s - lse) * o_s over the sequence's non-empty
     splits (split_plan); a sequence with one split already has its output."""
     seq = tl.program_id(0)
     head = tl.program_id(1)
-    _, active = split_plan(tl.load(seq_lens_ptr + seq), NUM_SPLITS, BASE_SPLITS, SPLIT_TOKENS, BLOCK_N)
+    _, active = split_plan(tl.load(seq_lens_ptr + seq), seq_lens_ptr, tl.num_programs(0), num_kv_heads,
+                           num_splits, base_splits, SPLIT_TOKENS, RESIDENT, MIN_CHAIN_TILES, BLOCK_N)
     if active > 1:
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)

@@ -30,15 +30,20 @@ MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
 DECODE_PROGRAMS_PER_SM = 3
 # Length-aware splits (triton_decode.split_plan): a long sequence gets more splits than the batch
-# size asks for, each near this many positions; PAGEDSERVE_DECODE_SPLIT_TOKENS sets it (read once
-# per process). Off by default. On the H200 (benchmarks/decode_skew.py, runs/2cf31a8_decode_skew/)
-# 512 took a graph-launched decode over serving's uneven contexts from 70.3 to 52.7 us at 64
-# sequences (0.75x; 0.82x at 96, 0.93x at 32, 1.0x at 16), but over even contexts of the same
-# total from 39.6 to 50.5 us (1.27x): the grid is sized for max_model_len, and its programs past a
-# sequence's last split still cost a launch each, a cost that grows with the batch (unmeasured
-# above 96 sequences). A grid bounded by the batch size is the next step before it can be on.
+# size asks for. PAGEDSERVE_DECODE_SPLIT_TOKENS sets how (read once per process): 0 off, N > 0
+# splits of about N positions, "balanced" splits no longer than an even share of the step's work.
+# Fixed sizes on the H200 (benchmarks/decode_skew.py, runs/2cf31a8_decode_skew/): 512 took a
+# graph-launched decode over serving's uneven contexts from 70.3 to 52.7 us at 64 sequences, but
+# over even contexts of the same total from 39.6 to 50.5 us: the grid was sized for max_model_len
+# and each program past a sequence's last split still costs a launch. "balanced" bounds the grid
+# by a program budget (DECODE_GRID_PROGRAMS_PER_SM) and cuts only what would outlast the rest.
 DECODE_SPLIT_TOKENS = 0
 SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
+BALANCED = -1
+# Decode programs an SM holds at once at the launch defaults above (registers and shared memory
+# of a 4-warp, 3-stage program of Llama's shapes): the "even share" of the balanced plan.
+DECODE_RESIDENT_PER_SM = 2
+DECODE_GRID_PROGRAMS_PER_SM = 8
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -58,24 +63,37 @@ def _num_sms(device_index: int) -> int:
 
 @functools.lru_cache(maxsize=None)
 def decode_split_tokens() -> int:
+    """The switch's value: 0 (off), a split size in positions, or BALANCED."""
     raw = os.environ.get(SPLIT_TOKENS_ENV, "").strip()
     if not raw:
         return DECODE_SPLIT_TOKENS
+    if raw == "balanced":
+        return BALANCED
     try:
         value = int(raw)
     except ValueError:
-        raise ValueError(f"{SPLIT_TOKENS_ENV} must be a whole number of tokens (0: off), got {raw!r}") from None
+        raise ValueError(f"{SPLIT_TOKENS_ENV} must be 'balanced' or a whole number of tokens (0: off), "
+                         f"got {raw!r}") from None
     if value < 0:
-        raise ValueError(f"{SPLIT_TOKENS_ENV} must be >= 0 (0: off), got {value}")
+        raise ValueError(f"{SPLIT_TOKENS_ENV} must be 'balanced' or >= 0 (0: off), got {value}")
     return value
 
 
-def grid_splits(base_splits: int, max_seq_len: int, split_tokens: int) -> int:
-    """The grid's splits per sequence: enough for the longest possible sequence (max_seq_len) to be
-    cut near split_tokens positions a split, never fewer than base_splits, at most MAX_SPLITS."""
-    if split_tokens <= 0:
+def grid_splits(base_splits: int, max_seq_len: int, split_tokens: int, num_seqs: int, num_kv_heads: int,
+                sms: int) -> int:
+    """The grid's splits per sequence, never fewer than base_splits, at most MAX_SPLITS: with a split
+    size, enough for the longest possible sequence (max_seq_len); balanced, as many as keep the
+    grid within DECODE_GRID_PROGRAMS_PER_SM programs per SM (and splits of MIN_TOKENS_PER_SPLIT)."""
+    if split_tokens == 0:
         return base_splits
-    return max(base_splits, min(MAX_SPLITS, triton.cdiv(max_seq_len, split_tokens)))
+    if split_tokens > 0:
+        return max(base_splits, min(MAX_SPLITS, triton.cdiv(max_seq_len, split_tokens)))
+    budget = triton.cdiv(DECODE_GRID_PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads))
+    return max(base_splits, min(MAX_SPLITS, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), budget))
+
+
+def _sms(device: torch.device) -> int:
+    return _num_sms(device.index or 0) if device.type == "cuda" else 132
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -86,10 +104,25 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     splits whose reduction costs more than it saves.
     """
     programs = max(1, num_seqs * num_kv_heads)
-    sms = _num_sms(device.index or 0) if device.type == "cuda" else 132
-    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * sms, programs)
+    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * _sms(device), programs)
     most = max(1, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
     return max(1, min(wanted, most, MAX_SPLITS))
+
+
+def decode_launch(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                  num_splits: int | None = None, split_tokens: int | None = None) -> tuple[int, int, int]:
+    """(base splits, grid splits, split mode passed to the kernels) of a decode launch."""
+    base = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device) if num_splits is None else num_splits
+    tokens = decode_split_tokens() if split_tokens is None else split_tokens
+    splits = grid_splits(base, max_seq_len, tokens, num_seqs, num_kv_heads, _sms(device))
+    return base, splits, (tokens if splits > base else 0)
+
+
+def decode_compile_key(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
+    """What a decode launch compiles per (runner/warmup.py covers each): the reduction's split
+    block (1: no reduction, the kernel writes the output) and the split mode."""
+    _, splits, mode = decode_launch(num_seqs, num_kv_heads, max_seq_len, device)
+    return (triton.next_power_of_2(splits) if splits > 1 else 1), mode
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -115,21 +148,24 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, scale: float,
                  out: torch.Tensor, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
                  num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES,
-                 split_tokens: int | None = None) -> torch.Tensor:
+                 split_tokens: int | None = None, resident_programs: int | None = None,
+                 min_chain_tiles: int | None = None) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
     num_splits: each sequence's base split count (default: choose_num_splits); split_tokens: the
-    length-aware splits' size (default: decode_split_tokens(); 0: every sequence in num_splits)."""
+    length-aware splits (default: decode_split_tokens(); 0: every sequence in num_splits; BALANCED);
+    resident_programs, min_chain_tiles: the balanced plan's even share (defaults: the device's
+    DECODE_RESIDENT_PER_SM per SM, MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    if num_splits is None:
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, query.device)
-    if split_tokens is None:
-        split_tokens = decode_split_tokens()
-    splits = grid_splits(num_splits, max_seq_len, split_tokens)
+    base, splits, mode = decode_launch(num_seqs, num_kv_heads, max_seq_len, query.device, num_splits, split_tokens)
     block_d = _pow2_at_least_16(head_dim)
     ieee = k_cache.dtype == torch.float32
-    plan = dict(NUM_SPLITS=splits, BASE_SPLITS=num_splits, SPLIT_TOKENS=split_tokens if splits > 1 else 0)
+    if resident_programs is None:
+        resident_programs = DECODE_RESIDENT_PER_SM * _sms(query.device)
+    if min_chain_tiles is None:
+        min_chain_tiles = max(1, MIN_TOKENS_PER_SPLIT // block_n)
+    plan = dict(SPLIT_TOKENS=mode, RESIDENT=resident_programs, MIN_CHAIN_TILES=min_chain_tiles)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
                   IEEE=ieee, num_warps=num_warps, num_stages=num_stages, **plan)
@@ -139,7 +175,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             query, k_cache, v_cache, out, out, out, seq_lens, block_tables, scale * math.log2(math.e),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            0, 0, 0, 0, 0, **common)
+            0, 0, 0, 0, 0, base, **common)
         return out
     mid_o = torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=query.device)
     mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
@@ -147,10 +183,10 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         query, k_cache, v_cache, out, mid_o, mid_lse, seq_lens, block_tables, scale * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), **common)
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), base, **common)
     reduce_splits_kernel[(num_seqs, num_heads)](
         mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_kv_heads, splits, base,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(splits),
         num_warps=4, **plan)
     return out

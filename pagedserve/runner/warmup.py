@@ -104,26 +104,23 @@ def _prefill(total: int, max_len: int, max_seqs: int) -> list[tuple[int, int, bo
 
 
 def _split_variants(runner: "ModelRunner", max_seqs: int, max_len: int) -> dict:
-    """num_splits -> (decodes, context length) choosing it, for every split count the backend's
-    decode kernel can be launched with in a mixed batch (an empty dict: no such choice). With
-    length-aware splits on (PAGEDSERVE_DECODE_SPLIT_TOKENS) a launch is the pair (grid splits,
-    base splits), and the keys are those pairs."""
+    """compile key -> (decodes, context length) giving it, for every variant the backend's decode
+    kernels can be compiled for in a mixed batch (decode_compile_key; an empty dict: no such
+    choice)."""
     ops = get_backend(runner.device)
-    choose = getattr(ops, "choose_num_splits", None)
-    if choose is None:
+    key_of = getattr(ops, "decode_compile_key", None)
+    if key_of is None:
         return {}
-    tokens = ops.decode_split_tokens() if hasattr(ops, "decode_split_tokens") else 0
-    # The choices change where a length crosses a multiple of 256 (MIN_TOKENS_PER_SPLIT, at most
-    # 64 splits) or, with length-aware splits, of their size.
+    tokens = ops.decode_split_tokens()
+    # The keys change where a length crosses a multiple of 256 (MIN_TOKENS_PER_SPLIT, at most
+    # 64 splits) or, with length-aware splits of a fixed size, of that size.
     lens = {min(max_len, max(1, 256 * k)) for k in range(0, 65)} | {max_len}
-    if tokens:
+    if tokens > 0:
         lens |= {min(max_len, tokens * k) for k in range(1, min(ops.MAX_SPLITS, -(-max_len // tokens)) + 2)}
     found: dict = {}
     for n in range(1, max_seqs + 1):
         for seq_len in sorted(lens):
-            base = choose(n, runner.num_kv_heads, seq_len, runner.device)
-            key = (ops.grid_splits(base, seq_len, tokens), base) if tokens else base
-            found.setdefault(key, (n, seq_len))
+            found.setdefault(key_of(n, runner.num_kv_heads, seq_len, runner.device), (n, seq_len))
     return found
 
 

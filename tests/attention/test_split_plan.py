@@ -1,19 +1,46 @@
 """The decode grid's split count and the PAGEDSERVE_DECODE_SPLIT_TOKENS switch (host side of
 triton_decode.split_plan; the kernels themselves are checked in triton_interpret_cases.py)."""
 import pytest
+import torch
 
 from pagedserve.attention import triton_ops as ops
 
 
+def grid(base, max_len, tokens, n=64, kv=8, sms=132):
+    return ops.grid_splits(base, max_len, tokens, n, kv, sms)
+
+
 def test_grid_fits_the_longest_sequence_at_split_tokens():
-    assert ops.grid_splits(1, 4096, 512) == 8        # a 64-sequence decode graph: base 1
-    assert ops.grid_splits(12, 4096, 512) == 12      # a small batch already asks for more
-    assert ops.grid_splits(1, 300, 512) == 1         # eager, short contexts: nothing to cut
-    assert ops.grid_splits(3, 4096, 0) == 3          # off: the base alone
-    assert ops.grid_splits(1, 10 ** 6, 512) == ops.MAX_SPLITS
+    assert grid(1, 4096, 512) == 8        # a 64-sequence decode graph: base 1
+    assert grid(12, 4096, 512) == 12      # a small batch already asks for more
+    assert grid(1, 300, 512) == 1         # eager, short contexts: nothing to cut
+    assert grid(3, 4096, 0) == 3          # off: the base alone
+    assert grid(1, 10 ** 6, 512) == ops.MAX_SPLITS
 
 
-@pytest.mark.parametrize("raw, want", [("", ops.DECODE_SPLIT_TOKENS), ("0", 0), ("1024", 1024)])
+def test_balanced_grid_keeps_to_the_program_budget():
+    budget = ops.DECODE_GRID_PROGRAMS_PER_SM * 132          # 1056 programs
+    assert grid(1, 4096, ops.BALANCED, n=64) == 3           # ceil(1056 / 512)
+    assert grid(1, 4096, ops.BALANCED, n=96) == 2
+    assert grid(1, 4096, ops.BALANCED, n=256) == 1          # enough programs: no room, no need
+    assert grid(2, 4096, ops.BALANCED, n=256) == 2          # never below the base
+    assert grid(1, 4096, ops.BALANCED, n=1, kv=1) == 4096 // ops.MIN_TOKENS_PER_SPLIT
+    assert grid(1, 700, ops.BALANCED, n=8) == 3             # splits of at least 256 positions
+    for n in range(1, 300):
+        g = grid(1, 4096, ops.BALANCED, n=n)
+        assert g == 1 or n * 8 * (g - 1) < budget
+
+
+def test_launch_passes_the_mode_only_when_the_grid_has_room():
+    cpu = torch.device("cpu")
+    assert ops.decode_launch(64, 8, 4096, cpu, split_tokens=ops.BALANCED) == (1, 3, ops.BALANCED)
+    assert ops.decode_launch(256, 8, 4096, cpu, split_tokens=ops.BALANCED) == (1, 1, 0)
+    assert ops.decode_launch(64, 8, 4096, cpu, split_tokens=0) == (1, 1, 0)
+    assert ops.decode_launch(64, 8, 4096, cpu, num_splits=2, split_tokens=1024) == (2, 4, 1024)
+
+
+@pytest.mark.parametrize("raw, want", [("", ops.DECODE_SPLIT_TOKENS), ("0", 0), ("1024", 1024),
+                                       ("balanced", ops.BALANCED)])
 def test_switch(monkeypatch, raw, want):
     monkeypatch.setenv(ops.SPLIT_TOKENS_ENV, raw)
     ops.decode_split_tokens.cache_clear()
@@ -23,7 +50,7 @@ def test_switch(monkeypatch, raw, want):
         ops.decode_split_tokens.cache_clear()
 
 
-@pytest.mark.parametrize("raw", ["-1", "lots"])
+@pytest.mark.parametrize("raw", ["-1", "lots", "Balanced"])
 def test_bad_switch_names_it(monkeypatch, raw):
     monkeypatch.setenv(ops.SPLIT_TOKENS_ENV, raw)
     ops.decode_split_tokens.cache_clear()

@@ -68,7 +68,7 @@ def test_split_k_decode(ops, num_splits):
 
 
 @pytest.mark.parametrize("base", [1, 4])
-@pytest.mark.parametrize("split_tokens", [0, 64, 512])
+@pytest.mark.parametrize("split_tokens", [0, 64, 512, -1])  # -1: balanced
 def test_length_aware_splits(ops, base, split_tokens):
     """As a decode graph launches it: the grid sized for 8192 positions, contexts from 1 to 4096."""
     shapes = [(4095, 1), (0, 1), (700, 1), (63, 1), (2047, 1), (511, 1), (1500, 1)]

@@ -108,30 +108,11 @@ def test_warmup_fits_a_tiny_pool_and_short_context(monkeypatch, tiny_model_dir):
     assert len(out[0].outputs[0].token_ids) == 4
 
 
-def test_split_variants_cover_every_choice(monkeypatch):
-    """Every split count the decode kernel can be launched with is warmed up: the warm-up's
-    (decodes, context length) per count equals the brute-force set over every batch and length."""
-    from types import SimpleNamespace
-
-    from pagedserve.attention import triton_ops
-    from pagedserve.runner import warmup
-
-    monkeypatch.setattr(warmup, "get_backend", lambda device: triton_ops)
-    runner = SimpleNamespace(device=torch.device("cpu"), num_kv_heads=2)
-    max_seqs, max_len = 12, 20000
-    found = warmup._split_variants(runner, max_seqs, max_len)
-    every = {triton_ops.choose_num_splits(n, 2, seq_len, runner.device)
-             for n in range(1, max_seqs + 1) for seq_len in range(1, max_len + 1, 7)}
-    assert set(found) == every and len(every) > 10
-    for splits, (n, seq_len) in found.items():
-        assert 1 <= n <= max_seqs and 1 <= seq_len <= max_len
-        assert triton_ops.choose_num_splits(n, 2, seq_len, runner.device) == splits
-
-
-@pytest.mark.parametrize("tokens", [512, 300, 100])
-def test_split_variants_cover_length_aware_launches(monkeypatch, tokens):
-    """With PAGEDSERVE_DECODE_SPLIT_TOKENS on, a launch compiles per (grid splits, base splits):
-    the warm-up finds every pair a brute force over batches and lengths finds."""
+@pytest.mark.parametrize("tokens", [0, 512, 300, 100, -1])
+def test_split_variants_cover_every_compile(monkeypatch, tokens):
+    """Every variant the decode kernels compile for is warmed up, whatever the split switch
+    (-1: balanced): the warm-up's (decodes, context length) per compile key equals the
+    brute-force set over every batch and length, and each really gives its key."""
     from types import SimpleNamespace
 
     from pagedserve.attention import triton_ops
@@ -140,13 +121,12 @@ def test_split_variants_cover_length_aware_launches(monkeypatch, tokens):
     monkeypatch.setattr(warmup, "get_backend", lambda device: triton_ops)
     monkeypatch.setattr(triton_ops, "decode_split_tokens", lambda: tokens)
     runner = SimpleNamespace(device=torch.device("cpu"), num_kv_heads=2)
-    max_seqs, max_len = 12, 9000
+    max_seqs, max_len = 12, 20000
     found = warmup._split_variants(runner, max_seqs, max_len)
-
-    def launch(n, seq_len):
-        base = triton_ops.choose_num_splits(n, 2, seq_len, runner.device)
-        return triton_ops.grid_splits(base, seq_len, tokens), base
-    every = {launch(n, seq_len) for n in range(1, max_seqs + 1) for seq_len in range(1, max_len + 1, 3)}
-    assert set(found) == every and len(every) > 10
+    every = {triton_ops.decode_compile_key(n, 2, seq_len, runner.device)
+             for n in range(1, max_seqs + 1) for seq_len in range(1, max_len + 1, 3)}
+    assert set(found) == every and len(every) >= 6
+    assert {mode for _, mode in every} == ({0} if tokens == 0 else {0, tokens})
     for key, (n, seq_len) in found.items():
-        assert launch(n, seq_len) == key
+        assert 1 <= n <= max_seqs and 1 <= seq_len <= max_len
+        assert triton_ops.decode_compile_key(n, 2, seq_len, runner.device) == key
