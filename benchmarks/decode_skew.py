@@ -5,8 +5,10 @@ one), so in a serving batch the longest context's one program can outlast everyo
 times the kernel pair (decode + split reduction) the way a captured graph runs it (max_seq_len =
 max_model_len, 4096) for Llama-3.1-8B's attention (32 query heads, 8 KV heads, head_dim 128,
 bf16, 16-token blocks) at each --num-seqs, for each --split-tokens (0: the split count alone;
-N: length-aware splits of about N positions; "balanced", or "balanced@R" with R programs taken as
-resident instead of the device's default: see triton_decode.split_plan), over two sets of contexts:
+N: length-aware splits of about N positions; "balanced", or "balanced@R" with an even share over R
+programs instead of the device's default: see triton_decode.split_plan; "auto": balanced or 0 as
+triton_ops.pick_split_mode picks for the lengths, as a decode graph's replay does), over two sets of
+contexts:
   serving  contexts of running sharegpt-like requests (max 2048 tokens): a request drawn with
            probability proportional to its output length, at a uniform point of its output
   even     every context the serving set's mean, so the same number of positions in all
@@ -43,7 +45,10 @@ def serving_contexts(n: int, seed: int) -> list[int]:
 
 
 def split_mode(text: str) -> tuple[int, int | None]:
-    """--split-tokens value -> (split_tokens for paged_decode, resident programs or None)."""
+    """--split-tokens value -> (split_tokens for paged_decode, resident programs or None); "auto"
+    -> (None, None)."""
+    if text == "auto":
+        return None, None
     if text.startswith("balanced"):
         resident = text.partition("@")[2]
         return triton_ops.BALANCED, (int(resident) if resident else None)
@@ -53,6 +58,8 @@ def split_mode(text: str) -> tuple[int, int | None]:
 def time_case(lens: list[int], mode: str, max_len: int, replays: int, pool) -> float:
     split_tokens, resident = split_mode(mode)
     k_cache, v_cache = pool
+    if mode == "auto":
+        split_tokens = triton_ops.pick_split_mode(lens, len(lens), KV_HEADS, max_len, k_cache.device)
     n = len(lens)
     dev = k_cache.device
     blocks_per_seq = -(-max_len // BLOCK)
@@ -86,7 +93,7 @@ def time_case(lens: list[int], mode: str, max_len: int, replays: int, pool) -> f
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-seqs", type=int, nargs="+", default=[16, 32, 64, 96])
-    ap.add_argument("--split-tokens", nargs="+", default=["0", "512", "1024", "balanced"])
+    ap.add_argument("--split-tokens", nargs="+", default=["0", "1024", "balanced", "auto"])
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
@@ -108,6 +115,9 @@ def main() -> None:
         for name, lens in (("serving", serving), ("even", even)):
             row[name] = {t: time_case(lens, t, args.max_model_len, args.replays, pool)
                          for t in args.split_tokens}
+            if "auto" in args.split_tokens:
+                row[name]["auto_picked"] = triton_ops.pick_split_mode(lens, n, KV_HEADS, args.max_model_len,
+                                                                      pool[0].device)
         results[f"n{n}"] = row
         print(n, row, flush=True)
     ratios = {}  # each split size against the switch off, where both ran

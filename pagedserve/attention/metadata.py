@@ -25,6 +25,9 @@ class AttentionMetadata:
     # Host copies, so backends never sync the device to learn shapes.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # The decode kernels' split mode (triton_ops.decode_split_tokens' values), fixed by a decode
+    # CUDA graph at capture; None: the backend's own choice.
+    decode_split_tokens: int | None = None
 
     @property
     def num_seqs(self) -> int:

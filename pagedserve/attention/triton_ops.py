@@ -11,7 +11,9 @@ from __future__ import annotations
 import functools
 import math
 import os
+from typing import Sequence
 
+import numpy as np
 import torch
 import triton
 
@@ -31,19 +33,27 @@ MIN_TOKENS_PER_SPLIT = 256
 DECODE_PROGRAMS_PER_SM = 3
 # Length-aware splits (triton_decode.split_plan): a long sequence gets more splits than the batch
 # size asks for. PAGEDSERVE_DECODE_SPLIT_TOKENS sets how (read once per process): 0 off, N > 0
-# splits of about N positions, "balanced" splits no longer than an even share of the step's work.
-# Fixed sizes on the H200 (benchmarks/decode_skew.py, runs/2cf31a8_decode_skew/): 512 took a
-# graph-launched decode over serving's uneven contexts from 70.3 to 52.7 us at 64 sequences, but
-# over even contexts of the same total from 39.6 to 50.5 us: the grid was sized for max_model_len
-# and each program past a sequence's last split still costs a launch. "balanced" bounds the grid
-# by a program budget (DECODE_GRID_PROGRAMS_PER_SM) and cuts only what would outlast the rest.
-DECODE_SPLIT_TOKENS = 0
-SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
+# splits of about N positions, "balanced" (the default) splits no longer than an even share of the
+# step's work. Fixed sizes on the H200 (benchmarks/decode_skew.py, runs/2cf31a8_decode_skew/): 512
+# took a graph-launched decode over serving's uneven contexts from 70.3 to 52.7 us at 64
+# sequences, but over even contexts of the same total from 39.6 to 50.5 us: the grid was sized
+# for max_model_len, each program past a sequence's last split still costs a launch, and so does
+# the reduction. "balanced" bounds the grid by a program budget, cuts only what would outlast the
+# rest, and a decode graph replays it only for steps whose lengths gain from it (pick_split_mode).
 BALANCED = -1
-# Decode programs an SM holds at once at the launch defaults above (registers and shared memory
-# of a 4-warp, 3-stage program of Llama's shapes): the "even share" of the balanced plan.
-DECODE_RESIDENT_PER_SM = 2
+DECODE_SPLIT_TOKENS = BALANCED
+SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
+# The balanced plan's even share: all of a step's tiles over this many programs per SM. An SM holds
+# 2 decode programs at once at the launch defaults above, but a long chain that starts last ends
+# late, so a cut pays from about twice that: on the H200 (decode_skew.py at a7ed567) 4 per SM was
+# best or within 5% of it at 16-128 sequences over serving's contexts, 1 per SM cut too little.
+DECODE_SHARE_PROGRAMS_PER_SM = 4
+# The balanced grid's splits keep it within this many programs per SM (at least 2 splits), since
+# each program past a sequence's last split still costs a launch.
 DECODE_GRID_PROGRAMS_PER_SM = 8
+# A step takes the balanced plan only if it shortens the longest chain by more than this many
+# tiles: its extra programs and the reduction cost about 3.7 us at 64 even sequences, ~1.6 tiles.
+BALANCED_MIN_GAIN_TILES = 2
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -83,12 +93,13 @@ def grid_splits(base_splits: int, max_seq_len: int, split_tokens: int, num_seqs:
                 sms: int) -> int:
     """The grid's splits per sequence, never fewer than base_splits, at most MAX_SPLITS: with a split
     size, enough for the longest possible sequence (max_seq_len); balanced, as many as keep the
-    grid within DECODE_GRID_PROGRAMS_PER_SM programs per SM (and splits of MIN_TOKENS_PER_SPLIT)."""
+    grid within DECODE_GRID_PROGRAMS_PER_SM programs per SM (but 2 at least) and splits of at least
+    MIN_TOKENS_PER_SPLIT."""
     if split_tokens == 0:
         return base_splits
     if split_tokens > 0:
         return max(base_splits, min(MAX_SPLITS, triton.cdiv(max_seq_len, split_tokens)))
-    budget = triton.cdiv(DECODE_GRID_PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads))
+    budget = max(2, triton.cdiv(DECODE_GRID_PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads)))
     return max(base_splits, min(MAX_SPLITS, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), budget))
 
 
@@ -116,6 +127,32 @@ def decode_launch(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: to
     tokens = decode_split_tokens() if split_tokens is None else split_tokens
     splits = grid_splits(base, max_seq_len, tokens, num_seqs, num_kv_heads, _sms(device))
     return base, splits, (tokens if splits > base else 0)
+
+
+def decode_graph_split_modes() -> list[int]:
+    """The split modes a decode CUDA graph is captured with: the switch's, and with "balanced" also 0,
+    so that a step whose lengths need no cut replays a graph without the plan's extra programs."""
+    mode = decode_split_tokens()
+    return [0, BALANCED] if mode == BALANCED else [mode]
+
+
+def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, max_seq_len: int,
+                    device: torch.device, block_n: int = DECODE_BLOCK_N) -> int:
+    """BALANCED or 0 for a balanced launch over num_rows rows: the first len(seq_lens) hold these
+    lengths, the rest are padding of length 1. BALANCED where the plan the kernels derive
+    (triton_decode.split_plan, mirrored here from the same lengths) shortens the longest chain of
+    tiles by more than BALANCED_MIN_GAIN_TILES, else 0: the same cuts the batch size asks for,
+    without the plan's extra programs and reduction."""
+    base, splits, mode = decode_launch(num_rows, num_kv_heads, max_seq_len, device, split_tokens=BALANCED)
+    if mode != BALANCED or not len(seq_lens):
+        return 0
+    tiles = -(-np.asarray(seq_lens, dtype=np.int64) // block_n)
+    work = (int(tiles.sum()) + num_rows - len(tiles)) * num_kv_heads
+    share = DECODE_SHARE_PROGRAMS_PER_SM * _sms(device)
+    chain = max(-(-work // share), max(1, MIN_TOKENS_PER_SPLIT // block_n))
+    longest = int(tiles.max())
+    parts = min(max(-(-longest // chain), base), splits)
+    return BALANCED if -(-longest // base) - -(-longest // parts) > BALANCED_MIN_GAIN_TILES else 0
 
 
 def decode_compile_key(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
@@ -154,7 +191,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_splits: each sequence's base split count (default: choose_num_splits); split_tokens: the
     length-aware splits (default: decode_split_tokens(); 0: every sequence in num_splits; BALANCED);
     resident_programs, min_chain_tiles: the balanced plan's even share (defaults: the device's
-    DECODE_RESIDENT_PER_SM per SM, MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps."""
+    DECODE_SHARE_PROGRAMS_PER_SM per SM, MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -162,7 +199,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     block_d = _pow2_at_least_16(head_dim)
     ieee = k_cache.dtype == torch.float32
     if resident_programs is None:
-        resident_programs = DECODE_RESIDENT_PER_SM * _sms(query.device)
+        resident_programs = DECODE_SHARE_PROGRAMS_PER_SM * _sms(query.device)
     if min_chain_tiles is None:
         min_chain_tiles = max(1, MIN_TOKENS_PER_SPLIT // block_n)
     plan = dict(SPLIT_TOKENS=mode, RESIDENT=resident_programs, MIN_CHAIN_TILES=min_chain_tiles)
@@ -230,8 +267,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_lens_cpu = meta.seq_lens_cpu
     if nd > 0:
         max_len = max(seq_lens_cpu[:nd]) if seq_lens_cpu is not None else meta.max_seq_len
+        # Outside a decode graph the grid follows the step's longest sequence and the switch's mode
+        # applies as it is (its compiles are the warm-up's decode_compile_key).
         paged_decode(query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd],
-                     max_len, scale, out[:nd], num_splits=num_splits)
+                     max_len, scale, out[:nd], num_splits=num_splits, split_tokens=meta.decode_split_tokens)
     if nd < ns:
         q_lens = meta.query_lens_cpu
         max_q = max(q_lens[nd:]) if q_lens is not None else meta.max_query_len

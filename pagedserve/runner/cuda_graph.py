@@ -5,12 +5,15 @@ graph removes the launch cost that otherwise dominates. Every tensor the graph r
 lives in a static buffer sized for the largest bucket; a step copies its inputs into
 the first B rows and pads the rest so that padding writes nothing (slot -1) and
 attends to one token of block 0. The attention backend is captured with max_seq_len
-fixed to max_model_len, so its launch grid does not depend on the step.
+fixed to max_model_len, so its launch grid does not depend on the step. A backend may ask for
+one graph per decode split mode (decode_graph_split_modes; balanced splits, then also none) and
+pick one for each step from the host's lengths (pick_split_mode).
 """
 from __future__ import annotations
 
 import torch
 
+from pagedserve.attention.backend import get_backend
 from pagedserve.attention.metadata import AttentionMetadata
 
 
@@ -29,11 +32,15 @@ def batch_buckets(max_batch: int, sizes: list[int] | None = None) -> list[int]:
 
 class DecodeCUDAGraphs:
     def __init__(self, model, kv_caches, buckets: list[int], max_model_len: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, num_kv_heads: int = 1):
         """buckets: the batch sizes to capture, ascending (batch_buckets), at least one."""
         self.model, self.kv_caches = model, kv_caches
         self.max_model_len, self.block_size = max_model_len, block_size
         self.buckets = buckets
+        self.num_kv_heads, self.device = num_kv_heads, device
+        ops = get_backend(device)
+        self.split_modes: list[int | None] = getattr(ops, "decode_graph_split_modes", lambda: [None])()
+        self.pick_split_mode = getattr(ops, "pick_split_mode", None)
         max_blocks = (max_model_len + block_size - 1) // block_size
         n = self.buckets[-1]
         i32 = dict(dtype=torch.int32, device=device)
@@ -43,30 +50,32 @@ class DecodeCUDAGraphs:
         self.seq_lens = torch.ones(n, **i32)
         self.block_tables = torch.zeros(n, max_blocks, **i32)
         self.query_start_loc = torch.arange(n + 1, **i32)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int | None], torch.cuda.CUDAGraph] = {}  # (bucket, split mode)
+        self.outputs: dict[tuple[int, int | None], torch.Tensor] = {}
         self.pool = None
 
-    def _meta(self, b: int) -> AttentionMetadata:
+    def _meta(self, b: int, split_mode: int | None) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
             seq_lens=self.seq_lens[:b], block_tables=self.block_tables[:b], num_decodes=b,
-            max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size)
+            max_query_len=1, max_seq_len=self.max_model_len, block_size=self.block_size,
+            decode_split_tokens=split_mode)
 
     @torch.inference_mode()
     def capture(self) -> None:
         stream = torch.cuda.Stream()
-        for b in reversed(self.buckets):  # largest first, so smaller graphs reuse its memory pool
-            args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b))
+        # largest first, so smaller graphs reuse its memory pool
+        for b, mode in [(b, mode) for b in reversed(self.buckets) for mode in self.split_modes]:
+            args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, mode))
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self.model(*args)  # warm-up outside capture: autotuning and lazy init happen here
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[b] = self.model(*args)
+                self.outputs[b, mode] = self.model(*args)
             self.pool = graph.pool()
-            self.graphs[b] = graph
+            self.graphs[b, mode] = graph
         torch.cuda.synchronize()
 
     def bucket_for(self, batch: int) -> int | None:
@@ -87,5 +96,8 @@ class DecodeCUDAGraphs:
         self.seq_lens[b:g].fill_(1)
         width = meta.block_tables.shape[1]
         self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
-        self.graphs[g].replay()
-        return self.outputs[g][:b]
+        mode = self.split_modes[0]
+        if len(self.split_modes) > 1 and meta.seq_lens_cpu is not None:
+            mode = self.pick_split_mode(meta.seq_lens_cpu, g, self.num_kv_heads, self.max_model_len, self.device)
+        self.graphs[g, mode].replay()
+        return self.outputs[g, mode][:b]

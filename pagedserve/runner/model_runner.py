@@ -211,7 +211,8 @@ class ModelRunner:
         if not buckets:
             return  # every size given exceeds max_num_seqs: decode steps run eagerly
         self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, buckets, max_model_len=self.max_model_len,
-                                       block_size=self.block_size, device=self.device)
+                                       block_size=self.block_size, device=self.device,
+                                       num_kv_heads=self.num_kv_heads)
         self.graphs.capture()
 
     def warm_up(self) -> None:

@@ -22,19 +22,20 @@ def test_balanced_grid_keeps_to_the_program_budget():
     budget = ops.DECODE_GRID_PROGRAMS_PER_SM * 132          # 1056 programs
     assert grid(1, 4096, ops.BALANCED, n=64) == 3           # ceil(1056 / 512)
     assert grid(1, 4096, ops.BALANCED, n=96) == 2
-    assert grid(1, 4096, ops.BALANCED, n=256) == 1          # enough programs: no room, no need
-    assert grid(2, 4096, ops.BALANCED, n=256) == 2          # never below the base
+    assert grid(1, 4096, ops.BALANCED, n=256) == 2          # at least 2
+    assert grid(3, 4096, ops.BALANCED, n=256) == 3          # never below the base
     assert grid(1, 4096, ops.BALANCED, n=1, kv=1) == 4096 // ops.MIN_TOKENS_PER_SPLIT
     assert grid(1, 700, ops.BALANCED, n=8) == 3             # splits of at least 256 positions
     for n in range(1, 300):
         g = grid(1, 4096, ops.BALANCED, n=n)
-        assert g == 1 or n * 8 * (g - 1) < budget
+        assert g == 2 or n * 8 * (g - 1) < budget
 
 
 def test_launch_passes_the_mode_only_when_the_grid_has_room():
     cpu = torch.device("cpu")
     assert ops.decode_launch(64, 8, 4096, cpu, split_tokens=ops.BALANCED) == (1, 3, ops.BALANCED)
-    assert ops.decode_launch(256, 8, 4096, cpu, split_tokens=ops.BALANCED) == (1, 1, 0)
+    assert ops.decode_launch(256, 8, 4096, cpu, split_tokens=ops.BALANCED) == (1, 2, ops.BALANCED)
+    assert ops.decode_launch(64, 8, 200, cpu, split_tokens=ops.BALANCED) == (1, 1, 0)
     assert ops.decode_launch(64, 8, 4096, cpu, split_tokens=0) == (1, 1, 0)
     assert ops.decode_launch(64, 8, 4096, cpu, num_splits=2, split_tokens=1024) == (2, 4, 1024)
 
@@ -59,3 +60,43 @@ def test_bad_switch_names_it(monkeypatch, raw):
             ops.decode_split_tokens()
     finally:
         ops.decode_split_tokens.cache_clear()
+
+
+def _kernel_parts(lens, rows, kv, max_len, block_n=64, sms=132):
+    """The kernels' plan (triton_decode.split_plan, balanced) written out in Python: each
+    sequence's number of non-empty splits."""
+    base, grid_, mode = ops.decode_launch(rows, kv, max_len, torch.device("cpu"), split_tokens=ops.BALANCED)
+    padded = list(lens) + [1] * (rows - len(lens))
+    work = sum(-(-n // block_n) for n in padded) * kv
+    chain = max(-(-work // (ops.DECODE_SHARE_PROGRAMS_PER_SM * sms)), ops.MIN_TOKENS_PER_SPLIT // block_n)
+    out = []
+    for n in lens:
+        parts = min(max(-(-(-(-n // block_n)) // chain), base), grid_)
+        split_len = max(-(-(-(-n // parts)) // block_n) * block_n, block_n)
+        out.append(-(-n // split_len))
+    return base, out
+
+
+@pytest.mark.parametrize("lens, rows, want", [
+    ([1871] + [300] * 63, 64, ops.BALANCED),     # one long context among short: cut it
+    ([533] * 64, 64, 0),                         # even: nothing to cut
+    ([533] * 60, 64, 0),                         # padded rows count one tile each
+    ([2000] * 250, 256, 0),                      # all long: the share is long too
+    ([4000] + [10] * 7, 8, ops.BALANCED),        # base 7 of a grid of 16
+    ([700], 1, 0),                               # one sequence: its base is the whole grid
+    ([4096] + [10] * 200, 256, ops.BALANCED),    # a large batch of short contexts and one long one
+])
+def test_pick_split_mode(lens, rows, want):
+    cpu = torch.device("cpu")
+    assert ops.pick_split_mode(lens, rows, 8, 4096, cpu) == want
+    base, parts = _kernel_parts(lens, rows, 8, 4096)
+    longest = max(lens)
+    gain = -(-(-(-longest // 64)) // base) - -(-(-(-longest // 64)) // parts[lens.index(longest)])
+    assert (gain > ops.BALANCED_MIN_GAIN_TILES) == (want == ops.BALANCED)
+
+
+def test_graph_modes_follow_the_switch(monkeypatch):
+    monkeypatch.setattr(ops, "decode_split_tokens", lambda: ops.BALANCED)
+    assert ops.decode_graph_split_modes() == [0, ops.BALANCED]
+    monkeypatch.setattr(ops, "decode_split_tokens", lambda: 512)
+    assert ops.decode_graph_split_modes() == [512]
