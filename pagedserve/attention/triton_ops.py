@@ -143,7 +143,7 @@ def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, m
     (triton_decode.split_plan, mirrored here from the same lengths) shortens the longest chain of
     tiles by more than BALANCED_MIN_GAIN_TILES, else 0: the same cuts the batch size asks for,
     without the plan's extra programs and reduction."""
-    base, splits, mode = decode_launch(num_rows, num_kv_heads, max_seq_len, device, split_tokens=BALANCED)
+    base, splits, mode = _balanced_launch(num_rows, num_kv_heads, max_seq_len, device)
     if mode != BALANCED or not len(seq_lens):
         return 0
     tiles = -(-np.asarray(seq_lens, dtype=np.int64) // block_n)
@@ -153,6 +153,11 @@ def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, m
     longest = int(tiles.max())
     parts = min(max(-(-longest // chain), base), splits)
     return BALANCED if -(-longest // base) - -(-longest // parts) > BALANCED_MIN_GAIN_TILES else 0
+
+
+@functools.lru_cache(maxsize=4096)
+def _balanced_launch(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int, int]:
+    return decode_launch(num_rows, num_kv_heads, max_seq_len, device, split_tokens=BALANCED)
 
 
 def decode_compile_key(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
