@@ -198,3 +198,33 @@ def test_a_reset_connection_names_its_cause_and_errors_are_counted_by_kind():
     assert describe_error(httpx.ReadTimeout("timed out")) == "ReadTimeout: timed out"
     assert error_counts(["HTTP 500: x", describe_error(reset()), "ReadError: ", "HTTP 500: y", "HTTP 503: z"]) == \
         {"ReadError": 2, "HTTP 500": 2, "HTTP 503": 1}
+
+
+def test_stream_is_read_to_its_end_so_the_connection_is_reused():
+    """httpx returns a connection to its pool only once the response body has been read to the
+    end; send_request must not stop at [DONE] (it did: one new connection per request)."""
+    import asyncio
+
+    from pagedserve.entrypoints.bench_serve import send_request
+    from pagedserve.workloads import WorkloadRequest
+
+    ended = []
+
+    class Body(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"choices": [{"text": "a"}]}\n\n'
+            yield b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\n'
+            yield b"data: [DONE]\n\n"
+            yield b"\n"  # what follows [DONE] (here a blank line, on the wire the last chunk)
+            ended.append(True)
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, stream=Body(), headers={"content-type": "text/event-stream"})
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            req = WorkloadRequest(prompt_token_ids=[1, 2], output_len=1, arrival_time=0.0)
+            return await send_request(client, "http://x/v1", "m", req, {}, 0.0)
+    res = asyncio.run(run())
+    assert res.error is None and res.output_len == 1 and res.ttft is not None
+    assert ended == [True]
