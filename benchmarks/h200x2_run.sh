@@ -50,11 +50,11 @@ case "${1:-}" in
     step dp_long 585 python3 benchmarks/dp_bench.py --out $L/dp_long/dp.json --num-requests 12000 --max-concurrency 4096 \
         --start-timeout 150 --api-server-counts 4 --run-timeout 330 --num-client-processes 8 ;;
   dashboard_toggle)  # one long run, the viewer opened and closed every 3 s; the drop from the engine's counter.
-    # 4096 in flight: 8000 failed with ReadError at 5315166 (unexplained); one API server held 4096
-    # with none failing in dp_long's DP=1 run at 1720fc9.
+    # 4096 in flight; 60000 requests keep the server saturated ~2 min (8000 took 18 s at 6d9dcd9).
+    # The server's log is kept beside the results (the 6d9dcd9 run lost 2024 requests, its log lost).
     CUDA_VISIBLE_DEVICES=0 step dashboard_toggle 400 python3 benchmarks/dashboard_overhead.py --device cuda --toggle 3 \
-      --num-requests 20000 --client-processes 4 --max-concurrency 4096 --serve-args "--num-gpu-blocks-override 65536" \
-      --output $L/dashboard_toggle/dashboard_overhead_toggle.json ;;
+      --num-requests 60000 --client-processes 4 --max-concurrency 4096 --serve-args "--num-gpu-blocks-override 65536" \
+      --server-log $L/dashboard_toggle/server.log --output $L/dashboard_toggle/dashboard_overhead_toggle.json ;;
   dashboard)
     CUDA_VISIBLE_DEVICES=0 step dashboard 270 python3 benchmarks/dashboard_overhead.py --device cuda --rounds 3 \
       --num-requests 3000 --serve-args "--num-gpu-blocks-override 65536" --output $L/dashboard/dashboard_overhead.json
