@@ -43,10 +43,11 @@ DECODE_PROGRAMS_PER_SM = 3
 BALANCED = -1
 DECODE_SPLIT_TOKENS = BALANCED
 SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
-# The balanced plan's even share: all of a step's tiles over this many programs per SM. An SM holds
-# 2 decode programs at once at the launch defaults above, but a long chain that starts last ends
-# late, so a cut pays from about twice that: on the H200 (decode_skew.py at a7ed567) 4 per SM was
-# best or within 5% of it at 16-128 sequences over serving's contexts, 1 per SM cut too little.
+# The balanced plan's even share: all of a step's tiles over this many programs per SM. An SM runs
+# about 2 decode programs at once at the launch defaults above (inferred from the even case's time
+# per tile), but a long chain that starts last ends late, so a cut pays from about twice that: on
+# the H200 (decode_skew.py at a7ed567) 4 per SM was best or within 5% of it at 16-128 sequences over
+# serving's contexts; 1 per SM cut too little.
 DECODE_SHARE_PROGRAMS_PER_SM = 4
 # The balanced grid's splits keep it within this many programs per SM (at least 2 splits), since
 # each program past a sequence's last split still costs a launch.
