@@ -45,18 +45,18 @@ def serving_contexts(n: int, seed: int) -> list[int]:
 
 
 def split_mode(text: str) -> tuple[int, int | None]:
-    """--split-tokens value -> (split_tokens for paged_decode, resident programs or None); "auto"
+    """--split-tokens value -> (split_tokens for paged_decode, programs of the even share or None); "auto"
     -> (None, None)."""
     if text == "auto":
         return None, None
     if text.startswith("balanced"):
-        resident = text.partition("@")[2]
-        return triton_ops.BALANCED, (int(resident) if resident else None)
+        share = text.partition("@")[2]
+        return triton_ops.BALANCED, (int(share) if share else None)
     return int(text), None
 
 
 def time_case(lens: list[int], mode: str, max_len: int, replays: int, pool) -> float:
-    split_tokens, resident = split_mode(mode)
+    split_tokens, share = split_mode(mode)
     k_cache, v_cache = pool
     if mode == "auto":
         split_tokens = triton_ops.pick_split_mode(lens, len(lens), KV_HEADS, max_len, k_cache.device)
@@ -73,7 +73,7 @@ def time_case(lens: list[int], mode: str, max_len: int, replays: int, pool) -> f
     def layers():
         for _ in range(32):
             triton_ops.paged_decode(q, k_cache, v_cache, seq_lens, tables, max_len, HEAD_DIM ** -0.5, out,
-                                    num_splits=base, split_tokens=split_tokens, resident_programs=resident)
+                                    num_splits=base, split_tokens=split_tokens, share_programs=share)
     layers()  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

@@ -11,8 +11,9 @@ How a sequence is split (split_plan): into base_splits equal parts, the count th
 asks for to fill the GPU, or into more when it is long, up to the grid's splits:
   SPLIT_TOKENS > 0  so that no split holds much more than SPLIT_TOKENS positions;
   SPLIT_TOKENS < 0  ("balanced") so that no split's chain of tiles is longer than an even share
-                    of the step's work: every sequence's tiles times the KV heads, over the
-                    programs the GPU holds at once (RESIDENT), read from seq_lens on the device.
+                    of the step's work: every sequence's tiles times the KV heads, over
+                    SHARE_PROGRAMS (triton_ops.DECODE_SHARE_PROGRAMS_PER_SM per SM), read from
+                    seq_lens on the device.
 Why: a decode graph is captured once per batch size, so base_splits cannot follow the step's
 lengths; at 64 sequences it is 1, and in a serving batch whose contexts run from a few tokens to
 2048 the one program of the longest sequence kept walking tiles long after the others had
@@ -37,7 +38,7 @@ def paged_decode_kernel(
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, base_splits,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_TOKENS: tl.constexpr, RESIDENT: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -45,7 +46,7 @@ def paged_decode_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len, active = split_plan(seq_len, seq_lens_ptr, tl.num_programs(0), tl.num_programs(1),
-                                   tl.num_programs(2), base_splits, SPLIT_TOKENS, RESIDENT,
+                                   tl.num_programs(2), base_splits, SPLIT_TOKENS, SHARE_PROGRAMS,
                                    MIN_CHAIN_TILES, BLOCK_N)
     if split < active:
         _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
@@ -58,7 +59,7 @@ def paged_decode_kernel(
 
 @triton.jit
 def split_plan(seq_len, seq_lens_ptr, num_seqs, num_kv_heads, num_splits, base_splits,
-               SPLIT_TOKENS: tl.constexpr, RESIDENT: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
+               SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
                BLOCK_N: tl.constexpr):
     """(split_len, number of non-empty splits) of a sequence of seq_len positions: base_splits
     parts, or more by SPLIT_TOKENS (see the module docstring), at most num_splits; split_len
@@ -67,7 +68,7 @@ def split_plan(seq_len, seq_lens_ptr, num_seqs, num_kv_heads, num_splits, base_s
     if SPLIT_TOKENS > 0:
         parts = tl.minimum(tl.maximum((seq_len + SPLIT_TOKENS - 1) // SPLIT_TOKENS, base_splits), num_splits)
     elif SPLIT_TOKENS < 0:
-        chain = balanced_chain_tiles(seq_lens_ptr, num_seqs, num_kv_heads, RESIDENT, MIN_CHAIN_TILES, BLOCK_N)
+        chain = balanced_chain_tiles(seq_lens_ptr, num_seqs, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
         tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
         parts = tl.minimum(tl.maximum((tiles + chain - 1) // chain, base_splits), num_splits)
     else:
@@ -77,10 +78,10 @@ def split_plan(seq_len, seq_lens_ptr, num_seqs, num_kv_heads, num_splits, base_s
 
 
 @triton.jit
-def balanced_chain_tiles(seq_lens_ptr, num_seqs, num_kv_heads, RESIDENT: tl.constexpr,
+def balanced_chain_tiles(seq_lens_ptr, num_seqs, num_kv_heads, SHARE_PROGRAMS: tl.constexpr,
                          MIN_CHAIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
     """The tiles one program may walk without outlasting an even share of the step: all tiles of
-    all sequences and KV heads over RESIDENT, at least MIN_CHAIN_TILES. Every program computes it
+    all sequences and KV heads over SHARE_PROGRAMS, at least MIN_CHAIN_TILES. Every program computes it
     from seq_lens (a few hundred int32 in L2), so no plan travels from the host."""
     CHUNK: tl.constexpr = 256
     total = tl.zeros([CHUNK], dtype=tl.int32)
@@ -89,7 +90,7 @@ def balanced_chain_tiles(seq_lens_ptr, num_seqs, num_kv_heads, RESIDENT: tl.cons
         lens = tl.load(seq_lens_ptr + offs, mask=offs < num_seqs, other=0)
         total += (lens + BLOCK_N - 1) // BLOCK_N
     work = tl.sum(total, 0) * num_kv_heads
-    return tl.maximum((work + RESIDENT - 1) // RESIDENT, MIN_CHAIN_TILES)
+    return tl.maximum((work + SHARE_PROGRAMS - 1) // SHARE_PROGRAMS, MIN_CHAIN_TILES)
 
 
 @triton.jit
@@ -149,7 +150,7 @@ def reduce_splits_kernel(
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, stride_ot, stride_oh,
     num_kv_heads, num_splits, base_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT_TOKENS: tl.constexpr, RESIDENT: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
+    SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     """Program (sequence, head): out = sum_s 2^(lse_s - lse) * o_s over the sequence's non-empty
@@ -157,7 +158,7 @@ def reduce_splits_kernel(
     seq = tl.program_id(0)
     head = tl.program_id(1)
     _, active = split_plan(tl.load(seq_lens_ptr + seq), seq_lens_ptr, tl.num_programs(0), num_kv_heads,
-                           num_splits, base_splits, SPLIT_TOKENS, RESIDENT, MIN_CHAIN_TILES, BLOCK_N)
+                           num_splits, base_splits, SPLIT_TOKENS, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
     if active > 1:
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)

@@ -149,11 +149,17 @@ def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, m
         return 0
     tiles = -(-np.asarray(seq_lens, dtype=np.int64) // block_n)
     work = (int(tiles.sum()) + num_rows - len(tiles)) * num_kv_heads
-    share = DECODE_SHARE_PROGRAMS_PER_SM * _sms(device)
-    chain = max(-(-work // share), max(1, MIN_TOKENS_PER_SPLIT // block_n))
+    share, min_chain = _balanced_share(device, block_n)
+    chain = max(-(-work // share), min_chain)
     longest = int(tiles.max())
     parts = min(max(-(-longest // chain), base), splits)
     return BALANCED if -(-longest // base) - -(-longest // parts) > BALANCED_MIN_GAIN_TILES else 0
+
+
+def _balanced_share(device: torch.device, block_n: int) -> tuple[int, int]:
+    """The balanced plan's defaults: (programs the step's work is shared over, fewest tiles a
+    chain is cut to), as the kernels get them (SHARE_PROGRAMS, MIN_CHAIN_TILES)."""
+    return DECODE_SHARE_PROGRAMS_PER_SM * _sms(device), max(1, MIN_TOKENS_PER_SPLIT // block_n)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -191,12 +197,12 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, scale: float,
                  out: torch.Tensor, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
                  num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES,
-                 split_tokens: int | None = None, resident_programs: int | None = None,
+                 split_tokens: int | None = None, share_programs: int | None = None,
                  min_chain_tiles: int | None = None) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
     num_splits: each sequence's base split count (default: choose_num_splits); split_tokens: the
     length-aware splits (default: decode_split_tokens(); 0: every sequence in num_splits; BALANCED);
-    resident_programs, min_chain_tiles: the balanced plan's even share (defaults: the device's
+    share_programs, min_chain_tiles: the balanced plan's even share (defaults: the device's
     DECODE_SHARE_PROGRAMS_PER_SM per SM, MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
@@ -204,11 +210,10 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     base, splits, mode = decode_launch(num_seqs, num_kv_heads, max_seq_len, query.device, num_splits, split_tokens)
     block_d = _pow2_at_least_16(head_dim)
     ieee = k_cache.dtype == torch.float32
-    if resident_programs is None:
-        resident_programs = DECODE_SHARE_PROGRAMS_PER_SM * _sms(query.device)
-    if min_chain_tiles is None:
-        min_chain_tiles = max(1, MIN_TOKENS_PER_SPLIT // block_n)
-    plan = dict(SPLIT_TOKENS=mode, RESIDENT=resident_programs, MIN_CHAIN_TILES=min_chain_tiles)
+    default_share, default_min_chain = _balanced_share(query.device, block_n)
+    share_programs = default_share if share_programs is None else share_programs
+    min_chain_tiles = default_min_chain if min_chain_tiles is None else min_chain_tiles
+    plan = dict(SPLIT_TOKENS=mode, SHARE_PROGRAMS=share_programs, MIN_CHAIN_TILES=min_chain_tiles)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
                   IEEE=ieee, num_warps=num_warps, num_stages=num_stages, **plan)

@@ -103,17 +103,18 @@ def test_length_aware_splits_match_reference(base, split_tokens):
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
-@pytest.mark.parametrize("base,resident,min_chain", [(1, 4, 1), (1, 64, 2), (2, 8, 1), (1, 1000, 1)])
-def test_balanced_splits_match_reference(base, resident, min_chain):
-    """The balanced plan (every program derives it from all of seq_lens): with 4 programs resident
-    the long sequences are cut into many splits, with 1000 none is; the reduce must agree on each."""
+@pytest.mark.parametrize("base,share,min_chain", [(1, 4, 1), (1, 64, 2), (2, 8, 1), (1, 1000, 1)])
+def test_balanced_splits_match_reference(base, share, min_chain):
+    """The balanced plan (every program derives it from all of seq_lens): with the step's work
+    shared over 4 programs the long sequences are cut into many splits, over 1000 none is; the
+    reduce must agree on each."""
     shapes = [(129, 1), (0, 1), (2, 1), (46, 1), (15, 1), (100, 1), (300, 1)]
-    batch = make_batch(shapes, 7, H=8, Hkv=2, D=16, block_size=8, seed=resident + base)
+    batch = make_batch(shapes, 7, H=8, Hkv=2, D=16, block_size=8, seed=share + base)
     kc, vc, ref = _reference_out(batch)
     out = torch.full_like(batch.query, float("nan"))
     m = batch.meta
     ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 4096, 16 ** -0.5, out,
-                     num_splits=base, block_n=16, split_tokens=ops.BALANCED, resident_programs=resident,
+                     num_splits=base, block_n=16, split_tokens=ops.BALANCED, share_programs=share,
                      min_chain_tiles=min_chain)
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
