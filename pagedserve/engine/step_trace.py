@@ -3,7 +3,8 @@
 Why: a benchmark's inter-token latency mixes the device's time per step with everything around
 it (the core's host work, the API server, the client). Under real serving load this records,
 for every launched step, its host launch time (`t`, Unix seconds), its shape (sequences,
-decodes, tokens) and two device-side durations from CUDA events on the compute stream: busy
+decodes, tokens, and `context`: the KV positions its attention reads, the sum of the scheduled
+sequences' context lengths) and two device-side durations from CUDA events on the compute stream: busy
 (first to last device work of the step) and the gap before it (the device idle since the
 previous step's last work: host time it waited for).
 Set PAGEDSERVE_STEP_TRACE=/path/file.jsonl in the engine core's environment; the core appends
@@ -30,7 +31,7 @@ class StepTrace(StepTimer):
     def __init__(self, path: str):
         super().__init__(None, time.perf_counter, gpu_gaps=True)
         self.path = path
-        self._shapes: list[tuple[float, int, int, int]] = []  # one per launch_begin, as _events
+        self._shapes: list[tuple[float, int, int, int, int]] = []  # one per launch_begin, as _events
         self._prev_end = None  # the last written step's end event
 
     def begin(self) -> None:
@@ -42,9 +43,10 @@ class StepTrace(StepTimer):
         super().launch_begin(plan)
         now = time.time()
         if plan is None:
-            self._shapes.append((now, 0, 0, 0))
+            self._shapes.append((now, 0, 0, 0, 0))
         else:
-            self._shapes.append((now, len(plan.scheduled), plan.num_decodes, plan.num_batched_tokens))
+            self._shapes.append((now, len(plan.scheduled), plan.num_decodes, plan.num_batched_tokens,
+                                 sum(s.context_len for s in plan.scheduled)))
         if len(self._events) >= FLUSH_EVERY:
             self.flush()
 
@@ -62,9 +64,10 @@ class StepTrace(StepTimer):
                 self._prev_end = None
             return 0
         lines = []
-        for (begin, end), (t, seqs, decodes, tokens) in zip(self._events[:done], self._shapes[:done]):
+        for (begin, end), (t, seqs, decodes, tokens, context) in zip(self._events[:done], self._shapes[:done]):
             gap = None if self._prev_end is None else round(self._prev_end.elapsed_time(begin), 4)
             lines.append(json.dumps({"t": round(t, 4), "seqs": seqs, "decodes": decodes, "tokens": tokens,
+                                     "context": context,
                                      "busy_ms": round(begin.elapsed_time(end), 4), "gap_ms": gap}))
             self._prev_end = end
         del self._events[:done], self._shapes[:done]

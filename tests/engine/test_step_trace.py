@@ -35,9 +35,10 @@ class FakeEvent:
 
 
 def plan(decodes: int, prefill_tokens: int = 0):
-    sched = [SimpleNamespace(num_new_tokens=1)] * decodes
+    """decodes at contexts 100, 101, ...; a prefill chunk's context is its tokens."""
+    sched = [SimpleNamespace(num_new_tokens=1, context_len=100 + i) for i in range(decodes)]
     if prefill_tokens:
-        sched = sched + [SimpleNamespace(num_new_tokens=prefill_tokens)]
+        sched = sched + [SimpleNamespace(num_new_tokens=prefill_tokens, context_len=prefill_tokens)]
     return SimpleNamespace(scheduled=sched, num_decodes=decodes, num_batched_tokens=decodes + prefill_tokens)
 
 
@@ -67,10 +68,10 @@ def test_trace_lines_hold_shape_busy_and_gap(tmp_path, monkeypatch):
     stamps = [x.pop("t") for x in lines]
     assert stamps == sorted(stamps) and stamps[0] > 1.7e9  # wall-clock launch times
     assert lines == [
-        {"seqs": 4, "decodes": 4, "tokens": 4, "busy_ms": 5.0, "gap_ms": None},
-        {"seqs": 5, "decodes": 4, "tokens": 304, "busy_ms": 9.5, "gap_ms": 0.5},
-        {"seqs": 8, "decodes": 8, "tokens": 8, "busy_ms": 6.0, "gap_ms": 0.0},
-        {"seqs": 2, "decodes": 2, "tokens": 2, "busy_ms": 4.0, "gap_ms": None},
+        {"seqs": 4, "decodes": 4, "tokens": 4, "context": 406, "busy_ms": 5.0, "gap_ms": None},
+        {"seqs": 5, "decodes": 4, "tokens": 304, "context": 706, "busy_ms": 9.5, "gap_ms": 0.5},
+        {"seqs": 8, "decodes": 8, "tokens": 8, "context": 828, "busy_ms": 6.0, "gap_ms": 0.0},
+        {"seqs": 2, "decodes": 2, "tokens": 2, "context": 201, "busy_ms": 4.0, "gap_ms": None},
     ]
     assert trace.records == [{}]  # phases are not kept
 
@@ -109,4 +110,6 @@ def test_engine_trace_has_a_line_per_step(tiny_model_dir, tmp_path):
     # Every prompt is prefilled once and decoded 11 times (its first token comes from the prefill).
     assert sum(x["tokens"] - x["decodes"] for x in lines) == sum(len(p) for p in prompts)
     assert sum(x["decodes"] for x in lines) == 11 * len(prompts)
+    # Attention reads: each prompt's one prefill chunk, then 11 decodes at contexts len(p)+1 .. len(p)+11.
+    assert sum(x["context"] for x in lines) == sum(12 * len(p) + sum(range(1, 12)) for p in prompts)
     assert all(x["busy_ms"] > 0 for x in lines) and lines[0]["gap_ms"] is None
