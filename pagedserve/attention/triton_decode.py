@@ -39,13 +39,28 @@ def paged_decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
-    IEEE: tl.constexpr,
+    IEEE: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, order_ptr=None,
 ):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    if HEADS_FASTEST:
+        # Grid (kv head, sequence, split): a sequence's heads run side by side and read its
+        # tokens' K/V rows (all heads of a token are adjacent) at about the same time.
+        kv_head = tl.program_id(0)
+        row = tl.program_id(1)
+        num_seqs = tl.num_programs(1)
+        num_kv_heads = tl.num_programs(0)
+    else:
+        row = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        num_seqs = tl.num_programs(0)
+        num_kv_heads = tl.num_programs(1)
     split = tl.program_id(2)
+    if order_ptr is None:
+        seq = row
+    else:
+        # Programs start in grid order: longest sequences first, so no long chain starts last.
+        seq = tl.load(order_ptr + row)
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len, active = split_plan(seq_len, seq_lens_ptr, tl.num_programs(0), tl.num_programs(1),
+    split_len, active = split_plan(seq_len, seq_lens_ptr, num_seqs, num_kv_heads,
                                    tl.num_programs(2), base_splits, SPLIT_TOKENS, SHARE_PROGRAMS,
                                    MIN_CHAIN_TILES, BLOCK_N)
     if split < active:

@@ -198,7 +198,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  out: torch.Tensor, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
                  num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES,
                  split_tokens: int | None = None, share_programs: int | None = None,
-                 min_chain_tiles: int | None = None) -> torch.Tensor:
+                 min_chain_tiles: int | None = None, heads_fastest: bool = False,
+                 order: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
     num_splits: each sequence's base split count (default: choose_num_splits); split_tokens: the
     length-aware splits (default: decode_split_tokens(); 0: every sequence in num_splits; BALANCED);
@@ -216,8 +217,9 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     plan = dict(SPLIT_TOKENS=mode, SHARE_PROGRAMS=share_programs, MIN_CHAIN_TILES=min_chain_tiles)
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
-                  IEEE=ieee, num_warps=num_warps, num_stages=num_stages, **plan)
-    grid = (num_seqs, num_kv_heads, splits)
+                  IEEE=ieee, num_warps=num_warps, num_stages=num_stages, HEADS_FASTEST=heads_fastest,
+                  order_ptr=order, **plan)
+    grid = (num_kv_heads, num_seqs, splits) if heads_fastest else (num_seqs, num_kv_heads, splits)
     if splits == 1:
         paged_decode_kernel[grid](
             query, k_cache, v_cache, out, out, out, seq_lens, block_tables, scale * math.log2(math.e),

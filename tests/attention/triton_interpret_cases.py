@@ -119,6 +119,24 @@ def test_balanced_splits_match_reference(base, share, min_chain):
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
+@pytest.mark.parametrize("split_tokens", [0, 16, -1])
+@pytest.mark.parametrize("heads_fastest,longest_first", [(True, False), (False, True), (True, True)])
+def test_program_order_variants_match_reference(split_tokens, heads_fastest, longest_first):
+    """The grid with KV heads as its fastest axis, and rows mapped through a longest-first order
+    (as the runner passes it), give the same outputs: each program still finds its own sequence,
+    head and split, and the reduce its splits."""
+    shapes = [(129, 1), (0, 1), (2, 1), (46, 1), (15, 1), (100, 1), (300, 1)]
+    batch = make_batch(shapes, 7, H=8, Hkv=2, D=16, block_size=8, seed=11 + split_tokens)
+    kc, vc, ref = _reference_out(batch)
+    out = torch.full_like(batch.query, float("nan"))
+    m = batch.meta
+    order = torch.argsort(m.seq_lens, descending=True).to(torch.int32) if longest_first else None
+    ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 4096, 16 ** -0.5, out,
+                     num_splits=1, block_n=16, split_tokens=split_tokens, share_programs=4, min_chain_tiles=1,
+                     heads_fastest=heads_fastest, order=order)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
 # bf16 is left to test_triton_gpu.py: the 3.6 interpreter's tl.dot multiplies bf16 bit patterns as integers.
 @pytest.mark.parametrize("dtype", [torch.float16])
 def test_half_precision_matches_reference(dtype):
