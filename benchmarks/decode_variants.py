@@ -9,9 +9,10 @@ This times one variant against another on the shapes the benchmarks meet:
     serving   running sharegpt-like requests (benchmarks/decode_skew.py's serving set)
     even      every context the serving set's mean
     fixed256  every context 256 + the same uniform step (fixed256's lockstep decodes)
-  --variants  base (the defaults), heads (KV heads the grid's fastest axis), lpt (rows taken
-              longest first, the order computed outside the timing), heads+lpt; and tile settings
-              bnN, wN, sN (BLOCK_N, warps, stages) joined to any of them with '+' (heads+bn128).
+  --variants  base (the defaults: KV heads the grid's fastest axis, rows taken longest first as
+              paged_attention orders them, the order computed outside the timing), and changes to
+              it joined with '+': rows (sequences the fastest axis), nolpt (rows in row order),
+              bnN, wN, sN (BLOCK_N, warps, stages); e.g. rows+nolpt+bn64, the defaults before cb44d75.
 Each case is 32 launches in a CUDA graph with max_seq_len = --max-model-len and the split mode a
 graph's replay would pick (triton_ops.pick_split_mode), replayed --replays times; microseconds per
 launch, and the KV bytes over that time. Needs CUDA.
@@ -40,7 +41,7 @@ from decode_skew import serving_contexts  # noqa: E402  (benchmarks/)
 HEAD_DIM, BLOCK = 128, 16
 DEFAULT_CASES = ["nanovllm:16/8:64", "nanovllm:16/8:128", "nanovllm:16/8:256", "serving:32/8:32",
                  "serving:32/8:96", "serving:32/8:256", "even:32/8:256", "fixed256:32/8:1000"]
-DEFAULT_VARIANTS = ["base", "heads", "lpt", "heads+lpt", "bn32", "bn128", "w8", "s4", "heads+lpt+bn128"]
+DEFAULT_VARIANTS = ["base", "nolpt", "rows", "bn64", "s2", "w8", "rows+nolpt+bn64"]
 
 
 def contexts(kind: str, n: int, seed: int) -> list[int]:
@@ -63,14 +64,14 @@ def parse_case(text: str) -> tuple[str, int, int, int]:
 
 
 def parse_variant(text: str) -> dict:
-    kw: dict = {}
+    kw: dict = {"lpt": True}
     for part in text.split("+"):
         if part == "base":
             continue
-        elif part == "heads":
-            kw["heads_fastest"] = True
-        elif part == "lpt":
-            kw["lpt"] = True
+        elif part == "rows":
+            kw["heads_fastest"] = False
+        elif part == "nolpt":
+            kw["lpt"] = False
         elif part[:2] == "bn":
             kw["block_n"] = int(part[2:])
         elif part[:1] == "w":
@@ -96,7 +97,7 @@ def time_case(lens: list[int], heads: int, kv_heads: int, variant: dict, max_len
     perm = torch.randperm(k_cache.shape[0], device=dev)[: n * blocks_per_seq]
     tables = perm.view(n, blocks_per_seq).to(torch.int32)
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
-    order = torch.argsort(seq_lens, descending=True).to(torch.int32) if lpt else None
+    order = triton_ops.longest_first(seq_lens) if lpt else None
     q = torch.randn(n, heads, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     out = torch.empty_like(q)
     base = triton_ops.choose_num_splits(n, kv_heads, max_len, dev)

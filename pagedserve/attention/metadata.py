@@ -28,6 +28,9 @@ class AttentionMetadata:
     # The decode kernels' split mode (triton_ops.decode_split_tokens' values), fixed by a decode
     # CUDA graph at capture; None: the backend's own choice.
     decode_split_tokens: int | None = None
+    # The decode rows longest first (triton_ops.paged_attention sorts seq_lens once per step, at the
+    # first layer, and every layer reuses it; a decode graph captures the sort with the step).
+    decode_order: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:

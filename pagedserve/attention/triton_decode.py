@@ -1,6 +1,8 @@
 """Paged decode attention in Triton: one query token per sequence, flash-decoding split-K.
 
-Grid (sequence, kv head, split). A program loads each K/V tile once for all query heads
+Grid (kv head, sequence, split): a sequence's KV heads, whose rows are adjacent in the pool,
+run side by side (HEADS_FASTEST; else (sequence, kv head, split)), and with order_ptr the
+sequences start longest first. A program loads each K/V tile once for all query heads
 of its KV head (the GQA group is the M dimension of tl.dot, padded to >= 16) and walks its
 split of the context with triton_tiles.attend_tiles, the loop the prefill kernel shares
 (tiles gathered through the block table, online softmax in fp32). A sequence with one

@@ -22,8 +22,12 @@ from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kerne
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import paged_prefill_kernel
 
-# Launch defaults; benchmarks/bench_paged_decode.py sweeps the decode ones on the GPU.
-DECODE_BLOCK_N = 64
+# Launch defaults; benchmarks/bench_paged_decode.py sweeps the decode ones on the GPU, and
+# benchmarks/decode_variants.py the grid order with them. On the H200 (runs/cb44d75_decode_variants/)
+# 128-position tiles, KV heads as the grid's fastest axis and rows longest first together took a
+# graph-launched decode from 232 to 199 us at 256 sequences of nanovllm's contexts (3.7 to 4.3 TB/s
+# of K/V), 164 to 129 us over serving's at 256, 477 to 462 us at fixed256's 1000 even ones.
+DECODE_BLOCK_N = 128
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
 PREFILL_BLOCK_M = 64
@@ -198,13 +202,16 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  out: torch.Tensor, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
                  num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES,
                  split_tokens: int | None = None, share_programs: int | None = None,
-                 min_chain_tiles: int | None = None, heads_fastest: bool = False,
+                 min_chain_tiles: int | None = None, heads_fastest: bool = True,
                  order: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
     num_splits: each sequence's base split count (default: choose_num_splits); split_tokens: the
     length-aware splits (default: decode_split_tokens(); 0: every sequence in num_splits; BALANCED);
     share_programs, min_chain_tiles: the balanced plan's even share (defaults: the device's
-    DECODE_SHARE_PROGRAMS_PER_SM per SM, MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps."""
+    DECODE_SHARE_PROGRAMS_PER_SM per SM, MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps.
+    heads_fastest: the grid is (KV head, sequence, split), so a sequence's heads, whose K/V rows
+    are adjacent in the pool, run side by side; else (sequence, KV head, split). order: the rows in
+    the order their programs should start (longest_first), or None for row order."""
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -240,6 +247,12 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(splits),
         num_warps=4, **plan)
     return out
+
+
+def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
+    """Row indices by decreasing length: decode programs start in this order, so a long sequence's
+    programs never start last and run on alone after the rest have finished."""
+    return torch.argsort(seq_lens, descending=True)
 
 
 def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -280,10 +293,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_lens_cpu = meta.seq_lens_cpu
     if nd > 0:
         max_len = max(seq_lens_cpu[:nd]) if seq_lens_cpu is not None else meta.max_seq_len
+        if meta.decode_order is None:  # once per step: the first layer sorts, the others reuse it
+            meta.decode_order = longest_first(meta.seq_lens[:nd])
         # Outside a decode graph the grid follows the step's longest sequence and the switch's mode
         # applies as it is (its compiles are the warm-up's decode_compile_key).
         paged_decode(query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd],
-                     max_len, scale, out[:nd], num_splits=num_splits, split_tokens=meta.decode_split_tokens)
+                     max_len, scale, out[:nd], num_splits=num_splits, split_tokens=meta.decode_split_tokens,
+                     order=meta.decode_order)
     if nd < ns:
         q_lens = meta.query_lens_cpu
         max_q = max(q_lens[nd:]) if q_lens is not None else meta.max_query_len

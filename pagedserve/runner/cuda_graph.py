@@ -66,14 +66,15 @@ class DecodeCUDAGraphs:
         stream = torch.cuda.Stream()
         # largest first, so smaller graphs reuse its memory pool
         for b, mode in [(b, mode) for b in reversed(self.buckets) for mode in self.split_modes]:
-            args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, mode))
+            args = (self.input_ids[:b], self.positions[:b], self.kv_caches)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.model(*args)  # warm-up outside capture: autotuning and lazy init happen here
+                self.model(*args, self._meta(b, mode))  # warm-up outside capture: autotuning and lazy init
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
+            # A fresh metadata: what the backend derives per step (decode_order) is captured too.
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[b, mode] = self.model(*args)
+                self.outputs[b, mode] = self.model(*args, self._meta(b, mode))
             self.pool = graph.pool()
             self.graphs[b, mode] = graph
         torch.cuda.synchronize()
