@@ -10,6 +10,12 @@ from __future__ import annotations
 
 from importlib.util import find_spec
 
+# Our servers (uvicorn's timeout_keep_alive; vLLM's and uvicorn's default too) close a connection
+# idle this long. A client that keeps idle connections as long may send a request down one just
+# as the server closes it, and reads "connection reset": our HTTP clients drop theirs sooner.
+SERVER_KEEP_ALIVE_S = 5
+CLIENT_KEEP_ALIVE_S = 3.0
+
 
 def http_stack() -> dict[str, str]:
     return {"http": "httptools" if find_spec("httptools") else "h11",

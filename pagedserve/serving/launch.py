@@ -13,6 +13,7 @@ import sys
 from typing import Any
 
 from pagedserve.config import EngineConfig
+from pagedserve.entrypoints.http_stack import SERVER_KEEP_ALIVE_S
 from pagedserve.serving.routing import ROUTING_POLICIES, make_policy
 
 logger = logging.getLogger("pagedserve.dp")
@@ -199,10 +200,10 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
                 "on http://%s:%d/v1", served_name, args.data_parallel_size, policy.name, pool.relay_client,
                 args.api_server_count, describe(), args.host, args.port)
     if args.api_server_count == 1:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=5)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=SERVER_KEEP_ALIVE_S)
         return 0
     from pagedserve.serving.relay_worker import reuse_port_socket
     sock = reuse_port_socket(args.host, args.port)  # the relay workers bind the same port
-    uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_keep_alive=5)).run(sockets=[sock])
+    uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_keep_alive=SERVER_KEEP_ALIVE_S)).run(sockets=[sock])
     return 0
 

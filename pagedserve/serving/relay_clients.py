@@ -13,15 +13,17 @@ from typing import AsyncIterator
 
 import httpx
 
+from pagedserve.entrypoints.http_stack import CLIENT_KEEP_ALIVE_S
+
 try:
     import aiohttp
 except ImportError:  # pragma: no cover - httpx does the same, dearer per streamed event
     aiohttp = None
 
 RELAY_CLIENTS = ("aiohttp", "httpx")
-# Replicas (uvicorn, timeout_keep_alive=5) close idle connections after 5 s: the relay drops
-# its own idle ones sooner, so it never sends a request down one the replica is closing.
-RELAY_KEEPALIVE_S = 3.0
+# Replicas close idle connections after SERVER_KEEP_ALIVE_S: the relay drops its own idle ones
+# sooner, so it never sends a request down one the replica is closing.
+RELAY_KEEPALIVE_S = CLIENT_KEEP_ALIVE_S
 JSON = {"content-type": "application/json"}
 
 

@@ -30,6 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from pagedserve.entrypoints.http_stack import SERVER_KEEP_ALIVE_S
 from pagedserve.serving.mp_pool import ProcessReplicaPool, RelayingPool
 from pagedserve.serving.pool import NoReplicaAvailable
 from pagedserve.serving.relay_clients import default_relay_client, make_relay
@@ -332,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = build_dp_app(pool, load_tokenizer_path(args.tokenizer), args.block_size,
                        api_key=os.environ.get("PAGEDSERVE_API_KEY"), max_request_bytes=args.max_request_bytes)
     sock = reuse_port_socket(args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=5))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=SERVER_KEEP_ALIVE_S))
     server.run(sockets=[sock])
     return 0
 

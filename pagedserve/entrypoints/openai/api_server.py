@@ -25,6 +25,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.entrypoints.http_stack import SERVER_KEEP_ALIVE_S
 from pagedserve.engine.pauses import (freeze_startup_heap, install_gc_pause_log, set_serving_gc_thresholds,
                                       watch_event_loop)
 from pagedserve.entrypoints.openai.dashboard import dashboard_router
@@ -290,7 +291,7 @@ def run_server_cli(args: Any) -> int:
     engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_keep_alive=5, timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=SERVER_KEEP_ALIVE_S, timeout_graceful_shutdown=5,
                                            access_log=not args.disable_uvicorn_access_log))
 
     def exit_soon(error: Exception) -> None:
