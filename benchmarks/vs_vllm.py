@@ -244,9 +244,12 @@ def phase_collect(args, work: Path) -> None:
         switches.update(ran_with)
     # The code measured is what the phases ran; collect may run later, elsewhere.
     measured = {(_load(f) or {}).get("commit") for f in work.glob("o*_pagedserve_*.json")} - {None}
+    # The GPU machine's host, as the phases' own result files recorded it (not this machine's).
+    hosts = [(_load(f) or {}).get("host") for f in sorted(work.glob("o*_pagedserve_*.json"))]
+    host = next((h for h in hosts if h), {"note": "not recorded by the phases (result files before host info)"})
     write_result(out, "serving_vs_vllm", "python benchmarks/vs_vllm.py " + shlex.join(sys.argv[1:]), config,
                  results, {"vllm": "0.26.0"}, ratios, device=args.device, switches=switches,
-                 measured_commit=measured.pop() if len(measured) == 1 else None)
+                 measured_commit=measured.pop() if len(measured) == 1 else None, host=host)
     print(json.dumps(ratios, indent=1))
 
 

@@ -1,9 +1,10 @@
 """The one writer of benchmark results, and the one answer to "which code made this figure".
 
 Every result JSON has the same top-level keys (RESULT_KEYS): what ran (benchmark, command,
-config), where (device), which code (commit), how it was switched (switches: the PAGEDSERVE_*
-environment switches, the kernels this process actually picked, and the engine settings the
-caller names), and what came out (results, baselines, ratios).
+config), where (device, and host: the CPU and how fast it ran a fixed Python loop), which code
+(commit), how it was switched (switches: the PAGEDSERVE_* environment switches, the kernels this
+process actually picked, and the engine settings the caller names), and what came out (results,
+baselines, ratios).
 
 The commit comes from the git checkout this package lives in, or, where the package is not in
 a checkout (a wheel, a plain copy of the tree on a GPU machine), from the stamp written by
@@ -23,12 +24,13 @@ import os
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 STAMP_NAME = "_build_commit.json"
-RESULT_KEYS = ("benchmark", "device", "commit", "date", "command", "switches", "versions", "config",
+RESULT_KEYS = ("benchmark", "device", "commit", "date", "command", "switches", "versions", "host", "config",
                "results", "baselines", "ratios")
 # Environment switches that change which kernels run (layers/fused.py, attention/backend.py).
 ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_FUSED_SAMPLING", "PAGEDSERVE_ATTENTION",
@@ -151,6 +153,26 @@ def _versions() -> dict:
     return {**out, **{f"uvicorn_{k}": v for k, v in http_stack().items()}}
 
 
+def host_info() -> dict:
+    """The CPU this process runs on, and the best of three timings of a fixed pure-Python loop.
+    Why: the same GPU kind comes with different hosts from one lease to the next, and whatever is
+    host-bound (a scheduler, eagerly launched kernels) moves with the host's speed."""
+    cpu = None
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        pass
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        x = 0
+        for i in range(200_000):
+            x += i & 7
+        best = min(best, time.perf_counter() - t0)
+    return {"cpu": cpu, "logical_cpus": os.cpu_count(), "python_loop_ms": round(best * 1e3, 2)}
+
+
 def default_command() -> str:
     return "python " + shlex.join(sys.argv)
 
@@ -158,13 +180,15 @@ def default_command() -> str:
 def write_result(path: str | Path, name: str, command: str | None, config: dict, results: dict,
                  baselines: dict | None = None, ratios: dict | None = None,
                  table_md: str | Callable[[dict], str] | None = None, *, device: str | None = None,
-                 switches: dict | None = None, extra: dict | None = None, measured_commit: str | None = None) -> dict:
+                 switches: dict | None = None, extra: dict | None = None, measured_commit: str | None = None,
+                 host: dict | None = None) -> dict:
     """Write `path` (JSON, RESULT_KEYS first, then `extra`) and a markdown table beside it.
 
     command: how to re-run it (default: this process's argv). device: default the CUDA device's
     name, or "cpu". switches: merged over engine_switches() (pass engine_switches(cfg) to record
     an engine's settings). measured_commit: the code a result assembled from earlier runs measured
-    (this checkout's commit is then kept as collected_at_commit). table_md: the markdown, or a
+    (this checkout's commit is then kept as collected_at_commit); host: the machine those runs were
+    on (default: this process's, host_info()). table_md: the markdown, or a
     function of the document. Raises
     UnknownCommitError before writing anything if the commit cannot be named.
     """
@@ -174,7 +198,7 @@ def write_result(path: str | Path, name: str, command: str | None, config: dict,
     doc = {"benchmark": name, "device": device or device_name(), **commit_fields,
            "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
            "command": command or default_command(), "switches": {**engine_switches(), **(switches or {})},
-           "versions": _versions(), "config": config, "results": results, "baselines": baselines or {},
+           "versions": _versions(), "host": host or host_info(), "config": config, "results": results, "baselines": baselines or {},
            "ratios": ratios or {}, **(extra or {})}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

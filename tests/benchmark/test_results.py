@@ -1,6 +1,7 @@
 """pagedserve.benchmark.results: the commit is this checkout's or a stamp's that still matches the
 source, never another repository's; every result carries commit, date, command, device, switches."""
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -102,6 +103,7 @@ def test_write_result_records_provenance_and_switches(tmp_path, monkeypatch):
     assert sw["enable_prefix_caching"] is False and sw["preemption_mode"] == "swap"
     assert sw["enforce_eager"] is False and sw["kv_allocator"] == "paged"
     assert on_disk["versions"]["python"] == sys.version.split()[0]
+    assert on_disk["host"]["logical_cpus"] == os.cpu_count() and on_disk["host"]["python_loop_ms"] > 0
     md = out.with_suffix(".md").read_text()
     assert "| tok_per_s | 3.5 |" in md and "| ratio.r | 2.0 |" in md and "PAGEDSERVE_FUSED=0" in md
 

@@ -1,0 +1,38 @@
+"""benchmarks/vs_vllm.py collect: the phase files of one lease become serving.json with the
+issue's ratios, the measured commit and the GPU machine's host (not the collecting machine's).
+The phase files are a committed lease's own (benchmarks/results/h200/serving_runs_925e530/)."""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+LEASE = ROOT / "benchmarks/results/h200/serving_runs_925e530"
+
+
+def test_collect_computes_ratios_from_the_phase_files(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    for f in LEASE.glob("o*.json"):
+        shutil.copy(f, work / f.name)
+    # A host as the GPU machine's phases record it (the committed files predate host info).
+    r10 = work / "online_pagedserve_r10.json"
+    doc = json.loads(r10.read_text())
+    doc["host"] = {"cpu": "the GPU machine's CPU", "logical_cpus": 16, "python_loop_ms": 9.9}
+    r10.write_text(json.dumps(doc))
+    out = tmp_path / "serving.json"
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/vs_vllm.py"), "collect", "--work", str(work),
+                    "--device", "NVIDIA H200", "--gpus", "0", "--output", str(out)],
+                   check=True, capture_output=True, text=True, cwd=ROOT)
+    got = json.loads(out.read_text())
+    phase = {n: json.loads((LEASE / f"online_{n}_r20.json").read_text())["results"] for n in ("pagedserve", "vllm")}
+    assert got["ratios"]["tpot_p50_over_vllm_r20"] == round(
+        phase["pagedserve"]["tpot_ms"]["p50"] / phase["vllm"]["tpot_ms"]["p50"], 3)
+    assert got["ratios"]["throughput_over_vllm_r20"] == round(
+        phase["pagedserve"]["request_throughput"] / phase["vllm"]["request_throughput"], 3)
+    ours = json.loads((LEASE / "offline_pagedserve_nanovllm.json").read_text())["results"]["output_tokens_per_s"]
+    theirs = json.loads((LEASE / "offline_vllm_nanovllm.json").read_text())["results"]["output_tok_s"]
+    assert got["ratios"]["offline_nanovllm_over_vllm"] == round(ours / theirs, 3)
+    assert got["commit"] == json.loads(r10.read_text())["commit"]  # the code the phases ran
+    assert got["host"]["cpu"] == "the GPU machine's CPU"
