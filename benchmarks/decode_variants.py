@@ -12,7 +12,7 @@ This times one variant against another on the shapes the benchmarks meet:
   --variants  base (the defaults: KV heads the grid's fastest axis, rows taken longest first as
               paged_attention orders them, the order computed outside the timing), and changes to
               it joined with '+': rows (sequences the fastest axis), nolpt (rows in row order),
-              bnN, wN, sN (BLOCK_N, warps, stages); e.g. rows+nolpt+bn64, the defaults before cb44d75.
+              bnN, wN, sN (BLOCK_N, warps, stages); e.g. rows+nolpt+bn64, the defaults before 925e530.
 Each case is 32 launches in a CUDA graph with max_seq_len = --max-model-len and the split mode a
 graph's replay would pick (triton_ops.pick_split_mode), replayed --replays times; microseconds per
 launch, and the KV bytes over that time. Needs CUDA.
@@ -64,23 +64,11 @@ def parse_case(text: str) -> tuple[str, int, int, int]:
 
 
 def parse_variant(text: str) -> dict:
-    kw: dict = {"lpt": True}
-    for part in text.split("+"):
-        if part == "base":
-            continue
-        elif part == "rows":
-            kw["heads_fastest"] = False
-        elif part == "nolpt":
-            kw["lpt"] = False
-        elif part[:2] == "bn":
-            kw["block_n"] = int(part[2:])
-        elif part[:1] == "w":
-            kw["num_warps"] = int(part[1:])
-        elif part[:1] == "s":
-            kw["num_stages"] = int(part[1:])
-        else:
-            raise ValueError(f"--variants: unknown part {part!r} of {text!r}")
-    return kw
+    """A variant's paged_decode arguments (triton_ops.parse_decode_launch: the names
+    PAGEDSERVE_DECODE_LAUNCH takes), with lpt: whether the rows go longest first."""
+    launch = triton_ops.parse_decode_launch(text)
+    return {"block_n": launch.block_n, "num_warps": launch.num_warps, "num_stages": launch.num_stages,
+            "heads_fastest": launch.heads_fastest, "lpt": launch.longest_first}
 
 
 def time_case(lens: list[int], heads: int, kv_heads: int, variant: dict, max_len: int, replays: int,
@@ -90,7 +78,7 @@ def time_case(lens: list[int], heads: int, kv_heads: int, variant: dict, max_len
     n = len(lens)
     variant = dict(variant)
     lpt = variant.pop("lpt", False)
-    block_n = variant.get("block_n", triton_ops.DECODE_BLOCK_N)
+    block_n = variant["block_n"]
     mode = triton_ops.pick_split_mode(lens, n, kv_heads, max_len, dev, block_n=block_n)
     blocks_per_seq = -(-max_len // BLOCK)
     kv = k_cache[:, :, :kv_heads]

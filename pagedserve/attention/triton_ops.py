@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -30,6 +31,11 @@ from pagedserve.attention.triton_prefill import paged_prefill_kernel
 DECODE_BLOCK_N = 128
 DECODE_NUM_WARPS = 4
 DECODE_NUM_STAGES = 3
+# An A/B of the decode launch without a code change (read once per process): '+'-joined changes
+# to the defaults, named as decode_variants.py names them: rows (sequences the grid's fastest
+# axis), nolpt (rows in row order), bnN (N-position tiles), wN (warps), sN (pipeline stages).
+# E.g. PAGEDSERVE_DECODE_LAUNCH=rows+nolpt+bn64 is the launch before 925e530.
+DECODE_LAUNCH_ENV = "PAGEDSERVE_DECODE_LAUNCH"
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 MAX_SPLITS = 64
@@ -59,6 +65,43 @@ DECODE_GRID_PROGRAMS_PER_SM = 8
 # A step takes the balanced plan only if it shortens the longest chain by more than this many
 # tiles: its extra programs and the reduction cost about 3.7 us at 64 even sequences, ~1.6 tiles.
 BALANCED_MIN_GAIN_TILES = 2
+
+
+@dataclass(frozen=True)
+class DecodeLaunch:
+    block_n: int = DECODE_BLOCK_N
+    num_warps: int = DECODE_NUM_WARPS
+    num_stages: int = DECODE_NUM_STAGES
+    heads_fastest: bool = True
+    longest_first: bool = True
+
+
+def parse_decode_launch(text: str) -> DecodeLaunch:
+    """'base' or '' (the defaults), or '+'-joined changes to them (see DECODE_LAUNCH_ENV)."""
+    kw: dict = {}
+    for part in filter(None, text.strip().split("+")):
+        number = part.lstrip("bnws")
+        if part == "base":
+            continue
+        elif part == "rows":
+            kw["heads_fastest"] = False
+        elif part == "nolpt":
+            kw["longest_first"] = False
+        elif number.isdigit() and part[:-len(number)] in ("bn", "w", "s") and int(number) > 0:
+            kw[{"bn": "block_n", "w": "num_warps", "s": "num_stages"}[part[:-len(number)]]] = int(number)
+        else:
+            raise ValueError(f"{DECODE_LAUNCH_ENV} parts are rows, nolpt, bnN, wN, sN joined by '+', "
+                             f"got {part!r} in {text!r}")
+    launch = DecodeLaunch(**kw)
+    if launch.block_n < 16 or launch.block_n & (launch.block_n - 1):
+        raise ValueError(f"{DECODE_LAUNCH_ENV}: bnN must be a power of two >= 16, got {launch.block_n}")
+    return launch
+
+
+@functools.lru_cache(maxsize=None)
+def decode_launch_settings() -> DecodeLaunch:
+    """paged_attention's decode launch: the defaults, or as DECODE_LAUNCH_ENV changes them."""
+    return parse_decode_launch(os.environ.get(DECODE_LAUNCH_ENV, ""))
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -142,7 +185,7 @@ def decode_graph_split_modes() -> list[int]:
 
 
 def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, max_seq_len: int,
-                    device: torch.device, block_n: int = DECODE_BLOCK_N) -> int:
+                    device: torch.device, block_n: int | None = None) -> int:
     """BALANCED or 0 for a balanced launch over num_rows rows: the first len(seq_lens) hold these
     lengths, the rest are padding of length 1. BALANCED where the plan the kernels derive
     (triton_decode.split_plan, mirrored here from the same lengths) shortens the longest chain of
@@ -151,6 +194,7 @@ def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, m
     base, splits, mode = _balanced_launch(num_rows, num_kv_heads, max_seq_len, device)
     if mode != BALANCED or not len(seq_lens):
         return 0
+    block_n = decode_launch_settings().block_n if block_n is None else block_n
     tiles = -(-np.asarray(seq_lens, dtype=np.int64) // block_n)
     work = (int(tiles.sum()) + num_rows - len(tiles)) * num_kv_heads
     share, min_chain = _balanced_share(device, block_n)
@@ -199,10 +243,10 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  seq_lens: torch.Tensor, block_tables: torch.Tensor, max_seq_len: int, scale: float,
-                 out: torch.Tensor, num_splits: int | None = None, block_n: int = DECODE_BLOCK_N,
-                 num_warps: int = DECODE_NUM_WARPS, num_stages: int = DECODE_NUM_STAGES,
+                 out: torch.Tensor, num_splits: int | None = None, block_n: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None,
                  split_tokens: int | None = None, share_programs: int | None = None,
-                 min_chain_tiles: int | None = None, heads_fastest: bool = True,
+                 min_chain_tiles: int | None = None, heads_fastest: bool | None = None,
                  order: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
     num_splits: each sequence's base split count (default: choose_num_splits); split_tokens: the
@@ -211,7 +255,13 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     DECODE_SHARE_PROGRAMS_PER_SM per SM, MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps.
     heads_fastest: the grid is (KV head, sequence, split), so a sequence's heads, whose K/V rows
     are adjacent in the pool, run side by side; else (sequence, KV head, split). order: the rows in
-    the order their programs should start (longest_first), or None for row order."""
+    the order their programs should start (longest_first), or None for row order. block_n,
+    num_warps, num_stages, heads_fastest: None takes decode_launch_settings()'s."""
+    launch = decode_launch_settings()
+    block_n = launch.block_n if block_n is None else block_n
+    num_warps = launch.num_warps if num_warps is None else num_warps
+    num_stages = launch.num_stages if num_stages is None else num_stages
+    heads_fastest = launch.heads_fastest if heads_fastest is None else heads_fastest
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -293,8 +343,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_lens_cpu = meta.seq_lens_cpu
     if nd > 0:
         max_len = max(seq_lens_cpu[:nd]) if seq_lens_cpu is not None else meta.max_seq_len
-        if meta.decode_order is None:  # once per step: the first layer sorts, the others reuse it
-            meta.decode_order = longest_first(meta.seq_lens[:nd])
+        if meta.decode_order is None and decode_launch_settings().longest_first:
+            meta.decode_order = longest_first(meta.seq_lens[:nd])  # once per step: later layers reuse it
         # Outside a decode graph the grid follows the step's longest sequence and the switch's mode
         # applies as it is (its compiles are the warm-up's decode_compile_key).
         paged_decode(query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd],

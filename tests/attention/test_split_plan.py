@@ -62,7 +62,7 @@ def test_bad_switch_names_it(monkeypatch, raw):
         ops.decode_split_tokens.cache_clear()
 
 
-def _kernel_parts(lens, rows, kv, max_len, block_n=64, sms=132):
+def _kernel_parts(lens, rows, kv, max_len, block_n, sms=132):
     """The kernels' plan (triton_decode.split_plan, balanced) written out in Python: each
     sequence's number of non-empty splits."""
     base, grid_, mode = ops.decode_launch(rows, kv, max_len, torch.device("cpu"), split_tokens=ops.BALANCED)
@@ -88,10 +88,11 @@ def _kernel_parts(lens, rows, kv, max_len, block_n=64, sms=132):
 ])
 def test_pick_split_mode(lens, rows, want):
     cpu = torch.device("cpu")
+    block_n = ops.decode_launch_settings().block_n  # the tiles the kernels walk, and the pick counts
     assert ops.pick_split_mode(lens, rows, 8, 4096, cpu) == want
-    base, parts = _kernel_parts(lens, rows, 8, 4096)
+    base, parts = _kernel_parts(lens, rows, 8, 4096, block_n)
     longest = max(lens)
-    gain = -(-(-(-longest // 64)) // base) - -(-(-(-longest // 64)) // parts[lens.index(longest)])
+    gain = -(-(-(-longest // block_n)) // base) - -(-(-(-longest // block_n)) // parts[lens.index(longest)])
     assert (gain > ops.BALANCED_MIN_GAIN_TILES) == (want == ops.BALANCED)
 
 
@@ -100,3 +101,34 @@ def test_graph_modes_follow_the_switch(monkeypatch):
     assert ops.decode_graph_split_modes() == [0, ops.BALANCED]
     monkeypatch.setattr(ops, "decode_split_tokens", lambda: 512)
     assert ops.decode_graph_split_modes() == [512]
+
+
+@pytest.mark.parametrize("raw, want", [
+    ("", ops.DecodeLaunch()),
+    ("base", ops.DecodeLaunch()),
+    ("rows+nolpt+bn64", ops.DecodeLaunch(block_n=64, heads_fastest=False, longest_first=False)),
+    ("w8+s2", ops.DecodeLaunch(num_warps=8, num_stages=2)),
+])
+def test_decode_launch_switch(monkeypatch, raw, want):
+    monkeypatch.setenv(ops.DECODE_LAUNCH_ENV, raw)
+    ops.decode_launch_settings.cache_clear()
+    try:
+        assert ops.decode_launch_settings() == want
+    finally:
+        ops.decode_launch_settings.cache_clear()
+
+
+@pytest.mark.parametrize("raw", ["bn", "bn100", "rows+fast", "w0"])
+def test_bad_decode_launch_names_it(raw):
+    with pytest.raises(ValueError, match=ops.DECODE_LAUNCH_ENV):
+        ops.parse_decode_launch(raw)
+
+
+def test_pick_counts_the_switch_tiles(monkeypatch):
+    """pick_split_mode counts tiles of the launch's BLOCK_N: one long sequence among short ones
+    whose gain from cuts is more than BALANCED_MIN_GAIN_TILES tiles of 64 but not of 256."""
+    lens, cpu = [900] + [200] * 63, torch.device("cpu")
+    assert ops.pick_split_mode(lens, 64, 8, 4096, cpu, block_n=64) == ops.BALANCED
+    assert ops.pick_split_mode(lens, 64, 8, 4096, cpu, block_n=256) == 0
+    monkeypatch.setattr(ops, "decode_launch_settings", lambda: ops.DecodeLaunch(block_n=256))
+    assert ops.pick_split_mode(lens, 64, 8, 4096, cpu) == 0
