@@ -9,6 +9,10 @@
 #                                                # 8 client processes; the rate at saturation from the servers' counters
 #   bash benchmarks/h200x2_run.sh dp_long        # the same, 12000 requests (at most 4096 in flight)
 #   bash benchmarks/h200x2_run.sh dashboard_toggle  # the dashboard's cost within one long run, the viewer toggled every 3 s
+#   bash benchmarks/h200x2_run.sh launch_ab      # #13: our server alone at rates 10 20 40, the decode launch of 925e530
+#                                                # against the one before (PAGEDSERVE_DECODE_LAUNCH=rows+nolpt+bn64), each
+#                                                # with a step trace: is the mixed steps' tail of 925e530's lease the launch's
+#                                                # or that lease's host? (needs the server's wheels in ${SITE:-/tmp/ps_site})
 #   bash benchmarks/h200x2_run.sh dashboard      # the dashboard's cost and frame rate on GPU 0 (0.4 s default), then
 #                                                # Llama-3.1-8B decode-step profiles at 16 and 32 sequences (#13's TPOT)
 #   bash benchmarks/h200x2_run.sh profiles       # Llama-3.1-8B decode steps as serving runs them (CUDA graphs) at 16,
@@ -55,6 +59,15 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=0 step dashboard_toggle 400 python3 benchmarks/dashboard_overhead.py --device cuda --toggle 3 \
       --num-requests 60000 --client-processes 4 --max-concurrency 4096 --serve-args "--num-gpu-blocks-override 65536" \
       --server-log $L/dashboard_toggle/server.log --output $L/dashboard_toggle/dashboard_overhead_toggle.json ;;
+  launch_ab)
+    for v in base rows+nolpt+bn64; do
+      W=$L/launch_ab_$v
+      PAGEDSERVE_DECODE_LAUNCH=$v PAGEDSERVE_STEP_TRACE=$W/step_trace.jsonl step launch_ab_$v 280 \
+        python3 benchmarks/vs_vllm.py online --engines pagedserve --site "${SITE:-/tmp/ps_site}" --gpus 0 --work $W \
+        --device "NVIDIA H200" --startup-limit 150 --rate-limit 90
+      python3 benchmarks/step_trace_summary.py $W/step_trace.jsonl --split-s 5 --out $W/step_trace_summary.json > /dev/null
+      gzip -f $W/step_trace.jsonl
+    done ;;
   dashboard)
     CUDA_VISIBLE_DEVICES=0 step dashboard 270 python3 benchmarks/dashboard_overhead.py --device cuda --rounds 3 \
       --num-requests 3000 --serve-args "--num-gpu-blocks-override 65536" --output $L/dashboard/dashboard_overhead.json
@@ -73,7 +86,7 @@ case "${1:-}" in
     PAGEDSERVE_TP_ALLREDUCE=symm_mem step tp2_symm_mem 130 python3 benchmarks/profile_decode.py \
       --model benchmarks/models/llama-3.1-8b --tensor-parallel-size 2 \
       --output $L/tp2_symm_mem/profile_decode_tp2_symm_mem.json ;;
-  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dp_long|dashboard|dashboard_toggle|profiles" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dp_long|dashboard|dashboard_toggle|launch_ab|profiles" >&2; exit 2 ;;
 esac
 # On the device tool's machine only $OUT comes back: everything of this target in one archive.
 [ -n "${OUT:-}" ] && tar czf "$OUT/x2_$1.tgz" -C $L . && cp $L/progress.log "$OUT/"
