@@ -65,6 +65,8 @@ def test_hash_chains_over_prefix():
     assert hash_block_tokens(h1, [3, 4]) != hash_block_tokens(hash_block_tokens(None, [9, 9]), [3, 4])
     assert hash_block_tokens(h1, [3, 4]) == hash_block_tokens(hash_block_tokens(None, [1, 2]), [3, 4])
     assert hash_block_tokens(None, [1, 23]) != hash_block_tokens(None, [12, 3])
+    assert hash_block_tokens(None, [1, 2]) != hash_block_tokens(None, [1, 2, 0])
+    assert hash_block_tokens(None, (5, 6)) == hash_block_tokens(None, [5, 6])  # a tuple or a list alike
 
 
 def test_caching_disabled_never_registers():
