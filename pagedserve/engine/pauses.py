@@ -18,6 +18,8 @@ import gc
 import logging
 import os
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,23 @@ def pause_threshold_s() -> float | None:
     except ValueError:
         raise ValueError(f"{LOG_PAUSES_ENV} must be a number of milliseconds, got {raw!r}") from None
     return ms / 1000.0 if ms > 0 else None
+
+
+@contextmanager
+def heap_frozen_meanwhile() -> Iterator[None]:
+    """Within the block, no collection walks the objects that existed before it; after it,
+    they are collectable again, so nothing leaks. For offline generation in the caller's own
+    process, where freezing for good (freeze_startup_heap) would keep a dropped engine's cyclic
+    garbage forever. Both gc.freeze and gc.unfreeze move whole generations: O(1). Does nothing
+    if something else froze the heap already (a server process, or the caller)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def freeze_startup_heap() -> int:

@@ -2,6 +2,11 @@
 
 The engine core lives in this process behind an InprocCoreClient: the same client interface
 the server uses over ZMQ, with no IPC and no encoding. `llm_engine` is the core's LLMEngine.
+While generate and beam_search run, what the process held before is out of the garbage
+collector's reach (engine/pauses.py, heap_frozen_meanwhile): a full collection walks every
+tracked object, the model's modules and all that was imported (126 ms on our CPU with the demo
+model), and one landed in the middle of an H200 fixed256 run as a 190 ms stall of the GPU
+(benchmarks/results/h200/runs/836bf4b_offline_steps/).
 """
 from __future__ import annotations
 
@@ -13,6 +18,7 @@ from tqdm.auto import tqdm
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import InprocCoreClient
 from pagedserve.engine.llm_engine import make_engine_config
+from pagedserve.engine.pauses import heap_frozen_meanwhile
 from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
@@ -96,7 +102,8 @@ class LLM:
             raise
         results: list[RequestOutput | None] = [None] * len(prompts)
         try:
-            with tqdm(total=len(prompts), desc="Processed prompts", disable=not use_tqdm) as bar:
+            with heap_frozen_meanwhile(), tqdm(total=len(prompts), desc="Processed prompts",
+                                               disable=not use_tqdm) as bar:
                 remaining = len(order)
                 while remaining and core.has_unfinished_requests():
                     for out in core.get_output(final_only=True).outputs:
@@ -121,7 +128,7 @@ class LLM:
                 rid = f"beam-{next(self._ids)}"
                 engine.add_beam_search_request(rid, prompt, params)
                 rids.append(rid)
-            with tqdm(total=len(prompts), desc="Beam search", disable=not use_tqdm) as bar:
+            with heap_frozen_meanwhile(), tqdm(total=len(prompts), desc="Beam search", disable=not use_tqdm) as bar:
                 pending = set(rids)
                 while pending:
                     self.engine_core.get_output(final_only=True)

@@ -21,6 +21,40 @@ def test_freeze_moves_live_objects_out_of_collection():
         gc.unfreeze()
 
 
+class _Node:
+    pass
+
+
+def test_heap_frozen_meanwhile_hides_old_objects_then_lets_their_garbage_go():
+    import weakref
+    gc.unfreeze()  # whatever an earlier test in this process left frozen
+    old = _Node()
+    old.self = old  # a cycle: only the collector can free it
+    gone = weakref.ref(old)
+    with pauses.heap_frozen_meanwhile():
+        assert gc.get_freeze_count() > 0
+        assert not any(o is old for o in gc.get_objects())
+        young = _Node()
+        assert any(o is young for o in gc.get_objects())
+        del old
+        gc.collect()
+        assert gone() is not None  # frozen: not even a full collection reaches it
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert gone() is None  # after the block its cycle is garbage like any other
+
+
+def test_heap_frozen_meanwhile_leaves_someone_elses_freeze_alone():
+    gc.freeze()
+    try:
+        before = gc.get_freeze_count()
+        with pauses.heap_frozen_meanwhile():
+            pass
+        assert gc.get_freeze_count() == before > 0
+    finally:
+        gc.unfreeze()
+
+
 def test_serving_thresholds_leave_young_objects_to_reference_counting():
     """With CPython's 700 a young collection runs (and promotes what is alive) long before 10,000
     new container objects exist; with the serving thresholds none does."""
@@ -79,3 +113,26 @@ def test_event_loop_watch_reports_a_blocked_loop(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger=pauses.__name__):
         asyncio.run(main())
     assert any("test server: event loop stalled" in r.getMessage() for r in caplog.records)
+
+
+def test_llm_generate_runs_with_the_heap_frozen_and_gives_it_back(tiny_model_dir):
+    """Offline generation keeps full collections off what existed before it (the model, every
+    import), and leaves the collector as it found it."""
+    from pagedserve import SamplingParams
+
+    from .helpers import make_llm, prompt_ids
+    model_dir = tiny_model_dir("llama")
+    llm = make_llm(model_dir)
+    gc.unfreeze()  # whatever an earlier test in this process left frozen
+    seen = []
+    get_output = llm.engine_core.get_output
+
+    def watched(*a, **kw):
+        seen.append(gc.get_freeze_count())
+        return get_output(*a, **kw)
+    llm.engine_core.get_output = watched
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompt_ids(model_dir)],
+                        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    assert seen and all(n > 0 for n in seen)
+    assert gc.get_freeze_count() == 0
