@@ -70,15 +70,21 @@ def time_case(lens: list[int], mode: str, max_len: int, replays: int, pool) -> f
     out = torch.empty_like(q)
     base = triton_ops.choose_num_splits(n, KV_HEADS, max_len, dev)
 
-    def layers():
-        for _ in range(32):
-            triton_ops.paged_decode(q, k_cache, v_cache, seq_lens, tables, max_len, HEAD_DIM ** -0.5, out,
-                                    num_splits=base, split_tokens=split_tokens, share_programs=share)
-    layers()  # compile
+    def launch():
+        triton_ops.paged_decode(q, k_cache, v_cache, seq_lens, tables, max_len, HEAD_DIM ** -0.5, out,
+                                num_splits=base, split_tokens=split_tokens, share_programs=share)
+    return round(graph_us_per_launch(launch, replays), 2)
+
+
+def graph_us_per_launch(launch, replays: int, launches: int = 32) -> float:
+    """Median microseconds per launch of `launches` calls of launch() (one per layer) captured in
+    one CUDA graph, over `replays` replays; compiled outside the capture first."""
+    launch()  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        layers()
+        for _ in range(launches):
+            launch()
     times = []
     for _ in range(replays):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -86,8 +92,8 @@ def time_case(lens: list[int], mode: str, max_len: int, replays: int, pool) -> f
         graph.replay()
         b.record()
         torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / 32)
-    return round(statistics.median(times), 2)
+        times.append(a.elapsed_time(b) * 1e3 / launches)
+    return statistics.median(times)
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from pagedserve.attention import triton_ops  # noqa: E402
 from pagedserve.benchmark.results import write_result  # noqa: E402
 
-from decode_skew import serving_contexts  # noqa: E402  (benchmarks/)
+from decode_skew import graph_us_per_launch, serving_contexts  # noqa: E402  (benchmarks/)
 
 HEAD_DIM, BLOCK = 128, 16
 DEFAULT_CASES = ["nanovllm:16/8:64", "nanovllm:16/8:128", "nanovllm:16/8:256", "serving:32/8:32",
@@ -90,24 +90,10 @@ def time_case(lens: list[int], heads: int, kv_heads: int, variant: dict, max_len
     out = torch.empty_like(q)
     base = triton_ops.choose_num_splits(n, kv_heads, max_len, dev)
 
-    def layers():
-        for _ in range(32):
-            triton_ops.paged_decode(q, kv, v_cache[:, :, :kv_heads], seq_lens, tables, max_len, HEAD_DIM ** -0.5,
-                                    out, num_splits=base, split_tokens=mode, order=order, **variant)
-    layers()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layers()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / 32)
-    return statistics.median(times)
+    def launch():
+        triton_ops.paged_decode(q, kv, v_cache[:, :, :kv_heads], seq_lens, tables, max_len, HEAD_DIM ** -0.5,
+                                out, num_splits=base, split_tokens=mode, order=order, **variant)
+    return graph_us_per_launch(launch, replays)
 
 
 def main() -> None:
