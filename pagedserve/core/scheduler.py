@@ -31,6 +31,7 @@ from __future__ import annotations
 import bisect
 import itertools
 from collections import deque
+from operator import attrgetter
 from typing import Iterable
 
 from pagedserve.config import CacheConfig, SchedulerConfig
@@ -60,6 +61,9 @@ def _reached_limit(seq: Sequence, group: SequenceGroup, max_model_len: int) -> b
         return False
     max_tokens = group.sampling_params.max_tokens
     return (max_tokens is not None and len(seq.output_token_ids) + n >= max_tokens) or seq.num_tokens >= max_model_len
+
+
+_ADMISSION = attrgetter("admitted_at")  # running and swapped are kept in admission order
 
 
 class Scheduler:
@@ -373,11 +377,8 @@ class Scheduler:
             self.kv_cache_manager.free(s)
 
     def _insert_running(self, group: SequenceGroup) -> None:
-        if not self.running or self.running[-1].admitted_at <= group.admitted_at:
-            self.running.append(group)  # the newest admission: no search (one per new request)
-            return
-        keys = [g.admitted_at for g in self.running]
-        self.running.insert(bisect.bisect_right(keys, group.admitted_at), group)
+        # A search, not a list of every key per insert (admitting a thousand groups was quadratic).
+        self.running.insert(bisect.bisect_right(self.running, group.admitted_at, key=_ADMISSION), group)
 
     # ---- preemption -------------------------------------------------------------------------
     def _preemption_uses_swap(self, group: SequenceGroup) -> bool:
@@ -401,8 +402,7 @@ class Scheduler:
             self.num_swap_outs += 1
             for s in group.seqs_with_status(RUNNING):
                 s.status = SWAPPED
-            keys = [g.admitted_at for g in self.swapped]
-            self.swapped.insert(bisect.bisect_right(keys, group.admitted_at), group)
+            self.swapped.insert(bisect.bisect_right(self.swapped, group.admitted_at, key=_ADMISSION), group)
         else:
             for s in group.unfinished_seqs():
                 self.kv_cache_manager.free(s)

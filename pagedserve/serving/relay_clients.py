@@ -22,8 +22,7 @@ except ImportError:  # pragma: no cover - httpx does the same, dearer per stream
 
 RELAY_CLIENTS = ("aiohttp", "httpx")
 # Replicas close idle connections after SERVER_KEEP_ALIVE_S: the relay drops its own idle ones
-# sooner, so it never sends a request down one the replica is closing.
-RELAY_KEEPALIVE_S = CLIENT_KEEP_ALIVE_S
+# sooner (CLIENT_KEEP_ALIVE_S), so it never sends a request down one the replica is closing.
 JSON = {"content-type": "application/json"}
 
 
@@ -51,7 +50,7 @@ class HttpxRelay:
         # for every request and response.)
         self.client = httpx.AsyncClient(timeout=httpx.Timeout(None, connect=5.0),
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
-                                                            keepalive_expiry=RELAY_KEEPALIVE_S))
+                                                            keepalive_expiry=CLIENT_KEEP_ALIVE_S))
 
     async def send(self, method: str, url: str, body: bytes) -> httpx.Response:
         request = self.client.build_request(method, url, content=body or None, headers=JSON)
@@ -90,7 +89,7 @@ class AiohttpRelay:
     def __init__(self) -> None:
         # Every request in flight holds one connection: aiohttp keeps them all for reuse.
         self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=RELAY_KEEPALIVE_S),
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0), auto_decompress=False)
 
     async def send(self, method: str, url: str, body: bytes):
