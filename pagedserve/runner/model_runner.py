@@ -6,6 +6,10 @@ then logits for the last token of every sequence that samples this step, in sche
 in the model's dtype (the sampler converts to float32 where its math needs it; the fused sampling
 kernels read them as they are, which saves a copy of the [n, vocab] logits every step). The
 runner never decides policy; it only carries out the plan.
+
+On CUDA the forward replays graphs where it can: a decode-only step, or one whose prefill is short
+(runner/decode_rows.py: one decode row per token), the decode graph of its size; another step with
+prefill, piecewise graphs with attention between them; anything larger runs eagerly.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets
+from pagedserve.runner.decode_rows import as_decode_rows, short_prefill_graphs_enabled
 from pagedserve.runner.kv_sizing import device_seconds, profile_num_gpu_blocks
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
 from pagedserve.runner.request_state import DeviceRequestState
@@ -110,6 +115,7 @@ class ModelRunner:
         # (every rank, execute_model), both made on first use. The engine turns the scheduler's table
         # log on when this is true.
         self.incremental_inputs = incremental_inputs_enabled()
+        self.short_prefill_graphs = short_prefill_graphs_enabled()
         self.row_tracker: RowTracker | None = None
         self.request_state: DeviceRequestState | None = None
 
@@ -321,8 +327,17 @@ class ModelRunner:
         if self.graphs is not None and step.batch.num_decodes == n and self.graphs.bucket_for(n) is not None:
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta)
             return self.model.compute_logits(hidden[inp.sample_indices])
+        num_tokens = len(step.batch.input_ids)
+        if (self.graphs is not None and self.short_prefill_graphs and step.batch.num_decodes < n
+                and self.graphs.bucket_for(num_tokens) is not None):
+            rows = as_decode_rows(inp.attn_meta, inp.positions)  # runner/decode_rows.py
+            if rows is not None:
+                hidden = self.graphs.run(inp.input_ids, inp.positions, rows)
+                if inp.num_sampling == 0:
+                    return None
+                return self.model.compute_logits(hidden[inp.sample_indices])
         if (self.piecewise is not None and step.batch.num_decodes < n
-                and self.piecewise.bucket_for(len(step.batch.input_ids)) is not None):
+                and self.piecewise.bucket_for(num_tokens) is not None):
             hidden = self.piecewise.run(inp.input_ids, inp.positions, inp.attn_meta)
             if inp.num_sampling == 0:
                 return None
