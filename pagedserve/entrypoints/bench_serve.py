@@ -45,6 +45,7 @@ class RequestResult:
     itl: list[float] = field(default_factory=list)
     error: str | None = None
     sent_at: float | None = None  # seconds after the run's start (its client process's) it was sent
+    retries: int = 0  # times it was sent again after failing before any response (send_request)
 
     @property
     def tpot(self) -> float | None:
@@ -54,8 +55,23 @@ class RequestResult:
 
 
 async def send_request(client: httpx.AsyncClient, base_url: str, model: str, req: WorkloadRequest,
-                       headers: dict, temperature: float) -> RequestResult:
+                       headers: dict, temperature: float, retries: int = 0) -> RequestResult:
+    """One streamed completion. retries: how many more times a request is sent when it failed
+    with a network or protocol error before any status line came back (a timeout is not
+    retried); one that got a response is never sent twice. Its times are the last attempt's."""
+    for attempt in range(retries + 1):
+        res, unanswered = await _send_once(client, base_url, model, req, headers, temperature)
+        res.retries = attempt
+        if res.error is None or not unanswered or attempt == retries:
+            return res
+    raise AssertionError("unreachable")
+
+
+async def _send_once(client: httpx.AsyncClient, base_url: str, model: str, req: WorkloadRequest,
+                     headers: dict, temperature: float) -> tuple[RequestResult, bool]:
+    """(result, whether it failed with a network or protocol error before any status line)."""
     res = RequestResult(prompt_len=len(req.prompt_token_ids), expected_output_len=req.output_len)
+    answered = unanswered = False
     payload = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
                "temperature": temperature, "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True}}
@@ -64,9 +80,10 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, req
     try:
         async with client.stream("POST", f"{base_url}/completions", json=payload,
                                  headers=headers) as r:
+            answered = True
             if r.status_code != 200:
                 res.error = f"HTTP {r.status_code}: {(await r.aread()).decode(errors='replace')[:300]}"
-                return res
+                return res, False
             # Read to the end of the body, past [DONE]: httpx closes a connection whose response was
             # left unread instead of returning it to the pool, so the client opened one connection
             # per request (4,968 client ports for 5,360 requests in a CPU run), each left in
@@ -98,10 +115,11 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, req
                     res.output_len = int(chunk["usage"].get("completion_tokens") or 0)
     except (httpx.HTTPError, json.JSONDecodeError) as e:
         res.error = describe_error(e)
+        unanswered = not answered and isinstance(e, (httpx.NetworkError, httpx.RemoteProtocolError))
     res.latency = time.perf_counter() - start
     if res.output_len == 0:  # server without usage in streams: one token per chunk
         res.output_len = chunks_with_text
-    return res
+    return res, unanswered
 
 
 def describe_error(e: BaseException) -> str:
@@ -188,6 +206,7 @@ def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
         "e2e_latency_ms": _stats([r.latency for r in ok]),
         "backlog": backlog_throughput(ok),
         "errors": error_counts([r.error for r in results if r.error is not None]),
+        "retried": sum(r.retries for r in results),
     }
 
 
@@ -264,7 +283,7 @@ def client_limits(connections: int) -> httpx.Limits:
 
 async def _send_all(base_url: str, requests: list[WorkloadRequest], model: str,
                     api_key: str | None, max_concurrency: int | None, temperature: float,
-                    timeout: float, progress: bool
+                    timeout: float, progress: bool, retries: int = 0
                     ) -> tuple[list[RequestResult], float, float, float]:
     """Send every request at its arrival_time; (results, start, end, CPU seconds this process
     spent meanwhile), times on the monotonic clock."""
@@ -280,7 +299,7 @@ async def _send_all(base_url: str, requests: list[WorkloadRequest], model: str,
 
         async def send(req: WorkloadRequest) -> RequestResult:
             sent_at = time.perf_counter() - start
-            res = await send_request(client, base_url, model, req, headers, temperature)
+            res = await send_request(client, base_url, model, req, headers, temperature, retries)
             res.sent_at = sent_at
             return res
 
@@ -378,18 +397,19 @@ async def run_benchmark(base_url: str, requests: list[WorkloadRequest], model: s
                         api_key: str | None = None, max_concurrency: int | None = None,
                         temperature: float = 0.0, timeout: float = 3600.0,
                         progress: bool = False, num_processes: int = 1,
-                        keep_itl: bool = False) -> dict[str, Any]:
+                        keep_itl: bool = False, retries: int = 0) -> dict[str, Any]:
     """Send every request at its arrival_time (seconds after start); returns the summary.
 
     The summary's requests are the per-request records (with their inter-token gaps when
     keep_itl) and start_monotonic the run's start on time.perf_counter's clock, from which
     their sent_at count. num_processes > 1 splits the requests over that many client
     processes; the summary is of the merged per-request records (percentiles over all of them,
-    throughput over the union's wall time, from the first process's start to the last one's end)."""
+    throughput over the union's wall time, from the first process's start to the last one's end).
+    retries: see send_request; the summary's `retried` counts them (0 by default: a failure counts)."""
     if num_processes < 1:
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
     kwargs = dict(model=model, api_key=api_key, max_concurrency=max_concurrency,
-                  temperature=temperature, timeout=timeout, progress=progress)
+                  temperature=temperature, timeout=timeout, progress=progress, retries=retries)
     # No more processes than requests, nor than requests allowed in flight.
     k = max(1, min(num_processes, len(requests), max_concurrency or len(requests)))
     if k == 1:

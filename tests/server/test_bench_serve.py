@@ -243,3 +243,46 @@ def test_client_drops_idle_connections_before_the_server_does():
     assert 0 < limits.keepalive_expiry < SERVER_KEEP_ALIVE_S
     relay = HttpxRelay()
     assert 0 < relay.client._transport._pool._keepalive_expiry < SERVER_KEEP_ALIVE_S
+
+
+def test_retry_only_requests_that_got_no_response():
+    """retries=1: a request whose connection failed before any status line is sent again and
+    counted; one that failed mid-stream, after its 200, is not (it may have run)."""
+    import asyncio
+
+    from pagedserve.entrypoints.bench_serve import send_request, summarize
+    from pagedserve.workloads import WorkloadRequest
+
+    calls = []
+
+    class Broken(httpx.AsyncByteStream):
+        async def __aiter__(self):
+            yield b'data: {"choices": [{"text": "a"}]}\n\n'
+            raise httpx.ReadError("connection lost mid-stream")
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        kind = request.headers["x-case"]
+        if kind == "unanswered" and calls.count(request.url.path) % 2 == 1:
+            raise httpx.ReadError("")  # what the H200 toggle run saw: no status line, no OS error
+        if kind == "midstream":
+            return httpx.Response(200, stream=Broken(), headers={"content-type": "text/event-stream"})
+        body = (b'data: {"choices": [{"text": "a"}]}\n\n'
+                b'data: {"choices": [], "usage": {"completion_tokens": 1}}\n\ndata: [DONE]\n\n')
+        return httpx.Response(200, content=body, headers={"content-type": "text/event-stream"})
+
+    async def send(case: str, retries: int):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as client:
+            req = WorkloadRequest(prompt_token_ids=[1, 2], output_len=1, arrival_time=0.0)
+            return await send_request(client, "http://x/v1", "m", req, {"x-case": case}, 0.0, retries=retries)
+
+    failed = asyncio.run(send("unanswered", 0))
+    assert failed.error.startswith("ReadError") and failed.retries == 0 and len(calls) == 1
+    calls.clear()
+    retried = asyncio.run(send("unanswered", 1))
+    assert retried.error is None and retried.output_len == 1 and retried.retries == 1 and len(calls) == 2
+    calls.clear()
+    midstream = asyncio.run(send("midstream", 1))
+    assert midstream.error.startswith("ReadError") and midstream.retries == 0 and len(calls) == 1
+    summary = summarize([failed, retried, midstream], 1.0)
+    assert summary["retried"] == 1 and summary["failed"] == 2
