@@ -13,6 +13,9 @@
 #                                                # against the one before (PAGEDSERVE_DECODE_LAUNCH=rows+nolpt+bn64), each
 #                                                # with a step trace: is the mixed steps' tail of 925e530's lease the launch's
 #                                                # or that lease's host? (needs the server's wheels in ${SITE:-/tmp/ps_site})
+#   bash benchmarks/h200x2_run.sh short_prefill_ab  # #13: the same with short prefills on the decode graphs
+#                                                # (runner/decode_rows.py, the default since 5574bce) and
+#                                                # off (PAGEDSERVE_SHORT_PREFILL_GRAPHS=0), on one machine
 #   bash benchmarks/h200x2_run.sh dashboard      # the dashboard's cost and frame rate on GPU 0 (0.4 s default), then
 #                                                # Llama-3.1-8B decode-step profiles at 16 and 32 sequences (#13's TPOT)
 #   bash benchmarks/h200x2_run.sh profiles       # Llama-3.1-8B decode steps as serving runs them (CUDA graphs) at 16,
@@ -38,6 +41,14 @@ tp() {  # tp NAME SECONDS ARGS...: tp_bench into $L/NAME/
   step "$name" "$limit" python3 benchmarks/tp_bench.py --skip-agreement --out "$L/$name/tp.json" \
     --progress-dir "$L/$name" "$@"
 }
+ours_alone() {  # ours_alone NAME VAR=VALUE...: our server alone at 10/20/40 req/s with a step trace, in $L/NAME/
+  local name=$1 W=$L/$1; shift
+  step "$name" 280 env "$@" PAGEDSERVE_STEP_TRACE=$W/step_trace.jsonl python3 benchmarks/vs_vllm.py online \
+    --engines pagedserve --site "${SITE:-/tmp/ps_site}" --gpus 0 --work $W --device "NVIDIA H200" \
+    --startup-limit 150 --rate-limit 90
+  python3 benchmarks/step_trace_summary.py $W/step_trace.jsonl --split-s 5 --out $W/step_trace_summary.json > /dev/null
+  gzip -f $W/step_trace.jsonl
+}
 case "${1:-}" in
   tp_allreduce)
     tp tp_nccl 200 --models llama-3.1-8b --child-timeout 90
@@ -60,14 +71,9 @@ case "${1:-}" in
       --num-requests 60000 --client-processes 4 --max-concurrency 4096 --serve-args "--num-gpu-blocks-override 65536" \
       --server-log $L/dashboard_toggle/server.log --output $L/dashboard_toggle/dashboard_overhead_toggle.json ;;
   launch_ab)
-    for v in base rows+nolpt+bn64; do
-      W=$L/launch_ab_$v
-      PAGEDSERVE_DECODE_LAUNCH=$v PAGEDSERVE_STEP_TRACE=$W/step_trace.jsonl step launch_ab_$v 280 \
-        python3 benchmarks/vs_vllm.py online --engines pagedserve --site "${SITE:-/tmp/ps_site}" --gpus 0 --work $W \
-        --device "NVIDIA H200" --startup-limit 150 --rate-limit 90
-      python3 benchmarks/step_trace_summary.py $W/step_trace.jsonl --split-s 5 --out $W/step_trace_summary.json > /dev/null
-      gzip -f $W/step_trace.jsonl
-    done ;;
+    for v in base rows+nolpt+bn64; do ours_alone launch_ab_$v PAGEDSERVE_DECODE_LAUNCH=$v; done ;;
+  short_prefill_ab)
+    for v in 1 0; do ours_alone short_prefill_ab_$v PAGEDSERVE_SHORT_PREFILL_GRAPHS=$v; done ;;
   dashboard)
     CUDA_VISIBLE_DEVICES=0 step dashboard 270 python3 benchmarks/dashboard_overhead.py --device cuda --rounds 3 \
       --num-requests 3000 --serve-args "--num-gpu-blocks-override 65536" --output $L/dashboard/dashboard_overhead.json
@@ -86,7 +92,7 @@ case "${1:-}" in
     PAGEDSERVE_TP_ALLREDUCE=symm_mem step tp2_symm_mem 130 python3 benchmarks/profile_decode.py \
       --model benchmarks/models/llama-3.1-8b --tensor-parallel-size 2 \
       --output $L/tp2_symm_mem/profile_decode_tp2_symm_mem.json ;;
-  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dp_long|dashboard|dashboard_toggle|launch_ab|profiles" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dp_long|dashboard|dashboard_toggle|launch_ab|short_prefill_ab|profiles" >&2; exit 2 ;;
 esac
 # On the device tool's machine only $OUT comes back: everything of this target in one archive.
 [ -n "${OUT:-}" ] && tar czf "$OUT/x2_$1.tgz" -C $L . && cp $L/progress.log "$OUT/"
