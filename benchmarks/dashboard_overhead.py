@@ -42,7 +42,8 @@ sys.path.insert(0, str(REPO))
 
 from pagedserve.benchmark.server_process import stop_process, wait_until_ready  # noqa: E402
 from pagedserve.dashboard.feed import DEFAULT_STREAM_INTERVAL_S  # noqa: E402
-from pagedserve.entrypoints.bench_serve import FD_MARGIN, run_benchmark, tokens_between  # noqa: E402
+from pagedserve.entrypoints.bench_serve import FD_MARGIN, run_benchmark  # noqa: E402
+from pagedserve.entrypoints.bench_stats import tokens_between  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
 
 KEY = "sk-dashboard-overhead"
@@ -206,7 +207,7 @@ def toggled_run(base: str, requests, viewer_cls, interval: float, segment_s: flo
                 client_processes: int, max_concurrency: int | None = None) -> dict:
     """One long run (every request at t=0) while a viewer is opened and closed in turn, segment_s
     seconds each, closed first. Each segment's rate is the output tokens that reached the client
-    during it (its processes' own clocks: bench_serve.tokens_between). Unlike whole rounds, the two
+    during it (its processes' own clocks: bench_stats.tokens_between). Unlike whole rounds, the two
     conditions meet the same load moments apart, so the drift between rounds (+-10% on the
     H200) cancels. The servers' /metrics is not the instrument: with the API server the
     bottleneck, its counters lag and a scrape takes seconds.

@@ -353,7 +353,7 @@ def main() -> None:
                                                 / results["dp1"]["output_throughput"], 3),
     }
     # A diagnostic beside the target's ratio, not instead of it: the output rate while requests
-    # still waited (bench_serve.backlog_throughput), i.e. without each run's drain at the end.
+    # still waited (bench_stats.backlog_throughput), i.e. without each run's drain at the end.
     if results["dp1"].get("backlog") and results["dp2"].get("backlog"):
         ratios["dp2_over_dp1_backlog_output_throughput"] = round(
             results["dp2"]["backlog"]["output_throughput"] / results["dp1"]["backlog"]["output_throughput"], 3)

@@ -11,6 +11,7 @@ kept within its context: both from /v1/models (`vocab_size`, `max_model_len`), o
 --vocab-size / --tokenizer / --max-model-len for servers that do not report them.
 --output writes through pagedserve.benchmark.results; its commit is this client's, and the
 server (possibly another engine) is named only by its URL and the model it reported.
+What a run's records say (percentiles, throughput, errors) is bench_stats.py's.
 """
 from __future__ import annotations
 
@@ -21,38 +22,15 @@ import os
 import shlex
 import sys
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import httpx
-import numpy as np
 from tqdm import tqdm
 
+from pagedserve.entrypoints.bench_stats import PERCENTILES, RequestResult, describe_error, summarize
 from pagedserve.entrypoints.http_stack import CLIENT_KEEP_ALIVE_S
 from pagedserve.workloads import VOCAB_DRAW, WorkloadRequest, make_workload
-
-PERCENTILES = (50, 90, 99)
-
-
-@dataclass
-class RequestResult:
-    prompt_len: int
-    expected_output_len: int
-    output_len: int = 0
-    ttft: float | None = None
-    latency: float = 0.0
-    itl: list[float] = field(default_factory=list)
-    error: str | None = None
-    sent_at: float | None = None  # seconds after the run's start (its client process's) it was sent
-    retries: int = 0  # times it was sent again after failing before any response (send_request)
-
-    @property
-    def tpot(self) -> float | None:
-        if self.ttft is None or self.output_len < 2:
-            return None
-        return (self.latency - self.ttft) / (self.output_len - 1)
-
 
 async def send_request(client: httpx.AsyncClient, base_url: str, model: str, req: WorkloadRequest,
                        headers: dict, temperature: float, retries: int = 0) -> RequestResult:
@@ -120,94 +98,6 @@ async def _send_once(client: httpx.AsyncClient, base_url: str, model: str, req: 
     if res.output_len == 0:  # server without usage in streams: one token per chunk
         res.output_len = chunks_with_text
     return res, unanswered
-
-
-def describe_error(e: BaseException) -> str:
-    """`Class: message`, with the OS error beneath it when there is one: httpx's ReadError on a
-    reset connection has an empty message (anyio's BrokenResourceError), its cause says which."""
-    text = f"{type(e).__name__}: {e}"
-    inner, seen = e, 0
-    while (inner := inner.__cause__ or inner.__context__) is not None and seen < 8:
-        seen += 1
-        if isinstance(inner, OSError):
-            return f"{text} ({type(inner).__name__}: {inner})"
-    return text
-
-
-def error_counts(errors: list[str]) -> dict[str, int]:
-    """How many requests failed with each kind of error (the text before the first ':'),
-    most first."""
-    return dict(Counter(err.split(":", 1)[0] for err in errors).most_common())
-
-
-def _stats(values: list[float], scale: float = 1000.0) -> dict[str, float]:
-    """mean / median / pNN of a latency list, in milliseconds."""
-    if not values:
-        return {"mean": math.nan, **{f"p{p}": math.nan for p in PERCENTILES}}
-    a = np.asarray(values) * scale
-    return {"mean": float(a.mean()), **{f"p{p}": float(np.percentile(a, p)) for p in PERCENTILES}}
-
-
-def backlog_throughput(results: list[RequestResult]) -> dict[str, float] | None:
-    """Output tokens per second from the run's start until the last request got its first token.
-
-    Until then some request was still waiting, so the servers had a backlog: with every request
-    sent at t=0 this is the saturated rate, without the drain at the end (the last batches
-    shrinking), which weighs more the shorter the run is. Chunks are counted as output_len /
-    chunks tokens each. None without first tokens or send times."""
-    ok = [r for r in results if r.error is None and r.ttft is not None and r.sent_at is not None]
-    if not ok:
-        return None
-    window = max(r.sent_at + r.ttft for r in ok)
-    if window <= 0:
-        return None
-    records = [{"error": None, "ttft": r.ttft, "sent_at": r.sent_at, "itl": r.itl, "output_len": r.output_len}
-               for r in ok]
-    tokens = tokens_between(records, 0.0, window)
-    return {"window_s": window, "output_throughput": tokens / window}
-
-
-def tokens_between(records: list[dict], t0: float, t1: float) -> float:
-    """Output tokens that reached the client between t0 and t1 (seconds from the run's start),
-    from records with error, sent_at, ttft, itl and output_len (run_benchmark(..., keep_itl=True));
-    a chunk counts output_len / chunks tokens (a relay may pass several tokens in one)."""
-    tokens = 0.0
-    for r in records:
-        if r["error"] is not None or r["ttft"] is None or r["sent_at"] is None:
-            continue
-        per_chunk = r["output_len"] / (1 + len(r["itl"]))
-        t = r["sent_at"] + r["ttft"]
-        n = 1 if t0 <= t <= t1 else 0
-        for gap in r["itl"]:
-            t += gap
-            if t > t1:
-                break
-            n += t >= t0
-        tokens += n * per_chunk
-    return tokens
-
-
-def summarize(results: list[RequestResult], duration: float) -> dict[str, Any]:
-    ok = [r for r in results if r.error is None]
-    out_tokens = sum(r.output_len for r in ok)
-    in_tokens = sum(r.prompt_len for r in ok)
-    return {
-        "duration_s": duration,
-        "completed": len(ok),
-        "failed": len(results) - len(ok),
-        "total_input_tokens": in_tokens,
-        "total_output_tokens": out_tokens,
-        "request_throughput": len(ok) / duration if duration > 0 else math.nan,
-        "output_throughput": out_tokens / duration if duration > 0 else math.nan,
-        "total_token_throughput": (in_tokens + out_tokens) / duration if duration > 0 else math.nan,
-        "ttft_ms": _stats([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_ms": _stats([r.tpot for r in ok if r.tpot is not None]),
-        "itl_ms": _stats([x for r in ok for x in r.itl]),
-        "e2e_latency_ms": _stats([r.latency for r in ok]),
-        "backlog": backlog_throughput(ok),
-        "errors": error_counts([r.error for r in results if r.error is not None]),
-        "retried": sum(r.retries for r in results),
-    }
 
 
 @dataclass

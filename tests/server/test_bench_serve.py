@@ -145,7 +145,7 @@ def test_bench_serve_several_client_processes(server, tmp_path, capsys):
 
 
 def test_backlog_throughput_counts_tokens_until_the_last_first_token():
-    from pagedserve.entrypoints.bench_serve import RequestResult, backlog_throughput
+    from pagedserve.entrypoints.bench_stats import RequestResult, backlog_throughput
     # A sent at 0, first token at 1 s, then one every second: tokens at 1, 2, 3, 4.
     a = RequestResult(prompt_len=1, expected_output_len=4, output_len=4, ttft=1.0, itl=[1.0, 1.0, 1.0],
                       sent_at=0.0)
@@ -162,7 +162,7 @@ def test_backlog_throughput_counts_tokens_until_the_last_first_token():
 def test_tokens_between_counts_the_tokens_that_arrived_in_the_window():
     from dataclasses import asdict
 
-    from pagedserve.entrypoints.bench_serve import RequestResult, tokens_between
+    from pagedserve.entrypoints.bench_stats import RequestResult, tokens_between
     # Tokens at 1, 2, 3, 4 s.
     a = RequestResult(prompt_len=1, expected_output_len=4, output_len=4, ttft=1.0, itl=[1.0, 1.0, 1.0], sent_at=0.0)
     # Two chunks of two tokens, at 0.5 and 2.5 s.
@@ -181,7 +181,7 @@ def test_a_reset_connection_names_its_cause_and_errors_are_counted_by_kind():
     BrokenResourceError): the recorded error names the OS error beneath it."""
     import anyio
 
-    from pagedserve.entrypoints.bench_serve import describe_error, error_counts
+    from pagedserve.entrypoints.bench_stats import describe_error, error_counts
 
     def reset() -> BaseException:
         try:
@@ -250,7 +250,8 @@ def test_retry_only_requests_that_got_no_response():
     counted; one that failed mid-stream, after its 200, is not (it may have run)."""
     import asyncio
 
-    from pagedserve.entrypoints.bench_serve import send_request, summarize
+    from pagedserve.entrypoints.bench_serve import send_request
+    from pagedserve.entrypoints.bench_stats import summarize
     from pagedserve.workloads import WorkloadRequest
 
     calls = []
