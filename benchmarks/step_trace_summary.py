@@ -4,11 +4,13 @@ Groups the traced steps into decode-only steps by batch size (in bins of --bin s
 steps with prefill tokens by token count, and prints per group: steps, median and mean device
 busy time, and median and mean gap before the step (device idle waiting for the host; the first
 step after an idle engine has no gap). Totals say what share of the traced device time was busy.
+Steps with prefill are also split by their prefill tokens (tokens beyond the decodes): at most
+--short-prefill (128, the limit of runner/decode_rows.py) or more, with the busy time's p90.
 
 With --split-s S the trace is first cut wherever no step launched for S seconds (a benchmark's
 rates, one after another on one server) and each segment is summarised on its own.
 
-  python benchmarks/step_trace_summary.py trace.jsonl [--bin 8] [--split-s 5] [--out summary.json]
+  python benchmarks/step_trace_summary.py trace.jsonl [--bin 8] [--split-s 5] [--short-prefill 128] [--out summary.json]
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 
-def summarise(lines: list[dict], bin_seqs: int = 8, bin_tokens: int = 256) -> dict:
+def summarise(lines: list[dict], bin_seqs: int = 8, bin_tokens: int = 256, short_prefill: int = 128) -> dict:
     groups: dict[tuple[str, int], list[dict]] = defaultdict(list)
     for s in lines:
         if s["seqs"] == 0:
@@ -38,6 +40,7 @@ def summarise(lines: list[dict], bin_seqs: int = 8, bin_tokens: int = 256) -> di
                 "mean_seqs": round(statistics.fmean(s["seqs"] for s in steps), 1),
                 "mean_tokens": round(statistics.fmean(s["tokens"] for s in steps), 1),
                 "busy_ms_p50": round(statistics.median(busy), 4), "busy_ms_mean": round(statistics.fmean(busy), 4),
+                "busy_ms_p90": round(sorted(busy)[int(0.9 * len(busy))], 4),
                 "gap_ms_p50": round(statistics.median(gaps), 4) if gaps else None,
                 "gap_ms_mean": round(statistics.fmean(gaps), 4) if gaps else None}
 
@@ -45,6 +48,10 @@ def summarise(lines: list[dict], bin_seqs: int = 8, bin_tokens: int = 256) -> di
     for (kind, lo), steps in sorted(groups.items()):
         width = bin_seqs if kind == "decode" else bin_tokens
         out[kind][f"{lo}-{lo + width - 1}"] = stats(steps)
+    prefill = [s for s in lines if s["tokens"] > s["decodes"]]
+    for name, steps in ((f"prefill_1-{short_prefill}", [s for s in prefill if s["tokens"] - s["decodes"] <= short_prefill]),
+                        (f"prefill_over_{short_prefill}", [s for s in prefill if s["tokens"] - s["decodes"] > short_prefill])):
+        out[name] = stats(steps) if steps else None
     busy = sum(s["busy_ms"] for s in lines)
     gaps = sum(s["gap_ms"] for s in lines if s["gap_ms"] is not None)
     out["total"] = {"steps": len(lines), "busy_ms": round(busy, 1), "gap_ms": round(gaps, 1),
@@ -68,6 +75,7 @@ def main() -> int:
     ap.add_argument("trace")
     ap.add_argument("--bin", type=int, default=8, help="decode steps: sequences per group")
     ap.add_argument("--bin-tokens", type=int, default=256, help="mixed steps: tokens per group")
+    ap.add_argument("--short-prefill", type=int, default=128, help="prefill tokens of a short-prefill step")
     ap.add_argument("--split-s", type=float, default=None, help="summarise segments cut at idle gaps this long")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -75,11 +83,11 @@ def main() -> int:
     if not lines:
         sys.exit(f"{args.trace}: no steps")
     if args.split_s is None:
-        doc = {"trace": args.trace, **summarise(lines, args.bin, args.bin_tokens)}
+        doc = {"trace": args.trace, **summarise(lines, args.bin, args.bin_tokens, args.short_prefill)}
     else:
         doc = {"trace": args.trace, "segments": [
             {"start_t": seg[0]["t"], "seconds": round(seg[-1]["t"] - seg[0]["t"], 1),
-             **summarise(seg, args.bin, args.bin_tokens)} for seg in segments(lines, args.split_s)]}
+             **summarise(seg, args.bin, args.bin_tokens, args.short_prefill)} for seg in segments(lines, args.split_s)]}
     text = json.dumps(doc, indent=2)
     print(text)
     if args.out:

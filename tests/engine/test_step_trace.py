@@ -88,6 +88,11 @@ def test_summary_groups_decodes_by_batch_and_mixed_by_tokens():
     assert list(out["mixed"]) == ["257-512"] and out["mixed"]["257-512"]["busy_ms_mean"] == 12.0
     assert out["total"]["busy_ms"] == 38.0 and out["total"]["gap_ms"] == 1.1
     assert out["total"]["decode_only_steps"] == 4
+    assert out["prefill_1-128"] is None and out["prefill_over_128"]["steps"] == 1  # 300 prefill tokens
+    lines.append({"seqs": 3, "decodes": 2, "tokens": 130, "busy_ms": 7.0, "gap_ms": 0.0})
+    out = summary.summarise(lines, bin_seqs=8, bin_tokens=256)
+    assert out["prefill_1-128"]["steps"] == 1 and out["prefill_1-128"]["busy_ms_p90"] == 7.0
+    assert out["decode"]["1-8"]["busy_ms_p90"] == 6.0
 
 
 def test_segments_cut_at_idle_gaps():
