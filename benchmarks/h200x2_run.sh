@@ -9,6 +9,9 @@
 #                                                # 8 client processes; the rate at saturation from the servers' counters
 #   bash benchmarks/h200x2_run.sh dp_long        # the same, 12000 requests (at most 4096 in flight)
 #   bash benchmarks/h200x2_run.sh dashboard_toggle  # the dashboard's cost within one long run, the viewer toggled every 3 s
+#   bash benchmarks/h200x2_run.sh dashboard_toggle_engine_bound  # the same with the engine the bottleneck: Llama-3.1-8B
+#                                                # (dummy weights) at 64 sequences a step, not the demo model behind one
+#                                                # API server at 4096 streams (whose segments vary by +-20%)
 #   bash benchmarks/h200x2_run.sh launch_ab      # #13: our server alone at rates 10 20 40, the decode launch of 925e530
 #                                                # against the one before (PAGEDSERVE_DECODE_LAUNCH=rows+nolpt+bn64), each
 #                                                # with a step trace: is the mixed steps' tail of 925e530's lease the launch's
@@ -70,6 +73,20 @@ case "${1:-}" in
     CUDA_VISIBLE_DEVICES=0 step dashboard_toggle 400 python3 benchmarks/dashboard_overhead.py --device cuda --toggle 3 \
       --num-requests 60000 --client-processes 4 --max-concurrency 4096 --serve-args "--num-gpu-blocks-override 65536" \
       --server-log $L/dashboard_toggle/server.log --output $L/dashboard_toggle/dashboard_overhead_toggle.json ;;
+  dashboard_toggle_engine_bound)
+    # The demo model's run is bound by the API server's streaming (segment rates 7-23k tok/s at
+    # 5dc9c77), too noisy to resolve a 2% drop. Here the GPU sets the pace: 64 sequences a step of
+    # an 8B model (~6 ms) is ~10k tok/s, half what one API server streamed in those segments; 512
+    # in flight keep 448 queued, so every step is full. The step trace says how full.
+    W=$L/dashboard_toggle_engine_bound
+    mkdir -p $W
+    python3 benchmarks/peers/make_bench_model_dir.py benchmarks/models/llama-3.1-8b $W/model > /dev/null
+    CUDA_VISIBLE_DEVICES=0 PAGEDSERVE_STEP_TRACE=$W/step_trace.jsonl step dashboard_toggle_engine_bound 450 \
+      python3 benchmarks/dashboard_overhead.py --device cuda --toggle 3 --model $W/model --num-requests 24000 \
+      --client-processes 2 --max-concurrency 512 --serve-args "--load-format dummy --max-model-len 2048 --max-num-seqs 64" \
+      --server-log $W/server.log --output $W/dashboard_overhead_toggle.json
+    python3 benchmarks/step_trace_summary.py $W/step_trace.jsonl --split-s 5 --out $W/step_trace_summary.json > /dev/null
+    gzip -f $W/step_trace.jsonl ;;
   launch_ab)
     for v in base rows+nolpt+bn64; do ours_alone launch_ab_$v PAGEDSERVE_DECODE_LAUNCH=$v; done ;;
   short_prefill_ab)
@@ -92,7 +109,7 @@ case "${1:-}" in
     PAGEDSERVE_TP_ALLREDUCE=symm_mem step tp2_symm_mem 130 python3 benchmarks/profile_decode.py \
       --model benchmarks/models/llama-3.1-8b --tensor-parallel-size 2 \
       --output $L/tp2_symm_mem/profile_decode_tp2_symm_mem.json ;;
-  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dp_long|dashboard|dashboard_toggle|launch_ab|short_prefill_ab|profiles" >&2; exit 2 ;;
+  *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dp_long|dashboard|dashboard_toggle|dashboard_toggle_engine_bound|launch_ab|short_prefill_ab|profiles" >&2; exit 2 ;;
 esac
 # On the device tool's machine only $OUT comes back: everything of this target in one archive.
 [ -n "${OUT:-}" ] && tar czf "$OUT/x2_$1.tgz" -C $L . && cp $L/progress.log "$OUT/"
