@@ -230,14 +230,16 @@ def toggled_run(base: str, requests, viewer_cls, interval: float, segment_s: flo
                 if viewer is not None:
                     viewer.__enter__()
                 try:
-                    t0 = time.perf_counter()
+                    t0, u0 = time.perf_counter(), time.time()
                     done.wait(segment_s)
-                    t1 = time.perf_counter()
+                    t1, u1 = time.perf_counter(), time.time()
                 finally:
                     if viewer is not None:
                         viewer.__exit__(None, None, None)
                 if t1 - t0 > 0.1:  # not the stub cut short by the run's end
-                    spans.append((viewer is not None, t0, t1, viewer.result(t0, t1) if viewer else {}))
+                    seen = viewer.result(t0, t1) if viewer else {}
+                    # Unix times too: the engine's step trace (engine_segment_rates) keeps those
+                    spans.append((viewer is not None, t0, t1, {"start_unix": u0, "end_unix": u1, **seen}))
                 i += 1
         except BaseException as e:  # surfaces in the main thread
             errors.append(e)
@@ -268,21 +270,36 @@ def toggled_run(base: str, requests, viewer_cls, interval: float, segment_s: flo
             "segments": segments, **toggle_drop(segments)}
 
 
-def toggle_drop(segments: list[dict]) -> dict:
-    """The paired drop (toggled_run's docstring) and, beside it, the medians of each kind."""
+def toggle_drop(segments: list[dict], key: str = "output_tok_s") -> dict:
+    """The paired drop of segments' `key` rate (toggled_run's docstring) and, beside it, the
+    medians of each kind."""
     counted = {s["index"]: s for s in segments if s["counted"]}
     pairs = []
     for i, s in counted.items():
         left, right = counted.get(i - 1), counted.get(i + 1)
         if s["open"] and left and right and not left["open"] and not right["open"] \
-                and left["output_tok_s"] + right["output_tok_s"] > 0:
-            pairs.append(1 - s["output_tok_s"] / ((left["output_tok_s"] + right["output_tok_s"]) / 2))
-    opened = [s["output_tok_s"] for s in counted.values() if s["open"]]
-    closed = [s["output_tok_s"] for s in counted.values() if not s["open"]]
+                and left[key] + right[key] > 0:
+            pairs.append(1 - s[key] / ((left[key] + right[key]) / 2))
+    opened = [s[key] for s in counted.values() if s["open"]]
+    closed = [s[key] for s in counted.values() if not s["open"]]
     return {"paired_drops": pairs, "paired_drop_median": statistics.median(pairs) if pairs else None,
             "open_segment_tok_s_median": statistics.median(opened) if opened else None,
             "closed_segment_tok_s_median": statistics.median(closed) if closed else None,
             "viewer_hz_min_segments": min((s["viewer_hz"] for s in counted.values() if s["open"]), default=None)}
+
+
+def engine_segment_rates(steps: list[dict], segments: list[dict]) -> None:
+    """Adds to each segment the engine's own rate from its step trace (engine/step_trace.py, one
+    dict per step): `engine_decode_tok_s`, the decode tokens of the steps launched within the
+    segment's Unix times over its length, and `engine_mean_seqs`, their mean batch. Unlike the
+    tokens reaching the client, this is not moved by the client's or the API server's pace
+    except through the batch they keep fed, which engine_mean_seqs shows. Decode tokens leave out
+    each request's first token (its prefill's), about one in the workload's mean output length."""
+    for seg in segments:
+        inside = [st for st in steps if seg["start_unix"] <= st["t"] < seg["end_unix"]]
+        seconds = seg["end_unix"] - seg["start_unix"]
+        seg["engine_decode_tok_s"] = sum(st["decodes"] for st in inside) / seconds
+        seg["engine_mean_seqs"] = sum(st["seqs"] for st in inside) / len(inside) if inside else 0.0
 
 
 def main() -> int:
@@ -364,6 +381,13 @@ def toggle_main(args, proc, base, requests, viewer_cls, model_dir: str) -> int:
                              args.max_concurrency)
     finally:
         stop_process(proc)
+    trace = os.environ.get("PAGEDSERVE_STEP_TRACE", "").strip()
+    if trace and Path(trace).exists():  # the server inherited it: the engine's own rate per segment
+        steps = [json.loads(line) for line in Path(trace).read_text().splitlines() if line.strip()]
+        engine_segment_rates(steps, result["segments"])
+        engine = toggle_drop(result["segments"], "engine_decode_tok_s")
+        batches = [s["engine_mean_seqs"] for s in result["segments"] if s["counted"]]
+        result["engine"] = {**engine, "mean_seqs_median": statistics.median(batches) if batches else 0.0}
     if result["summary"]["failed"]:
         raise SystemExit(f"{result['summary']['failed']} requests failed ({result['summary']['errors']}), the "
                          f"first with {result['summary']['first_error']!r}: the comparison would be meaningless "
@@ -375,6 +399,12 @@ def toggle_main(args, proc, base, requests, viewer_cls, model_dir: str) -> int:
           f"{'n/a' if drop is None else f'{100 * drop:.2f}%'}; medians open "
           f"{result['open_segment_tok_s_median']}, closed {result['closed_segment_tok_s_median']} tok/s; "
           f"viewer >= {result['viewer_hz_min_segments']} frames/s")
+    engine = result.get("engine")
+    if engine:
+        drop_e = engine["paired_drop_median"]
+        print(f"engine's step trace: median drop {'n/a' if drop_e is None else f'{100 * drop_e:.2f}%'}; medians "
+              f"open {engine['open_segment_tok_s_median']}, closed {engine['closed_segment_tok_s_median']} "
+              f"decode tok/s; median batch {engine['mean_seqs_median']:.1f} sequences")
     if args.output:
         from pagedserve.benchmark.results import write_result
         config = {"model": model_dir, "device": args.device, "workload": args.workload,
@@ -383,6 +413,8 @@ def toggle_main(args, proc, base, requests, viewer_cls, model_dir: str) -> int:
                   "client_processes": args.client_processes, "max_concurrency": args.max_concurrency}
         ratios = {"paired_segment_drop_median": None if drop is None else round(drop, 4),
                   "open_segments_between_closed": len(result["paired_drops"])}
+        if engine and engine["paired_drop_median"] is not None:
+            ratios["engine_paired_segment_drop_median"] = round(engine["paired_drop_median"], 4)
         write_result(args.output, "dashboard_overhead_toggle", "python " + " ".join(sys.argv), config, result,
                      {}, ratios, device="cpu" if args.device == "cpu" else None)
     return 0

@@ -76,14 +76,15 @@ case "${1:-}" in
   dashboard_toggle_engine_bound)
     # The demo model's run is bound by the API server's streaming (segment rates 7-23k tok/s at
     # 5dc9c77), too noisy to resolve a 2% drop. Here the GPU sets the pace: 64 sequences a step of
-    # an 8B model (~6 ms) is ~10k tok/s, half what one API server streamed in those segments; 512
-    # in flight keep 448 queued, so every step is full. The step trace says how full.
+    # an 8B model (~5.4 ms) is ~12k tok/s. At a1330ea two client processes (~3.3k tok/s each)
+    # kept the batch at 45 sequences (median): eight here, 1024 in flight. The engine's own decode
+    # rate per segment comes from its step trace (dashboard_overhead.engine_segment_rates).
     W=$L/dashboard_toggle_engine_bound
     mkdir -p $W
     python3 benchmarks/peers/make_bench_model_dir.py benchmarks/models/llama-3.1-8b $W/model > /dev/null
     CUDA_VISIBLE_DEVICES=0 PAGEDSERVE_STEP_TRACE=$W/step_trace.jsonl step dashboard_toggle_engine_bound 450 \
-      python3 benchmarks/dashboard_overhead.py --device cuda --toggle 3 --model $W/model --num-requests 24000 \
-      --client-processes 2 --max-concurrency 512 --serve-args "--load-format dummy --max-model-len 2048 --max-num-seqs 64" \
+      python3 benchmarks/dashboard_overhead.py --device cuda --toggle 3 --model $W/model --num-requests 30000 \
+      --client-processes 8 --max-concurrency 1024 --serve-args "--load-format dummy --max-model-len 2048 --max-num-seqs 64" \
       --server-log $W/server.log --output $W/dashboard_overhead_toggle.json
     python3 benchmarks/step_trace_summary.py $W/step_trace.jsonl --split-s 5 --out $W/step_trace_summary.json > /dev/null
     gzip -f $W/step_trace.jsonl ;;

@@ -89,3 +89,21 @@ def test_toggle_drop_pairs_each_open_segment_with_its_closed_neighbours():
     assert got["open_segment_tok_s_median"] == 925.0       # 800, 900, 950, 1100
     assert got["closed_segment_tok_s_median"] == 1100.0    # 1000, 1100, 1100
     assert bench.toggle_drop(segments[:2])["paired_drop_median"] is None
+
+
+def test_engine_segment_rates_count_the_decodes_launched_inside_each_segment():
+    segments = [{"index": 0, "open": False, "counted": True, "start_unix": 100.0, "end_unix": 102.0},
+                {"index": 1, "open": True, "counted": True, "start_unix": 102.5, "end_unix": 104.5, "viewer_hz": 2.5},
+                {"index": 2, "open": False, "counted": True, "start_unix": 105.0, "end_unix": 107.0}]
+    steps = [{"t": 99.9, "seqs": 64, "decodes": 64},    # before the first segment
+             {"t": 100.0, "seqs": 64, "decodes": 60},   # at its start: in
+             {"t": 101.0, "seqs": 32, "decodes": 30},
+             {"t": 102.0, "seqs": 64, "decodes": 64},   # at its end: out, and before the next
+             {"t": 103.0, "seqs": 10, "decodes": 9},
+             {"t": 105.5, "seqs": 64, "decodes": 64},
+             {"t": 106.0, "seqs": 40, "decodes": 38}]
+    bench.engine_segment_rates(steps, segments)
+    assert [s["engine_decode_tok_s"] for s in segments] == pytest.approx([45.0, 4.5, 51.0])
+    assert [s["engine_mean_seqs"] for s in segments] == pytest.approx([48.0, 10.0, 52.0])
+    drop = bench.toggle_drop(segments, "engine_decode_tok_s")
+    assert drop["paired_drops"] == pytest.approx([1 - 4.5 / 48.0])
