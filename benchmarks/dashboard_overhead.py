@@ -282,7 +282,13 @@ def toggle_drop(segments: list[dict], key: str = "output_tok_s") -> dict:
             pairs.append(1 - s[key] / ((left[key] + right[key]) / 2))
     opened = [s[key] for s in counted.values() if s["open"]]
     closed = [s[key] for s in counted.values() if not s["open"]]
+    # The pairs scatter (a 3 s segment's rate moves with the prefills it happens to hold): beside
+    # the median, the mean and its normal 95% interval say how sure the figure is.
+    half = 1.96 * statistics.stdev(pairs) / len(pairs) ** 0.5 if len(pairs) > 1 else None
+    mean = statistics.fmean(pairs) if pairs else None
     return {"paired_drops": pairs, "paired_drop_median": statistics.median(pairs) if pairs else None,
+            "paired_drop_mean": mean,
+            "paired_drop_mean_ci95": None if half is None else [mean - half, mean + half],
             "open_segment_tok_s_median": statistics.median(opened) if opened else None,
             "closed_segment_tok_s_median": statistics.median(closed) if closed else None,
             "viewer_hz_min_segments": min((s["viewer_hz"] for s in counted.values() if s["open"]), default=None)}
@@ -323,7 +329,16 @@ def main() -> int:
                         "(toggled_run); the drop from the tokens that reached the client in each segment")
     p.add_argument("--client-processes", type=int, default=1, help="with --toggle: client processes")
     p.add_argument("--max-concurrency", type=int, default=None, help="with --toggle: requests in flight at most")
+    p.add_argument("--summarize", default=None, metavar="RESULT_JSON",
+                   help="print a --toggle result's drops again (the client's and, with a step trace, the "
+                        "engine's: median, mean and its 95%% interval) from its segments, and exit")
     args = p.parse_args()
+    if args.summarize:
+        segments = json.loads(Path(args.summarize).read_text())["results"]["segments"]
+        keys = ["output_tok_s"] + (["engine_decode_tok_s"] if "engine_decode_tok_s" in segments[0] else [])
+        print(json.dumps({k: {n: v for n, v in toggle_drop(segments, k).items() if n != "paired_drops"}
+                          for k in keys}, indent=1))
+        return 0
 
     model_dir = args.model or str(__import__("pagedserve.demo_model", fromlist=["DEMO_MODEL_DIR"]).DEMO_MODEL_DIR)
     vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]

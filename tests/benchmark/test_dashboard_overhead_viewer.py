@@ -86,6 +86,9 @@ def test_toggle_drop_pairs_each_open_segment_with_its_closed_neighbours():
     got = bench.toggle_drop(segments)
     assert got["paired_drops"] == pytest.approx([1 - 950 / 1050, 0.0])
     assert got["paired_drop_median"] == pytest.approx((1 - 950 / 1050) / 2)
+    assert got["paired_drop_mean"] == pytest.approx((1 - 950 / 1050) / 2)
+    half = 1.96 * (1 - 950 / 1050) / 2 ** 0.5 / 2 ** 0.5  # the two pairs' stdev is their gap over sqrt(2)
+    assert got["paired_drop_mean_ci95"] == pytest.approx([got["paired_drop_mean"] - half, got["paired_drop_mean"] + half])
     assert got["open_segment_tok_s_median"] == 925.0       # 800, 900, 950, 1100
     assert got["closed_segment_tok_s_median"] == 1100.0    # 1000, 1100, 1100
     assert bench.toggle_drop(segments[:2])["paired_drop_median"] is None
