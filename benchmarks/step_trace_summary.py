@@ -6,6 +6,8 @@ busy time, and median and mean gap before the step (device idle waiting for the 
 step after an idle engine has no gap). Totals say what share of the traced device time was busy.
 Steps with prefill are also split by their prefill tokens (tokens beyond the decodes): at most
 --short-prefill (128, the limit of runner/decode_rows.py) or more, with the busy time's p90.
+Traces that say how the runner ran each step (`graph`, since the field was added) are also
+grouped by it: decode_graph, decode_rows, piecewise, eager.
 
 With --split-s S the trace is first cut wherever no step launched for S seconds (a benchmark's
 rates, one after another on one server) and each segment is summarised on its own.
@@ -52,6 +54,12 @@ def summarise(lines: list[dict], bin_seqs: int = 8, bin_tokens: int = 256, short
     for name, steps in ((f"prefill_1-{short_prefill}", [s for s in prefill if s["tokens"] - s["decodes"] <= short_prefill]),
                         (f"prefill_over_{short_prefill}", [s for s in prefill if s["tokens"] - s["decodes"] > short_prefill])):
         out[name] = stats(steps) if steps else None
+    by_graph: dict[str, list[dict]] = defaultdict(list)
+    for s in lines:
+        if s["seqs"] and s.get("graph"):
+            by_graph[s["graph"]].append(s)
+    if by_graph:
+        out["graph"] = {path: stats(steps) for path, steps in sorted(by_graph.items())}
     busy = sum(s["busy_ms"] for s in lines)
     gaps = sum(s["gap_ms"] for s in lines if s["gap_ms"] is not None)
     out["total"] = {"steps": len(lines), "busy_ms": round(busy, 1), "gap_ms": round(gaps, 1),

@@ -272,6 +272,8 @@ def run_engine_core(config: EngineConfig | None, input_address: str, output_addr
             logger.warning("%s is set but the engine does not run on CUDA: no step trace", STEP_TRACE_ENV)
         else:
             core.engine.step_timer = trace
+            # rank 0's runner, through either executor (a plain attribute, read after the step's launch)
+            trace.graph_path_of = lambda: getattr(core.engine.runner, "last_graph_path", None)
             logger.info("tracing every step's shape and device time into %s", trace.path)
     # What start-up left alive stays alive: keep full collections from walking it mid-serving.
     frozen = freeze_startup_heap()

@@ -6,7 +6,9 @@ for every launched step, its host launch time (`t`, Unix seconds), its shape (se
 decodes, tokens, and `context`: the KV positions its attention reads, the sum of the scheduled
 sequences' context lengths) and two device-side durations from CUDA events on the compute stream: busy
 (first to last device work of the step) and the gap before it (the device idle since the
-previous step's last work: host time it waited for).
+previous step's last work: host time it waited for), and, when the engine core gave it a
+`graph_path_of` source, how the runner ran the step's forward (`graph`: one of
+runner/model_runner.py's GRAPH_PATHS, rank 0's).
 Set PAGEDSERVE_STEP_TRACE=/path/file.jsonl in the engine core's environment; the core appends
 one JSON line per step whenever it goes idle (and every FLUSH_EVERY steps under load, for the
 steps already done), so nothing is synchronized mid-step. benchmarks/step_trace_summary.py
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from typing import Callable
 
 from pagedserve.engine.step_timer import StepTimer
 
@@ -31,8 +34,10 @@ class StepTrace(StepTimer):
     def __init__(self, path: str):
         super().__init__(None, time.perf_counter, gpu_gaps=True)
         self.path = path
-        self._shapes: list[tuple[float, int, int, int, int]] = []  # one per launch_begin, as _events
+        self._shapes: list[dict] = []  # one per launch_begin, as _events: the step's line so far
         self._prev_end = None  # the last written step's end event
+        # Asked at launch_end, once the step's forward is queued: how it ran (None: unknown).
+        self.graph_path_of: Callable[[], str | None] | None = None
 
     def begin(self) -> None:
         # Phases are not traced: keep records from growing without bound.
@@ -41,14 +46,19 @@ class StepTrace(StepTimer):
 
     def launch_begin(self, plan=None) -> None:
         super().launch_begin(plan)
-        now = time.time()
-        if plan is None:
-            self._shapes.append((now, 0, 0, 0, 0))
-        else:
-            self._shapes.append((now, len(plan.scheduled), plan.num_decodes, plan.num_batched_tokens,
-                                 sum(s.context_len for s in plan.scheduled)))
+        shape = {"t": round(time.time(), 4), "seqs": 0, "decodes": 0, "tokens": 0, "context": 0}
+        if plan is not None:
+            shape.update(seqs=len(plan.scheduled), decodes=plan.num_decodes, tokens=plan.num_batched_tokens,
+                         context=sum(s.context_len for s in plan.scheduled))
+        self._shapes.append(shape)
         if len(self._events) >= FLUSH_EVERY:
             self.flush()
+
+    def launch_end(self) -> None:
+        first = bool(self._events) and self._events[-1][1] is None  # only the step's first call counts
+        super().launch_end()
+        if first and self.graph_path_of is not None:
+            self._shapes[-1]["graph"] = self.graph_path_of()
 
     def flush(self, idle: bool = False) -> int:
         """Append the finished steps (both events complete) to the file; returns how many.
@@ -64,11 +74,9 @@ class StepTrace(StepTimer):
                 self._prev_end = None
             return 0
         lines = []
-        for (begin, end), (t, seqs, decodes, tokens, context) in zip(self._events[:done], self._shapes[:done]):
+        for (begin, end), shape in zip(self._events[:done], self._shapes[:done]):
             gap = None if self._prev_end is None else round(self._prev_end.elapsed_time(begin), 4)
-            lines.append(json.dumps({"t": round(t, 4), "seqs": seqs, "decodes": decodes, "tokens": tokens,
-                                     "context": context,
-                                     "busy_ms": round(begin.elapsed_time(end), 4), "gap_ms": gap}))
+            lines.append(json.dumps({**shape, "busy_ms": round(begin.elapsed_time(end), 4), "gap_ms": gap}))
             self._prev_end = end
         del self._events[:done], self._shapes[:done]
         if idle:

@@ -9,7 +9,8 @@ runner never decides policy; it only carries out the plan.
 
 On CUDA the forward replays graphs where it can: a decode-only step, or one whose prefill is short
 (runner/decode_rows.py: one decode row per token), the decode graph of its size; another step with
-prefill, piecewise graphs with attention between them; anything larger runs eagerly.
+prefill, piecewise graphs with attention between them; anything larger runs eagerly. Which of
+these the last step took is `last_graph_path` (one of GRAPH_PATHS; the step trace records it).
 """
 from __future__ import annotations
 
@@ -37,6 +38,9 @@ from pagedserve.runner.row_tracker import RowInputs, RowTracker
 from pagedserve.runner.warmup import warm_up, warmup_enabled
 
 logger = logging.getLogger(__name__)
+# How a step's forward ran (ModelRunner.last_graph_path): the decode graph of its size, the same
+# graph over decode rows (a short prefill), piecewise graphs with eager attention, or eagerly.
+GRAPH_PATHS = ("decode_graph", "decode_rows", "piecewise", "eager")
 GiB = 1 << 30
 # "1": a CPU runner also runs the profile phase (the same forward as on CUDA, timed; the pool is
 # still sized from cpu_kv_cache_gib), so CPU runs take the GPU's start-up path and measure costs.
@@ -118,6 +122,7 @@ class ModelRunner:
         self.short_prefill_graphs = short_prefill_graphs_enabled()
         self.row_tracker: RowTracker | None = None
         self.request_state: DeviceRequestState | None = None
+        self.last_graph_path: str | None = None  # how the last step's forward ran; None: it had none
 
     @property
     def vocab_size(self) -> int:
@@ -306,6 +311,7 @@ class ModelRunner:
         self._require("model")
         self._require("cache")
         ce = self.cache_engine
+        self.last_graph_path = None
         if step.blocks_to_swap_out:
             ce.swap_out(step.blocks_to_swap_out)
         if step.blocks_to_swap_in:
@@ -325,6 +331,7 @@ class ModelRunner:
         inp.fill_placeholders(prev_sampled)
         n = len(step.batch.query_lens)
         if self.graphs is not None and step.batch.num_decodes == n and self.graphs.bucket_for(n) is not None:
+            self.last_graph_path = "decode_graph"
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta)
             return self.model.compute_logits(hidden[inp.sample_indices])
         num_tokens = len(step.batch.input_ids)
@@ -332,16 +339,19 @@ class ModelRunner:
                 and self.graphs.bucket_for(num_tokens) is not None):
             rows = as_decode_rows(inp.attn_meta, inp.positions)  # runner/decode_rows.py
             if rows is not None:
+                self.last_graph_path = "decode_rows"
                 hidden = self.graphs.run(inp.input_ids, inp.positions, rows)
                 if inp.num_sampling == 0:
                     return None
                 return self.model.compute_logits(hidden[inp.sample_indices])
         if (self.piecewise is not None and step.batch.num_decodes < n
                 and self.piecewise.bucket_for(num_tokens) is not None):
+            self.last_graph_path = "piecewise"
             hidden = self.piecewise.run(inp.input_ids, inp.positions, inp.attn_meta)
             if inp.num_sampling == 0:
                 return None
             return self.model.compute_logits(hidden[inp.sample_indices])
+        self.last_graph_path = "eager"
         if inp.num_sampling == 0:
             # Still run the forward: it writes this chunk's K/V into the cache.
             self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta)

@@ -12,6 +12,7 @@ import torch
 
 from pagedserve import SamplingParams
 from pagedserve.engine.step_trace import StepTrace
+from pagedserve.runner.model_runner import GRAPH_PATHS
 
 from .helpers import make_llm, prompt_ids
 
@@ -76,6 +77,29 @@ def test_trace_lines_hold_shape_busy_and_gap(tmp_path, monkeypatch):
     assert trace.records == [{}]  # phases are not kept
 
 
+def test_trace_lines_say_how_the_runner_ran_each_step(tmp_path, monkeypatch):
+    clock = {"now": 0.0, "done": -1.0}
+    trace = StepTrace(str(tmp_path / "t.jsonl"))
+    monkeypatch.setattr(trace, "_event", lambda: FakeEvent(clock))
+    runner = SimpleNamespace(last_graph_path=None)
+    trace.graph_path_of = lambda: runner.last_graph_path
+    for i, (p, path) in enumerate([(plan(4), "decode_graph"), (plan(2, 20), "decode_rows"),
+                                   (plan(2, 500), "piecewise")]):
+        trace.begin()
+        clock["now"] = 10.0 * i
+        trace.launch_begin(p)
+        runner.last_graph_path = path  # the runner ran the step's forward
+        clock["now"] = 10.0 * i + 5
+        trace.launch_end()
+        runner.last_graph_path = "eager"
+        trace.launch_end()  # a second call for the same step changes nothing
+    clock["done"] = 100.0
+    assert trace.flush(idle=True) == 3
+    lines = [json.loads(x) for x in (tmp_path / "t.jsonl").read_text().splitlines()]
+    assert [x["graph"] for x in lines] == ["decode_graph", "decode_rows", "piecewise"]
+    assert [x["busy_ms"] for x in lines] == [5.0, 5.0, 5.0]
+
+
 def test_summary_groups_decodes_by_batch_and_mixed_by_tokens():
     lines = [{"seqs": n, "decodes": n, "tokens": n, "busy_ms": b, "gap_ms": g}
              for n, b, g in [(3, 5.0, None), (8, 6.0, 0.1), (9, 7.0, 0.3), (16, 8.0, 0.5)]]
@@ -93,6 +117,13 @@ def test_summary_groups_decodes_by_batch_and_mixed_by_tokens():
     out = summary.summarise(lines, bin_seqs=8, bin_tokens=256)
     assert out["prefill_1-128"]["steps"] == 1 and out["prefill_1-128"]["busy_ms_p90"] == 7.0
     assert out["decode"]["1-8"]["busy_ms_p90"] == 6.0
+    assert "graph" not in out  # an older trace: no field, no group
+    for line, path in zip(lines, ["decode_graph", "decode_graph", "decode_graph", "eager", "piecewise", "decode_rows"]):
+        line["graph"] = path
+    out = summary.summarise(lines, bin_seqs=8, bin_tokens=256)
+    assert {p: g["steps"] for p, g in out["graph"].items()} == {"decode_graph": 3, "decode_rows": 1, "eager": 1,
+                                                                 "piecewise": 1}
+    assert out["graph"]["decode_graph"]["busy_ms_p50"] == 6.0 and out["graph"]["piecewise"]["busy_ms_p50"] == 12.0
 
 
 def test_segments_cut_at_idle_gaps():
@@ -107,6 +138,7 @@ def test_engine_trace_has_a_line_per_step(tiny_model_dir, tmp_path):
     llm = make_llm(model_dir, device="cuda", max_num_seqs=16)
     trace = StepTrace(str(tmp_path / "t.jsonl"))
     llm.llm_engine.step_timer = trace
+    trace.graph_path_of = lambda: llm.llm_engine.runner.last_graph_path  # as engine/core.py sets it
     llm.generate([{"prompt_token_ids": p} for p in prompts],
                  SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     torch.cuda.synchronize()
@@ -118,3 +150,7 @@ def test_engine_trace_has_a_line_per_step(tiny_model_dir, tmp_path):
     # Attention reads: each prompt's one prefill chunk, then 11 decodes at contexts len(p)+1 .. len(p)+11.
     assert sum(x["context"] for x in lines) == sum(12 * len(p) + sum(range(1, 12)) for p in prompts)
     assert all(x["busy_ms"] > 0 for x in lines) and lines[0]["gap_ms"] is None
+    # up to 16 sequences a step: every decode-only step replays a decode graph; a prefill step
+    # takes one of the other paths (which depends on its size and the model)
+    assert {x["graph"] for x in lines if x["tokens"] == x["decodes"]} == {"decode_graph"}
+    assert {x["graph"] for x in lines if x["tokens"] > x["decodes"]} <= set(GRAPH_PATHS) - {"decode_graph"}

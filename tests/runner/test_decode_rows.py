@@ -95,7 +95,7 @@ def test_runner_sends_short_prefills_to_the_decode_graphs(tiny_model_dir):
     d_plain, d_rows = HandDriver(plain, seed=3), HandDriver(rows, seed=3)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (6, 11, 30, 50, 9)]
-    seqs = {}
+    seqs, paths = {}, []
 
     def step(*items):
         out = []
@@ -106,6 +106,7 @@ def test_runner_sends_short_prefills_to_the_decode_graphs(tiny_model_dir):
                     seqs[i, key] = d.add(prompts[i])
                 sched.append(d.schedule(seqs[i, key], num_new))
             out.append(d.step(sched))
+        paths.append((plain.last_graph_path, rows.last_graph_path))
         torch.testing.assert_close(out[1], out[0], rtol=1e-4, atol=1e-4)
         assert torch.equal(out[1].argmax(-1), out[0].argmax(-1))
 
@@ -116,4 +117,7 @@ def test_runner_sends_short_prefills_to_the_decode_graphs(tiny_model_dir):
     step((0, 1), (1, 1), (2, 1), (3, 1), (4, None))  # the 4 left, over the 5 cached
     step((0, 1), (1, 1), (2, 1), (3, 1), (4, 1))  # decode-only: the decode graph as always
     assert [m.num_seqs for m in graphs.metas] == [17, 32, 9, 8, 5]
+    # what each runner says it did (the step trace's `graph`): the plain one has no graphs
+    assert paths == [("eager", "decode_rows"), ("eager", "decode_rows"), ("eager", "eager"),
+                     ("eager", "decode_rows"), ("eager", "decode_rows"), ("eager", "decode_graph")]
     assert all(m.num_decodes == m.num_seqs and m.max_query_len == 1 for m in graphs.metas)
