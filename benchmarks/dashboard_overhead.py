@@ -42,6 +42,7 @@ sys.path.insert(0, str(REPO))
 
 from pagedserve.benchmark.server_process import stop_process, wait_until_ready  # noqa: E402
 from pagedserve.dashboard.feed import DEFAULT_STREAM_INTERVAL_S  # noqa: E402
+from pagedserve.engine.step_trace import STEP_TRACE_ENV  # noqa: E402
 from pagedserve.entrypoints.bench_serve import FD_MARGIN, run_benchmark  # noqa: E402
 from pagedserve.entrypoints.bench_stats import tokens_between  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
@@ -396,7 +397,7 @@ def toggle_main(args, proc, base, requests, viewer_cls, model_dir: str) -> int:
                              args.max_concurrency)
     finally:
         stop_process(proc)
-    trace = os.environ.get("PAGEDSERVE_STEP_TRACE", "").strip()
+    trace = os.environ.get(STEP_TRACE_ENV, "").strip()
     if trace and Path(trace).exists():  # the server inherited it: the engine's own rate per segment
         steps = [json.loads(line) for line in Path(trace).read_text().splitlines() if line.strip()]
         engine_segment_rates(steps, result["segments"])

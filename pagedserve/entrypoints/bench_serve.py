@@ -37,12 +37,13 @@ async def send_request(client: httpx.AsyncClient, base_url: str, model: str, req
     """One streamed completion. retries: how many more times a request is sent when it failed
     with a network or protocol error before any status line came back (a timeout is not
     retried); one that got a response is never sent twice. Its times are the last attempt's."""
-    for attempt in range(retries + 1):
+    attempt = 0
+    while True:
         res, unanswered = await _send_once(client, base_url, model, req, headers, temperature)
-        res.retries = attempt
         if res.error is None or not unanswered or attempt == retries:
+            res.retries = attempt
             return res
-    raise AssertionError("unreachable")
+        attempt += 1
 
 
 async def _send_once(client: httpx.AsyncClient, base_url: str, model: str, req: WorkloadRequest,
