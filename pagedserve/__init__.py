@@ -13,6 +13,7 @@ _LAZY = {
     "SamplingParams": "pagedserve.sampling_params",
     "BeamSearchParams": "pagedserve.sampling_params",
     "RequestOutputKind": "pagedserve.sampling_params",
+    "StructuredOutputsParams": "pagedserve.sampling_params",
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "BeamSearchOutput": "pagedserve.outputs",

@@ -2,7 +2,9 @@
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass
+from typing import Any
 
 MAX_N = 128
 _MAX_LOGPROBS = 20
@@ -19,6 +21,51 @@ class RequestOutputKind(enum.Enum):
     CUMULATIVE = "cumulative"
     DELTA = "delta"
     FINAL_ONLY = "final_only"
+
+
+@dataclass
+class StructuredOutputsParams:
+    """Constrains a request's output to a grammar; exactly one kind is set (vLLM's names).
+
+    json: a JSON Schema (dict or its JSON text). json_object: any JSON object. regex, choice
+    (one of these strings), grammar (EBNF, xgrammar's GBNF dialect), structural_tag (xgrammar's
+    structural-tag JSON: free text with tagged, schema-constrained regions, as tool calls use).
+    The engine compiles it (engine/structured/), fills a token bitmask per step and finishes the
+    sequence with finish_reason "stop" once the grammar has closed.
+    """
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    structural_tag: str | dict | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+
+    KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+    def __post_init__(self) -> None:
+        set_kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(set_kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of "
+                             f"{', '.join(self.KINDS)}; got {set_kinds or 'none'}")
+        if self.choice is not None and (not self.choice or
+                                        not all(isinstance(c, str) for c in self.choice)):
+            raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+    def key(self) -> tuple[str, str]:
+        """(kind, canonical spec text): what a compiled grammar is cached by (with the tokenizer)."""
+        value: Any = getattr(self, self.kind)
+        if isinstance(value, (dict, list)):
+            value = json.dumps(value, sort_keys=True, separators=(",", ":"))
+        opts = (self.disable_any_whitespace, self.disable_additional_properties,
+                self.whitespace_pattern)
+        return self.kind, f"{value}|{opts}"
 
 
 @dataclass
@@ -43,8 +90,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)
