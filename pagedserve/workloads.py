@@ -18,6 +18,8 @@ class WorkloadRequest:
     prompt_token_ids: list[int]
     output_len: int
     arrival_time: float = 0.0
+    # Extra body fields a serving client sends with this request (e.g. structured_outputs).
+    extra_body: dict | None = None
 
 
 @dataclass(frozen=True)

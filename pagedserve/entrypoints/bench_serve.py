@@ -53,7 +53,7 @@ async def _send_once(client: httpx.AsyncClient, base_url: str, model: str, req: 
     answered = unanswered = False
     payload = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
                "temperature": temperature, "ignore_eos": True, "stream": True,
-               "stream_options": {"include_usage": True}}
+               "stream_options": {"include_usage": True}, **(req.extra_body or {})}
     start = last = time.perf_counter()
     chunks_with_text = 0
     try:
@@ -381,6 +381,11 @@ def run_serve_cli(args: Any) -> int:
     seed = getattr(args, "seed", 0)
     requests = make_workload(args.workload, args.num_requests, args.request_rate, seed=seed,
                              vocab_size=served.vocab_size, max_total_len=served.max_model_len)
+    json_schemas = getattr(args, "json_schemas", 0)
+    if json_schemas:
+        from pagedserve.benchmark.json_schemas import schema_per_request
+        for req, schema in zip(requests, schema_per_request(len(requests), json_schemas)):
+            req.extra_body = {"structured_outputs": {"json": schema}}
     print(f"{len(requests)} {args.workload} requests to {served.id!r} at {args.base_url} (token ids "
           f"< {min(VOCAB_DRAW, served.vocab_size)}, prompt + output <= "
           f"{max(len(r.prompt_token_ids) + r.output_len for r in requests)})", file=sys.stderr)
@@ -394,7 +399,8 @@ def run_serve_cli(args: Any) -> int:
               "num_requests": len(requests), "request_rate": rate,
               "max_concurrency": max_concurrency, "seed": seed,
               "num_client_processes": getattr(args, "num_client_processes", 1),
-              "vocab_size": served.vocab_size, "max_model_len": served.max_model_len}
+              "vocab_size": served.vocab_size, "max_model_len": served.max_model_len,
+              "json_schemas": json_schemas}
     print(format_summary(summary))
     errors = [r["error"] for r in summary["requests"] if r["error"]]
     if errors:

@@ -189,6 +189,10 @@ def register_bench(sub) -> None:
                    help="split the requests over this many client processes, so that the "
                         "client's SSE parsing does not bound the measurement; percentiles are "
                         "of the merged records (no progress bar when > 1)")
+    s.add_argument("--json-schemas", type=int, default=0, metavar="N",
+                   help="every request carries structured_outputs.json, one of a fixed set of N "
+                        "schemas (pagedserve/benchmark/json_schemas.py) that never close before "
+                        "max_tokens; 0: unconstrained")
     s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     s.add_argument("--output", default=None, help="write the JSON summary and every request here")
     s.set_defaults(func=run_serve)
