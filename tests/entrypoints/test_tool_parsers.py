@@ -162,3 +162,18 @@ def test_named_function_output():
     assert got == {"content": "", "reasoning": "", "calls": [("get_weather", text)]}
     for chunks in chunkings(text):
         assert stream(parser, chunks) == got
+
+
+def test_flag_choices_are_the_registries():
+    from pagedserve.config import REASONING_PARSERS as REASONING_NAMES
+    from pagedserve.config import TOOL_CALL_PARSERS
+    assert set(TOOL_CALL_PARSERS) == set(TOOL_PARSERS)
+    assert set(REASONING_NAMES) == set(REASONING_PARSERS)
+
+
+def test_auto_tool_choice_flag_needs_a_parser():
+    from pagedserve.config import EngineConfig
+    with pytest.raises(ValueError, match="tool_call_parser"):
+        EngineConfig(enable_auto_tool_choice=True)
+    with pytest.raises(ValueError, match="reasoning_parser"):
+        EngineConfig(reasoning_parser="nope")

@@ -78,7 +78,7 @@ def tools_model_dir(tmp_path_factory):
 def tools_server(tools_model_dir, tmp_path_factory):
     """The demo model with tool calling (hermes) and a reasoning parser (qwen3) switched on."""
     log = tmp_path_factory.mktemp("tools-server") / "server.log"
-    s = start_server(tools_model_dir, log, "--max-model-len", "512", "--block-size", "16",
+    s = start_server(tools_model_dir, log, "--max-model-len", "1024", "--block-size", "16",
                      "--num-gpu-blocks-override", "256", "--max-num-seqs", "32",
                      "--swap-space", "0.05", "--enable-auto-tool-choice",
                      "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")

@@ -70,7 +70,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_choices(1, req.n)
         check_history(req.messages)
         plan = plan_tools(req, self.auto_tool_parser)
-        structured = await resolve_structured_outputs(self.engine, req, plan.forced_schema)
+        structured = await resolve_structured_outputs(self.engine, req, plan.constraint)
         # A grammar constrains the output from its first token: no <think> block to split off.
         reasoning = self.reasoning_parser() if self.reasoning_parser and structured is None else None
         parser = MessageParser(reasoning, plan.parser, plan.parallel)

@@ -55,11 +55,11 @@ def _sources(req: StructuredOutputFields) -> list[tuple[str, dict[str, Any]]]:
 
 
 async def resolve_structured_outputs(engine: Any, req: StructuredOutputFields,
-                                     forced: tuple[str, dict] | None = None
+                                     constraint: tuple[str, dict] | None = None
                                      ) -> StructuredOutputsParams | None:
     """The request's checked output constraint, or None; the grammar check runs on the
     engine's tokenizer thread, off the event loop."""
-    found = structured_outputs_of(req, forced)
+    found = structured_outputs_of(req, constraint)
     if found is None:
         return None
     params, param = found
@@ -67,17 +67,17 @@ async def resolve_structured_outputs(engine: Any, req: StructuredOutputFields,
     return params
 
 
-def structured_outputs_of(req: StructuredOutputFields, forced: tuple[str, dict] | None = None
+def structured_outputs_of(req: StructuredOutputFields, constraint: tuple[str, dict] | None = None
                           ) -> tuple[StructuredOutputsParams, str] | None:
-    """The request's one output constraint and the field it came from (forced: (param, schema)
-    of a forced tool call)."""
+    """The request's one output constraint and the field it came from (constraint: (param,
+    StructuredOutputsParams keyword arguments) that the tools need, tools.ToolPlan)."""
     backend = req.guided_decoding_backend
     if backend is not None and backend not in GRAMMAR_BACKENDS:
         raise APIError(f"guided_decoding_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, "
                        f"got {backend!r}", param="guided_decoding_backend")
     sources = _sources(req)
-    if forced is not None:
-        sources.append((forced[0], {"json": forced[1]}))
+    if constraint is not None:
+        sources.append(constraint)
     if not sources:
         if req.guided_whitespace_pattern is not None:
             raise APIError("guided_whitespace_pattern needs a JSON constraint (guided_json, "
@@ -137,6 +137,14 @@ def check_compiles(params: StructuredOutputsParams, param: str) -> None:
             xgr.Grammar.from_regex(params.regex)
         elif kind == "grammar":
             xgr.Grammar.from_ebnf(params.grammar)
+        elif kind == "structural_tag":
+            tag = params.structural_tag
+            if isinstance(tag, dict) and "structures" in tag:  # vLLM's older shape
+                items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
+                                               end=s["end"]) for s in tag["structures"]]
+                xgr.Grammar.from_structural_tag(items, tag.get("triggers", []))
+            else:
+                xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
     except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
         msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise APIError(f"{param} cannot be compiled to a grammar: {_strip_location(msg)}",

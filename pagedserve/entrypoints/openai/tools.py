@@ -3,7 +3,9 @@ forces a call (tool_choice "required" or a named function), and the parser of it
 
 - none: the model answers in text (the tools are still rendered, as vLLM does by default).
 - auto (the default when tools are given): the model decides; the server's --tool-call-parser
-  reads calls out of the text. Needs --enable-auto-tool-choice, else 400 (as vLLM).
+  reads calls out of the text. Needs --enable-auto-tool-choice, else 400 (as vLLM). Functions
+  marked `strict` are enforced by xgrammar's built-in structural tag of the parser's format
+  (text stays free; a call, once begun, follows its schema); a parser without one is a 400.
 - required: a JSON schema forces a non-empty array of {"name", "parameters"} items, each with
   the parameters schema of its function (one item with parallel_tool_calls=false).
 - a named function: a JSON schema forces the function's parameters object.
@@ -31,7 +33,8 @@ AUTO_NEEDS_FLAGS = ('"auto" tool choice requires --enable-auto-tool-choice and '
 class ToolPlan:
     """What one request's tools mean for its prompt, its grammar and its output parsing."""
     tools: list[dict] | None = None          # as apply_chat_template(tools=...) takes them
-    forced_schema: tuple[str, dict] | None = None   # (param, JSON schema) of a forced call
+    # (param, StructuredOutputsParams keyword arguments) of the grammar the tools need, if any
+    constraint: tuple[str, dict] | None = None
     parser: ToolParser | None = None         # reads the calls out of the output
     parallel: bool = True
 
@@ -61,17 +64,46 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolParser] | None)
     if choice == "auto":
         if auto_parser is None:
             raise APIError(AUTO_NEEDS_FLAGS, param="tool_choice")
-        return ToolPlan(tools=rendered, parser=auto_parser(), parallel=parallel)
+        strict = [i for i, t in enumerate(req.tools) if t.function.strict]
+        constraint = None
+        if strict:
+            constraint = ("tools", {"structural_tag": _strict_tag(auto_parser, req, strict[0],
+                                                                  params, parallel)})
+        return ToolPlan(tools=rendered, constraint=constraint, parser=auto_parser(),
+                        parallel=parallel)
     if isinstance(choice, NamedToolChoice):
         name = choice.function.name
         if name not in names:
             raise APIError(f"tool_choice names function {name!r}, which is not in tools",
                            param="tool_choice")
         schema = params[names.index(name)]
-        return ToolPlan(tools=rendered, forced_schema=("tool_choice", schema),
+        return ToolPlan(tools=rendered, constraint=("tool_choice", {"json": schema}),
                         parser=NamedFunctionParser(name), parallel=parallel)
-    return ToolPlan(tools=rendered, forced_schema=("tool_choice", required_schema(names, params, parallel)),
+    schema = required_schema(names, params, parallel)
+    return ToolPlan(tools=rendered, constraint=("tool_choice", {"json": schema}),
                     parser=RequiredToolsParser(), parallel=parallel)
+
+
+def _strict_tag(parser: type[ToolParser], req: ChatCompletionRequest, first_strict: int,
+                params: list[dict], parallel: bool) -> dict:
+    """xgrammar's structural tag for the parser's call format: strict functions with their
+    parameter schemas, the others with any JSON object."""
+    if parser.xgrammar_format is None:
+        raise APIError(f"strict functions under tool_choice=auto need a tool-call format the "
+                       f"grammar can enforce (hermes, llama3_json); the server's parser is "
+                       f"{parser.name}. Use tool_choice=required or a named function.",
+                       param=f"tools.{first_strict}.function.strict")
+    import xgrammar as xgr
+
+    tools = []
+    for t, p in zip(req.tools, params):
+        fn: dict[str, Any] = {"name": t.function.name}
+        if t.function.strict:
+            fn["parameters"] = p
+        tools.append({"type": "function", "function": fn})
+    tag = xgr.get_builtin_structural_tag(parser.xgrammar_format, tools=tools, tool_choice="auto",
+                                         reasoning=False, parallel_tool_calls=parallel)
+    return tag.model_dump(mode="json")
 
 
 def required_schema(names: list[str], params: list[dict], parallel: bool) -> dict:

@@ -40,6 +40,9 @@ class ToolParser:
     name: ClassVar[str] = ""
     # Whether the parser needs special tokens kept in the text (its markers are special tokens).
     keeps_special_tokens: ClassVar[bool] = False
+    # xgrammar's built-in structural tag of this call format (get_builtin_structural_tag), which
+    # enforces `strict` functions under tool_choice=auto; None: strict cannot be enforced.
+    xgrammar_format: ClassVar[str | None] = None
 
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError

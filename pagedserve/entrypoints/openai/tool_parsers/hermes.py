@@ -11,6 +11,7 @@ START, END = "<tool_call>", "</tool_call>"
 
 class HermesToolParser(ToolParser):
     name = "hermes"
+    xgrammar_format = "qwen_3"
 
     def parse(self, text: str, final: bool) -> Parsed:
         first = text.find(START)

@@ -9,6 +9,7 @@ PYTHON_TAG = "<|python_tag|>"
 
 class Llama3JsonToolParser(ToolParser):
     name = "llama3_json"
+    xgrammar_format = "llama"
 
     def parse(self, text: str, final: bool) -> Parsed:
         pos = len(PYTHON_TAG) if text.startswith(PYTHON_TAG) else 0
