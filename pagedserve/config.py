@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 CUDAGRAPH_MODES = ("decode", "piecewise")
 # The server's output parsers (entrypoints/openai/tool_parsers, reasoning_parsers; a test keeps
 # these lists equal to the registries there, which config must not import).
@@ -171,6 +172,12 @@ class EngineConfig:
     reasoning_parser: str | None = option(None, "split the model's <think>...</think> text into "
                                                 "the chat message's reasoning_content",
                                           REASONING_PARSERS)
+    structured_outputs_backend: str = option("auto", "grammar library for structured outputs (json schema, "
+                                                     "regex, choice, grammar); auto: xgrammar",
+                                             STRUCTURED_OUTPUTS_BACKENDS)
+    structured_outputs_compile_timeout_s: float = option(30.0, "seconds a request may wait for its "
+                                                               "grammar to compile before it fails "
+                                                               "(alone, with an error)")
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -207,6 +214,12 @@ class EngineConfig:
                              f"{self.reasoning_parser!r}")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
+                             f"got {self.structured_outputs_backend!r}")
+        if not self.structured_outputs_compile_timeout_s > 0:
+            raise ValueError(f"structured_outputs_compile_timeout_s must be > 0, "
+                             f"got {self.structured_outputs_compile_timeout_s}")
         if self.cuda_graph_sizes is not None:
             if not self.cuda_graph_sizes or any(not isinstance(b, int) or b < 1 for b in self.cuda_graph_sizes):
                 raise ValueError(f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, "
