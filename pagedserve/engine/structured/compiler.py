@@ -25,14 +25,12 @@ from typing import Any
 
 import xgrammar as xgr
 
+from pagedserve.metrics import COMPILE_BUCKETS
 from pagedserve.sampling_params import StructuredOutputsParams
 
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "xgrammar")
-# Compile-time histogram buckets, seconds: cached-in-xgrammar hits (~1 ms) to pathological schemas.
-COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                   30.0, 60.0)
 
 
 def _ebnf_literal(text: str) -> str:

@@ -65,6 +65,10 @@ class StructuredOutputs:
                                              threads=self.compile_threads)
         return self._pool
 
+    @property
+    def pool_if_started(self) -> GrammarCompilerPool | None:
+        return self._pool
+
     def check(self, spec: StructuredOutputsParams) -> xgr.Grammar:
         """Parse the spec now (ValueError naming the problem); what submit() compiles."""
         if self.tokenizer is None:
