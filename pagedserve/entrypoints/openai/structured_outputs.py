@@ -31,21 +31,22 @@ def _sources(req: StructuredOutputFields) -> list[tuple[str, dict[str, Any]]]:
                 raise APIError("response_format of type json_schema needs json_schema.schema",
                                param="response_format.json_schema")
             out.append(("response_format.json_schema.schema", {"json": rf.json_schema.json_schema}))
-        else:  # structural_tag: xgrammar's format, passed on whole
-            tag = rf.model_dump(exclude_none=True)
+        else:  # structural_tag
+            tag = _tag_format(rf.model_dump(exclude_none=True))
             out.append(("response_format", {"structural_tag": tag}))
     so = req.structured_outputs
     if so is not None:
         kinds = {k: v for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
                                    ("grammar", so.grammar), ("json_object", so.json_object or None),
                                    ("structural_tag", so.structural_tag)) if v is not None}
-        if len(kinds) != 1:
+        if len(kinds) > 1:
             raise APIError("structured_outputs must set exactly one of json, regex, choice, "
-                           f"grammar, json_object, structural_tag; got {sorted(kinds) or 'none'}",
+                           f"grammar, json_object, structural_tag; got {sorted(kinds)}",
                            param="structured_outputs")
-        (kind, value), = kinds.items()
-        kw = {kind: value, **{o: getattr(so, o) for o in _OPTIONS}}
-        out.append((f"structured_outputs.{kind}", kw))
+        if kinds:  # without a kind it only carries options for another field's constraint
+            (kind, value), = kinds.items()
+            out.append((f"structured_outputs.{kind}", {kind: _tag_format(value) if
+                                                       kind == "structural_tag" else value}))
     for field, kind in (("guided_json", "json"), ("guided_regex", "regex"),
                         ("guided_choice", "choice"), ("guided_grammar", "grammar")):
         value = getattr(req, field)
@@ -67,10 +68,33 @@ async def resolve_structured_outputs(engine: Any, req: StructuredOutputFields,
     return params
 
 
+def _tag_format(tag: Any) -> Any:
+    """vLLM's older structural tag ({"structures": [{begin, schema, end}], "triggers"}) in
+    xgrammar's current format (triggered_tags); anything else as given."""
+    if not isinstance(tag, dict) or "structures" not in tag:
+        return tag
+    try:
+        tags = [{"type": "tag", "begin": s["begin"], "end": s["end"],
+                 "content": {"type": "json_schema", "json_schema": s["schema"]}}
+                for s in tag["structures"]]
+    except (KeyError, TypeError):
+        raise APIError("each structural tag structure needs begin, schema and end",
+                       param="structural_tag") from None
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "tags": tags,
+                                                 "triggers": tag.get("triggers") or []}}
+
+
 def structured_outputs_of(req: StructuredOutputFields, constraint: tuple[str, dict] | None = None
                           ) -> tuple[StructuredOutputsParams, str] | None:
     """The request's one output constraint and the field it came from (constraint: (param,
     StructuredOutputsParams keyword arguments) that the tools need, tools.ToolPlan)."""
+    for field, value in (("guided_whitespace_pattern", req.guided_whitespace_pattern),
+                         ("structured_outputs.whitespace_pattern",
+                          req.structured_outputs and req.structured_outputs.whitespace_pattern)):
+        if value is not None:
+            raise APIError(f"{field} is not supported by the xgrammar backend; "
+                           "structured_outputs.disable_any_whitespace gives compact JSON",
+                           param=field)
     backend = req.guided_decoding_backend
     if backend is not None and backend not in GRAMMAR_BACKENDS:
         raise APIError(f"guided_decoding_backend must be one of {', '.join(GRAMMAR_BACKENDS)}, "
@@ -79,17 +103,15 @@ def structured_outputs_of(req: StructuredOutputFields, constraint: tuple[str, di
     if constraint is not None:
         sources.append(constraint)
     if not sources:
-        if req.guided_whitespace_pattern is not None:
-            raise APIError("guided_whitespace_pattern needs a JSON constraint (guided_json, "
-                           "response_format, ...)", param="guided_whitespace_pattern")
         return None
     if len(sources) > 1:
         names = " and ".join(p.split(".")[0] for p, _ in sources[:2])
         raise APIError(f"{names} both constrain the output; send one of them",
                        param=sources[1][0].split(".")[0])
     param, kw = sources[0]
-    if req.guided_whitespace_pattern is not None:
-        kw["whitespace_pattern"] = req.guided_whitespace_pattern
+    kw = dict(kw)
+    if req.structured_outputs is not None:  # its options apply whichever field set the kind
+        kw.update({o: getattr(req.structured_outputs, o) for o in _OPTIONS})
     if "json" in kw:
         kw["json"] = check_json_schema(kw["json"], param)
     try:
@@ -121,38 +143,14 @@ def check_json_schema(schema: Any, param: str) -> dict:
 
 
 def check_compiles(params: StructuredOutputsParams, param: str) -> None:
-    """400 when the grammar library cannot turn the constraint into a grammar. Runs off the
-    event loop (AsyncLLMEngine.run): a large schema takes milliseconds."""
+    """400 when the grammar library cannot turn the constraint into a grammar: the engine's own
+    tokenizer-free check (engine/structured/compiler.parse_spec, milliseconds), run here on the
+    tokenizer thread so that the error names the request field."""
     try:
-        import xgrammar as xgr
-    except ImportError:  # the engine reports it when it compiles
+        from pagedserve.engine.structured.compiler import parse_spec
+    except ImportError:  # no xgrammar: the engine reports it
         return
-    kind = params.kind
     try:
-        if kind == "json":
-            xgr.Grammar.from_json_schema(
-                json.dumps(params.json), any_whitespace=not params.disable_any_whitespace,
-                strict_mode=True)
-        elif kind == "regex":
-            xgr.Grammar.from_regex(params.regex)
-        elif kind == "grammar":
-            xgr.Grammar.from_ebnf(params.grammar)
-        elif kind == "structural_tag":
-            tag = params.structural_tag
-            if isinstance(tag, dict) and "structures" in tag:  # vLLM's older shape
-                items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]),
-                                               end=s["end"]) for s in tag["structures"]]
-                xgr.Grammar.from_structural_tag(items, tag.get("triggers", []))
-            else:
-                xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
-    except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's message
-        msg = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-        raise APIError(f"{param} cannot be compiled to a grammar: {_strip_location(msg)}",
-                       param=param) from None
-
-
-def _strip_location(msg: str) -> str:
-    """xgrammar prefixes '[time] /project/cpp/file.cc:94: '; the client needs the rest."""
-    if msg.startswith("[") and ".cc:" in msg:
-        return msg.split(": ", 1)[-1]
-    return msg
+        parse_spec(params)
+    except ValueError as e:
+        raise APIError(f"{param}: {e}", param=param) from None
