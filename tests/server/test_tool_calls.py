@@ -15,7 +15,7 @@ WEATHER = {"type": "object", "properties": {
     "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
     "required": ["city", "unit", "days"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]+/[A-Z][a-z]+$"}},
+TIME = {"type": "object", "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]{2,8}/[A-Z][a-z]{2,8}$"}},
         "required": ["timezone"], "additionalProperties": False}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather forecast",
                                            "parameters": WEATHER}},
@@ -64,3 +64,92 @@ def test_tool_choice_none_answers_in_text(tools_http):
     choice = r.json()["choices"][0]
     assert choice["message"]["tool_calls"] is None and choice["message"]["content"]
     assert choice["finish_reason"] in ("stop", "length")
+
+
+COMPACT = {"structured_outputs": {"disable_any_whitespace": True}}  # the demo model loves newlines
+
+
+def _validate_calls(message, finish_reason):
+    assert message.content is None
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    assert finish_reason == "tool_calls"
+
+
+def _streamed_calls(client, **kw):
+    """Accumulate OpenAI tool-call deltas the way clients do: by index, the first delta naming."""
+    calls, finish = {}, None
+    for chunk in client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            assert not c.delta.content
+            for tc in c.delta.tool_calls or []:
+                if tc.index not in calls:
+                    assert tc.id.startswith("call_") and tc.type == "function" and tc.function.name
+                    calls[tc.index] = [tc.function.name, tc.function.arguments or ""]
+                else:
+                    assert tc.id is None and tc.function.name is None
+                    calls[tc.index][1] += tc.function.arguments or ""
+    return [tuple(calls[i]) for i in sorted(calls)], finish
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}},
+                                         {"type": "function", "function": {"name": "get_weather"}}],
+                         ids=["required", "named-get_time", "named-get_weather"])
+def test_forced_tool_calls_validate(tools_client, tool_choice):
+    kw = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice=tool_choice, max_tokens=96,
+              temperature=1.0, parallel_tool_calls=False, extra_body=COMPACT)
+    for seed in (7,):
+        r = tools_client.chat.completions.create(seed=seed, **kw)
+        choice = r.choices[0]
+        _validate_calls(choice.message, choice.finish_reason)
+        if isinstance(tool_choice, dict):
+            assert [c.function.name for c in choice.message.tool_calls] == [tool_choice["function"]["name"]]
+        calls, finish = _streamed_calls(tools_client, seed=seed, **kw)
+        assert calls == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+        assert finish == choice.finish_reason
+
+
+HERMES_CALL = (r'Let me look\.\n<tool_call>\n\{"name": "get_time", "arguments": '
+               r'\{"timezone": "[A-Z][a-z]{2,8}/[A-Z][a-z]{2,8}"\}\}\n</tool_call>')
+
+
+def test_auto_tool_choice_parses_the_model_text(tools_client):
+    """tool_choice=auto: the hermes parser reads a call the model wrote (here the model is made
+    to write one with a regex, as no demo model calls tools on its own)."""
+    kw = dict(model="tiny", messages=MSG, tools=TOOLS, tool_choice="auto", max_tokens=96,
+              temperature=1.0, seed=3, extra_body={"guided_regex": HERMES_CALL})
+    choice = tools_client.chat.completions.create(**kw).choices[0]
+    assert choice.message.content == "Let me look.\n"
+    assert [c.function.name for c in choice.message.tool_calls] == ["get_time"]
+    jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments), TIME)
+    assert choice.finish_reason == "tool_calls"
+    content, calls, finish = "", {}, None
+    for chunk in tools_client.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            content += c.delta.content or ""
+            finish = c.finish_reason or finish
+            for tc in c.delta.tool_calls or []:
+                calls.setdefault(tc.index, [tc.function.name, ""])[1] += tc.function.arguments or ""
+    assert content == choice.message.content and finish == "tool_calls"
+    assert [tuple(v) for v in calls.values()] == [(c.function.name, c.function.arguments)
+                                                  for c in choice.message.tool_calls]
+
+
+def test_strict_functions_under_auto_compile_to_a_grammar():
+    """strict tools under auto become xgrammar's structural tag of the hermes format, which the
+    engine's grammar check accepts; the tag constrains get_weather's arguments to WEATHER."""
+    from pagedserve.engine.structured.compiler import parse_spec
+    from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+    from pagedserve.entrypoints.openai.structured_outputs import structured_outputs_of
+    from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+    from pagedserve.entrypoints.openai.tools import plan_tools
+    tools = [dict(TOOLS[0], function=dict(TOOLS[0]["function"], strict=True)), TOOLS[1]]
+    req = ChatCompletionRequest.model_validate({"messages": MSG, "tools": tools})
+    params, param = structured_outputs_of(req, plan_tools(req, TOOL_PARSERS["hermes"]).constraint)
+    assert param == "tools"
+    tags = params.structural_tag["format"]["tags"]
+    assert tags[0]["begin"].startswith("<tool_call>") and tags[0]["content"]["json_schema"] == WEATHER
+    parse_spec(params)
