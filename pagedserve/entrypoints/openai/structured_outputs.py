@@ -152,5 +152,8 @@ def check_compiles(params: StructuredOutputsParams, param: str) -> None:
         return
     try:
         parse_spec(params)
-    except ValueError as e:
-        raise APIError(f"{param}: {e}", param=param) from None
+    except ValueError as e:  # its messages name structured_outputs.<kind>: name the request's field
+        msg = str(e)
+        prefix = f"structured_outputs.{params.kind}"
+        msg = param + msg[len(prefix):] if msg.startswith(prefix) else f"{param}: {msg}"
+        raise APIError(msg, param=param) from None
