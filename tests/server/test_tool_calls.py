@@ -153,3 +153,36 @@ def test_strict_functions_under_auto_compile_to_a_grammar():
     tags = params.structural_tag["format"]["tags"]
     assert tags[0]["begin"].startswith("<tool_call>") and tags[0]["content"]["json_schema"] == WEATHER
     parse_spec(params)
+
+
+def test_a_returned_tool_call_goes_back_into_the_history(tools_client):
+    """The usual agent loop: the assistant message the client got back (as the openai client
+    serializes it, nulls and all), then the tool's result, then the next turn."""
+    kw = dict(model="tiny", tools=TOOLS, max_tokens=96, temperature=1.0, seed=5,
+              extra_body=COMPACT)
+    first = tools_client.chat.completions.create(
+        messages=MSG, tool_choice={"type": "function", "function": {"name": "get_time"}}, **kw)
+    message = first.choices[0].message
+    call = message.tool_calls[0]
+    history = [*MSG, message.model_dump(), {"role": "tool", "tool_call_id": call.id,
+                                            "content": "It is noon."}]
+    second = tools_client.chat.completions.create(messages=history, tool_choice="none", **kw)
+    assert second.choices[0].message.content
+    assert second.usage.prompt_tokens > first.usage.prompt_tokens + first.usage.completion_tokens
+
+
+def test_plain_chat_through_the_parsers_streams_the_same_text(tools_http):
+    """With --reasoning-parser on, every chat answer goes through the message parser: a text
+    without <think> is all content, streamed or not."""
+    body = {"messages": MSG, "max_tokens": 24, "temperature": 1.0, "seed": 9}
+    whole = tools_http.post(CHAT, json=body).json()["choices"][0]
+    text, finish = "", None
+    with tools_http.stream("POST", CHAT, json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    assert "reasoning_content" not in c["delta"] and "tool_calls" not in c["delta"]
+                    text += c["delta"].get("content") or ""
+                    finish = c["finish_reason"] or finish
+    assert whole["message"]["content"] and whole["message"]["reasoning_content"] is None
+    assert (text, finish) == (whole["message"]["content"], whole["finish_reason"])
