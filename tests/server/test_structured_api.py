@@ -134,3 +134,34 @@ def test_openai_client_parse_with_a_pydantic_model(tools_client):
     assert choice.finish_reason == "stop", choice
     assert isinstance(choice.message.parsed, Verse)
     assert Verse.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+@pytest.fixture(scope="module")
+def impatient_server(tools_model_dir, tmp_path_factory):
+    """A server whose grammars can never compile in time (a 1 microsecond limit)."""
+    from server_process import start_server, stop_server
+    s = start_server(tools_model_dir, tmp_path_factory.mktemp("impatient") / "server.log",
+                     "--max-model-len", "256", "--num-gpu-blocks-override", "64",
+                     "--max-num-seqs", "8", "--swap-space", "0.05",
+                     "--structured-outputs-compile-timeout-s", "0.000001")
+    yield s
+    stop_server(s)
+
+
+def test_a_grammar_that_compiles_too_slowly_fails_alone(impatient_server):
+    """The engine ends that request alone; the server answers a 400 saying why (streamed: an
+    error event) and keeps serving the others."""
+    import httpx
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    with httpx.Client(base_url=impatient_server.base_url, timeout=120) as http:
+        r = http.post(CHAT, json={"messages": MSG, "max_tokens": 8, "guided_json": schema})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "structured_outputs_failed" and "compile" in err["message"]
+        with http.stream("POST", CMPL, json={"prompt": "And", "max_tokens": 8, "stream": True,
+                                             "guided_regex": "[a-z]+"}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "structured_outputs_failed"
+        r = http.post(CHAT, json={"messages": MSG, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

@@ -56,7 +56,11 @@ class APIError(Exception):
 
 
 def check_not_ignored(out: Any, prompt_param: str) -> None:
-    """The scheduler drops ("ignored") a request that can never be scheduled: a 400, not text."""
+    """The scheduler drops ("ignored") a request that can never be scheduled: a 400, not text.
+    A request the core ended alone with an error (its grammar failed to compile, or compiled
+    too slowly) is a 400 saying so, not an empty "abort"."""
+    if getattr(out, "error", None):
+        raise APIError(out.error, code="structured_outputs_failed")
     if any(c.finish_reason == "ignored" for c in out.outputs):
         raise APIError(f"the {prompt_param} can never be scheduled: it does not fit in the KV cache",
                        param=prompt_param, code="kv_cache_capacity_exceeded")
