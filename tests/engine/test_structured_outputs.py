@@ -189,9 +189,20 @@ def test_preempted_grammar_requests_match_an_unpreempted_run(unpreempted, mode, 
     with overlapped steps and with synchronous ones."""
     small = make_llm(DEMO_MODEL_DIR, block_size=4, num_gpu_blocks_override=20, swap_space=0.05,
                      preemption_mode=mode, max_num_batched_tokens=32, async_scheduling=async_scheduling)
+    engine = small.llm_engine
+    schedule, overlapped = engine.scheduler.schedule, [0]
+
+    def spy():  # counts steps planned around a constrained sequence's placeholder token
+        out = schedule()
+        overlapped[0] += any(s.seq.num_inflight_tokens and s.seq.seq_id in engine.structured.seqs
+                             for s in out.scheduled)
+        return out
+    engine.scheduler.schedule = spy
     try:
         got, outs = _run_tokens(small, _mix())
         assert small.get_kv_cache_stats().num_preemptions > 0
+        # Grammar requests keep overlapped steps on (their masks wait for the token in flight).
+        assert overlapped[0] > 10 if async_scheduling else overlapped[0] == 0
         assert got == unpreempted
         assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= 3  # the grammars closed
         assert_no_leak(small)
