@@ -189,9 +189,20 @@ def test_preempted_grammar_requests_match_an_unpreempted_run(unpreempted, mode, 
     with overlapped steps and with synchronous ones."""
     small = make_llm(DEMO_MODEL_DIR, block_size=4, num_gpu_blocks_override=20, swap_space=0.05,
                      preemption_mode=mode, max_num_batched_tokens=32, async_scheduling=async_scheduling)
+    engine = small.llm_engine
+    schedule, overlapped = engine.scheduler.schedule, [0]
+
+    def spy():  # counts steps planned around a constrained sequence's placeholder token
+        out = schedule()
+        overlapped[0] += any(s.seq.num_inflight_tokens and s.seq.seq_id in engine.structured.seqs
+                             for s in out.scheduled)
+        return out
+    engine.scheduler.schedule = spy
     try:
         got, outs = _run_tokens(small, _mix())
         assert small.get_kv_cache_stats().num_preemptions > 0
+        # Grammar requests keep overlapped steps on (their masks wait for the token in flight).
+        assert overlapped[0] > 10 if async_scheduling else overlapped[0] == 0
         assert got == unpreempted
         assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= 3  # the grammars closed
         assert_no_leak(small)
@@ -254,3 +265,50 @@ def test_slow_compile_fails_alone_and_metrics_count():
         assert after.structured_output_compile_seconds_sum > 0
     finally:
         core.shutdown()
+
+
+def test_two_process_engine_serves_grammars_and_reports_them():
+    """Behind the server (core in its own process): the spec crosses the process boundary (a dict
+    schema, streamed DELTA outputs concatenate to a valid document), a bad spec is the core's
+    ValueError, a compile past the limit fails that request alone with RequestOutput.error, and
+    the compile counters reach /metrics."""
+    import asyncio
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.sampling_params import RequestOutputKind
+
+    schema = SCHEMAS[1]
+    config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32", swap_space=0.01,
+                          num_gpu_blocks_override=64, structured_outputs_compile_timeout_s=0.05)
+    engine = AsyncLLMEngine.from_engine_config(config)
+
+    async def collect(rid, params):
+        return [o async for o in engine.generate(PROMPTS[0], params, rid)]
+
+    async def go():
+        try:
+            with pytest.raises(ValueError, match="structured_outputs.regex"):
+                await engine.add_request("bad", PROMPTS[0], SamplingParams(
+                    max_tokens=4, structured_outputs=SO(regex="(unclosed")))
+            streamed, slow = await asyncio.gather(
+                collect("json", _json_params(schema, 5, output_kind=RequestOutputKind.DELTA)),
+                collect("slow", SamplingParams(max_tokens=4, structured_outputs=SO(
+                    json={"enum": [f"verse{i}+" * 3 for i in range(3000)]}))))
+            text = "".join(o.outputs[0].text for o in streamed if o.outputs)
+            assert streamed[-1].outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(text), schema)
+            assert slow[-1].finished and slow[-1].outputs[0].finish_reason == "abort"
+            assert "structured_outputs_compile_timeout_s" in slow[-1].error
+            await collect("again", _json_params(schema, 6))  # the same spec: a cache hit
+            metrics = engine.metrics.render().decode()
+
+            def value(name):
+                return float(re.search(rf"^pagedserve:{name} (\S+)$", metrics, re.M).group(1))
+            # json compiled; "slow" too if its compile has ended by now (it runs on after the timeout)
+            assert value("structured_output_compiles_total") in (1.0, 2.0)
+            assert value("structured_output_cache_hits_total") == 1.0  # "again"
+            assert value("structured_output_compile_seconds_count") == value("structured_output_compiles_total")
+        finally:
+            await engine.shutdown()
+    asyncio.run(go())
