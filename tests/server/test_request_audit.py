@@ -45,6 +45,12 @@ UNHONOURED = {
     "functions": [{"name": "f"}], "function_call": "auto", "moderation": {"model": "m"},
     "verbosity": "low", "prompt_cache_retention": "24h", "prompt_cache_options": {"x": 1},
     "logit_bias": {"5": 1.0},
+    # vLLM's extras
+    "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "bad_words": ["Lord"],
+    "allowed_token_ids": [1, 2], "logits_processors": ["x"], "truncate_prompt_tokens": 8,
+    "priority": 1, "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False,
+    "cache_salt": "tenant-1", "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1},
+    "echo": True, "chat_template": "{{ messages }}", "documents": [{"text": "x"}],
 }
 
 
@@ -60,9 +66,9 @@ def test_unhonoured_chat_field_is_a_400_naming_it(tools_http, field):
     assert field in r.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("field,value", [("suffix", "tail"), ("logit_bias", {"5": 1.0})])
-def test_unhonoured_completion_field_is_a_400_naming_it(tools_http, field, value):
-    r = tools_http.post(CMPL, json=c(**{field: value}))
+@pytest.mark.parametrize("field", sorted(CompletionRequest.UNSUPPORTED))
+def test_unhonoured_completion_field_is_a_400_naming_it(tools_http, field):
+    r = tools_http.post(CMPL, json=c(**{field: {**UNHONOURED, "suffix": "tail"}[field]}))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
 
@@ -74,8 +80,22 @@ def test_no_op_values_are_accepted(tools_http):
                                       response_format={"type": "text"}, tool_choice="none",
                                       parallel_tool_calls=True))
     assert r.status_code == 200, r.text
-    r = tools_http.post(CMPL, json=c(suffix="", logit_bias={}))
+    r = tools_http.post(CMPL, json=c(suffix="", logit_bias={}, use_beam_search=False, priority=0,
+                                     spaces_between_special_tokens=True))
     assert r.status_code == 200, r.text
+
+
+def test_continue_final_message(tools_http):
+    """vLLM's continue_final_message: the prompt ends inside the last (assistant) message."""
+    messages = [*MSG, {"role": "assistant", "content": "And the LORD"}]
+    r = tools_http.post(CHAT, json=ch(messages=messages, continue_final_message=True,
+                                      add_generation_prompt=False))
+    assert r.status_code == 200, r.text
+    r2 = tools_http.post(CHAT, json=ch(messages=messages))
+    # The closed turn adds its end-of-turn token and the next assistant header.
+    assert r.json()["usage"]["prompt_tokens"] < r2.json()["usage"]["prompt_tokens"]
+    r = tools_http.post(CHAT, json=ch(messages=messages, continue_final_message=True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
 
 
 def test_unknown_keys_are_ignored_with_a_log_line(tools_http, tools_server):

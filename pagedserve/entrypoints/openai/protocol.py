@@ -312,10 +312,42 @@ _NOT_STORED = "pagedserve stores no completions"
 # Fields of both APIs accepted only at a no-op value: {field: (no-op values besides None, why)}.
 _COMMON_UNSUPPORTED = {
     "logit_bias": (({},), "logit_bias is not supported"),
+    # vLLM's extras that change the output, which a vLLM user may send.
+    "use_beam_search": ((False,), "beam search is offline only here (LLM.beam_search)"),
+    "length_penalty": ((1.0,), "length_penalty belongs to beam search, offline only here"),
+    "prompt_logprobs": ((), "prompt_logprobs is not supported by the server"),
+    "bad_words": (([],), "bad_words is not supported"),
+    "allowed_token_ids": ((), "allowed_token_ids is not supported"),
+    "logits_processors": (([],), "logits_processors is not supported"),
+    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
+    "priority": ((0,), "priority scheduling is not supported (first come, first served)"),
+    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
+    "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not "
+                                               "supported"),
+    "cache_salt": ((), "cache_salt is not supported: the prefix cache is shared by all requests"),
+    "vllm_xargs": (({},), "vllm_xargs is not supported"),
+    "kv_transfer_params": ((), "KV transfer (disaggregated serving) is not supported"),
 }
 
 
-class CompletionRequest(SamplingFields):
+class VLLMExtraFields(FieldAudit):
+    """vLLM's request extras pagedserve accepts only at their no-op value (_COMMON_UNSUPPORTED)."""
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    prompt_logprobs: Optional[int] = None
+    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    logits_processors: Optional[list[Any]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    priority: Optional[int] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    cache_salt: Optional[str] = None
+    vllm_xargs: Optional[dict[str, Any]] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(SamplingFields, VLLMExtraFields):
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
         **_COMMON_UNSUPPORTED,
         "suffix": (("",), "suffix (insertion) is not supported"),
@@ -371,9 +403,13 @@ class ChatMessage(MessageExtras):
     name: Optional[str] = None
 
 
-class ChatCompletionRequest(SamplingFields, ChatToolFields):
+class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
         **_COMMON_UNSUPPORTED,
+        "echo": ((False,), "echo is not supported for chat"),
+        "chat_template": ((), "a per-request chat_template is not supported: the model's own "
+                              "template renders every request"),
+        "documents": (([],), "documents are not supported"),
         "audio": ((), "audio output is not supported (text models only)"),
         "modalities": ((["text"],), "only the text modality is supported"),
         "prediction": ((), "predicted outputs are not supported"),
@@ -409,6 +445,11 @@ class ChatCompletionRequest(SamplingFields, ChatToolFields):
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[Any] = None
     safety_identifier: Optional[str] = None
+    # vLLM's chat extras: continue_final_message is honoured; the others are audited above.
+    continue_final_message: bool = False
+    echo: Optional[bool] = None
+    chat_template: Optional[str] = None
+    documents: Optional[list[dict[str, Any]]] = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKEN_ID)
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKEN_ID)

@@ -55,6 +55,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
                                            add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message,
                                            **kwargs)
         except Exception as e:  # jinja raises for conversations its template refuses
             raise APIError(f"messages could not be rendered by the chat template: {e}",
@@ -68,6 +69,9 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_choices(1, req.n)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError("continue_final_message needs add_generation_prompt=false",
+                           param="continue_final_message")
         check_history(req.messages)
         plan = plan_tools(req, self.auto_tool_parser)
         structured = await resolve_structured_outputs(self.engine, req, plan.constraint)
