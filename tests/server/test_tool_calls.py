@@ -186,3 +186,14 @@ def test_plain_chat_through_the_parsers_streams_the_same_text(tools_http):
                     finish = c["finish_reason"] or finish
     assert whole["message"]["content"] and whole["message"]["reasoning_content"] is None
     assert (text, finish) == (whole["message"]["content"], whole["finish_reason"])
+
+
+def test_forced_calls_with_n_choices(tools_client):
+    """Each of n sampled choices carries its own schema-valid call (grammar state per sequence)."""
+    r = tools_client.chat.completions.create(
+        model="tiny", messages=MSG, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+        n=3, temperature=1.0, seed=13, max_tokens=96, extra_body=COMPACT)
+    assert len(r.choices) == 3
+    for choice in r.choices:
+        _validate_calls(choice.message, choice.finish_reason)
+    assert len({c.message.tool_calls[0].function.arguments for c in r.choices}) > 1  # really sampled
