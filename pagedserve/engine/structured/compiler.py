@@ -150,10 +150,15 @@ class GrammarCompilerPool:
         self._lock = threading.Lock()
         self.stats = CompileStats()
 
+    def has(self, key: tuple[str, str]) -> bool:
+        """Whether submit(key, ...) would be a cache hit (compiled, or compiling, without failure)."""
+        fut = self._cache.get(key)
+        return fut is not None and not (fut.done() and fut.exception() is not None)
+
     def submit(self, key: tuple[str, str], grammar: xgr.Grammar) -> Future:
         """A future of the CompiledGrammar for `key` (grammar: parse_spec's result for it)."""
         fut = self._cache.get(key)
-        if fut is not None and not (fut.done() and fut.exception() is not None):
+        if self.has(key):
             with self._lock:
                 self.stats.cache_hits += 1
             self._cache[key] = self._cache.pop(key)  # most recently used last

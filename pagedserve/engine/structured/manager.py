@@ -28,6 +28,10 @@ from pagedserve.engine.structured.matchers import SeqGrammar, SeqGrammars
 from pagedserve.sampling_params import StructuredOutputsParams
 
 
+# From this many constrained rows in a step, masks are filled on xgrammar's threads.
+BATCH_FILL_MIN_ROWS = 8
+
+
 @dataclass
 class PendingCompile:
     group: Any                  # the SequenceGroup, not yet in the scheduler
@@ -54,6 +58,7 @@ class StructuredOutputs:
         self.compiled: dict[str, xgr.CompiledGrammar] = {}  # request id -> its grammar (admitted)
         self.seqs = SeqGrammars()
         self._buffers: list[torch.Tensor] = []
+        self._batch_matcher: xgr.BatchGrammarMatcher | None = None
         self._flip = 0
 
     # ---- compiles -------------------------------------------------------------------------
@@ -69,17 +74,24 @@ class StructuredOutputs:
     def pool_if_started(self) -> GrammarCompilerPool | None:
         return self._pool
 
-    def check(self, spec: StructuredOutputsParams) -> xgr.Grammar:
-        """Parse the spec now (ValueError naming the problem); what submit() compiles."""
+    def check(self, spec: StructuredOutputsParams) -> xgr.Grammar | None:
+        """Parse the spec now (ValueError naming the problem); what submit() compiles. None: the
+        same spec is in the compile cache, so parsing it again (~1 ms, most of it the JSON Schema
+        meta-schema check) is skipped."""
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs the tokenizer: this engine was started with "
                              "skip_tokenizer_init=True")
+        if self._pool is not None and self._pool.has(spec.key()):
+            return None  # compiled (or compiling) already: parsed and checked then
         return parse_spec(spec)
 
-    def submit(self, group: Any, spec: StructuredOutputsParams, grammar: xgr.Grammar) -> bool:
+    def submit(self, group: Any, spec: StructuredOutputsParams, grammar: xgr.Grammar | None) -> bool:
         """Start (or reuse) the compile. True: the grammar is ready and the group may be scheduled
         now (start() done); False: the group waits here until poll() hands it over."""
-        fut = self.pool.submit(spec.key(), grammar)
+        key = spec.key()
+        if grammar is None and not self.pool.has(key):
+            grammar = parse_spec(spec)  # evicted since check(): parse after all
+        fut = self.pool.submit(key, grammar)
         if fut.done() and fut.exception() is None:
             self.start(group, fut.result())
             return True
@@ -153,12 +165,16 @@ class StructuredOutputs:
         if not rows:
             return None
         bitmask = self._buffer(max(i for i, _ in rows) + 1)
-        indices = []
-        for i, g in rows:
-            if g.done:
-                continue  # this row's token is discarded (the sequence has ended)
-            if g.matcher.fill_next_token_bitmask(bitmask, i):
-                indices.append(i)
+        # A done grammar's row is discarded anyway (its sequence has ended): leave it unmasked.
+        live = [(i, g) for i, g in rows if not g.done]
+        if len(live) >= BATCH_FILL_MIN_ROWS:
+            # xgrammar fills the rows on its own threads (a large vocabulary costs ~10-100 us a row).
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            indices = [i for i, _ in live]
+            self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for _, g in live], bitmask, indices)
+            return bitmask, indices
+        indices = [i for i, g in live if g.matcher.fill_next_token_bitmask(bitmask, i)]
         return (bitmask, indices) if indices else None
 
     def apply(self, logits: torch.Tensor, filled: tuple[torch.Tensor, list[int]] | None) -> None:
