@@ -16,6 +16,11 @@ from pagedserve.entrypoints.openai.serving_common import APIError
 from pagedserve.sampling_params import StructuredOutputsParams
 
 GRAMMAR_BACKENDS = ("auto", "xgrammar")
+# Constraints already checked (a benchmark or an agent sends the same few again and again): the
+# meta-schema check and the grammar conversion cost milliseconds each, on the tokenizer thread.
+_CHECKED_MAX = 1024
+_checked_schemas: dict[str, dict] = {}      # canonical JSON text -> the schema
+_compiled_specs: set[tuple[str, str]] = set()  # StructuredOutputsParams.key()
 _OPTIONS = ("disable_any_whitespace", "disable_additional_properties", "whitespace_pattern")
 
 
@@ -129,6 +134,9 @@ def check_json_schema(schema: Any, param: str) -> dict:
             schema = json.loads(schema)
         except ValueError as e:
             raise APIError(f"{param} is not JSON: {e}", param=param) from None
+    text = json.dumps(schema, sort_keys=True) if isinstance(schema, dict) else None
+    if text is not None and text in _checked_schemas:
+        return _checked_schemas[text]
     if not isinstance(schema, dict):
         raise APIError(f"{param} must be a JSON Schema object, got {type(schema).__name__}",
                        param=param)
@@ -139,6 +147,9 @@ def check_json_schema(schema: Any, param: str) -> dict:
         where = e.json_path if e.json_path != "$" else "the top level"
         raise APIError(f"{param} is not a valid JSON Schema: {e.message} (at {where})",
                        param=param) from None
+    if len(_checked_schemas) >= _CHECKED_MAX:
+        _checked_schemas.pop(next(iter(_checked_schemas)))
+    _checked_schemas[text] = schema
     return schema
 
 
@@ -150,6 +161,9 @@ def check_compiles(params: StructuredOutputsParams, param: str) -> None:
         from pagedserve.engine.structured.compiler import parse_spec
     except ImportError:  # no xgrammar: the engine reports it
         return
+    key = params.key()
+    if key in _compiled_specs:
+        return
     try:
         parse_spec(params)
     except ValueError as e:  # its messages name structured_outputs.<kind>: name the request's field
@@ -157,3 +171,6 @@ def check_compiles(params: StructuredOutputsParams, param: str) -> None:
         prefix = f"structured_outputs.{params.kind}"
         msg = param + msg[len(prefix):] if msg.startswith(prefix) else f"{param}: {msg}"
         raise APIError(msg, param=param) from None
+    if len(_compiled_specs) >= _CHECKED_MAX:
+        _compiled_specs.clear()
+    _compiled_specs.add(key)
