@@ -10,7 +10,12 @@ from dataclasses import dataclass, field
 
 KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 CUDAGRAPH_MODES = ("decode", "piecewise")
+# The server's output parsers (entrypoints/openai/tool_parsers, reasoning_parsers; a test keeps
+# these lists equal to the registries there, which config must not import).
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
 @dataclass
@@ -157,6 +162,22 @@ class EngineConfig:
                                           "is not given")
     async_scheduling: bool = option(True, "overlap steps: schedule and prepare step N+1 while step N "
                                           "runs on the device (off: every step synchronous, for A/B)")
+    # The OpenAI server's (vLLM's names); LLM(...) keeps them for `pagedserve serve` replicas.
+    enable_auto_tool_choice: bool = option(False, "serve tool_choice=auto: the model may call "
+                                                  "tools, read from its text by --tool-call-parser")
+    tool_call_parser: str | None = option(None, "how the model writes tool calls: hermes "
+                                                "(<tool_call> JSON, Qwen2.5/Qwen3/Hermes), "
+                                                "llama3_json (Llama 3.x), mistral ([TOOL_CALLS])",
+                                          TOOL_CALL_PARSERS)
+    reasoning_parser: str | None = option(None, "split the model's <think>...</think> text into "
+                                                "the chat message's reasoning_content",
+                                          REASONING_PARSERS)
+    structured_outputs_backend: str = option("auto", "grammar library for structured outputs (json schema, "
+                                                     "regex, choice, grammar); auto: xgrammar",
+                                             STRUCTURED_OUTPUTS_BACKENDS)
+    structured_outputs_compile_timeout_s: float = option(30.0, "seconds a request may wait for its "
+                                                               "grammar to compile before it fails "
+                                                               "(alone, with an error)")
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -182,8 +203,23 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs tool_call_parser (one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)})")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got "
+                             f"{self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
+                             f"{self.reasoning_parser!r}")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:
             raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
+        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
+                             f"got {self.structured_outputs_backend!r}")
+        if not self.structured_outputs_compile_timeout_s > 0:
+            raise ValueError(f"structured_outputs_compile_timeout_s must be > 0, "
+                             f"got {self.structured_outputs_compile_timeout_s}")
         if self.cuda_graph_sizes is not None:
             if not self.cuda_graph_sizes or any(not isinstance(b, int) or b < 1 for b in self.cuda_graph_sizes):
                 raise ValueError(f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, "

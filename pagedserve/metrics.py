@@ -9,11 +9,11 @@ The core series are exported twice: as pagedserve:* and under vLLM's names (vllm
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from pagedserve.core.stats import KVCacheStats
 
@@ -29,6 +29,9 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0
                  0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                 50.0, 60.0, 120.0, 240.0, 480.0)
+# Grammar compile time (structured outputs), seconds: a small schema (~1 ms) to a pathological one.
+COMPILE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                   30.0, 60.0)
 
 
 @dataclass
@@ -42,6 +45,13 @@ class EngineSnapshot:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0      # of those, tokens found cached
+    # Structured outputs (engine/structured/compiler.py), since start: grammars compiled, requests
+    # served from the compile cache, and compile seconds (sum, and counts per COMPILE_BUCKETS
+    # bucket, not cumulative, the last one above the largest bound).
+    structured_output_compiles: int = 0
+    structured_output_cache_hits: int = 0
+    structured_output_compile_seconds_sum: float = 0.0
+    structured_output_compile_seconds_buckets: list[int] = field(default_factory=list)
 
 
 class _SnapshotCollector:
@@ -63,6 +73,19 @@ class _SnapshotCollector:
             yield GaugeMetricFamily(PREFIX + name, doc, value=value)
         yield CounterMetricFamily(PREFIX + "num_preemptions", "Preemptions since start.",
                                   value=s.num_preemptions)
+        yield CounterMetricFamily(PREFIX + "structured_output_compiles", "Grammars compiled for "
+                                  "structured outputs (cache misses).", value=s.structured_output_compiles)
+        yield CounterMetricFamily(PREFIX + "structured_output_cache_hits", "Structured-output requests "
+                                  "whose grammar came from the compile cache.",
+                                  value=s.structured_output_cache_hits)
+        counts = s.structured_output_compile_seconds_buckets or [0] * (len(COMPILE_BUCKETS) + 1)
+        cumulative, running = [], 0
+        for bound, c in zip([*map(str, COMPILE_BUCKETS), "+Inf"], counts):
+            running += c
+            cumulative.append((bound, running))
+        yield HistogramMetricFamily(PREFIX + "structured_output_compile_seconds", "Time to compile one "
+                                    "structured-output grammar.", buckets=cumulative,
+                                    sum_value=s.structured_output_compile_seconds_sum)
 
     def describe(self):
         return []

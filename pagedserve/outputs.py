@@ -27,6 +27,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict | None = field(default=None, repr=False)
+    # Set when the engine ended this request alone (finish_reason "abort"), saying why: e.g. its
+    # structured_outputs grammar failed to compile or ran past structured_outputs_compile_timeout_s.
+    error: str | None = None
 
 
 @dataclass

@@ -169,8 +169,12 @@ class BeamSearchParams:
     ignore_eos: bool = False
     temperature: float = 0.0
     length_penalty: float = 1.0
+    # Every beam follows this grammar (its forbidden tokens are no candidates); pagedserve's addition.
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if not 1 <= self.beam_width <= MAX_N:
             raise ValueError(f"beam_width must be in [1, {MAX_N}], got {self.beam_width!r}")
         if self.max_tokens < 1:

@@ -134,6 +134,8 @@ class SequenceGroup:
     # Used by the simulator and the contiguous-oracle baseline: the true output length, if known.
     oracle_output_len: int | None = None
     metrics: dict = field(default_factory=dict)
+    # Why the engine ended this request alone (its grammar failed to compile, or timed out).
+    error: str | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

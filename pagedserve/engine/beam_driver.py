@@ -18,8 +18,10 @@ from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 class BeamSearchDriver:
     """Beam-search requests of one engine: their states (by request id) and finished results."""
 
-    def __init__(self, scheduler: Any, tokenizer: Any | None) -> None:
-        self.scheduler, self.tokenizer = scheduler, tokenizer
+    def __init__(self, scheduler: Any, tokenizer: Any | None, grammars: Any | None = None) -> None:
+        """grammars: the engine's per-sequence grammar state (structured/matchers.SeqGrammars), whose
+        matchers follow the beams' forks and frees; a constrained beam's logits arrive masked."""
+        self.scheduler, self.tokenizer, self.grammars = scheduler, tokenizer, grammars
         self.states: dict[str, BeamSearchState] = {}
         self.results: dict[str, BeamSearchOutput] = {}
 
@@ -44,6 +46,10 @@ class BeamSearchDriver:
         vals, ids = vals.tolist(), ids.tolist()
         touched = {}
         for r, (s, _) in enumerate(beam_rows):
+            # A grammar's mask leaves -inf for forbidden tokens: they are no candidates at all.
+            keep = [j for j, v in enumerate(vals[r]) if v != float("-inf")]
+            if len(keep) < len(vals[r]):
+                ids[r], vals[r] = [ids[r][j] for j in keep], [vals[r][j] for j in keep]
             self.states[s.group.request_id].pending[s.seq.seq_id] = (ids[r], vals[r])
             touched[s.group.request_id] = s.group
         for rid, group in touched.items():
@@ -68,11 +74,15 @@ class BeamSearchDriver:
             if b not in children:
                 seq.status = SequenceStatus.FINISHED_ABORTED
                 self.scheduler.free_seq(seq)
+                if self.grammars is not None:
+                    self.grammars.free(seq.seq_id)
         for b, (seq, _, _) in enumerate(beams):
             mine = children.get(b, [])
             for c in mine[1:]:
                 child = seq.fork()
                 self.scheduler.fork_seq(seq, child)
+                if self.grammars is not None:
+                    self.grammars.fork(seq.seq_id, child.seq_id)  # before the parent's token is fed
                 child.append_token(c.token, c.logprob)
                 new_seqs.append(child)
             if mine:

@@ -125,7 +125,19 @@ class EngineCore:
                               prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
                               num_preemptions=stats.num_preemptions,
                               prefix_cache_queries=stats.prefix_cache_queries,
-                              prefix_cache_hits=stats.prefix_cache_hits)
+                              prefix_cache_hits=stats.prefix_cache_hits,
+                              **self._structured_stats())
+
+    def _structured_stats(self) -> dict:
+        """The grammar compile counters (engine/structured/), for /metrics; none before the first."""
+        structured = getattr(self.engine, "structured", None)
+        pool = None if structured is None else structured.pool_if_started
+        if pool is None:
+            return {}
+        st = pool.stats
+        return dict(structured_output_compiles=st.compiles, structured_output_cache_hits=st.cache_hits,
+                    structured_output_compile_seconds_sum=st.seconds_sum,
+                    structured_output_compile_seconds_buckets=list(st.bucket_counts))
 
     def ready_message(self) -> Ready:
         e = self.engine
@@ -176,7 +188,7 @@ class EngineCore:
             out.step_error = str(e)
             return
         out.outputs = [RequestDelta(o.request_id, [CompletionDelta.of(c) for c in o.outputs],
-                                    o.finished, o.metrics if o.finished else None)
+                                    o.finished, o.metrics if o.finished else None, o.error)
                        for o in outs]
 
     def run_busy_loop(self, input_socket: Any, output_socket: Any) -> None:

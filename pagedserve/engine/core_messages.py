@@ -80,6 +80,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     outputs: list[CompletionDelta]
     finished: bool
     metrics: dict[str, float] | None = None
+    error: str | None = None      # RequestOutput.error: why the engine ended this request alone
 
 
 class UtilityResult(msgspec.Struct, array_like=True):

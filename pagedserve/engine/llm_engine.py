@@ -28,6 +28,7 @@ from pagedserve.engine.beam_search import BeamSearchState
 from pagedserve.engine.input_processor import InputProcessor, eos_token_ids, load_tokenizer
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.step_timer import NULL_STEP_TIMER
+from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.token_application import TokenApplication
 from pagedserve.layers.sampler import Sampler, needs_only_temperature
 from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
@@ -113,7 +114,11 @@ class LLMEngine(TokenApplication):
         # request id -> temperature, for requests whose rows need nothing but it (the sampler's plain path)
         self._plain_sampling: dict[str, float] = {}
         self._seq_generators: dict[int, torch.Generator] = {}
-        self._beams = BeamSearchDriver(self.scheduler, self.tokenizer)
+        # Grammars of structured-output requests (engine/structured/): compiles, matchers, masks.
+        self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids, self.device,
+                                            config.structured_outputs_backend,
+                                            config.structured_outputs_compile_timeout_s)
+        self._beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.structured.seqs)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
                                               self.scheduler_config.max_num_seqs, self.cache_config)
         # Phase clock (pagedserve.engine.step_timer.StepTimer); the null one does nothing.
@@ -145,6 +150,7 @@ class LLMEngine(TokenApplication):
 
     def shutdown(self) -> None:
         """Release the executor (with tensor parallelism: stop and reap the other ranks). Idempotent."""
+        self.structured.shutdown()
         self.runner.shutdown()
 
     # ---- requests -------------------------------------------------------------------------
@@ -171,6 +177,8 @@ class LLMEngine(TokenApplication):
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         group = self._new_group(request_id, prompt, sampling_params, arrival_time)
+        spec = sampling_params.structured_outputs
+        grammar = None if spec is None else self.structured.check(spec)  # ValueError: a bad spec
         seq = group.seqs[0]
         if sampling_params.seed is not None:
             self._seq_generators[seq.seq_id] = self._make_generator(sampling_params.seed)
@@ -179,8 +187,15 @@ class LLMEngine(TokenApplication):
             self._plain_sampling[request_id] = p.temperature
         if not overlaps(p):
             self._sync_requests.add(request_id)
-        self._groups[request_id] = group
-        self.scheduler.add_seq_group(group)
+        self._admit(group, grammar)
+
+    def _admit(self, group: SequenceGroup, grammar: Any) -> None:
+        """Register the group; it goes to the scheduler now, or, when it waits for its grammar's
+        compile, once StructuredOutputs.poll() says it is ready (the start of a later step)."""
+        self._groups[group.request_id] = group
+        spec = group.sampling_params.structured_outputs
+        if spec is None or self.structured.submit(group, spec, grammar):
+            self.scheduler.add_seq_group(group)
 
     def add_beam_search_request(self, request_id: str, prompt: str | list[int] | dict,
                                 params: BeamSearchParams) -> None:
@@ -190,12 +205,14 @@ class LLMEngine(TokenApplication):
         if params.beam_width > self.scheduler_config.max_num_seqs:
             raise ValueError(f"beam_width ({params.beam_width}) must be <= max_num_seqs "
                              f"({self.scheduler_config.max_num_seqs})")
-        sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True)
+        spec = params.structured_outputs
+        grammar = None if spec is None else self.structured.check(spec)
+        sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
+                            structured_outputs=spec)
         group = self._new_group(request_id, prompt, sp, None)
         self._beams.add(request_id, BeamSearchState(params, self.eos_token_ids, params.max_tokens))
         self._sync_requests.add(request_id)
-        self._groups[request_id] = group
-        self.scheduler.add_seq_group(group)
+        self._admit(group, grammar)
 
     def pop_beam_search_output(self, request_id: str) -> BeamSearchOutput | None:
         return self._beams.results.pop(request_id, None)
@@ -232,6 +249,7 @@ class LLMEngine(TokenApplication):
         self._sync_requests.discard(rid)
         for s in group.seqs:
             self._seq_generators.pop(s.seq_id, None)
+        self.structured.forget(group)
 
     def get_kv_cache_state(self) -> dict:
         """Every block's state, the live block tables and the counters, as plain data
@@ -254,6 +272,8 @@ class LLMEngine(TokenApplication):
         timer = self.step_timer
         timer.begin()
         touched: dict[int, SequenceGroup] = {}
+        if self.structured.pending:
+            self._admit_compiled(touched)
         prev = self._inflight  # stays visible until processed: the step the scheduler plans around
         overlap = self.async_scheduling and not self._sync_requests
         if prev is not None and not overlap:
@@ -300,6 +320,22 @@ class LLMEngine(TokenApplication):
         timer.mark("postprocess")
         return outputs
 
+    def _admit_compiled(self, touched: dict) -> None:
+        """Requests whose grammar is ready join the scheduler; those whose compile failed or timed
+        out end alone (finish_reason "abort", RequestOutput.error says why). With nothing else to
+        run, wait a little for a compile instead of spinning."""
+        st = self.structured
+        if self._inflight is None and not self.scheduler.has_unfinished_seqs():
+            st.wait_for_compiles(0.05)
+        ready, failed = st.poll()
+        for group in ready:
+            self.scheduler.add_seq_group(group)
+        for group, error in failed:
+            for seq in group.seqs:
+                seq.status = SequenceStatus.FINISHED_ABORTED
+            group.error = error
+            touched[id(group)] = group
+
     def _note_sampled(self, group: SequenceGroup, now: float, touched: dict, final_only: bool) -> None:
         if group.first_token_time is None:
             group.first_token_time = now
@@ -319,6 +355,8 @@ class LLMEngine(TokenApplication):
         self.scheduler.update_after_step(out)
         sampled = [s for s in out.scheduled if s.do_sample]
         if sampled and logits is not None:
+            if self.structured.seqs:
+                self.structured.apply(logits, self.structured.fill(self._grammar_rows(sampled)))
             now = time.time()
             for s in sampled:
                 self._note_sampled(s.group, now, touched, final_only)
@@ -338,6 +376,10 @@ class LLMEngine(TokenApplication):
 
         def sample(logits):
             timer.mark("execute")
+            if self.structured.seqs:
+                # The device runs this step's forward meanwhile: take the previous step's tokens,
+                # advance the matchers, fill and apply this step's mask (vLLM's overlap).
+                self._mask_overlapped(logits, sampled, prev)
             return self._sample_device(logits, sampled)
         result = self.runner.execute(out, None if prev is None else prev.tokens, sample=sample)
         if result is None:

@@ -137,7 +137,7 @@ class OutputProcessor:
             group.metrics["finished_time"] = time.time()
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outs,
-                             finished=finished, metrics=dict(group.metrics))
+                             finished=finished, metrics=dict(group.metrics), error=group.error)
 
     @staticmethod
     def _visible_len(seq: Sequence, hold: int) -> int:

@@ -93,7 +93,8 @@ class RequestText:
         else:
             outs = self._cumulative_outputs()
         metrics = out.metrics if out.finished else None
-        return RequestOutput(out.request_id, self.prompt, self.prompt_token_ids, outs, done, metrics)
+        return RequestOutput(out.request_id, self.prompt, self.prompt_token_ids, outs, done, metrics,
+                             out.error)
 
     # ---- one sequence -------------------------------------------------------------------------
 

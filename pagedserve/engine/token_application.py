@@ -24,6 +24,48 @@ if TYPE_CHECKING:
 class TokenApplication:
     """Mixin of LLMEngine: sampled tokens into sequences."""
 
+    # ---- grammars (engine/structured/): masks before sampling, termination after appending ----
+
+    def _grammar_rows(self, sampled: list, pending_token=None) -> list:
+        """(logits row, caught-up SeqGrammar) of the step's constrained rows. pending_token(seq):
+        the token the previous, overlapped step sampled for seq and the host has not appended."""
+        grammar_of = self.structured.seqs.get
+        rows = []
+        for i, s in enumerate(sampled):
+            g = grammar_of(s.seq.seq_id)
+            if g is not None:
+                g.catch_up(s.seq.output_token_ids, None if pending_token is None else pending_token(s.seq))
+                rows.append((i, g))
+        return rows
+
+    def _mask_overlapped(self, logits: torch.Tensor, sampled: list, prev: "InflightStep | None") -> None:
+        """An overlapped step's mask: wait for the previous step's tokens (already sampled on the
+        device; this step's forward is queued behind them, so the device keeps busy), feed them to
+        the matchers, fill this step's rows on the host and mask the logits on the device."""
+        pending = None
+        if prev is not None:
+            def pending(seq):
+                if not seq.num_inflight_tokens:
+                    return None
+                return prev.copy.result().token_ids[seq.inflight_sample_row]
+        rows = self._grammar_rows(sampled, pending)
+        self.structured.apply(logits, self.structured.fill(rows))
+
+    def _grammar_ended(self, seqs) -> list[tuple[Sequence, SequenceStatus]]:
+        """Constrained sequences (just appended, not finished by the stop rules) whose grammar has
+        closed: "stop" (its stop token accepted, also under ignore_eos), or "abort" if it refused a
+        token (never expected: the mask allows only what it accepts)."""
+        grammar_of = self.structured.seqs.get
+        ended = []
+        for seq in seqs:
+            g = grammar_of(seq.seq_id)
+            if g is None:
+                continue
+            g.catch_up(seq.output_token_ids)
+            if g.done and not seq.status.finished:
+                ended.append((seq, SequenceStatus.FINISHED_ABORTED if g.rejected else SequenceStatus.FINISHED_STOPPED))
+        return ended
+
     def _sample_device(self, logits: torch.Tensor, sampled: list) -> DeviceSample:
         get = self._plain_sampling.get
         temps = [get(s.group.request_id) for s in sampled]
@@ -61,6 +103,9 @@ class TokenApplication:
                 status = append(s.seq, s.group, token, logprob, None)
                 if status is not None:
                     done.append((s.seq, status))
+        if self.structured.seqs:
+            ending = {id(seq) for seq, _ in done}
+            done += self._grammar_ended(s.seq for s in live if id(s.seq) not in ending)
         if done:
             group_of = {s.seq.seq_id: s.group for s in live}
             for seq, status in done:
@@ -97,8 +142,10 @@ class TokenApplication:
                 continue
             p = s.group.sampling_params
             seq = s.seq
+            # The grammar decides when a constrained output may end: min_tokens does not hold back
+            # the stop token it allows (masking it too could leave no token at all).
             suppress = self.output_processor.stop_token_ids(s.group) \
-                if len(seq.output_token_ids) < p.min_tokens else []
+                if len(seq.output_token_ids) < p.min_tokens and seq.seq_id not in self.structured.seqs else []
             first_fork = p.best_of > 1 and len(s.group.seqs) == 1 and not seq.output_token_ids
             for j in range(p.best_of if first_fork else 1):
                 if j == 0:
@@ -115,6 +162,7 @@ class TokenApplication:
                 if j > 0:
                     child = s.seq.fork()
                     self.scheduler.fork_seq(s.seq, child)
+                    self.structured.seqs.fork(s.seq.seq_id, child.seq_id)
                     s.group.seqs.append(child)
                     if rows[r].generator is not None:
                         self._seq_generators[child.seq_id] = rows[r].generator
@@ -123,6 +171,8 @@ class TokenApplication:
                 seq = forks.get(r, s.seq)
                 status = self.output_processor.append_token(
                     seq, s.group, result.token_ids[r], result.logprobs[r], result.top_logprobs[r])
+                if status is None and self.structured.seqs:
+                    status = next((st for _, st in self._grammar_ended([seq])), None)
                 if status is not None:
                     seq.status = status
                     self.scheduler.free_seq(seq)
@@ -146,8 +196,11 @@ class TokenApplication:
         result = self._draw(lambda: self.sampler.sample_plain_device(logits, temps))
         if self.output_processor.tokenizer is None:
             free = self.scheduler.free_seq
-            for seq, status in self.output_processor.append_plain_tokens(sampled, result.token_ids,
-                                                                          result.logprobs):
+            done = self.output_processor.append_plain_tokens(sampled, result.token_ids, result.logprobs)
+            if self.structured.seqs:
+                ending = {id(seq) for seq, _ in done}
+                done += self._grammar_ended(s.seq for s in sampled if id(s.seq) not in ending)
+            for seq, status in done:
                 seq.status = status
                 free(seq)
             return
@@ -155,6 +208,8 @@ class TokenApplication:
         for s, token, logprob in zip(sampled, result.token_ids, result.logprobs):
             seq = s.seq
             status = append(seq, s.group, token, logprob, None)
+            if status is None and self.structured.seqs:
+                status = next((st for _, st in self._grammar_ended([seq])), None)
             if status is not None:
                 seq.status = status
                 self.scheduler.free_seq(seq)

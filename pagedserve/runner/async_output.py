@@ -26,6 +26,7 @@ class AsyncHostCopy:
         packed = sample.packed()
         self.want = sample.want
         self._event = None
+        self._result = None
         if packed.device.type != "cuda":
             self._host = packed
             return
@@ -39,12 +40,16 @@ class AsyncHostCopy:
         # The caching allocator must not hand packed's memory to the compute stream before the copy ends.
         packed.record_stream(stream)
         self._host = host
+        self._result: SamplerOutput | None = None
 
     def ready(self) -> bool:
         return self._event is None or self._event.query()
 
     def result(self) -> SamplerOutput:
-        """The host lists; waits for this copy only."""
-        if self._event is not None:
-            self._event.synchronize()
-        return SamplerOutput.from_packed(self._host, self.want)
+        """The host lists; waits for this copy only. Kept: a grammar step reads it early (to fill the
+        next step's mask) and the engine again when it appends the tokens."""
+        if self._result is None:
+            if self._event is not None:
+                self._event.synchronize()
+            self._result = SamplerOutput.from_packed(self._host, self.want)
+        return self._result

@@ -68,8 +68,10 @@ class EngineReplica:
     async def __init__(self, config: dict, served_name: str, max_request_bytes: int) -> None:
         from pagedserve.engine.async_engine import AsyncLLMEngine
         from pagedserve.entrypoints.openai.api_server import build_app
-        self.engine = AsyncLLMEngine.from_engine_config(EngineConfig(**config))
-        self.app = build_app(self.engine, served_name, max_request_bytes=max_request_bytes)
+        engine_config = EngineConfig(**config)
+        self.engine = AsyncLLMEngine.from_engine_config(engine_config)
+        self.app = build_app(self.engine, served_name, max_request_bytes=max_request_bytes,
+                             config=engine_config)
         ctx = serve.get_replica_context()
         rank = getattr(ctx, "rank", None)
         self.label = str(getattr(rank, "rank", rank)) if rank is not None else ctx.replica_id.unique_id

@@ -6,17 +6,18 @@ import json
 import jsonschema
 import pytest
 
-from pagedserve.benchmark.json_schemas import MIN_ITEMS, bench_schemas, schema_per_request
+from pagedserve.benchmark.json_schemas import MIN_ITEMS, benchmark_schemas, schema_per_request, serving_schemas
 from pagedserve.demo_model import DEMO_MODEL_DIR
 from pagedserve.workloads import make_workload
 
 
-def test_fifty_distinct_valid_schemas():
-    schemas = bench_schemas(50)
+@pytest.mark.parametrize("make", [benchmark_schemas, serving_schemas])
+def test_fifty_distinct_valid_schemas(make):
+    schemas = make(50)
     assert len({json.dumps(s, sort_keys=True) for s in schemas}) == 50
     for s in schemas:
         jsonschema.Draft202012Validator.check_schema(s)
-    assert bench_schemas(50) == schemas  # a fixed set
+    assert make(50) == schemas  # a fixed set
 
 
 def test_no_schema_closes_before_max_tokens():
@@ -26,11 +27,16 @@ def test_no_schema_closes_before_max_tokens():
     # could close only with tokens that each span several items, which noise logits rarely pick
     # (the benchmark's records compare each request's output length with its max_tokens).
     assert MIN_ITEMS > longest
-    small = dict(bench_schemas(1)[0])
-    instance = {k: None for k in small["properties"]}
-    instance["items"] = []
-    with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate(instance, small)
+    # A serving schema refuses an instance whose tail is one item short, and accepts it at MIN_ITEMS.
+    schema = serving_schemas(1)[0]
+    tail_item = {"type": "string", "enum": ["red", "green", "blue", "cyan", "magenta"]}
+    assert schema["properties"]["zz_tail"]["items"] == tail_item
+    assert serving_schemas(1)[0]["required"][-1] == "zz_tail"
+    validator = jsonschema.Draft202012Validator(schema)
+    assert any(e.validator == "minItems" for e in
+               validator.iter_errors({"zz_tail": ["red"] * (MIN_ITEMS - 1)}))
+    assert not any(e.validator == "minItems" for e in
+                   validator.iter_errors({"zz_tail": ["red"] * MIN_ITEMS}))
 
 
 def test_requests_draw_from_the_set_reproducibly():
@@ -44,5 +50,5 @@ def test_every_schema_compiles_with_xgrammar():
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok))
-    for s in bench_schemas(50):
+    for s in serving_schemas(50) + benchmark_schemas(50):
         compiler.compile_json_schema(json.dumps(s))

@@ -40,3 +40,59 @@ def hf_model(server):
     model = AutoModelForCausalLM.from_pretrained(server.model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(server.model_dir)
     return model, tok
+
+
+# The demo model's chat template, taught tools the Hermes way (the bundled one refuses the tool
+# role and ignores tools): the tool-calling server tests render through it.
+TOOLS_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% if tools %}<|system|>\nYou may call these functions:\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    "Call one as <tool_call>{\"name\": ..., \"arguments\": ...}</tool_call>{{ eos_token }}\n{% endif %}"
+    "{% for message in messages %}"
+    "<|{{ 'user' if message['role'] == 'tool' else message['role'] }}|>\n"
+    "{% if message['role'] == 'tool' %}<tool_response>{{ message['content'] }}</tool_response>"
+    "{% else %}{{ message['content'] }}{% endif %}"
+    "{% if message.tool_calls %}{% for tc in message.tool_calls %}<tool_call>{\"name\": "
+    "{{ tc['function']['name'] | tojson }}, \"arguments\": {{ tc['function']['arguments'] | tojson }}}"
+    "</tool_call>{% endfor %}{% endif %}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+
+
+@pytest.fixture(scope="session")
+def tools_model_dir(tmp_path_factory):
+    """The demo model (its files linked) with TOOLS_CHAT_TEMPLATE."""
+    import json
+
+    from pagedserve.demo_model import DEMO_MODEL_DIR
+    d = tmp_path_factory.mktemp("tools-model")
+    for f in DEMO_MODEL_DIR.iterdir():
+        if f.suffix in (".json", ".safetensors") and f.name != "tokenizer_config.json":
+            (d / f.name).symlink_to(f)
+    cfg = json.loads((DEMO_MODEL_DIR / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = TOOLS_CHAT_TEMPLATE
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.fixture(scope="session")
+def tools_server(tools_model_dir, tmp_path_factory):
+    """The demo model with tool calling (hermes) and a reasoning parser (qwen3) switched on."""
+    log = tmp_path_factory.mktemp("tools-server") / "server.log"
+    s = start_server(tools_model_dir, log, "--max-model-len", "1024", "--block-size", "16",
+                     "--num-gpu-blocks-override", "256", "--max-num-seqs", "32",
+                     "--swap-space", "0.05", "--enable-auto-tool-choice",
+                     "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="session")
+def tools_client(tools_server):
+    import openai
+    return openai.OpenAI(base_url=tools_server.v1, api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def tools_http(tools_server):
+    with httpx.Client(base_url=tools_server.base_url, timeout=120) as c:
+        yield c

@@ -160,10 +160,11 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20) -> FastAPI:
-    """The OpenAI-compatible app around one AsyncLLMEngine."""
+              max_request_bytes: int = 1 << 20, config: Any = None) -> FastAPI:
+    """The OpenAI-compatible app around one AsyncLLMEngine; config (an EngineConfig) gives the
+    tool-call and reasoning parsers."""
     completion = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name)
+    chat = OpenAIServingChat(engine, served_model_name, **chat_parsers(config))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -219,6 +220,20 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     return app
+
+
+def chat_parsers(config: Any) -> dict:
+    """OpenAIServingChat's parser classes from --enable-auto-tool-choice, --tool-call-parser and
+    --reasoning-parser."""
+    from pagedserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
+    from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    if config is None:
+        return {}
+    tool = config.tool_call_parser if config.enable_auto_tool_choice else None
+    return {"tool_parser": TOOL_PARSERS[tool] if tool else None,
+            "reasoning_parser": REASONING_PARSERS[config.reasoning_parser]
+            if config.reasoning_parser else None}
 
 
 DEMO_MODEL_NAME = "pagedserve-demo"
@@ -289,7 +304,8 @@ def run_server_cli(args: Any) -> int:
     from pagedserve.entrypoints.http_stack import describe
     logger.info("%s", describe())
     engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
-    app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes)
+    app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
+                    config=config)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_keep_alive=SERVER_KEEP_ALIVE_S, timeout_graceful_shutdown=5,
                                            access_log=not args.disable_uvicorn_access_log))

@@ -9,9 +9,10 @@ from __future__ import annotations
 import re
 import time
 import uuid
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_serializer,
+                      model_validator)
 
 from pagedserve.sampling_params import MAX_N
 
@@ -85,6 +86,7 @@ class ErrorResponse(OpenAIModel):
 class StreamOptions(Request):
     include_usage: Optional[bool] = False
     continuous_usage_stats: Optional[bool] = False
+    include_obfuscation: Optional[bool] = None
 
 
 Stop = Union[Annotated[str, Field(min_length=1)],
@@ -92,7 +94,187 @@ Stop = Union[Annotated[str, Field(min_length=1)],
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
-class SamplingFields(Request):
+
+# ---- structured outputs and tools (issue #32) ------------------------------------------------
+# FieldAudit.UNSUPPORTED lists the OpenAI fields pagedserve accepts only at their no-op value;
+# serving_common.OpenAIServing.audit turns any other value into a 400 naming the field and logs
+# the keys outside the API (ignored, as vLLM ignores them).
+
+MAX_TOOLS = 128  # OpenAI's limit on `tools`
+FUNCTION_NAME = r"^[a-zA-Z0-9_.\-]{1,64}$"
+
+
+class FieldAudit(Request):
+    """Remembers the request keys outside the model (ignored, as vLLM ignores them) and lists the
+    OpenAI fields accepted only at a no-op value: {field: (accepted values besides None, why)}."""
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
+    _unknown_keys: list[str] = PrivateAttr(default_factory=list)
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _remember_unknown(cls, data: Any, handler: Any) -> Any:
+        obj = handler(data)
+        if isinstance(data, dict) and isinstance(obj, FieldAudit):
+            obj._unknown_keys = sorted(k for k in data if k not in cls.model_fields)
+        return obj
+
+    def unsupported_fields(self) -> list[tuple[str, str]]:
+        """(field, why) of each UNSUPPORTED field set to something other than its no-op value."""
+        out = []
+        for name, (noops, why) in self.UNSUPPORTED.items():
+            value = getattr(self, name, None)
+            if value is None or any(value == ok for ok in noops):
+                continue
+            out.append((name, why))
+        return out
+
+
+# ---- structured outputs ---------------------------------------------------------------------
+
+class JSONSchemaFormat(Request):
+    """response_format.json_schema: OpenAI's {name, description, schema, strict}."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(Request):
+    """OpenAI's response_format; structural_tag is vLLM's (xgrammar's structural-tag format:
+    `structures` + `triggers`, or `format`)."""
+    type: Literal["text", "json_object", "json_schema", "structural_tag"]
+    json_schema: Optional[JSONSchemaFormat] = None
+    structures: Optional[list[dict[str, Any]]] = None
+    triggers: Optional[list[str]] = None
+    format: Optional[dict[str, Any]] = None
+
+
+class StructuredOutputsRequest(Request):
+    """vLLM's `structured_outputs` request field: exactly one of json, regex, choice, grammar,
+    json_object, structural_tag, plus the JSON options."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, populate_by_name=True)
+    json_: Optional[Union[dict[str, Any], str]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    structural_tag: Optional[Union[dict[str, Any], str]] = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
+
+
+class StructuredOutputFields(FieldAudit):
+    """Fields of completions and chat that constrain the output to a grammar."""
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsRequest] = None
+    # vLLM's older names, still sent by many clients.
+    guided_json: Optional[Union[dict[str, Any], str]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = None
+    guided_decoding_backend: Optional[str] = None
+
+
+# ---- tools ----------------------------------------------------------------------------------
+
+class FunctionDefinition(Request):
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ChatTool(Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(Request):
+    name: str = Field(pattern=FUNCTION_NAME)
+
+
+class NamedToolChoice(Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Union[Literal["none", "auto", "required"], NamedToolChoice]
+
+
+class ToolCallFunction(Request):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(Request):
+    """A tool call of an earlier assistant turn, sent back in the history."""
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ChatToolFields(FieldAudit):
+    tools: Optional[list[ChatTool]] = Field(None, max_length=MAX_TOOLS)
+    tool_choice: Optional[ToolChoice] = None
+    parallel_tool_calls: Optional[bool] = None
+    # vLLM's: extra keyword arguments of the chat template (e.g. Qwen3's enable_thinking).
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class MessageExtras(Request):
+    """What OpenAI's assistant and tool messages add to a plain chat message."""
+    tool_calls: Optional[list[MessageToolCall]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    # Accepted only at their no-op value (see FieldAudit.UNSUPPORTED of the request).
+    refusal: Optional[str] = None
+    audio: Optional[dict[str, Any]] = None
+    function_call: Optional[dict[str, Any]] = None
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+def _without_nones(model: BaseModel, handler: Any) -> dict:
+    return {k: v for k, v in handler(model).items() if v is not None}
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _without_nones(self, handler)
+
+
+class DeltaToolCall(OpenAIModel):
+    """OpenAI's streamed tool call: the first delta of a call has index, id, type and
+    function.name; the next ones only index and function.arguments fragments."""
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler):
+        return _without_nones(self, handler)
+
+
+class SamplingFields(StructuredOutputFields):
     """Fields shared by completions and chat: OpenAI's, then vLLM's extras."""
     model: Optional[str] = None
     n: int = Field(1, ge=1, le=MAX_N)
@@ -126,7 +308,50 @@ PromptType = Union[
 ]
 
 
-class CompletionRequest(SamplingFields):
+_NOT_STORED = "pagedserve stores no completions"
+# Fields of both APIs accepted only at a no-op value: {field: (no-op values besides None, why)}.
+_COMMON_UNSUPPORTED = {
+    "logit_bias": (({},), "logit_bias is not supported"),
+    # vLLM's extras that change the output, which a vLLM user may send.
+    "use_beam_search": ((False,), "beam search is offline only here (LLM.beam_search)"),
+    "length_penalty": ((1.0,), "length_penalty belongs to beam search, offline only here"),
+    "prompt_logprobs": ((), "prompt_logprobs is not supported by the server"),
+    "bad_words": (([],), "bad_words is not supported"),
+    "allowed_token_ids": ((), "allowed_token_ids is not supported"),
+    "logits_processors": (([],), "logits_processors is not supported"),
+    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
+    "priority": ((0,), "priority scheduling is not supported (first come, first served)"),
+    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
+    "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not "
+                                               "supported"),
+    "cache_salt": ((), "cache_salt is not supported: the prefix cache is shared by all requests"),
+    "vllm_xargs": (({},), "vllm_xargs is not supported"),
+    "kv_transfer_params": ((), "KV transfer (disaggregated serving) is not supported"),
+}
+
+
+class VLLMExtraFields(FieldAudit):
+    """vLLM's request extras pagedserve accepts only at their no-op value (_COMMON_UNSUPPORTED)."""
+    use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    prompt_logprobs: Optional[int] = None
+    bad_words: Optional[list[str]] = None
+    allowed_token_ids: Optional[list[int]] = None
+    logits_processors: Optional[list[Any]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    priority: Optional[int] = None
+    return_tokens_as_token_ids: Optional[bool] = None
+    spaces_between_special_tokens: Optional[bool] = None
+    cache_salt: Optional[str] = None
+    vllm_xargs: Optional[dict[str, Any]] = None
+    kv_transfer_params: Optional[dict[str, Any]] = None
+
+
+class CompletionRequest(SamplingFields, VLLMExtraFields):
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **_COMMON_UNSUPPORTED,
+        "suffix": (("",), "suffix (insertion) is not supported"),
+    }
     prompt: PromptType
     max_tokens: Optional[int] = Field(16, ge=1, le=MAX_TOKEN_ID)
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
@@ -172,13 +397,59 @@ class TextPart(Request):
     text: str
 
 
-class ChatMessage(Request):
+class ChatMessage(MessageExtras):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
+        **_COMMON_UNSUPPORTED,
+        "echo": ((False,), "echo is not supported for chat"),
+        "chat_template": ((), "a per-request chat_template is not supported: the model's own "
+                              "template renders every request"),
+        "documents": (([],), "documents are not supported"),
+        "audio": ((), "audio output is not supported (text models only)"),
+        "modalities": ((["text"],), "only the text modality is supported"),
+        "prediction": ((), "predicted outputs are not supported"),
+        "web_search_options": ((), "web search is not supported"),
+        "store": ((False,), _NOT_STORED),
+        "metadata": (({},), f"metadata is kept with stored completions; {_NOT_STORED}"),
+        "service_tier": (("auto", "default"), "there is one service tier: auto / default"),
+        "reasoning_effort": ((), "reasoning_effort is not supported; for Qwen3-style thinking "
+                                 "use chat_template_kwargs={\"enable_thinking\": ...}"),
+        "functions": (([],), "functions is deprecated by OpenAI and not supported: use tools"),
+        "function_call": ((), "function_call is deprecated by OpenAI and not supported: use "
+                              "tool_choice"),
+        "moderation": ((), "moderation is not supported"),
+        "verbosity": ((), "verbosity is not supported"),
+        "prompt_cache_retention": (("in_memory",), "the prefix cache lives in memory only"),
+        "prompt_cache_options": (({},), "prompt_cache_options is not supported"),
+    }
+    # OpenAI fields kept for the audit above; prompt_cache_key and safety_identifier are hints
+    # and identifiers with nothing to do here (the prefix cache is automatic), like `user`.
+    audio: Optional[Any] = None
+    modalities: Optional[list[str]] = None
+    prediction: Optional[Any] = None
+    web_search_options: Optional[Any] = None
+    store: Optional[bool] = None
+    metadata: Optional[dict[str, Any]] = None
+    service_tier: Optional[str] = None
+    reasoning_effort: Optional[str] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Any] = None
+    moderation: Optional[Any] = None
+    verbosity: Optional[str] = None
+    prompt_cache_key: Optional[str] = None
+    prompt_cache_retention: Optional[str] = None
+    prompt_cache_options: Optional[Any] = None
+    safety_identifier: Optional[str] = None
+    # vLLM's chat extras: continue_final_message is honoured; the others are audited above.
+    continue_final_message: bool = False
+    echo: Optional[bool] = None
+    chat_template: Optional[str] = None
+    documents: Optional[list[dict[str, Any]]] = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKEN_ID)
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKEN_ID)
@@ -205,6 +476,8 @@ class ChatLogprobs(OpenAIModel):
 class ChatResponseMessage(OpenAIModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None  # vLLM's, with --reasoning-parser
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(OpenAIModel):
@@ -226,6 +499,8 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler):

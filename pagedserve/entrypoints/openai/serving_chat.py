@@ -1,4 +1,5 @@
-"""POST /v1/chat/completions: messages -> the tokenizer's chat template -> one prompt."""
+"""POST /v1/chat/completions: messages (and tools) -> the tokenizer's chat template -> one prompt;
+the output text -> a message (content, reasoning_content, tool_calls) through message_stream."""
 from __future__ import annotations
 
 from typing import Any, AsyncIterator
@@ -13,29 +14,49 @@ from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, ch
                                                           engine_error, error_event, finite_logprob,
                                                           OpenAIServing, sse, StreamedChoice,
                                                           until_disconnected, usage)
+from pagedserve.entrypoints.openai.message_stream import (MessageParser, MessageStreamer,
+                                                          finish_reason)
+from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
+from pagedserve.entrypoints.openai.structured_outputs import resolve_structured_outputs
+from pagedserve.entrypoints.openai.tool_parsers import ToolParser
+from pagedserve.entrypoints.openai.tools import check_history, history_message, plan_tools
 from pagedserve.outputs import RequestOutput
+
+# apply_chat_template's own arguments: chat_template_kwargs may not replace them.
+_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                            "add_generation_prompt", "continue_final_message", "tokenize",
+                            "padding", "truncation", "max_length", "return_tensors",
+                            "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class OpenAIServingChat(OpenAIServing):
 
-    def _render(self, req: ChatCompletionRequest) -> list[int]:
+    def __init__(self, engine: Any, served_model_name: str,
+                 tool_parser: type[ToolParser] | None = None,
+                 reasoning_parser: type[ReasoningParser] | None = None) -> None:
+        """tool_parser: the --tool-call-parser when --enable-auto-tool-choice is on (else
+        tool_choice=auto is a 400); reasoning_parser: the --reasoning-parser, if any."""
+        super().__init__(engine, served_model_name)
+        self.auto_tool_parser = tool_parser
+        self.reasoning_parser = reasoning_parser
+
+    def _render(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
         """Runs on the API process's tokenizer thread (AsyncLLMEngine.run)."""
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
             raise APIError("this model's tokenizer has no chat template; use /v1/completions",
                            param="messages")
-        messages = []
-        for m in req.messages:
-            content = m.content
-            if isinstance(content, list):
-                content = "\n".join(part.text for part in content)
-            msg = {"role": m.role, "content": content or ""}
-            if m.name is not None:
-                msg["name"] = m.name
-            messages.append(msg)
+        messages = [history_message(m) for m in req.messages]
+        kwargs = dict(req.chat_template_kwargs or {})
+        clash = sorted(_TEMPLATE_ARGS & set(kwargs))
+        if clash:
+            raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}",
+                           param="chat_template_kwargs")
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                           tokenize=False)
+            text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                           add_generation_prompt=req.add_generation_prompt,
+                                           continue_final_message=req.continue_final_message,
+                                           **kwargs)
         except Exception as e:  # jinja raises for conversations its template refuses
             raise APIError(f"messages could not be rendered by the chat template: {e}",
                            param="messages") from None
@@ -43,11 +64,21 @@ class OpenAIServingChat(OpenAIServing):
         return list(tok(text, add_special_tokens=False).input_ids)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Any):
+        self.audit(req)
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_choices(1, req.n)
-        prompt_ids = await self.engine.run(self._render, req)
+        if req.continue_final_message and req.add_generation_prompt:
+            raise APIError("continue_final_message needs add_generation_prompt=false",
+                           param="continue_final_message")
+        check_history(req.messages)
+        plan = plan_tools(req, self.auto_tool_parser)
+        structured = await resolve_structured_outputs(self.engine, req, plan.constraint)
+        # A grammar constrains the output from its first token: no <think> block to split off.
+        reasoning = self.reasoning_parser() if self.reasoning_parser and structured is None else None
+        parser = MessageParser(reasoning, plan.parser, plan.parallel)
+        prompt_ids = await self.engine.run(self._render, req, plan.tools)
         if req.max_completion_tokens is not None:
             max_tokens, tokens_param = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -55,14 +86,17 @@ class OpenAIServingChat(OpenAIServing):
         max_tokens = self.resolve_max_tokens(len(prompt_ids), max_tokens, "messages", tokens_param,
                                              num_seqs=req.n)
         k = (req.top_logprobs or 0) if req.logprobs else None
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k)
+        keep_special = plan.parser is not None and plan.parser.keeps_special_tokens
+        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k,
+                                      structured_outputs=structured,
+                                      skip_special_tokens=False if keep_special else None)
         self.check_kv_capacity(len(prompt_ids), max_tokens, params.best_of, "messages", tokens_param)
         request_id = random_id("chatcmpl")
         stream = await self.start(prompt_ids, params, request_id)
         if req.stream:
-            return self._stream(req, request_id, len(prompt_ids), stream)
+            return self._stream(req, request_id, len(prompt_ids), stream, parser)
         final = await until_disconnected(raw_request, self._collect(stream))
-        return self._response(req, request_id, final)
+        return self._response(req, request_id, final, parser)
 
     @staticmethod
     async def _collect(stream: RequestStream) -> RequestOutput:
@@ -87,23 +121,26 @@ class OpenAIServingChat(OpenAIServing):
                                         top_logprobs=self.top_logprobs_chat(lp, k)))
         return ChatLogprobs(content=content)
 
-    def _response(self, req: ChatCompletionRequest, request_id: str,
-                  out: RequestOutput) -> ChatCompletionResponse:
+    def _response(self, req: ChatCompletionRequest, request_id: str, out: RequestOutput,
+                  parser: MessageParser) -> ChatCompletionResponse:
         choices = []
         for c in out.outputs:
             lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
-            choices.append(ChatChoice(index=c.index, message=ChatResponseMessage(content=c.text),
-                                      logprobs=lp, finish_reason=c.finish_reason))
+            message = parser.message(c.text) if parser.active else ChatResponseMessage(content=c.text)
+            choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
+                                      finish_reason=finish_reason(c.finish_reason,
+                                                                  bool(message.tool_calls))))
         choices.sort(key=lambda ch: ch.index)
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                       usage=usage(len(out.prompt_token_ids), completion_tokens))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_len: int,
-                      stream: RequestStream) -> AsyncIterator[str]:
+                      stream: RequestStream, parser: MessageParser) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model = self.served_model_name
         states: dict[int, StreamedChoice] = {}
+        streamers: dict[int, MessageStreamer] = {}
         try:
             # The role comes first, on its own, as OpenAI sends it.
             yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
@@ -119,8 +156,16 @@ class OpenAIServingChat(OpenAIServing):
                     lp = None
                     if req.logprobs:
                         lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
-                    choices.append(ChatStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                                    logprobs=lp, finish_reason=c.finish_reason))
+                    delta, finish = DeltaMessage(content=c.text), c.finish_reason
+                    if parser.active:
+                        st = streamers.setdefault(c.index, MessageStreamer(parser))
+                        delta = st.feed(c.text, final=finish is not None)
+                        if delta is None and finish is None and lp is None:
+                            continue  # held back: may be the start of a tag
+                        delta = delta or DeltaMessage()
+                        finish = finish_reason(finish, st.called_tools)
+                    choices.append(ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
+                                                    finish_reason=finish))
                 if choices:
                     yield sse(ChatCompletionChunk(id=request_id, model=model, choices=choices))
             if include_usage:

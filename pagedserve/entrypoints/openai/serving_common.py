@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
@@ -10,7 +11,10 @@ from typing import Any, AsyncIterator
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, SamplingFields,
                                                     TopLogprob, Usage)
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import (RequestOutputKind, SamplingParams,
+                                         StructuredOutputsParams)
+
+logger = logging.getLogger("pagedserve.server")
 
 MAX_CHOICES = 256  # prompts x n in one request; each one is a sequence in the batch
 
@@ -52,7 +56,11 @@ class APIError(Exception):
 
 
 def check_not_ignored(out: Any, prompt_param: str) -> None:
-    """The scheduler drops ("ignored") a request that can never be scheduled: a 400, not text."""
+    """The scheduler drops ("ignored") a request that can never be scheduled: a 400, not text.
+    A request the core ended alone with an error (its grammar failed to compile, or compiled
+    too slowly) is a 400 saying so, not an empty "abort"."""
+    if getattr(out, "error", None):
+        raise APIError(out.error, code="structured_outputs_failed")
     if any(c.finish_reason == "ignored" for c in out.outputs):
         raise APIError(f"the {prompt_param} can never be scheduled: it does not fit in the KV cache",
                        param=prompt_param, code="kv_cache_capacity_exceeded")
@@ -94,6 +102,25 @@ class OpenAIServing:
         self.engine = engine
         self.served_model_name = served_model_name
         self._token_str_cache: dict[int, str] = {}
+
+    def audit(self, req: Any) -> None:
+        """No silent drops: an OpenAI field pagedserve does not honour, set to anything but its
+        no-op value, is a 400 naming it; keys outside the API are ignored (as vLLM ignores
+        them) with one log line."""
+        for name, why in req.unsupported_fields():
+            raise APIError(f"{name}: {why}", param=name)
+        so = req.stream_options
+        if so is not None:
+            if so.continuous_usage_stats:
+                raise APIError("stream_options.continuous_usage_stats is not supported: usage "
+                               "comes in the last chunk with include_usage",
+                               param="stream_options.continuous_usage_stats")
+            if so.include_obfuscation:
+                raise APIError("stream_options.include_obfuscation is not supported",
+                               param="stream_options.include_obfuscation")
+        if req._unknown_keys:
+            logger.warning("The following fields were present in the request but ignored: %s",
+                           ", ".join(req._unknown_keys))
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
@@ -153,21 +180,24 @@ class OpenAIServing:
                        param=param, code="kv_cache_capacity_exceeded")
 
     def sampling_params(self, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                        best_of: int | None = None) -> SamplingParams:
+                        best_of: int | None = None,
+                        structured_outputs: StructuredOutputsParams | None = None,
+                        skip_special_tokens: bool | None = None) -> SamplingParams:
         """Streams take DELTA outputs (O(new) per step); a plain response needs only the end."""
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         kw: dict[str, Any] = dict(
             output_kind=kind, n=req.n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
-            ignore_eos=req.ignore_eos, seed=req.seed, skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            ignore_eos=req.ignore_eos, seed=req.seed,
+            skip_special_tokens=(req.skip_special_tokens if skip_special_tokens is None
+                                 else skip_special_tokens),
+            include_stop_str_in_output=req.include_stop_str_in_output,
+            structured_outputs=structured_outputs)
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             v = getattr(req, name)
             if v is not None:
                 kw[name] = v
-        if getattr(req, "logit_bias", None):
-            raise APIError("logit_bias is not supported", param="logit_bias")
         if req.stop_token_ids:
             self.check_token_ids(req.stop_token_ids, "stop_token_ids")
         try:

@@ -14,6 +14,7 @@ from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, ch
                                                           engine_error, error_event, finite_logprob,
                                                           merge_streams, OpenAIServing, sse,
                                                           StreamedChoice, until_disconnected, usage)
+from pagedserve.entrypoints.openai.structured_outputs import resolve_structured_outputs
 from pagedserve.outputs import RequestOutput
 
 
@@ -71,9 +72,8 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create(self, req: CompletionRequest, raw_request: Any):
         """Returns a CompletionResponse, or an async iterator of SSE lines when streaming."""
+        self.audit(req)
         self.check_model(req.model)
-        if req.suffix:
-            raise APIError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of < req.n:
             raise APIError(f"best_of must be >= n ({req.n}), got {req.best_of}", param="best_of")
         if req.stream and req.best_of is not None and req.best_of > req.n:
@@ -82,12 +82,13 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("echo together with logprobs is not supported (no prompt logprobs)",
                            param="echo")
         prompts = await self._prompts(req)
+        structured = await resolve_structured_outputs(self.engine, req)
         params = []
         for p in prompts:
             max_tokens = self.resolve_max_tokens(len(p.token_ids), req.max_tokens, "prompt",
                                                  num_seqs=req.best_of or req.n)
             sp = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                      best_of=req.best_of)
+                                      best_of=req.best_of, structured_outputs=structured)
             self.check_kv_capacity(len(p.token_ids), max_tokens, sp.best_of, "prompt")
             params.append(sp)
         request_id = random_id("cmpl")

@@ -1,0 +1,188 @@
+"""Grammars from StructuredOutputsParams, compiled off the step loop and cached (xgrammar).
+
+Two halves, as vLLM splits them:
+  - parse_spec (synchronous, cheap: microseconds for ordinary schemas): the spec becomes an
+    xgrammar Grammar (JSON Schema / regex / EBNF -> its EBNF form). This is where a bad schema,
+    regex or grammar is found, so add_request can refuse it with a ValueError naming the problem
+    (the server answers 400).
+  - GrammarCompilerPool.submit (asynchronous): the tokenizer-dependent compile (the per-state
+    token-mask cache, milliseconds to seconds) on a thread pool, cached by the spec's key. A
+    compile in progress is shared by every request that asks for the same spec; a finished one is
+    a cache hit. The cache belongs to one tokenizer (one engine has one), so (spec, tokenizer) is
+    the key in effect.
+The pool counts compiles, cache hits and compile seconds for /metrics (CompileStats).
+"""
+from __future__ import annotations
+
+import bisect
+import json
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import xgrammar as xgr
+
+from pagedserve.metrics import COMPILE_BUCKETS
+from pagedserve.sampling_params import StructuredOutputsParams
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "xgrammar")
+
+
+def _ebnf_literal(text: str) -> str:
+    """text as an xgrammar EBNF string literal (backslash, quote and control characters escaped)."""
+    out = []
+    for ch in text:
+        if ch in ('"', "\\"):
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\r":
+            out.append("\\r")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ord(ch) < 0x20:
+            out.append(f"\\x{ord(ch):02x}")
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def choice_grammar(choices: list[str]) -> str:
+    """EBNF whose language is exactly the given strings."""
+    if any(not c for c in choices):
+        raise ValueError("structured_outputs.choice must not contain empty strings")
+    return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
+
+
+def parse_spec(spec: StructuredOutputsParams) -> xgr.Grammar:
+    """The spec as an xgrammar Grammar; ValueError naming the field and xgrammar's reason."""
+    kind = spec.kind
+    if spec.whitespace_pattern is not None:
+        raise ValueError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend "
+                         "(use disable_any_whitespace for compact JSON)")
+    any_ws = not spec.disable_any_whitespace
+    try:
+        if kind == "json":
+            schema = spec.json
+            if isinstance(schema, str):
+                try:
+                    schema = json.loads(schema)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(schema).__name__}")
+            _check_schema(schema)
+            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_ws, strict_mode=True)
+        if kind == "json_object":
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_ws, strict_mode=False)
+        if kind == "regex":
+            return xgr.Grammar.from_regex(spec.regex)
+        if kind == "choice":
+            return xgr.Grammar.from_ebnf(choice_grammar(spec.choice))
+        if kind == "grammar":
+            return xgr.Grammar.from_ebnf(spec.grammar)
+        if kind == "structural_tag":
+            tag = spec.structural_tag
+            return xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
+    except ValueError:
+        raise
+    except Exception as e:  # xgrammar raises RuntimeError (and its own errors) with a parser message
+        raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_short(e)}") from None
+    raise ValueError(f"structured_outputs kind {kind!r} is not supported")
+
+
+def _check_schema(schema: Any) -> None:
+    """A schema that is not valid JSON Schema (draft 2020-12 meta-schema) is refused by name."""
+    import jsonschema
+    try:
+        jsonschema.Draft202012Validator.check_schema(schema)
+    except jsonschema.SchemaError as e:
+        path = "/".join(str(p) for p in e.path) or "(root)"
+        raise ValueError(f"structured_outputs.json is not a valid JSON Schema at {path}: {e.message}") from None
+
+
+def _short(e: BaseException) -> str:
+    """xgrammar's messages start with a C++ source location: keep the reason."""
+    text = str(e).strip()
+    for marker in ("Check failed: (error.empty()) is false: ", ".cc:"):
+        if marker in text:
+            text = text.split(marker, 1)[1]
+            text = text.split(": ", 1)[1] if marker == ".cc:" and ": " in text else text
+    return text.splitlines()[0][:500] if text else type(e).__name__
+
+
+@dataclass
+class CompileStats:
+    """Counters since start (the metrics are cumulative)."""
+    compiles: int = 0                 # grammars compiled (cache misses that ran)
+    cache_hits: int = 0               # requests served by a cached or in-progress compile
+    failures: int = 0                 # compiles that raised
+    seconds_sum: float = 0.0
+    bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(COMPILE_BUCKETS) + 1))
+
+    def observe(self, seconds: float) -> None:
+        self.seconds_sum += seconds
+        self.bucket_counts[bisect.bisect_left(COMPILE_BUCKETS, seconds)] += 1
+
+
+class GrammarCompilerPool:
+    """xgrammar's compiler for one tokenizer, on `threads` worker threads, with a spec-keyed cache.
+
+    Thread-safety: submit() is called from the engine thread only; the worker threads only run
+    the compile and record its stats under the lock.
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], threads: int = 2,
+                 cache_size: int = 1024) -> None:
+        self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                                 stop_token_ids=list(stop_token_ids))
+        self.vocab_size = vocab_size
+        # xgrammar parallelises inside one compile too; our pool runs several compiles at once.
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max(1, threads))
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="grammar-compile")
+        self._cache: dict[tuple[str, str], Future] = {}   # insertion order = age, for eviction
+        self._cache_size = cache_size
+        self._lock = threading.Lock()
+        self.stats = CompileStats()
+
+    def has(self, key: tuple[str, str]) -> bool:
+        """Whether submit(key, ...) would be a cache hit (compiled, or compiling, without failure)."""
+        fut = self._cache.get(key)
+        return fut is not None and not (fut.done() and fut.exception() is not None)
+
+    def submit(self, key: tuple[str, str], grammar: xgr.Grammar) -> Future:
+        """A future of the CompiledGrammar for `key` (grammar: parse_spec's result for it)."""
+        fut = self._cache.get(key)
+        if self.has(key):
+            with self._lock:
+                self.stats.cache_hits += 1
+            self._cache[key] = self._cache.pop(key)  # most recently used last
+            return fut
+        fut = self._pool.submit(self._compile, grammar)
+        self._cache[key] = fut
+        while len(self._cache) > self._cache_size:
+            self._cache.pop(next(iter(self._cache)))
+        return fut
+
+    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
+        t0 = time.perf_counter()
+        try:
+            compiled = self._compiler.compile_grammar(grammar)
+        except Exception:
+            with self._lock:
+                self.stats.failures += 1
+            raise
+        dt = time.perf_counter() - t0
+        with self._lock:
+            self.stats.compiles += 1
+            self.stats.observe(dt)
+        return compiled
+
+    def shutdown(self) -> None:
+        """Stop taking compiles; one still running finishes in its thread (xgrammar cannot cancel)."""
+        self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,0 +1,194 @@
+"""StructuredOutputs: everything the engine does for requests with SamplingParams.structured_outputs.
+
+Lifecycle of a constrained request:
+  1. add_request: check() parses the spec synchronously (a bad schema / regex / grammar is a
+     ValueError now) and submit() starts the compile on the pool (a cache hit is done at once).
+  2. Until its compile is done the request waits here, outside the scheduler, while every other
+     request keeps running; poll() at the start of each step hands over the ready ones and fails
+     the ones whose compile raised or ran past structured_outputs_compile_timeout_s (that request
+     alone finishes with finish_reason "abort" and an error naming the cause).
+  3. Its first sequence gets a matcher (matchers.py); forks copy it; every step fill_rows() fills
+     one bitmask row per constrained row of the step on the host, and apply() uploads the rows
+     and masks the logits in place on the device before any sampling (penalties, temperature,
+     top-k/p, greedy argmax all see -inf for a token the grammar forbids).
+  4. A sequence whose matcher has accepted its stop token (EOS) finishes with "stop".
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from pagedserve.engine.structured.compiler import BACKENDS, GrammarCompilerPool, parse_spec
+from pagedserve.engine.structured.matchers import SeqGrammar, SeqGrammars
+from pagedserve.sampling_params import StructuredOutputsParams
+
+
+# From this many constrained rows in a step, masks are filled on xgrammar's threads.
+BATCH_FILL_MIN_ROWS = 8
+
+
+@dataclass
+class PendingCompile:
+    group: Any                  # the SequenceGroup, not yet in the scheduler
+    future: Future
+    deadline: float             # time.monotonic() past which the request fails
+
+
+class StructuredOutputs:
+    """One engine's grammars: the compiler pool, requests waiting for a compile, per-sequence
+    matchers, and the host bitmask buffers."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int], device: torch.device,
+                 backend: str = "auto", compile_timeout_s: float = 30.0, compile_threads: int = 2) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"structured_outputs_backend must be one of {BACKENDS}, got {backend!r}")
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self.device = device
+        self.compile_timeout_s = compile_timeout_s
+        self.compile_threads = compile_threads
+        self._pool: GrammarCompilerPool | None = None   # built on first use (TokenizerInfo takes a moment)
+        self.pending: dict[str, PendingCompile] = {}    # request id -> waiting for its grammar
+        self.compiled: dict[str, xgr.CompiledGrammar] = {}  # request id -> its grammar (admitted)
+        self.seqs = SeqGrammars()
+        self._buffers: list[torch.Tensor] = []
+        self._batch_matcher: xgr.BatchGrammarMatcher | None = None
+        self._flip = 0
+
+    # ---- compiles -------------------------------------------------------------------------
+
+    @property
+    def pool(self) -> GrammarCompilerPool:
+        if self._pool is None:
+            self._pool = GrammarCompilerPool(self.tokenizer, self.vocab_size, self.stop_token_ids,
+                                             threads=self.compile_threads)
+        return self._pool
+
+    @property
+    def pool_if_started(self) -> GrammarCompilerPool | None:
+        return self._pool
+
+    def check(self, spec: StructuredOutputsParams) -> xgr.Grammar | None:
+        """Parse the spec now (ValueError naming the problem); what submit() compiles. None: the
+        same spec is in the compile cache, so parsing it again (~1 ms, most of it the JSON Schema
+        meta-schema check) is skipped."""
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the tokenizer: this engine was started with "
+                             "skip_tokenizer_init=True")
+        if self._pool is not None and self._pool.has(spec.key()):
+            return None  # compiled (or compiling) already: parsed and checked then
+        return parse_spec(spec)
+
+    def submit(self, group: Any, spec: StructuredOutputsParams, grammar: xgr.Grammar | None) -> bool:
+        """Start (or reuse) the compile. True: the grammar is ready and the group may be scheduled
+        now (start() done); False: the group waits here until poll() hands it over."""
+        key = spec.key()
+        if grammar is None and not self.pool.has(key):
+            grammar = parse_spec(spec)  # evicted since check(): parse after all
+        fut = self.pool.submit(key, grammar)
+        if fut.done() and fut.exception() is None:
+            self.start(group, fut.result())
+            return True
+        self.pending[group.request_id] = PendingCompile(group, fut, time.monotonic() + self.compile_timeout_s)
+        return False
+
+    def poll(self) -> tuple[list[Any], list[tuple[Any, str]]]:
+        """(groups now ready to schedule, in arrival order; (group, error) of those that failed)."""
+        if not self.pending:
+            return [], []
+        ready, failed = [], []
+        now = time.monotonic()
+        for rid, p in list(self.pending.items()):
+            if p.future.done():
+                del self.pending[rid]
+                err = p.future.exception()
+                if err is None:
+                    self.start(p.group, p.future.result())
+                    ready.append(p.group)
+                else:
+                    failed.append((p.group, f"structured_outputs: the grammar failed to compile: {err}"))
+            elif now >= p.deadline:
+                del self.pending[rid]
+                failed.append((p.group, f"structured_outputs: compiling the grammar took longer than "
+                                        f"structured_outputs_compile_timeout_s={self.compile_timeout_s:g}"))
+        return ready, failed
+
+    def wait_for_compiles(self, timeout_s: float) -> None:
+        """Block until some pending compile finishes or times out, at most timeout_s (an engine with
+        nothing else to run waits here instead of spinning)."""
+        if not self.pending:
+            return
+        until = min(p.deadline for p in self.pending.values()) - time.monotonic()
+        wait([p.future for p in self.pending.values()], timeout=max(0.0, min(timeout_s, until)),
+             return_when=FIRST_COMPLETED)
+
+    def start(self, group: Any, compiled: xgr.CompiledGrammar) -> None:
+        self.compiled[group.request_id] = compiled
+        for seq in group.seqs:
+            self.seqs.start(seq.seq_id, compiled)
+
+    def forget(self, group: Any) -> None:
+        """The request finished or was aborted: drop its wait, its grammar and its matchers."""
+        self.pending.pop(group.request_id, None)
+        self.compiled.pop(group.request_id, None)
+        for seq in group.seqs:
+            self.seqs.free(seq.seq_id)
+
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.compiled
+
+    # ---- per step -------------------------------------------------------------------------
+
+    def grammar_of(self, seq: Any) -> SeqGrammar | None:
+        return self.seqs.get(seq.seq_id)
+
+    def _buffer(self, rows: int) -> torch.Tensor:
+        """A host bitmask of at least `rows` rows. Two buffers alternate: the copy of the previous
+        step's mask may still be reading the other one (pinned, non-blocking) while this fills."""
+        words = xgr.get_bitmask_shape(1, self.vocab_size)[1]
+        if not self._buffers or self._buffers[0].shape[0] < rows:
+            cap = max(rows, 2 * (self._buffers[0].shape[0] if self._buffers else 8))
+            pin = self.device.type == "cuda"
+            self._buffers = [torch.empty((cap, words), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
+        self._flip ^= 1
+        return self._buffers[self._flip]
+
+    def fill(self, rows: list[tuple[int, SeqGrammar]]) -> tuple[torch.Tensor, list[int]] | None:
+        """Fill the host bitmask for (logits row, grammar) pairs, every grammar already caught up.
+        Returns (bitmask, logits rows to mask), or None when no row needs masking."""
+        if not rows:
+            return None
+        bitmask = self._buffer(max(i for i, _ in rows) + 1)
+        # A done grammar's row is discarded anyway (its sequence has ended): leave it unmasked.
+        live = [(i, g) for i, g in rows if not g.done]
+        if len(live) >= BATCH_FILL_MIN_ROWS:
+            # xgrammar fills the rows on its own threads (a large vocabulary costs ~10-100 us a row).
+            if self._batch_matcher is None:
+                self._batch_matcher = xgr.BatchGrammarMatcher()
+            indices = [i for i, _ in live]
+            self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for _, g in live], bitmask, indices)
+            return bitmask, indices
+        indices = [i for i, g in live if g.matcher.fill_next_token_bitmask(bitmask, i)]
+        return (bitmask, indices) if indices else None
+
+    def apply(self, logits: torch.Tensor, filled: tuple[torch.Tensor, list[int]] | None) -> None:
+        """Mask the logits in place on their device: forbidden tokens become -inf."""
+        if filled is None:
+            return
+        bitmask, indices = filled
+        n = max(indices) + 1
+        mask = bitmask[:n]
+        if logits.device.type != "cpu":
+            mask = mask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=min(self.vocab_size, logits.shape[-1]),
+                                        indices=indices)
+
+    def shutdown(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown()

@@ -1,0 +1,314 @@
+"""Structured outputs in the engine (engine/structured/, issue #32), against the demo model.
+
+The demo model knows no JSON (it writes King James prose), so a schema-valid output is the
+grammar at work. Sampling is on (temperature 1, seeds) throughout. Every output that finished
+with "stop" (the grammar closed) must validate against its schema with jsonschema, match its
+regex / choice / grammar; most outputs must finish that way (max_tokens is chosen so they close).
+"""
+import json
+import re
+
+import jsonschema
+import pytest
+
+from pagedserve import SamplingParams
+from pagedserve.demo_model import DEMO_MODEL_DIR
+from pagedserve.engine.core import EngineCore
+from pagedserve.sampling_params import BeamSearchParams, StructuredOutputsParams as SO
+
+from .helpers import assert_no_leak, make_llm
+
+PROMPTS = ["In the beginning", "And God said", "The LORD is my shepherd", "Blessed are"]
+FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+SCHEMAS = [
+    # nested objects, bounded string, integer bounds
+    {"type": "object", "additionalProperties": False, "required": ["person"],
+     "properties": {"person": {"type": "object", "required": ["name", "age"], "additionalProperties": False,
+                               "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 8},
+                                              "age": {"type": "integer", "minimum": 18, "maximum": 99}}}}},
+    # array of enums with minItems / maxItems
+    {"type": "object", "required": ["tags"], "additionalProperties": False,
+     "properties": {"tags": {"type": "array", "minItems": 2, "maxItems": 3,
+                             "items": {"type": "string", "enum": ["lamb", "lion", "dove"]}}}},
+    # anyOf
+    {"anyOf": [{"type": "integer", "minimum": -5, "maximum": 5},
+               {"type": "object", "required": ["ok"], "additionalProperties": False,
+                "properties": {"ok": {"type": "boolean"}}}]},
+    # nullable types
+    {"type": "object", "required": ["a", "b"], "additionalProperties": False,
+     "properties": {"a": {"type": ["string", "null"], "maxLength": 4}, "b": {"type": ["integer", "null"], "minimum": 0, "maximum": 999}}},
+    # pattern and number bounds
+    {"type": "object", "required": ["id", "p"], "additionalProperties": False,
+     "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                    "p": {"type": "number", "minimum": 0, "maximum": 1}}},
+    # formats
+    {"type": "object", "required": ["day", "uid"], "additionalProperties": False,
+     "properties": {"day": {"type": "string", "format": "date"}, "uid": {"type": "string", "format": "uuid"}}},
+    # enum / const at the top level
+    {"enum": ["Genesis", "Exodus", 3, None]},
+    # array of small objects
+    {"type": "array", "minItems": 1, "maxItems": 2,
+     "items": {"type": "object", "required": ["v"], "additionalProperties": False,
+               "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}}}},
+]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    llm = make_llm(DEMO_MODEL_DIR, num_gpu_blocks_override=256)
+    yield llm
+    llm.shutdown()
+
+
+def _json_params(schema, seed, **kw):
+    kw.setdefault("max_tokens", 64)
+    return SamplingParams(temperature=1.0, seed=seed,
+                          structured_outputs=SO(json=schema, disable_any_whitespace=True), **kw)
+
+
+def _assert_mostly_stop(outputs, checks):
+    """checks[i](text) must hold for every output of request i that the grammar closed ("stop");
+    the others ran into max_tokens; at least 80% of all outputs closed."""
+    stopped = total = 0
+    for o, check in zip(outputs, checks):
+        for c in o.outputs:
+            total += 1
+            if c.finish_reason == "stop":
+                assert check(c.text) is not False, c.text
+                stopped += 1
+            else:
+                assert c.finish_reason == "length", c
+    assert stopped >= 0.8 * total, f"only {stopped} of {total} outputs closed their grammar"
+
+
+def _validator(schema):
+    def check(text):
+        jsonschema.validate(json.loads(text), schema, format_checker=FORMATS)
+    return check
+
+
+def test_json_schemas_validate(llm):
+    reqs = [(s, seed) for s in SCHEMAS for seed in (0, 1)]
+    outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(reqs))],
+                        [_json_params(s, seed) for s, seed in reqs], use_tqdm=False)
+    _assert_mostly_stop(outs, [_validator(schema) for schema, _ in reqs])
+    # Sampling really ran: different seeds of one schema give different documents somewhere.
+    assert any(outs[2 * i].outputs[0].text != outs[2 * i + 1].outputs[0].text for i in range(len(SCHEMAS)))
+    assert_no_leak(llm)
+
+
+def test_json_object_and_any_whitespace(llm):
+    """json_object (any object) and a schema with free whitespace between tokens (the default)."""
+    schema = {"type": "object", "required": ["n"], "additionalProperties": False,
+              "properties": {"n": {"type": "integer"}}}
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=32, structured_outputs=SO(json_object=True))
+              for s in range(2)]
+    params += [SamplingParams(temperature=0.7, seed=s, max_tokens=32, structured_outputs=SO(json=schema))
+               for s in range(2)]
+    outs = llm.generate(PROMPTS[:1] * len(params), params, use_tqdm=False)
+    for o in outs[:2]:
+        c = o.outputs[0]
+        if c.finish_reason == "stop":
+            assert isinstance(json.loads(c.text), dict)
+        else:  # cut by max_tokens: what was written is still the start of an object
+            assert c.text.lstrip().startswith("{")
+    for o in outs[2:]:
+        c = o.outputs[0]
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), schema)
+
+
+def test_regex_choice_and_ebnf(llm):
+    regex = r"(Psalm|Proverb) [1-9][0-9]?:[1-9][0-9]?"
+    choices = ["yea", "nay", 'he said "amen"\n', "selah\\"]
+    ebnf = 'root ::= verse (" " verse)?\nverse ::= ("fear" | "love" | "hope") " " [a-z]{1,6} "."'
+    params = []
+    for seed in range(3):
+        params += [SamplingParams(temperature=1.0, seed=seed, max_tokens=24, structured_outputs=SO(regex=regex)),
+                   SamplingParams(temperature=1.0, seed=seed, max_tokens=24, structured_outputs=SO(choice=choices)),
+                   SamplingParams(temperature=1.0, seed=seed, max_tokens=40, structured_outputs=SO(grammar=ebnf))]
+    outs = llm.generate([PROMPTS[i % 4] for i in range(len(params))], params, use_tqdm=False)
+    ebnf_re = r"(fear|love|hope) [a-z]{1,6}\.( (fear|love|hope) [a-z]{1,6}\.)?"
+    checks = [lambda t: bool(re.fullmatch(regex, t)), lambda t: t in choices, lambda t: bool(re.fullmatch(ebnf_re, t))]
+    _assert_mostly_stop(outs, checks * 3)
+
+
+def test_greedy_never_takes_a_forbidden_token(llm):
+    """Greedy: the model's favourite first token (prose) is forbidden, the output still matches."""
+    free = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
+    out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8,
+                                                   structured_outputs=SO(regex="[0-9]{4}")), use_tqdm=False)[0]
+    assert not free.outputs[0].text[:1].isdigit()
+    assert re.fullmatch("[0-9]{4}", out.outputs[0].text) and out.outputs[0].finish_reason == "stop"
+
+
+def test_n_best_of_and_beam_search(llm):
+    schema = SCHEMAS[1]
+
+    valid = _validator(schema)
+    outs = llm.generate(PROMPTS[:2], [_json_params(schema, 3, n=3), _json_params(schema, 4, n=1, best_of=2)],
+                        use_tqdm=False)
+    assert len(outs[0].outputs) == 3 and len(outs[1].outputs) == 1
+    _assert_mostly_stop(outs, [valid, valid])
+    assert len({c.text for c in outs[0].outputs}) > 1  # three forks, three draws
+    beams = llm.beam_search([PROMPTS[2]], BeamSearchParams(
+        beam_width=2, max_tokens=40, structured_outputs=SO(json=schema, disable_any_whitespace=True)))[0]
+    assert len(beams.sequences) == 2
+    for b in beams.sequences:
+        assert b.finish_reason == "stop", b
+        valid(b.output_text)
+    assert_no_leak(llm)
+    assert not llm.llm_engine.structured.seqs.by_seq  # every matcher freed
+
+
+def _mix():
+    """Seeded constrained requests of up to 40 tokens each (schemas that close within ~35 tokens),
+    and two unconstrained neighbours."""
+    reqs = [(PROMPTS[i % 4], _json_params(SCHEMAS[k], 10 + i, max_tokens=40)) for i, k in enumerate((1, 4, 7, 2))]
+    reqs += [(p, SamplingParams(temperature=1.0, seed=7, max_tokens=32, ignore_eos=True)) for p in PROMPTS[:2]]
+    return reqs
+
+
+@pytest.fixture(scope="module")
+def unpreempted(llm):
+    tokens, _ = _run_tokens(llm, _mix())
+    assert llm.get_kv_cache_stats().num_preemptions == 0
+    return tokens
+
+
+def _run_tokens(llm, reqs):
+    outs = llm.generate([p for p, _ in reqs], [sp for _, sp in reqs], use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs], outs
+
+
+@pytest.mark.parametrize("mode,async_scheduling", [("recompute", True), ("swap", True), ("recompute", False)])
+def test_preempted_grammar_requests_match_an_unpreempted_run(unpreempted, mode, async_scheduling):
+    """A small cache forces preemption mid-generation; the matcher state survives it: the tokens
+    equal a run without preemption (overlapped steps, in the module's engine), token for token,
+    with overlapped steps and with synchronous ones."""
+    small = make_llm(DEMO_MODEL_DIR, block_size=4, num_gpu_blocks_override=20, swap_space=0.05,
+                     preemption_mode=mode, max_num_batched_tokens=32, async_scheduling=async_scheduling)
+    engine = small.llm_engine
+    schedule, overlapped = engine.scheduler.schedule, [0]
+
+    def spy():  # counts steps planned around a constrained sequence's placeholder token
+        out = schedule()
+        overlapped[0] += any(s.seq.num_inflight_tokens and s.seq.seq_id in engine.structured.seqs
+                             for s in out.scheduled)
+        return out
+    engine.scheduler.schedule = spy
+    try:
+        got, outs = _run_tokens(small, _mix())
+        assert small.get_kv_cache_stats().num_preemptions > 0
+        # Grammar requests keep overlapped steps on (their masks wait for the token in flight).
+        assert overlapped[0] > 10 if async_scheduling else overlapped[0] == 0
+        assert got == unpreempted
+        assert sum(o.outputs[0].finish_reason == "stop" for o in outs) >= 3  # the grammars closed
+        assert_no_leak(small)
+        assert not small.llm_engine.structured.seqs.by_seq
+    finally:
+        small.shutdown()
+
+
+def test_bad_specs_are_value_errors(llm):
+    for spec, words in ((SO(json={"type": "frob"}), "json"), (SO(json="{not json"), "not valid JSON"),
+                        (SO(json={"type": "object", "minProperties": "two"}), "not a valid JSON Schema"),
+                        (SO(regex="(unclosed"), "regex"), (SO(grammar="root ::= missing"), "grammar"),
+                        (SO(json={"type": "object"}, whitespace_pattern=r"\s*"), "whitespace_pattern")):
+        with pytest.raises(ValueError, match=re.escape(words)):
+            llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, structured_outputs=spec), use_tqdm=False)
+    assert_no_leak(llm)
+
+
+def test_skip_tokenizer_init_refuses_structured_outputs():
+    llm = make_llm(DEMO_MODEL_DIR, skip_tokenizer_init=True, num_gpu_blocks_override=32)
+    try:
+        with pytest.raises(ValueError, match="skip_tokenizer_init"):
+            llm.generate([[0, 5, 6]], SamplingParams(max_tokens=4, structured_outputs=SO(regex="a+")),
+                         use_tqdm=False)
+    finally:
+        llm.shutdown()
+
+
+def test_slow_compile_fails_alone_and_metrics_count():
+    """A grammar that compiles for about a second against a 0.05 s limit: that request ends with
+    "abort" and an error naming the limit; its neighbours, constrained or not, complete. The
+    compile, cache-hit and compile-time counters reach EngineCore's snapshot (what /metrics reads)."""
+    core = EngineCore(None, engine=make_llm(DEMO_MODEL_DIR, num_gpu_blocks_override=64,
+                                            structured_outputs_compile_timeout_s=0.05).llm_engine)
+    engine = core.engine
+    slow = SO(json={"enum": [f"verse{i}-" * 3 for i in range(3000)]})
+    quick = SO(regex="[a-c]{3}")
+    try:
+        before = core.snapshot()
+        core.add_request("slow", PROMPTS[0], SamplingParams(max_tokens=8, structured_outputs=slow))
+        core.add_request("free", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=8))
+        core.add_request("q1", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=8, structured_outputs=quick))
+        finals = {}
+        while engine.has_unfinished_requests():
+            for o in core.step():
+                if o.finished:
+                    finals[o.request_id] = o
+            if "q1" in finals and not engine.has_request("q2") and "q2" not in finals:
+                core.add_request("q2", PROMPTS[3], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                  structured_outputs=quick))
+        assert finals["slow"].outputs[0].finish_reason == "abort"
+        assert "structured_outputs_compile_timeout_s" in finals["slow"].error
+        assert finals["free"].outputs[0].finish_reason == "length" and finals["free"].error is None
+        for rid in ("q1", "q2"):
+            assert re.fullmatch("[a-c]{3}", finals[rid].outputs[0].text), finals[rid]
+        after = core.snapshot()
+        assert after.structured_output_compiles >= before.structured_output_compiles + 1
+        assert after.structured_output_cache_hits >= before.structured_output_cache_hits + 1  # q2 reused q1's
+        assert sum(after.structured_output_compile_seconds_buckets) == after.structured_output_compiles
+        assert after.structured_output_compile_seconds_sum > 0
+    finally:
+        core.shutdown()
+
+
+def test_two_process_engine_serves_grammars_and_reports_them():
+    """Behind the server (core in its own process): the spec crosses the process boundary (a dict
+    schema, streamed DELTA outputs concatenate to a valid document), a bad spec is the core's
+    ValueError, a compile past the limit fails that request alone with RequestOutput.error, and
+    the compile counters reach /metrics."""
+    import asyncio
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+    from pagedserve.sampling_params import RequestOutputKind
+
+    schema = SCHEMAS[1]
+    config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32", swap_space=0.01,
+                          num_gpu_blocks_override=64, structured_outputs_compile_timeout_s=0.05)
+    engine = AsyncLLMEngine.from_engine_config(config)
+
+    async def collect(rid, params):
+        return [o async for o in engine.generate(PROMPTS[0], params, rid)]
+
+    async def go():
+        try:
+            with pytest.raises(ValueError, match="structured_outputs.regex"):
+                await engine.add_request("bad", PROMPTS[0], SamplingParams(
+                    max_tokens=4, structured_outputs=SO(regex="(unclosed")))
+            streamed, slow = await asyncio.gather(
+                collect("json", _json_params(schema, 5, output_kind=RequestOutputKind.DELTA)),
+                collect("slow", SamplingParams(max_tokens=4, structured_outputs=SO(
+                    json={"enum": [f"verse{i}+" * 3 for i in range(3000)]}))))
+            text = "".join(o.outputs[0].text for o in streamed if o.outputs)
+            assert streamed[-1].outputs[0].finish_reason == "stop"
+            jsonschema.validate(json.loads(text), schema)
+            assert slow[-1].finished and slow[-1].outputs[0].finish_reason == "abort"
+            assert "structured_outputs_compile_timeout_s" in slow[-1].error
+            await collect("again", _json_params(schema, 6))  # the same spec: a cache hit
+            metrics = engine.metrics.render().decode()
+
+            def value(name):
+                return float(re.search(rf"^pagedserve:{name} (\S+)$", metrics, re.M).group(1))
+            # json compiled; "slow" too if its compile has ended by now (it runs on after the timeout)
+            assert value("structured_output_compiles_total") in (1.0, 2.0)
+            assert value("structured_output_cache_hits_total") == 1.0  # "again"
+            assert value("structured_output_compile_seconds_count") == value("structured_output_compiles_total")
+        finally:
+            await engine.shutdown()
+    asyncio.run(go())

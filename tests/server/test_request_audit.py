@@ -1,0 +1,177 @@
+"""No silent drops: every field of OpenAI's completions and chat APIs is either honoured or a 400
+naming it; keys outside the API are ignored with one log line; bad output constraints and bad
+tools are 400s that name the field and the problem."""
+from __future__ import annotations
+
+import typing
+
+import pytest
+
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+CMPL = "/v1/completions"
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def c(**kw):
+    return {"prompt": "hello", "max_tokens": 2, **kw}
+
+
+def ch(**kw):
+    return {"messages": MSG, "max_tokens": 2, **kw}
+
+
+def _openai_fields(module) -> set[str]:
+    return set(typing.get_type_hints(module.CompletionCreateParamsBase, include_extras=False)) | {"stream"}
+
+
+def test_every_openai_field_is_declared():
+    """Each field the openai client can send is a field of our model (honoured, or in the
+    model's UNSUPPORTED audit): none falls through as an ignored unknown key."""
+    from openai.types import completion_create_params
+    from openai.types.chat import completion_create_params as chat_params
+    assert _openai_fields(completion_create_params) <= set(CompletionRequest.model_fields)
+    assert _openai_fields(chat_params) <= set(ChatCompletionRequest.model_fields)
+
+
+# A value pagedserve cannot honour for each audited field.
+UNHONOURED = {
+    "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"],
+    "prediction": {"type": "content", "content": "x"}, "web_search_options": {},
+    "store": True, "metadata": {"k": "v"}, "service_tier": "flex", "reasoning_effort": "low",
+    "functions": [{"name": "f"}], "function_call": "auto", "moderation": {"model": "m"},
+    "verbosity": "low", "prompt_cache_retention": "24h", "prompt_cache_options": {"x": 1},
+    "logit_bias": {"5": 1.0},
+    # vLLM's extras
+    "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "bad_words": ["Lord"],
+    "allowed_token_ids": [1, 2], "logits_processors": ["x"], "truncate_prompt_tokens": 8,
+    "priority": 1, "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False,
+    "cache_salt": "tenant-1", "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1},
+    "echo": True, "chat_template": "{{ messages }}", "documents": [{"text": "x"}],
+}
+
+
+def test_unhonoured_values_cover_the_audit():
+    assert set(UNHONOURED) == set(ChatCompletionRequest.UNSUPPORTED)
+
+
+@pytest.mark.parametrize("field", sorted(UNHONOURED))
+def test_unhonoured_chat_field_is_a_400_naming_it(tools_http, field):
+    r = tools_http.post(CHAT, json=ch(**{field: UNHONOURED[field]}))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+    assert field in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field", sorted(CompletionRequest.UNSUPPORTED))
+def test_unhonoured_completion_field_is_a_400_naming_it(tools_http, field):
+    r = tools_http.post(CMPL, json=c(**{field: {**UNHONOURED, "suffix": "tail"}[field]}))
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_no_op_values_are_accepted(tools_http):
+    r = tools_http.post(CHAT, json=ch(store=False, metadata={}, service_tier="auto", modalities=["text"],
+                                      logit_bias={}, audio=None, functions=None, user="u1",
+                                      prompt_cache_key="k", safety_identifier="s",
+                                      response_format={"type": "text"}, tool_choice="none",
+                                      parallel_tool_calls=True))
+    assert r.status_code == 200, r.text
+    r = tools_http.post(CMPL, json=c(suffix="", logit_bias={}, use_beam_search=False, priority=0,
+                                     spaces_between_special_tokens=True))
+    assert r.status_code == 200, r.text
+
+
+def test_continue_final_message(tools_http):
+    """vLLM's continue_final_message: the prompt ends inside the last (assistant) message."""
+    messages = [*MSG, {"role": "assistant", "content": "And the LORD"}]
+    r = tools_http.post(CHAT, json=ch(messages=messages, continue_final_message=True,
+                                      add_generation_prompt=False))
+    assert r.status_code == 200, r.text
+    r2 = tools_http.post(CHAT, json=ch(messages=messages))
+    # The closed turn adds its end-of-turn token and the next assistant header.
+    assert r.json()["usage"]["prompt_tokens"] < r2.json()["usage"]["prompt_tokens"]
+    r = tools_http.post(CHAT, json=ch(messages=messages, continue_final_message=True))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "continue_final_message"
+
+
+def test_unknown_keys_are_ignored_with_a_log_line(tools_http, tools_server):
+    r = tools_http.post(CHAT, json=ch(frobnicate_level=3))
+    assert r.status_code == 200, r.text
+    assert "present in the request but ignored: frobnicate_level" in tools_server.log()
+
+
+BAD_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": "zero"}}}
+JS = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+
+# (id, path, body, param, a word the message must hold)
+CASES = [
+    ("format-unknown-type", CHAT, ch(response_format={"type": "xml"}), "response_format.type", "json_schema"),
+    ("format-no-schema", CHAT, ch(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
+     "response_format.json_schema", "schema"),
+    ("format-invalid-schema", CHAT, ch(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": BAD_SCHEMA}}), "response_format.json_schema.schema", "minimum"),
+    ("format-completions", CMPL, c(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "objectx"}}}), "response_format.json_schema.schema", "objectx"),
+    ("guided-json-not-json", CMPL, c(guided_json="{not json"), "guided_json", "not JSON"),
+    ("guided-json-invalid", CHAT, ch(guided_json=BAD_SCHEMA), "guided_json", "minimum"),
+    ("guided-regex", CMPL, c(guided_regex="a(b"), "guided_regex", "parenthesis"),
+    ("guided-grammar", CHAT, ch(guided_grammar="root ::= foo"), "guided_grammar", "foo"),
+    ("guided-choice-empty", CMPL, c(guided_choice=[]), "guided_choice", "choice"),
+    ("structured-two-kinds", CMPL, c(structured_outputs={"regex": "a+", "choice": ["a"]}),
+     "structured_outputs", "exactly one"),
+    ("structured-invalid-json", CMPL, c(structured_outputs={"json": BAD_SCHEMA}),
+     "structured_outputs.json", "minimum"),
+    ("two-constraints", CHAT, ch(response_format=JS, guided_regex="a+"), "guided_regex", "both"),
+    ("backend", CMPL, c(guided_json={"type": "object"}, guided_decoding_backend="outlines"),
+     "guided_decoding_backend", "xgrammar"),
+    ("continuous-usage", CHAT, ch(stream=True, stream_options={"continuous_usage_stats": True}),
+     "stream_options.continuous_usage_stats", "usage"),
+    ("tool-choice-without-tools", CHAT, ch(tool_choice="required"), "tool_choice", "tools"),
+    ("tool-choice-unknown-function", CHAT, ch(tools=[TOOL], tool_choice={
+        "type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),
+    ("tool-invalid-parameters", CHAT, ch(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": BAD_SCHEMA}}], tool_choice="required"),
+     "tools.0.function.parameters", "minimum"),
+    ("tool-bad-name", CHAT, ch(tools=[{"type": "function", "function": {"name": "a b"}}]),
+     "tools.0.function.name", "pattern"),
+    ("tool-duplicate", CHAT, ch(tools=[TOOL, TOOL]), "tools", "get_weather"),
+    ("tool-type", CHAT, ch(tools=[{"type": "custom", "custom": {"name": "f"}}]), "tools.0.type", "function"),
+    ("tool-and-format", CHAT, ch(tools=[TOOL], tool_choice="required", response_format=JS),
+     "tool_choice", "both"),
+    ("tool-message-without-id", CHAT, ch(messages=[*MSG, {"role": "tool", "content": "20C"}]),
+     "messages.1.tool_call_id", "tool_call_id"),
+    ("tool-calls-on-user", CHAT, ch(messages=[{"role": "user", "content": "x", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]),
+     "messages.0.tool_calls", "assistant"),
+    ("history-function-call", CHAT, ch(messages=[*MSG, {"role": "assistant", "content": None,
+                                                        "function_call": {"name": "f", "arguments": "{}"}}]),
+     "messages.1.function_call", "tool_calls"),
+    ("template-kwargs-clash", CHAT, ch(chat_template_kwargs={"tokenize": True}),
+     "chat_template_kwargs", "tokenize"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,param,word", CASES, ids=[x[0] for x in CASES])
+def test_bad_constraint_or_tool_is_a_400(tools_http, name, path, body, param, word):
+    r = tools_http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param, err
+    assert word in err["message"], err
+
+
+def test_auto_tool_choice_needs_the_flags(http):
+    """The shared server runs without --enable-auto-tool-choice: auto (also the default with
+    tools) is a 400, as in vLLM; none and a forced call still work there."""
+    for body in (ch(model="tiny", tools=[TOOL]), ch(model="tiny", tools=[TOOL], tool_choice="auto")):
+        r = http.post(CHAT, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "tool_choice"
+        assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
+    r = http.post(CHAT, json=ch(model="tiny", tools=[TOOL], tool_choice="none"))
+    assert r.status_code == 200, r.text
