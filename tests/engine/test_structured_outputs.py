@@ -43,8 +43,8 @@ SCHEMAS = [
      "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
                     "p": {"type": "number", "minimum": 0, "maximum": 1}}},
     # formats
-    {"type": "object", "required": ["day", "uid"], "additionalProperties": False,
-     "properties": {"day": {"type": "string", "format": "date"}, "uid": {"type": "string", "format": "uuid"}}},
+    {"type": "object", "required": ["day", "ip"], "additionalProperties": False,
+     "properties": {"day": {"type": "string", "format": "date"}, "ip": {"type": "string", "format": "ipv4"}}},
     # enum / const at the top level
     {"enum": ["Genesis", "Exodus", 3, None]},
     # array of small objects
@@ -62,7 +62,7 @@ def llm():
 
 
 def _json_params(schema, seed, **kw):
-    kw.setdefault("max_tokens", 64)
+    kw.setdefault("max_tokens", 48)
     return SamplingParams(temperature=1.0, seed=seed,
                           structured_outputs=SO(json=schema, disable_any_whitespace=True), **kw)
 
@@ -89,12 +89,13 @@ def _validator(schema):
 
 
 def test_json_schemas_validate(llm):
-    reqs = [(s, seed) for s in SCHEMAS for seed in (0, 1)]
+    reqs = [(s, 0) for s in SCHEMAS] + [(s, 1) for s in SCHEMAS[:4]]
     outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(reqs))],
                         [_json_params(s, seed) for s, seed in reqs], use_tqdm=False)
     _assert_mostly_stop(outs, [_validator(schema) for schema, _ in reqs])
     # Sampling really ran: different seeds of one schema give different documents somewhere.
-    assert any(outs[2 * i].outputs[0].text != outs[2 * i + 1].outputs[0].text for i in range(len(SCHEMAS)))
+    n = len(SCHEMAS)
+    assert any(outs[i].outputs[0].text != outs[n + i].outputs[0].text for i in range(4))
     assert_no_leak(llm)
 
 
