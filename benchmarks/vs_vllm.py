@@ -168,8 +168,10 @@ def run_pair(fn, args, work: Path, *extra) -> None:
 
 
 def phase_online(args, work: Path) -> None:
-    model_dir = work / "model"
-    subprocess.run([sys.executable, str(REPO / "benchmarks/peers/make_bench_model_dir.py"), args.model, str(model_dir)],
+    # Structured runs need a vocabulary a JSON document can be written in (make_bench_model_dir.py).
+    model_dir = work / ("model_json" if args.structured else "model")
+    subprocess.run([sys.executable, str(REPO / "benchmarks/peers/make_bench_model_dir.py"), args.model, str(model_dir),
+                    *(["--json-chars"] if args.structured else [])],
                    check=True, env={**os.environ, "PYTHONPATH": args.site})
     run_pair(online_one, args, work, model_dir)
 
@@ -183,7 +185,7 @@ def phase_mask_cost(args, work: Path) -> None:
     """benchmarks/structured_mask_cost.py on the bench model's tokenizer: compile times and the
     host's mask cost per sequence and step (the 50 schemas of the online runs)."""
     r = subprocess.run([sys.executable, str(REPO / "benchmarks/structured_mask_cost.py"), "--tokenizer",
-                        str(work / "model"), "--device", "cuda", "--batch", "64", "--output",
+                        str(work / "model_json"), "--device", "cuda", "--batch", "64", "--output",
                         str(work / "mask_cost.json")],
                        env={**os.environ, **ENV, "PYTHONPATH": f"{REPO}:{args.site}"}, capture_output=True,
                        text=True, timeout=args.rate_limit)
