@@ -135,6 +135,32 @@ def test_regex_choice_and_ebnf(llm):
     _assert_mostly_stop(outs, checks * 3)
 
 
+def test_every_sampling_option_sees_the_mask(llm):
+    """Penalties, top-k / top-p / min-p, min_tokens and logprobs (the synchronous torch sampler)
+    all act on the masked logits: the output still matches, and every chosen token's logprob is
+    finite (it is one the grammar allowed)."""
+    regex = r"[a-z]{3,6}( [a-z]{3,6}){0,2}"
+    params = [SamplingParams(temperature=1.3, seed=s, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.4,
+                             presence_penalty=0.8, frequency_penalty=0.5, min_tokens=3, logprobs=2, max_tokens=24,
+                             structured_outputs=SO(regex=regex)) for s in range(3)]
+    outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    _assert_mostly_stop(outs, [lambda t: bool(re.fullmatch(regex, t))] * 3)
+    for o in outs:
+        c = o.outputs[0]
+        assert all(lp[t] > float("-inf") for t, lp in zip(c.token_ids, c.logprobs))
+
+
+def test_structural_tag(llm):
+    """xgrammar's structural tag: a tagged region with constrained content (what tool calls use)."""
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<call>",
+                                                "content": {"type": "regex", "pattern": "[0-9]{2}"},
+                                                "end": "</call>"}}
+    outs = llm.generate(PROMPTS[:2], [SamplingParams(temperature=1.0, seed=s, max_tokens=16,
+                                                     structured_outputs=SO(structural_tag=tag)) for s in range(2)],
+                        use_tqdm=False)
+    _assert_mostly_stop(outs, [lambda t: bool(re.fullmatch(r"<call>[0-9]{2}</call>", t))] * 2)
+
+
 def test_greedy_never_takes_a_forbidden_token(llm):
     """Greedy: the model's favourite first token (prose) is forbidden, the output still matches."""
     free = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)[0]
