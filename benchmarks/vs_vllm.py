@@ -14,13 +14,6 @@ Phases (each also runs alone, so a run can be split across calls with a time lim
            `pagedserve bench throughput`, two timed runs each, the faster reported by both
   decode   (not in `all`) benchmarks/peers/decode_step_diff.py for both engines at --decode-seqs:
            the period and kernels of one small-batch decode step, measured alike
-  structured (not in `all`) the online phase twice per rate, unconstrained and with every request
-           carrying a json_schema response_format drawn from the fixed 50
-           (`bench serve --structured-outputs json`), then benchmarks/structured_mask_cost.py on the
-           bench model's tokenizer (compile times, host mask cost) and collect-structured
-  collect-structured  writes benchmarks/results/<device>/structured.json: tpot_p50_over_vllm_json_rN,
-           tpot_overhead_json_rN (our constrained TPOT p50 over our unconstrained; vLLM's alike for
-           reference) and compile time p50 / p99, uncached and cached
   collect  merges the phase files into benchmarks/results/<device>/serving.json with the ratios
            tpot_p50_over_vllm_rN, ttft_p99_over_vllm_rN, throughput_over_vllm_rN,
            offline_nanovllm_over_vllm, offline_fixed256_over_vllm
@@ -101,17 +94,17 @@ def online_one(engine: str, gpu: str, args, model_dir: Path, work: Path) -> None
             return
         info["startup_seconds"] = round(time.monotonic() - t0, 1)
         log(work, f"{engine} up after {info['startup_seconds']} s on GPU {gpu}")
-        for rate, so in [(r, so) for r in args.rates for so in structured_modes(args)]:
-            out = work / f"online_{engine}_r{rate:g}{'' if so == 'none' else '_' + so}.json"
+        for rate in args.rates:
+            out = work / f"online_{engine}_r{rate:g}.json"
             cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve",
                    "--base-url", f"http://127.0.0.1:{port}/v1", "--workload", args.workload,
                    "--num-requests", str(args.num_requests), "--request-rate", str(rate), "--output", str(out),
                    # vLLM's /v1/models reports no vocabulary size: both engines' ids come from the tokenizer
-                   "--tokenizer", str(model_dir), "--disable-tqdm", "--structured-outputs", so]
+                   "--tokenizer", str(model_dir), "--disable-tqdm"]
             r = subprocess.run(cmd, env={**os.environ, **ENV, "PYTHONPATH": f"{REPO}:{args.site}"},
                                capture_output=True, text=True, timeout=args.rate_limit)
             tail = [ln for ln in r.stdout.splitlines() if any(k in ln for k in ("completed", "throughput", "TTFT", "TPOT"))]
-            log(work, f"{engine} rate {rate:g} {so} rc={r.returncode}: " + " | ".join(tail)[:400])
+            log(work, f"{engine} rate {rate:g} rc={r.returncode}: " + " | ".join(tail)[:400])
             if r.returncode != 0 and not out.exists():
                 log(work, r.stderr[-1500:])
     finally:
@@ -168,66 +161,10 @@ def run_pair(fn, args, work: Path, *extra) -> None:
 
 
 def phase_online(args, work: Path) -> None:
-    # Structured runs need a vocabulary a JSON document can be written in (make_bench_model_dir.py).
-    model_dir = work / ("model_json" if args.structured else "model")
-    subprocess.run([sys.executable, str(REPO / "benchmarks/peers/make_bench_model_dir.py"), args.model, str(model_dir),
-                    *(["--json-chars"] if args.structured else [])],
+    model_dir = work / "model"
+    subprocess.run([sys.executable, str(REPO / "benchmarks/peers/make_bench_model_dir.py"), args.model, str(model_dir)],
                    check=True, env={**os.environ, "PYTHONPATH": args.site})
     run_pair(online_one, args, work, model_dir)
-
-
-def structured_modes(args) -> list[str]:
-    """The online phase's response_format modes: unconstrained, and with --structured also json."""
-    return ["none", "json"] if getattr(args, "structured", False) else ["none"]
-
-
-def phase_mask_cost(args, work: Path) -> None:
-    """benchmarks/structured_mask_cost.py on the bench model's tokenizer: compile times and the
-    host's mask cost per sequence and step (the 50 schemas of the online runs)."""
-    r = subprocess.run([sys.executable, str(REPO / "benchmarks/structured_mask_cost.py"), "--tokenizer",
-                        str(work / "model_json"), "--device", "cuda", "--batch", "64", "--output",
-                        str(work / "mask_cost.json")],
-                       env={**os.environ, **ENV, "PYTHONPATH": f"{REPO}:{args.site}"}, capture_output=True,
-                       text=True, timeout=args.rate_limit)
-    log(work, f"mask cost rc={r.returncode}: {r.stdout[-600:] if r.returncode == 0 else r.stderr[-1500:]}")
-
-
-def phase_collect_structured(args, work: Path) -> None:
-    from pagedserve.benchmark.results import write_result
-    results: dict = {}
-    for engine in ("vllm", "pagedserve"):
-        for rate in args.rates:
-            for so in ("none", "json"):
-                d = _load(work / f"online_{engine}_r{rate:g}{'' if so == 'none' else '_' + so}.json")
-                if d is not None:
-                    d = d.get("results", d)
-                    results.setdefault(engine, {})[f"r{rate:g}_{so}"] = {
-                        k: d[k] for k in ("completed", "failed", "request_throughput", "output_throughput",
-                                          "ttft_ms", "tpot_ms", "itl_ms") if k in d}
-    ratios: dict = {}
-    for rate in args.rates:
-        k = f"r{rate:g}"
-        tpot = {(e, so): results.get(e, {}).get(f"{k}_{so}", {}).get("tpot_ms", {}).get("p50")
-                for e in ("vllm", "pagedserve") for so in ("none", "json")}
-        if tpot["pagedserve", "json"] and tpot["vllm", "json"]:
-            ratios[f"tpot_p50_over_vllm_json_{k}"] = round(tpot["pagedserve", "json"] / tpot["vllm", "json"], 3)
-        for e, name in (("pagedserve", "tpot_overhead_json"), ("vllm", "vllm_tpot_overhead_json")):
-            if tpot[e, "json"] and tpot[e, "none"]:
-                ratios[f"{name}_{k}"] = round(tpot[e, "json"] / tpot[e, "none"], 3)
-    mask = _load(work / "mask_cost.json")
-    if mask is not None:
-        results["mask_cost"] = mask
-        for which in ("uncached", "cached"):
-            for q in ("p50", "p99"):
-                ratios[f"compile_ms_{which}_{q}"] = mask[f"compile_ms_{which}"][q]
-    config = {"model": os.path.relpath(args.model, REPO), "workload": args.workload,
-              "num_requests": args.num_requests, "rates": args.rates, "gpus": args.gpus,
-              "schemas": "pagedserve/benchmark/json_schemas.py (50, seed 0)",
-              "pagedserve_args": args.pagedserve_args, "vllm_args": args.vllm_args}
-    out = Path(args.output).with_name("structured.json")
-    write_result(out, "structured_outputs_vs_vllm", "python benchmarks/vs_vllm.py " + shlex.join(sys.argv[1:]),
-                 config, results, {"vllm": "0.26.0"}, ratios, device=args.device)
-    print(json.dumps(ratios, indent=1))
 
 
 def phase_offline(args, work: Path) -> None:
@@ -318,8 +255,7 @@ def phase_collect(args, work: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["online", "offline", "collect", "all", "decode", "structured",
-                                      "collect-structured"],
+    ap.add_argument("phase", choices=["online", "offline", "collect", "all", "decode"],
                     help="all = online, offline, collect; decode (alone): one small-batch decode step of "
                          "each engine through benchmarks/peers/decode_step_diff.py")
     ap.add_argument("--site", default=os.environ.get("SITE", os.path.join(tempfile.gettempdir(), "site")),
@@ -345,7 +281,6 @@ def main() -> None:
     ap.add_argument("--output", default=str(REPO / "benchmarks/results/h200/serving.json"))
     ap.add_argument("--device", default=None, help="collect: the device the phases ran on (default: this one)")
     args = ap.parse_args()
-    args.structured = args.phase == "structured"
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if args.phase in ("online", "all"):
@@ -356,11 +291,6 @@ def main() -> None:
         phase_collect(args, work)
     if args.phase == "decode":
         run_pair(decode_one, args, work)
-    if args.phase == "structured":
-        phase_online(args, work)
-        phase_mask_cost(args, work)
-    if args.phase in ("structured", "collect-structured"):
-        phase_collect_structured(args, work)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ class WorkloadRequest:
     prompt_token_ids: list[int]
     output_len: int
     arrival_time: float = 0.0
-    extra_body: dict | None = None   # more request fields (e.g. a response_format), sent as they are
 
 
 @dataclass(frozen=True)

@@ -54,8 +54,6 @@ async def _send_once(client: httpx.AsyncClient, base_url: str, model: str, req: 
     payload = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len,
                "temperature": temperature, "ignore_eos": True, "stream": True,
                "stream_options": {"include_usage": True}}
-    if req.extra_body:
-        payload.update(req.extra_body)
     start = last = time.perf_counter()
     chunks_with_text = 0
     try:
@@ -383,12 +381,6 @@ def run_serve_cli(args: Any) -> int:
     seed = getattr(args, "seed", 0)
     requests = make_workload(args.workload, args.num_requests, args.request_rate, seed=seed,
                              vocab_size=served.vocab_size, max_total_len=served.max_model_len)
-    structured = getattr(args, "structured_outputs", "none")
-    if structured == "json":
-        from pagedserve.benchmark.json_schemas import benchmark_schemas, response_format
-        schemas = benchmark_schemas()
-        for i, r in enumerate(requests):
-            r.extra_body = {"response_format": response_format(schemas[i % len(schemas)], i % len(schemas))}
     print(f"{len(requests)} {args.workload} requests to {served.id!r} at {args.base_url} (token ids "
           f"< {min(VOCAB_DRAW, served.vocab_size)}, prompt + output <= "
           f"{max(len(r.prompt_token_ids) + r.output_len for r in requests)})", file=sys.stderr)
@@ -399,7 +391,7 @@ def run_serve_cli(args: Any) -> int:
         num_processes=getattr(args, "num_client_processes", 1)))
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
     config = {"base_url": args.base_url, "workload": args.workload,
-              "num_requests": len(requests), "request_rate": rate, "structured_outputs": structured,
+              "num_requests": len(requests), "request_rate": rate,
               "max_concurrency": max_concurrency, "seed": seed,
               "num_client_processes": getattr(args, "num_client_processes", 1),
               "vocab_size": served.vocab_size, "max_model_len": served.max_model_len}

@@ -189,10 +189,6 @@ def register_bench(sub) -> None:
                    help="split the requests over this many client processes, so that the "
                         "client's SSE parsing does not bound the measurement; percentiles are "
                         "of the merged records (no progress bar when > 1)")
-    s.add_argument("--structured-outputs", choices=["none", "json"], default="none",
-                   help="json: request i carries response_format json_schema number i %% 50 of a "
-                        "fixed set (pagedserve/benchmark/json_schemas.py), for constrained-vs-free "
-                        "TPOT runs against either server")
     s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     s.add_argument("--output", default=None, help="write the JSON summary and every request here")
     s.set_defaults(func=run_serve)
