@@ -238,6 +238,17 @@ def test_preempted_grammar_requests_match_an_unpreempted_run(unpreempted, mode, 
         small.shutdown()
 
 
+def test_tensor_parallel_rank0_masks_for_every_rank(unpreempted):
+    """TP=2 (gloo on CPU): rank 0 masks its logits, samples and broadcasts the ids, so every rank
+    continues from the same constrained draw; the tokens equal the single-rank run's."""
+    tp = make_llm(DEMO_MODEL_DIR, tensor_parallel_size=2, num_gpu_blocks_override=256)
+    try:
+        got, _ = _run_tokens(tp, _mix())
+        assert got == unpreempted
+    finally:
+        tp.shutdown()
+
+
 def test_bad_specs_are_value_errors(llm):
     for spec, words in ((SO(json={"type": "frob"}), "json"), (SO(json="{not json"), "not valid JSON"),
                         (SO(json={"type": "object", "minProperties": "two"}), "not a valid JSON Schema"),
