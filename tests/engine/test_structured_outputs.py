@@ -350,3 +350,21 @@ def test_two_process_engine_serves_grammars_and_reports_them():
         finally:
             await engine.shutdown()
     asyncio.run(go())
+
+
+def test_compile_cache_is_bounded_by_entries_and_bytes():
+    from pagedserve.engine.structured.compiler import GrammarCompilerPool, parse_spec
+
+    from .helpers import tokenizer
+    pool = GrammarCompilerPool(tokenizer(str(DEMO_MODEL_DIR)), 2048, [1], threads=1, cache_size=3)
+    specs = [SO(regex=f"[a-z]{{{i}}}") for i in range(1, 6)]
+    for spec in specs:
+        pool.submit(spec.key(), parse_spec(spec)).result()
+    pool._evict()
+    assert len(pool._cache) == 3 and all(pool.has(s.key()) for s in specs[2:]) and not pool.has(specs[0].key())
+    one = pool._bytes[specs[4].key()]
+    assert one > 0
+    pool._cache_limit_bytes = one  # room for one grammar
+    pool._evict()
+    assert list(pool._cache) == [specs[4].key()]
+    pool.shutdown()
