@@ -107,7 +107,9 @@ class EngineConfig:
     best_of > 1 (forks), repetition / frequency / presence penalties and min_tokens (they need
     the newest token on the host), and logprobs (top-N). With tensor_parallel_size > 1 rank 0
     samples inside the step and broadcasts the ids to the other ranks (runner/sampled_ids.py).
-    Greedy, temperature, top-k, top-p, min-p, seeds, stop tokens / strings and max_tokens overlap.
+    Greedy, temperature, top-k, top-p, min-p, seeds, stop tokens / strings, max_tokens and
+    structured outputs overlap (a grammar's mask for step N+1 is filled while N+1's forward runs,
+    docs/structured-outputs.md).
     Outputs are token-exact either way for greedy and seeded requests; unseeded sampling shares
     one generator, so its draws depend on the batch in both modes. The cost: each running
     sequence holds its next KV slot one step early, and one that stops computes one discarded

@@ -43,8 +43,8 @@ SCHEMAS = [
      "properties": {"id": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
                     "p": {"type": "number", "minimum": 0, "maximum": 1}}},
     # formats
-    {"type": "object", "required": ["day", "uid"], "additionalProperties": False,
-     "properties": {"day": {"type": "string", "format": "date"}, "uid": {"type": "string", "format": "uuid"}}},
+    {"type": "object", "required": ["day", "ip"], "additionalProperties": False,
+     "properties": {"day": {"type": "string", "format": "date"}, "ip": {"type": "string", "format": "ipv4"}}},
     # enum / const at the top level
     {"enum": ["Genesis", "Exodus", 3, None]},
     # array of small objects
@@ -62,7 +62,7 @@ def llm():
 
 
 def _json_params(schema, seed, **kw):
-    kw.setdefault("max_tokens", 64)
+    kw.setdefault("max_tokens", 48)
     return SamplingParams(temperature=1.0, seed=seed,
                           structured_outputs=SO(json=schema, disable_any_whitespace=True), **kw)
 
@@ -89,12 +89,13 @@ def _validator(schema):
 
 
 def test_json_schemas_validate(llm):
-    reqs = [(s, seed) for s in SCHEMAS for seed in (0, 1)]
+    reqs = [(s, 0) for s in SCHEMAS] + [(s, 1) for s in SCHEMAS[:4]]
     outs = llm.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(reqs))],
                         [_json_params(s, seed) for s, seed in reqs], use_tqdm=False)
     _assert_mostly_stop(outs, [_validator(schema) for schema, _ in reqs])
     # Sampling really ran: different seeds of one schema give different documents somewhere.
-    assert any(outs[2 * i].outputs[0].text != outs[2 * i + 1].outputs[0].text for i in range(len(SCHEMAS)))
+    n = len(SCHEMAS)
+    assert any(outs[i].outputs[0].text != outs[n + i].outputs[0].text for i in range(4))
     assert_no_leak(llm)
 
 
@@ -132,6 +133,32 @@ def test_regex_choice_and_ebnf(llm):
     ebnf_re = r"(fear|love|hope) [a-z]{1,6}\.( (fear|love|hope) [a-z]{1,6}\.)?"
     checks = [lambda t: bool(re.fullmatch(regex, t)), lambda t: t in choices, lambda t: bool(re.fullmatch(ebnf_re, t))]
     _assert_mostly_stop(outs, checks * 3)
+
+
+def test_every_sampling_option_sees_the_mask(llm):
+    """Penalties, top-k / top-p / min-p, min_tokens and logprobs (the synchronous torch sampler)
+    all act on the masked logits: the output still matches, and every chosen token's logprob is
+    finite (it is one the grammar allowed)."""
+    regex = r"[a-z]{3,6}( [a-z]{3,6}){0,2}"
+    params = [SamplingParams(temperature=1.3, seed=s, top_k=7, top_p=0.9, min_p=0.05, repetition_penalty=1.4,
+                             presence_penalty=0.8, frequency_penalty=0.5, min_tokens=3, logprobs=2, max_tokens=24,
+                             structured_outputs=SO(regex=regex)) for s in range(3)]
+    outs = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    _assert_mostly_stop(outs, [lambda t: bool(re.fullmatch(regex, t))] * 3)
+    for o in outs:
+        c = o.outputs[0]
+        assert all(lp[t] > float("-inf") for t, lp in zip(c.token_ids, c.logprobs))
+
+
+def test_structural_tag(llm):
+    """xgrammar's structural tag: a tagged region with constrained content (what tool calls use)."""
+    tag = {"type": "structural_tag", "format": {"type": "tag", "begin": "<call>",
+                                                "content": {"type": "regex", "pattern": "[0-9]{2}"},
+                                                "end": "</call>"}}
+    outs = llm.generate(PROMPTS[:2], [SamplingParams(temperature=1.0, seed=s, max_tokens=16,
+                                                     structured_outputs=SO(structural_tag=tag)) for s in range(2)],
+                        use_tqdm=False)
+    _assert_mostly_stop(outs, [lambda t: bool(re.fullmatch(r"<call>[0-9]{2}</call>", t))] * 2)
 
 
 def test_greedy_never_takes_a_forbidden_token(llm):
@@ -209,6 +236,17 @@ def test_preempted_grammar_requests_match_an_unpreempted_run(unpreempted, mode, 
         assert not small.llm_engine.structured.seqs.by_seq
     finally:
         small.shutdown()
+
+
+def test_tensor_parallel_rank0_masks_for_every_rank(unpreempted):
+    """TP=2 (gloo on CPU): rank 0 masks its logits, samples and broadcasts the ids, so every rank
+    continues from the same constrained draw; the tokens equal the single-rank run's."""
+    tp = make_llm(DEMO_MODEL_DIR, tensor_parallel_size=2, num_gpu_blocks_override=256)
+    try:
+        got, _ = _run_tokens(tp, _mix())
+        assert got == unpreempted
+    finally:
+        tp.shutdown()
 
 
 def test_bad_specs_are_value_errors(llm):
@@ -312,3 +350,21 @@ def test_two_process_engine_serves_grammars_and_reports_them():
         finally:
             await engine.shutdown()
     asyncio.run(go())
+
+
+def test_compile_cache_is_bounded_by_entries_and_bytes():
+    from pagedserve.engine.structured.compiler import GrammarCompilerPool, parse_spec
+
+    from .helpers import tokenizer
+    pool = GrammarCompilerPool(tokenizer(str(DEMO_MODEL_DIR)), 2048, [1], threads=1, cache_size=3)
+    specs = [SO(regex=f"[a-z]{{{i}}}") for i in range(1, 6)]
+    for spec in specs:
+        pool.submit(spec.key(), parse_spec(spec)).result()
+    pool._evict()
+    assert len(pool._cache) == 3 and all(pool.has(s.key()) for s in specs[2:]) and not pool.has(specs[0].key())
+    one = pool._bytes[specs[4].key()]
+    assert one > 0
+    pool._cache_limit_bytes = one  # room for one grammar
+    pool._evict()
+    assert list(pool._cache) == [specs[4].key()]
+    pool.shutdown()

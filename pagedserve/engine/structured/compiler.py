@@ -138,7 +138,10 @@ class GrammarCompilerPool:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], threads: int = 2,
-                 cache_size: int = 1024) -> None:
+                 cache_size: int = 1024, cache_limit_bytes: int = 512 << 20) -> None:
+        """cache_size / cache_limit_bytes bound the cache by entries and by the compiled grammars'
+        memory (xgrammar's memory_size_bytes; a grammar's token-mask cache grows with the
+        vocabulary), 512 MiB as vLLM's VLLM_XGRAMMAR_CACHE_MB; the oldest finished entries go first."""
         self.tokenizer_info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                                  stop_token_ids=list(stop_token_ids))
         self.vocab_size = vocab_size
@@ -147,6 +150,8 @@ class GrammarCompilerPool:
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="grammar-compile")
         self._cache: dict[tuple[str, str], Future] = {}   # insertion order = age, for eviction
         self._cache_size = cache_size
+        self._cache_limit_bytes = cache_limit_bytes
+        self._bytes: dict[tuple[str, str], int] = {}   # finished entries' sizes
         self._lock = threading.Lock()
         self.stats = CompileStats()
 
@@ -165,9 +170,22 @@ class GrammarCompilerPool:
             return fut
         fut = self._pool.submit(self._compile, grammar)
         self._cache[key] = fut
-        while len(self._cache) > self._cache_size:
-            self._cache.pop(next(iter(self._cache)))
+        self._evict()
         return fut
+
+    def _evict(self) -> None:
+        """Drop the oldest finished entries while the cache is over either bound (an entry still
+        compiling stays: requests wait on it)."""
+        for k, f in self._cache.items():
+            if k not in self._bytes and f.done():
+                self._bytes[k] = 0 if f.exception() is not None else f.result().memory_size_bytes
+        total = sum(self._bytes.values())
+        for k in list(self._cache):
+            if len(self._cache) <= self._cache_size and total <= self._cache_limit_bytes:
+                break
+            if k in self._bytes:
+                total -= self._bytes.pop(k)
+                del self._cache[k]
 
     def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
         t0 = time.perf_counter()
