@@ -14,7 +14,8 @@ max_tokens: both runs produce the same tokens per request, so their TPOTs differ
 alone. collect writes benchmarks/results/h200/structured.json with tpot_p50_over_vllm_json_rN
 (ours constrained over vLLM's constrained), tpot_overhead_json_rN (ours constrained over ours
 unconstrained) and the same overhead for vLLM, plus the per-request output-length check.
-Grammar compile times are measured apart (grammar_compile_times.py) and merged in by collect.
+Grammar compile times and the host's per-step mask cost are measured apart, on the same machine
+(structured_mask_cost.py --output WORK/structured_mask_cost.json), and merged in by collect.
 """
 from __future__ import annotations
 
@@ -111,9 +112,9 @@ def phase_collect(args, work: Path) -> None:
             if runs.get(f"{k}_json") and runs.get(f"{k}_plain"):
                 ratios[f"{eng}tpot_overhead_json_{k}"] = round(runs[f"{k}_json"]["tpot_ms"]["p50"] /
                                                                runs[f"{k}_plain"]["tpot_ms"]["p50"], 3)
-    compile_times = vv._load(work / "grammar_compile_times.json")
-    if compile_times is not None:
-        results["compile_times"] = compile_times.get("results", compile_times)
+    mask_cost = vv._load(work / "structured_mask_cost.json")
+    if mask_cost is not None:
+        results["mask_cost"] = mask_cost
     bpe = vv._load(work / "model_bpe" / "bpe_info.json")
     config = {"model": os.path.relpath(args.model, REPO), "tokenizer": bpe, "workload": args.workload,
               "num_requests": args.num_requests, "rates": args.rates, "json_schemas": args.json_schemas,
