@@ -20,6 +20,8 @@ profile (runner/kv_sizing.py), which runs a forward of the largest step, counts 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
@@ -76,7 +78,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_exp
                      N, K, EM, num_pairs,
                      stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
                      A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """C[pair, n] = f(A[pair // A_ROW_DIV, :] @ B[expert, n, :]) for the rows of one BLOCK_M block.
     GATED: B holds 2N rows (gate, then up) and f is silu(gate) * up. MUL_WEIGHT: times weights[pair]."""
@@ -108,10 +110,17 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_exp
         k_mask = offs_k < K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         b = tl.load(b_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(a, b, acc, input_precision=DOT_PRECISION)
+        if IEEE:  # float32 operands, or the interpreter (see _dot_in_float32)
+            a = a.to(tl.float32)
+            acc += tl.dot(a, b.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(a, b)
         if GATED:
             b_up = tl.load(b_ptrs + N * stride_bn, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-            acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PRECISION)
+            if IEEE:
+                acc_up += tl.dot(a, b_up.to(tl.float32), input_precision="ieee")
+            else:
+                acc_up += tl.dot(a, b_up)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
     if GATED:
@@ -127,6 +136,14 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_exp
     tl.store(c_ptrs, out.to(c_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
 
+def _dot_in_float32(dtype: torch.dtype) -> bool:
+    """float32 operands take an IEEE float32 dot (not TF32: the torch path is exact float32).
+    Under Triton 3.6's interpreter a bfloat16 tl.dot returns garbage (it multiplies the raw
+    16-bit storage), so there the operands are widened first: the same result, since a product of
+    two bfloat16 values is exact in float32 and the GPU's dot accumulates in float32 too."""
+    return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _gemm(a, b, c, weights, sorted_ids, block_expert, num_padded, n, k, num_pairs, a_row_div, gated, cfg):
     em = sorted_ids.numel()
     grid = (triton.cdiv(em, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
@@ -134,7 +151,7 @@ def _gemm(a, b, c, weights, sorted_ids, block_expert, num_padded, n, k, num_pair
         a, b, c, weights, sorted_ids, block_expert, num_padded, n, k, em, num_pairs,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
-        DOT_PRECISION="ieee" if a.dtype == torch.float32 else "tf32",
+        IEEE=_dot_in_float32(a.dtype),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
