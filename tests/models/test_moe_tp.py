@@ -1,0 +1,40 @@
+"""MoE tensor parallelism, both ranks simulated in one process: each rank loads only its slice of
+every expert's intermediate dimension (and of the shared expert's) from the HF checkpoint, its MoE
+block returns a partial sum, the two partials add up to the unsharded block's output, and the block
+all-reduces exactly once. (The two-process gloo run: tests/distributed/test_tp_generate.py.)"""
+import pytest
+import torch
+
+from pagedserve.layers import linear
+from pagedserve.layers.fused_moe import layer as moe_layer
+from pagedserve.models import moe as moe_models
+from pagedserve.models.loader import get_model, load_hf_config
+from tiny_models import MOE_ARCHS
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_moe_block_partials_sum_to_unsharded_with_one_all_reduce(tiny_model_dir, arch, monkeypatch):
+    model_dir = tiny_model_dir(arch)
+    cfg = load_hf_config(model_dir)
+    calls = []
+
+    def record(x, tp_size=None):
+        calls.append(tuple(x.shape))
+        return x  # the partial itself: the sum is taken below
+    for mod in (linear, moe_layer, moe_models):
+        monkeypatch.setattr(mod, "all_reduce", record)
+    kw = dict(model_dir=model_dir, device="cpu", dtype=torch.float32)
+    full = get_model(cfg, **kw)
+    ranks = [get_model(cfg, tp_rank=r, tp_size=2, **kw) for r in range(2)]
+    x = torch.randn(9, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    sparse = [i for i, layer in enumerate(full.model.layers) if isinstance(layer.mlp, moe_models.SparseMoeBlock)]
+    assert sparse
+    for i in sparse:
+        experts = ranks[0].model.layers[i].mlp.experts
+        assert experts.w13_weight.shape[1] * 2 == full.model.layers[i].mlp.experts.w13_weight.shape[1]
+        with torch.no_grad():
+            expected = full.model.layers[i].mlp(x)
+            calls.clear()
+            partials = [r.model.layers[i].mlp(x) for r in ranks]
+        assert calls == [tuple(x.shape)] * 2  # one all-reduce per rank and layer
+        torch.testing.assert_close(partials[0] + partials[1], expected, rtol=1e-5, atol=1e-5)
