@@ -73,7 +73,9 @@ def _round(x, like_ptr):
     return x.to(like_ptr.dtype.element_ty).to(tl.float32)
 
 
-@triton.jit
+# EM and num_pairs change with the token count: unspecialised, so a count the warm-up skipped
+# (say an odd one) does not compile a new variant mid-serving. N and K are the model's.
+@triton.jit(do_not_specialize=["EM", "num_pairs"])
 def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
                      N, K, EM, num_pairs,
                      stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
