@@ -60,8 +60,8 @@ def reset() -> None:
     _MOE_CHOICE.clear()
 
 
-def choices(sampling: bool = False) -> dict[str, str]:
+def choices(sampling: bool = False, moe: bool = False) -> dict[str, str]:
     """What each device type got so far in this process, for the layer ops (or, sampling=True,
-    the plain sampling path): "triton" or "torch" (for result files)."""
-    cache = _SAMPLING_CHOICE if sampling else _CHOICE
+    the plain sampling path; moe=True, the MoE kernels): "triton" or "torch" (for result files)."""
+    cache = _SAMPLING_CHOICE if sampling else _MOE_CHOICE if moe else _CHOICE
     return {kind: "torch" if mod is None else "triton" for kind, mod in cache.items()}
