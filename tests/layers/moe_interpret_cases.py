@@ -55,7 +55,7 @@ def test_fused_experts_bf16_and_default_config():
     torch.testing.assert_close(got.float(), fused_experts_torch(x, w13, w2, w, ids).float(), rtol=2 ** -7, atol=2 ** -6)
 
 
-def test_fused_experts_block_m_1_row_per_block_and_many_tokens():
+def test_fused_experts_many_tokens_three_per_token_ungrouped():
     w13, w2 = experts(E, H, I)
     weights, ids = routings(33, E, 3)["topk"]
     x = tokens(33, H)
@@ -72,3 +72,33 @@ def test_route_matches_torch(renormalize, num_experts, top_k):
     ref_w, ref_ids = select_experts_torch(logits, top_k, renormalize)
     assert torch.equal(ids, ref_ids)
     torch.testing.assert_close(w, ref_w, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_whole_model_with_triton_moe_matches_hf(arch, tmp_path, monkeypatch):
+    """The models route through the Triton kernels (forced on CPU) and still give HF's logits:
+    the fused parameters' layout, the routing flags and the roundings all reach the kernels."""
+    from pagedserve.core.plan import SchedulerOutput
+    from pagedserve.layers import fused
+    from paged_harness import HandDriver, hf_model, make_runner
+    from tiny_models import make_tiny_model
+
+    monkeypatch.setenv("PAGEDSERVE_FUSED_MOE", "force")
+    fused.reset()
+    calls = []
+    real = triton_moe.fused_experts
+    monkeypatch.setattr(triton_moe, "fused_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    try:
+        model_dir = make_tiny_model(arch, tmp_path)
+        runner = make_runner(model_dir, block_size=8)
+        driver = HandDriver(runner)
+        prompts = [[5, 17, 33, 101, 7], [9], list(range(3, 30))]
+        seqs = [driver.add(p) for p in prompts]
+        logits = runner.execute(SchedulerOutput(scheduled=[driver.schedule(s) for s in seqs]))
+    finally:
+        fused.reset()
+    assert calls  # the Triton path ran
+    ref = hf_model(model_dir)
+    with torch.no_grad():
+        expected = torch.stack([ref(torch.tensor([p])).logits[0, -1] for p in prompts])
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
