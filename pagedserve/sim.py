@@ -14,6 +14,7 @@ import sys
 from dataclasses import asdict, dataclass
 from typing import Callable
 
+from pagedserve.benchmark.roofline import ModelCost, experts_touched
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.sampling_params import SamplingParams
@@ -38,9 +39,28 @@ class StepTimeModel:
     per_token: float = 2 * 13e9 / (0.5 * 312e12)
     per_context_token: float = KV_BYTES_PER_TOKEN / 1.555e12
     pcie_bytes_per_s: float = 25e9
+    # Mixture of experts: reading one expert of every sparse layer, paid once per expert the
+    # step's tokens touch (expected under uniform routing); per_token then counts active params.
+    per_expert: float = 0.0
+    num_experts: int = 0
+    top_k: int = 0
 
     def step_time(self, num_tokens: int, num_context_tokens: int) -> float:
-        return self.fixed + self.per_token * num_tokens + self.per_context_token * num_context_tokens
+        t = self.fixed + self.per_token * num_tokens + self.per_context_token * num_context_tokens
+        if self.num_experts:
+            t += self.per_expert * experts_touched(num_tokens, self.num_experts, self.top_k)
+        return t
+
+    @classmethod
+    def from_model_cost(cls, cost: ModelCost, bandwidth: float, flops_rate: float,
+                        matmul_efficiency: float = 0.5, pcie_bytes_per_s: float = 25e9) -> "StepTimeModel":
+        """The same linear model for another model and device (benchmark/roofline.ModelCost): the
+        dense weights read once per step, the active parameters' FLOPs per token at
+        matmul_efficiency of the peak, the KV read per context token, and the experts touched."""
+        return cls(fixed=cost.weight_bytes / bandwidth,
+                   per_token=2 * cost.active_params / (matmul_efficiency * flops_rate),
+                   per_context_token=cost.kv_bytes_per_token / bandwidth, pcie_bytes_per_s=pcie_bytes_per_s,
+                   per_expert=cost.expert_bytes / bandwidth, num_experts=cost.num_experts, top_k=cost.top_k)
 
 
 def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_size: int = 16,

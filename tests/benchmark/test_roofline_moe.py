@@ -45,3 +45,18 @@ def test_dense_models_unchanged():
     cost = ModelCost.from_hf_config(load_hf_config(MODELS / "llama-3.1-8b"))
     assert cost.expert_bytes == 0 and cost.step_weight_bytes(256) == cost.weight_bytes
     assert cost.total_params == cost.active_params
+
+
+def test_sim_step_time_reads_what_the_roofline_reads():
+    """pagedserve.sim's step-time model built from a MoE ModelCost charges a step the roofline's
+    bytes (dense weights, the experts its tokens touch, the KV) plus the active params' FLOPs."""
+    from pagedserve.sim import StepTimeModel, simulate
+    cost = ModelCost.from_hf_config(load_hf_config(MODELS / "qwen3-30b-a3b"))
+    bw, rate = 4.0e12, 800e12
+    tm = StepTimeModel.from_model_cost(cost, bw, rate)
+    for n, ctx in ((1, 500), (16, 8000), (256, 100_000)):
+        memory = (cost.step_weight_bytes(n) + ctx * cost.kv_bytes_per_token) / bw
+        assert tm.step_time(n, ctx) - n * tm.per_token == pytest.approx(memory)
+    assert tm.per_token == pytest.approx(2 * cost.active_params / (0.5 * rate))
+    out = simulate(workload="sharegpt-like", num_requests=20, time_model=tm)
+    assert out["num_finished"] == 20 and out["step_time_model"]["num_experts"] == 128
