@@ -84,3 +84,22 @@ def test_block_size_table_and_default(tmp_path, monkeypatch):
         assert get_config(50, E, H, I, TOPK, torch.bfloat16, torch.device("cpu")) == entry
     finally:
         moe_config.load_table.cache_clear()
+
+
+def test_align_replays_like_a_cuda_graph():
+    """The sort/pad reads no value on the host: recorded once (tests/recorded_graph.py, a CUDA
+    graph's semantics on CPU) and replayed after the routing changed in place, it gives what a
+    fresh call gives."""
+    from recorded_graph import RecordedGraph
+    first, *others = [ids for _, ids in routings(T, E, TOPK).values() if ids.shape[0] == T]
+    assert len(others) >= 2
+    ids = first.clone()
+    graph = RecordedGraph()
+    graph.capture_begin()
+    outs = align_block_size(ids, E, 4)
+    graph.capture_end()
+    for new_ids in others:
+        ids.copy_(new_ids)
+        graph.replay()
+        for got, want in zip(outs, align_block_size(new_ids, E, 4)):
+            assert torch.equal(got, want)
