@@ -18,6 +18,7 @@ import triton
 from moe_shapes import MODELS, layer_shape
 
 from pagedserve.benchmark.hardware import measure_copy_bandwidth
+from pagedserve.benchmark.roofline import experts_touched
 from pagedserve.benchmark.results import git_commit, write_result
 from pagedserve.layers.fused_moe import triton_moe
 from pagedserve.layers.fused_moe.config import get_config
@@ -53,6 +54,8 @@ def bench_model(model: str, tp: int, use_vllm: bool, bandwidth: float) -> dict:
         expert_bytes = touched * 3 * H * inter * 2
         ours = triton.testing.do_bench(lambda: triton_moe.fused_experts(x, w13, w2, w, ids), warmup=10, rep=50)
         row = {"ours_us": round(ours * 1e3, 1), "experts_touched": touched,
+               # the roofline's expectation under uniform routing, beside the count of this routing
+               "experts_touched_expected": round(experts_touched(T, E, top_k), 1),
                "ours_bandwidth_fraction": round(expert_bytes / (ours * 1e-3) / bandwidth, 3),
                "config": get_config(T, E, H, inter, top_k, dtype, dev),
                "routing_ours_us": round(1e3 * triton.testing.do_bench(
