@@ -367,7 +367,7 @@ def check_tp_shapes(hf_config, tp: int) -> None:
     if kv % tp and tp % kv:
         raise ValueError(f"tensor_parallel_size ({tp}) must divide num_key_value_heads ({kv}) or be a multiple "
                          "of it (KV heads are then replicated)")
-    for key in ("intermediate_size", "ffn_dim"):
+    for key in ("intermediate_size", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size"):
         width = getattr(hf_config, key, None)
         if isinstance(width, int) and width % tp:
             raise ValueError(f"tensor_parallel_size ({tp}) must divide {key} ({width})")

@@ -38,3 +38,15 @@ def test_moe_block_partials_sum_to_unsharded_with_one_all_reduce(tiny_model_dir,
             partials = [r.model.layers[i].mlp(x) for r in ranks]
         assert calls == [tuple(x.shape)] * 2  # one all-reduce per rank and layer
         torch.testing.assert_close(partials[0] + partials[1], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_expert_width_that_does_not_split_is_a_value_error():
+    from transformers import Qwen2MoeConfig
+
+    from pagedserve.runner.executor import check_tp_shapes
+    cfg = Qwen2MoeConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                         num_experts=4, num_experts_per_tok=2, moe_intermediate_size=26,
+                         shared_expert_intermediate_size=48)
+    check_tp_shapes(cfg, 2)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(4\) must divide moe_intermediate_size \(26\)"):
+        check_tp_shapes(cfg, 4)
