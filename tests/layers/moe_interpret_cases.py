@@ -102,3 +102,23 @@ def test_whole_model_with_triton_moe_matches_hf(arch, tmp_path, monkeypatch):
     with torch.no_grad():
         expected = torch.stack([ref(torch.tensor([p])).logits[0, -1] for p in prompts])
     torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("T,E,top_k", [(7, 6, 2), (1, 128, 8), (33, 8, 3)])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_one_program_align_equals_torch_align(T, E, top_k, block_m):
+    from pagedserve.layers.fused_moe import align, triton_align
+    for _, ids in routings(T, E, top_k).values():
+        for got, want in zip(triton_align.align_block_size(ids, E, block_m), align.align_block_size(ids, E, block_m)):
+            assert torch.equal(got, want)
+
+
+def test_fused_experts_above_one_program_align_uses_torch_align(monkeypatch):
+    """Past MAX_PAIRS pairs the torch sort/pad runs; the result is the same."""
+    from pagedserve.layers.fused_moe import triton_align
+    monkeypatch.setattr(triton_align, "MAX_PAIRS", 4)
+    w13, w2 = experts(E, H, I)
+    weights, ids = routings(T, E, TOPK)["topk"]
+    x = tokens(T, H)
+    torch.testing.assert_close(triton_moe.fused_experts(x, w13, w2, weights, ids, SMALL),
+                               fused_experts_torch(x, w13, w2, weights, ids), rtol=1e-5, atol=1e-5)

@@ -129,3 +129,14 @@ def test_warm_up_runs_every_config(ops):
     model.to(DEV, torch.bfloat16)
     counts = warmup_token_counts(model[0], 256, torch.bfloat16, torch.device(DEV), 512)
     assert warm_up_moe(model, 512) == len(counts) >= 2  # one shape: the second layer adds nothing
+
+
+@pytest.mark.parametrize("T,E,top_k", [(1, 128, 8), (37, 128, 8), (512, 128, 8), (255, 8, 2), (2048, 8, 2)])
+@pytest.mark.parametrize("block_m", [16, 64])
+def test_one_program_align_compiles_and_equals_torch(T, E, top_k, block_m):
+    """The fast path itself (fused_experts would fall back to torch, with a warning, if it failed)."""
+    from pagedserve.layers.fused_moe import align, triton_align, triton_moe
+    ids = torch.stack([torch.randperm(E, device=DEV)[:top_k] for _ in range(T)]).to(torch.int32)
+    for got, want in zip(triton_align.align_block_size(ids, E, block_m), align.align_block_size(ids, E, block_m)):
+        assert torch.equal(got, want)
+    assert triton_moe._ONE_PROGRAM_ALIGN["ok"]

@@ -5,8 +5,9 @@ TRITON_INTERPRET=1 (the tests). reference.py is the oracle.
 
 route: one program per token does softmax (float32), top-k and the optional renormalisation.
 
-fused_experts: rows are (token, slot) pairs laid out by align.py, expert by expert, padded to
-BLOCK_M. Two launches of one kernel:
+fused_experts: rows are (token, slot) pairs laid out expert by expert, padded to BLOCK_M (by one
+program of triton_align.py up to its MAX_PAIRS pairs, by align.py's torch ops beyond). Two
+launches of one kernel:
   1. gate/up: each program multiplies BLOCK_M rows of x (pair // top_k) by BLOCK_N columns of
      its expert's gate rows and the same columns of its up rows (two accumulators), then writes
      silu(gate) * up for those columns: the [T * top_k, I] activation never exists unfused.
@@ -20,14 +21,18 @@ profile (runner/kv_sizing.py), which runs a forward of the largest step, counts 
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 import triton
 import triton.language as tl
 
+from pagedserve.layers.fused_moe import triton_align
 from pagedserve.layers.fused_moe.align import align_block_size
 from pagedserve.layers.fused_moe.config import get_config
+
+logger = logging.getLogger(__name__)
 
 
 @triton.jit
@@ -158,6 +163,24 @@ def _gemm(a, b, c, weights, sorted_ids, block_expert, num_padded, n, k, num_pair
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
+_ONE_PROGRAM_ALIGN = {"ok": True}
+
+
+def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """triton_align's one program where it applies, else align.py's torch ops. Should the one
+    program fail to compile on this GPU (it first runs eagerly: in the warm-up, or the eager pass
+    before each graph capture), the torch ops take over for good, with a warning."""
+    if topk_ids.numel() <= triton_align.MAX_PAIRS and _ONE_PROGRAM_ALIGN["ok"]:
+        try:
+            return triton_align.align_block_size(topk_ids, num_experts, block_m)
+        except Exception as e:  # noqa: BLE001  (a compiler error: keep serving, slower)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise
+            _ONE_PROGRAM_ALIGN["ok"] = False
+            logger.warning("one-program MoE align failed (%s: %s); using the torch sort/pad", type(e).__name__, e)
+    return align_block_size(topk_ids, num_experts, block_m)
+
+
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                   topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
     """Same contract as reference.fused_experts_torch; `config` overrides the tuned block sizes."""
@@ -169,8 +192,8 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     cfg = config or get_config(T, E, H, inter, top_k, x.dtype, x.device)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = topk_weights.contiguous()
-    sorted_ids, block_expert, num_padded = align_block_size(topk_ids, E, cfg["BLOCK_M"])
     pairs = T * top_k
+    sorted_ids, block_expert, num_padded = _align(topk_ids, E, cfg["BLOCK_M"])
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     _gemm(x, w13, act, weights, sorted_ids, block_expert, num_padded, inter, H, pairs, top_k, True, cfg)
     down = torch.empty(pairs, H, dtype=x.dtype, device=x.device)
