@@ -1,6 +1,8 @@
 """The MoE layer on CPU: the torch path against the per-pair definition in float64, the device-side
 sort/pad layout's invariants, and routing against HF's routers (the models' own tests compare
 whole tiny MoE models with HF: tests/models/test_model_logits.py, tests/engine/test_greedy.py)."""
+import json
+
 import pytest
 import torch
 
@@ -73,17 +75,20 @@ def test_block_size_table_and_default(tmp_path, monkeypatch):
     from pagedserve.layers.fused_moe import config as moe_config
     monkeypatch.setattr(moe_config, "CONFIG_DIR", tmp_path)
     moe_config.load_table.cache_clear()
+    moe_config._get_config.cache_clear()
     assert get_config(4, E, H, I, TOPK, torch.bfloat16, torch.device("cpu")) == default_config(4, E, TOPK)
     entry = dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=64, GROUP_M=4, num_warps=8, num_stages=4)
     small = {**entry, "BLOCK_M": 16}
     name = config_file_name(E, H, I, torch.bfloat16, "cpu")
-    (tmp_path / name).write_text('{"1": %s, "64": %s}' % (str(small).replace("'", '"'), str(entry).replace("'", '"')))
+    (tmp_path / name).write_text(json.dumps({"1": small, "64": entry}))
     moe_config.load_table.cache_clear()
+    moe_config._get_config.cache_clear()
     try:
         assert get_config(2, E, H, I, TOPK, torch.bfloat16, torch.device("cpu")) == small
         assert get_config(50, E, H, I, TOPK, torch.bfloat16, torch.device("cpu")) == entry
     finally:
         moe_config.load_table.cache_clear()
+        moe_config._get_config.cache_clear()
 
 
 def test_align_replays_like_a_cuda_graph():

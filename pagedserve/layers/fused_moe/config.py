@@ -24,9 +24,15 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
 
 def device_name(device: torch.device) -> str:
     """"NVIDIA_H200" and the like (spaces and dashes to underscores); "cpu" off CUDA."""
-    if torch.device(device).type != "cuda":
+    device = torch.device(device)
+    if device.type != "cuda":
         return "cpu"
-    return torch.cuda.get_device_name(device).replace(" ", "_").replace("-", "_")
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_name(index: int) -> str:
+    return torch.cuda.get_device_name(index).replace(" ", "_").replace("-", "_")
 
 
 def config_file_name(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device: str) -> str:
@@ -59,7 +65,12 @@ def default_config(num_tokens: int, num_experts: int, top_k: int) -> dict:
 def get_config(num_tokens: int, num_experts: int, hidden: int, intermediate: int, top_k: int,
                dtype: torch.dtype, device: torch.device) -> dict:
     """The block sizes for a call with num_tokens tokens (a host-side choice from shapes only)."""
-    table = load_table(config_file_name(num_experts, hidden, intermediate, dtype, device_name(device)))
+    return dict(_get_config(num_tokens, num_experts, hidden, intermediate, top_k, dtype, device_name(device)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _get_config(num_tokens, num_experts, hidden, intermediate, top_k, dtype, device: str) -> dict:
+    table = load_table(config_file_name(num_experts, hidden, intermediate, dtype, device))
     if not table:
         return default_config(num_tokens, num_experts, top_k)
     nearest = min(table, key=lambda m: (abs(m - num_tokens), m))
