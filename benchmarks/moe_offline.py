@@ -4,7 +4,10 @@ into one result (default benchmarks/results/h200/moe.json) with the roofline fra
 counts the experts each step touches (pagedserve/benchmark/roofline.py).
 
     python benchmarks/moe_offline.py [--models qwen3-30b-a3b mixtral-8x7b] [--workloads nanovllm fixed256] \
-        [--vllm-dir DIR] [--engine-args "..."] --output benchmarks/results/h200/moe.json
+        [--vllm-dir DIR] [--engine-args "..."] [--merge] --output benchmarks/results/h200/moe.json
+
+One model x workload fits a 10-minute device call; --merge adds each to the same file (the
+commit of each merged run is kept in config.merged_runs).
 
 --vllm-dir: a folder of vLLM's results of the same runs, vllm_<model>_<workload>.json as written by
 benchmarks/peers/bench_vllm.py --workload W --config benchmarks/models/<model>/config.json --out ...;
@@ -47,6 +50,8 @@ def main() -> None:
     ap.add_argument("--engine-args", default="", help="extra flags for `pagedserve bench throughput`")
     ap.add_argument("--vllm-dir", default=None)
     ap.add_argument("--output", default=str(ROOT / "benchmarks/results/h200/moe.json"))
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other runs already in --output (one model x workload per device call)")
     args = ap.parse_args()
     git_commit()  # refuse before measuring
     tmp = Path(tempfile.mkdtemp())
@@ -74,10 +79,15 @@ def main() -> None:
                     ratios[f"{name}_over_vllm"] = round(results[name]["output_tokens_per_s"] / theirs, 3)
     if errors:
         results["errors"] = errors
-    write_result(args.output, "moe", None, {"models": args.models, "workloads": args.workloads,
-                                           "load_format": "dummy", "dtype": "bfloat16",
-                                           "engine_args": args.engine_args}, results, {}, ratios,
-                 switches=switches)
+    config = {"models": args.models, "workloads": args.workloads, "load_format": "dummy", "dtype": "bfloat16",
+              "engine_args": args.engine_args}
+    if args.merge and Path(args.output).is_file():
+        old = json.loads(Path(args.output).read_text())
+        results = {**{k: v for k, v in old.get("results", {}).items() if k != "errors"}, **results}
+        ratios = {**old.get("ratios", {}), **ratios}
+        config["merged_runs"] = {**old.get("config", {}).get("merged_runs", {}),
+                                 **{f"{m}_{w}": git_commit() for m in args.models for w in args.workloads}}
+    write_result(args.output, "moe", None, config, results, {}, ratios, switches=switches)
     print(json.dumps({"results": results, "ratios": ratios}, indent=2))
 
 
