@@ -29,7 +29,7 @@ from pagedserve.distributed import TPGroup, get_tp_group
 from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
-from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets
+from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets, graph_capturable
 from pagedserve.runner.decode_rows import as_decode_rows, short_prefill_graphs_enabled
 from pagedserve.runner.kv_sizing import device_seconds, profile_num_gpu_blocks
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
@@ -217,6 +217,10 @@ class ModelRunner:
         self._require("cache")
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
+        if not graph_capturable(self.model):
+            logger.warning("%s has a layer that cannot be captured (PAGEDSERVE_FUSED_MOE=0?): no CUDA graphs",
+                           type(self.model).__name__)
+            return
         max_batch = self.config.scheduler_config(self.max_model_len).max_num_seqs
         buckets = batch_buckets(max_batch, self.config.cuda_graph_sizes)
         if not buckets:
@@ -262,7 +266,7 @@ class ModelRunner:
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager or cfg.cudagraph_mode != "piecewise":
             return
-        if self.tp_size > 1 or not supports_piecewise(self.model):
+        if self.tp_size > 1 or not supports_piecewise(self.model) or not graph_capturable(self.model):
             logger.info("no piecewise CUDA graphs for %s with tensor_parallel_size=%d: steps with prefill "
                         "tokens run eagerly", type(self.model).__name__, self.tp_size)
             return

@@ -108,3 +108,21 @@ def test_align_replays_like_a_cuda_graph():
         graph.replay()
         for got, want in zip(outs, align_block_size(new_ids, E, 4)):
             assert torch.equal(got, want)
+
+
+def test_torch_path_is_not_graph_capturable(monkeypatch):
+    """A model on the torch MoE path (CPU here, PAGEDSERVE_FUSED_MOE=0 on CUDA) runs eagerly:
+    the runner skips CUDA graphs for it rather than fail mid-capture."""
+    from pagedserve.layers import fused
+    from pagedserve.layers.fused_moe import FusedMoE
+    from pagedserve.runner.cuda_graph import graph_capturable
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), FusedMoE(4, 2, 8, 8, True, True))
+    fused.reset()
+    try:
+        assert not graph_capturable(model)
+        monkeypatch.setenv("PAGEDSERVE_FUSED_MOE", "force")
+        fused.reset()
+        assert graph_capturable(model)
+    finally:
+        fused.reset()
+    assert graph_capturable(torch.nn.Linear(4, 4))

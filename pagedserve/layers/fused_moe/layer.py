@@ -48,6 +48,11 @@ class FusedMoE(nn.Module):
         self.w13_weight.weight_loader = self.weight_loader
         self.w2_weight.weight_loader = self.weight_loader
 
+    @property
+    def graph_capturable(self) -> bool:
+        """The Triton path reads nothing on the host; the torch path does (runner/cuda_graph.py)."""
+        return fused_moe_ops(self.w13_weight.device) is not None
+
     def weight_loader(self, param, loaded_weight, shard_id: str, expert_id: int) -> None:
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"expert {expert_id} is out of range (num_experts {self.num_experts})")
