@@ -6,9 +6,10 @@ import torch
 
 
 def experts(E: int, H: int, I: int, dtype=torch.float32, device="cpu", seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(device=device, dtype=dtype)
-    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(device=device, dtype=dtype)
+    """Drawn on `device` (Mixtral's experts are 940M values: too slow to draw on the host)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, H, generator=g, device=device).mul_(H ** -0.5).to(dtype)
+    w2 = torch.randn(E, H, I, generator=g, device=device).mul_(I ** -0.5).to(dtype)
     return w13, w2
 
 
