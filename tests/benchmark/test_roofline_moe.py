@@ -60,3 +60,22 @@ def test_sim_step_time_reads_what_the_roofline_reads():
     assert tm.per_token == pytest.approx(2 * cost.active_params / (0.5 * rate))
     out = simulate(workload="sharegpt-like", num_requests=20, time_model=tm)
     assert out["num_finished"] == 20 and out["step_time_model"]["num_experts"] == 128
+
+
+def test_sim_cli_takes_a_model_dir(tmp_path):
+    """`pagedserve sim --model DIR` times steps by that config (read as JSON: no torch), here
+    Qwen3-30B-A3B on an H200, and rejects a directory without a config, naming it."""
+    import json
+    import subprocess
+    import sys
+    out = tmp_path / "sim.json"
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "sim", "--num-requests", "30",
+           "--model", str(MODELS / "qwen3-30b-a3b"), "--output", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    tm = doc["results"]["step_time_model"]
+    assert tm["num_experts"] == 128 and tm["top_k"] == 8 and doc["config"]["model"].endswith("qwen3-30b-a3b")
+    assert tm["kv_bytes_per_token"] == 48 * 2 * 4 * 128 * 2
+    bad = subprocess.run(cmd[:-4] + ["--model", str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert bad.returncode != 0 and "config.json" in bad.stderr
