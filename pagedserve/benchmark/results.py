@@ -40,6 +40,7 @@ ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_FUSED_SAMPLING", "PAGEDSERVE_FUS
 # device); absent fields are skipped.
 ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",
                         "enable_chunked_prefill", "preemption_mode", "kv_allocator", "tensor_parallel_size",
+                        "enable_expert_parallel",
                         "max_num_seqs", "max_num_batched_tokens", "cuda_graph_sizes")
 
 

@@ -171,10 +171,11 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> Non
                 logger.warning("checkpoint tensor %s has no matching parameter; skipped", name)
                 continue
             try:
-                param.weight_loader(param, w, shard_id, expert)
+                mine = param.weight_loader(param, w, shard_id, expert)
             except ValueError as e:
                 raise ValueError(f"loading {name}: {e}") from None
-            expert_parts.setdefault(pname, set()).add((expert, shard_id))
+            if mine is not False:  # False: another rank's expert (expert parallelism)
+                expert_parts.setdefault(pname, set()).add((expert, shard_id))
             continue
         shard = None
         for fused, ckpt, shard_id in stacked:
@@ -219,11 +220,18 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
 
 
 def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
-              load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
-    """Instantiate config.architectures[0] on `device` in `dtype` and fill its weights."""
+              load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1,
+              expert_parallel: bool = False) -> nn.Module:
+    """Instantiate config.architectures[0] on `device` in `dtype` and fill its weights.
+    expert_parallel: whole experts per rank in mixture-of-experts layers (MoE models only)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be auto, safetensors or dummy, got {load_format!r}")
     cls = get_model_class(hf_config)
+    kwargs = {}
+    if expert_parallel:
+        if not getattr(cls, "supports_expert_parallel", False):
+            raise ValueError(f"enable_expert_parallel: {cls.__name__} is not a mixture of experts")
+        kwargs["expert_parallel"] = True
     files = None
     if load_format != "dummy":
         if model_dir is None:
@@ -231,7 +239,7 @@ def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.d
         files = safetensors_files(model_dir)  # fail before allocating anything
     device = torch.device(device)
     with _building_on(device, dtype):
-        model = cls(hf_config, tp_rank=tp_rank, tp_size=tp_size)
+        model = cls(hf_config, tp_rank=tp_rank, tp_size=tp_size, **kwargs)
     model.to(device)  # buffers made on CPU (rotary inv_freq) follow the parameters
     if files is None:
         init_dummy_weights(model, seed)

@@ -11,6 +11,9 @@ for Qwen checkpoints with norm_topk_prob; Qwen's routers round the weights to th
 dtype, Mixtral's keep float32. Qwen layers listed in mlp_only_layers, or off the
 decoder_sparse_step grid, are dense (intermediate_size).
 
+Tensor parallelism splits every expert's intermediate dimension; with expert_parallel
+(enable_expert_parallel) each rank holds whole experts instead (layers/fused_moe/layer.py).
+
 Checkpoint names: experts come one tensor per expert (`...experts.<e>.gate_proj.weight`, Mixtral
 `w1`/`w3`/`w2`); load_weights routes them into the fused [E, ...] parameters through
 expert_checkpoint_names. Mixtral's `block_sparse_moe` module is our `mlp` (checkpoint_renames).
@@ -28,7 +31,8 @@ from pagedserve.models.llama import LlamaForCausalLM, LlamaMLP, check_silu
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, config, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
-                 round_weights: bool, tp_rank: int, tp_size: int, shared_intermediate_size: int = 0):
+                 round_weights: bool, tp_rank: int, tp_size: int, shared_intermediate_size: int = 0,
+                 expert_parallel: bool = False):
         super().__init__()
         check_silu(config)
         h = config.hidden_size
@@ -36,7 +40,7 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(h, num_experts, bias=False)
         shared = shared_intermediate_size > 0
         self.experts = FusedMoE(num_experts, top_k, h, intermediate_size, renormalize, round_weights,
-                                tp_rank, tp_size, reduce_results=not shared)
+                                tp_rank, tp_size, reduce_results=not shared, expert_parallel=expert_parallel)
         if shared:
             self.shared_expert = LlamaMLP(config, tp_rank, tp_size, shared_intermediate_size, reduce_results=False)
             self.shared_expert_gate = ReplicatedLinear(h, 1, bias=False)
@@ -55,6 +59,11 @@ class SparseMoeBlock(nn.Module):
 class _MoeForCausalLM(LlamaForCausalLM):
     expert_checkpoint_names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
     round_weights = True
+    supports_expert_parallel = True
+
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False):
+        self.expert_parallel = expert_parallel  # read by make_mlp, during the base constructor
+        super().__init__(config, tp_rank, tp_size)
 
     def is_sparse(self, config, i: int) -> bool:
         step = getattr(config, "decoder_sparse_step", 1) or 1
@@ -65,7 +74,7 @@ class _MoeForCausalLM(LlamaForCausalLM):
             return None
         return SparseMoeBlock(config, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                               bool(getattr(config, "norm_topk_prob", False)), self.round_weights, tp_rank, tp_size,
-                              getattr(config, "shared_expert_intermediate_size", 0) or 0)
+                              getattr(config, "shared_expert_intermediate_size", 0) or 0, self.expert_parallel)
 
 
 class Qwen3MoeForCausalLM(_MoeForCausalLM):
@@ -73,9 +82,9 @@ class Qwen3MoeForCausalLM(_MoeForCausalLM):
 
 
 class Qwen2MoeForCausalLM(_MoeForCausalLM):
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False):
         self.qkv_bias = bool(getattr(config, "qkv_bias", True))  # Qwen1.5-MoE: q/k/v biases
-        super().__init__(config, tp_rank, tp_size)
+        super().__init__(config, tp_rank, tp_size, expert_parallel)
 
 
 class MixtralForCausalLM(_MoeForCausalLM):
@@ -88,4 +97,5 @@ class MixtralForCausalLM(_MoeForCausalLM):
 
     def make_mlp(self, config, layer_index: int, tp_rank: int, tp_size: int) -> nn.Module:
         return SparseMoeBlock(config, config.num_local_experts, config.num_experts_per_tok,
-                              config.intermediate_size, True, self.round_weights, tp_rank, tp_size)
+                              config.intermediate_size, True, self.round_weights, tp_rank, tp_size,
+                              expert_parallel=self.expert_parallel)

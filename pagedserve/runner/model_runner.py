@@ -132,7 +132,8 @@ class ModelRunner:
     def load_model(self) -> nn.Module:
         fmt = self.config.load_format
         self.model = get_model(self.hf_config, model_dir=self.config.model, device=self.device, dtype=self.dtype,
-                               load_format=fmt, seed=self.config.seed, tp_rank=self.tp_rank, tp_size=self.tp_size)
+                               load_format=fmt, seed=self.config.seed, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                               expert_parallel=self.config.enable_expert_parallel)
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim

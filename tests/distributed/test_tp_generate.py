@@ -41,6 +41,20 @@ def test_tp2_matches_tp1(tiny_model_dir, case):
     assert not launch_children(os.getpid())
 
 
+def test_tp2_expert_parallel_matches_tp1(tiny_model_dir):
+    """Whole experts per rank (Mixtral: 2 of 4 each), the pairs routed elsewhere dropped."""
+    model = str(tiny_model_dir("mixtral"))
+    kw = dict(device="cpu", num_gpu_blocks_override=64, block_size=8)
+    ref = greedy(LLM(model, **kw))
+    llm = LLM(model, tensor_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        experts = llm.llm_engine.runner.runner.model.model.layers[0].mlp.experts
+        assert (experts.num_local_experts, experts.expert_start) == (2, 0)
+        assert_same_greedy(ref, greedy(llm))
+    finally:
+        llm.shutdown()
+
+
 @pytest.mark.parametrize("mode", list(STEP_MODES))
 def test_tp2_under_preemption_and_chunked_prefill(tiny_model_dir, mode):
     model = str(tiny_model_dir("llama"))

@@ -1,5 +1,6 @@
 """Shared inputs of the MoE layer tests: random experts and hand-made routings that cover the
-dispatch's corners (an expert chosen twice by one token, experts with no token, one token)."""
+dispatch's corners (an expert chosen twice by one token, experts with no token, one token, pairs
+dropped with id E as expert parallelism does)."""
 from __future__ import annotations
 
 import torch
@@ -32,4 +33,8 @@ def routings(T: int, E: int, top_k: int, seed: int = 2) -> dict[str, tuple[torch
     out["one_token"] = (w[:1], ids[:1].to(torch.int32))
     last = torch.full((T, top_k), E - 1, dtype=torch.int32)  # only the last expert works
     out["last_expert_only"] = (torch.rand(T, top_k, generator=g), last)
+    dropped = ids.to(torch.int32).clone()  # expert parallelism: pairs of other ranks' experts carry id E
+    dropped[dropped % 2 == 1] = E
+    dropped[0] = E  # a token with every pair dropped
+    out["dropped_pairs"] = (w, dropped)
     return out

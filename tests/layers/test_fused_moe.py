@@ -38,18 +38,21 @@ def test_align_layout(case, block_m):
     real = sorted_ids[:used][sorted_ids[:used] < n]
     assert sorted(real.tolist()) == list(range(n))
     assert (sorted_ids[used:] == n).all()
-    # Each used block holds only its expert's pairs, in flat order; experts ascend; no empty block.
+    # Each used block holds only its expert's pairs, in flat order; experts ascend, the dropped
+    # pairs (id E) last in blocks of expert -1; no empty block.
+    owner = torch.where(flat == E, -1, flat)
     prev_expert = -1
     for b in range(used // block_m):
         rows = sorted_ids[b * block_m:(b + 1) * block_m]
         e = int(block_expert[b])
         pairs = rows[rows < n]
-        assert len(pairs) > 0 and e >= prev_expert
-        assert (flat[pairs.long()] == e).all() and pairs.tolist() == sorted(pairs.tolist())
-        prev_expert = e
+        rank = E if e == -1 else e
+        assert len(pairs) > 0 and rank >= prev_expert
+        assert (owner[pairs.long()] == e).all() and pairs.tolist() == sorted(pairs.tolist())
+        prev_expert = rank
     assert (block_expert[used // block_m:] == -1).all()
     # An expert with no pair gets no block.
-    assert set(block_expert[:used // block_m].tolist()) == set(flat.tolist())
+    assert set(block_expert[:used // block_m].tolist()) == set(owner.tolist())
 
 
 @pytest.mark.parametrize("renormalize", [False, True])

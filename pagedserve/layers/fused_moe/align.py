@@ -9,7 +9,10 @@ BLOCK_M with the sentinel T * top_k (a row the kernel neither reads nor writes):
     block_expert [max_padded / M]  the expert of each block (-1 past the last used block)
     num_padded [1]                 rows actually used (the kernel's programs past it return)
 
-max_padded = T*top_k + min(T*top_k, E) * (BLOCK_M - 1) bounds the used rows whatever the routing,
+An id equal to E drops its pair: it is laid out in an extra run, after the experts', whose blocks
+have expert -1, so the kernel skips them (expert parallelism routes another rank's experts there).
+
+max_padded = T*top_k + min(T*top_k, E + 1) * (BLOCK_M - 1) bounds the used rows whatever the routing,
 so every size is a function of the shapes alone: capturable in a CUDA graph. An expert that no
 pair chose gets no block; an expert chosen twice by one token (not possible from top-k routing,
 but the dispatch does not assume it) gets both pairs. Within an expert the pairs keep their
@@ -21,17 +24,19 @@ import torch
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
-    return num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    """Rows that always suffice: each non-empty run (the experts', and the dropped one) pads < BLOCK_M."""
+    return num_pairs + min(num_pairs, num_experts + 1) * (block_m - 1)
 
 
 def align_block_size(topk_ids: torch.Tensor, num_experts: int,
                      block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(sorted_ids int32, block_expert int32, num_padded int32 [1]) for topk_ids [T, top_k]."""
+    """(sorted_ids int32, block_expert int32, num_padded int32 [1]) for topk_ids [T, top_k] with
+    ids in [0, num_experts] (num_experts: dropped)."""
     device = topk_ids.device
     flat = topk_ids.reshape(-1).to(torch.int64)
     n = flat.numel()
     max_padded = max_padded_rows(n, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))  # not bincount: its size check syncs
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)

@@ -9,7 +9,8 @@ Same outputs, bit for bit, as align.align_block_size:
 1. per-expert counts (a histogram), padded to BLOCK_M, their exclusive prefix sums;
 2. the pairs sorted by (expert, flat index): a stable grouping;
 3. each sorted pair goes to its expert's padded start plus its rank within the expert;
-4. each row block's expert = the number of experts whose padded run ends at or before it.
+4. each row block's expert = the number of experts whose padded run ends at or before it (-1 from
+   E on: the dropped run, id E, and past the end).
 """
 from __future__ import annotations
 
@@ -70,6 +71,6 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int,
         ids = ids.contiguous()
     _align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, n, em, num_blocks,
                         NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)),
-                        BLOCK_E=max(16, triton.next_power_of_2(num_experts)), CHUNK=128,
+                        BLOCK_E=max(16, triton.next_power_of_2(num_experts + 1)), CHUNK=128,
                         num_warps=8 if n > 1024 else 4)
     return sorted_ids, block_expert, num_padded

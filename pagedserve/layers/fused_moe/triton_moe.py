@@ -182,8 +182,9 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, config: dict | None = None) -> torch.Tensor:
-    """Same contract as reference.fused_experts_torch; `config` overrides the tuned block sizes."""
+                  topk_ids: torch.Tensor, config: dict | None = None, may_drop: bool = False) -> torch.Tensor:
+    """Same contract as reference.fused_experts_torch; `config` overrides the tuned block sizes.
+    may_drop: some ids may be E (dropped pairs, whose rows no program writes: zeroed first)."""
     T, H = x.shape
     E, two_i, _ = w13.shape
     inter, top_k = two_i // 2, topk_ids.shape[1]
@@ -196,6 +197,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     sorted_ids, block_expert, num_padded = _align(topk_ids, E, cfg["BLOCK_M"])
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
     _gemm(x, w13, act, weights, sorted_ids, block_expert, num_padded, inter, H, pairs, top_k, True, cfg)
-    down = torch.empty(pairs, H, dtype=x.dtype, device=x.device)
+    down = (torch.zeros if may_drop else torch.empty)(pairs, H, dtype=x.dtype, device=x.device)
     _gemm(act, w2, down, weights, sorted_ids, block_expert, num_padded, H, inter, pairs, 1, False, cfg)
     return down.view(T, top_k, H).sum(dim=1)
