@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--workloads", nargs="+", default=["nanovllm", "fixed256"])
     ap.add_argument("--engine-args", default="", help="extra flags for `pagedserve bench throughput`")
     ap.add_argument("--vllm-dir", default=None)
+    ap.add_argument("--tag", default="", help="suffix of the result names (e.g. tp2, tp2_ep)")
     ap.add_argument("--output", default=str(ROOT / "benchmarks/results/h200/moe.json"))
     ap.add_argument("--merge", action="store_true",
                     help="keep the other runs already in --output (one model x workload per device call)")
@@ -58,7 +59,8 @@ def main() -> None:
     results, ratios, switches, errors = {}, {}, {}, {}
     for model in args.models:
         for workload in args.workloads:
-            name = f"{model}_{workload}"
+            run = f"{model}_{workload}"
+            name = f"{run}_{args.tag}" if args.tag else run
             out = tmp / f"{name}.json"
             cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "throughput", "--workload", workload,
                    "--model", str(ROOT / "benchmarks/models" / model), "--output", str(out),
@@ -73,7 +75,7 @@ def main() -> None:
             if "roofline_fraction" in doc.get("ratios", {}):
                 ratios[f"{name}_roofline_fraction"] = doc["ratios"]["roofline_fraction"]
             if args.vllm_dir:
-                theirs = vllm_rate(Path(args.vllm_dir) / f"vllm_{name}.json")
+                theirs = vllm_rate(Path(args.vllm_dir) / f"vllm_{run}.json")
                 if theirs:
                     results[name]["vllm_output_tokens_per_s"] = theirs
                     ratios[f"{name}_over_vllm"] = round(results[name]["output_tokens_per_s"] / theirs, 3)
@@ -86,7 +88,8 @@ def main() -> None:
         results = {**{k: v for k, v in old.get("results", {}).items() if k != "errors"}, **results}
         ratios = {**old.get("ratios", {}), **ratios}
         config["merged_runs"] = {**old.get("config", {}).get("merged_runs", {}),
-                                 **{f"{m}_{w}": git_commit() for m in args.models for w in args.workloads}}
+                                 **{f"{m}_{w}{'_' + args.tag if args.tag else ''}": git_commit()
+                                    for m in args.models for w in args.workloads}}
     write_result(args.output, "moe", None, config, results, {}, ratios, switches=switches)
     print(json.dumps({"results": results, "ratios": ratios}, indent=2))
 
