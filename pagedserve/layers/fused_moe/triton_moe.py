@@ -67,7 +67,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T:
         _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k,
-                            BLOCK_E=triton.next_power_of_2(E), BLOCK_TOPK=triton.next_power_of_2(top_k),
+                            BLOCK_E=max(2, triton.next_power_of_2(E)), BLOCK_TOPK=max(2, triton.next_power_of_2(top_k)),
                             RENORMALIZE=renormalize)
     return weights, ids
 
