@@ -8,7 +8,7 @@
 # pagedserve/layers/fused_moe/configs/ and copied to $OUT/configs/ (commit them from there).
 # Like h200_run.sh: a tree without .git needs pagedserve/_build_commit.json for result files.
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # keep a vLLM site (layer --vllm)
 O=${OUT:-benchmarks/results/h200}
 mkdir -p "$O/logs"
 step() {  # step NAME SECONDS CMD...
