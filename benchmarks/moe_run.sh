@@ -18,9 +18,9 @@ step() {  # step NAME SECONDS CMD...
   echo "$(date +%T) end $name rc=$?" >> "$O/logs/progress.log"
 }
 case "${1:-}" in
-  tests) step moe_kernel_tests 300 python3 -m pytest -q -p no:cacheprovider tests/layers/test_fused_moe_gpu.py
-         step moe_model_tests 260 python3 -m pytest -q -p no:cacheprovider tests/runner/test_cuda_runner.py \
-           tests/engine/test_cuda_engine.py -k "moe or mixtral" ;;
+  tests) step moe_kernel_tests 250 python3 -m pytest -q -p no:cacheprovider tests/layers/test_fused_moe_gpu.py
+         step moe_model_tests 310 python3 -m pytest -q -p no:cacheprovider tests/runner/test_cuda_runner.py \
+           tests/engine/test_cuda_engine.py tests/runner/test_warmup_gpu.py -k "moe or mixtral" ;;
   tune_qwen) step tune_qwen3_30b_a3b 580 python3 benchmarks/kernels/tune_fused_moe.py --model qwen3-30b-a3b --max-seconds 500
              mkdir -p "$O/configs"; cp pagedserve/layers/fused_moe/configs/E=*.json "$O/configs/" ;;
   tune_mixtral) step tune_mixtral_8x7b 580 python3 benchmarks/kernels/tune_fused_moe.py --model mixtral-8x7b --max-seconds 500
