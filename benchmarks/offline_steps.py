@@ -44,7 +44,7 @@ def step_ideal_s(step: dict, cost: ModelCost, bandwidth: float, flops_rate: floa
     """The roofline of one traced step. The trace holds no per-query contexts: a decode's query
     attends to its whole context (exact); a step with prefill is charged tokens x mean context
     pairs, and the lm head for every sequence (both upper bounds; decode steps dominate offline)."""
-    nbytes = cost.weight_bytes + step["context"] * cost.kv_bytes_per_token
+    nbytes = cost.step_weight_bytes(step["tokens"]) + step["context"] * cost.kv_bytes_per_token
     pairs = step["context"] if step["tokens"] == step["decodes"] else step["tokens"] * step["context"] // step["seqs"]
     flops = (2 * cost.matmul_params * step["tokens"] + 2 * cost.lm_head_params * step["seqs"]
              + cost.attn_flops_per_pair * pairs)

@@ -157,6 +157,9 @@ class EngineConfig:
     skip_tokenizer_init: bool = option(False, "load no tokenizer: prompts must be token ids and "
                                               "outputs carry no text")
     tensor_parallel_size: int = option(1, "GPUs (ranks) one model is split over")
+    enable_expert_parallel: bool = option(False, "mixture-of-experts layers: whole experts per rank "
+                                                 "(num_experts / tensor_parallel_size each) instead of "
+                                                 "every expert's intermediate dimension split")
     kv_allocator: str = option("paged", "paged KV cache, or a contiguous baseline of the paper",
                                KV_ALLOCATORS)
     # CPU default pool when no override is given: bounded so a laptop is not exhausted.

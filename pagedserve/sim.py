@@ -8,12 +8,16 @@ given in tokens so that block sizes compare at equal memory. Deterministic for a
 """
 from __future__ import annotations
 
+import json
+import os
 import random
 import shlex
 import sys
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 from typing import Callable
 
+from pagedserve.benchmark.roofline import ModelCost, experts_touched
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.sampling_params import SamplingParams
@@ -23,6 +27,8 @@ from pagedserve.workloads import WORKLOADS, make_workload
 KV_BUDGET_TOKENS = 15_700          # paper Table 1: OPT-13B on A100-40GB, 12 GB of KV cache
 KV_BYTES_PER_TOKEN = 819_200       # OPT-13B: 2 (K, V) * 40 layers * 5120 hidden * 2 bytes
 SWAP_SPACE_BYTES = 4 * 2**30       # vLLM's default swap_space of 4 GiB
+H200_BANDWIDTH = 4.8e12            # bytes/s, HBM3e peak
+H200_BF16_FLOPS = 989e12           # dense bf16 peak
 # The "device" of a result made here.
 SIM_DEVICE = "sim (pagedserve.sim: real scheduler and KV managers, OPT-13B/A100 step-time model)"
 
@@ -38,9 +44,43 @@ class StepTimeModel:
     per_token: float = 2 * 13e9 / (0.5 * 312e12)
     per_context_token: float = KV_BYTES_PER_TOKEN / 1.555e12
     pcie_bytes_per_s: float = 25e9
+    # Mixture of experts: reading one expert of every sparse layer, paid once per expert the
+    # step's tokens touch (expected under uniform routing); per_token then counts active params.
+    per_expert: float = 0.0
+    num_experts: int = 0
+    top_k: int = 0
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN  # what a swapped token moves
 
     def step_time(self, num_tokens: int, num_context_tokens: int) -> float:
-        return self.fixed + self.per_token * num_tokens + self.per_context_token * num_context_tokens
+        t = self.fixed + self.per_token * num_tokens + self.per_context_token * num_context_tokens
+        if self.num_experts:
+            t += self.per_expert * experts_touched(num_tokens, self.num_experts, self.top_k)
+        return t
+
+    @classmethod
+    def from_model_cost(cls, cost: ModelCost, bandwidth: float, flops_rate: float,
+                        matmul_efficiency: float = 0.5, pcie_bytes_per_s: float = 25e9) -> "StepTimeModel":
+        """The same linear model for another model and device (benchmark/roofline.ModelCost): the
+        dense weights read once per step, the active parameters' FLOPs per token at
+        matmul_efficiency of the peak, the KV read per context token, and the experts touched."""
+        return cls(fixed=cost.weight_bytes / bandwidth,
+                   per_token=2 * cost.active_params / (matmul_efficiency * flops_rate),
+                   per_context_token=cost.kv_bytes_per_token / bandwidth, pcie_bytes_per_s=pcie_bytes_per_s,
+                   per_expert=cost.expert_bytes / bandwidth, num_experts=cost.num_experts, top_k=cost.top_k,
+                   kv_bytes_per_token=cost.kv_bytes_per_token)
+
+    @classmethod
+    def for_model_dir(cls, model_dir: str, bandwidth: float = H200_BANDWIDTH,
+                      flops_rate: float = H200_BF16_FLOPS) -> "StepTimeModel":
+        """From a model directory's config.json (read as plain JSON: the simulator imports no torch),
+        on an H200 by default (its peak HBM bandwidth and dense bf16 rate)."""
+        path = os.path.join(model_dir, "config.json")
+        try:
+            with open(path) as f:
+                cfg = SimpleNamespace(**json.load(f))
+            return cls.from_model_cost(ModelCost.from_hf_config(cfg), bandwidth, flops_rate)
+        except (OSError, ValueError, TypeError, AttributeError) as e:
+            raise ValueError(f"model: cannot build a step-time model from {path} ({type(e).__name__}: {e})") from None
 
 
 def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_size: int = 16,
@@ -65,7 +105,7 @@ def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_si
         num_blocks = KV_BUDGET_TOKENS // block_size
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    num_cpu_blocks = SWAP_SPACE_BYTES // (KV_BYTES_PER_TOKEN * block_size)
+    num_cpu_blocks = SWAP_SPACE_BYTES // (tm.kv_bytes_per_token * block_size)
     paged = allocator == "paged"
     cache_config = CacheConfig(block_size=block_size, num_gpu_blocks=num_blocks,
                                num_cpu_blocks=num_cpu_blocks if paged else 0,
@@ -73,7 +113,7 @@ def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_si
     sched_config = SchedulerConfig(
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
         preemption_mode=preemption_mode,
-        swap_seconds_per_block=2 * block_size * KV_BYTES_PER_TOKEN / tm.pcie_bytes_per_s,
+        swap_seconds_per_block=2 * block_size * tm.kv_bytes_per_token / tm.pcie_bytes_per_s,
         recompute_seconds_per_token=tm.per_token)
     scheduler = Scheduler(sched_config, cache_config)
 
@@ -111,7 +151,7 @@ def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_si
             raise RuntimeError("simulation stalled: nothing schedulable and nothing arriving")
         context = sum(s.context_len for s in out.scheduled)
         dt = tm.step_time(out.num_batched_tokens, context)
-        dt += (len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)) * block_size * KV_BYTES_PER_TOKEN \
+        dt += (len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)) * block_size * tm.kv_bytes_per_token \
             / tm.pcie_bytes_per_s
         sample = [s for s in out.scheduled if s.do_sample]
         scheduler.update_after_step(out)
@@ -173,10 +213,12 @@ def simulate(workload: str = "sharegpt-like", allocator: str = "paged", block_si
 
 
 def run_sim_cli(args) -> int:
+    model = getattr(args, "model", None)
+    tm = StepTimeModel.for_model_dir(model) if model else None
     result = simulate(workload=args.workload, allocator=args.allocator, block_size=args.block_size,
                       num_blocks=args.num_blocks, num_requests=args.num_requests,
                       request_rate=args.request_rate, max_num_seqs=args.max_num_seqs,
-                      max_model_len=args.max_model_len, seed=args.seed)
+                      max_model_len=args.max_model_len, seed=args.seed, time_model=tm)
     bd = result["breakdown"]
     print(f"{result['workload']} / {result['allocator']} / block_size {result['block_size']}: "
           f"{result['num_finished']} of {result['num_requests']} requests in {result['steps']} steps "
@@ -189,8 +231,9 @@ def run_sim_cli(args) -> int:
           f"normalized latency {result['normalized_latency_s_per_token'] or 0:.4f} s/token")
     if args.output:
         from pagedserve.benchmark.results import write_result
-        config = {k: getattr(args, k) for k in ("workload", "allocator", "block_size", "num_blocks", "num_requests",
-                                                "request_rate", "max_num_seqs", "max_model_len", "seed")}
+        config = {k: getattr(args, k, None) for k in ("workload", "allocator", "block_size", "num_blocks",
+                                                      "num_requests", "request_rate", "max_num_seqs",
+                                                      "max_model_len", "seed", "model")}
         write_result(args.output, "sim", "pagedserve " + shlex.join(sys.argv[1:]), config, result,
                      device=SIM_DEVICE)
     return 0

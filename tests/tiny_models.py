@@ -26,7 +26,8 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt") + MOE_ARCHS
 
 
 def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320):
@@ -48,7 +49,8 @@ def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320):
 
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
-    from transformers import (LlamaConfig, MistralConfig, OPTConfig, Qwen2Config, Qwen3Config)
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -67,6 +69,17 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
         cfg = OPTConfig(vocab_size=vocab_size, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                         num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
                         bos_token_id=0, eos_token_id=1, pad_token_id=2, do_layer_norm_before=True)
+    # Mixtures of experts: few experts, several per token, every layer kind of the family.
+    elif arch == "qwen3_moe":  # normalised top-k (Qwen3-30B-A3B: 128 experts, top-8)
+        cfg = Qwen3MoeConfig(**common, head_dim=32, num_experts=8, num_experts_per_tok=3, moe_intermediate_size=32,
+                             norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    elif arch == "qwen2_moe":  # shared expert with a sigmoid gate; layer 0 dense; top-k not renormalised
+        cfg = Qwen2MoeConfig(**common, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=32,
+                             shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=1,
+                             mlp_only_layers=[0])
+    elif arch == "mixtral":  # top-2 of 4, renormalised
+        cfg = MixtralConfig(**{**common, "intermediate_size": 64}, num_local_experts=4, num_experts_per_tok=2,
+                            sliding_window=None)
     else:
         raise ValueError(arch)
     for k, v in overrides.items():

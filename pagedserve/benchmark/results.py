@@ -33,13 +33,14 @@ STAMP_NAME = "_build_commit.json"
 RESULT_KEYS = ("benchmark", "device", "commit", "date", "command", "switches", "versions", "host", "config",
                "results", "baselines", "ratios")
 # Environment switches that change which kernels run (layers/fused.py, attention/backend.py).
-ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_FUSED_SAMPLING", "PAGEDSERVE_ATTENTION",
+ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_FUSED_SAMPLING", "PAGEDSERVE_FUSED_MOE", "PAGEDSERVE_ATTENTION",
                 "PAGEDSERVE_INCREMENTAL_INPUTS", "PAGEDSERVE_TP_ALLREDUCE", "PAGEDSERVE_STEP_TRACE",
                 "PAGEDSERVE_DECODE_SPLIT_TOKENS", "PAGEDSERVE_DECODE_LAUNCH", "PAGEDSERVE_SHORT_PREFILL_GRAPHS")
 # EngineConfig fields that switch engine behaviour, and the batch limits (their defaults follow the
 # device); absent fields are skipped.
 ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",
                         "enable_chunked_prefill", "preemption_mode", "kv_allocator", "tensor_parallel_size",
+                        "enable_expert_parallel",
                         "max_num_seqs", "max_num_batched_tokens", "cuda_graph_sizes")
 
 
@@ -131,6 +132,9 @@ def engine_switches(engine_config: Any = None) -> dict:
         picked = sys.modules["pagedserve.layers.fused"].choices(sampling=True)
         if picked:
             out["fused_sampling"] = picked
+        picked = sys.modules["pagedserve.layers.fused"].choices(moe=True)
+        if picked:
+            out["fused_moe"] = picked
     if engine_config is not None:
         get = engine_config.get if isinstance(engine_config, dict) else (lambda k, d: getattr(engine_config, k, d))
         missing = object()

@@ -55,10 +55,14 @@ def run_sim_dashboard(args: Any) -> int:
     """Serve the replay of the workload the other sim flags describe, until interrupted."""
     import uvicorn
 
+    extra = {}
+    if getattr(args, "model", None):
+        from pagedserve.sim import StepTimeModel
+        extra["time_model"] = StepTimeModel.for_model_dir(args.model)
     replay = SimReplay(args.allocator, workload=args.workload, block_size=args.block_size,
                        num_blocks=args.num_blocks, num_requests=args.num_requests,
                        request_rate=args.request_rate, max_num_seqs=args.max_num_seqs,
-                       max_model_len=args.max_model_len, seed=args.seed)
+                       max_model_len=args.max_model_len, seed=args.seed, **extra)
     app = build_sim_app(replay)
     print(f"\nReplaying {args.workload} at http://{args.host}:{args.port}/dashboard "
           f"(play, pause, step; pick the allocator on the page)\n", flush=True)

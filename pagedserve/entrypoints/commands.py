@@ -81,6 +81,10 @@ def register_sim(sub) -> None:
     p.add_argument("--max-model-len", type=_at_least(1), default=None,
                    help="longest prompt + output (default: the workload's cap)")
     p.add_argument("--seed", type=int, default=0, help="seed of the workload draw")
+    p.add_argument("--model", default=None,
+                   help="a model directory: step times from its config.json on an H200 (for a mixture of "
+                        "experts, its active parameters and the experts each step touches) instead of "
+                        "the paper's OPT-13B on an A100")
     p.add_argument("--output", default=None, help="write the JSON result here")
     p.add_argument("--dashboard", action="store_true",
                    help="instead of running to the end, serve the KV page map of the run at /dashboard "

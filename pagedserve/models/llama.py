@@ -53,28 +53,39 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out)
 
 
+def check_silu(config) -> None:
+    act = getattr(config, "hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+
+
 class LlamaMLP(nn.Module):
-    def __init__(self, config, tp_rank: int, tp_size: int):
+    def __init__(self, config, tp_rank: int, tp_size: int, intermediate_size: int | None = None,
+                 reduce_results: bool = True):
+        """intermediate_size: config.intermediate_size unless given (MoE models' shared expert);
+        reduce_results=False leaves the all-reduce of the down projection to the caller."""
         super().__init__()
-        act = getattr(config, "hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
+        check_silu(config)
         bias = bool(getattr(config, "mlp_bias", False))
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias,
-                                                       tp_rank, tp_size)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp_rank, tp_size)
+        inter = intermediate_size or config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias, tp_rank, tp_size)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp_rank, tp_size,
+                                           reduce_results=reduce_results)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
+                 mlp: nn.Module | None = None):
+        """mlp: the block's MLP (any module mapping [T, hidden] to [T, hidden], e.g. a mixture of
+        experts); a dense LlamaMLP when None."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, tp_rank, tp_size)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """Returns (mlp output, residual stream before it); the caller's next norm adds them."""
@@ -85,11 +96,14 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
+                 make_mlp=None):
+        """make_mlp(layer_index) -> the layer's MLP module (None: dense LlamaMLP)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size, make_mlp and make_mlp(i))
+            for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config),
                                           getattr(config, "partial_rotary_factor", 1.0) or 1.0)
@@ -115,10 +129,15 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attn_bias if self.qkv_bias is None else self.qkv_bias
-        self.model = LlamaModel(config, qkv_bias, attn_bias, self.qk_norm, tp_rank, tp_size)
+        self.model = LlamaModel(config, qkv_bias, attn_bias, self.qk_norm, tp_rank, tp_size,
+                                lambda i: self.make_mlp(config, i, tp_rank, tp_size))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie(self.model.embed_tokens)
+
+    def make_mlp(self, config, layer_index: int, tp_rank: int, tp_size: int) -> nn.Module | None:
+        """The MLP of layer `layer_index`; None: the dense LlamaMLP (MoE families override this)."""
+        return None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[KVCache],
                 attn_meta: AttentionMetadata) -> torch.Tensor:

@@ -10,6 +10,7 @@ import glob
 import json
 import logging
 import os
+import re
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
@@ -134,14 +135,47 @@ def iterate_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, obj
                 yield name, f.get_slice(name)
 
 
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+
+
+def _expert_target(model: nn.Module, name: str) -> tuple[str, int, str] | None:
+    """(fused parameter name, expert id, shard id) for one expert's checkpoint tensor of a
+    mixture-of-experts model (expert_checkpoint_names: checkpoint module -> w1 | w2 | w3)."""
+    names = getattr(model, "expert_checkpoint_names", None)
+    m = _EXPERT_TENSOR.search(name) if names else None
+    if m is None or m.group(2) not in names:
+        return None
+    shard = names[m.group(2)]
+    return f"{name[:m.start()]}.experts.{'w2' if shard == 'w2' else 'w13'}_weight", int(m.group(1)), shard
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> None:
-    """Route each checkpoint tensor to its parameter's weight_loader (fusing q/k/v and gate/up)."""
+    """Route each checkpoint tensor to its parameter's weight_loader (fusing q/k/v and gate/up,
+    and each expert's tensors into its MoE layer's [E, ...] parameters)."""
     params = dict(model.named_parameters())
     stacked = getattr(model, "stacked_params", [])
+    renames = getattr(model, "checkpoint_renames", ())
     tied = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in params
     loaded: set[str] = set()
+    expert_parts: dict[str, set[tuple[int, str]]] = {}
     for name, w in weights:
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+            continue
+        for old, new in renames:
+            name = name.replace(old, new)
+        target = _expert_target(model, name)
+        if target is not None:
+            pname, expert, shard_id = target
+            param = params.get(pname)
+            if param is None:
+                logger.warning("checkpoint tensor %s has no matching parameter; skipped", name)
+                continue
+            try:
+                mine = param.weight_loader(param, w, shard_id, expert)
+            except ValueError as e:
+                raise ValueError(f"loading {name}: {e}") from None
+            if mine is not False:  # False: another rank's expert (expert parallelism)
+                expert_parts.setdefault(pname, set()).add((expert, shard_id))
             continue
         shard = None
         for fused, ckpt, shard_id in stacked:
@@ -160,6 +194,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> Non
         except ValueError as e:
             raise ValueError(f"loading {name}: {e}") from None
         loaded.add(name)
+    for pname, parts in expert_parts.items():
+        num_experts = params[pname].shape[0]
+        if len(parts) == num_experts * (2 if pname.endswith("w13_weight") else 1):
+            loaded.add(pname)
     missing = sorted(set(params) - loaded)
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} parameter(s), e.g. {missing[:5]}")
@@ -182,11 +220,18 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
 
 
 def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
-              load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1) -> nn.Module:
-    """Instantiate config.architectures[0] on `device` in `dtype` and fill its weights."""
+              load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1,
+              expert_parallel: bool = False) -> nn.Module:
+    """Instantiate config.architectures[0] on `device` in `dtype` and fill its weights.
+    expert_parallel: whole experts per rank in mixture-of-experts layers (MoE models only)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be auto, safetensors or dummy, got {load_format!r}")
     cls = get_model_class(hf_config)
+    kwargs = {}
+    if expert_parallel:
+        if not getattr(cls, "supports_expert_parallel", False):
+            raise ValueError(f"enable_expert_parallel: {cls.__name__} is not a mixture of experts")
+        kwargs["expert_parallel"] = True
     files = None
     if load_format != "dummy":
         if model_dir is None:
@@ -194,7 +239,7 @@ def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.d
         files = safetensors_files(model_dir)  # fail before allocating anything
     device = torch.device(device)
     with _building_on(device, dtype):
-        model = cls(hf_config, tp_rank=tp_rank, tp_size=tp_size)
+        model = cls(hf_config, tp_rank=tp_rank, tp_size=tp_size, **kwargs)
     model.to(device)  # buffers made on CPU (rotary inv_freq) follow the parameters
     if files is None:
         init_dummy_weights(model, seed)

@@ -17,6 +17,12 @@ from pagedserve.attention.backend import get_backend
 from pagedserve.attention.metadata import AttentionMetadata
 
 
+def graph_capturable(model) -> bool:
+    """False if some module says it cannot run inside a CUDA graph (graph_capturable = False:
+    the torch MoE path, which reads the routing on the host); such models run eagerly."""
+    return all(getattr(m, "graph_capturable", True) for m in model.modules())
+
+
 def batch_buckets(max_batch: int, sizes: list[int] | None = None) -> list[int]:
     """The decode batch sizes to capture: `sizes` (EngineConfig.cuda_graph_sizes) up to
     max_batch, or by default vLLM's: 1, 2, 4, every 8 up to 256, every 16 above, and max_batch.

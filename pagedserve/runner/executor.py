@@ -99,7 +99,7 @@ class MultiProcExecutor(FailureHandling):
         else:
             env = DistEnv(rank=0, world_size=self.world_size, local_rank=0, master_addr="127.0.0.1",
                           master_port=free_port(), external=False)
-        check_tp_shapes(hf_config, self.world_size)
+        check_tp_shapes(hf_config, self.world_size, config.enable_expert_parallel)
         if config.device not in ("auto", "cpu", "cuda"):
             raise ValueError(f"device must be auto, cpu or cuda with tensor_parallel_size > 1 (rank r uses "
                              f"cuda:<LOCAL_RANK>; pick the GPUs with CUDA_VISIBLE_DEVICES), got {config.device!r}")
@@ -358,8 +358,9 @@ def _control(op, *args, **kwargs):
         raise CollectiveError(f"{op.__name__} over the control group failed: {e}") from e
 
 
-def check_tp_shapes(hf_config, tp: int) -> None:
-    """Refuse, before any process starts, a model whose heads or widths do not split into tp parts."""
+def check_tp_shapes(hf_config, tp: int, expert_parallel: bool = False) -> None:
+    """Refuse, before any process starts, a model whose heads or widths (or, with expert
+    parallelism, experts) do not split into tp parts."""
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     if heads % tp:
@@ -367,7 +368,14 @@ def check_tp_shapes(hf_config, tp: int) -> None:
     if kv % tp and tp % kv:
         raise ValueError(f"tensor_parallel_size ({tp}) must divide num_key_value_heads ({kv}) or be a multiple "
                          "of it (KV heads are then replicated)")
-    for key in ("intermediate_size", "ffn_dim"):
+    experts = getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None)
+    if expert_parallel and isinstance(experts, int) and experts % tp:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size ({tp}) must divide the number of "
+                         f"experts ({experts})")
+    expert_width = "intermediate_size" if getattr(hf_config, "model_type", "") == "mixtral" else "moe_intermediate_size"
+    for key in ("intermediate_size", "ffn_dim", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        if expert_parallel and key == expert_width:
+            continue  # whole experts per rank: their width is not split
         width = getattr(hf_config, key, None)
         if isinstance(width, int) and width % tp:
             raise ValueError(f"tensor_parallel_size ({tp}) must divide {key} ({width})")

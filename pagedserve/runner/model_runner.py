@@ -29,7 +29,7 @@ from pagedserve.distributed import TPGroup, get_tp_group
 from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
-from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets
+from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets, graph_capturable
 from pagedserve.runner.decode_rows import as_decode_rows, short_prefill_graphs_enabled
 from pagedserve.runner.kv_sizing import device_seconds, profile_num_gpu_blocks
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
@@ -132,7 +132,8 @@ class ModelRunner:
     def load_model(self) -> nn.Module:
         fmt = self.config.load_format
         self.model = get_model(self.hf_config, model_dir=self.config.model, device=self.device, dtype=self.dtype,
-                               load_format=fmt, seed=self.config.seed, tp_rank=self.tp_rank, tp_size=self.tp_size)
+                               load_format=fmt, seed=self.config.seed, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                               expert_parallel=self.config.enable_expert_parallel)
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
@@ -217,6 +218,10 @@ class ModelRunner:
         self._require("cache")
         if self.device.type != "cuda" or self.config.enforce_eager:
             return
+        if not graph_capturable(self.model):
+            logger.warning("%s has a layer that cannot be captured (PAGEDSERVE_FUSED_MOE=0?): no CUDA graphs",
+                           type(self.model).__name__)
+            return
         max_batch = self.config.scheduler_config(self.max_model_len).max_num_seqs
         buckets = batch_buckets(max_batch, self.config.cuda_graph_sizes)
         if not buckets:
@@ -262,7 +267,7 @@ class ModelRunner:
         cfg = self.config
         if self.device.type != "cuda" or cfg.enforce_eager or cfg.cudagraph_mode != "piecewise":
             return
-        if self.tp_size > 1 or not supports_piecewise(self.model):
+        if self.tp_size > 1 or not supports_piecewise(self.model) or not graph_capturable(self.model):
             logger.info("no piecewise CUDA graphs for %s with tensor_parallel_size=%d: steps with prefill "
                         "tokens run eagerly", type(self.model).__name__, self.tp_size)
             return

@@ -26,8 +26,9 @@ code touches (ids, positions, q/k/v, attention output, hidden states) are static
 the pool, sized for the largest bucket and shared by all buckets and layers. Sharing is sound
 because steps replay one at a time on one stream.
 
-Only Llama-family models (models/llama.py: Llama, Mistral, Qwen2, Qwen3) qualify: their layers
-all have the same attention shapes and nothing but Attention reads the metadata. Others (OPT)
+Only Llama-family models (models/llama.py: Llama, Mistral, Qwen2, Qwen3, and the mixtures of
+experts of models/moe.py built on them) qualify: their layers all have the same attention shapes
+and nothing but Attention reads the metadata (the MoE layers' routing and sort stay on the device). Others (OPT)
 run prefill steps eagerly. The graph type is a parameter so that CPU tests can substitute a
 recorder with the same capture_begin / capture_end / replay / pool surface.
 """

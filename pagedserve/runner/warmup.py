@@ -8,6 +8,7 @@ own pools and with synthetic inputs identical on every tensor-parallel rank (so 
 match):
 
 - prefills without context over token counts 1, 2, 4, ... up to max_num_batched_tokens;
+- for MoE models, the grouped GEMM at every token count that selects another block-size config;
 - prefill chunks with prior context (a prefix hit or a chunk continuation), sampling or not;
 - decode-only steps of every graph bucket size (graph replays; eager steps under enforce_eager),
   one with its tokens fed from a previous step's sampled ids on the device (overlapped steps);
@@ -34,6 +35,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.backend import get_backend
+from pagedserve.layers.fused_moe.warmup import warm_up_moe
 from pagedserve.layers.sampler import Sampler, SampleRow
 from pagedserve.runner.async_output import AsyncHostCopy
 from pagedserve.runner.batch import HostBatch
@@ -173,6 +175,8 @@ def warm_up(runner: "ModelRunner") -> float:
         # Prefills from position 0, over the token counts cuBLAS picks kernels by.
         for total in _token_counts(min(max_tokens, max_seqs * max_len)):
             run(steps.step(_prefill(total, max_len, max_seqs), 0))
+        # The MoE grouped GEMM's block-size configs that the counts above skip (fused_moe/warmup.py).
+        warm_up_moe(runner.model, min(max_tokens, max_seqs * max_len))
         # A chunk after context (a prefix hit, a chunk continuation, mid-block): sampling and not.
         chunk = max(1, min(max_tokens, max_len // 2, 64))
         start = max(0, min(max_len - chunk, steps.block_size + 1))

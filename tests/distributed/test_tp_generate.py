@@ -1,7 +1,7 @@
 """TP=2 (two processes, gloo, float32) generates exactly what TP=1 does, for every sharding case:
 KV heads split across ranks (llama), one KV head replicated on both ranks with per-head q/k
 norms (qwen3), qkv bias with tied embeddings (qwen2), and OPT's biases, learned positions and
-tied LM head; and under preemption by swapping (every rank moves its own heads' blocks)
+tied LM head, a mixture of experts with a shared expert (qwen2_moe); and under preemption by swapping (every rank moves its own heads' blocks)
 with chunked prefill, with synchronous and with overlapped steps."""
 import os
 
@@ -16,6 +16,9 @@ CASES = {
     "qwen3-replicated-kv": ("qwen3", {"num_key_value_heads": 1}, 1),
     "qwen2-qkv-bias-tied": ("qwen2", {}, 1),
     "opt-biases": ("opt", {}, 2),
+    # Mixture of experts: every expert's intermediate dim split, the shared expert's partial summed
+    # with the experts' before the layer's one all-reduce; layer 0 dense.
+    "qwen2-moe-shared-expert": ("qwen2_moe", {}, 1),
 }
 
 
@@ -36,6 +39,20 @@ def test_tp2_matches_tp1(tiny_model_dir, case):
     finally:
         llm.shutdown()
     assert not launch_children(os.getpid())
+
+
+def test_tp2_expert_parallel_matches_tp1(tiny_model_dir):
+    """Whole experts per rank (Mixtral: 2 of 4 each), the pairs routed elsewhere dropped."""
+    model = str(tiny_model_dir("mixtral"))
+    kw = dict(device="cpu", num_gpu_blocks_override=64, block_size=8)
+    ref = greedy(LLM(model, **kw))
+    llm = LLM(model, tensor_parallel_size=2, enable_expert_parallel=True, **kw)
+    try:
+        experts = llm.llm_engine.runner.runner.model.model.layers[0].mlp.experts
+        assert (experts.num_local_experts, experts.expert_start) == (2, 0)
+        assert_same_greedy(ref, greedy(llm))
+    finally:
+        llm.shutdown()
 
 
 @pytest.mark.parametrize("mode", list(STEP_MODES))

@@ -13,7 +13,8 @@ import pagedserve.models.loader as loader
 from pagedserve.models.loader import get_model, load_hf_config
 
 REPLICATED = re.compile(r"(norm|layernorm|layer_norm)\.(weight|bias)$|embed_positions|"
-                        r"(o_proj|out_proj|down_proj|fc2)\.bias$")
+                        r"(o_proj|out_proj|down_proj|fc2)\.bias$|"
+                        r"(mlp|block_sparse_moe)\.gate\.weight$|shared_expert_gate\.weight$")  # MoE routers
 
 
 class RecordingSlice:
@@ -45,7 +46,7 @@ def box_cells(box):
     return set(itertools.product(*(range(a, b) for a, b in box)))
 
 
-def load_rank(monkeypatch, model_dir, rank, tp):
+def load_rank(monkeypatch, model_dir, rank, tp, expert_parallel=False):
     """Build rank `rank` of `tp` exactly as its process would, logging every read from the file."""
     log = []
     real = loader.iterate_safetensors
@@ -55,7 +56,7 @@ def load_rank(monkeypatch, model_dir, rank, tp):
             yield name, RecordingSlice(name, sl, log)
     monkeypatch.setattr(loader, "iterate_safetensors", recording)
     get_model(load_hf_config(model_dir), model_dir=model_dir, device=torch.device("cpu"), dtype=torch.float32,
-              tp_rank=rank, tp_size=tp)
+              tp_rank=rank, tp_size=tp, expert_parallel=expert_parallel)
     monkeypatch.undo()
     return log
 
@@ -65,6 +66,8 @@ def load_rank(monkeypatch, model_dir, rank, tp):
     ("qwen3", {"num_key_value_heads": 1}, True),
     ("qwen2", {}, False),
     ("opt", {}, False),
+    ("qwen2_moe", {}, False),  # every expert's (and the shared expert's) intermediate dim split
+    ("mixtral", {}, False),
 ])
 def test_each_rank_reads_its_slices_once(tiny_model_dir, monkeypatch, arch, overrides, kv_replicated):
     from safetensors import safe_open
@@ -95,3 +98,23 @@ def test_each_rank_reads_its_slices_once(tiny_model_dir, monkeypatch, arch, over
             assert len(c) == want, f"{name}: rank {rank} read {len(c)} of {numel} elements"
         if not replicated:
             assert not (cells[0] & cells[1]), f"{name}: ranks' slices are disjoint"
+
+
+def test_expert_parallel_rank_reads_only_its_experts(tiny_model_dir, monkeypatch):
+    """Whole experts per rank: rank r reads experts r*E/2 .. whole and never touches the others'."""
+    from safetensors import safe_open
+    model_dir = str(tiny_model_dir("mixtral"))  # 4 experts
+    shapes = {}
+    for path in loader.safetensors_files(model_dir):
+        with safe_open(path, "pt") as f:
+            shapes.update({n: tuple(f.get_slice(n).get_shape()) for n in f.keys()})
+    for rank in range(2):
+        log = load_rank(monkeypatch, model_dir, rank, 2, expert_parallel=True)
+        read = {}
+        for name, box in log:
+            m = re.search(r"experts\.(\d+)\.", name)
+            if m:
+                read.setdefault(int(m.group(1)), []).append(box)
+        assert sorted(read) == [2 * rank, 2 * rank + 1]
+        for name, box in ((n, b) for n, b in log if "experts." in n):
+            assert box == tuple((0, size) for size in shapes[name]), f"{name}: read whole"

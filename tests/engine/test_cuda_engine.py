@@ -10,7 +10,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 MAX_NEW = 24
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "opt"])
+# The MoE families run the Triton routing and grouped GEMM, inside the decode graphs when not eager.
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "opt", "qwen3_moe", "qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("enforce_eager", [True, False])
 def test_cuda_greedy_matches_hf(tiny_model_dir, arch, enforce_eager):
     model_dir = tiny_model_dir(arch)

@@ -88,3 +88,30 @@ def test_requests_arriving_while_others_decode(tiny_model_dir, async_scheduling)
     for i, p in enumerate(ids):
         assert done[f"r{i}"] == hf_greedy(model_dir, p, MAX_TOKENS)
     assert_no_leak(llm)
+
+
+# The mixtures of experts in the same memory regimes, one family per regime (each family's roomy
+# batch is in test_greedy_batch_matches_hf): the expert routing of a token must not depend on
+# which other tokens share its step, its chunk, or whether its prefix came from the cache.
+@pytest.mark.parametrize("arch,mode", [("qwen3_moe", "recompute"), ("mixtral", "swap")])
+def test_moe_greedy_under_preemption(tiny_model_dir, arch, mode):
+    model_dir = tiny_model_dir(arch)
+    llm = make_llm(model_dir, block_size=8, num_gpu_blocks_override=16, preemption_mode=mode,
+                   swap_space=0.05, max_num_batched_tokens=64)
+    _check(llm, model_dir, prompt_ids(model_dir)[:6], max_tokens=16, ignore_eos=True)
+    assert llm.get_kv_cache_stats().num_preemptions > 0
+
+
+def test_moe_greedy_chunked_prefill(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen2_moe")
+    llm = make_llm(model_dir, block_size=8, max_num_batched_tokens=7)
+    _check(llm, model_dir, prompt_ids(model_dir))
+
+
+def test_moe_greedy_prefix_caching(tiny_model_dir):
+    model_dir = tiny_model_dir("qwen3_moe")
+    ids = prompt_ids(model_dir)
+    llm = make_llm(model_dir, block_size=4)
+    _check(llm, model_dir, ids)
+    _check(llm, model_dir, ids)
+    assert llm.get_kv_cache_stats().prefix_cache_hits > 0

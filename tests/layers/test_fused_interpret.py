@@ -17,10 +17,10 @@ HERE = Path(__file__).parent
 ROOT = HERE.parents[1]
 
 
-@pytest.mark.parametrize("cases", ["fused_interpret_cases.py", "sampling_interpret_cases.py"])
+@pytest.mark.parametrize("cases", ["fused_interpret_cases.py", "sampling_interpret_cases.py", "moe_interpret_cases.py"])
 def test_fused_kernels_match_torch_under_interpreter(cases):
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-    for switch in ("PAGEDSERVE_FUSED", "PAGEDSERVE_FUSED_SAMPLING"):
+    for switch in ("PAGEDSERVE_FUSED", "PAGEDSERVE_FUSED_SAMPLING", "PAGEDSERVE_FUSED_MOE"):
         env.pop(switch, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / cases)],

@@ -34,3 +34,13 @@ def test_sampling_kernels_on_cuda_unless_switched_off(monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_FUSED_SAMPLING", "force")
     fused.reset()
     assert fused.fused_sampling(torch.device("cpu")).__name__ == "pagedserve.layers.triton_sampling"
+
+
+def test_moe_kernels_on_cuda_unless_switched_off(monkeypatch):
+    monkeypatch.delenv("PAGEDSERVE_FUSED_MOE", raising=False)
+    assert fused.fused_moe_ops(torch.device("cuda")).__name__ == "pagedserve.layers.fused_moe.triton_moe"
+    assert fused.fused_moe_ops(torch.device("cpu")) is None
+    assert fused.choices(moe=True) == {"cuda": "triton", "cpu": "torch"}
+    monkeypatch.setenv("PAGEDSERVE_FUSED_MOE", "0")
+    fused.reset()
+    assert fused.fused_moe_ops(torch.device("cuda")) is None

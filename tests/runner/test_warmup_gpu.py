@@ -65,10 +65,12 @@ def _workload(vocab: int, max_len: int) -> tuple[list[dict], list[SamplingParams
     return prompts, params
 
 
-@pytest.mark.parametrize("enforce_eager", [False, True])
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_no_compile_or_capture_after_start(tiny_model_dir, monkeypatch, enforce_eager, async_scheduling):
-    model_dir = tiny_model_dir("llama")
+# A mixture of experts adds the routing, one-program sort/pad and grouped-GEMM kernels.
+@pytest.mark.parametrize("arch,enforce_eager,async_scheduling",
+                         [("llama", e, a) for e in (False, True) for a in (True, False)]
+                         + [("qwen3_moe", False, True), ("mixtral", True, False)])
+def test_no_compile_or_capture_after_start(tiny_model_dir, monkeypatch, arch, enforce_eager, async_scheduling):
+    model_dir = tiny_model_dir(arch)
     llm = make_llm(model_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
                    async_scheduling=async_scheduling, block_size=16, num_gpu_blocks_override=34,
                    max_num_seqs=32, max_num_batched_tokens=128, enable_prefix_caching=True,

@@ -1,0 +1,109 @@
+"""The MoE layer alone, batch 1..512: our Triton path (tuned table or default) against the torch
+path on the same shapes, and against vLLM's fused_experts when vLLM imports (--vllm). Routing is
+timed apart (ours, torch). Also the bandwidth achieved: the bytes of the experts the batch
+touches (counted from its routing) over the time, against the device's copy bandwidth.
+
+    python benchmarks/kernels/bench_fused_moe.py [--models qwen3-30b-a3b mixtral-8x7b] [--vllm] \
+        [--tp 2 [--expert-parallel]] --output benchmarks/results/h200/moe_layer.json
+(--tp 2 times one rank's share: sharded intermediate, or with --expert-parallel whole experts.)
+Needs CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+import triton
+
+from moe_shapes import MODELS, layer_shape
+
+from pagedserve.benchmark.hardware import measure_copy_bandwidth
+from pagedserve.benchmark.roofline import experts_touched
+from pagedserve.benchmark.results import git_commit, write_result
+from pagedserve.layers.fused_moe import triton_moe
+from pagedserve.layers.fused_moe.config import get_config
+from pagedserve.layers.fused_moe.reference import fused_experts_torch
+from pagedserve.layers.fused_moe.routing import select_experts_torch
+
+BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+def vllm_fused_experts():
+    try:
+        from vllm.model_executor.layers.fused_moe import fused_experts
+        return fused_experts
+    except Exception as e:  # not installed here, or an incompatible build
+        print(f"vLLM fused_experts unavailable: {e}", file=sys.stderr)
+        return None
+
+
+def bench_model(model: str, tp: int, use_vllm: bool, bandwidth: float, expert_parallel: bool = False) -> dict:
+    """Rank 0's layer. Under expert parallelism it routes over every expert and drops the pairs of
+    the other ranks' experts, as FusedMoE does."""
+    E, H, inter, top_k = layer_shape(model, tp, expert_parallel)
+    E_all = E * tp if expert_parallel else E
+    dtype, dev = torch.bfloat16, torch.device("cuda")
+    g = torch.Generator(device=dev).manual_seed(0)
+    w13 = torch.randn(E, 2 * inter, H, generator=g, device=dev).mul_(H ** -0.5).to(dtype)
+    w2 = torch.randn(E, H, inter, generator=g, device=dev).mul_(inter ** -0.5).to(dtype)
+    theirs = vllm_fused_experts() if use_vllm else None
+    rows = {}
+    for T in BATCHES:
+        x = torch.randn(T, H, generator=g, device=dev).to(dtype)
+        logits = torch.randn(T, E_all, generator=g, device=dev).to(dtype)
+        weights, ids = triton_moe.route(logits, top_k, True)
+        if expert_parallel:
+            ids = torch.where(ids < E, ids, E)  # rank 0 holds experts 0 .. E-1
+        w = weights.to(dtype)
+        touched = int(torch.unique(ids[ids < E]).numel())
+        expert_bytes = touched * 3 * H * inter * 2
+        ours = triton.testing.do_bench(lambda: triton_moe.fused_experts(x, w13, w2, w, ids, may_drop=expert_parallel),
+                                       warmup=10, rep=50)
+        row = {"ours_us": round(ours * 1e3, 1), "experts_touched": touched,
+               # the roofline's expectation under uniform routing, beside the count of this routing
+               "experts_touched_expected": round(experts_touched(T, E_all, top_k) * E / E_all, 1),
+               "ours_bandwidth_fraction": round(expert_bytes / (ours * 1e-3) / bandwidth, 3),
+               "config": get_config(T, E, H, inter, top_k, dtype, dev),
+               "routing_ours_us": round(1e3 * triton.testing.do_bench(
+                   lambda: triton_moe.route(logits, top_k, True), warmup=10, rep=50), 1),
+               "routing_torch_us": round(1e3 * triton.testing.do_bench(
+                   lambda: select_experts_torch(logits, top_k, True), warmup=10, rep=50), 1)}
+        if T <= 64:  # the per-expert loop is slow and syncs; enough to show the gap
+            row["torch_us"] = round(1e3 * triton.testing.do_bench(
+                lambda: fused_experts_torch(x, w13, w2, w, ids), warmup=3, rep=20), 1)
+        if theirs is not None and not expert_parallel:
+            # vLLM's layout: w1 [E, 2I, H] gate then up (as ours), w2 [E, H, I]; int32 ids are fine.
+            vl = triton.testing.do_bench(lambda: theirs(x, w13, w2, weights, ids), warmup=10, rep=50)
+            row["vllm_us"] = round(vl * 1e3, 1)
+            row["ours_over_vllm_speed"] = round(vl / ours, 3)
+        rows[str(T)] = row
+        print(model, T, row, flush=True)
+    return {"shape": {"experts_per_rank": E, "hidden": H, "intermediate_per_rank": inter, "top_k": top_k, "tp": tp,
+                      "expert_parallel": expert_parallel},
+            "batches": rows}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--expert-parallel", action="store_true", help="the per-rank shape of whole experts per rank")
+    ap.add_argument("--vllm", action="store_true", help="also time vLLM's fused_experts (vLLM on PYTHONPATH)")
+    ap.add_argument("--output", default=None)
+    args = ap.parse_args()
+    if args.output:
+        git_commit()
+    bw = measure_copy_bandwidth()
+    results = {m: bench_model(m, args.tp, args.vllm, bw, args.expert_parallel) for m in args.models}
+    results["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
+    ratios = {f"{m}_layer_b{T}_over_vllm": row["ours_over_vllm_speed"]
+              for m in args.models for T, row in results[m]["batches"].items() if "ours_over_vllm_speed" in row}
+    if args.output:
+        write_result(args.output, "moe_layer", None, {"models": args.models, "tp": args.tp, "dtype": "bfloat16",
+                                                      "expert_parallel": args.expert_parallel,
+                                                      "batches": list(BATCHES)}, results, {}, ratios)
+
+
+if __name__ == "__main__":
+    main()
