@@ -81,7 +81,15 @@ def test_route_matches_torch(ops, renormalize):
     logits = torch.randn(300, 128, device=DEV, dtype=torch.bfloat16)
     w, ids = ops.route(logits, 8, renormalize)
     ref_w, ref_ids = select_experts_torch(logits, 8, renormalize)
-    assert (ids == ref_ids).float().mean() > 0.999  # bf16 logits may tie: either id is right then
+    # bf16 logits over 128 experts tie often (the H200 run at 60933c1 found 5% of ids differing):
+    # among tied logits any id is a right pick. So: distinct experts, the same picked values in
+    # the same order, and the same ids in every row with no tie among its top k + 1 logits.
+    assert (ids.sort(dim=1).values.diff(dim=1) != 0).all()
+    picked, ref_picked = logits.float().gather(1, ids.long()), logits.float().gather(1, ref_ids.long())
+    assert torch.equal(picked, ref_picked)
+    top = logits.float().topk(9, dim=1).values
+    untied = (top.diff(dim=1) != 0).all(dim=1)
+    assert untied.sum() > 100 and torch.equal(ids[untied], ref_ids[untied])
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
