@@ -89,7 +89,7 @@ def test_route_matches_torch(ops, renormalize):
     assert torch.equal(picked, ref_picked)
     top = logits.float().topk(9, dim=1).values
     untied = (top.diff(dim=1) != 0).all(dim=1)
-    assert untied.sum() > 100 and torch.equal(ids[untied], ref_ids[untied])
+    assert untied.sum() > 30 and torch.equal(ids[untied], ref_ids[untied])
     torch.testing.assert_close(w, ref_w, rtol=1e-5, atol=1e-6)
 
 
