@@ -26,15 +26,16 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
+                 quant_config=None, prefix: str = ""):
         super().__init__()
         self.head_dim = head_dim_of(config)
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads, num_kv,
-                                          qkv_bias, tp_rank, tp_size)
+                                          qkv_bias, tp_rank, tp_size, quant_config, f"{prefix}.qkv_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias,
-                                        tp_rank, tp_size)
+                                        tp_rank, tp_size, quant_config=quant_config, prefix=f"{prefix}.o_proj")
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -54,27 +55,31 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config, tp_rank: int, tp_size: int):
+    def __init__(self, config, tp_rank: int, tp_size: int, quant_config=None, prefix: str = ""):
         super().__init__()
         act = getattr(config, "hidden_act", "silu")
         if act not in ("silu", "swish"):
             raise ValueError(f"hidden_act {act!r} is not supported (only silu)")
         bias = bool(getattr(config, "mlp_bias", False))
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2, bias,
-                                                       tp_rank, tp_size)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp_rank, tp_size)
+                                                       tp_rank, tp_size, quant_config, f"{prefix}.gate_up_proj",
+                                                       checkpoint_parts=("gate_proj", "up_proj"))
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias, tp_rank, tp_size,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
+                 quant_config=None, prefix: str = ""):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size, quant_config,
+                                        f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config, tp_rank, tp_size)
+        self.mlp = LlamaMLP(config, tp_rank, tp_size, quant_config, f"{prefix}.mlp")
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """Returns (mlp output, residual stream before it); the caller's next norm adds them."""
@@ -85,11 +90,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
+                 quant_config=None):
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size)
-                                    for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size,
+                                                      quant_config, f"model.layers.{i}")
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config),
                                           getattr(config, "partial_rotary_factor", 1.0) or 1.0)
@@ -110,12 +117,12 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: from config.attention_bias
     qk_norm = False
 
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, quant_config=None):
         super().__init__()
         self.config = config
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attn_bias if self.qkv_bias is None else self.qkv_bias
-        self.model = LlamaModel(config, qkv_bias, attn_bias, self.qk_norm, tp_rank, tp_size)
+        self.model = LlamaModel(config, qkv_bias, attn_bias, self.qk_norm, tp_rank, tp_size, quant_config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie(self.model.embed_tokens)
