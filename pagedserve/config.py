@@ -20,6 +20,7 @@ class CacheConfig:
     num_cpu_blocks: int = 0          # from swap_space
     enable_prefix_caching: bool = True
     kv_allocator: str = "paged"
+    cache_dtype: str = "auto"        # the pools' element type by name (bfloat16, fp8_e4m3, ...), for stats
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

@@ -40,6 +40,11 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str, model_dtype: torch.dtype, device
     return FP8_KV_DTYPE
 
 
+def kv_cache_dtype_name(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
+    """What the stats and /metrics call the pools' element type: fp8_e4m3, or the model dtype's name."""
+    return "fp8_e4m3" if kv_cache_dtype in ("fp8", "fp8_e4m3") else str(model_dtype).removeprefix("torch.")
+
+
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     """x / scale as e4m3 (saturating); the reference write and the tests' oracle."""
     s = 1.0 if scale is None else scale.float()

@@ -125,7 +125,8 @@ class EngineCore:
                               prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
                               num_preemptions=stats.num_preemptions,
                               prefix_cache_queries=stats.prefix_cache_queries,
-                              prefix_cache_hits=stats.prefix_cache_hits)
+                              prefix_cache_hits=stats.prefix_cache_hits, cache_dtype=stats.cache_dtype,
+                              num_gpu_blocks=stats.num_blocks_total, block_size=stats.block_size)
 
     def ready_message(self) -> Ready:
         e = self.engine

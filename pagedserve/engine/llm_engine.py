@@ -20,6 +20,7 @@ from typing import Any, Iterable
 
 import torch
 
+from pagedserve.attention.kv_quant import kv_cache_dtype_name
 from pagedserve.config import CacheConfig, EngineConfig
 from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.core.scheduler import Scheduler
@@ -93,7 +94,8 @@ class LLMEngine(TokenApplication):
         self.cache_config = CacheConfig(block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                                         num_cpu_blocks=num_cpu_blocks,
                                         enable_prefix_caching=config.enable_prefix_caching,
-                                        kv_allocator=config.kv_allocator)
+                                        kv_allocator=config.kv_allocator,
+                                        cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype, self.dtype))
         self.scheduler_config = config.scheduler_config(max_model_len)
         for measured in ("recompute_seconds_per_token", "swap_seconds_per_block"):
             if measured in self.runner.profile:  # see ModelRunner.measures_costs for when they are absent

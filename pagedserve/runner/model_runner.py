@@ -23,15 +23,17 @@ import torch
 from torch import nn
 
 from pagedserve.attention.backend import Attention
+from pagedserve.attention.kv_quant import resolve_kv_cache_dtype
 from pagedserve.config import EngineConfig
 from pagedserve.core.plan import SchedulerOutput
 from pagedserve.distributed import TPGroup, get_tp_group
+from pagedserve.layers.quant import get_quantization_config
 from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets
 from pagedserve.runner.decode_rows import as_decode_rows, short_prefill_graphs_enabled
-from pagedserve.runner.kv_sizing import device_seconds, profile_num_gpu_blocks
+from pagedserve.runner.kv_sizing import calibrate_kv_scales_at_startup, device_seconds, profile_num_gpu_blocks
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
 from pagedserve.runner.request_state import DeviceRequestState
 from pagedserve.runner.row_tracker import RowInputs, RowTracker
@@ -101,6 +103,10 @@ class ModelRunner:
     def __init__(self, engine_config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype):
         self.config, self.hf_config = engine_config, hf_config
         self.device, self.dtype = torch.device(device), dtype
+        # The KV pools' element type (fp8: e4m3 with per-layer scales) and the linear layers'
+        # quantization: both checked against the device here, before anything is allocated.
+        self.kv_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, dtype, self.device)
+        self.quant_config = get_quantization_config(engine_config.quantization, hf_config)
         self.block_size = engine_config.block_size
         # A single-rank engine stays single-rank even beside a tensor-parallel one in this process.
         tp = get_tp_group() if engine_config.tensor_parallel_size > 1 else TPGroup()
@@ -132,7 +138,8 @@ class ModelRunner:
     def load_model(self) -> nn.Module:
         fmt = self.config.load_format
         self.model = get_model(self.hf_config, model_dir=self.config.model, device=self.device, dtype=self.dtype,
-                               load_format=fmt, seed=self.config.seed, tp_rank=self.tp_rank, tp_size=self.tp_size)
+                               load_format=fmt, seed=self.config.seed, tp_rank=self.tp_rank, tp_size=self.tp_size,
+                               quant_config=self.quant_config)
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
@@ -148,7 +155,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         self._require("model")
-        return cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
     @property
     def measures_costs(self) -> bool:
@@ -165,6 +172,8 @@ class ModelRunner:
         (and so its collectives) alike."""
         self._require("model")
         cfg = self.config
+        if cfg.calculate_kv_scales:
+            calibrate_kv_scales_at_startup(self)
         profiled = profile_num_gpu_blocks(self) if self.measures_costs else None
         if cfg.num_gpu_blocks_override is not None:
             num_gpu = cfg.num_gpu_blocks_override
@@ -193,7 +202,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._require("model")
         self.cache_engine = CacheEngine(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                                        num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
+                                        num_gpu_blocks, num_cpu_blocks, self.kv_dtype, self.device)
         self.kv_caches = self.cache_engine.kv_caches
 
     def measure_swap_cost(self) -> None:
