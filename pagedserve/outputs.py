@@ -27,6 +27,9 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: dict | None = field(default=None, repr=False)
+    # SamplingParams.prompt_logprobs: per prompt position, token id -> logprob (the prompt's own
+    # token plus the top-k), None at position 0 (nothing predicts it); set once the prompt is computed.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass

@@ -177,7 +177,7 @@ class EngineCore:
             out.step_error = str(e)
             return
         out.outputs = [RequestDelta(o.request_id, [CompletionDelta.of(c) for c in o.outputs],
-                                    o.finished, o.metrics if o.finished else None)
+                                    o.finished, o.metrics if o.finished else None, o.prompt_logprobs)
                        for o in outs]
 
     def run_busy_loop(self, input_socket: Any, output_socket: Any) -> None:

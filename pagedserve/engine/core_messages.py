@@ -80,6 +80,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     outputs: list[CompletionDelta]
     finished: bool
     metrics: dict[str, float] | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # in one delta only (DELTA to the client)
 
 
 class UtilityResult(msgspec.Struct, array_like=True):

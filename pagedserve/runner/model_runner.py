@@ -129,6 +129,7 @@ class ModelRunner:
         self.row_tracker: RowTracker | None = None
         self.request_state: DeviceRequestState | None = None
         self.last_graph_path: str | None = None  # how the last step's forward ran; None: it had none
+        self.last_prompt_logits: torch.Tensor | None = None  # the last step's prompt_rows logits
 
     @property
     def vocab_size(self) -> int:
@@ -290,6 +291,15 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_meta)
         return self.model.compute_logits(hidden[inp.sample_indices])
 
+    def _forward_with_prompt_logits(self, inp: ModelInput, prompt_rows) -> torch.Tensor | None:
+        """An eager forward that also keeps the logits of prompt_rows in last_prompt_logits (rank 0's
+        are the engine's prompt_logprobs; every rank computes them, as compute_logits gathers)."""
+        self.last_graph_path = "eager"
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta)
+        rows = torch.from_numpy(prompt_rows).to(self.device, non_blocking=True)
+        self.last_prompt_logits = self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden[inp.sample_indices]) if inp.num_sampling else None
+
     def prepare_inputs(self, out: SchedulerOutput) -> StepInput:
         """The host-side half of a step: no device work, nothing rank-specific."""
         batch = host_batch(out.scheduled, out.num_decodes) if out.scheduled else None
@@ -321,6 +331,7 @@ class ModelRunner:
         self._require("cache")
         ce = self.cache_engine
         self.last_graph_path = None
+        self.last_prompt_logits = None
         if step.blocks_to_swap_out:
             ce.swap_out(step.blocks_to_swap_out)
         if step.blocks_to_swap_in:
@@ -339,6 +350,8 @@ class ModelRunner:
             inp = step.batch.to_model_input(self.block_size, self.device)
         inp.fill_placeholders(prev_sampled)
         n = len(step.batch.query_lens)
+        if step.batch.prompt_rows is not None:
+            return self._forward_with_prompt_logits(inp, step.batch.prompt_rows)
         if self.graphs is not None and step.batch.num_decodes == n and self.graphs.bucket_for(n) is not None:
             self.last_graph_path = "decode_graph"
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta)
