@@ -20,9 +20,9 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     slots = slot_mapping[keep]
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    if is_fp8(k_cache):
-        k_cache[blocks, offsets] = quantize_kv(key[keep], k_scale)
-        v_cache[blocks, offsets] = quantize_kv(value[keep], v_scale)
+    if is_fp8(k_cache):  # through uint8 views: index_put has no fp8 kernel on every device
+        k_cache.view(torch.uint8)[blocks, offsets] = quantize_kv(key[keep], k_scale).view(torch.uint8)
+        v_cache.view(torch.uint8)[blocks, offsets] = quantize_kv(value[keep], v_scale).view(torch.uint8)
         return
     k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
     v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
@@ -32,6 +32,8 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
     """[seq_len, num_kv_heads, head_dim] of one sequence, read through its block table."""
     block_size = cache.shape[1]
     num_blocks = (seq_len + block_size - 1) // block_size
+    if is_fp8(cache):  # gathered as bytes (see write_kv), read back as e4m3
+        return cache.view(torch.uint8)[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len].view(cache.dtype)
     return cache[block_table[:num_blocks].long()].flatten(0, 1)[:seq_len]
 
 

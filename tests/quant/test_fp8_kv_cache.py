@@ -86,3 +86,12 @@ def test_calculate_kv_scales_sets_each_layer_from_its_kv(tiny_model_dir):
                        SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert len(out[0].outputs[0].token_ids) == 4
     llm.shutdown()
+
+
+def test_metrics_show_the_cache_dtype():
+    from pagedserve.metrics import EngineSnapshot, ServerMetrics
+    m = ServerMetrics()
+    m.snapshot = EngineSnapshot(cache_dtype="fp8_e4m3", num_gpu_blocks=512, block_size=16)
+    text = m.render().decode()
+    for prefix in ("pagedserve:", "vllm:"):
+        assert f'{prefix}cache_config_info{{block_size="16",cache_dtype="fp8_e4m3",num_gpu_blocks="512"}} 1.0' in text
