@@ -82,3 +82,12 @@ def test_fp8_graphs_match_eager_on_the_demo_model():
         got[eager] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
         llm.shutdown()
     assert got[True] == got[False]
+
+
+def test_triton_per_token_quant_is_bit_equal_to_torch():
+    from pagedserve.layers.quant.fp8_ops import quantize_per_token_torch
+    from pagedserve.layers.quant.triton_fp8 import quantize_per_token as triton_quant
+    x = torch.randn(300, 14336, device="cuda", dtype=torch.bfloat16) * 3
+    q, s = triton_quant(x)
+    rq, rs = quantize_per_token_torch(x)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))

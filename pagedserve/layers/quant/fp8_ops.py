@@ -8,8 +8,11 @@ float32, so the CPU path differs from the GPU only by accumulation order.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
+QUANT_ENV = "PAGEDSERVE_FP8_QUANT"
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
 # A row of zeros must not divide by zero: its scale is this floor and its values stay 0.
@@ -28,7 +31,16 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (fp8 [M, K], float32 scale [M, 1]): dynamic, one scale per row."""
+    """x [M, K] -> (fp8 [M, K], float32 scale [M, 1]): dynamic, one scale per row. On CUDA one
+    Triton kernel (triton_fp8.py; PAGEDSERVE_FP8_QUANT=torch keeps these torch ops, for A/B)."""
+    if x.is_cuda and os.environ.get(QUANT_ENV, "triton") != "torch":
+        from pagedserve.layers.quant import triton_fp8
+        return triton_fp8.quantize_per_token(x)
+    return quantize_per_token_torch(x)
+
+
+def quantize_per_token_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token in torch ops: the CPU path and the kernel's reference."""
     scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=MIN_SCALE)
     return to_fp8(x, scale), scale
 
