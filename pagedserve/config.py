@@ -165,9 +165,9 @@ class EngineConfig:
     kv_cache_dtype: str = option("auto", "auto: the model dtype; fp8 (fp8_e4m3): an e4m3 KV cache "
                                          "with per-layer K and V scales, twice the blocks for the "
                                          "same memory", KV_CACHE_DTYPES)
-    calculate_kv_scales: bool = option(False, "with kv_cache_dtype fp8: set the K/V scales from the "
-                                              "start-up profile forward instead of 1.0 or the "
-                                              "checkpoint's")
+    calculate_kv_scales: bool = option(False, "with kv_cache_dtype fp8: set each layer's K/V scales "
+                                              "from a start-up forward of random prompts (amax x 2 "
+                                              "/ 448) instead of 1.0 or the checkpoint's")
     async_scheduling: bool = option(True, "overlap steps: schedule and prepare step N+1 while step N "
                                           "runs on the device (off: every step synchronous, for A/B)")
     extra: dict = field(default_factory=dict)

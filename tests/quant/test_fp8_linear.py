@@ -179,3 +179,17 @@ def test_unsupported_quantization_is_refused_in_one_line(tiny_model_dir, tmp_pat
         get_model(opt, model_dir=None, device="cpu", dtype=torch.float32, load_format="dummy",
                   quant_config=get_quantization_config("fp8", opt))
     assert "\n" not in str(e.value)
+
+
+def test_fp8_on_a_gpu_without_fp8_is_refused_in_one_line(monkeypatch):
+    from pagedserve.attention.kv_quant import resolve_kv_cache_dtype
+    from pagedserve.layers.quant.fp8 import Fp8Config
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    for check, what in ((lambda: Fp8Config().check_device(torch.device("cuda")), "quantization fp8"),
+                        (lambda: resolve_kv_cache_dtype("fp8", torch.bfloat16, torch.device("cuda")),
+                         "kv_cache_dtype fp8")):
+        with pytest.raises(ValueError) as e:
+            check()
+        msg = str(e.value)
+        assert msg.startswith(what) and "A100" in msg and "8.0" in msg and "\n" not in msg
