@@ -6,7 +6,8 @@ Sections, each one process (one device command of < 10 min each; docs/fp8.md lis
   capacity KV    the largest batch of 4k-token sequences (4080 prompt + 16 output) that fits the pool
                  with KV dtype KV (auto = bf16, or fp8), run once at that batch to check it never preempts;
   collect        merges the section files and `pagedserve bench throughput` results (fixed256, nanovllm
-                 with the FP8 switches) in --parts into benchmarks/results/h200/fp8.json.
+                 with the FP8 switches) in --parts into benchmarks/results/h200/fp8.json; it reads JSON
+                 only, so it runs anywhere, and refuses parts of different commits or devices.
 vLLM 0.26 FP8 figures are not measured here (no vLLM on the device image): the *_over_vllm_fp8 ratios
 stay null until they are, and the JSON says so.
 """
@@ -36,6 +37,11 @@ def _requests(prompt_len: int, output_len: int, n: int, seed: int = 0):
     return [WorkloadRequest([rng.randrange(10000) for _ in range(prompt_len)], output_len) for _ in range(n)]
 
 
+def _stamp() -> dict:
+    import torch
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "commit": git_commit()}
+
+
 def _llm(**kw):
     from pagedserve import LLM
     return LLM(MODEL, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **kw)
@@ -53,7 +59,7 @@ def trtllm(shape: str, out: Path) -> dict:
            "seconds": round(run.seconds, 3), "output_tokens_per_s": round(run.output_tokens_per_s, 1),
            "num_gpu_blocks": stats.num_blocks_total, "cache_dtype": stats.cache_dtype,
            "num_preemptions": stats.num_preemptions, "trtllm_published_output_tokens_per_s": TRTLLM_PUBLISHED[shape],
-           "over_trtllm_published": round(run.output_tokens_per_s / TRTLLM_PUBLISHED[shape], 3)}
+           "over_trtllm_published": round(run.output_tokens_per_s / TRTLLM_PUBLISHED[shape], 3), **_stamp()}
     (out / f"trtllm_{shape}.json").write_text(json.dumps(res, indent=2))
     return res
 
@@ -78,17 +84,19 @@ def capacity(kv: str, out: Path) -> dict:
     s = llm.get_kv_cache_stats()
     res = {"kv_cache_dtype": s.cache_dtype, "num_gpu_blocks": s.num_blocks_total, "block_size": s.block_size,
            "sequence_tokens": CAPACITY_PROMPT + CAPACITY_OUTPUT, "largest_batch": fits,
-           "peak_blocks_used": s.peak_blocks_used, "num_preemptions": s.num_preemptions, "seconds": round(secs, 2)}
+           "peak_blocks_used": s.peak_blocks_used, "num_preemptions": s.num_preemptions, "seconds": round(secs, 2),
+           **_stamp()}
     (out / f"capacity_{kv}.json").write_text(json.dumps(res, indent=2))
     return res
 
 
 def collect(parts: Path, output: Path) -> None:
-    results, ratios = {}, {}
+    results, ratios, stamps = {}, {}, []
     for name in ("fixed256", "nanovllm"):
         f = parts / f"{name}_fp8.json"
         if f.exists():
             doc = json.loads(f.read_text())
+            stamps.append({"device": doc["device"], "commit": doc["commit"]})
             results[name] = {k: doc["results"][k] for k in ("output_tokens_per_s", "total_tokens_per_s",
                                                               "requests_per_s", "seconds", "num_gpu_blocks")}
             results[name]["command"] = doc["command"]
@@ -97,16 +105,22 @@ def collect(parts: Path, output: Path) -> None:
         f = parts / f"trtllm_{shape}.json"
         if f.exists():
             results[f"trtllm_{shape}"] = json.loads(f.read_text())
+            stamps.append({k: results[f"trtllm_{shape}"][k] for k in ("device", "commit")})
             ratios[f"{shape}_over_trtllm_published"] = results[f"trtllm_{shape}"]["over_trtllm_published"]
     caps = {kv: json.loads((parts / f"capacity_{kv}.json").read_text())
             for kv in ("auto", "fp8") if (parts / f"capacity_{kv}.json").exists()}
+    stamps += [{k: c[k] for k in ("device", "commit")} for c in caps.values()]
     if caps:
         results["kv_capacity_4k"] = caps
         if len(caps) == 2:
             ratios["kv_capacity_fp8_over_bf16"] = round(caps["fp8"]["largest_batch"] / caps["auto"]["largest_batch"], 3)
+    devices, commits = {s["device"] for s in stamps}, {s["commit"] for s in stamps}
+    if len(devices) != 1 or len(commits) != 1:
+        raise SystemExit(f"the parts come from several devices {devices} or commits {commits}: re-run them at one commit")
     write_result(output, "fp8", None, {"model": MODEL, "load_format": "dummy", "switches": FP8,
                                        "trtllm_published": TRTLLM_PUBLISHED, "shapes": SHAPES},
-                 results, {"vllm_0.26_fp8": "not measured in this run (no vLLM on the device image)"}, ratios)
+                 results, {"vllm_0.26_fp8": "not measured in this run (no vLLM on the device image)"}, ratios,
+                 device=devices.pop(), measured_commit=commits.pop(), switches=FP8)
 
 
 def main() -> int:
