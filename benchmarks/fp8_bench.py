@@ -66,10 +66,12 @@ def trtllm(shape: str, out: Path) -> dict:
 
 def capacity(kv: str, out: Path) -> dict:
     from pagedserve import SamplingParams
-    blocks_llm = _llm(kv_cache_dtype=kv, max_num_seqs=1)
+    # Sizing only: the same profile (max_num_batched_tokens tokens) as the run below, no graphs to capture.
+    blocks_llm = _llm(kv_cache_dtype=kv, enforce_eager=True)
     stats = blocks_llm.get_kv_cache_stats()
     per_seq = -(-(CAPACITY_PROMPT + CAPACITY_OUTPUT) // stats.block_size)
     fits = stats.num_blocks_total // per_seq
+    blocks_llm.shutdown()
     del blocks_llm
     import gc
     import torch
