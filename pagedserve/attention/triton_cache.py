@@ -31,8 +31,10 @@ def write_kv_kernel(
     k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
     if KV_FP8:
-        k = tl.clamp(k.to(tl.float32) / tl.load(k_scale_ptr), -448.0, 448.0)
-        v = tl.clamp(v.to(tl.float32) / tl.load(v_scale_ptr), -448.0, 448.0)
+        # div_rn: IEEE division, as torch divides (Triton's "/" is an approximate one on the GPU), so
+        # the stored bytes are torch's (kv_quant.quantize_kv) bit for bit.
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0)
         k = k.to(k_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         v = v.to(v_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

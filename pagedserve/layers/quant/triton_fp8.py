@@ -21,12 +21,14 @@ def per_token_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, N,
         mask = start + offs < N
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
         amax = tl.maximum(amax, tl.abs(x))
-    scale = tl.maximum(tl.max(amax, 0) / FP8_MAX, MIN_SCALE)
+    scale = tl.maximum(tl.math.div_rn(tl.max(amax, 0), FP8_MAX), MIN_SCALE)
     tl.store(scale_ptr + row, scale)
     for start in range(0, N, BLOCK):
         mask = start + offs < N
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        # div_rn: IEEE division like torch's (Triton's "/" is approximate on the GPU): the same bits.
+        q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty,
+                                                                     fp_downcast_rounding="rtne")
         tl.store(q_ptr + row * stride_q + start + offs, q, mask=mask)
 
 
