@@ -11,7 +11,8 @@ calibrated as `calculate_kv_scales` does at start-up), and both. For each:
   - greedy agreement: the first 64 greedy tokens of the LLM engine (the real serving path,
     decodes included) after each chapter's first 24 tokens, against the baseline's: the mean
     fraction of positions equal, and the mean length of the common prefix.
-Writes benchmarks/results/cpu/fp8_accuracy.json (or --output).
+Writes benchmarks/results/cpu/fp8_accuracy.json (or --output). The engines run eagerly (no CUDA graphs
+to capture for each mode; tests/attention/test_fp8_gpu.py checks graphs against eager).
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ def calibrate_like_startup(mode: str, dtype: str, device: str) -> list[tuple[flo
     """The scales calculate_kv_scales gives at engine start-up (its random-prompt forward)."""
     quant, kv, _ = MODES[mode]
     llm = LLM(str(DEMO), device=device, dtype=dtype, quantization=quant, kv_cache_dtype="fp8",
-              calculate_kv_scales=True, num_gpu_blocks_override=64)
+              calculate_kv_scales=True, num_gpu_blocks_override=64, enforce_eager=True)
     scales = [(float(m.k_scale), float(m.v_scale)) for m in llm.llm_engine.runner.model.modules()
               if isinstance(m, Attention)]
     llm.shutdown()
@@ -90,7 +91,7 @@ def calibrate_like_startup(mode: str, dtype: str, device: str) -> list[tuple[flo
 def greedy_outputs(mode: str, prompts: list[list[int]], dtype: str, device: str) -> list[list[int]]:
     quant, kv, calibrate = MODES[mode]
     llm = LLM(str(DEMO), device=device, dtype=dtype, quantization=quant, kv_cache_dtype=kv,
-              calculate_kv_scales=calibrate, num_gpu_blocks_override=256)
+              calculate_kv_scales=calibrate, num_gpu_blocks_override=256, enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     llm.shutdown()
