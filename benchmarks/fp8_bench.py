@@ -118,7 +118,8 @@ def collect(parts: Path, output: Path) -> None:
             ratios["kv_capacity_fp8_over_bf16"] = round(caps["fp8"]["largest_batch"] / caps["auto"]["largest_batch"], 3)
     devices, commits = {s["device"] for s in stamps}, {s["commit"] for s in stamps}
     if len(devices) != 1 or len(commits) != 1:
-        raise SystemExit(f"the parts come from several devices {devices} or commits {commits}: re-run them at one commit")
+        raise SystemExit(f"the parts come from several devices {devices} or commits {commits}: "
+                         "re-run them at one commit")
     write_result(output, "fp8", None, {"model": MODEL, "load_format": "dummy", "switches": FP8,
                                        "trtllm_published": TRTLLM_PUBLISHED, "shapes": SHAPES},
                  results, {"vllm_0.26_fp8": "not measured in this run (no vLLM on the device image)"}, ratios,

@@ -103,7 +103,7 @@ class EngineConfig:
     reach the host on a side stream while N+1 runs. Steps fall back to the synchronous path while
     any unfinished request needs what the overlap cannot serve cheaply: beam search, n > 1 or
     best_of > 1 (forks), repetition / frequency / presence penalties and min_tokens (they need
-    the newest token on the host), and logprobs (top-N). With tensor_parallel_size > 1 rank 0
+    the newest token on the host), logprobs (top-N) and prompt_logprobs. With tensor_parallel_size > 1 rank 0
     samples inside the step and broadcasts the ids to the other ranks (runner/sampled_ids.py).
     Greedy, temperature, top-k, top-p, min-p, seeds, stop tokens / strings and max_tokens overlap.
     Outputs are token-exact either way for greedy and seeded requests; unseeded sampling shares

@@ -22,7 +22,8 @@ def test_prompt_logprobs_match_hf_across_chunks_and_a_shared_prefix(tiny_model_d
     assert warm[0].prompt_logprobs is None
     hits = llm.get_kv_cache_stats().prefix_cache_hits
     outs = llm.generate([{"prompt_token_ids": PROMPT}, {"prompt_token_ids": PROMPT[:20]}],
-                        [SamplingParams(max_tokens=2, prompt_logprobs=3), SamplingParams(max_tokens=2, prompt_logprobs=0)])
+                        [SamplingParams(max_tokens=2, prompt_logprobs=3),
+                         SamplingParams(max_tokens=2, prompt_logprobs=0)])
     assert llm.get_kv_cache_stats().prefix_cache_hits == hits  # neither read the cached prefix
     ref = _hf_logp(model_dir, PROMPT)
     for out, k in zip(outs, (3, 0)):
