@@ -25,6 +25,7 @@ class CacheConfig:
     num_cpu_blocks: int = 0          # from swap_space
     enable_prefix_caching: bool = True
     kv_allocator: str = "paged"
+    cache_dtype: str = "auto"        # the pools' element type by name (bfloat16, fp8_e4m3, ...), for stats
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -65,6 +66,8 @@ class SchedulerConfig:
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+QUANTIZATION_METHODS = ("fp8",)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 # Batch limits when the user sets none: vLLM's defaults (its EngineArgs.get_batch_defaults), which an
@@ -105,7 +108,7 @@ class EngineConfig:
     reach the host on a side stream while N+1 runs. Steps fall back to the synchronous path while
     any unfinished request needs what the overlap cannot serve cheaply: beam search, n > 1 or
     best_of > 1 (forks), repetition / frequency / presence penalties and min_tokens (they need
-    the newest token on the host), and logprobs (top-N). With tensor_parallel_size > 1 rank 0
+    the newest token on the host), logprobs (top-N) and prompt_logprobs. With tensor_parallel_size > 1 rank 0
     samples inside the step and broadcasts the ids to the other ranks (runner/sampled_ids.py).
     Greedy, temperature, top-k, top-p, min-p, seeds, stop tokens / strings, max_tokens and
     structured outputs overlap (a grammar's mask for step N+1 is filled while N+1's forward runs,
@@ -165,6 +168,16 @@ class EngineConfig:
     # CPU default pool when no override is given: bounded so a laptop is not exhausted.
     cpu_kv_cache_gib: float = option(1.0, "GiB of KV cache on CPU when --num-gpu-blocks-override "
                                           "is not given")
+    quantization: str | None = option(None, "fp8: quantize the linear layers' weights to FP8 at load time "
+                                            "(per-output-channel scales, dynamic per-token activation "
+                                            "scales); FP8 checkpoints are read from config.json's "
+                                            "quantization_config without it", QUANTIZATION_METHODS)
+    kv_cache_dtype: str = option("auto", "auto: the model dtype; fp8 (fp8_e4m3): an e4m3 KV cache "
+                                         "with per-layer K and V scales, twice the blocks for the "
+                                         "same memory", KV_CACHE_DTYPES)
+    calculate_kv_scales: bool = option(False, "with kv_cache_dtype fp8: set each layer's K/V scales "
+                                              "from a start-up forward of random prompts (amax x 2 "
+                                              "/ 448) instead of 1.0 or the checkpoint's")
     async_scheduling: bool = option(True, "overlap steps: schedule and prepare step N+1 while step N "
                                           "runs on the device (off: every step synchronous, for A/B)")
     # The OpenAI server's (vLLM's names); LLM(...) keeps them for `pagedserve serve` replicas.
@@ -194,6 +207,13 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization method {self.quantization!r} is not supported (supported: "
+                             f"{', '.join(QUANTIZATION_METHODS)})")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
+            raise ValueError("calculate_kv_scales needs kv_cache_dtype fp8")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.tensor_parallel_size < 1:

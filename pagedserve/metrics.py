@@ -52,6 +52,9 @@ class EngineSnapshot:
     structured_output_cache_hits: int = 0
     structured_output_compile_seconds_sum: float = 0.0
     structured_output_compile_seconds_buckets: list[int] = field(default_factory=list)
+    cache_dtype: str = ""           # the KV pools' element type (fp8_e4m3, bfloat16, ...)
+    num_gpu_blocks: int = 0
+    block_size: int = 0
 
 
 class _SnapshotCollector:
@@ -86,6 +89,7 @@ class _SnapshotCollector:
         yield HistogramMetricFamily(PREFIX + "structured_output_compile_seconds", "Time to compile one "
                                     "structured-output grammar.", buckets=cumulative,
                                     sum_value=s.structured_output_compile_seconds_sum)
+        yield _cache_config_info(PREFIX, s)
 
     def describe(self):
         return []
@@ -120,6 +124,7 @@ class _VllmNamesCollector:
             ("num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions),
         ):
             yield CounterMetricFamily(VLLM_PREFIX + name, doc, value=value)
+        yield _cache_config_info(VLLM_PREFIX, s)
         for source, name in ((m.prompt_tokens, "prompt_tokens"),
                              (m.generation_tokens, "generation_tokens"),
                              (m.time_to_first_token, "time_to_first_token_seconds"),
@@ -130,6 +135,14 @@ class _VllmNamesCollector:
 
     def describe(self):
         return []
+
+
+def _cache_config_info(prefix: str, s: EngineSnapshot) -> GaugeMetricFamily:
+    """vLLM's cache_config_info: value 1, the KV cache's configuration in its labels."""
+    info = GaugeMetricFamily(prefix + "cache_config_info", "Information of the KV cache configuration.",
+                             labels=["cache_dtype", "num_gpu_blocks", "block_size"])
+    info.add_metric([s.cache_dtype, str(s.num_gpu_blocks), str(s.block_size)], 1.0)
+    return info
 
 
 def _renamed(family: Metric, old_prefix: str, new_prefix: str) -> Metric:

@@ -30,6 +30,9 @@ class RequestOutput:
     # Set when the engine ended this request alone (finish_reason "abort"), saying why: e.g. its
     # structured_outputs grammar failed to compile or ran past structured_outputs_compile_timeout_s.
     error: str | None = None
+    # SamplingParams.prompt_logprobs: per prompt position, token id -> logprob (the prompt's own
+    # token plus the top-k), None at position 0 (nothing predicts it); set once the prompt is computed.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass

@@ -59,6 +59,9 @@ class Sequence:
     # sequence in the sampled-token tensor of the latest launched step (its newest placeholder).
     num_inflight_tokens: int = 0
     inflight_sample_row: int = -1
+    # False for a request with prompt_logprobs: every prompt position must be computed, so it reads
+    # no cached prefix (its own blocks are still offered to the cache).
+    reads_prefix_cache: bool = True
 
     @property
     def token_ids(self) -> list[int]:
@@ -136,6 +139,10 @@ class SequenceGroup:
     metrics: dict = field(default_factory=dict)
     # Why the engine ended this request alone (its grammar failed to compile, or timed out).
     error: str | None = None
+    # SamplingParams.prompt_logprobs, filled position by position as prompt chunks are computed
+    # (engine/prompt_logprobs.py); whether a DELTA output has carried it.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    sent_prompt_logprobs: bool = False
 
     @property
     def prompt_token_ids(self) -> list[int]:

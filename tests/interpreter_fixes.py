@@ -5,6 +5,9 @@
 2. It rounds float32 -> bfloat16 toward zero on a plain cast (and half-up with rtne), where the
    GPU rounds to nearest even; the bit-level rounding order of the fused kernels can only be
    checked against torch if the interpreter rounds like the GPU, so that cast goes through torch.
+   Its float32 -> float8e4nv cast flushes e4m3's subnormals (|x| < 2^-6) to zero and rounds
+   half-up, and widens float8e4nv -> bfloat16 with the wrong exponent bias; the FP8 KV cache is
+   checked bit for bit, so those casts go through torch too.
 """
 import numpy as np
 import torch
@@ -24,6 +27,12 @@ def _bf16_round_to_nearest_even(original):
         if src == tl.float32 and dst == tl.bfloat16:
             as_bf16 = torch.from_numpy(np.array(data, dtype=np.float32)).to(torch.bfloat16)
             return as_bf16.view(torch.int16).numpy().view(np.uint16)
+        if src == tl.float32 and dst == tl.float8e4nv:
+            as_fp8 = torch.from_numpy(np.array(data, dtype=np.float32)).to(torch.float8_e4m3fn)
+            return as_fp8.view(torch.uint8).numpy()
+        if src == tl.float8e4nv and dst == tl.bfloat16:  # its 8 -> 16 bit widening mis-biases the exponent
+            as_fp8 = torch.from_numpy(np.array(data, dtype=np.uint8)).view(torch.float8_e4m3fn)
+            return as_fp8.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
         return original(data, src, dst, rounding_mode)
     return convert
 

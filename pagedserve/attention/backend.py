@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention import reference
+from pagedserve.attention.kv_quant import calibration_scale
 from pagedserve.attention.metadata import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -61,13 +62,21 @@ def choices() -> dict[str, str]:
 
 
 class Attention(nn.Module):
-    """Paged multi-head / grouped-query attention over one layer's K/V pools."""
+    """Paged multi-head / grouped-query attention over one layer's K/V pools.
+
+    k_scale / v_scale: this layer's FP8 KV-cache scales (attention/kv_quant.py), float32 [1] on
+    the device, read only when the pools are fp8. Device tensors, not Python floats, so a CUDA
+    graph captured before they change still reads the new values. calibrating: while True, every
+    forward raises them to fit the K/V it sees (calibrate_kv_scales)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
+        self.calibrating = False
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -87,7 +96,31 @@ class Attention(nn.Module):
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
+        if self.calibrating and T:
+            self.k_scale.copy_(torch.maximum(self.k_scale, calibration_scale(k.abs().amax())))
+            self.v_scale.copy_(torch.maximum(self.v_scale, calibration_scale(v.abs().amax())))
         ops = get_backend(q.device)
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale)
+        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale=self.k_scale,
+                                  v_scale=self.v_scale)
         return out.reshape(T, self.num_heads * self.head_dim)
+
+
+@contextmanager
+def calibrate_kv_scales(model: nn.Module) -> Iterator[None]:
+    """Forwards inside the block set every layer's K/V scales from the K/V they produce (the
+    largest seen, with kv_quant's headroom), starting from zero: calculate_kv_scales' warm-up
+    and the accuracy script's calibration on real text."""
+    layers = [m for m in model.modules() if isinstance(m, Attention)]
+    for m in layers:
+        m.k_scale.zero_()
+        m.v_scale.zero_()
+        m.calibrating = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.calibrating = False
+            for s in (m.k_scale, m.v_scale):  # a layer no forward reached keeps 1.0
+                if float(s) == 0.0:
+                    s.fill_(1.0)

@@ -14,8 +14,10 @@ def write_kv_kernel(
     stride_cb, stride_cs, stride_ch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
 ):
-    """One program per new token: copy its [num_kv_heads, head_dim] K and V into its slot."""
+    """One program per new token: copy its [num_kv_heads, head_dim] K and V into its slot; into an
+    fp8 pool as x / scale, saturated to +-448 and rounded to nearest even (kv_quant.quantize_kv)."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -28,6 +30,13 @@ def write_kv_kernel(
     dst = block * stride_cb + offset * stride_cs + h * stride_ch + d
     k = tl.load(key_ptr + t.to(tl.int64) * stride_kt + h * stride_kh + d, mask=mask)
     v = tl.load(value_ptr + t.to(tl.int64) * stride_vt + h * stride_vh + d, mask=mask)
+    if KV_FP8:
+        # div_rn: IEEE division, as torch divides (Triton's "/" is an approximate one on the GPU), so
+        # the stored bytes are torch's (kv_quant.quantize_kv) bit for bit.
+        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0)
+        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0)
+        k = k.to(k_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        v = v.to(v_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import triton
 
+from pagedserve.attention.kv_quant import FP8_KV_DTYPE
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kernel
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
@@ -222,9 +223,31 @@ def decode_compile_key(num_seqs: int, num_kv_heads: int, max_seq_len: int, devic
     return (triton.next_power_of_2(splits) if splits > 1 else 1), mode
 
 
+def _fp8(cache: torch.Tensor) -> bool:
+    return cache.dtype == FP8_KV_DTYPE
+
+
+def _ieee(query: torch.Tensor, cache: torch.Tensor) -> bool:
+    """fp32 dots: a float32 cache, or an fp8 cache read by float32 queries (its tiles become q's dtype)."""
+    return (query.dtype if _fp8(cache) else cache.dtype) == torch.float32
+
+
+def _scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
+    """The kernels' FP8 arguments: the scale pointers (1.0 where none is given) for an fp8 pool."""
+    if not _fp8(cache):
+        return {}
+    one = None
+    if k_scale is None or v_scale is None:
+        one = torch.ones(1, dtype=torch.float32, device=cache.device)
+    return dict(k_scale_ptr=one if k_scale is None else k_scale, v_scale_ptr=one if v_scale is None else v_scale,
+                KV_FP8=True)
+
+
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Scatter new K/V ([num_tokens, num_kv_heads, head_dim]) into their slots; slot -1 is skipped."""
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
+    """Scatter new K/V ([num_tokens, num_kv_heads, head_dim]) into their slots; slot -1 is skipped.
+    An fp8 pool is written quantized, in the same kernel (x / scale, e4m3)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
@@ -237,7 +260,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_SIZE=k_cache.shape[1], **_scales(k_cache, k_scale, v_scale),
     )
 
 
@@ -247,7 +270,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  num_warps: int | None = None, num_stages: int | None = None,
                  split_tokens: int | None = None, share_programs: int | None = None,
                  min_chain_tiles: int | None = None, heads_fastest: bool | None = None,
-                 order: torch.Tensor | None = None) -> torch.Tensor:
+                 order: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
     num_splits: each sequence's base split count (default: choose_num_splits); split_tokens: the
     length-aware splits (default: decode_split_tokens(); 0: every sequence in num_splits; BALANCED);
@@ -267,7 +291,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     group = num_heads // num_kv_heads
     base, splits, mode = decode_launch(num_seqs, num_kv_heads, max_seq_len, query.device, num_splits, split_tokens)
     block_d = _pow2_at_least_16(head_dim)
-    ieee = k_cache.dtype == torch.float32
+    ieee = _ieee(query, k_cache)
     default_share, default_min_chain = _balanced_share(query.device, block_n)
     share_programs = default_share if share_programs is None else share_programs
     min_chain_tiles = default_min_chain if min_chain_tiles is None else min_chain_tiles
@@ -275,7 +299,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
                   IEEE=ieee, num_warps=num_warps, num_stages=num_stages, HEADS_FASTEST=heads_fastest,
-                  order_ptr=order, **plan)
+                  order_ptr=order, **plan, **_scales(k_cache, k_scale, v_scale))
     grid = (num_kv_heads, num_seqs, splits) if heads_fastest else (num_seqs, num_kv_heads, splits)
     if splits == 1:
         paged_decode_kernel[grid](
@@ -309,7 +333,8 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                   first_seq: int, num_seqs: int, max_query_len: int, scale: float, out: torch.Tensor,
                   block_m: int = PREFILL_BLOCK_M, block_n: int = PREFILL_BLOCK_N,
-                  num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                  num_warps: int = 4, num_stages: int = 2, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal varlen attention of sequences first_seq .. first_seq+num_seqs-1 over their paged context.
 
     query/out are the whole flat batch [num_tokens, num_heads, head_dim]; query_start_loc indexes it.
@@ -323,14 +348,16 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
-        BLOCK_D=_pow2_at_least_16(head_dim), BLOCK_N=block_n, IEEE=k_cache.dtype == torch.float32,
-        num_warps=num_warps, num_stages=num_stages)
+        BLOCK_D=_pow2_at_least_16(head_dim), BLOCK_N=block_n, IEEE=_ieee(query, k_cache),
+        num_warps=num_warps, num_stages=num_stages, **_scales(k_cache, k_scale, v_scale))
     return out
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, num_splits: int | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged context (see reference.py)."""
+                    meta: AttentionMetadata, scale: float, num_splits: int | None = None,
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context (see reference.py);
+    an fp8 pool is read as stored * k_scale (v_scale), dequantized in the kernels' registers."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     _check_cache(k_cache, head_dim)
@@ -349,12 +376,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # applies as it is (its compiles are the warm-up's decode_compile_key).
         paged_decode(query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd],
                      max_len, scale, out[:nd], num_splits=num_splits, split_tokens=meta.decode_split_tokens,
-                     order=meta.decode_order)
+                     order=meta.decode_order, k_scale=k_scale, v_scale=v_scale)
     if nd < ns:
         q_lens = meta.query_lens_cpu
         max_q = max(q_lens[nd:]) if q_lens is not None else meta.max_query_len
         paged_prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                      nd, ns - nd, max_q, scale, out)
+                      nd, ns - nd, max_q, scale, out, k_scale=k_scale, v_scale=v_scale)
     return out
 
 
@@ -365,6 +392,8 @@ def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
         return
     pair_t = torch.tensor(pairs, dtype=torch.int64).to(k_caches[0].device, non_blocking=True)
     for k, v in zip(k_caches, v_caches):
+        if _fp8(k):  # bytes are bytes: an fp8 block moves as uint8, scales and all (they are per layer)
+            k, v = k.view(torch.uint8), v.view(torch.uint8)
         if k.stride() != v.stride() or not k[0].is_contiguous():
             raise ValueError("copy_blocks needs K/V pools of one layout with contiguous blocks")
         numel = k[0].numel()

@@ -21,6 +21,7 @@ def paged_prefill_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
+    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
 ):
     tile_m = tl.program_id(0)
     seq = tl.program_id(1) + first_seq
@@ -43,8 +44,10 @@ def paged_prefill_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
     if IEEE:
         q = q.to(tl.float32)
-    else:
+    elif not KV_FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
+    if KV_FP8:
+        qk_scale = qk_scale * tl.load(k_scale_ptr)  # dequantizing K is one multiply per score
     q_pos = ctx_before + m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -58,11 +61,13 @@ def paged_prefill_kernel(
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, 0, unmasked_end,
                                  k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                  stride_cb, stride_cs, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE)
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8)
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, causal_end,
                                  k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                  stride_cb, stride_cs, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE)
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8)
     out = acc / l_i[:, None]
+    if KV_FP8:
+        out = out * tl.load(v_scale_ptr)
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -22,10 +22,12 @@ def attend_tiles(
     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
     stride_cb, stride_cs, d,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr = False,
 ):
     """Context positions [lo, hi) for query rows q ([rows, BLOCK_D], already in the dot's dtype:
-    fp32 when IEEE, else the cache's) at positions q_pos (read only when MASK is CAUSAL)."""
+    fp32 when IEEE, else the cache's, or the query's own for an fp8 cache) at positions q_pos
+    (read only when MASK is CAUSAL). KV_FP8: the tiles are e4m3 and are cast to q's dtype here,
+    in registers; their scales are the caller's (folded into qk_scale and the output)."""
     n = tl.arange(0, BLOCK_N)
     for tile in range(lo, hi, BLOCK_N):
         pos = tile + n
@@ -38,6 +40,9 @@ def attend_tiles(
             kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
         k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        if KV_FP8:
+            k = k.to(q.dtype)
+            v = v.to(q.dtype)
         if IEEE:
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:

@@ -41,7 +41,8 @@ ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_FUSED_SAMPLING", "PAGEDSERVE_FUS
 ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",
                         "enable_chunked_prefill", "preemption_mode", "kv_allocator", "tensor_parallel_size",
                         "enable_expert_parallel",
-                        "max_num_seqs", "max_num_batched_tokens", "cuda_graph_sizes")
+                        "max_num_seqs", "max_num_batched_tokens", "cuda_graph_sizes", "quantization",
+                        "kv_cache_dtype", "calculate_kv_scales")
 
 
 class UnknownCommitError(RuntimeError):

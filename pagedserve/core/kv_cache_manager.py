@@ -100,7 +100,7 @@ class KVCacheManager:
 
     def _find_cached_prefix(self, seq: Sequence) -> list[KVCacheBlock]:
         """Longest run of cached full blocks that prefixes seq, leaving >= 1 token to compute."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or not seq.reads_prefix_cache:
             return []
         max_hits = (seq.num_tokens - 1) // self.block_size
         hits: list[KVCacheBlock] = []

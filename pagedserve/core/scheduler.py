@@ -448,4 +448,5 @@ class Scheduler:
             prefix_cache_queries=mgr.prefix_cache_queries,
             prefix_cache_hits=mgr.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            cache_dtype=self.cache_config.cache_dtype,
         )

@@ -30,6 +30,7 @@ class KVCacheStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    cache_dtype: str = "auto"     # the device pools' element type (fp8_e4m3: twice the blocks of bf16)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

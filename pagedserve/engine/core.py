@@ -125,7 +125,8 @@ class EngineCore:
                               prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
                               num_preemptions=stats.num_preemptions,
                               prefix_cache_queries=stats.prefix_cache_queries,
-                              prefix_cache_hits=stats.prefix_cache_hits,
+                              prefix_cache_hits=stats.prefix_cache_hits, cache_dtype=stats.cache_dtype,
+                              num_gpu_blocks=stats.num_blocks_total, block_size=stats.block_size,
                               **self._structured_stats())
 
     def _structured_stats(self) -> dict:
@@ -188,7 +189,7 @@ class EngineCore:
             out.step_error = str(e)
             return
         out.outputs = [RequestDelta(o.request_id, [CompletionDelta.of(c) for c in o.outputs],
-                                    o.finished, o.metrics if o.finished else None, o.error)
+                                    o.finished, o.metrics if o.finished else None, o.error, o.prompt_logprobs)
                        for o in outs]
 
     def run_busy_loop(self, input_socket: Any, output_socket: Any) -> None:

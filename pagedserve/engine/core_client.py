@@ -305,7 +305,7 @@ class MPCoreClient(EngineCoreClient):
             if d.finished:
                 del prompts[d.request_id]
             outputs.append(RequestOutput(d.request_id, p[0], p[1], [c.to_output() for c in d.outputs],
-                                         d.finished, d.metrics, d.error))
+                                         d.finished, d.metrics, d.error, d.prompt_logprobs))
         for rid in msg.failed:
             prompts.pop(rid, None)
         return EngineCoreOutputs(outputs, msg.snapshot, msg.failed, msg.step_error)

@@ -81,6 +81,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     finished: bool
     metrics: dict[str, float] | None = None
     error: str | None = None      # RequestOutput.error: why the engine ended this request alone
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # in one delta only (DELTA to the client)
 
 
 class UtilityResult(msgspec.Struct, array_like=True):

@@ -90,8 +90,6 @@ class InputProcessor:
         text, ids = self.prompt_ids(prompt)
         self.check_token_ids("prompt_token_ids", ids)
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
-        if params.prompt_logprobs is not None:
-            raise ValueError("prompt_logprobs is not supported (must be None)")
         if params.best_of > self.max_num_seqs:
             raise ValueError(f"best_of ({params.best_of}) must be <= max_num_seqs ({self.max_num_seqs})")
         if len(ids) >= self.max_model_len:

@@ -20,9 +20,11 @@ from typing import Any, Iterable
 
 import torch
 
+from pagedserve.attention.kv_quant import kv_cache_dtype_name
 from pagedserve.config import CacheConfig, EngineConfig
 from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.core.scheduler import Scheduler
+from pagedserve.engine import prompt_logprobs
 from pagedserve.engine.beam_driver import BeamSearchDriver
 from pagedserve.engine.beam_search import BeamSearchState
 from pagedserve.engine.input_processor import InputProcessor, eos_token_ids, load_tokenizer
@@ -46,8 +48,8 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 def overlaps(p: SamplingParams) -> bool:
     """Whether a request's steps can overlap (see EngineConfig.async_scheduling): nothing it needs
     reads the newest token on the host before the next step, and it never forks."""
-    return (p.logprobs is None and p.min_tokens == 0 and p.best_of == 1 and p.repetition_penalty == 1.0
-            and not p.frequency_penalty and not p.presence_penalty)
+    return (p.logprobs is None and p.prompt_logprobs is None and p.min_tokens == 0 and p.best_of == 1
+            and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty)
 
 
 @dataclasses.dataclass
@@ -94,7 +96,8 @@ class LLMEngine(TokenApplication):
         self.cache_config = CacheConfig(block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                                         num_cpu_blocks=num_cpu_blocks,
                                         enable_prefix_caching=config.enable_prefix_caching,
-                                        kv_allocator=config.kv_allocator)
+                                        kv_allocator=config.kv_allocator,
+                                        cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype, self.dtype))
         self.scheduler_config = config.scheduler_config(max_model_len)
         for measured in ("recompute_seconds_per_token", "swap_seconds_per_block"):
             if measured in self.runner.profile:  # see ModelRunner.measures_costs for when they are absent
@@ -167,6 +170,7 @@ class LLMEngine(TokenApplication):
         group = SequenceGroup(request_id=request_id, seqs=[Sequence(prompt_token_ids=ids)],
                               sampling_params=params, arrival_time=arrival, prompt=text)
         group.metrics.update(arrival_time=arrival, num_prompt_tokens=len(ids))
+        prompt_logprobs.start(group)
         return group
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
@@ -352,6 +356,9 @@ class LLMEngine(TokenApplication):
         timer.launch_begin(out)
         logits = self.runner.execute(out)
         timer.mark("execute", sync=True)
+        prompt_logits = self.runner.last_prompt_logits
+        if prompt_logits is not None:
+            prompt_logprobs.record(out.scheduled, out.num_decodes, prompt_logits)
         self.scheduler.update_after_step(out)
         sampled = [s for s in out.scheduled if s.do_sample]
         if sampled and logits is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from pagedserve.engine import prompt_logprobs
 from pagedserve.engine.detokenizer import detokenize_incrementally, initial_state
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind
@@ -137,7 +138,8 @@ class OutputProcessor:
             group.metrics["finished_time"] = time.time()
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outs,
-                             finished=finished, metrics=dict(group.metrics), error=group.error)
+                             finished=finished, metrics=dict(group.metrics), error=group.error,
+                             prompt_logprobs=prompt_logprobs.for_output(group))
 
     @staticmethod
     def _visible_len(seq: Sequence, hold: int) -> int:

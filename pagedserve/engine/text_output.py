@@ -63,12 +63,16 @@ class RequestText:
         self.num_seqs = core_params(params).n
         self.seqs: dict[int, _SeqText] = {}
         self.finished = False
+        self.prompt_logprobs = None  # from the core's first output that carries it
+        self.sent_prompt_logprobs = False
         self.hold = max(len(s) for s in params.stop) - 1 \
             if params.stop and not params.include_stop_str_in_output else 0
 
     def process(self, out: RequestOutput) -> RequestOutput | None:
         """Fold in one core output; returns the request's output to deliver now (None: nothing
         to say yet). Afterwards `finished` tells whether the request is done here."""
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
         for c in out.outputs:
             seq = self.seqs.get(c.index)
             if seq is None:
@@ -93,8 +97,12 @@ class RequestText:
         else:
             outs = self._cumulative_outputs()
         metrics = out.metrics if out.finished else None
+        prompt_lps = self.prompt_logprobs
+        if kind is DELTA:
+            prompt_lps, self.sent_prompt_logprobs = (None if self.sent_prompt_logprobs else prompt_lps,
+                                                     self.sent_prompt_logprobs or prompt_lps is not None)
         return RequestOutput(out.request_id, self.prompt, self.prompt_token_ids, outs, done, metrics,
-                             out.error)
+                             out.error, prompt_lps)
 
     # ---- one sequence -------------------------------------------------------------------------
 

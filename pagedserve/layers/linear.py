@@ -5,7 +5,9 @@ weight_loader(param, loaded_weight, shard_id) which reads that slice (and nothin
 else) from a full checkpoint tensor or a safetensors slice. At tp_size == 1 every
 layer is a plain F.linear and no collective is ever called.
 
-Weights are [out_features, in_features] as in nn.Linear/HF checkpoints.
+Weights are [out_features, in_features] as in nn.Linear/HF checkpoints. What a layer's weight
+is (plain, or fp8 with scales) is its quant_method's business (layers/quant); the layer only
+knows how its rank's rows and columns map onto the checkpoint's (shard_rows, weight_loader).
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.distributed import all_gather, all_reduce
+from pagedserve.layers.quant.base import QuantizationConfig, UnquantizedLinearMethod
 from pagedserve.layers.weights import copy_checked, loaded_shape, materialize, narrow
 
 
@@ -24,25 +27,38 @@ def divide(a: int, b: int, what: str = "size") -> int:
 
 
 class _Linear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int):
+    """prefix: the layer's checkpoint name (e.g. model.layers.0.self_attn.qkv_proj), which a
+    quantization config may list as not quantized; checkpoint_parts: the checkpoint's names of
+    its fused parts (q_proj, k_proj, v_proj), for the same purpose."""
+    checkpoint_parts: tuple[str, ...] = ()
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp_rank: int, tp_size: int,
+                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
         super().__init__()
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.in_features, self.out_features = in_features, out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.prefix = prefix
+        self.quant_method = (UnquantizedLinearMethod() if quant_config is None
+                             else quant_config.get_linear_method(self, prefix))
+        self.quant_method.create_weights(self)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
+    def shard_rows(self, shard_id=None) -> tuple[int, int, int]:
+        """(first local row, rows, first checkpoint row) of this rank's part of shard_id's rows."""
+        return 0, self.out_features, 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return self.quant_method.apply(self, x, self.bias)
 
 
 class ReplicatedLinear(_Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1):
-        super().__init__(in_features, out_features, bias, tp_rank, tp_size)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0, tp_size: int = 1,
+                 quant_config: QuantizationConfig | None = None, prefix: str = ""):
+        super().__init__(in_features, out_features, bias, tp_rank, tp_size, quant_config, prefix)
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
         copy_checked(param.data, materialize(loaded_weight))
@@ -52,16 +68,22 @@ class ColumnParallelLinear(_Linear):
     """Output features split across ranks; output stays sharded unless gather_output."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1, gather_output: bool = False):
-        super().__init__(in_features, divide(out_features, tp_size, "output features"), bias, tp_rank, tp_size)
+                 tp_size: int = 1, gather_output: bool = False, quant_config: QuantizationConfig | None = None,
+                 prefix: str = ""):
+        super().__init__(in_features, divide(out_features, tp_size, "output features"), bias, tp_rank, tp_size,
+                         quant_config, prefix)
         self.gather_output = gather_output
 
+    def shard_rows(self, shard_id=None) -> tuple[int, int, int]:
+        return 0, self.out_features, self.tp_rank * self.out_features
+
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
-        n = param.shape[0]
-        copy_checked(param.data, narrow(loaded_weight, 0, self.tp_rank * n, n))
+        offset, n, start = self.shard_rows(shard_id)
+        what = "weight" if shard_id is None else f"shard {shard_id}"
+        copy_checked(param.data.narrow(0, offset, n), narrow(loaded_weight, 0, start, n), what)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.quant_method.apply(self, x, self.bias)
         return all_gather(y, -1, self.tp_size) if self.gather_output else y
 
 
@@ -73,19 +95,21 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     """
 
     def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1):
+                 tp_size: int = 1, quant_config: QuantizationConfig | None = None, prefix: str = "",
+                 checkpoint_parts: tuple[str, ...] = ()):
         for o in output_sizes:
             divide(o, tp_size, "output features")
         self.output_sizes = list(output_sizes)
-        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size)
+        self.checkpoint_parts = checkpoint_parts
+        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size, quant_config=quant_config,
+                         prefix=prefix)
 
-    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+    def shard_rows(self, shard_id=None) -> tuple[int, int, int]:
         if shard_id is None:
             raise ValueError("MergedColumnParallelLinear needs a shard_id")
         local = [o // self.tp_size for o in self.output_sizes]
-        offset, n = sum(local[:shard_id]), local[shard_id]
-        copy_checked(param.data.narrow(0, offset, n), narrow(loaded_weight, 0, self.tp_rank * n, n),
-                     f"shard {shard_id}")
+        n = local[shard_id]
+        return sum(local[:shard_id]), n, self.tp_rank * n
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -95,8 +119,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     and a rank keeps one KV head.
     """
 
+    checkpoint_parts = ("q_proj", "k_proj", "v_proj")
+
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1):
+                 tp_rank: int = 0, tp_size: int = 1, quant_config: QuantizationConfig | None = None,
+                 prefix: str = ""):
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
         if num_kv_heads >= tp_size:
@@ -107,20 +134,22 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_head_start = tp_rank // (tp_size // num_kv_heads)
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        # out is already per-rank: build as a "size 1" column layer of that width.
-        _Linear.__init__(self, hidden_size, out, bias, tp_rank, tp_size)
-        self.gather_output = False
         self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        # out is already per-rank: build as a "size 1" column layer of that width.
+        _Linear.__init__(self, hidden_size, out, bias, tp_rank, tp_size, quant_config, prefix)
+        self.gather_output = False
 
-    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+    def shard_rows(self, shard_id=None) -> tuple[int, int, int]:
         d = self.head_dim
         if shard_id == "q":
-            offset, n, start = 0, self.q_size, self.tp_rank * self.num_heads * d
-        elif shard_id in ("k", "v"):
+            return 0, self.q_size, self.tp_rank * self.num_heads * d
+        if shard_id in ("k", "v"):
             offset = self.q_size + (0 if shard_id == "k" else self.kv_size)
-            n, start = self.kv_size, self.kv_head_start * d
-        else:
-            raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+            return offset, self.kv_size, self.kv_head_start * d
+        raise ValueError(f"QKVParallelLinear shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
+
+    def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
+        offset, n, start = self.shard_rows(shard_id)
         copy_checked(param.data.narrow(0, offset, n), narrow(loaded_weight, 0, start, n), f"{shard_id}_proj")
 
     def split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,8 +160,10 @@ class RowParallelLinear(_Linear):
     """Input features split across ranks; partial outputs summed (all-reduce), bias added once after."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1, reduce_results: bool = True):
-        super().__init__(divide(in_features, tp_size, "input features"), out_features, bias, tp_rank, tp_size)
+                 tp_size: int = 1, reduce_results: bool = True, quant_config: QuantizationConfig | None = None,
+                 prefix: str = ""):
+        super().__init__(divide(in_features, tp_size, "input features"), out_features, bias, tp_rank, tp_size,
+                         quant_config, prefix)
         self.reduce_results = reduce_results
 
     def weight_loader(self, param, loaded_weight, shard_id=None) -> None:
@@ -143,7 +174,7 @@ class RowParallelLinear(_Linear):
         copy_checked(param.data, narrow(loaded_weight, 1, self.tp_rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = self.quant_method.apply(self, x, None)
         if self.reduce_results:
             y = all_reduce(y, self.tp_size)
         return y if self.bias is None else y + self.bias

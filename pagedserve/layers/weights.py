@@ -21,7 +21,9 @@ def narrow(w, dim: int, start: int, size: int) -> torch.Tensor:
 
 
 def materialize(w) -> torch.Tensor:
-    return w if isinstance(w, torch.Tensor) else w[:]
+    if isinstance(w, torch.Tensor):
+        return w
+    return w[()] if not w.get_shape() else w[:]  # a 0-d slice (a per-tensor scale) cannot take [:]
 
 
 def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str = "weight") -> None:

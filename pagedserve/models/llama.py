@@ -26,15 +26,16 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int):
+    def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
+                 quant_config=None, prefix: str = ""):
         super().__init__()
         self.head_dim = head_dim_of(config)
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads, num_kv,
-                                          qkv_bias, tp_rank, tp_size)
+                                          qkv_bias, tp_rank, tp_size, quant_config, f"{prefix}.qkv_proj")
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias,
-                                        tp_rank, tp_size)
+                                        tp_rank, tp_size, quant_config=quant_config, prefix=f"{prefix}.o_proj")
         if qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
@@ -61,16 +62,19 @@ def check_silu(config) -> None:
 
 class LlamaMLP(nn.Module):
     def __init__(self, config, tp_rank: int, tp_size: int, intermediate_size: int | None = None,
-                 reduce_results: bool = True):
+                 reduce_results: bool = True, quant_config=None, prefix: str = ""):
         """intermediate_size: config.intermediate_size unless given (MoE models' shared expert);
         reduce_results=False leaves the all-reduce of the down projection to the caller."""
         super().__init__()
         check_silu(config)
         bias = bool(getattr(config, "mlp_bias", False))
         inter = intermediate_size or config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias, tp_rank, tp_size)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias, tp_rank, tp_size,
+                                                       quant_config, f"{prefix}.gate_up_proj",
+                                                       checkpoint_parts=("gate_proj", "up_proj"))
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp_rank, tp_size,
-                                           reduce_results=reduce_results)
+                                           reduce_results=reduce_results, quant_config=quant_config,
+                                           prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
@@ -78,14 +82,16 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
-                 mlp: nn.Module | None = None):
+                 quant_config=None, prefix: str = "", mlp: nn.Module | None = None):
         """mlp: the block's MLP (any module mapping [T, hidden] to [T, hidden], e.g. a mixture of
         experts); a dense LlamaMLP when None."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size)
+        self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size, quant_config,
+                                        f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = mlp if mlp is not None else LlamaMLP(config, tp_rank, tp_size)
+        self.mlp = mlp if mlp is not None else LlamaMLP(config, tp_rank, tp_size, quant_config=quant_config,
+                                                        prefix=f"{prefix}.mlp")
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """Returns (mlp output, residual stream before it); the caller's next norm adds them."""
@@ -97,12 +103,13 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
-                 make_mlp=None):
+                 quant_config=None, make_mlp=None):
         """make_mlp(layer_index) -> the layer's MLP module (None: dense LlamaMLP)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size, make_mlp and make_mlp(i))
+            LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size, quant_config,
+                              f"model.layers.{i}", make_mlp and make_mlp(i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config),
@@ -124,12 +131,12 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: from config.attention_bias
     qk_norm = False
 
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1):
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, quant_config=None):
         super().__init__()
         self.config = config
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attn_bias if self.qkv_bias is None else self.qkv_bias
-        self.model = LlamaModel(config, qkv_bias, attn_bias, self.qk_norm, tp_rank, tp_size,
+        self.model = LlamaModel(config, qkv_bias, attn_bias, self.qk_norm, tp_rank, tp_size, quant_config,
                                 lambda i: self.make_mlp(config, i, tp_rank, tp_size))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
         if getattr(config, "tie_word_embeddings", False):

@@ -7,6 +7,7 @@ checkpoints are never loaded; remote code is never run; nothing is fetched from 
 from __future__ import annotations
 
 import glob
+import inspect
 import json
 import logging
 import os
@@ -17,7 +18,8 @@ from typing import Iterable, Iterator
 import torch
 from torch import nn
 
-from pagedserve.layers.weights import default_weight_loader
+from pagedserve.layers.quant.base import QuantizationConfig
+from pagedserve.layers.weights import default_weight_loader, materialize
 from pagedserve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -149,10 +151,23 @@ def _expert_target(model: nn.Module, name: str) -> tuple[str, int, str] | None:
     return f"{name[:m.start()]}.experts.{'w2' if shard == 'w2' else 'w13'}_weight", int(m.group(1)), shard
 
 
+def kv_scale_name(name: str) -> str | None:
+    """A checkpoint's per-layer KV-cache scale (model.layers.N.self_attn[.k_proj].k_scale, as
+    compressed-tensors and ModelOpt write it) -> the Attention buffer that holds it."""
+    for kind in ("k_scale", "v_scale"):
+        if name.endswith("." + kind) and ".self_attn." in name:
+            return name.split(".self_attn.")[0] + f".self_attn.attn.{kind}"
+    return None
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> None:
     """Route each checkpoint tensor to its parameter's weight_loader (fusing q/k/v and gate/up,
-    and each expert's tensors into its MoE layer's [E, ...] parameters)."""
+    and each expert's tensors into its MoE layer's [E, ...] parameters).
+
+    KV-cache scales go to the Attention modules' k_scale / v_scale buffers (used only with an
+    fp8 KV cache)."""
     params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
     stacked = getattr(model, "stacked_params", [])
     renames = getattr(model, "checkpoint_renames", ())
     tied = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in params
@@ -163,6 +178,15 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> Non
             continue
         for old, new in renames:
             name = name.replace(old, new)
+        scale_name = kv_scale_name(name)
+        if scale_name is not None:
+            if scale_name in buffers:
+                value = materialize(w).float().reshape(-1)
+                if value.numel() != 1:
+                    raise ValueError(f"loading {name}: a KV-cache scale must be per-tensor (one number), "
+                                     f"got {value.numel()}")
+                buffers[scale_name].fill_(value.item())
+            continue
         target = _expert_target(model, name)
         if target is not None:
             pname, expert, shard_id = target
@@ -212,8 +236,11 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
         if gen is None:
             gen = torch.Generator(device=p.device).manual_seed(seed)
         if p.dim() >= 2:
-            p.normal_(0.0, std, generator=gen)
-        elif name.endswith("norm.weight"):
+            if p.dtype.is_floating_point and p.element_size() == 1:  # an fp8 checkpoint's weight
+                p.copy_(torch.empty(p.shape, device=p.device).normal_(0.0, std, generator=gen))
+            else:
+                p.normal_(0.0, std, generator=gen)
+        elif name.endswith("norm.weight") or name.endswith("_scale"):
             p.fill_(1.0)
         else:
             p.zero_()
@@ -221,9 +248,10 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
 
 def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
               load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1,
-              expert_parallel: bool = False) -> nn.Module:
+              expert_parallel: bool = False, quant_config: QuantizationConfig | None = None) -> nn.Module:
     """Instantiate config.architectures[0] on `device` in `dtype` and fill its weights.
-    expert_parallel: whole experts per rank in mixture-of-experts layers (MoE models only)."""
+    expert_parallel: whole experts per rank in mixture-of-experts layers (MoE models only); with a
+    quant_config, its linear layers are quantized (layers/quant) once every tensor is in."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be auto, safetensors or dummy, got {load_format!r}")
     cls = get_model_class(hf_config)
@@ -238,6 +266,12 @@ def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.d
             raise ValueError("model: a directory is required unless load_format='dummy'")
         files = safetensors_files(model_dir)  # fail before allocating anything
     device = torch.device(device)
+    if quant_config is not None:
+        if "quant_config" not in inspect.signature(cls.__init__).parameters:
+            raise ValueError(f"quantization {quant_config.name}: {cls.__name__} has no quantized layers in "
+                             "pagedserve (the dense Llama family has; MoE layers take no FP8 weights yet)")
+        quant_config.check_device(device)
+        kwargs["quant_config"] = quant_config
     with _building_on(device, dtype):
         model = cls(hf_config, tp_rank=tp_rank, tp_size=tp_size, **kwargs)
     model.to(device)  # buffers made on CPU (rotary inv_freq) follow the parameters
@@ -245,4 +279,8 @@ def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.d
         init_dummy_weights(model, seed)
     else:
         load_weights(model, iterate_safetensors(model_dir))
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
     return model.eval()

@@ -158,6 +158,9 @@ class HostBatch:
     # their row in the previous step's sampled tokens. Empty unless steps overlap.
     placeholder_dst: np.ndarray | None = None
     placeholder_src: np.ndarray | None = None
+    # Rows of the flat batch whose logits are returned beside the samples' (prompt_logprobs; see
+    # prompt_logprob_spans), None when no scheduled sequence asks.
+    prompt_rows: np.ndarray | None = None
 
     def to_model_input(self, block_size: int, device: torch.device, pad_blocks_to: int | None = None) -> ModelInput:
         ph = None if self.placeholder_dst is None else (self.placeholder_dst, self.placeholder_src)
@@ -183,6 +186,21 @@ def _decode_tokens(decodes: list[ScheduledSequence]) -> tuple[list[int], np.ndar
     return ids, np.asarray(dst, dtype=np.int64), np.asarray(src, dtype=np.int64)
 
 
+def prompt_logprob_spans(scheduled: list[ScheduledSequence], num_decodes: int) -> list[tuple[int, int, int, int]]:
+    """(index in scheduled, first flat row, rows, first predicted position) of every prefill chunk
+    whose request asks for prompt_logprobs. Row j of a chunk starting at position `start` predicts
+    the token at start + j + 1; only prompt positions (< prompt length) are kept."""
+    spans, row = [], num_decodes  # decodes come first, one row each
+    for i in range(num_decodes, len(scheduled)):
+        s = scheduled[i]
+        if s.group.sampling_params.prompt_logprobs is not None:
+            count = max(0, min(s.num_new_tokens, len(s.seq.prompt_token_ids) - 1 - s.start))
+            if count:
+                spans.append((i, row, count, s.start + 1))
+        row += s.num_new_tokens
+    return spans
+
+
 def host_batch(scheduled: list[ScheduledSequence], num_decodes: int) -> HostBatch:
     """The host arrays of one SchedulerOutput's scheduled sequences (in their order)."""
     n = len(scheduled)
@@ -202,5 +220,7 @@ def host_batch(scheduled: list[ScheduledSequence], num_decodes: int) -> HostBatc
             ids.extend(s.seq.token_slice(s.start, s.start + s.num_new_tokens))
         if len(ids) != int(query_lens.sum()):
             raise ValueError("a scheduled sequence asks for tokens beyond its length")
+    spans = prompt_logprob_spans(scheduled, num_decodes) if num_decodes < n else []
+    rows = np.concatenate([np.arange(r, r + c) for _, r, c, _ in spans]) if spans else None
     return HostBatch(np.asarray(ids, dtype=np.int64), starts, query_lens, [s.block_table for s in scheduled],
-                     sample_mask, num_decodes, dst, src)
+                     sample_mask, num_decodes, dst, src, rows)

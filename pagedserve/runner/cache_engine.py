@@ -4,12 +4,17 @@ Each pool is a single tensor [num_layers, 2 (K, V), num_blocks, block_size, num_
 layer l's K pool is pool[l, 0], a contiguous [num_blocks, block_size, num_kv_heads, head_dim] view.
 Keeping every layer in one tensor lets a swap move a set of blocks for all layers with one
 gather, one transfer and one scatter, instead of a Python loop over layers x blocks.
+
+An fp8 (e4m3) cache is stored as uint8 and handed to the kernels as float8_e4m3fn views: swaps
+and copies move bytes (torch has no index_copy_ for fp8), and a block needs nothing but its bytes,
+since its scales are per layer (attention/kv_quant.py), so a round trip is bit-exact.
 """
 from __future__ import annotations
 
 import torch
 
 from pagedserve.attention.backend import get_backend
+from pagedserve.attention.kv_quant import is_fp8
 
 # Bound on the host staging buffer used by one swap transfer (bigger plans go in chunks).
 SWAP_CHUNK_BYTES = 256 * 1024 * 1024
@@ -28,27 +33,30 @@ class CacheEngine:
         self.num_layers, self.block_size = num_layers, block_size
         self.num_gpu_blocks, self.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
         self.device, self.dtype = torch.device(device), dtype
+        self.storage_dtype = torch.uint8 if is_fp8(dtype) else dtype
         self.block_shape = (block_size, num_kv_heads, head_dim)
-        self.gpu_pool = torch.zeros(num_layers, 2, num_gpu_blocks, *self.block_shape, dtype=dtype, device=self.device)
+        store = self.storage_dtype
+        self.gpu_pool = torch.zeros(num_layers, 2, num_gpu_blocks, *self.block_shape, dtype=store, device=self.device)
         pin = self.device.type == "cuda"
-        self.cpu_pool = torch.empty(num_layers, 2, num_cpu_blocks, *self.block_shape, dtype=dtype, pin_memory=pin)
+        self.cpu_pool = torch.empty(num_layers, 2, num_cpu_blocks, *self.block_shape, dtype=store, pin_memory=pin)
         self.block_bytes = cache_block_bytes(num_layers, block_size, num_kv_heads, head_dim, dtype)
         self._chunk_blocks = max(1, SWAP_CHUNK_BYTES // self.block_bytes)
         self._staging = None
         if pin and num_cpu_blocks:
             n = min(self._chunk_blocks, num_cpu_blocks)
-            self._staging = torch.empty(n * self.block_bytes // self.gpu_pool.element_size(), dtype=dtype,
+            self._staging = torch.empty(n * self.block_bytes // self.gpu_pool.element_size(), dtype=store,
                                         pin_memory=True)
 
     @property
     def kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k_cache, v_cache), each [num_gpu_blocks, block_size, num_kv_heads, head_dim]."""
-        return [(self.gpu_pool[l, 0], self.gpu_pool[l, 1]) for l in range(self.num_layers)]
+        pool = self.gpu_pool.view(self.dtype) if self.storage_dtype != self.dtype else self.gpu_pool
+        return [(pool[l, 0], pool[l, 1]) for l in range(self.num_layers)]
 
     def _host_buffer(self, n: int) -> torch.Tensor:
         shape = (self.num_layers, 2, n, *self.block_shape)
         if self._staging is None:
-            return torch.empty(shape, dtype=self.dtype)
+            return torch.empty(shape, dtype=self.storage_dtype)
         return self._staging[: self.gpu_pool[:, :, :n].numel()].view(shape)
 
     def _chunks(self, pairs: list[tuple[int, int]]):

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from pagedserve.attention.backend import Attention, calibrate_kv_scales
 from pagedserve.runner.batch import build_model_input
 from pagedserve.runner.cache_engine import CacheEngine
 
@@ -38,18 +39,7 @@ def profile_num_gpu_blocks(runner: "ModelRunner") -> int:
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(runner.device)
-    query_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
-    query_lens[: num_tokens % num_seqs] += 1
-    tables, nxt = [], 0
-    for q in query_lens.tolist():
-        nb = -(-q // runner.block_size)
-        tables.append(list(range(nxt, nxt + nb)))
-        nxt += nb
-    scratch = CacheEngine(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.block_size, nxt, 0,
-                          runner.dtype, runner.device)
-    ids = np.random.default_rng(0).integers(0, runner.vocab_size, size=num_tokens)
-    inp = build_model_input(ids, np.zeros(num_seqs, dtype=np.int64), query_lens, tables,
-                            np.ones(num_seqs, dtype=bool), 0, runner.block_size, runner.device)
+    inp, scratch = _prompt_batch(runner, num_tokens, num_seqs)
     runner._forward(inp, scratch.kv_caches)  # warm-up: kernel compilation and autotuning happen here
     seconds = device_seconds(runner.device, lambda: runner._forward(inp, scratch.kv_caches))
     runner.profile["recompute_seconds_per_token"] = seconds / num_tokens
@@ -65,6 +55,40 @@ def profile_num_gpu_blocks(runner: "ModelRunner") -> int:
     logger.info("KV cache budget %.2f GiB (peak %.2f GiB, other %.2f GiB of %.2f GiB)", budget / GiB, peak / GiB,
                 non_torch / GiB, total / GiB)
     return int(max(0, budget) // runner.block_bytes)
+
+
+def _prompt_batch(runner: "ModelRunner", num_tokens: int, num_seqs: int) -> tuple:
+    """(model input, scratch pool) of num_seqs fresh prompts of random ids, num_tokens in all."""
+    query_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
+    query_lens[: num_tokens % num_seqs] += 1
+    tables, nxt = [], 0
+    for q in query_lens.tolist():
+        nb = -(-q // runner.block_size)
+        tables.append(list(range(nxt, nxt + nb)))
+        nxt += nb
+    scratch = CacheEngine(runner.num_layers, runner.num_kv_heads, runner.head_dim, runner.block_size, nxt, 0,
+                          runner.kv_dtype, runner.device)
+    ids = np.random.default_rng(0).integers(0, runner.vocab_size, size=num_tokens)
+    inp = build_model_input(ids, np.zeros(num_seqs, dtype=np.int64), query_lens, tables,
+                            np.ones(num_seqs, dtype=bool), 0, runner.block_size, runner.device)
+    return inp, scratch
+
+
+# calculate_kv_scales' forward: enough tokens for every layer's K/V range to show, few enough for a CPU.
+CALIBRATION_TOKENS = 1024
+
+
+def calibrate_kv_scales_at_startup(runner: "ModelRunner") -> None:
+    """calculate_kv_scales: one forward of random prompts (before the profile, the pools and any CUDA
+    graph, so all of them see the final scales) sets every layer's K/V scales (backend.calibrate_kv_scales)."""
+    num_tokens = min(CALIBRATION_TOKENS, runner.max_model_len * 4)
+    num_seqs = max(1, min(4, num_tokens))
+    inp, scratch = _prompt_batch(runner, num_tokens, num_seqs)
+    with calibrate_kv_scales(runner.model):
+        runner._forward(inp, scratch.kv_caches)
+    del scratch
+    scales = [float(m.k_scale) for m in runner.model.modules() if isinstance(m, Attention)]
+    logger.info("KV scales calibrated: K scale %.4g..%.4g over %d layers", min(scales), max(scales), len(scales))
 
 
 def device_seconds(device: torch.device, fn) -> float:

@@ -23,15 +23,17 @@ import torch
 from torch import nn
 
 from pagedserve.attention.backend import Attention
+from pagedserve.attention.kv_quant import resolve_kv_cache_dtype
 from pagedserve.config import EngineConfig
 from pagedserve.core.plan import SchedulerOutput
 from pagedserve.distributed import TPGroup, get_tp_group
+from pagedserve.layers.quant import get_quantization_config
 from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets, graph_capturable
 from pagedserve.runner.decode_rows import as_decode_rows, short_prefill_graphs_enabled
-from pagedserve.runner.kv_sizing import device_seconds, profile_num_gpu_blocks
+from pagedserve.runner.kv_sizing import calibrate_kv_scales_at_startup, device_seconds, profile_num_gpu_blocks
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
 from pagedserve.runner.request_state import DeviceRequestState
 from pagedserve.runner.row_tracker import RowInputs, RowTracker
@@ -101,6 +103,10 @@ class ModelRunner:
     def __init__(self, engine_config: EngineConfig, hf_config, device: torch.device, dtype: torch.dtype):
         self.config, self.hf_config = engine_config, hf_config
         self.device, self.dtype = torch.device(device), dtype
+        # The KV pools' element type (fp8: e4m3 with per-layer scales) and the linear layers'
+        # quantization: both checked against the device here, before anything is allocated.
+        self.kv_dtype = resolve_kv_cache_dtype(engine_config.kv_cache_dtype, dtype, self.device)
+        self.quant_config = get_quantization_config(engine_config.quantization, hf_config)
         self.block_size = engine_config.block_size
         # A single-rank engine stays single-rank even beside a tensor-parallel one in this process.
         tp = get_tp_group() if engine_config.tensor_parallel_size > 1 else TPGroup()
@@ -123,6 +129,7 @@ class ModelRunner:
         self.row_tracker: RowTracker | None = None
         self.request_state: DeviceRequestState | None = None
         self.last_graph_path: str | None = None  # how the last step's forward ran; None: it had none
+        self.last_prompt_logits: torch.Tensor | None = None  # the last step's prompt_rows logits
 
     @property
     def vocab_size(self) -> int:
@@ -133,7 +140,7 @@ class ModelRunner:
         fmt = self.config.load_format
         self.model = get_model(self.hf_config, model_dir=self.config.model, device=self.device, dtype=self.dtype,
                                load_format=fmt, seed=self.config.seed, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                               expert_parallel=self.config.enable_expert_parallel)
+                               expert_parallel=self.config.enable_expert_parallel, quant_config=self.quant_config)
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
@@ -149,7 +156,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         self._require("model")
-        return cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.dtype)
+        return cache_block_bytes(self.num_layers, self.block_size, self.num_kv_heads, self.head_dim, self.kv_dtype)
 
     @property
     def measures_costs(self) -> bool:
@@ -166,6 +173,8 @@ class ModelRunner:
         (and so its collectives) alike."""
         self._require("model")
         cfg = self.config
+        if cfg.calculate_kv_scales:
+            calibrate_kv_scales_at_startup(self)
         profiled = profile_num_gpu_blocks(self) if self.measures_costs else None
         if cfg.num_gpu_blocks_override is not None:
             num_gpu = cfg.num_gpu_blocks_override
@@ -194,7 +203,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._require("model")
         self.cache_engine = CacheEngine(self.num_layers, self.num_kv_heads, self.head_dim, self.block_size,
-                                        num_gpu_blocks, num_cpu_blocks, self.dtype, self.device)
+                                        num_gpu_blocks, num_cpu_blocks, self.kv_dtype, self.device)
         self.kv_caches = self.cache_engine.kv_caches
 
     def measure_swap_cost(self) -> None:
@@ -286,6 +295,15 @@ class ModelRunner:
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_meta)
         return self.model.compute_logits(hidden[inp.sample_indices])
 
+    def _forward_with_prompt_logits(self, inp: ModelInput, prompt_rows) -> torch.Tensor | None:
+        """An eager forward that also keeps the logits of prompt_rows in last_prompt_logits (rank 0's
+        are the engine's prompt_logprobs; every rank computes them, as compute_logits gathers)."""
+        self.last_graph_path = "eager"
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta)
+        rows = torch.from_numpy(prompt_rows).to(self.device, non_blocking=True)
+        self.last_prompt_logits = self.model.compute_logits(hidden[rows])
+        return self.model.compute_logits(hidden[inp.sample_indices]) if inp.num_sampling else None
+
     def prepare_inputs(self, out: SchedulerOutput) -> StepInput:
         """The host-side half of a step: no device work, nothing rank-specific."""
         batch = host_batch(out.scheduled, out.num_decodes) if out.scheduled else None
@@ -317,6 +335,7 @@ class ModelRunner:
         self._require("cache")
         ce = self.cache_engine
         self.last_graph_path = None
+        self.last_prompt_logits = None
         if step.blocks_to_swap_out:
             ce.swap_out(step.blocks_to_swap_out)
         if step.blocks_to_swap_in:
@@ -335,6 +354,8 @@ class ModelRunner:
             inp = step.batch.to_model_input(self.block_size, self.device)
         inp.fill_placeholders(prev_sampled)
         n = len(step.batch.query_lens)
+        if step.batch.prompt_rows is not None:
+            return self._forward_with_prompt_logits(inp, step.batch.prompt_rows)
         if self.graphs is not None and step.batch.num_decodes == n and self.graphs.bucket_for(n) is not None:
             self.last_graph_path = "decode_graph"
             hidden = self.graphs.run(inp.input_ids, inp.positions, inp.attn_meta)

@@ -176,3 +176,50 @@ def test_choose_num_splits_fills_the_gpu():
     few = ops.choose_num_splits(2, 8, 32768, cpu)
     assert few * 2 * 8 >= ops.DECODE_PROGRAMS_PER_SM * 132
     assert ops.choose_num_splits(2, 8, 100, cpu) == 1
+
+
+# --- FP8 KV cache: e4m3 pools with per-layer scales -------------------------------------------------
+def _fp8_pools(batch, k_scale, v_scale):
+    from pagedserve.attention.kv_quant import quantize_kv
+    return quantize_kv(batch.k_cache, k_scale), quantize_kv(batch.v_cache, v_scale)
+
+
+def test_fp8_write_kv_quantizes_like_reference_bit_exact():
+    batch = make_batch([(5, 1), (0, 7), (9, 4)], 1, H=4, Hkv=2, D=8, block_size=8, seed=3)
+    ks, vs = torch.tensor([0.03]), torch.tensor([0.002])  # V's scale pushes some values to +-448, some subnormal
+    kc, vc = _fp8_pools(batch, ks, vs)
+    rk, rv = kc.clone(), vc.clone()
+    slots = batch.meta.slot_mapping.clone()
+    slots[2] = -1
+    reference.write_kv(batch.new_k, batch.new_v, rk, rv, slots, ks, vs)
+    ops.write_kv(batch.new_k, batch.new_v, kc, vc, slots, ks, vs)
+    assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+
+
+@pytest.mark.parametrize("qdtype,num_splits", [(torch.float32, None), (torch.float32, 3), (torch.float16, None)])
+def test_fp8_paged_attention_matches_attention_over_dequantized_kv(qdtype, num_splits):
+    """Decodes (split-K too) and prefill/extends read e4m3 blocks and dequantize in registers; the oracle
+    is the reference over float32 pools holding the dequantized values."""
+    batch = make_batch([(20, 1), (37, 1), (0, 9), (13, 6)], 2, H=4, Hkv=2, D=16, block_size=8, seed=5)
+    ks, vs = torch.tensor([0.03]), torch.tensor([0.02])
+    kc, vc = _fp8_pools(batch, ks, vs)
+    ops.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping, ks, vs)
+    ref = reference.paged_attention(batch.query, kc.float() * ks, vc.float() * vs, batch.meta, scale=0.25)
+    out = ops.paged_attention(batch.query.to(qdtype), kc, vc, batch.meta, 0.25, num_splits=num_splits,
+                              k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out.float(), ref, **_tol(qdtype))
+    # and the reference backend reading the same fp8 pools agrees with itself over dequantized ones
+    own = reference.paged_attention(batch.query, kc, vc, batch.meta, 0.25, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(own, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_fp8_copy_blocks_moves_bytes():
+    batch = make_batch([(10, 1)], 1, H=2, Hkv=2, D=8, block_size=4, seed=7)
+    kc, vc = _fp8_pools(batch, torch.tensor([0.05]), torch.tensor([0.05]))
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[[2, 0]] = kc[[1, 3]]
+    want_v[[2, 0]] = vc[[1, 3]]
+    ops.copy_blocks([kc], [vc], [(1, 2), (3, 0)])
+    assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))

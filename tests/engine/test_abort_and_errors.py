@@ -56,7 +56,6 @@ def llm(model_dir):
     ({"prompt_token_ids": [1] * 60}, SamplingParams(max_tokens=10), "max_model_len"),
     ({"prompt_token_ids": [1] * 64}, SamplingParams(max_tokens=None), "max_model_len"),
     ({"prompt_token_ids": [1, 2]}, SamplingParams(stop_token_ids=[5000]), "stop_token_ids"),
-    ({"prompt_token_ids": [1, 2]}, SamplingParams(prompt_logprobs=1), "prompt_logprobs"),
 ])
 def test_bad_requests_raise_naming_the_field(llm, prompt, params, field):
     with pytest.raises(ValueError, match=field):

@@ -75,7 +75,6 @@ CASES = [
      400, "messages.0.content"),
     ("logit-bias", CMPL, c(logit_bias={"5": 10}), 400, "logit_bias"),
     ("suffix", CMPL, c(suffix="tail"), 400, "suffix"),
-    ("echo-with-logprobs", CMPL, c(echo=True, logprobs=1), 400, "echo"),
 ]
 
 

@@ -353,7 +353,7 @@ class CompletionRequest(SamplingFields, VLLMExtraFields):
         "suffix": (("",), "suffix (insertion) is not supported"),
     }
     prompt: PromptType
-    max_tokens: Optional[int] = Field(16, ge=1, le=MAX_TOKEN_ID)
+    max_tokens: Optional[int] = Field(16, ge=0, le=MAX_TOKEN_ID)  # 0: with echo, score the prompt only
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: Optional[bool] = False

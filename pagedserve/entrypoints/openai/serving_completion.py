@@ -1,6 +1,7 @@
 """POST /v1/completions: prompts (text or token ids, one or many) -> text, streamed or not."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
@@ -15,7 +16,7 @@ from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, ch
                                                           merge_streams, OpenAIServing, sse,
                                                           StreamedChoice, until_disconnected, usage)
 from pagedserve.entrypoints.openai.structured_outputs import resolve_structured_outputs
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import CompletionOutput, RequestOutput
 
 
 @dataclass
@@ -78,17 +79,20 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(f"best_of must be >= n ({req.n}), got {req.best_of}", param="best_of")
         if req.stream and req.best_of is not None and req.best_of > req.n:
             raise APIError("best_of > n cannot be streamed", param="best_of")
-        if req.echo and req.logprobs is not None:
-            raise APIError("echo together with logprobs is not supported (no prompt logprobs)",
-                           param="echo")
+        scoring = req.max_tokens == 0  # lm-evaluation-harness's loglikelihood: the prompt's logprobs only
+        if scoring and not req.echo:
+            raise APIError("max_tokens must be >= 1 unless echo is true (max_tokens 0 scores the prompt)",
+                           param="max_tokens")
         prompts = await self._prompts(req)
         structured = await resolve_structured_outputs(self.engine, req)
         params = []
         for p in prompts:
-            max_tokens = self.resolve_max_tokens(len(p.token_ids), req.max_tokens, "prompt",
+            max_tokens = self.resolve_max_tokens(len(p.token_ids), 1 if scoring else req.max_tokens, "prompt",
                                                  num_seqs=req.best_of or req.n)
             sp = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                                       best_of=req.best_of, structured_outputs=structured)
+            if req.echo and req.logprobs is not None:  # the echoed prompt carries its logprobs too
+                sp = dataclasses.replace(sp, prompt_logprobs=req.logprobs)
             self.check_kv_capacity(len(p.token_ids), max_tokens, sp.best_of, "prompt")
             params.append(sp)
         request_id = random_id("cmpl")
@@ -119,19 +123,30 @@ class OpenAIServingCompletion(OpenAIServing):
     def _echo_text(self, p: _Prompt) -> str:
         return p.text if p.text is not None else self.engine.tokenizer.decode(p.token_ids)
 
-    def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]] | None, k: int,
+    def _logprobs(self, token_ids: list[int], lps: list[dict[int, float] | None] | None, k: int,
                   offset: int) -> tuple[CompletionLogProbs, int]:
         res = CompletionLogProbs()
         for t, lp in zip(token_ids, lps or []):
             s = self.token_str(t)
             res.tokens.append(s)
-            chosen = lp.get(t)
+            chosen = None if lp is None else lp.get(t)  # None: the prompt's first token
             res.token_logprobs.append(None if chosen is None else finite_logprob(chosen))
-            res.top_logprobs.append({self.token_str(x): finite_logprob(v)
-                                     for x, v in self.top_entries(lp, k)})
+            res.top_logprobs.append(None if lp is None else {self.token_str(x): finite_logprob(v)
+                                                             for x, v in self.top_entries(lp, k)})
             res.text_offset.append(offset)
             offset += len(s)
         return res, offset
+
+    def _with_prompt(self, p: _Prompt, prompt_lps: list | None, k: int,
+                     completion: CompletionLogProbs) -> CompletionLogProbs:
+        """echo + logprobs: the prompt's tokens and logprobs (the first one None), then the completion's."""
+        if prompt_lps is None:
+            raise APIError("prompt logprobs are missing from the engine's output", status=500,
+                           type="InternalServerError")
+        res, _ = self._logprobs(p.token_ids, prompt_lps, k, 0)
+        for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            getattr(res, name).extend(getattr(completion, name))
+        return res
 
     def _response(self, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
                   finals: list[RequestOutput]) -> CompletionResponse:
@@ -140,10 +155,13 @@ class OpenAIServingCompletion(OpenAIServing):
         for i, (p, out) in enumerate(zip(prompts, finals)):
             prefix = self._echo_text(p) if req.echo else ""
             for c in out.outputs:
+                c = _scored_only(c) if req.max_tokens == 0 else c
                 completion_tokens += len(c.token_ids)
                 lp = None
                 if req.logprobs is not None:
                     lp, _ = self._logprobs(c.token_ids, c.logprobs, req.logprobs, len(prefix))
+                    if req.echo:
+                        lp = self._with_prompt(p, out.prompt_logprobs, req.logprobs, lp)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
                                                 logprobs=lp, finish_reason=c.finish_reason))
         choices.sort(key=lambda ch: ch.index)
@@ -158,11 +176,15 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.served_model_name
         # Without logprobs (the common case) chunks are encoded directly: same bytes.
         fast = CompletionChunkEncoder(request_id, model) if req.logprobs is None else None
+        prompt_lps: dict[int, list] = {}  # prompt_logprobs arrive in one output per prompt (DELTA)
         try:
             async for i, out in merge_streams(streams):
                 check_not_ignored(out, "prompt")
+                if out.prompt_logprobs is not None:
+                    prompt_lps[i] = out.prompt_logprobs
                 choices = []
                 for c in out.outputs:
+                    c = _scored_only(c) if req.max_tokens == 0 else c
                     st = states.get((i, c.index))
                     if st is None:
                         st = states[(i, c.index)] = StreamedChoice()
@@ -177,6 +199,8 @@ class OpenAIServingCompletion(OpenAIServing):
                         continue
                     lp, st.text_offset = self._logprobs(c.token_ids, c.logprobs, req.logprobs,
                                                         st.text_offset + len(prefix))
+                    if prefix and req.logprobs is not None:
+                        lp = self._with_prompt(prompts[i], prompt_lps.get(i), req.logprobs, lp)
                     choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
                                                     logprobs=lp, finish_reason=c.finish_reason))
                 if choices:
@@ -195,3 +219,9 @@ class OpenAIServingCompletion(OpenAIServing):
             for s in streams:
                 s.close()
         yield SSE_DONE
+
+
+def _scored_only(c: CompletionOutput) -> CompletionOutput:
+    """max_tokens 0 runs one token (the prompt's logprobs need a step) and reports none of it."""
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                               finish_reason="length" if c.finish_reason is not None else None)

@@ -1,0 +1,149 @@
+"""FP8 on the H200: Llama-3.1-8B (dummy weights) with --quantization fp8 --kv-cache-dtype fp8.
+
+Sections, each one process (one device command of < 10 min each; docs/fp8.md lists them):
+  trtllm SHAPE   offline output tok/s at TensorRT-LLM's published shapes (128/128, 128/2048) beside its
+                 published Llama-3.1-8B FP8 H200 figures (27,911 and 26,221 output tok/s);
+  capacity KV    the largest batch of 4k-token sequences (4080 prompt + 16 output) that fits the pool
+                 with KV dtype KV (auto = bf16, or fp8), run once at that batch to check it never preempts;
+  collect        merges the section files and `pagedserve bench throughput` results (fixed256, nanovllm
+                 with the FP8 switches) in --parts into benchmarks/results/h200/fp8.json; it reads JSON
+                 only, so it runs anywhere, and refuses parts of different commits or devices.
+vLLM 0.26 FP8 figures are not measured here (no vLLM on the device image): the *_over_vllm_fp8 ratios
+stay null until they are, and the JSON says so.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from pagedserve.benchmark.results import git_commit, write_result  # noqa: E402
+
+MODEL = str(ROOT / "benchmarks/models/llama-3.1-8b")
+FP8 = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
+TRTLLM_PUBLISHED = {"128_128": 27911.0, "128_2048": 26221.0}  # output tok/s, Llama-3.1-8B FP8, one H200
+SHAPES = {"128_128": (128, 128, 8000), "128_2048": (128, 2048, 1000)}  # prompt, output, requests
+CAPACITY_PROMPT, CAPACITY_OUTPUT = 4080, 16
+
+
+def _requests(prompt_len: int, output_len: int, n: int, seed: int = 0):
+    from pagedserve.workloads import WorkloadRequest
+    rng = random.Random(seed)
+    return [WorkloadRequest([rng.randrange(10000) for _ in range(prompt_len)], output_len) for _ in range(n)]
+
+
+def _stamp() -> dict:
+    import torch
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "commit": git_commit()}
+
+
+def _llm(**kw):
+    from pagedserve import LLM
+    return LLM(MODEL, load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, **kw)
+
+
+def trtllm(shape: str, out: Path) -> dict:
+    from pagedserve.benchmark.throughput import timed_generate, warm_up_requests
+    prompt, output, n = SHAPES[shape]
+    reqs = _requests(prompt, output, n)
+    llm = _llm(**FP8)
+    timed_generate(llm, warm_up_requests(reqs[:1024]))
+    run = timed_generate(llm, reqs)
+    stats = llm.get_kv_cache_stats()
+    res = {"shape": shape, "num_requests": n, "prompt_len": prompt, "output_len": output,
+           "seconds": round(run.seconds, 3), "output_tokens_per_s": round(run.output_tokens_per_s, 1),
+           "num_gpu_blocks": stats.num_blocks_total, "cache_dtype": stats.cache_dtype,
+           "num_preemptions": stats.num_preemptions, "trtllm_published_output_tokens_per_s": TRTLLM_PUBLISHED[shape],
+           "over_trtllm_published": round(run.output_tokens_per_s / TRTLLM_PUBLISHED[shape], 3), **_stamp()}
+    (out / f"trtllm_{shape}.json").write_text(json.dumps(res, indent=2))
+    return res
+
+
+def capacity(kv: str, out: Path) -> dict:
+    from pagedserve import SamplingParams
+    # Sizing only: the same profile (max_num_batched_tokens tokens) as the run below, no graphs to capture.
+    blocks_llm = _llm(kv_cache_dtype=kv, enforce_eager=True)
+    stats = blocks_llm.get_kv_cache_stats()
+    per_seq = -(-(CAPACITY_PROMPT + CAPACITY_OUTPUT) // stats.block_size)
+    fits = stats.num_blocks_total // per_seq
+    blocks_llm.shutdown()
+    del blocks_llm
+    import gc
+    import torch
+    gc.collect()
+    torch.cuda.empty_cache()
+    llm = _llm(kv_cache_dtype=kv, max_num_seqs=fits, enable_prefix_caching=False)
+    reqs = _requests(CAPACITY_PROMPT, CAPACITY_OUTPUT, fits, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=CAPACITY_OUTPUT, ignore_eos=True)
+    t0 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params, use_tqdm=False)
+    secs = time.perf_counter() - t0
+    s = llm.get_kv_cache_stats()
+    res = {"kv_cache_dtype": s.cache_dtype, "num_gpu_blocks": s.num_blocks_total, "block_size": s.block_size,
+           "sequence_tokens": CAPACITY_PROMPT + CAPACITY_OUTPUT, "largest_batch": fits,
+           "peak_blocks_used": s.peak_blocks_used, "num_preemptions": s.num_preemptions, "seconds": round(secs, 2),
+           **_stamp()}
+    (out / f"capacity_{kv}.json").write_text(json.dumps(res, indent=2))
+    return res
+
+
+def collect(parts: Path, output: Path) -> None:
+    results, ratios, stamps = {}, {}, []
+    for name in ("fixed256", "nanovllm"):
+        f = parts / f"{name}_fp8.json"
+        if f.exists():
+            doc = json.loads(f.read_text())
+            stamps.append({"device": doc["device"], "commit": doc["commit"]})
+            results[name] = {k: doc["results"][k] for k in ("output_tokens_per_s", "total_tokens_per_s",
+                                                              "requests_per_s", "seconds", "num_gpu_blocks")}
+            results[name]["command"] = doc["command"]
+            ratios[f"{name}_over_vllm_fp8"] = None
+    for shape in SHAPES:
+        f = parts / f"trtllm_{shape}.json"
+        if f.exists():
+            results[f"trtllm_{shape}"] = json.loads(f.read_text())
+            stamps.append({k: results[f"trtllm_{shape}"][k] for k in ("device", "commit")})
+            ratios[f"{shape}_over_trtllm_published"] = results[f"trtllm_{shape}"]["over_trtllm_published"]
+    caps = {kv: json.loads((parts / f"capacity_{kv}.json").read_text())
+            for kv in ("auto", "fp8") if (parts / f"capacity_{kv}.json").exists()}
+    stamps += [{k: c[k] for k in ("device", "commit")} for c in caps.values()]
+    if caps:
+        results["kv_capacity_4k"] = caps
+        if len(caps) == 2:
+            ratios["kv_capacity_fp8_over_bf16"] = round(caps["fp8"]["largest_batch"] / caps["auto"]["largest_batch"], 3)
+    devices, commits = {s["device"] for s in stamps}, {s["commit"] for s in stamps}
+    if len(devices) != 1 or len(commits) != 1:
+        raise SystemExit(f"the parts come from several devices {devices} or commits {commits}: "
+                         "re-run them at one commit")
+    write_result(output, "fp8", None, {"model": MODEL, "load_format": "dummy", "switches": FP8,
+                                       "trtllm_published": TRTLLM_PUBLISHED, "shapes": SHAPES},
+                 results, {"vllm_0.26_fp8": "not measured in this run (no vLLM on the device image)"}, ratios,
+                 device=devices.pop(), measured_commit=commits.pop(), switches=FP8)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("section", choices=["trtllm", "capacity", "collect"])
+    ap.add_argument("arg", nargs="?", help="trtllm: 128_128 or 128_2048; capacity: auto or fp8")
+    ap.add_argument("--parts", default="benchmarks/results/h200/fp8_parts")
+    ap.add_argument("--output", default="benchmarks/results/h200/fp8.json")
+    args = ap.parse_args()
+    git_commit()
+    parts = Path(args.parts)
+    parts.mkdir(parents=True, exist_ok=True)
+    if args.section == "trtllm":
+        print(json.dumps(trtllm(args.arg, parts), indent=2))
+    elif args.section == "capacity":
+        print(json.dumps(capacity(args.arg, parts), indent=2))
+    else:
+        collect(parts, Path(args.output))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

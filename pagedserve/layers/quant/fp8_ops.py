@@ -1,0 +1,76 @@
+"""FP8 (e4m3) quantize ops and the W8A8 GEMM.
+
+Scales are float32 and multiply: real = fp8 * scale. Weights carry one scale per output channel
+([N]); activations one per token ([M, 1], dynamic: amax / 448 of the row) or one for the tensor
+(static, from the checkpoint). The GEMM on CUDA is torch._scaled_mm (cuBLASLt's FP8 path with
+row-wise scales, sm89+); elsewhere the same arithmetic dequantized: the fp8 values are exact in
+float32, so the CPU path differs from the GPU only by accumulation order.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+QUANT_ENV = "PAGEDSERVE_FP8_QUANT"
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+# A row of zeros must not divide by zero: its scale is this floor and its values stay 0.
+MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+
+
+def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale, saturated to +-448 and rounded to e4m3 (nearest even)."""
+    return (x.float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (fp8 [N, K], float32 scale [N]): each output row scaled to its own amax."""
+    scale = (w.abs().amax(dim=1).float() / FP8_MAX).clamp_(min=MIN_SCALE)
+    return to_fp8(w, scale[:, None]), scale
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (fp8 [M, K], float32 scale [M, 1]): dynamic, one scale per row. On CUDA one
+    Triton kernel (triton_fp8.py; PAGEDSERVE_FP8_QUANT=torch keeps these torch ops, for A/B)."""
+    if x.is_cuda and os.environ.get(QUANT_ENV, "triton") != "torch":
+        from pagedserve.layers.quant import triton_fp8
+        return triton_fp8.quantize_per_token(x)
+    return quantize_per_token_torch(x)
+
+
+def quantize_per_token_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_per_token in torch ops: the CPU path and the kernel's reference."""
+    scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=MIN_SCALE)
+    return to_fp8(x, scale), scale
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] with one given scale (a checkpoint's input_scale) -> (fp8, scale as [M, 1])."""
+    return to_fp8(x, scale), scale.reshape(1, 1).expand(x.shape[0], 1).contiguous()
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """float32 q * scale (scale broadcast: [N, 1] per row, a scalar per tensor)."""
+    return q.float() * scale
+
+
+def scaled_mm_supported(device: torch.device) -> bool:
+    """torch._scaled_mm's FP8 path needs compute capability 8.9 (Ada, Hopper) or newer."""
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+             out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """(xq * x_scale) @ (wq * w_scale[:, None]).T (+ bias) in out_dtype.
+
+    xq [M, K] fp8, x_scale [M, 1] f32, wq [N, K] fp8, w_scale [N] f32.
+    """
+    if xq.is_cuda:
+        # Row-wise scaled FP8 GEMMs produce bfloat16; wq.t() is the column-major operand cuBLASLt wants.
+        y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
+        y = y if out_dtype == torch.bfloat16 else y.to(out_dtype)
+    else:
+        y = (dequantize(xq, x_scale) @ dequantize(wq, w_scale[:, None]).t()).to(out_dtype)
+    return y if bias is None else y + bias

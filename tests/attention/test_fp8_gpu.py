@@ -1,0 +1,93 @@
+"""FP8 on the GPU (skipped without CUDA; the H200 run records them): torch._scaled_mm against the
+dequantized product, the FP8 KV kernels at Llama-3.1-8B attention sizes against attention over
+dequantized K/V, and the demo model end to end, bf16 against FP8 weights and KV."""
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.attention import reference
+from pagedserve.attention.kv_quant import quantize_kv
+from pagedserve.layers.quant.fp8_ops import dequantize, fp8_gemm, quantize_per_channel, quantize_per_token
+from paged_batch import make_batch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEMO = Path(__file__).resolve().parents[2] / "pagedserve" / "demo_model"
+
+
+@pytest.mark.parametrize("M,K,N", [(1, 4096, 6144), (37, 4096, 28672), (256, 14336, 4096)])
+def test_scaled_mm_matches_dequantized_product(M, K, N):
+    gen = torch.Generator(device="cuda").manual_seed(M)
+    x = torch.randn(M, K, device="cuda", generator=gen, dtype=torch.bfloat16)
+    w = torch.randn(N, K, device="cuda", generator=gen, dtype=torch.bfloat16) * 0.02
+    xq, xs = quantize_per_token(x)
+    wq, ws = quantize_per_channel(w)
+    y = fp8_gemm(xq, xs, wq, ws, torch.bfloat16)
+    want = dequantize(xq, xs) @ dequantize(wq, ws[:, None]).t()
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2 * want.abs().mean().item())
+
+
+def test_fp8_kv_kernels_at_llama_sizes():
+    from pagedserve.attention import triton_ops as ops
+    shapes = [(300, 1), (1500, 1), (0, 1), (2000, 1), (0, 97), (517, 64)]
+    batch = make_batch(shapes, 4, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, device="cuda", seed=2)
+    ks, vs = torch.tensor([0.01], device="cuda"), torch.tensor([0.008], device="cuda")
+    kc, vc = quantize_kv(batch.k_cache, ks), quantize_kv(batch.v_cache, vs)
+    rk, rv = kc.clone(), vc.clone()
+    reference.write_kv(batch.new_k, batch.new_v, rk, rv, batch.meta.slot_mapping, ks, vs)
+    ops.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping, ks, vs)
+    assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+    ref = reference.paged_attention(batch.query, kc.float() * ks, vc.float() * vs, batch.meta, 128 ** -0.5)
+    for splits in (None, 1, 4):
+        out = ops.paged_attention(batch.query, kc, vc, batch.meta, 128 ** -0.5, num_splits=splits,
+                                  k_scale=ks, v_scale=vs)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def _perplexity(llm_kwargs) -> float:
+    from transformers import AutoTokenizer
+    from pagedserve import SamplingParams
+    from pagedserve.entrypoints.llm import LLM
+    tok = AutoTokenizer.from_pretrained(DEMO)
+    text = (DEMO / "heldout.txt").read_text().strip("\n").split("\n\n")[:3]
+    prompts = [tok(c).input_ids[:512] for c in text]
+    llm = LLM(str(DEMO), dtype="bfloat16", **llm_kwargs)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=1, prompt_logprobs=0))
+    llm.shutdown()
+    nll = [-lp[t] for o, p in zip(outs, prompts) for lp, t in zip(o.prompt_logprobs[1:], p[1:])]
+    return math.exp(sum(nll) / len(nll))
+
+
+def test_demo_model_perplexity_bf16_vs_fp8_within_2pct():
+    base = _perplexity({})
+    for kw in ({"quantization": "fp8"}, {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
+               {"quantization": "fp8", "kv_cache_dtype": "fp8"}):
+        ppl = _perplexity(kw)
+        assert abs(ppl / base - 1) <= 0.02, (kw, ppl, base)
+
+
+def test_fp8_graphs_match_eager_on_the_demo_model():
+    from pagedserve import SamplingParams
+    from pagedserve.entrypoints.llm import LLM
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(3, 3 + n))} for n in (5, 40, 130)]
+    got = {}
+    for eager in (True, False):
+        llm = LLM(str(DEMO), dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8", enforce_eager=eager)
+        got[eager] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
+        llm.shutdown()
+    assert got[True] == got[False]
+
+
+def test_triton_per_token_quant_is_bit_equal_to_torch():
+    from pagedserve.layers.quant.fp8_ops import quantize_per_token_torch
+    from pagedserve.layers.quant.triton_fp8 import quantize_per_token as triton_quant
+    x = torch.randn(300, 14336, device="cuda", dtype=torch.bfloat16) * 3
+    q, s = triton_quant(x)
+    rq, rs = quantize_per_token_torch(x)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))
