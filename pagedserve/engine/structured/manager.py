@@ -105,7 +105,15 @@ class StructuredOutputs:
         ready, failed = [], []
         now = time.monotonic()
         for rid, p in list(self.pending.items()):
-            if p.future.done():
+            # The deadline first: a request still waiting when the engine looks past its deadline
+            # has waited too long, whether or not its compile ended a moment ago (the engine looks
+            # every step, so the limit is kept to within one step, and the outcome does not depend
+            # on which thread ran first).
+            if now >= p.deadline:
+                del self.pending[rid]
+                failed.append((p.group, f"structured_outputs: compiling the grammar took longer than "
+                                        f"structured_outputs_compile_timeout_s={self.compile_timeout_s:g}"))
+            elif p.future.done():
                 del self.pending[rid]
                 err = p.future.exception()
                 if err is None:
@@ -113,10 +121,6 @@ class StructuredOutputs:
                     ready.append(p.group)
                 else:
                     failed.append((p.group, f"structured_outputs: the grammar failed to compile: {err}"))
-            elif now >= p.deadline:
-                del self.pending[rid]
-                failed.append((p.group, f"structured_outputs: compiling the grammar took longer than "
-                                        f"structured_outputs_compile_timeout_s={self.compile_timeout_s:g}"))
         return ready, failed
 
     def wait_for_compiles(self, timeout_s: float) -> None:
