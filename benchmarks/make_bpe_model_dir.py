@@ -4,8 +4,9 @@
 The word-level tokenizer of make_bench_model_dir.py ("t0".."tN-1") has no token for "{" or '"', so
 no JSON grammar could ever be followed with it. Structured-output benchmarks need a vocabulary
 shaped like a real one: this trains a byte-level BPE (the `tokenizers` library) on the Python
-standard library's sources found on the machine, up to the config's vocab_size less 256 special
-tokens, and writes it beside the real config.json (dummy weights are loaded by the engines).
+sources found on the machine (the standard library's, then the installed packages'), up to the
+config's vocab_size less 256 special tokens, and writes it beside the real config.json (dummy
+weights are loaded by the engines). bpe_info.json says how many tokens it learned and its hash.
 The grammar's mask cost depends on the vocabulary's size and its tokens' bytes, which this keeps.
 
     python3 make_bpe_model_dir.py benchmarks/models/llama-3.1-8b OUT_DIR [--max-mb 40]
@@ -25,11 +26,13 @@ N_SPECIAL = 256
 
 
 def corpus(max_bytes: int):
-    """The standard library's .py files in sorted order, up to max_bytes: the same text on any
-    machine with the same Python."""
-    root = sysconfig.get_paths()["stdlib"]
+    """The standard library's .py files, then the installed packages', each in sorted order, up to
+    max_bytes (a stripped standard library alone taught only 59k tokens on the GPU machine)."""
+    paths = sysconfig.get_paths()
+    files = [f for root in (paths["stdlib"], paths["purelib"])
+             for f in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True))]
     total = 0
-    for path in sorted(glob.glob(os.path.join(root, "**", "*.py"), recursive=True)):
+    for path in files:
         try:
             text = open(path, encoding="utf-8").read()
         except (UnicodeDecodeError, OSError):
@@ -44,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("src")
     ap.add_argument("dst")
-    ap.add_argument("--max-mb", type=float, default=40)
+    ap.add_argument("--max-mb", type=float, default=60)
     args = ap.parse_args()
     os.makedirs(args.dst, exist_ok=True)
     cfg = json.load(open(os.path.join(args.src, "config.json")))
