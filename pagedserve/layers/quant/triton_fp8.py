@@ -1,8 +1,8 @@
 """Dynamic per-token FP8 quantization in one Triton kernel (the CUDA path of
 fp8_ops.quantize_per_token): one program per row reads it twice (amax, then scale and cast), where
 the torch path launches five kernels (abs, amax, divide, clamp, cast) before every FP8 GEMM.
-Same arithmetic as the torch path, so the same bits: scale = max(amax / 448, MIN_SCALE) in
-float32, q = e4m3(clamp(x / scale, +-448)), rounded to nearest even.
+The torch path's arithmetic: scale = max(amax / 448, MIN_SCALE) in float32, q = e4m3(clamp(x / scale, +-448)), rounded to nearest even. On the H200
+the scales differ from torch's in their last bits (within 1e-5, relative), so not bit-equal.
 """
 import torch
 import triton
@@ -26,7 +26,7 @@ def per_token_fp8_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, N,
     for start in range(0, N, BLOCK):
         mask = start + offs < N
         x = tl.load(x_ptr + row * stride_x + start + offs, mask=mask, other=0.0).to(tl.float32)
-        # div_rn: IEEE division like torch's (Triton's "/" is approximate on the GPU): the same bits.
+        # div_rn: IEEE division like torch's (Triton's "/" is approximate on the GPU).
         q = tl.clamp(tl.math.div_rn(x, scale), -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty,
                                                                      fp_downcast_rounding="rtne")
         tl.store(q_ptr + row * stride_q + start + offs, q, mask=mask)
