@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import logging
 import signal
 import subprocess
@@ -28,6 +29,14 @@ from pagedserve.serving.pool import NoReplicaAvailable, ReplicaFailed, ReplicaRe
 from pagedserve.serving.relay_clients import RELAY_CLIENTS, Lost, NotDelivered, default_relay_client, make_relay
 
 logger = logging.getLogger("pagedserve.dp")
+
+def _engine_dead(body: bytes) -> bool:
+    """Whether a replica's 503 says its engine core is gone (api_server.py's code engine_dead)."""
+    try:
+        return json.loads(body)["error"]["code"] == "engine_dead"
+    except (ValueError, KeyError, TypeError):
+        return False
+
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it when the front end dies (Linux)."""
@@ -77,6 +86,8 @@ class RelayingPool:
 
     relay_client: str
     _relay = None  # relay_clients.HttpxRelay | AiohttpRelay, from start()
+    # Sent with every relayed request: the replicas' own key (launch.py makes one per launch).
+    replica_headers: dict[str, str] = {}
 
     async def _acquire(self, prefix_hashes: Sequence[bytes], tried: set[int]) -> tuple[int, str]:
         raise NotImplementedError
@@ -100,7 +111,7 @@ class RelayingPool:
         while True:
             index, url = await self._acquire(prefix_hashes, tried)
             try:
-                resp = await relay.send(method, url + path, body)
+                resp = await relay.send(method, url + path, body, self.replica_headers)
             except NotDelivered as e:  # safe to send elsewhere
                 self._release(index)
                 tried.add(index)
@@ -113,18 +124,30 @@ class RelayingPool:
             except BaseException:
                 self._release(index)
                 raise
-            self._delivered(index)
             status, content_type = relay.head(resp)
             if content_type.startswith("text/event-stream"):
+                self._delivered(index)
                 return ReplicaResponse(status, content_type, self._stream(index, resp))
+            complete = False
             try:
                 data = await relay.read(resp)
+                complete = True
             except Lost as e:
                 self._down(index, f"response lost: {e}")
                 raise self._failed(index) from None
             finally:
+                # Not complete (the client left and this task was cancelled, or the replica
+                # went away): closing the connection tells the replica to abort the request.
                 self._release(index)
-                await relay.close(resp, complete=True)
+                await relay.close(resp, complete=complete)
+            if status == 503 and _engine_dead(data):
+                # The replica's engine core died: it answers 503 at once (and so looks least
+                # loaded) for a few seconds before its process exits. The request never ran
+                # there: take the replica out of routing and send the request elsewhere.
+                tried.add(index)
+                self._down(index, "its engine core died (503 engine_dead)")
+                continue
+            self._delivered(index)
             return ReplicaResponse(status, content_type, one_chunk(data))
 
     async def _stream(self, index: int, resp) -> AsyncIterator[bytes]:
@@ -150,10 +173,12 @@ class ProcessReplicaPool(RelayingPool):
 
     def __init__(self, commands: Sequence[tuple[list[str], dict[str, str], int]], policy,
                  startup_timeout: float = 600.0, poll_interval: float = 0.2,
-                 relay_client: str | None = None) -> None:
+                 relay_client: str | None = None, replica_key: str | None = None) -> None:
         """commands: (argv, env, port) of each replica; argv must serve on 127.0.0.1:port.
         relay_client: aiohttp | httpx, the client that forwards requests (default:
-        default_relay_client()); probes and /metrics always use httpx."""
+        default_relay_client()); probes and /metrics always use httpx. replica_key: the
+        replicas' API key, sent with every relayed request."""
+        self.replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
         self.replicas = [LocalReplica(i, list(c), dict(e), f"http://127.0.0.1:{p}")
                          for i, (c, e, p) in enumerate(commands)]
         self.policy = policy

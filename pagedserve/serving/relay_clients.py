@@ -52,8 +52,8 @@ class HttpxRelay:
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                                             keepalive_expiry=CLIENT_KEEP_ALIVE_S))
 
-    async def send(self, method: str, url: str, body: bytes) -> httpx.Response:
-        request = self.client.build_request(method, url, content=body or None, headers=JSON)
+    async def send(self, method: str, url: str, body: bytes, headers: dict | None = None) -> httpx.Response:
+        request = self.client.build_request(method, url, content=body or None, headers={**JSON, **(headers or {})})
         try:
             return await self.client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -92,9 +92,9 @@ class AiohttpRelay:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0), auto_decompress=False)
 
-    async def send(self, method: str, url: str, body: bytes):
+    async def send(self, method: str, url: str, body: bytes, headers: dict | None = None):
         try:
-            return await self.session.request(method, url, data=body or None, headers=JSON)
+            return await self.session.request(method, url, data=body or None, headers={**JSON, **(headers or {})})
         except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as e:
             # Refused, or no connection within sock_connect.
             raise NotDelivered(repr(e)) from None

@@ -87,7 +87,7 @@ def test_requests_spread_over_the_front_ends_with_one_router(server):
 def test_health_and_metrics_agree_from_every_front_end(server):
     seen = set()
     for _ in range(12):
-        r = httpx.get(server.base_url + "/health", headers=CLOSE, timeout=30)
+        r = httpx.get(server.base_url + "/health", headers={**server.headers, **CLOSE}, timeout=30)
         assert r.status_code == 200 and r.json()["status"] == "ok"
         seen.add(tuple(x["url"] for x in r.json()["replicas"]))
         m = _metrics(server.base_url, server.headers)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from pagedserve.engine.async_engine import EngineDeadError, RequestStream
+from pagedserve.entrypoints.openai.chat_tokens import SpecialTokenInContent, render_chat_ids
 from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                     ChatCompletionRequest, ChatCompletionResponse,
                                                     ChatLogprobs, ChatResponseMessage,
@@ -34,19 +35,21 @@ class OpenAIServingChat(OpenAIServing):
                 msg["name"] = m.name
             messages.append(msg)
         try:
-            text = tok.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
-                                           tokenize=False)
+            return render_chat_ids(tok, messages, req.add_generation_prompt)
+        except SpecialTokenInContent as e:
+            raise APIError(str(e), param=str(e).split(":", 1)[0]) from None
         except Exception as e:  # jinja raises for conversations its template refuses
             raise APIError(f"messages could not be rendered by the chat template: {e}",
                            param="messages") from None
-        # The template already holds any special tokens it wants (BOS and all).
-        return list(tok(text, add_special_tokens=False).input_ids)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Any):
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_choices(1, req.n)
+        self.check_text_length(sum(len(m.content) if isinstance(m.content, str) else
+                                   sum(len(p.text) + 1 for p in m.content or []) for m in req.messages),
+                               "messages")
         prompt_ids = await self.engine.run(self._render, req)
         if req.max_completion_tokens is not None:
             max_tokens, tokens_param = req.max_completion_tokens, "max_completion_tokens"

@@ -1,0 +1,50 @@
+"""Admission control: a bounded queue in front of the engine.
+
+Without it every request is queued however many there are (20,000 at once all waited, and
+the API process grew by 680 MB). Here a request is admitted while the engine holds fewer than
+max_num_seqs + max_waiting_requests requests (what can run in one batch, plus the waiting
+queue); beyond that it answers 503 with `Retry-After` and counts in
+`pagedserve:rejected_requests_total{reason="queue_full"}`.
+
+The default queue (`--max-waiting-requests` unset) is the KV cache's size in blocks: every
+waiting request needs at least one block to start, so a longer queue could not be admitted
+even if each were one block long; it is never below max_num_seqs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import Counter
+
+from pagedserve.entrypoints.openai.serving_common import APIError
+
+RETRY_AFTER_S = 1
+
+
+def default_max_waiting(num_gpu_blocks: int, max_num_seqs: int) -> int:
+    return max(num_gpu_blocks, max_num_seqs)
+
+
+class Admission:
+    def __init__(self, engine: Any, max_waiting_requests: int | None = None) -> None:
+        blocks, _ = engine.kv_cache_shape
+        max_num_seqs = engine.max_num_seqs
+        if max_waiting_requests is None:
+            max_waiting_requests = default_max_waiting(blocks, max_num_seqs)
+        if max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {max_waiting_requests}")
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self.limit = max_num_seqs + max_waiting_requests
+        self.rejected = Counter("pagedserve:rejected_requests", "Requests answered 503 at admission.",
+                                ["reason"], registry=engine.metrics.registry)
+        self.rejected.labels("queue_full")
+
+    def check(self, new_requests: int = 1) -> None:
+        """Raise a 503 (Retry-After) unless new_requests more fit in the engine's queue."""
+        if self.engine.num_unfinished_requests + new_requests > self.limit:
+            self.rejected.labels("queue_full").inc()
+            raise APIError(f"the server is at capacity ({self.engine.num_unfinished_requests} requests "
+                           f"running or waiting; the limit is max_num_seqs + --max-waiting-requests "
+                           f"= {self.limit}); retry later", 503, type="server_error",
+                           code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
