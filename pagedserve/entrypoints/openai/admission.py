@@ -1,10 +1,11 @@
 """Admission control: a bounded queue in front of the engine.
 
 Without it every request is queued however many there are (20,000 at once all waited, and
-the API process grew by 680 MB). Here a request is admitted while the engine holds fewer than
-max_num_seqs + max_waiting_requests requests (what can run in one batch, plus the waiting
-queue); beyond that it answers 503 with `Retry-After` and counts in
-`pagedserve:rejected_requests_total{reason="queue_full"}`.
+the API process grew by 680 MB). Here an HTTP request is admitted while fewer than
+max_num_seqs + max_waiting_requests are in the server (what can run in one batch, plus the
+waiting queue), counted from admission, before tokenization, to the end of the response (so a
+burst that arrives at once is counted as it arrives); beyond that it answers 503 with
+`Retry-After` and counts in `pagedserve:rejected_requests_total{reason="queue_full"}`.
 
 The default queue (`--max-waiting-requests` unset) is the KV cache's size in blocks: every
 waiting request needs at least one block to start, so a longer queue could not be admitted
@@ -12,7 +13,7 @@ even if each were one block long; it is never below max_num_seqs.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from prometheus_client import Counter
 
@@ -39,12 +40,23 @@ class Admission:
         self.rejected = Counter("pagedserve:rejected_requests", "Requests answered 503 at admission.",
                                 ["reason"], registry=engine.metrics.registry)
         self.rejected.labels("queue_full")
+        self.in_flight = 0
 
-    def check(self, new_requests: int = 1) -> None:
-        """Raise a 503 (Retry-After) unless new_requests more fit in the engine's queue."""
-        if self.engine.num_unfinished_requests + new_requests > self.limit:
+    def admit(self) -> Callable[[], None]:
+        """Count one request in, or raise a 503 (Retry-After); call the returned release() once
+        its response has ended (idempotent)."""
+        if self.in_flight >= self.limit:
             self.rejected.labels("queue_full").inc()
-            raise APIError(f"the server is at capacity ({self.engine.num_unfinished_requests} requests "
-                           f"running or waiting; the limit is max_num_seqs + --max-waiting-requests "
-                           f"= {self.limit}); retry later", 503, type="server_error",
-                           code="server_overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+            raise APIError(f"the server is at capacity ({self.in_flight} requests running or waiting; the "
+                           f"limit is max_num_seqs + --max-waiting-requests = {self.limit}); retry later",
+                           503, type="server_error", code="server_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)})
+        self.in_flight += 1
+        done = False
+
+        def release() -> None:
+            nonlocal done
+            if not done:
+                done = True
+                self.in_flight -= 1
+        return release

@@ -87,27 +87,37 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len,
                                          vocab_size=engine.vocab_size)])
 
-    async def respond(result: Any) -> Response:
+    async def released(chunks: Any, release) -> Any:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        finally:
+            release()
+
+    async def respond(create: Any, body: Any, request: Request) -> Response:
+        """Admit the request (or 503), await the handler; the admission ends with the response."""
+        release = admission.admit()
+        try:
+            result = await create(body, request)
+        except ClientDisconnected:
+            release()
+            return Response(status_code=499)
+        except BaseException:
+            release()
+            raise
         if hasattr(result, "model_dump_json"):
+            release()
             return Response(result.model_dump_json(), media_type="application/json")
-        return StreamingResponse(result, media_type="text/event-stream",
+        return StreamingResponse(released(result, release), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        admission.check()
-        try:
-            return await respond(await completion.create(body, request))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await respond(completion.create, body, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        admission.check()
-        try:
-            return await respond(await chat.create(body, request))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await respond(chat.create, body, request)
 
     app.include_router(dashboard_router(engine, api_key))
     # The last one added runs first: the key is checked before any body is read.

@@ -50,8 +50,9 @@ class BodyLimitMiddleware:
             try:
                 message = await asyncio.wait_for(receive(), self.read_timeout_s)
             except asyncio.TimeoutError:
-                return await error_response(408, f"request body not received within {self.read_timeout_s:.0f} s",
-                                            code="request_timeout")(scope, receive, send)
+                return await error_response(408, f"request body not received within {self.read_timeout_s:g} s",
+                                            code="request_timeout",
+                                            headers={"Connection": "close"})(scope, receive, send)
             if message["type"] == "http.disconnect":
                 return
             body = message.get("body", b"")
