@@ -173,7 +173,7 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
                                      media_type=resp.content_type,
                                      headers={"Cache-Control": "no-cache"})
         data = b"".join([c async for c in resp.chunks])
-        return Response(data, status_code=resp.status, media_type=resp.content_type)
+        return Response(data, status_code=resp.status, media_type=resp.content_type, headers=resp.headers)
 
     # Only the routes the front end serves are relayed: nothing else of a replica (its
     # dashboard, /kv_cache, /metrics, /openapi.json) is reachable through the front end.

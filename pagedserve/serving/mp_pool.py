@@ -30,12 +30,13 @@ from pagedserve.serving.relay_clients import RELAY_CLIENTS, Lost, NotDelivered, 
 
 logger = logging.getLogger("pagedserve.dp")
 
-def _engine_dead(body: bytes) -> bool:
-    """Whether a replica's 503 says its engine core is gone (api_server.py's code engine_dead)."""
+def _error_code(body: bytes) -> str | None:
+    """The code of a replica's OpenAI error body: engine_dead (its core is gone),
+    server_overloaded (its admission queue is full), ..."""
     try:
-        return json.loads(body)["error"]["code"] == "engine_dead"
+        return json.loads(body)["error"]["code"]
     except (ValueError, KeyError, TypeError):
-        return False
+        return None
 
 
 def _die_with_parent() -> None:
@@ -108,8 +109,14 @@ class RelayingPool:
     async def forward(self, method: str, path: str, body: bytes,
                       prefix_hashes: Sequence[bytes]) -> ReplicaResponse:
         relay, tried = self._relay, set()
+        overloaded: ReplicaResponse | None = None
         while True:
-            index, url = await self._acquire(prefix_hashes, tried)
+            try:
+                index, url = await self._acquire(prefix_hashes, tried)
+            except NoReplicaAvailable:
+                if overloaded is not None:  # every replica is full: its 503 and Retry-After
+                    return overloaded
+                raise
             try:
                 resp = await relay.send(method, url + path, body, self.replica_headers)
             except NotDelivered as e:  # safe to send elsewhere
@@ -140,15 +147,22 @@ class RelayingPool:
                 # went away): closing the connection tells the replica to abort the request.
                 self._release(index)
                 await relay.close(resp, complete=complete)
-            if status == 503 and _engine_dead(data):
+            code = _error_code(data) if status == 503 else None
+            if code == "engine_dead":
                 # The replica's engine core died: it answers 503 at once (and so looks least
                 # loaded) for a few seconds before its process exits. The request never ran
                 # there: take the replica out of routing and send the request elsewhere.
                 tried.add(index)
                 self._down(index, "its engine core died (503 engine_dead)")
                 continue
+            retry_after = relay.retry_after(resp)
+            headers = {"Retry-After": retry_after} if retry_after else {}
+            if code == "server_overloaded":  # its queue is full; the request never started there
+                tried.add(index)
+                overloaded = ReplicaResponse(status, content_type, one_chunk(data), headers)
+                continue
             self._delivered(index)
-            return ReplicaResponse(status, content_type, one_chunk(data))
+            return ReplicaResponse(status, content_type, one_chunk(data), headers)
 
     async def _stream(self, index: int, resp) -> AsyncIterator[bytes]:
         """The replica's bytes as they arrive; a replica lost mid-stream ends it with an error event."""

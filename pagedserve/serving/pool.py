@@ -1,7 +1,7 @@
 """What the DP front end needs from a set of replicas, whatever runs them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
 from prometheus_client.core import Metric
@@ -23,6 +23,7 @@ class ReplicaResponse:
     status: int
     content_type: str
     chunks: AsyncIterator[bytes]
+    headers: dict[str, str] = field(default_factory=dict)  # passed on to the client (Retry-After)
 
 
 class ReplicaPool(Protocol):

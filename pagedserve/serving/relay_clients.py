@@ -65,6 +65,10 @@ class HttpxRelay:
     def head(resp: httpx.Response) -> tuple[int, str]:
         return resp.status_code, resp.headers.get("content-type", "application/json")
 
+    @staticmethod
+    def retry_after(resp: httpx.Response) -> str | None:
+        return resp.headers.get("retry-after")
+
     async def read(self, resp: httpx.Response) -> bytes:
         try:
             return await resp.aread()
@@ -104,6 +108,10 @@ class AiohttpRelay:
     @staticmethod
     def head(resp) -> tuple[int, str]:
         return resp.status, resp.headers.get("content-type", "application/json")
+
+    @staticmethod
+    def retry_after(resp) -> str | None:
+        return resp.headers.get("retry-after")
 
     async def read(self, resp) -> bytes:
         try:

@@ -38,7 +38,8 @@ class BodyLimitMiddleware:
                                  code="request_too_large")
         headers = dict(scope.get("headers", []))
         media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
-        if media_type != b"application/json":
+        has_body = headers.get(b"content-length", b"0") != b"0" or b"transfer-encoding" in headers
+        if media_type != b"application/json" and has_body:
             return await error_response(
                 415, f"Content-Type must be application/json, got {media_type.decode('latin-1') or 'none'!r}",
                 code="unsupported_media_type")(scope, receive, send)
