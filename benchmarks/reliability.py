@@ -67,7 +67,8 @@ class Server:
     def busy(self) -> float:
         """Requests running or waiting on every engine. A DP front end's replicas are read
         directly: its merged /metrics leaves out a replica that is slow to answer."""
-        h = httpx.get(self.base + "/health", headers=AUTH, timeout=30).json()
+        r = httpx.get(self.base + "/health", headers=AUTH, timeout=30)
+        h = r.json() if r.content else {}  # the single server's /health has no body
         urls = [r["url"] for r in h["replicas"]] if "replicas" in h else [self.base]
         total = 0.0
         for url in urls:
