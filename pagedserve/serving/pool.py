@@ -12,8 +12,8 @@ class NoReplicaAvailable(RuntimeError):
 
 
 class ReplicaFailed(RuntimeError):
-    """The replica serving this request died before it answered: answered 503, not retried
-    (the request may have run there)."""
+    """The replica serving this request died before it answered, and it could not be sent
+    elsewhere: answered 503."""
 
 
 @dataclass
