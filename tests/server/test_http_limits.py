@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import socket
 import threading
 import time
@@ -105,3 +106,13 @@ def test_past_the_connection_cap_requests_get_503_and_a_log_line(limited, caplog
     while _get(limited) != 200:  # the held ones are gone: served again
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_second_signal_forces_the_exit():
+    """The first SIGTERM drains; a second one (of any kind: uvicorn forces only on a second
+    SIGINT) stops waiting at once."""
+    server = make_server(_ok, "127.0.0.1", free_port())
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.should_exit and not server.force_exit
+    server.handle_exit(signal.SIGTERM, None)
+    assert server.force_exit
