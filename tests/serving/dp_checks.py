@@ -81,7 +81,8 @@ N_LOAD = 32
 
 def check_kill_under_load(server, recovered) -> None:
     """SIGKILL one replica with requests in flight on both: in flight there, a clean 503 or
-    SSE error; everything else is served; /health degraded until `recovered(health)`."""
+    SSE error (mp: only streams that had started; the rest are retried on the survivor and
+    served); everything else is served; /health degraded until `recovered(health)`."""
     results: list[tuple[str, int, object]] = []
 
     def one(i: int) -> None:

@@ -186,7 +186,10 @@ def test_a_replica_whose_core_died_is_routed_around(mp_server):
             r = c.post("/v1/completions", json={"model": MODEL, "prompt": [500 + i] * 20, "max_tokens": 2})
             statuses.append((r.status_code, r.text[:200]))
     assert all(code == 200 for code, _ in statuses), [s for s in statuses if s[0] != 200][:3]
-    assert mp_server.health()[1]["status"] == "degraded"  # (it restarts meanwhile: not awaited)
+    h = mp_server.health()[1]
+    assert h["status"] == "degraded"  # (it restarts meanwhile: not awaited)
+    # Nothing was served there after the kill: its one 503 took it out of routing.
+    assert next(r for r in h["replicas"] if r["replica"] == "0")["routed"] == victim["routed"]
 
 
 def test_sigterm_ends_the_front_end_and_its_requests_cleanly(mp_server):
