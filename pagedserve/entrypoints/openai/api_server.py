@@ -49,6 +49,21 @@ _error = error_response
 _install_error_handlers = install_error_handlers
 
 
+class _AdmittedStream(StreamingResponse):
+    """A stream that ends its admission when the response ends, however it ends (a client that
+    leaves before the first chunk included: then the body iterator never starts)."""
+
+    def __init__(self, content: Any, release: Any, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20, allowed_hosts: list[str] | None = None,
               max_waiting_requests: int | None = None) -> FastAPI:
@@ -87,13 +102,6 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len,
                                          vocab_size=engine.vocab_size)])
 
-    async def released(chunks: Any, release) -> Any:
-        try:
-            async for chunk in chunks:
-                yield chunk
-        finally:
-            release()
-
     async def respond(create: Any, body: Any, request: Request) -> Response:
         """Admit the request (or 503), await the handler; the admission ends with the response."""
         release = admission.admit()
@@ -108,8 +116,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         if hasattr(result, "model_dump_json"):
             release()
             return Response(result.model_dump_json(), media_type="application/json")
-        return StreamingResponse(released(result, release), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _AdmittedStream(result, release, media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
