@@ -134,7 +134,8 @@ def register_serve(sub) -> None:
                         "and --host; with a wildcard --host also this machine's names and any IP)")
     p.add_argument("--max-waiting-requests", type=_at_least(0), default=None,
                    help="requests that may wait beyond the max_num_seqs that run; more answer 503 "
-                        "with Retry-After (default: the KV cache's size in blocks, at least max_num_seqs)")
+                        "with Retry-After (default: the KV cache's size in blocks, at most 8 x "
+                        "max_num_seqs and at least max_num_seqs)")
     p.add_argument("--shutdown-timeout", type=_at_least(0, float), default=10.0,
                    help="on SIGTERM/SIGINT, seconds requests in flight get to finish before they are "
                         "ended (streams: an error event and [DONE]; others: 503); a second signal "

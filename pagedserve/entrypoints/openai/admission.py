@@ -7,9 +7,11 @@ waiting queue), counted from admission, before tokenization, to the end of the r
 burst that arrives at once is counted as it arrives); beyond that it answers 503 with
 `Retry-After` and counts in `pagedserve:rejected_requests_total{reason="queue_full"}`.
 
-The default queue (`--max-waiting-requests` unset) is the KV cache's size in blocks: every
+The default queue (`--max-waiting-requests` unset) is the KV cache's size in blocks (every
 waiting request needs at least one block to start, so a longer queue could not be admitted
-even if each were one block long; it is never below max_num_seqs.
+even if each were one block long), at most MAX_BATCHES_WAITING batches deep (a deeper queue
+only adds latency: each batch takes about one request's lifetime to drain; and each waiting
+request holds API-process memory, about 35 KB), never below max_num_seqs.
 """
 from __future__ import annotations
 
@@ -20,10 +22,11 @@ from prometheus_client import Counter
 from pagedserve.entrypoints.openai.serving_common import APIError
 
 RETRY_AFTER_S = 1
+MAX_BATCHES_WAITING = 8
 
 
 def default_max_waiting(num_gpu_blocks: int, max_num_seqs: int) -> int:
-    return max(num_gpu_blocks, max_num_seqs)
+    return max(max_num_seqs, min(num_gpu_blocks, MAX_BATCHES_WAITING * max_num_seqs))
 
 
 class Admission:
