@@ -76,6 +76,7 @@ class AsyncLLMEngine:
         self.vocab_size = ready.vocab_size
         self.eos_token_ids = set(ready.eos_token_ids)
         self._kv_cache_shape = (ready.num_gpu_blocks, ready.block_size)
+        self.max_num_seqs = ready.max_num_seqs
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
         self._requests: dict[str, _RequestState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -99,6 +100,20 @@ class AsyncLLMEngine:
     def kv_cache_shape(self) -> tuple[int, int]:
         """(device blocks, block size): a request needing more than all of it can never run."""
         return self._kv_cache_shape
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests added and not yet released: running or waiting in the core."""
+        return len(self._requests)
+
+    def stop_requests(self, message: str, code: str | None = None) -> None:
+        """End every request in flight with a 503 (their handlers answer it cleanly) and abort
+        them in the core: the server is shutting down."""
+        err = EngineDeadError(message, status=503, code=code)
+        ids = list(self._requests)
+        self._fail(ids, err)
+        if self.errored is None and ids:
+            self.client.abort_requests(ids)
 
     @property
     def is_running(self) -> bool:

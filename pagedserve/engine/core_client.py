@@ -53,9 +53,10 @@ class EngineDeadError(RuntimeError):
     """The requests in flight were lost: a step raised (status 500, the core lives on) or the
     engine-core process died (status 503, nothing will be served again)."""
 
-    def __init__(self, message: str, status: int = 500) -> None:
+    def __init__(self, message: str, status: int = 500, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code  # None: engine_dead for 503s (serving_common.engine_error)
 
 
 @dataclass

@@ -129,17 +129,29 @@ def register_serve(sub) -> None:
     p.add_argument("--port", type=port_number, default=8000, help="TCP port to listen on")
     p.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` on /v1/* (default: $PAGEDSERVE_API_KEY "
-                        "if set, else no key)")
+                        "if set, else no key; an empty key is an error)")
     p.add_argument("--max-request-bytes", type=_at_least(1), default=1 << 20,
                    help="larger request bodies are answered 413")
+    p.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                   help="Host headers answered; others get 400 (DNS rebinding). '*': any; "
+                        "'ip-address': any IP; '*.example.com': its subdomains (default: localhost "
+                        "and --host; with a wildcard --host also this machine's names and any IP)")
+    p.add_argument("--max-waiting-requests", type=_at_least(0), default=None,
+                   help="requests that may wait beyond the max_num_seqs that run; more answer 503 "
+                        "with Retry-After (default: the KV cache's size in blocks, at most 8 x "
+                        "max_num_seqs and at least max_num_seqs)")
+    p.add_argument("--shutdown-timeout", type=_at_least(0, float), default=10.0,
+                   help="on SIGTERM/SIGINT, seconds requests in flight get to finish before they are "
+                        "ended (streams: an error event and [DONE]; others: 503); a second signal "
+                        "exits at once")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="do not log a line per HTTP request")
     add_engine_args(p)
-    from pagedserve.serving.launch import add_dp_args  # hook (issue #15)
+    from pagedserve.serving.dp_args import add_dp_args  # hook (issue #15)
     add_dp_args(p)
 
     def run(args):
-        from pagedserve.entrypoints.openai.api_server import run_server_cli
+        from pagedserve.serving.launch import run_server_cli
         return run_server_cli(args)
     p.set_defaults(func=run)
 

@@ -1,7 +1,9 @@
-"""`pagedserve serve --data-parallel-size N`: flags, replica placement, and start-up.
+"""`pagedserve serve`: the one entry that picks the single engine, the mp front end or Ray.
 
 DP x TP on one host (mp): replica i gets GPUs [i*TP, (i+1)*TP) of the visible ones through
-CUDA_VISIBLE_DEVICES; on CPU every replica runs on the CPU.
+CUDA_VISIBLE_DEVICES; on CPU every replica runs on the CPU. The mp replicas listen on loopback
+and take a key of their own, made per launch ($PAGEDSERVE_REPLICA_API_KEY if set: tests and
+operators who call a replica directly): no other local process can use them.
 """
 from __future__ import annotations
 
@@ -9,91 +11,21 @@ import argparse
 import dataclasses
 import logging
 import os
+import secrets
 import sys
 from typing import Any
 
 from pagedserve.config import EngineConfig
-from pagedserve.entrypoints.http_stack import SERVER_KEEP_ALIVE_S
-from pagedserve.serving.routing import ROUTING_POLICIES, make_policy
+from pagedserve.serving.dp_args import (DP_BACKENDS, REPLICA_KEY_ENV, add_dp_args,  # noqa: F401
+                                        autoscaling_overrides, check_dp_args, wants_dp)
+from pagedserve.serving.prefix_key import load_tokenizer, load_tokenizer_path, tokenizer_path  # noqa: F401
+from pagedserve.serving.routing import make_policy
 
 logger = logging.getLogger("pagedserve.dp")
 
-DP_BACKENDS = ("mp", "ray")
 
-
-def add_dp_args(parser: argparse.ArgumentParser) -> None:
-    """The data-parallel flags of `pagedserve serve` (vLLM's names where vLLM has one)."""
-    g = parser.add_argument_group("data parallel")
-    g.add_argument("--data-parallel-size", type=int, default=1,
-                   help="engine replicas behind the one endpoint, each with its own KV cache")
-    g.add_argument("--data-parallel-backend", default="mp", choices=DP_BACKENDS,
-                   help="mp: local processes; ray: Ray Serve deployments on a Ray cluster")
-    g.add_argument("--routing-policy", default="prefix", choices=ROUTING_POLICIES,
-                   help="prefix: the replica holding the request's prefix, unless its queue is "
-                        "too long; round-robin: replicas in turn")
-    g.add_argument("--routing-imbalance-threshold", type=int, default=8,
-                   help="prefix routing leaves a prefix's replica when it has more than this "
-                        "many requests in flight above the least-loaded replica")
-    g.add_argument("--api-server-count", type=int, default=1,
-                   help="mp backend: front-end processes on the one port, relaying in parallel; "
-                        "routing stays in the first (see serving/relay_worker.py)")
-    g.add_argument("--ray-address", default=None,
-                   help="Ray cluster to join (ray backend; default: start a local one)")
-    g.add_argument("--min-replicas", type=int, default=None,
-                   help="ray backend: autoscale between --min-replicas and --max-replicas")
-    g.add_argument("--max-replicas", type=int, default=None,
-                   help="ray backend: the most replicas autoscaling may start")
-    g.add_argument("--ray-autoscaling-config", default=None, metavar="JSON",
-                   help="ray backend with --min/--max-replicas: more Ray Serve autoscaling_config "
-                        "fields as a JSON object, e.g. '{\"upscale_delay_s\": 10, "
-                        "\"downscale_delay_s\": 120}' (default target_ongoing_requests: "
-                        "max_num_seqs / 2)")
-
-
-def wants_dp(args: argparse.Namespace) -> bool:
-    return getattr(args, "data_parallel_size", 1) != 1 or \
-        getattr(args, "data_parallel_backend", "mp") == "ray"
-
-
-def check_dp_args(args: argparse.Namespace) -> None:
-    if args.data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be >= 1, got {args.data_parallel_size}")
-    if args.api_server_count < 1:
-        raise ValueError(f"api_server_count must be >= 1, got {args.api_server_count}")
-    if args.api_server_count > 1 and args.data_parallel_backend != "mp":
-        raise ValueError("api_server_count > 1 is for --data-parallel-backend mp (Ray Serve runs its own proxies)")
-    if args.routing_imbalance_threshold < 0:
-        raise ValueError(f"routing_imbalance_threshold must be >= 0, got "
-                         f"{args.routing_imbalance_threshold}")
-    if (args.min_replicas is None) != (args.max_replicas is None):
-        raise ValueError("min_replicas and max_replicas go together")
-    if args.min_replicas is not None:
-        if args.data_parallel_backend != "ray":
-            raise ValueError("min_replicas/max_replicas (autoscaling) need --data-parallel-backend ray")
-        if not 1 <= args.min_replicas <= args.max_replicas:
-            raise ValueError(f"need 1 <= min_replicas <= max_replicas, got {args.min_replicas} "
-                             f"and {args.max_replicas}")
-    autoscaling_overrides(args)
-
-
-def autoscaling_overrides(args: argparse.Namespace) -> dict:
-    """--ray-autoscaling-config as a dict ({} when not given); ValueError when malformed."""
-    text = getattr(args, "ray_autoscaling_config", None)
-    if text is None:
-        return {}
-    if args.min_replicas is None:
-        raise ValueError("ray_autoscaling_config needs --min-replicas and --max-replicas")
-    import json
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"ray_autoscaling_config: not JSON ({e})") from None
-    if not isinstance(value, dict):
-        raise ValueError("ray_autoscaling_config: must be a JSON object")
-    for key in ("min_replicas", "max_replicas"):
-        if key in value:
-            raise ValueError(f"ray_autoscaling_config: set {key} with --{key.replace('_', '-')}")
-    return value
+def replica_api_key() -> str:
+    return os.environ.get(REPLICA_KEY_ENV) or "sk-replica-" + secrets.token_urlsafe(24)
 
 
 def engine_flags(config: EngineConfig) -> list[str]:
@@ -136,8 +68,9 @@ def gpu_groups(dp: int, tp: int, device: str) -> list[str | None]:
     return [",".join(ids[i * tp:(i + 1) * tp]) for i in range(dp)]
 
 
-def replica_commands(config: EngineConfig, dp: int, served_name: str,
-                     max_request_bytes: int) -> list[tuple[list[str], dict[str, str], int]]:
+def replica_commands(config: EngineConfig, dp: int, served_name: str, max_request_bytes: int,
+                     replica_key: str, server_flags: list[str] = ()) -> list[tuple[list[str], dict[str, str], int]]:
+    """server_flags: the `serve` flags (not engine flags) every replica takes as given."""
     from pagedserve.runner.dist_env import free_port
     groups = gpu_groups(dp, config.tensor_parallel_size, config.device)
     out = []
@@ -145,37 +78,29 @@ def replica_commands(config: EngineConfig, dp: int, served_name: str,
         port = free_port()
         cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", config.model,
                "--host", "127.0.0.1", "--port", str(port), "--served-model-name", served_name,
-               "--max-request-bytes", str(max_request_bytes), *engine_flags(config)]
+               "--max-request-bytes", str(max_request_bytes), *server_flags, *engine_flags(config)]
         env = dict(os.environ)
-        env.pop("PAGEDSERVE_API_KEY", None)  # replicas listen on loopback only, keyless
+        # Loopback only, and a key of their own (through the environment, never argv).
+        env["PAGEDSERVE_API_KEY"] = replica_key
         if groups[i] is not None:
             env["CUDA_VISIBLE_DEVICES"] = groups[i]
         out.append((cmd, env, port))
     return out
 
 
-def tokenizer_path(config: EngineConfig) -> str | None:
-    return None if config.skip_tokenizer_init else (config.tokenizer or config.model)
-
-
-def load_tokenizer_path(path: str | None) -> Any:
-    """The replicas' tokenizer, for routing keys; None without one (skip_tokenizer_init: then
-    only token-id prompts have a key, text prompts are routed by load)."""
-    if path is None:
-        return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
-
-
-def load_tokenizer(config: EngineConfig) -> Any:
-    return load_tokenizer_path(tokenizer_path(config))
+def _server_flags(args: argparse.Namespace) -> list[str]:
+    """The replica-side `serve` flags of the front end's command line."""
+    out = ["--shutdown-timeout", str(args.shutdown_timeout)]
+    if args.max_waiting_requests is not None:
+        out += ["--max-waiting-requests", str(args.max_waiting_requests)]
+    return out
 
 
 def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_name: str,
                       api_key: str | None) -> int:
     """Serve N replicas of config behind one endpoint until interrupted."""
-    import uvicorn
-
+    from pagedserve.entrypoints.http_server import make_server
+    from pagedserve.entrypoints.openai.middleware import default_allowed_hosts
     from pagedserve.serving.frontend import build_dp_app
 
     check_dp_args(args)
@@ -184,26 +109,94 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
         from pagedserve.serving.ray_app import run_ray_server
         return run_ray_server(args, config, served_name, api_key, policy)
     from pagedserve.serving.mp_pool import ProcessReplicaPool
+    replica_key = replica_api_key()
     pool = ProcessReplicaPool(replica_commands(config, args.data_parallel_size, served_name,
-                                               args.max_request_bytes), policy)
+                                               args.max_request_bytes, replica_key, _server_flags(args)),
+                              policy, replica_key=replica_key)
+    allowed = args.allowed_hosts or default_allowed_hosts(args.host)
     hooks = {}
     if args.api_server_count > 1:
         from pagedserve.serving.relay_worker import relay_worker_hooks
         hooks = relay_worker_hooks(pool, args.api_server_count, args.host, args.port, tokenizer_path(config),
-                                   config.block_size, args.max_request_bytes, api_key)
+                                   config.block_size, args.max_request_bytes, api_key, replica_key,
+                                   allowed, args.shutdown_timeout)
     app = build_dp_app(pool, load_tokenizer(config), config.block_size, api_key=api_key,
-                       max_request_bytes=args.max_request_bytes, **hooks)
+                       max_request_bytes=args.max_request_bytes, allowed_hosts=allowed, **hooks)
     logging.basicConfig(level=logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request
     from pagedserve.entrypoints.http_stack import describe
     logger.info("serving %s with %d replicas (mp, %s routing, relayed with %s by %d front-end process(es); %s) "
                 "on http://%s:%d/v1", served_name, args.data_parallel_size, policy.name, pool.relay_client,
                 args.api_server_count, describe(), args.host, args.port)
+    server = make_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
+                         on_drain_timeout=app.state.drain.expire,
+                         access_log=not args.disable_uvicorn_access_log)
     if args.api_server_count == 1:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info", timeout_keep_alive=SERVER_KEEP_ALIVE_S)
+        server.run()
         return 0
     from pagedserve.serving.relay_worker import reuse_port_socket
     sock = reuse_port_socket(args.host, args.port)  # the relay workers bind the same port
-    uvicorn.Server(uvicorn.Config(app, log_level="info", timeout_keep_alive=SERVER_KEEP_ALIVE_S)).run(sockets=[sock])
+    server.run(sockets=[sock])
     return 0
 
+
+DEMO_MODEL_NAME = "pagedserve-demo"
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """A taken port is a one-line error before the model loads, not a bind failure after."""
+    import socket
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+            s.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror or e})") from None
+
+
+def resolve_api_key(args: argparse.Namespace) -> str | None:
+    """--api-key, else $PAGEDSERVE_API_KEY, else none; an empty key is an error, not 'no auth'."""
+    if args.api_key is not None:
+        if not args.api_key.strip():
+            raise ValueError("api_key: empty; give a non-empty key, or leave --api-key out to serve without one")
+        return args.api_key
+    env = os.environ.get("PAGEDSERVE_API_KEY")
+    if env is not None and not env.strip():
+        raise ValueError("PAGEDSERVE_API_KEY is set but empty; unset it to serve without a key")
+    return env
+
+
+def run_server_cli(args: Any) -> int:
+    """`pagedserve serve`: build the engine config from the flags, then serve it with one engine,
+    mp replicas or Ray."""
+    from pagedserve.engine_args import engine_config_from_args
+
+    if args.model_pos and args.model and args.model_pos != args.model:
+        raise ValueError(f"MODEL ({args.model_pos!r}) and --model ({args.model!r}) disagree")
+    model = args.model_pos or args.model
+    default_name = model
+    if model is None:
+        try:
+            from pagedserve.demo_model import DEMO_MODEL_DIR
+        except ImportError:
+            raise ValueError("no MODEL given and the bundled demo model is not installed") from None
+        model, default_name = str(DEMO_MODEL_DIR), DEMO_MODEL_NAME
+    if args.max_request_bytes < 1:
+        raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
+    api_key = resolve_api_key(args)
+    config = engine_config_from_args(args, model)
+    logging.basicConfig(level=logging.INFO)
+    _check_can_listen(args.host, args.port)
+    # Each connection is a file descriptor: at the soft limit uvloop resets new connections
+    # (clients see httpx ReadError). Raised before the engine core and DP replicas start, so
+    # they inherit it; the relay workers raise their own.
+    from pagedserve.entrypoints.fd_limit import fd_limit_note, raise_fd_limit
+    logger.info("%s", fd_limit_note(raise_fd_limit()))
+    name = args.served_model_name or default_name
+    if wants_dp(args):
+        return run_dp_server_cli(args, config, name, api_key)
+    if getattr(args, "api_server_count", 1) != 1:
+        raise ValueError("api_server_count > 1 needs --data-parallel-size > 1 (the front end's relay processes)")
+    from pagedserve.entrypoints.openai.api_server import run_single_server
+    return run_single_server(args, config, name, api_key)

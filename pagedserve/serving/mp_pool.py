@@ -5,29 +5,42 @@ HTTP, and supervises: a replica whose process exits is marked down at once (its 
 forgotten), restarted with the same port and GPUs, and marked live when its /health
 answers 200 again.
 
-Faults: a request that could not be delivered (connection refused) is sent to another
-replica; one that was delivered and lost its replica fails with ReplicaFailed (non-stream)
-or an SSE error event followed by [DONE] (stream). No request hangs on a dead replica.
+Faults: a request whose client has had nothing of it yet is sent to another replica: one that
+could not be delivered (connection refused), one whose replica went away before answering
+(non-stream) or before the first byte of its stream, one that a replica whose engine core died
+(503 engine_dead) or whose queue is full (503 server_overloaded) refused. A stream whose replica
+dies after its first byte ends with an SSE error event and [DONE]. No request hangs on a dead
+replica.
 """
 from __future__ import annotations
 
 import asyncio
 import ctypes
+import json
 import logging
 import signal
 import subprocess
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Sequence
+from typing import Any, AsyncIterator, Sequence
 
 import httpx
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from pagedserve.entrypoints.openai.serving_common import SSE_DONE, APIError, error_event
+from pagedserve.entrypoints.openai.serving_common import SSE_DONE, APIError, error_event, sse
 from pagedserve.serving.pool import NoReplicaAvailable, ReplicaFailed, ReplicaResponse, one_chunk
 from pagedserve.serving.relay_clients import RELAY_CLIENTS, Lost, NotDelivered, default_relay_client, make_relay
 
 logger = logging.getLogger("pagedserve.dp")
+
+def _error_code(body: bytes) -> str | None:
+    """The code of a replica's OpenAI error body: engine_dead (its core is gone),
+    server_overloaded (its admission queue is full), ..."""
+    try:
+        return json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
 
 def _die_with_parent() -> None:
     """Runs in the child before exec: SIGTERM it when the front end dies (Linux)."""
@@ -77,6 +90,8 @@ class RelayingPool:
 
     relay_client: str
     _relay = None  # relay_clients.HttpxRelay | AiohttpRelay, from start()
+    # Sent with every relayed request: the replicas' own key (launch.py makes one per launch).
+    replica_headers: dict[str, str] = {}
 
     async def _acquire(self, prefix_hashes: Sequence[bytes], tried: set[int]) -> tuple[int, str]:
         raise NotImplementedError
@@ -96,51 +111,108 @@ class RelayingPool:
 
     async def forward(self, method: str, path: str, body: bytes,
                       prefix_hashes: Sequence[bytes]) -> ReplicaResponse:
-        relay, tried = self._relay, set()
+        return await self._forward(method, path, body, prefix_hashes, set())
+
+    async def _forward(self, method: str, path: str, body: bytes, prefix_hashes: Sequence[bytes],
+                       tried: set[int]) -> ReplicaResponse:
+        """Routes, relays, and retries on another replica whatever the client has had nothing of
+        yet (tried: the replicas this request already failed on)."""
+        relay = self._relay
+        overloaded: ReplicaResponse | None = None
         while True:
-            index, url = await self._acquire(prefix_hashes, tried)
             try:
-                resp = await relay.send(method, url + path, body)
-            except NotDelivered as e:  # safe to send elsewhere
+                index, url = await self._acquire(prefix_hashes, tried)
+            except NoReplicaAvailable:
+                if overloaded is not None:  # every replica is full: its 503 and Retry-After
+                    return overloaded
+                raise
+            try:
+                resp = await relay.send(method, url + path, body, self.replica_headers)
+            except (NotDelivered, Lost) as e:
+                # Not delivered, or lost before any answer: the client has had nothing yet,
+                # so the request goes to another replica.
                 self._release(index)
                 tried.add(index)
-                self._down(index, f"connect failed: {e}")
+                self._down(index, f"{'connect failed' if isinstance(e, NotDelivered) else 'request lost'}: {e}")
                 continue
-            except Lost as e:
-                self._release(index)
-                self._down(index, f"request lost: {e}")
-                raise self._failed(index) from None
             except BaseException:
                 self._release(index)
                 raise
-            self._delivered(index)
             status, content_type = relay.head(resp)
             if content_type.startswith("text/event-stream"):
-                return ReplicaResponse(status, content_type, self._stream(index, resp))
+                self._delivered(index)
+
+                def retry() -> Any:
+                    return self._forward(method, path, body, prefix_hashes, tried)
+                tried.add(index)  # (a retry of this stream never comes back here)
+                return ReplicaResponse(status, content_type, self._stream(index, resp, retry))
+            complete = False
             try:
                 data = await relay.read(resp)
+                complete = True
             except Lost as e:
                 self._down(index, f"response lost: {e}")
-                raise self._failed(index) from None
+                tried.add(index)
+                continue  # nothing of it reached the client: another replica serves it
             finally:
+                # Not complete (the client left and this task was cancelled, or the replica
+                # went away): closing the connection tells the replica to abort the request.
                 self._release(index)
-                await relay.close(resp, complete=True)
-            return ReplicaResponse(status, content_type, one_chunk(data))
+                await relay.close(resp, complete=complete)
+            code = _error_code(data) if status == 503 else None
+            if code == "engine_dead":
+                # The replica's engine core died: it answers 503 at once (and so looks least
+                # loaded) for a few seconds before its process exits. The request never ran
+                # there: take the replica out of routing and send the request elsewhere.
+                tried.add(index)
+                self._down(index, "its engine core died (503 engine_dead)")
+                continue
+            retry_after = relay.retry_after(resp)
+            headers = {"Retry-After": retry_after} if retry_after else {}
+            if code == "server_overloaded":  # its queue is full; the request never started there
+                tried.add(index)
+                overloaded = ReplicaResponse(status, content_type, one_chunk(data), headers)
+                continue
+            self._delivered(index)
+            return ReplicaResponse(status, content_type, one_chunk(data), headers)
 
-    async def _stream(self, index: int, resp) -> AsyncIterator[bytes]:
-        """The replica's bytes as they arrive; a replica lost mid-stream ends it with an error event."""
-        complete = False
+    async def _stream(self, index: int, resp, retry=None) -> AsyncIterator[bytes]:
+        """The replica's bytes as they arrive. A replica lost before the first byte: the stream
+        continues from another replica (retry()); lost later, it ends with an error event."""
+        complete = sent = False
+        lost = None
         try:
             async for chunk in self._relay.chunks(resp):
+                sent = True
                 yield chunk
             complete = True
         except Lost as e:
             self._down(index, f"stream lost: {e}")
-            err = APIError(str(self._failed(index)), 503, type="server_error", code="replica_failed")
-            yield (error_event(err) + SSE_DONE).encode()
+            lost = e
         finally:
             self._release(index)
             await self._relay.close(resp, complete)
+        if lost is None:
+            return
+        if not sent and retry is not None:
+            try:
+                again = await retry()
+            except (NoReplicaAvailable, ReplicaFailed):
+                again = None
+            if again is not None:
+                it = again.chunks
+                try:
+                    if again.content_type.startswith("text/event-stream"):
+                        async for chunk in it:
+                            yield chunk
+                    else:  # an error answer (every replica full, ...): as the stream's error event
+                        data = b"".join([c async for c in it])
+                        yield (sse(data.decode(errors="replace")) + SSE_DONE).encode()
+                finally:
+                    await it.aclose()
+                return
+        err = APIError(str(self._failed(index)), 503, type="server_error", code="replica_failed")
+        yield (error_event(err) + SSE_DONE).encode()
 
 
 class ProcessReplicaPool(RelayingPool):
@@ -150,10 +222,12 @@ class ProcessReplicaPool(RelayingPool):
 
     def __init__(self, commands: Sequence[tuple[list[str], dict[str, str], int]], policy,
                  startup_timeout: float = 600.0, poll_interval: float = 0.2,
-                 relay_client: str | None = None) -> None:
+                 relay_client: str | None = None, replica_key: str | None = None) -> None:
         """commands: (argv, env, port) of each replica; argv must serve on 127.0.0.1:port.
         relay_client: aiohttp | httpx, the client that forwards requests (default:
-        default_relay_client()); probes and /metrics always use httpx."""
+        default_relay_client()); probes and /metrics always use httpx. replica_key: the
+        replicas' API key, sent with every relayed request."""
+        self.replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
         self.replicas = [LocalReplica(i, list(c), dict(e), f"http://127.0.0.1:{p}")
                          for i, (c, e, p) in enumerate(commands)]
         self.policy = policy

@@ -1,7 +1,7 @@
 """What the DP front end needs from a set of replicas, whatever runs them."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import AsyncIterator, Protocol, Sequence
 
 from prometheus_client.core import Metric
@@ -12,8 +12,8 @@ class NoReplicaAvailable(RuntimeError):
 
 
 class ReplicaFailed(RuntimeError):
-    """The replica serving this request died before it answered: answered 503, not retried
-    (the request may have run there)."""
+    """The replica serving this request died before it answered, and it could not be sent
+    elsewhere: answered 503."""
 
 
 @dataclass
@@ -23,6 +23,7 @@ class ReplicaResponse:
     status: int
     content_type: str
     chunks: AsyncIterator[bytes]
+    headers: dict[str, str] = field(default_factory=dict)  # passed on to the client (Retry-After)
 
 
 class ReplicaPool(Protocol):

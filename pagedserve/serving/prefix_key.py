@@ -28,19 +28,23 @@ def prefix_block_hashes(token_ids: list[int], block_size: int,
     return hashes
 
 
-def _chat_text(tokenizer: Any, body: dict) -> str | None:
+def _chat_ids(tokenizer: Any, body: dict) -> list[int]:
+    """As the replica's serving_chat renders them (chat_tokens.render_chat_ids)."""
+    from pagedserve.entrypoints.openai.chat_tokens import render_chat_ids
     if not getattr(tokenizer, "chat_template", None):
-        return None
+        return []
     messages = []
     for m in body.get("messages") or []:
         if not isinstance(m, dict):
-            return None
+            return []
         content = m.get("content")
         if isinstance(content, list):
             content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        messages.append({"role": m.get("role", "user"), "content": content or ""})
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=body.get(
-        "add_generation_prompt", True), tokenize=False)
+        msg = {"role": m.get("role", "user"), "content": content or ""}
+        if m.get("name") is not None:
+            msg["name"] = m["name"]
+        messages.append(msg)
+    return render_chat_ids(tokenizer, messages, body.get("add_generation_prompt", True))
 
 
 def request_token_ids(tokenizer: Any, path: str, raw_body: bytes) -> list[int]:
@@ -53,15 +57,31 @@ def request_token_ids(tokenizer: Any, path: str, raw_body: bytes) -> list[int]:
         if path.endswith("/chat/completions"):
             if tokenizer is None:
                 return []
-            text = _chat_text(tokenizer, body)
-            return [] if text is None else list(tokenizer(text, add_special_tokens=False).input_ids)
+            return _chat_ids(tokenizer, body)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]
         if isinstance(prompt, str):
             return [] if tokenizer is None else list(tokenizer(prompt).input_ids)
-        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
-            return prompt
+        if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**31 for t in prompt):
+            return prompt  # (ids outside int32 are the replica's 400 to answer, not a hash error)
     except Exception:  # the router never rejects: a body it cannot read is routed by load
         return []
     return []
+
+
+def tokenizer_path(config: Any) -> str | None:
+    return None if config.skip_tokenizer_init else (config.tokenizer or config.model)
+
+
+def load_tokenizer_path(path: str | None) -> Any:
+    """The replicas' tokenizer, for routing keys; None without one (skip_tokenizer_init: then
+    only token-id prompts have a key, text prompts are routed by load)."""
+    if path is None:
+        return None
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+
+def load_tokenizer(config: Any) -> Any:
+    return load_tokenizer_path(tokenizer_path(config))

@@ -186,7 +186,7 @@ def _ingress_deployment(frontend: dict):
     """The front end as a Serve ingress; frontend holds its settings (plain data)."""
     def build():
         from pagedserve.serving.frontend import build_dp_app
-        from pagedserve.serving.launch import load_tokenizer
+        from pagedserve.serving.prefix_key import load_tokenizer
         app_name = serve.get_replica_context().app_name
         handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)
         return build_dp_app(RayReplicaPool(handle, app_name), load_tokenizer(EngineConfig(**frontend["config"])),
@@ -255,7 +255,7 @@ def app_builder(args: dict):
 def run_ray_server(args: argparse.Namespace, config: EngineConfig, served_name: str,
                    api_key: str | None, policy: Any) -> int:
     """`pagedserve serve --data-parallel-backend ray`: deploy, then serve until interrupted."""
-    from pagedserve.serving.launch import autoscaling_overrides
+    from pagedserve.serving.dp_args import autoscaling_overrides
     logging.basicConfig(level=logging.INFO)
     started_here = args.ray_address is None
     if started_here:

@@ -52,8 +52,8 @@ class HttpxRelay:
                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64,
                                                             keepalive_expiry=CLIENT_KEEP_ALIVE_S))
 
-    async def send(self, method: str, url: str, body: bytes) -> httpx.Response:
-        request = self.client.build_request(method, url, content=body or None, headers=JSON)
+    async def send(self, method: str, url: str, body: bytes, headers: dict | None = None) -> httpx.Response:
+        request = self.client.build_request(method, url, content=body or None, headers={**JSON, **(headers or {})})
         try:
             return await self.client.send(request, stream=True)
         except (httpx.ConnectError, httpx.ConnectTimeout) as e:
@@ -64,6 +64,10 @@ class HttpxRelay:
     @staticmethod
     def head(resp: httpx.Response) -> tuple[int, str]:
         return resp.status_code, resp.headers.get("content-type", "application/json")
+
+    @staticmethod
+    def retry_after(resp: httpx.Response) -> str | None:
+        return resp.headers.get("retry-after")
 
     async def read(self, resp: httpx.Response) -> bytes:
         try:
@@ -92,9 +96,9 @@ class AiohttpRelay:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEP_ALIVE_S),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=5.0), auto_decompress=False)
 
-    async def send(self, method: str, url: str, body: bytes):
+    async def send(self, method: str, url: str, body: bytes, headers: dict | None = None):
         try:
-            return await self.session.request(method, url, data=body or None, headers=JSON)
+            return await self.session.request(method, url, data=body or None, headers={**JSON, **(headers or {})})
         except (aiohttp.ClientConnectorError, asyncio.TimeoutError) as e:
             # Refused, or no connection within sock_connect.
             raise NotDelivered(repr(e)) from None
@@ -104,6 +108,10 @@ class AiohttpRelay:
     @staticmethod
     def head(resp) -> tuple[int, str]:
         return resp.status, resp.headers.get("content-type", "application/json")
+
+    @staticmethod
+    def retry_after(resp) -> str | None:
+        return resp.headers.get("retry-after")
 
     async def read(self, resp) -> bytes:
         try:

@@ -30,7 +30,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from pagedserve.entrypoints.http_stack import SERVER_KEEP_ALIVE_S
+from pagedserve.serving.dp_args import REPLICA_KEY_ENV
 from pagedserve.serving.mp_pool import ProcessReplicaPool, RelayingPool
 from pagedserve.serving.pool import NoReplicaAvailable
 from pagedserve.serving.relay_clients import default_relay_client, make_relay
@@ -146,8 +146,10 @@ class RemoteRoutedPool(RelayingPool):
 
     backend = "mp"
 
-    def __init__(self, route_address: str, worker_name: str, relay_client: str | None = None) -> None:
+    def __init__(self, route_address: str, worker_name: str, relay_client: str | None = None,
+                 replica_key: str | None = None) -> None:
         self.route_address, self.worker_name = route_address, worker_name
+        self.replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
         self.relay_client = relay_client or default_relay_client()
         self._calls = itertools.count()
         self._pending: dict[int, asyncio.Future] = {}
@@ -225,13 +227,22 @@ class RelayWorkers:
     live, restarted if one exits, stopped with the front end."""
 
     def __init__(self, count: int, host: str, port: int, route_address: str, tokenizer: str | None,
-                 block_size: int, max_request_bytes: int, api_key: str | None = None) -> None:
+                 block_size: int, max_request_bytes: int, api_key: str | None = None,
+                 replica_key: str | None = None, allowed_hosts: list[str] | None = None,
+                 shutdown_timeout: float = 10.0) -> None:
         self.cmds = [[sys.executable, "-m", "pagedserve.serving.relay_worker", "--host", host, "--port", str(port),
                       "--route-address", route_address, "--name", str(k), "--block-size", str(block_size),
-                      "--max-request-bytes", str(max_request_bytes),
+                      "--max-request-bytes", str(max_request_bytes), "--shutdown-timeout", str(shutdown_timeout),
+                      *(["--allowed-hosts", *allowed_hosts] if allowed_hosts else []),
                       *(["--tokenizer", tokenizer] if tokenizer else [])] for k in range(1, count + 1)]
-        # The workers check the API key too; it goes through their environment, not their argv.
-        self.env = {**os.environ, "PAGEDSERVE_API_KEY": api_key} if api_key else None
+        # The workers check the API key too, and send the replicas' own: both go through their
+        # environment, not their argv.
+        self.env = dict(os.environ)
+        self.env.pop("PAGEDSERVE_API_KEY", None)
+        if api_key:
+            self.env["PAGEDSERVE_API_KEY"] = api_key
+        if replica_key:
+            self.env[REPLICA_KEY_ENV] = replica_key
         self.procs: list[subprocess.Popen | None] = [None] * count
         self.restarts = 0
         self._watch: asyncio.Task | None = None
@@ -283,7 +294,8 @@ class RelayWorkers:
 
 def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: str, port: int,
                        tokenizer: str | None, block_size: int, max_request_bytes: int,
-                       api_key: str | None) -> dict:
+                       api_key: str | None, replica_key: str | None = None,
+                       allowed_hosts: list[str] | None = None, shutdown_timeout: float = 10.0) -> dict:
     """build_dp_app's after_start / before_stop for api_server_count > 1: the route service and
     the relay workers start once the replicas are live, and stop before they do."""
     import shutil
@@ -294,7 +306,7 @@ def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: st
     folder = tempfile.mkdtemp(prefix="pagedserve-route-")
     address = f"ipc://{folder}/route"
     workers = RelayWorkers(api_server_count - 1, host, port, address, tokenizer, block_size, max_request_bytes,
-                           api_key)
+                           api_key, replica_key, allowed_hosts, shutdown_timeout)
     state: dict = {}
 
     async def after_start() -> None:
@@ -312,10 +324,9 @@ def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: st
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    import uvicorn
-
+    from pagedserve.entrypoints.http_server import make_server
     from pagedserve.serving.frontend import build_dp_app
-    from pagedserve.serving.launch import load_tokenizer_path
+    from pagedserve.serving.prefix_key import load_tokenizer_path
 
     p = argparse.ArgumentParser(description="a DP front end's relay worker (started by the front end)")
     p.add_argument("--host", required=True)
@@ -325,15 +336,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokenizer", default=None, help="for routing keys; none: token-id prompts only")
     p.add_argument("--block-size", type=int, required=True)
     p.add_argument("--max-request-bytes", type=int, required=True)
+    p.add_argument("--shutdown-timeout", type=float, default=10.0)
+    p.add_argument("--allowed-hosts", nargs="+", default=None)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
     from pagedserve.entrypoints.fd_limit import raise_fd_limit
     raise_fd_limit()  # each connection is a descriptor: see fd_limit (the front end logs the limit)
-    pool = RemoteRoutedPool(args.route_address, args.name)
+    pool = RemoteRoutedPool(args.route_address, args.name, replica_key=os.environ.get(REPLICA_KEY_ENV))
     app = build_dp_app(pool, load_tokenizer_path(args.tokenizer), args.block_size,
-                       api_key=os.environ.get("PAGEDSERVE_API_KEY"), max_request_bytes=args.max_request_bytes)
+                       api_key=os.environ.get("PAGEDSERVE_API_KEY"), max_request_bytes=args.max_request_bytes,
+                       allowed_hosts=args.allowed_hosts)
     sock = reuse_port_socket(args.host, args.port)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_keep_alive=SERVER_KEEP_ALIVE_S))
+    server = make_server(app, shutdown_timeout=args.shutdown_timeout, on_drain_timeout=app.state.drain.expire,
+                         log_level="warning")
     server.run(sockets=[sock])
     return 0
 

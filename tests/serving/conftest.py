@@ -15,7 +15,7 @@ from dp_helpers import start_dp_server, start_single_server, stop_process  # noq
 @pytest.fixture(scope="module")
 def mp_server(tmp_path_factory):
     log = tmp_path_factory.mktemp("dp") / "mp_server.log"
-    s = start_dp_server(log)
+    s = start_dp_server(log, "--shutdown-timeout", "3")
     yield s
     stop_process(s.proc)
 

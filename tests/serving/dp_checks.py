@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from dp_helpers import API_KEY, MODEL, per_replica
+from dp_helpers import API_KEY, MODEL, REPLICA_KEY, per_replica
 
 
 def wait_for(pred, timeout: float, what: str):
@@ -27,7 +27,7 @@ def check_openai_client(server, reference_v1: str) -> None:
     """The openai client against the DP endpoint; greedy text equals one replica's alone."""
     import openai
     client = openai.OpenAI(base_url=server.v1, api_key=API_KEY, max_retries=0, timeout=120)
-    direct = openai.OpenAI(base_url=reference_v1, api_key="unused", max_retries=0, timeout=120)
+    direct = openai.OpenAI(base_url=reference_v1, api_key=REPLICA_KEY, max_retries=0, timeout=120)
     assert [m.id for m in client.models.list().data] == [MODEL]
 
     kw = dict(model=MODEL, prompt="In the beginning God created", max_tokens=12, temperature=0)
@@ -81,7 +81,8 @@ N_LOAD = 32
 
 def check_kill_under_load(server, recovered) -> None:
     """SIGKILL one replica with requests in flight on both: in flight there, a clean 503 or
-    SSE error; everything else is served; /health degraded until `recovered(health)`."""
+    SSE error (mp: only streams that had started; the rest are retried on the survivor and
+    served); everything else is served; /health degraded until `recovered(health)`."""
     results: list[tuple[str, int, object]] = []
 
     def one(i: int) -> None:

@@ -16,6 +16,10 @@ from pagedserve.benchmark.server_process import free_port, stop_process, wait_un
 
 REPO = Path(__file__).resolve().parents[2]
 API_KEY = "sk-dp-test"
+# The mp replicas' own key (launch.py makes one per launch unless this is set): the tests call
+# replicas directly for their baselines.
+REPLICA_KEY = "sk-dp-replica-test"
+REPLICA_HEADERS = {"Authorization": f"Bearer {REPLICA_KEY}"}
 MODEL = "demo"
 BLOCK_SIZE = 16
 # Enough blocks that no run of the workload evicts another's prefixes.
@@ -42,13 +46,15 @@ class DPServer:
         return self.log_path.read_text(errors="replace")[-6000:]
 
     def health(self) -> tuple[int, dict]:
-        r = httpx.get(self.base_url + "/health", timeout=60)
+        """With the key: the replicas' details come only to a caller holding it."""
+        r = httpx.get(self.base_url + "/health", headers=self.headers, timeout=60)
         return r.status_code, r.json()
 
 
 def child_env() -> dict:
     return dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
-                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0")
+                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0",
+                PAGEDSERVE_REPLICA_API_KEY=REPLICA_KEY)
 
 
 def start_single_server(log_path: Path, timeout: float = 180.0) -> DPServer:

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from dp_checks import check_kill_under_load, check_openai_client, mp_replica_recovered
-from dp_helpers import (MODEL, per_replica, replica_figures, run_workload, shared_prefix_workload,
+from dp_helpers import (MODEL, REPLICA_HEADERS, per_replica, replica_figures, run_workload, shared_prefix_workload,
                         start_dp_server, stop_process)
 
 # A fresh connection per request, so the kernel's SO_REUSEPORT choice is made for every request.
@@ -42,6 +42,13 @@ def _relay_workers(server) -> list[int]:
     return sorted(out)
 
 
+def _running(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def _replica_urls(server) -> list[str]:
     return [r["url"] for r in server.health()[1]["replicas"]]
 
@@ -67,7 +74,7 @@ def test_requests_spread_over_the_front_ends_with_one_router(server):
     assert _wait_listening(server, ["0", "1", "2"]) == ["0", "1", "2"]
     urls = _replica_urls(server)
     before = [_metrics(urls[0])]
-    run_workload(urls[0], shared_prefix_workload(seed=11), headers=CLOSE)
+    run_workload(urls[0], shared_prefix_workload(seed=11), headers={**REPLICA_HEADERS, **CLOSE})
     single = replica_figures(before, [_metrics(urls[0])])
 
     picks_before = server.health()[1]["routed_by_api_server"]
@@ -87,7 +94,7 @@ def test_requests_spread_over_the_front_ends_with_one_router(server):
 def test_health_and_metrics_agree_from_every_front_end(server):
     seen = set()
     for _ in range(12):
-        r = httpx.get(server.base_url + "/health", headers=CLOSE, timeout=30)
+        r = httpx.get(server.base_url + "/health", headers={**server.headers, **CLOSE}, timeout=30)
         assert r.status_code == 200 and r.json()["status"] == "ok"
         seen.add(tuple(x["url"] for x in r.json()["replicas"]))
         m = _metrics(server.base_url, server.headers)
@@ -106,6 +113,11 @@ def test_a_relay_worker_that_dies_is_replaced(server):
     argv = open(f"/proc/{workers[0]}/cmdline", "rb").read().decode().split("\0")
     name = argv[argv.index("--name") + 1]
     os.kill(workers[0], signal.SIGKILL)
+    # Until the killed process has closed its listening socket (a zombie has), the kernel may
+    # still hand it a new connection, and resets what was queued there when it closes.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _running(workers[0]):
+        time.sleep(0.01)
     # The others (and the first front end) keep serving new connections meanwhile.
     with httpx.Client(base_url=server.base_url, headers={**server.headers, **CLOSE}, timeout=120) as c:
         for i in range(10):

@@ -1,7 +1,8 @@
 """The mp pool's relay, with each of its HTTP clients (aiohttp, httpx), against small fake
 replicas (no engine): streams pass through byte for byte, a refused connection goes to the
-other replica, a replica lost mid-stream ends the stream with the replica_failed event, and a
-client that leaves closes the replica's connection."""
+other replica, a stream whose replica is lost before its first byte continues from another
+one, a replica lost mid-stream ends the stream with the replica_failed event, and a client
+that leaves closes the replica's connection."""
 from __future__ import annotations
 
 import asyncio
@@ -39,6 +40,9 @@ def _fake_app(state: dict) -> FastAPI:
 
         async def stream():
             try:
+                if state["dies"] < body.get("die_first_attempts", 0):
+                    state["dies"] += 1
+                    raise RuntimeError("replica lost before its first byte")
                 for i, e in enumerate(EVENTS):
                     if body.get("die_after") == i:
                         raise RuntimeError("replica lost")  # uvicorn drops the connection
@@ -62,7 +66,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def fake_replica():
-    state = {"bodies": [], "cancelled": 0, "finished": 0}
+    state = {"bodies": [], "cancelled": 0, "finished": 0, "dies": 0}
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(_fake_app(state), host="127.0.0.1", port=port,
                                            log_level="critical"))
@@ -153,6 +157,26 @@ def test_relay_ends_a_stream_cleanly_when_its_replica_is_lost(fake_replica, clie
             assert text.startswith("".join(EVENTS[:5]))
             assert '"code": "replica_failed"' in text and text.endswith(DONE)
             assert pool.replicas[0].in_flight == 0
+        finally:
+            await pool.stop()
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("client", _clients())
+def test_a_stream_lost_before_its_first_byte_continues_on_another_replica(fake_replica, client):
+    url, state = fake_replica
+
+    async def go():
+        pool = await _pool([url, url], client)  # two "replicas" (the same server: it dies once)
+        try:
+            state["dies"] = 0
+            body = json.dumps({"stream": True, "die_first_attempts": 1}).encode()
+            resp = await pool.forward("POST", "/v1/completions", body, [])
+            text = (await _read(resp)).decode()
+            assert text == "".join(EVENTS) + DONE
+            assert state["dies"] == 1
+            assert sum(r.routed for r in pool.replicas) == 2 and all(r.routed == 1 for r in pool.replicas)
+            assert [r.in_flight for r in pool.replicas] == [0, 0]
         finally:
             await pool.stop()
     asyncio.run(go())

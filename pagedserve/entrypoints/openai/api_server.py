@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: FastAPI app factory and `pagedserve serve`.
+"""The OpenAI-compatible HTTP server: FastAPI app factory and the single-engine `pagedserve serve`
+(serving/launch.py is the command's entry: it picks this, the mp front end or Ray).
 
 `pagedserve serve` runs two processes: this one (HTTP, validation, tokenization, SSE) and the
 engine core (pagedserve.engine.core), started and awaited before the port opens. If the core
@@ -11,24 +12,23 @@ engine down for the others.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import os
 import sys
 from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from pagedserve.engine.async_engine import AsyncLLMEngine
-from pagedserve.entrypoints.http_stack import SERVER_KEEP_ALIVE_S
 from pagedserve.engine.pauses import (freeze_startup_heap, install_gc_pause_log, set_serving_gc_thresholds,
                                       watch_event_loop)
+from pagedserve.entrypoints.openai.admission import Admission
 from pagedserve.entrypoints.openai.dashboard import dashboard_router
+from pagedserve.entrypoints.openai.http_errors import error_response, install_error_handlers
+from pagedserve.entrypoints.openai.middleware import (APIKeyMiddleware, BodyLimitMiddleware,  # noqa: F401
+                                                      HostCheckMiddleware)
 from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
                                                     CompletionRequest, CompletionResponse,
                                                     ErrorResponse, ModelCard, ModelList)
@@ -38,133 +38,42 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 
 logger = logging.getLogger("pagedserve.server")
 
-_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 500, 503)}
+_ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 408, 413, 415, 500, 503)}
 # After the engine core died: how long the server keeps answering 503 (so clients learn the
 # cause) before it exits non-zero.
 CORE_DEATH_EXIT_DELAY_S = 3.0
-_V1 = "/v1/"
 
 
-def _error(status: int, message: str, param: str | None = None, code: str | None = None,
-           type: str | None = None) -> JSONResponse:
-    err = APIError(message, status, param=param, code=code, type=type)
-    return JSONResponse(err.response().model_dump(), status_code=status)
+# Re-exported under their old names (the dashboard's tests and benchmarks import them here).
+_error = error_response
+_install_error_handlers = install_error_handlers
 
 
-class BodyLimitMiddleware:
-    """Reads at most max_bytes of a request body; more answers 413 before any parsing."""
+class _AdmittedStream(StreamingResponse):
+    """A stream that ends its admission when the response ends, however it ends (a client that
+    leaves before the first chunk included: then the body iterator never starts)."""
 
-    def __init__(self, app: Any, max_bytes: int) -> None:
-        self.app = app
-        self.max_bytes = max_bytes
+    def __init__(self, content: Any, release: Any, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._release = release
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
-            return await self.app(scope, receive, send)
-        too_big = _error(413, f"request body exceeds the limit of {self.max_bytes} bytes",
-                         code="request_too_large")
-        for k, v in scope.get("headers", []):
-            if k == b"content-length":
-                if not v.isdigit() or int(v) > self.max_bytes:
-                    return await too_big(scope, receive, send)
-        chunks, total = [], 0
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body = message.get("body", b"")
-            total += len(body)
-            if total > self.max_bytes:
-                return await too_big(scope, receive, send)
-            chunks.append(body)
-            if not message.get("more_body", False):
-                break
-        body = b"".join(chunks)
         try:
-            body.decode("utf-8")  # JSON over HTTP is UTF-8 (RFC 8259); say where it is not
-        except UnicodeDecodeError as e:
-            return await _error(400, f"request body is not valid UTF-8: byte 0x{body[e.start]:02x} "
-                                     f"at offset {e.start}", code="invalid_json")(scope, receive, send)
-        replayed = False
-
-        async def replay():
-            nonlocal replayed
-            if not replayed:
-                replayed = True
-                return {"type": "http.request", "body": body, "more_body": False}
-            return await receive()
-
-        # Bodies are JSON whatever the client says (curl -d sends a form content type).
-        headers = [(k, v) for k, v in scope.get("headers", []) if k != b"content-type"]
-        scope = dict(scope, headers=headers + [(b"content-type", b"application/json")])
-        await self.app(scope, replay, send)
-
-
-class APIKeyMiddleware:
-    """With an API key set, /v1/* needs `Authorization: Bearer <key>`; health and metrics stay open."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_V1):
-            got = dict(scope.get("headers", [])).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
-                return await _error(401, "Incorrect or missing API key: send it as "
-                                         "'Authorization: Bearer <key>'",
-                                    code="invalid_api_key")(scope, receive, send)
-        await self.app(scope, receive, send)
-
-
-def _param_of(loc: tuple) -> str | None:
-    """('body', 'messages', 0, 'content') -> 'messages.0.content'; union branch tags dropped."""
-    parts = []
-    for x in loc[1:] if loc and loc[0] == "body" else loc:
-        if isinstance(x, str) and (any(ch in x for ch in "[-(")
-                                   or x in ("str", "int", "float", "bool", "none")):
-            break
-        parts.append(str(x))
-    return ".".join(parts) or None
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def api_error(request: Request, e: APIError):
-        return JSONResponse(e.response().model_dump(), status_code=e.status)
-
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request: Request, e: RequestValidationError):
-        errors = e.errors()
-        first = errors[0] if errors else {"loc": (), "msg": "invalid request", "type": ""}
-        if first.get("type") == "json_invalid":
-            return _error(400, f"request body is not valid JSON: {first.get('ctx', {}).get('error', '')}",
-                          code="invalid_json")
-        param = _param_of(tuple(first.get("loc", ())))
-        # A union reports one error per branch: say what each branch wanted.
-        msgs = list(dict.fromkeys(err.get("msg", "invalid value") for err in errors
-                                  if _param_of(tuple(err.get("loc", ()))) == param))
-        msg = " | ".join(msgs[:4])
-        if param is None:
-            return _error(400, f"request body is invalid: {msg}")
-        return _error(400, f"{param}: {msg}", param=param)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        return _error(e.status_code, str(e.detail))
-
-    @app.exception_handler(Exception)
-    async def internal_error(request: Request, e: Exception):
-        logger.exception("unhandled error on %s", request.url.path)
-        return _error(500, f"internal error: {type(e).__name__}")
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
 
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
-              max_request_bytes: int = 1 << 20, config: Any = None) -> FastAPI:
-    """The OpenAI-compatible app around one AsyncLLMEngine; config (an EngineConfig) gives the
-    tool-call and reasoning parsers."""
+              max_request_bytes: int = 1 << 20, allowed_hosts: list[str] | None = None,
+              max_waiting_requests: int | None = None, config: Any = None) -> FastAPI:
+    """The OpenAI-compatible app around one AsyncLLMEngine. allowed_hosts: the Host headers
+    answered (middleware.HostCheckMiddleware; None: any, for in-process callers such as the
+    Ray replicas). max_waiting_requests: admission.Admission's queue (None: its default).
+    config (an EngineConfig) gives the tool-call and reasoning parsers."""
     completion = OpenAIServingCompletion(engine, served_model_name)
     chat = OpenAIServingChat(engine, served_model_name, **chat_parsers(config))
+    admission = Admission(engine, max_waiting_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -194,31 +103,38 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len,
                                          vocab_size=engine.vocab_size)])
 
-    async def respond(result: Any) -> Response:
+    async def respond(create: Any, body: Any, request: Request) -> Response:
+        """Admit the request (or 503), await the handler; the admission ends with the response."""
+        release = admission.admit()
+        try:
+            result = await create(body, request)
+        except ClientDisconnected:
+            release()
+            return Response(status_code=499)
+        except BaseException:
+            release()
+            raise
         if hasattr(result, "model_dump_json"):
+            release()
             return Response(result.model_dump_json(), media_type="application/json")
-        return StreamingResponse(result, media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return _AdmittedStream(result, release, media_type="text/event-stream",
+                               headers={"Cache-Control": "no-cache"})
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        try:
-            return await respond(await completion.create(body, request))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await respond(completion.create, body, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        try:
-            return await respond(await chat.create(body, request))
-        except ClientDisconnected:
-            return Response(status_code=499)
+        return await respond(chat.create, body, request)
 
     app.include_router(dashboard_router(engine, api_key))
     # The last one added runs first: the key is checked before any body is read.
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheckMiddleware, allowed=allowed_hosts)
     return app
 
 
@@ -234,9 +150,6 @@ def chat_parsers(config: Any) -> dict:
     return {"tool_parser": TOOL_PARSERS[tool] if tool else None,
             "reasoning_parser": REASONING_PARSERS[config.reasoning_parser]
             if config.reasoning_parser else None}
-
-
-DEMO_MODEL_NAME = "pagedserve-demo"
 
 
 def _usage_hint(name: str, host: str, port: int, keyed: bool) -> str:
@@ -255,60 +168,22 @@ def _usage_hint(name: str, host: str, port: int, keyed: bool) -> str:
             f"'content': 'Continue: The LORD is my shepherd'}}]).choices[0].message.content)\"\n")
 
 
-def _check_can_listen(host: str, port: int) -> None:
-    """A taken port is a one-line error before the model loads, not a bind failure after."""
-    import socket
-    try:
-        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
-        with socket.socket(family, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-            s.bind((host, port))
-    except OSError as e:
-        raise ValueError(f"port: cannot listen on {host}:{port} ({e.strerror or e})") from None
-
-
-def run_server_cli(args: Any) -> int:
-    """`pagedserve serve`: build the engine from the CLI flags and serve it with uvicorn."""
-    import uvicorn
-
-    from pagedserve.engine_args import engine_config_from_args
-
-    if args.model_pos and args.model and args.model_pos != args.model:
-        raise ValueError(f"MODEL ({args.model_pos!r}) and --model ({args.model!r}) disagree")
-    model = args.model_pos or args.model
-    default_name = model
-    if model is None:
-        try:
-            from pagedserve.demo_model import DEMO_MODEL_DIR
-        except ImportError:
-            raise ValueError("no MODEL given and the bundled demo model is not installed") from None
-        model, default_name = str(DEMO_MODEL_DIR), DEMO_MODEL_NAME
-    if args.max_request_bytes < 1:
-        raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
-    config = engine_config_from_args(args, model)
-    logging.basicConfig(level=logging.INFO)
-    _check_can_listen(args.host, args.port)
-    # Each connection is a file descriptor: at the soft limit uvloop resets new connections
-    # (clients see httpx ReadError). Raised before the engine core and DP replicas start, so
-    # they inherit it; the relay workers raise their own.
-    from pagedserve.entrypoints.fd_limit import fd_limit_note, raise_fd_limit
-    logger.info("%s", fd_limit_note(raise_fd_limit()))
-    api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
-    name = args.served_model_name or default_name
-    # Hook (issue #15): --data-parallel-size N / --data-parallel-backend ray serve replicas.
-    from pagedserve.serving.launch import run_dp_server_cli, wants_dp
-    if wants_dp(args):
-        return run_dp_server_cli(args, config, name, api_key)
-    if getattr(args, "api_server_count", 1) != 1:
-        raise ValueError("api_server_count > 1 needs --data-parallel-size > 1 (the front end's relay processes)")
+def run_single_server(args: Any, config: Any, name: str, api_key: str | None) -> int:
+    """`pagedserve serve` with one engine (serving/launch.py picks this, mp or Ray)."""
+    from pagedserve.entrypoints.http_server import make_server
     from pagedserve.entrypoints.http_stack import describe
+    from pagedserve.entrypoints.openai.middleware import default_allowed_hosts
+
     logger.info("%s", describe())
     engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
+    allowed = args.allowed_hosts or default_allowed_hosts(args.host)
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
-                    config=config)
-    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
-                                           timeout_keep_alive=SERVER_KEEP_ALIVE_S, timeout_graceful_shutdown=5,
-                                           access_log=not args.disable_uvicorn_access_log))
+                    allowed_hosts=allowed, max_waiting_requests=args.max_waiting_requests, config=config)
+    # Past --shutdown-timeout, what still runs ends as a clean 503 (streams: error event, [DONE]).
+    server = make_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
+                         on_drain_timeout=lambda: engine.stop_requests(
+                             "the server is shutting down", code="server_shutting_down"),
+                         access_log=not args.disable_uvicorn_access_log)
 
     def exit_soon(error: Exception) -> None:
         logger.error("%s: exiting in %.0f s", error, CORE_DEATH_EXIT_DELAY_S)
@@ -319,8 +194,8 @@ def run_server_cli(args: Any) -> int:
     freeze_startup_heap()  # see engine/pauses.py: no full collection walks the start-up heap mid-serving
     set_serving_gc_thresholds()  # and young collections come rarely enough not to promote every stream
     install_gc_pause_log("api server")
-    logger.info("serving %s on http://%s:%d/v1%s", name, args.host, args.port,
-                " (API key required)" if api_key else "")
+    logger.info("serving %s on http://%s:%d/v1%s (hosts allowed: %s)", name, args.host, args.port,
+                " (API key required)" if api_key else "", ", ".join(allowed))
     print(_usage_hint(name, args.host, args.port, api_key is not None), flush=True)
     try:
         server.run()

@@ -58,8 +58,11 @@ def _check_text(value: Any) -> None:
 
 
 class Request(OpenAIModel):
-    """Base of every request body: also refuses lone surrogates in any of its text fields."""
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    """Base of every request body: also refuses lone surrogates in any of its text fields.
+
+    Strict, as OpenAI's schema is: no "16" for an integer, "yes" or 1 for a boolean, true for a
+    token id (a 400 naming the field); a float field still takes a JSON integer."""
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
 
     @field_validator("*", mode="after")
     @classmethod

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from pagedserve.engine.async_engine import EngineDeadError, RequestStream
+from pagedserve.entrypoints.openai.chat_tokens import SpecialTokenInContent, render_chat_ids
 from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                     ChatCompletionRequest, ChatCompletionResponse,
                                                     ChatLogprobs, ChatResponseMessage,
@@ -53,15 +54,13 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}",
                            param="chat_template_kwargs")
         try:
-            text = tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                           add_generation_prompt=req.add_generation_prompt,
-                                           continue_final_message=req.continue_final_message,
-                                           **kwargs)
+            return render_chat_ids(tok, messages, req.add_generation_prompt, tools=tools,
+                                   continue_final_message=req.continue_final_message, **kwargs)
+        except SpecialTokenInContent as e:
+            raise APIError(str(e), param=str(e).split(":", 1)[0]) from None
         except Exception as e:  # jinja raises for conversations its template refuses
             raise APIError(f"messages could not be rendered by the chat template: {e}",
                            param="messages") from None
-        # The template already holds any special tokens it wants (BOS and all).
-        return list(tok(text, add_special_tokens=False).input_ids)
 
     async def create(self, req: ChatCompletionRequest, raw_request: Any):
         self.audit(req)
@@ -73,6 +72,9 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("continue_final_message needs add_generation_prompt=false",
                            param="continue_final_message")
         check_history(req.messages)
+        self.check_text_length(sum(len(m.content) if isinstance(m.content, str) else
+                                   sum(len(p.text) + 1 for p in m.content or []) for m in req.messages),
+                               "messages")
         plan = plan_tools(req, self.auto_tool_parser)
         structured = await resolve_structured_outputs(self.engine, req, plan.constraint)
         # A grammar constrains the output from its first token: no <think> block to split off.

@@ -27,8 +27,10 @@ class APIError(Exception):
     """An error the client caused (or, with status 5xx, one it did not), as OpenAI reports it."""
 
     def __init__(self, message: str, status: int = 400, param: str | None = None,
-                 type: str | None = None, code: str | None = None) -> None:
+                 type: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
+        self.headers = headers  # e.g. Retry-After on a 503
         self.message = message
         self.status = status
         self.param = param
@@ -126,6 +128,28 @@ class OpenAIServing:
         if model is not None and model != self.served_model_name:
             raise APIError(f"The model `{model}` does not exist; this server serves "
                            f"`{self.served_model_name}`.", 404, param="model", code="model_not_found")
+
+    def check_text_length(self, chars: int, param: str) -> None:
+        """Reject text that cannot fit max_model_len before tokenizing it (a 900 KB prompt took
+        the one tokenizer thread for 0.3 s, and everyone's requests waited behind it).
+
+        Sound: no token covers more than max_token_bytes bytes of text (the longest entry of
+        the vocabulary, in UTF-8, bounds it), and a character is at least one byte, so text of
+        more than max_model_len * max_token_bytes characters has more than max_model_len tokens."""
+        bound = self._max_token_bytes()
+        if bound and chars > self.engine.max_model_len * bound:
+            raise APIError(f"This model's maximum context length is {self.engine.max_model_len} tokens; "
+                           f"the {param} has {chars} characters, more than any text of that many tokens "
+                           f"can have ({self.engine.max_model_len} x {bound}).",
+                           param=param, code="context_length_exceeded")
+
+    def _max_token_bytes(self) -> int:
+        bound = getattr(self, "_token_bytes_bound", None)
+        if bound is None:
+            tok = self.engine.tokenizer
+            vocab = tok.get_vocab() if tok is not None else {}
+            bound = self._token_bytes_bound = max((len(t.encode("utf-8", "replace")) for t in vocab), default=0)
+        return bound
 
     def check_token_ids(self, ids: list[int], param: str) -> None:
         vocab = self.engine.vocab_size
@@ -302,7 +326,8 @@ async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int
 
 def engine_error(e: EngineDeadError) -> APIError:
     """500 for a failed step, 503 once the engine core is gone."""
-    return APIError(str(e), e.status, code="engine_dead" if e.status == 503 else None)
+    code = getattr(e, "code", None) or ("engine_dead" if e.status == 503 else None)
+    return APIError(str(e), e.status, code=code)
 
 
 class ClientDisconnected(Exception):

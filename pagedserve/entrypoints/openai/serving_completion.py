@@ -62,6 +62,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if isinstance(item, str):
                 if not item:
                     raise APIError("prompt must not be empty", param="prompt")
+                self.check_text_length(len(item), "prompt")
                 ids = await self.engine.run(lambda t=item: tok(t).input_ids)
                 out.append(_Prompt(item, list(ids)))
             else:
