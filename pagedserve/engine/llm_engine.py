@@ -25,6 +25,7 @@ from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.beam_driver import BeamSearchDriver
 from pagedserve.engine.beam_search import BeamSearchState
+from pagedserve.engine.inflight import InflightStep
 from pagedserve.engine.input_processor import InputProcessor, eos_token_ids, load_tokenizer
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.step_timer import NULL_STEP_TIMER
@@ -47,14 +48,6 @@ def overlaps(p: SamplingParams) -> bool:
     reads the newest token on the host before the next step, and it never forks."""
     return (p.logprobs is None and p.min_tokens == 0 and p.best_of == 1 and p.repetition_penalty == 1.0
             and not p.frequency_penalty and not p.presence_penalty)
-
-
-@dataclasses.dataclass
-class InflightStep:
-    """A launched step whose sampled tokens the host has not processed yet."""
-    sampled: list                 # ScheduledSequence rows that sample, in the order of tokens
-    tokens: torch.Tensor          # [len(sampled)] sampled ids on the device (the next step's placeholders)
-    copy: AsyncHostCopy
 
 
 class LLMEngine(TokenApplication):
