@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from pagedserve.engine.core_client import EngineDeadError, MPCoreClient
-from pagedserve.engine.input_processor import split_prompt
+from pagedserve.engine.input_processor import load_tokenizer, split_prompt
 from pagedserve.engine.text_output import RequestText, core_params
 from pagedserve.metrics import ServerMetrics
 from pagedserve.outputs import RequestOutput
@@ -35,14 +35,6 @@ __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestStream", "load_tokenizer
 logger = logging.getLogger(__name__)
 
 CORE_POLL_S = 0.2
-
-
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} (a local HF directory): {e}") from e
 
 
 @dataclass

@@ -271,6 +271,8 @@ def run_server_cli(args: Any) -> int:
     if args.max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
     config = engine_config_from_args(args, model)
+    from pagedserve.engine.preflight import check_engine_config
+    check_engine_config(config)  # before any process starts: one line, in seconds
     logging.basicConfig(level=logging.INFO)
     _check_can_listen(args.host, args.port)
     # Each connection is a file descriptor: at the soft limit uvloop resets new connections
