@@ -273,13 +273,14 @@ def run_server_cli(args: Any) -> int:
     config = engine_config_from_args(args, model)
     from pagedserve.engine.preflight import check_engine_config
     check_engine_config(config)  # before any process starts: one line, in seconds
-    logging.basicConfig(level=logging.INFO)
+    from pagedserve.log_setup import configure_logging
+    configure_logging("api-server")
     _check_can_listen(args.host, args.port)
     # Each connection is a file descriptor: at the soft limit uvloop resets new connections
     # (clients see httpx ReadError). Raised before the engine core and DP replicas start, so
     # they inherit it; the relay workers raise their own.
     from pagedserve.entrypoints.fd_limit import fd_limit_note, raise_fd_limit
-    logger.info("%s", fd_limit_note(raise_fd_limit()))
+    logger.debug("%s", fd_limit_note(raise_fd_limit()))
     api_key = args.api_key or os.environ.get("PAGEDSERVE_API_KEY")
     name = args.served_model_name or default_name
     # Hook (issue #15): --data-parallel-size N / --data-parallel-backend ray serve replicas.
@@ -289,12 +290,13 @@ def run_server_cli(args: Any) -> int:
     if getattr(args, "api_server_count", 1) != 1:
         raise ValueError("api_server_count > 1 needs --data-parallel-size > 1 (the front end's relay processes)")
     from pagedserve.entrypoints.http_stack import describe
-    logger.info("%s", describe())
+    logger.debug("%s", describe())
     engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="info",
                                            timeout_keep_alive=SERVER_KEEP_ALIVE_S, timeout_graceful_shutdown=5,
-                                           access_log=not args.disable_uvicorn_access_log))
+                                           access_log=not args.disable_uvicorn_access_log,
+                                           log_config=None))  # uvicorn's lines propagate to our format
 
     def exit_soon(error: Exception) -> None:
         logger.error("%s: exiting in %.0f s", error, CORE_DEATH_EXIT_DELAY_S)
