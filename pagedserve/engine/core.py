@@ -120,7 +120,10 @@ class EngineCore:
         # O(1): no live-token count, which would walk every block table.
         stats = self.engine.get_kv_cache_stats(token_counts=False)
         sched = self.engine.scheduler
+        # The step of this iteration, counted once: the next snapshot without a step says 0.
+        tokens, self.engine.last_step_tokens = getattr(self.engine, "last_step_tokens", 0), 0
         return EngineSnapshot(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                              iteration_tokens=tokens,
                               num_swapped=sched.num_swapped, kv_cache_usage=stats.usage,
                               prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
                               num_preemptions=stats.num_preemptions,

@@ -116,6 +116,7 @@ class LLMEngine(TokenApplication):
         self.async_scheduling = config.async_scheduling
         self._sync_requests: set[str] = set()   # unfinished requests that force synchronous steps
         self._inflight: InflightStep | None = None
+        self.last_step_tokens = 0  # tokens of the latest step (the server's iteration-tokens histogram)
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -256,6 +257,7 @@ class LLMEngine(TokenApplication):
             prev = None
         out = self.scheduler.schedule()
         timer.mark("schedule")
+        self._note_scheduled(out)
         self._inflight = None
         for group in out.ignored:
             for seq in group.seqs:
@@ -292,6 +294,19 @@ class LLMEngine(TokenApplication):
                 self._forget(group)
         timer.mark("postprocess")
         return outputs
+
+    def _note_scheduled(self, out) -> None:
+        """The step's token count (last_step_tokens, the metrics' iteration tokens) and each
+        request's first scheduled time (its queue time ends there): a request is first scheduled
+        in a prefill row, so a decode row only adds its one token."""
+        tokens, now = 0, None
+        for s in out.scheduled:
+            n = s.num_new_tokens
+            tokens += n
+            if not s.is_decode and "first_scheduled_time" not in s.group.metrics:
+                now = now or time.time()
+                s.group.metrics["first_scheduled_time"] = now
+        self.last_step_tokens = tokens
 
     def _note_sampled(self, group: SequenceGroup, now: float, touched: dict, final_only: bool) -> None:
         if group.first_token_time is None:
