@@ -31,13 +31,6 @@ _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0
                  0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 _E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                 50.0, 60.0, 120.0, 240.0, 480.0)
-# Phases of a request (queue, prefill, decode, inference): vLLM's request-latency buckets.
-_PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
-                  40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
-# Tokens of a request (1-2-5 steps, as vLLM's) and of one engine step.
-_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
-                  200000, 500000, 1000000)
-_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 @dataclass
@@ -46,12 +39,12 @@ class EngineSnapshot:
     num_running: int = 0
     num_waiting: int = 0
     num_swapped: int = 0
+    iteration_tokens: int = 0       # tokens the step of this core iteration ran (0: no step)
     kv_cache_usage: float = 0.0
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
     prefix_cache_queries: int = 0   # prompt tokens looked up in the prefix cache, since start
     prefix_cache_hits: int = 0      # of those, tokens found cached
-    iteration_tokens: int = 0       # tokens the step of this core iteration ran (0: no step)
 
 
 class _SnapshotCollector:
@@ -134,6 +127,15 @@ def _renamed(family: Metric, old_prefix: str, new_prefix: str, labels: dict[str,
     out.samples = [s._replace(name=new_prefix + s.name[len(old_prefix):], labels={**s.labels, **labels})
                    for s in family.samples]
     return out
+
+
+# Phases of a request (queue, prefill, decode, inference): vLLM's request-latency buckets.
+_PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                  40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Tokens of a request (1-2-5 steps, as vLLM's) and of one engine step.
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
+                  200000, 500000, 1000000)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
 
 class ServerMetrics:
