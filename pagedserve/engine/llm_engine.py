@@ -295,6 +295,16 @@ class LLMEngine(TokenApplication):
         timer.mark("postprocess")
         return outputs
 
+    def _note_sampled(self, group: SequenceGroup, now: float, touched: dict, final_only: bool) -> None:
+        if group.first_token_time is None:
+            group.first_token_time = now
+            group.metrics["first_token_time"] = now
+        # final_only (for the whole step, or FINAL_ONLY for this request) reports finished groups
+        # only, and every group that finishes here is still queued, so free_finished_seq_groups()
+        # (or touched, for one finished while waiting) hands it back.
+        if not final_only and group.sampling_params.output_kind is not FINAL_ONLY:
+            touched[id(group)] = group
+
     def _note_scheduled(self, out) -> None:
         """The step's token count (last_step_tokens, the metrics' iteration tokens) and each
         request's first scheduled time (its queue time ends there): a request is first scheduled
@@ -307,16 +317,6 @@ class LLMEngine(TokenApplication):
                 now = now or time.time()
                 s.group.metrics["first_scheduled_time"] = now
         self.last_step_tokens = tokens
-
-    def _note_sampled(self, group: SequenceGroup, now: float, touched: dict, final_only: bool) -> None:
-        if group.first_token_time is None:
-            group.first_token_time = now
-            group.metrics["first_token_time"] = now
-        # final_only (for the whole step, or FINAL_ONLY for this request) reports finished groups
-        # only, and every group that finishes here is still queued, so free_finished_seq_groups()
-        # (or touched, for one finished while waiting) hands it back.
-        if not final_only and group.sampling_params.output_kind is not FINAL_ONLY:
-            touched[id(group)] = group
 
     def _run_sync(self, out, touched: dict, final_only: bool) -> None:
         """The synchronous step: execute, sample, and append before returning."""
