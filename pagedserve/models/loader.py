@@ -6,6 +6,8 @@ checkpoints are never loaded; remote code is never run; nothing is fetched from 
 """
 from __future__ import annotations
 
+import glob
+import json
 import logging
 import os
 from contextlib import contextmanager
@@ -15,10 +17,11 @@ import torch
 from torch import nn
 
 from pagedserve.layers.weights import default_weight_loader
+from pagedserve.models.registry import get_model_class
+
 # Re-exported: the torch-free checks of a model directory live in hf_dir.py (preflight uses them).
 from pagedserve.models.hf_dir import (PICKLE_PATTERNS, SAFETENSORS_INDEX, get_max_model_len,  # noqa: F401
                                       read_config_json, safetensors_files)
-from pagedserve.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
 
