@@ -162,7 +162,6 @@ def _install_error_handlers(app: FastAPI) -> None:
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20) -> FastAPI:
     """The OpenAI-compatible app around one AsyncLLMEngine."""
-    engine.metrics.model_name = served_model_name  # vLLM's model_name label on every vllm:* series
     completion = OpenAIServingCompletion(engine, served_model_name)
     chat = OpenAIServingChat(engine, served_model_name)
 
@@ -177,6 +176,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     app = FastAPI(title="pagedserve", description="OpenAI-compatible server of pagedserve",
                   lifespan=lifespan)
     app.state.engine = engine
+    engine.metrics.model_name = served_model_name  # vLLM's model_name label on every vllm:* series
     _install_error_handlers(app)
 
     @app.get("/health")
