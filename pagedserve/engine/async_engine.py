@@ -70,14 +70,15 @@ class AsyncLLMEngine:
         self.vocab_size = ready.vocab_size
         self.eos_token_ids = set(ready.eos_token_ids)
         self._kv_cache_shape = (ready.num_gpu_blocks, ready.block_size)
-        self.metrics.cache_config.update(block_size=str(ready.block_size), num_gpu_blocks=str(ready.num_gpu_blocks),
-                                         num_cpu_blocks=str(ready.num_cpu_blocks))
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
         self._requests: dict[str, _RequestState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._loop_thread: int | None = None
         self._tasks: list[asyncio.Task] = []
         self.errored: EngineDeadError | None = None
+        # vllm:cache_config_info's labels: the KV cache the core sized.
+        self.metrics.cache_config.update(block_size=str(ready.block_size), num_gpu_blocks=str(ready.num_gpu_blocks),
+                                         num_cpu_blocks=str(ready.num_cpu_blocks))
 
     @classmethod
     def from_engine_config(cls, config: Any, metrics: ServerMetrics | None = None) -> "AsyncLLMEngine":
