@@ -34,7 +34,7 @@ sim: $(SERVE_STAMP)
 
 # The paper's memory figures (docs/paper-results.md): sim sweeps and the CPU sharing run, minutes.
 figures: $(TEST_STAMP)
-	$(PY) benchmarks/paper_figures.py all --jobs 2
+	$(PY) benchmarks/paper/paper_figures.py all --jobs 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info

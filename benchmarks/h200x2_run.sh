@@ -41,15 +41,15 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $L/NAME.log
 }
 tp() {  # tp NAME SECONDS ARGS...: tp_bench into $L/NAME/
   local name=$1 limit=$2; shift 2
-  step "$name" "$limit" python3 benchmarks/tp_bench.py --skip-agreement --out "$L/$name/tp.json" \
+  step "$name" "$limit" python3 benchmarks/distributed/tp_bench.py --skip-agreement --out "$L/$name/tp.json" \
     --progress-dir "$L/$name" "$@"
 }
 ours_alone() {  # ours_alone NAME VAR=VALUE...: our server alone at 10/20/40 req/s with a step trace, in $L/NAME/
   local name=$1 W=$L/$1; shift
-  step "$name" 280 env "$@" PAGEDSERVE_STEP_TRACE=$W/step_trace.jsonl python3 benchmarks/vs_vllm.py online \
+  step "$name" 280 env "$@" PAGEDSERVE_STEP_TRACE=$W/step_trace.jsonl python3 benchmarks/serving/vs_vllm.py online \
     --engines pagedserve --site "${SITE:-/tmp/ps_site}" --gpus 0 --work $W --device "NVIDIA H200" \
     --startup-limit 150 --rate-limit 90
-  python3 benchmarks/step_trace_summary.py $W/step_trace.jsonl --split-s 5 --out $W/step_trace_summary.json > /dev/null
+  python3 benchmarks/serving/step_trace_summary.py $W/step_trace.jsonl --split-s 5 --out $W/step_trace_summary.json > /dev/null
   gzip -f $W/step_trace.jsonl
 }
 case "${1:-}" in
@@ -57,20 +57,20 @@ case "${1:-}" in
     tp tp_nccl 200 --models llama-3.1-8b --child-timeout 90
     PAGEDSERVE_TP_ALLREDUCE=symm_mem tp tp_symm_mem 110 --models llama-3.1-8b --tp-sizes 2 --child-timeout 100
     # The same tokens as TP=1 (or within its top 5) with the symmetric-memory all-reduce.
-    PAGEDSERVE_TP_ALLREDUCE=symm_mem step tp_symm_mem_agreement 150 python3 benchmarks/tp_bench.py --skip-throughput \
+    PAGEDSERVE_TP_ALLREDUCE=symm_mem step tp_symm_mem_agreement 150 python3 benchmarks/distributed/tp_bench.py --skip-throughput \
       --out $L/tp_symm_mem_agreement/tp.json --progress-dir $L/tp_symm_mem_agreement --child-timeout 55
     NCCL_PROTO=LL128,Simple tp tp_nccl_ll128 110 --models llama-3.1-8b --tp-sizes 2 --child-timeout 100 ;;
   tp_opt) tp tp_opt 500 --models opt-13b --child-timeout 240 ;;
-  dp) step dp 580 python3 benchmarks/dp_bench.py --out $L/dp/dp.json --num-requests 7000 --start-timeout 200 --api-server-counts 4 \
+  dp) step dp 580 python3 benchmarks/distributed/dp_bench.py --out $L/dp/dp.json --num-requests 7000 --start-timeout 200 --api-server-counts 4 \
         --run-timeout 240 --num-client-processes 8 ;;
   dp_long)  # the same with 12000 requests, at most 4096 in flight: the drain at the end (the last long
             # requests at a small batch, as long in both runs) weighs less against the saturated part
-    step dp_long 585 python3 benchmarks/dp_bench.py --out $L/dp_long/dp.json --num-requests 12000 --max-concurrency 4096 \
+    step dp_long 585 python3 benchmarks/distributed/dp_bench.py --out $L/dp_long/dp.json --num-requests 12000 --max-concurrency 4096 \
         --start-timeout 150 --api-server-counts 4 --run-timeout 330 --num-client-processes 8 ;;
   dashboard_toggle)  # one long run, the viewer opened and closed every 3 s; the drop from the engine's counter.
     # 4096 in flight; 60000 requests keep the server saturated ~2 min (8000 took 18 s at 6d9dcd9).
     # The server's log is kept beside the results (the 6d9dcd9 run lost 2024 requests, its log lost).
-    CUDA_VISIBLE_DEVICES=0 step dashboard_toggle 400 python3 benchmarks/dashboard_overhead.py --device cuda --toggle 3 \
+    CUDA_VISIBLE_DEVICES=0 step dashboard_toggle 400 python3 benchmarks/dashboard/dashboard_overhead.py --device cuda --toggle 3 \
       --num-requests 60000 --client-processes 4 --max-concurrency 4096 --serve-args "--num-gpu-blocks-override 65536" \
       --server-log $L/dashboard_toggle/server.log --output $L/dashboard_toggle/dashboard_overhead_toggle.json ;;
   dashboard_toggle_engine_bound)
@@ -81,33 +81,33 @@ case "${1:-}" in
     # rate per segment comes from its step trace (dashboard_overhead.engine_segment_rates).
     W=$L/dashboard_toggle_engine_bound
     mkdir -p $W
-    python3 benchmarks/peers/make_bench_model_dir.py benchmarks/models/llama-3.1-8b $W/model > /dev/null
+    python3 benchmarks/serving/peers/make_bench_model_dir.py benchmarks/models/llama-3.1-8b $W/model > /dev/null
     CUDA_VISIBLE_DEVICES=0 PAGEDSERVE_STEP_TRACE=$W/step_trace.jsonl step dashboard_toggle_engine_bound 450 \
-      python3 benchmarks/dashboard_overhead.py --device cuda --toggle 3 --model $W/model --num-requests 30000 \
+      python3 benchmarks/dashboard/dashboard_overhead.py --device cuda --toggle 3 --model $W/model --num-requests 30000 \
       --client-processes 8 --max-concurrency 1024 --serve-args "--load-format dummy --max-model-len 2048 --max-num-seqs 64" \
       --server-log $W/server.log --output $W/dashboard_overhead_toggle.json
-    python3 benchmarks/step_trace_summary.py $W/step_trace.jsonl --split-s 5 --out $W/step_trace_summary.json > /dev/null
+    python3 benchmarks/serving/step_trace_summary.py $W/step_trace.jsonl --split-s 5 --out $W/step_trace_summary.json > /dev/null
     gzip -f $W/step_trace.jsonl ;;
   launch_ab)
     for v in base rows+nolpt+bn64; do ours_alone launch_ab_$v PAGEDSERVE_DECODE_LAUNCH=$v; done ;;
   short_prefill_ab)
     for v in 1 0; do ours_alone short_prefill_ab_$v PAGEDSERVE_SHORT_PREFILL_GRAPHS=$v; done ;;
   dashboard)
-    CUDA_VISIBLE_DEVICES=0 step dashboard 270 python3 benchmarks/dashboard_overhead.py --device cuda --rounds 3 \
+    CUDA_VISIBLE_DEVICES=0 step dashboard 270 python3 benchmarks/dashboard/dashboard_overhead.py --device cuda --rounds 3 \
       --num-requests 3000 --serve-args "--num-gpu-blocks-override 65536" --output $L/dashboard/dashboard_overhead.json
     for n in 16 32; do
-      CUDA_VISIBLE_DEVICES=0 step profile_decode_n$n 100 python3 benchmarks/profile_decode.py \
+      CUDA_VISIBLE_DEVICES=0 step profile_decode_n$n 100 python3 benchmarks/kernels/profile_decode.py \
         --model benchmarks/models/llama-3.1-8b --num-seqs $n --output $L/profile_decode_n$n/profile_decode_llama_n$n.json
     done ;;
   profiles)
     for n in 16 32 256; do
-      CUDA_VISIBLE_DEVICES=0 step graphs_n$n 100 python3 benchmarks/profile_decode.py --cuda-graphs \
+      CUDA_VISIBLE_DEVICES=0 step graphs_n$n 100 python3 benchmarks/kernels/profile_decode.py --cuda-graphs \
         --model benchmarks/models/llama-3.1-8b --num-seqs $n --output $L/graphs_n$n/profile_decode_graphs_n$n.json \
         --trace-dir $L/graphs_n$n/trace
     done
-    step tp2_nccl 130 python3 benchmarks/profile_decode.py --model benchmarks/models/llama-3.1-8b \
+    step tp2_nccl 130 python3 benchmarks/kernels/profile_decode.py --model benchmarks/models/llama-3.1-8b \
       --tensor-parallel-size 2 --output $L/tp2_nccl/profile_decode_tp2.json
-    PAGEDSERVE_TP_ALLREDUCE=symm_mem step tp2_symm_mem 130 python3 benchmarks/profile_decode.py \
+    PAGEDSERVE_TP_ALLREDUCE=symm_mem step tp2_symm_mem 130 python3 benchmarks/kernels/profile_decode.py \
       --model benchmarks/models/llama-3.1-8b --tensor-parallel-size 2 \
       --output $L/tp2_symm_mem/profile_decode_tp2_symm_mem.json ;;
   *) echo "usage: bash benchmarks/h200x2_run.sh tp_allreduce|tp_opt|dp|dp_long|dashboard|dashboard_toggle|dashboard_toggle_engine_bound|launch_ab|short_prefill_ab|profiles" >&2; exit 2 ;;

@@ -5,7 +5,9 @@ process. Gauges that mirror engine state are read at scrape time from an EngineS
 which the engine thread refreshes after every engine call: the scrape never touches the
 engine itself, so it cannot race a step running in the worker thread.
 
-The core series are exported twice: as pagedserve:* and under vLLM's names (vllm:*).
+The core series are exported twice: as pagedserve:* and under vLLM's names (vllm:*), the
+latter with vLLM's `model_name` label on every sample, so vLLM's Grafana dashboard reads a
+pagedserve server unchanged (tests/server/test_vllm_dashboard_metrics.py holds the list it queries).
 """
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ class EngineSnapshot:
     num_running: int = 0
     num_waiting: int = 0
     num_swapped: int = 0
+    iteration_tokens: int = 0       # tokens the step of this core iteration ran (0: no step)
     kv_cache_usage: float = 0.0
     prefix_cache_hit_rate: float = 0.0
     num_preemptions: int = 0
@@ -110,12 +113,16 @@ class _VllmNamesCollector:
 
     def collect(self):
         m, s = self._metrics, self._metrics.snapshot
+        # vLLM's model_name on every sample; a registry no app has named (a unit test's) goes without.
+        label = {"model_name": m.model_name} if m.model_name else {}
         for name, doc, value in (
             ("num_requests_running", "Number of requests in model execution batches.", s.num_running),
             ("num_requests_waiting", "Number of requests waiting to be processed.", s.num_waiting),
             ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", s.kv_cache_usage),
         ):
-            yield GaugeMetricFamily(VLLM_PREFIX + name, doc, value=value)
+            g = GaugeMetricFamily(VLLM_PREFIX + name, doc, labels=list(label))
+            g.add_metric(list(label.values()), value)
+            yield g
         for name, doc, value in (
             ("prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.",
              s.prefix_cache_queries),
@@ -123,15 +130,20 @@ class _VllmNamesCollector:
              s.prefix_cache_hits),
             ("num_preemptions", "Cumulative number of preemptions from the engine.", s.num_preemptions),
         ):
-            yield CounterMetricFamily(VLLM_PREFIX + name, doc, value=value)
-        yield _cache_config_info(VLLM_PREFIX, s)
-        for source, name in ((m.prompt_tokens, "prompt_tokens"),
-                             (m.generation_tokens, "generation_tokens"),
-                             (m.time_to_first_token, "time_to_first_token_seconds"),
-                             (m.time_per_output_token, "time_per_output_token_seconds"),
-                             (m.e2e_request_latency, "e2e_request_latency_seconds")):
+            c = CounterMetricFamily(VLLM_PREFIX + name, doc, labels=list(label))
+            c.add_metric(list(label.values()), value)
+            yield c
+        if m.cache_config:
+            info = dict(m.cache_config, **label)
+            if s.cache_dtype:  # the KV pools' element type, once the core has reported it
+                info["cache_dtype"] = s.cache_dtype
+            g = GaugeMetricFamily(VLLM_PREFIX + "cache_config_info", "Information of the LLMEngine CacheConfig",
+                                  labels=list(info))
+            g.add_metric(list(info.values()), 1.0)
+            yield g
+        for source in m.vllm_named:
             for family in source.collect():
-                yield _renamed(family, PREFIX, VLLM_PREFIX)
+                yield _renamed(family, PREFIX, VLLM_PREFIX, label)
 
     def describe(self):
         return []
@@ -145,19 +157,37 @@ def _cache_config_info(prefix: str, s: EngineSnapshot) -> GaugeMetricFamily:
     return info
 
 
-def _renamed(family: Metric, old_prefix: str, new_prefix: str) -> Metric:
-    """A copy of a collected family whose name and sample names swap old_prefix for new_prefix."""
+def _renamed(family: Metric, old_prefix: str, new_prefix: str, labels: dict[str, str]) -> Metric:
+    """A copy of a collected family whose name and sample names swap old_prefix for new_prefix,
+    every sample carrying `labels` too."""
     out = Metric(new_prefix + family.name[len(old_prefix):], family.documentation, family.type)
-    out.samples = [s._replace(name=new_prefix + s.name[len(old_prefix):]) for s in family.samples]
+    out.samples = [s._replace(name=new_prefix + s.name[len(old_prefix):], labels={**s.labels, **labels})
+                   for s in family.samples]
     return out
 
 
-class ServerMetrics:
-    """All metrics of one server; token counters and latencies are fed by the async engine."""
+# Phases of a request (queue, prefill, decode, inference): vLLM's request-latency buckets.
+_PHASE_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0,
+                  40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+# Tokens of a request (1-2-5 steps, as vLLM's) and of one engine step.
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000,
+                  200000, 500000, 1000000)
+_ITERATION_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 
-    def __init__(self) -> None:
+
+class ServerMetrics:
+    """All metrics of one server; token counters and latencies are fed by the async engine.
+
+    model_name: the served model name, vLLM's `model_name` label (the app sets it).
+    cache_config: labels of vllm:cache_config_info (block size, block counts, ...), set once the
+    engine core is ready; nothing is exported before.
+    """
+
+    def __init__(self, model_name: str = "") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         self.snapshot = EngineSnapshot()
+        self.model_name = model_name
+        self.cache_config: dict[str, str] = {}
         self.registry.register(_SnapshotCollector(self))
         self.registry.register(_VllmNamesCollector(self))
         r = self.registry
@@ -172,6 +202,67 @@ class ServerMetrics:
         self.e2e_request_latency = Histogram(
             PREFIX + "e2e_request_latency_seconds", "Arrival to finish of a request.",
             buckets=_E2E_BUCKETS, registry=r)
+        # Per finished request, as vLLM's (engine/async_engine.py feeds them; phases on the core's clock).
+        self.request_success = Counter(
+            PREFIX + "request_success", "Finished requests (each of n completions), by finish reason.",
+            ["finished_reason"], registry=r)
+        self.request_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens", "Prompt tokens of a finished request.", buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens", "Generated tokens of a finished request (all its completions).",
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_max_num_generation_tokens = Histogram(
+            PREFIX + "request_max_num_generation_tokens", "Tokens of a finished request's longest completion.",
+            buckets=_TOKEN_BUCKETS, registry=r)
+        self.request_queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds", "Arrival to first scheduled step.", buckets=_PHASE_BUCKETS, registry=r)
+        self.request_prefill_time = Histogram(
+            PREFIX + "request_prefill_time_seconds", "First scheduled step to first token.",
+            buckets=_PHASE_BUCKETS, registry=r)
+        self.request_decode_time = Histogram(
+            PREFIX + "request_decode_time_seconds", "First token to finish.", buckets=_PHASE_BUCKETS, registry=r)
+        self.request_inference_time = Histogram(
+            PREFIX + "request_inference_time_seconds", "First scheduled step to finish.",
+            buckets=_PHASE_BUCKETS, registry=r)
+        self.inter_token_latency = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between successive outputs of a streamed request.",
+            buckets=_TPOT_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram(
+            PREFIX + "iteration_tokens_total", "Tokens per engine step.", buckets=_ITERATION_BUCKETS, registry=r)
+        # Exported again as vllm:* (with model_name): the series vLLM's dashboards read.
+        self.vllm_named = (self.prompt_tokens, self.generation_tokens, self.time_to_first_token,
+                           self.time_per_output_token, self.e2e_request_latency, self.request_success,
+                           self.request_prompt_tokens, self.request_generation_tokens,
+                           self.request_max_num_generation_tokens, self.request_queue_time,
+                           self.request_prefill_time, self.request_decode_time, self.request_inference_time,
+                           self.inter_token_latency, self.iteration_tokens)
+
+    def observe_snapshot(self, snapshot: EngineSnapshot) -> None:
+        """A core iteration's snapshot: the gauges' new state, and its step's token count."""
+        self.snapshot = snapshot
+        if snapshot.iteration_tokens:
+            self.iteration_tokens.observe(snapshot.iteration_tokens)
+
+    def observe_finished(self, prompt_tokens: int, completion_tokens: list[int], finish_reasons: list,
+                         engine_times: dict | None) -> None:
+        """A finished request: its token histograms, finish reasons and, from the core's clock
+        (arrival_time, first_scheduled_time, first_token_time, finished_time), its phases."""
+        self.request_prompt_tokens.observe(prompt_tokens)
+        self.request_generation_tokens.observe(sum(completion_tokens))
+        self.request_max_num_generation_tokens.observe(max(completion_tokens, default=0))
+        for reason in finish_reasons:
+            self.request_success.labels(finished_reason=str(reason or "abort")).inc()
+        t = engine_times or {}
+        arrival, scheduled = t.get("arrival_time"), t.get("first_scheduled_time")
+        first, done = t.get("first_token_time"), t.get("finished_time")
+        if arrival is not None and scheduled is not None:
+            self.request_queue_time.observe(max(0.0, scheduled - arrival))
+        if scheduled is not None and first is not None:
+            self.request_prefill_time.observe(max(0.0, first - scheduled))
+        if first is not None and done is not None:
+            self.request_decode_time.observe(max(0.0, done - first))
+        if scheduled is not None and done is not None:
+            self.request_inference_time.observe(max(0.0, done - scheduled))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

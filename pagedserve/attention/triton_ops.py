@@ -24,8 +24,8 @@ from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kerne
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import paged_prefill_kernel
 
-# Launch defaults; benchmarks/bench_paged_decode.py sweeps the decode ones on the GPU, and
-# benchmarks/decode_variants.py the grid order with them. On the H200 (runs/cb44d75_decode_variants/)
+# Launch defaults; benchmarks/kernels/bench_paged_decode.py sweeps the decode ones on the GPU, and
+# benchmarks/kernels/decode_variants.py the grid order with them. On the H200 (runs/cb44d75_decode_variants/)
 # 128-position tiles, KV heads as the grid's fastest axis and rows longest first together took a
 # graph-launched decode from 232 to 199 us at 256 sequences of nanovllm's contexts (3.7 to 4.3 TB/s
 # of K/V), 164 to 129 us over serving's at 256, 477 to 462 us at fixed256's 1000 even ones.
@@ -45,7 +45,7 @@ DECODE_PROGRAMS_PER_SM = 3
 # Length-aware splits (triton_decode.split_plan): a long sequence gets more splits than the batch
 # size asks for. PAGEDSERVE_DECODE_SPLIT_TOKENS sets how (read once per process): 0 off, N > 0
 # splits of about N positions, "balanced" (the default) splits no longer than an even share of the
-# step's work. Fixed sizes on the H200 (benchmarks/decode_skew.py, runs/2cf31a8_decode_skew/): 512
+# step's work. Fixed sizes on the H200 (benchmarks/kernels/decode_skew.py, runs/2cf31a8_decode_skew/): 512
 # took a graph-launched decode over serving's uneven contexts from 70.3 to 52.7 us at 64
 # sequences, but over even contexts of the same total from 39.6 to 50.5 us: the grid was sized
 # for max_model_len, each program past a sequence's last split still costs a launch, and so does

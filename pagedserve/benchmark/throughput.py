@@ -54,11 +54,13 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def timed_generate(llm, reqs: list[WorkloadRequest]) -> RunResult:
+def timed_generate(llm, reqs: list[WorkloadRequest], use_tqdm: bool = False) -> RunResult:
+    """use_tqdm: a bar of finished requests with its ETA; its updates cost microseconds per
+    request (tqdm redraws at most every 0.1 s), nothing beside a step."""
     prompts, params = _inputs(reqs)
     _sync()
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     _sync()
     dt = time.perf_counter() - t0
     out_tokens = sum(len(c.token_ids) for o in outs for c in o.outputs)
@@ -85,12 +87,14 @@ def record_schedule(llm, reqs: list[WorkloadRequest]):
     return log
 
 
-def warm_up_requests(reqs: list[WorkloadRequest], max_tokens: int = 16) -> list[WorkloadRequest]:
+def warm_up_requests(reqs: list[WorkloadRequest], max_tokens: int = 16,
+                     vocab: int = VOCAB_DRAW) -> list[WorkloadRequest]:
     """The timed requests' shapes with other token ids and short outputs: every prefill chunk and
     decode batch size of the timed runs meets Triton here, not inside a timed run (a 2-request
     warm-up left the first timed run 17-30% slower on the H200), and no prompt of the timed runs
     is in the prefix cache afterwards."""
-    return [WorkloadRequest([(t + 1) % VOCAB_DRAW for t in r.prompt_token_ids], min(r.output_len, max_tokens))
+    draw = min(VOCAB_DRAW, vocab)
+    return [WorkloadRequest([(t + 1) % draw for t in r.prompt_token_ids], min(r.output_len, max_tokens))
             for r in reqs]
 
 
@@ -108,24 +112,36 @@ def progress(message: str) -> None:
     print(f"[bench throughput] {message}", file=sys.stderr, flush=True)
 
 
+def fitted_workload(workload: str, num_requests: int | None, hf_config, max_model_len: int) -> list[WorkloadRequest]:
+    """The workload's requests; for a model smaller than it assumes (the demo model: 2,048 ids,
+    1,024 positions), token ids below its vocabulary and lengths within max_model_len. For a
+    model that fits, exactly the documented draw (docs/benchmarks.md)."""
+    from pagedserve.workloads import WORKLOADS
+    vocab = getattr(hf_config, "vocab_size", VOCAB_DRAW)
+    return make_workload(workload, num_requests,
+                         vocab_size=vocab if vocab < VOCAB_DRAW else None,
+                         max_total_len=max_model_len if max_model_len < WORKLOADS[workload].max_total_len else None)
+
+
 def run_throughput(workload: str, model: str, engine_kwargs: dict, num_requests: int | None = None,
-                   repeats: int = 2, measure_roofline: bool = True) -> dict:
+                   repeats: int = 2, measure_roofline: bool = True, use_tqdm: bool = False) -> dict:
+    """use_tqdm: a progress bar with an ETA over each run's requests (the CLI's default)."""
     from pagedserve import LLM
 
-    reqs = make_workload(workload, num_requests)
     progress(f"loading {model} with dummy weights")
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, **engine_kwargs)
+    hf_config = llm.llm_engine.hf_config
+    reqs = fitted_workload(workload, num_requests, hf_config, llm.llm_engine.max_model_len)
     progress(f"warm-up: {len(reqs)} requests of the timed shapes, short outputs")
     t0 = time.perf_counter()
-    timed_generate(llm, warm_up_requests(reqs))
+    timed_generate(llm, warm_up_requests(reqs, vocab=getattr(hf_config, "vocab_size", VOCAB_DRAW)), use_tqdm)
     progress(f"warm-up done in {time.perf_counter() - t0:.1f} s")
     runs, hits = [], []
     for i in range(repeats):
         before = llm.get_kv_cache_stats().prefix_cache_hits
-        # Timed runs carry no progress bar: its updates would be inside the measurement.
         progress(f"timed run {i + 1}/{repeats}: {len(reqs)} requests, "
                  f"{sum(r.output_len for r in reqs)} output tokens")
-        runs.append(timed_generate(llm, reqs))
+        runs.append(timed_generate(llm, reqs, use_tqdm))
         progress(f"timed run {i + 1}/{repeats}: {runs[-1].seconds:.2f} s, "
                  f"{runs[-1].output_tokens_per_s:.1f} output tok/s")
         # Prefix caching is on by default here as in vLLM's run of the bar, so a repeat of the same
@@ -175,11 +191,15 @@ def run_throughput_cli(args) -> int:
 
     from pagedserve.engine_args import changed_engine_kwargs
 
+    from pagedserve.models.loader import get_max_model_len, load_hf_config
+
     model = args.model or default_model(args.workload)
-    kwargs = {"max_model_len": 4096, **changed_engine_kwargs(args)}
+    # 4096 (the published runs' setting), or the model's own limit when shorter (the demo model's 1024).
+    kwargs = {"max_model_len": min(4096, get_max_model_len(load_hf_config(model))), **changed_engine_kwargs(args)}
     if args.output:
         git_commit()  # refuse before the run, not after it
-    out = run_throughput(args.workload, model, kwargs, args.num_requests, args.repeats)
+    out = run_throughput(args.workload, model, kwargs, args.num_requests, args.repeats,
+                         use_tqdm=not args.disable_tqdm)
     print(json.dumps(out, indent=2))
     if args.output:
         write_result(args.output, args.workload, "pagedserve bench " + shlex.join(sys.argv[2:]),

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from pagedserve.engine.core_client import EngineDeadError, MPCoreClient
-from pagedserve.engine.input_processor import split_prompt
+from pagedserve.engine.input_processor import load_tokenizer, split_prompt
 from pagedserve.engine.text_output import RequestText, core_params
 from pagedserve.metrics import ServerMetrics
 from pagedserve.outputs import RequestOutput
@@ -37,19 +37,12 @@ logger = logging.getLogger(__name__)
 CORE_POLL_S = 0.2
 
 
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} (a local HF directory): {e}") from e
-
-
 @dataclass
 class _RequestState:
     queue: asyncio.Queue
     arrival: float
     first_token_time: float | None = None
+    last_token_time: float | None = None    # of the latest delivery with new tokens (inter-token latency)
     num_prompt_tokens: int = 0
     num_generated: int = 0
     finished: bool = False
@@ -57,6 +50,7 @@ class _RequestState:
     kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # DELTA: tokens delivered so far per output index (the outputs only carry what is new).
     delta_lengths: dict[int, int] = field(default_factory=dict)
+    finish_reasons: dict[int, str | None] = field(default_factory=dict)  # per output index, once finished
     # Text, stop strings, output shape; None when the server has no tokenizer (tokens only).
     text: RequestText | None = None
 
@@ -83,6 +77,9 @@ class AsyncLLMEngine:
         self._loop_thread: int | None = None
         self._tasks: list[asyncio.Task] = []
         self.errored: EngineDeadError | None = None
+        # vllm:cache_config_info's labels: the KV cache the core sized.
+        self.metrics.cache_config.update(block_size=str(ready.block_size), num_gpu_blocks=str(ready.num_gpu_blocks),
+                                         num_cpu_blocks=str(ready.num_cpu_blocks))
 
     @classmethod
     def from_engine_config(cls, config: Any, metrics: ServerMetrics | None = None) -> "AsyncLLMEngine":
@@ -92,7 +89,11 @@ class AsyncLLMEngine:
             tokenizer = load_tokenizer(config.tokenizer or config.model)
         client = MPCoreClient(config)
         logger.info("engine core ready (pid %d)", client.pid)
-        return cls(client, tokenizer, metrics)
+        engine = cls(client, tokenizer, metrics)
+        engine.metrics.cache_config.update(enable_prefix_caching=str(config.enable_prefix_caching),
+                                           kv_allocator=str(config.kv_allocator),
+                                           swap_space=str(config.swap_space))
+        return engine
 
     # ---- what the serving layer needs to know about the engine -------------------------------
 
@@ -144,7 +145,7 @@ class AsyncLLMEngine:
             while True:
                 out = await client.get_output_async()
                 if out.snapshot is not None:
-                    self.metrics.snapshot = out.snapshot
+                    self.metrics.observe_snapshot(out.snapshot)
                 if out.failed:
                     self._fail(out.failed, EngineDeadError(out.step_error or "engine step failed"))
                 now = time.monotonic()
@@ -226,11 +227,24 @@ class AsyncLLMEngine:
                 if engine_clock:
                     ttft = out.metrics["first_token_time"] - out.metrics["arrival_time"]
                 self._first_token(st, out, now, ttft)
+            elif st.last_token_time is not None:
+                m.inter_token_latency.observe(now - st.last_token_time)
+            st.last_token_time = now
             m.generation_tokens.inc(generated - st.num_generated)
             st.num_generated = generated
+        for c in out.outputs:
+            if c.finish_reason is not None:
+                st.finish_reasons[c.index] = c.finish_reason
         if out.finished:
             st.finished = True
             m.e2e_request_latency.observe(now - st.arrival)
+            if st.kind is RequestOutputKind.DELTA:
+                lengths = list(st.delta_lengths.values())
+            else:
+                lengths = [len(c.token_ids) for c in out.outputs]
+            n = max(len(lengths), len(st.finish_reasons), 1)
+            m.observe_finished(st.num_prompt_tokens or len(out.prompt_token_ids or ()), lengths,
+                               [st.finish_reasons.get(i) for i in range(n)], out.metrics)
             if st.kind is RequestOutputKind.DELTA:
                 longest = max(st.delta_lengths.values(), default=0)
             else:

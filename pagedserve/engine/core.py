@@ -120,7 +120,10 @@ class EngineCore:
         # O(1): no live-token count, which would walk every block table.
         stats = self.engine.get_kv_cache_stats(token_counts=False)
         sched = self.engine.scheduler
+        # The step of this iteration, counted once: the next snapshot without a step says 0.
+        tokens, self.engine.last_step_tokens = getattr(self.engine, "last_step_tokens", 0), 0
         return EngineSnapshot(num_running=sched.num_running, num_waiting=sched.num_waiting,
+                              iteration_tokens=tokens,
                               num_swapped=sched.num_swapped, kv_cache_usage=stats.usage,
                               prefix_cache_hit_rate=stats.prefix_cache_hit_rate,
                               num_preemptions=stats.num_preemptions,
@@ -139,6 +142,16 @@ class EngineCore:
         return dict(structured_output_compiles=st.compiles, structured_output_cache_hits=st.cache_hits,
                     structured_output_compile_seconds_sum=st.seconds_sum,
                     structured_output_compile_seconds_buckets=list(st.bucket_counts))
+
+    def describe(self) -> str:
+        """The start-up line a user reads: what runs where, and how much KV cache it got."""
+        e = self.engine
+        cc = e.cache_config
+        device = getattr(e, "device", None)
+        dtype = str(getattr(e, "dtype", "")).replace("torch.", "")
+        return (f"engine ready: {e.config.model} on {device} ({dtype}), max_model_len {e.max_model_len}, "
+                f"KV cache {cc.num_gpu_blocks} blocks of {cc.block_size} tokens "
+                f"({cc.num_gpu_blocks * cc.block_size} tokens), up to {e.scheduler_config.max_num_seqs} sequences a step")
 
     def ready_message(self) -> Ready:
         e = self.engine
@@ -272,9 +285,10 @@ def run_engine_core(config: EngineConfig | None, input_address: str, output_addr
         # Text, stop strings and output shapes are the API server's (engine/text_output.py).
         core = EngineCore(config, engine=engine, detokenize=False, serving=True)
     except BaseException as e:
-        # Bad settings are the user's to fix (one line); anything else needs the traceback.
-        logger.error("engine core failed to start: %s",
-                     e if isinstance(e, ValueError) else traceback.format_exc())
+        # Bad settings are the user's to fix: the API server prints them, once, as one line.
+        # Anything else needs the traceback, which only this process has.
+        if not isinstance(e, ValueError):
+            logger.error("engine core failed to start: %s", traceback.format_exc())
         out.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))
         out.close(linger=2000)
         ctx.term()
@@ -291,7 +305,8 @@ def run_engine_core(config: EngineConfig | None, input_address: str, output_addr
     # What start-up left alive stays alive: keep full collections from walking it mid-serving.
     frozen = freeze_startup_heap()
     install_gc_pause_log("engine core")
-    logger.info("froze %d start-up objects out of the garbage collector", frozen)
+    logger.debug("froze %d start-up objects out of the garbage collector", frozen)
+    logger.info("%s", core.describe())
     out.send(codec.encode(core.ready_message()))
     try:
         core.run_busy_loop(inp, wrap_output(out) if wrap_output else out)
@@ -310,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--output", required=True, help="ZMQ address to push outputs to")
     p.add_argument("--parent-pid", type=int, required=True)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
+    from pagedserve.log_setup import configure_logging
+    configure_logging("engine-core")
     config = msgspec.json.decode(args.config, type=EngineConfig)
     return run_engine_core(config, args.input, args.output, args.parent_pid)
 

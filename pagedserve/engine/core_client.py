@@ -45,7 +45,7 @@ logger = logging.getLogger(__name__)
 # With messages waiting, get_output_async lets the event loop turn at least this often. Never
 # turning let a backlog of 160 messages hold every other task for seconds; turning after every
 # message made each stream wake for one output at a time: 37.6 us of API-server CPU per token
-# against 25.3 with 50 ms slices and 23.1 never turning (benchmarks/dashboard_latency.py).
+# against 25.3 with 50 ms slices and 23.1 never turning (benchmarks/dashboard/dashboard_latency.py).
 DISPATCH_SLICE_S = 0.05
 
 

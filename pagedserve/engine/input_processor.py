@@ -14,12 +14,24 @@ from pagedserve.config import CacheConfig
 from pagedserve.sampling_params import SamplingParams
 
 
+# transformers' own "no limit" value (VERY_LARGE_INTEGER).
+NO_TOKENIZER_LIMIT = int(1e30)
+
+
 def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a local HF directory. Its own length limit (model_max_length) is lifted:
+    the engine's max_model_len is the limit, refused with a message naming it, so transformers'
+    "Token indices sequence length is longer than..." warning would only repeat it, worse."""
     from transformers import AutoTokenizer
+
+    from pagedserve.engine.preflight import check_tokenizer_dir
+    check_tokenizer_dir(path)  # one line naming the path, not the hub's "Repo id must be..."
     try:
-        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} (a local HF directory): {e}") from e
+    tokenizer.model_max_length = NO_TOKENIZER_LIMIT
+    return tokenizer
 
 
 def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[int]:

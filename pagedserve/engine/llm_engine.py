@@ -27,6 +27,7 @@ from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine import prompt_logprobs
 from pagedserve.engine.beam_driver import BeamSearchDriver
 from pagedserve.engine.beam_search import BeamSearchState
+from pagedserve.engine.inflight import InflightStep
 from pagedserve.engine.input_processor import InputProcessor, eos_token_ids, load_tokenizer
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.step_timer import NULL_STEP_TIMER
@@ -50,14 +51,6 @@ def overlaps(p: SamplingParams) -> bool:
     reads the newest token on the host before the next step, and it never forks."""
     return (p.logprobs is None and p.prompt_logprobs is None and p.min_tokens == 0 and p.best_of == 1
             and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty)
-
-
-@dataclasses.dataclass
-class InflightStep:
-    """A launched step whose sampled tokens the host has not processed yet."""
-    sampled: list                 # ScheduledSequence rows that sample, in the order of tokens
-    tokens: torch.Tensor          # [len(sampled)] sampled ids on the device (the next step's placeholders)
-    copy: AsyncHostCopy
 
 
 class LLMEngine(TokenApplication):
@@ -131,6 +124,7 @@ class LLMEngine(TokenApplication):
         self.async_scheduling = config.async_scheduling
         self._sync_requests: set[str] = set()   # unfinished requests that force synchronous steps
         self._inflight: InflightStep | None = None
+        self.last_step_tokens = 0  # tokens of the latest step (the server's iteration-tokens histogram)
 
     # ---- construction helpers -------------------------------------------------------------
 
@@ -287,6 +281,7 @@ class LLMEngine(TokenApplication):
             prev = None
         out = self.scheduler.schedule()
         timer.mark("schedule")
+        self._note_scheduled(out)
         self._inflight = None
         for group in out.ignored:
             for seq in group.seqs:
@@ -349,6 +344,19 @@ class LLMEngine(TokenApplication):
         # (or touched, for one finished while waiting) hands it back.
         if not final_only and group.sampling_params.output_kind is not FINAL_ONLY:
             touched[id(group)] = group
+
+    def _note_scheduled(self, out) -> None:
+        """The step's token count (last_step_tokens, the metrics' iteration tokens) and each
+        request's first scheduled time (its queue time ends there): a request is first scheduled
+        in a prefill row, so a decode row only adds its one token."""
+        tokens, now = 0, None
+        for s in out.scheduled:
+            n = s.num_new_tokens
+            tokens += n
+            if not s.is_decode and "first_scheduled_time" not in s.group.metrics:
+                now = now or time.time()
+                s.group.metrics["first_scheduled_time"] = now
+        self.last_step_tokens = tokens
 
     def _run_sync(self, out, touched: dict, final_only: bool) -> None:
         """The synchronous step: execute, sample, and append before returning."""

@@ -68,7 +68,7 @@ def freeze_startup_heap() -> int:
 # waiting in queues, chunks being written); the oldest generation then grows fast enough that a
 # full collection, walking every object of every open stream, came about once a second in the
 # API server, up to 300-470 ms each; collections took a fifth of its time (3000 streams on our
-# 2-core CPU, benchmarks/dashboard_latency.py, docs/dashboard.md). With these, most of that
+# 2-core CPU, benchmarks/dashboard/dashboard_latency.py, docs/dashboard.md). With these, most of that
 # garbage is freed by reference counting before a young collection sees it, and no full
 # collection ran in the same runs. Cyclic garbage waits a little longer: a few MB at most.
 SERVING_GC_THRESHOLDS = (50_000, 20, 20)

@@ -11,7 +11,7 @@ previous step's last work: host time it waited for), and, when the engine core g
 runner/model_runner.py's GRAPH_PATHS, rank 0's).
 Set PAGEDSERVE_STEP_TRACE=/path/file.jsonl in the engine core's environment; the core appends
 one JSON line per step whenever it goes idle (and every FLUSH_EVERY steps under load, for the
-steps already done), so nothing is synchronized mid-step. benchmarks/step_trace_summary.py
+steps already done), so nothing is synchronized mid-step. benchmarks/serving/step_trace_summary.py
 groups the lines by batch size.
 
 It is a StepTimer (engine/step_timer.py) with gpu_gaps on: the engine marks launch_begin and

@@ -10,15 +10,13 @@ engine's own state; the mixin holds none of its own.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from pagedserve.engine.inflight import InflightStep
 from pagedserve.layers.sampler import DeviceSample, SampleRow, derive_seed
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
-
-if TYPE_CHECKING:
-    from pagedserve.engine.llm_engine import InflightStep
 
 
 class TokenApplication:

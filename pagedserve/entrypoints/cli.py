@@ -32,13 +32,43 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
+def _command_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the (sub)command the user ran: `pagedserve bench serve`'s for its flags."""
+    for dest in ("command", "bench_command"):
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, dest, None)
+        if not subs or name not in subs[0].choices:
+            break
+        parser = subs[0].choices[name]
+    return parser
+
+
+def _unrecognized(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    """'unrecognized arguments: --max_model_len (did you mean --max-model-len?)': flags take dashes,
+    as vLLM's; the closest known flag is named for each unknown one."""
+    import difflib
+
+    known = [o for a in parser._actions for o in a.option_strings if o.startswith("--")]
+    words = []
+    for word in extras:
+        flag = word.split("=", 1)[0]
+        dashed = "--" + flag.lstrip("-").replace("_", "-")
+        close = [dashed] if dashed in known else difflib.get_close_matches(dashed, known, n=1, cutoff=0.8)
+        words.append(f"{word} (did you mean {close[0]}?)" if word.startswith("-") and close else word)
+    return f"unrecognized arguments: {' '.join(words)}"
+
+
 def main(argv: list[str] | None = None) -> int:
     from pagedserve.runner.dist_env import is_external_worker
     if is_external_worker():
         # torchrun started this command on every node: ranks > 0 serve rank 0's engine instead.
         from pagedserve.runner.launch import main as worker_main
         return worker_main()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command_parser = _command_parser(parser, args)
+        command_parser.error(_unrecognized(extras, command_parser))
     try:
         return int(args.func(args) or 0)
     except ValueError as e:

@@ -177,6 +177,7 @@ def register_bench(sub) -> None:
                    help="requests to draw (default: the workload's own count)")
     t.add_argument("--repeats", type=_at_least(1), default=2, help="timed runs; the best is reported")
     t.add_argument("--output", default=None, help="write the JSON result (and a .md table) here")
+    t.add_argument("--disable-tqdm", action="store_true", help="no progress bar (finished requests and ETA)")
     add_engine_args(t)
     t.set_defaults(func=run_throughput)
 

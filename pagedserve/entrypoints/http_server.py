@@ -191,5 +191,7 @@ def make_server(app: Any, host: str | None = None, port: int | None = None, *,
         timeout_keep_alive=SERVER_KEEP_ALIVE_S,
         limit_concurrency=limit_concurrency if limit_concurrency is not None else default_limit_concurrency(),
         # The backstop: on_drain_timeout has ended every request by then; what still runs is cut.
-        timeout_graceful_shutdown=shutdown_timeout + 2.0, **kw)
+        timeout_graceful_shutdown=shutdown_timeout + 2.0,
+        log_config=None,  # uvicorn's lines propagate to pagedserve's one format (log_setup.py)
+        **kw)
     return GracefulServer(config, shutdown_timeout, on_drain_timeout)

@@ -5,7 +5,7 @@ the server uses over ZMQ, with no IPC and no encoding. `llm_engine` is the core'
 While generate and beam_search run, what the process held before is out of the garbage
 collector's reach (engine/pauses.py, heap_frozen_meanwhile): a full collection walks every
 tracked object, the model's modules and all that was imported (79-98 ms on our CPU with the demo
-model, benchmarks/offline_host.py), and one most likely landed in the middle of an H200 fixed256 run as a 190 ms stall of the GPU
+model, benchmarks/offline/offline_host.py), and one most likely landed in the middle of an H200 fixed256 run as a 190 ms stall of the GPU
 (benchmarks/results/h200/runs/836bf4b_offline_steps/).
 """
 from __future__ import annotations

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -17,15 +16,13 @@ import torch
 from pagedserve.attention.backend import Attention, calibrate_kv_scales
 from pagedserve.runner.batch import build_model_input
 from pagedserve.runner.cache_engine import CacheEngine
-
-if TYPE_CHECKING:
-    from pagedserve.runner.model_runner import ModelRunner
+from pagedserve.runner.runner_view import RunnerView
 
 logger = logging.getLogger("pagedserve.runner.model_runner")  # the runner's start-up log lines
 GiB = 1 << 30
 
 
-def profile_num_gpu_blocks(runner: "ModelRunner") -> int:
+def profile_num_gpu_blocks(runner: RunnerView) -> int:
     """Blocks that fit in gpu_memory_utilization of the device after the model's weights and the
     peak activations of a forward pass of max_num_batched_tokens tokens (max_num_seqs sequences).
     On CPU the same forward runs and is timed, and the pool comes from cpu_kv_cache_gib."""

@@ -17,7 +17,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -37,6 +36,7 @@ from pagedserve.runner.kv_sizing import calibrate_kv_scales_at_startup, device_s
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
 from pagedserve.runner.request_state import DeviceRequestState
 from pagedserve.runner.row_tracker import RowInputs, RowTracker
+from pagedserve.runner.step_input import StepInput
 from pagedserve.runner.warmup import warm_up, warmup_enabled
 
 logger = logging.getLogger(__name__)
@@ -60,26 +60,6 @@ def incremental_inputs_enabled() -> bool:
     if mode not in ("auto", "0", "1"):
         raise ValueError(f"{INCREMENTAL_ENV} must be auto, 0 or 1, got {mode!r}")
     return mode != "0"
-
-
-@dataclass
-class StepInput:
-    """Everything one step needs, as plain host data: the plan minus the Sequence objects.
-
-    Built once (on tensor-parallel rank 0) by prepare_inputs and run by every rank's
-    execute_model, each against its own KV pool under the same block ids. With `rows` the
-    block tables live on the device (request_state.py): batch then carries no tables, and rows
-    carries what changed since the last step, which every rank applies alike. Without it (warm-up,
-    profiling, a scheduler without a table log) batch carries every table and nothing persists.
-    share_sampled (tensor parallelism, overlapped steps): the step ends with rank 0's sampled ids
-    broadcast to every rank, for the next step's placeholders (sampled_ids.py).
-    """
-    blocks_to_swap_out: list[tuple[int, int]]
-    blocks_to_swap_in: list[tuple[int, int]]
-    blocks_to_copy: list[tuple[int, int]]
-    batch: HostBatch | None
-    rows: RowInputs | None = None
-    share_sampled: bool = False
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,10 +39,9 @@ from pagedserve.layers.sampler import Sampler, SampleRow
 from pagedserve.runner.async_output import AsyncHostCopy
 from pagedserve.runner.batch import HostBatch
 from pagedserve.runner.cuda_graph import batch_buckets
+from pagedserve.runner.runner_view import RunnerView
+from pagedserve.runner.step_input import StepInput
 from pagedserve.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from pagedserve.runner.model_runner import ModelRunner, StepInput
 
 logger = logging.getLogger(__name__)
 # "auto" (default): warm up on CUDA only; "1": on CPU too (tests); "0": never (A/B of start-up).
@@ -63,7 +61,7 @@ class _Steps:
     """Synthetic StepInputs on the runner's pool: block ids wrap around the pool (several tokens
     may write one slot; the pool is zeroed afterwards), token ids are a fixed pattern."""
 
-    def __init__(self, runner: "ModelRunner", max_model_len: int):
+    def __init__(self, runner: RunnerView, max_model_len: int):
         self.block_size = runner.block_size
         self.num_blocks = runner.cache_engine.num_gpu_blocks
         self.vocab = runner.vocab_size
@@ -76,7 +74,6 @@ class _Steps:
     def step(self, seqs: list[tuple[int, int, bool]], num_decodes: int,
              placeholders: bool = False) -> "StepInput":
         """seqs: (start, query_len, samples) per sequence, decodes first."""
-        from pagedserve.runner.model_runner import StepInput
         starts = np.array([s for s, _, _ in seqs], dtype=np.int64)
         query_lens = np.array([q for _, q, _ in seqs], dtype=np.int64)
         total = int(query_lens.sum())
@@ -105,7 +102,7 @@ def _prefill(total: int, max_len: int, max_seqs: int) -> list[tuple[int, int, bo
     return [(0, q, True) for q in lens]
 
 
-def _split_variants(runner: "ModelRunner", max_seqs: int, max_len: int) -> dict:
+def _split_variants(runner: RunnerView, max_seqs: int, max_len: int) -> dict:
     """compile key -> (decodes, context length) giving it, for every variant the backend's decode
     kernels can be compiled for in a mixed batch (decode_compile_key; an empty dict: no such
     choice)."""
@@ -160,7 +157,7 @@ def _sampler_paths(device: torch.device, vocab: int, max_seqs: int, dtype: torch
 
 
 @torch.inference_mode()
-def warm_up(runner: "ModelRunner") -> float:
+def warm_up(runner: RunnerView) -> float:
     """Run every variant once (see the module docstring); returns the seconds it took."""
     t0 = time.perf_counter()
     cfg = runner.config

@@ -122,7 +122,6 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
                                    allowed, args.shutdown_timeout)
     app = build_dp_app(pool, load_tokenizer(config), config.block_size, api_key=api_key,
                        max_request_bytes=args.max_request_bytes, allowed_hosts=allowed, **hooks)
-    logging.basicConfig(level=logging.INFO)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request
     from pagedserve.entrypoints.http_stack import describe
     logger.info("serving %s with %d replicas (mp, %s routing, relayed with %s by %d front-end process(es); %s) "
@@ -186,13 +185,16 @@ def run_server_cli(args: Any) -> int:
         raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
     api_key = resolve_api_key(args)
     config = engine_config_from_args(args, model)
-    logging.basicConfig(level=logging.INFO)
+    from pagedserve.engine.preflight import check_engine_config
+    check_engine_config(config)  # before any process starts: one line, in seconds
+    from pagedserve.log_setup import configure_logging
+    configure_logging("api-server")
     _check_can_listen(args.host, args.port)
     # Each connection is a file descriptor: at the soft limit uvloop resets new connections
     # (clients see httpx ReadError). Raised before the engine core and DP replicas start, so
     # they inherit it; the relay workers raise their own.
     from pagedserve.entrypoints.fd_limit import fd_limit_note, raise_fd_limit
-    logger.info("%s", fd_limit_note(raise_fd_limit()))
+    logger.debug("%s", fd_limit_note(raise_fd_limit()))
     name = args.served_model_name or default_name
     if wants_dp(args):
         return run_dp_server_cli(args, config, name, api_key)

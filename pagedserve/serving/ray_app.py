@@ -256,7 +256,6 @@ def run_ray_server(args: argparse.Namespace, config: EngineConfig, served_name: 
                    api_key: str | None, policy: Any) -> int:
     """`pagedserve serve --data-parallel-backend ray`: deploy, then serve until interrupted."""
     from pagedserve.serving.dp_args import autoscaling_overrides
-    logging.basicConfig(level=logging.INFO)
     started_here = args.ray_address is None
     if started_here:
         ray.init(include_dashboard=False)

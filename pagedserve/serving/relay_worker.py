@@ -339,7 +339,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--allowed-hosts", nargs="+", default=None)
     args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO)
+    from pagedserve.log_setup import configure_logging
+    configure_logging("relay")
     from pagedserve.entrypoints.fd_limit import raise_fd_limit
     raise_fd_limit()  # each connection is a descriptor: see fd_limit (the front end logs the limit)
     pool = RemoteRoutedPool(args.route_address, args.name, replica_key=os.environ.get(REPLICA_KEY_ENV))

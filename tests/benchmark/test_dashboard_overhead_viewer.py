@@ -1,4 +1,4 @@
-"""benchmarks/dashboard_overhead.py's SSE viewer against a real stream (uvicorn, the live router
+"""benchmarks/dashboard/dashboard_overhead.py's SSE viewer against a real stream (uvicorn, the live router
 over a real scheduler): the load may start only once the viewer has its first frame, and the
 frames are counted over the load's window only."""
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.entrypoints.openai.dashboard import dashboard_router
 from pagedserve.metrics import ServerMetrics
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "dashboard"))
 import dashboard_overhead as bench  # noqa: E402
 
 

@@ -1,12 +1,12 @@
 """dp_bench's rate at saturation: from the timeline's counter samples, only the intervals at
-which every replica had a queue count (benchmarks/dp_bench.py, saturated_rate)."""
+which every replica had a queue count (benchmarks/distributed/dp_bench.py, saturated_rate)."""
 import importlib.util
 import statistics
 from pathlib import Path
 
 import pytest
 
-spec = importlib.util.spec_from_file_location("dp_bench", Path(__file__).resolve().parents[2] / "benchmarks/dp_bench.py")
+spec = importlib.util.spec_from_file_location("dp_bench", Path(__file__).resolve().parents[2] / "benchmarks/distributed/dp_bench.py")
 dp_bench = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(dp_bench)
 

@@ -1,4 +1,4 @@
-"""benchmarks/offline_steps.py's arithmetic (the GPU run itself needs CUDA): each traced step's
+"""benchmarks/offline/offline_steps.py's arithmetic (the GPU run itself needs CUDA): each traced step's
 roofline from the model's cost, and the grouping of a run's steps."""
 import importlib.util
 import sys
@@ -9,8 +9,8 @@ import pytest
 from pagedserve.benchmark.roofline import ModelCost
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-spec = importlib.util.spec_from_file_location("offline_steps", ROOT / "benchmarks/offline_steps.py")
+sys.path.insert(0, str(ROOT / "benchmarks" / "offline"))
+spec = importlib.util.spec_from_file_location("offline_steps", ROOT / "benchmarks/offline/offline_steps.py")
 offline_steps = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(offline_steps)
 

@@ -1,4 +1,4 @@
-"""benchmarks/paper_gpu.py end to end on CPU with a tiny model: every section runs, writes
+"""benchmarks/paper/paper_gpu.py end to end on CPU with a tiny model: every section runs, writes
 docs/benchmarks.md's JSON, and its derived numbers follow from its own measurements. The H200 run
 uses the same code with real configs; this catches a broken script before device time is spent."""
 import json
@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_every_section_runs_and_writes_consistent_json(tmp_path, tiny_model_dir):
     model = tiny_model_dir("llama", max_position_embeddings=8192)
     out = tmp_path / "h200"
-    cmd = [sys.executable, str(ROOT / "benchmarks" / "paper_gpu.py"), "--device", "cpu", "--dtype", "float32",
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "paper" / "paper_gpu.py"), "--device", "cpu", "--dtype", "float32",
            "--out-dir", str(out), "--max-output", "6",
            "--model", str(model), "--kv-budget-gb", "0.002", "--rates", "2,50", "--window-s", "0.1",
            "--min-requests", "3",
@@ -34,7 +34,7 @@ def test_every_section_runs_and_writes_consistent_json(tmp_path, tiny_model_dir)
     assert mem["results"]["sharegpt-like"]["contiguous-max"]["breakdown_sim"]["internal_fragmentation"] > 0.2
 
     load = json.loads((out / "serving_load.json").read_text())
-    assert load["command"].startswith("python benchmarks/paper_gpu.py --device cpu")
+    assert load["command"].startswith("python benchmarks/paper/paper_gpu.py --device cpu")
     curves, cfg = load["results"]["curves"], load["config"]
     assert list(curves) == ["paged", "contiguous-oracle", "contiguous-max", "contiguous-pow2"]
     assert cfg["latency_threshold_s_per_token"] == 2 * curves["paged"][0]["normalized_latency_s_per_token"]

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))  # profile_decode imports host_overhead from its own folder
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"
+sys.path.insert(0, str(BENCH.parent / "offline"))  # profile_decode imports host_overhead from benchmarks/offline/
 spec = importlib.util.spec_from_file_location("profile_decode", BENCH / "profile_decode.py")
 profile_decode = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(profile_decode)

@@ -1,12 +1,13 @@
 """`pagedserve bench throughput` on CPU with a tiny model: the timed runs do the workload's
 whole work, and the warm-up leaves none of the timed prompts in the prefix cache."""
 import json
+import re
 import subprocess
 import sys
 
 import pytest
 
-from pagedserve.benchmark.throughput import DEFAULT_MODELS, default_model, warm_up_requests
+from pagedserve.benchmark.throughput import DEFAULT_MODELS, default_model, fitted_workload, warm_up_requests
 from pagedserve.models.loader import load_hf_config
 from pagedserve.workloads import make_workload
 
@@ -35,6 +36,8 @@ def test_bench_throughput_counts_the_whole_workload(tmp_path, tiny_model_dir):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "warm-up done" in proc.stderr and "timed run 2/2" in proc.stderr  # not silent for minutes
+    # tqdm's bar over each run's requests, with elapsed<remaining (the ETA).
+    assert re.search(r"Processed prompts: +\d+%\|.*\| \d+/3 \[\d\d:\d\d<\d\d:\d\d", proc.stderr), proc.stderr[-2000:]
     res = json.loads(out.read_text())["results"]
     reqs = make_workload("nanovllm", 3)
     assert res["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in reqs)
@@ -45,3 +48,17 @@ def test_bench_throughput_counts_the_whole_workload(tmp_path, tiny_model_dir):
     # The repeat finds its full prompt blocks cached, all but a last token that must be computed
     # for its logits (vLLM's bar was measured the same way, prefix caching on).
     assert second["prefix_cache_hit_tokens"] == sum((len(r.prompt_token_ids) - 1) // 16 * 16 for r in reqs)
+
+
+def test_workload_fits_a_small_model_and_is_unchanged_for_a_large_one():
+    """The README's CPU example runs a workload on the demo model (2,048 ids, 1,024 positions):
+    its requests are drawn to fit; a model as large as the workload assumes gets the documented draw."""
+    from pagedserve.demo_model import DEMO_MODEL_DIR
+    demo = load_hf_config(DEMO_MODEL_DIR)
+    reqs = fitted_workload("sharegpt-like", 200, demo, 1024)
+    assert max(t for r in reqs for t in r.prompt_token_ids) < demo.vocab_size
+    assert max(len(r.prompt_token_ids) + r.output_len for r in reqs) <= 1024
+    warm = warm_up_requests(reqs, vocab=demo.vocab_size)
+    assert max(t for r in warm for t in r.prompt_token_ids) < demo.vocab_size
+    big = load_hf_config(default_model("nanovllm"))
+    assert fitted_workload("sharegpt-like", 50, big, 4096) == make_workload("sharegpt-like", 50)

@@ -17,14 +17,14 @@ def _part(tmp: Path, name: str, commit: str, results: dict, device: str | None, 
     if device:
         doc["device"] = device
     if command:
-        doc["command"] = f"python benchmarks/tp_bench.py --out {name}"
+        doc["command"] = f"python benchmarks/distributed/tp_bench.py --out {name}"
     path = tmp / name
     path.write_text(json.dumps(doc))
     return path
 
 
 def _merge(*paths: Path, out: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "tp_bench.py"), "--merge", *map(str, paths),
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "distributed" / "tp_bench.py"), "--merge", *map(str, paths),
                            "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120)
 
 

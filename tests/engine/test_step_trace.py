@@ -1,6 +1,6 @@
 """StepTrace (PAGEDSERVE_STEP_TRACE): one JSON line per launched step with its shape and device
 times, written only for finished steps, no gap after an idle engine; and the summary's grouping
-(benchmarks/step_trace_summary.py). On CPU the CUDA events are replaced by a clock whose
+(benchmarks/serving/step_trace_summary.py). On CPU the CUDA events are replaced by a clock whose
 readings the test sets; on CUDA a real engine's trace must hold one line per step it ran."""
 import importlib.util
 import json
@@ -17,7 +17,7 @@ from pagedserve.runner.model_runner import GRAPH_PATHS
 from .helpers import make_llm, prompt_ids
 
 spec = importlib.util.spec_from_file_location(
-    "step_trace_summary", Path(__file__).resolve().parents[2] / "benchmarks/step_trace_summary.py")
+    "step_trace_summary", Path(__file__).resolve().parents[2] / "benchmarks/serving/step_trace_summary.py")
 summary = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(summary)
 

@@ -39,14 +39,15 @@ class Server:
         return self.log_path.read_text(errors="replace")[-5000:]
 
     def metrics(self) -> dict[str, float]:
-        """Unlabelled samples of /metrics (histograms' _sum and _count included)."""
+        """Samples of /metrics with no label but vLLM's model_name (histograms' _sum and _count
+        included), by name."""
+        from prometheus_client.parser import text_string_to_metric_families
         text = httpx.get(self.base_url + "/metrics", timeout=10).text
         out = {}
-        for line in text.splitlines():
-            if line.startswith("#") or "{" in line or not line.strip():
-                continue
-            name, value = line.rsplit(" ", 1)
-            out[name] = float(value)
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if set(s.labels) <= {"model_name"}:
+                    out[s.name] = s.value
         return out
 
 

@@ -75,7 +75,9 @@ def test_served_process_runs_with_its_soft_limit_raised(tiny_model_dir, tmp_path
            "--port", str(port), "--device", "cpu", "--dtype", "float32", "--num-gpu-blocks-override", "64",
            "--max-model-len", "128", "--swap-space", "0.05"]
     log = tmp_path / "server.log"
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    # The limit note is an internal figure: DEBUG (pagedserve/log_setup.py).
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
+               PAGEDSERVE_LOGGING_LEVEL="DEBUG")
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                 preexec_fn=_limits(LOW))

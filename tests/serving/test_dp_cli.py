@@ -43,6 +43,9 @@ def test_unknown_routing_policy_is_refused_by_the_parser(capsys):
 
 def test_more_gpus_than_visible_is_refused(capsys, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    # A machine without CUDA is refused first, by serve's preflight (tests/test_newcomer_errors.py);
+    # here two GPUs are pretended, for the launcher's own arithmetic.
+    monkeypatch.setattr("pagedserve.engine.preflight.check_device", lambda device: None)
     rc = main(["serve", "--device", "cuda", "--data-parallel-size", "2", "--tensor-parallel-size", "2"])
     assert rc == 2
     assert "data_parallel_size x tensor_parallel_size = 2 x 2 needs 4 GPUs, only 2 visible" \

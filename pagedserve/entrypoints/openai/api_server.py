@@ -86,6 +86,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     app = FastAPI(title="pagedserve", description="OpenAI-compatible server of pagedserve",
                   lifespan=lifespan)
     app.state.engine = engine
+    engine.metrics.model_name = served_model_name  # vLLM's model_name label on every vllm:* series
     _install_error_handlers(app)
 
     @app.get("/health")
@@ -174,7 +175,7 @@ def run_single_server(args: Any, config: Any, name: str, api_key: str | None) ->
     from pagedserve.entrypoints.http_stack import describe
     from pagedserve.entrypoints.openai.middleware import default_allowed_hosts
 
-    logger.info("%s", describe())
+    logger.debug("%s", describe())
     engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
     allowed = args.allowed_hosts or default_allowed_hosts(args.host)
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes,

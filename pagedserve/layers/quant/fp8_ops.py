@@ -12,11 +12,9 @@ import os
 
 import torch
 
+from pagedserve.layers.quant.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE  # noqa: F401 (re-exported)
+
 QUANT_ENV = "PAGEDSERVE_FP8_QUANT"
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
-# A row of zeros must not divide by zero: its scale is this floor and its values stay 0.
-MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 
 def to_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -1,14 +1,15 @@
 """Dynamic per-token FP8 quantization in one Triton kernel (the CUDA path of
 fp8_ops.quantize_per_token): one program per row reads it twice (amax, then scale and cast), where
 the torch path launches five kernels (abs, amax, divide, clamp, cast) before every FP8 GEMM.
-The torch path's arithmetic: scale = max(amax / 448, MIN_SCALE) in float32, q = e4m3(clamp(x / scale, +-448)), rounded to nearest even. On the H200
-the scales differ from torch's in their last bits (within 1e-5, relative), so not bit-equal.
+The torch path's arithmetic: scale = max(amax / 448, MIN_SCALE) in float32,
+q = e4m3(clamp(x / scale, +-448)), rounded to nearest even. On the H200 the scales differ from torch's in
+their last bits (within 1e-5, relative): not bit-equal.
 """
 import torch
 import triton
 import triton.language as tl
 
-from pagedserve.layers.quant.fp8_ops import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from pagedserve.layers.quant.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
 @triton.jit
