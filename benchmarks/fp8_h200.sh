@@ -2,11 +2,11 @@
 # FP8 on the H200, one section per device command (each < 10 min): run from the repo root.
 #   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy
 # Parts land in benchmarks/results/h200/fp8_parts/ (and are copied to $OUT when set); once all are
-# back in the checkout, `python benchmarks/fp8_bench.py collect` (CPU is fine) writes
+# back in the checkout, `python benchmarks/offline/fp8_bench.py collect` (CPU is fine) writes
 # benchmarks/results/h200/fp8.json. A tree copied without .git needs the stamp first:
 # `python -m pagedserve.benchmark.results stamp` in the checkout (benchmarks/h200_run.sh says why).
 set -u
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}  # keep a site dir of the server wheels
 P=benchmarks/results/h200/fp8_parts
 mkdir -p $P
 FP8="--quantization fp8 --kv-cache-dtype fp8"
@@ -17,11 +17,11 @@ case "${1:-}" in
               --output $P/fixed256_fp8.json ;;
   nanovllm) timeout 590 python3 -m pagedserve.entrypoints.cli bench throughput --workload nanovllm \
               --model benchmarks/models/llama-3.1-8b $FP8 --output $P/nanovllm_fp8.json ;;
-  trtllm128) timeout 590 python3 benchmarks/fp8_bench.py trtllm 128_128 --parts $P ;;
-  trtllm2048) timeout 590 python3 benchmarks/fp8_bench.py trtllm 128_2048 --parts $P ;;
-  cap_bf16) timeout 590 python3 benchmarks/fp8_bench.py capacity auto --parts $P ;;
-  cap_fp8) timeout 590 python3 benchmarks/fp8_bench.py capacity fp8 --parts $P ;;
-  accuracy) timeout 590 python3 benchmarks/fp8_accuracy.py --device cuda --output $P/fp8_accuracy_h200.json ;;
+  trtllm128) timeout 590 python3 benchmarks/offline/fp8_bench.py trtllm 128_128 --parts $P ;;
+  trtllm2048) timeout 590 python3 benchmarks/offline/fp8_bench.py trtllm 128_2048 --parts $P ;;
+  cap_bf16) timeout 590 python3 benchmarks/offline/fp8_bench.py capacity auto --parts $P ;;
+  cap_fp8) timeout 590 python3 benchmarks/offline/fp8_bench.py capacity fp8 --parts $P ;;
+  accuracy) timeout 590 python3 benchmarks/offline/fp8_accuracy.py --device cuda --output $P/fp8_accuracy_h200.json ;;
   *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy" >&2; exit 2 ;;
 esac
 rc=$?

@@ -26,16 +26,16 @@ case "${1:-}" in
   tune_mixtral) step tune_mixtral_8x7b 580 python3 benchmarks/kernels/tune_fused_moe.py --model mixtral-8x7b --max-seconds 500
                 mkdir -p "$O/configs"; cp pagedserve/layers/fused_moe/configs/E=*.json "$O/configs/" ;;
   layer) step moe_layer 560 python3 benchmarks/kernels/bench_fused_moe.py ${VLLM:+--vllm} --output "$O/moe_layer.json" ;;
-  offline) step "moe_offline_$2_$3" 580 python3 benchmarks/moe_offline.py --models "$2" --workloads "$3" --merge \
+  offline) step "moe_offline_$2_$3" 580 python3 benchmarks/offline/moe_offline.py --models "$2" --workloads "$3" --merge \
              ${VLLM_DIR:+--vllm-dir $VLLM_DIR} --output "$O/moe.json" ;;
   steps) step moe_offline_steps 560 python3 benchmarks/offline_steps.py --workload nanovllm \
            --model benchmarks/models/qwen3-30b-a3b --output "$O/offline_steps_qwen3_30b_a3b.json" ;;
   ep_layer) step moe_layer_tp2 280 python3 benchmarks/kernels/bench_fused_moe.py --tp 2 --output "$O/moe_layer_tp2.json"
             step moe_layer_tp2_ep 280 python3 benchmarks/kernels/bench_fused_moe.py --tp 2 --expert-parallel \
               --output "$O/moe_layer_tp2_ep.json" ;;
-  ep) step "moe_offline_$2_$3_tp2" 290 python3 benchmarks/moe_offline.py --models "$2" --workloads "$3" --merge \
+  ep) step "moe_offline_$2_$3_tp2" 290 python3 benchmarks/offline/moe_offline.py --models "$2" --workloads "$3" --merge \
         --tag tp2 --engine-args "--tensor-parallel-size 2" --output "$O/moe.json"
-      step "moe_offline_$2_$3_tp2_ep" 290 python3 benchmarks/moe_offline.py --models "$2" --workloads "$3" --merge \
+      step "moe_offline_$2_$3_tp2_ep" 290 python3 benchmarks/offline/moe_offline.py --models "$2" --workloads "$3" --merge \
         --tag tp2_ep --engine-args "--tensor-parallel-size 2 --enable-expert-parallel" --output "$O/moe.json" ;;
   *) echo "usage: $0 tests|tune_qwen|tune_mixtral|layer|steps, or offline MODEL WORKLOAD" >&2; exit 2 ;;
 esac

@@ -4,11 +4,11 @@ json_schema drawn from a fixed set of 50").
 benchmark_schemas: deterministic (seeded) and varied the way real response_format schemas are:
 flat and nested objects, bounded strings, integer / number bounds, enums, arrays with minItems /
 maxItems, nullable fields, patterns and formats; closed (additionalProperties false) as OpenAI's
-strict mode requires. The host-side mask cost (benchmarks/structured_mask_cost.py) uses them.
+strict mode requires. The host-side mask cost (benchmarks/kernels/structured_mask_cost.py) uses them.
 
 serving_schemas: the same 50, each with one more required property, an array of small items whose
 minItems is far beyond any workload's output length, so that no grammar can close before
-max_tokens. The serving side by side (benchmarks/structured_vs_vllm.py) uses them: a constrained
+max_tokens. The serving side by side (benchmarks/serving/structured_vs_vllm.py) uses them: a constrained
 request then produces as many tokens as the same unconstrained one, and the two runs' TPOTs differ
 by the grammar's cost alone (with dummy weights the logits are noise, so a schema that may close
 closes within a few tokens).

@@ -14,8 +14,8 @@ microseconds of accept and of fill (p50, p99, mean), and per step the apply time
 Fill is the part that grows with the vocabulary: pass --tokenizer with a real model's tokenizer
 directory (a 128k-token vocabulary costs more than the demo model's 2048).
 
-  python benchmarks/structured_mask_cost.py                       # demo tokenizer, CPU
-  python benchmarks/structured_mask_cost.py --tokenizer DIR --device cuda --batch 64 --output $OUT/mask.json
+  python benchmarks/kernels/structured_mask_cost.py                       # demo tokenizer, CPU
+  python benchmarks/kernels/structured_mask_cost.py --tokenizer DIR --device cuda --batch 64 --output $OUT/mask.json
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 into one result (default benchmarks/results/h200/moe.json) with the roofline fraction that
 counts the experts each step touches (pagedserve/benchmark/roofline.py).
 
-    python benchmarks/moe_offline.py [--models qwen3-30b-a3b mixtral-8x7b] [--workloads nanovllm fixed256] \
+    python benchmarks/offline/moe_offline.py [--models qwen3-30b-a3b mixtral-8x7b] [--workloads nanovllm fixed256] \
         [--vllm-dir DIR] [--engine-args "..."] [--merge] --output benchmarks/results/h200/moe.json
 
 One model x workload fits a 10-minute device call; --merge adds each to the same file (the
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from pagedserve.benchmark.results import git_commit, write_result  # noqa: E402
 

@@ -9,7 +9,7 @@ config's vocab_size less 256 special tokens, and writes it beside the real confi
 weights are loaded by the engines). bpe_info.json says how many tokens it learned and its hash.
 The grammar's mask cost depends on the vocabulary's size and its tokens' bytes, which this keeps.
 
-    python3 make_bpe_model_dir.py benchmarks/models/llama-3.1-8b OUT_DIR [--max-mb 40]
+    python3 benchmarks/serving/make_bpe_model_dir.py benchmarks/models/llama-3.1-8b OUT_DIR [--max-mb 40]
 """
 import argparse
 import glob

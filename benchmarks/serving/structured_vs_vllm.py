@@ -2,12 +2,12 @@
 """Structured outputs beside vLLM (#32): the sharegpt-like load with and without a JSON schema on
 every request, both OpenAI servers on the same GPU, one after the other.
 
-    python3 benchmarks/structured_vs_vllm.py online --engines vllm --site $SITE         # one device call
-    python3 benchmarks/structured_vs_vllm.py online --engines pagedserve --site $SITE   # the next
-    python3 benchmarks/structured_vs_vllm.py collect --work DIR                         # here or there
+    python3 benchmarks/serving/structured_vs_vllm.py online --engines vllm --site $SITE         # one device call
+    python3 benchmarks/serving/structured_vs_vllm.py online --engines pagedserve --site $SITE   # the next
+    python3 benchmarks/serving/structured_vs_vllm.py collect --work DIR                         # here or there
 
 Each engine serves Llama-3.1-8B with dummy weights and a 128k byte-level BPE tokenizer
-(make_bpe_model_dir.py: the word-level benchmark tokenizer has no JSON characters), and at each
+(benchmarks/serving/make_bpe_model_dir.py: the word-level benchmark tokenizer has no JSON characters), and at each
 rate runs the load unconstrained, then with `structured_outputs.json` from the fixed set of 50
 schemas (`pagedserve bench serve --json-schemas 50`), whose arrays cannot close before
 max_tokens: both runs produce the same tokens per request, so their TPOTs differ by the grammar
@@ -15,7 +15,7 @@ alone. collect writes benchmarks/results/h200/structured.json with tpot_p50_over
 (ours constrained over vLLM's constrained), tpot_overhead_json_rN (ours constrained over ours
 unconstrained) and the same overhead for vLLM, plus the per-request output-length check.
 Grammar compile times and the host's per-step mask cost are measured apart, on the same machine
-(structured_mask_cost.py --output WORK/structured_mask_cost.json), and merged in by collect.
+(benchmarks/kernels/structured_mask_cost.py --output WORK/structured_mask_cost.json), and merged in by collect.
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def phase_collect(args, work: Path) -> None:
     measured = {(vv._load(f) or {}).get("commit") for f in work.glob("structured_pagedserve_r*.json")} - {None}
     hosts = [(vv._load(f) or {}).get("host") for f in sorted(work.glob("structured_pagedserve_r*.json"))]
     write_result(Path(args.output), "structured_vs_vllm",
-                 "python benchmarks/structured_vs_vllm.py " + shlex.join(sys.argv[1:]), config, results,
+                 "python benchmarks/serving/structured_vs_vllm.py " + shlex.join(sys.argv[1:]), config, results,
                  {"vllm": "0.26.0"}, ratios, device=args.device,
                  measured_commit=measured.pop() if len(measured) == 1 else None,
                  host=next((h for h in hosts if h), None))

@@ -16,7 +16,7 @@ the same replica flags and an API key, and measures on each:
                20 streams and 20 plain requests in flight, --shutdown-timeout 3: seconds to
                exit, how the clients' requests ended, tracebacks in the log
 
-    timeout 1800 python benchmarks/reliability.py --out benchmarks/results/cpu/reliability.json
+    timeout 1800 python benchmarks/serving/reliability.py --out benchmarks/results/cpu/reliability.json
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from pagedserve.benchmark.server_process import free_port, stop_process, wait_until_ready  # noqa: E402
