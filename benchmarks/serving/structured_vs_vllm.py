@@ -89,7 +89,17 @@ def _summary(d: dict | None) -> dict | None:
     keep = {k: d[k] for k in ("completed", "failed", "request_throughput", "output_throughput", "ttft_ms",
                               "tpot_ms", "e2e_latency_ms") if k in d}
     keep["requests_not_at_max_tokens"] = short
+    errors = sorted({r["error"] for r in reqs if r.get("error")})
+    if errors:
+        keep["errors"] = errors[:3]
     return keep
+
+
+def _tpot_p50(run: dict | None) -> float | None:
+    """A run's TPOT p50, or None when it has none (every request failed)."""
+    if not run or not run.get("completed"):
+        return None
+    return run["tpot_ms"]["p50"]
 
 
 def phase_collect(args, work: Path) -> None:
@@ -105,13 +115,16 @@ def phase_collect(args, work: Path) -> None:
     for rate in args.rates:
         k = f"r{rate:g}"
         p, v = results["pagedserve"]["runs"], results["vllm"]["runs"]
-        if p.get(f"{k}_json") and v.get(f"{k}_json"):
-            ratios[f"tpot_p50_over_vllm_json_{k}"] = round(p[f"{k}_json"]["tpot_ms"]["p50"] /
-                                                          v[f"{k}_json"]["tpot_ms"]["p50"], 3)
+        ours, theirs = _tpot_p50(p.get(f"{k}_json")), _tpot_p50(v.get(f"{k}_json"))
+        # A ratio only where both runs completed requests; otherwise null, and the runs say why.
+        ratios[f"tpot_p50_over_vllm_json_{k}"] = round(ours / theirs, 3) if ours and theirs else None
         for eng, runs in (("", p), ("vllm_", v)):
-            if runs.get(f"{k}_json") and runs.get(f"{k}_plain"):
-                ratios[f"{eng}tpot_overhead_json_{k}"] = round(runs[f"{k}_json"]["tpot_ms"]["p50"] /
-                                                               runs[f"{k}_plain"]["tpot_ms"]["p50"], 3)
+            con, free = _tpot_p50(runs.get(f"{k}_json")), _tpot_p50(runs.get(f"{k}_plain"))
+            ratios[f"{eng}tpot_overhead_json_{k}"] = round(con / free, 3) if con and free else None
+        if ours and _tpot_p50(v.get(f"{k}_plain")):
+            # Not the target's ratio (that one needs vLLM constrained too): ours constrained against
+            # vLLM unconstrained, an upper bound on it whenever vLLM's grammar costs anything.
+            ratios[f"tpot_p50_json_over_vllm_plain_{k}"] = round(ours / _tpot_p50(v[f"{k}_plain"]), 3)
     mask_cost = vv._load(work / "structured_mask_cost.json")
     if mask_cost is not None:
         results["mask_cost"] = mask_cost
@@ -126,7 +139,7 @@ def phase_collect(args, work: Path) -> None:
                  "python benchmarks/serving/structured_vs_vllm.py " + shlex.join(sys.argv[1:]), config, results,
                  {"vllm": "0.26.0"}, ratios, device=args.device,
                  measured_commit=measured.pop() if len(measured) == 1 else None,
-                 host=next((h for h in hosts if h), None))
+                 host=next((h for h in hosts if h), None), extra={"note": args.note} if args.note else None)
     print(json.dumps(ratios, indent=1))
 
 
@@ -149,6 +162,7 @@ def main() -> None:
     ap.add_argument("--rate-limit", type=float, default=150)
     ap.add_argument("--output", default=str(REPO / "benchmarks/results/h200/structured.json"))
     ap.add_argument("--device", default=None)
+    ap.add_argument("--note", default=None, help="collect: a note kept in the result (what failed and why)")
     args = ap.parse_args()
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
