@@ -101,7 +101,12 @@ def test_continue_final_message(tools_http):
 def test_unknown_keys_are_ignored_with_a_log_line(tools_http, tools_server):
     r = tools_http.post(CHAT, json=ch(frobnicate_level=3))
     assert r.status_code == 200, r.text
-    assert "present in the request but ignored: frobnicate_level" in tools_server.log()
+    assert "present in the request but ignored: 'frobnicate_level'" in tools_server.log()
+    # A key is the client's text: it is quoted, so a newline in it cannot forge a log line.
+    r = tools_http.post(CHAT, json=ch(**{"x\nINFO 12-01 00:00:00 api-server: forged": 1}))
+    assert r.status_code == 200, r.text
+    assert "\nINFO 12-01 00:00:00 api-server: forged" not in tools_server.log()
+    assert "'x\\nINFO 12-01 00:00:00 api-server: forged'" in tools_server.log()
 
 
 BAD_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": "zero"}}}

@@ -121,8 +121,12 @@ class OpenAIServing:
                 raise APIError("stream_options.include_obfuscation is not supported",
                                param="stream_options.include_obfuscation")
         if req._unknown_keys:
-            logger.warning("The following fields were present in the request but ignored: %s",
-                           ", ".join(req._unknown_keys))
+            # The client's own key names: repr() so that none can forge a log line (a newline in a
+            # key did, in the shared test server's log), and at most 10 of them, each cut at 64.
+            keys = req._unknown_keys
+            shown = ", ".join(repr(k[:64]) for k in keys[:10])
+            more = f" and {len(keys) - 10} more" if len(keys) > 10 else ""
+            logger.warning("The following fields were present in the request but ignored: %s%s", shown, more)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.served_model_name:
