@@ -107,3 +107,15 @@ def test_over_long_prompt_is_refused_without_the_tokenizer_warning(capfd):
     assert "Token indices sequence length" not in out.err + out.out, out.err
     # The prompt is longer than the tokenizer's own model_max_length (1024), the warning's condition.
     assert len(llm.get_tokenizer()(prompt)["input_ids"]) > 1024
+
+
+def test_the_dp_routers_tokenizer_prints_no_length_warning_either(capfd):
+    """The DP front end tokenizes prompts for its routing keys with the engine's loader, so a
+    prompt past the tokenizer's own model_max_length (1024) prints no transformers warning there."""
+    from pagedserve.serving.prefix_key import load_tokenizer_path
+    tok = load_tokenizer_path(str(DEMO_MODEL_DIR))
+    capfd.readouterr()
+    ids = tok("In the beginning God created the heaven and the earth. " * 200)["input_ids"]
+    out = capfd.readouterr()
+    assert len(ids) > 1024
+    assert "Token indices sequence length" not in out.err + out.out, out.err

@@ -79,8 +79,10 @@ def load_tokenizer_path(path: str | None) -> Any:
     only token-id prompts have a key, text prompts are routed by load)."""
     if path is None:
         return None
-    from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    # The engine's loader: the same tokenizer the replicas use, with transformers' own length
+    # warning lifted (the replicas refuse an over-long prompt by max_model_len themselves).
+    from pagedserve.engine.input_processor import load_tokenizer as load_engine_tokenizer
+    return load_engine_tokenizer(path)
 
 
 def load_tokenizer(config: Any) -> Any:
