@@ -16,6 +16,7 @@ always encoded as text:
 """
 from __future__ import annotations
 
+import json
 import re
 import uuid
 from typing import Any
@@ -36,6 +37,24 @@ def _special_pattern(tok: Any) -> re.Pattern | None:
     return _PATTERNS[key]
 
 
+def _refuse_special_text(pattern: re.Pattern, messages: list[dict], tools: Any) -> None:
+    """Text the template renders outside a message's content (names, tool calls and their ids,
+    reasoning, the tools' definitions) has no safe path: special-token text there is a 400
+    naming the field, never a control token."""
+    def check(field: str, value: Any) -> None:
+        text = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+        m = pattern.search(text)
+        if m:
+            raise SpecialTokenInContent(f"{field}: must not contain a special token ({m.group()!r})")
+
+    for i, msg in enumerate(messages):
+        for key in ("name", "tool_call_id", "reasoning_content", "tool_calls"):
+            if msg.get(key):
+                check(f"messages.{i}.{key}", msg[key])
+    if tools:
+        check("tools", tools)
+
+
 def render_chat_ids(tok: Any, messages: list[dict], add_generation_prompt: bool, **template_kwargs: Any) -> list[int]:
     """Prompt ids of messages ({"role", "content", "name"?, ...}); ValueError from the template, or
     SpecialTokenInContent where the safe path cannot apply. template_kwargs go to the chat
@@ -43,10 +62,8 @@ def render_chat_ids(tok: Any, messages: list[dict], add_generation_prompt: bool,
     pattern = _special_pattern(tok)
     marked = [i for i, m in enumerate(messages)
               if pattern is not None and pattern.search(m.get("content") or "")]
-    for i, m in enumerate(messages):
-        if pattern is not None and m.get("name") and pattern.search(m["name"]):
-            raise SpecialTokenInContent(f"messages.{i}.name: must not contain a special token "
-                                        f"({pattern.search(m['name']).group()!r})")
+    if pattern is not None:
+        _refuse_special_text(pattern, messages, template_kwargs.get("tools"))
     if not marked:
         text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                        **template_kwargs)
