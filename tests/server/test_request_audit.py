@@ -117,6 +117,9 @@ CASES = [
     ("format-unknown-type", CHAT, ch(response_format={"type": "xml"}), "response_format.type", "json_schema"),
     ("format-no-schema", CHAT, ch(response_format={"type": "json_schema", "json_schema": {"name": "x"}}),
      "response_format.json_schema", "schema"),
+    ("format-description", CHAT, ch(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "description": "a verse", "schema": {"type": "object"}}}),
+     "response_format.json_schema.description", "message"),
     ("format-invalid-schema", CHAT, ch(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": BAD_SCHEMA}}), "response_format.json_schema.schema", "minimum"),
     ("format-completions", CMPL, c(response_format={"type": "json_schema", "json_schema": {

@@ -35,6 +35,12 @@ def _sources(req: StructuredOutputFields) -> list[tuple[str, dict[str, Any]]]:
             if rf.json_schema is None or rf.json_schema.json_schema is None:
                 raise APIError("response_format of type json_schema needs json_schema.schema",
                                param="response_format.json_schema")
+            if rf.json_schema.description:
+                # OpenAI shows it to the model as guidance; here the grammar alone shapes the
+                # output, so it would be dropped: a 400, and the text belongs in a message.
+                raise APIError("response_format.json_schema.description is not supported: the schema "
+                               "is enforced by a grammar; put guidance for the model in a message",
+                               param="response_format.json_schema.description")
             out.append(("response_format.json_schema.schema", {"json": rf.json_schema.json_schema}))
         else:  # structural_tag
             tag = _tag_format(rf.model_dump(exclude_none=True))
