@@ -349,14 +349,12 @@ class LLMEngine(TokenApplication):
         """The step's token count (last_step_tokens, the metrics' iteration tokens) and each
         request's first scheduled time (its queue time ends there): a request is first scheduled
         in a prefill row, so a decode row only adds its one token."""
-        tokens, now = 0, None
-        for s in out.scheduled:
-            n = s.num_new_tokens
-            tokens += n
-            if not s.is_decode and "first_scheduled_time" not in s.group.metrics:
+        self.last_step_tokens = out.num_batched_tokens
+        now = None
+        for s in out.scheduled[out.num_decodes:]:  # decode rows come first
+            if "first_scheduled_time" not in s.group.metrics:
                 now = now or time.time()
                 s.group.metrics["first_scheduled_time"] = now
-        self.last_step_tokens = tokens
 
     def _run_sync(self, out, touched: dict, final_only: bool) -> None:
         """The synchronous step: execute, sample, and append before returning."""
