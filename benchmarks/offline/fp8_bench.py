@@ -8,8 +8,11 @@ Sections, each one process (one device command of < 10 min each; docs/fp8.md lis
   collect        merges the section files and `pagedserve bench throughput` results (fixed256, nanovllm
                  with the FP8 switches) in --parts into benchmarks/results/h200/fp8.json; it reads JSON
                  only, so it runs anywhere, and refuses parts of different commits or devices.
-vLLM 0.26 FP8 figures are not measured here (no vLLM on the device image): the *_over_vllm_fp8 ratios
-stay null until they are, and the JSON says so.
+vLLM 0.26 with the same switches (quantization="fp8", kv_cache_dtype="fp8") runs from a site dir where
+it is installed: benchmarks/serving/peers/bench_vllm.py --workload fixed256 --also trtllm_128_128
+--quantization fp8 --kv-cache-dtype fp8 --tag fp8 writes vllm_fp8_<workload>.json; put them in --parts
+and collect adds fixed256_over_vllm_fp8 and <shape>_over_vllm_fp8 (run for run: our first fixed256
+run, like vLLM's single one, has a cold prefix cache; our second repeats the prompts and hits it).
 """
 from __future__ import annotations
 
@@ -92,6 +95,10 @@ def capacity(kv: str, out: Path) -> dict:
     return res
 
 
+def _vllm_output_tok_s(path: Path) -> float | None:
+    return json.loads(path.read_text())["results"]["output_tok_s"] if path.exists() else None
+
+
 def collect(parts: Path, output: Path) -> None:
     results, ratios, stamps = {}, {}, []
     for name in ("fixed256", "nanovllm"):
@@ -103,12 +110,21 @@ def collect(parts: Path, output: Path) -> None:
                                                               "requests_per_s", "seconds", "num_gpu_blocks")}
             results[name]["command"] = doc["command"]
             ratios[f"{name}_over_vllm_fp8"] = None
+            theirs = _vllm_output_tok_s(parts / f"vllm_fp8_{name}.json")
+            if theirs:
+                cold = doc["results"]["runs"][0]["output_tokens_per_s"]  # like vLLM's one run: no cache hits
+                results[name].update(first_run_output_tokens_per_s=cold, vllm_fp8_output_tokens_per_s=theirs)
+                ratios[f"{name}_over_vllm_fp8"] = round(cold / theirs, 3)
     for shape in SHAPES:
         f = parts / f"trtllm_{shape}.json"
         if f.exists():
             results[f"trtllm_{shape}"] = json.loads(f.read_text())
             stamps.append({k: results[f"trtllm_{shape}"][k] for k in ("device", "commit")})
             ratios[f"{shape}_over_trtllm_published"] = results[f"trtllm_{shape}"]["over_trtllm_published"]
+            theirs = _vllm_output_tok_s(parts / f"vllm_fp8_trtllm_{shape}.json")
+            if theirs:
+                results[f"trtllm_{shape}"]["vllm_fp8_output_tokens_per_s"] = theirs
+                ratios[f"{shape}_over_vllm_fp8"] = round(results[f"trtllm_{shape}"]["output_tokens_per_s"] / theirs, 3)
     caps = {kv: json.loads((parts / f"capacity_{kv}.json").read_text())
             for kv in ("auto", "fp8") if (parts / f"capacity_{kv}.json").exists()}
     stamps += [{k: c[k] for k in ("device", "commit")} for c in caps.values()]
@@ -116,13 +132,20 @@ def collect(parts: Path, output: Path) -> None:
         results["kv_capacity_4k"] = caps
         if len(caps) == 2:
             ratios["kv_capacity_fp8_over_bf16"] = round(caps["fp8"]["largest_batch"] / caps["auto"]["largest_batch"], 3)
+    vllm_runs = sorted(parts.glob("vllm_fp8_*.json"))
+    vllm_note = ("not measured" if not vllm_runs else
+                 "; ".join(f"{f.name}: {json.loads(f.read_text())['device']}, {json.loads(f.read_text())['date']}, "
+                           f"{json.loads(f.read_text())['command'].split('bench_vllm.py', 1)[-1].strip()}"
+                           for f in vllm_runs) +
+                 " (vLLM measured in its own device session; its trtllm_128_128 ran after fixed256 on the same "
+                 "LLM, and the two draw the same id stream, so 1000 of its 8000 prompts were cached prefixes)")
     devices, commits = {s["device"] for s in stamps}, {s["commit"] for s in stamps}
     if len(devices) != 1 or len(commits) != 1:
         raise SystemExit(f"the parts come from several devices {devices} or commits {commits}: "
                          "re-run them at one commit")
     write_result(output, "fp8", None, {"model": MODEL, "load_format": "dummy", "switches": FP8,
                                        "trtllm_published": TRTLLM_PUBLISHED, "shapes": SHAPES},
-                 results, {"vllm_0.26_fp8": "not measured in this run (no vLLM on the device image)"}, ratios,
+                 results, {"vllm_0.26_fp8": vllm_note}, ratios,
                  device=devices.pop(), measured_commit=commits.pop(), switches=FP8)
 
 
