@@ -124,6 +124,14 @@ def test_block_size_table_and_default(tmp_path, monkeypatch):
     try:
         assert get_config(2, E, H, I, TOPK, torch.bfloat16, torch.device("cpu")) == small
         assert get_config(50, E, H, I, TOPK, torch.bfloat16, torch.device("cpu")) == entry
+        # FP8 experts have their own key (vLLM's fp8_w8a8 name); absent, the safe default covers them
+        fp8_name = config_file_name(E, H, I, torch.float8_e4m3fn, "cpu")
+        assert "dtype=fp8_w8a8" in fp8_name
+        assert get_config(50, E, H, I, TOPK, torch.float8_e4m3fn, torch.device("cpu")) == default_config(50, E, TOPK)
+        (tmp_path / fp8_name).write_text(json.dumps({"64": {**entry, "BLOCK_K": 128}}))
+        moe_config.load_table.cache_clear()
+        moe_config._get_config.cache_clear()
+        assert get_config(50, E, H, I, TOPK, torch.float8_e4m3fn, torch.device("cpu")) == {**entry, "BLOCK_K": 128}
     finally:
         moe_config.load_table.cache_clear()
         moe_config._get_config.cache_clear()
