@@ -110,6 +110,13 @@ def kv_scale_name(name: str) -> str | None:
     return None
 
 
+def _is_fp8(w) -> bool:
+    """A checkpoint tensor (or lazy safetensors slice) stored in an 8-bit float format."""
+    if isinstance(w, torch.Tensor):
+        return w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return str(w.get_dtype()).startswith("F8")
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> None:
     """Route each checkpoint tensor to its parameter's weight_loader (fusing q/k/v and gate/up,
     and each expert's tensors into its MoE layer's [E, ...] parameters).
@@ -162,6 +169,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> Non
                 continue
             logger.warning("checkpoint tensor %s has no matching parameter; skipped", name)
             continue
+        if _is_fp8(w) and param.element_size() != 1:
+            raise ValueError(f"loading {name}: the checkpoint's tensor is FP8 but pagedserve keeps this layer in the "
+                             "model dtype (routers and Qwen2-MoE's shared_expert_gate are never quantized); "
+                             "its quantization_config must ignore it")
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
             loader(param, w, shard) if shard is not None else loader(param, w)

@@ -182,3 +182,18 @@ def test_moe_ignore_list_all_or_none_of_the_experts(tiny_model_dir):
     assert torch.isfinite(_logits(model, IDS)).all()
     with pytest.raises(ValueError, match="experts of model.layers.0.mlp.experts are quantized only in part"):
         get_model(hf, quant_config=Fp8Config(ignored=["model.layers.0.mlp.experts.3.down_proj"]), **kw)
+
+
+def test_fp8_router_in_a_checkpoint_is_refused_naming_it(tiny_model_dir, tmp_path):
+    """pagedserve keeps the routers in the model dtype (as vLLM does): a checkpoint that quantized
+    one gets a one-line error naming the tensor, not its fp8 values read without their scale."""
+    ckpt = tmp_path / "ct"
+    _write_fp8_moe_checkpoint(tiny_model_dir("qwen2_moe"), ckpt, layout="compressed-tensors")
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    name = "model.layers.1.mlp.shared_expert_gate.weight"
+    wq, s = quantize_per_channel(tensors[name])
+    tensors[name], tensors[name[:-len("weight")] + "weight_scale"] = wq, s[:, None].contiguous()
+    save_file(tensors, str(ckpt / "model.safetensors"))
+    with pytest.raises(ValueError, match=f"loading {name}: the checkpoint's tensor is FP8") as e:
+        _load(ckpt)
+    assert "\n" not in str(e.value)
