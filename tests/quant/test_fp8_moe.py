@@ -34,7 +34,8 @@ def test_load_time_fp8_moe_stores_fp8_experts_and_tracks_full_precision(tiny_mod
     for block in blocks:
         e = block.experts
         assert e.w13_weight.dtype == FP8_DTYPE and e.w2_weight.dtype == FP8_DTYPE
-        assert e.w13_weight_scale.shape == e.w13_weight.shape[:2] and e.w2_weight_scale.shape == e.w2_weight.shape[:2]
+        assert e.w13_weight_scale.shape == e.w13_weight.shape[:2]
+        assert e.w2_weight_scale.shape == e.w2_weight.shape[:2]
         assert block.gate.weight.dtype == torch.float32  # the router stays in the model dtype
         if arch == "qwen2_moe":
             assert block.shared_expert.gate_up_proj.weight.dtype == FP8_DTYPE
@@ -148,7 +149,8 @@ def test_compressed_tensors_moe_ranks_read_their_slices_of_the_scales(tiny_model
         ep = _sparse_blocks(get_model(hf, tp_rank=rank, tp_size=2, expert_parallel=True, **kw))[0].experts
         half = full.num_experts // 2
         assert torch.equal(ep.w13_weight_scale, full.w13_weight_scale[rank * half:(rank + 1) * half])
-        assert torch.equal(ep.w2_weight.view(torch.uint8), full.w2_weight[rank * half:(rank + 1) * half].view(torch.uint8))
+        mine = full.w2_weight[rank * half:(rank + 1) * half]
+        assert torch.equal(ep.w2_weight.view(torch.uint8), mine.view(torch.uint8))
 
 
 def test_hf_fp8_mixtral_per_tensor_static_scales(tiny_model_dir, tmp_path):

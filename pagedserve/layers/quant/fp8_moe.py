@@ -65,7 +65,8 @@ class Fp8MoEMethod(MoEMethod):
 
     def kernel_args(self, layer: nn.Module) -> dict:
         return {"w13_scale": layer.w13_weight_scale, "w2_scale": layer.w2_weight_scale,
-                "a13_scale": getattr(layer, "w13_input_scale", None), "a2_scale": getattr(layer, "w2_input_scale", None)}
+                "a13_scale": getattr(layer, "w13_input_scale", None),  # static: the checkpoint's; None: per token
+                "a2_scale": getattr(layer, "w2_input_scale", None)}
 
 
 def _load_weight_scale(layer: nn.Module, param: torch.Tensor, loaded, shard_id: str, expert_id: int) -> bool:
