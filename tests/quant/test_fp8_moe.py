@@ -50,9 +50,10 @@ def test_load_time_fp8_moe_stores_fp8_experts_and_tracks_full_precision(tiny_mod
     rel = float((got - ref).norm() / ref.norm())
     # Random tiny models (weights N(0, 0.08)): measured 8-10% relative logit error after two layers of
     # W8A8 attention and experts, as the dense tiny Llama's 9% (tests/quant/test_fp8_linear.py).
-    print(arch, "relative logit error", rel, "argmax agreement", float((got.argmax(-1) == ref.argmax(-1)).float().mean()))
+    agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+    print(arch, "relative logit error", rel, "argmax agreement", agree)
     assert rel < 0.15
-    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.6
+    assert agree >= 0.6  # near-ties are common in a random model
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
