@@ -28,9 +28,9 @@ case "${1:-}" in
     model=$([ "$1" = tune_qwen ] && echo qwen3-30b-a3b || echo mixtral-8x7b)
     dtypes=${2:-bfloat16}; [ "$dtypes" = all ] && dtypes="bfloat16 fp8_w8a8"
     mkdir -p "$O/configs"
-    for dt in $dtypes; do  # each: --max-seconds 220 stops starting token counts; 270 s hard limit
+    for dt in $dtypes; do  # each: --max-seconds 200 stops starting token counts; 270 s hard limit
       step "tune_${model//-/_}_$dt" 270 python3 benchmarks/kernels/tune_fused_moe.py --model "$model" --dtype "$dt" \
-        --max-seconds 220 --output-dir "$O/configs"
+        --max-seconds 200 --output-dir "$O/configs"
     done
     cp "$O"/configs/E=*.json pagedserve/layers/fused_moe/configs/ 2>/dev/null ;;
   fp8) step moe_fp8_tests 300 python3 -m pytest -q -p no:cacheprovider tests/layers/test_fused_moe_fp8_gpu.py
