@@ -14,17 +14,18 @@ launches of one kernel:
   2. down: rows of that activation times the expert's down matrix, times the pair's routing
      weight, written per pair; the top_k rows of a token are then summed (one torch sum).
 Rounding follows HF's (and reference.py's): gate and up rounded to the activation dtype, silu
-rounded, the product rounded; down rounded, then times the weight and rounded.
+rounded, the product rounded; down rounded, then times the weight and rounded. Every size is
+a function of the shapes, nothing is read on the host: capturable in a CUDA graph. The two
+workspaces (T*top_k*I and T*top_k*H elements) are allocated per call, so the start-up memory
+profile (runner/kv_sizing.py), which runs a forward of the largest step, counts them.
 
 FP8 experts (W8A8, w13/w2 float8_e4m3fn with float32 scales per expert and output row): the
 tokens are quantized per token (fp8_ops.quantize_per_token: one Triton kernel; or a checkpoint's
 static scale) before the gate/up launch, and silu(gate) * up per (token, slot) row before the down
 launch; each tl.dot takes fp8 operands (the tensor cores' FP8 path) into a float32 accumulator, and
 the epilogue multiplies it by the row's activation scale and the column's weight scale before the
-same roundings. The router and the outputs stay in the activation dtype. Every size is
-a function of the shapes, nothing is read on the host: capturable in a CUDA graph. The two
-workspaces (T*top_k*I and T*top_k*H elements) are allocated per call, so the start-up memory
-profile (runner/kv_sizing.py), which runs a forward of the largest step, counts them.
+same roundings. The router and the outputs stay in the activation dtype; the fp8 copies of the
+two GEMMs' inputs (T*H and T*top_k*I bytes) are workspaces like the others.
 """
 from __future__ import annotations
 
