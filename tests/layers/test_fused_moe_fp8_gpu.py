@@ -4,6 +4,8 @@ and Mixtral-8x7B's shapes (and TP=2's halved intermediate), dynamic and static a
 FP8 against the bf16 experts it was quantized from; the FP8 layer replayed in a CUDA graph; the
 warm-up on the fp8 key; a tiny FP8 MoE model through the engine, CUDA graphs against eager.
 Needs compute capability 8.9+ (the dense FP8 layers' torch._scaled_mm and the fp8 tl.dot)."""
+import functools
+
 import pytest
 import torch
 
@@ -37,6 +39,13 @@ def ops():
     return mod
 
 
+@functools.lru_cache(maxsize=None)  # ~6 GB of the GPU for the four shapes
+def _experts(shape: str):
+    E, H, I, _ = SHAPES[shape]
+    w13, w2 = experts(E, H, I, torch.bfloat16, DEV)
+    return (w13, w2, *fp8_experts(w13, w2))
+
+
 def _close(got, ref, tol=TOL):
     assert got.dtype == ref.dtype and got.shape == ref.shape
     scale = ref.float().abs().max().item()
@@ -51,8 +60,7 @@ def test_fp8_triton_matches_torch_and_tracks_bf16(ops, shape, T):
     E, H, I, K = SHAPES[shape]
     if shape == "mixtral-8x7b" and T > 64:
         pytest.skip("Mixtral at many tokens: the torch path's float32 dequantized experts are slow; covered at 64")
-    w13, w2 = experts(E, H, I, torch.bfloat16, DEV)
-    q13, q2, s13, s2 = fp8_experts(w13, w2)
+    w13, w2, q13, q2, s13, s2 = _experts(shape)
     x = tokens(T, H, torch.bfloat16, DEV)
     weights, ids = ops.route(torch.randn(T, E, device=DEV, dtype=torch.bfloat16), K, True)
     w = weights.to(torch.bfloat16)
@@ -62,8 +70,6 @@ def test_fp8_triton_matches_torch_and_tracks_bf16(ops, shape, T):
     full = ops.fused_experts(x, w13, w2, w, ids)
     rel = ((got.float() - full.float()).norm() / full.float().norm()).item()
     assert rel < QUANT_TOL, rel
-    del w13, w2, q13, q2
-    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize("case", list(routings(9, 8, 2)))
