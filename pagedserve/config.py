@@ -168,8 +168,8 @@ class EngineConfig:
     # CPU default pool when no override is given: bounded so a laptop is not exhausted.
     cpu_kv_cache_gib: float = option(1.0, "GiB of KV cache on CPU when --num-gpu-blocks-override "
                                           "is not given")
-    quantization: str | None = option(None, "fp8: quantize the linear layers' weights to FP8 at load time "
-                                            "(per-output-channel scales, dynamic per-token activation "
+    quantization: str | None = option(None, "fp8: quantize the linear layers' and MoE experts' weights to "
+                                            "FP8 at load time (per-output-channel scales, dynamic per-token activation "
                                             "scales); FP8 checkpoints are read from config.json's "
                                             "quantization_config without it", QUANTIZATION_METHODS)
     kv_cache_dtype: str = option("auto", "auto: the model dtype; fp8 (fp8_e4m3): an e4m3 KV cache "

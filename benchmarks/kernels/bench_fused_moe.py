@@ -2,9 +2,11 @@
 path on the same shapes, and against vLLM's fused_experts when vLLM imports (--vllm). Routing is
 timed apart (ours, torch). Also the bandwidth achieved: the bytes of the experts the batch
 touches (counted from its routing) over the time, against the device's copy bandwidth.
+--fp8 also times the same experts in FP8 (W8A8: quantized per output channel per expert, the
+tokens per token), with its own bytes (1 per weight), and the ratio bf16 time / fp8 time.
 
-    python benchmarks/kernels/bench_fused_moe.py [--models qwen3-30b-a3b mixtral-8x7b] [--vllm] \
-        [--tp 2 [--expert-parallel]] --output benchmarks/results/h200/moe_layer.json
+    python benchmarks/kernels/bench_fused_moe.py [--models qwen3-30b-a3b mixtral-8x7b] [--vllm] [--fp8] \
+        [--batches 1 2 4 ...] [--tp 2 [--expert-parallel]] --output benchmarks/results/h200/moe_layer.json
 (--tp 2 times one rank's share: sharded intermediate, or with --expert-parallel whole experts.)
 Needs CUDA.
 """
@@ -25,6 +27,7 @@ from pagedserve.layers.fused_moe import triton_moe
 from pagedserve.layers.fused_moe.config import get_config
 from pagedserve.layers.fused_moe.reference import fused_experts_torch
 from pagedserve.layers.fused_moe.routing import select_experts_torch
+from pagedserve.layers.quant.fp8_ops import FP8_DTYPE, quantize_per_channel
 
 BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -38,7 +41,17 @@ def vllm_fused_experts():
         return None
 
 
-def bench_model(model: str, tp: int, use_vllm: bool, bandwidth: float, expert_parallel: bool = False) -> dict:
+def fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, N, K] -> (fp8 [E, N, K], float32 scales [E, N]), one expert at a time (as the layer does)."""
+    q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    s = torch.empty(w.shape[:2], dtype=torch.float32, device=w.device)
+    for e in range(w.shape[0]):
+        q[e], s[e] = quantize_per_channel(w[e])
+    return q, s
+
+
+def bench_model(model: str, tp: int, use_vllm: bool, bandwidth: float, expert_parallel: bool = False,
+                fp8: bool = False, batches=BATCHES) -> dict:
     """Rank 0's layer. Under expert parallelism it routes over every expert and drops the pairs of
     the other ranks' experts, as FusedMoE does."""
     E, H, inter, top_k = layer_shape(model, tp, expert_parallel)
@@ -48,8 +61,10 @@ def bench_model(model: str, tp: int, use_vllm: bool, bandwidth: float, expert_pa
     w13 = torch.randn(E, 2 * inter, H, generator=g, device=dev).mul_(H ** -0.5).to(dtype)
     w2 = torch.randn(E, H, inter, generator=g, device=dev).mul_(inter ** -0.5).to(dtype)
     theirs = vllm_fused_experts() if use_vllm else None
+    if fp8:
+        (q13, s13), (q2, s2) = fp8_experts(w13), fp8_experts(w2)
     rows = {}
-    for T in BATCHES:
+    for T in batches:
         x = torch.randn(T, H, generator=g, device=dev).to(dtype)
         logits = torch.randn(T, E_all, generator=g, device=dev).to(dtype)
         weights, ids = triton_moe.route(logits, top_k, True)
@@ -69,6 +84,13 @@ def bench_model(model: str, tp: int, use_vllm: bool, bandwidth: float, expert_pa
                    lambda: triton_moe.route(logits, top_k, True), warmup=10, rep=50), 1),
                "routing_torch_us": round(1e3 * triton.testing.do_bench(
                    lambda: select_experts_torch(logits, top_k, True), warmup=10, rep=50), 1)}
+        if fp8:
+            scales = dict(w13_scale=s13, w2_scale=s2)
+            f8 = triton.testing.do_bench(lambda: triton_moe.fused_experts(x, q13, q2, w, ids, may_drop=expert_parallel,
+                                                                          **scales), warmup=10, rep=50)
+            row.update(fp8_us=round(f8 * 1e3, 1), fp8_speedup_over_bf16=round(ours / f8, 3),
+                       fp8_bandwidth_fraction=round(expert_bytes / 2 / (f8 * 1e-3) / bandwidth, 3),
+                       fp8_config=get_config(T, E, H, inter, top_k, FP8_DTYPE, dev))
         if T <= 64:  # the per-expert loop is slow and syncs; enough to show the gap
             row["torch_us"] = round(1e3 * triton.testing.do_bench(
                 lambda: fused_experts_torch(x, w13, w2, w, ids), warmup=3, rep=20), 1)
@@ -90,19 +112,24 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--expert-parallel", action="store_true", help="the per-rank shape of whole experts per rank")
     ap.add_argument("--vllm", action="store_true", help="also time vLLM's fused_experts (vLLM on PYTHONPATH)")
+    ap.add_argument("--fp8", action="store_true", help="also time FP8 (W8A8) experts beside bf16")
+    ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     if args.output:
         git_commit()
     bw = measure_copy_bandwidth()
-    results = {m: bench_model(m, args.tp, args.vllm, bw, args.expert_parallel) for m in args.models}
+    results = {m: bench_model(m, args.tp, args.vllm, bw, args.expert_parallel, args.fp8, args.batches)
+               for m in args.models}
     results["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
     ratios = {f"{m}_layer_b{T}_over_vllm": row["ours_over_vllm_speed"]
               for m in args.models for T, row in results[m]["batches"].items() if "ours_over_vllm_speed" in row}
+    ratios.update({f"{m}_layer_b{T}_fp8_over_bf16": row["fp8_speedup_over_bf16"]
+                   for m in args.models for T, row in results[m]["batches"].items() if "fp8_speedup_over_bf16" in row})
     if args.output:
         write_result(args.output, "moe_layer", None, {"models": args.models, "tp": args.tp, "dtype": "bfloat16",
-                                                      "expert_parallel": args.expert_parallel,
-                                                      "batches": list(BATCHES)}, results, {}, ratios)
+                                                      "fp8": args.fp8, "expert_parallel": args.expert_parallel,
+                                                      "batches": list(args.batches)}, results, {}, ratios)
 
 
 if __name__ == "__main__":

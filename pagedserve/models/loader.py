@@ -85,18 +85,20 @@ def iterate_safetensors(model_dir: str | os.PathLike) -> Iterator[tuple[str, obj
                 yield name, f.get_slice(name)
 
 
-_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.weight$")
+_EXPERT_TENSOR = re.compile(r"\.experts\.(\d+)\.(\w+)\.(weight|weight_scale|input_scale)$")
 
 
 def _expert_target(model: nn.Module, name: str) -> tuple[str, int, str] | None:
     """(fused parameter name, expert id, shard id) for one expert's checkpoint tensor of a
-    mixture-of-experts model (expert_checkpoint_names: checkpoint module -> w1 | w2 | w3)."""
+    mixture-of-experts model (expert_checkpoint_names: checkpoint module -> w1 | w2 | w3): its
+    weight, or an FP8 checkpoint's weight_scale / input_scale (-> w13_weight_scale, ...)."""
     names = getattr(model, "expert_checkpoint_names", None)
     m = _EXPERT_TENSOR.search(name) if names else None
     if m is None or m.group(2) not in names:
         return None
     shard = names[m.group(2)]
-    return f"{name[:m.start()]}.experts.{'w2' if shard == 'w2' else 'w13'}_weight", int(m.group(1)), shard
+    fused = f"{'w2' if shard == 'w2' else 'w13'}_{m.group(3)}"
+    return f"{name[:m.start()]}.experts.{fused}", int(m.group(1)), shard
 
 
 def kv_scale_name(name: str) -> str | None:
@@ -106,6 +108,13 @@ def kv_scale_name(name: str) -> str | None:
         if name.endswith("." + kind) and ".self_attn." in name:
             return name.split(".self_attn.")[0] + f".self_attn.attn.{kind}"
     return None
+
+
+def _is_fp8(w) -> bool:
+    """A checkpoint tensor (or lazy safetensors slice) stored in an 8-bit float format."""
+    if isinstance(w, torch.Tensor):
+        return w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    return str(w.get_dtype()).startswith("F8")
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> None:
@@ -160,6 +169,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> Non
                 continue
             logger.warning("checkpoint tensor %s has no matching parameter; skipped", name)
             continue
+        if _is_fp8(w) and param.element_size() != 1:
+            raise ValueError(f"loading {name}: the checkpoint's tensor is FP8 but pagedserve keeps this layer in the "
+                             "model dtype (routers and Qwen2-MoE's shared_expert_gate are never quantized); "
+                             "its quantization_config must ignore it")
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
             loader(param, w, shard) if shard is not None else loader(param, w)
@@ -167,8 +180,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> Non
             raise ValueError(f"loading {name}: {e}") from None
         loaded.add(name)
     for pname, parts in expert_parts.items():
-        num_experts = params[pname].shape[0]
-        if len(parts) == num_experts * (2 if pname.endswith("w13_weight") else 1):
+        # every (expert, shard) this rank holds: E_local x (gate and up | down), unless the
+        # parameter says otherwise (a static input scale reads every expert's)
+        expected = getattr(params[pname], "num_expert_parts", None)
+        if expected is None:
+            expected = params[pname].shape[0] * (2 if ".experts.w13_" in pname else 1)
+        if len(parts) == expected:
             loaded.add(pname)
     missing = sorted(set(params) - loaded)
     if missing:
@@ -217,7 +234,7 @@ def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.d
     if quant_config is not None:
         if "quant_config" not in inspect.signature(cls.__init__).parameters:
             raise ValueError(f"quantization {quant_config.name}: {cls.__name__} has no quantized layers in "
-                             "pagedserve (the dense Llama family has; MoE layers take no FP8 weights yet)")
+                             "pagedserve (the Llama family and its mixtures of experts have)")
         quant_config.check_device(device)
         kwargs["quant_config"] = quant_config
     with _building_on(device, dtype):

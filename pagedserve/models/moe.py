@@ -14,6 +14,10 @@ decoder_sparse_step grid, are dense (intermediate_size).
 Tensor parallelism splits every expert's intermediate dimension; with expert_parallel
 (enable_expert_parallel) each rank holds whole experts instead (layers/fused_moe/layer.py).
 
+FP8 (quant_config): the experts take FP8 weights (layers/quant/fp8_moe.py), the shared expert is
+a plain FP8 MLP like the dense layers', the attention projections as in Llama; the routers (`gate`,
+`shared_expert_gate`) stay in the model dtype, as vLLM keeps them.
+
 Checkpoint names: experts come one tensor per expert (`...experts.<e>.gate_proj.weight`, Mixtral
 `w1`/`w3`/`w2`); load_weights routes them into the fused [E, ...] parameters through
 expert_checkpoint_names. Mixtral's `block_sparse_moe` module is our `mlp` (checkpoint_renames).
@@ -32,7 +36,7 @@ from pagedserve.models.llama import LlamaForCausalLM, LlamaMLP, check_silu
 class SparseMoeBlock(nn.Module):
     def __init__(self, config, num_experts: int, top_k: int, intermediate_size: int, renormalize: bool,
                  round_weights: bool, tp_rank: int, tp_size: int, shared_intermediate_size: int = 0,
-                 expert_parallel: bool = False):
+                 expert_parallel: bool = False, quant_config=None, prefix: str = ""):
         super().__init__()
         check_silu(config)
         h = config.hidden_size
@@ -40,9 +44,11 @@ class SparseMoeBlock(nn.Module):
         self.gate = ReplicatedLinear(h, num_experts, bias=False)
         shared = shared_intermediate_size > 0
         self.experts = FusedMoE(num_experts, top_k, h, intermediate_size, renormalize, round_weights,
-                                tp_rank, tp_size, reduce_results=not shared, expert_parallel=expert_parallel)
+                                tp_rank, tp_size, reduce_results=not shared, expert_parallel=expert_parallel,
+                                quant_config=quant_config, prefix=f"{prefix}.experts")
         if shared:
-            self.shared_expert = LlamaMLP(config, tp_rank, tp_size, shared_intermediate_size, reduce_results=False)
+            self.shared_expert = LlamaMLP(config, tp_rank, tp_size, shared_intermediate_size, reduce_results=False,
+                                          quant_config=quant_config, prefix=f"{prefix}.shared_expert")
             self.shared_expert_gate = ReplicatedLinear(h, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
@@ -61,9 +67,11 @@ class _MoeForCausalLM(LlamaForCausalLM):
     round_weights = True
     supports_expert_parallel = True
 
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False):
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False,
+                 quant_config=None):
         self.expert_parallel = expert_parallel  # read by make_mlp, during the base constructor
-        super().__init__(config, tp_rank, tp_size)
+        self.quant_config = quant_config
+        super().__init__(config, tp_rank, tp_size, quant_config)
 
     def is_sparse(self, config, i: int) -> bool:
         step = getattr(config, "decoder_sparse_step", 1) or 1
@@ -74,7 +82,8 @@ class _MoeForCausalLM(LlamaForCausalLM):
             return None
         return SparseMoeBlock(config, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                               bool(getattr(config, "norm_topk_prob", False)), self.round_weights, tp_rank, tp_size,
-                              getattr(config, "shared_expert_intermediate_size", 0) or 0, self.expert_parallel)
+                              getattr(config, "shared_expert_intermediate_size", 0) or 0, self.expert_parallel,
+                              self.quant_config, f"model.layers.{layer_index}.mlp")
 
 
 class Qwen3MoeForCausalLM(_MoeForCausalLM):
@@ -82,9 +91,10 @@ class Qwen3MoeForCausalLM(_MoeForCausalLM):
 
 
 class Qwen2MoeForCausalLM(_MoeForCausalLM):
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False):
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, expert_parallel: bool = False,
+                 quant_config=None):
         self.qkv_bias = bool(getattr(config, "qkv_bias", True))  # Qwen1.5-MoE: q/k/v biases
-        super().__init__(config, tp_rank, tp_size, expert_parallel)
+        super().__init__(config, tp_rank, tp_size, expert_parallel, quant_config)
 
 
 class MixtralForCausalLM(_MoeForCausalLM):
@@ -98,4 +108,5 @@ class MixtralForCausalLM(_MoeForCausalLM):
     def make_mlp(self, config, layer_index: int, tp_rank: int, tp_size: int) -> nn.Module:
         return SparseMoeBlock(config, config.num_local_experts, config.num_experts_per_tok,
                               config.intermediate_size, True, self.round_weights, tp_rank, tp_size,
-                              expert_parallel=self.expert_parallel)
+                              expert_parallel=self.expert_parallel, quant_config=self.quant_config,
+                              prefix=f"model.layers.{layer_index}.mlp")

@@ -38,3 +38,15 @@ def routings(T: int, E: int, top_k: int, seed: int = 2) -> dict[str, tuple[torch
     dropped[0] = E  # a token with every pair dropped
     out["dropped_pairs"] = (w, dropped)
     return out
+
+
+def fp8_experts(w13: torch.Tensor, w2: torch.Tensor):
+    """(w13 fp8, w2 fp8, w13_scale [E, 2I], w2_scale [E, H]): each expert quantized per output
+    channel, as FusedMoE's load-time FP8 does."""
+    from pagedserve.layers.quant.fp8_ops import quantize_per_channel
+    out = []
+    for w in (w13, w2):
+        pairs = [quantize_per_channel(w[e]) for e in range(w.shape[0])]
+        out.append((torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])))
+    (q13, s13), (q2, s2) = out
+    return q13, q2, s13, s2

@@ -124,18 +124,24 @@ def test_tuned_tables_load_and_are_correct(ops):
     files = sorted(CONFIG_DIR.glob("E=*.json"))
     if not files:
         pytest.skip("no tuned tables in the repo yet (benchmarks/kernels/tune_fused_moe.py writes them)")
-    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+    from moe_cases import fp8_experts
+    dtypes = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+              "fp8_w8a8": torch.bfloat16}  # FP8 experts: bfloat16 activations
     for path in files:
         fields = dict(kv.split("=", 1) for kv in path.stem.split(","))
         E, H, I, dtype = int(fields["E"]), int(fields["H"]), int(fields["I"]), dtypes[fields["dtype"]]
         w13, w2 = experts(E, H, I, dtype, DEV)
+        scales = {}
+        if fields["dtype"] == "fp8_w8a8":
+            w13, w2, s13, s2 = fp8_experts(w13, w2)
+            scales = dict(w13_scale=s13, w2_scale=s2)
         for tokens_key, cfg in json.loads(path.read_text()).items():
             assert set(KEYS) <= set(cfg), path.name
             T = min(int(tokens_key), 64)
             x = tokens(T, H, dtype, DEV)
             w, ids = ops.route(torch.randn(T, E, device=DEV), min(8, E), True)
-            _close(ops.fused_experts(x, w13, w2, w.to(dtype), ids, cfg),
-                   fused_experts_torch(x, w13, w2, w.to(dtype), ids), dtype)
+            _close(ops.fused_experts(x, w13, w2, w.to(dtype), ids, cfg, **scales),
+                   fused_experts_torch(x, w13, w2, w.to(dtype), ids, **scales), dtype)
 
 
 def test_warm_up_runs_every_config(ops):

@@ -1,6 +1,7 @@
 """Block sizes of the grouped GEMM: a tuned table per shape, as JSON files beside this module.
 
 A file configs/E=<experts>,H=<hidden>,I=<intermediate per rank>,dtype=<dtype>,device=<name>.json
+(dtype: the experts' weights, bfloat16 / float16 / float32, or fp8_w8a8 for FP8 experts)
 maps a token count (as a string) to {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages}.
 benchmarks/kernels/tune_fused_moe.py writes them on the GPU. A call with T tokens takes the entry
 whose token count is nearest T; a shape with no file takes default_config, which is correct for
@@ -19,7 +20,9 @@ import torch
 logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).with_name("configs")
 KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages")
-_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# The experts' dtype names the file (vLLM's names); fp8 experts take W8A8 GEMMs, whatever the activations.
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                torch.float8_e4m3fn: "fp8_w8a8"}
 
 
 def device_name(device: torch.device) -> str:

@@ -18,6 +18,14 @@ rounded, the product rounded; down rounded, then times the weight and rounded. E
 a function of the shapes, nothing is read on the host: capturable in a CUDA graph. The two
 workspaces (T*top_k*I and T*top_k*H elements) are allocated per call, so the start-up memory
 profile (runner/kv_sizing.py), which runs a forward of the largest step, counts them.
+
+FP8 experts (W8A8, w13/w2 float8_e4m3fn with float32 scales per expert and output row): the
+tokens are quantized per token (fp8_ops.quantize_per_token: one Triton kernel; or a checkpoint's
+static scale) before the gate/up launch, and silu(gate) * up per (token, slot) row before the down
+launch; each tl.dot takes fp8 operands (the tensor cores' FP8 path) into a float32 accumulator, and
+the epilogue multiplies it by the row's activation scale and the column's weight scale before the
+same roundings. The router and the outputs stay in the activation dtype; the fp8 copies of the
+two GEMMs' inputs (T*H and T*top_k*I bytes) are workspaces like the others.
 """
 from __future__ import annotations
 
@@ -31,6 +39,8 @@ import triton.language as tl
 from pagedserve.layers.fused_moe import triton_align
 from pagedserve.layers.fused_moe.align import align_block_size
 from pagedserve.layers.fused_moe.config import get_config
+from pagedserve.layers.fused_moe.reference import quantize_activations
+from pagedserve.layers.quant.fp8_format import FP8_DTYPE
 
 logger = logging.getLogger(__name__)
 
@@ -82,13 +92,14 @@ def _round(x, like_ptr):
 # (say an odd one) does not compile a new variant mid-serving. N and K are the model's.
 @triton.jit(do_not_specialize=["EM", "num_pairs"])
 def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_expert_ptr, num_padded_ptr,
-                     N, K, EM, num_pairs,
-                     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+                     a_scale_ptr, b_scale_ptr, N, K, EM, num_pairs,
+                     stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_bse,
                      A_ROW_DIV: tl.constexpr, GATED: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                     IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     IEEE: tl.constexpr, FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     """C[pair, n] = f(A[pair // A_ROW_DIV, :] @ B[expert, n, :]) for the rows of one BLOCK_M block.
-    GATED: B holds 2N rows (gate, then up) and f is silu(gate) * up. MUL_WEIGHT: times weights[pair]."""
+    GATED: B holds 2N rows (gate, then up) and f is silu(gate) * up. MUL_WEIGHT: times weights[pair].
+    FP8: A and B are e4m3; the product is scaled by a_scale[A row] * b_scale[expert, n] (float32)."""
     pid = tl.program_id(0)
     num_pid_m = tl.cdiv(EM, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -130,6 +141,13 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_exp
                 acc_up += tl.dot(a, b_up)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if FP8:  # dequantize the accumulator: one multiply per element, outside the K loop
+        a_s = tl.load(a_scale_ptr + pair // A_ROW_DIV, mask=row_mask, other=0.0)
+        b_s = tl.load(b_scale_ptr + expert * stride_bse + offs_n, mask=n_mask, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
+        if GATED:
+            b_s_up = tl.load(b_scale_ptr + expert * stride_bse + N + offs_n, mask=n_mask, other=0.0)
+            acc_up = acc_up * a_s[:, None] * b_s_up[None, :]
     if GATED:
         gate = _round(acc, c_ptr)
         act = _round(gate / (1.0 + tl.exp(-gate)), c_ptr)
@@ -151,14 +169,19 @@ def _dot_in_float32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _gemm(a, b, c, weights, sorted_ids, block_expert, num_padded, n, k, num_pairs, a_row_div, gated, cfg):
+def _gemm(a, b, c, weights, sorted_ids, block_expert, num_padded, n, k, num_pairs, a_row_div, gated, cfg,
+          a_scale=None, b_scale=None):
+    """a_scale [rows of a, 1] and b_scale [E, rows of b] float32 for fp8 a and b; None otherwise."""
     em = sorted_ids.numel()
+    fp8 = b_scale is not None
     grid = (triton.cdiv(em, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
-        a, b, c, weights, sorted_ids, block_expert, num_padded, n, k, em, num_pairs,
+        a, b, c, weights, sorted_ids, block_expert, num_padded,
+        a_scale if fp8 else weights, b_scale if fp8 else weights, n, k, em, num_pairs,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        b_scale.stride(0) if fp8 else 0,
         A_ROW_DIV=a_row_div, GATED=gated, MUL_WEIGHT=not gated,
-        IEEE=_dot_in_float32(a.dtype),
+        IEEE=_dot_in_float32(a.dtype), FP8=fp8,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
@@ -182,7 +205,9 @@ def _align(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                  topk_ids: torch.Tensor, config: dict | None = None, may_drop: bool = False) -> torch.Tensor:
+                  topk_ids: torch.Tensor, config: dict | None = None, may_drop: bool = False,
+                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                  a13_scale: torch.Tensor | None = None, a2_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as reference.fused_experts_torch; `config` overrides the tuned block sizes.
     may_drop: some ids may be E (dropped pairs, whose rows no program writes: zeroed first)."""
     T, H = x.shape
@@ -190,13 +215,22 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     inter, top_k = two_i // 2, topk_ids.shape[1]
     if T == 0:
         return torch.zeros_like(x)
-    cfg = config or get_config(T, E, H, inter, top_k, x.dtype, x.device)
+    fp8 = w13.dtype == FP8_DTYPE
+    if fp8 and (w13_scale is None or w2_scale is None):
+        raise ValueError("FP8 experts need w13_scale and w2_scale")
+    cfg = config or get_config(T, E, H, inter, top_k, w13.dtype, x.device)
+    if fp8 and cfg["BLOCK_K"] < 32:  # an 8-bit tensor-core dot takes K in steps of 32
+        cfg = dict(cfg, BLOCK_K=32)
     x = x if x.stride(-1) == 1 else x.contiguous()
     weights = topk_weights.contiguous()
     pairs = T * top_k
     sorted_ids, block_expert, num_padded = _align(topk_ids, E, cfg["BLOCK_M"])
+    a, a_scale = quantize_activations(x, a13_scale) if fp8 else (x, None)
     act = torch.empty(pairs, inter, dtype=x.dtype, device=x.device)
-    _gemm(x, w13, act, weights, sorted_ids, block_expert, num_padded, inter, H, pairs, top_k, True, cfg)
+    _gemm(a, w13, act, weights, sorted_ids, block_expert, num_padded, inter, H, pairs, top_k, True, cfg,
+          a_scale, w13_scale if fp8 else None)
+    a, a_scale = quantize_activations(act, a2_scale) if fp8 else (act, None)
     down = (torch.zeros if may_drop else torch.empty)(pairs, H, dtype=x.dtype, device=x.device)
-    _gemm(act, w2, down, weights, sorted_ids, block_expert, num_padded, H, inter, pairs, 1, False, cfg)
+    _gemm(a, w2, down, weights, sorted_ids, block_expert, num_padded, H, inter, pairs, 1, False, cfg,
+          a_scale, w2_scale if fp8 else None)
     return down.view(T, top_k, H).sum(dim=1)

@@ -41,8 +41,9 @@ def warm_up_moe(model: nn.Module, max_tokens: int) -> int:
             continue
         seen.add(key)
         gen = torch.Generator(device=w13.device).manual_seed(0)
+        act = layer.params_dtype  # the activations' dtype; w13.dtype selects the table (fp8 has its own)
         for t in warmup_token_counts(layer, hidden, w13.dtype, w13.device, max_tokens):
-            logits = torch.randn(t, layer.num_experts, generator=gen, device=w13.device, dtype=w13.dtype)
-            layer.partial(torch.zeros(t, hidden, device=w13.device, dtype=w13.dtype), logits)
+            logits = torch.randn(t, layer.num_experts, generator=gen, device=w13.device, dtype=act)
+            layer.partial(torch.zeros(t, hidden, device=w13.device, dtype=act), logits)
             calls += 1
     return calls

@@ -19,7 +19,8 @@ import re
 import torch
 from torch import nn
 
-from pagedserve.layers.quant.base import LinearMethod, QuantizationConfig, UnquantizedLinearMethod
+from pagedserve.layers.quant.base import (LinearMethod, QuantizationConfig, UnquantizedLinearMethod,
+                                          UnquantizedMoEMethod)
 from pagedserve.layers.quant.fp8_ops import (FP8_DTYPE, fp8_gemm, quantize_per_channel, quantize_per_token,
                                              quantize_static, scaled_mm_supported)
 from pagedserve.layers.weights import materialize
@@ -58,6 +59,21 @@ class Fp8Config(QuantizationConfig):
             raise ValueError(f"quantization {self.source}: the fused parts {names} are quantized only in part; "
                              "pagedserve fuses them into one layer and needs all or none")
         return Fp8LinearMethod(self)
+
+    def get_moe_method(self, layer: nn.Module, prefix: str = ""):
+        """The experts of one MoE layer (prefix ...mlp.experts): all quantized or none (an ignore
+        entry naming the experts module, or every expert's projections), as for fused parts."""
+        from pagedserve.layers.quant.fp8_moe import Fp8MoEMethod
+        if prefix and self.is_ignored(prefix):
+            return UnquantizedMoEMethod()
+        parts = ("gate_proj", "up_proj", "down_proj") if prefix else ()
+        skipped = [self.is_ignored(f"{prefix}.{e}.{p}") for e in range(layer.num_experts) for p in parts]
+        if skipped and all(skipped):
+            return UnquantizedMoEMethod()
+        if any(skipped):
+            raise ValueError(f"quantization {self.source}: the experts of {prefix} are quantized only in part; "
+                             "pagedserve stacks them into one layer and needs all or none")
+        return Fp8MoEMethod(self)
 
     def check_device(self, device: torch.device) -> None:
         device = torch.device(device)
