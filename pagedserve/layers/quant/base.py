@@ -6,6 +6,8 @@ A linear layer asks its config for a LinearMethod at construction. The method
                                       (e.g. bf16 -> fp8 + scales), once, after every tensor is in,
   apply(layer, x, bias)               computes x @ W.T (+ bias) on this rank's slice.
 Invariant: after process_weights_after_loading, apply needs nothing from the checkpoint.
+A method with takes_fp8_activation also accepts, as x, an fp8_ops.Fp8Activation (the activation
+already quantized per token by the op before the layer; layers/quant/fusion.py).
 """
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from torch import nn
 
 
 class LinearMethod:
+    takes_fp8_activation = False
+
     def create_weights(self, layer: nn.Module) -> None:
         raise NotImplementedError
 
