@@ -79,16 +79,16 @@ def bench_kernels(tokens: list[int], replays: int) -> list[dict]:
     return rows
 
 
-def _decode_meta(batch: int, context: int, block_size: int):
+def _decode_meta(batch: int, context: int, block_size: int, device: str = "cuda"):
     """A decode step of `batch` sequences at `context` tokens each, in shuffled physical blocks
     (block 0 left to the graph's padding rows)."""
     from pagedserve.attention.metadata import AttentionMetadata
     per_seq = -(-context // block_size)
     g = torch.Generator().manual_seed(batch)
-    tables = (torch.randperm(batch * per_seq, generator=g) + 1).to(torch.int32).view(batch, per_seq).cuda()
+    tables = (torch.randperm(batch * per_seq, generator=g) + 1).to(torch.int32).view(batch, per_seq).to(device)
     pos = context - 1
     slots = tables[:, pos // block_size].long() * block_size + pos % block_size
-    i32 = dict(dtype=torch.int32, device="cuda")
+    i32 = dict(dtype=torch.int32, device=device)
     meta = AttentionMetadata(slot_mapping=slots, query_start_loc=torch.arange(batch + 1, **i32),
                              seq_lens=torch.full((batch,), context, **i32), block_tables=tables, num_decodes=batch,
                              max_query_len=1, max_seq_len=context, block_size=block_size,

@@ -96,24 +96,32 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, N, BLOCK: tl.cons
 
 
 @triton.jit
-def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_stride, q_stride, N,
-                             FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
-    """One program per row, two passes over it (as per_token_fp8_kernel): the amax of
-    silu(gate) * up, then the same values again, quantized. Recomputing beats a round trip of the
-    bf16 product through memory: the second pass reads gate_up from L2."""
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_stride, q_stride, N, FP8_MAX: tl.constexpr,
+                             MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """One program per row. ONE_PASS (the row fits one block): silu(gate) * up stays in registers
+    between its amax and the quantized store. Otherwise two passes over the row (as
+    per_token_fp8_kernel): the amax, then the same values recomputed and quantized (gate_up read
+    twice, the second time mostly from L2, instead of a bf16 round trip through memory)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * x_stride
-    amax = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, N, BLOCK):
-        amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, start + offs, start + offs < N, N)))
-    scale = _fp8_scale(amax, FP8_MAX, MIN_SCALE)
-    tl.store(scale_ptr + row, scale)
-    for start in range(0, N, BLOCK):
-        cols = start + offs
-        mask = cols < N
-        y = _silu_mul(x_row, cols, mask, N)
-        tl.store(q_ptr + row * q_stride + cols, _to_fp8(y, scale, q_ptr, FP8_MAX), mask=mask)
+    if ONE_PASS:
+        mask = offs < N
+        y = _silu_mul(x_row, offs, mask, N)
+        scale = _fp8_scale(y, FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * q_stride + offs, _to_fp8(y, scale, q_ptr, FP8_MAX), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, start + offs, start + offs < N, N)))
+        scale = _fp8_scale(amax, FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, N, BLOCK):
+            cols = start + offs
+            mask = cols < N
+            y = _silu_mul(x_row, cols, mask, N)
+            tl.store(q_ptr + row * q_stride + cols, _to_fp8(y, scale, q_ptr, FP8_MAX), mask=mask)
 
 
 @triton.jit
@@ -243,16 +251,24 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return out.view(*gate_up.shape[:-1], n)
 
 
+_SILU_FP8_ONE_PASS_MAX = 16384
+
+
 def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """silu_and_mul(gate_up) quantized per token: (fp8 [..., I], float32 scale [rows, 1])."""
     rows = _rows(gate_up)
     n = rows.shape[1] // 2
     q = torch.empty((rows.shape[0], n), dtype=FP8_DTYPE, device=gate_up.device)
     scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=gate_up.device)
+    # Up to 16k features (Llama-3.1-8B's 14336) a row is one block of 16 warps, read once; a
+    # longer row is walked twice in blocks of 4096.
+    block = triton.next_power_of_2(n)
+    one_pass = block <= _SILU_FP8_ONE_PASS_MAX
+    block = block if one_pass else 4096
     if rows.shape[0]:
         _silu_and_mul_fp8_kernel[(rows.shape[0],)](rows, q, scale, rows.stride(0), q.stride(0), n, FP8_MAX=FP8_MAX,
-                                                   MIN_SCALE=MIN_SCALE, BLOCK=min(triton.next_power_of_2(n), 2048),
-                                                   num_warps=4)
+                                                   MIN_SCALE=MIN_SCALE, BLOCK=block, ONE_PASS=one_pass,
+                                                   num_warps=min(max(block // 1024, 4), 16))
     return q.view(*gate_up.shape[:-1], n), scale
 
 

@@ -64,6 +64,14 @@ def test_fused_kernels_are_bit_equal_to_op_then_quant_kernel(ops, T):
     _same_bits(ops.silu_and_mul_fp8(gate_up), quantize_per_token(ops.silu_and_mul(gate_up)))
 
 
+@pytest.mark.parametrize("T,inter", [(1, 20000), (37, 16385)])
+def test_silu_fp8_rows_past_one_block_are_walked_twice(ops, T, inter):
+    """Past 16k features silu_and_mul_fp8 leaves the one-block path for two passes: the same bits."""
+    from pagedserve.layers.quant.triton_fp8 import quantize_per_token
+    gate_up = 2 * torch.randn(T, 2 * inter, device="cuda", dtype=torch.bfloat16)
+    _same_bits(ops.silu_and_mul_fp8(gate_up), quantize_per_token(ops.silu_and_mul(gate_up)))
+
+
 @pytest.mark.parametrize("T", [1, 256])
 def test_fused_kernels_match_torch_ops_then_torch_quant(ops, T, monkeypatch):
     from pagedserve.layers import fused
