@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # FP8 on the H200, one section per device command (each < 10 min): run from the repo root.
-#   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy
+#   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused
+# fused = the activation quantization fused into the norms / SiLU-and-mul: its GPU tests, then
+# benchmarks/kernels/fp8_fused_quant.py (kernels and a Llama-3.1-8B decode step, fusion on/off).
 # Parts land in benchmarks/results/h200/fp8_parts/ (and are copied to $OUT when set); once all are
 # back in the checkout, `python benchmarks/offline/fp8_bench.py collect` (CPU is fine) writes
 # benchmarks/results/h200/fp8.json. A tree copied without .git needs the stamp first:
@@ -22,7 +24,10 @@ case "${1:-}" in
   cap_bf16) timeout 590 python3 benchmarks/offline/fp8_bench.py capacity auto --parts $P ;;
   cap_fp8) timeout 590 python3 benchmarks/offline/fp8_bench.py capacity fp8 --parts $P ;;
   accuracy) timeout 590 python3 benchmarks/offline/fp8_accuracy.py --device cuda --output $P/fp8_accuracy_h200.json ;;
-  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy" >&2; exit 2 ;;
+  fused) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/layers/test_fp8_fused_gpu.py 2>&1 \
+           | tee $P/fused_gpu_tests.log | tail -30
+         timeout 380 python3 benchmarks/kernels/fp8_fused_quant.py --output $P/fp8_fused_quant.json ;;
+  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused" >&2; exit 2 ;;
 esac
 rc=$?
 [ -n "${OUT:-}" ] && cp -r $P "$OUT/" 2>/dev/null

@@ -10,6 +10,14 @@ alone: >= 99% of elements identical; after Qwen3's q/k norm: 78-89%): the GPU's 
 rsqrt and exp differ from torch's in the last float32 bit, and the compiler may contract a
 multiply and add whose intermediate rounding the torch path keeps.
 
+The FP8 variants (rms_norm_fp8, fused_add_rms_norm_fp8, silu_and_mul_fp8) end the same
+arithmetic with the dynamic per-token quantization of layers/quant/triton_fp8.py instead of a
+store: y rounded to the activation dtype as above, scale = max(amax(y) / 448, MIN_SCALE),
+q = e4m3(clamp(y / scale, +-448)), both divisions IEEE (div_rn), round to nearest even. The same
+instructions as "the kernel above, then per_token_fp8_kernel", so bit-equal to that pair; against
+the torch ops (norm, then fp8_ops.quantize_per_token_torch) they differ only where the norm does
+(and in the scale's last bit on the H200, as triton_fp8's kernel does).
+
 All wrappers allocate only by shape and never read values on the host: CUDA-graph capturable.
 """
 from __future__ import annotations
@@ -17,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from pagedserve.layers.quant.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
 
 
 @triton.jit
@@ -26,9 +36,26 @@ def _round(x, like_ptr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-                     x_stride, res_stride, out_stride, res_out_stride, N, eps,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _fp8_scale(y, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr):
+    """A row's dynamic scale, as triton_fp8.per_token_fp8_kernel computes it (y: the whole row, or
+    running maxima of |y|)."""
+    return tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), 0), FP8_MAX), MIN_SCALE)
+
+
+@triton.jit
+def _to_fp8(y, scale, q_ptr, FP8_MAX: tl.constexpr):
+    # div_rn: IEEE division like torch's (Triton's "/" is approximate on the GPU).
+    return tl.clamp(tl.math.div_rn(y, scale), -FP8_MAX, FP8_MAX).to(q_ptr.dtype.element_ty,
+                                                                   fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr, q_ptr, scale_ptr,
+                     x_stride, res_stride, out_stride, res_out_stride, q_stride, N, eps,
+                     HAS_RESIDUAL: tl.constexpr, FP8_OUT: tl.constexpr, FP8_MAX: tl.constexpr,
+                     MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
+    """FP8_OUT: write q (e4m3) and the row's scale instead of out; out_ptr then only names the
+    activation dtype the normed values round to (it is not written)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -40,7 +67,23 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
     normed = _round(x * inv_rms, out_ptr)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+    if FP8_OUT:
+        y = _round(normed * w, out_ptr)  # the norm's output in the activation dtype; 0 past N
+        scale = _fp8_scale(y, FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * q_stride + cols, _to_fp8(y, scale, q_ptr, FP8_MAX), mask=mask)
+    else:
+        tl.store(out_ptr + row * out_stride + cols, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul(row_ptr, cols, mask, N):
+    """silu(gate) * up at cols of one gate_up row ([gate | up], N each), rounded as torch rounds
+    (silu, then the product) to the row's dtype, returned in float32; 0 where masked."""
+    gate = tl.load(row_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(row_ptr + N + cols, mask=mask, other=0.0).to(tl.float32)
+    act = _round(gate / (1.0 + tl.exp(-gate)), row_ptr)
+    return _round(act * up, row_ptr)
 
 
 @triton.jit
@@ -48,10 +91,37 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, x_stride, out_stride, N, BLOCK: tl.cons
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < N
-    gate = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * x_stride + N + cols, mask=mask, other=0.0).to(tl.float32)
-    act = _round(gate / (1.0 + tl.exp(-gate)), out_ptr)
-    tl.store(out_ptr + row * out_stride + cols, (act * up).to(out_ptr.dtype.element_ty), mask=mask)
+    y = _silu_mul(x_ptr + row * x_stride, cols, mask, N)
+    tl.store(out_ptr + row * out_stride + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_stride, q_stride, N, FP8_MAX: tl.constexpr,
+                             MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr, ONE_PASS: tl.constexpr):
+    """One program per row. ONE_PASS (the row fits one block): silu(gate) * up stays in registers
+    between its amax and the quantized store. Otherwise two passes over the row (as
+    per_token_fp8_kernel): the amax, then the same values recomputed and quantized (gate_up read
+    twice, the second time mostly from L2, instead of a bf16 round trip through memory)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * x_stride
+    if ONE_PASS:
+        mask = offs < N
+        y = _silu_mul(x_row, offs, mask, N)
+        scale = _fp8_scale(y, FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        tl.store(q_ptr + row * q_stride + offs, _to_fp8(y, scale, q_ptr, FP8_MAX), mask=mask)
+    else:
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, N, BLOCK):
+            amax = tl.maximum(amax, tl.abs(_silu_mul(x_row, start + offs, start + offs < N, N)))
+        scale = _fp8_scale(amax, FP8_MAX, MIN_SCALE)
+        tl.store(scale_ptr + row, scale)
+        for start in range(0, N, BLOCK):
+            cols = start + offs
+            mask = cols < N
+            y = _silu_mul(x_row, cols, mask, N)
+            tl.store(q_ptr + row * q_stride + cols, _to_fp8(y, scale, q_ptr, FP8_MAX), mask=mask)
 
 
 @triton.jit
@@ -117,15 +187,27 @@ def _norm_warps(block: int) -> int:
     return min(max(block // 512, 1), 8)
 
 
+def _launch_norm(rows, res, weight, out, res_out, q, scale, eps, has_residual: bool, fp8_out: bool) -> None:
+    n = rows.shape[1]
+    block = triton.next_power_of_2(n)
+    if rows.shape[0]:
+        _rms_norm_kernel[(rows.shape[0],)](
+            rows, res, weight, out, res_out, q, scale, rows.stride(0), res.stride(0) if has_residual else 0,
+            out.stride(0), res_out.stride(0) if has_residual else 0, q.stride(0) if fp8_out else 0, n, eps,
+            HAS_RESIDUAL=has_residual, FP8_OUT=fp8_out, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE, BLOCK=block,
+            num_warps=_norm_warps(block))
+
+
+def _fp8_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    return (torch.empty(rows.shape, dtype=FP8_DTYPE, device=rows.device),
+            torch.empty(rows.shape[0], 1, dtype=torch.float32, device=rows.device))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * RMSNorm(x) over the last dim: normalised in float32, rounded to x.dtype, then weighted."""
     rows = _rows(x)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    n = rows.shape[1]
-    block = triton.next_power_of_2(n)
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, rows, weight, out, out, rows.stride(0), 0, out.stride(0), 0,
-                                           n, eps, HAS_RESIDUAL=False, BLOCK=block, num_warps=_norm_warps(block))
+    _launch_norm(rows, rows, weight, out, out, out, out, eps, has_residual=False, fp8_out=False)
     return out.view(x.shape)
 
 
@@ -135,13 +217,26 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
     rows, res = _rows(x), _rows(residual)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     res_out = torch.empty_like(out)
-    n = rows.shape[1]
-    block = triton.next_power_of_2(n)
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, res, weight, out, res_out, rows.stride(0), res.stride(0),
-                                           out.stride(0), res_out.stride(0), n, eps, HAS_RESIDUAL=True,
-                                           BLOCK=block, num_warps=_norm_warps(block))
+    _launch_norm(rows, res, weight, out, res_out, out, out, eps, has_residual=True, fp8_out=False)
     return out.view(x.shape), res_out.view(x.shape)
+
+
+def rms_norm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rms_norm(x) quantized per token: (fp8 shaped as x, float32 scale [rows, 1])."""
+    rows = _rows(x)
+    q, scale = _fp8_rows(rows)
+    _launch_norm(rows, rows, weight, rows, rows, q, scale, eps, has_residual=False, fp8_out=True)
+    return q.view(x.shape), scale
+
+
+def fused_add_rms_norm_fp8(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fused_add_rms_norm with the normed output quantized per token: (fp8, scale [rows, 1], s)."""
+    rows, res = _rows(x), _rows(residual)
+    q, scale = _fp8_rows(rows)
+    res_out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    _launch_norm(rows, res, weight, rows, res_out, q, scale, eps, has_residual=True, fp8_out=True)
+    return q.view(x.shape), scale, res_out.view(x.shape)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -154,6 +249,27 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), out.stride(0), n,
                                                                      BLOCK=block, num_warps=4)
     return out.view(*gate_up.shape[:-1], n)
+
+
+_SILU_FP8_ONE_PASS_MAX = 16384
+
+
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """silu_and_mul(gate_up) quantized per token: (fp8 [..., I], float32 scale [rows, 1])."""
+    rows = _rows(gate_up)
+    n = rows.shape[1] // 2
+    q = torch.empty((rows.shape[0], n), dtype=FP8_DTYPE, device=gate_up.device)
+    scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=gate_up.device)
+    # Up to 16k features (Llama-3.1-8B's 14336) a row is one block of 16 warps, read once; a
+    # longer row is walked twice in blocks of 4096.
+    block = triton.next_power_of_2(n)
+    one_pass = block <= _SILU_FP8_ONE_PASS_MAX
+    block = block if one_pass else 4096
+    if rows.shape[0]:
+        _silu_and_mul_fp8_kernel[(rows.shape[0],)](rows, q, scale, rows.stride(0), q.stride(0), n, FP8_MAX=FP8_MAX,
+                                                   MIN_SCALE=MIN_SCALE, BLOCK=block, ONE_PASS=one_pass,
+                                                   num_warps=min(max(block // 1024, 4), 16))
+    return q.view(*gate_up.shape[:-1], n), scale
 
 
 def qk_norm_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,

@@ -3,7 +3,8 @@
 Pre-norm blocks: x += attn(norm(x)); x += mlp(norm(x)), SwiGLU MLP, rotary on q and k.
 The residual stream is carried beside the hidden state (x, residual = norm(x, residual)) so that
 each add lands inside the next norm: one kernel on CUDA (layers/fused.py), the same arithmetic
-in torch. Module and parameter names follow the HF checkpoints, except that q/k/v and gate/up
+in torch. With FP8 linears, the op before each (the two norms, SiLU-and-mul) also quantizes its
+output for it (set once at load time: layers/quant/fusion.py). Module and parameter names follow the HF checkpoints, except that q/k/v and gate/up
 are fused (see stacked_params).
 """
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pagedserve.layers.activation import silu_and_mul
 from pagedserve.layers.linear import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear,
                                       RowParallelLinear, VocabParallelEmbedding)
 from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.quant.fusion import takes_fp8_activation
 from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters, rotate_qk
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -45,8 +47,9 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        qkv = self.qkv_proj(x)  # x: [T, hidden], or the same quantized (an Fp8Activation)
+        T = qkv.shape[0]
+        q, k, v = self.qkv_proj.split(qkv)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         q, k = rotate_qk(q, k, cos, sin, self.q_norm, self.k_norm)
@@ -75,9 +78,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, tp_rank, tp_size,
                                            reduce_results=reduce_results, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
+        self.fp8_act = False  # SiLU-and-mul quantizes for down_proj (LlamaDecoderLayer.set_fp8_activation_fusion)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), fp8_out=self.fp8_act))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -92,6 +96,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, tp_rank, tp_size, quant_config=quant_config,
                                                         prefix=f"{prefix}.mlp")
+
+    def set_fp8_activation_fusion(self, enabled: bool) -> int:
+        """Once, at load time: each op before an FP8 linear that takes quantized activations
+        returns its output quantized (layers/quant/fusion.py). Returns how many ops do."""
+        self.input_layernorm.fp8_out = enabled and takes_fp8_activation(self.self_attn.qkv_proj)
+        fused = [self.input_layernorm.fp8_out]
+        if isinstance(self.mlp, LlamaMLP):  # a mixture of experts reads the norm's output in its own dtype
+            self.post_attention_layernorm.fp8_out = enabled and takes_fp8_activation(self.mlp.gate_up_proj)
+            self.mlp.fp8_act = enabled and takes_fp8_activation(self.mlp.down_proj)
+            fused += [self.post_attention_layernorm.fp8_out, self.mlp.fp8_act]
+        return sum(fused)
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """Returns (mlp output, residual stream before it); the caller's next norm adds them."""

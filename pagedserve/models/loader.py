@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pagedserve.layers.quant.base import QuantizationConfig
+from pagedserve.layers.quant.fusion import fuse_activation_quant
 from pagedserve.layers.weights import default_weight_loader, materialize
 from pagedserve.models.registry import get_model_class
 
@@ -248,4 +249,6 @@ def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.d
         method = getattr(module, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(module)
+    if quant_config is not None:
+        fuse_activation_quant(model)
     return model.eval()

@@ -11,6 +11,12 @@ Tolerances, and why:
   bit-equal: a last-bit float32 difference in the reduction or exp can flip one rounding.
 - bfloat16 q/k norm + rotary: a flipped norm rounding is carried through the rotation
   (a difference of two rounded products), so atol 2**-6 on unit-scale values, >= 99% bit-equal.
+- FP8 out (the norms and silu with the per-token quantization fused in): bit-equal (q bytes and
+  scales) to the same op's kernel followed by the per-token quant kernel, and so to the op's kernel
+  followed by the torch quant (bit-equal to that kernel here). Against the torch op then the torch
+  quant they inherit the op's difference: the scale within one ulp of the dtype (its amax may move
+  by one), each dequantized value within one e4m3 step (|v| / 8, or the subnormal step
+  scale * 2**-9) of the reference's, and >= 99% of the fp8 bytes equal.
 """
 import os
 
@@ -164,3 +170,103 @@ def test_per_token_fp8_quant_kernel_is_bit_equal_to_torch(dtype):
     triton_fp8.per_token_fp8_kernel[(5,)](x, q2, s2, x.stride(0), q2.stride(0), 80, FP8_MAX=448.0,
                                           MIN_SCALE=triton_fp8.MIN_SCALE, BLOCK=32)
     assert torch.equal(s2, rs) and torch.equal(q2.view(torch.uint8), rq.view(torch.uint8))
+
+
+def _check_fp8(q, scale, ref_q, ref_scale, dtype):
+    """(q, scale) against the torch reference's, within the tolerances stated at the top."""
+    assert q.dtype == ref_q.dtype == torch.float8_e4m3fn and q.shape == ref_q.shape
+    assert scale.dtype == torch.float32 and scale.shape == ref_scale.shape == (q.reshape(-1, q.shape[-1]).shape[0], 1)
+    torch.testing.assert_close(scale, ref_scale, rtol=1e-5 if dtype == torch.float32 else 2 ** -7, atol=0)
+    a = q.reshape(scale.shape[0], q.shape[-1]).float() * scale
+    b = ref_q.reshape(scale.shape[0], q.shape[-1]).float() * ref_scale
+    step = torch.maximum(a.abs(), b.abs()) / 8 + torch.maximum(scale, ref_scale) * 2.0 ** -9
+    assert ((a - b).abs() <= step).all()
+    if q.numel():
+        assert (q.view(torch.uint8) == ref_q.view(torch.uint8)).float().mean() >= 0.99
+
+
+def _triton_quant(y):
+    from pagedserve.layers.quant import triton_fp8
+    return triton_fp8.quantize_per_token(y.reshape(-1, y.shape[-1]))
+
+
+def _same_bits(q, scale, ref_q, ref_scale):
+    assert torch.equal(scale, ref_scale)
+    assert torch.equal(q.view(torch.uint8).reshape(ref_q.shape), ref_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,H", [(0, 64), (1, 64), (6, 77), (5, 1000)])  # zero rows, odd hidden sizes
+def test_fp8_out_rms_norms_match_norm_then_quant(dtype, T, H):
+    from pagedserve.layers.quant.fp8_ops import quantize_activation
+    g = torch.Generator().manual_seed(T * H + 1)
+    x = (3 * torch.randn(T, H, generator=g) * torch.logspace(-3, 1, max(T, 1))[:T, None]).to(dtype)
+    res = torch.randn(T, H, generator=g).to(dtype)
+    if T > 2:
+        x[2], res[2] = 0.0, 0.0  # an all-zero row: the floor scale, zeros out
+    norm = _norm(H, dtype, seed=H)
+    q, scale = ops.rms_norm_fp8(x, norm.weight, norm.eps)
+    _same_bits(q, scale, *_triton_quant(ops.rms_norm(x, norm.weight, norm.eps)))
+    norm.fp8_out = True  # the torch path: norm, then fp8_ops.quantize_per_token (torch ops on CPU)
+    ref = norm(x)
+    _check_fp8(q, scale, ref.q, ref.scale, dtype)
+    q, scale, new_res = ops.fused_add_rms_norm_fp8(x, res, norm.weight, norm.eps)
+    ref, ref_res = norm(x, res)
+    assert torch.equal(new_res, ref_res)
+    _same_bits(q, scale, *_triton_quant(ops.fused_add_rms_norm(x, res, norm.weight, norm.eps)[0]))
+    _check_fp8(q, scale, ref.q, ref.scale, dtype)
+    if T > 2:
+        assert scale[2].item() == quantize_activation(torch.zeros(1, H)).scale.item()
+        assert not q[2].float().any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,inter", [(0, 48), (1, 48), (5, 37), (3, 300)])
+def test_fp8_out_silu_and_mul_matches_silu_then_quant(dtype, T, inter):
+    from pagedserve.layers.activation import silu_and_mul
+    gate_up = (2 * torch.randn(T, 2 * inter, generator=torch.Generator().manual_seed(inter))).to(dtype)
+    if T > 2:
+        gate_up[1] = 0.0
+    q, scale = ops.silu_and_mul_fp8(gate_up)
+    assert q.shape == (T, inter)
+    _same_bits(q, scale, *_triton_quant(ops.silu_and_mul(gate_up)))
+    ref = silu_and_mul(gate_up, fp8_out=True)  # torch on CPU: F.silu(gate) * up, then the torch quant
+    _check_fp8(q, scale, ref.q, ref.scale, dtype)
+    # a row longer than the kernel's block (past 16k features) is walked twice in chunks: the same bits
+    if T:
+        q2, s2 = torch.empty_like(q), torch.empty_like(scale)
+        ops._silu_and_mul_fp8_kernel[(T,)](gate_up, q2, s2, gate_up.stride(0), q2.stride(0), inter,
+                                           FP8_MAX=448.0, MIN_SCALE=ops.MIN_SCALE, BLOCK=16, ONE_PASS=False)
+        _same_bits(q2, s2, q, scale)
+
+
+def test_fp8_model_same_logits_with_activation_fusion_on_and_off(tiny_model_dir, monkeypatch):
+    """--quantization fp8 on a tiny Llama with the Triton layer ops forced on (interpreted): prompt
+    logits with the activation quantization fused into the norms' and SiLU-and-mul's kernels equal,
+    exactly, those of the separate kernels with a quantize before every FP8 GEMM (the torch path's
+    twin: tests/quant/test_fp8_linear.py)."""
+    from pagedserve.core.plan import SchedulerOutput
+    from pagedserve.layers.quant.fusion import FUSE_ENV
+    from paged_harness import HandDriver, make_runner
+
+    prompts = [[5, 17, 33, 101, 7, 250, 3], [9]]
+
+    def logits(fuse: str):
+        monkeypatch.setenv(FUSE_ENV, fuse)
+        runner = make_runner(tiny_model_dir("llama"), block_size=4, quantization="fp8")
+        layer = runner.model.model.layers[0]
+        assert layer.input_layernorm.fp8_out == layer.post_attention_layernorm.fp8_out == layer.mlp.fp8_act \
+            == (fuse == "1")
+        driver = HandDriver(runner, seed=0)
+        seqs = [driver.add(p) for p in prompts]
+        return driver.runner.execute(SchedulerOutput(scheduled=[driver.schedule(s) for s in seqs]))
+
+    monkeypatch.setenv("PAGEDSERVE_FUSED", "force")
+    fused.reset()
+    try:
+        assert fused.fused_ops(torch.device("cpu")) is ops
+        off, on = logits("0"), logits("1")
+    finally:
+        monkeypatch.delenv("PAGEDSERVE_FUSED")
+        fused.reset()
+    assert torch.equal(on, off)

@@ -92,6 +92,40 @@ def test_load_time_fp8_stores_fp8_weights_and_tracks_full_precision(tiny_model_d
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.6  # near-ties are common in a random model
 
 
+def test_activation_quant_fused_into_norms_and_silu_gives_the_same_logits(tiny_model_dir, monkeypatch):
+    """Loading with fp8 hands qkv_proj, gate_up_proj and down_proj their input quantized by the op
+    before (layers/quant/fusion.py); on CPU the same torch ops run in the same order, so the logits
+    equal, exactly, those of a separate quantize in each FP8 linear. (The fused Triton kernels:
+    tests/layers/fused_interpret_cases.py.)"""
+    from pagedserve.layers.quant.fusion import fuse_activation_quant
+    from pagedserve.layers.quant.fp8_ops import Fp8Activation
+    monkeypatch.delenv("PAGEDSERVE_FP8_FUSE", raising=False)
+    model = _load(tiny_model_dir("llama"), "fp8")
+    layer = model.model.layers[0]
+    assert not layer.input_layernorm.fp8_out  # off by default until the GPU has run it
+    assert fuse_activation_quant(model, True) == 3 * model.config.num_hidden_layers
+    assert layer.input_layernorm.fp8_out and layer.post_attention_layernorm.fp8_out and layer.mlp.fp8_act
+    assert not model.model.norm.fp8_out  # before the lm_head, which stays unquantized
+    x = torch.randn(3, model.config.hidden_size)
+    act = layer.input_layernorm(x)
+    assert isinstance(act, Fp8Activation) and act.q.dtype == FP8_DTYPE and act.dtype == torch.float32
+    fused = _logits(model, IDS)
+    assert fuse_activation_quant(model, False) == 0 and not layer.input_layernorm.fp8_out
+    assert torch.equal(_logits(model, IDS), fused)
+    assert fuse_activation_quant(model, True) == 3 * model.config.num_hidden_layers
+    assert fuse_activation_quant(_load(tiny_model_dir("llama")), True) == 0  # no FP8 linear, nothing to fuse
+
+
+def test_static_activation_scales_are_not_fused():
+    from pagedserve.layers.linear import ReplicatedLinear
+    from pagedserve.layers.quant.fp8 import Fp8Config
+    from pagedserve.layers.quant.fusion import takes_fp8_activation
+    static = Fp8Config(checkpoint_fp8=True, static_activations=True)
+    assert not takes_fp8_activation(ReplicatedLinear(8, 4, quant_config=static))  # its scale is the checkpoint's
+    assert takes_fp8_activation(ReplicatedLinear(8, 4, quant_config=Fp8Config()))
+    assert not takes_fp8_activation(ReplicatedLinear(8, 4))
+
+
 def _write_fp8_checkpoint(src_dir, dst_dir, *, per_channel: bool, layout: str):
     """Quantize every linear weight of src_dir's checkpoint on its own (q, k, v apart) and save it as
     `layout` (compressed-tensors or HF fp8) with per-channel ([N, 1]) or per-tensor scales."""

@@ -10,6 +10,8 @@ Invariant: after process_weights_after_loading, apply needs nothing from the che
 A mixture-of-experts layer (layers/fused_moe/layer.py) asks for a MoEMethod the same way: it
 creates the stacked expert parameters, post-processes them, and names the extra arguments the
 grouped GEMM takes (kernel_args: the FP8 scales).
+A method with takes_fp8_activation also accepts, as x, an fp8_ops.Fp8Activation (the activation
+already quantized per token by the op before the layer; layers/quant/fusion.py).
 """
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ from torch import nn
 
 
 class LinearMethod:
+    takes_fp8_activation = False
+
     def create_weights(self, layer: nn.Module) -> None:
         raise NotImplementedError
 

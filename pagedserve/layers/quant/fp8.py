@@ -21,8 +21,8 @@ from torch import nn
 
 from pagedserve.layers.quant.base import (LinearMethod, QuantizationConfig, UnquantizedLinearMethod,
                                           UnquantizedMoEMethod)
-from pagedserve.layers.quant.fp8_ops import (FP8_DTYPE, fp8_gemm, quantize_per_channel, quantize_per_token,
-                                             quantize_static, scaled_mm_supported)
+from pagedserve.layers.quant.fp8_ops import (FP8_DTYPE, Fp8Activation, fp8_gemm, quantize_per_channel,
+                                             quantize_per_token, quantize_static, scaled_mm_supported)
 from pagedserve.layers.weights import materialize
 
 
@@ -91,6 +91,9 @@ class Fp8Config(QuantizationConfig):
 class Fp8LinearMethod(LinearMethod):
     def __init__(self, config: Fp8Config):
         self.config = config
+        # Dynamic per-token activations may come quantized by the op before (the norm, SiLU-and-mul);
+        # a static input_scale is the checkpoint's, which those ops do not know.
+        self.takes_fp8_activation = not config.static_activations
 
     def create_weights(self, layer: nn.Module) -> None:
         out, inp = layer.out_features, layer.in_features
@@ -113,14 +116,18 @@ class Fp8LinearMethod(LinearMethod):
         layer.weight = nn.Parameter(wq, requires_grad=False)
         layer.weight_scale = nn.Parameter(scale, requires_grad=False)
 
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if self.config.static_activations:
-            xq, x_scale = quantize_static(x2, layer.input_scale)
+    def apply(self, layer: nn.Module, x: torch.Tensor | Fp8Activation, bias: torch.Tensor | None) -> torch.Tensor:
+        if isinstance(x, Fp8Activation):  # quantized per token already, by the op before
+            shape, dtype = x.q.shape, x.dtype
+            xq, x_scale = x.q.reshape(-1, shape[-1]), x.scale
         else:
-            xq, x_scale = quantize_per_token(x2)
-        y = fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, x.dtype, bias)
+            shape, dtype = x.shape, x.dtype
+            x2 = x.reshape(-1, shape[-1])
+            if self.config.static_activations:
+                xq, x_scale = quantize_static(x2, layer.input_scale)
+            else:
+                xq, x_scale = quantize_per_token(x2)
+        y = fp8_gemm(xq, x_scale, layer.weight, layer.weight_scale, dtype, bias)
         return y.reshape(*shape[:-1], y.shape[-1])
 
 

@@ -5,10 +5,15 @@ Scales are float32 and multiply: real = fp8 * scale. Weights carry one scale per
 (static, from the checkpoint). The GEMM on CUDA is torch._scaled_mm (cuBLASLt's FP8 path with
 row-wise scales, sm89+); elsewhere the same arithmetic dequantized: the fp8 values are exact in
 float32, so the CPU path differs from the GPU only by accumulation order.
+
+Fp8Activation is an activation the op before the linear (RMSNorm, SiLU-and-mul) already quantized
+per token, in its own kernel on CUDA (layers/triton_fused.py): the FP8 linear takes it as its input
+instead of quantizing again (layers/quant/fusion.py decides where, once at load time).
 """
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -41,6 +46,21 @@ def quantize_per_token_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     """quantize_per_token in torch ops: the CPU path and the kernel's reference."""
     scale = (x.abs().amax(dim=-1, keepdim=True).float() / FP8_MAX).clamp_(min=MIN_SCALE)
     return to_fp8(x, scale), scale
+
+
+class Fp8Activation(NamedTuple):
+    """q: fp8 [..., K]; scale: float32 [M, 1], one per row of q.reshape(-1, K), as
+    quantize_per_token gives them; dtype: what the activation was before (the GEMM's output dtype)."""
+    q: torch.Tensor
+    scale: torch.Tensor
+    dtype: torch.dtype
+
+
+def quantize_activation(x: torch.Tensor) -> Fp8Activation:
+    """x [..., K] quantized per token (quantize_per_token): the unfused path of an op whose
+    consumer is an FP8 linear, and the reference of the fused kernels."""
+    q, scale = quantize_per_token(x.reshape(-1, x.shape[-1]))
+    return Fp8Activation(q.view(x.shape), scale, x.dtype)
 
 
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
