@@ -303,8 +303,13 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   order_ptr=order, **plan, **_scales(k_cache, k_scale, v_scale))
     grid = (num_kv_heads, num_seqs, splits) if heads_fastest else (num_seqs, num_kv_heads, splits)
     if splits == 1:
+        # No reduction: the split buffers are never written, but they are float32 pointers here
+        # too, so that this launch is the same compiled variant as a split one (a bf16 `out` in
+        # their place was a variant of its own, which only eager steps met: it compiled after
+        # start-up when graphs took every warm-up step that had decodes).
+        unused = torch.empty(1, dtype=torch.float32, device=query.device)
         paged_decode_kernel[grid](
-            query, k_cache, v_cache, out, out, out, seq_lens, block_tables, scale * math.log2(math.e),
+            query, k_cache, v_cache, out, unused, unused, seq_lens, block_tables, scale * math.log2(math.e),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             0, 0, 0, 0, 0, base, **common)
