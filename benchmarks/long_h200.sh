@@ -33,7 +33,8 @@ case ${1:-quick} in
   ours)
     shift
     step long_context_pagedserve 590 python3 benchmarks/serving/long_context.py online --engines pagedserve \
-      --site "${SITE:-/nonexistent}" --work "$WORK" --pagedserve-args "$*"
+      --site "${SITE:?set SITE to the dir vLLM 0.26 is installed in (it supplies the server packages)}" --work "$WORK" \
+      --pagedserve-args "$*"
     ;;
   collect)
     step long_context_collect 60 python3 benchmarks/serving/long_context.py collect --work "$WORK" \
