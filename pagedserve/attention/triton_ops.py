@@ -371,9 +371,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError("paged_attention needs K/V pools of one layout and contiguous head_dim in query")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    out = torch.empty_like(query)
     if meta.unified_capacity is not None:
+        # Zeros: a graph bucket's padding rows belong to no sequence and are never written; they
+        # must not carry NaNs from stale memory into the layers after (a MoE router reads them).
+        out = torch.zeros_like(query)
         return unified_paged_attention(query, k_cache, v_cache, meta, scale, out, k_scale=k_scale, v_scale=v_scale)
+    out = torch.empty_like(query)
     nd, ns = meta.num_decodes, meta.num_seqs
     seq_lens_cpu = meta.seq_lens_cpu
     if nd > 0:
@@ -419,6 +422,9 @@ def unified_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     if meta.unified_work is None:
         default_share, default_min_chain = _balanced_share(query.device, block_n)
         share = default_share if share_programs is None else share_programs
+        if meta.unified_capacity is not None and share > default_share:
+            # The capacity's bound holds for the share it was sized with (unified_capacity's).
+            raise ValueError(f"share_programs ({share}) must not exceed {default_share} with a fixed unified_capacity")
         min_chain = default_min_chain if min_chain_tiles is None else min_chain_tiles
         block_q = unified.block_q_for(num_heads // num_kv_heads, block_m)
         max_qtiles, capacity = meta.unified_capacity or unified.work_capacity(

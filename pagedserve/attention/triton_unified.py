@@ -20,7 +20,9 @@ vLLM's unified attention):
   kv_heads / share_programs. So the buffers and the grid are sized by the token-count bucket and
   max_num_seqs alone; programs past the step's last item return at once.
 
-  unified_attention_kernel, grid (item, KV head): a tile with one split writes its rows' output;
+  unified_attention_kernel, grid (item, KV head), items started last first (a causal chunk's
+  longest tiles first, empty items past the step's end return at once): a tile with one split
+  writes its rows' output;
   one with several writes (normalised output, log2-sum-exp) per split and reduce_tiles_kernel,
   grid (q tile, KV head), combines them. A split may start after some of a tile's rows (a later
   split of a chunk): those rows see nothing there (EMPTY_ROWS in the tile loop) and carry
@@ -114,7 +116,9 @@ def unified_attention_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
 ):
-    item = tl.program_id(0)
+    # Items in reverse: a chunk's last tiles (its longest chains: causal) and the step's last
+    # sequences start first, the empty items past the step's last one return at once.
+    item = tl.num_programs(0) - 1 - tl.program_id(0)
     kv_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1)
     base = items_ptr + item * 5
