@@ -181,10 +181,15 @@ class ModelRunner:
         command at a time, every rank finishing each before the next; it skips the piecewise one)."""
         self.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self.measure_swap_cost()
-        self.capture_decode_graphs()
-        self.capture_full_graphs()
-        self.capture_piecewise_graphs()
+        # Each phase's seconds in profile (start-up time, beside warmup_seconds).
+        for name, phase in (("decode_graphs", self.capture_decode_graphs), ("full_graphs", self.capture_full_graphs),
+                            ("piecewise_graphs", self.capture_piecewise_graphs)):
+            t0 = time.perf_counter()
+            phase()
+            self.profile[f"{name}_seconds"] = time.perf_counter() - t0
         self.warm_up()
+        logger.info("start-up phases (s): %s", ", ".join(f"{k.removesuffix('_seconds')} {v:.1f}"
+                                                         for k, v in self.profile.items() if k.endswith("_seconds")))
 
     def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._require("model")
