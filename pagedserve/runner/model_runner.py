@@ -249,8 +249,9 @@ class ModelRunner:
             graphs += list(self.graphs.graphs.values())
         if self.piecewise is not None:
             graphs += [g for pieces in self.piecewise.pieces.values() for g in pieces]
-        if self.full_graphs is not None:
-            graphs += list(self.full_graphs.graphs.values())
+        full = getattr(self, "full_graphs", None)
+        if full is not None:
+            graphs += list(full.graphs.values())
         self.graphs = self.piecewise = self.full_graphs = None
         for g in graphs:
             reset = getattr(g, "reset", None)
