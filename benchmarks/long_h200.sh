@@ -21,10 +21,10 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
 WORK=$OUT/long_context
 case ${1:-quick} in
   quick)
-    step gpu_tests 330 python3 -m pytest -q -p no:cacheprovider tests/attention/test_unified_gpu.py \
+    step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/attention/test_unified_gpu.py \
       tests/runner/test_full_graphs_gpu.py tests/runner/test_warmup_gpu.py \
       -k "not test_no_compile or llama-False-True or full"
-    step mixed_step_ab 240 python3 benchmarks/kernels/mixed_step_ab.py --output "$OUT/mixed_step_ab.json"
+    step mixed_step_ab 270 python3 benchmarks/kernels/mixed_step_ab.py --output "$OUT/mixed_step_ab.json"
     ;;
   vllm)
     step long_context_vllm 590 python3 benchmarks/serving/long_context.py online --engines vllm \

@@ -11,6 +11,9 @@ p90 of --iters steps (CUDA events around execute_model, after 3 warm-up steps), 
 difference of the sampled rows' logits between the paths (both in bf16: a sanity check, not a
 test). Needs CUDA.
 
+First, the same cases' attention alone (attention_ab: split kernels against the unified kernel,
+32 launches in a CUDA graph); --attention-only stops there.
+
   python benchmarks/kernels/mixed_step_ab.py --output $OUT/mixed_step_ab.json
 """
 from __future__ import annotations
@@ -90,6 +93,70 @@ def time_path(runner: ModelRunner, step: StepInput, iters: int) -> tuple[str, li
     return runner.last_graph_path, times, logits.float()
 
 
+def attention_ab(decodes: int, ctx: int, chunk: int, start: int, replays: int) -> dict:
+    """Attention alone at Llama-3.1-8B's shapes (32 heads, 8 KV heads, head_dim 128, bf16, 16-token
+    blocks), 32 launches (one per layer) captured in one CUDA graph, replayed `replays` times:
+    the split decode + prefill kernels of the eager/piecewise path against the unified kernel of a
+    full graph (capacity of a 4096-token, 256-sequence bucket); microseconds per launch, and the
+    largest difference of their outputs."""
+    from dataclasses import replace
+
+    from pagedserve.attention import triton_ops
+    from pagedserve.attention.metadata import AttentionMetadata
+    H, Hkv, D, bs = 32, 8, 128, 16
+    dev = torch.device("cuda")
+    seqs = [(ctx - 1, 1)] * decodes + [(start, chunk)]
+    nblocks = [-(-(s + q) // bs) for s, q in seqs]
+    perm = torch.randperm(sum(nblocks), device=dev, dtype=torch.int32)
+    width = max(nblocks)
+    tables = torch.zeros(len(seqs), width, dtype=torch.int32, device=dev)
+    off = 0
+    for i, n in enumerate(nblocks):
+        tables[i, :n] = perm[off:off + n]
+        off += n
+    kc = torch.randn(sum(nblocks), bs, Hkv, D, device=dev, dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    T = sum(q for _, q in seqs)
+    q = torch.randn(T, H, D, device=dev, dtype=torch.bfloat16)
+    qsl = torch.tensor([0] + list(np.cumsum([q_ for _, q_ in seqs])), dtype=torch.int32, device=dev)
+    lens = [s + q_ for s, q_ in seqs]
+    meta = AttentionMetadata(slot_mapping=torch.full((T,), -1, dtype=torch.long, device=dev), query_start_loc=qsl,
+                             seq_lens=torch.tensor(lens, dtype=torch.int32, device=dev), block_tables=tables,
+                             num_decodes=decodes, max_query_len=chunk, max_seq_len=max(lens), block_size=bs,
+                             query_lens_cpu=[q_ for _, q_ in seqs], seq_lens_cpu=lens)
+    cap = triton_ops.unified_capacity(4096, 256, H, Hkv, dev)
+    # The graph's metadata has 256 sequences: the step's, then empty ones.
+    pad = 256 - len(seqs)
+    meta_u = replace(meta, query_start_loc=torch.cat([qsl, qsl[-1:].repeat(pad)]),
+                     seq_lens=torch.cat([meta.seq_lens, torch.ones(pad, dtype=torch.int32, device=dev)]),
+                     block_tables=torch.cat([tables, torch.zeros(pad, width, dtype=torch.int32, device=dev)]),
+                     unified_capacity=cap, seq_lens_cpu=None, query_lens_cpu=None)
+    row = {}
+    outs = {}
+    for name, m in (("split_kernels", meta), ("unified", meta_u)):
+        fresh = lambda: replace(m, decode_order=None, unified_work=None)  # noqa: E731
+        outs[name] = triton_ops.paged_attention(q, kc, vc, fresh(), D ** -0.5)  # compile, outside the graph
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step_meta = fresh()  # one metadata per step: the first layer builds what the rest reuse
+            for _ in range(32):
+                triton_ops.paged_attention(q, kc, vc, step_meta, D ** -0.5)
+        graph.replay()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(replays):
+            graph.replay()
+        b.record()
+        b.synchronize()
+        row[f"{name}_us"] = round(1000 * a.elapsed_time(b) / (32 * replays), 1)
+        del graph
+    row["unified_over_split_kernels"] = round(row["unified_us"] / row["split_kernels_us"], 3)
+    row["max_out_diff"] = float((outs["unified"].float() - outs["split_kernels"].float()).abs().max())
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=str(ROOT / "benchmarks/models/llama-3.1-8b"))
@@ -99,14 +166,27 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     ap.add_argument("--output", default=None)
+    ap.add_argument("--attention-only", action="store_true", help="only the attention A/B (no model)")
+    ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args()
+    wanted = set(args.cases.split(",")) if args.cases else None
+    attention = {}
+    for name, decodes, ctx, chunk, start in CASES:
+        if not wanted or name in wanted:
+            attention[name] = attention_ab(decodes, ctx, chunk, start, args.replays)
+            print("attention", name, json.dumps(attention[name]), flush=True)
+            torch.cuda.empty_cache()
+    if args.attention_only:
+        if args.output:
+            Path(args.output).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "attention": attention},
+                                                    indent=1))
+        return
     t0 = time.perf_counter()
     runner = build_runner(args)
     runner.short_prefill_graphs = False  # decode rows would take the short chunks: compare the two paths
     full, piecewise = runner.full_graphs, runner.piecewise
     print(f"set up in {time.perf_counter() - t0:.0f} s: {json.dumps(runner.profile)}", flush=True)
     results = {}
-    wanted = set(args.cases.split(",")) if args.cases else None
     for name, decodes, ctx, chunk, start in CASES:
         if wanted and name not in wanted:
             continue
@@ -126,7 +206,8 @@ def main() -> None:
         results[name] = row
         print(name, json.dumps(row), flush=True)
     out = {"device": torch.cuda.get_device_name(0), "model": args.model, "max_model_len": args.max_model_len,
-           "max_num_batched_tokens": args.max_tokens, "profile": runner.profile, "cases": results}
+           "max_num_batched_tokens": args.max_tokens, "profile": runner.profile, "attention": attention,
+           "cases": results}
     if args.output:
         Path(args.output).write_text(json.dumps(out, indent=1))
 
