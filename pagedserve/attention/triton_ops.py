@@ -397,25 +397,33 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 
 def unified_capacity(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
-                     device: torch.device, block_m: int = unified.UNIFIED_BLOCK_M) -> tuple[int, int]:
+                     device: torch.device, block_m: int | None = None) -> tuple[int, int]:
     """The unified kernel's work capacity for steps of at most num_tokens tokens in num_seqs
-    sequences (a full graph's bucket): AttentionMetadata.unified_capacity."""
-    block_q = unified.block_q_for(num_heads // num_kv_heads, block_m)
-    share, _ = _balanced_share(device, unified.UNIFIED_BLOCK_N)
+    sequences (a full graph's bucket): AttentionMetadata.unified_capacity. block_m: default
+    unified_launch()'s, as unified_paged_attention's."""
+    launch = unified.unified_launch()
+    block_q = unified.block_q_for(num_heads // num_kv_heads, launch.block_m if block_m is None else block_m)
+    share, _ = _balanced_share(device, launch.block_n)
     return unified.work_capacity(num_tokens, num_seqs, num_kv_heads, block_q, share)
 
 
 def unified_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                            block_m: int = unified.UNIFIED_BLOCK_M, block_n: int = unified.UNIFIED_BLOCK_N,
+                            block_m: int | None = None, block_n: int | None = None,
                             share_programs: int | None = None, min_chain_tiles: int | None = None,
-                            num_warps: int = 4, num_stages: int = 2) -> torch.Tensor:
+                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
     """Every sequence of the step (decodes and chunks alike) in one launch of the unified kernel
     (triton_unified.py), by a work list built on the device from the lengths, within
     meta.unified_capacity (default: sized for this step's tokens and sequences). The first layer of
     a step builds the list, later layers reuse it (meta.unified_work). share_programs,
-    min_chain_tiles: the split plan's even share (defaults as the decode kernel's balanced plan)."""
+    min_chain_tiles: the split plan's even share (defaults as the decode kernel's balanced plan);
+    block_m, block_n, num_warps, num_stages: None takes unified_launch()'s."""
+    launch = unified.unified_launch()
+    block_m = launch.block_m if block_m is None else block_m
+    block_n = launch.block_n if block_n is None else block_n
+    num_warps = launch.num_warps if num_warps is None else num_warps
+    num_stages = launch.num_stages if num_stages is None else num_stages
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(query) if out is None else out

@@ -32,7 +32,9 @@ Tokens outside every sequence (a graph bucket's padding) are not written.
 """
 from __future__ import annotations
 
+import functools
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +49,40 @@ QTILE_FIELDS = 4     # seq (-1: none), q tile of the sequence, first item, split
 UNIFIED_BLOCK_M = 64
 UNIFIED_BLOCK_N = 64
 MAX_SPLITS = 64
+# An A/B of the launch without a code change (read once per process): '+'-joined bmN (rows of a
+# tile: query tokens x padded GQA group), bnN (context positions per K/V tile), wN (warps), sN
+# (pipeline stages), e.g. PAGEDSERVE_UNIFIED_LAUNCH=bm128+bn32+w8. Not yet swept on the H200.
+UNIFIED_LAUNCH_ENV = "PAGEDSERVE_UNIFIED_LAUNCH"
+
+
+@dataclass(frozen=True)
+class UnifiedLaunch:
+    block_m: int = UNIFIED_BLOCK_M
+    block_n: int = UNIFIED_BLOCK_N
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+def parse_unified_launch(text: str) -> UnifiedLaunch:
+    kw: dict = {}
+    names = {"bm": "block_m", "bn": "block_n", "w": "num_warps", "s": "num_stages"}
+    for part in filter(None, text.strip().split("+")):
+        key = part.rstrip("0123456789")
+        number = part[len(key):]
+        if key not in names or not number or int(number) < 1:
+            raise ValueError(f"{UNIFIED_LAUNCH_ENV} parts are bmN, bnN, wN, sN joined by '+', got {part!r} in {text!r}")
+        kw[names[key]] = int(number)
+    launch = UnifiedLaunch(**kw)
+    for name in ("block_m", "block_n"):
+        v = getattr(launch, name)
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{UNIFIED_LAUNCH_ENV}: {name} must be a power of two >= 16, got {v}")
+    return launch
+
+
+@functools.lru_cache(maxsize=None)
+def unified_launch() -> UnifiedLaunch:
+    return parse_unified_launch(os.environ.get(UNIFIED_LAUNCH_ENV, ""))
 
 
 @dataclass

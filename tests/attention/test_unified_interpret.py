@@ -58,3 +58,12 @@ def test_work_list_covers_every_tile_within_capacity(seed, share, kv_heads):
         assert mine[0][0] == 0 and mine[-1][1] == kv_len and len(mine) == mine[0][2] <= unified.MAX_SPLITS
         assert all(a < b and a % block_n == 0 for a, b, _ in mine)
         assert all(mine[i][1] == mine[i + 1][0] for i in range(len(mine) - 1))
+
+
+def test_unified_launch_switch():
+    assert unified.parse_unified_launch("") == unified.UnifiedLaunch()
+    got = unified.parse_unified_launch("bm128+bn32+w8+s3")
+    assert (got.block_m, got.block_n, got.num_warps, got.num_stages) == (128, 32, 8, 3)
+    for bad in ("bm48", "bn8", "x4", "w0", "bm"):
+        with pytest.raises(ValueError, match=unified.UNIFIED_LAUNCH_ENV):
+            unified.parse_unified_launch(bad)
