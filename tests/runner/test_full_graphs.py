@@ -120,7 +120,7 @@ def test_mixed_steps_replay_one_graph_each(tiny_model_dir):
 
 
 def test_engine_with_long_prompts_takes_the_full_graph(tiny_model_dir, monkeypatch):
-    """The whole engine (overlapped steps, chunked prefill): prompts of up to 400 tokens through a
+    """The whole engine (overlapped steps, chunked prefill): prompts of up to 300 tokens through a
     64-token budget, so most steps carry a chunk beside decodes; every step with prefill tokens
     replays a full graph, and the outputs equal the eager engine's."""
     from pagedserve import SamplingParams
@@ -129,8 +129,8 @@ def test_engine_with_long_prompts_takes_the_full_graph(tiny_model_dir, monkeypat
 
     model_dir = tiny_model_dir("llama")
     rng = random.Random(1)
-    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (400, 9, 250, 30, 5, 333)]
-    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(4, 10), ignore_eos=True) for _ in prompts]
+    prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (300, 9, 200, 5)]
+    params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(4, 8), ignore_eos=True) for _ in prompts]
     requests = [{"prompt_token_ids": p} for p in prompts]
     kw = dict(max_num_seqs=4, max_num_batched_tokens=MAX_TOKENS, max_model_len=512)
     want = [o.outputs[0].token_ids for o in make_llm(model_dir, **kw).generate(requests, params, use_tqdm=False)]
@@ -152,5 +152,5 @@ def test_engine_with_long_prompts_takes_the_full_graph(tiny_model_dir, monkeypat
     got = [o.outputs[0].token_ids for o in llm.generate(requests, params, use_tqdm=False)]
     assert got == want
     mixed = [p for nd, n, p in steps if 0 < nd < n]
-    assert len(mixed) >= 5 and set(mixed) == {"full_graph"}
+    assert len(mixed) >= 3 and set(mixed) == {"full_graph"}
     assert {p for nd, n, p in steps if nd < n} == {"full_graph"}
