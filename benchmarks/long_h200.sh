@@ -19,7 +19,8 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
   echo "$(date +%T) end $name rc=$?" >> "$OUT/progress.log"
 }
 WORK=$OUT/long_context
-case ${1:-quick} in
+MODE=${1:-quick}
+case $MODE in
   quick)
     step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/attention/test_unified_gpu.py \
       tests/runner/test_full_graphs_gpu.py tests/runner/test_warmup_gpu.py \
@@ -43,4 +44,4 @@ case ${1:-quick} in
     ;;
   *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect" >&2; exit 2 ;;
 esac
-echo "$(date +%T) done $1" >> "$OUT/progress.log"
+echo "$(date +%T) done $MODE" >> "$OUT/progress.log"
