@@ -17,7 +17,8 @@ completions with token-id prompts, ignore_eos, 256 output tokens unless said (Po
   len100k   --n100k prompts of 100000 tokens at --rate100k
   mix       short requests (sharegpt-like lengths) at --mix-short-rate for --mix-seconds, and 32k
             prompts at --mix-long-rate over the same time: the short ones' TPOT and TTFT are kept
-  prefill100k  --prefill-decodes short requests (128-token prompts, 1024 output tokens) sent at once,
+  prefill100k  --prefill-decodes short requests (128-token prompts, --decode-output-len 1024 output
+            tokens) sent at once,
             then one 100k prompt 5 s later: the short ones' inter-token gaps while it prefills
             (from its send to its first token), and before it
 Prompts are fresh random ids (no prefix-cache hits). collect writes
@@ -47,19 +48,23 @@ import vs_vllm as vv  # noqa: E402  (the servers' start, environment and readine
 REPO = vv.REPO
 SCENARIOS = ("len8k", "len32k", "len100k", "mix", "prefill100k")
 LENGTHS = {"len8k": 8192, "len32k": 32768, "len100k": 100_000}
-SHORT_MAX_PROMPT = 4096  # mix: a request with a prompt below this is a short one
+SHORT_MAX_PROMPT = 4096  # mix: short prompts are cut below this
 OUTPUT_LEN = 256
 VOCAB_DRAW = 10000
 
 
 # --- the requests ---------------------------------------------------------------------------------
-def scenario_requests(name: str, args, seed: int = 0) -> list:
-    """The scenario's WorkloadRequests with arrival times, drawn the same for both engines."""
+def scenario_requests(name: str, args, seed: int = 0, vocab_size: int | None = None) -> list:
+    """The scenario's WorkloadRequests with arrival times, drawn the same for both engines (token
+    ids below 10000, or below vocab_size when smaller)."""
     from pagedserve.workloads import WorkloadRequest, make_workload
     rng = random.Random(seed)
+    draw = min(VOCAB_DRAW, vocab_size or VOCAB_DRAW)
 
-    def req(prompt_len: int, output_len: int, at: float) -> WorkloadRequest:
-        return WorkloadRequest([rng.randrange(VOCAB_DRAW) for _ in range(prompt_len)], output_len, at)
+    def req(prompt_len: int, output_len: int, at: float, scaled: bool = True) -> WorkloadRequest:
+        if scaled:
+            prompt_len = max(1, round(prompt_len * args.prompt_scale))
+        return WorkloadRequest([rng.randrange(draw) for _ in range(prompt_len)], output_len, at)
 
     def poisson(n: int, rate: float, start: float = 0.0) -> list[float]:
         arng, t, out = random.Random(seed + 1 + int(rate * 1000)), start, []
@@ -75,15 +80,17 @@ def scenario_requests(name: str, args, seed: int = 0) -> list:
         return [req(LENGTHS[name], OUTPUT_LEN, t) for t in [0.0] + poisson(n - 1, rate)]
     if name == "mix":
         n_short = max(1, int(args.mix_short_rate * args.mix_seconds))
-        shorts = make_workload("sharegpt-like", n_short, request_rate=args.mix_short_rate, seed=seed)
+        shorts = make_workload("sharegpt-like", n_short, request_rate=args.mix_short_rate, seed=seed,
+                               vocab_size=vocab_size)
+        short_cap = max(1, min(SHORT_MAX_PROMPT, round(32768 * args.prompt_scale)) - 1)
         for r in shorts:
-            r.prompt_token_ids = r.prompt_token_ids[:SHORT_MAX_PROMPT - 1]
+            r.prompt_token_ids = r.prompt_token_ids[:short_cap]
             r.output_len = min(r.output_len, OUTPUT_LEN)
         n_long = max(1, int(args.mix_long_rate * args.mix_seconds))
         longs = [req(32768, OUTPUT_LEN, t) for t in poisson(n_long, args.mix_long_rate)]
         return sorted(shorts + longs, key=lambda r: r.arrival_time)
     if name == "prefill100k":
-        shorts = [req(128, 1024, 0.0) for _ in range(args.prefill_decodes)]
+        shorts = [req(128, args.decode_output_len, 0.0, scaled=False) for _ in range(args.prefill_decodes)]
         return shorts + [req(100_000, 16, 5.0)]
     raise ValueError(f"scenario must be one of {SCENARIOS}, got {name!r}")
 
@@ -96,12 +103,13 @@ def run_client(args) -> None:
     from pagedserve.entrypoints.bench_serve import fetch_served_model, run_benchmark
     base = f"http://127.0.0.1:{args.port}/v1"
 
-    async def model_id() -> str:
+    async def served_model():
         async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as c:
-            return (await fetch_served_model(c, base, {}, None)).id
-    reqs = scenario_requests(args.scenario, args)
-    summary = asyncio.run(run_benchmark(base, reqs, asyncio.run(model_id()), timeout=args.rate_limit,
-                                        keep_itl=True))
+            return await fetch_served_model(c, base, {}, None)
+    served = asyncio.run(served_model())
+    # vLLM's model card has no vocab_size: ids below 10000 then, valid for Llama-3.1's 128256.
+    reqs = scenario_requests(args.scenario, args, vocab_size=served.vocab_size)
+    summary = asyncio.run(run_benchmark(base, reqs, served.id, timeout=args.rate_limit, keep_itl=True))
     summary["scenario"] = args.scenario
     Path(args.out).write_text(json.dumps(summary))
 
@@ -155,7 +163,7 @@ def _measured_code() -> dict:
 
 def _scenario_flags(args) -> list[str]:
     keys = ("n8k", "rate8k", "n32k", "rate32k", "n100k", "rate100k", "mix_short_rate", "mix_long_rate",
-            "mix_seconds", "prefill_decodes", "rate_limit")
+            "mix_seconds", "prefill_decodes", "decode_output_len", "rate_limit", "prompt_scale")
     return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
 
 
@@ -212,14 +220,15 @@ def prefill_window_stats(summary: dict) -> dict:
     """The short requests' inter-token gaps (ms) while the 100k prompt prefilled (its send to its
     first token), and before it was sent."""
     reqs = [r for r in summary["requests"] if not r.get("error") and r.get("ttft") is not None]
-    long = [r for r in reqs if r["prompt_len"] >= 50_000]
-    if not long:
+    longest = max((r["prompt_len"] for r in summary["requests"]), default=0)
+    long = [r for r in reqs if r["prompt_len"] == longest]
+    if not long or len(long) == len(reqs):
         return {"error": "the 100k request failed"}
     w0 = long[0]["sent_at"]
     w1 = w0 + long[0]["ttft"]
     during, before = [], []
     for r in reqs:
-        if r["prompt_len"] >= 50_000:
+        if r["prompt_len"] == longest:
             continue
         ts = token_times(r)
         for a, b in zip(ts, ts[1:]):
@@ -237,8 +246,14 @@ def _brief(summary: dict | None, scenario: str) -> str:
         return "no result"
     if scenario == "prefill100k":
         return json.dumps(prefill_window_stats(summary))
-    keep = (lambda r: r["prompt_len"] < SHORT_MAX_PROMPT) if scenario == "mix" else (lambda r: True)
-    return json.dumps(stats(summary, keep))
+    return json.dumps(stats(summary, _mix_kind(summary, long=False)) if scenario == "mix" else stats(summary))
+
+
+def _mix_kind(summary: dict, long: bool):
+    """mix: a filter of its long requests (the run's longest prompts: all long ones have one length,
+    every short one is cut below it) or of its short ones."""
+    longest = max((r["prompt_len"] for r in summary["requests"]), default=0)
+    return lambda r: (r["prompt_len"] == longest) == long
 
 
 def phase_collect(args, work: Path) -> None:
@@ -254,8 +269,8 @@ def phase_collect(args, work: Path) -> None:
             if scenario in LENGTHS:
                 runs[scenario.removeprefix("len")] = stats(s)
             elif scenario == "mix":
-                runs["mix_short"] = stats(s, lambda r: r["prompt_len"] < SHORT_MAX_PROMPT)
-                runs["mix_long"] = stats(s, lambda r: r["prompt_len"] >= SHORT_MAX_PROMPT)
+                runs["mix_short"] = stats(s, _mix_kind(s, long=False))
+                runs["mix_long"] = stats(s, _mix_kind(s, long=True))
             else:
                 runs["prefill100k"] = prefill_window_stats(s)
         results[engine] = {"startup_seconds": info.get("startup_seconds"), "server_args": info.get("server_args"),
@@ -277,7 +292,8 @@ def phase_collect(args, work: Path) -> None:
               "output_len": OUTPUT_LEN, "placement": "one after the other, one GPU",
               "scenarios": {k: getattr(args, k) for k in ("n8k", "rate8k", "n32k", "rate32k", "n100k", "rate100k",
                                                           "mix_short_rate", "mix_long_rate", "mix_seconds",
-                                                          "prefill_decodes")},
+                                                          "prefill_decodes", "decode_output_len",
+                                                          "prompt_scale")},
               "pagedserve_args": args.pagedserve_args, "vllm_args": args.vllm_args}
     ours_info = _load(work / "lc_pagedserve_info.json") or {}
     write_result(Path(args.output), "long_context_vs_vllm",
@@ -307,6 +323,10 @@ def main() -> None:
     ap.add_argument("--mix-long-rate", type=float, default=0.1)
     ap.add_argument("--mix-seconds", type=float, default=60.0)
     ap.add_argument("--prefill-decodes", type=int, default=32)
+    ap.add_argument("--decode-output-len", type=int, default=1024,
+                    help="prefill100k: output tokens of the short requests decoding around the 100k prefill")
+    ap.add_argument("--prompt-scale", type=float, default=1.0,
+                    help="every long prompt's length times this (a smoke run on a small model; 1 for the benchmark)")
     ap.add_argument("--pagedserve-args", default="")
     ap.add_argument("--vllm-args", default="")
     ap.add_argument("--startup-limit", type=float, default=300)

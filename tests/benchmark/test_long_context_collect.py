@@ -16,7 +16,8 @@ import long_context as lc  # noqa: E402
 
 def _args(**kw):
     base = dict(n8k=3, rate8k=1.0, n32k=2, rate32k=0.25, n100k=2, rate100k=0.1, mix_short_rate=2.0,
-                mix_long_rate=0.1, mix_seconds=10.0, prefill_decodes=4)
+                mix_long_rate=0.1, mix_seconds=10.0, prefill_decodes=4, prompt_scale=1.0,
+                decode_output_len=1024)
     return argparse.Namespace(**{**base, **kw})
 
 
