@@ -389,8 +389,8 @@ class ModelRunner:
                 if inp.num_sampling == 0:
                     return None
                 return self.model.compute_logits(hidden[inp.sample_indices])
-        if (self.full_graphs is not None and step.batch.num_decodes < n
-                and self.full_graphs.bucket_for(num_tokens, n) is not None):
+        # Any mix: also a decode-only step that no decode graph took (a batch above their sizes).
+        if self.full_graphs is not None and self.full_graphs.bucket_for(num_tokens, n) is not None:
             self.last_graph_path = "full_graph"
             hidden = self.full_graphs.run(inp.input_ids, inp.positions, inp.attn_meta)
             if inp.num_sampling == 0:

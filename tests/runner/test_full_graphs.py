@@ -106,10 +106,10 @@ def test_mixed_steps_replay_one_graph_each(tiny_model_dir):
     step(("a", 1), ("b", 1), ("c", None))                  # 2 decodes + 13 prompt tokens: bucket 16
     step(("a", 1), ("b", 1), ("c", 1), ("d", 40))          # a chunk that samples nothing: 43 tokens
     step(("a", 1), ("b", 1), ("c", 1), ("d", 60))          # the chunk goes on over its KV, crossing blocks
-    step(("a", 1), ("b", 1), ("c", 1))                     # decode-only: eager here (no decode graphs on CPU)
+    step(("a", 1), ("b", 1), ("c", 1))                     # decode-only, no decode graphs on CPU: full too
     step(("a", 1), ("b", 1), ("c", 1), ("d", None), ("e", None))  # 30 + 16 + 3 tokens
     step(("a", 1), ("b", 1), ("f", None))                  # 72 tokens: beyond the buckets, eager
-    assert paths == ["full_graph", "full_graph", "full_graph", "full_graph", "eager", "full_graph", "eager"]
+    assert paths == ["full_graph"] * 6 + ["eager"]
     assert all(g.num_replays for t, g in fg.graphs.items() if t in (16, 48, 64))
     for name in prompts:
         if (name, 0) in seqs:
