@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
-CUDAGRAPH_MODES = ("decode", "piecewise")
+CUDAGRAPH_MODES = ("decode", "piecewise", "full")
 # The server's output parsers (entrypoints/openai/tool_parsers, reasoning_parsers; a test keeps
 # these lists equal to the registries there, which config must not import).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
@@ -149,7 +149,10 @@ class EngineConfig:
     cudagraph_mode: str = option("piecewise", "decode: CUDA graphs for decode-only steps, steps with "
                                               "prefill tokens eager; piecewise: also graphs for those "
                                               "steps (up to 1024 tokens) with attention run eagerly "
-                                              "between them (Llama family, one GPU)", CUDAGRAPH_MODES)
+                                              "between them (Llama family, one GPU); full: one whole "
+                                              "graph per token-count bucket for steps of any mix (up "
+                                              "to 8192 tokens), attention by the unified varlen "
+                                              "kernel (one GPU)", CUDAGRAPH_MODES)
     cuda_graph_sizes: list[int] | None = option(None, "decode batch sizes to capture CUDA graphs "
                                                       "for (default, as vLLM's: 1, 2, 4, every 8 up "
                                                       "to 256, every 16 above, up to max_num_seqs); "

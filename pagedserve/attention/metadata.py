@@ -31,6 +31,13 @@ class AttentionMetadata:
     # The decode rows longest first (triton_ops.paged_attention sorts seq_lens once per step, at the
     # first layer, and every layer reuses it; a decode graph captures the sort with the step).
     decode_order: torch.Tensor | None = None
+    # Set: the step takes the unified kernel (triton_unified.py) with work buffers of this
+    # (max q tiles, items) capacity (work_capacity of the token-count bucket), so that its launch
+    # shapes never depend on the step's lengths (a full CUDA graph captures it per bucket).
+    unified_capacity: tuple[int, int] | None = None
+    # The work list and split buffers, built at the first layer from the lengths on the device and
+    # reused by every later layer of the step (as decode_order).
+    unified_work: object | None = None
 
     @property
     def num_seqs(self) -> int:

@@ -16,16 +16,25 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              v_scale: torch.Tensor | None = None) -> None:
     """Scatter new K/V ([num_tokens, num_kv_heads, head_dim]) into their slots; slot -1 is skipped.
     An fp8 pool gets x / scale in e4m3 (kv_quant); other pools ignore the scales."""
+    # Shapes never depend on the values (so a graph stand-in can record it, runner/full_graphs.py):
+    # a row with slot -1 repeats the first written row (the same value to the same slot), or, when
+    # no row writes, every row puts slot 0's own value back.
+    if slot_mapping.numel() == 0:
+        return
     keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
+    rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
+    src = torch.where(keep, rows, keep.to(torch.int8).argmax())
+    slots = slot_mapping[src].clamp(min=0)
+    any_kept = keep.any()
     block_size = k_cache.shape[1]
     blocks, offsets = slots // block_size, slots % block_size
-    if is_fp8(k_cache):  # through uint8 views: index_put has no fp8 kernel on every device
-        k_cache.view(torch.uint8)[blocks, offsets] = quantize_kv(key[keep], k_scale).view(torch.uint8)
-        v_cache.view(torch.uint8)[blocks, offsets] = quantize_kv(value[keep], v_scale).view(torch.uint8)
-        return
-    k_cache[blocks, offsets] = key[keep].to(k_cache.dtype)
-    v_cache[blocks, offsets] = value[keep].to(v_cache.dtype)
+    fp8 = is_fp8(k_cache)
+    for cache, x, scale in ((k_cache, key, k_scale), (v_cache, value, v_scale)):
+        if fp8:  # through uint8 views: index_put has no fp8 kernel on every device
+            cache, new = cache.view(torch.uint8), quantize_kv(x[src], scale).view(torch.uint8)
+        else:
+            new = x[src].to(cache.dtype)
+        cache[blocks, offsets] = torch.where(any_kept, new, cache[blocks, offsets])
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -46,6 +55,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     sequence with q new tokens and context L sits at position L - q + j and sees
     positions <= its own. An fp8 pool is read as stored * k_scale (v_scale).
     """
+    if meta.unified_capacity is not None:
+        return static_paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
     out = torch.empty_like(query)
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -65,6 +76,39 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         probs = scores.softmax(dim=-1)
         out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
+
+
+def static_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """paged_attention with shapes fixed by the tensors' shapes alone, never by their values (no
+    host copy, no per-sequence loop): the CPU stand-in for the unified kernel inside a full graph.
+    Every token row reads its sequence's whole block-table width, masked to positions <= its own;
+    rows outside every sequence (a bucket's padding) attend to nothing and come out zero."""
+    T, num_heads, _ = query.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    qsl = meta.query_start_loc.long()
+    seq_lens = meta.seq_lens.long()
+    tok = torch.arange(T, device=query.device)
+    seq = torch.searchsorted(qsl[1:], tok, right=True).clamp(max=seq_lens.shape[0] - 1)
+    valid = tok < qsl[-1]
+    pos = seq_lens[seq] - (qsl[seq + 1] - qsl[seq]) + (tok - qsl[seq])
+    width = meta.block_tables.shape[1]
+    kpos = torch.arange(width * block_size, device=query.device)
+    blocks = meta.block_tables.long()[seq][:, kpos // block_size]          # [T, L]
+    offsets = (kpos % block_size).expand_as(blocks)
+    group = num_heads // num_kv_heads
+    k = dequantize_kv(k_cache[blocks, offsets] if not is_fp8(k_cache) else
+                      k_cache.view(torch.uint8)[blocks, offsets].view(k_cache.dtype), k_scale)
+    v = dequantize_kv(v_cache[blocks, offsets] if not is_fp8(v_cache) else
+                      v_cache.view(torch.uint8)[blocks, offsets].view(v_cache.dtype), v_scale)
+    k = k.repeat_interleave(group, dim=2)                                  # [T, L, H, D]
+    v = v.repeat_interleave(group, dim=2)
+    scores = torch.einsum("thd,tlhd->thl", query.float(), k) * scale
+    seen = (kpos[None, :] <= pos[:, None]) & valid[:, None]
+    scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
+    probs = torch.nan_to_num(scores.softmax(dim=-1), nan=0.0)
+    return torch.einsum("thl,tlhd->thd", probs, v).to(query.dtype)
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

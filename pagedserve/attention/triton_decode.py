@@ -29,9 +29,11 @@ import triton.language as tl
 from pagedserve.attention.triton_tiles import IN_CONTEXT, attend_tiles
 
 
-# The block-table width and the split counts change from launch to launch: one compile serves all
-# (see runner/warmup.py).
-@triton.jit(do_not_specialize=["stride_bt", "stride_mt", "stride_mh", "stride_lt", "stride_lh", "base_splits"])
+# The block-table width and the split counts change from launch to launch, and the query's row
+# stride with where q lives (the fused qkv projection eagerly, a piecewise graph's q buffer): one
+# compile serves all (see runner/warmup.py). stride_ms is 0 without splits and BLOCK_D with them.
+@triton.jit(do_not_specialize=["stride_qt", "stride_ot", "stride_bt", "stride_mt", "stride_mh", "stride_ms",
+                               "stride_lt", "stride_lh", "base_splits"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     seq_lens_ptr, block_tables_ptr, qk_scale,
@@ -166,8 +168,8 @@ def _decode_split(
         tl.store(mid_lse_ptr + seq.to(tl.int64) * stride_lt + heads * stride_lh + split, lse, mask=g_mask)
 
 
-@triton.jit(do_not_specialize=["stride_mt", "stride_mh", "stride_lt", "stride_lh", "num_kv_heads",
-                                "num_splits", "base_splits"])
+@triton.jit(do_not_specialize=["stride_mt", "stride_mh", "stride_ms", "stride_lt", "stride_lh", "stride_ot",
+                                "num_kv_heads", "num_splits", "base_splits"])
 def reduce_splits_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, stride_ot, stride_oh,

@@ -23,6 +23,7 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kernel
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import paged_prefill_kernel
+from pagedserve.attention import triton_unified as unified
 
 # Launch defaults; benchmarks/kernels/bench_paged_decode.py sweeps the decode ones on the GPU, and
 # benchmarks/kernels/decode_variants.py the grid order with them. On the H200 (runs/cb44d75_decode_variants/)
@@ -302,8 +303,13 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   order_ptr=order, **plan, **_scales(k_cache, k_scale, v_scale))
     grid = (num_kv_heads, num_seqs, splits) if heads_fastest else (num_seqs, num_kv_heads, splits)
     if splits == 1:
+        # No reduction: the split buffers are never written, but they are float32 pointers here
+        # too, so that this launch is the same compiled variant as a split one (a bf16 `out` in
+        # their place was a variant of its own, which only eager steps met: it compiled after
+        # start-up when graphs took every warm-up step that had decodes).
+        unused = torch.empty(1, dtype=torch.float32, device=query.device)
         paged_decode_kernel[grid](
-            query, k_cache, v_cache, out, out, out, seq_lens, block_tables, scale * math.log2(math.e),
+            query, k_cache, v_cache, out, unused, unused, seq_lens, block_tables, scale * math.log2(math.e),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             0, 0, 0, 0, 0, base, **common)
@@ -365,6 +371,11 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         raise ValueError("paged_attention needs K/V pools of one layout and contiguous head_dim in query")
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if meta.unified_capacity is not None:
+        # Zeros: a graph bucket's padding rows belong to no sequence and are never written; they
+        # must not carry NaNs from stale memory into the layers after (a MoE router reads them).
+        out = torch.zeros_like(query)
+        return unified_paged_attention(query, k_cache, v_cache, meta, scale, out, k_scale=k_scale, v_scale=v_scale)
     out = torch.empty_like(query)
     nd, ns = meta.num_decodes, meta.num_seqs
     seq_lens_cpu = meta.seq_lens_cpu
@@ -383,6 +394,58 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         paged_prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                       nd, ns - nd, max_q, scale, out, k_scale=k_scale, v_scale=v_scale)
     return out
+
+
+def unified_capacity(num_tokens: int, num_seqs: int, num_heads: int, num_kv_heads: int,
+                     device: torch.device, block_m: int | None = None) -> tuple[int, int]:
+    """The unified kernel's work capacity for steps of at most num_tokens tokens in num_seqs
+    sequences (a full graph's bucket): AttentionMetadata.unified_capacity. block_m: default
+    unified_launch()'s, as unified_paged_attention's."""
+    launch = unified.unified_launch()
+    block_q = unified.block_q_for(num_heads // num_kv_heads, launch.block_m if block_m is None else block_m)
+    share, _ = _balanced_share(device, launch.block_n)
+    return unified.work_capacity(num_tokens, num_seqs, num_kv_heads, block_q, share)
+
+
+def unified_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            meta: AttentionMetadata, scale: float, out: torch.Tensor | None = None,
+                            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                            block_m: int | None = None, block_n: int | None = None,
+                            share_programs: int | None = None, min_chain_tiles: int | None = None,
+                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+    """Every sequence of the step (decodes and chunks alike) in one launch of the unified kernel
+    (triton_unified.py), by a work list built on the device from the lengths, within
+    meta.unified_capacity (default: sized for this step's tokens and sequences). The first layer of
+    a step builds the list, later layers reuse it (meta.unified_work). share_programs,
+    min_chain_tiles: the split plan's even share (defaults as the decode kernel's balanced plan);
+    block_m, block_n, num_warps, num_stages: None takes unified_launch()'s."""
+    launch = unified.unified_launch()
+    block_m = launch.block_m if block_m is None else block_m
+    block_n = launch.block_n if block_n is None else block_n
+    num_warps = launch.num_warps if num_warps is None else num_warps
+    num_stages = launch.num_stages if num_stages is None else num_stages
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    out = torch.empty_like(query) if out is None else out
+    if meta.unified_work is None:
+        default_share, default_min_chain = _balanced_share(query.device, block_n)
+        share = default_share if share_programs is None else share_programs
+        if meta.unified_capacity is not None and share > default_share:
+            # The capacity's bound holds for the share it was sized with (unified_capacity's).
+            raise ValueError(f"share_programs ({share}) must not exceed {default_share} with a fixed unified_capacity")
+        min_chain = default_min_chain if min_chain_tiles is None else min_chain_tiles
+        block_q = unified.block_q_for(num_heads // num_kv_heads, block_m)
+        max_qtiles, capacity = meta.unified_capacity or unified.work_capacity(
+            query.shape[0], meta.num_seqs, num_kv_heads, block_q, share)
+        work = unified.build_work(meta.query_start_loc, meta.seq_lens, num_kv_heads, block_q, block_n,
+                                  max_qtiles, capacity, share, min_chain)
+        block_m_rows = block_q * triton.next_power_of_2(num_heads // num_kv_heads)
+        mid = unified.mid_buffers(capacity, num_kv_heads, block_m_rows, _pow2_at_least_16(head_dim), query.device)
+        meta.unified_work = (work, mid)
+    work, mid = meta.unified_work
+    return unified.unified_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
+                                     meta.block_tables, scale, out, work, _ieee(query, k_cache),
+                                     _scales(k_cache, k_scale, v_scale), num_warps, num_stages, mid)
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

@@ -12,8 +12,9 @@ import triton.language as tl
 from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles
 
 
-# The decode count (first_seq) and the block-table width change every step: one compile serves all.
-@triton.jit(do_not_specialize=["first_seq", "stride_bt"])
+# The decode count (first_seq), the block-table width and the query's row stride (eager qkv view or
+# a piecewise graph's buffer) change: one compile serves all.
+@triton.jit(do_not_specialize=["first_seq", "stride_bt", "stride_qt", "stride_ot"])
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     query_start_loc_ptr, seq_lens_ptr, block_tables_ptr, first_seq, qk_scale,

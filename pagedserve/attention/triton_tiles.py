@@ -23,11 +23,14 @@ def attend_tiles(
     stride_cb, stride_cs, d,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr = False,
+    EMPTY_ROWS: tl.constexpr = False,
 ):
     """Context positions [lo, hi) for query rows q ([rows, BLOCK_D], already in the dot's dtype:
     fp32 when IEEE, else the cache's, or the query's own for an fp8 cache) at positions q_pos
     (read only when MASK is CAUSAL). KV_FP8: the tiles are e4m3 and are cast to q's dtype here,
-    in registers; their scales are the caller's (folded into qk_scale and the output)."""
+    in registers; their scales are the caller's (folded into qk_scale and the output).
+    EMPTY_ROWS: a row may see no position of a tile, nor of any before it (a KV split that
+    starts after the row's position): its maximum stays -inf and must not make NaNs."""
     n = tl.arange(0, BLOCK_N)
     for tile in range(lo, hi, BLOCK_N):
         pos = tile + n
@@ -53,8 +56,13 @@ def attend_tiles(
         elif MASK == CAUSAL:
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
+        if EMPTY_ROWS:
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_use)
+            p = tl.exp2(s - m_use[:, None])
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")

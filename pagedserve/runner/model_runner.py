@@ -9,8 +9,10 @@ runner never decides policy; it only carries out the plan.
 
 On CUDA the forward replays graphs where it can: a decode-only step, or one whose prefill is short
 (runner/decode_rows.py: one decode row per token), the decode graph of its size; another step with
-prefill, piecewise graphs with attention between them; anything larger runs eagerly. Which of
-these the last step took is `last_graph_path` (one of GRAPH_PATHS; the step trace records it).
+prefill, with cudagraph_mode="full" the full graph of its token count (runner/full_graphs.py,
+attention by the unified kernel), else with "piecewise" piecewise graphs with attention between
+them; anything larger runs eagerly. Which of these the last step took is `last_graph_path` (one
+of GRAPH_PATHS; the step trace records it).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets, graph_capturable
 from pagedserve.runner.decode_rows import as_decode_rows, short_prefill_graphs_enabled
+from pagedserve.runner.full_graphs import FullCUDAGraphs
 from pagedserve.runner.kv_sizing import calibrate_kv_scales_at_startup, device_seconds, profile_num_gpu_blocks
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
 from pagedserve.runner.request_state import DeviceRequestState
@@ -41,8 +44,9 @@ from pagedserve.runner.warmup import warm_up, warmup_enabled
 
 logger = logging.getLogger(__name__)
 # How a step's forward ran (ModelRunner.last_graph_path): the decode graph of its size, the same
-# graph over decode rows (a short prefill), piecewise graphs with eager attention, or eagerly.
-GRAPH_PATHS = ("decode_graph", "decode_rows", "piecewise", "eager")
+# graph over decode rows (a short prefill), the full graph of its token count (any mix), piecewise
+# graphs with eager attention, or eagerly.
+GRAPH_PATHS = ("decode_graph", "decode_rows", "full_graph", "piecewise", "eager")
 GiB = 1 << 30
 # "1": a CPU runner also runs the profile phase (the same forward as on CUDA, timed; the pool is
 # still sized from cpu_kv_cache_gib), so CPU runs take the GPU's start-up path and measure costs.
@@ -101,6 +105,7 @@ class ModelRunner:
         self.profile: dict[str, float] = {}
         self.graphs: DecodeCUDAGraphs | None = None
         self.piecewise: PiecewiseCUDAGraphs | None = None
+        self.full_graphs: FullCUDAGraphs | None = None
         # Persistent per-request state: the host rows (rank 0, prepare_inputs) and the device tensors
         # (every rank, execute_model), both made on first use. The engine turns the scheduler's table
         # log on when this is true.
@@ -176,9 +181,15 @@ class ModelRunner:
         command at a time, every rank finishing each before the next; it skips the piecewise one)."""
         self.allocate_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self.measure_swap_cost()
-        self.capture_decode_graphs()
-        self.capture_piecewise_graphs()
+        # Each phase's seconds in profile (start-up time, beside warmup_seconds).
+        for name, phase in (("decode_graphs", self.capture_decode_graphs), ("full_graphs", self.capture_full_graphs),
+                            ("piecewise_graphs", self.capture_piecewise_graphs)):
+            t0 = time.perf_counter()
+            phase()
+            self.profile[f"{name}_seconds"] = time.perf_counter() - t0
         self.warm_up()
+        logger.info("start-up phases (s): %s", ", ".join(f"{k.removesuffix('_seconds')} {v:.1f}"
+                                                         for k, v in self.profile.items() if k.endswith("_seconds")))
 
     def allocate_kv_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self._require("model")
@@ -238,7 +249,10 @@ class ModelRunner:
             graphs += list(self.graphs.graphs.values())
         if self.piecewise is not None:
             graphs += [g for pieces in self.piecewise.pieces.values() for g in pieces]
-        self.graphs = self.piecewise = None
+        full = getattr(self, "full_graphs", None)
+        if full is not None:
+            graphs += list(full.graphs.values())
+        self.graphs = self.piecewise = self.full_graphs = None
         for g in graphs:
             reset = getattr(g, "reset", None)
             if reset is not None:
@@ -268,6 +282,31 @@ class ModelRunner:
         logger.info("captured %d piecewise CUDA graphs (%d token buckets up to %d) in %.1f s",
                     self.piecewise.num_graphs, len(self.piecewise.buckets), self.piecewise.buckets[-1],
                     time.perf_counter() - t0)
+
+    def capture_full_graphs(self, graph_factory=None) -> None:
+        """Full graphs (runner/full_graphs.py) for steps with prefill tokens, per token-count bucket up
+        to min(max_num_batched_tokens, 8192). Only with cudagraph_mode="full", on CUDA (graph_factory:
+        a CPU stand-in for tests), unless enforce_eager, for graph-capturable models on one rank."""
+        self._require("cache")
+        cfg = self.config
+        if cfg.enforce_eager or cfg.cudagraph_mode != "full":
+            return
+        if graph_factory is None and self.device.type != "cuda":
+            return
+        if self.tp_size > 1 or not graph_capturable(self.model):
+            logger.info("no full CUDA graphs for %s with tensor_parallel_size=%d: steps with prefill tokens "
+                        "run eagerly", type(self.model).__name__, self.tp_size)
+            return
+        sched = cfg.scheduler_config(self.max_model_len)
+        attn = next(m for m in self.model.modules() if isinstance(m, Attention))
+        t0 = time.perf_counter()
+        self.full_graphs = FullCUDAGraphs(self.model, self.kv_caches, sched.max_num_batched_tokens, sched.max_num_seqs,
+                                          self.max_model_len, self.block_size, attn.num_heads, attn.num_kv_heads,
+                                          self.device, pool=self.graphs.pool if self.graphs is not None else None,
+                                          graph_factory=graph_factory)
+        self.full_graphs.capture()
+        logger.info("captured %d full CUDA graphs (token buckets up to %d) in %.1f s", self.full_graphs.num_graphs,
+                    self.full_graphs.buckets[-1], time.perf_counter() - t0)
 
     # --- one step -------------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -350,6 +389,13 @@ class ModelRunner:
                 if inp.num_sampling == 0:
                     return None
                 return self.model.compute_logits(hidden[inp.sample_indices])
+        # Any mix: also a decode-only step that no decode graph took (a batch above their sizes).
+        if self.full_graphs is not None and self.full_graphs.bucket_for(num_tokens, n) is not None:
+            self.last_graph_path = "full_graph"
+            hidden = self.full_graphs.run(inp.input_ids, inp.positions, inp.attn_meta)
+            if inp.num_sampling == 0:
+                return None
+            return self.model.compute_logits(hidden[inp.sample_indices])
         if (self.piecewise is not None and step.batch.num_decodes < n
                 and self.piecewise.bucket_for(num_tokens) is not None):
             self.last_graph_path = "piecewise"

@@ -13,7 +13,10 @@ match):
 - decode-only steps of every graph bucket size (graph replays; eager steps under enforce_eager),
   one with its tokens fed from a previous step's sampled ids on the device (overlapped steps);
 - mixed batches (decodes + a prefill chunk), one for every decode split count the attention
-  backend can choose;
+  backend can choose; and the same variants once more straight through the backend's
+  paged_attention: with CUDA graphs those warm-up steps replay a graph (decode rows), while
+  serving meets the variants eagerly too (decodes beside a longer chunk, between piecewise
+  graphs, or beyond the buckets), so routing must not decide what gets compiled;
 - every sampler path (greedy, temperature, top-k, top-p, both, min-p, seeds, logprobs,
   penalties, suppressed tokens) at one row and at max_num_seqs rows, on logits of the model's
   dtype (the fused plain-path kernels compile per dtype), and the host copy;
@@ -33,7 +36,8 @@ import time
 import numpy as np
 import torch
 
-from pagedserve.attention.backend import get_backend
+from pagedserve.attention.backend import Attention, get_backend
+from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.layers.fused_moe.warmup import warm_up_moe
 from pagedserve.layers.sampler import Sampler, SampleRow
 from pagedserve.runner.async_output import AsyncHostCopy
@@ -86,6 +90,21 @@ class _Steps:
         batch = HostBatch(ids, starts, query_lens, tables, mask, num_decodes, dst, src)
         return StepInput([], [], [], batch)
 
+    def meta(self, seqs: list[tuple[int, int]], num_decodes: int, device: torch.device) -> AttentionMetadata:
+        """Attention metadata of (start, query_len) sequences, decodes first, writing no slot."""
+        q_lens = [q for _, q in seqs]
+        s_lens = [s + q for s, q in seqs]
+        tables = [self.table(L, 3 * i) for i, L in enumerate(s_lens)]
+        width = max(len(t) for t in tables)
+        i32 = dict(dtype=torch.int32, device=device)
+        return AttentionMetadata(
+            slot_mapping=torch.full((sum(q_lens),), -1, dtype=torch.long, device=device),
+            query_start_loc=torch.tensor(np.concatenate([[0], np.cumsum(q_lens)]), **i32),
+            seq_lens=torch.tensor(s_lens, **i32),
+            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], **i32),
+            num_decodes=num_decodes, max_query_len=max(q_lens), max_seq_len=max(s_lens),
+            block_size=self.block_size, query_lens_cpu=q_lens, seq_lens_cpu=s_lens)
+
 
 def _token_counts(max_tokens: int) -> list[int]:
     counts, t = [], 1
@@ -121,6 +140,22 @@ def _split_variants(runner: RunnerView, max_seqs: int, max_len: int) -> dict:
         for seq_len in sorted(lens):
             found.setdefault(key_of(n, runner.num_kv_heads, seq_len, runner.device), (n, seq_len))
     return found
+
+
+def _attention_variants(runner: RunnerView, steps: _Steps, variants: dict, chunk: tuple[int, int]) -> None:
+    """Each decode split variant (n decodes of seq_len, beside the chunk (start, query_len)) through
+    the backend directly, on layer 0's pools (nothing is written: every slot is -1)."""
+    attn = next(m for m in runner.model.modules() if isinstance(m, Attention))
+    k_cache, v_cache = runner.cache_engine.kv_caches[0]
+    ops = get_backend(runner.device)
+    gen = torch.Generator(device=runner.device)
+    gen.manual_seed(_SEED)
+    for n, seq_len in variants.values():
+        seq_len = min(seq_len, steps.max_model_len)
+        meta = steps.meta([(seq_len - 1, 1)] * n + [chunk], n, runner.device)
+        q = torch.randn(n + chunk[1], attn.num_heads, attn.head_dim, generator=gen, device=runner.device,
+                        dtype=torch.float32).to(runner.dtype)
+        ops.paged_attention(q, k_cache, v_cache, meta, attn.scale, k_scale=attn.k_scale, v_scale=attn.v_scale)
 
 
 def _sampler_paths(device: torch.device, vocab: int, max_seqs: int, dtype: torch.dtype) -> None:
@@ -194,6 +229,7 @@ def warm_up(runner: RunnerView) -> float:
             for n, seq_len in variants.values():
                 seq_len = min(seq_len, max_len)
                 run(steps.step([(seq_len - 1, 1, True)] * n + [(start, 1, True)], n))
+            _attention_variants(runner, steps, variants, (start, chunk))
         # Cache operations: copy-on-write and a swap round trip.
         ce = runner.cache_engine
         ce.copy([(0, min(1, ce.num_gpu_blocks - 1))])

@@ -91,11 +91,12 @@ def test_mixed_steps_equal_plain_forward(tiny_model_dir, arch):
 
 def test_cudagraph_mode_flag():
     with pytest.raises(ValueError, match="cudagraph_mode"):
-        EngineConfig(cudagraph_mode="full")
+        EngineConfig(cudagraph_mode="full_decode_only")
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     assert engine_config_from_args(parser.parse_args([]), None).cudagraph_mode == "piecewise"
     assert engine_config_from_args(parser.parse_args(["--cudagraph-mode", "decode"]), None).cudagraph_mode == "decode"
+    assert engine_config_from_args(parser.parse_args(["--cudagraph-mode", "full"]), None).cudagraph_mode == "full"
 
 
 def test_engine_with_piecewise_steps_equals_eager(tiny_model_dir, monkeypatch):

@@ -25,12 +25,15 @@ def test_release_resets_decode_and_piecewise_graphs():
     runner.device = torch.device("cpu")
     decode = {b: FakeGraph() for b in (1, 2, 4)}
     pieces = {16: [FakeGraph(), FakeGraph()], 32: [FakeGraph()]}
+    full = {16: FakeGraph(), 64: FakeGraph()}
     runner.graphs = SimpleNamespace(graphs=decode)
     runner.piecewise = SimpleNamespace(pieces=pieces)
-    assert runner.release_cuda_graphs() == 6
+    runner.full_graphs = SimpleNamespace(graphs=full)
+    assert runner.release_cuda_graphs() == 8
     assert [g.resets for g in decode.values()] == [1, 1, 1]
     assert [g.resets for p in pieces.values() for g in p] == [1, 1, 1]
-    assert runner.graphs is None and runner.piecewise is None
+    assert [g.resets for g in full.values()] == [1, 1]
+    assert runner.graphs is None and runner.piecewise is None and runner.full_graphs is None
     assert runner.release_cuda_graphs() == 0  # idempotent
 
 

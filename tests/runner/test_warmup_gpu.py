@@ -66,18 +66,24 @@ def _workload(vocab: int, max_len: int) -> tuple[list[dict], list[SamplingParams
 
 
 # A mixture of experts adds the routing, one-program sort/pad and grouped-GEMM kernels.
-@pytest.mark.parametrize("arch,enforce_eager,async_scheduling",
-                         [("llama", e, a) for e in (False, True) for a in (True, False)]
-                         + [("qwen3_moe", False, True), ("mixtral", True, False)])
-def test_no_compile_or_capture_after_start(tiny_model_dir, monkeypatch, arch, enforce_eager, async_scheduling):
+# cudagraph_mode "full": mixed steps replay full graphs (the unified kernel) and the rest of the
+# kernels must still be warm for the steps beyond them.
+@pytest.mark.parametrize("arch,enforce_eager,async_scheduling,cudagraph_mode",
+                         [("llama", e, a, "piecewise") for e in (False, True) for a in (True, False)]
+                         + [("llama", False, True, "full"), ("llama", False, False, "full")]
+                         + [("qwen3_moe", False, True, "piecewise"), ("mixtral", True, False, "piecewise")])
+def test_no_compile_or_capture_after_start(tiny_model_dir, monkeypatch, arch, enforce_eager, async_scheduling,
+                                           cudagraph_mode):
     model_dir = tiny_model_dir(arch)
     llm = make_llm(model_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
                    async_scheduling=async_scheduling, block_size=16, num_gpu_blocks_override=34,
                    max_num_seqs=32, max_num_batched_tokens=128, enable_prefix_caching=True,
-                   preemption_mode="swap", swap_space=0.05)
+                   preemption_mode="swap", swap_space=0.05, cudagraph_mode=cudagraph_mode)
     runner = llm.llm_engine.runner
     assert "warmup_seconds" in runner.profile
     graphs_before = sorted(runner.graphs.graphs) if runner.graphs is not None else []
+    full_before = sorted(runner.full_graphs.graphs) if runner.full_graphs is not None else []
+    assert (cudagraph_mode == "full" and not enforce_eager) == bool(full_before)
     compiled_before = _compiled_counts()
     assert sum(compiled_before.values()) > 0, "no Triton kernel found: the check would be vacuous"
     captures = []
@@ -101,3 +107,4 @@ def test_no_compile_or_capture_after_start(tiny_model_dir, monkeypatch, arch, en
     assert not new, f"Triton compiled after start-up: {new}"
     assert not captures
     assert (sorted(runner.graphs.graphs) if runner.graphs is not None else []) == graphs_before
+    assert (sorted(runner.full_graphs.graphs) if runner.full_graphs is not None else []) == full_before

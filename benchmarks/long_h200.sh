@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Long contexts on the H200 (#35). Run from the repo root on the GPU machine; results and logs go
+# under $OUT (progress in $OUT/progress.log), every step under its own `timeout`.
+#   bash benchmarks/long_h200.sh quick        # ~9 min: GPU tests (unified kernel vs reference, full
+#                                             # graphs vs eager, no compile after start-up) and the
+#                                             # mixed-step A/B (full graph vs piecewise vs eager)
+#   SITE=/path/to/vllm-site bash benchmarks/long_h200.sh vllm     # long_context.py online, vLLM 0.26 (~9 min)
+#   bash benchmarks/long_h200.sh ours [--cudagraph-mode full]     # long_context.py online, pagedserve (~9 min)
+#   bash benchmarks/long_h200.sh collect      # -> benchmarks/results/h200/long_context.json
+# vllm/ours/collect share $OUT/long_context/ (the work dir); run them in one $OUT, or copy it over.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+OUT=${OUT:-$PWD/logs}
+mkdir -p "$OUT"
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "$(date +%T) start $name" >> "$OUT/progress.log"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  echo "$(date +%T) end $name rc=$?" >> "$OUT/progress.log"
+}
+WORK=$OUT/long_context
+MODE=${1:-quick}
+case $MODE in
+  quick)
+    step gpu_tests 300 python3 -m pytest -q -p no:cacheprovider tests/attention/test_unified_gpu.py \
+      tests/runner/test_full_graphs_gpu.py tests/runner/test_warmup_gpu.py \
+      -k "not test_no_compile or llama-False-True or full"
+    step mixed_step_ab 270 python3 benchmarks/kernels/mixed_step_ab.py --output "$OUT/mixed_step_ab.json"
+    ;;
+  vllm)
+    step long_context_vllm 590 python3 benchmarks/serving/long_context.py online --engines vllm \
+      --site "${SITE:?set SITE to the dir vLLM 0.26 is installed in}" --work "$WORK"
+    ;;
+  ours)
+    shift
+    step long_context_pagedserve 590 python3 benchmarks/serving/long_context.py online --engines pagedserve \
+      --site "${SITE:?set SITE to the dir vLLM 0.26 is installed in (it supplies the server packages)}" --work "$WORK" \
+      --pagedserve-args "$*"
+    ;;
+  collect)
+    step long_context_collect 60 python3 benchmarks/serving/long_context.py collect --work "$WORK" \
+      --device "NVIDIA H200"
+    cp benchmarks/results/h200/long_context.json benchmarks/results/h200/long_context.md "$OUT/" 2>/dev/null
+    ;;
+  *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect" >&2; exit 2 ;;
+esac
+echo "$(date +%T) done $MODE" >> "$OUT/progress.log"

@@ -1,0 +1,354 @@
+#!/usr/bin/env python3
+"""Long contexts beside vLLM (#35): 8k, 32k and 100k-token prompts, a mix of long and short
+requests, and the running decodes' TPOT while a 100k prompt prefills; both OpenAI servers on the
+same GPU, one after the other (one device call each: a call lasts 10 minutes).
+
+    python3 benchmarks/serving/long_context.py online --engines vllm --site $SITE --work $OUT/lc
+    python3 benchmarks/serving/long_context.py online --engines pagedserve --site $SITE --work $OUT/lc
+    python3 benchmarks/serving/long_context.py collect --work DIR       # here or there
+
+Each engine serves Llama-3.1-8B (benchmarks/models/llama-3.1-8b: llama3 RoPE to 131072) with dummy
+weights and the offline word-level tokenizer (peers/make_bench_model_dir.py) at max_model_len
+131072, with its own defaults otherwise (chunked prefill; --pagedserve-args / --vllm-args add
+flags, e.g. --pagedserve-args "--cudagraph-mode full"). Scenarios, each a client run of streamed
+completions with token-id prompts, ignore_eos, 256 output tokens unless said (Poisson arrivals):
+  len8k     --n8k prompts of 8192 tokens at --rate8k req/s
+  len32k    --n32k prompts of 32768 tokens at --rate32k
+  len100k   --n100k prompts of 100000 tokens at --rate100k
+  mix       short requests (sharegpt-like lengths) at --mix-short-rate for --mix-seconds, and 32k
+            prompts at --mix-long-rate over the same time: the short ones' TPOT and TTFT are kept
+  prefill100k  --prefill-decodes short requests (128-token prompts, --decode-output-len 1024 output
+            tokens) sent at once,
+            then one 100k prompt 5 s later: the short ones' inter-token gaps while it prefills
+            (from its send to its first token), and before it
+Prompts are fresh random ids (no prefix-cache hits). collect writes
+benchmarks/results/h200/long_context.json with ratios <metric>_over_vllm_<scenario> for tpot_p50,
+tpot_p99, ttft_p50, ttft_p99 and throughput (total tokens/s) at 8k, 32k, 100k and mix_short, and
+decode_itl_p50/p99_during_100k_prefill_over_vllm; below 1 is better except for throughput; start-up
+seconds of both servers (launch to /v1/models answering) are recorded beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import vs_vllm as vv  # noqa: E402  (the servers' start, environment and readiness, shared)
+
+REPO = vv.REPO
+SCENARIOS = ("len8k", "len32k", "len100k", "mix", "prefill100k")
+LENGTHS = {"len8k": 8192, "len32k": 32768, "len100k": 100_000}
+SHORT_MAX_PROMPT = 4096  # mix: short prompts are cut below this
+OUTPUT_LEN = 256
+VOCAB_DRAW = 10000
+
+
+# --- the requests ---------------------------------------------------------------------------------
+def scenario_requests(name: str, args, seed: int = 0, vocab_size: int | None = None) -> list:
+    """The scenario's WorkloadRequests with arrival times, drawn the same for both engines (token
+    ids below 10000, or below vocab_size when smaller)."""
+    from pagedserve.workloads import WorkloadRequest, make_workload
+    rng = random.Random(seed)
+    draw = min(VOCAB_DRAW, vocab_size or VOCAB_DRAW)
+
+    def req(prompt_len: int, output_len: int, at: float, scaled: bool = True) -> WorkloadRequest:
+        if scaled:
+            prompt_len = max(1, round(prompt_len * args.prompt_scale))
+        return WorkloadRequest([rng.randrange(draw) for _ in range(prompt_len)], output_len, at)
+
+    def poisson(n: int, rate: float, start: float = 0.0) -> list[float]:
+        arng, t, out = random.Random(seed + 1 + int(rate * 1000)), start, []
+        for _ in range(n):
+            t += arng.expovariate(rate)
+            out.append(t)
+        return out
+
+    if name in LENGTHS:
+        n, rate = {"len8k": (args.n8k, args.rate8k), "len32k": (args.n32k, args.rate32k),
+                   "len100k": (args.n100k, args.rate100k)}[name]
+        # The first request at t=0: the run starts with work, not with an idle wait.
+        return [req(LENGTHS[name], OUTPUT_LEN, t) for t in [0.0] + poisson(n - 1, rate)]
+    if name == "mix":
+        n_short = max(1, int(args.mix_short_rate * args.mix_seconds))
+        shorts = make_workload("sharegpt-like", n_short, request_rate=args.mix_short_rate, seed=seed,
+                               vocab_size=vocab_size)
+        short_cap = max(1, min(SHORT_MAX_PROMPT, round(32768 * args.prompt_scale)) - 1)
+        for r in shorts:
+            r.prompt_token_ids = r.prompt_token_ids[:short_cap]
+            r.output_len = min(r.output_len, OUTPUT_LEN)
+        n_long = max(1, int(args.mix_long_rate * args.mix_seconds))
+        longs = [req(32768, OUTPUT_LEN, t) for t in poisson(n_long, args.mix_long_rate)]
+        return sorted(shorts + longs, key=lambda r: r.arrival_time)
+    if name == "prefill100k":
+        shorts = [req(128, args.decode_output_len, 0.0, scaled=False) for _ in range(args.prefill_decodes)]
+        return shorts + [req(100_000, 16, 5.0)]
+    raise ValueError(f"scenario must be one of {SCENARIOS}, got {name!r}")
+
+
+def run_client(args) -> None:
+    """One scenario against the server at --port (the online phase runs this in a subprocess whose
+    path has the client's packages)."""
+    import httpx
+
+    from pagedserve.entrypoints.bench_serve import fetch_served_model, run_benchmark
+    base = f"http://127.0.0.1:{args.port}/v1"
+
+    async def served_model():
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as c:
+            return await fetch_served_model(c, base, {}, None)
+    served = asyncio.run(served_model())
+    # vLLM's model card has no vocab_size: ids below 10000 then, valid for Llama-3.1's 128256.
+    reqs = scenario_requests(args.scenario, args, vocab_size=served.vocab_size)
+    summary = asyncio.run(run_benchmark(base, reqs, served.id, timeout=args.rate_limit, keep_itl=True))
+    summary["scenario"] = args.scenario
+    Path(args.out).write_text(json.dumps(summary))
+
+
+# --- online: one server, every scenario -----------------------------------------------------------
+def online_one(engine: str, args, model_dir: Path, work: Path) -> None:
+    port = vv.PORTS[engine]
+    extra = args.vllm_args if engine == "vllm" else args.pagedserve_args
+    t0 = time.monotonic()
+    with open(work / f"lc_{engine}_server.log", "w") as server_log:
+        proc = subprocess.Popen(vv.serve_cmd(engine, model_dir, port, args.max_model_len, extra),
+                                env=vv.env_for(engine, args.site, args.gpu), stdout=server_log,
+                                stderr=subprocess.STDOUT)
+    info = {"engine": engine, "server_args": extra, "max_model_len": args.max_model_len,
+            "env_switches": {k: os.environ.get(k) for k in vv.ENV_SWITCHES}, **_measured_code()}
+    try:
+        if not vv.wait_up(port, proc, args.startup_limit):
+            info["error"] = f"server did not start (rc={proc.poll()})"
+            vv.log(work, f"{engine}: {info['error']}")
+            return
+        info["startup_seconds"] = round(time.monotonic() - t0, 1)
+        vv.log(work, f"{engine} up after {info['startup_seconds']} s")
+        for scenario in args.scenarios:
+            out = work / f"lc_{engine}_{scenario}.json"
+            cmd = [sys.executable, str(Path(__file__).resolve()), "client", "--scenario", scenario,
+                   "--port", str(port), "--out", str(out), *_scenario_flags(args)]
+            t1 = time.monotonic()
+            try:
+                r = subprocess.run(cmd, env={**os.environ, **vv.ENV, "PYTHONPATH": f"{REPO}:{args.site}"},
+                                   capture_output=True, text=True, timeout=args.rate_limit + 30)
+                rc, err = r.returncode, r.stderr[-1200:]
+            except subprocess.TimeoutExpired:
+                rc, err = "timeout", ""
+            brief = _brief(_load(out), scenario) if out.exists() else err
+            vv.log(work, f"{engine} {scenario} rc={rc} in {time.monotonic() - t1:.0f} s: {brief}")
+    finally:
+        vv.stop_process(proc)
+        (work / f"lc_{engine}_info.json").write_text(json.dumps(info, indent=1))
+
+
+def _measured_code() -> dict:
+    """The pagedserve commit and host the online phase ran on (collect may run elsewhere, later)."""
+    from pagedserve.benchmark.results import UnknownCommitError, git_commit, host_info
+    try:
+        commit = git_commit()
+    except UnknownCommitError as e:
+        commit = None
+        print(f"commit unknown: {e}", file=sys.stderr)
+    return {"commit": commit, "host": host_info()}
+
+
+def _scenario_flags(args) -> list[str]:
+    keys = ("n8k", "rate8k", "n32k", "rate32k", "n100k", "rate100k", "mix_short_rate", "mix_long_rate",
+            "mix_seconds", "prefill_decodes", "decode_output_len", "rate_limit", "prompt_scale")
+    return [x for k in keys for x in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+
+
+def phase_online(args, work: Path) -> None:
+    model_dir = work / "model"
+    if not (model_dir / "tokenizer.json").exists():
+        subprocess.run([sys.executable, str(HERE / "peers/make_bench_model_dir.py"), args.model, str(model_dir)],
+                       check=True, env={**os.environ, "PYTHONPATH": args.site})
+    for engine in args.engines.split(","):
+        online_one(engine, args, model_dir, work)
+
+
+# --- collect --------------------------------------------------------------------------------------
+def _load(p: Path):
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _pct(values: list[float], q: float) -> float | None:
+    import numpy as np
+    return round(float(np.percentile(values, q)), 2) if values else None
+
+
+def _tpot_ms(r: dict) -> float | None:
+    if r.get("error") or r.get("ttft") is None or r["output_len"] < 2:
+        return None
+    return 1000 * (r["latency"] - r["ttft"]) / (r["output_len"] - 1)
+
+
+def stats(summary: dict, keep=lambda r: True) -> dict:
+    """TPOT/TTFT percentiles (ms) and throughput of the kept requests of one run."""
+    reqs = [r for r in summary["requests"] if keep(r)]
+    ok = [r for r in reqs if not r.get("error")]
+    tpot = [t for t in map(_tpot_ms, ok) if t is not None]
+    ttft = [1000 * r["ttft"] for r in ok if r.get("ttft") is not None]
+    tokens = sum(r["prompt_len"] + r["output_len"] for r in ok)
+    dur = summary["duration_s"]
+    return {"requests": len(reqs), "completed": len(ok), "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
+            "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
+            "throughput": round(tokens / dur, 1) if dur > 0 else None,
+            "output_not_at_max": sum(1 for r in ok if r["output_len"] != r["expected_output_len"])}
+
+
+def token_times(r: dict) -> list[float]:
+    """Seconds (after the run's start) at which each of the request's tokens arrived."""
+    t = r["sent_at"] + r["ttft"]
+    out = [t]
+    for gap in r.get("itl") or []:
+        t += gap
+        out.append(t)
+    return out
+
+
+def prefill_window_stats(summary: dict) -> dict:
+    """The short requests' inter-token gaps (ms) while the 100k prompt prefilled (its send to its
+    first token), and before it was sent."""
+    reqs = [r for r in summary["requests"] if not r.get("error") and r.get("ttft") is not None]
+    longest = max((r["prompt_len"] for r in summary["requests"]), default=0)
+    long = [r for r in reqs if r["prompt_len"] == longest]
+    if not long or len(long) == len(reqs):
+        return {"error": "the 100k request failed"}
+    w0 = long[0]["sent_at"]
+    w1 = w0 + long[0]["ttft"]
+    during, before = [], []
+    for r in reqs:
+        if r["prompt_len"] == longest:
+            continue
+        ts = token_times(r)
+        for a, b in zip(ts, ts[1:]):
+            if w0 <= b <= w1:
+                during.append(1000 * (b - a))
+            elif b < w0:
+                before.append(1000 * (b - a))
+    return {"prefill_s": round(w1 - w0, 2), "gaps_during": len(during), "itl_p50_during": _pct(during, 50),
+            "itl_p99_during": _pct(during, 99), "itl_max_during": round(max(during), 1) if during else None,
+            "itl_p50_before": _pct(before, 50), "itl_p99_before": _pct(before, 99)}
+
+
+def _brief(summary: dict | None, scenario: str) -> str:
+    if summary is None:
+        return "no result"
+    if scenario == "prefill100k":
+        return json.dumps(prefill_window_stats(summary))
+    return json.dumps(stats(summary, _mix_kind(summary, long=False)) if scenario == "mix" else stats(summary))
+
+
+def _mix_kind(summary: dict, long: bool):
+    """mix: a filter of its long requests (the run's longest prompts: all long ones have one length,
+    every short one is cut below it) or of its short ones."""
+    longest = max((r["prompt_len"] for r in summary["requests"]), default=0)
+    return lambda r: (r["prompt_len"] == longest) == long
+
+
+def phase_collect(args, work: Path) -> None:
+    from pagedserve.benchmark.results import write_result
+    results: dict = {}
+    for engine in ("vllm", "pagedserve"):
+        info = _load(work / f"lc_{engine}_info.json") or {}
+        runs: dict = {}
+        for scenario in SCENARIOS:
+            s = _load(work / f"lc_{engine}_{scenario}.json")
+            if s is None:
+                continue
+            if scenario in LENGTHS:
+                runs[scenario.removeprefix("len")] = stats(s)
+            elif scenario == "mix":
+                runs["mix_short"] = stats(s, _mix_kind(s, long=False))
+                runs["mix_long"] = stats(s, _mix_kind(s, long=True))
+            else:
+                runs["prefill100k"] = prefill_window_stats(s)
+        results[engine] = {"startup_seconds": info.get("startup_seconds"), "server_args": info.get("server_args"),
+                           "error": info.get("error"), "runs": runs}
+    ratios: dict = {}
+    ours, theirs = results["pagedserve"]["runs"], results["vllm"]["runs"]
+    for key in ("8k", "32k", "100k", "mix_short", "mix_long"):
+        p, v = ours.get(key), theirs.get(key)
+        for metric in ("tpot_p50", "tpot_p99", "ttft_p50", "ttft_p99", "throughput"):
+            a, b = (p or {}).get(metric), (v or {}).get(metric)
+            ratios[f"{metric}_over_vllm_{key}"] = round(a / b, 3) if a and b else None
+    p, v = ours.get("prefill100k") or {}, theirs.get("prefill100k") or {}
+    for q in ("p50", "p99"):
+        a, b = p.get(f"itl_{q}_during"), v.get(f"itl_{q}_during")
+        ratios[f"decode_itl_{q}_during_100k_prefill_over_vllm"] = round(a / b, 3) if a and b else None
+    a, b = results["pagedserve"]["startup_seconds"], results["vllm"]["startup_seconds"]
+    ratios["startup_seconds_over_vllm"] = round(a / b, 3) if a and b else None
+    config = {"model": os.path.relpath(args.model, REPO), "max_model_len": args.max_model_len,
+              "output_len": OUTPUT_LEN, "placement": "one after the other, one GPU",
+              "scenarios": {k: getattr(args, k) for k in ("n8k", "rate8k", "n32k", "rate32k", "n100k", "rate100k",
+                                                          "mix_short_rate", "mix_long_rate", "mix_seconds",
+                                                          "prefill_decodes", "decode_output_len",
+                                                          "prompt_scale")},
+              "pagedserve_args": args.pagedserve_args, "vllm_args": args.vllm_args}
+    ours_info = _load(work / "lc_pagedserve_info.json") or {}
+    write_result(Path(args.output), "long_context_vs_vllm",
+                 "python benchmarks/serving/long_context.py " + shlex.join(sys.argv[1:]), config, results,
+                 {"vllm": "0.26.0"}, ratios, device=args.device, measured_commit=ours_info.get("commit"),
+                 host=ours_info.get("host"), extra={"note": args.note} if args.note else None)
+    print(json.dumps(ratios, indent=1))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("phase", choices=["online", "collect", "client"])
+    ap.add_argument("--site", default=os.environ.get("SITE", os.path.join(tempfile.gettempdir(), "site")))
+    ap.add_argument("--gpu", default="0")
+    ap.add_argument("--work", default=os.environ.get("OUT") or tempfile.mkdtemp())
+    ap.add_argument("--model", default=str(REPO / "benchmarks/models/llama-3.1-8b"))
+    ap.add_argument("--engines", default="vllm,pagedserve")
+    ap.add_argument("--scenarios", nargs="+", default=list(SCENARIOS), choices=SCENARIOS)
+    ap.add_argument("--max-model-len", type=int, default=131072)
+    ap.add_argument("--n8k", type=int, default=24)
+    ap.add_argument("--rate8k", type=float, default=1.0)
+    ap.add_argument("--n32k", type=int, default=12)
+    ap.add_argument("--rate32k", type=float, default=0.25)
+    ap.add_argument("--n100k", type=int, default=5)
+    ap.add_argument("--rate100k", type=float, default=0.08)
+    ap.add_argument("--mix-short-rate", type=float, default=2.0)
+    ap.add_argument("--mix-long-rate", type=float, default=0.1)
+    ap.add_argument("--mix-seconds", type=float, default=60.0)
+    ap.add_argument("--prefill-decodes", type=int, default=32)
+    ap.add_argument("--decode-output-len", type=int, default=1024,
+                    help="prefill100k: output tokens of the short requests decoding around the 100k prefill")
+    ap.add_argument("--prompt-scale", type=float, default=1.0,
+                    help="every long prompt's length times this (a smoke run on a small model; 1 for the benchmark)")
+    ap.add_argument("--pagedserve-args", default="")
+    ap.add_argument("--vllm-args", default="")
+    ap.add_argument("--startup-limit", type=float, default=300)
+    ap.add_argument("--rate-limit", type=float, default=150, help="seconds one scenario's client may run")
+    ap.add_argument("--output", default=str(REPO / "benchmarks/results/h200/long_context.json"))
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--note", default=None)
+    # client (internal): one scenario against a running server
+    ap.add_argument("--scenario", choices=SCENARIOS)
+    ap.add_argument("--port", type=int)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    if args.phase == "client":
+        run_client(args)
+        return
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    if args.phase == "online":
+        phase_online(args, work)
+    else:
+        phase_collect(args, work)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""benchmarks/serving/long_context.py without a GPU: its scenarios are the lengths and arrivals it
+says, and collect turns per-request records into the issue's ratios, including the running
+decodes' gaps while the 100k prompt prefills (only the gaps that end inside that window)."""
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks/serving"))
+import long_context as lc  # noqa: E402
+
+
+def _args(**kw):
+    base = dict(n8k=3, rate8k=1.0, n32k=2, rate32k=0.25, n100k=2, rate100k=0.1, mix_short_rate=2.0,
+                mix_long_rate=0.1, mix_seconds=10.0, prefill_decodes=4, prompt_scale=1.0,
+                decode_output_len=1024)
+    return argparse.Namespace(**{**base, **kw})
+
+
+def test_scenarios_have_their_lengths_and_arrivals():
+    args = _args()
+    r8 = lc.scenario_requests("len8k", args)
+    assert [len(r.prompt_token_ids) for r in r8] == [8192] * 3 and {r.output_len for r in r8} == {256}
+    assert r8[0].arrival_time == 0 and r8 == sorted(r8, key=lambda r: r.arrival_time)
+    assert [r.prompt_token_ids for r in lc.scenario_requests("len8k", args)] == [r.prompt_token_ids for r in r8]
+    assert {len(r.prompt_token_ids) for r in lc.scenario_requests("len100k", args)} == {100_000}
+    mix = lc.scenario_requests("mix", args)
+    longs = [r for r in mix if len(r.prompt_token_ids) >= lc.SHORT_MAX_PROMPT]
+    assert len(longs) == 1 and len(mix) == 21 and all(r.output_len <= 256 for r in mix)
+    assert [r.arrival_time for r in mix] == sorted(r.arrival_time for r in mix)
+    pre = lc.scenario_requests("prefill100k", args)
+    assert [len(r.prompt_token_ids) for r in pre] == [128] * 4 + [100_000] and pre[-1].arrival_time == 5.0
+
+
+def _req(prompt_len, ttft, gaps, sent_at=0.0, latency=None):
+    return {"prompt_len": prompt_len, "expected_output_len": len(gaps) + 1, "output_len": len(gaps) + 1,
+            "ttft": ttft, "latency": latency if latency is not None else ttft + sum(gaps), "itl": gaps,
+            "error": None, "sent_at": sent_at}
+
+
+def test_prefill_window_counts_the_gaps_that_end_inside_it():
+    # decodes every 0.1 s from t=0.1, one 0.9 s gap; the 100k prompt sent at 1.0, first token at 3.0
+    short = _req(128, 0.1, [0.1] * 8 + [0.9] + [0.1] * 20)
+    long = _req(100_000, 2.0, [0.05], sent_at=1.0)
+    s = lc.prefill_window_stats({"requests": [short, long]})
+    times = lc.token_times(short)
+    during = [b - a for a, b in zip(times, times[1:]) if 1.0 <= b <= 3.0]
+    assert s["gaps_during"] == len(during) == 12 and s["prefill_s"] == 2.0
+    assert s["itl_max_during"] == pytest.approx(900.0)
+    assert s["itl_p50_before"] == pytest.approx(100.0)
+
+
+def test_collect_writes_the_ratios(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    for engine, scale in (("vllm", 1.0), ("pagedserve", 0.8)):
+        (work / f"lc_{engine}_info.json").write_text(json.dumps({"startup_seconds": 60 * scale, "commit": None}))
+        for scenario, plen in (("len8k", 8192), ("len32k", 32768), ("len100k", 100_000)):
+            reqs = [_req(plen, 0.5 * scale * (i + 1), [0.02 * scale] * 255, sent_at=i) for i in range(4)]
+            (work / f"lc_{engine}_{scenario}.json").write_text(json.dumps({"duration_s": 10.0, "requests": reqs}))
+        mix = [_req(200, 0.05 * scale, [0.01 * scale] * 99, sent_at=i * 0.5) for i in range(10)]
+        mix += [_req(32768, 2.0, [0.03] * 255, sent_at=1.0)]
+        (work / f"lc_{engine}_mix.json").write_text(json.dumps({"duration_s": 10.0, "requests": mix}))
+        pre = [_req(128, 0.1, [0.02 * scale] * 100), _req(100_000, 1.0, [0.05], sent_at=0.5)]
+        (work / f"lc_{engine}_prefill100k.json").write_text(json.dumps({"duration_s": 5.0, "requests": pre}))
+    out = tmp_path / "long_context.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/serving/long_context.py"), "collect", "--work",
+                        str(work), "--device", "NVIDIA H200", "--output", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ratios = json.loads(out.read_text())["ratios"]
+    for key in ("8k", "32k", "100k", "mix_short"):
+        assert ratios[f"tpot_p50_over_vllm_{key}"] == pytest.approx(0.8, abs=1e-3)
+        assert ratios[f"tpot_p99_over_vllm_{key}"] == pytest.approx(0.8, abs=1e-3)
+        assert ratios[f"ttft_p50_over_vllm_{key}"] == pytest.approx(0.8, abs=1e-3)
+    assert ratios["ttft_p99_over_vllm_8k"] == pytest.approx(0.8, abs=1e-3)
+    assert ratios["throughput_over_vllm_8k"] == 1.0  # same tokens in the same time
+    assert ratios["decode_itl_p50_during_100k_prefill_over_vllm"] == pytest.approx(0.8, abs=1e-3)
+    assert ratios["startup_seconds_over_vllm"] == pytest.approx(0.8)
