@@ -26,11 +26,12 @@ class TokenApplication:
     # ---- grammars (engine/structured/): masks before sampling, termination after appending ----
 
     def _grammar_rows(self, sampled: list, prev: "InflightStep | None" = None) -> list:
-        """(logits row, caught-up SeqGrammar) of the step's constrained rows, in row order. prev:
-        the overlapped step before, whose sampled tokens the host has not appended yet; its ids are
-        waited for only if a constrained row has one in flight."""
+        """(logits row, SeqGrammar, output tokens, pending token) of the step's constrained rows,
+        in row order, for StructuredOutputs.advance_and_fill. prev: the overlapped step before,
+        whose sampled tokens the host has not appended yet (`pending`); its ids are waited for
+        only if a constrained row has one in flight."""
         grammar_of = self.structured.seqs.get
-        rows, behind = [], []
+        rows = []
         prev_ids = None
         for i, s in enumerate(sampled):
             seq = s.seq
@@ -42,16 +43,15 @@ class TokenApplication:
                 if prev_ids is None:
                     prev_ids = prev.copy.result().token_ids
                 pending = prev_ids[seq.inflight_sample_row]
-            behind.append((g, seq.output_token_ids, pending))
-            rows.append((i, g))
-        SeqGrammars.advance(behind)
+            rows.append((i, g, seq.output_token_ids, pending))
         return rows
 
-    def _mask_overlapped(self, logits: torch.Tensor, sampled: list, prev: "InflightStep | None") -> None:
-        """An overlapped step's mask: wait for the previous step's tokens (already sampled on the
-        device; this step's forward is queued behind them, so the device keeps busy), feed them to
-        the matchers, fill this step's rows on the host and mask the logits on the device."""
-        self.structured.apply(logits, self.structured.fill(self._grammar_rows(sampled, prev)))
+    def _mask_logits(self, logits: torch.Tensor, sampled: list, prev: "InflightStep | None" = None) -> None:
+        """The step's mask. Overlapped (prev: the step before, still in flight): wait for its
+        tokens (already sampled on the device; this step's forward is queued behind them, so the
+        device keeps busy), feed them to the matchers, fill this step's rows on the host and mask
+        the logits on the device. Synchronous: the matchers took every token already."""
+        self.structured.apply(logits, self.structured.advance_and_fill(self._grammar_rows(sampled, prev)))
 
     def _grammar_ended(self, seqs) -> list[tuple[Sequence, SequenceStatus]]:
         """Constrained sequences (just appended, not finished by the stop rules) whose grammar has

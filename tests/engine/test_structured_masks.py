@@ -6,8 +6,9 @@ references, on the CPU (tests/engine/test_structured_cuda.py runs the device upl
   fill_next_token_bitmask does; the other rows keep every value;
 - a batch where every row is constrained (xgrammar called without indices) likewise;
 - the threaded fill writes the same rows as one matcher at a time;
-- advance() (one batched accept for a step's rows) leaves every matcher where per-row catch_up
-  leaves a fork of it, including a row several tokens behind, a pending token and a stop token.
+- advance_and_fill (a batched accept, then the fill, on threads) leaves every matcher where
+  per-row catch_up leaves a fork of it, and fills the row the fork fills, including rows several
+  tokens behind, a pending token and a stop token (that row is left unmasked).
 """
 import pytest
 import torch
@@ -96,7 +97,7 @@ def test_full_batch_is_masked_without_indices(setup):
 
 def test_threaded_fill_matches_a_row_at_a_time(setup):
     tok, so, compiled = setup
-    assert so.filler.threads == 3
+    assert so.threads.threads == 3
     gs = [so.seqs.start(3000 + i, compiled[i % len(compiled)]) for i in range(40)]
     for i, g in enumerate(gs):
         g.catch_up(_enc(tok, ["12-a", "a", '{"n":-'][i % 3][: i % 5]))
@@ -109,11 +110,12 @@ def test_threaded_fill_matches_a_row_at_a_time(setup):
     assert torch.equal(mask.bitmask[1:80:2], ref[1::2])
 
 
-def test_advance_equals_catch_up_row_by_row(setup):
+def test_advance_and_fill_equals_catch_up_and_fill_row_by_row(setup):
+    """30 rows on 3 threads: far behind, one behind, a pending token, caught up; some close."""
     tok, so, compiled = setup
     text = {0: "12-ab", 1: "omega", 2: '{"n": 42}'}
-    cases = []  # (batched grammar, reference fork, output tokens, pending)
-    for k in range(12):
+    rows, refs = [], []
+    for k in range(30):
         kind = k % 3
         toks = _enc(tok, text[kind]) + ([tok.eos_token_id] if kind == 1 else [])
         g = so.seqs.start(4000 + k, compiled[kind])
@@ -122,21 +124,22 @@ def test_advance_equals_catch_up_row_by_row(setup):
         g.catch_up(toks[:upto])
         pending = toks[-1] if seen == 2 else None
         out = toks[:-1] if seen == 2 else toks
-        cases.append((g, g.fork(), out, pending))
-    SeqGrammars.advance([(g, out, pending) for g, _, out, pending in cases])
-    for g, ref, out, pending in cases:
+        rows.append((2 * k, g, out, pending))
+        refs.append(g.fork())
+    mask = so.advance_and_fill(rows)
+    live = []
+    for (i, g, out, pending), ref in zip(rows, refs):
         ref.catch_up(out, pending)
         assert (g.num_accepted, g.rejected, g.done) == (ref.num_accepted, ref.rejected, ref.done)
         assert g.done == g.matcher.is_terminated()
-        a, b = xgr.allocate_token_bitmask(1, VOCAB), xgr.allocate_token_bitmask(1, VOCAB)
         if not g.done:
-            g.matcher.fill_next_token_bitmask(a, 0)
-            ref.matcher.fill_next_token_bitmask(b, 0)
-            assert torch.equal(a, b)
-    assert any(g.done for g, *_ in cases) and not all(g.done for g, *_ in cases)
-    assert not any(g.rejected for g, *_ in cases)
+            live.append(i)
+            one = xgr.allocate_token_bitmask(1, VOCAB)
+            ref.matcher.fill_next_token_bitmask(one, 0)
+            assert torch.equal(mask.bitmask[i], one[0]), i
+    assert mask.indices == live and mask.rows == live[-1] + 1
+    assert 0 < len(live) < len(rows) and not any(g.rejected for _, g, _, _ in rows)
     # A token the grammar refuses: rejected and done, as catch_up does.
     g = so.seqs.start(4999, compiled[0])
-    bad = _enc(tok, "x")[0]
-    SeqGrammars.advance([(g, [bad], None), (so.seqs.start(4998, compiled[0]), _enc(tok, "1"), None)])
+    SeqGrammars.advance([(g, _enc(tok, "x"), None), (so.seqs.start(4998, compiled[0]), _enc(tok, "1"), None)])
     assert g.rejected and g.done and g.num_accepted == 1

@@ -7,9 +7,9 @@ Lifecycle of a constrained request:
      request keeps running; poll() at the start of each step hands over the ready ones and fails
      the ones whose compile raised or ran past structured_outputs_compile_timeout_s (that request
      alone finishes with finish_reason "abort" and an error naming the cause).
-  3. Its first sequence gets a matcher (matchers.py); forks copy it; every step fill() fills one
-     bitmask row per constrained row of the step on the host (masks.py: xgrammar's batch fill,
-     split over a few threads), and apply() uploads the rows and masks the logits in place on the
+  3. Its first sequence gets a matcher (matchers.py); forks copy it; every step advance_and_fill()
+     feeds each constrained row's grammar its newest token and fills its bitmask row on the host
+     (masks.py: xgrammar's batch calls, split over a few threads), and apply() uploads the rows and masks the logits in place on the
      device before any sampling (penalties, temperature, top-k/p, greedy argmax all see -inf for a
      token the grammar forbids).
   4. A sequence whose matcher has accepted its stop token (EOS) finishes with "stop".
@@ -25,7 +25,7 @@ import torch
 import xgrammar as xgr
 
 from pagedserve.engine.structured.compiler import BACKENDS, GrammarCompilerPool, parse_spec
-from pagedserve.engine.structured.masks import BitmaskFiller, MaskBuffers, StepMask, default_fill_threads
+from pagedserve.engine.structured.masks import MaskBuffers, RowThreads, StepMask, default_fill_threads
 from pagedserve.engine.structured.matchers import SeqGrammar, SeqGrammars
 from pagedserve.sampling_params import StructuredOutputsParams
 
@@ -57,7 +57,8 @@ class StructuredOutputs:
         self.compiled: dict[str, xgr.CompiledGrammar] = {}  # request id -> its grammar (admitted)
         self.seqs = SeqGrammars()
         self.masks = MaskBuffers(xgr.get_bitmask_shape(1, vocab_size)[1], pinned=device.type == "cuda")
-        self.filler = BitmaskFiller(default_fill_threads() if fill_threads is None else fill_threads)
+        self.threads = RowThreads(default_fill_threads() if fill_threads is None else fill_threads)
+        self._fill_serial = xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask  # in the calling thread
 
     # ---- compiles -------------------------------------------------------------------------
 
@@ -150,17 +151,35 @@ class StructuredOutputs:
     def grammar_of(self, seq: Any) -> SeqGrammar | None:
         return self.seqs.get(seq.seq_id)
 
-    def fill(self, rows: list[tuple[int, SeqGrammar]]) -> StepMask | None:
-        """Fill the host bitmask for (logits row, grammar) pairs, in increasing row order, every
-        grammar already caught up. None when no row needs masking (a done grammar's row is
-        discarded anyway: its sequence has ended, so it is left unmasked)."""
-        live = [(i, g.matcher) for i, g in rows if not g.done]
-        if not live:
+    def advance_and_fill(self, rows: list[tuple[int, SeqGrammar, list[int], int | None]]) -> StepMask | None:
+        """A step's mask from (logits row, grammar, output tokens, pending) in increasing row
+        order: each grammar first takes the tokens it has not accepted (SeqGrammars.advance: the
+        output tokens, then `pending`, the previous overlapped step's token), then fills its row;
+        both run on the row threads, a slice of rows each. None when no row needs masking (a done
+        grammar's row is discarded anyway: its sequence has ended, so it is left unmasked)."""
+        if not rows:
             return None
-        indices = [i for i, _ in live]
-        slot, bitmask = self.masks.take(indices[-1] + 1)
-        self.filler.fill([m for _, m in live], bitmask, indices)
-        return StepMask(bitmask, indices[-1] + 1, indices, slot)
+        slot, bitmask = self.masks.take(rows[-1][0] + 1)
+        fill = self._fill_serial
+
+        def work(part):
+            SeqGrammars.advance([(g, out, pending) for _, g, out, pending in part])
+            live = [(i, g.matcher) for i, g, _, _ in part if not g.done]
+            if live:
+                fill([m for _, m in live], bitmask, [i for i, _ in live])
+        self.threads.map_slices(work, rows)
+        indices = [i for i, g, _, _ in rows if not g.done]
+        return StepMask(bitmask, indices[-1] + 1, indices, slot) if indices else None
+
+    def fill(self, rows: list[tuple[int, SeqGrammar]]) -> StepMask | None:
+        """advance_and_fill for grammars already caught up: (logits row, grammar) pairs."""
+        if not rows:
+            return None
+        slot, bitmask = self.masks.take(rows[-1][0] + 1)
+        live = [(i, g.matcher) for i, g in rows if not g.done]
+        fill = self._fill_serial
+        self.threads.map_slices(lambda part: fill([m for _, m in part], bitmask, [i for i, _ in part]), live)
+        return StepMask(bitmask, live[-1][0] + 1, [i for i, _ in live], slot) if live else None
 
     def apply(self, logits: torch.Tensor, mask: StepMask | None) -> None:
         """Mask the logits in place on their device: forbidden tokens become -inf. Nothing here
@@ -180,4 +199,4 @@ class StructuredOutputs:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
-        self.filler.shutdown()
+        self.threads.shutdown()

@@ -4,10 +4,11 @@ With overlapped steps the host fills step N+1's mask while the device runs N+1's
 host time here is on the step's critical path whenever the device is fast, and a hidden device
 sync would end the overlap altogether. Hence:
 
-- BitmaskFiller: xgrammar's batch fill (BatchGrammarMatcher.batch_fill_next_token_bitmask, which
-  releases the GIL) over interleaved slices of the rows on a few persistent threads. xgrammar's
-  own max_threads > 1 starts and joins a fresh thread pool on every call, which costs more than
-  it saves at a step's 64-256 rows; a 128k vocabulary costs ~1-150 us a row, by grammar state.
+- RowThreads: the matchers take their tokens (BatchGrammarMatcher.batch_accept_token) and fill
+  their rows (batch_fill_next_token_bitmask), both of which release the GIL, over interleaved
+  slices of the rows on a few persistent threads. xgrammar's own max_threads > 1 starts and joins
+  a fresh thread pool on every fill call, which costs more than it saves at a step's 64-256 rows;
+  with a 128k vocabulary a row costs ~1-10 us to accept and ~1-150 us to fill, by grammar state.
 - MaskBuffers: two pinned host bitmasks (and index vectors) take turns, and one persistent device
   bitmask (and index vector) receives them by non-blocking copies queued on the logits' stream, in
   front of xgrammar's kernel. Nothing is allocated per step, and no pageable memory is copied
@@ -23,6 +24,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import xgrammar as xgr
@@ -51,29 +53,28 @@ class StepMask:
     slot: int
 
 
-class BitmaskFiller:
-    """Fills bitmask rows with xgrammar's batch API on `threads` threads (this one included)."""
+class RowThreads:
+    """Runs per-row xgrammar work (accepting a token, filling a bitmask row: both release the GIL)
+    over interleaved slices of a step's rows on `threads` persistent threads, this one included.
+    Interleaved: a row's cost depends on its grammar state (inside a string most of a large
+    vocabulary is allowed), and neighbours in the batch are no more alike than others."""
 
     def __init__(self, threads: int) -> None:
         if threads < 1:
             raise ValueError(f"fill_threads must be >= 1, got {threads}")
         self.threads = threads
-        self._serial = xgr.BatchGrammarMatcher(1)  # fills in the calling thread, without the GIL
         self._pool: ThreadPoolExecutor | None = None
 
-    def fill(self, matchers: list, bitmask: torch.Tensor, indices: list[int]) -> None:
-        """matchers[k] fills bitmask row indices[k]."""
-        parts = min(self.threads, len(matchers) // MIN_ROWS_PER_THREAD)
-        fill = self._serial.batch_fill_next_token_bitmask
+    def map_slices(self, work: Callable[[list], None], rows: list) -> None:
+        """work(slice) for slices that together hold every row once; returns when all are done."""
+        parts = min(self.threads, len(rows) // MIN_ROWS_PER_THREAD)
         if parts <= 1:
-            fill(matchers, bitmask, indices)
+            work(rows)
             return
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="grammar-fill")
-        # Interleaved slices: a row's cost depends on its grammar state (inside a string most of a
-        # large vocabulary is allowed), and neighbours in the batch are no more alike than others.
-        futures = [self._pool.submit(fill, matchers[k::parts], bitmask, indices[k::parts]) for k in range(1, parts)]
-        fill(matchers[::parts], bitmask, indices[::parts])
+            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="grammar-rows")
+        futures = [self._pool.submit(work, rows[k::parts]) for k in range(1, parts)]
+        work(rows[::parts])
         for f in futures:
             f.result()
 
