@@ -301,7 +301,9 @@ def main() -> None:
     for batch in (int(b) for b in args.batches.split(",")):
         results[f"batch_{batch}"] = run_batch(so, compiled, batch, args.steps, args.warmup, device, args.seed)
     so.shutdown()
-    config = {"tokenizer": args.tokenizer, "vocab_size": vocab, "batches": args.batches, "steps": args.steps,
+    info = Path(args.tokenizer) / "bpe_info.json"  # make_bpe_model_dir.py's record of what it trained
+    config = {"tokenizer": args.tokenizer, "vocab_size": vocab,
+              "tokenizer_info": json.loads(info.read_text()) if info.exists() else None, "batches": args.batches, "steps": args.steps,
               "warmup": args.warmup, "schemas": len(specs), "fill_threads": so.threads.threads,
               "logits_dtype": "bfloat16" if device.type == "cuda" else "float32"}
     print(json.dumps({"config": config, "results": results}, indent=1))
