@@ -9,9 +9,9 @@ Lifecycle of a constrained request:
      alone finishes with finish_reason "abort" and an error naming the cause).
   3. Its first sequence gets a matcher (matchers.py); forks copy it; every step advance_and_fill()
      feeds each constrained row's grammar its newest token and fills its bitmask row on the host
-     (masks.py: xgrammar's batch calls, split over a few threads), and apply() uploads the rows and masks the logits in place on the
-     device before any sampling (penalties, temperature, top-k/p, greedy argmax all see -inf for a
-     token the grammar forbids).
+     (masks.py: xgrammar's batch calls, split over a few threads), and apply() uploads the rows
+     and masks the logits in place on the device before any sampling (penalties, temperature,
+     top-k/p, greedy argmax all see -inf for a token the grammar forbids).
   4. A sequence whose matcher has accepted its stop token (EOS) finishes with "stop".
 """
 from __future__ import annotations
