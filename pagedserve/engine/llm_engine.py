@@ -113,7 +113,8 @@ class LLMEngine(TokenApplication):
         # Grammars of structured-output requests (engine/structured/): compiles, matchers, masks.
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids, self.device,
                                             config.structured_outputs_backend,
-                                            config.structured_outputs_compile_timeout_s)
+                                            config.structured_outputs_compile_timeout_s,
+                                            fill_threads=config.structured_outputs_fill_threads)
         self._beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.structured.seqs)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
                                               self.scheduler_config.max_num_seqs, self.cache_config)
