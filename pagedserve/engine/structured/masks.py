@@ -7,8 +7,9 @@ sync would end the overlap altogether. Hence:
 - RowThreads: the matchers take their tokens (BatchGrammarMatcher.batch_accept_token) and fill
   their rows (batch_fill_next_token_bitmask), both of which release the GIL, over interleaved
   slices of the rows on a few persistent threads. xgrammar's own max_threads > 1 starts and joins
-  a fresh thread pool on every fill call, which costs more than it saves at a step's 64-256 rows;
-  with a 128k vocabulary a row costs ~1-10 us to accept and ~1-150 us to fill, by grammar state.
+  a fresh thread pool on every fill call (cpp/grammar_matcher.cc: a ThreadPool cannot be reused
+  after Join), a cost paid every step; with a 128k vocabulary a row costs ~1-10 us to accept and
+  ~1-150 us to fill, by grammar state.
 - MaskBuffers: two pinned host bitmasks (and index vectors) take turns, and one persistent device
   bitmask (and index vector) receives them by non-blocking copies queued on the logits' stream, in
   front of xgrammar's kernel. Nothing is allocated per step, and no pageable memory is copied
@@ -27,7 +28,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import xgrammar as xgr
 
 # A thread is worth its dispatch (~10-20 us) from about this many rows of its own.
 MIN_ROWS_PER_THREAD = 8
