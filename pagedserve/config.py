@@ -199,6 +199,9 @@ class EngineConfig:
     structured_outputs_compile_timeout_s: float = option(30.0, "seconds a request may wait for its "
                                                                "grammar to compile before it fails "
                                                                "(alone, with an error)")
+    structured_outputs_fill_threads: int | None = option(None, "threads that accept tokens and fill "
+                                                               "a step's grammar bitmask rows (default: "
+                                                               "half the CPUs, at most 8)")
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -245,6 +248,9 @@ class EngineConfig:
         if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
                              f"got {self.structured_outputs_backend!r}")
+        if self.structured_outputs_fill_threads is not None and self.structured_outputs_fill_threads < 1:
+            raise ValueError(f"structured_outputs_fill_threads must be >= 1, "
+                             f"got {self.structured_outputs_fill_threads}")
         if not self.structured_outputs_compile_timeout_s > 0:
             raise ValueError(f"structured_outputs_compile_timeout_s must be > 0, "
                              f"got {self.structured_outputs_compile_timeout_s}")

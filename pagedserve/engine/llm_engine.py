@@ -113,7 +113,8 @@ class LLMEngine(TokenApplication):
         # Grammars of structured-output requests (engine/structured/): compiles, matchers, masks.
         self.structured = StructuredOutputs(self.tokenizer, self.vocab_size, self.eos_token_ids, self.device,
                                             config.structured_outputs_backend,
-                                            config.structured_outputs_compile_timeout_s)
+                                            config.structured_outputs_compile_timeout_s,
+                                            fill_threads=config.structured_outputs_fill_threads)
         self._beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.structured.seqs)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
                                               self.scheduler_config.max_num_seqs, self.cache_config)
@@ -369,7 +370,7 @@ class LLMEngine(TokenApplication):
         sampled = [s for s in out.scheduled if s.do_sample]
         if sampled and logits is not None:
             if self.structured.seqs:
-                self.structured.apply(logits, self.structured.fill(self._grammar_rows(sampled)))
+                self._mask_logits(logits, sampled)
             now = time.time()
             for s in sampled:
                 self._note_sampled(s.group, now, touched, final_only)
@@ -392,7 +393,7 @@ class LLMEngine(TokenApplication):
             if self.structured.seqs:
                 # The device runs this step's forward meanwhile: take the previous step's tokens,
                 # advance the matchers, fill and apply this step's mask (vLLM's overlap).
-                self._mask_overlapped(logits, sampled, prev)
+                self._mask_logits(logits, sampled, prev)
             return self._sample_device(logits, sampled)
         result = self.runner.execute(out, None if prev is None else prev.tokens, sample=sample)
         if result is None:

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pagedserve.engine.inflight import InflightStep
+from pagedserve.engine.structured.matchers import SeqGrammars
 from pagedserve.layers.sampler import DeviceSample, SampleRow, derive_seed
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -24,45 +25,52 @@ class TokenApplication:
 
     # ---- grammars (engine/structured/): masks before sampling, termination after appending ----
 
-    def _grammar_rows(self, sampled: list, pending_token=None) -> list:
-        """(logits row, caught-up SeqGrammar) of the step's constrained rows. pending_token(seq):
-        the token the previous, overlapped step sampled for seq and the host has not appended."""
+    def _grammar_rows(self, sampled: list, prev: "InflightStep | None" = None) -> list:
+        """(logits row, SeqGrammar, output tokens, pending token) of the step's constrained rows,
+        in row order, for StructuredOutputs.advance_and_fill. prev: the overlapped step before,
+        whose sampled tokens the host has not appended yet (`pending`); its ids are waited for
+        only if a constrained row has one in flight."""
         grammar_of = self.structured.seqs.get
         rows = []
+        prev_ids = None
         for i, s in enumerate(sampled):
-            g = grammar_of(s.seq.seq_id)
-            if g is not None:
-                g.catch_up(s.seq.output_token_ids, None if pending_token is None else pending_token(s.seq))
-                rows.append((i, g))
+            seq = s.seq
+            g = grammar_of(seq.seq_id)
+            if g is None:
+                continue
+            pending = None
+            if prev is not None and seq.num_inflight_tokens:
+                if prev_ids is None:
+                    prev_ids = prev.copy.result().token_ids
+                pending = prev_ids[seq.inflight_sample_row]
+            rows.append((i, g, seq.output_token_ids, pending))
         return rows
 
-    def _mask_overlapped(self, logits: torch.Tensor, sampled: list, prev: "InflightStep | None") -> None:
-        """An overlapped step's mask: wait for the previous step's tokens (already sampled on the
-        device; this step's forward is queued behind them, so the device keeps busy), feed them to
-        the matchers, fill this step's rows on the host and mask the logits on the device."""
-        pending = None
-        if prev is not None:
-            def pending(seq):
-                if not seq.num_inflight_tokens:
-                    return None
-                return prev.copy.result().token_ids[seq.inflight_sample_row]
-        rows = self._grammar_rows(sampled, pending)
-        self.structured.apply(logits, self.structured.fill(rows))
+    def _mask_logits(self, logits: torch.Tensor, sampled: list, prev: "InflightStep | None" = None) -> None:
+        """The step's mask. Overlapped (prev: the step before, still in flight): wait for its
+        tokens (already sampled on the device; this step's forward is queued behind them, so the
+        device keeps busy), feed them to the matchers, fill this step's rows on the host and mask
+        the logits on the device. Synchronous: the matchers took every token already."""
+        self.structured.apply(logits, self.structured.advance_and_fill(self._grammar_rows(sampled, prev)))
 
     def _grammar_ended(self, seqs) -> list[tuple[Sequence, SequenceStatus]]:
         """Constrained sequences (just appended, not finished by the stop rules) whose grammar has
         closed: "stop" (its stop token accepted, also under ignore_eos), or "abort" if it refused a
-        token (never expected: the mask allows only what it accepts)."""
+        token (never expected: the mask allows only what it accepts). With overlapped steps the
+        matchers took these tokens already (to fill the next mask), so a row costs a look-up."""
         grammar_of = self.structured.seqs.get
-        ended = []
+        rows, behind = [], []
         for seq in seqs:
             g = grammar_of(seq.seq_id)
             if g is None:
                 continue
-            g.catch_up(seq.output_token_ids)
-            if g.done and not seq.status.finished:
-                ended.append((seq, SequenceStatus.FINISHED_ABORTED if g.rejected else SequenceStatus.FINISHED_STOPPED))
-        return ended
+            rows.append((seq, g))
+            if g.num_accepted != len(seq.output_token_ids):
+                behind.append((g, seq.output_token_ids, None))
+        if behind:
+            SeqGrammars.advance(behind)
+        return [(seq, SequenceStatus.FINISHED_ABORTED if g.rejected else SequenceStatus.FINISHED_STOPPED)
+                for seq, g in rows if g.done and not seq.status.finished]
 
     def _sample_device(self, logits: torch.Tensor, sampled: list) -> DeviceSample:
         get = self._plain_sampling.get

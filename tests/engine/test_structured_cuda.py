@@ -49,6 +49,39 @@ def test_device_mask_equals_the_host_reference(dtype):
     assert not torch.equal(allowed[1], allowed[3])
 
 
+def test_device_upload_full_and_mixed_batches_over_steps():
+    """Steps alternate a batch where every row is masked (no indices: the persistent device
+    bitmask alone) and one where only some are (the pinned indices go up too), while the host
+    buffers take turns: each step masks exactly what a torch masked_fill of the matchers' own
+    rows does, and leaves the other rows alone."""
+    tok = tokenizer(str(DEMO_MODEL_DIR))
+    vocab = 2048
+    so = StructuredOutputs(tok, vocab, {1}, torch.device("cuda"), fill_threads=2)
+    compiled = so.pool.submit(("regex", "u"), so.check(SO(regex="[0-9]{2}-[a-z]+"))).result()
+    gs = [so.seqs.start(200 + i, compiled) for i in range(24)]
+    texts = ["", "4", "42", "42-", "42-ab"]
+    for i, g in enumerate(gs):
+        g.catch_up(tok.encode(texts[i % 5], add_special_tokens=False))
+    bits = torch.arange(32, dtype=torch.int32)
+    for step in range(6):
+        rows = list(range(24)) if step % 2 == 0 else list(range(1, 24, 3))
+        logits = torch.randn(24, vocab, device="cuda", dtype=torch.bfloat16)
+        before = logits.clone()
+        mask = so.fill([(i, gs[i]) for i in rows])
+        so.apply(logits, mask)
+        for i in range(24):
+            if i not in rows:
+                assert torch.equal(logits[i], before[i])
+                continue
+            one = xgr.allocate_token_bitmask(1, vocab)
+            gs[i].matcher.fill_next_token_bitmask(one, 0)
+            allowed = ((one[0, :, None] >> bits) & 1).reshape(-1)[:vocab].bool().cuda()
+            assert torch.equal(logits[i], before[i].masked_fill(~allowed, float("-inf")))
+        # Rotate which grammar sits in which row so that every step's rows differ.
+        gs = gs[5:] + gs[:5]
+    so.shutdown()
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_cuda_engine_outputs_follow_their_grammars(async_scheduling):
     schema = {"type": "object", "required": ["name", "n"], "additionalProperties": False,

@@ -7,8 +7,9 @@ Lifecycle of a constrained request:
      request keeps running; poll() at the start of each step hands over the ready ones and fails
      the ones whose compile raised or ran past structured_outputs_compile_timeout_s (that request
      alone finishes with finish_reason "abort" and an error naming the cause).
-  3. Its first sequence gets a matcher (matchers.py); forks copy it; every step fill_rows() fills
-     one bitmask row per constrained row of the step on the host, and apply() uploads the rows
+  3. Its first sequence gets a matcher (matchers.py); forks copy it; every step advance_and_fill()
+     feeds each constrained row's grammar its newest token and fills its bitmask row on the host
+     (masks.py: xgrammar's batch calls, split over a few threads), and apply() uploads the rows
      and masks the logits in place on the device before any sampling (penalties, temperature,
      top-k/p, greedy argmax all see -inf for a token the grammar forbids).
   4. A sequence whose matcher has accepted its stop token (EOS) finishes with "stop".
@@ -24,12 +25,9 @@ import torch
 import xgrammar as xgr
 
 from pagedserve.engine.structured.compiler import BACKENDS, GrammarCompilerPool, parse_spec
+from pagedserve.engine.structured.masks import MaskBuffers, RowThreads, StepMask, default_fill_threads
 from pagedserve.engine.structured.matchers import SeqGrammar, SeqGrammars
 from pagedserve.sampling_params import StructuredOutputsParams
-
-
-# From this many constrained rows in a step, masks are filled on xgrammar's threads.
-BATCH_FILL_MIN_ROWS = 8
 
 
 @dataclass
@@ -41,10 +39,11 @@ class PendingCompile:
 
 class StructuredOutputs:
     """One engine's grammars: the compiler pool, requests waiting for a compile, per-sequence
-    matchers, and the host bitmask buffers."""
+    matchers, the bitmask buffers and the threads that fill them."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int], device: torch.device,
-                 backend: str = "auto", compile_timeout_s: float = 30.0, compile_threads: int = 2) -> None:
+                 backend: str = "auto", compile_timeout_s: float = 30.0, compile_threads: int = 2,
+                 fill_threads: int | None = None) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {BACKENDS}, got {backend!r}")
         self.tokenizer = tokenizer
@@ -57,9 +56,9 @@ class StructuredOutputs:
         self.pending: dict[str, PendingCompile] = {}    # request id -> waiting for its grammar
         self.compiled: dict[str, xgr.CompiledGrammar] = {}  # request id -> its grammar (admitted)
         self.seqs = SeqGrammars()
-        self._buffers: list[torch.Tensor] = []
-        self._batch_matcher: xgr.BatchGrammarMatcher | None = None
-        self._flip = 0
+        self.masks = MaskBuffers(xgr.get_bitmask_shape(1, vocab_size)[1], pinned=device.type == "cuda")
+        self.threads = RowThreads(default_fill_threads() if fill_threads is None else fill_threads)
+        self._fill_serial = xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask  # in the calling thread
 
     # ---- compiles -------------------------------------------------------------------------
 
@@ -152,47 +151,52 @@ class StructuredOutputs:
     def grammar_of(self, seq: Any) -> SeqGrammar | None:
         return self.seqs.get(seq.seq_id)
 
-    def _buffer(self, rows: int) -> torch.Tensor:
-        """A host bitmask of at least `rows` rows. Two buffers alternate: the copy of the previous
-        step's mask may still be reading the other one (pinned, non-blocking) while this fills."""
-        words = xgr.get_bitmask_shape(1, self.vocab_size)[1]
-        if not self._buffers or self._buffers[0].shape[0] < rows:
-            cap = max(rows, 2 * (self._buffers[0].shape[0] if self._buffers else 8))
-            pin = self.device.type == "cuda"
-            self._buffers = [torch.empty((cap, words), dtype=torch.int32, pin_memory=pin) for _ in range(2)]
-        self._flip ^= 1
-        return self._buffers[self._flip]
-
-    def fill(self, rows: list[tuple[int, SeqGrammar]]) -> tuple[torch.Tensor, list[int]] | None:
-        """Fill the host bitmask for (logits row, grammar) pairs, every grammar already caught up.
-        Returns (bitmask, logits rows to mask), or None when no row needs masking."""
+    def advance_and_fill(self, rows: list[tuple[int, SeqGrammar, list[int], int | None]]) -> StepMask | None:
+        """A step's mask from (logits row, grammar, output tokens, pending) in increasing row
+        order: each grammar first takes the tokens it has not accepted (SeqGrammars.advance: the
+        output tokens, then `pending`, the previous overlapped step's token), then fills its row;
+        both run on the row threads, a slice of rows each. None when no row needs masking (a done
+        grammar's row is discarded anyway: its sequence has ended, so it is left unmasked)."""
         if not rows:
             return None
-        bitmask = self._buffer(max(i for i, _ in rows) + 1)
-        # A done grammar's row is discarded anyway (its sequence has ended): leave it unmasked.
-        live = [(i, g) for i, g in rows if not g.done]
-        if len(live) >= BATCH_FILL_MIN_ROWS:
-            # xgrammar fills the rows on its own threads (a large vocabulary costs ~10-100 us a row).
-            if self._batch_matcher is None:
-                self._batch_matcher = xgr.BatchGrammarMatcher()
-            indices = [i for i, _ in live]
-            self._batch_matcher.batch_fill_next_token_bitmask([g.matcher for _, g in live], bitmask, indices)
-            return bitmask, indices
-        indices = [i for i, g in live if g.matcher.fill_next_token_bitmask(bitmask, i)]
-        return (bitmask, indices) if indices else None
+        slot, bitmask = self.masks.take(rows[-1][0] + 1)
+        fill = self._fill_serial
 
-    def apply(self, logits: torch.Tensor, filled: tuple[torch.Tensor, list[int]] | None) -> None:
-        """Mask the logits in place on their device: forbidden tokens become -inf."""
-        if filled is None:
+        def work(part):
+            SeqGrammars.advance([(g, out, pending) for _, g, out, pending in part])
+            live = [(i, g.matcher) for i, g, _, _ in part if not g.done]
+            if live:
+                fill([m for _, m in live], bitmask, [i for i, _ in live])
+        self.threads.map_slices(work, rows)
+        indices = [i for i, g, _, _ in rows if not g.done]
+        return StepMask(bitmask, indices[-1] + 1, indices, slot) if indices else None
+
+    def fill(self, rows: list[tuple[int, SeqGrammar]]) -> StepMask | None:
+        """advance_and_fill for grammars already caught up: (logits row, grammar) pairs."""
+        if not rows:
+            return None
+        slot, bitmask = self.masks.take(rows[-1][0] + 1)
+        live = [(i, g.matcher) for i, g in rows if not g.done]
+        fill = self._fill_serial
+        self.threads.map_slices(lambda part: fill([m for _, m in part], bitmask, [i for i, _ in part]), live)
+        return StepMask(bitmask, live[-1][0] + 1, [i for i, _ in live], slot) if live else None
+
+    def apply(self, logits: torch.Tensor, mask: StepMask | None) -> None:
+        """Mask the logits in place on their device: forbidden tokens become -inf. Nothing here
+        waits for the device: the rows (and the indices, when only some rows are masked) go up
+        from pinned memory into persistent device buffers, queued before xgrammar's kernel."""
+        if mask is None:
             return
-        bitmask, indices = filled
-        n = max(indices) + 1
-        mask = bitmask[:n]
-        if logits.device.type != "cpu":
-            mask = mask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, mask, vocab_size=min(self.vocab_size, logits.shape[-1]),
-                                        indices=indices)
+        vocab = min(self.vocab_size, logits.shape[-1])
+        # Every row of the logits masked: xgrammar needs no indices at all.
+        indices = None if len(mask.indices) == logits.shape[0] else mask.indices
+        if logits.device.type == "cpu":
+            xgr.apply_token_bitmask_inplace(logits, mask.bitmask[:mask.rows], vocab_size=vocab, indices=indices)
+            return
+        bitmask, dev_indices = self.masks.upload(mask, logits.device, indices is not None)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab, indices=dev_indices)
 
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+        self.threads.shutdown()
