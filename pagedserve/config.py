@@ -199,9 +199,9 @@ class EngineConfig:
     structured_outputs_compile_timeout_s: float = option(30.0, "seconds a request may wait for its "
                                                                "grammar to compile before it fails "
                                                                "(alone, with an error)")
-    structured_outputs_fill_threads: int | None = option(None, "threads that accept tokens and fill "
-                                                               "a step's grammar bitmask rows (default: "
-                                                               "half the CPUs, at most 8)")
+    structured_outputs_fill_threads: int | None = option(None, "xgrammar threads that fill a step's "
+                                                               "grammar bitmask rows (default: half the "
+                                                               "CPUs, at most 8)")
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -51,6 +51,7 @@ from pagedserve.benchmark.results import write_result  # noqa: E402
 from pagedserve.demo_model import DEMO_MODEL_DIR  # noqa: E402
 from pagedserve.engine.input_processor import load_tokenizer  # noqa: E402
 from pagedserve.engine.structured import StructuredOutputs  # noqa: E402
+from pagedserve.engine.structured.masks import default_fill_threads  # noqa: E402
 from pagedserve.engine.token_application import TokenApplication  # noqa: E402
 from pagedserve.sampling_params import StructuredOutputsParams  # noqa: E402
 from pagedserve.sequence import SequenceStatus  # noqa: E402
@@ -308,7 +309,7 @@ def main() -> None:
     config = {"tokenizer": args.tokenizer, "vocab_size": vocab,
               "tokenizer_info": json.loads(info.read_text()) if info.exists() else None,
               "batches": args.batches, "steps": args.steps, "warmup": args.warmup, "schemas": len(specs),
-              "fill_threads": so.threads.threads, "logits_dtype": "bfloat16" if device.type == "cuda" else "float32"}
+              "fill_threads": args.fill_threads or default_fill_threads(), "logits_dtype": "bfloat16" if device.type == "cuda" else "float32"}
     print(json.dumps({"config": config, "results": results}, indent=1))
     if args.output:
         ratios = {f"{part}_p50_after_over_before_b{b}": results[f"batch_{b}"][f"{part}_p50_after_over_before"]

@@ -106,7 +106,12 @@ def phase_collect(args, work: Path) -> None:
     from pagedserve.benchmark.results import write_result
     results: dict = {}
     ratios: dict = {}
+    earlier = json.loads(Path(args.ours_from).read_text()) if args.ours_from else None
     for engine in ("vllm", "pagedserve"):
+        if engine == "pagedserve" and earlier is not None:
+            # Our runs as an earlier collect summarised them (its commit is kept as measured_commit).
+            results[engine] = {**earlier["results"]["pagedserve"], "from": earlier["command"]}
+            continue
         info = vv._load(work / f"structured_{engine}_info.json") or {}
         runs = {f"r{r:g}_{v}": _summary(vv._load(work / f"structured_{engine}_r{r:g}_{v}.json"))
                 for r in args.rates for v in ("plain", "json")}
@@ -126,6 +131,8 @@ def phase_collect(args, work: Path) -> None:
             # vLLM unconstrained, an upper bound on it whenever vLLM's grammar costs anything.
             ratios[f"tpot_p50_json_over_vllm_plain_{k}"] = round(ours / _tpot_p50(v[f"{k}_plain"]), 3)
     mask_cost = vv._load(work / "structured_mask_cost.json")
+    if mask_cost is None and earlier is not None:
+        mask_cost = earlier["results"].get("mask_cost")
     if mask_cost is not None:
         results["mask_cost"] = mask_cost
     bpe = vv._load(work / "model_bpe" / "bpe_info.json")
@@ -135,6 +142,9 @@ def phase_collect(args, work: Path) -> None:
               "pagedserve_args": args.pagedserve_args, "vllm_args": args.vllm_args}
     measured = {(vv._load(f) or {}).get("commit") for f in work.glob("structured_pagedserve_r*.json")} - {None}
     hosts = [(vv._load(f) or {}).get("host") for f in sorted(work.glob("structured_pagedserve_r*.json"))]
+    if earlier is not None:
+        measured, hosts = {earlier["commit"]}, [earlier.get("host")]
+        config["tokenizer"] = config["tokenizer"] or earlier["config"].get("tokenizer")
     write_result(Path(args.output), "structured_vs_vllm",
                  "python benchmarks/serving/structured_vs_vllm.py " + shlex.join(sys.argv[1:]), config, results,
                  {"vllm": "0.26.0"}, ratios, device=args.device,
@@ -162,6 +172,9 @@ def main() -> None:
     ap.add_argument("--rate-limit", type=float, default=150)
     ap.add_argument("--output", default=str(REPO / "benchmarks/results/h200/structured.json"))
     ap.add_argument("--device", default=None)
+    ap.add_argument("--ours-from", default=None,
+                    help="collect: take our runs from an earlier structured.json (its summaries and commit) "
+                         "instead of --work, e.g. when only vLLM's side was re-run")
     ap.add_argument("--note", default=None, help="collect: a note kept in the result (what failed and why)")
     args = ap.parse_args()
     work = Path(args.work)

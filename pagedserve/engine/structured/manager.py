@@ -9,7 +9,7 @@ Lifecycle of a constrained request:
      alone finishes with finish_reason "abort" and an error naming the cause).
   3. Its first sequence gets a matcher (matchers.py); forks copy it; every step advance_and_fill()
      feeds each constrained row's grammar its newest token and fills its bitmask row on the host
-     (masks.py: xgrammar's batch calls, split over a few threads), and apply() uploads the rows
+     (masks.py: xgrammar's batch calls, the fill on its own threads), and apply() uploads the rows
      and masks the logits in place on the device before any sampling (penalties, temperature,
      top-k/p, greedy argmax all see -inf for a token the grammar forbids).
   4. A sequence whose matcher has accepted its stop token (EOS) finishes with "stop".
@@ -25,7 +25,7 @@ import torch
 import xgrammar as xgr
 
 from pagedserve.engine.structured.compiler import BACKENDS, GrammarCompilerPool, parse_spec
-from pagedserve.engine.structured.masks import MaskBuffers, RowThreads, StepMask, default_fill_threads
+from pagedserve.engine.structured.masks import BATCH_FILL_MIN_ROWS, MaskBuffers, StepMask, default_fill_threads
 from pagedserve.engine.structured.matchers import SeqGrammar, SeqGrammars
 from pagedserve.sampling_params import StructuredOutputsParams
 
@@ -39,7 +39,7 @@ class PendingCompile:
 
 class StructuredOutputs:
     """One engine's grammars: the compiler pool, requests waiting for a compile, per-sequence
-    matchers, the bitmask buffers and the threads that fill them."""
+    matchers and the bitmask buffers."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int], device: torch.device,
                  backend: str = "auto", compile_timeout_s: float = 30.0, compile_threads: int = 2,
@@ -57,8 +57,12 @@ class StructuredOutputs:
         self.compiled: dict[str, xgr.CompiledGrammar] = {}  # request id -> its grammar (admitted)
         self.seqs = SeqGrammars()
         self.masks = MaskBuffers(xgr.get_bitmask_shape(1, vocab_size)[1], pinned=device.type == "cuda")
-        self.threads = RowThreads(default_fill_threads() if fill_threads is None else fill_threads)
+        threads = default_fill_threads() if fill_threads is None else fill_threads
+        if threads < 1:
+            raise ValueError(f"fill_threads must be >= 1, got {threads}")
         self._fill_serial = xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask  # in the calling thread
+        self._fill_threaded = (xgr.BatchGrammarMatcher(threads).batch_fill_next_token_bitmask if threads > 1
+                               else self._fill_serial)
 
     # ---- compiles -------------------------------------------------------------------------
 
@@ -155,21 +159,21 @@ class StructuredOutputs:
         """A step's mask from (logits row, grammar, output tokens, pending) in increasing row
         order: each grammar first takes the tokens it has not accepted (SeqGrammars.advance: the
         output tokens, then `pending`, the previous overlapped step's token), then fills its row;
-        both run on the row threads, a slice of rows each. None when no row needs masking (a done
+        the fill on xgrammar's threads. None when no row needs masking (a done
         grammar's row is discarded anyway: its sequence has ended, so it is left unmasked)."""
         if not rows:
             return None
         slot, bitmask = self.masks.take(rows[-1][0] + 1)
-        fill = self._fill_serial
+        SeqGrammars.advance([(g, out, pending) for _, g, out, pending in rows])
+        live = [(i, g.matcher) for i, g, _, _ in rows if not g.done]
+        self._fill(live, bitmask)
+        return StepMask(bitmask, live[-1][0] + 1, [i for i, _ in live], slot) if live else None
 
-        def work(part):
-            SeqGrammars.advance([(g, out, pending) for _, g, out, pending in part])
-            live = [(i, g.matcher) for i, g, _, _ in part if not g.done]
-            if live:
-                fill([m for _, m in live], bitmask, [i for i, _ in live])
-        self.threads.map_slices(work, rows)
-        indices = [i for i, g, _, _ in rows if not g.done]
-        return StepMask(bitmask, indices[-1] + 1, indices, slot) if indices else None
+    def _fill(self, live: list[tuple[int, Any]], bitmask: torch.Tensor) -> None:
+        """Fill (logits row, matcher) rows: on xgrammar's threads from BATCH_FILL_MIN_ROWS rows."""
+        if live:
+            fill = self._fill_threaded if len(live) >= BATCH_FILL_MIN_ROWS else self._fill_serial
+            fill([m for _, m in live], bitmask, [i for i, _ in live])
 
     def fill(self, rows: list[tuple[int, SeqGrammar]]) -> StepMask | None:
         """advance_and_fill for grammars already caught up: (logits row, grammar) pairs."""
@@ -177,8 +181,7 @@ class StructuredOutputs:
             return None
         slot, bitmask = self.masks.take(rows[-1][0] + 1)
         live = [(i, g.matcher) for i, g in rows if not g.done]
-        fill = self._fill_serial
-        self.threads.map_slices(lambda part: fill([m for _, m in part], bitmask, [i for i, _ in part]), live)
+        self._fill(live, bitmask)
         return StepMask(bitmask, live[-1][0] + 1, [i for i, _ in live], slot) if live else None
 
     def apply(self, logits: torch.Tensor, mask: StepMask | None) -> None:
@@ -199,4 +202,3 @@ class StructuredOutputs:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
-        self.threads.shutdown()

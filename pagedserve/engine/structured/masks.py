@@ -4,12 +4,13 @@ With overlapped steps the host fills step N+1's mask while the device runs N+1's
 host time here is on the step's critical path whenever the device is fast, and a hidden device
 sync would end the overlap altogether. Hence:
 
-- RowThreads: the matchers take their tokens (BatchGrammarMatcher.batch_accept_token) and fill
-  their rows (batch_fill_next_token_bitmask), both of which release the GIL, over interleaved
-  slices of the rows on a few persistent threads. xgrammar's own max_threads > 1 starts and joins
-  a fresh thread pool on every fill call (cpp/grammar_matcher.cc: a ThreadPool cannot be reused
-  after Join), a cost paid every step; with a 128k vocabulary a row costs ~1-10 us to accept and
-  ~1-150 us to fill, by grammar state.
+- The matchers take their tokens in the calling thread (~1-10 us a row), then fill their rows in
+  one batch_fill_next_token_bitmask call on xgrammar's own C++ threads (~1-150 us a row with a
+  128k vocabulary, by grammar state). xgrammar starts and joins that pool on every call
+  (cpp/grammar_matcher.cc), a cost paid every step, but its workers never take the GIL. Python
+  threads over slices of the rows (accept and fill per slice) measured worse on the H200: TPOT
+  p50 overhead 1.25 at 40 req/s against 1.069 with this fill (docs/benchmarks.md), the workers'
+  Python between the GIL-releasing calls contending with the step loop.
 - MaskBuffers: two pinned host bitmasks (and index vectors) take turns, and one persistent device
   bitmask (and index vector) receives them by non-blocking copies queued on the logits' stream, in
   front of xgrammar's kernel. Nothing is allocated per step, and no pageable memory is copied
@@ -23,14 +24,12 @@ the same stream, so a copy never overtakes the kernel that reads the previous st
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
-# A thread is worth its dispatch (~10-20 us) from about this many rows of its own.
-MIN_ROWS_PER_THREAD = 8
+# xgrammar's threads are worth starting from about this many rows.
+BATCH_FILL_MIN_ROWS = 8
 
 
 def default_fill_threads() -> int:
@@ -52,36 +51,6 @@ class StepMask:
     indices: list[int]
     slot: int
 
-
-class RowThreads:
-    """Runs per-row xgrammar work (accepting a token, filling a bitmask row: both release the GIL)
-    over interleaved slices of a step's rows on `threads` persistent threads, this one included.
-    Interleaved: a row's cost depends on its grammar state (inside a string most of a large
-    vocabulary is allowed), and neighbours in the batch are no more alike than others."""
-
-    def __init__(self, threads: int) -> None:
-        if threads < 1:
-            raise ValueError(f"fill_threads must be >= 1, got {threads}")
-        self.threads = threads
-        self._pool: ThreadPoolExecutor | None = None
-
-    def map_slices(self, work: Callable[[list], None], rows: list) -> None:
-        """work(slice) for slices that together hold every row once; returns when all are done."""
-        parts = min(self.threads, len(rows) // MIN_ROWS_PER_THREAD)
-        if parts <= 1:
-            work(rows)
-            return
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(self.threads - 1, thread_name_prefix="grammar-rows")
-        futures = [self._pool.submit(work, rows[k::parts]) for k in range(1, parts)]
-        work(rows[::parts])
-        for f in futures:
-            f.result()
-
-    def shutdown(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown()
-            self._pool = None
 
 
 class MaskBuffers:
