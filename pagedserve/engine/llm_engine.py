@@ -259,6 +259,12 @@ class LLMEngine(TokenApplication):
         """KVCacheStats; token_counts=False is the O(1) read (num_live_tokens left None)."""
         return self.scheduler.get_kv_cache_stats(token_counts)
 
+    def get_spec_decode_stats(self):
+        """Speculative decoding's counters since start (SpecDecodeStats: drafts, draft and accepted
+        tokens, per position, proposer seconds; acceptance_rate and mean_accepted_length), or None
+        without speculative_config."""
+        return None if self.speculator is None else self.speculator.stats
+
     def _forget(self, group: SequenceGroup) -> None:
         """Drop the engine's per-request state of a finished or aborted group."""
         rid = group.request_id
