@@ -332,6 +332,8 @@ class LLMEngine(TokenApplication):
                 self._inflight = self._launch(out, prev)
             else:
                 self._run_sync(out, touched, final_only)
+        if spec_k:
+            self.speculator.clear()  # no proposal outlives its step (an overlapped one must see none)
         if prev is not None:
             self._process_inflight(prev, touched, final_only)
         if self._inflight is not None and not self._groups:
@@ -422,8 +424,6 @@ class LLMEngine(TokenApplication):
             for s, _, _ in verified:
                 self._note_sampled(s.group, now, touched, final_only)
             self._append_verified(verified)
-        if self.speculator is not None:
-            self.speculator.clear()
         timer.launch_end()
 
     # ---- overlapped steps -----------------------------------------------------------------
