@@ -279,8 +279,14 @@ class LLMEngine(TokenApplication):
 
     def get_kv_cache_state(self) -> dict:
         """Every block's state, the live block tables and the counters, as plain data
-        (pagedserve.core.kv_state). O(blocks): for a dashboard at a few Hz, never per step."""
-        return kv_cache_state(self.scheduler)
+        (pagedserve.core.kv_state). O(blocks): for a dashboard at a few Hz, never per step. With
+        speculative decoding, its counters too ("spec_decode")."""
+        state = kv_cache_state(self.scheduler)
+        if self.speculator is not None:
+            st = self.speculator.stats
+            state["spec_decode"] = dict(dataclasses.asdict(st), acceptance_rate=st.acceptance_rate,
+                                        mean_accepted_length=st.mean_accepted_length)
+        return state
 
     def _make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)

@@ -17,6 +17,9 @@ def test_counters_in_metrics_and_core_utility(tiny_model_dir):
                  SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     stats = llm.get_spec_decode_stats()
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
+    dash = llm.llm_engine.get_kv_cache_state()["spec_decode"]  # the dashboard's snapshot
+    assert dash["num_accepted_tokens"] == stats.num_accepted_tokens
+    assert dash["acceptance_rate"] == stats.num_accepted_tokens / stats.num_draft_tokens
     core = EngineCore(None, engine=llm.llm_engine)
     snap = msgspec.json.decode(msgspec.json.encode(core.snapshot()), type=EngineSnapshot)  # as it travels
     assert core.call_utility("get_spec_decode_stats", [])["num_drafts"] == stats.num_drafts
