@@ -80,3 +80,40 @@ def test_refused_combinations(tiny_model_dir):
         make_llm(model_dir, speculative_config=dict(NGRAM, num_lookahead_slots=2))
     with pytest.raises(ValueError, match="draft_model"):
         make_llm(model_dir, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+
+
+def _mix_outputs(llm, ids):
+    """Forks (n=3, seeded), a beam search and greedy requests on copy-heavy prompts, in a small
+    cache that swaps; every output by request."""
+    from pagedserve import BeamSearchParams
+    engine = llm.llm_engine
+    engine.add_request("fork", {"prompt_token_ids": ids[1]},
+                       SamplingParams(n=3, temperature=1.0, max_tokens=20, ignore_eos=True, seed=2))
+    engine.add_beam_search_request("beam", {"prompt_token_ids": ids[4]},
+                                   BeamSearchParams(beam_width=3, max_tokens=12, ignore_eos=True))
+    for i in (0, 2, 3):
+        engine.add_request(f"g{i}", {"prompt_token_ids": ids[i]},
+                           SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = [c.token_ids for c in o.outputs]
+    outs["beam"] = [s.tokens for s in engine.pop_beam_search_output("beam").sequences]
+    assert_no_leak(llm)
+    return outs
+
+
+@pytest.mark.parametrize("incremental", ["1", "0"])
+def test_forks_beams_and_swaps_beside_speculation(pair, monkeypatch, incremental):
+    """Requests that cannot speculate keep their outputs beside speculating ones, through swaps;
+    both input paths of the runner (incremental device state, and the host rebuild)."""
+    monkeypatch.setenv("PAGEDSERVE_INCREMENTAL_INPUTS", incremental)
+    model_dir, ids, _, _ = pair
+    kw = dict(block_size=4, num_gpu_blocks_override=40, swap_space=0.05, preemption_mode="swap")
+    want = _mix_outputs(make_llm(model_dir, **kw), ids)
+    llm = make_llm(model_dir, speculative_config=NGRAM, **kw)
+    got = _mix_outputs(llm, ids)
+    assert got == want
+    assert llm.get_kv_cache_stats().num_preemptions > 0
+    assert llm.get_spec_decode_stats().num_accepted_tokens > 0
