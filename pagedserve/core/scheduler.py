@@ -22,8 +22,9 @@ placeholder and gets its slot like any decode. Invariants that make this safe:
     stream, and N+1 writes only into the sequence's own last, not yet cached, block.
 
 Speculative decoding: a running single-sequence decode whose seq.spec_token_ids the engine filled
-gets lookahead slots for k of them (k trimmed to the token budget, max_tokens and max_model_len)
-and runs 1 + k tokens; its lookahead counts in the token budget and is taken before any prefill.
+gets lookahead slots for k of them (k trimmed to the token budget left after one token for every
+running group still to schedule, and to max_tokens and max_model_len) and runs 1 + k tokens; its
+lookahead counts in the token budget and is taken before any prefill.
 Lookahead never preempts anyone: if its blocks do not fit with one block left for every decode
 still to schedule, the sequence decodes plainly. After
 the step, update_after_step counts only verified tokens computed and hands the rejected slots'
@@ -260,7 +261,7 @@ class Scheduler:
                 continue
             if len(seqs) == 1 and decodes[0].spec_token_ids:
                 s = decodes[0]
-                k = self._lookahead(s, group)
+                k = self._lookahead(s, group, len(remaining))
                 wants = [(s, 1 + k)]
                 # A block spare for each decode still to schedule: lookahead must not preempt them.
                 if k and not mgr.exceeds_capacity(group, wants) and mgr.can_append_slots(wants, len(remaining)):
@@ -305,13 +306,14 @@ class Scheduler:
         return ScheduledSequence(seq, group, seq.num_computed_tokens, n + lookahead,
                                  self.kv_cache_manager.block_table_view(seq), lookahead)
 
-    def _lookahead(self, seq: Sequence, group: SequenceGroup) -> int:
-        """How many of seq's proposed tokens fit this step: within the token budget (its own token
-        first), and never past max_tokens or max_model_len once the verification's extra token is
-        added (so every accepted token can be kept). 0 while a token of it is in flight."""
+    def _lookahead(self, seq: Sequence, group: SequenceGroup, num_later: int) -> int:
+        """How many of seq's proposed tokens fit this step: within the token budget, after its own
+        token and one for each of the num_later running groups still to schedule (lookahead never
+        takes a decode's token), and never past max_tokens or max_model_len once the verification's
+        extra token is added (so every accepted token can be kept). 0 while a token is in flight."""
         if seq.num_inflight_tokens:
             return 0
-        k = min(len(seq.spec_token_ids), self._budget - 1,
+        k = min(len(seq.spec_token_ids), self._budget - 1 - num_later,
                 self.scheduler_config.max_model_len - seq.num_tokens - 1)
         max_tokens = group.sampling_params.max_tokens
         if max_tokens is not None:

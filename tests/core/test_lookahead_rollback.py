@@ -124,3 +124,19 @@ def test_lookahead_is_trimmed_to_max_tokens_and_budget():
     # max_tokens 3 with 1 output: the row may add 2 more, so 1 draft (+ the verification's token).
     assert ss.num_lookahead == 1 and ss.num_new_tokens == 2 and not ss.is_decode and ss.do_sample
     assert len(S.kv_cache_manager.block_tables[seq.seq_id]) == cdiv(3 + 2, 4)
+
+
+def test_lookahead_never_takes_a_later_decodes_token():
+    S = make_scheduler(100, block_size=4, max_num_batched_tokens=6)
+    groups = [make_group(f"g{i}", [1, 2, 3, 4][: i + 1], max_tokens=20) for i in range(3)]
+    for g in groups:
+        S.add_seq_group(g)
+    out = S.schedule()
+    S.update_after_step(out)
+    for g in groups:
+        g.seqs[0].append_token(7)
+        g.seqs[0].spec_token_ids = [5, 5, 5, 5]
+    out = S.schedule()
+    # Budget 6, three decodes: the first may take 6 - 1 - 2 = 3 lookahead tokens, the others none.
+    assert sorted(s.num_lookahead for s in out.scheduled) == [0, 0, 3]
+    assert len(out.scheduled) == 3 and out.num_batched_tokens == 6
