@@ -319,7 +319,8 @@ class LLMEngine(TokenApplication):
             self._process_inflight(prev, touched, final_only)
             prev = None
         if spec_k:
-            self.speculator.propose(self.scheduler.running, self._spec_requests, spec_k, self._seq_generators)
+            self.speculator.propose(self.scheduler.running, self._spec_requests, spec_k, self._seq_generators,
+                                    self.structured.seqs)
         out = self.scheduler.schedule()
         if spec_k:
             for group in out.preempted:  # a draft model's state for them is stale once they resume
@@ -417,7 +418,7 @@ class LLMEngine(TokenApplication):
         if self.speculator is not None and logits is not None and out.num_lookahead_tokens:
             # Verify first: the scheduler counts only verified tokens computed (num_rejected).
             logits, sampled, verified = self.speculator.verify(logits, sampled, self.sampler, self.generator,
-                                                               self._seq_generators)
+                                                               self._seq_generators, self.structured)
         self.scheduler.update_after_step(out)
         now = time.time()
         if sampled and logits is not None:

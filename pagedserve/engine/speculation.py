@@ -15,9 +15,15 @@ One step with speculation, synchronous (see LLMEngine.step):
      sequence exactly where decoding without speculation would.
 
 Which requests speculate: single sequences (n = best_of = 1) whose tokens depend only on the
-logits at each position: temperature, top-k, top-p, min-p and seeds; not those with
-penalties, min_tokens, logprobs, prompt_logprobs, structured outputs or beam search, which
-decode as before beside speculating ones in the same batch.
+logits at each position: temperature, top-k, top-p, min-p, seeds and structured outputs; not
+those with penalties, min_tokens, logprobs, prompt_logprobs or beam search, which decode as
+before beside speculating ones in the same batch.
+
+Structured outputs: the grammar checks proposals before they are verified (a copy of the
+sequence's matcher accepts them in order; the first refused one and everything after it is
+dropped, and so is a token that would close the grammar), and each verified position's logits
+are masked with the grammar's state after the proposals before it, so the rejection sampler
+draws from the constrained target distribution exactly as decoding without speculation does.
 """
 from __future__ import annotations
 
@@ -43,7 +49,7 @@ def can_speculate(p: SamplingParams) -> bool:
     """Whether a request's sampling lets it verify proposals (see the module docstring)."""
     return (p.n == 1 and p.best_of == 1 and p.logprobs is None and p.prompt_logprobs is None
             and p.min_tokens == 0 and p.repetition_penalty == 1.0 and not p.frequency_penalty
-            and not p.presence_penalty and p.structured_outputs is None)
+            and not p.presence_penalty)
 
 
 class Speculator:
@@ -61,8 +67,9 @@ class Speculator:
         return self.policy.tokens_to_propose(num_running)
 
     def propose(self, groups: list[SequenceGroup], eligible: set[str], k: int,
-                generators: dict[int, torch.Generator]) -> None:
-        """Fill spec_token_ids of the running decodes of eligible requests (at most k each)."""
+                generators: dict[int, torch.Generator], grammars: Any = None) -> None:
+        """Fill spec_token_ids of the running decodes of eligible requests (at most k each);
+        grammars (engine/structured SeqGrammars) trims a constrained sequence's proposals."""
         seqs, reqs = [], []
         for g in groups:
             if g.request_id not in eligible or len(g.seqs) != 1:
@@ -80,6 +87,8 @@ class Speculator:
         self.stats.proposer_seconds += time.perf_counter() - t0
         row = 0
         for s, ids in zip(seqs, proposals.token_ids):
+            if ids and grammars is not None and s.seq_id in grammars:
+                ids = _grammar_prefix(grammars.get(s.seq_id), s.output_token_ids, ids[:k])
             if ids:
                 s.spec_token_ids = list(ids[:k])
                 self._proposed.append(s)
@@ -98,7 +107,7 @@ class Speculator:
         self.proposer.finish(seq_id)
 
     def verify(self, logits: torch.Tensor, sampled: list, sampler: Any, shared: torch.Generator,
-               generators: dict[int, torch.Generator]):
+               generators: dict[int, torch.Generator], structured: Any = None):
         """Split a step's logits into the ordinary rows' and the speculative rows'; verify the latter.
 
         Returns (logits of the ordinary rows, their ScheduledSequences, [(speculative row, emitted
@@ -132,6 +141,8 @@ class Speculator:
             if found is not None:
                 probs, first = found
                 drafts.append(probs[first:first + s.num_lookahead])
+        if structured is not None and structured.seqs:
+            _mask_positions(target, spec, structured)
         probs = sampler.process_logits(target, rows).softmax(dim=-1)
         if drafts and len(drafts) != len(spec):
             raise RuntimeError("a proposer returned draft_probs for some requests only")
@@ -155,3 +166,40 @@ class Speculator:
             out.append((s, toks, chosen[i:i + len(toks)]))
             i += len(toks)
         return plain_logits, plain, out
+
+
+def _grammar_prefix(g: Any, output_token_ids: list[int], ids: list[int]) -> list[int]:
+    """The longest prefix of ids the grammar accepts after the sequence's output, stopping before
+    a token that would close the grammar (the position after it would have no mask)."""
+    g.catch_up(output_token_ids)
+    if g.done:
+        return []
+    m = g.matcher.fork()
+    keep = []
+    for t in ids:
+        if not m.accept_token(t) or m.is_terminated():
+            break
+        keep.append(t)
+    return keep
+
+
+def _mask_positions(target: torch.Tensor, spec: list, structured: Any) -> None:
+    """Mask each constrained row's k + 1 positions: position j with the grammar's state after the
+    row's first j proposals (accepted by a copy of the matcher; they passed _grammar_prefix)."""
+    import xgrammar as xgr
+    bitmask = xgr.allocate_token_bitmask(target.shape[0], structured.vocab_size)
+    indices, base = [], 0
+    for s, _ in spec:
+        g = structured.seqs.get(s.seq.seq_id)
+        if g is not None and not g.done:
+            g.catch_up(s.seq.output_token_ids)
+            m = g.matcher.fork()
+            drafts = s.seq.spec_token_ids[:s.num_lookahead]
+            for j in range(1 + s.num_lookahead):
+                if m.fill_next_token_bitmask(bitmask, base + j):
+                    indices.append(base + j)
+                if j < len(drafts):
+                    m.accept_token(drafts[j])
+        base += 1 + s.num_lookahead
+    if indices:
+        structured.apply(target, (bitmask, indices))

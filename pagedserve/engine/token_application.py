@@ -193,6 +193,9 @@ class TokenApplication:
                 status = append(seq, s.group, token, logprob, None)
                 if status is not None:
                     break
+            if status is None and self.structured.seqs:
+                # Only the last token can close a grammar (proposals never include a closing one).
+                status = next((st for _, st in self._grammar_ended([seq])), None)
             if status is not None:
                 seq.status = status
                 self.scheduler.free_seq(seq)
