@@ -75,10 +75,9 @@ def rejection_sample(target_probs: torch.Tensor, rows: list[VerifyRow], draft_pr
     else:
         q_d = draft_probs[torch.arange(total, device=dev), drafts].float()
     accept = u * q_d <= p_d  # u < p/q without dividing by a zero q
-    greedy_d = greedy[req].to(dev)
     if bool(greedy.any()) and total:
         argmax_d = target_probs[t_rows].argmax(dim=-1)
-        accept = torch.where(greedy_d, drafts == argmax_d, accept)
+        accept = torch.where(greedy[req].to(dev), drafts == argmax_d, accept)
 
     # Leading accepts per request: a prefix product over each request's own run of drafts.
     acc_host = accept.cpu().tolist()
@@ -124,7 +123,5 @@ def rejection_sample(target_probs: torch.Tensor, rows: list[VerifyRow], draft_pr
     sampled = probs / noise
     final = torch.where(greedy.to(dev), probs.argmax(dim=-1), sampled.argmax(dim=-1)).tolist()
 
-    out, offset = [], 0
-    for r, k, a, f in zip(rows, ks, num_accepted, final):
-        out.append(list(r.draft_token_ids[:a]) + [int(f)])
+    out = [list(r.draft_token_ids[:a]) + [int(f)] for r, a, f in zip(rows, num_accepted, final)]
     return VerifyResult(out, num_accepted)

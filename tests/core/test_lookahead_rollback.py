@@ -13,7 +13,7 @@ import random
 import pytest
 
 from pagedserve.core.kv_cache_manager import cdiv
-from tests.core.core_helpers import make_group, make_scheduler
+from core_helpers import make_group, make_scheduler
 
 
 def state(sched, seqs, by_id: bool):

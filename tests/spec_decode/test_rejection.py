@@ -1,11 +1,18 @@
 """The rejection sampler keeps the target distribution: chi-square tests over many draws.
 
-Critical value: scipy.stats.chi2.ppf(1 - 0.001, dof) (scipy is in the venv), i.e. a correct
-sampler fails a test 1 time in 1000; every draw is seeded, so the suite is deterministic.
+Critical value: the chi-square quantile at 1 - 0.001 for the test's degrees of freedom
+(scipy.stats.chi2.ppf where scipy is installed, else the tabulated values: dof 1-4 give 10.828,
+13.816, 16.266, 18.467), i.e. a correct sampler fails a test 1 time in 1000; every draw is seeded,
+so the suite is deterministic.
 """
 import pytest
 import torch
-from scipy.stats import chi2
+
+try:
+    from scipy.stats import chi2
+    critical = lambda dof: chi2.ppf(0.999, dof)  # noqa: E731
+except ImportError:  # the tabulated chi-square critical values at p = 0.001
+    critical = {1: 10.828, 2: 13.816, 3: 16.266, 4: 18.467}.__getitem__
 
 from pagedserve.spec_decode.rejection import VerifyRow, rejection_sample
 
@@ -55,13 +62,13 @@ def test_each_emitted_position_follows_the_target(case, one_hot):
     res, _ = run(p, q, n, seed=case)
     first = torch.bincount(torch.tensor([t[0] for t in res.token_ids]), minlength=V).double()
     stat, dof = chi_square(first, p[0].double())
-    assert stat < chi2.ppf(0.999, dof), (stat, first)
+    assert stat < critical(dof), (stat, first)
     # Given the first draft was accepted, the second emitted token follows p_1 (drafts are independent).
     second = [t[1] for t in res.token_ids if len(t) >= 2]
     assert len(second) > 400  # about n x overlap(p_0, q_0): 800 for the sharpest case
     counts = torch.bincount(torch.tensor(second), minlength=V).double()
     stat, dof = chi_square(counts, p[1].double())
-    assert stat < chi2.ppf(0.999, dof), (stat, counts)
+    assert stat < critical(dof), (stat, counts)
 
 
 def test_acceptance_rate_is_the_overlap():

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
-from tests.engine.helpers import assert_no_leak, hf_greedy, make_llm, tokenizer
-from tests.spec_decode.test_spec_greedy import NGRAM, TEXTS
+from engine.helpers import assert_no_leak, hf_greedy, make_llm, tokenizer
+from spec_decode.spec_helpers import NGRAM, TEXTS
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

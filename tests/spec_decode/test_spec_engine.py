@@ -6,8 +6,8 @@ that cannot speculate at all are refused by name."""
 import pytest
 
 from pagedserve import SamplingParams
-from tests.engine.helpers import assert_no_leak, make_llm, tokenizer
-from tests.spec_decode.test_spec_greedy import NGRAM, TEXTS
+from engine.helpers import assert_no_leak, make_llm, tokenizer
+from spec_decode.spec_helpers import NGRAM, TEXTS
 
 
 @pytest.fixture(scope="module")

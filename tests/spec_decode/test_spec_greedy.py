@@ -4,18 +4,9 @@ dense tests' memory regimes (recompute, swap, chunked prefill, prefix caching) a
 import pytest
 
 from pagedserve import SamplingParams
-from tests.engine.helpers import assert_no_leak, hf_greedy, make_llm, tokenizer
+from engine.helpers import assert_no_leak, hf_greedy, make_llm, tokenizer
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
-# Copy-heavy prompts (the proposer finds matches) beside ordinary ones.
-TEXTS = [
-    "one two three four five six seven one two three four five six seven one two three",
-    "The quick brown fox",
-    "abc abc abc abc abc abc abc abc",
-    "Paged attention stores the KV cache in fixed-size blocks, like pages of virtual memory. "
-    "Paged attention stores the KV cache in fixed-size",
-    "Hi",
-]
+from spec_decode.spec_helpers import NGRAM, TEXTS
 
 
 def _ids(model_dir):

@@ -5,8 +5,8 @@ import msgspec
 from pagedserve import SamplingParams
 from pagedserve.engine.core import EngineCore
 from pagedserve.metrics import EngineSnapshot, ServerMetrics
-from tests.engine.helpers import make_llm, tokenizer
-from tests.spec_decode.test_spec_greedy import NGRAM, TEXTS
+from engine.helpers import make_llm, tokenizer
+from spec_decode.spec_helpers import NGRAM, TEXTS
 
 
 def test_counters_in_metrics_and_core_utility(tiny_model_dir):

@@ -8,7 +8,7 @@ import jsonschema
 from pagedserve import SamplingParams
 from pagedserve.demo_model import DEMO_MODEL_DIR
 from pagedserve.sampling_params import StructuredOutputsParams as SO
-from tests.engine.helpers import assert_no_leak, make_llm
+from engine.helpers import assert_no_leak, make_llm
 
 SCHEMA = {"type": "object", "required": ["tags", "n"], "additionalProperties": False,
           "properties": {"tags": {"type": "array", "minItems": 3, "maxItems": 6,
