@@ -50,6 +50,18 @@ def run(llm: LLM, texts: list[str], max_tokens: int, batch: int):
     return [o.outputs[0].token_ids for o in outs], time.perf_counter() - t0
 
 
+def table(doc: dict) -> str:
+    """The markdown beside the JSON: one row per prompt kind and batch."""
+    rows = ["| prompts, batch | outputs equal | acceptance | mean accepted length | off s | on s | speed-up | load 1m |",
+            "|---|---|---|---|---|---|---|---|"]
+    for key, r in doc["results"].items():
+        if isinstance(r, dict):
+            rows.append(f"| {key} | {r['outputs_equal']} | {r['acceptance_rate']} | {r['mean_accepted_length']} | "
+                        f"{r['seconds_off']} | {r['seconds_on']} | {r['speedup']} | {r.get('load_average_1m')} |")
+    return (f"# {doc['benchmark']}\n\n`{doc['command']}` at {doc['commit'][:12]} on {doc['device']}, "
+            f"speculative_config {doc['config']['speculative_config']}\n\n" + "\n".join(rows))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=4)
@@ -96,7 +108,7 @@ def main() -> None:
               "num_prompts": args.num_prompts, "max_tokens": args.max_tokens, "greedy": True,
               "batches": [1, args.num_prompts]}
     write_result(args.output, "spec_decode_cpu", None, config, results,
-                 switches=engine_switches(spec.llm_engine.config))
+                 switches=engine_switches(spec.llm_engine.config), table_md=table)
 
 
 if __name__ == "__main__":
