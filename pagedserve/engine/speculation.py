@@ -38,7 +38,7 @@ from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.factory import make_proposer
 from pagedserve.spec_decode.policy import SpeculationPolicy
-from pagedserve.spec_decode.proposer import ProposalRequest
+from pagedserve.spec_decode.proposer import ProposalRequest, TokenHistory
 from pagedserve.spec_decode.rejection import VerifyRow, rejection_sample
 from pagedserve.spec_decode.stats import SpecDecodeStats
 
@@ -59,6 +59,9 @@ class Speculator:
         self.policy = SpeculationPolicy(spec.num_speculative_tokens, spec.spec_disable_batch_tokens,
                                         spec.disable_by_batch_size)
         self.stats = SpecDecodeStats()
+        # A proposer that reads token_ids incrementally gets a TokenHistory view (no copy per step);
+        # others get a plain list.
+        self._views = getattr(self.proposer, "accepts_token_history", False)
         self._proposed: list[Sequence] = []
         # seq_id -> (draft_probs, first row of its proposals) for a proposer that is not one-hot.
         self._draft_rows: dict[int, tuple[torch.Tensor, int]] = {}
@@ -79,7 +82,8 @@ class Speculator:
                 continue
             t = g.sampling_params.temperature
             seqs.append(s)
-            reqs.append(ProposalRequest(s.seq_id, s.token_ids, k, t, generators.get(s.seq_id)))
+            history = TokenHistory(s.prompt_token_ids, s.output_token_ids) if self._views else s.token_ids
+            reqs.append(ProposalRequest(s.seq_id, history, k, t, generators.get(s.seq_id)))
         if not reqs:
             return
         t0 = time.perf_counter()

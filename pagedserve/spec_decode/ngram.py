@@ -47,20 +47,39 @@ def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
 
 
 class NgramProposer:
-    """Proposer (spec_decode/proposer.py) by prompt lookup; holds no per-sequence state."""
+    """Proposer (spec_decode/proposer.py) by prompt lookup. Per sequence it keeps the history as
+    a growing numpy buffer and appends only the tokens verified since the last step (a sequence's
+    verified tokens never change, only grow), so a step costs O(new tokens) on the host before the
+    match; finish() drops it."""
+
+    accepts_token_history = True  # ProposalRequest.token_ids may be a TokenHistory view
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
             raise ValueError(f"need 1 <= prompt_lookup_min <= prompt_lookup_max, got "
                              f"{prompt_lookup_min}, {prompt_lookup_max}")
         self.min_n, self.max_n = prompt_lookup_min, prompt_lookup_max
+        self._history: dict[int, tuple[np.ndarray, int]] = {}  # seq_id -> (buffer, tokens in it)
+
+    def _tokens(self, r: ProposalRequest) -> np.ndarray:
+        n = len(r.token_ids)
+        buf, have = self._history.get(r.seq_id, (None, 0))
+        if buf is None or have > n:  # unknown, or not a continuation: start again
+            buf, have = np.empty(max(16, 2 * n), dtype=np.int64), 0
+        if n > buf.shape[0]:
+            grown = np.empty(2 * n, dtype=np.int64)
+            grown[:have] = buf[:have]
+            buf = grown
+        if n > have:
+            buf[have:n] = r.token_ids[have:n]
+        self._history[r.seq_id] = (buf, n)
+        return buf[:n]
 
     def propose(self, requests: list[ProposalRequest]) -> Proposals:
         out = []
         for r in requests:
-            t = np.asarray(r.token_ids, dtype=np.int64)
-            out.append(ngram_propose(t, self.min_n, self.max_n, r.num_speculative_tokens).tolist())
+            out.append(ngram_propose(self._tokens(r), self.min_n, self.max_n, r.num_speculative_tokens).tolist())
         return Proposals(out, None)
 
     def finish(self, seq_id: int) -> None:
-        pass
+        self._history.pop(seq_id, None)

@@ -23,10 +23,41 @@ engine.dtype, engine.hf_config, engine.vocab_size are there when it is built).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence as SequenceABC
 from dataclasses import dataclass
 from typing import Protocol, Sequence
 
 import torch
+
+
+class TokenHistory(SequenceABC):
+    """prompt + output as one read-only Sequence[int] without concatenating them (what
+    ProposalRequest.token_ids holds in the engine): O(1) to make each step, slices copy only
+    what they cover, so a proposer that keeps its own copy can append just the new tail."""
+    __slots__ = ("prompt", "output")
+
+    def __init__(self, prompt: list[int], output: list[int]) -> None:
+        self.prompt, self.output = prompt, output
+
+    def __len__(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def __getitem__(self, i):
+        p = len(self.prompt)
+        if isinstance(i, slice):
+            lo, hi, step = i.indices(len(self))
+            if step != 1:
+                return (self.prompt + self.output)[i]
+            if hi <= p:
+                return self.prompt[lo:hi]
+            if lo >= p:
+                return self.output[lo - p:hi - p]
+            return self.prompt[lo:] + self.output[:hi - p]
+        if i < 0:
+            i += len(self)
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        return self.prompt[i] if i < p else self.output[i - p]
 
 
 @dataclass

@@ -41,3 +41,21 @@ def test_copy_prompt_proposes_the_continuation():
 
 def test_no_match_proposes_nothing():
     assert NgramProposer(2, 3).propose([ProposalRequest(0, [1, 2, 3, 4], 3, 0.0, None)]).token_ids == [[]]
+
+
+def test_incremental_history_matches_fresh_matching():
+    """The proposer's per-sequence buffer, fed a growing TokenHistory step by step (as the engine
+    does), proposes what a fresh match over the whole history proposes; finish() forgets it."""
+    from pagedserve.spec_decode.proposer import TokenHistory
+    rng = random.Random(5)
+    prop = NgramProposer(1, 3)
+    prompt = [rng.randrange(4) for _ in range(20)]
+    output: list[int] = []
+    for _ in range(60):
+        hist = TokenHistory(prompt, output)
+        assert list(hist) == prompt + output and hist[3:25] == (prompt + output)[3:25]
+        got = prop.propose([ProposalRequest(9, hist, 4, 0.0, None)]).token_ids[0]
+        assert got == brute_force(prompt + output, 1, 3, 4)
+        output.extend(rng.randrange(4) for _ in range(rng.randint(1, 5)))
+    prop.finish(9)
+    assert 9 not in prop._history
