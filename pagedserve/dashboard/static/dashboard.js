@@ -173,6 +173,11 @@
     setMetric("pagedserve:num_requests_running", f.num_running, fmt(f.num_running));
     setMetric("pagedserve:num_requests_waiting", f.num_waiting, fmt(f.num_waiting));
     setMetric("pagedserve:num_requests_swapped", f.num_swapped, fmt(f.num_swapped));
+    if (f.spec_decode) {  // only with speculative decoding on (engine get_kv_cache_state)
+      for (const el of document.querySelectorAll(".spec-row")) el.hidden = false;
+      setCounter("spec_acceptance", pct(f.spec_decode.acceptance_rate));
+      setCounter("spec_mean_accepted", f.spec_decode.mean_accepted_length.toFixed(2));
+    }
   }
 
   function renderBars(f) {
