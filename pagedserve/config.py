@@ -196,9 +196,16 @@ class EngineConfig:
     structured_outputs_compile_timeout_s: float = option(30.0, "seconds a request may wait for its "
                                                                "grammar to compile before it fails "
                                                                "(alone, with an error)")
+    speculative_config: dict | None = option(None, "speculative decoding, vLLM's JSON: "
+                                                   "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+                                                   "(prompt_lookup_min/max) or method draft_model with "
+                                                   "model; see docs/speculative-decoding.md")
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None:
+            from pagedserve.spec_decode.config import SpeculativeConfig  # no torch: config stays light
+            self.speculative_config = SpeculativeConfig.from_json(self.speculative_config).to_dict()
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import types
 import typing
 from typing import Any
@@ -42,6 +43,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if kind is bool:
             group.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default,
                                help=help_text)
+        elif kind is dict:  # a JSON object: --speculative-config '{"method": "ngram", ...}'
+            group.add_argument(flag, type=json.loads, default=f.default, help=help_text)
         elif typing.get_origin(kind) is list:  # list[int]: --flag 1 2 4
             group.add_argument(flag, type=typing.get_args(kind)[0], nargs="+", default=f.default,
                                help=help_text)

@@ -15,6 +15,11 @@ Invariants:
 - ``finish(seq_id)`` drops any per-sequence state (KV, caches); it is called
   when a sequence finishes, is aborted or preempted, and may be called for a
   sequence the proposer never saw.
+
+Construction: spec_decode/factory.py builds the proposer the config names; a draft-model
+proposer is `pagedserve.spec_decode.draft_model.DraftModelProposer(spec, engine)` with spec the
+SpeculativeConfig and engine the LLMEngine it serves (engine.config, engine.device,
+engine.dtype, engine.hf_config, engine.vocab_size are there when it is built).
 """
 from __future__ import annotations
 

@@ -1,0 +1,93 @@
+"""SpeculativeConfig: vLLM's `--speculative-config` JSON, validated once.
+
+Keys (vLLM's names): method ("ngram" | "draft_model"), num_speculative_tokens (k, >= 1),
+model (the draft model's directory, draft_model only), prompt_lookup_min / prompt_lookup_max
+(n-gram lengths to match, ngram only; 1 and 5 when neither is given, one given alone sets
+both), plus our adaptive
+policy's knobs (spec_disable_batch_tokens, see spec_decode/policy.py). An unknown key is a
+ValueError naming it: a field is honoured or refused, never dropped.
+
+No torch here: EngineConfig validates the JSON at construction, before any model loads.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+METHODS = ("ngram", "draft_model")
+# Running decodes + their lookahead tokens above which speculation turns off for a step
+# (spec_decode/policy.py explains the default).
+DEFAULT_DISABLE_BATCH_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    # Adaptive policy: above this many batched tokens (decodes x (1 + k)) k is lowered, and
+    # speculation is off for a step where even k = 1 would exceed it.
+    spec_disable_batch_tokens: int = DEFAULT_DISABLE_BATCH_TOKENS
+
+    @classmethod
+    def from_json(cls, value: str | dict | "SpeculativeConfig") -> "SpeculativeConfig":
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config must be a JSON object: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+        known = set(cls.__dataclass_fields__)
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {', '.join(unknown)} "
+                             f"(supported: {', '.join(sorted(known))})")
+        d = dict(value)
+        method = d.get("method")
+        if method is None and d.get("model") is not None:
+            method = "ngram" if d["model"] in ("ngram", "[ngram]") else "draft_model"
+            if method == "ngram":
+                d["model"] = None
+        if method not in METHODS:
+            raise ValueError(f"speculative_config.method must be one of {METHODS}, got {method!r}")
+        d["method"] = method
+        k = d.get("num_speculative_tokens")
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if method == "draft_model":
+            if not d.get("model"):
+                raise ValueError("speculative_config.model (the draft model's directory) is required for "
+                                 "method draft_model")
+            for key in ("prompt_lookup_min", "prompt_lookup_max"):
+                if d.get(key) is not None:
+                    raise ValueError(f"speculative_config.{key} applies to method ngram only")
+        else:
+            if d.get("model") is not None:
+                raise ValueError("speculative_config.model applies to method draft_model only")
+            lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+            if lo is None and hi is None:
+                lo, hi = 1, 5
+            elif lo is None:
+                lo = hi
+            elif hi is None:
+                hi = lo
+            for key, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                    raise ValueError(f"speculative_config.{key} must be an integer >= 1, got {v!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config.prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+            d["prompt_lookup_min"], d["prompt_lookup_max"] = lo, hi
+        t = d.get("spec_disable_batch_tokens", DEFAULT_DISABLE_BATCH_TOKENS)
+        if not isinstance(t, int) or isinstance(t, bool) or t < 2:
+            raise ValueError(f"speculative_config.spec_disable_batch_tokens must be an integer >= 2, got {t!r}")
+        d["spec_disable_batch_tokens"] = t
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
