@@ -42,6 +42,7 @@ from pagedserve.models.loader import get_max_model_len, get_model, load_hf_confi
 from pagedserve.runner.batch import ModelInput, build_model_input
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.decode_rows import as_decode_rows
+from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.draft_kv import DraftKVManager
 from pagedserve.spec_decode.proposer import ProposalRequest, Proposals
 
@@ -86,11 +87,25 @@ class DraftModelProposer:
     draft: the draft's HF directory, or a transformers config (dummy weights only).
     target: the engine's config (device, dtype, block size, load format, seed, limits).
     target_hf_config: the target's transformers config (read from target.model when None).
-    num_blocks / target_num_blocks: the draft pool's size, or the target pool's to match."""
+    num_blocks / target_num_blocks: the draft pool's size, or the target pool's to match.
 
-    def __init__(self, draft, target: EngineConfig, device: torch.device | str | None = None, *,
+    The factory's call, DraftModelProposer(spec, engine) (spec_decode/factory.py), passes a
+    SpeculativeConfig and the LLMEngine instead: the draft is spec.model, and the engine gives
+    its config, device, transformers config, max_model_len and KV pool size."""
+
+    def __init__(self, draft, target, device: torch.device | str | None = None, *,
                  target_hf_config=None, num_blocks: int | None = None, target_num_blocks: int | None = None,
                  max_model_len: int | None = None):
+        if isinstance(draft, SpeculativeConfig):
+            engine = target
+            draft, target, device = draft.model, engine.config, engine.device
+            target_hf_config = engine.hf_config
+            max_model_len = max_model_len or getattr(engine, "max_model_len", None)
+            cache_config = getattr(engine, "cache_config", None)
+            if target_num_blocks is None and cache_config is not None and cache_config.num_gpu_blocks:
+                target_num_blocks = cache_config.num_gpu_blocks
+        if not isinstance(target, EngineConfig):
+            raise ValueError(f"DraftModelProposer: target must be an EngineConfig, got {type(target).__name__}")
         device = target.device if device is None else device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -163,3 +163,23 @@ def test_refuses_a_draft_with_another_vocabulary(model_dir, tiny_model_dir, tmp_
     (swapped / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="tokenizer"):
         DraftModelProposer(str(swapped), cfg)
+
+
+def test_factory_builds_it_from_the_engine(model_dir, hf):
+    """make_proposer(spec, engine) -> DraftModelProposer(spec, engine): the draft is spec.model and
+    the pool matches the engine's token capacity (its KV pool's blocks x block size)."""
+    from types import SimpleNamespace
+
+    from pagedserve.config import CacheConfig
+    from pagedserve.models.loader import load_hf_config
+    from pagedserve.spec_decode.config import SpeculativeConfig
+    from pagedserve.spec_decode.factory import make_proposer
+
+    cfg = EngineConfig(model=str(model_dir), device="cpu", block_size=4)
+    engine = SimpleNamespace(config=cfg, device=torch.device("cpu"), hf_config=load_hf_config(model_dir),
+                             max_model_len=256, cache_config=CacheConfig(block_size=4, num_gpu_blocks=10))
+    spec = SpeculativeConfig.from_json({"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 2})
+    prop = make_proposer(spec, engine)
+    assert isinstance(prop, DraftModelProposer)
+    assert (prop.kv.num_blocks, prop.max_model_len) == (10, 256)
+    assert prop.propose([greedy(0, PROMPTS[1], 2)]).token_ids == [hf_greedy(hf, PROMPTS[1], 2)]
