@@ -195,24 +195,33 @@ class DraftModelProposer:
         q_lens = np.asarray([len(requests[i].token_ids) - s for i, s in zip(active, starts)], dtype=np.int64)
         logits = self._forward(ids, np.asarray(starts, dtype=np.int64), q_lens,
                                [requests[i].seq_id for i in active])
-        step_rows: list[list[int]] = []      # per step: indices into requests of its rows
+        # Drawn tokens stay on the device between steps (the next step's input), read once at the end,
+        # so the host builds step j + 1's metadata while the device still runs step j.
+        step_rows: list[list[int]] = []       # per step: indices into requests of its rows
+        step_tokens: list[torch.Tensor] = []
         step_probs: list[torch.Tensor] = []
         rows = list(active)
-        pos = {i: len(requests[i].token_ids) for i in active}  # position of the next draft input
+        pos = np.asarray([len(requests[i].token_ids) for i in active], dtype=np.int64)  # next input position
         for step in range(max(ks.values())):
             if step:
-                rows = [i for i in rows if ks[i] > step]
-                ids = np.asarray([out[i][-1] for i in rows], dtype=np.int64)
-                logits = self._forward(ids, np.asarray([pos[i] for i in rows], dtype=np.int64),
-                                       np.ones(len(rows), dtype=np.int64), [requests[i].seq_id for i in rows])
-                for i in rows:
-                    pos[i] += 1
+                keep = [j for j, i in enumerate(rows) if ks[i] > step]
+                prev = step_tokens[-1]
+                if len(keep) < len(rows):
+                    prev = prev.index_select(0, torch.tensor(keep, dtype=torch.long, device=prev.device))
+                    rows, pos = [rows[j] for j in keep], pos[keep]
+                logits = self._forward(np.zeros(len(rows), dtype=np.int64), pos, np.ones(len(rows), dtype=np.int64),
+                                       [requests[i].seq_id for i in rows], input_ids_device=prev)
+                pos = pos + 1
             tokens, probs = self._draw(logits, [requests[i] for i in rows], any_sampled)
-            for i, t in zip(rows, tokens):
-                out[i].append(t)
             step_rows.append(rows)
+            step_tokens.append(tokens)
             if probs is not None:
                 step_probs.append(probs)
+        flat, off = torch.cat(step_tokens).tolist(), 0  # the round's one device-to-host read
+        for rows in step_rows:
+            for i, t in zip(rows, flat[off:off + len(rows)]):
+                out[i].append(t)
+            off += len(rows)
         for i in active:
             self.kv.commit(requests[i].seq_id, requests[i].token_ids, out[i][:-1])
         return Proposals(out, self._order_probs(step_rows, step_probs, out) if any_sampled else None)
@@ -239,13 +248,16 @@ class DraftModelProposer:
         return active, starts, ks
 
     def _forward(self, input_ids: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
-                 seq_ids: list[int]) -> torch.Tensor:
-        """Logits [len(seq_ids), vocab] of each sequence's last query token, in the model's dtype."""
+                 seq_ids: list[int], input_ids_device: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(seq_ids), vocab] of each sequence's last query token, in the model's dtype.
+        input_ids_device: the tokens already on the device (then input_ids only gives the count)."""
         tables = [self.kv.block_table(s) for s in seq_ids]
         n = len(seq_ids)
         decode_only = bool((query_lens == 1).all())
         inp: ModelInput = build_model_input(input_ids, starts, query_lens, tables, np.ones(n, dtype=bool),
                                             n if decode_only else 0, self.block_size, self.device)
+        if input_ids_device is not None:
+            inp.input_ids = input_ids_device
         g = self.graphs
         if g is not None and g.bucket_for(len(input_ids)) is not None:
             meta = inp.attn_meta if decode_only else as_decode_rows(inp.attn_meta, inp.positions)
@@ -256,13 +268,13 @@ class DraftModelProposer:
         return self.model.compute_logits(hidden[inp.sample_indices])
 
     def _draw(self, logits: torch.Tensor, reqs: list[ProposalRequest],
-              any_sampled: bool) -> tuple[list[int], torch.Tensor | None]:
-        """One token per row and, when the round has a sampled request, the rows' probabilities
-        (one-hot for greedy rows: what they were drawn from)."""
+              any_sampled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row (int64, on the device) and, when the round has a sampled request, the
+        rows' probabilities (one-hot for greedy rows: what they were drawn from)."""
         logits = logits[:, :self.vocab_size].float()
         tokens = logits.argmax(dim=-1)
         if not any_sampled:
-            return tokens.tolist(), None
+            return tokens, None
         temps = torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=logits.device)
         sampled = temps > 0
         probs = torch.softmax(logits / torch.where(sampled, temps, 1.0)[:, None], dim=-1)
@@ -277,7 +289,7 @@ class DraftModelProposer:
         tokens = torch.where(sampled, drawn, tokens)
         one_hot = torch.zeros_like(probs).scatter_(1, tokens[:, None], 1.0)
         probs = torch.where(sampled[:, None], probs, one_hot)
-        return tokens.tolist(), probs
+        return tokens, probs
 
     @staticmethod
     def _order_probs(step_rows: list[list[int]], step_probs: list[torch.Tensor],
