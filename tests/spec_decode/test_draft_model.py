@@ -183,3 +183,22 @@ def test_factory_builds_it_from_the_engine(model_dir, hf):
     assert isinstance(prop, DraftModelProposer)
     assert (prop.kv.num_blocks, prop.max_model_len) == (10, 256)
     assert prop.propose([greedy(0, PROMPTS[1], 2)]).token_ids == [hf_greedy(hf, PROMPTS[1], 2)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("eager", [True, False])
+def test_cuda_graphs_and_eager_propose_hf_greedy(model_dir, hf, eager):
+    """On CUDA the draft's decode steps replay its CUDA graphs (and short catch-ups run as decode
+    rows); float32, so its greedy tokens must equal HF's on the CPU."""
+    cfg = EngineConfig(model=str(model_dir), device="cuda", dtype="float32", block_size=16, max_num_seqs=8,
+                       enforce_eager=eager)
+    prop = DraftModelProposer(str(model_dir), cfg)
+    assert (prop.graphs is None) == eager
+    k, verified = 3, [list(p) for p in PROMPTS]
+    target = [hf_greedy(hf, p, 3 * (k + 1)) for p in PROMPTS]
+    for _ in range(3):
+        got = prop.propose([greedy(i, v, k) for i, v in enumerate(verified)])
+        for i, v in enumerate(verified):
+            done = len(v) - len(PROMPTS[i])
+            assert got.token_ids[i] == target[i][done:done + k]
+            v.extend(target[i][done:done + k + 1])

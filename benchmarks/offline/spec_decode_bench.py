@@ -1,0 +1,413 @@
+"""Speculative decoding: TPOT and throughput against acceptance rate and k, beside speculation off,
+the adaptive policy, and vLLM 0.26 in the same set-up (issue #36).
+
+Set-up, both engines alike: Llama-3.1-8B's config with dummy weights, bf16, greedy, ignore_eos,
+prefix caching off; each prompt PROMPT_LEN ids (a random passage of PROMPT_LEN / 2 ids written
+twice: copy-heavy, so n-gram lookup has something to find), OUTPUT_LEN new tokens; batches of 1, 8,
+32 and 128 requests submitted at once. Per (config, batch): t1 = seconds of a generate with
+max_tokens=1 (prefill and first token), t = seconds of the full generate;
+TPOT = (t - t1) / (OUTPUT_LEN - 1) and throughput = batch * OUTPUT_LEN / t (output tokens/s).
+
+Sections, each one process that fits a 10-minute device call (benchmarks/spec_h200.sh runs them):
+  ours --config off        speculation off: the baseline
+  ours --config kK         k = K with the adaptive policy off (spec_disable_batch_tokens 2**30):
+                           "draft": the draft model, draft = target (same config, same dummy weights:
+                           its greedy proposals are the target's), each proposal corrupted with
+                           probability 1 - a (spec_decode/synthetic.py, benchmark-only);
+                           "replay": the same corruption around a replay of the target's own greedy
+                           output (a free draft: what verification alone costs and gains);
+                           "ngram": prompt lookup, as shipped
+  ours --config adaptive   k = 4 with the default adaptive policy: n-gram and the draft model
+  vllm --config off | draft_kK | ngram_kK   vLLM offline with speculative_config (draft = target:
+                           {"method": "draft_model", "model": <the same dir>}; {"method": "ngram"});
+                           run it with vLLM on PYTHONPATH (--site DIR adds it)
+  collect                  merges the parts into benchmarks/results/h200/spec_decode.json
+  smoke                    CPU, a tiny config: every `ours` section and collect in one process
+Acceptance is measured (accepted / proposed tokens, from the engine's counters) beside the a
+that was asked for: with corruption probability 1 - a per token, greedy verification accepts
+proposal j with probability a**j.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+MODEL = str(ROOT / "benchmarks/models/llama-3.1-8b")
+PROMPT_LEN, OUTPUT_LEN = 128, 128
+BATCHES = (1, 8, 32, 128)
+KS = (1, 2, 4)
+ACCEPTS = (0.0, 0.5, 0.8, 1.0)
+FIXED = 1 << 30            # spec_disable_batch_tokens that never turns speculation off
+ADAPTIVE_K = 4
+PARTS = ROOT / "benchmarks/results/h200/spec_decode_parts"
+OUTPUT = ROOT / "benchmarks/results/h200/spec_decode.json"
+VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def make_prompts(batch: int, prompt_len: int, seed: int = 0) -> list[list[int]]:
+    """`batch` copy-heavy prompts: a random passage of prompt_len // 2 ids, written twice."""
+    rng = random.Random(seed * 1000 + batch)
+    half = prompt_len // 2
+    out = []
+    for _ in range(batch):
+        passage = [rng.randrange(10, 10000) for _ in range(half)]
+        out.append((passage * 3)[:prompt_len])
+    return out
+
+
+def log(msg: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(Path(out) / "spec_progress.log", "a") as f:
+            f.write(line + "\n")
+
+
+def _sync() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# --- the pagedserve side ----------------------------------------------------------------------------
+def spec_engine(llm):
+    """The engine's speculative-decoding state (proposer, counters): see set_proposer / counters."""
+    return llm.llm_engine
+
+
+def set_proposer(llm, proposer) -> None:
+    spec_engine(llm).proposer = proposer
+
+
+def get_proposer(llm):
+    return spec_engine(llm).proposer
+
+
+def counters(llm) -> tuple[int, int]:
+    """(proposed, accepted) tokens so far, from the engine's speculative-decoding counters."""
+    s = spec_engine(llm).spec_stats
+    return int(s.num_draft_tokens), int(s.num_accepted_tokens)
+
+
+class NoProposals:
+    """Proposes nothing: the engine decodes one token per step (for the replay's recordings)."""
+
+    def propose(self, requests):
+        from pagedserve.spec_decode.proposer import Proposals
+        return Proposals([[] for _ in requests], None)
+
+    def finish(self, seq_id: int) -> None:
+        pass
+
+
+def _generate(llm, prompts, max_tokens: int):
+    from pagedserve import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _sync()
+    return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def measure(llm, prompts, output_len: int, spec: bool) -> dict:
+    """TPOT, throughput and (with speculation) the measured acceptance of one batch."""
+    t1, _ = _generate(llm, prompts, 1)
+    before = counters(llm) if spec else (0, 0)
+    t, outs = _generate(llm, prompts, output_len)
+    n_out = sum(map(len, outs))
+    res = {"seconds": round(t, 4), "first_token_seconds": round(t1, 4),
+           "tpot_ms": round((t - t1) / (output_len - 1) * 1e3, 3),
+           "output_tokens_per_s": round(n_out / t, 1), "output_tokens": n_out}
+    if spec:
+        proposed, accepted = (a - b for a, b in zip(counters(llm), before))
+        res.update(proposed_tokens=proposed, accepted_tokens=accepted,
+                   acceptance_rate=round(accepted / proposed, 4) if proposed else None)
+    return res
+
+
+def build_llm(model: str, args, spec: dict | None):
+    from pagedserve import LLM
+    kw = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len, seed=0,
+              max_num_seqs=max(args.batches), enable_prefix_caching=False, device=args.device)
+    if args.device != "cpu":
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if spec is not None:
+        kw["speculative_config"] = spec
+    return LLM(model, **kw, **json.loads(args.engine_args))
+
+
+def free(llm) -> None:
+    llm.llm_engine.shutdown()
+    del llm
+    gc.collect()
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def ours(config: str, args) -> dict:
+    """One `ours` section: {batch: {run name: measure()}} for the config's engine."""
+    from pagedserve.spec_decode.ngram import NgramProposer
+    from pagedserve.spec_decode.synthetic import AcceptanceControlledProposer, ReplayProposer
+
+    model = args.model
+    if config == "off":
+        spec = None
+    else:
+        k = ADAPTIVE_K if config == "adaptive" else int(config[1:])
+        spec = {"method": "draft_model", "model": model, "num_speculative_tokens": k}
+        if config != "adaptive":
+            spec["spec_disable_batch_tokens"] = FIXED
+    t0 = time.perf_counter()
+    llm = build_llm(model, args, spec)
+    log(f"ours {config}: engine up in {time.perf_counter() - t0:.1f} s")
+    vocab = llm.llm_engine.vocab_size
+    results: dict = {"engine_seconds": round(time.perf_counter() - t0, 1)}
+    _generate(llm, make_prompts(2, args.prompt_len, seed=1), 4)  # warm-up
+    for b in args.batches:
+        prompts = make_prompts(b, args.prompt_len)
+        runs: dict = {}
+        if spec is None:
+            runs["off"] = measure(llm, prompts, args.output_len, spec=False)
+        else:
+            draft = get_proposer(llm)
+            ngram = NgramProposer(1, 5)
+            if config == "adaptive":
+                todo = [("ngram", ngram), ("draft", draft)]
+            else:
+                set_proposer(llm, NoProposals())
+                _, recorded = _generate(llm, prompts, args.output_len)
+                replay = [p + o for p, o in zip(prompts, recorded)]
+                todo = [("ngram", ngram)]
+                for a in args.accepts:
+                    todo.append((f"draft_a{a:g}", AcceptanceControlledProposer(draft, a, vocab, seed=b)))
+                    todo.append((f"replay_a{a:g}", AcceptanceControlledProposer(ReplayProposer(replay), a, vocab,
+                                                                                seed=b)))
+            for name, proposer in todo:
+                set_proposer(llm, proposer)
+                runs[name] = measure(llm, prompts, args.output_len, spec=True)
+                log(f"ours {config} b{b} {name}: {runs[name]}")
+            set_proposer(llm, draft)
+        if spec is None:
+            log(f"ours off b{b}: {runs['off']}")
+        results[f"b{b}"] = runs
+    free(llm)
+    return results
+
+
+# --- the vLLM side ----------------------------------------------------------------------------------
+def vllm_counters(llm) -> tuple[int, int] | None:
+    """(draft tokens, accepted tokens) from vLLM's metrics (vllm:spec_decode_*), None if absent."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 (an older vLLM, or stats off)
+        return None
+    got = {m.name: getattr(m, "value", None) for m in metrics}
+    d, a = got.get("vllm:spec_decode_num_draft_tokens"), got.get("vllm:spec_decode_num_accepted_tokens")
+    return None if d is None or a is None else (int(d), int(a))
+
+
+def vllm(config: str, args) -> dict:
+    import shutil
+
+    import vllm as vllm_pkg
+    from vllm import LLM, SamplingParams
+
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    model_dir = tempfile.mkdtemp(prefix="spec_vllm_")
+    shutil.copy(Path(args.model) / "config.json", Path(model_dir) / "config.json")
+    kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+              max_num_seqs=max(args.batches), enable_prefix_caching=False, seed=0, disable_log_stats=False)
+    if config != "off":
+        method, k = config.rsplit("_k", 1)
+        spec = {"method": method, "num_speculative_tokens": int(k)}
+        if method == "draft_model":
+            spec["model"] = model_dir
+        else:
+            spec.update(prompt_lookup_min=1, prompt_lookup_max=5)
+        kw["speculative_config"] = spec
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    results: dict = {"engine_seconds": round(time.perf_counter() - t0, 1), "vllm_version": vllm_pkg.__version__,
+                     "llm_kwargs": {k: v for k, v in kw.items() if k != "model"}}
+    log(f"vllm {config}: engine up in {results['engine_seconds']} s")
+
+    def gen(prompts, n):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        _sync()
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        _sync()
+        return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    gen(make_prompts(2, args.prompt_len, seed=1), 4)
+    for b in args.batches:
+        prompts = make_prompts(b, args.prompt_len)
+        t1, _ = gen(prompts, 1)
+        before = vllm_counters(llm)
+        t, n_out = gen(prompts, args.output_len)
+        after = vllm_counters(llm)
+        res = {"seconds": round(t, 4), "first_token_seconds": round(t1, 4),
+               "tpot_ms": round((t - t1) / (args.output_len - 1) * 1e3, 3),
+               "output_tokens_per_s": round(n_out / t, 1), "output_tokens": n_out}
+        if before is not None and after is not None and after[0] > before[0]:
+            res.update(proposed_tokens=after[0] - before[0], accepted_tokens=after[1] - before[1],
+                       acceptance_rate=round((after[1] - before[1]) / (after[0] - before[0]), 4))
+        results[f"b{b}"] = res
+        log(f"vllm {config} b{b}: {res}")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    return results
+
+
+# --- collect ------------------------------------------------------------------------------------------
+def _tpot(parts: dict, section: str, batch: int, run: str | None = None) -> float | None:
+    r = parts.get(section, {}).get(f"b{batch}")
+    if r is None:
+        return None
+    r = r.get(run) if run is not None else r
+    return None if r is None else r.get("tpot_ms")
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return round(x / y, 3) if x and y else None
+
+
+def collect(parts_dir: Path, output: Path, batches, ks, device: str | None = None) -> dict:
+    from pagedserve.benchmark.results import write_result
+
+    parts, stamps = {}, set()
+    for f in sorted(parts_dir.glob("*.json")):
+        doc = json.loads(f.read_text())
+        parts[f.stem] = doc["results"]
+        stamps.add((doc["device"], doc["commit"]))
+    ours_stamps = {(d, c) for d, c in stamps if c != "vllm"}
+    if len({d for d, _ in stamps}) > 1 or len({c for _, c in ours_stamps}) > 1:
+        raise SystemExit(f"the parts come from several devices or commits {sorted(stamps)}: re-run them at one")
+    ratios: dict = {}
+    off = {b: _tpot(parts, "ours_off", b, "off") for b in batches}
+    ratios["tpot_b1_k4_a100_over_off"] = _ratio(_tpot(parts, "ours_k4", 1, "replay_a1"), off.get(1))
+    ratios["tpot_b1_k4_a100_draft_over_off"] = _ratio(_tpot(parts, "ours_k4", 1, "draft_a1"), off.get(1))
+    for b in batches:
+        ratios[f"adaptive_over_off_b{b}"] = _ratio(_tpot(parts, "ours_adaptive", b, "ngram"), off[b])
+        ratios[f"adaptive_draft_over_off_b{b}"] = _ratio(_tpot(parts, "ours_adaptive", b, "draft"), off[b])
+        ratios[f"tpot_off_b{b}_over_vllm"] = _ratio(off[b], _tpot(parts, "vllm_off", b))
+        for k in ks:
+            ratios[f"tpot_draft_k{k}_b{b}_over_vllm"] = _ratio(_tpot(parts, f"ours_k{k}", b, "draft_a1"),
+                                                               _tpot(parts, f"vllm_draft_model_k{k}", b))
+            ratios[f"tpot_ngram_k{k}_b{b}_over_vllm"] = _ratio(_tpot(parts, f"ours_k{k}", b, "ngram"),
+                                                               _tpot(parts, f"vllm_ngram_k{k}", b))
+    vllm_ran = any(name.startswith("vllm_") for name in parts)
+    ratios = {k: v for k, v in ratios.items() if v is not None or not k.endswith("_over_vllm") or vllm_ran}
+    config = {"model": "llama-3.1-8b config, dummy weights" if device != "cpu" else "tiny config, dummy weights",
+              "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "batches": list(batches), "ks": list(ks),
+              "greedy": True, "ignore_eos": True, "prefix_caching": False,
+              "tpot": "(t(full generate) - t(generate max_tokens=1)) / (output_len - 1)"}
+    notes = {
+        "tpot_b1_k4_a100_over_off": "replay proposer (the target's own greedy output, free to propose): "
+                                    "what verifying 4 proposals per step gains when every one is accepted",
+        "tpot_b1_k4_a100_draft_over_off": "draft model = target: each proposal costs a full forward of the "
+                                          "target-sized draft, so this stays near or above 1 whatever the "
+                                          "verification gains; a real (smaller) draft sits between the two",
+        "adaptive_over_off_bB": "n-gram proposer with the default adaptive policy; adaptive_draft_* the same "
+                                "for the draft model",
+    }
+    baselines = {"vllm": "0.26 offline, same prompts and lengths" if vllm_ran else "not run (no vllm_* parts)"}
+    dev = device or (next(iter(stamps))[0] if stamps else None)
+    commit = next((c for _, c in ours_stamps), None)
+    write_result(output, "spec_decode", None, config, parts, baselines, ratios, device=dev,
+                 measured_commit=commit, extra={"notes": notes})
+    return ratios
+
+
+def part_path(parts_dir: Path, name: str) -> Path:
+    return parts_dir / f"{name}.json"
+
+
+def write_part(parts_dir: Path, name: str, results: dict, vllm_side: bool) -> None:
+    from pagedserve.benchmark.results import git_commit
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    doc = {"device": device, "commit": "vllm" if vllm_side else git_commit(), "results": results}
+    part_path(parts_dir, name).write_text(json.dumps(doc, indent=1) + "\n")
+    out = os.environ.get("OUT")
+    if out:
+        (Path(out) / "spec_decode_parts").mkdir(parents=True, exist_ok=True)
+        (Path(out) / "spec_decode_parts" / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def tiny_model_dir() -> str:
+    """A Llama config small enough for a CPU (dummy weights need nothing but config.json)."""
+    cfg = json.loads((Path(MODEL) / "config.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, torch_dtype="float32")
+    cfg["rope_scaling"]["original_max_position_embeddings"] = 64
+    d = tempfile.mkdtemp(prefix="spec_smoke_")
+    (Path(d) / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("section", choices=["ours", "vllm", "collect", "smoke"])
+    ap.add_argument("--config", help="ours: off, k1, k2, k4, adaptive; vllm: off, draft_model_kK, ngram_kK")
+    ap.add_argument("--model", default=MODEL, help="a model directory (config.json; dummy weights)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--ks", default=",".join(map(str, KS)), help="collect: the k values to look for")
+    ap.add_argument("--accepts", default=",".join(f"{a:g}" for a in ACCEPTS))
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    ap.add_argument("--output-len", type=int, default=OUTPUT_LEN)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    # The draft's weights and pools come on top of the target's: leave them room (see draft_model.py).
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--engine-args", default="{}", help="more LLM(...) keyword arguments for ours, as JSON")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--site", default=None, help="vllm: a directory with vLLM installed (put on sys.path)")
+    ap.add_argument("--parts", default=str(PARTS))
+    ap.add_argument("--output", default=str(OUTPUT))
+    args = ap.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.accepts = [float(a) for a in args.accepts.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    parts = Path(args.parts)
+    if args.section == "ours":
+        write_part(parts, f"ours_{args.config}", ours(args.config, args), vllm_side=False)
+    elif args.section == "vllm":
+        if args.site:
+            sys.path.insert(0, args.site)
+        write_part(parts, f"vllm_{args.config}", vllm(args.config, args), vllm_side=True)
+    elif args.section == "collect":
+        print(json.dumps(collect(parts, Path(args.output), args.batches, ks), indent=1))
+    else:  # smoke: CPU, tiny, everything at once, into --parts / --output under a temp dir by default
+        args.device = "cpu"
+        args.model = tiny_model_dir()
+        if args.parts == str(PARTS):
+            tmp = Path(tempfile.mkdtemp(prefix="spec_smoke_out_"))
+            args.parts, args.output = str(tmp / "parts"), str(tmp / "spec_decode.json")
+        parts = Path(args.parts)
+        for config in ["off"] + [f"k{k}" for k in ks] + ["adaptive"]:
+            write_part(parts, f"ours_{config}", ours(config, args), vllm_side=False)
+        print(json.dumps(collect(parts, Path(args.output), args.batches, ks, device="cpu"), indent=1))
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
