@@ -2,7 +2,7 @@
 # Speculative decoding on the H200 (issue #36; benchmarks/offline/spec_decode_bench.py says what each
 # section measures). Run from the repo root, one section per device call (each < 10 min):
 #   bash benchmarks/spec_h200.sh tests                    # the CUDA checks of the draft proposer
-#   bash benchmarks/spec_h200.sh off|k1|k2|k4|adaptive    # pagedserve, one engine each
+#   bash benchmarks/spec_h200.sh off|spec_b1|spec_b8|spec_b32|spec_b128   # pagedserve, one engine each
 #   SITE=/dir/with/vllm bash benchmarks/spec_h200.sh vllm_off|vllm_draft_model_k1|..._k4|vllm_ngram_k1|..._k4
 #   bash benchmarks/spec_h200.sh collect                  # -> benchmarks/results/h200/spec_decode.json
 #   bash benchmarks/spec_h200.sh ours_all | vllm_all      # every section of one side, one after another
@@ -32,13 +32,15 @@ vllm_run() {  # vLLM from $SITE first on the path (its own torch); pagedserve on
 }
 case "${1:-}" in
   tests) timeout 580 python3 -m pytest -q -p no:cacheprovider tests/spec_decode 2>&1 | tee "${OUT:-.}/spec_tests.log" | tail -30 ;;
-  off|k1|k2|k4|adaptive) run "$1" 580 ours --config "$1" ;;
-  ours_all) for c in off k1 k2 k4 adaptive; do run "$c" 580 ours --config "$c"; done ;;
+  off) run off 580 ours --config off ;;
+  spec_b1|spec_b8|spec_b32|spec_b128) run "$1" 580 ours --config spec --batches "${1#spec_b}" ;;
+  ours_all) run off 580 ours --config off
+            for b in 1 8 32 128; do run spec_b$b 580 ours --config spec --batches $b; done ;;
   vllm_off|vllm_draft_model_k[0-9]|vllm_ngram_k[0-9]) vllm_run "$1" ;;
   vllm_all) for c in vllm_off vllm_draft_model_k1 vllm_draft_model_k2 vllm_draft_model_k4 \
                      vllm_ngram_k1 vllm_ngram_k2 vllm_ngram_k4; do vllm_run "$c"; done ;;
   collect) timeout 120 python3 $BENCH collect --parts $P ;;
-  *) echo "usage: $0 tests|off|k1|k2|k4|adaptive|ours_all|vllm_off|vllm_draft_model_kK|vllm_ngram_kK|vllm_all|collect" >&2
+  *) echo "usage: $0 tests|off|spec_b1|spec_b8|spec_b32|spec_b128|ours_all|vllm_off|vllm_draft_model_kK|vllm_ngram_kK|vllm_all|collect" >&2
      exit 2 ;;
 esac
 rc=$?

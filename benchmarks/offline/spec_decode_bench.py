@@ -9,20 +9,23 @@ max_tokens=1 (prefill and first token), t = seconds of the full generate;
 TPOT = (t - t1) / (OUTPUT_LEN - 1) and throughput = batch * OUTPUT_LEN / t (output tokens/s).
 
 Sections, each one process that fits a 10-minute device call (benchmarks/spec_h200.sh runs them):
-  ours --config off        speculation off: the baseline
-  ours --config kK         k = K with the adaptive policy off (spec_disable_batch_tokens 2**30):
-                           "draft": the draft model, draft = target (same config, same dummy weights:
-                           its greedy proposals are the target's), each proposal corrupted with
-                           probability 1 - a (spec_decode/synthetic.py, benchmark-only);
-                           "replay": the same corruption around a replay of the target's own greedy
-                           output (a free draft: what verification alone costs and gains);
-                           "ngram": prompt lookup, as shipped
-  ours --config adaptive   k = 4 with the default adaptive policy: n-gram and the draft model
-  vllm --config off | draft_kK | ngram_kK   vLLM offline with speculative_config (draft = target:
+  ours --config off        speculation off (no speculative_config): the baseline, every batch
+  ours --config spec --batches B   one engine with speculative_config draft_model, draft = target (the
+                           same config and dummy weights: its greedy proposals are the target's), whose
+                           proposer and policy are switched between runs (LLMEngine.speculator):
+                           for k in 1, 2, 4 with the adaptive policy off (spec_disable_batch_tokens 2**30):
+                             k{k}_ngram         prompt lookup, as shipped;
+                             k{k}_draft_a{a}    the draft model, each proposal corrupted with probability
+                                                1 - a (spec_decode/synthetic.py, benchmark-only);
+                             k{k}_replay_a{a}   the same corruption around a replay of the target's own
+                                                greedy output (a free draft: what verification alone
+                                                costs and gains);
+                           then the default adaptive policy at k = 4: adaptive_ngram, adaptive_draft
+  vllm --config off | draft_model_kK | ngram_kK   vLLM offline with speculative_config (draft = target:
                            {"method": "draft_model", "model": <the same dir>}; {"method": "ngram"});
                            run it with vLLM on PYTHONPATH (--site DIR adds it)
   collect                  merges the parts into benchmarks/results/h200/spec_decode.json
-  smoke                    CPU, a tiny config: every `ours` section and collect in one process
+  smoke                    CPU, a tiny config: both `ours` sections and collect in one process
 Acceptance is measured (accepted / proposed tokens, from the engine's counters) beside the a
 that was asked for: with corruption probability 1 - a per token, greedy verification accepts
 proposal j with probability a**j.
@@ -82,22 +85,29 @@ def _sync() -> None:
 
 
 # --- the pagedserve side ----------------------------------------------------------------------------
-def spec_engine(llm):
-    """The engine's speculative-decoding state (proposer, counters): see set_proposer / counters."""
-    return llm.llm_engine
+# The engine's speculative-decoding state is LLMEngine.speculator (engine/speculation.py): its proposer,
+# its adaptive policy (k and the batch-token threshold, read every step) and its counters.
+def speculator(llm):
+    return llm.llm_engine.speculator
 
 
 def set_proposer(llm, proposer) -> None:
-    spec_engine(llm).proposer = proposer
+    speculator(llm).proposer = proposer
 
 
 def get_proposer(llm):
-    return spec_engine(llm).proposer
+    return speculator(llm).proposer
+
+
+def set_policy(llm, k: int, disable_batch_tokens: int) -> None:
+    """k at most the engine's configured k (what its start-up sized for)."""
+    policy = speculator(llm).policy
+    policy.k, policy.disable_batch_tokens = k, disable_batch_tokens
 
 
 def counters(llm) -> tuple[int, int]:
     """(proposed, accepted) tokens so far, from the engine's speculative-decoding counters."""
-    s = spec_engine(llm).spec_stats
+    s = speculator(llm).stats
     return int(s.num_draft_tokens), int(s.num_accepted_tokens)
 
 
@@ -159,18 +169,22 @@ def free(llm) -> None:
 
 
 def ours(config: str, args) -> dict:
-    """One `ours` section: {batch: {run name: measure()}} for the config's engine."""
+    """One `ours` section: {"bB": {run name: measure()}} for each batch of args.batches.
+    config "off": one run per batch. config "spec": one engine (draft model = target, k = max(ks)) whose
+    proposer and policy are switched between runs: for each k, the n-gram proposer, then the draft and
+    the replay at each acceptance a (runs "k{k}_ngram", "k{k}_draft_a{a}", "k{k}_replay_a{a}"), with
+    the adaptive policy off; then the adaptive policy at k = ADAPTIVE_K ("adaptive_ngram", "adaptive_draft")."""
+    from pagedserve.spec_decode.config import DEFAULT_DISABLE_BATCH_TOKENS
     from pagedserve.spec_decode.ngram import NgramProposer
     from pagedserve.spec_decode.synthetic import AcceptanceControlledProposer, ReplayProposer
 
     model = args.model
-    if config == "off":
-        spec = None
-    else:
-        k = ADAPTIVE_K if config == "adaptive" else int(config[1:])
-        spec = {"method": "draft_model", "model": model, "num_speculative_tokens": k}
-        if config != "adaptive":
-            spec["spec_disable_batch_tokens"] = FIXED
+    spec = None
+    if config == "spec":
+        spec = {"method": "draft_model", "model": model, "num_speculative_tokens": max(args.ks + [ADAPTIVE_K]),
+                "spec_disable_batch_tokens": FIXED}
+    elif config != "off":
+        raise SystemExit(f"ours: --config must be off or spec, got {config!r}")
     t0 = time.perf_counter()
     llm = build_llm(model, args, spec)
     log(f"ours {config}: engine up in {time.perf_counter() - t0:.1f} s")
@@ -180,30 +194,30 @@ def ours(config: str, args) -> dict:
     for b in args.batches:
         prompts = make_prompts(b, args.prompt_len)
         runs: dict = {}
+        results[f"b{b}"] = runs
         if spec is None:
             runs["off"] = measure(llm, prompts, args.output_len, spec=False)
-        else:
-            draft = get_proposer(llm)
-            ngram = NgramProposer(1, 5)
-            if config == "adaptive":
-                todo = [("ngram", ngram), ("draft", draft)]
-            else:
-                set_proposer(llm, NoProposals())
-                _, recorded = _generate(llm, prompts, args.output_len)
-                replay = [p + o for p, o in zip(prompts, recorded)]
-                todo = [("ngram", ngram)]
-                for a in args.accepts:
-                    todo.append((f"draft_a{a:g}", AcceptanceControlledProposer(draft, a, vocab, seed=b)))
-                    todo.append((f"replay_a{a:g}", AcceptanceControlledProposer(ReplayProposer(replay), a, vocab,
-                                                                                seed=b)))
-            for name, proposer in todo:
-                set_proposer(llm, proposer)
-                runs[name] = measure(llm, prompts, args.output_len, spec=True)
-                log(f"ours {config} b{b} {name}: {runs[name]}")
-            set_proposer(llm, draft)
-        if spec is None:
             log(f"ours off b{b}: {runs['off']}")
-        results[f"b{b}"] = runs
+            continue
+        draft, ngram = get_proposer(llm), NgramProposer(1, 5)
+        set_proposer(llm, NoProposals())
+        _, recorded = _generate(llm, prompts, args.output_len)
+        replay = [p + o for p, o in zip(prompts, recorded)]
+        todo = []
+        for k in args.ks:
+            todo.append((f"k{k}_ngram", k, FIXED, ngram))
+            for a in args.accepts:
+                todo.append((f"k{k}_draft_a{a:g}", k, FIXED, AcceptanceControlledProposer(draft, a, vocab, seed=b)))
+                todo.append((f"k{k}_replay_a{a:g}", k, FIXED,
+                             AcceptanceControlledProposer(ReplayProposer(replay), a, vocab, seed=b)))
+        todo += [("adaptive_ngram", ADAPTIVE_K, DEFAULT_DISABLE_BATCH_TOKENS, ngram),
+                 ("adaptive_draft", ADAPTIVE_K, DEFAULT_DISABLE_BATCH_TOKENS, draft)]
+        for name, k, threshold, proposer in todo:
+            set_proposer(llm, proposer)
+            set_policy(llm, k, threshold)
+            runs[name] = measure(llm, prompts, args.output_len, spec=True)
+            log(f"ours spec b{b} {name}: {runs[name]}")
+        set_proposer(llm, draft)
     free(llm)
     return results
 
@@ -275,11 +289,29 @@ def vllm(config: str, args) -> dict:
 
 
 # --- collect ------------------------------------------------------------------------------------------
-def _tpot(parts: dict, section: str, batch: int, run: str | None = None) -> float | None:
-    r = parts.get(section, {}).get(f"b{batch}")
-    if r is None:
-        return None
-    r = r.get(run) if run is not None else r
+def merge_parts(parts_dir: Path) -> tuple[dict, set]:
+    """{"ours": {"bB": {run: ...}}, "vllm": {config: {"bB": {...}}}} from the part files, and their
+    (device, commit) stamps (vLLM parts carry commit "vllm")."""
+    merged: dict = {"ours": {}, "vllm": {}}
+    stamps = set()
+    for f in sorted(parts_dir.glob("*.json")):
+        doc = json.loads(f.read_text())
+        stamps.add((doc["device"], doc["commit"]))
+        if f.stem.startswith("vllm_"):
+            merged["vllm"][f.stem[len("vllm_"):]] = doc["results"]
+        else:
+            for key, runs in doc["results"].items():
+                if key.startswith("b") and isinstance(runs, dict):
+                    merged["ours"].setdefault(key, {}).update(runs)
+                else:
+                    merged["ours"].setdefault("engine_seconds", {})[f.stem] = runs
+    return merged, stamps
+
+
+def _tpot(section: dict, batch: int, run: str | None = None) -> float | None:
+    r = section.get(f"b{batch}")
+    if r is not None and run is not None:
+        r = r.get(run)
     return None if r is None else r.get("tpot_ms")
 
 
@@ -287,50 +319,56 @@ def _ratio(x: float | None, y: float | None) -> float | None:
     return round(x / y, 3) if x and y else None
 
 
+def ratios_of(merged: dict, batches, ks) -> dict:
+    ours, theirs = merged["ours"], merged["vllm"]
+    off = {b: _tpot(ours, b, "off") for b in batches}
+    r = {"tpot_b1_k4_a100_over_off": _ratio(_tpot(ours, 1, "k4_replay_a1"), off.get(1)),
+         "tpot_b1_k4_a100_draft_over_off": _ratio(_tpot(ours, 1, "k4_draft_a1"), off.get(1))}
+    for b in batches:
+        r[f"adaptive_over_off_b{b}"] = _ratio(_tpot(ours, b, "adaptive_ngram"), off[b])
+        r[f"adaptive_draft_over_off_b{b}"] = _ratio(_tpot(ours, b, "adaptive_draft"), off[b])
+    if theirs:
+        for b in batches:
+            r[f"tpot_off_b{b}_over_vllm"] = _ratio(off[b], _tpot(theirs.get("off", {}), b))
+            for k in ks:
+                r[f"tpot_draft_k{k}_b{b}_over_vllm"] = _ratio(_tpot(ours, b, f"k{k}_draft_a1"),
+                                                              _tpot(theirs.get(f"draft_model_k{k}", {}), b))
+                r[f"tpot_ngram_k{k}_b{b}_over_vllm"] = _ratio(_tpot(ours, b, f"k{k}_ngram"),
+                                                              _tpot(theirs.get(f"ngram_k{k}", {}), b))
+    return r
+
+
+NOTES = {
+    "tpot_b1_k4_a100_over_off": "replay proposer (the target's own greedy output, free to propose), k = 4, a = 1, "
+                                "batch 1: what verifying 4 proposals per step gains when all are accepted",
+    "tpot_b1_k4_a100_draft_over_off": "the same with the draft model = target: each proposal costs a forward of a "
+                                      "target-sized draft, so this cannot go far below 1 however cheap verification "
+                                      "is; a real, smaller draft sits between the two ratios",
+    "adaptive_over_off_bB": "n-gram proposer, default adaptive policy (k = 4, spec_disable_batch_tokens 256) against "
+                            "speculation off; adaptive_draft_over_off_bB: the same with the draft model = target",
+    "acceptance": "runs *_aA corrupt each proposal with probability 1 - A (spec_decode/synthetic.py); "
+                  "acceptance_rate is what the engine's counters measured",
+}
+
+
 def collect(parts_dir: Path, output: Path, batches, ks, device: str | None = None) -> dict:
     from pagedserve.benchmark.results import write_result
 
-    parts, stamps = {}, set()
-    for f in sorted(parts_dir.glob("*.json")):
-        doc = json.loads(f.read_text())
-        parts[f.stem] = doc["results"]
-        stamps.add((doc["device"], doc["commit"]))
-    ours_stamps = {(d, c) for d, c in stamps if c != "vllm"}
-    if len({d for d, _ in stamps}) > 1 or len({c for _, c in ours_stamps}) > 1:
+    merged, stamps = merge_parts(parts_dir)
+    ours_commits = {c for _, c in stamps if c != "vllm"}
+    devices = {d for d, _ in stamps}
+    if len(devices) > 1 or len(ours_commits) > 1:
         raise SystemExit(f"the parts come from several devices or commits {sorted(stamps)}: re-run them at one")
-    ratios: dict = {}
-    off = {b: _tpot(parts, "ours_off", b, "off") for b in batches}
-    ratios["tpot_b1_k4_a100_over_off"] = _ratio(_tpot(parts, "ours_k4", 1, "replay_a1"), off.get(1))
-    ratios["tpot_b1_k4_a100_draft_over_off"] = _ratio(_tpot(parts, "ours_k4", 1, "draft_a1"), off.get(1))
-    for b in batches:
-        ratios[f"adaptive_over_off_b{b}"] = _ratio(_tpot(parts, "ours_adaptive", b, "ngram"), off[b])
-        ratios[f"adaptive_draft_over_off_b{b}"] = _ratio(_tpot(parts, "ours_adaptive", b, "draft"), off[b])
-        ratios[f"tpot_off_b{b}_over_vllm"] = _ratio(off[b], _tpot(parts, "vllm_off", b))
-        for k in ks:
-            ratios[f"tpot_draft_k{k}_b{b}_over_vllm"] = _ratio(_tpot(parts, f"ours_k{k}", b, "draft_a1"),
-                                                               _tpot(parts, f"vllm_draft_model_k{k}", b))
-            ratios[f"tpot_ngram_k{k}_b{b}_over_vllm"] = _ratio(_tpot(parts, f"ours_k{k}", b, "ngram"),
-                                                               _tpot(parts, f"vllm_ngram_k{k}", b))
-    vllm_ran = any(name.startswith("vllm_") for name in parts)
-    ratios = {k: v for k, v in ratios.items() if v is not None or not k.endswith("_over_vllm") or vllm_ran}
-    config = {"model": "llama-3.1-8b config, dummy weights" if device != "cpu" else "tiny config, dummy weights",
-              "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "batches": list(batches), "ks": list(ks),
-              "greedy": True, "ignore_eos": True, "prefix_caching": False,
-              "tpot": "(t(full generate) - t(generate max_tokens=1)) / (output_len - 1)"}
-    notes = {
-        "tpot_b1_k4_a100_over_off": "replay proposer (the target's own greedy output, free to propose): "
-                                    "what verifying 4 proposals per step gains when every one is accepted",
-        "tpot_b1_k4_a100_draft_over_off": "draft model = target: each proposal costs a full forward of the "
-                                          "target-sized draft, so this stays near or above 1 whatever the "
-                                          "verification gains; a real (smaller) draft sits between the two",
-        "adaptive_over_off_bB": "n-gram proposer with the default adaptive policy; adaptive_draft_* the same "
-                                "for the draft model",
-    }
-    baselines = {"vllm": "0.26 offline, same prompts and lengths" if vllm_ran else "not run (no vllm_* parts)"}
-    dev = device or (next(iter(stamps))[0] if stamps else None)
-    commit = next((c for _, c in ours_stamps), None)
-    write_result(output, "spec_decode", None, config, parts, baselines, ratios, device=dev,
-                 measured_commit=commit, extra={"notes": notes})
+    ratios = ratios_of(merged, batches, ks)
+    config = {"model": "llama-3.1-8b config" if device != "cpu" else "tiny llama config (smoke)",
+              "load_format": "dummy", "prompt_len": PROMPT_LEN, "output_len": OUTPUT_LEN, "batches": list(batches),
+              "ks": list(ks), "greedy": True, "ignore_eos": True, "prefix_caching": False,
+              "tpot": "(t(full generate) - t(generate with max_tokens=1)) / (output_len - 1)"}
+    baselines = {"vllm": ("0.26 offline, same prompts, lengths and model config" if merged["vllm"]
+                          else "not run (no vllm_* parts)")}
+    write_result(output, "spec_decode", None, config, merged, baselines, ratios,
+                 device=device or (devices.pop() if devices else None),
+                 measured_commit=ours_commits.pop() if ours_commits else None, extra={"notes": NOTES})
     return ratios
 
 
@@ -366,10 +404,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("section", choices=["ours", "vllm", "collect", "smoke"])
-    ap.add_argument("--config", help="ours: off, k1, k2, k4, adaptive; vllm: off, draft_model_kK, ngram_kK")
+    ap.add_argument("--config", help="ours: off or spec; vllm: off, draft_model_kK, ngram_kK")
     ap.add_argument("--model", default=MODEL, help="a model directory (config.json; dummy weights)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
-    ap.add_argument("--ks", default=",".join(map(str, KS)), help="collect: the k values to look for")
+    ap.add_argument("--ks", default=",".join(map(str, KS)))
     ap.add_argument("--accepts", default=",".join(f"{a:g}" for a in ACCEPTS))
     ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     ap.add_argument("--output-len", type=int, default=OUTPUT_LEN)
@@ -385,10 +423,11 @@ def main() -> int:
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.accepts = [float(a) for a in args.accepts.split(",")]
-    ks = [int(k) for k in args.ks.split(",")]
+    ks = args.ks = [int(k) for k in args.ks.split(",")]
     parts = Path(args.parts)
     if args.section == "ours":
-        write_part(parts, f"ours_{args.config}", ours(args.config, args), vllm_side=False)
+        name = "ours_off" if args.config == "off" else "ours_spec_b" + "_".join(map(str, args.batches))
+        write_part(parts, name, ours(args.config, args), vllm_side=False)
     elif args.section == "vllm":
         if args.site:
             sys.path.insert(0, args.site)
@@ -402,8 +441,8 @@ def main() -> int:
             tmp = Path(tempfile.mkdtemp(prefix="spec_smoke_out_"))
             args.parts, args.output = str(tmp / "parts"), str(tmp / "spec_decode.json")
         parts = Path(args.parts)
-        for config in ["off"] + [f"k{k}" for k in ks] + ["adaptive"]:
-            write_part(parts, f"ours_{config}", ours(config, args), vllm_side=False)
+        write_part(parts, "ours_off", ours("off", args), vllm_side=False)
+        write_part(parts, "ours_spec", ours("spec", args), vllm_side=False)
         print(json.dumps(collect(parts, Path(args.output), args.batches, ks, device="cpu"), indent=1))
         print(f"wrote {args.output}")
     return 0
