@@ -62,6 +62,11 @@ class Sequence:
     # False for a request with prompt_logprobs: every prompt position must be computed, so it reads
     # no cached prefix (its own blocks are still offered to the cache).
     reads_prefix_cache: bool = True
+    # Speculative decoding: tokens a proposer suggests after the last one, set by the engine just
+    # before a step is scheduled and cleared after it. Never part of token_ids or num_tokens (they
+    # are unverified): the scheduler may give the sequence lookahead slots for them, the runner
+    # feeds them after its last token, and only those the verification accepts are appended.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:

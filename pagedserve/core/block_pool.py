@@ -112,6 +112,17 @@ class BlockPool:
             else:
                 self.codes[block.block_id] = USED if block.ref_cnt == 1 else SHARED
 
+    def return_unused(self, blocks: Seq[KVCacheBlock]) -> None:
+        """Give back blocks just taken by get_new_blocks and never filled with anything kept (a
+        speculative step's rejected lookahead): each goes back to the head of the free queue, in
+        the order they were taken, so the queue is as if they had never left it."""
+        for block in reversed(blocks):
+            if block.ref_cnt != 1 or block.block_hash is not None:
+                raise ValueError(f"block {block.block_id} is shared or cached: not an unused lookahead block")
+            block.ref_cnt = 0
+            self.free_block_queue.appendleft(block)
+            self.codes[block.block_id] = FREE
+
     def cache_full_block(self, block: KVCacheBlock, block_hash: bytes) -> bool:
         """Register an owned, full block under its content hash. False if caching is off or
         another block already holds this content (the first one stays canonical)."""

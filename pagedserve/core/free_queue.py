@@ -73,6 +73,19 @@ class FreeKVCacheBlockQueue:
         block.in_free_queue = True
         self.num_free_blocks += 1
 
+    def appendleft(self, block: KVCacheBlock) -> None:
+        """Put a block back at the head: it is handed out next (a block taken and never used)."""
+        if block.in_free_queue:
+            raise ValueError(f"block {block.block_id} is already in the free queue")
+        block.prev_free, block.next_free = None, self._head
+        if self._head is None:
+            self._tail = block
+        else:
+            self._head.prev_free = block
+        self._head = block
+        block.in_free_queue = True
+        self.num_free_blocks += 1
+
     def __iter__(self) -> Iterator[KVCacheBlock]:
         cur = self._head
         while cur is not None:

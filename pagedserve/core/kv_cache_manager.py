@@ -6,7 +6,14 @@ Invariants kept here (and checked by tests/core):
   number of tokens allocated for it (all known tokens at admission, then one per decode);
 - a block written this step has ref_cnt 1: a shared block in the write range is first
   copied (copy-on-write) and the (src, dst) pair is returned for the runner;
-- only full blocks of computed tokens carry a content hash, so a hashed block is never written.
+- only full blocks of computed tokens carry a content hash, so a hashed block is never written;
+- speculative lookahead (append_slots' num_lookahead_tokens): slots for k unverified tokens are
+  allocated like any others, and free_rejected_slots, once the runner has verified them, gives
+  back every block the lookahead added that holds no verified token, to the head of the free
+  queue as if it had never been taken. Unverified tokens are never hashed: hashes cover
+  min(computed, known) tokens, and a proposed token is neither known (it is not in the
+  sequence's token ids) nor counted computed after the rollback. What a lookahead cannot undo:
+  a cached-free block it took was evicted (as any allocation evicts).
 """
 from __future__ import annotations
 
@@ -56,6 +63,8 @@ class KVCacheManager:
         self.peak_blocks_used = 0
         # Off unless a runner keeps tables on the device (Scheduler.enable_table_log).
         self.table_log: TableChangeLog | None = None
+        # seq_id -> its table's length before a lookahead append, until free_rejected_slots.
+        self._lookahead_from: dict[int, int] = {}
 
     # ---- queries -------------------------------------------------------------------
     def get_block_table(self, seq: Sequence) -> list[int]:
@@ -180,9 +189,10 @@ class KVCacheManager:
                 cow += 1
         return grow + cow
 
-    def can_append_slots(self, seqs: Iterable[tuple[Sequence, int]]) -> bool:
-        """Whether every (seq, num_new_tokens) can get slots (new blocks and COW copies) now."""
-        needed = 0
+    def can_append_slots(self, seqs: Iterable[tuple[Sequence, int]], reserve: int = 0) -> bool:
+        """Whether every (seq, num_new_tokens) can get slots (new blocks and COW copies) now,
+        leaving `reserve` blocks free."""
+        needed = reserve
         for s, n in seqs:
             needed += self._blocks_needed(s, n)
         return needed <= self.pool.free_block_queue.num_free_blocks
@@ -231,8 +241,14 @@ class KVCacheManager:
             copies.extend(self.append_slots(s, 1))
         return copies
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> list[tuple[int, int]]:
-        """Make slots [num_computed, num_computed + n) writable; returns COW (src, dst) pairs."""
+    def append_slots(self, seq: Sequence, num_new_tokens: int,
+                     num_lookahead_tokens: int = 0) -> list[tuple[int, int]]:
+        """Make slots [num_computed, num_computed + n + lookahead) writable; returns COW (src, dst)
+        pairs. The last num_lookahead_tokens slots hold proposed, unverified tokens: after the
+        step, free_rejected_slots gives back what they needed beyond the verified ones."""
+        if num_lookahead_tokens:
+            self._lookahead_from[seq.seq_id] = len(self.block_tables[seq.seq_id])
+            num_new_tokens += num_lookahead_tokens
         table = self.block_tables[seq.seq_id]
         ids = self._block_ids[seq.seq_id]
         log = self.table_log
@@ -269,6 +285,22 @@ class KVCacheManager:
         elif copies:
             self._note_usage()
         return copies
+
+    def free_rejected_slots(self, seq: Sequence) -> None:
+        """After a lookahead step, with seq.num_computed_tokens already counting only the verified
+        tokens: the blocks the lookahead added past those go back to the pool (head of the free
+        queue, in order); the table is then what appending the verified tokens alone gives.
+        Entries past a table's length are never read, so the table log records nothing."""
+        before = self._lookahead_from.pop(seq.seq_id, None)
+        table = self.block_tables.get(seq.seq_id)
+        if before is None or table is None:
+            return
+        keep = max(before, cdiv(seq.num_computed_tokens, self.block_size))
+        if keep < len(table):
+            extra = table[keep:]
+            del table[keep:]
+            del self._block_ids[seq.seq_id][keep:]
+            self.pool.return_unused(extra)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; writes are copied on demand."""
@@ -308,6 +340,7 @@ class KVCacheManager:
         if sid in self.cpu_block_tables:
             self.cpu_pool.free_blocks(reversed(self.cpu_block_tables.pop(sid)))
         self._seqs.pop(sid, None)
+        self._lookahead_from.pop(sid, None)
         self._block_hashes.pop(sid, None)
         self._num_cached_blocks.pop(sid, None)
 

@@ -21,19 +21,27 @@ class ScheduledSequence:
     plan after the engine appends the sampled token to seq. A decode's one token may be a
     placeholder (seq.num_inflight_tokens > 0): the runner takes it from the previous step's
     sampled tokens on the device. A prefill chunk never contains a placeholder.
+
+    A speculative row (num_lookahead = k > 0) runs the sequence's last token and then
+    seq.spec_token_ids[:k], so num_new_tokens = 1 + k; it returns logits at all 1 + k positions,
+    and is not a decode row (it is listed after the decodes). The engine sets num_rejected once
+    the runner has verified the proposals; update_after_step then counts only verified tokens
+    computed and the KV manager gives back the rejected slots' blocks.
     """
     seq: Sequence
     group: SequenceGroup
     start: int
     num_new_tokens: int
     block_table: list[int]
+    num_lookahead: int = 0
+    num_rejected: int = 0
     do_sample: bool = field(init=False)
     is_decode: bool = field(init=False)
 
     def __post_init__(self) -> None:
         n = self.seq.num_tokens  # placeholders included: a decode may run a token not yet on the host
         # A token is sampled only when this step reaches the end of the sequence.
-        self.do_sample = self.start + self.num_new_tokens == n
+        self.do_sample = self.start + self.num_new_tokens - self.num_lookahead == n
         self.is_decode = self.num_new_tokens == 1 and self.start == n - 1 and self.seq.is_decode
 
     @classmethod
@@ -46,6 +54,7 @@ class ScheduledSequence:
         ss.start = seq.num_computed_tokens
         ss.num_new_tokens = 1
         ss.block_table = block_table
+        ss.num_lookahead = ss.num_rejected = 0
         ss.do_sample = True
         ss.is_decode = True
         return ss
@@ -74,6 +83,11 @@ class SchedulerOutput:
     @property
     def num_batched_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def num_lookahead_tokens(self) -> int:
+        """Proposed tokens this step verifies (0 unless speculative decoding is on)."""
+        return sum(s.num_lookahead for s in self.scheduled)
 
     @property
     def num_decodes(self) -> int:

@@ -21,6 +21,14 @@ placeholder and gets its slot like any decode. Invariants that make this safe:
     but every later step that could reuse its blocks is queued behind N+1 on the same device
     stream, and N+1 writes only into the sequence's own last, not yet cached, block.
 
+Speculative decoding: a running single-sequence decode whose seq.spec_token_ids the engine filled
+gets lookahead slots for k of them (k trimmed to the token budget, max_tokens and max_model_len)
+and runs 1 + k tokens; its lookahead counts in the token budget and is taken before any prefill.
+Lookahead never preempts anyone: if its blocks do not fit with one block left for every decode
+still to schedule, the sequence decodes plainly. After
+the step, update_after_step counts only verified tokens computed and hands the rejected slots'
+blocks back through the KV manager (free_rejected_slots).
+
 Multi-sequence groups (n > 1) are preempted whole. They prefer swap even when recompute is
 configured (as vLLM does); with no swap space each sequence recomputes its own tokens
 independently (prompt + its own outputs), so outputs stay correct but the shared prompt is
@@ -192,7 +200,7 @@ class Scheduler:
             status = s.status
             if status.finished:
                 continue  # leaves running, as in the per-group path
-            if status is not RUNNING or not s.is_decode:
+            if status is not RUNNING or not s.is_decode or s.spec_token_ids:
                 return None
             kept.append(group)
             if s.num_inflight_tokens and _reached_limit(s, group, max_len):
@@ -250,6 +258,15 @@ class Scheduler:
             if not decodes:
                 pending.append((group, False))
                 continue
+            if len(seqs) == 1 and decodes[0].spec_token_ids:
+                s = decodes[0]
+                k = self._lookahead(s, group)
+                wants = [(s, 1 + k)]
+                # A block spare for each decode still to schedule: lookahead must not preempt them.
+                if k and not mgr.exceeds_capacity(group, wants) and mgr.can_append_slots(wants, len(remaining)):
+                    scheduled.append(self._run(group, s, 1, out, k))
+                    pending.append((group, True))
+                    continue
             wants = [(s, 1) for s in decodes]
             if mgr.exceeds_capacity(group, wants):
                 self._finish_full(group)
@@ -279,10 +296,27 @@ class Scheduler:
                     self._schedule_prefill(group, s, scheduled, out)
         return preempted
 
-    def _run(self, group: SequenceGroup, seq: Sequence, n: int, out: SchedulerOutput) -> ScheduledSequence:
-        out.blocks_to_copy.extend(self.kv_cache_manager.append_slots(seq, n))
-        self._budget -= n
-        return ScheduledSequence(seq, group, seq.num_computed_tokens, n, self.kv_cache_manager.block_table_view(seq))
+    def _run(self, group: SequenceGroup, seq: Sequence, n: int, out: SchedulerOutput,
+             lookahead: int = 0) -> ScheduledSequence:
+        mgr = self.kv_cache_manager
+        # The contiguous baselines take no lookahead (the engine refuses speculation with them).
+        out.blocks_to_copy.extend(mgr.append_slots(seq, n, lookahead) if lookahead else mgr.append_slots(seq, n))
+        self._budget -= n + lookahead
+        return ScheduledSequence(seq, group, seq.num_computed_tokens, n + lookahead,
+                                 self.kv_cache_manager.block_table_view(seq), lookahead)
+
+    def _lookahead(self, seq: Sequence, group: SequenceGroup) -> int:
+        """How many of seq's proposed tokens fit this step: within the token budget (its own token
+        first), and never past max_tokens or max_model_len once the verification's extra token is
+        added (so every accepted token can be kept). 0 while a token of it is in flight."""
+        if seq.num_inflight_tokens:
+            return 0
+        k = min(len(seq.spec_token_ids), self._budget - 1,
+                self.scheduler_config.max_model_len - seq.num_tokens - 1)
+        max_tokens = group.sampling_params.max_tokens
+        if max_tokens is not None:
+            k = min(k, max_tokens - len(seq.output_token_ids) - 1)
+        return max(k, 0)
 
     def _schedule_prefill(self, group: SequenceGroup, seq: Sequence, scheduled: list, out: SchedulerOutput) -> None:
         todo = seq.num_uncomputed_tokens
@@ -414,14 +448,17 @@ class Scheduler:
 
     # ---- after the runner ---------------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:
-        """Advance computed tokens of what ran; newly full blocks become reusable prefix cache."""
+        """Advance computed tokens of what ran; newly full blocks become reusable prefix cache. A
+        speculative row counts only its verified tokens (ss.num_rejected, set by the engine)."""
         mgr = self.kv_cache_manager
         has_table, cache_blocks, bs = mgr.has_table, mgr.cache_blocks, self.block_size
         for ss in out.scheduled:
             seq = ss.seq
             if seq.status.finished or not has_table(seq):
                 continue  # aborted while the step ran
-            seq.num_computed_tokens = n = ss.start + ss.num_new_tokens
+            seq.num_computed_tokens = n = ss.start + ss.num_new_tokens - ss.num_rejected
+            if ss.num_lookahead:
+                mgr.free_rejected_slots(seq)
             # A decode fills a block only with its block's last slot; otherwise nothing to cache.
             if n % bs == 0 or not ss.is_decode:
                 cache_blocks(seq)

@@ -10,7 +10,9 @@ What is recorded, per sequence: the first entry that changed since the last drai
 records the old length, a copy-on-write its index, a new table (admission, fork, swap-in) 0),
 and whether its device table went away (free, swap-out, preemption by recompute). A table that
 went away and came back within one window is reported as both: removal first, then the new one.
-Tables never shrink otherwise, so "entries from index i on" describes every change.
+Tables never shrink otherwise (a speculative step's rejected lookahead blocks are dropped from a
+table's end, unrecorded: entries past a table's length are never read, and the next growth
+records its first new index), so "entries from index i on" describes every change.
 
 Plain data and no torch: the core stays testable in microseconds.
 """

@@ -32,6 +32,7 @@ from pagedserve.engine.input_processor import InputProcessor, eos_token_ids, loa
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.step_timer import NULL_STEP_TIMER
 from pagedserve.engine.structured import StructuredOutputs
+from pagedserve.engine.speculation import Speculator, can_speculate
 from pagedserve.engine.token_application import TokenApplication
 from pagedserve.layers.sampler import Sampler, needs_only_temperature
 from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
@@ -41,6 +42,7 @@ from pagedserve.runner.async_output import AsyncHostCopy
 from pagedserve.runner.executor import build_executor
 from pagedserve.runner.model_runner import resolve_device
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedserve.spec_decode.config import SpeculativeConfig
 
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
@@ -125,8 +127,23 @@ class LLMEngine(TokenApplication):
         self._sync_requests: set[str] = set()   # unfinished requests that force synchronous steps
         self._inflight: InflightStep | None = None
         self.last_step_tokens = 0  # tokens of the latest step (the server's iteration-tokens histogram)
+        # Speculative decoding (engine/speculation.py): the proposer, policy and counters; the
+        # requests that may speculate.
+        self.speculator: Speculator | None = None
+        self._spec_requests: set[str] = set()
+        if config.speculative_config is not None:
+            self.speculator = self._make_speculator(config)
 
     # ---- construction helpers -------------------------------------------------------------
+
+    def _make_speculator(self, config: EngineConfig) -> "Speculator":
+        """The speculator, or a ValueError naming a combination that cannot speculate."""
+        if config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config with tensor_parallel_size > 1 is not supported yet")
+        if config.kv_allocator != "paged":
+            raise ValueError(f"speculative_config needs kv_allocator paged (got {config.kv_allocator!r}): "
+                             "the contiguous baselines cannot roll back lookahead slots")
+        return Speculator(SpeculativeConfig.from_json(config.speculative_config), self)
 
     def use_scheduler(self, scheduler: Scheduler) -> None:
         """Run the engine's steps through `scheduler` (start-up, or a benchmark's fresh policy on the
@@ -185,6 +202,8 @@ class LLMEngine(TokenApplication):
             self._plain_sampling[request_id] = p.temperature
         if not overlaps(p):
             self._sync_requests.add(request_id)
+        if self.speculator is not None and can_speculate(p):
+            self._spec_requests.add(request_id)
         self._admit(group, grammar)
 
     def _admit(self, group: SequenceGroup, grammar: Any) -> None:
@@ -245,8 +264,11 @@ class LLMEngine(TokenApplication):
         rid = group.request_id
         self._plain_sampling.pop(rid, None)
         self._sync_requests.discard(rid)
+        self._spec_requests.discard(rid)
         for s in group.seqs:
             self._seq_generators.pop(s.seq_id, None)
+            if self.speculator is not None:
+                self.speculator.finish(s.seq_id)
         self.structured.forget(group)
 
     def get_kv_cache_state(self) -> dict:
@@ -273,13 +295,24 @@ class LLMEngine(TokenApplication):
         if self.structured.pending:
             self._admit_compiled(touched)
         prev = self._inflight  # stays visible until processed: the step the scheduler plans around
-        overlap = self.async_scheduling and not self._sync_requests
+        # Speculation (engine/speculation.py) runs synchronous steps: proposals need every token on
+        # the host. The policy's k = 0 (a large batch) keeps the step overlapped.
+        spec_k = 0
+        if self._spec_requests:
+            spec_k = self.speculator.tokens_this_step(self.scheduler.num_running)
+        overlap = self.async_scheduling and not self._sync_requests and not spec_k
         if prev is not None and not overlap:
             # A request that needs every token on the host joined: finish the step in flight first.
             self._inflight = None
             self._process_inflight(prev, touched, final_only)
             prev = None
+        if spec_k:
+            self.speculator.propose(self.scheduler.running, self._spec_requests, spec_k, self._seq_generators)
         out = self.scheduler.schedule()
+        if spec_k:
+            for group in out.preempted:  # a draft model's state for them is stale once they resume
+                for seq in group.seqs:
+                    self.speculator.finish(seq.seq_id)
         timer.mark("schedule")
         self._note_scheduled(out)
         self._inflight = None
@@ -365,15 +398,26 @@ class LLMEngine(TokenApplication):
         prompt_logits = self.runner.last_prompt_logits
         if prompt_logits is not None:
             prompt_logprobs.record(out.scheduled, out.num_decodes, prompt_logits)
-        self.scheduler.update_after_step(out)
         sampled = [s for s in out.scheduled if s.do_sample]
+        verified = []
+        if self.speculator is not None and logits is not None and out.num_lookahead_tokens:
+            # Verify first: the scheduler counts only verified tokens computed (num_rejected).
+            logits, sampled, verified = self.speculator.verify(logits, sampled, self.sampler, self.generator,
+                                                               self._seq_generators)
+        self.scheduler.update_after_step(out)
+        now = time.time()
         if sampled and logits is not None:
             if self.structured.seqs:
                 self.structured.apply(logits, self.structured.fill(self._grammar_rows(sampled)))
-            now = time.time()
             for s in sampled:
                 self._note_sampled(s.group, now, touched, final_only)
             self._process_samples(logits, sampled)
+        if verified:
+            for s, _, _ in verified:
+                self._note_sampled(s.group, now, touched, final_only)
+            self._append_verified(verified)
+        if self.speculator is not None:
+            self.speculator.clear()
         timer.launch_end()
 
     # ---- overlapped steps -----------------------------------------------------------------

@@ -178,6 +178,27 @@ class TokenApplication:
         if beam_rows:
             self._beams.step(logits, beam_rows)
 
+    def _append_verified(self, verified: list) -> None:
+        """Speculative rows (engine/speculation.py): append each row's emitted tokens one by one
+        through the stop rules, so a stop inside an accepted run truncates exactly there; then the
+        blocks the verified tokens filled join the prefix cache."""
+        append = self.output_processor.append_token
+        cache = self.scheduler.kv_cache_manager.cache_blocks
+        for s, tokens, logprobs in verified:
+            seq = s.seq
+            if seq.status.finished:
+                continue
+            status = None
+            for token, logprob in zip(tokens, logprobs):
+                status = append(seq, s.group, token, logprob, None)
+                if status is not None:
+                    break
+            if status is not None:
+                seq.status = status
+                self.scheduler.free_seq(seq)
+            else:
+                cache(seq)
+
     def _draw(self, launch):
         """Launch a synchronous step's sampling, then wait for its tokens on the host; the step
         timer splits the wait from the launch."""

@@ -78,12 +78,27 @@ def _to_device(arrays: list[np.ndarray], device: torch.device) -> list[torch.Ten
     return out
 
 
+def sample_rows(cu: np.ndarray, sample_mask: np.ndarray, logit_counts: np.ndarray | None) -> np.ndarray:
+    """Flat token rows whose logits the step returns, in schedule order: the last token of each
+    sampling sequence, or, with logit_counts (speculative rows), the last logit_counts[i] tokens
+    of sequence i (1 + k for a row verifying k proposed tokens, 0 for one that does not sample)."""
+    if logit_counts is None:
+        return cu[1:][sample_mask] - 1
+    c = np.asarray(logit_counts, dtype=np.int64)
+    total = int(c.sum())
+    first_of_seq = np.repeat(cu[1:] - c, c)
+    within = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(c) - c, c)
+    return first_of_seq + within
+
+
 def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
                       block_tables: list[list[int]], sample_mask: np.ndarray, num_decodes: int, block_size: int,
                       device: torch.device, pad_blocks_to: int | None = None,
-                      placeholders: tuple[np.ndarray, np.ndarray] | None = None) -> ModelInput:
+                      placeholders: tuple[np.ndarray, np.ndarray] | None = None,
+                      logit_counts: np.ndarray | None = None) -> ModelInput:
     """The arrays are per sequence except input_ids (per token). Raises if a block table is too short.
-    placeholders: (token index, row of the previous step's sampled tokens) pairs, or None."""
+    placeholders: (token index, row of the previous step's sampled tokens) pairs, or None.
+    logit_counts: see sample_rows (None: one row per sampling sequence)."""
     num_seqs = len(block_tables)
     starts = np.asarray(starts, dtype=np.int64)
     query_lens = np.asarray(query_lens, dtype=np.int64)
@@ -116,7 +131,7 @@ def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.
         seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
         positions = np.arange(num_tokens, dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens)
         slots = tables[seq_of_token, positions // block_size].astype(np.int64) * block_size + positions % block_size
-        sample_indices = cu[1:][sample_mask] - 1
+        sample_indices = sample_rows(cu, sample_mask, logit_counts)
         query_lens_l, seq_lens_l = query_lens.tolist(), seq_lens.tolist()
         max_query_len, max_seq_len = int(max(query_lens_l, default=0)), int(max(seq_lens_l, default=0))
     arrays = [np.asarray(input_ids, dtype=np.int64), positions, slots, cu.astype(np.int32),
@@ -161,11 +176,13 @@ class HostBatch:
     # Rows of the flat batch whose logits are returned beside the samples' (prompt_logprobs; see
     # prompt_logprob_spans), None when no scheduled sequence asks.
     prompt_rows: np.ndarray | None = None
+    # Speculative steps: logits rows per sequence (sample_rows); None when no row verifies proposals.
+    logit_counts: np.ndarray | None = None
 
     def to_model_input(self, block_size: int, device: torch.device, pad_blocks_to: int | None = None) -> ModelInput:
         ph = None if self.placeholder_dst is None else (self.placeholder_dst, self.placeholder_src)
         return build_model_input(self.input_ids, self.starts, self.query_lens, self.block_tables, self.sample_mask,
-                                 self.num_decodes, block_size, device, pad_blocks_to, ph)
+                                 self.num_decodes, block_size, device, pad_blocks_to, ph, self.logit_counts)
 
 
 def _decode_tokens(decodes: list[ScheduledSequence]) -> tuple[list[int], np.ndarray | None, np.ndarray | None]:
@@ -214,13 +231,23 @@ def host_batch(scheduled: list[ScheduledSequence], num_decodes: int) -> HostBatc
         query_lens = np.fromiter([s.num_new_tokens for s in scheduled], dtype=np.int64, count=n)
         sample_mask = np.fromiter([s.do_sample for s in scheduled], dtype=bool, count=n)
         ids, dst, src = _decode_tokens(scheduled[:num_decodes])
+        spec = False
         for s in scheduled[num_decodes:]:
             if s.seq.num_inflight_tokens:
                 raise ValueError("a prefill chunk must not contain a placeholder token")
-            ids.extend(s.seq.token_slice(s.start, s.start + s.num_new_tokens))
+            k = s.num_lookahead
+            if k:  # a speculative row: its last token, then the proposed ones
+                spec = True
+                ids.extend(s.seq.token_slice(s.start, s.start + s.num_new_tokens - k))
+                ids.extend(s.seq.spec_token_ids[:k])
+            else:
+                ids.extend(s.seq.token_slice(s.start, s.start + s.num_new_tokens))
         if len(ids) != int(query_lens.sum()):
             raise ValueError("a scheduled sequence asks for tokens beyond its length")
     spans = prompt_logprob_spans(scheduled, num_decodes) if num_decodes < n else []
     rows = np.concatenate([np.arange(r, r + c) for _, r, c, _ in spans]) if spans else None
+    counts = None
+    if num_decodes < n and spec:
+        counts = sample_mask.astype(np.int64) + np.fromiter([s.num_lookahead for s in scheduled], np.int64, count=n)
     return HostBatch(np.asarray(ids, dtype=np.int64), starts, query_lens, [s.block_table for s in scheduled],
-                     sample_mask, num_decodes, dst, src, rows)
+                     sample_mask, num_decodes, dst, src, rows, counts)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.runner.batch import HostBatch, ModelInput, _to_device
+from pagedserve.runner.batch import HostBatch, ModelInput, _to_device, sample_rows
 from pagedserve.runner.row_tracker import RowInputs
 
 
@@ -73,7 +73,7 @@ class DeviceRequestState:
             if not decode_only:
                 arrays.update(positions=host["positions"], token_rows=host["token_rows"], cu=host["cu"],
                               seq_lens=host["seq_lens"])
-            if not batch.sample_mask.all():
+            if not batch.sample_mask.all() or batch.logit_counts is not None:
                 arrays["sample_indices"] = host["sample_indices"]
         dev = self._upload(arrays)
         if "cleared_rows" in dev:
@@ -104,13 +104,13 @@ class DeviceRequestState:
         width = host["width"]
         tables = self.block_table[:, :width].index_select(0, rows_t)
         num_sampling = host["num_sampling"]
-        if num_sampling == n:  # every sequence samples: its last token's row
+        if "sample_indices" in dev:  # some rows do not sample, or speculative rows return several
+            sample = dev["sample_indices"]
+        elif num_sampling == n:  # every sequence samples: its last token's row
             sample = (torch.arange(n, dtype=torch.int64, device=self.device) if decode_only
                       else cu[1:].to(torch.int64) - 1)
-        elif num_sampling == 0:  # an empty array does not travel
+        else:  # none samples (an empty array does not travel)
             sample = torch.zeros(0, dtype=torch.int64, device=self.device)
-        else:
-            sample = dev["sample_indices"]
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=cu, seq_lens=seq_lens, block_tables=tables,
             num_decodes=batch.num_decodes, max_query_len=host["max_query_len"], max_seq_len=host["max_seq_len"],
@@ -145,5 +145,6 @@ def _host_side(batch: HostBatch, rows: np.ndarray, table_lens: np.ndarray, block
     out.update(query_lens=ql, max_query_len=int(max(ql, default=0)), cu=cu.astype(np.int32),
                seq_lens=seq_lens.astype(np.int32),
                positions=np.arange(int(cu[-1]), dtype=np.int64) - np.repeat(cu[:-1] - starts, query_lens),
-               token_rows=np.repeat(rows, query_lens), sample_indices=cu[1:][batch.sample_mask] - 1)
+               token_rows=np.repeat(rows, query_lens), sample_indices=sample_rows(cu, batch.sample_mask, batch.logit_counts))
+    out["num_sampling"] = int(out["sample_indices"].shape[0])
     return out

@@ -1,0 +1,156 @@
+"""Speculative decoding in the engine's step: propose before scheduling, verify after the forward.
+
+One step with speculation, synchronous (see LLMEngine.step):
+  1. the policy picks k from the running batch (spec_decode/policy.py); k = 0 leaves the step as
+     it was, overlapped scheduling included;
+  2. the proposer fills seq.spec_token_ids of every running single-sequence decode whose request
+     can speculate (timed: proposer_seconds);
+  3. the scheduler grants each as many lookahead slots as fit (core/scheduler.py) and the runner
+     runs the last token plus the granted proposals as one row, returning logits at all 1 + k
+     positions (runner/batch.py sample_rows);
+  4. here: the rejection sampler (spec_decode/rejection.py) turns each row's logits into its
+     emitted tokens (accepted proposals, then one more), sets ScheduledSequence.num_rejected so
+     the scheduler rolls the rejected slots back, and the engine appends the tokens one by one
+     through the ordinary stop rules, so a stop token or string inside an accepted run ends the
+     sequence exactly where decoding without speculation would.
+
+Which requests speculate: single sequences (n = best_of = 1) whose tokens depend only on the
+logits at each position: temperature, top-k, top-p, min-p and seeds; not those with
+penalties, min_tokens, logprobs, prompt_logprobs, structured outputs or beam search, which
+decode as before beside speculating ones in the same batch.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from pagedserve.layers.sampler import SampleRow
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.factory import make_proposer
+from pagedserve.spec_decode.policy import SpeculationPolicy
+from pagedserve.spec_decode.proposer import ProposalRequest
+from pagedserve.spec_decode.rejection import VerifyRow, rejection_sample
+from pagedserve.spec_decode.stats import SpecDecodeStats
+
+RUNNING = SequenceStatus.RUNNING
+
+
+def can_speculate(p: SamplingParams) -> bool:
+    """Whether a request's sampling lets it verify proposals (see the module docstring)."""
+    return (p.n == 1 and p.best_of == 1 and p.logprobs is None and p.prompt_logprobs is None
+            and p.min_tokens == 0 and p.repetition_penalty == 1.0 and not p.frequency_penalty
+            and not p.presence_penalty and p.structured_outputs is None)
+
+
+class Speculator:
+    def __init__(self, spec: SpeculativeConfig, engine: Any) -> None:
+        self.spec = spec
+        self.proposer = make_proposer(spec, engine)
+        self.policy = SpeculationPolicy(spec.num_speculative_tokens, spec.spec_disable_batch_tokens)
+        self.stats = SpecDecodeStats()
+        self._proposed: list[Sequence] = []
+        # seq_id -> (draft_probs, first row of its proposals) for a proposer that is not one-hot.
+        self._draft_rows: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def tokens_this_step(self, num_running: int) -> int:
+        return self.policy.tokens_to_propose(num_running)
+
+    def propose(self, groups: list[SequenceGroup], eligible: set[str], k: int,
+                generators: dict[int, torch.Generator]) -> None:
+        """Fill spec_token_ids of the running decodes of eligible requests (at most k each)."""
+        seqs, reqs = [], []
+        for g in groups:
+            if g.request_id not in eligible or len(g.seqs) != 1:
+                continue
+            s = g.seqs[0]
+            if s.status is not RUNNING or not s.is_decode or s.num_inflight_tokens:
+                continue
+            t = g.sampling_params.temperature
+            seqs.append(s)
+            reqs.append(ProposalRequest(s.seq_id, s.token_ids, k, t, generators.get(s.seq_id)))
+        if not reqs:
+            return
+        t0 = time.perf_counter()
+        proposals = self.proposer.propose(reqs)
+        self.stats.proposer_seconds += time.perf_counter() - t0
+        row = 0
+        for s, ids in zip(seqs, proposals.token_ids):
+            if ids:
+                s.spec_token_ids = list(ids[:k])
+                self._proposed.append(s)
+                if proposals.draft_probs is not None:
+                    self._draft_rows[s.seq_id] = (proposals.draft_probs, row)
+            row += len(ids)
+
+    def clear(self) -> None:
+        """After the step: no proposal outlives it."""
+        for s in self._proposed:
+            s.spec_token_ids = []
+        self._proposed = []
+        self._draft_rows = {}
+
+    def finish(self, seq_id: int) -> None:
+        self.proposer.finish(seq_id)
+
+    def verify(self, logits: torch.Tensor, sampled: list, sampler: Any, shared: torch.Generator,
+               generators: dict[int, torch.Generator]):
+        """Split a step's logits into the ordinary rows' and the speculative rows'; verify the latter.
+
+        Returns (logits of the ordinary rows, their ScheduledSequences, [(speculative row, emitted
+        token ids, their raw logprobs)]); sets num_rejected on every speculative row."""
+        dev = logits.device
+        plain_rows, plain, spec = [], [], []
+        off = 0
+        for s in sampled:
+            if s.num_lookahead:
+                spec.append((s, off))
+            else:
+                plain.append(s)
+                plain_rows.append(off)
+            off += 1 + s.num_lookahead
+        if not spec:
+            return logits, sampled, []
+        if off != logits.shape[0]:
+            raise RuntimeError(f"speculative step: {logits.shape[0]} logits rows for {off} expected")
+        plain_logits = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.long, device=dev)) \
+            if plain else None
+        idx = [o + j for s, o in spec for j in range(1 + s.num_lookahead)]
+        target = logits.index_select(0, torch.tensor(idx, dtype=torch.long, device=dev)).float()
+        rows, vrows, drafts = [], [], []
+        for s, _ in spec:
+            seq, p = s.seq, s.group.sampling_params
+            gen = generators.get(seq.seq_id)
+            for _ in range(1 + s.num_lookahead):
+                rows.append(SampleRow(len(rows), p, seq.prompt_token_ids, seq.output_token_ids, gen))
+            vrows.append(VerifyRow(seq.spec_token_ids[:s.num_lookahead], p.temperature == 0.0, gen))
+            found = self._draft_rows.get(seq.seq_id)
+            if found is not None:
+                probs, first = found
+                drafts.append(probs[first:first + s.num_lookahead])
+        probs = sampler.process_logits(target, rows).softmax(dim=-1)
+        if drafts and len(drafts) != len(spec):
+            raise RuntimeError("a proposer returned draft_probs for some requests only")
+        draft_probs = torch.cat(drafts).to(dev) if drafts else None
+        result = rejection_sample(probs, vrows, draft_probs, shared)
+        # Raw logprobs of the emitted tokens (what decoding without speculation reports).
+        lp_rows, lp_tokens, base = [], [], 0
+        for (s, _), toks in zip(spec, result.token_ids):
+            lp_rows.extend(range(base, base + len(toks)))
+            lp_tokens.extend(toks)
+            base += 1 + s.num_lookahead
+        rows_t = torch.tensor(lp_rows, dtype=torch.long, device=dev)
+        toks_t = torch.tensor(lp_tokens, dtype=torch.long, device=dev)
+        chosen = (target[rows_t].gather(1, toks_t[:, None]).squeeze(1)
+                  - torch.logsumexp(target[rows_t], dim=-1)).tolist()
+        out, i = [], 0
+        self.stats.num_spec_steps += 1
+        for (s, _), toks, a in zip(spec, result.token_ids, result.num_accepted):
+            s.num_rejected = s.num_lookahead - a
+            self.stats.record(s.num_lookahead, a)
+            out.append((s, toks, chosen[i:i + len(toks)]))
+            i += len(toks)
+        return plain_logits, plain, out
