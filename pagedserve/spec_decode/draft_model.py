@@ -128,8 +128,12 @@ class DraftModelProposer:
         target_len = max_model_len or target.max_model_len or get_max_model_len(target_hf_config)
         self.max_model_len = min(target_len, get_max_model_len(self.hf_config))
         self.max_num_seqs = target.scheduler_config(target_len).max_num_seqs
-        self.model = get_model(self.hf_config, model_dir=self.draft_dir, device=self.device, dtype=self.dtype,
-                               load_format=target.load_format, seed=target.seed)
+        try:
+            self.model = get_model(self.hf_config, model_dir=self.draft_dir, device=self.device, dtype=self.dtype,
+                                   load_format=target.load_format, seed=target.seed)
+        except torch.cuda.OutOfMemoryError:
+            raise ValueError("speculative_config.model: the draft model's weights do not fit in the device "
+                             "memory left beside the target; lower gpu_memory_utilization to leave them room") from None
         from pagedserve.attention.backend import Attention
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         num_layers, kv_heads, head_dim = len(attn), attn[0].num_kv_heads, attn[0].head_dim
@@ -161,9 +165,9 @@ class DraftModelProposer:
         else:
             budget = int(target.cpu_kv_cache_gib * GiB)
         n = min(wanted, budget // block_bytes)
-        if n < -(-self.max_model_len // self.block_size):
-            logger.warning("draft model: room for only %d KV blocks of %d tokens; long sequences get no "
-                           "proposals", n, self.block_size)
+        if n < wanted:
+            logger.warning("draft model: memory for %d KV blocks of %d tokens, fewer than the %d that match the "
+                           "target's pool; some sequences will get fewer proposals", n, self.block_size, wanted)
         if n < 1:
             raise ValueError(f"draft model: no memory for its KV cache ({block_bytes} bytes per block)")
         return n
