@@ -55,6 +55,13 @@ class EngineSnapshot:
     structured_output_cache_hits: int = 0
     structured_output_compile_seconds_sum: float = 0.0
     structured_output_compile_seconds_buckets: list[int] = field(default_factory=list)
+    # Speculative decoding since start (spec_decode/stats.py), when speculative_config is set.
+    spec_decode_enabled: bool = False
+    spec_decode_num_drafts: int = 0
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+    spec_decode_proposer_seconds: float = 0.0
     cache_dtype: str = ""           # the KV pools' element type (fp8_e4m3, bfloat16, ...)
     num_gpu_blocks: int = 0
     block_size: int = 0
@@ -93,9 +100,33 @@ class _SnapshotCollector:
                                     "structured-output grammar.", buckets=cumulative,
                                     sum_value=s.structured_output_compile_seconds_sum)
         yield _cache_config_info(PREFIX, s)
+        yield from spec_decode_families(PREFIX, s, {})
 
     def describe(self):
         return []
+
+
+def spec_decode_families(prefix: str, s: EngineSnapshot, label: dict):
+    """vLLM's spec_decode_* counters (the exposition adds _total), nothing without speculation."""
+    if not s.spec_decode_enabled:
+        return
+    names, values = list(label), list(label.values())
+    for name, doc, value in (
+        ("spec_decode_num_drafts", "Number of spec decoding drafts (rows that verified proposals).",
+         s.spec_decode_num_drafts),
+        ("spec_decode_num_draft_tokens", "Number of draft tokens.", s.spec_decode_num_draft_tokens),
+        ("spec_decode_num_accepted_tokens", "Number of accepted tokens.", s.spec_decode_num_accepted_tokens),
+        ("spec_decode_proposer_seconds", "Host seconds spent proposing draft tokens.",
+         s.spec_decode_proposer_seconds),
+    ):
+        c = CounterMetricFamily(prefix + name, doc, labels=names)
+        c.add_metric(values, value)
+        yield c
+    c = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft "
+                            "position.", labels=names + ["position"])
+    for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
+        c.add_metric(values + [str(pos)], value)
+    yield c
 
 
 VLLM_PREFIX = "vllm:"
@@ -141,6 +172,7 @@ class _VllmNamesCollector:
                                   labels=list(info))
             g.add_metric(list(info.values()), 1.0)
             yield g
+        yield from spec_decode_families(VLLM_PREFIX, s, label)
         for source in m.vllm_named:
             for family in source.collect():
                 yield _renamed(family, PREFIX, VLLM_PREFIX, label)

@@ -93,6 +93,11 @@ class EngineCore:
     def get_kv_cache_stats(self, token_counts: bool = True) -> dict:
         return dataclasses.asdict(self.engine.get_kv_cache_stats(token_counts))
 
+    @utility
+    def get_spec_decode_stats(self) -> dict | None:
+        stats = self.engine.get_spec_decode_stats()
+        return None if stats is None else dataclasses.asdict(stats)
+
     # ---- the step -------------------------------------------------------------------------
 
     def step(self, final_only: bool = False) -> list[RequestOutput]:
@@ -130,7 +135,19 @@ class EngineCore:
                               prefix_cache_queries=stats.prefix_cache_queries,
                               prefix_cache_hits=stats.prefix_cache_hits, cache_dtype=stats.cache_dtype,
                               num_gpu_blocks=stats.num_blocks_total, block_size=stats.block_size,
-                              **self._structured_stats())
+                              **self._structured_stats(), **self._spec_decode_stats())
+
+    def _spec_decode_stats(self) -> dict:
+        """Speculative decoding's counters (spec_decode/stats.py) for /metrics; none without it."""
+        spec = getattr(self.engine, "speculator", None)
+        if spec is None:
+            return {}
+        st = spec.stats
+        return dict(spec_decode_enabled=True, spec_decode_num_drafts=st.num_drafts,
+                    spec_decode_num_draft_tokens=st.num_draft_tokens,
+                    spec_decode_num_accepted_tokens=st.num_accepted_tokens,
+                    spec_decode_num_accepted_tokens_per_pos=list(st.num_accepted_tokens_per_pos),
+                    spec_decode_proposer_seconds=st.proposer_seconds)
 
     def _structured_stats(self) -> dict:
         """The grammar compile counters (engine/structured/), for /metrics; none before the first."""

@@ -259,6 +259,12 @@ class LLMEngine(TokenApplication):
         """KVCacheStats; token_counts=False is the O(1) read (num_live_tokens left None)."""
         return self.scheduler.get_kv_cache_stats(token_counts)
 
+    def get_spec_decode_stats(self):
+        """Speculative decoding's counters since start (SpecDecodeStats: drafts, draft and accepted
+        tokens, per position, proposer seconds; acceptance_rate and mean_accepted_length), or None
+        without speculative_config."""
+        return None if self.speculator is None else self.speculator.stats
+
     def _forget(self, group: SequenceGroup) -> None:
         """Drop the engine's per-request state of a finished or aborted group."""
         rid = group.request_id
@@ -273,8 +279,14 @@ class LLMEngine(TokenApplication):
 
     def get_kv_cache_state(self) -> dict:
         """Every block's state, the live block tables and the counters, as plain data
-        (pagedserve.core.kv_state). O(blocks): for a dashboard at a few Hz, never per step."""
-        return kv_cache_state(self.scheduler)
+        (pagedserve.core.kv_state). O(blocks): for a dashboard at a few Hz, never per step. With
+        speculative decoding, its counters too ("spec_decode")."""
+        state = kv_cache_state(self.scheduler)
+        if self.speculator is not None:
+            st = self.speculator.stats
+            state["spec_decode"] = dict(dataclasses.asdict(st), acceptance_rate=st.acceptance_rate,
+                                        mean_accepted_length=st.mean_accepted_length)
+        return state
 
     def _make_generator(self, seed: int) -> torch.Generator:
         g = torch.Generator(device=self.device)
@@ -326,6 +338,8 @@ class LLMEngine(TokenApplication):
                 self._inflight = self._launch(out, prev)
             else:
                 self._run_sync(out, touched, final_only)
+        if spec_k:
+            self.speculator.clear()  # no proposal outlives its step (an overlapped one must see none)
         if prev is not None:
             self._process_inflight(prev, touched, final_only)
         if self._inflight is not None and not self._groups:
@@ -416,8 +430,6 @@ class LLMEngine(TokenApplication):
             for s, _, _ in verified:
                 self._note_sampled(s.group, now, touched, final_only)
             self._append_verified(verified)
-        if self.speculator is not None:
-            self.speculator.clear()
         timer.launch_end()
 
     # ---- overlapped steps -----------------------------------------------------------------

@@ -50,7 +50,8 @@ class Speculator:
     def __init__(self, spec: SpeculativeConfig, engine: Any) -> None:
         self.spec = spec
         self.proposer = make_proposer(spec, engine)
-        self.policy = SpeculationPolicy(spec.num_speculative_tokens, spec.spec_disable_batch_tokens)
+        self.policy = SpeculationPolicy(spec.num_speculative_tokens, spec.spec_disable_batch_tokens,
+                                        spec.disable_by_batch_size)
         self.stats = SpecDecodeStats()
         self._proposed: list[Sequence] = []
         # seq_id -> (draft_probs, first row of its proposals) for a proposer that is not one-hot.

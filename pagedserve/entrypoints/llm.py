@@ -66,6 +66,10 @@ class LLM:
     def get_kv_cache_stats(self):
         return self.llm_engine.get_kv_cache_stats()
 
+    def get_spec_decode_stats(self):
+        """Speculative decoding's counters (pagedserve.spec_decode.stats.SpecDecodeStats), or None."""
+        return self.llm_engine.get_spec_decode_stats()
+
     @staticmethod
     def _as_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
         if isinstance(prompts, (str, dict)):

@@ -4,7 +4,8 @@ Keys (vLLM's names): method ("ngram" | "draft_model"), num_speculative_tokens (k
 model (the draft model's directory, draft_model only), prompt_lookup_min / prompt_lookup_max
 (n-gram lengths to match, ngram only; 1 and 5 when neither is given, one given alone sets
 both), plus our adaptive
-policy's knobs (spec_disable_batch_tokens, see spec_decode/policy.py). An unknown key is a
+policy's knobs (spec_disable_batch_tokens, and vLLM's disable_by_batch_size; see
+spec_decode/policy.py). An unknown key is a
 ValueError naming it: a field is honoured or refused, never dropped.
 
 No torch here: EngineConfig validates the JSON at construction, before any model loads.
@@ -31,6 +32,8 @@ class SpeculativeConfig:
     # Adaptive policy: above this many batched tokens (decodes x (1 + k)) k is lowered, and
     # speculation is off for a step where even k = 1 would exceed it.
     spec_disable_batch_tokens: int = DEFAULT_DISABLE_BATCH_TOKENS
+    # vLLM's key: speculation off for a step once this many requests run (None: no such limit).
+    disable_by_batch_size: int | None = None
 
     @classmethod
     def from_json(cls, value: str | dict | "SpeculativeConfig") -> "SpeculativeConfig":
@@ -87,6 +90,9 @@ class SpeculativeConfig:
         if not isinstance(t, int) or isinstance(t, bool) or t < 2:
             raise ValueError(f"speculative_config.spec_disable_batch_tokens must be an integer >= 2, got {t!r}")
         d["spec_disable_batch_tokens"] = t
+        b = d.get("disable_by_batch_size")
+        if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1, got {b!r}")
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:

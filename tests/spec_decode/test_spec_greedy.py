@@ -1,0 +1,70 @@
+"""Greedy output with n-gram speculation equals output without it, token for token, across the
+dense tests' memory regimes (recompute, swap, chunked prefill, prefix caching) and block sizes
+1, 16 and 32; and the reference itself equals HF's greedy generate."""
+import pytest
+
+from pagedserve import SamplingParams
+from tests.engine.helpers import assert_no_leak, hf_greedy, make_llm, tokenizer
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+# Copy-heavy prompts (the proposer finds matches) beside ordinary ones.
+TEXTS = [
+    "one two three four five six seven one two three four five six seven one two three",
+    "The quick brown fox",
+    "abc abc abc abc abc abc abc abc",
+    "Paged attention stores the KV cache in fixed-size blocks, like pages of virtual memory. "
+    "Paged attention stores the KV cache in fixed-size",
+    "Hi",
+]
+
+
+def _ids(model_dir):
+    tok = tokenizer(str(model_dir))
+    return [tok.encode(t) for t in TEXTS]
+
+
+def _run(llm, ids, max_tokens):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    assert_no_leak(llm)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _check(model_dir, max_tokens=24, **kw):
+    ids = _ids(model_dir)
+    llm = make_llm(model_dir, speculative_config=NGRAM, **kw)
+    got = _run(llm, ids, max_tokens)
+    for p, g in zip(ids, got):
+        assert g == hf_greedy(model_dir, p, max_tokens, ignore_eos=True), p
+    stats = llm.llm_engine.speculator.stats
+    # Speculation really ran, and both outcomes happened: accepted and rejected proposals.
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    return llm
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_block_sizes(tiny_model_dir, block_size):
+    _check(tiny_model_dir("llama"), block_size=block_size)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption(tiny_model_dir, mode):
+    # 8-token blocks, 18 of them for 5 sequences (the longest 88 + 30 tokens): preemptions.
+    llm = _check(tiny_model_dir("llama"), max_tokens=30, block_size=8, num_gpu_blocks_override=18,
+                 preemption_mode=mode, swap_space=0.05, max_num_batched_tokens=64)
+    assert llm.get_kv_cache_stats().num_preemptions > 0
+
+
+def test_chunked_prefill_small_budget(tiny_model_dir):
+    # A 7-token budget: prompts chunk beside speculating decodes, and lookahead is trimmed to it.
+    _check(tiny_model_dir("qwen2"), block_size=4, max_num_batched_tokens=7)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prefix_caching(tiny_model_dir, prefix_caching):
+    model_dir = tiny_model_dir("mistral")
+    llm = _check(model_dir, block_size=4, enable_prefix_caching=prefix_caching)
+    # Second round: cached blocks (hashed over verified tokens only) serve the same outputs.
+    ids = _ids(model_dir)
+    assert _run(llm, ids, 24) == [hf_greedy(model_dir, p, 24, ignore_eos=True) for p in ids]
+    assert (llm.get_kv_cache_stats().prefix_cache_hits > 0) == prefix_caching

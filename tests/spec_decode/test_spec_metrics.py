@@ -1,0 +1,41 @@
+"""Speculative decoding's counters reach /metrics (vLLM's names under pagedserve: and vllm:),
+through the engine core's snapshot exactly as the server reads it, and the core utility."""
+import msgspec
+
+from pagedserve import SamplingParams
+from pagedserve.engine.core import EngineCore
+from pagedserve.metrics import EngineSnapshot, ServerMetrics
+from tests.engine.helpers import make_llm, tokenizer
+from tests.spec_decode.test_spec_greedy import NGRAM, TEXTS
+
+
+def test_counters_in_metrics_and_core_utility(tiny_model_dir):
+    model_dir = tiny_model_dir("llama")
+    llm = make_llm(model_dir, block_size=4, speculative_config=NGRAM)
+    tok = tokenizer(str(model_dir))
+    llm.generate([{"prompt_token_ids": tok.encode(TEXTS[0])}],
+                 SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    stats = llm.get_spec_decode_stats()
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == sum(stats.num_accepted_tokens_per_pos)
+    dash = llm.llm_engine.get_kv_cache_state()["spec_decode"]  # the dashboard's snapshot
+    assert dash["num_accepted_tokens"] == stats.num_accepted_tokens
+    assert dash["acceptance_rate"] == stats.num_accepted_tokens / stats.num_draft_tokens
+    core = EngineCore(None, engine=llm.llm_engine)
+    snap = msgspec.json.decode(msgspec.json.encode(core.snapshot()), type=EngineSnapshot)  # as it travels
+    assert core.call_utility("get_spec_decode_stats", [])["num_drafts"] == stats.num_drafts
+    m = ServerMetrics(model_name="tiny")
+    m.observe_snapshot(snap)
+    text = m.render().decode()
+    for prefix, label in (("pagedserve:", ""), ("vllm:", '{model_name="tiny"}')):
+        assert f"{prefix}spec_decode_num_draft_tokens_total{label} {float(stats.num_draft_tokens)}" in text
+        assert f"{prefix}spec_decode_num_accepted_tokens_total{label} {float(stats.num_accepted_tokens)}" in text
+        assert f"{prefix}spec_decode_num_drafts_total{label} {float(stats.num_drafts)}" in text
+        assert f"{prefix}spec_decode_proposer_seconds_total" in text
+    pos0 = float(stats.num_accepted_tokens_per_pos[0])
+    assert f'pagedserve:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {pos0}' in text
+
+
+def test_no_series_without_speculation():
+    m = ServerMetrics()
+    m.observe_snapshot(EngineSnapshot())
+    assert "spec_decode" not in m.render().decode()
