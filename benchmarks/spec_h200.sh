@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Speculative decoding on the H200 (issue #36; benchmarks/offline/spec_decode_bench.py says what each
 # section measures). Run from the repo root, one section per device call (each < 10 min):
-#   bash benchmarks/spec_h200.sh tests                    # the CUDA checks of the draft proposer
+#   bash benchmarks/spec_h200.sh tests                    # the draft proposer's tests (CUDA ones included)
 #   bash benchmarks/spec_h200.sh off|spec_b1|spec_b8|spec_b32|spec_b128   # pagedserve, one engine each
 #   SITE=/dir/with/vllm bash benchmarks/spec_h200.sh vllm_off|vllm_draft_model_k1|..._k4|vllm_ngram_k1|..._k4
 #   bash benchmarks/spec_h200.sh collect                  # -> benchmarks/results/h200/spec_decode.json
@@ -31,7 +31,8 @@ vllm_run() {  # vLLM from $SITE first on the path (its own torch); pagedserve on
   PYTHONPATH=$SITE:$PWD run "$1" 580 vllm --config "$cfg" --site "$SITE"
 }
 case "${1:-}" in
-  tests) timeout 580 python3 -m pytest -q -p no:cacheprovider tests/spec_decode 2>&1 | tee "${OUT:-.}/spec_tests.log" | tail -30 ;;
+  tests) timeout 580 python3 -m pytest -q -p no:cacheprovider tests/spec_decode/test_draft_model.py \
+           tests/spec_decode/test_draft_greedy.py tests/spec_decode/test_spec_cuda.py 2>&1 | tee "${OUT:-.}/spec_tests.log" | tail -30 ;;
   off) run off 580 ours --config off ;;
   spec_b1|spec_b8|spec_b32|spec_b128) run "$1" 580 ours --config spec --batches "${1#spec_b}" ;;
   ours_all) run off 580 ours --config off

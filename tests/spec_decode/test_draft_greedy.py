@@ -107,3 +107,16 @@ def test_seeded_sampling_reproducible(target_dir, draft_dir):
         outs.append(res[0].outputs[0].token_ids)
         assert llm.llm_engine.speculator.stats.num_draft_tokens > 0
     assert outs[0] == outs[1] and len(outs[0]) == 16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_cuda_draft_greedy_matches_hf(target_dir, draft_dir, enforce_eager):
+    """On CUDA (float32): the draft's own CUDA graphs (unless enforce_eager) beside the target's."""
+    ids = prompt_ids(str(target_dir))[:4]
+    llm = make_llm(target_dir, device="cuda", enforce_eager=enforce_eager, max_num_seqs=16,
+                   speculative_config=spec(draft_dir))
+    assert (llm.llm_engine.speculator.proposer.graphs is None) == enforce_eager
+    assert run(llm, ids, 16) == [hf_greedy(target_dir, p, 16, ignore_eos=True) for p in ids]
+    stats = llm.llm_engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
