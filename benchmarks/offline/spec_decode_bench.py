@@ -1,0 +1,467 @@
+"""Speculative decoding: TPOT and throughput against acceptance rate and k, beside speculation off,
+the adaptive policy, and vLLM 0.26 in the same set-up (issue #36).
+
+Set-up, both engines alike: Llama-3.1-8B's config with dummy weights, bf16, greedy, ignore_eos,
+prefix caching off; each prompt PROMPT_LEN ids (a random passage of PROMPT_LEN / 2 ids written
+twice: copy-heavy, so n-gram lookup has something to find), OUTPUT_LEN new tokens; batches of 1, 8,
+32 and 128 requests submitted at once. Per (config, batch): t2 = seconds of a generate with
+max_tokens=2 (prefill, first token and one decode step; 2 rather than 1 because our engine with
+speculation on never reports a max_tokens=1 request finished to LLM.generate, a bug left to the
+engine's owner), t = seconds of the full generate;
+TPOT = (t - t2) / (OUTPUT_LEN - 2) and throughput = batch * OUTPUT_LEN / t (output tokens/s).
+
+Sections, each one process that fits a 10-minute device call (benchmarks/spec_h200.sh runs them):
+  ours --config off        speculation off (no speculative_config): the baseline, every batch
+  ours --config spec --batches B   one engine with speculative_config draft_model, draft = target (the
+                           same config and dummy weights: its greedy proposals are the target's), whose
+                           proposer and policy are switched between runs (LLMEngine.speculator):
+                           for k in 1, 2, 4 with the adaptive policy off (spec_disable_batch_tokens 2**30):
+                             k{k}_ngram         prompt lookup, as shipped;
+                             k{k}_draft_a{a}    the draft model, each proposal corrupted with probability
+                                                1 - a (spec_decode/synthetic.py, benchmark-only);
+                             k{k}_replay_a{a}   the same corruption around a replay of the target's own
+                                                greedy output (a free draft: what verification alone
+                                                costs and gains);
+                           then the default adaptive policy at k = 4: adaptive_ngram, adaptive_draft
+  vllm --config off | draft_model_kK | ngram_kK   vLLM offline with speculative_config (draft = target:
+                           {"method": "draft_model", "model": <the same dir>}; {"method": "ngram"});
+                           run it with vLLM on PYTHONPATH (--site DIR adds it)
+  collect                  merges the parts into benchmarks/results/h200/spec_decode.json
+  smoke                    CPU, a tiny config: both `ours` sections and collect in one process
+Acceptance is measured (accepted / proposed tokens, from the engine's counters) beside the a
+that was asked for: with corruption probability 1 - a per token, greedy verification accepts
+proposal j with probability a**j.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+MODEL = str(ROOT / "benchmarks/models/llama-3.1-8b")
+PROMPT_LEN, OUTPUT_LEN = 128, 128
+BATCHES = (1, 8, 32, 128)
+KS = (1, 2, 4)
+ACCEPTS = (0.0, 0.5, 0.8, 1.0)
+FIXED = 1 << 30            # spec_disable_batch_tokens that never turns speculation off
+ADAPTIVE_K = 4
+PARTS = ROOT / "benchmarks/results/h200/spec_decode_parts"
+OUTPUT = ROOT / "benchmarks/results/h200/spec_decode.json"
+VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false", "VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
+
+def make_prompts(batch: int, prompt_len: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`batch` copy-heavy prompts: a random passage of prompt_len // 2 ids (from [10, 10000), the
+    workloads' draw, within the vocabulary), written twice."""
+    rng = random.Random(seed * 1000 + batch)
+    half = prompt_len // 2
+    out = []
+    for _ in range(batch):
+        passage = [rng.randrange(10, min(10000, vocab)) for _ in range(half)]
+        out.append((passage * 3)[:prompt_len])
+    return out
+
+
+def log(msg: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        with open(Path(out) / "spec_progress.log", "a") as f:
+            f.write(line + "\n")
+
+
+def _sync() -> None:
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+# --- the pagedserve side ----------------------------------------------------------------------------
+# The engine's speculative-decoding state is LLMEngine.speculator (engine/speculation.py): its proposer,
+# its adaptive policy (k and the batch-token threshold, read every step) and its counters.
+def speculator(llm):
+    return llm.llm_engine.speculator
+
+
+def set_proposer(llm, proposer) -> None:
+    speculator(llm).proposer = proposer
+
+
+def get_proposer(llm):
+    return speculator(llm).proposer
+
+
+def set_policy(llm, k: int, disable_batch_tokens: int) -> None:
+    """k at most the engine's configured k (what its start-up sized for)."""
+    policy = speculator(llm).policy
+    policy.k, policy.disable_batch_tokens = k, disable_batch_tokens
+
+
+def counters(llm) -> tuple[int, int]:
+    """(proposed, accepted) tokens so far, from the engine's speculative-decoding counters."""
+    s = speculator(llm).stats
+    return int(s.num_draft_tokens), int(s.num_accepted_tokens)
+
+
+class NoProposals:
+    """Proposes nothing: the engine decodes one token per step (for the replay's recordings)."""
+
+    def propose(self, requests):
+        from pagedserve.spec_decode.proposer import Proposals
+        return Proposals([[] for _ in requests], None)
+
+    def finish(self, seq_id: int) -> None:
+        pass
+
+
+def _generate(llm, prompts, max_tokens: int):
+    from pagedserve import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    _sync()
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _sync()
+    return time.perf_counter() - t0, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def measure(llm, prompts, output_len: int, spec: bool) -> dict:
+    """TPOT, throughput and (with speculation) the measured acceptance of one batch."""
+    t2, _ = _generate(llm, prompts, 2)
+    before = counters(llm) if spec else (0, 0)
+    t, outs = _generate(llm, prompts, output_len)
+    n_out = sum(map(len, outs))
+    res = {"seconds": round(t, 4), "two_token_seconds": round(t2, 4),
+           "tpot_ms": round((t - t2) / (output_len - 2) * 1e3, 3),
+           "output_tokens_per_s": round(n_out / t, 1), "output_tokens": n_out}
+    if spec:
+        proposed, accepted = (a - b for a, b in zip(counters(llm), before))
+        res.update(proposed_tokens=proposed, accepted_tokens=accepted,
+                   acceptance_rate=round(accepted / proposed, 4) if proposed else None)
+    return res
+
+
+def build_llm(model: str, args, spec: dict | None):
+    from pagedserve import LLM
+    kw = dict(load_format="dummy", skip_tokenizer_init=True, max_model_len=args.max_model_len, seed=0,
+              max_num_seqs=max(args.batches), enable_prefix_caching=False, device=args.device)
+    if args.device != "cpu":
+        kw["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if spec is not None:
+        kw["speculative_config"] = spec
+    return LLM(model, **kw, **json.loads(args.engine_args))
+
+
+def free(llm) -> None:
+    llm.llm_engine.shutdown()
+    del llm
+    gc.collect()
+    import torch
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def ours(config: str, args) -> dict:
+    """One `ours` section: {"bB": {run name: measure()}} for each batch of args.batches.
+    config "off": one run per batch. config "spec": one engine (draft model = target, k = max(ks)) whose
+    proposer and policy are switched between runs: for each k, the n-gram proposer, then the draft and
+    the replay at each acceptance a (runs "k{k}_ngram", "k{k}_draft_a{a}", "k{k}_replay_a{a}"), with
+    the adaptive policy off; then the adaptive policy at k = ADAPTIVE_K ("adaptive_ngram", "adaptive_draft")."""
+    from pagedserve.spec_decode.config import DEFAULT_DISABLE_BATCH_TOKENS
+    from pagedserve.spec_decode.ngram import NgramProposer
+    from pagedserve.spec_decode.synthetic import AcceptanceControlledProposer, ReplayProposer
+
+    model = args.model
+    spec = None
+    if config == "spec":
+        spec = {"method": "draft_model", "model": model, "num_speculative_tokens": max(args.ks + [ADAPTIVE_K]),
+                "spec_disable_batch_tokens": FIXED}
+    elif config != "off":
+        raise SystemExit(f"ours: --config must be off or spec, got {config!r}")
+    t0 = time.perf_counter()
+    llm = build_llm(model, args, spec)
+    log(f"ours {config}: engine up in {time.perf_counter() - t0:.1f} s")
+    vocab = llm.llm_engine.vocab_size
+    results: dict = {"engine_seconds": round(time.perf_counter() - t0, 1)}
+    _generate(llm, make_prompts(2, args.prompt_len, vocab, seed=1), 4)  # warm-up
+    for b in args.batches:
+        prompts = make_prompts(b, args.prompt_len, vocab)
+        runs: dict = {}
+        results[f"b{b}"] = runs
+        if spec is None:
+            runs["off"] = measure(llm, prompts, args.output_len, spec=False)
+            log(f"ours off b{b}: {runs['off']}")
+            continue
+        draft, ngram = get_proposer(llm), NgramProposer(1, 5)
+        set_proposer(llm, NoProposals())
+        _, recorded = _generate(llm, prompts, args.output_len)
+        replay = [p + o for p, o in zip(prompts, recorded)]
+        todo = []
+        for k in args.ks:
+            todo.append((f"k{k}_ngram", k, FIXED, ngram))
+            for a in args.accepts:
+                todo.append((f"k{k}_draft_a{a:g}", k, FIXED, AcceptanceControlledProposer(draft, a, vocab, seed=b)))
+                todo.append((f"k{k}_replay_a{a:g}", k, FIXED,
+                             AcceptanceControlledProposer(ReplayProposer(replay), a, vocab, seed=b)))
+        todo += [("adaptive_ngram", ADAPTIVE_K, DEFAULT_DISABLE_BATCH_TOKENS, ngram),
+                 ("adaptive_draft", ADAPTIVE_K, DEFAULT_DISABLE_BATCH_TOKENS, draft)]
+        for name, k, threshold, proposer in todo:
+            set_proposer(llm, proposer)
+            set_policy(llm, k, threshold)
+            runs[name] = measure(llm, prompts, args.output_len, spec=True)
+            log(f"ours spec b{b} {name}: {runs[name]}")
+        set_proposer(llm, draft)
+    free(llm)
+    return results
+
+
+# --- the vLLM side ----------------------------------------------------------------------------------
+def vllm_counters(llm) -> tuple[int, int] | None:
+    """(draft tokens, accepted tokens) from vLLM's metrics (vllm:spec_decode_*), None if absent."""
+    try:
+        metrics = llm.get_metrics()
+    except Exception:  # noqa: BLE001 (an older vLLM, or stats off)
+        return None
+    got = {m.name: getattr(m, "value", None) for m in metrics}
+    d, a = got.get("vllm:spec_decode_num_draft_tokens"), got.get("vllm:spec_decode_num_accepted_tokens")
+    return None if d is None or a is None else (int(d), int(a))
+
+
+def vllm(config: str, args) -> dict:
+    import shutil
+
+    import vllm as vllm_pkg
+    from vllm import LLM, SamplingParams
+
+    for k, v in VLLM_ENV.items():
+        os.environ.setdefault(k, v)
+    vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+    model_dir = tempfile.mkdtemp(prefix="spec_vllm_")
+    shutil.copy(Path(args.model) / "config.json", Path(model_dir) / "config.json")
+    kw = dict(model=model_dir, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+              max_model_len=args.max_model_len, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+              max_num_seqs=max(args.batches), enable_prefix_caching=False, seed=0, disable_log_stats=False)
+    if config != "off":
+        method, k = config.rsplit("_k", 1)
+        spec = {"method": method, "num_speculative_tokens": int(k)}
+        if method == "draft_model":
+            spec["model"] = model_dir
+        else:
+            spec.update(prompt_lookup_min=1, prompt_lookup_max=5)
+        kw["speculative_config"] = spec
+    t0 = time.perf_counter()
+    llm = LLM(**kw)
+    results: dict = {"engine_seconds": round(time.perf_counter() - t0, 1), "vllm_version": vllm_pkg.__version__,
+                     "llm_kwargs": {k: v for k, v in kw.items() if k != "model"}}
+    log(f"vllm {config}: engine up in {results['engine_seconds']} s")
+
+    def gen(prompts, n):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        _sync()
+        t = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        _sync()
+        return time.perf_counter() - t, sum(len(o.outputs[0].token_ids) for o in outs)
+
+    gen(make_prompts(2, args.prompt_len, vocab, seed=1), 4)
+    for b in args.batches:
+        prompts = make_prompts(b, args.prompt_len, vocab)
+        t2, _ = gen(prompts, 2)
+        before = vllm_counters(llm)
+        t, n_out = gen(prompts, args.output_len)
+        after = vllm_counters(llm)
+        res = {"seconds": round(t, 4), "two_token_seconds": round(t2, 4),
+               "tpot_ms": round((t - t2) / (args.output_len - 2) * 1e3, 3),
+               "output_tokens_per_s": round(n_out / t, 1), "output_tokens": n_out}
+        if before is not None and after is not None and after[0] > before[0]:
+            res.update(proposed_tokens=after[0] - before[0], accepted_tokens=after[1] - before[1],
+                       acceptance_rate=round((after[1] - before[1]) / (after[0] - before[0]), 4))
+        results[f"b{b}"] = res
+        log(f"vllm {config} b{b}: {res}")
+    shutil.rmtree(model_dir, ignore_errors=True)
+    return results
+
+
+# --- collect ------------------------------------------------------------------------------------------
+def merge_parts(parts_dir: Path) -> tuple[dict, set]:
+    """{"ours": {"bB": {run: ...}}, "vllm": {config: {"bB": {...}}}} from the part files, and their
+    (device, commit) stamps (vLLM parts carry commit "vllm")."""
+    merged: dict = {"ours": {}, "vllm": {}, "setup": {}}
+    stamps = set()
+    for f in sorted(parts_dir.glob("*.json")):
+        doc = json.loads(f.read_text())
+        stamps.add((doc["device"], doc["commit"]))
+        merged["setup"][f.stem] = doc.get("setup")
+        if f.stem.startswith("vllm_"):
+            merged["vllm"][f.stem[len("vllm_"):]] = doc["results"]
+        else:
+            for key, runs in doc["results"].items():
+                if key.startswith("b") and isinstance(runs, dict):
+                    merged["ours"].setdefault(key, {}).update(runs)
+                else:
+                    merged["ours"].setdefault("engine_seconds", {})[f.stem] = runs
+    return merged, stamps
+
+
+def _tpot(section: dict, batch: int, run: str | None = None) -> float | None:
+    r = section.get(f"b{batch}")
+    if r is not None and run is not None:
+        r = r.get(run)
+    return None if r is None else r.get("tpot_ms")
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return round(x / y, 3) if x and y else None
+
+
+def ratios_of(merged: dict, batches, ks) -> dict:
+    ours, theirs = merged["ours"], merged["vllm"]
+    off = {b: _tpot(ours, b, "off") for b in batches}
+    r = {"tpot_b1_k4_a100_over_off": _ratio(_tpot(ours, 1, "k4_replay_a1"), off.get(1)),
+         "tpot_b1_k4_a100_draft_over_off": _ratio(_tpot(ours, 1, "k4_draft_a1"), off.get(1))}
+    for b in batches:
+        r[f"adaptive_over_off_b{b}"] = _ratio(_tpot(ours, b, "adaptive_ngram"), off[b])
+        r[f"adaptive_draft_over_off_b{b}"] = _ratio(_tpot(ours, b, "adaptive_draft"), off[b])
+    if theirs:
+        for b in batches:
+            r[f"tpot_off_b{b}_over_vllm"] = _ratio(off[b], _tpot(theirs.get("off", {}), b))
+            for k in ks:
+                r[f"tpot_draft_k{k}_b{b}_over_vllm"] = _ratio(_tpot(ours, b, f"k{k}_draft_a1"),
+                                                              _tpot(theirs.get(f"draft_model_k{k}", {}), b))
+                r[f"tpot_ngram_k{k}_b{b}_over_vllm"] = _ratio(_tpot(ours, b, f"k{k}_ngram"),
+                                                              _tpot(theirs.get(f"ngram_k{k}", {}), b))
+    return r
+
+
+NOTES = {
+    "tpot_b1_k4_a100_over_off": "replay proposer (the target's own greedy output, free to propose), k = 4, a = 1, "
+                                "batch 1: what verifying 4 proposals per step gains when all are accepted",
+    "tpot_b1_k4_a100_draft_over_off": "the same with the draft model = target: each proposal costs a forward of a "
+                                      "target-sized draft, so this cannot go far below 1 however cheap verification "
+                                      "is; a real, smaller draft sits between the two ratios",
+    "adaptive_over_off_bB": "n-gram proposer, default adaptive policy (k = 4, spec_disable_batch_tokens 256) against "
+                            "speculation off; adaptive_draft_over_off_bB: the same with the draft model = target",
+    "acceptance": "runs *_aA corrupt each proposal with probability 1 - A (spec_decode/synthetic.py); "
+                  "acceptance_rate is what the engine's counters measured",
+}
+
+
+def collect(parts_dir: Path, output: Path, batches, ks, device: str | None = None) -> dict:
+    from pagedserve.benchmark.results import write_result
+
+    merged, stamps = merge_parts(parts_dir)
+    ours_commits = {c for _, c in stamps if c != "vllm"}
+    devices = {d for d, _ in stamps}
+    if len(devices) > 1 or len(ours_commits) > 1:
+        raise SystemExit(f"the parts come from several devices or commits {sorted(stamps)}: re-run them at one")
+    ratios = ratios_of(merged, batches, ks)
+    setups = [v for v in merged["setup"].values() if v]
+    if any(s_[key] != setups[0][key] for s_ in setups for key in ("model", "prompt_len", "output_len")):
+        raise SystemExit(f"the parts ran different set-ups: {merged['setup']}")
+    first = setups[0] if setups else {}
+    config = {"model": first.get("model"), "load_format": "dummy", "prompt_len": first.get("prompt_len"),
+              "output_len": first.get("output_len"), "batches": list(batches),
+              "ks": list(ks), "greedy": True, "ignore_eos": True, "prefix_caching": False,
+              "tpot": "(t(full generate) - t(generate with max_tokens=2)) / (output_len - 2)"}
+    baselines = {"vllm": ("0.26 offline, same prompts, lengths and model config" if merged["vllm"]
+                          else "not run (no vllm_* parts)")}
+    write_result(output, "spec_decode", None, config, merged, baselines, ratios,
+                 device=device or (devices.pop() if devices else None),
+                 measured_commit=ours_commits.pop() if ours_commits else None, extra={"notes": NOTES})
+    return ratios
+
+
+def part_path(parts_dir: Path, name: str) -> Path:
+    return parts_dir / f"{name}.json"
+
+
+def write_part(parts_dir: Path, name: str, results: dict, vllm_side: bool, args) -> None:
+    from pagedserve.benchmark.results import git_commit
+    import torch
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    parts_dir.mkdir(parents=True, exist_ok=True)
+    setup = {"model": Path(args.model).name, "prompt_len": args.prompt_len, "output_len": args.output_len,
+             "batches": args.batches, "ks": args.ks, "accepts": args.accepts, "max_model_len": args.max_model_len}
+    doc = {"device": device, "commit": "vllm" if vllm_side else git_commit(), "setup": setup, "results": results}
+    part_path(parts_dir, name).write_text(json.dumps(doc, indent=1) + "\n")
+    out = os.environ.get("OUT")
+    if out:
+        (Path(out) / "spec_decode_parts").mkdir(parents=True, exist_ok=True)
+        (Path(out) / "spec_decode_parts" / f"{name}.json").write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def tiny_model_dir() -> str:
+    """A Llama config small enough for a CPU (dummy weights need nothing but config.json)."""
+    cfg = json.loads((Path(MODEL) / "config.json").read_text())
+    cfg.update(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, vocab_size=512, max_position_embeddings=1024, torch_dtype="float32",
+               bos_token_id=0, eos_token_id=1)
+    cfg["rope_scaling"]["original_max_position_embeddings"] = 64
+    d = tempfile.mkdtemp(prefix="spec_smoke_")
+    (Path(d) / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    ap.add_argument("section", choices=["ours", "vllm", "collect", "smoke"])
+    ap.add_argument("--config", help="ours: off or spec; vllm: off, draft_model_kK, ngram_kK")
+    ap.add_argument("--model", default=MODEL, help="a model directory (config.json; dummy weights)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    ap.add_argument("--ks", default=",".join(map(str, KS)))
+    ap.add_argument("--accepts", default=",".join(f"{a:g}" for a in ACCEPTS))
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    ap.add_argument("--output-len", type=int, default=OUTPUT_LEN)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    # The draft's weights and pools come on top of the target's: leave them room (see draft_model.py).
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    ap.add_argument("--vllm-gpu-memory-utilization", type=float, default=0.9)
+    ap.add_argument("--engine-args", default="{}", help="more LLM(...) keyword arguments for ours, as JSON")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--site", default=None, help="vllm: a directory with vLLM installed (put on sys.path)")
+    ap.add_argument("--parts", default=str(PARTS))
+    ap.add_argument("--output", default=str(OUTPUT))
+    args = ap.parse_args()
+    args.batches = [int(b) for b in args.batches.split(",")]
+    args.accepts = [float(a) for a in args.accepts.split(",")]
+    ks = args.ks = [int(k) for k in args.ks.split(",")]
+    parts = Path(args.parts)
+    if args.section == "ours":
+        name = "ours_off" if args.config == "off" else "ours_spec_b" + "_".join(map(str, args.batches))
+        write_part(parts, name, ours(args.config, args), vllm_side=False, args=args)
+    elif args.section == "vllm":
+        if args.site:
+            sys.path.insert(0, args.site)
+        write_part(parts, f"vllm_{args.config}", vllm(args.config, args), vllm_side=True, args=args)
+    elif args.section == "collect":
+        print(json.dumps(collect(parts, Path(args.output), args.batches, ks), indent=1))
+    else:  # smoke: CPU, tiny, everything at once, into --parts / --output under a temp dir by default
+        args.device = "cpu"
+        args.model = tiny_model_dir()
+        args.prompt_len, args.output_len = 16, 8
+        args.batches, args.ks, args.accepts = [1, 4], [1, 4], [0.0, 1.0]
+        ks = args.ks
+        if args.parts == str(PARTS):
+            tmp = Path(tempfile.mkdtemp(prefix="spec_smoke_out_"))
+            args.parts, args.output = str(tmp / "parts"), str(tmp / "spec_decode.json")
+        parts = Path(args.parts)
+        write_part(parts, "ours_off", ours("off", args), vllm_side=False, args=args)
+        write_part(parts, "ours_spec", ours("spec", args), vllm_side=False, args=args)
+        print(json.dumps(collect(parts, Path(args.output), args.batches, ks, device="cpu"), indent=1))
+        print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

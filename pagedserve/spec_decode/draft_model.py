@@ -1,0 +1,308 @@
+"""DraftModelProposer: a smaller model with the target's tokenizer proposes the next k tokens.
+
+It runs in the engine's process and on its device, beside the target, with its own weights (the
+project's loader: safetensors, or dummy weights with the target's load_format and seed), its own
+paged KV pools (a CacheEngine) and its own blocks (draft_kv.DraftKVManager over a core BlockPool).
+
+One propose() round, for every request at once:
+1. Catch-up forward (one batched, prefill-style forward): per sequence the verified tokens whose
+   KV the draft does not hold yet, i.e. those after the longest still-valid prefix (what it saw
+   before plus the proposals the target accepted; rejected ones are rolled back by lowering the
+   count). Its last row's logits give proposal 1. Merging the catch-up with the first draft step
+   saves a forward and yields the same tokens (the last verified token is the first decode input).
+2. k - 1 batched decode forwards, each on the previous proposal, give proposals 2..k.
+Each proposal is drawn from the draft's distribution at the request's temperature (argmax at 0;
+otherwise softmax(logits / T) with exponential-race noise from the sequence's own generator when
+it has one, else the proposer's), and its probability row is returned for the rejection sampler.
+The proposer leaves KV for proposals 1..k-1 in its cache; the next round keeps what was accepted.
+
+On CUDA (unless enforce_eager) the decode forwards replay CUDA graphs of the draft
+(runner/cuda_graph.DecodeCUDAGraphs, one per batch bucket up to max_num_seqs), and a short
+catch-up replays them as one decode row per token (runner/decode_rows.py), as the target's steps do.
+
+How many draft blocks (num_blocks=None): as many tokens as the target's pool holds
+(target_num_blocks * block_size, when given; else max_num_seqs * max_model_len, all sequences at
+full length), capped by memory: on CUDA at DRAFT_KV_FREE_FRACTION of the device memory free after
+the draft's weights are loaded, on CPU at the engine's cpu_kv_cache_gib. The draft never needs
+more than the target (verified tokens plus k - 1 proposals, against the target's k lookahead
+slots), so this only binds when prefix caching lets the target share blocks. A request whose
+blocks do not fit gets fewer proposals this round, or none (always allowed by the interface).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import numpy as np
+import torch
+
+from pagedserve.config import EngineConfig
+from pagedserve.models.loader import get_max_model_len, get_model, load_hf_config, resolve_dtype
+from pagedserve.runner.batch import ModelInput, build_model_input
+from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
+from pagedserve.runner.decode_rows import as_decode_rows
+from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.draft_kv import DraftKVManager
+from pagedserve.spec_decode.proposer import ProposalRequest, Proposals
+
+logger = logging.getLogger(__name__)
+GiB = 1 << 30
+# Share of the device memory free after the draft's weights that its KV pools may take on CUDA
+# (the rest: its activations and CUDA graphs).
+DRAFT_KV_FREE_FRACTION = 0.8
+
+
+def _tokenizer_vocab(model_dir: str | None) -> dict | None:
+    """The token -> id map (and added tokens) of a directory's tokenizer.json, or None if it has none."""
+    if not model_dir:
+        return None
+    path = os.path.join(os.fspath(model_dir), "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        tok = json.load(f)
+    added = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
+    return {"vocab": (tok.get("model") or {}).get("vocab"), "added": added}
+
+
+def check_vocab_compatible(draft_cfg, target_cfg, draft_dir: str | None, target_tokenizer_dir: str | None) -> None:
+    """Refuse a draft whose vocabulary differs from the target's: proposals are token ids and the
+    rejection sampler compares probability rows id by id, so both must mean the same tokens."""
+    dv, tv = getattr(draft_cfg, "vocab_size", None), getattr(target_cfg, "vocab_size", None)
+    if dv != tv:
+        raise ValueError(f"speculative_config.model: the draft model's vocab_size ({dv}) differs from the "
+                         f"target's ({tv}); a draft model must share the target's tokenizer and vocabulary")
+    if draft_dir and target_tokenizer_dir and os.path.realpath(draft_dir) != os.path.realpath(target_tokenizer_dir):
+        d, t = _tokenizer_vocab(draft_dir), _tokenizer_vocab(target_tokenizer_dir)
+        if d is not None and t is not None and d != t:
+            raise ValueError(f"speculative_config.model: the draft's tokenizer ({draft_dir}/tokenizer.json) "
+                             f"maps tokens to ids differently from the target's ({target_tokenizer_dir}); "
+                             "a draft model must share the target's tokenizer")
+
+
+class DraftModelProposer:
+    """The Proposer of spec_decode/proposer.py backed by a draft model (see the module docstring).
+
+    draft: the draft's HF directory, or a transformers config (dummy weights only).
+    target: the engine's config (device, dtype, block size, load format, seed, limits).
+    target_hf_config: the target's transformers config (read from target.model when None).
+    num_blocks / target_num_blocks: the draft pool's size, or the target pool's to match.
+
+    The factory's call, DraftModelProposer(spec, engine) (spec_decode/factory.py), passes a
+    SpeculativeConfig and the LLMEngine instead: the draft is spec.model, and the engine gives
+    its config, device, transformers config, max_model_len and KV pool size."""
+
+    def __init__(self, draft, target, device: torch.device | str | None = None, *,
+                 target_hf_config=None, num_blocks: int | None = None, target_num_blocks: int | None = None,
+                 max_model_len: int | None = None):
+        if isinstance(draft, SpeculativeConfig):
+            engine = target
+            draft, target, device = draft.model, engine.config, engine.device
+            target_hf_config = engine.hf_config
+            max_model_len = max_model_len or getattr(engine, "max_model_len", None)
+            cache_config = getattr(engine, "cache_config", None)
+            if target_num_blocks is None and cache_config is not None and cache_config.num_gpu_blocks:
+                target_num_blocks = cache_config.num_gpu_blocks
+        if not isinstance(target, EngineConfig):
+            raise ValueError(f"DraftModelProposer: target must be an EngineConfig, got {type(target).__name__}")
+        device = target.device if device is None else device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = torch.device(device)
+        if isinstance(draft, (str, os.PathLike)):
+            self.draft_dir: str | None = os.fspath(draft)
+            self.hf_config = load_hf_config(self.draft_dir)
+        else:
+            self.draft_dir, self.hf_config = None, draft
+        if self.draft_dir is None and target.load_format != "dummy":
+            raise ValueError("speculative_config.model: a draft given as a config needs load_format='dummy'")
+        if target_hf_config is None:
+            if target.model is None:
+                raise ValueError("DraftModelProposer: pass target_hf_config when the engine config has no model")
+            target_hf_config = load_hf_config(target.model)
+        check_vocab_compatible(self.hf_config, target_hf_config, self.draft_dir, target.tokenizer or target.model)
+        self.vocab_size = self.hf_config.vocab_size
+        self.block_size = target.block_size
+        self.dtype = resolve_dtype(target.dtype, target_hf_config, self.device)
+        target_len = max_model_len or target.max_model_len or get_max_model_len(target_hf_config)
+        self.max_model_len = min(target_len, get_max_model_len(self.hf_config))
+        self.max_num_seqs = target.scheduler_config(target_len).max_num_seqs
+        try:
+            self.model = get_model(self.hf_config, model_dir=self.draft_dir, device=self.device, dtype=self.dtype,
+                                   load_format=target.load_format, seed=target.seed)
+        except torch.cuda.OutOfMemoryError:
+            raise ValueError("speculative_config.model: the draft model's weights do not fit in the device "
+                             "memory left beside the target; lower gpu_memory_utilization to leave them room") from None
+        from pagedserve.attention.backend import Attention
+        attn = [m for m in self.model.modules() if isinstance(m, Attention)]
+        num_layers, kv_heads, head_dim = len(attn), attn[0].num_kv_heads, attn[0].head_dim
+        block_bytes = cache_block_bytes(num_layers, self.block_size, kv_heads, head_dim, self.dtype)
+        if num_blocks is None:
+            num_blocks = self._default_num_blocks(target, target_num_blocks, block_bytes)
+        self.kv = DraftKVManager(num_blocks, self.block_size)
+        self.cache = CacheEngine(num_layers, kv_heads, head_dim, self.block_size, num_blocks, 0, self.dtype,
+                                 self.device)
+        self.kv_caches = self.cache.kv_caches
+        # Unseeded requests draw from this generator (seeded from the engine's seed: reproducible runs).
+        self.generator = torch.Generator(device=self.device).manual_seed(target.seed)
+        self.graphs = None
+        if self.device.type == "cuda" and not target.enforce_eager:
+            self._capture_graphs(target, kv_heads)
+        logger.info("draft model %s: %d KV blocks of %d tokens (%.2f GiB)", self.draft_dir or "(config)",
+                    num_blocks, self.block_size, num_blocks * block_bytes / GiB)
+
+    # --- set-up -------------------------------------------------------------------------------------
+    def _default_num_blocks(self, target: EngineConfig, target_num_blocks: int | None, block_bytes: int) -> int:
+        if target_num_blocks is not None:
+            tokens = target_num_blocks * target.block_size
+        else:
+            tokens = self.max_num_seqs * self.max_model_len
+        wanted = -(-tokens // self.block_size)
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * DRAFT_KV_FREE_FRACTION)
+        else:
+            budget = int(target.cpu_kv_cache_gib * GiB)
+        n = min(wanted, budget // block_bytes)
+        if n < wanted:
+            logger.warning("draft model: memory for %d KV blocks of %d tokens, fewer than the %d that match the "
+                           "target's pool; some sequences will get fewer proposals", n, self.block_size, wanted)
+        if n < 1:
+            raise ValueError(f"draft model: no memory for its KV cache ({block_bytes} bytes per block)")
+        return n
+
+    def _capture_graphs(self, target: EngineConfig, kv_heads: int) -> None:
+        from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets, graph_capturable
+
+        if not graph_capturable(self.model):
+            return
+        buckets = batch_buckets(self.max_num_seqs, target.cuda_graph_sizes)
+        if buckets:
+            self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, buckets, max_model_len=self.max_model_len,
+                                           block_size=self.block_size, device=self.device, num_kv_heads=kv_heads)
+            self.graphs.capture()
+
+    # --- the Proposer interface ----------------------------------------------------------------------
+    def finish(self, seq_id: int) -> None:
+        self.kv.free(seq_id)
+
+    @torch.inference_mode()
+    def propose(self, requests: list[ProposalRequest]) -> Proposals:
+        out: list[list[int]] = [[] for _ in requests]
+        active, starts, ks = self._plan(requests)
+        if not active:
+            return Proposals(out, None)
+        any_sampled = any(requests[i].temperature > 0 for i in active)
+        # Catch-up forward: every active sequence's unseen verified tokens; proposal 1 from its last row.
+        ids = np.concatenate([np.asarray(requests[i].token_ids[s:], dtype=np.int64) for i, s in zip(active, starts)])
+        q_lens = np.asarray([len(requests[i].token_ids) - s for i, s in zip(active, starts)], dtype=np.int64)
+        logits = self._forward(ids, np.asarray(starts, dtype=np.int64), q_lens,
+                               [requests[i].seq_id for i in active])
+        # Drawn tokens stay on the device between steps (the next step's input), read once at the end,
+        # so the host builds step j + 1's metadata while the device still runs step j.
+        step_rows: list[list[int]] = []       # per step: indices into requests of its rows
+        step_tokens: list[torch.Tensor] = []
+        step_probs: list[torch.Tensor] = []
+        rows = list(active)
+        pos = np.asarray([len(requests[i].token_ids) for i in active], dtype=np.int64)  # next input position
+        for step in range(max(ks.values())):
+            if step:
+                keep = [j for j, i in enumerate(rows) if ks[i] > step]
+                prev = step_tokens[-1]
+                if len(keep) < len(rows):
+                    prev = prev.index_select(0, torch.tensor(keep, dtype=torch.long, device=prev.device))
+                    rows, pos = [rows[j] for j in keep], pos[keep]
+                logits = self._forward(np.zeros(len(rows), dtype=np.int64), pos, np.ones(len(rows), dtype=np.int64),
+                                       [requests[i].seq_id for i in rows], input_ids_device=prev)
+                pos = pos + 1
+            tokens, probs = self._draw(logits, [requests[i] for i in rows], any_sampled)
+            step_rows.append(rows)
+            step_tokens.append(tokens)
+            if probs is not None:
+                step_probs.append(probs)
+        flat, off = torch.cat(step_tokens).tolist(), 0  # the round's one device-to-host read
+        for rows in step_rows:
+            for i, t in zip(rows, flat[off:off + len(rows)]):
+                out[i].append(t)
+            off += len(rows)
+        for i in active:
+            self.kv.commit(requests[i].seq_id, requests[i].token_ids, out[i][:-1])
+        return Proposals(out, self._order_probs(step_rows, step_probs, out) if any_sampled else None)
+
+    # --- one round's pieces ------------------------------------------------------------------------------
+    def _plan(self, requests: list[ProposalRequest]) -> tuple[list[int], list[int], dict[int, int]]:
+        """Which requests get proposals this round, where each one's catch-up starts, and its k
+        (lowered to what the draft's length limit and its free blocks allow)."""
+        active, starts, ks = [], [], {}
+        for i, r in enumerate(requests):
+            n = len(r.token_ids)
+            if n == 0 or r.num_speculative_tokens < 1:
+                continue
+            start = min(self.kv.match(r.seq_id, r.token_ids), n - 1)
+            # KV for positions 0 .. n + k - 2 (verified tokens, proposals 1..k-1), all < max_model_len.
+            k = min(r.num_speculative_tokens, self.max_model_len - n + 1)
+            while k >= 1 and not self.kv.reserve(r.seq_id, n + k - 1):
+                k -= 1
+            if k < 1:
+                continue
+            active.append(i)
+            starts.append(start)
+            ks[i] = k
+        return active, starts, ks
+
+    def _forward(self, input_ids: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
+                 seq_ids: list[int], input_ids_device: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [len(seq_ids), vocab] of each sequence's last query token, in the model's dtype.
+        input_ids_device: the tokens already on the device (then input_ids only gives the count)."""
+        tables = [self.kv.block_table(s) for s in seq_ids]
+        n = len(seq_ids)
+        decode_only = bool((query_lens == 1).all())
+        inp: ModelInput = build_model_input(input_ids, starts, query_lens, tables, np.ones(n, dtype=bool),
+                                            n if decode_only else 0, self.block_size, self.device)
+        if input_ids_device is not None:
+            inp.input_ids = input_ids_device
+        g = self.graphs
+        if g is not None and g.bucket_for(len(input_ids)) is not None:
+            meta = inp.attn_meta if decode_only else as_decode_rows(inp.attn_meta, inp.positions)
+            if meta is not None:
+                hidden = g.run(inp.input_ids, inp.positions, meta)
+                return self.model.compute_logits(hidden[inp.sample_indices])
+        hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta)
+        return self.model.compute_logits(hidden[inp.sample_indices])
+
+    def _draw(self, logits: torch.Tensor, reqs: list[ProposalRequest],
+              any_sampled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row (int64, on the device) and, when the round has a sampled request, the
+        rows' probabilities (one-hot for greedy rows: what they were drawn from)."""
+        logits = logits[:, :self.vocab_size].float()
+        tokens = logits.argmax(dim=-1)
+        if not any_sampled:
+            return tokens, None
+        temps = torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=logits.device)
+        sampled = temps > 0
+        probs = torch.softmax(logits / torch.where(sampled, temps, 1.0)[:, None], dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for j, r in enumerate(reqs):
+            if r.temperature > 0 and r.generator is not None:
+                if r.generator.device == probs.device:
+                    noise[j].exponential_(generator=r.generator)
+                else:
+                    noise[j].copy_(torch.empty(probs.shape[1]).exponential_(generator=r.generator))
+        drawn = (probs / noise).argmax(dim=-1)  # exponential race: token i with probability probs[i]
+        tokens = torch.where(sampled, drawn, tokens)
+        one_hot = torch.zeros_like(probs).scatter_(1, tokens[:, None], 1.0)
+        probs = torch.where(sampled[:, None], probs, one_hot)
+        return tokens, probs
+
+    @staticmethod
+    def _order_probs(step_rows: list[list[int]], step_probs: list[torch.Tensor],
+                     out: list[list[int]]) -> torch.Tensor:
+        """The per-step probability rows reordered to request order (request 0's proposals first)."""
+        offsets, off = [], 0
+        for rows in step_rows:
+            offsets.append({i: off + j for j, i in enumerate(rows)})
+            off += len(rows)
+        perm = [offsets[s][i] for i, toks in enumerate(out) for s in range(len(toks))]
+        allp = torch.cat(step_probs)
+        return allp.index_select(0, torch.tensor(perm, dtype=torch.long, device=allp.device))

@@ -1,0 +1,84 @@
+"""Benchmark-only proposers: speculation with a chosen acceptance rate, to measure the mechanism.
+
+Real acceptance needs real weights; the benchmarks run dummy weights. So they take proposals
+that the target would accept (a draft equal to the target, greedy; or a replay of the target's
+own greedy output) and corrupt each proposed token with probability 1 - a. Greedy verification
+then accepts a proposal exactly when it and every one before it were left alone: the chance that
+proposal j is accepted is a**j, and the expected acceptance rate (accepted / proposed, vLLM's
+definition) is (a + a**2 + ... + a**k) / k. The benchmark records the measured rate beside a.
+
+Not for serving: the corruption throws away a draft's work on purpose, and only greedy requests
+are allowed (a corrupted token must not pretend to come from the draft's distribution).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from pagedserve.spec_decode.proposer import ProposalRequest, Proposals, Proposer
+
+
+class AcceptanceControlledProposer:
+    """Wraps a proposer whose greedy proposals the target accepts, and replaces each proposed
+    token by another id with probability 1 - acceptance (a numpy generator seeded once: the
+    same run corrupts the same tokens)."""
+
+    def __init__(self, inner: Proposer, acceptance: float, vocab_size: int, seed: int = 0):
+        if not 0.0 <= acceptance <= 1.0:
+            raise ValueError(f"acceptance must be in [0, 1], got {acceptance}")
+        if vocab_size < 2:
+            raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+        self.inner, self.acceptance, self.vocab_size = inner, acceptance, vocab_size
+        self.rng = np.random.default_rng(seed)
+
+    def propose(self, requests: list[ProposalRequest]) -> Proposals:
+        for r in requests:
+            if r.temperature > 0:
+                raise ValueError("AcceptanceControlledProposer is for greedy benchmark requests only "
+                                 f"(sequence {r.seq_id} has temperature {r.temperature})")
+        got = self.inner.propose(requests)
+        out = []
+        for ids in got.token_ids:
+            ids = np.asarray(ids, dtype=np.int64)
+            hit = self.rng.random(ids.shape[0]) >= self.acceptance
+            # Shift by 1..vocab-1: always another id, uniformly among the others.
+            shift = self.rng.integers(1, self.vocab_size, size=ids.shape[0])
+            out.append(np.where(hit, (ids + shift) % self.vocab_size, ids).tolist())
+        return Proposals(out, None)
+
+    def finish(self, seq_id: int) -> None:
+        self.inner.finish(seq_id)
+
+
+class ReplayProposer:
+    """Proposes the target's own greedy continuation, read from recorded sequences (prompt +
+    output of a run without speculation): a free, perfect draft that isolates the cost of
+    verification. A history that no recording starts with (greedy output changed) gets nothing,
+    then and for the rest of its sequence (it is not searched again)."""
+
+    def __init__(self, recordings: Sequence[Sequence[int]]):
+        self.recordings = [np.asarray(r, dtype=np.int64) for r in recordings]
+        self.by_seq: dict[int, np.ndarray | None] = {}  # None: diverged from every recording
+
+    def _find(self, history: np.ndarray) -> np.ndarray | None:
+        n = history.shape[0]
+        for rec in self.recordings:
+            if rec.shape[0] > n and np.array_equal(rec[:n], history):
+                return rec
+        return None
+
+    def propose(self, requests: list[ProposalRequest]) -> Proposals:
+        out = []
+        for r in requests:
+            n = len(r.token_ids)
+            if r.seq_id not in self.by_seq:
+                self.by_seq[r.seq_id] = self._find(np.asarray(r.token_ids, dtype=np.int64))
+            rec = self.by_seq[r.seq_id]
+            if rec is not None and (rec.shape[0] <= n or rec[n - 1] != r.token_ids[-1]):
+                rec = self.by_seq[r.seq_id] = None
+            out.append([] if rec is None else rec[n:n + r.num_speculative_tokens].tolist())
+        return Proposals(out, None)
+
+    def finish(self, seq_id: int) -> None:
+        self.by_seq.pop(seq_id, None)

@@ -1,0 +1,122 @@
+"""Greedy output with draft-model speculation equals output without it (HF's greedy generate of the
+target), token for token, across memory regimes (recompute, swap, chunked prefill, prefix caching)
+and block sizes 1 and 16.
+
+The draft is the target with its weights perturbed: it agrees with the target on most tokens but
+not all, so every run both accepts and rejects proposals, and the draft's KV rollback is exercised.
+"""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from pagedserve import SamplingParams
+from tests.engine.helpers import assert_no_leak, hf_greedy, make_llm, prompt_ids
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def target_dir(tiny_model_dir):
+    return tiny_model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def draft_dir(target_dir, tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("perturbed-draft")
+    for f in target_dir.iterdir():
+        if f.suffix != ".safetensors":
+            shutil.copy(f, out / f.name)
+    gen = torch.Generator().manual_seed(7)
+    for f in target_dir.glob("*.safetensors"):
+        tensors = load_file(f)
+        noisy = {k: (v + 0.01 * torch.randn(v.shape, generator=gen)) if v.dim() >= 2 else v
+                 for k, v in tensors.items()}
+        save_file(noisy, out / f.name, metadata={"format": "pt"})
+    return out
+
+
+def spec(draft_dir, k=K):
+    return {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
+
+
+def run(llm, ids, max_tokens):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    assert_no_leak(llm)
+    draft = llm.llm_engine.speculator.proposer
+    assert draft.kv.num_free_blocks() == draft.kv.num_blocks and not draft.kv.seqs  # every draft block back
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def check(target_dir, draft_dir, max_tokens=16, **kw):
+    ids = prompt_ids(str(target_dir))[:4]
+    llm = make_llm(target_dir, speculative_config=spec(draft_dir), **kw)
+    got = run(llm, ids, max_tokens)
+    for p, g in zip(ids, got):
+        assert g == hf_greedy(target_dir, p, max_tokens, ignore_eos=True), p
+    stats = llm.llm_engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats  # accepted and rejected proposals
+    return llm
+
+
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_block_sizes(target_dir, draft_dir, block_size):
+    check(target_dir, draft_dir, block_size=block_size)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption(target_dir, draft_dir, mode):
+    # 8-token blocks, 12 of them for 4 sequences: preemptions, after which the draft starts over.
+    llm = check(target_dir, draft_dir, max_tokens=16, block_size=8, num_gpu_blocks_override=12,
+                preemption_mode=mode, swap_space=0.05, max_num_batched_tokens=64)
+    assert llm.get_kv_cache_stats().num_preemptions > 0
+
+
+def test_chunked_prefill_and_prefix_caching(target_dir, draft_dir):
+    # A 7-token budget: prompts chunk beside speculating decodes; a second round hits the prefix cache.
+    llm = check(target_dir, draft_dir, block_size=4, max_num_batched_tokens=7, enable_prefix_caching=True)
+    ids = prompt_ids(str(target_dir))[:4]
+    assert run(llm, ids, 16) == [hf_greedy(target_dir, p, 16, ignore_eos=True) for p in ids]
+    assert llm.get_kv_cache_stats().prefix_cache_hits > 0
+
+
+def test_draft_equal_to_target_accepts_everything(target_dir):
+    ids = prompt_ids(str(target_dir))[:3]
+    llm = make_llm(target_dir, speculative_config=spec(target_dir, k=4), block_size=16)
+    assert run(llm, ids, 16) == [hf_greedy(target_dir, p, 16, ignore_eos=True) for p in ids]
+    stats = llm.llm_engine.speculator.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_seeded_sampling_reproducible(target_dir, draft_dir):
+    """Sampled requests take the draft's probability rows through the rejection sampler; a seed
+    makes the output the same run after run, whatever else is in the batch."""
+    ids = prompt_ids(str(target_dir))[:3]
+    seeded = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=11)
+    other = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
+    outs = []
+    for batch in ([ids[0]], ids):
+        llm = make_llm(target_dir, speculative_config=spec(draft_dir), block_size=16)
+        params = [seeded] + [other] * (len(batch) - 1)
+        res = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
+        outs.append(res[0].outputs[0].token_ids)
+        assert llm.llm_engine.speculator.stats.num_draft_tokens > 0
+    assert outs[0] == outs[1] and len(outs[0]) == 16
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("enforce_eager", [True, False])
+def test_cuda_draft_greedy_matches_hf(target_dir, draft_dir, enforce_eager):
+    """On CUDA (float32): the draft's own CUDA graphs (unless enforce_eager) beside the target's."""
+    ids = prompt_ids(str(target_dir))[:4]
+    llm = make_llm(target_dir, device="cuda", enforce_eager=enforce_eager, max_num_seqs=16,
+                   speculative_config=spec(draft_dir))
+    assert (llm.llm_engine.speculator.proposer.graphs is None) == enforce_eager
+    assert run(llm, ids, 16) == [hf_greedy(target_dir, p, 16, ignore_eos=True) for p in ids]
+    stats = llm.llm_engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
