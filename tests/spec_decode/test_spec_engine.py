@@ -42,6 +42,18 @@ def test_stop_token_string_and_max_tokens_inside_accepted_runs(pair):
     assert spec.llm_engine.speculator.stats.num_accepted_tokens > 0
 
 
+def test_requests_that_end_in_their_first_step_are_reported(pair):
+    """A max_tokens=1 request ends in its prefill step; the next (synchronous, speculating) step
+    drops it from the running queue before the step's end collects finished groups: it must still
+    come back (it once hung LLM.generate)."""
+    model_dir, ids, base, spec = pair
+    for max_tokens in ([1], [1, 6], [6, 1, 2]):
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+        got = _gen(spec, ids[:len(max_tokens)], params)
+        assert got == _gen(base, ids[:len(max_tokens)], params)
+        assert [len(t) for t, _, _ in got] == max_tokens
+
+
 def test_policy_switches_between_speculating_and_overlapped_steps(tiny_model_dir, pair):
     model_dir, ids, base, _ = pair
     # Threshold 6 tokens: with 5 running no speculation (overlapped steps), with 1-2 left k = 1-2.
