@@ -15,6 +15,7 @@ the next one. A sequence that N finishes has its N+1 row discarded.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import Any, Iterable
 
@@ -43,7 +44,10 @@ from pagedserve.runner.executor import build_executor
 from pagedserve.runner.model_runner import resolve_device
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.factory import load_draft_model
+from pagedserve.spec_decode.kv_split import split_kv_budget
 
+logger = logging.getLogger(__name__)
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
@@ -83,10 +87,16 @@ class LLMEngine(TokenApplication):
         if not config.skip_tokenizer_init:
             self.tokenizer = load_tokenizer(config.tokenizer or config.model)
 
+        spec = self._speculative_config(config)  # checked before any weights load
         # One process, or rank 0 of a tensor-parallel group: the engine cannot tell them apart.
         self.runner = build_executor(config, self.hf_config, self.device, self.dtype)
         self.runner.load_model()
+        # A draft model's weights load before the sizing, so the profile counts them; its pool then
+        # takes its share of the KV budget (spec_decode/kv_split.py).
+        draft = load_draft_model(spec, self) if spec is not None and spec.method == "draft_model" else None
         num_gpu_blocks, num_cpu_blocks = self.runner.determine_num_blocks()
+        if draft is not None:
+            num_gpu_blocks = self._share_kv_with_draft(num_gpu_blocks, draft)
         self.runner.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self.cache_config = CacheConfig(block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                                         num_cpu_blocks=num_cpu_blocks,
@@ -132,19 +142,37 @@ class LLMEngine(TokenApplication):
         # requests that may speculate.
         self.speculator: Speculator | None = None
         self._spec_requests: set[str] = set()
-        if config.speculative_config is not None:
-            self.speculator = self._make_speculator(config)
+        if spec is not None:
+            self.speculator = Speculator(spec, self, proposer=draft)
 
     # ---- construction helpers -------------------------------------------------------------
 
-    def _make_speculator(self, config: EngineConfig) -> "Speculator":
-        """The speculator, or a ValueError naming a combination that cannot speculate."""
+    @staticmethod
+    def _speculative_config(config: EngineConfig) -> SpeculativeConfig | None:
+        """The parsed speculative_config, or a ValueError naming a combination that cannot speculate."""
+        if config.speculative_config is None:
+            return None
         if config.tensor_parallel_size > 1:
             raise ValueError("speculative_config with tensor_parallel_size > 1 is not supported yet")
         if config.kv_allocator != "paged":
             raise ValueError(f"speculative_config needs kv_allocator paged (got {config.kv_allocator!r}): "
                              "the contiguous baselines cannot roll back lookahead slots")
-        return Speculator(SpeculativeConfig.from_json(config.speculative_config), self)
+        return SpeculativeConfig.from_json(config.speculative_config)
+
+    def _share_kv_with_draft(self, num_gpu_blocks: int, draft: Any) -> int:
+        """Allocate the draft's KV pool and return the target's block count. The budget the runner
+        sized for the target alone (its blocks x block bytes: gpu_memory_utilization after both
+        models' weights, or cpu_kv_cache_gib) is split by spec_decode/kv_split.py. With
+        num_gpu_blocks_override the user sized the target's pool: the draft gets as many blocks."""
+        if self.config.num_gpu_blocks_override is not None:
+            target, own = num_gpu_blocks, num_gpu_blocks
+        else:
+            block_bytes = self.runner.block_bytes
+            target, own = split_kv_budget(num_gpu_blocks * block_bytes, block_bytes, draft.block_bytes)
+            logger.info("KV budget shared with the draft model: %d blocks each (%d + %d bytes per block)",
+                        target, block_bytes, draft.block_bytes)
+        draft.allocate_kv(own)
+        return target
 
     def use_scheduler(self, scheduler: Scheduler) -> None:
         """Run the engine's steps through `scheduler` (start-up, or a benchmark's fresh policy on the

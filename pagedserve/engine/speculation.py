@@ -53,9 +53,11 @@ def can_speculate(p: SamplingParams) -> bool:
 
 
 class Speculator:
-    def __init__(self, spec: SpeculativeConfig, engine: Any) -> None:
+    def __init__(self, spec: SpeculativeConfig, engine: Any, proposer: Any = None) -> None:
+        """proposer: one the engine built already (a draft model, loaded before the KV sizing),
+        else make_proposer's."""
         self.spec = spec
-        self.proposer = make_proposer(spec, engine)
+        self.proposer = proposer if proposer is not None else make_proposer(spec, engine)
         self.policy = SpeculationPolicy(spec.num_speculative_tokens, spec.spec_disable_batch_tokens,
                                         spec.disable_by_batch_size)
         self.stats = SpecDecodeStats()

@@ -169,7 +169,8 @@ class ModelRunner:
             num_gpu = self._cpu_pool_blocks()
         if num_gpu < 1:
             raise ValueError(f"no room for KV cache blocks ({self.block_bytes} bytes each): raise "
-                             "gpu_memory_utilization / cpu_kv_cache_gib or use a smaller model")
+                             "gpu_memory_utilization / cpu_kv_cache_gib or use a smaller model (or a smaller "
+                             "speculative_config.model: a draft model's weights are loaded first)")
         num_cpu = int(cfg.swap_space * GiB // self.block_bytes)
         return num_gpu, num_cpu
 

@@ -20,13 +20,16 @@ On CUDA (unless enforce_eager) the decode forwards replay CUDA graphs of the dra
 (runner/cuda_graph.DecodeCUDAGraphs, one per batch bucket up to max_num_seqs), and a short
 catch-up replays them as one decode row per token (runner/decode_rows.py), as the target's steps do.
 
-How many draft blocks (num_blocks=None): as many tokens as the target's pool holds
-(target_num_blocks * block_size, when given; else max_num_seqs * max_model_len, all sequences at
-full length), capped by memory: on CUDA at DRAFT_KV_FREE_FRACTION of the device memory free after
-the draft's weights are loaded, on CPU at the engine's cpu_kv_cache_gib. The draft never needs
-more than the target (verified tokens plus k - 1 proposals, against the target's k lookahead
-slots), so this only binds when prefix caching lets the target share blocks. A request whose
-blocks do not fit gets fewer proposals this round, or none (always allowed by the interface).
+How many draft blocks. Inside an engine, as many as the target's pool has (same block size, so
+the same tokens): the engine loads the draft's weights before the target's pool is sized
+(defer_kv), so the profile counts them, and spec_decode/kv_split.py splits the KV budget between
+the two pools (allocate_kv). Built on its own (num_blocks=None): as many tokens as the target's
+pool holds (target_num_blocks * block_size, when given; else max_num_seqs * max_model_len),
+capped by memory: on CUDA at DRAFT_KV_FREE_FRACTION of the device memory free after the draft's
+weights are loaded, on CPU at the engine's cpu_kv_cache_gib. The draft never needs more than the
+target (verified tokens plus k - 1 proposals, against the target's k lookahead slots), except
+with prefix caching: a block the target shares between sequences is one draft block per sequence.
+A request whose blocks do not fit gets fewer proposals this round, or none (always allowed).
 """
 from __future__ import annotations
 
@@ -88,6 +91,9 @@ class DraftModelProposer:
     target: the engine's config (device, dtype, block size, load format, seed, limits).
     target_hf_config: the target's transformers config (read from target.model when None).
     num_blocks / target_num_blocks: the draft pool's size, or the target pool's to match.
+    defer_kv: load the weights only; allocate_kv(num_blocks) makes the pool later. The engine
+    does so: the draft's weights are on the device before the target's KV pool is sized, and
+    spec_decode/kv_split.py gives the draft its share of the KV budget.
 
     The factory's call, DraftModelProposer(spec, engine) (spec_decode/factory.py), passes a
     SpeculativeConfig and the LLMEngine instead: the draft is spec.model, and the engine gives
@@ -95,7 +101,7 @@ class DraftModelProposer:
 
     def __init__(self, draft, target, device: torch.device | str | None = None, *,
                  target_hf_config=None, num_blocks: int | None = None, target_num_blocks: int | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, defer_kv: bool = False):
         if isinstance(draft, SpeculativeConfig):
             engine = target
             draft, target, device = draft.model, engine.config, engine.device
@@ -132,27 +138,37 @@ class DraftModelProposer:
             self.model = get_model(self.hf_config, model_dir=self.draft_dir, device=self.device, dtype=self.dtype,
                                    load_format=target.load_format, seed=target.seed)
         except torch.cuda.OutOfMemoryError:
-            raise ValueError("speculative_config.model: the draft model's weights do not fit in the device "
-                             "memory left beside the target; lower gpu_memory_utilization to leave them room") from None
+            raise ValueError("speculative_config.model: the draft model's weights do not fit in the device memory "
+                             "left beside the target's weights; pick a smaller draft model") from None
         from pagedserve.attention.backend import Attention
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
-        num_layers, kv_heads, head_dim = len(attn), attn[0].num_kv_heads, attn[0].head_dim
-        block_bytes = cache_block_bytes(num_layers, self.block_size, kv_heads, head_dim, self.dtype)
-        if num_blocks is None:
-            num_blocks = self._default_num_blocks(target, target_num_blocks, block_bytes)
+        self._kv_shape = (len(attn), attn[0].num_kv_heads, attn[0].head_dim)
+        self.block_bytes = cache_block_bytes(self._kv_shape[0], self.block_size, *self._kv_shape[1:], self.dtype)
+        # Unseeded requests draw from this generator (seeded from the engine's seed: reproducible runs).
+        self.generator = torch.Generator(device=self.device).manual_seed(target.seed)
+        self._target = target
+        self.kv: DraftKVManager | None = None
+        self.graphs = None
+        if not defer_kv:
+            self.allocate_kv(num_blocks if num_blocks is not None
+                             else self._default_num_blocks(target, target_num_blocks, self.block_bytes))
+
+    # --- set-up -------------------------------------------------------------------------------------
+    def allocate_kv(self, num_blocks: int) -> None:
+        """The draft's KV pool of num_blocks blocks (and, on CUDA, its decode graphs over it). The
+        engine calls it with spec_decode/kv_split.py's share once the target's pool is sized."""
+        if self.kv is not None:
+            raise RuntimeError("draft model: its KV cache is already allocated")
+        num_layers, kv_heads, head_dim = self._kv_shape
         self.kv = DraftKVManager(num_blocks, self.block_size)
         self.cache = CacheEngine(num_layers, kv_heads, head_dim, self.block_size, num_blocks, 0, self.dtype,
                                  self.device)
         self.kv_caches = self.cache.kv_caches
-        # Unseeded requests draw from this generator (seeded from the engine's seed: reproducible runs).
-        self.generator = torch.Generator(device=self.device).manual_seed(target.seed)
-        self.graphs = None
-        if self.device.type == "cuda" and not target.enforce_eager:
-            self._capture_graphs(target, kv_heads)
+        if self.device.type == "cuda" and not self._target.enforce_eager:
+            self._capture_graphs(self._target, kv_heads)
         logger.info("draft model %s: %d KV blocks of %d tokens (%.2f GiB)", self.draft_dir or "(config)",
-                    num_blocks, self.block_size, num_blocks * block_bytes / GiB)
+                    num_blocks, self.block_size, num_blocks * self.block_bytes / GiB)
 
-    # --- set-up -------------------------------------------------------------------------------------
     def _default_num_blocks(self, target: EngineConfig, target_num_blocks: int | None, block_bytes: int) -> int:
         if target_num_blocks is not None:
             tokens = target_num_blocks * target.block_size

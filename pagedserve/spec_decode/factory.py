@@ -16,11 +16,20 @@ def make_proposer(spec: SpeculativeConfig, engine: Any) -> Proposer:
     if spec.method == "ngram":
         from pagedserve.spec_decode.ngram import NgramProposer
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+    return _draft_module().DraftModelProposer(spec, engine)
+
+
+def load_draft_model(spec: SpeculativeConfig, engine: Any) -> Proposer:
+    """The draft-model proposer with its weights on the device and no KV pool yet: the engine
+    builds it before sizing the target's pool, then calls its allocate_kv(num_blocks)."""
+    return _draft_module().DraftModelProposer(spec, engine, defer_kv=True)
+
+
+def _draft_module():
     try:
-        module = importlib.import_module(DRAFT_MODULE)
+        return importlib.import_module(DRAFT_MODULE)
     except ModuleNotFoundError as e:
         if e.name != DRAFT_MODULE:
             raise
         raise ValueError("speculative_config.method draft_model is not available in this build "
                          f"({DRAFT_MODULE} is missing); use method ngram") from None
-    return module.DraftModelProposer(spec, engine)
