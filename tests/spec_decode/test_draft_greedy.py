@@ -120,3 +120,48 @@ def test_cuda_draft_greedy_matches_hf(target_dir, draft_dir, enforce_eager):
     assert run(llm, ids, 16) == [hf_greedy(target_dir, p, 16, ignore_eos=True) for p in ids]
     stats = llm.llm_engine.speculator.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+
+
+def _block_bytes(model_dir, block_size: int) -> int:
+    """float32 K and V of every layer for one block, from the HF config (not from the engine)."""
+    from pagedserve.models.loader import load_hf_config
+
+    c = load_hf_config(str(model_dir))
+    return 2 * c.num_hidden_layers * block_size * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 4
+
+
+def test_pools_share_the_kv_budget(target_dir, tiny_model_dir, monkeypatch):
+    """No num_gpu_blocks_override: the draft's weights load before the target's pool is sized,
+    and the budget the target alone would have had (cpu_kv_cache_gib here) is split so that both
+    pools have as many blocks; a one-layer draft has half the target's bytes per block, so the
+    target gets 2/3 of the budget. Greedy output still equals HF's."""
+    from pagedserve.engine import llm_engine
+    from pagedserve.runner.model_runner import ModelRunner
+
+    draft_dir = tiny_model_dir("llama", num_hidden_layers=1)
+    order = []
+    load_draft, sizing = llm_engine.load_draft_model, ModelRunner.determine_num_blocks
+    monkeypatch.setattr(llm_engine, "load_draft_model", lambda *a: order.append("draft") or load_draft(*a))
+    monkeypatch.setattr(ModelRunner, "determine_num_blocks", lambda self: order.append("size") or sizing(self))
+
+    bs, tb, db = 16, _block_bytes(target_dir, 16), _block_bytes(draft_dir, 16)
+    assert tb == 2 * db
+    alone = 60  # target blocks the budget holds without a draft
+    llm = make_llm(target_dir, speculative_config=spec(draft_dir), block_size=bs, num_gpu_blocks_override=None,
+                   cpu_kv_cache_gib=alone * tb / (1 << 30))
+    assert order == ["draft", "size"]
+    engine = llm.llm_engine
+    draft = engine.speculator.proposer
+    n = alone * tb // (tb + db)
+    assert (engine.cache_config.num_gpu_blocks, draft.kv.num_blocks) == (n, n) == (40, 40)
+    assert (engine.runner.block_bytes, draft.block_bytes) == (tb, db)
+    ids = prompt_ids(str(target_dir))[:4]
+    assert run(llm, ids, 8) == [hf_greedy(target_dir, p, 8, ignore_eos=True) for p in ids]
+    assert engine.speculator.stats.num_draft_tokens > 0
+
+
+def test_no_room_beside_the_draft_names_the_fields(target_dir, draft_dir):
+    """A budget of one target block: enough without a draft, none for a block of each."""
+    with pytest.raises(ValueError, match="gpu_memory_utilization.*speculative_config.model"):
+        make_llm(target_dir, speculative_config=spec(draft_dir), block_size=16, num_gpu_blocks_override=None,
+                 cpu_kv_cache_gib=1.5 * _block_bytes(target_dir, 16) / (1 << 30))
