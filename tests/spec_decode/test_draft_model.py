@@ -202,3 +202,29 @@ def test_cuda_graphs_and_eager_propose_hf_greedy(model_dir, hf, eager):
             done = len(v) - len(PROMPTS[i])
             assert got.token_ids[i] == target[i][done:done + k]
             v.extend(target[i][done:done + k + 1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_engine_sizes_both_pools_within_the_budget(model_dir, hf):
+    """On CUDA at the default gpu_memory_utilization, no block override: the draft's weights load
+    before the profile, whose KV budget (after both models' weights) is split so that both pools
+    have as many blocks and together fit it; greedy output equals HF's."""
+    from pagedserve import LLM, SamplingParams
+
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=8, swap_space=0.01, enforce_eager=True,
+              speculative_config={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3})
+    try:
+        engine = llm.llm_engine
+        draft = engine.speculator.proposer
+        n, tb, db = engine.cache_config.num_gpu_blocks, engine.runner.block_bytes, draft.block_bytes
+        budget = engine.runner.profile["kv_budget_bytes"]
+        assert draft.kv.num_blocks == n >= 1
+        assert n * (tb + db) <= budget < (n + 1) * (tb + db) + tb  # the split of floor(budget / tb) target blocks
+        total = torch.cuda.get_device_properties(engine.device).total_memory
+        assert torch.cuda.memory_allocated(engine.device) <= engine.config.gpu_memory_utilization * total
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(hf, p, 8) for p in PROMPTS]
+        assert engine.speculator.stats.num_draft_tokens > 0
+    finally:
+        llm.shutdown()
