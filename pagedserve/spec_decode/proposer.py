@@ -18,8 +18,9 @@ Invariants:
 
 Construction: spec_decode/factory.py builds the proposer the config names; a draft-model
 proposer is `pagedserve.spec_decode.draft_model.DraftModelProposer(spec, engine)` with spec the
-SpeculativeConfig and engine the LLMEngine it serves (engine.config, engine.device,
-engine.dtype, engine.hf_config, engine.vocab_size are there when it is built).
+SpeculativeConfig and engine the LLMEngine it serves. The engine builds it (factory.load_draft_model)
+before sizing its KV pool: engine.config, engine.device, engine.dtype, engine.hf_config and
+engine.max_model_len are there; the pool sizes are not (the engine calls allocate_kv later).
 """
 from __future__ import annotations
 
