@@ -160,9 +160,12 @@ class DraftModelProposer:
         if self.kv is not None:
             raise RuntimeError("draft model: its KV cache is already allocated")
         num_layers, kv_heads, head_dim = self._kv_shape
-        self.kv = DraftKVManager(num_blocks, self.block_size)
-        self.cache = CacheEngine(num_layers, kv_heads, head_dim, self.block_size, num_blocks, 0, self.dtype,
-                                 self.device)
+        try:
+            cache = CacheEngine(num_layers, kv_heads, head_dim, self.block_size, num_blocks, 0, self.dtype, self.device)
+        except torch.cuda.OutOfMemoryError:  # num_gpu_blocks_override sized it: nothing checked it fits
+            raise ValueError(f"speculative_config.model: the draft's KV cache of {num_blocks} blocks does not fit "
+                             "in device memory; lower num_gpu_blocks_override") from None
+        self.kv, self.cache = DraftKVManager(num_blocks, self.block_size), cache
         self.kv_caches = self.cache.kv_caches
         if self.device.type == "cuda" and not self._target.enforce_eager:
             self._capture_graphs(self._target, kv_heads)
