@@ -84,6 +84,9 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []   # ascending admitted_at
         self.swapped: list[SequenceGroup] = []   # ascending admitted_at
+        # Finished groups that schedule() found still running (the engine processed a step in flight
+        # just before it): freed there, handed back by the next free_finished_seq_groups().
+        self._dropped_finished: list[SequenceGroup] = []
         self._admissions = itertools.count()
         self.num_preemptions = 0
         self.num_swap_outs = 0   # groups swapped out to CPU (a subset of the preemptions)
@@ -148,7 +151,7 @@ class Scheduler:
             self.waiting.remove(group)
 
     def free_finished_seq_groups(self) -> list[SequenceGroup]:
-        done = []
+        done, self._dropped_finished = self._dropped_finished, []
         # Waiting groups finish only by abort or rejection, which already take them out.
         for queue in (self.running, self.swapped):
             finished = [g for g in queue if g.finished]
@@ -158,6 +161,12 @@ class Scheduler:
                     self.kv_cache_manager.free(seq)
             done.extend(finished)
         return done
+
+    def _drop_finished(self, group: SequenceGroup) -> None:
+        """A finished group schedule() takes out of running: freed now, never lost (see above)."""
+        for seq in group.seqs:
+            self.kv_cache_manager.free(seq)
+        self._dropped_finished.append(group)
 
     # ---- one step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -191,6 +200,7 @@ class Scheduler:
         (nothing changed)."""
         kept: list[SequenceGroup] = []
         groups: list[SequenceGroup] = []
+        finished: list[SequenceGroup] = []
         seqs: list[Sequence] = []
         max_len = self.scheduler_config.max_model_len
         for group in self.running:
@@ -200,7 +210,8 @@ class Scheduler:
             s = gs[0]
             status = s.status
             if status.finished:
-                continue  # leaves running, as in the per-group path
+                finished.append(group)  # leaves running, as in the per-group path
+                continue
             if status is not RUNNING or not s.is_decode or s.spec_token_ids:
                 return None
             kept.append(group)
@@ -217,6 +228,8 @@ class Scheduler:
         out.blocks_to_copy.extend(copies)
         self._budget -= len(seqs)
         self.running = kept
+        for group in finished:
+            self._drop_finished(group)
         view = mgr.block_table_view
         make = ScheduledSequence.decode
         return [make(s, g, view(s)) for s, g in zip(seqs, groups)]
@@ -226,7 +239,12 @@ class Scheduler:
         mgr = self.kv_cache_manager
         max_len = self.scheduler_config.max_model_len
         preempted = False
-        remaining = deque(g for g in self.running if not g.finished)
+        remaining: deque[SequenceGroup] = deque()
+        for g in self.running:
+            if g.finished:
+                self._drop_finished(g)
+            else:
+                remaining.append(g)
         self.running = []
         pending: list[tuple[SequenceGroup, bool]] = []  # (group, already scheduled this step)
 

@@ -347,10 +347,6 @@ class LLMEngine(TokenApplication):
             self._inflight = None
             self._process_inflight(prev, touched, final_only)
             prev = None
-            # Groups that step ended leave the scheduler's queues in schedule() below, before the
-            # free_finished_seq_groups() at the end of this step could hand them back: collect now.
-            for group in self.scheduler.free_finished_seq_groups():
-                touched.setdefault(id(group), group)
         if spec_k:
             self.speculator.propose(self.scheduler.running, self._spec_requests, spec_k, self._seq_generators,
                                     self.structured.seqs)

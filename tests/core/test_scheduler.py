@@ -291,3 +291,24 @@ def test_admitting_many_groups_at_once_costs_each_group_a_few_cost_checks(monkey
     assert len(s.running) == 250 and len(out.scheduled) == 250
     assert len(calls) <= 3 * 300
     check_invariants(s)
+
+
+@pytest.mark.parametrize("path", ["all_decodes", "per_group"])
+def test_a_group_found_finished_by_schedule_is_freed_and_handed_back(path):
+    """The engine may process a step in flight just before schedule() (a synchronous request
+    joined): groups that step ended are still in running. schedule() takes them out, frees their
+    blocks, and the next free_finished_seq_groups() hands them back, on both of its paths (all
+    running groups decoding, or group by group), so no finished request is ever lost."""
+    s = make_scheduler(64, max_num_batched_tokens=16)
+    a = make_group("a", prompt(5), max_tokens=8)
+    s.add_seq_group(a)
+    if path == "per_group":
+        s.add_seq_group(make_group("b", prompt(40, 100), max_tokens=8))  # still prefilling next step
+    d = Driver(s)
+    d.step()
+    a.seqs[0].status = SequenceStatus.FINISHED_STOPPED
+    out = s.schedule()
+    assert a not in s.running and all(x.group is not a for x in out.scheduled)
+    assert not s.kv_cache_manager.has_table(a.seqs[0])
+    assert s.free_finished_seq_groups() == [a]
+    assert s.free_finished_seq_groups() == []
