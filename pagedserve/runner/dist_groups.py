@@ -13,6 +13,7 @@ The store doubles as the error channel: a worker that fails writes its traceback
 """
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -167,17 +168,27 @@ def abort_group(group) -> None:
         logger.warning("could not abort a tensor-parallel process group: %s", e)
 
 
-def destroy_distributed(wait_s: float | None = None, abort_on_timeout: bool = False) -> None:
+def destroy_distributed(wait_s: float | None = None, abort_on_timeout: bool = False,
+                        groups: DistGroups | None = None) -> None:
     """Leave the groups and give this process back its single-rank TP group.
 
     With wait_s, the teardown runs on a helper thread and is abandoned after wait_s seconds:
     destroying an NCCL group whose peer died can block forever, and a failed engine must
     still return its error. abort_on_timeout then also aborts every group (NCCL's abort needs
     no peer), so nothing of this process stays blocked on them.
+
+    groups: this process's DistGroups, whose ProcessGroup references are dropped once torch has
+    let go of them. destroy_process_group alone leaves a group alive while Python holds it, and
+    with it gloo's worker threads; one that finishes a work after the interpreter has begun to
+    finalize needs the GIL to free the work's tensors and aborts the process ("terminate called
+    without an active exception", seen under torchrun on a loaded machine). Freed here, the
+    group joins its threads (torch drops the GIL in that destructor) while Python still runs.
     """
     from pagedserve.distributed import reset_tp_group
     reset_tp_group()
     if not dist.is_initialized():
+        if groups is not None:
+            groups.control = groups.compute = None
         return
 
     def destroy():
@@ -185,6 +196,9 @@ def destroy_distributed(wait_s: float | None = None, abort_on_timeout: bool = Fa
             dist.destroy_process_group()
         except Exception:  # a broken group (a peer died) may fail to tear down; it is gone either way
             pass
+        if groups is not None:
+            groups.control = groups.compute = None
+            gc.collect()  # a reference cycle may still hold a group
     if wait_s is None:
         destroy()
         return

@@ -297,7 +297,7 @@ class MultiProcExecutor(FailureHandling):
             if worker is not None:
                 worker.release_cuda_graphs()
             self._debug("shutdown: destroy groups")
-            destroy_distributed(wait_s=TEARDOWN_WAIT_S, abort_on_timeout=True)
+            destroy_distributed(wait_s=TEARDOWN_WAIT_S, abort_on_timeout=True, groups=getattr(self, "groups", None))
             self._debug("shutdown: reap workers")
             self._kill_workers(grace_s=10.0)
         else:
@@ -311,7 +311,7 @@ class MultiProcExecutor(FailureHandling):
                 run_bounded(worker.release_cuda_graphs, 5.0, "tp-release-graphs", synchronize=False)
             self._abort_nccl()
             # After a failure a peer is gone, and NCCL's teardown can then block forever.
-            destroy_distributed(wait_s=10.0)
+            destroy_distributed(wait_s=10.0, groups=getattr(self, "groups", None))
         self._debug("shutdown: done")
         self._store = None  # its connection closes now, while the store it talks to still exists
         torch.set_num_threads(self._saved_threads)

@@ -244,4 +244,4 @@ def run_worker(env: DistEnv, parent_pid: int | None = None, trace: StartupTrace 
     finally:
         # After a failure a peer may be gone, and NCCL's teardown can then block forever.
         # Rank 0 tears its groups down at the same time (executor._teardown); bounded either way.
-        destroy_distributed(wait_s=15.0 if ok else 10.0, abort_on_timeout=ok)
+        destroy_distributed(wait_s=15.0 if ok else 10.0, abort_on_timeout=ok, groups=groups)

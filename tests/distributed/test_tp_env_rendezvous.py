@@ -17,12 +17,15 @@ from tp_helpers import PROMPTS, greedy
 RANK0 = """
 import json, sys
 sys.path.insert(0, sys.argv[2])
-from tp_helpers import PROMPTS, greedy
+from tp_helpers import PROMPTS, gloo_threads, greedy
 from pagedserve import LLM
 llm = LLM(sys.argv[1], device="cpu", num_gpu_blocks_override=64, block_size=8, tensor_parallel_size=2)
 ids, _ = greedy(llm, PROMPTS, 12, logprobs=None)
 llm.shutdown()
 print("TOKENS " + json.dumps(ids), flush=True)
+# No gloo thread may outlive shutdown: one that finishes a work while the interpreter finalizes
+# aborts the process (destroy_distributed says why).
+print("GLOO_THREADS " + json.dumps(gloo_threads()), flush=True)
 """
 
 
@@ -57,4 +60,6 @@ def test_two_nodes_via_torchrun_env_rendezvous_match_tp1(tiny_model_dir, tmp_pat
                 p.wait()
     line = next(ln for ln in out.splitlines() if ln.startswith("TOKENS "))
     assert json.loads(line[len("TOKENS "):]) == ref
+    threads = next(ln for ln in out.splitlines() if ln.startswith("GLOO_THREADS "))
+    assert json.loads(threads[len("GLOO_THREADS "):]) == []
     assert "->" not in out1  # the worker never ran a `generate` of its own

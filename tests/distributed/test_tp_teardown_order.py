@@ -27,7 +27,7 @@ def bare_executor(events, monkeypatch) -> MultiProcExecutor:
     ex._closed, ex._t0, ex._saved_threads, ex._startup_dir = False, 0.0, torch.get_num_threads(), None
     ex.worker = RecordingWorker(events)
     monkeypatch.setattr(executor_mod, "destroy_distributed",
-                        lambda wait_s=None, abort_on_timeout=False: events.append(f"destroy groups (bounded {wait_s} s)"))
+                        lambda wait_s=None, abort_on_timeout=False, groups=None: events.append(f"destroy groups (bounded {wait_s} s)"))
     return ex
 
 

@@ -82,3 +82,17 @@ def pid_alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def gloo_threads() -> list[str]:
+    """Names of this process's threads that belong to a gloo process group (Linux: /proc)."""
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended while we looked
+            continue
+        if "gloo" in name:
+            names.append(name)
+    return sorted(names)
