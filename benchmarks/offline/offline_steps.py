@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 
 from pagedserve import LLM  # noqa: E402
-from pagedserve.benchmark.hardware import measure_copy_bandwidth, measure_matmul_rate  # noqa: E402
+from pagedserve.benchmark.hardware import (measure_copy_bandwidth, measure_fp8_matmul_rate,  # noqa: E402
+                                          measure_matmul_rate)
 from pagedserve.benchmark.results import engine_switches, git_commit, write_result  # noqa: E402
 from pagedserve.benchmark.roofline import ModelCost  # noqa: E402
 from pagedserve.benchmark.throughput import default_model, timed_generate, warm_up_requests  # noqa: E402
@@ -40,15 +41,15 @@ from pagedserve.engine.step_trace import StepTrace  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
 
 
-def step_ideal_s(step: dict, cost: ModelCost, bandwidth: float, flops_rate: float) -> float:
+def step_ideal_s(step: dict, cost: ModelCost, bandwidth: float, flops_rate: float,
+                 fp8_flops_rate: float | None = None) -> float:
     """The roofline of one traced step. The trace holds no per-query contexts: a decode's query
     attends to its whole context (exact); a step with prefill is charged tokens x mean context
     pairs, and the lm head for every sequence (both upper bounds; decode steps dominate offline)."""
     nbytes = cost.step_weight_bytes(step["tokens"]) + step["context"] * cost.kv_bytes_per_token
     pairs = step["context"] if step["tokens"] == step["decodes"] else step["tokens"] * step["context"] // step["seqs"]
-    flops = (2 * cost.matmul_params * step["tokens"] + 2 * cost.lm_head_params * step["seqs"]
-             + cost.attn_flops_per_pair * pairs)
-    return max(nbytes / bandwidth, flops / flops_rate)
+    compute = cost.step_flops_seconds(step["tokens"], step["seqs"], pairs, flops_rate, fp8_flops_rate)
+    return max(nbytes / bandwidth, compute)
 
 
 def group_key(step: dict, bin_seqs: int, bin_tokens: int) -> str:
@@ -60,7 +61,7 @@ def group_key(step: dict, bin_seqs: int, bin_tokens: int) -> str:
 
 
 def summarise(steps: list[dict], wall_s: float, cost: ModelCost, bandwidth: float, flops_rate: float,
-              bin_seqs: int, bin_tokens: int) -> dict:
+              bin_seqs: int, bin_tokens: int, fp8_flops_rate: float | None = None) -> dict:
     groups: dict[str, list[dict]] = defaultdict(list)
     for s in steps:
         if s["seqs"]:
@@ -70,7 +71,7 @@ def summarise(steps: list[dict], wall_s: float, cost: ModelCost, bandwidth: floa
     for key in sorted(groups, key=lambda k: (k.split()[0], int(k.split()[1].split("-")[0]))):
         g = groups[key]
         busy = sum(s["busy_ms"] for s in g) / 1e3
-        ideal = sum(step_ideal_s(s, cost, bandwidth, flops_rate) for s in g)
+        ideal = sum(step_ideal_s(s, cost, bandwidth, flops_rate, fp8_flops_rate) for s in g)
         out[key] = {"steps": len(g), "mean_seqs": round(sum(s["seqs"] for s in g) / len(g), 1),
                     "mean_context": round(sum(s["context"] for s in g) / len(g)),
                     "busy_s": round(busy, 4), "ideal_s": round(ideal, 4),
@@ -78,7 +79,7 @@ def summarise(steps: list[dict], wall_s: float, cost: ModelCost, bandwidth: floa
                     "share_of_busy": round(busy / busy_total, 3) if busy_total else None,
                     "busy_ms_per_step": round(busy * 1e3 / len(g), 3)}
     gaps = sum(s["gap_ms"] or 0.0 for s in steps) / 1e3
-    ideal_total = sum(step_ideal_s(s, cost, bandwidth, flops_rate) for s in steps if s["seqs"])
+    ideal_total = sum(step_ideal_s(s, cost, bandwidth, flops_rate, fp8_flops_rate) for s in steps if s["seqs"])
     return {"wall_s": round(wall_s, 3), "steps": len(steps), "busy_s": round(busy_total, 3),
             "gap_s": round(gaps, 4), "ideal_s": round(ideal_total, 3),
             "ideal_over_busy": round(ideal_total / busy_total, 3) if busy_total else None,
@@ -117,11 +118,14 @@ def main() -> int:
     trace.flush(idle=True)
     steps = [json.loads(x) for x in Path(path).read_text().splitlines()]
     bandwidth, flops_rate = measure_copy_bandwidth(), measure_matmul_rate()
-    cost = ModelCost.from_hf_config(llm.llm_engine.hf_config)
-    summary = summarise(steps, traced.seconds, cost, bandwidth, flops_rate, args.bin_seqs, args.bin_tokens)
+    cost = ModelCost.for_engine(llm.llm_engine)
+    fp8_rate = measure_fp8_matmul_rate() if cost.fp8_matmul_params else None
+    summary = summarise(steps, traced.seconds, cost, bandwidth, flops_rate, args.bin_seqs, args.bin_tokens, fp8_rate)
     results = {"untraced_run_s": round(first.seconds, 3), "traced_run_s": round(traced.seconds, 3),
                "output_tokens": traced.output_tokens, "copy_bandwidth_GBps": round(bandwidth / 1e9, 1),
                "matmul_TFLOPs": round(flops_rate / 1e12, 1), **summary}
+    if fp8_rate:
+        results["fp8_matmul_TFLOPs"] = round(fp8_rate / 1e12, 1)
     print(json.dumps(results, indent=1))
     if args.output:
         write_result(args.output, "offline_steps", "python benchmarks/offline/offline_steps.py " + shlex.join(sys.argv[1:]),

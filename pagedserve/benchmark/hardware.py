@@ -30,3 +30,13 @@ def measure_matmul_rate(n: int = 8192) -> float:
     b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
     t = _time_cuda(lambda: a @ b, 10)
     return 2 * n ** 3 / t
+
+
+def measure_fp8_matmul_rate(n: int = 8192) -> float:
+    """Dense e4m3 x e4m3 -> bf16 matmul through torch._scaled_mm (cuBLASLt), the GEMM FP8 weights
+    run (FLOP/s); on the H200 about twice the bf16 rate."""
+    a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn).t()  # column-major, as cuBLASLt wants
+    one = torch.ones((), dtype=torch.float32, device="cuda")
+    t = _time_cuda(lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16), 10)
+    return 2 * n ** 3 / t

@@ -46,7 +46,9 @@ class ModelCost:
     expert_bytes: int = 0      # one expert of every sparse layer (read if some token routes to it)
     num_experts: int = 0
     top_k: int = 0
-    dtype_bytes: int = 2
+    dense_params: int = 0      # the parameters behind weight_bytes, lm head included
+    expert_params: int = 0     # the parameters behind expert_bytes
+    fp8_matmul_params: int = 0  # the part of matmul_params whose GEMMs run in FP8 (W8A8)
 
     def step_weight_bytes(self, num_tokens: int) -> float:
         """Weights a step of num_tokens tokens reads: the dense ones, plus the experts its tokens
@@ -54,7 +56,11 @@ class ModelCost:
         return self.weight_bytes + self.expert_bytes * experts_touched(num_tokens, self.num_experts, self.top_k)
 
     @classmethod
-    def from_hf_config(cls, cfg, dtype_bytes: int = 2) -> "ModelCost":
+    def from_hf_config(cls, cfg, dtype_bytes: int = 2, fp8_weights: bool = False,
+                       kv_dtype_bytes: int | None = None) -> "ModelCost":
+        """fp8_weights: the decoder's linear layers and experts hold one byte per weight and multiply
+        in FP8 (--quantization fp8 or an FP8 checkpoint); the lm head and MoE routers stay in the
+        model dtype, as pagedserve and vLLM keep them. kv_dtype_bytes: 1 for an FP8 KV cache."""
         h = cfg.hidden_size
         layers = cfg.num_hidden_layers
         heads = cfg.num_attention_heads
@@ -67,25 +73,46 @@ class ModelCost:
         experts, top_k, moe_inter, shared, sparse = moe_shape(cfg)
         expert = 3 * h * moe_inter
         # A sparse layer: router, shared expert and its gate always read; top_k experts per token.
-        sparse_always = h * experts + (3 * h * shared + h if shared else 0)
-        dense_weights = layers * attn + (layers - sparse) * mlp + sparse * sparse_always
-        matmul = dense_weights + sparse * top_k * expert
+        routers = sparse * (h * experts + (h if shared else 0))
+        linear = layers * attn + (layers - sparse) * mlp + sparse * 3 * h * shared  # the quantizable ones
+        matmul = linear + routers + sparse * top_k * expert
         lm_head = cfg.vocab_size * h
-        return cls(weight_bytes=(dense_weights + lm_head) * dtype_bytes, matmul_params=matmul,
-                   lm_head_params=lm_head, kv_bytes_per_token=layers * 2 * kv_heads * head_dim * dtype_bytes,
+        wbytes = 1 if fp8_weights else dtype_bytes
+        kv_bytes = dtype_bytes if kv_dtype_bytes is None else kv_dtype_bytes
+        return cls(weight_bytes=linear * wbytes + (routers + lm_head) * dtype_bytes, matmul_params=matmul,
+                   lm_head_params=lm_head, kv_bytes_per_token=layers * 2 * kv_heads * head_dim * kv_bytes,
                    attn_flops_per_pair=layers * 4 * heads * head_dim,
-                   expert_bytes=sparse * expert * dtype_bytes, num_experts=experts, top_k=top_k,
-                   dtype_bytes=dtype_bytes)
+                   expert_bytes=sparse * expert * wbytes, num_experts=experts, top_k=top_k,
+                   dense_params=linear + routers + lm_head, expert_params=sparse * expert,
+                   fp8_matmul_params=(linear + sparse * top_k * expert) if fp8_weights else 0)
+
+    @classmethod
+    def for_engine(cls, engine) -> "ModelCost":
+        """The cost of the model an LLMEngine serves, with its weight and KV cache dtypes."""
+        from pagedserve.layers.quant.registry import get_quantization_config
+        cfg = engine.config
+        fp8 = get_quantization_config(cfg.quantization, engine.hf_config) is not None
+        return cls.from_hf_config(engine.hf_config, fp8_weights=fp8,
+                                  kv_dtype_bytes=1 if cfg.kv_cache_dtype != "auto" else None)
 
     @property
     def total_params(self) -> int:
         """Matmul parameters of the checkpoint (every expert), lm head included."""
-        return (self.weight_bytes + self.expert_bytes * self.num_experts) // self.dtype_bytes
+        return self.dense_params + self.expert_params * self.num_experts
 
     @property
     def active_params(self) -> int:
         """Parameters one token's forward multiplies by (top_k experts per layer), lm head included."""
         return self.matmul_params + self.lm_head_params
+
+    def step_flops_seconds(self, num_tokens: int, num_sampled: int, attended_pairs: int,
+                           flops_rate: float, fp8_flops_rate: float | None = None) -> float:
+        """Compute time of one step: FP8 GEMMs at fp8_flops_rate (the H200's is twice its bf16
+        rate), the rest (lm head, routers, attention) at flops_rate."""
+        fp8 = 2 * self.fp8_matmul_params * num_tokens
+        other = (2 * (self.matmul_params - self.fp8_matmul_params) * num_tokens
+                 + 2 * self.lm_head_params * num_sampled + self.attn_flops_per_pair * attended_pairs)
+        return other / flops_rate + fp8 / (fp8_flops_rate or flops_rate)
 
 
 @dataclass
@@ -112,11 +139,12 @@ class StepLog:
         if tokens:
             self.steps.append(StepRecord(tokens, sampled, ctx, pairs))
 
-    def ideal_seconds(self, cost: ModelCost, bandwidth: float, flops_rate: float) -> float:
+    def ideal_seconds(self, cost: ModelCost, bandwidth: float, flops_rate: float,
+                      fp8_flops_rate: float | None = None) -> float:
         total = 0.0
         for st in self.steps:
             nbytes = cost.step_weight_bytes(st.num_tokens) + st.context_tokens * cost.kv_bytes_per_token
-            flops = (2 * cost.matmul_params * st.num_tokens + 2 * cost.lm_head_params * st.num_sampled
-                     + cost.attn_flops_per_pair * st.attended_pairs)
-            total += max(nbytes / bandwidth, flops / flops_rate)
+            compute = cost.step_flops_seconds(st.num_tokens, st.num_sampled, st.attended_pairs, flops_rate,
+                                              fp8_flops_rate)
+            total += max(nbytes / bandwidth, compute)
         return total

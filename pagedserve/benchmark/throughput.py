@@ -163,16 +163,21 @@ def run_throughput(workload: str, model: str, engine_kwargs: dict, num_requests:
     if measure_roofline:
         import torch
         if torch.cuda.is_available():
-            from pagedserve.benchmark.hardware import measure_copy_bandwidth, measure_matmul_rate
+            from pagedserve.benchmark.hardware import (measure_copy_bandwidth, measure_fp8_matmul_rate,
+                                                       measure_matmul_rate)
             from pagedserve.benchmark.roofline import ModelCost
             progress("roofline: recording one more run's schedule, measuring the device")
             log = record_schedule(llm, reqs)
             bw, rate = measure_copy_bandwidth(), measure_matmul_rate()
-            cost = ModelCost.from_hf_config(llm.llm_engine.hf_config)
-            ideal = log.ideal_seconds(cost, bw, rate)
+            # FP8 weights are read at one byte and multiplied at the FP8 rate; an FP8 cache at one byte.
+            cost = ModelCost.for_engine(llm.llm_engine)
+            fp8_rate = measure_fp8_matmul_rate() if cost.fp8_matmul_params else None
+            ideal = log.ideal_seconds(cost, bw, rate, fp8_rate)
             results.update(measured_copy_bandwidth_GBps=round(bw / 1e9, 1),
                            measured_matmul_TFLOPs=round(rate / 1e12, 1),
                            roofline_ideal_seconds=round(ideal, 3), num_steps=len(log.steps))
+            if fp8_rate:
+                results["measured_fp8_matmul_TFLOPs"] = round(fp8_rate / 1e12, 1)
             ratios["roofline_fraction"] = round(ideal / best.seconds, 3)
     # Taken here, in the process that ran the engine, so the kernels it picked are recorded too.
     from pagedserve.benchmark.results import engine_switches
