@@ -185,18 +185,22 @@ def test_catch_up_pieces_cover_each_segment_in_order_within_the_budget(budget):
     assert (len(fwds) == 1) == (total <= budget)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("budget", [5, 24])
-def test_catch_up_split_across_forwards_proposes_hf_greedy(model_dir, hf, monkeypatch, budget):
+def test_catch_up_split_across_forwards_proposes_hf_greedy(model_dir, hf, monkeypatch, budget, device):
     """max_num_batched_tokens 5: the 24-token catch-up of three prompts (8, 3 and 13 tokens) runs
     as five forwards of at most 5 tokens, the 13-token prompt's over three (one of which ends no
-    sequence); the proposals are still HF's greedy continuation. With 24 it is one forward."""
+    sequence); the proposals are still HF's greedy continuation. With 24 it is one forward. On
+    CUDA (float32) the 5-token forwards replay the decode graphs as decode rows."""
     sizes = []
     forward = DraftModelProposer._forward
     monkeypatch.setattr(DraftModelProposer, "_forward",
                         lambda self, ids, *a, **kw: sizes.append(len(ids)) or forward(self, ids, *a, **kw))
-    cfg = EngineConfig(model=str(model_dir), device="cpu", block_size=4, max_num_seqs=8, cpu_kv_cache_gib=0.01,
-                       max_num_batched_tokens=budget)
+    cfg = EngineConfig(model=str(model_dir), device=device, dtype="float32", block_size=4, max_num_seqs=8,
+                       cpu_kv_cache_gib=0.01, max_num_batched_tokens=budget)
     prop = DraftModelProposer(str(model_dir), cfg)
+    assert (prop.graphs is not None) == (device == "cuda")
     ks = [4, 2, 3]
     got = prop.propose([greedy(i, p, k) for i, (p, k) in enumerate(zip(PROMPTS, ks))])
     assert got.token_ids == [hf_greedy(hf, p, k) for p, k in zip(PROMPTS, ks)]
