@@ -10,6 +10,9 @@ One propose() round, for every request at once:
    before plus the proposals the target accepted; rejected ones are rolled back by lowering the
    count). Its last row's logits give proposal 1. Merging the catch-up with the first draft step
    saves a forward and yields the same tokens (the last verified token is the first decode input).
+   Right after a prefill or a preemption by recompute the catch-up is the whole sequence, so it
+   runs in forwards of at most the target's max_num_batched_tokens tokens (one forward whenever
+   it fits, i.e. at every ordinary decode step; catch_up_pieces splits the rest).
 2. k - 1 batched decode forwards, each on the previous proposal, give proposals 2..k.
 Each proposal is drawn from the draft's distribution at the request's temperature (argmax at 0;
 otherwise softmax(logits / T) with exponential-race noise from the sequence's own generator when
@@ -30,6 +33,17 @@ weights are loaded, on CPU at the engine's cpu_kv_cache_gib. The draft never nee
 target (verified tokens plus k - 1 proposals, against the target's k lookahead slots), except
 with prefix caching: a block the target shares between sequences is one draft block per sequence.
 A request whose blocks do not fit gets fewer proposals this round, or none (always allowed).
+
+Activation memory. The start-up profile (runner/kv_sizing.py) runs only the target's forward of
+max_num_batched_tokens tokens; the KV budget is what its peak leaves, with the draft's weights
+already loaded. Every draft forward runs between the target's, has at most that many tokens (the
+catch-up is chunked, the decode steps have one token per sequence) and computes logits for at
+most one row per sequence; so its activations stay within the profiled peak as long as the draft
+is no wider than the target per token, in the dtype both share: check_draft_not_wider refuses at
+start-up a draft whose hidden_size, MLP width or attention widths exceed the target's. (Rather
+than profiling the draft's forward too: a draft is smaller by purpose, the check is free, exact on
+every device and leaves the runner's profile to the one model the runner owns; a wider draft would
+need that second profiled forward and its scratch pool, and gains little as a draft.)
 """
 from __future__ import annotations
 
@@ -41,6 +55,7 @@ import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.models.llama import head_dim_of
 from pagedserve.models.loader import get_max_model_len, get_model, load_hf_config, resolve_dtype
 from pagedserve.runner.batch import ModelInput, build_model_input
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
@@ -82,6 +97,45 @@ def check_vocab_compatible(draft_cfg, target_cfg, draft_dir: str | None, target_
             raise ValueError(f"speculative_config.model: the draft's tokenizer ({draft_dir}/tokenizer.json) "
                              f"maps tokens to ids differently from the target's ({target_tokenizer_dir}); "
                              "a draft model must share the target's tokenizer")
+
+
+def catch_up_pieces(lengths: list[int], starts: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
+    """The catch-up's forwards: each a list of (request index, start, length) pieces, at most
+    budget tokens in all. Request j's tokens starts[j] .. lengths[j] - 1 appear once, in order, in
+    consecutive pieces (a piece that does not end the segment ends its forward); requests in order."""
+    forwards: list[list[tuple[int, int, int]]] = [[]]
+    room = budget
+    for j, (n, s) in enumerate(zip(lengths, starts)):
+        while s < n:
+            if room == 0:
+                forwards.append([])
+                room = budget
+            q = min(n - s, room)
+            forwards[-1].append((j, s, q))
+            s, room = s + q, room - q
+    return forwards
+
+
+def _widths(cfg) -> dict[str, int]:
+    """The per-token widths a dense decoder's activations scale with (OPT names its MLP ffn_dim).
+    A mixture-of-experts draft's expert widths are not compared: drafts are dense in practice."""
+    heads, head_dim = cfg.num_attention_heads, head_dim_of(cfg)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    return {"hidden_size": cfg.hidden_size,
+            "intermediate_size": getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", 0),
+            "num_attention_heads x head_dim": heads * head_dim,
+            "num_key_value_heads x head_dim": kv_heads * head_dim}
+
+
+def check_draft_not_wider(draft_cfg, target_cfg) -> None:
+    """Refuse a draft wider than the target (see "Activation memory" above): its forwards of up to
+    max_num_batched_tokens tokens could then need more activation memory than the profile measured."""
+    draft, target = _widths(draft_cfg), _widths(target_cfg)
+    for name, width in draft.items():
+        if width > target[name]:
+            raise ValueError(f"speculative_config.model: the draft model's {name} ({width}) is larger than the "
+                             f"target's ({target[name]}); the start-up memory profile covers a draft no wider than "
+                             "the target, pick a smaller draft model")
 
 
 class DraftModelProposer:
@@ -128,12 +182,15 @@ class DraftModelProposer:
                 raise ValueError("DraftModelProposer: pass target_hf_config when the engine config has no model")
             target_hf_config = load_hf_config(target.model)
         check_vocab_compatible(self.hf_config, target_hf_config, self.draft_dir, target.tokenizer or target.model)
+        check_draft_not_wider(self.hf_config, target_hf_config)
         self.vocab_size = self.hf_config.vocab_size
         self.block_size = target.block_size
         self.dtype = resolve_dtype(target.dtype, target_hf_config, self.device)
         target_len = max_model_len or target.max_model_len or get_max_model_len(target_hf_config)
         self.max_model_len = min(target_len, get_max_model_len(self.hf_config))
-        self.max_num_seqs = target.scheduler_config(target_len).max_num_seqs
+        sched = target.scheduler_config(target_len)
+        # The target's step budget bounds each catch-up forward (_catch_up; the memory argument above).
+        self.max_num_seqs, self.max_num_batched_tokens = sched.max_num_seqs, sched.max_num_batched_tokens
         try:
             self.model = get_model(self.hf_config, model_dir=self.draft_dir, device=self.device, dtype=self.dtype,
                                    load_format=target.load_format, seed=target.seed)
@@ -213,11 +270,7 @@ class DraftModelProposer:
         if not active:
             return Proposals(out, None)
         any_sampled = any(requests[i].temperature > 0 for i in active)
-        # Catch-up forward: every active sequence's unseen verified tokens; proposal 1 from its last row.
-        ids = np.concatenate([np.asarray(requests[i].token_ids[s:], dtype=np.int64) for i, s in zip(active, starts)])
-        q_lens = np.asarray([len(requests[i].token_ids) - s for i, s in zip(active, starts)], dtype=np.int64)
-        logits = self._forward(ids, np.asarray(starts, dtype=np.int64), q_lens,
-                               [requests[i].seq_id for i in active])
+        logits = self._catch_up([requests[i] for i in active], starts)
         # Drawn tokens stay on the device between steps (the next step's input), read once at the end,
         # so the host builds step j + 1's metadata while the device still runs step j.
         step_rows: list[list[int]] = []       # per step: indices into requests of its rows
@@ -270,14 +323,41 @@ class DraftModelProposer:
             ks[i] = k
         return active, starts, ks
 
+    def _catch_up(self, reqs: list[ProposalRequest], starts: list[int]) -> torch.Tensor:
+        """Logits [len(reqs), vocab] after each request's verified tokens: the draft writes KV for
+        those after starts[j] (the catch-up) in forwards of at most max_num_batched_tokens tokens.
+        Usually that is one forward; a sequence's segment that does not fit is split across
+        consecutive ones (positions continue, its KV written chunk by chunk), and only the forward
+        holding its last token returns a row for it. Segments go in request order, so the rows
+        come back in request order.
+
+        Why all of it this round, in chunks, rather than skipping the request's proposals until a
+        budget-sized piece per round has caught it up (vLLM's draft prefills beside the target's
+        chunks instead): the bound is what keeps the draft's activations inside the target's
+        profiled peak, and the draft must see every token before its proposals mean anything, so
+        spreading the work over rounds would cost the same forwards plus per-request state and
+        proposal-less rounds; the price of this way is one long engine step per long prompt."""
+        pieces = catch_up_pieces([len(r.token_ids) for r in reqs], starts, self.max_num_batched_tokens)
+        rows = []
+        for fwd in pieces:
+            ids = np.concatenate([np.asarray(reqs[j].token_ids[s:s + q], dtype=np.int64) for j, s, q in fwd])
+            last = np.asarray([s + q == len(reqs[j].token_ids) for j, s, q in fwd])
+            rows.append(self._forward(ids, np.asarray([s for _, s, _ in fwd], dtype=np.int64),
+                                      np.asarray([q for _, _, q in fwd], dtype=np.int64),
+                                      [reqs[j].seq_id for j, _, _ in fwd], sample_mask=last))
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
+
     def _forward(self, input_ids: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
-                 seq_ids: list[int], input_ids_device: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [len(seq_ids), vocab] of each sequence's last query token, in the model's dtype.
+                 seq_ids: list[int], input_ids_device: torch.Tensor | None = None,
+                 sample_mask: np.ndarray | None = None) -> torch.Tensor:
+        """Logits [len(seq_ids), vocab] of each sequence's last query token, in the model's dtype
+        (only the sequences sample_mask selects, when given).
         input_ids_device: the tokens already on the device (then input_ids only gives the count)."""
         tables = [self.kv.block_table(s) for s in seq_ids]
         n = len(seq_ids)
         decode_only = bool((query_lens == 1).all())
-        inp: ModelInput = build_model_input(input_ids, starts, query_lens, tables, np.ones(n, dtype=bool),
+        mask = np.ones(n, dtype=bool) if sample_mask is None else sample_mask
+        inp: ModelInput = build_model_input(input_ids, starts, query_lens, tables, mask,
                                             n if decode_only else 0, self.block_size, self.device)
         if input_ids_device is not None:
             inp.input_ids = input_ids_device

@@ -165,3 +165,68 @@ def test_no_room_beside_the_draft_names_the_fields(target_dir, draft_dir):
     with pytest.raises(ValueError, match="gpu_memory_utilization.*speculative_config.model"):
         make_llm(target_dir, speculative_config=spec(draft_dir), block_size=16, num_gpu_blocks_override=None,
                  cpu_kv_cache_gib=1.5 * _block_bytes(target_dir, 16) / (1 << 30))
+
+
+# --- the catch-up within the step budget ---------------------------------------------------------
+BUDGET = 32
+
+
+@pytest.fixture
+def draft_calls(monkeypatch):
+    """Every draft forward's token count, and every catch-up segment as (seq_id, tokens)."""
+    from pagedserve.spec_decode.draft_model import DraftModelProposer
+
+    forward, plan = DraftModelProposer._forward, DraftModelProposer._plan
+    calls = {"forwards": [], "segments": []}
+
+    def recorded_forward(self, input_ids, *a, **kw):
+        calls["forwards"].append(len(input_ids))
+        return forward(self, input_ids, *a, **kw)
+
+    def recorded_plan(self, requests):
+        active, starts, ks = plan(self, requests)
+        calls["segments"] += [(requests[i].seq_id, len(requests[i].token_ids) - s) for i, s in zip(active, starts)]
+        return active, starts, ks
+
+    monkeypatch.setattr(DraftModelProposer, "_forward", recorded_forward)
+    monkeypatch.setattr(DraftModelProposer, "_plan", recorded_plan)
+    return calls
+
+
+def long_prompts(target_dir) -> list[list[int]]:
+    ids = prompt_ids(str(target_dir))
+    return [ids[1], ids[5], ids[8], ids[3]]  # 55, 90, 41 and 27 tokens
+
+
+def check_within_budget(target_dir, draft_dir, calls, **kw) -> tuple:
+    """Greedy with the draft equals greedy without speculation and HF's, no draft forward has
+    more than BUDGET tokens, and some catch-up segment had more (so it was split)."""
+    ids, kw = long_prompts(target_dir), dict(block_size=8, max_num_batched_tokens=BUDGET,
+                                             enable_chunked_prefill=True, **kw)
+    llm = make_llm(target_dir, speculative_config=spec(draft_dir), **kw)
+    got = run(llm, ids, 16)
+    off = make_llm(target_dir, **kw).generate([{"prompt_token_ids": p} for p in ids],
+                                              SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+                                              use_tqdm=False)
+    assert got == [o.outputs[0].token_ids for o in off] == [hf_greedy(target_dir, p, 16, ignore_eos=True) for p in ids]
+    assert calls["forwards"] and max(calls["forwards"]) <= BUDGET, max(calls["forwards"])
+    long = [seq for seq, n in calls["segments"] if n > BUDGET]
+    assert long, calls["segments"]
+    stats = llm.llm_engine.speculator.stats
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
+    return llm, long
+
+
+def test_long_catch_up_runs_in_forwards_within_the_step_budget(target_dir, draft_dir, draft_calls):
+    """Prompts longer than max_num_batched_tokens (chunked prefill): each one's catch-up after its
+    prefill is longer than the budget, and the draft takes it in forwards of at most the budget."""
+    check_within_budget(target_dir, draft_dir, draft_calls)
+
+
+def test_long_catch_up_after_recompute_within_the_step_budget(target_dir, draft_dir, draft_calls):
+    """20 blocks of 8 tokens for four sequences of up to 106 tokens: preemptions by recompute,
+    after which the draft catches up on prompt and output again, more than the budget at once."""
+    llm, long = check_within_budget(target_dir, draft_dir, draft_calls, num_gpu_blocks_override=20,
+                                    preemption_mode="recompute")
+    assert llm.get_kv_cache_stats().num_preemptions > 0
+    assert len(long) > len(set(long)), long  # a sequence caught up on more than the budget twice

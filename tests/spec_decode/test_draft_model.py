@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.spec_decode.draft_model import DraftModelProposer
+from pagedserve.spec_decode.draft_model import DraftModelProposer, catch_up_pieces
 from pagedserve.spec_decode.proposer import ProposalRequest
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [60, 61, 62], [300, 4, 8, 15, 16, 23, 42, 108, 77, 31, 9, 200, 201]]
@@ -163,6 +163,64 @@ def test_refuses_a_draft_with_another_vocabulary(model_dir, tiny_model_dir, tmp_
     (swapped / "tokenizer.json").write_text(json.dumps(tok))
     with pytest.raises(ValueError, match="tokenizer"):
         DraftModelProposer(str(swapped), cfg)
+
+
+@pytest.mark.parametrize("budget", [1, 3, 8, 24, 100])
+def test_catch_up_pieces_cover_each_segment_in_order_within_the_budget(budget):
+    """Against the definition: per request, its pieces are consecutive, in order, and cover
+    starts[j] .. lengths[j] - 1 exactly; forwards hold at most budget tokens and all but the last
+    are full; a piece that does not end its segment ends its forward; one forward when all fit."""
+    lengths, starts = [8, 3, 13, 1, 40, 2], [0, 2, 5, 0, 1, 1]
+    fwds = catch_up_pieces(lengths, starts, budget)
+    flat = [p for f in fwds for p in f]
+    assert [j for j, _, _ in flat] == sorted(j for j, _, _ in flat)
+    for j, (n, s) in enumerate(zip(lengths, starts)):
+        covered = [t for jj, a, q in flat if jj == j for t in range(a, a + q)]
+        assert covered == list(range(s, n))
+    sizes = [sum(q for _, _, q in f) for f in fwds]
+    total = sum(n - s for n, s in zip(lengths, starts))
+    assert sum(sizes) == total and max(sizes) <= budget
+    assert all(size == budget for size in sizes[:-1])
+    assert all(a + q == lengths[j] for f in fwds for j, a, q in f[:-1])
+    assert (len(fwds) == 1) == (total <= budget)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+@pytest.mark.parametrize("budget", [5, 24])
+def test_catch_up_split_across_forwards_proposes_hf_greedy(model_dir, hf, monkeypatch, budget, device):
+    """max_num_batched_tokens 5: the 24-token catch-up of three prompts (8, 3 and 13 tokens) runs
+    as five forwards of at most 5 tokens, the 13-token prompt's over three (one of which ends no
+    sequence); the proposals are still HF's greedy continuation. With 24 it is one forward. On
+    CUDA (float32) the 5-token forwards replay the decode graphs as decode rows."""
+    sizes = []
+    forward = DraftModelProposer._forward
+    monkeypatch.setattr(DraftModelProposer, "_forward",
+                        lambda self, ids, *a, **kw: sizes.append(len(ids)) or forward(self, ids, *a, **kw))
+    cfg = EngineConfig(model=str(model_dir), device=device, dtype="float32", block_size=4, max_num_seqs=8,
+                       cpu_kv_cache_gib=0.01, max_num_batched_tokens=budget)
+    prop = DraftModelProposer(str(model_dir), cfg)
+    assert (prop.graphs is not None) == (device == "cuda")
+    ks = [4, 2, 3]
+    got = prop.propose([greedy(i, p, k) for i, (p, k) in enumerate(zip(PROMPTS, ks))])
+    assert got.token_ids == [hf_greedy(hf, p, k) for p, k in zip(PROMPTS, ks)]
+    catch_up = sizes[:len(sizes) - (max(ks) - 1)]  # then k - 1 decode forwards
+    assert catch_up == ([5, 5, 5, 5, 4] if budget == 5 else [24])
+
+
+@pytest.mark.parametrize("field", ["hidden_size", "intermediate_size", "num_attention_heads"])
+def test_refuses_a_draft_wider_than_the_target(model_dir, tiny_model_dir, field):
+    """A draft with a larger hidden_size, MLP or attention width than the target's could need more
+    activation memory at the step budget than the start-up profile measured (the module docstring)."""
+    wider = {"hidden_size": dict(hidden_size=128, num_attention_heads=8),  # head_dim 16 either way
+             "intermediate_size": dict(intermediate_size=256),
+             "num_attention_heads": dict(num_attention_heads=4, head_dim=32)}[field]
+    other = tiny_model_dir("llama", **wider)
+    cfg = EngineConfig(model=str(model_dir), device="cpu")
+    with pytest.raises(ValueError, match=f"speculative_config.model: the draft model's {field}.* is larger"):
+        DraftModelProposer(str(other), cfg)
+    # Narrower (one layer fewer does not matter) is fine.
+    DraftModelProposer(str(tiny_model_dir("llama", intermediate_size=64)), cfg)
 
 
 def test_factory_builds_it_from_the_engine(model_dir, hf):
