@@ -10,9 +10,11 @@ One propose() round, for every request at once:
    before plus the proposals the target accepted; rejected ones are rolled back by lowering the
    count). Its last row's logits give proposal 1. Merging the catch-up with the first draft step
    saves a forward and yields the same tokens (the last verified token is the first decode input).
-   Right after a prefill or a preemption by recompute the catch-up is the whole sequence, so it
-   runs in forwards of at most the target's max_num_batched_tokens tokens (one forward whenever
-   it fits, i.e. at every ordinary decode step; catch_up_pieces splits the rest).
+   Right after a prefill or a preemption by recompute the catch-up is the whole sequence, so a
+   round's catch-up is capped at the target's max_num_batched_tokens tokens (plan_catch_up): the
+   short ones first; a sequence that does not fit writes a piece of its KV and gets no proposal
+   this round (it decodes unspeculated), and goes on next round. One forward per round, so a
+   long prompt never stalls the running decodes behind a long draft prefill.
 2. k - 1 batched decode forwards, each on the previous proposal, give proposals 2..k.
 Each proposal is drawn from the draft's distribution at the request's temperature (argmax at 0;
 otherwise softmax(logits / T) with exponential-race noise from the sequence's own generator when
@@ -37,7 +39,7 @@ A request whose blocks do not fit gets fewer proposals this round, or none (alwa
 Activation memory. The start-up profile (runner/kv_sizing.py) runs only the target's forward of
 max_num_batched_tokens tokens; the KV budget is what its peak leaves, with the draft's weights
 already loaded. Every draft forward runs between the target's, has at most that many tokens (the
-catch-up is chunked, the decode steps have one token per sequence) and computes logits for at
+catch-up is capped, the decode steps have one token per sequence) and computes logits for at
 most one row per sequence; so its activations stay within the profiled peak as long as the draft
 is no wider than the target per token, in the dtype both share: check_draft_not_wider refuses at
 start-up a draft whose hidden_size, MLP width or attention widths exceed the target's. (Rather
@@ -50,6 +52,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -99,21 +102,40 @@ def check_vocab_compatible(draft_cfg, target_cfg, draft_dir: str | None, target_
                              "a draft model must share the target's tokenizer")
 
 
-def catch_up_pieces(lengths: list[int], starts: list[int], budget: int) -> list[list[tuple[int, int, int]]]:
-    """The catch-up's forwards: each a list of (request index, start, length) pieces, at most
-    budget tokens in all. Request j's tokens starts[j] .. lengths[j] - 1 appear once, in order, in
-    consecutive pieces (a piece that does not end the segment ends its forward); requests in order."""
-    forwards: list[list[tuple[int, int, int]]] = [[]]
-    room = budget
-    for j, (n, s) in enumerate(zip(lengths, starts)):
-        while s < n:
-            if room == 0:
-                forwards.append([])
-                room = budget
-            q = min(n - s, room)
-            forwards[-1].append((j, s, q))
-            s, room = s + q, room - q
-    return forwards
+@dataclass
+class CatchUpPlan:
+    """One round's catch-up, at most budget tokens: `active` requests (indices, in request order)
+    are caught up to their last verified token and get proposals, `ks[i]` of them; `pieces` are
+    (request index, start, length) of every request's KV written this round, in request order,
+    active ones ending at their last token."""
+    active: list[int] = field(default_factory=list)
+    ks: dict[int, int] = field(default_factory=dict)
+    pieces: list[tuple[int, int, int]] = field(default_factory=list)
+
+
+def plan_catch_up(unseen: list[tuple[int, int]], budget: int, reserve) -> CatchUpPlan:
+    """unseen: per request (start, length) of its tokens the draft has not seen, or None when it
+    does not speculate; reserve(i, tokens) gives request i blocks for its first `tokens` positions
+    plus its proposals and returns the number of proposals it may make (0: none; -1: no blocks at
+    all). The shortest catch-ups go first, so the ordinary decode rows (a few tokens each) always
+    fit; a longer one takes what room is left as a piece and no proposal, and finishes in a later
+    round: a 100k-token prompt is caught up over rounds of `budget` tokens while it decodes."""
+    plan, room = CatchUpPlan(), budget
+    for i in sorted((i for i, u in enumerate(unseen) if u is not None), key=lambda i: unseen[i][1]):
+        start, length = unseen[i]
+        if length <= room:
+            k = reserve(i, start + length)
+            if k >= 1:
+                plan.active.append(i)
+                plan.ks[i] = k
+                plan.pieces.append((i, start, length))
+                room -= length
+        elif room > 0 and reserve(i, start + room) >= 0:
+            plan.pieces.append((i, start, room))
+            room = 0
+    plan.active.sort()
+    plan.pieces.sort()
+    return plan
 
 
 def _widths(cfg) -> dict[str, int]:
@@ -189,7 +211,7 @@ class DraftModelProposer:
         target_len = max_model_len or target.max_model_len or get_max_model_len(target_hf_config)
         self.max_model_len = min(target_len, get_max_model_len(self.hf_config))
         sched = target.scheduler_config(target_len)
-        # The target's step budget bounds each catch-up forward (_catch_up; the memory argument above).
+        # The target's step budget bounds each round's catch-up (plan_catch_up; the memory argument above).
         self.max_num_seqs, self.max_num_batched_tokens = sched.max_num_seqs, sched.max_num_batched_tokens
         try:
             self.model = get_model(self.hf_config, model_dir=self.draft_dir, device=self.device, dtype=self.dtype,
@@ -266,11 +288,15 @@ class DraftModelProposer:
     @torch.inference_mode()
     def propose(self, requests: list[ProposalRequest]) -> Proposals:
         out: list[list[int]] = [[] for _ in requests]
-        active, starts, ks = self._plan(requests)
+        plan = self._plan(requests)
+        active, ks = plan.active, plan.ks
+        logits = self._catch_up(requests, plan.pieces) if plan.pieces else None
+        for i, start, q in plan.pieces:  # a piece of a longer catch-up: its KV is written, no proposal
+            if i not in ks:
+                self.kv.commit(requests[i].seq_id, requests[i].token_ids[:start + q], [])
         if not active:
             return Proposals(out, None)
         any_sampled = any(requests[i].temperature > 0 for i in active)
-        logits = self._catch_up([requests[i] for i in active], starts)
         # Drawn tokens stay on the device between steps (the next step's input), read once at the end,
         # so the host builds step j + 1's metadata while the device still runs step j.
         step_rows: list[list[int]] = []       # per step: indices into requests of its rows
@@ -303,49 +329,39 @@ class DraftModelProposer:
         return Proposals(out, self._order_probs(step_rows, step_probs, out) if any_sampled else None)
 
     # --- one round's pieces ------------------------------------------------------------------------------
-    def _plan(self, requests: list[ProposalRequest]) -> tuple[list[int], list[int], dict[int, int]]:
-        """Which requests get proposals this round, where each one's catch-up starts, and its k
-        (lowered to what the draft's length limit and its free blocks allow)."""
-        active, starts, ks = [], [], {}
-        for i, r in enumerate(requests):
+    def _plan(self, requests: list[ProposalRequest]) -> CatchUpPlan:
+        """This round's catch-up (plan_catch_up) and each caught-up request's k, lowered to what
+        the draft's length limit and its free blocks allow."""
+        unseen = []
+        for r in requests:
             n = len(r.token_ids)
             if n == 0 or r.num_speculative_tokens < 1:
+                unseen.append(None)
                 continue
             start = min(self.kv.match(r.seq_id, r.token_ids), n - 1)
+            unseen.append((start, n - start))
+
+        def reserve(i: int, tokens: int) -> int:
+            r, n = requests[i], len(requests[i].token_ids)
+            if tokens < n:  # a piece: KV for its tokens only
+                return 0 if self.kv.reserve(r.seq_id, tokens) else -1
             # KV for positions 0 .. n + k - 2 (verified tokens, proposals 1..k-1), all < max_model_len.
             k = min(r.num_speculative_tokens, self.max_model_len - n + 1)
             while k >= 1 and not self.kv.reserve(r.seq_id, n + k - 1):
                 k -= 1
-            if k < 1:
-                continue
-            active.append(i)
-            starts.append(start)
-            ks[i] = k
-        return active, starts, ks
+            return k
 
-    def _catch_up(self, reqs: list[ProposalRequest], starts: list[int]) -> torch.Tensor:
-        """Logits [len(reqs), vocab] after each request's verified tokens: the draft writes KV for
-        those after starts[j] (the catch-up) in forwards of at most max_num_batched_tokens tokens.
-        Usually that is one forward; a sequence's segment that does not fit is split across
-        consecutive ones (positions continue, its KV written chunk by chunk), and only the forward
-        holding its last token returns a row for it. Segments go in request order, so the rows
-        come back in request order.
+        return plan_catch_up(unseen, self.max_num_batched_tokens, reserve)
 
-        Why all of it this round, in chunks, rather than skipping the request's proposals until a
-        budget-sized piece per round has caught it up (vLLM's draft prefills beside the target's
-        chunks instead): the bound is what keeps the draft's activations inside the target's
-        profiled peak, and the draft must see every token before its proposals mean anything, so
-        spreading the work over rounds would cost the same forwards plus per-request state and
-        proposal-less rounds; the price of this way is one long engine step per long prompt."""
-        pieces = catch_up_pieces([len(r.token_ids) for r in reqs], starts, self.max_num_batched_tokens)
-        rows = []
-        for fwd in pieces:
-            ids = np.concatenate([np.asarray(reqs[j].token_ids[s:s + q], dtype=np.int64) for j, s, q in fwd])
-            last = np.asarray([s + q == len(reqs[j].token_ids) for j, s, q in fwd])
-            rows.append(self._forward(ids, np.asarray([s for _, s, _ in fwd], dtype=np.int64),
-                                      np.asarray([q for _, _, q in fwd], dtype=np.int64),
-                                      [reqs[j].seq_id for j, _, _ in fwd], sample_mask=last))
-        return rows[0] if len(rows) == 1 else torch.cat(rows)
+    def _catch_up(self, requests: list[ProposalRequest], pieces: list[tuple[int, int, int]]) -> torch.Tensor:
+        """One forward over the round's pieces (at most max_num_batched_tokens tokens): the draft
+        writes their KV; returns the logits after the last token of each piece that ends its
+        request's verified tokens (the active requests, in request order: proposal 1)."""
+        ids = np.concatenate([np.asarray(requests[i].token_ids[s:s + q], dtype=np.int64) for i, s, q in pieces])
+        ends = np.asarray([s + q == len(requests[i].token_ids) for i, s, q in pieces])
+        return self._forward(ids, np.asarray([s for _, s, _ in pieces], dtype=np.int64),
+                             np.asarray([q for _, _, q in pieces], dtype=np.int64),
+                             [requests[i].seq_id for i, _, _ in pieces], sample_mask=ends)
 
     def _forward(self, input_ids: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
                  seq_ids: list[int], input_ids_device: torch.Tensor | None = None,
@@ -355,8 +371,9 @@ class DraftModelProposer:
         input_ids_device: the tokens already on the device (then input_ids only gives the count)."""
         tables = [self.kv.block_table(s) for s in seq_ids]
         n = len(seq_ids)
-        decode_only = bool((query_lens == 1).all())
         mask = np.ones(n, dtype=bool) if sample_mask is None else sample_mask
+        # Decode rows sample every row; a one-token piece of a longer catch-up samples none.
+        decode_only = bool((query_lens == 1).all() and mask.all())
         inp: ModelInput = build_model_input(input_ids, starts, query_lens, tables, mask,
                                             n if decode_only else 0, self.block_size, self.device)
         if input_ids_device is not None:

@@ -173,20 +173,21 @@ BUDGET = 32
 
 @pytest.fixture
 def draft_calls(monkeypatch):
-    """Every draft forward's token count, and every catch-up segment as (seq_id, tokens)."""
+    """Every draft forward's token count, and every round's catch-up pieces as (seq_id, start,
+    tokens, proposes)."""
     from pagedserve.spec_decode.draft_model import DraftModelProposer
 
     forward, plan = DraftModelProposer._forward, DraftModelProposer._plan
-    calls = {"forwards": [], "segments": []}
+    calls = {"forwards": [], "pieces": []}
 
     def recorded_forward(self, input_ids, *a, **kw):
         calls["forwards"].append(len(input_ids))
         return forward(self, input_ids, *a, **kw)
 
     def recorded_plan(self, requests):
-        active, starts, ks = plan(self, requests)
-        calls["segments"] += [(requests[i].seq_id, len(requests[i].token_ids) - s) for i, s in zip(active, starts)]
-        return active, starts, ks
+        p = plan(self, requests)
+        calls["pieces"] += [(requests[i].seq_id, s, q, i in p.ks) for i, s, q in p.pieces]
+        return p
 
     monkeypatch.setattr(DraftModelProposer, "_forward", recorded_forward)
     monkeypatch.setattr(DraftModelProposer, "_plan", recorded_plan)
@@ -200,7 +201,8 @@ def long_prompts(target_dir) -> list[list[int]]:
 
 def check_within_budget(target_dir, draft_dir, calls, **kw) -> tuple:
     """Greedy with the draft equals greedy without speculation and HF's, no draft forward has
-    more than BUDGET tokens, and some catch-up segment had more (so it was split)."""
+    more than BUDGET tokens, and some catch-up was longer (it went in pieces over rounds, each
+    without a proposal, until the last piece: then the sequence proposes)."""
     ids, kw = long_prompts(target_dir), dict(block_size=8, max_num_batched_tokens=BUDGET,
                                              enable_chunked_prefill=True, **kw)
     llm = make_llm(target_dir, speculative_config=spec(draft_dir), **kw)
@@ -210,8 +212,13 @@ def check_within_budget(target_dir, draft_dir, calls, **kw) -> tuple:
                                               use_tqdm=False)
     assert got == [o.outputs[0].token_ids for o in off] == [hf_greedy(target_dir, p, 16, ignore_eos=True) for p in ids]
     assert calls["forwards"] and max(calls["forwards"]) <= BUDGET, max(calls["forwards"])
-    long = [seq for seq, n in calls["segments"] if n > BUDGET]
-    assert long, calls["segments"]
+    # Pieces that do not propose: a catch-up longer than the round's room (the first piece of each
+    # such catch-up starts at 0: the prompt, or after a recompute the whole sequence again).
+    long = [seq for seq, start, q, proposes in calls["pieces"] if not proposes and start == 0]
+    assert long, calls["pieces"]
+    for seq in set(long):  # each piece continues where the last one ended, until one proposes
+        mine = [(start, q, p) for sq, start, q, p in calls["pieces"] if sq == seq]
+        assert all(b[0] in (a[0] + a[1], 0) or a[2] for a, b in zip(mine, mine[1:])), mine
     stats = llm.llm_engine.speculator.stats
     assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens, stats
     return llm, long
@@ -219,7 +226,7 @@ def check_within_budget(target_dir, draft_dir, calls, **kw) -> tuple:
 
 def test_long_catch_up_runs_in_forwards_within_the_step_budget(target_dir, draft_dir, draft_calls):
     """Prompts longer than max_num_batched_tokens (chunked prefill): each one's catch-up after its
-    prefill is longer than the budget, and the draft takes it in forwards of at most the budget."""
+    prefill is longer than the budget, and the draft takes it over rounds of at most the budget."""
     check_within_budget(target_dir, draft_dir, draft_calls)
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.spec_decode.draft_model import DraftModelProposer, catch_up_pieces
+from pagedserve.spec_decode.draft_model import DraftModelProposer, plan_catch_up
 from pagedserve.spec_decode.proposer import ProposalRequest
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [60, 61, 62], [300, 4, 8, 15, 16, 23, 42, 108, 77, 31, 9, 200, 201]]
@@ -166,33 +166,46 @@ def test_refuses_a_draft_with_another_vocabulary(model_dir, tiny_model_dir, tmp_
 
 
 @pytest.mark.parametrize("budget", [1, 3, 8, 24, 100])
-def test_catch_up_pieces_cover_each_segment_in_order_within_the_budget(budget):
-    """Against the definition: per request, its pieces are consecutive, in order, and cover
-    starts[j] .. lengths[j] - 1 exactly; forwards hold at most budget tokens and all but the last
-    are full; a piece that does not end its segment ends its forward; one forward when all fit."""
-    lengths, starts = [8, 3, 13, 1, 40, 2], [0, 2, 5, 0, 1, 1]
-    fwds = catch_up_pieces(lengths, starts, budget)
-    flat = [p for f in fwds for p in f]
-    assert [j for j, _, _ in flat] == sorted(j for j, _, _ in flat)
-    for j, (n, s) in enumerate(zip(lengths, starts)):
-        covered = [t for jj, a, q in flat if jj == j for t in range(a, a + q)]
-        assert covered == list(range(s, n))
-    sizes = [sum(q for _, _, q in f) for f in fwds]
-    total = sum(n - s for n, s in zip(lengths, starts))
-    assert sum(sizes) == total and max(sizes) <= budget
-    assert all(size == budget for size in sizes[:-1])
-    assert all(a + q == lengths[j] for f in fwds for j, a, q in f[:-1])
-    assert (len(fwds) == 1) == (total <= budget)
+def test_plan_catch_up_against_its_definition(budget):
+    """At most budget tokens a round; shortest catch-ups first; a request proposes only when its
+    whole catch-up is in; one that does not fit gets the room left as a piece (none when nothing
+    is left); requests without blocks are skipped; every request is caught up after enough rounds,
+    each round's pieces continuing where the last ended."""
+    unseen = [(0, 8), (2, 1), None, (5, 8), (0, 1), (1, 39), (1, 1)]
+    no_blocks = {6}
+    seen = {i: u[0] for i, u in enumerate(unseen) if u is not None}
+    ends = {i: u[0] + u[1] for i, u in enumerate(unseen) if u is not None}
+    proposed, rounds = set(), 0
+    while len(proposed) < len(ends) - len(no_blocks):
+        left = [None if u is None or i in proposed else (seen[i], ends[i] - seen[i]) for i, u in enumerate(unseen)]
+        plan = plan_catch_up(left, budget, lambda i, tokens: -1 if i in no_blocks else (3 if tokens == ends[i] else 0))
+        assert sum(q for _, _, q in plan.pieces) <= budget
+        assert plan.pieces == sorted(plan.pieces) and plan.active == sorted(plan.active)
+        for i, s, q in plan.pieces:
+            assert s == seen[i] and q > 0 and i not in no_blocks
+            seen[i] += q
+            assert (i in plan.ks) == (seen[i] == ends[i])
+        # Shortest first: a request left out or cut while a longer one got in is impossible.
+        got = {i for i, _, _ in plan.pieces}
+        for i, u in enumerate(left):
+            if u is not None and i not in no_blocks and i not in plan.ks:
+                assert all(left[j][1] <= u[1] for j in plan.ks), (i, plan)
+        assert len(got - set(plan.ks)) <= 1  # at most one piece that does not propose
+        proposed |= set(plan.ks)
+        rounds += 1
+        assert rounds <= 60
+    total = sum(u[1] for i, u in enumerate(unseen) if u is not None and i not in no_blocks)
+    assert (rounds == 1) == (total <= budget)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA"))])
 @pytest.mark.parametrize("budget", [5, 24])
-def test_catch_up_split_across_forwards_proposes_hf_greedy(model_dir, hf, monkeypatch, budget, device):
+def test_catch_up_over_rounds_proposes_hf_greedy(model_dir, hf, monkeypatch, budget, device):
     """max_num_batched_tokens 5: the 24-token catch-up of three prompts (8, 3 and 13 tokens) runs
-    as five forwards of at most 5 tokens, the 13-token prompt's over three (one of which ends no
-    sequence); the proposals are still HF's greedy continuation. With 24 it is one forward. On
-    CUDA (float32) the 5-token forwards replay the decode graphs as decode rows."""
+    over rounds of one forward of at most 5 tokens, the short prompt proposing in the first and
+    each longer one in the round its last piece goes in; the proposals are HF's greedy
+    continuation. With 24 it is one round. On CUDA (float32) the draft's steps replay its graphs."""
     sizes = []
     forward = DraftModelProposer._forward
     monkeypatch.setattr(DraftModelProposer, "_forward",
@@ -202,10 +215,23 @@ def test_catch_up_split_across_forwards_proposes_hf_greedy(model_dir, hf, monkey
     prop = DraftModelProposer(str(model_dir), cfg)
     assert (prop.graphs is not None) == (device == "cuda")
     ks = [4, 2, 3]
-    got = prop.propose([greedy(i, p, k) for i, (p, k) in enumerate(zip(PROMPTS, ks))])
-    assert got.token_ids == [hf_greedy(hf, p, k) for p, k in zip(PROMPTS, ks)]
-    catch_up = sizes[:len(sizes) - (max(ks) - 1)]  # then k - 1 decode forwards
-    assert catch_up == ([5, 5, 5, 5, 4] if budget == 5 else [24])
+    want = [hf_greedy(hf, p, k) for p, k in zip(PROMPTS, ks)]
+    got, rounds = [None] * 3, 0  # the round each request first proposes in
+    while None in got:
+        sizes.clear()
+        out = prop.propose([greedy(i, p, k) for i, (p, k) in enumerate(zip(PROMPTS, ks))])
+        rounds += 1
+        assert sizes[0] <= budget
+        for i, toks in enumerate(out.token_ids):
+            if toks:  # a caught-up request proposes again each round: the same tokens
+                assert toks == want[i], (rounds, i)
+                got[i] = rounds if got[i] is None else got[i]
+        assert rounds <= 12
+    # The 3-token prompt fits the first round; the others need rounds of their own when split.
+    if budget == 24:
+        assert got == [1, 1, 1]
+    else:
+        assert got[1] == 1 and min(got[0], got[2]) > 1, got
 
 
 @pytest.mark.parametrize("field", ["hidden_size", "intermediate_size", "num_attention_heads"])
