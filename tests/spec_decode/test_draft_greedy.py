@@ -205,7 +205,9 @@ def check_within_budget(target_dir, draft_dir, calls, **kw) -> tuple:
     without a proposal, until the last piece: then the sequence proposes)."""
     ids, kw = long_prompts(target_dir), dict(block_size=8, max_num_batched_tokens=BUDGET,
                                              enable_chunked_prefill=True, **kw)
-    llm = make_llm(target_dir, speculative_config=spec(draft_dir), **kw)
+    # Pausing off: the catch-up's rounds are what is tested, and a catch-up round yields one token
+    # per row (no proposal), which pauses speculation (spec_decode/policy.py) and so skips rounds.
+    llm = make_llm(target_dir, speculative_config=dict(spec(draft_dir), min_speculation_yield=0), **kw)
     got = run(llm, ids, 16)
     off = make_llm(target_dir, **kw).generate([{"prompt_token_ids": p} for p in ids],
                                               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
