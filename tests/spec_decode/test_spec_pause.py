@@ -141,7 +141,7 @@ def _run_with_acceptance(setup, acceptance, monkeypatch):
     launches = []
     launch = engine._launch
     monkeypatch.setattr(engine, "_launch", lambda *a: launches.append(1) or launch(*a))
-    return _greedy(llm, ids), engine.speculator.stats, len(launches)
+    return _greedy(llm, ids), engine.speculator.stats, len(launches), llm
 
 
 def _spec_steps_when_always_rejected(k, decode_steps):
@@ -159,7 +159,7 @@ def _spec_steps_when_always_rejected(k, decode_steps):
 
 
 def test_always_rejected_pauses_and_keeps_outputs(setup, monkeypatch):
-    got, stats, launches = _run_with_acceptance(setup, 0.0, monkeypatch)
+    got, stats, launches, llm = _run_with_acceptance(setup, 0.0, monkeypatch)
     assert got == setup[2]
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == 0
     # 47 decode steps (one token each) with k = 4: 10 speculating steps (1 + 4 * 0.75**10 = 1.23),
@@ -172,10 +172,14 @@ def test_always_rejected_pauses_and_keeps_outputs(setup, monkeypatch):
     # waiting): the other decode steps, and the one that collects the last overlapped step's tokens.
     assert stats.num_paused_steps == decode_steps - expected + 1
     assert launches == 1 + decode_steps - expected  # the prompts' step too (no decodes yet: k = 0)
+    # The engine ran out of requests: the same batch again starts from a fresh estimate and
+    # speculates in the same steps (not in the middle of the last run's 32-step pause).
+    assert _greedy(llm, setup[1]) == setup[2]
+    assert stats.num_spec_steps == 2 * expected
 
 
 def test_always_accepted_never_pauses(setup, monkeypatch):
-    got, stats, launches = _run_with_acceptance(setup, 1.0, monkeypatch)
+    got, stats, launches, _ = _run_with_acceptance(setup, 1.0, monkeypatch)
     assert got == setup[2]
     assert stats.num_paused_steps == 0
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
