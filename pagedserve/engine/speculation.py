@@ -73,8 +73,9 @@ class Speculator:
         self._asked = self._accepted = 0
 
     def tokens_this_step(self, num_running: int) -> int:
+        paused = self.policy.num_paused_steps
         k = self.policy.tokens_to_propose(num_running)
-        self.stats.num_paused_steps = self.policy.num_paused_steps
+        self.stats.num_paused_steps += self.policy.num_paused_steps - paused  # (a benchmark may swap policies)
         return k
 
     def idle(self) -> None:
