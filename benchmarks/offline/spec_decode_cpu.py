@@ -6,7 +6,8 @@ speculation from costing more than it gives.
 Copy-heavy prompt: a held-out passage (verses the model never saw), the instruction to repeat it,
 the passage again, and its first words once more; the model continues the copy. An ordinary
 prompt (the passage's first words alone) is measured beside it: the proposer then finds fewer
-matches, and speculation should cost little.
+matches, and speculation should cost little. Both are timed with the shipped policy (yield
+pausing included) and without pausing: what pausing costs where speculation pays.
 
 Low acceptance: the plain prompts with the benchmark-only acceptance-controlled proposer
 (spec_decode/synthetic.py: a replay of the reference output, each proposed token corrupted with
@@ -120,12 +121,12 @@ def table(doc: dict) -> str:
     """The markdown beside the JSON: one row per prompt kind and batch, then the low-acceptance
     runs."""
     rows = ["| prompts, batch | outputs equal | acceptance | mean accepted length | paused steps | off s | on s | "
-            "speed-up | load 1m |", "|---|---|---|---|---|---|---|---|---|"]
+            "speed-up | on, no pausing s | speed-up, no pausing | load 1m |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     low = ["| proposer, batch | outputs equal | acceptance | speculating / paused steps (pausing) | speculating "
            "steps (no pausing) | off s | on, pausing s | on, no pausing s | pausing / off | no pausing / off | "
            "load 1m |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for key, r in doc["results"].items():
-        if isinstance(r, dict) and "seconds_on_no_pausing" in r:
+        if isinstance(r, dict) and "acceptance_asked" in r:
             low.append(f"| {key} | {r['outputs_equal']} | {r['no_pausing_acceptance_rate']} | "
                        f"{r['pausing_spec_steps']} / {r['pausing_paused_steps']} | {r['no_pausing_spec_steps']} | "
                        f"{r['seconds_off']} | {r['seconds_on_pausing']} | {r['seconds_on_no_pausing']} | "
@@ -133,10 +134,11 @@ def table(doc: dict) -> str:
         elif isinstance(r, dict):
             rows.append(f"| {key} | {r['outputs_equal']} | {r['acceptance_rate']} | {r['mean_accepted_length']} | "
                         f"{r.get('num_paused_steps')} | {r['seconds_off']} | {r['seconds_on']} | {r['speedup']} | "
-                        f"{r.get('load_average_1m')} |")
+                        f"{r.get('seconds_on_no_pausing')} | {r.get('speedup_no_pausing')} | {r.get('load_average_1m')} |")
     return (f"# {doc['benchmark']}\n\n`{doc['command']}` at {doc['commit'][:12]} on {doc['device']}, "
             f"speculative_config {doc['config']['speculative_config']}\n\n" + "\n".join(rows)
-            + "\n\nLow acceptance (the synthetic proposer; seconds: lower is better, ratios over off: below 1 "
+            + "\n\nOn (the shipped policy, yield pausing included) and on without pausing (min_speculation_yield 0); "
+              "counts from the last repeat with pausing.\n\nLow acceptance (the synthetic proposer; seconds: lower is better, ratios over off: below 1 "
               "is faster than speculation off):\n\n" + "\n".join(low))
 
 
@@ -154,30 +156,39 @@ def main() -> None:
     spec = LLM(str(DEMO_MODEL_DIR), speculative_config=spec_cfg, **common)
     texts = passages(args.num_prompts)
     results = {}
+    ngram = spec.llm_engine.speculator.proposer
     for kind in ("copy", "plain"):
         ps = prompts(kind, texts)
         for batch in (1, args.num_prompts):
             run(base, ps[:1], 8, 1)  # warm both engines
             run(spec, ps[:1], 8, 1)
-            t_base = t_spec = float("inf")
+            t_base = t_spec = t_nopause = float("inf")
+            equal = True
             for _ in range(args.repeats):
-                before = spec.get_spec_decode_stats()
-                d0, t0, a0 = before.num_drafts, before.num_draft_tokens, before.num_accepted_tokens
-                p0 = before.num_paused_steps
                 want, t = run(base, ps, args.max_tokens, batch)
                 t_base = min(t_base, t)
+                # The shipped policy (counted), then the same without yield pausing.
+                use(spec, ngram, DEFAULT_MIN_SPECULATION_YIELD)
+                st = spec.get_spec_decode_stats()
+                d0, t0, a0, p0 = st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens, st.num_paused_steps
                 got, t = run(spec, ps, args.max_tokens, batch)
                 t_spec = min(t_spec, t)
-            st = spec.get_spec_decode_stats()
-            drafts, draft_toks, acc = st.num_drafts - d0, st.num_draft_tokens - t0, st.num_accepted_tokens - a0
+                drafts, draft_toks, acc = st.num_drafts - d0, st.num_draft_tokens - t0, st.num_accepted_tokens - a0
+                paused = st.num_paused_steps - p0
+                use(spec, ngram, 0.0)
+                got_nopause, t = run(spec, ps, args.max_tokens, batch)
+                t_nopause = min(t_nopause, t)
+                equal = equal and got == want == got_nopause
+            use(spec, ngram, DEFAULT_MIN_SPECULATION_YIELD)
             results[f"{kind}_batch{batch}"] = {
-                "outputs_equal": got == want,
+                "outputs_equal": equal,
                 "num_drafts": drafts, "num_draft_tokens": draft_toks, "num_accepted_tokens": acc,
-                "num_paused_steps": st.num_paused_steps - p0,
+                "num_paused_steps": paused,
                 "acceptance_rate": round(acc / draft_toks, 4) if draft_toks else None,
                 "mean_accepted_length": round(1 + acc / drafts, 3) if drafts else None,
                 "seconds_off": round(t_base, 3), "seconds_on": round(t_spec, 3),
                 "speedup": round(t_base / t_spec, 3),
+                "seconds_on_no_pausing": round(t_nopause, 3), "speedup_no_pausing": round(t_base / t_nopause, 3),
                 "generated_tokens": sum(map(len, got)),
                 "load_average_1m": round(os.getloadavg()[0], 2),
             }
