@@ -15,14 +15,17 @@ Sections, each one process that fits a 10-minute device call (benchmarks/spec_h2
   ours --config spec --batches B   one engine with speculative_config draft_model, draft = target (the
                            same config and dummy weights: its greedy proposals are the target's), whose
                            proposer and policy are switched between runs (LLMEngine.speculator):
-                           for k in 1, 2, 4 with the adaptive policy off (spec_disable_batch_tokens 2**30):
+                           for k in 1, 2, 4 with the adaptive policy off (spec_disable_batch_tokens 2**30,
+                           min_speculation_yield 0: no pausing):
                              k{k}_ngram         prompt lookup, as shipped;
                              k{k}_draft_a{a}    the draft model, each proposal corrupted with probability
                                                 1 - a (spec_decode/synthetic.py, benchmark-only);
                              k{k}_replay_a{a}   the same corruption around a replay of the target's own
                                                 greedy output (a free draft: what verification alone
                                                 costs and gains);
-                           then the default adaptive policy at k = 4: adaptive_ngram, adaptive_draft
+                           then the default adaptive policy (batch rule and yield pausing) at k = 4:
+                             adaptive_ngram, adaptive_draft, and adaptive_draft_a0 / adaptive_replay_a0
+                             (every proposal rejected: pausing should bring these near speculation off)
   vllm --config off | draft_model_kK | ngram_kK   vLLM offline with speculative_config (draft = target:
                            {"method": "draft_model", "model": <the same dir>}; {"method": "ngram"});
                            run it with vLLM on PYTHONPATH (--site DIR adds it)
@@ -89,7 +92,7 @@ def _sync() -> None:
 
 # --- the pagedserve side ----------------------------------------------------------------------------
 # The engine's speculative-decoding state is LLMEngine.speculator (engine/speculation.py): its proposer,
-# its adaptive policy (k and the batch-token threshold, read every step) and its counters.
+# its adaptive policy (k, the batch-token threshold and the yield pause) and its counters.
 def speculator(llm):
     return llm.llm_engine.speculator
 
@@ -102,16 +105,18 @@ def get_proposer(llm):
     return speculator(llm).proposer
 
 
-def set_policy(llm, k: int, disable_batch_tokens: int) -> None:
-    """k at most the engine's configured k (what its start-up sized for)."""
-    policy = speculator(llm).policy
-    policy.k, policy.disable_batch_tokens = k, disable_batch_tokens
+def set_policy(llm, k: int, disable_batch_tokens: int, min_speculation_yield: float) -> None:
+    """A fresh policy for a run (no pause carried over from the last one); k at most the engine's
+    configured k (what its start-up sized for)."""
+    from pagedserve.spec_decode.policy import SpeculationPolicy
+    speculator(llm).policy = SpeculationPolicy(k, disable_batch_tokens, min_speculation_yield=min_speculation_yield)
 
 
-def counters(llm) -> tuple[int, int]:
-    """(proposed, accepted) tokens so far, from the engine's speculative-decoding counters."""
+def counters(llm) -> tuple[int, int, int]:
+    """(proposed, accepted) tokens and paused steps so far, from the engine's speculative-decoding
+    counters."""
     s = speculator(llm).stats
-    return int(s.num_draft_tokens), int(s.num_accepted_tokens)
+    return int(s.num_draft_tokens), int(s.num_accepted_tokens), int(s.num_paused_steps)
 
 
 class NoProposals:
@@ -138,15 +143,15 @@ def _generate(llm, prompts, max_tokens: int):
 def measure(llm, prompts, output_len: int, spec: bool) -> dict:
     """TPOT, throughput and (with speculation) the measured acceptance of one batch."""
     t2, _ = _generate(llm, prompts, 2)
-    before = counters(llm) if spec else (0, 0)
+    before = counters(llm) if spec else (0, 0, 0)
     t, outs = _generate(llm, prompts, output_len)
     n_out = sum(map(len, outs))
     res = {"seconds": round(t, 4), "two_token_seconds": round(t2, 4),
            "tpot_ms": round((t - t2) / (output_len - 2) * 1e3, 3),
            "output_tokens_per_s": round(n_out / t, 1), "output_tokens": n_out}
     if spec:
-        proposed, accepted = (a - b for a, b in zip(counters(llm), before))
-        res.update(proposed_tokens=proposed, accepted_tokens=accepted,
+        proposed, accepted, paused = (a - b for a, b in zip(counters(llm), before))
+        res.update(proposed_tokens=proposed, accepted_tokens=accepted, paused_steps=paused,
                    acceptance_rate=round(accepted / proposed, 4) if proposed else None)
     return res
 
@@ -176,8 +181,9 @@ def ours(config: str, args) -> dict:
     config "off": one run per batch. config "spec": one engine (draft model = target, k = max(ks)) whose
     proposer and policy are switched between runs: for each k, the n-gram proposer, then the draft and
     the replay at each acceptance a (runs "k{k}_ngram", "k{k}_draft_a{a}", "k{k}_replay_a{a}"), with
-    the adaptive policy off; then the adaptive policy at k = ADAPTIVE_K ("adaptive_ngram", "adaptive_draft")."""
-    from pagedserve.spec_decode.config import DEFAULT_DISABLE_BATCH_TOKENS
+    the adaptive policy off; then the adaptive policy at k = ADAPTIVE_K ("adaptive_ngram", "adaptive_draft",
+    and with every proposal rejected "adaptive_draft_a0", "adaptive_replay_a0")."""
+    from pagedserve.spec_decode.config import DEFAULT_DISABLE_BATCH_TOKENS, DEFAULT_MIN_SPECULATION_YIELD
     from pagedserve.spec_decode.ngram import NgramProposer
     from pagedserve.spec_decode.synthetic import AcceptanceControlledProposer, ReplayProposer
 
@@ -208,16 +214,20 @@ def ours(config: str, args) -> dict:
         replay = [p + o for p, o in zip(prompts, recorded)]
         todo = []
         for k in args.ks:
-            todo.append((f"k{k}_ngram", k, FIXED, ngram))
+            todo.append((f"k{k}_ngram", k, FIXED, 0.0, ngram))
             for a in args.accepts:
-                todo.append((f"k{k}_draft_a{a:g}", k, FIXED, AcceptanceControlledProposer(draft, a, vocab, seed=b)))
-                todo.append((f"k{k}_replay_a{a:g}", k, FIXED,
+                todo.append((f"k{k}_draft_a{a:g}", k, FIXED, 0.0,
+                             AcceptanceControlledProposer(draft, a, vocab, seed=b)))
+                todo.append((f"k{k}_replay_a{a:g}", k, FIXED, 0.0,
                              AcceptanceControlledProposer(ReplayProposer(replay), a, vocab, seed=b)))
-        todo += [("adaptive_ngram", ADAPTIVE_K, DEFAULT_DISABLE_BATCH_TOKENS, ngram),
-                 ("adaptive_draft", ADAPTIVE_K, DEFAULT_DISABLE_BATCH_TOKENS, draft)]
-        for name, k, threshold, proposer in todo:
+        adaptive = (ADAPTIVE_K, DEFAULT_DISABLE_BATCH_TOKENS, DEFAULT_MIN_SPECULATION_YIELD)
+        todo += [("adaptive_ngram", *adaptive, ngram), ("adaptive_draft", *adaptive, draft),
+                 ("adaptive_draft_a0", *adaptive, AcceptanceControlledProposer(draft, 0.0, vocab, seed=b)),
+                 ("adaptive_replay_a0", *adaptive,
+                  AcceptanceControlledProposer(ReplayProposer(replay), 0.0, vocab, seed=b))]
+        for name, k, threshold, min_yield, proposer in todo:
             set_proposer(llm, proposer)
-            set_policy(llm, k, threshold)
+            set_policy(llm, k, threshold, min_yield)
             runs[name] = measure(llm, prompts, args.output_len, spec=True)
             log(f"ours spec b{b} {name}: {runs[name]}")
         set_proposer(llm, draft)
@@ -332,6 +342,8 @@ def ratios_of(merged: dict, batches, ks) -> dict:
     for b in batches:
         r[f"adaptive_over_off_b{b}"] = _ratio(_tpot(ours, b, "adaptive_ngram"), off[b])
         r[f"adaptive_draft_over_off_b{b}"] = _ratio(_tpot(ours, b, "adaptive_draft"), off[b])
+        for name in ("adaptive_draft_a0", "adaptive_replay_a0"):
+            r[f"{name}_over_off_b{b}"] = _ratio(_tpot(ours, b, name), off[b])
     if theirs:
         for b in batches:
             r[f"tpot_off_b{b}_over_vllm"] = _ratio(off[b], _tpot(theirs.get("off", {}), b))
@@ -351,6 +363,9 @@ NOTES = {
                                       "is; a real, smaller draft sits between the two ratios",
     "adaptive_over_off_bB": "n-gram proposer, default adaptive policy (k = 4, spec_disable_batch_tokens 256) against "
                             "speculation off; adaptive_draft_over_off_bB: the same with the draft model = target",
+    "adaptive_draft_a0_over_off_bB": "the default adaptive policy with every proposal rejected (draft = target, "
+                                     "or replay, corrupted at a = 0): yield pausing keeps most steps plain and "
+                                     "overlapped, so this should stay near 1 (k4_draft_a0 is the same without it)",
     "acceptance": "runs *_aA corrupt each proposal with probability 1 - A (spec_decode/synthetic.py); "
                   "acceptance_rate is what the engine's counters measured",
 }

@@ -147,7 +147,8 @@ class EngineCore:
                     spec_decode_num_draft_tokens=st.num_draft_tokens,
                     spec_decode_num_accepted_tokens=st.num_accepted_tokens,
                     spec_decode_num_accepted_tokens_per_pos=list(st.num_accepted_tokens_per_pos),
-                    spec_decode_proposer_seconds=st.proposer_seconds)
+                    spec_decode_proposer_seconds=st.proposer_seconds,
+                    spec_decode_num_paused_steps=st.num_paused_steps)
 
     def _structured_stats(self) -> dict:
         """The grammar compile counters (engine/structured/), for /metrics; none before the first."""

@@ -304,6 +304,8 @@ class LLMEngine(TokenApplication):
             self._seq_generators.pop(s.seq_id, None)
             if self.speculator is not None:
                 self.speculator.finish(s.seq_id)
+        if self.speculator is not None and not self._groups:
+            self.speculator.idle()
         self.structured.forget(group)
 
     def get_kv_cache_state(self) -> dict:
@@ -337,7 +339,8 @@ class LLMEngine(TokenApplication):
             self._admit_compiled(touched)
         prev = self._inflight  # stays visible until processed: the step the scheduler plans around
         # Speculation (engine/speculation.py) runs synchronous steps: proposals need every token on
-        # the host. The policy's k = 0 (a large batch) keeps the step overlapped.
+        # the host. The policy's k = 0 (a large batch, or speculation paused for a low yield) keeps
+        # the step overlapped.
         spec_k = 0
         if self._spec_requests:
             spec_k = self.speculator.tokens_this_step(self.scheduler.num_running)

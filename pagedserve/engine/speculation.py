@@ -12,7 +12,9 @@ One step with speculation, synchronous (see LLMEngine.step):
      emitted tokens (accepted proposals, then one more), sets ScheduledSequence.num_rejected so
      the scheduler rolls the rejected slots back, and the engine appends the tokens one by one
      through the ordinary stop rules, so a stop token or string inside an accepted run ends the
-     sequence exactly where decoding without speculation would.
+     sequence exactly where decoding without speculation would;
+  5. after the step (clear): the policy observes the step's yield, 1 + accepted proposals / rows
+     asked to propose, and pauses speculation while it stays low (spec_decode/policy.py).
 
 Which requests speculate: single sequences (n = best_of = 1) whose tokens depend only on the
 logits at each position: temperature, top-k, top-p, min-p, seeds and structured outputs; not
@@ -59,7 +61,7 @@ class Speculator:
         self.spec = spec
         self.proposer = proposer if proposer is not None else make_proposer(spec, engine)
         self.policy = SpeculationPolicy(spec.num_speculative_tokens, spec.spec_disable_batch_tokens,
-                                        spec.disable_by_batch_size)
+                                        spec.disable_by_batch_size, spec.min_speculation_yield)
         self.stats = SpecDecodeStats()
         # A proposer that reads token_ids incrementally gets a TokenHistory view (no copy per step);
         # others get a plain list.
@@ -67,9 +69,20 @@ class Speculator:
         self._proposed: list[Sequence] = []
         # seq_id -> (draft_probs, first row of its proposals) for a proposer that is not one-hot.
         self._draft_rows: dict[int, tuple[torch.Tensor, int]] = {}
+        # This step's rows asked to propose and proposals accepted: its yield, seen in clear().
+        self._asked = self._accepted = 0
 
     def tokens_this_step(self, num_running: int) -> int:
-        return self.policy.tokens_to_propose(num_running)
+        paused = self.policy.num_paused_steps
+        k = self.policy.tokens_to_propose(num_running)
+        self.stats.num_paused_steps += self.policy.num_paused_steps - paused  # (a benchmark may swap policies)
+        return k
+
+    def idle(self) -> None:
+        """The engine has no requests left: the next ones start from a fresh yield estimate, so
+        that the same offline batch run twice speculates in the same steps (seeded sampling
+        draws alike)."""
+        self.policy.reset()
 
     def propose(self, groups: list[SequenceGroup], eligible: set[str], k: int,
                 generators: dict[int, torch.Generator], grammars: Any = None) -> None:
@@ -88,6 +101,7 @@ class Speculator:
             reqs.append(ProposalRequest(s.seq_id, history, k, t, generators.get(s.seq_id)))
         if not reqs:
             return
+        self._asked = len(reqs)
         t0 = time.perf_counter()
         proposals = self.proposer.propose(reqs)
         self.stats.proposer_seconds += time.perf_counter() - t0
@@ -103,11 +117,14 @@ class Speculator:
             row += len(ids)
 
     def clear(self) -> None:
-        """After the step: no proposal outlives it."""
+        """After the step: no proposal outlives it; the policy sees what the step yielded."""
         for s in self._proposed:
             s.spec_token_ids = []
         self._proposed = []
         self._draft_rows = {}
+        if self._asked:
+            self.policy.observe(1.0 + self._accepted / self._asked)
+        self._asked = self._accepted = 0
 
     def finish(self, seq_id: int) -> None:
         self.proposer.finish(seq_id)
@@ -169,6 +186,7 @@ class Speculator:
         for (s, _), toks, a in zip(spec, result.token_ids, result.num_accepted):
             s.num_rejected = s.num_lookahead - a
             self.stats.record(s.num_lookahead, a)
+            self._accepted += a
             out.append((s, toks, chosen[i:i + len(toks)]))
             i += len(toks)
         return plain_logits, plain, out

@@ -4,8 +4,8 @@ Keys (vLLM's names): method ("ngram" | "draft_model"), num_speculative_tokens (k
 model (the draft model's directory, draft_model only), prompt_lookup_min / prompt_lookup_max
 (n-gram lengths to match, ngram only; 1 and 5 when neither is given, one given alone sets
 both), plus our adaptive
-policy's knobs (spec_disable_batch_tokens, and vLLM's disable_by_batch_size; see
-spec_decode/policy.py). An unknown key is a
+policy's knobs (spec_disable_batch_tokens, min_speculation_yield, and vLLM's
+disable_by_batch_size; see spec_decode/policy.py). An unknown key is a
 ValueError naming it: a field is honoured or refused, never dropped.
 
 No torch here: EngineConfig validates the JSON at construction, before any model loads.
@@ -20,6 +20,12 @@ METHODS = ("ngram", "draft_model")
 # Running decodes + their lookahead tokens above which speculation turns off for a step
 # (spec_decode/policy.py explains the default).
 DEFAULT_DISABLE_BATCH_TOKENS = 256
+# Tokens per speculating row below which speculation pauses (spec_decode/policy.py). A speculating
+# step is synchronous: it gives up overlapping the next step's host work (scheduling, output
+# processing; 10-30% of a small model's decode step) with the device, and pays the proposer and
+# the verification rows. An n-gram step costs roughly a quarter more than an overlapped plain
+# one, so it must emit more than ~1.25 tokens per row to pay; below that, a plain step is faster.
+DEFAULT_MIN_SPECULATION_YIELD = 1.25
 
 
 @dataclass(frozen=True)
@@ -34,6 +40,8 @@ class SpeculativeConfig:
     spec_disable_batch_tokens: int = DEFAULT_DISABLE_BATCH_TOKENS
     # vLLM's key: speculation off for a step once this many requests run (None: no such limit).
     disable_by_batch_size: int | None = None
+    # Pause speculation while its steps yield fewer tokens per row than this (<= 1: never pause).
+    min_speculation_yield: float = DEFAULT_MIN_SPECULATION_YIELD
 
     @classmethod
     def from_json(cls, value: str | dict | "SpeculativeConfig") -> "SpeculativeConfig":
@@ -93,6 +101,11 @@ class SpeculativeConfig:
         b = d.get("disable_by_batch_size")
         if b is not None and (not isinstance(b, int) or isinstance(b, bool) or b < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size must be an integer >= 1, got {b!r}")
+        y = d.get("min_speculation_yield", DEFAULT_MIN_SPECULATION_YIELD)
+        if not isinstance(y, (int, float)) or isinstance(y, bool) or not 0 <= y <= 1 + k:
+            raise ValueError("speculative_config.min_speculation_yield must be a number in [0, 1 + "
+                             f"num_speculative_tokens] = [0, {1 + k}] (tokens per speculating row), got {y!r}")
+        d["min_speculation_yield"] = float(y)
         return cls(**d)
 
     def to_dict(self) -> dict[str, Any]:

@@ -16,6 +16,7 @@ class SpecDecodeStats:
     num_accepted_tokens_per_pos: list[int] = field(default_factory=list)  # [j]: accepted at position j
     proposer_seconds: float = 0.0       # host time spent proposing
     num_spec_steps: int = 0             # steps that verified proposals
+    num_paused_steps: int = 0           # steps the policy kept from speculating for a low yield
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1

@@ -95,13 +95,15 @@ def test_draft_equal_to_target_accepts_everything(target_dir):
 
 def test_seeded_sampling_reproducible(target_dir, draft_dir):
     """Sampled requests take the draft's probability rows through the rejection sampler; a seed
-    makes the output the same run after run, whatever else is in the batch."""
+    makes the output the same run after run, whatever else is in the batch (with yield pausing
+    off: the pause follows the whole batch's yield, so it would make the speculating steps, and
+    with them the draws, depend on the batch)."""
     ids = prompt_ids(str(target_dir))[:3]
     seeded = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True, seed=11)
     other = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
     outs = []
     for batch in ([ids[0]], ids):
-        llm = make_llm(target_dir, speculative_config=spec(draft_dir), block_size=16)
+        llm = make_llm(target_dir, speculative_config=dict(spec(draft_dir), min_speculation_yield=0), block_size=16)
         params = [seeded] + [other] * (len(batch) - 1)
         res = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         outs.append(res[0].outputs[0].token_ids)
@@ -205,7 +207,9 @@ def check_within_budget(target_dir, draft_dir, calls, **kw) -> tuple:
     without a proposal, until the last piece: then the sequence proposes)."""
     ids, kw = long_prompts(target_dir), dict(block_size=8, max_num_batched_tokens=BUDGET,
                                              enable_chunked_prefill=True, **kw)
-    llm = make_llm(target_dir, speculative_config=spec(draft_dir), **kw)
+    # Pausing off: the catch-up's rounds are what is tested, and a catch-up round yields one token
+    # per row (no proposal), which pauses speculation (spec_decode/policy.py) and so skips rounds.
+    llm = make_llm(target_dir, speculative_config=dict(spec(draft_dir), min_speculation_yield=0), **kw)
     got = run(llm, ids, 16)
     off = make_llm(target_dir, **kw).generate([{"prompt_token_ids": p} for p in ids],
                                               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),

@@ -1,12 +1,14 @@
 """Greedy output with n-gram speculation equals output without it, token for token, across the
 dense tests' memory regimes (recompute, swap, chunked prefill, prefix caching) and block sizes
-1, 16 and 32; and the reference itself equals HF's greedy generate."""
+1, 16 and 32, with speculation in every step and with the shipped yield pausing (steps switch
+between paused, overlapped ones and speculating probes, through preemptions); and the reference
+itself equals HF's greedy generate."""
 import pytest
 
 from pagedserve import SamplingParams
 from engine.helpers import assert_no_leak, hf_greedy, make_llm, tokenizer
 
-from spec_decode.spec_helpers import NGRAM, TEXTS
+from spec_decode.spec_helpers import NGRAM, NGRAM_PAUSING, TEXTS
 
 
 def _ids(model_dir):
@@ -21,9 +23,9 @@ def _run(llm, ids, max_tokens):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _check(model_dir, max_tokens=24, **kw):
+def _check(model_dir, max_tokens=24, spec=NGRAM, **kw):
     ids = _ids(model_dir)
-    llm = make_llm(model_dir, speculative_config=NGRAM, **kw)
+    llm = make_llm(model_dir, speculative_config=spec, **kw)
     got = _run(llm, ids, max_tokens)
     for p, g in zip(ids, got):
         assert g == hf_greedy(model_dir, p, max_tokens, ignore_eos=True), p
@@ -38,12 +40,15 @@ def test_block_sizes(tiny_model_dir, block_size):
     _check(tiny_model_dir("llama"), block_size=block_size)
 
 
+@pytest.mark.parametrize("pausing", [False, True])
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption(tiny_model_dir, mode):
+def test_preemption(tiny_model_dir, mode, pausing):
     # 8-token blocks, 18 of them for 5 sequences (the longest 88 + 30 tokens): preemptions.
     llm = _check(tiny_model_dir("llama"), max_tokens=30, block_size=8, num_gpu_blocks_override=18,
-                 preemption_mode=mode, swap_space=0.05, max_num_batched_tokens=64)
+                 preemption_mode=mode, swap_space=0.05, max_num_batched_tokens=64,
+                 spec=NGRAM_PAUSING if pausing else NGRAM)
     assert llm.get_kv_cache_stats().num_preemptions > 0
+    assert (llm.get_spec_decode_stats().num_paused_steps > 0) == pausing
 
 
 def test_chunked_prefill_small_budget(tiny_model_dir):

@@ -1,0 +1,189 @@
+"""Yield-adaptive pausing (spec_decode/policy.py): the policy's exact schedule of k for a sequence
+of step yields (pauses, probes, backoff doubling to its cap, reset on a good probe, combined with
+the batch rule); in the engine, proposals that are always rejected leave a bounded number of
+speculating steps (the rest run overlapped), proposals that are always accepted never pause, and
+greedy output equals decoding without speculation either way."""
+import math
+
+import pytest
+
+from pagedserve import SamplingParams
+from pagedserve.spec_decode.config import DEFAULT_MIN_SPECULATION_YIELD, SpeculativeConfig
+from pagedserve.spec_decode.policy import (FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS, YIELD_WEIGHT,
+                                           SpeculationPolicy)
+from pagedserve.spec_decode.synthetic import AcceptanceControlledProposer, ReplayProposer
+from engine.helpers import assert_no_leak, make_llm, tokenizer
+from spec_decode.spec_helpers import NGRAM_PAUSING as NGRAM, TEXTS
+
+T = 1.25  # the threshold the schedules below are worked out for
+
+
+def schedule(policy, yields, decodes=1):
+    """Run the policy over steps until `yields` runs out: each step asks for k (one decode unless
+    `decodes` says otherwise) and a speculating step observes the next yield. Returns k per step,
+    run-length encoded as [(k, steps)]."""
+    ks, obs = [], iter(yields)
+    while True:
+        k = policy.tokens_to_propose(decodes)
+        if k:
+            y = next(obs, None)
+            if y is None:
+                break
+            policy.observe(y)
+        ks.append(k)
+    runs = []
+    for k in ks:
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    return [tuple(r) for r in runs]
+
+
+def test_default_threshold_and_constants():
+    # The schedules below assume the shipped constants.
+    assert (DEFAULT_MIN_SPECULATION_YIELD, YIELD_WEIGHT, FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS) == (T, 0.25, 8, 256)
+
+
+def test_pauses_probe_and_back_off_to_the_cap():
+    # k = 2: the estimate starts at 3 and after n steps of yield 1 is 1 + 2 * 0.75**n, first below
+    # 1.25 at n = 8 (1.2003; 1.267 at n = 7). Then pauses of 8, 16, ... 256, 256, one probe between.
+    p = SpeculationPolicy(2, 256, min_speculation_yield=T)
+    assert schedule(p, [1.0] * 15) == [(2, 8), (0, 8), (2, 1), (0, 16), (2, 1), (0, 32), (2, 1), (0, 64), (2, 1),
+                                       (0, 128), (2, 1), (0, 256), (2, 1), (0, 256), (2, 1), (0, 256)]
+    assert p.num_paused_steps == 8 + 16 + 32 + 64 + 128 + 256 * 3
+
+
+def test_a_good_probe_resumes_and_resets_the_backoff():
+    p = SpeculationPolicy(2, 256, min_speculation_yield=T)
+    yields = ([1.0] * 8           # pause 8
+              + [1.0]             # failed probe: pause 16
+              + [3.0] + [3.0] * 5  # good probe (the estimate restarts at 3), five good steps
+              + [1.0] * 8         # back below 1.25 after 8 steps: pause 8, not 32
+              + [T]               # a probe at exactly the threshold succeeds (estimate 1.25)
+              + [1.0])            # 1.25 + 0.25 * (1 - 1.25) = 1.1875 < 1.25: pause 8 again
+    assert schedule(p, yields) == [(2, 8), (0, 8), (2, 1), (0, 16), (2, 14), (0, 8), (2, 2), (0, 8)]
+
+
+def test_one_bad_step_in_a_good_run_does_not_pause():
+    p = SpeculationPolicy(4, 256, min_speculation_yield=T)
+    # Alternating 1 and 2: the estimate settles between 1.43 and 1.57, above 1.25.
+    assert schedule(p, [1.0, 2.0] * 50) == [(4, 100)]
+    assert p.num_paused_steps == 0
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.0])
+def test_threshold_at_most_one_never_pauses(threshold):
+    p = SpeculationPolicy(4, 256, min_speculation_yield=threshold)
+    assert schedule(p, [1.0] * 500) == [(4, 500)]
+
+
+def test_combined_with_the_batch_rule():
+    p = SpeculationPolicy(2, 256, min_speculation_yield=T)
+    for _ in range(8):
+        assert p.tokens_to_propose(1) == 2
+        p.observe(1.0)
+    assert p.pause_left == 8  # paused: 8 steps to go
+    # 200 decodes: the batch rule alone says 0 (256 // 200 - 1); such steps do not count down.
+    assert [p.tokens_to_propose(200) for _ in range(20)] == [0] * 20
+    assert p.pause_left == 8 and p.num_paused_steps == 0
+    # 100 decodes: the batch rule says k = 1; 8 paused steps, then the probe speculates with k = 1.
+    assert [p.tokens_to_propose(100) for _ in range(9)] == [0] * 8 + [1]
+    assert p.num_paused_steps == 8
+    # A probe step in which no row was asked to propose is not observed: the next step probes.
+    assert p.tokens_to_propose(100) == 1
+    p.observe(1.0)  # the probe fails: 16 steps
+    assert [p.tokens_to_propose(1) for _ in range(17)] == [0] * 16 + [2]
+    p.reset()  # the engine ran out of requests: a fresh estimate, the backoff from 8 again
+    assert schedule(p, [1.0] * 9) == [(2, 8), (0, 8), (2, 1), (0, 16)]
+
+
+@pytest.mark.parametrize("bad", [-0.5, 6.5, "1.5", True, float("nan")])
+def test_threshold_refused_by_name(bad):
+    with pytest.raises(ValueError, match="min_speculation_yield"):
+        SpeculativeConfig.from_json(dict(NGRAM, min_speculation_yield=bad))
+    assert SpeculativeConfig.from_json(NGRAM).min_speculation_yield == T
+    assert SpeculativeConfig.from_json(dict(NGRAM, min_speculation_yield=5)).min_speculation_yield == 5.0
+
+
+# --- in the engine ------------------------------------------------------------------------------
+MAX_TOKENS = 48
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir):
+    """Three prompts, their greedy outputs without speculation (the reference, and what the replay
+    proposes), and the engine's vocabulary."""
+    model_dir = tiny_model_dir("llama")
+    tok = tokenizer(str(model_dir))
+    ids = [tok.encode(t) for t in TEXTS[:3]]
+    base = make_llm(model_dir, block_size=4)
+    want = _greedy(base, ids)
+    return model_dir, ids, want, base.llm_engine.vocab_size
+
+
+def _greedy(llm, ids):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in ids], params, use_tqdm=False)
+    assert_no_leak(llm)
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _run_with_acceptance(setup, acceptance, monkeypatch):
+    """Greedy with the replay of the reference output as the proposer, every proposed token
+    corrupted with probability 1 - acceptance (0: all rejected, 1: all accepted). Returns the
+    outputs, the speculator's stats and how many steps launched overlapped."""
+    model_dir, ids, want, vocab = setup
+    llm = make_llm(model_dir, block_size=4, speculative_config=NGRAM)
+    engine = llm.llm_engine
+    engine.speculator.proposer = AcceptanceControlledProposer(
+        ReplayProposer([p + w for p, w in zip(ids, want)]), acceptance, vocab)
+    launches = []
+    launch = engine._launch
+    monkeypatch.setattr(engine, "_launch", lambda *a: launches.append(1) or launch(*a))
+    return _greedy(llm, ids), engine.speculator.stats, len(launches), llm
+
+
+def _spec_steps_when_always_rejected(k, decode_steps):
+    """Speculating steps among `decode_steps` when every step yields 1, from the rule: the
+    estimate starts at 1 + k and decays as 1 + k * (1 - w)**n, so it is first below T after
+    W = floor(log((T - 1) / k) / log(1 - w)) + 1 steps; then pauses of 8, 16, ... (capped), with
+    one probe after each."""
+    w = math.floor(math.log((T - 1) / k) / math.log(1 - YIELD_WEIGHT)) + 1
+    steps, at, pause = w, w, FIRST_PAUSE_STEPS
+    while at + pause + 1 <= decode_steps:
+        at += pause + 1
+        steps += 1
+        pause = min(2 * pause, MAX_PAUSE_STEPS)
+    return steps
+
+
+def test_always_rejected_pauses_and_keeps_outputs(setup, monkeypatch):
+    got, stats, launches, llm = _run_with_acceptance(setup, 0.0, monkeypatch)
+    assert got == setup[2]
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == 0
+    # 47 decode steps (one token each) with k = 4: 10 speculating steps (1 + 4 * 0.75**10 = 1.23),
+    # then probes after 8 and 16 paused steps (steps 19 and 36; the next would be step 69).
+    k, decode_steps = NGRAM["num_speculative_tokens"], MAX_TOKENS - 1
+    expected = _spec_steps_when_always_rejected(k, decode_steps)
+    assert expected == 12
+    assert stats.num_spec_steps == expected
+    # Every other step while the requests ran was paused, and ran overlapped (launched without
+    # waiting): the other decode steps, and the one that collects the last overlapped step's tokens.
+    assert stats.num_paused_steps == decode_steps - expected + 1
+    assert launches == 1 + decode_steps - expected  # the prompts' step too (no decodes yet: k = 0)
+    # The engine ran out of requests: the same batch again starts from a fresh estimate and
+    # speculates in the same steps (not in the middle of the last run's 32-step pause).
+    assert _greedy(llm, setup[1]) == setup[2]
+    assert stats.num_spec_steps == 2 * expected
+
+
+def test_always_accepted_never_pauses(setup, monkeypatch):
+    got, stats, launches, _ = _run_with_acceptance(setup, 1.0, monkeypatch)
+    assert got == setup[2]
+    assert stats.num_paused_steps == 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    # Every decode step speculated (k + 1 = 5 tokens a step, the last one trimmed by max_tokens),
+    # synchronously: only the prompts' step launched overlapped.
+    assert stats.num_spec_steps == math.ceil((MAX_TOKENS - 1) / 5)
+    assert launches == 1
