@@ -14,7 +14,7 @@ One step with speculation, synchronous (see LLMEngine.step):
      through the ordinary stop rules, so a stop token or string inside an accepted run ends the
      sequence exactly where decoding without speculation would;
   5. after the step (clear): the policy observes the step's yield, 1 + accepted proposals / rows
-     asked to propose, and pauses speculation while it stays low (spec_decode/policy.py).
+     that got proposals, and pauses speculation while it stays low (spec_decode/policy.py).
 
 Which requests speculate: single sequences (n = best_of = 1) whose tokens depend only on the
 logits at each position: temperature, top-k, top-p, min-p, seeds and structured outputs; not
@@ -69,7 +69,7 @@ class Speculator:
         self._proposed: list[Sequence] = []
         # seq_id -> (draft_probs, first row of its proposals) for a proposer that is not one-hot.
         self._draft_rows: dict[int, tuple[torch.Tensor, int]] = {}
-        # This step's rows asked to propose and proposals accepted: its yield, seen in clear().
+        # This step's rows that got proposals and proposals accepted: its yield, seen in clear().
         self._asked = self._accepted = 0
 
     def tokens_this_step(self, num_running: int) -> int:
@@ -101,7 +101,6 @@ class Speculator:
             reqs.append(ProposalRequest(s.seq_id, history, k, t, generators.get(s.seq_id)))
         if not reqs:
             return
-        self._asked = len(reqs)
         t0 = time.perf_counter()
         proposals = self.proposer.propose(reqs)
         self.stats.proposer_seconds += time.perf_counter() - t0
@@ -115,6 +114,9 @@ class Speculator:
                 if proposals.draft_probs is not None:
                     self._draft_rows[s.seq_id] = (proposals.draft_probs, row)
             row += len(ids)
+        # The yield counts the rows that got proposals: a row without one costs no verification,
+        # and an n-gram that has not matched yet must not pause speculation before it does.
+        self._asked = len(self._proposed)
 
     def clear(self) -> None:
         """After the step: no proposal outlives it; the policy sees what the step yielded."""

@@ -16,8 +16,11 @@ Yield. A speculating step is synchronous (the proposer needs the previous step's
 host) and pays the proposer and the verification of every proposal; a plain step overlaps the
 next step's scheduling with the device. Speculation pays only while its steps emit clearly more
 than one token per row. A step's yield is the tokens its speculating rows emitted per row:
-1 + accepted proposals / rows asked to propose (a row the proposer had nothing for counts 1,
-as in a plain step). The policy keeps an exponentially weighted estimate of it (weight
+1 + accepted proposals / rows that got proposals. Rows the proposer had nothing for are left
+out, and a step where no row got one is not observed: such rows cost no verification, and an
+n-gram proposer that has not matched yet (a model starts repeating itself only after a while)
+must not pause speculation before it has proposed anything (that cost the demo model's plain
+prompts most of n-gram's speed-up when those rows counted 1). The policy keeps an exponentially weighted estimate of it (weight
 YIELD_WEIGHT for the newest step; it starts at 1 + num_speculative_tokens, what a fully
 accepted step yields: speculation is presumed to pay until steps show otherwise). When the
 estimate falls below min_speculation_yield, speculation pauses: k = 0 for the next
@@ -72,8 +75,8 @@ class SpeculationPolicy:
         return k
 
     def observe(self, step_yield: float) -> None:
-        """A speculating step's yield (see the module docstring); steps where no row was asked to
-        propose are not observed."""
+        """A speculating step's yield (see the module docstring); steps where no row got a
+        proposal are not observed."""
         if self.probing:
             if step_yield >= self.min_yield:
                 self.probing = False

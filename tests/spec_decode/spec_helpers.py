@@ -1,10 +1,11 @@
 """Shared by the speculative-decoding engine tests: the config and the prompts."""
 
-# The mechanism's tests speculate in every step the batch allows: yield pausing off (a threshold
-# of 0; the tiny models' text gives the n-gram little to match at first, which would pause it).
+# The mechanism's tests speculate in every step the batch allows: yield pausing off (a threshold of 0).
 NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "min_speculation_yield": 0}
 # As shipped: speculation pauses while it yields under 1.25 tokens per row (spec_decode/policy.py).
 NGRAM_PAUSING = {k: v for k, v in NGRAM.items() if k != "min_speculation_yield"}
+# The pause path under test: a threshold of 1 + k pauses after any step not wholly accepted.
+NGRAM_EAGER_PAUSE = {**NGRAM, "min_speculation_yield": 1 + NGRAM["num_speculative_tokens"]}
 # Copy-heavy prompts (the proposer finds matches) beside ordinary ones.
 TEXTS = [
     "one two three four five six seven one two three four five six seven one two three",

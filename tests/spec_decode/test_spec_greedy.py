@@ -8,7 +8,7 @@ import pytest
 from pagedserve import SamplingParams
 from engine.helpers import assert_no_leak, hf_greedy, make_llm, tokenizer
 
-from spec_decode.spec_helpers import NGRAM, NGRAM_PAUSING, TEXTS
+from spec_decode.spec_helpers import NGRAM, NGRAM_EAGER_PAUSE, TEXTS
 
 
 def _ids(model_dir):
@@ -46,7 +46,7 @@ def test_preemption(tiny_model_dir, mode, pausing):
     # 8-token blocks, 18 of them for 5 sequences (the longest 88 + 30 tokens): preemptions.
     llm = _check(tiny_model_dir("llama"), max_tokens=30, block_size=8, num_gpu_blocks_override=18,
                  preemption_mode=mode, swap_space=0.05, max_num_batched_tokens=64,
-                 spec=NGRAM_PAUSING if pausing else NGRAM)
+                 spec=NGRAM_EAGER_PAUSE if pausing else NGRAM)
     assert llm.get_kv_cache_stats().num_preemptions > 0
     assert (llm.get_spec_decode_stats().num_paused_steps > 0) == pausing
 

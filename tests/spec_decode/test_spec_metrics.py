@@ -7,12 +7,12 @@ from pagedserve import SamplingParams
 from pagedserve.engine.core import EngineCore
 from pagedserve.metrics import EngineSnapshot, ServerMetrics
 from engine.helpers import make_llm, tokenizer
-from spec_decode.spec_helpers import NGRAM_PAUSING, TEXTS
+from spec_decode.spec_helpers import NGRAM_EAGER_PAUSE, TEXTS
 
 
 def test_counters_in_metrics_and_core_utility(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
-    llm = make_llm(model_dir, block_size=4, speculative_config=NGRAM_PAUSING)
+    llm = make_llm(model_dir, block_size=4, speculative_config=NGRAM_EAGER_PAUSE)
     tok = tokenizer(str(model_dir))
     llm.generate([{"prompt_token_ids": tok.encode(TEXTS[0])}],
                  SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
@@ -32,7 +32,7 @@ def test_counters_in_metrics_and_core_utility(tiny_model_dir):
         assert f"{prefix}spec_decode_num_accepted_tokens_total{label} {float(stats.num_accepted_tokens)}" in text
         assert f"{prefix}spec_decode_num_drafts_total{label} {float(stats.num_drafts)}" in text
         assert f"{prefix}spec_decode_proposer_seconds_total" in text
-    # The first steps find no n-gram to propose from (yield 1): speculation paused for a while.
+    # A step not wholly accepted pauses speculation at this threshold: some steps were paused.
     assert stats.num_paused_steps > 0 and dash["num_paused_steps"] == stats.num_paused_steps
     assert f"pagedserve:spec_decode_paused_steps_total {float(stats.num_paused_steps)}" in text
     assert "vllm:spec_decode_paused_steps" not in text  # vLLM has no such counter: no alias

@@ -90,7 +90,7 @@ def test_combined_with_the_batch_rule():
     # 100 decodes: the batch rule says k = 1; 8 paused steps, then the probe speculates with k = 1.
     assert [p.tokens_to_propose(100) for _ in range(9)] == [0] * 8 + [1]
     assert p.num_paused_steps == 8
-    # A probe step in which no row was asked to propose is not observed: the next step probes.
+    # A probe step in which no row got a proposal is not observed: the next step probes.
     assert p.tokens_to_propose(100) == 1
     p.observe(1.0)  # the probe fails: 16 steps
     assert [p.tokens_to_propose(1) for _ in range(17)] == [0] * 16 + [2]
