@@ -176,13 +176,14 @@ def free(llm) -> None:
         torch.cuda.empty_cache()
 
 
-def ours(config: str, args) -> dict:
+def ours(config: str, args, checkpoint=None) -> dict:
     """One `ours` section: {"bB": {run name: measure()}} for each batch of args.batches.
     config "off": one run per batch. config "spec": one engine (draft model = target, k = max(ks)) whose
     proposer and policy are switched between runs: for each k, the n-gram proposer, then the draft and
     the replay at each acceptance a (runs "k{k}_ngram", "k{k}_draft_a{a}", "k{k}_replay_a{a}"), with
     the adaptive policy off; then the adaptive policy at k = ADAPTIVE_K ("adaptive_ngram", "adaptive_draft",
-    and with every proposal rejected "adaptive_draft_a0", "adaptive_replay_a0")."""
+    and with every proposal rejected "adaptive_draft_a0", "adaptive_replay_a0"). checkpoint(results), when
+    given, is called after every run with what is measured so far."""
     from pagedserve.spec_decode.config import DEFAULT_DISABLE_BATCH_TOKENS, DEFAULT_MIN_SPECULATION_YIELD
     from pagedserve.spec_decode.ngram import NgramProposer
     from pagedserve.spec_decode.synthetic import AcceptanceControlledProposer, ReplayProposer
@@ -207,12 +208,20 @@ def ours(config: str, args) -> dict:
         if spec is None:
             runs["off"] = measure(llm, prompts, args.output_len, spec=False)
             log(f"ours off b{b}: {runs['off']}")
+            if checkpoint is not None:
+                checkpoint(results)
             continue
         draft, ngram = get_proposer(llm), NgramProposer(1, 5)
         set_proposer(llm, NoProposals())
         _, recorded = _generate(llm, prompts, args.output_len)
         replay = [p + o for p, o in zip(prompts, recorded)]
-        todo = []
+        # The adaptive runs first: at batch 128 they carry the target (never slower than off), and a
+        # section cut by its time limit keeps what it finished (checkpoint, below).
+        adaptive = (ADAPTIVE_K, DEFAULT_DISABLE_BATCH_TOKENS, DEFAULT_MIN_SPECULATION_YIELD)
+        todo = [("adaptive_ngram", *adaptive, ngram), ("adaptive_draft", *adaptive, draft),
+                ("adaptive_draft_a0", *adaptive, AcceptanceControlledProposer(draft, 0.0, vocab, seed=b)),
+                ("adaptive_replay_a0", *adaptive,
+                 AcceptanceControlledProposer(ReplayProposer(replay), 0.0, vocab, seed=b))]
         for k in args.ks:
             todo.append((f"k{k}_ngram", k, FIXED, 0.0, ngram))
             for a in args.accepts:
@@ -220,16 +229,13 @@ def ours(config: str, args) -> dict:
                              AcceptanceControlledProposer(draft, a, vocab, seed=b)))
                 todo.append((f"k{k}_replay_a{a:g}", k, FIXED, 0.0,
                              AcceptanceControlledProposer(ReplayProposer(replay), a, vocab, seed=b)))
-        adaptive = (ADAPTIVE_K, DEFAULT_DISABLE_BATCH_TOKENS, DEFAULT_MIN_SPECULATION_YIELD)
-        todo += [("adaptive_ngram", *adaptive, ngram), ("adaptive_draft", *adaptive, draft),
-                 ("adaptive_draft_a0", *adaptive, AcceptanceControlledProposer(draft, 0.0, vocab, seed=b)),
-                 ("adaptive_replay_a0", *adaptive,
-                  AcceptanceControlledProposer(ReplayProposer(replay), 0.0, vocab, seed=b))]
         for name, k, threshold, min_yield, proposer in todo:
             set_proposer(llm, proposer)
             set_policy(llm, k, threshold, min_yield)
             runs[name] = measure(llm, prompts, args.output_len, spec=True)
             log(f"ours spec b{b} {name}: {runs[name]}")
+            if checkpoint is not None:
+                checkpoint(results)
         set_proposer(llm, draft)
     free(llm)
     return results
@@ -454,7 +460,9 @@ def main() -> int:
     parts = Path(args.parts)
     if args.section == "ours":
         name = "ours_off" if args.config == "off" else "ours_spec_b" + "_".join(map(str, args.batches))
-        write_part(parts, name, ours(args.config, args), vllm_side=False, args=args)
+        # The part is rewritten after every run, so a section cut by its time limit keeps its runs.
+        write_part(parts, name, ours(args.config, args, checkpoint=lambda res: write_part(
+            parts, name, res, vllm_side=False, args=args)), vllm_side=False, args=args)
     elif args.section == "vllm":
         if args.site:
             sys.path.insert(0, args.site)
@@ -472,7 +480,10 @@ def main() -> int:
             args.parts, args.output = str(tmp / "parts"), str(tmp / "spec_decode.json")
         parts = Path(args.parts)
         write_part(parts, "ours_off", ours("off", args), vllm_side=False, args=args)
-        write_part(parts, "ours_spec", ours("spec", args), vllm_side=False, args=args)
+        checkpoints = []
+        write_part(parts, "ours_spec", ours("spec", args, checkpoint=lambda res: checkpoints.append(
+            sum(len(runs) for runs in res.values() if isinstance(runs, dict)))), vllm_side=False, args=args)
+        assert checkpoints == sorted(checkpoints) and len(checkpoints) == checkpoints[-1], checkpoints
         print(json.dumps(collect(parts, Path(args.output), args.batches, ks, device="cpu"), indent=1))
         print(f"wrote {args.output}")
     return 0
