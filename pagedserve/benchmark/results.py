@@ -59,24 +59,29 @@ def _git(args: list[str], cwd: Path) -> str:
 
 def _checkout_commit(package_dir: Path) -> str | None:
     """HEAD of the checkout whose top level holds `package_dir` and tracks its __init__.py, "+dirty" if
-    tracked files differ; None for a copy of the tree that sits inside some other repository."""
+    tracked files differ or the package holds files git does not know (not ignored): a tuned table
+    added since HEAD changes what runs, and a stale .git travelling with a copy of the tree (the GPU
+    machine's did) sees the newer files only as untracked. None for a copy inside another repository."""
     root = package_dir.parent
     try:
         if Path(_git(["rev-parse", "--show-toplevel"], root)).resolve() != root.resolve():
             return None
         _git(["ls-files", "--error-unmatch", f"{package_dir.name}/__init__.py"], root)
         sha = _git(["rev-parse", "HEAD"], root)
-        dirty = _git(["status", "--porcelain", "--untracked-files=no"], root)
+        dirty = (_git(["status", "--porcelain", "--untracked-files=no"], root)
+                 or _git(["status", "--porcelain", "--untracked-files=all", "--", package_dir.name], root))
     except (OSError, subprocess.CalledProcessError):
         return None
     return sha + ("+dirty" if dirty else "")
 
 
 def source_hash(package_dir: Path | None = None) -> str:
-    """sha256 over the package's .py files (relative paths and contents, in sorted order)."""
+    """sha256 over the package's .py and .json files but the stamp (relative paths and contents, in
+    sorted order): the JSON files are data the code runs by, such as the fused MoE's tuned tables."""
     package_dir = package_dir or PACKAGE_DIR
     h = hashlib.sha256()
-    for f in sorted(package_dir.rglob("*.py")):
+    files = [f for f in [*package_dir.rglob("*.py"), *package_dir.rglob("*.json")] if f.name != STAMP_NAME]
+    for f in sorted(files):
         h.update(f.relative_to(package_dir).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()
 

@@ -79,6 +79,26 @@ def test_matching_stamp_wins_over_a_stale_dirty_checkout(tmp_path):
     assert results.git_commit(copy) == stale + "+dirty"
 
 
+def test_new_package_file_under_a_stale_clean_checkout_is_dirty_and_the_stamp_names_it(tmp_path):
+    """The GPU machine's stale .git saw a tuned table added since its HEAD only as an untracked file, so
+    results named the old commit: an untracked package file now makes the checkout dirty, the stamp
+    (whose hash covers JSON data) names the code, and editing that table invalidates the stamp."""
+    copy = _copy_package(tmp_path)
+    _git(tmp_path, "init", "-q")
+    _git(tmp_path, "add", "pagedserve")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "stale")
+    stale = _git(tmp_path, "rev-parse", "HEAD")
+    assert results.git_commit(copy) == stale
+    table = copy / "layers" / "fused_moe" / "configs" / "E=8,H=64,I=128,dtype=bfloat16,device=X.json"
+    table.parent.mkdir(parents=True, exist_ok=True)
+    table.write_text('{"1": {"BLOCK_M": 16}}\n')
+    assert results.git_commit(copy) == stale + "+dirty"
+    results.write_stamp(copy, commit="tuned123")
+    assert results.git_commit(copy) == "tuned123"
+    table.write_text('{"1": {"BLOCK_M": 32}}\n')
+    assert results.git_commit(copy) == stale + "+dirty"
+
+
 def test_stamp_command_in_a_checkout_records_head(tmp_path):
     head = _git(ROOT, "rev-parse", "HEAD")
     copy = _copy_package(tmp_path)
