@@ -31,6 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from pagedserve.benchmark.results import engine_switches, git_commit  # noqa: E402
 from pagedserve.config import EngineConfig  # noqa: E402
 from pagedserve.models.loader import load_hf_config  # noqa: E402
 from pagedserve.runner.batch import HostBatch  # noqa: E402
@@ -169,6 +170,7 @@ def main() -> None:
     ap.add_argument("--attention-only", action="store_true", help="only the attention A/B (no model)")
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args()
+    provenance = {"commit": git_commit(), "command": "python " + " ".join(sys.argv), "switches": engine_switches()}
     wanted = set(args.cases.split(",")) if args.cases else None
     attention = {}
     for name, decodes, ctx, chunk, start in CASES:
@@ -178,8 +180,8 @@ def main() -> None:
             torch.cuda.empty_cache()
     if args.attention_only:
         if args.output:
-            Path(args.output).write_text(json.dumps({"device": torch.cuda.get_device_name(0), "attention": attention},
-                                                    indent=1))
+            Path(args.output).write_text(json.dumps({"device": torch.cuda.get_device_name(0), **provenance,
+                                                     "attention": attention}, indent=1))
         return
     t0 = time.perf_counter()
     runner = build_runner(args)
@@ -205,7 +207,7 @@ def main() -> None:
         row["max_logit_diff_full_vs_eager"] = float((outs["full"] - outs["eager"]).abs().max())
         results[name] = row
         print(name, json.dumps(row), flush=True)
-    out = {"device": torch.cuda.get_device_name(0), "model": args.model, "max_model_len": args.max_model_len,
+    out = {"device": torch.cuda.get_device_name(0), **provenance, "model": args.model, "max_model_len": args.max_model_len,
            "max_num_batched_tokens": args.max_tokens, "profile": runner.profile, "attention": attention,
            "cases": results}
     if args.output:
