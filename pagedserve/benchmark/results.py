@@ -142,6 +142,8 @@ def engine_switches(engine_config: Any = None) -> dict:
         picked = sys.modules["pagedserve.layers.fused"].choices(moe=True)
         if picked:
             out["fused_moe"] = picked
+    if "pagedserve.layers.quant.fusion" in sys.modules:  # its default changed (off, then on): say which ran
+        out["fp8_activation_fusion"] = sys.modules["pagedserve.layers.quant.fusion"].fusion_enabled()
     if engine_config is not None:
         get = engine_config.get if isinstance(engine_config, dict) else (lambda k, d: getattr(engine_config, k, d))
         missing = object()

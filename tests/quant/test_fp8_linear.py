@@ -102,7 +102,9 @@ def test_activation_quant_fused_into_norms_and_silu_gives_the_same_logits(tiny_m
     monkeypatch.delenv("PAGEDSERVE_FP8_FUSE", raising=False)
     model = _load(tiny_model_dir("llama"), "fp8")
     layer = model.model.layers[0]
-    assert not layer.input_layernorm.fp8_out  # off by default until the GPU has run it
+    assert layer.input_layernorm.fp8_out and layer.mlp.fp8_act  # on by default
+    monkeypatch.setenv("PAGEDSERVE_FP8_FUSE", "0")
+    assert fuse_activation_quant(model) == 0 and not layer.input_layernorm.fp8_out
     assert fuse_activation_quant(model, True) == 3 * model.config.num_hidden_layers
     assert layer.input_layernorm.fp8_out and layer.post_attention_layernorm.fp8_out and layer.mlp.fp8_act
     assert not model.model.norm.fp8_out  # before the lm_head, which stays unquantized
