@@ -11,7 +11,10 @@ Each engine serves Llama-3.1-8B with dummy weights and a 128k byte-level BPE tok
 rate runs the load unconstrained, then with `structured_outputs.json` from the fixed set of 50
 schemas (`pagedserve bench serve --json-schemas 50`), whose arrays cannot close before
 max_tokens: both runs produce the same tokens per request, so their TPOTs differ by the grammar
-alone. collect writes benchmarks/results/h200/structured.json with tpot_p50_over_vllm_json_rN
+alone. Every run's prompts differ in their first token (`bench serve --prompt-salt`), so each
+starts with a cold prefix cache; before 2026-12-02 the runs repeated one prompt set, so the first
+(r10 plain) ran cold and the rest found their prompts cached, and a run of one rate alone put the
+unconstrained run at that disadvantage. collect writes benchmarks/results/h200/structured.json with tpot_p50_over_vllm_json_rN
 (ours constrained over vLLM's constrained), tpot_overhead_json_rN (ours constrained over ours
 unconstrained) and the same overhead for vLLM, plus the per-request output-length check.
 Grammar compile times and the host's per-step mask cost are measured apart, on the same machine
@@ -53,19 +56,21 @@ def online_one(engine: str, args, model_dir: Path, work: Path) -> None:
             return
         info["startup_seconds"] = round(time.monotonic() - t0, 1)
         vv.log(work, f"{engine} up after {info['startup_seconds']} s")
-        for rate in args.rates:
-            for variant, flags in (("plain", []), ("json", ["--json-schemas", str(args.json_schemas)])):
-                out = work / f"structured_{engine}_r{rate:g}_{variant}.json"
-                cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve",
-                       "--base-url", f"http://127.0.0.1:{port}/v1", "--workload", args.workload,
-                       "--num-requests", str(args.num_requests), "--request-rate", str(rate),
-                       "--output", str(out), "--tokenizer", str(model_dir), "--disable-tqdm", *flags]
-                r = subprocess.run(cmd, env={**os.environ, **vv.ENV, "PYTHONPATH": f"{REPO}:{args.site}"},
-                                   capture_output=True, text=True, timeout=args.rate_limit)
-                tail = [ln for ln in r.stdout.splitlines() if any(k in ln for k in ("completed", "TPOT", "TTFT"))]
-                vv.log(work, f"{engine} r{rate:g} {variant} rc={r.returncode}: " + " | ".join(tail)[:300])
-                if r.returncode != 0:
-                    vv.log(work, r.stderr[-1200:])
+        runs = [(rate, variant, flags) for rate in args.rates
+                for variant, flags in (("plain", []), ("json", ["--json-schemas", str(args.json_schemas)]))]
+        for salt, (rate, variant, flags) in enumerate(runs, start=1):
+            flags = [*flags, "--prompt-salt", str(salt)]  # each run's prompts cold in the prefix cache
+            out = work / f"structured_{engine}_r{rate:g}_{variant}.json"
+            cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve",
+                   "--base-url", f"http://127.0.0.1:{port}/v1", "--workload", args.workload,
+                   "--num-requests", str(args.num_requests), "--request-rate", str(rate),
+                   "--output", str(out), "--tokenizer", str(model_dir), "--disable-tqdm", *flags]
+            r = subprocess.run(cmd, env={**os.environ, **vv.ENV, "PYTHONPATH": f"{REPO}:{args.site}"},
+                               capture_output=True, text=True, timeout=args.rate_limit)
+            tail = [ln for ln in r.stdout.splitlines() if any(k in ln for k in ("completed", "TPOT", "TTFT"))]
+            vv.log(work, f"{engine} r{rate:g} {variant} rc={r.returncode}: " + " | ".join(tail)[:300])
+            if r.returncode != 0:
+                vv.log(work, r.stderr[-1200:])
     finally:
         vv.stop_process(proc)
         (work / f"structured_{engine}_info.json").write_text(json.dumps(info, indent=1))

@@ -337,6 +337,16 @@ async def _describe_model(args: Any) -> ServedModel:
     return served
 
 
+def salt_prompts(requests: list[WorkloadRequest], salt: int, draw: int) -> None:
+    """Shift every prompt's first token id by `salt` (mod `draw`), in place: the same lengths and
+    outputs, but no block of one run's prompts hashes like another run's, so several runs against
+    one server each start with a cold prefix cache (the same seed draws the same prompts)."""
+    if salt % draw:
+        for req in requests:
+            if req.prompt_token_ids:
+                req.prompt_token_ids[0] = (req.prompt_token_ids[0] + salt) % draw
+
+
 def format_summary(s: dict[str, Any]) -> str:
     lines = [
         f"{'completed / failed':<28}{s['completed']} / {s['failed']}",
@@ -381,6 +391,8 @@ def run_serve_cli(args: Any) -> int:
     seed = getattr(args, "seed", 0)
     requests = make_workload(args.workload, args.num_requests, args.request_rate, seed=seed,
                              vocab_size=served.vocab_size, max_total_len=served.max_model_len)
+    prompt_salt = getattr(args, "prompt_salt", 0)
+    salt_prompts(requests, prompt_salt, min(VOCAB_DRAW, served.vocab_size))
     json_schemas = getattr(args, "json_schemas", 0)
     if json_schemas:
         from pagedserve.benchmark.json_schemas import schema_per_request
@@ -400,7 +412,7 @@ def run_serve_cli(args: Any) -> int:
               "max_concurrency": max_concurrency, "seed": seed,
               "num_client_processes": getattr(args, "num_client_processes", 1),
               "vocab_size": served.vocab_size, "max_model_len": served.max_model_len,
-              "json_schemas": json_schemas}
+              "json_schemas": json_schemas, "prompt_salt": prompt_salt}
     print(format_summary(summary))
     errors = [r["error"] for r in summary["requests"] if r["error"]]
     if errors:

@@ -210,6 +210,9 @@ def register_bench(sub) -> None:
                    help="every request carries structured_outputs.json, one of a fixed set of N "
                         "schemas (pagedserve/benchmark/json_schemas.py) that never close before "
                         "max_tokens; 0: unconstrained")
+    s.add_argument("--prompt-salt", type=int, default=0, metavar="N",
+                   help="shift each prompt's first token id by N, so that runs with different N "
+                        "share no cached prefix (the same seed draws the same prompts); 0: as drawn")
     s.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     s.add_argument("--output", default=None, help="write the JSON summary and every request here")
     s.set_defaults(func=run_serve)

@@ -287,3 +287,21 @@ def test_retry_only_requests_that_got_no_response():
     assert midstream.error.startswith("ReadError") and midstream.retries == 0 and len(calls) == 1
     summary = summarize([failed, retried, midstream], 1.0)
     assert summary["retried"] == 1 and summary["failed"] == 2
+
+
+def test_prompt_salt_changes_only_each_prompts_first_token():
+    """Runs with different salts share no prefix block (the first token differs), with the same
+    lengths and outputs, so their TPOTs compare like for like; salt 0 leaves the draw as it is."""
+    from pagedserve.entrypoints.bench_serve import salt_prompts
+    draw = 1000
+    base = make_workload("sharegpt-like", 20, 10.0, seed=3, vocab_size=draw, max_total_len=512)
+    for salt in (0, draw):
+        same = make_workload("sharegpt-like", 20, 10.0, seed=3, vocab_size=draw, max_total_len=512)
+        salt_prompts(same, salt, draw)
+        assert [r.prompt_token_ids for r in same] == [r.prompt_token_ids for r in base]
+    salted = make_workload("sharegpt-like", 20, 10.0, seed=3, vocab_size=draw, max_total_len=512)
+    salt_prompts(salted, 7, draw)
+    for a, b in zip(base, salted):
+        assert a.output_len == b.output_len and len(a.prompt_token_ids) == len(b.prompt_token_ids)
+        assert a.prompt_token_ids[1:] == b.prompt_token_ids[1:]
+        assert b.prompt_token_ids[0] == (a.prompt_token_ids[0] + 7) % draw != a.prompt_token_ids[0]
