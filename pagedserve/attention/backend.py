@@ -64,19 +64,54 @@ def choices() -> dict[str, str]:
 class Attention(nn.Module):
     """Paged multi-head / grouped-query attention over one layer's K/V pools.
 
-    k_scale / v_scale: this layer's FP8 KV-cache scales (attention/kv_quant.py), float32 [1] on
-    the device, read only when the pools are fp8. Device tensors, not Python floats, so a CUDA
-    graph captured before they change still reads the new values. calibrating: while True, every
-    forward raises them to fit the K/V it sees (calibrate_kv_scales)."""
+    k_scale / v_scale: this layer's FP8 KV-cache scales (attention/kv_quant.py), float32 on the
+    device, both [1] (per tensor) or both [num_kv_heads] (per KV head: this rank's heads, which
+    are heads kv_head_start .. kv_head_start + num_kv_heads - 1 of the checkpoint's
+    total_num_kv_heads); read only when the pools are fp8. Device tensors, not Python floats, so a
+    CUDA graph captured before they change still reads the new values (their shape is settled by
+    loading and calibration, both before any capture). calibrating: while True, every forward
+    raises them to fit the K/V it sees (calibrate_kv_scales)."""
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
+                 total_num_kv_heads: int | None = None, kv_head_start: int = 0):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.total_num_kv_heads = num_kv_heads if total_num_kv_heads is None else total_num_kv_heads
+        self.kv_head_start = kv_head_start
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.calibrating = False
+
+    @property
+    def kv_scale_per_head(self) -> bool:
+        return self.k_scale.numel() > 1
+
+    def set_kv_scale_per_head(self, per_head: bool) -> None:
+        """Reshape both scales to [num_kv_heads] (each head starts from the shared value) or to [1]
+        (the largest head's value, so no head's values saturate)."""
+        if per_head == self.kv_scale_per_head:
+            return
+        for name in ("k_scale", "v_scale"):
+            old = getattr(self, name)
+            new = old.expand(self.num_kv_heads).clone() if per_head else old.max().reshape(1)
+            setattr(self, name, new)  # a registered buffer: replaced, still a buffer
+
+    def load_kv_scale(self, kind: str, value: torch.Tensor) -> None:
+        """A checkpoint's k_scale / v_scale (kind "k" or "v"): one number (per tensor; a per-head
+        layer gets it in every head) or one per KV head of the whole model ([H], or [H, 1, 1] as
+        llm-compressor writes its "attn_head" strategy), of which this rank keeps its own heads."""
+        value = value.float().reshape(-1)
+        if value.numel() == 1:
+            getattr(self, f"{kind}_scale").fill_(value.item())
+            return
+        if value.numel() != self.total_num_kv_heads:
+            raise ValueError(f"a KV-cache scale must be per tensor (one number) or per KV head "
+                             f"({self.total_num_kv_heads} numbers), got {value.numel()}")
+        self.set_kv_scale_per_head(True)
+        mine = value[self.kv_head_start:self.kv_head_start + self.num_kv_heads]
+        getattr(self, f"{kind}_scale").copy_(mine)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                 v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -97,8 +132,10 @@ class Attention(nn.Module):
         k = k.view(T, self.num_kv_heads, self.head_dim)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.calibrating and T:
-            self.k_scale.copy_(torch.maximum(self.k_scale, calibration_scale(k.abs().amax())))
-            self.v_scale.copy_(torch.maximum(self.v_scale, calibration_scale(v.abs().amax())))
+            # per head: the amax over tokens and head_dim, one per KV head; else over everything
+            dims = (0, 2) if self.kv_scale_per_head else (0, 1, 2)
+            self.k_scale.copy_(torch.maximum(self.k_scale, calibration_scale(k.abs().amax(dim=dims))))
+            self.v_scale.copy_(torch.maximum(self.v_scale, calibration_scale(v.abs().amax(dim=dims))))
         ops = get_backend(q.device)
         ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
         out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale=self.k_scale,
@@ -107,12 +144,14 @@ class Attention(nn.Module):
 
 
 @contextmanager
-def calibrate_kv_scales(model: nn.Module) -> Iterator[None]:
+def calibrate_kv_scales(model: nn.Module, per_head: bool = False) -> Iterator[None]:
     """Forwards inside the block set every layer's K/V scales from the K/V they produce (the
     largest seen, with kv_quant's headroom), starting from zero: calculate_kv_scales' warm-up
-    and the accuracy script's calibration on real text."""
+    and the accuracy script's calibration on real text. per_head: one scale per KV head, from
+    that head's amax (kv_cache_scale_strategy "attn_head"); else one per layer (vLLM's)."""
     layers = [m for m in model.modules() if isinstance(m, Attention)]
     for m in layers:
+        m.set_kv_scale_per_head(per_head)
         m.k_scale.zero_()
         m.v_scale.zero_()
         m.calibrating = True
@@ -121,6 +160,5 @@ def calibrate_kv_scales(model: nn.Module) -> Iterator[None]:
     finally:
         for m in layers:
             m.calibrating = False
-            for s in (m.k_scale, m.v_scale):  # a layer no forward reached keeps 1.0
-                if float(s) == 0.0:
-                    s.fill_(1.0)
+            for s in (m.k_scale, m.v_scale):  # a layer (head) no forward reached keeps 1.0
+                s.masked_fill_(s == 0.0, 1.0)

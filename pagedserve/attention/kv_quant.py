@@ -1,12 +1,15 @@
 """The FP8 KV cache: its dtype, and how K/V meet it.
 
-An fp8 pool holds e4m3 values; real = stored * scale, with one float32 scale for K and one for V
-per layer (Attention.k_scale / v_scale, shape [1], on the device). Per layer and not per block,
-so a block means the same wherever it goes: swap, copy-on-write and prefix sharing move its
-bytes and nothing else. Scales are 1.0 unless the checkpoint carries them (compressed-tensors
-kv_cache_scheme: model.layers.N.self_attn.k_scale) or calculate_kv_scales sets them from a
-calibration forward (amax * KV_SCALE_HEADROOM / 448, so values up to twice the calibration's
-amax still fit before saturating).
+An fp8 pool holds e4m3 values; real = stored * scale[head], with float32 scales for K and for V
+per layer (Attention.k_scale / v_scale, on the device): shape [1] (per tensor: every head shares
+it) or [num_kv_heads] (per KV head, this rank's heads under tensor parallelism; compressed-tensors'
+kv_cache_scheme strategy "attn_head"). K and V of one layer always have the same shape. Per layer
+and head, never per block, so a block means the same wherever it goes: swap, copy-on-write and
+prefix sharing move its bytes and nothing else. Scales are 1.0 unless the checkpoint carries them
+(compressed-tensors kv_cache_scheme: model.layers.N.self_attn.k_scale, [1] or [num_kv_heads]) or
+calculate_kv_scales sets them from a calibration forward (amax * KV_SCALE_HEADROOM / 448 of the
+layer's K/V, or of each head's with kv_cache_scale_strategy "attn_head", so values up to twice
+the calibration's amax still fit before saturating).
 
 Writes quantize (x / scale, saturated to +-448, rounded to nearest even); reads dequantize in
 the kernels' registers: K is cast to the query's dtype and its scale folded into the score
@@ -45,18 +48,25 @@ def kv_cache_dtype_name(kv_cache_dtype: str, model_dtype: torch.dtype) -> str:
     return "fp8_e4m3" if kv_cache_dtype in ("fp8", "fp8_e4m3") else str(model_dtype).removeprefix("torch.")
 
 
+def _over_heads(scale: torch.Tensor | None):
+    """A [1] or [num_kv_heads] scale shaped [n, 1] to broadcast over [..., num_kv_heads, head_dim]."""
+    return 1.0 if scale is None else scale.float().reshape(-1, 1)
+
+
 def quantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """x / scale as e4m3 (saturating); the reference write and the tests' oracle."""
-    s = 1.0 if scale is None else scale.float()
-    return (x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
+    """x ([..., num_kv_heads, head_dim]) / scale[head] as e4m3 (saturating); the reference write and
+    the tests' oracle."""
+    return (x.float() / _over_heads(scale)).clamp(-FP8_MAX, FP8_MAX).to(FP8_KV_DTYPE)
 
 
 def dequantize_kv(x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    """float32 values of a (possibly fp8) cache slice; a non-fp8 cache is only upcast."""
+    """float32 values of a (possibly fp8) cache slice [..., num_kv_heads, head_dim]; a non-fp8 cache
+    is only upcast."""
     if not is_fp8(x):
         return x.float()
-    return x.float() * (1.0 if scale is None else scale.float())
+    return x.float() * _over_heads(scale)
 
 
 def calibration_scale(amax: torch.Tensor) -> torch.Tensor:
-    return (amax.float() * KV_SCALE_HEADROOM / FP8_MAX).clamp(min=1e-8).reshape(1)
+    """The scale for an amax: [1] from a scalar, [num_kv_heads] from per-head amaxes."""
+    return (amax.float() * KV_SCALE_HEADROOM / FP8_MAX).clamp(min=1e-8).reshape(-1)

@@ -14,10 +14,11 @@ def write_kv_kernel(
     stride_cb, stride_cs, stride_ch,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
+    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
 ):
     """One program per new token: copy its [num_kv_heads, head_dim] K and V into its slot; into an
-    fp8 pool as x / scale, saturated to +-448 and rounded to nearest even (kv_quant.quantize_kv)."""
+    fp8 pool as x / scale, saturated to +-448 and rounded to nearest even (kv_quant.quantize_kv).
+    KV_SCALE_PER_HEAD: the scales are [num_kv_heads], each row divided by its head's."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
@@ -33,8 +34,15 @@ def write_kv_kernel(
     if KV_FP8:
         # div_rn: IEEE division, as torch divides (Triton's "/" is an approximate one on the GPU), so
         # the stored bytes are torch's (kv_quant.quantize_kv) bit for bit.
-        k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0)
-        v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0)
+        if KV_SCALE_PER_HEAD:
+            # One scale per head row, broadcast over head_dim (div_rn itself does not broadcast).
+            ks = tl.broadcast_to(tl.load(k_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0), (BLOCK_H, BLOCK_D))
+            vs = tl.broadcast_to(tl.load(v_scale_ptr + h, mask=h < NUM_KV_HEADS, other=1.0), (BLOCK_H, BLOCK_D))
+            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), ks), -448.0, 448.0)
+            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), vs), -448.0, 448.0)
+        else:
+            k = tl.clamp(tl.math.div_rn(k.to(tl.float32), tl.load(k_scale_ptr)), -448.0, 448.0)
+            v = tl.clamp(tl.math.div_rn(v.to(tl.float32), tl.load(v_scale_ptr)), -448.0, 448.0)
         k = k.to(k_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
         v = v.to(v_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)

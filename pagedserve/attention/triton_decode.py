@@ -44,7 +44,7 @@ def paged_decode_kernel(
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
     IEEE: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, order_ptr=None,
-    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
+    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
 ):
     if HEADS_FASTEST:
         # Grid (kv head, sequence, split): a sequence's heads run side by side and read its
@@ -75,7 +75,7 @@ def paged_decode_kernel(
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
                       stride_bt, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
                       GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE,
-                      k_scale_ptr, v_scale_ptr, KV_FP8)
+                      k_scale_ptr, v_scale_ptr, KV_FP8, KV_SCALE_PER_HEAD)
 
 
 @triton.jit
@@ -122,10 +122,11 @@ def _decode_split(
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    IEEE: tl.constexpr, k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr,
+    IEEE: tl.constexpr, k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr, KV_SCALE_PER_HEAD: tl.constexpr,
 ):
     """Positions [start, end) of one sequence for the query heads of one KV head: the output
-    itself when the sequence has one split (active), else this split's part for the reduce."""
+    itself when the sequence has one split (active), else this split's part for the reduce.
+    KV_SCALE_PER_HEAD: the fp8 scales are [num_kv_heads] and this program reads its head's."""
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -142,7 +143,10 @@ def _decode_split(
     elif not KV_FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
     if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)  # dequantizing K is one multiply per score
+        if KV_SCALE_PER_HEAD:
+            qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        else:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)  # dequantizing K is one multiply per score
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_G], 0.0, tl.float32)
@@ -157,7 +161,10 @@ def _decode_split(
     # Every split that runs holds at least one position, so l_i > 0.
     out = acc / l_i[:, None]
     if KV_FP8:
-        out = out * tl.load(v_scale_ptr)  # V's scale, once per output (the reduce is linear in it)
+        if KV_SCALE_PER_HEAD:
+            out = out * tl.load(v_scale_ptr + kv_head)
+        else:
+            out = out * tl.load(v_scale_ptr)  # V's scale, once per output (the reduce is linear in it)
     if active == 1:
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -234,14 +234,24 @@ def _ieee(query: torch.Tensor, cache: torch.Tensor) -> bool:
 
 
 def _scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
-    """The kernels' FP8 arguments: the scale pointers (1.0 where none is given) for an fp8 pool."""
+    """The kernels' FP8 arguments: the scale pointers (1.0 where none is given) for an fp8 pool, and
+    KV_SCALE_PER_HEAD when they are [num_kv_heads] (per tensor: the argument is left out, so those
+    launches are the same compiled variant, with the same instructions, as before per-head scales)."""
     if not _fp8(cache):
         return {}
     one = None
     if k_scale is None or v_scale is None:
         one = torch.ones(1, dtype=torch.float32, device=cache.device)
-    return dict(k_scale_ptr=one if k_scale is None else k_scale, v_scale_ptr=one if v_scale is None else v_scale,
-                KV_FP8=True)
+    k_scale = one if k_scale is None else k_scale
+    v_scale = one if v_scale is None else v_scale
+    if k_scale.numel() == 1 and v_scale.numel() == 1:
+        return dict(k_scale_ptr=k_scale, v_scale_ptr=v_scale, KV_FP8=True)
+    num_kv_heads = cache.shape[2]
+    if k_scale.numel() != num_kv_heads or v_scale.numel() != num_kv_heads or not k_scale.is_contiguous() \
+            or not v_scale.is_contiguous():
+        raise ValueError(f"FP8 KV scales must be both [1] or both [num_kv_heads={num_kv_heads}] and contiguous, "
+                         f"got {list(k_scale.shape)} and {list(v_scale.shape)}")
+    return dict(k_scale_ptr=k_scale, v_scale_ptr=v_scale, KV_FP8=True, KV_SCALE_PER_HEAD=True)
 
 
 def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

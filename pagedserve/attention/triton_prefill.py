@@ -22,7 +22,7 @@ def paged_prefill_kernel(
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
+    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
 ):
     tile_m = tl.program_id(0)
     seq = tl.program_id(1) + first_seq
@@ -48,7 +48,10 @@ def paged_prefill_kernel(
     elif not KV_FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
     if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)  # dequantizing K is one multiply per score
+        if KV_SCALE_PER_HEAD:  # [num_kv_heads] scales: this query head's KV head's
+            qk_scale = qk_scale * tl.load(k_scale_ptr + head // GROUP)
+        else:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)  # dequantizing K is one multiply per score
     q_pos = ctx_before + m
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -69,6 +72,9 @@ def paged_prefill_kernel(
                                  HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8)
     out = acc / l_i[:, None]
     if KV_FP8:
-        out = out * tl.load(v_scale_ptr)
+        if KV_SCALE_PER_HEAD:
+            out = out * tl.load(v_scale_ptr + head // GROUP)
+        else:
+            out = out * tl.load(v_scale_ptr)
     tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)

@@ -150,7 +150,7 @@ def unified_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
-    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False,
+    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
 ):
     # Items in reverse: a chunk's last tiles (its longest chains: causal) and the step's last
     # sequences start first, the empty items past the step's last one return at once.
@@ -187,7 +187,10 @@ def unified_attention_kernel(
     elif not KV_FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
     if KV_FP8:
-        qk_scale = qk_scale * tl.load(k_scale_ptr)  # dequantizing K is one multiply per score
+        if KV_SCALE_PER_HEAD:  # [num_kv_heads] scales: this program's KV head's
+            qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
+        else:
+            qk_scale = qk_scale * tl.load(k_scale_ptr)  # dequantizing K is one multiply per score
     q_pos = ctx_before + tok
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -210,7 +213,10 @@ def unified_attention_kernel(
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     if KV_FP8:
-        out = out * tl.load(v_scale_ptr)  # V's scale, once per output (the reduction is linear in it)
+        if KV_SCALE_PER_HEAD:
+            out = out * tl.load(v_scale_ptr + kv_head)
+        else:
+            out = out * tl.load(v_scale_ptr)  # V's scale, once per output (the reduction is linear in it)
     if nsplits == 1:
         tl.store(out_ptr + rows[:, None] * stride_ot + heads[:, None] * stride_oh + d[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)

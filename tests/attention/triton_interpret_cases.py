@@ -223,3 +223,46 @@ def test_fp8_copy_blocks_moves_bytes():
     ops.copy_blocks([kc], [vc], [(1, 2), (3, 0)])
     assert torch.equal(kc.view(torch.uint8), want_k.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), want_v.view(torch.uint8))
+
+
+# Per-KV-head scales, 40x apart between heads: a kernel that read one head's scale for all (or the
+# wrong head's) would be far off. Three KV heads, so the cache write's head block (4) is masked.
+PER_HEAD_K, PER_HEAD_V = torch.tensor([0.002, 0.08, 0.03]), torch.tensor([0.05, 0.00125, 0.01])
+
+
+def test_fp8_per_head_write_kv_bit_exact():
+    from pagedserve.attention.kv_quant import quantize_kv
+    batch = make_batch([(5, 1), (0, 7), (9, 4)], 1, H=6, Hkv=3, D=8, block_size=8, seed=11)
+    ks, vs = PER_HEAD_K, PER_HEAD_V
+    kc, vc = _fp8_pools(batch, ks, vs)
+    rk, rv = kc.clone(), vc.clone()
+    slots = batch.meta.slot_mapping.clone()
+    slots[2] = -1
+    reference.write_kv(batch.new_k, batch.new_v, rk, rv, slots, ks, vs)
+    ops.write_kv(batch.new_k, batch.new_v, kc, vc, slots, ks, vs)
+    assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+    # each head's bytes are that head alone quantized with its own scale
+    kept = slots >= 0
+    for h in range(3):
+        want = quantize_kv(batch.new_k[kept, h:h + 1], ks[h:h + 1]).view(torch.uint8)
+        assert torch.equal(kc.view(torch.uint8).flatten(0, 1)[slots[kept], h:h + 1], want)
+
+
+@pytest.mark.parametrize("qdtype,num_splits", [(torch.float32, None), (torch.float32, 3), (torch.float16, None)])
+def test_fp8_per_head_scales_match_attention_over_dequantized_kv(qdtype, num_splits):
+    """Decode (split-K too) and prefill/extend kernels with [num_kv_heads] scales, GQA group 2."""
+    batch = make_batch([(20, 1), (37, 1), (0, 9), (13, 6)], 2, H=6, Hkv=3, D=16, block_size=8, seed=12)
+    ks, vs = PER_HEAD_K, PER_HEAD_V
+    kc, vc = _fp8_pools(batch, ks, vs)
+    ops.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping, ks, vs)
+    ref = reference.paged_attention(batch.query, kc.float() * ks[:, None], vc.float() * vs[:, None], batch.meta,
+                                    scale=0.25)
+    out = ops.paged_attention(batch.query.to(qdtype), kc, vc, batch.meta, 0.25, num_splits=num_splits,
+                              k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out.float(), ref, **_tol(qdtype))
+    own = reference.paged_attention(batch.query, kc, vc, batch.meta, 0.25, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(own, ref, rtol=1e-5, atol=1e-6)
+    # the heads' scales matter: reading every head with head 0's is nowhere near
+    wrong = reference.paged_attention(batch.query, kc, vc, batch.meta, 0.25, k_scale=ks[:1], v_scale=vs[:1])
+    assert (wrong - ref).abs().max() > 0.1

@@ -124,3 +124,16 @@ def test_fp8_kv_matches_reference(qdtype):
     out, _ = _unified(batch, kc, vc, k_scale=ks, v_scale=vs, block_m=16, block_n=16, share_programs=3)
     tol = TOL32 if qdtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(out.float(), ref.float(), **tol)
+
+
+def test_fp8_per_head_scales_match_reference():
+    """[num_kv_heads] scales 40x apart: each program reads its own KV head's (GQA group 2, 3 KV heads)."""
+    batch = make_batch([(33, 1), (0, 1), (18, 21)], 2, H=6, Hkv=3, D=16, block_size=8, seed=13)
+    ks, vs = torch.tensor([0.002, 0.08, 0.03]), torch.tensor([0.05, 0.00125, 0.01])
+    batch.k_cache, batch.v_cache = quantize_kv(batch.k_cache, ks), quantize_kv(batch.v_cache, vs)
+    kc, vc, ref = _written(batch, ks, vs)
+    want = reference.paged_attention(batch.query, kc.float() * ks[:, None], vc.float() * vs[:, None], batch.meta,
+                                     scale=batch.query.shape[-1] ** -0.5)
+    torch.testing.assert_close(ref, want, rtol=1e-5, atol=1e-6)
+    out, _ = _unified(batch, kc, vc, k_scale=ks, v_scale=vs, block_m=16, block_n=16, share_programs=3)
+    torch.testing.assert_close(out, ref, **TOL32)
