@@ -68,6 +68,8 @@ DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 QUANTIZATION_METHODS = ("fp8",)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+# calculate_kv_scales' granularity, by compressed-tensors' kv_cache_scheme strategy names.
+KV_CACHE_SCALE_STRATEGIES = ("tensor", "attn_head")
 
 
 # Batch limits when the user sets none: vLLM's defaults (its EngineArgs.get_batch_defaults), which an
@@ -181,6 +183,11 @@ class EngineConfig:
     calculate_kv_scales: bool = option(False, "with kv_cache_dtype fp8: set each layer's K/V scales "
                                               "from a start-up forward of random prompts (amax x 2 "
                                               "/ 448) instead of 1.0 or the checkpoint's")
+    kv_cache_scale_strategy: str = option("tensor", "with calculate_kv_scales: one K and one V scale per layer "
+                                                    "(tensor, vLLM's) or per KV head (attn_head, each head's "
+                                                    "amax; compressed-tensors' name). A checkpoint's scales "
+                                                    "load with the shape it gives them either way",
+                                          KV_CACHE_SCALE_STRATEGIES)
     async_scheduling: bool = option(True, "overlap steps: schedule and prepare step N+1 while step N "
                                           "runs on the device (off: every step synchronous, for A/B)")
     # The OpenAI server's (vLLM's names); LLM(...) keeps them for `pagedserve serve` replicas.
@@ -227,6 +234,12 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
             raise ValueError("calculate_kv_scales needs kv_cache_dtype fp8")
+        if self.kv_cache_scale_strategy not in KV_CACHE_SCALE_STRATEGIES:
+            raise ValueError(f"kv_cache_scale_strategy must be one of {KV_CACHE_SCALE_STRATEGIES}, "
+                             f"got {self.kv_cache_scale_strategy!r}")
+        if self.kv_cache_scale_strategy != "tensor" and not self.calculate_kv_scales:
+            raise ValueError(f"kv_cache_scale_strategy {self.kv_cache_scale_strategy!r} needs calculate_kv_scales "
+                             "(it says how they are calculated; a checkpoint's per-head scales load without it)")
         if self.load_format not in LOAD_FORMATS:
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.tensor_parallel_size < 1:

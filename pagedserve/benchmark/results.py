@@ -43,7 +43,8 @@ ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "cudagraph_mode", "
                         "enable_chunked_prefill", "preemption_mode", "kv_allocator", "tensor_parallel_size",
                         "enable_expert_parallel",
                         "max_num_seqs", "max_num_batched_tokens", "cuda_graph_sizes", "quantization",
-                        "kv_cache_dtype", "calculate_kv_scales")
+                        "kv_cache_dtype", "calculate_kv_scales",
+                        "kv_cache_scale_strategy")
 
 
 class UnknownCommitError(RuntimeError):

@@ -102,12 +102,12 @@ def _expert_target(model: nn.Module, name: str) -> tuple[str, int, str] | None:
     return f"{name[:m.start()]}.experts.{fused}", int(m.group(1)), shard
 
 
-def kv_scale_name(name: str) -> str | None:
-    """A checkpoint's per-layer KV-cache scale (model.layers.N.self_attn[.k_proj].k_scale, as
-    compressed-tensors and ModelOpt write it) -> the Attention buffer that holds it."""
-    for kind in ("k_scale", "v_scale"):
-        if name.endswith("." + kind) and ".self_attn." in name:
-            return name.split(".self_attn.")[0] + f".self_attn.attn.{kind}"
+def kv_scale_target(name: str) -> tuple[str, str] | None:
+    """A checkpoint's KV-cache scale (model.layers.N.self_attn[.k_proj].k_scale, as
+    compressed-tensors and ModelOpt write it) -> (the Attention module that holds it, "k" | "v")."""
+    for kind in ("k", "v"):
+        if name.endswith(f".{kind}_scale") and ".self_attn." in name:
+            return name.split(".self_attn.")[0] + ".self_attn.attn", kind
     return None
 
 
@@ -123,9 +123,10 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> Non
     and each expert's tensors into its MoE layer's [E, ...] parameters).
 
     KV-cache scales go to the Attention modules' k_scale / v_scale buffers (used only with an
-    fp8 KV cache)."""
+    fp8 KV cache): one number per layer, or one per KV head, sharded by KV head under tensor
+    parallelism as k_proj / v_proj are (Attention.load_kv_scale)."""
     params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
+    modules = dict(model.named_modules())
     stacked = getattr(model, "stacked_params", [])
     renames = getattr(model, "checkpoint_renames", ())
     tied = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in params
@@ -136,14 +137,14 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> Non
             continue
         for old, new in renames:
             name = name.replace(old, new)
-        scale_name = kv_scale_name(name)
-        if scale_name is not None:
-            if scale_name in buffers:
-                value = materialize(w).float().reshape(-1)
-                if value.numel() != 1:
-                    raise ValueError(f"loading {name}: a KV-cache scale must be per-tensor (one number), "
-                                     f"got {value.numel()}")
-                buffers[scale_name].fill_(value.item())
+        scale_target = kv_scale_target(name)
+        if scale_target is not None:
+            attn = modules.get(scale_target[0])
+            if attn is not None and hasattr(attn, "load_kv_scale"):
+                try:
+                    attn.load_kv_scale(scale_target[1], materialize(w))
+                except ValueError as e:
+                    raise ValueError(f"loading {name}: {e}") from None
             continue
         target = _expert_target(model, name)
         if target is not None:

@@ -28,7 +28,8 @@ class OPTAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, heads, heads, bias, tp_rank, tp_size)
         self.out_proj = RowParallelLinear(config.hidden_size, config.hidden_size, bias, tp_rank, tp_size)
         n = self.qkv_proj.num_heads
-        self.attn = Attention(n, n, self.head_dim, self.head_dim ** -0.5)
+        self.attn = Attention(n, n, self.head_dim, self.head_dim ** -0.5, total_num_kv_heads=heads,
+                              kv_head_start=self.qkv_proj.kv_head_start)
 
     def forward(self, x, kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))

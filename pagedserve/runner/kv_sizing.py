@@ -77,15 +77,20 @@ CALIBRATION_TOKENS = 1024
 
 def calibrate_kv_scales_at_startup(runner: "ModelRunner") -> None:
     """calculate_kv_scales: one forward of random prompts (before the profile, the pools and any CUDA
-    graph, so all of them see the final scales) sets every layer's K/V scales (backend.calibrate_kv_scales)."""
+    graph, so all of them see the final scales) sets every layer's K/V scales (backend.calibrate_kv_scales),
+    per KV head with kv_cache_scale_strategy "attn_head": the warm-up and the graphs then compile and
+    capture the per-head kernels (their variant follows the scales' shape)."""
     num_tokens = min(CALIBRATION_TOKENS, runner.max_model_len * 4)
     num_seqs = max(1, min(4, num_tokens))
     inp, scratch = _prompt_batch(runner, num_tokens, num_seqs)
-    with calibrate_kv_scales(runner.model):
+    per_head = runner.config.kv_cache_scale_strategy == "attn_head"
+    with calibrate_kv_scales(runner.model, per_head=per_head):
         runner._forward(inp, scratch.kv_caches)
     del scratch
-    scales = [float(m.k_scale) for m in runner.model.modules() if isinstance(m, Attention)]
-    logger.info("KV scales calibrated: K scale %.4g..%.4g over %d layers", min(scales), max(scales), len(scales))
+    # Per head, each layer's figure is its largest head's scale (the log's range over layers).
+    scales = [float(m.k_scale.max()) for m in runner.model.modules() if isinstance(m, Attention)]
+    logger.info("KV scales calibrated%s: K scale %.4g..%.4g over %d layers", " per KV head" if per_head else "",
+                min(scales), max(scales), len(scales))
 
 
 def device_seconds(device: torch.device, fn) -> float:

@@ -7,7 +7,8 @@ config.json `quantization_config` (read as vLLM reads it).
                                               weight_scale, activation_scheme dynamic or static
   any,        checkpoint compressed-tensors-> its FP8 scheme (float, 8 bits; weights per tensor or
                                               per channel; activations dynamic per token or static
-                                              per tensor), ignore list, kv_cache_scheme
+                                              per tensor), ignore list, kv_cache_scheme (per
+                                              tensor or per KV head: strategy attn_head)
 Anything else is refused with one line naming it.
 """
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pagedserve.layers.quant.fp8 import Fp8Config
 
 QUANTIZATION_METHODS = ("fp8",)
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
+KV_CACHE_STRATEGIES = ("tensor", "attn_head")  # compressed-tensors' QuantizationStrategy names
 
 
 def _checkpoint_quant(hf_config) -> dict | None:
@@ -78,8 +80,10 @@ def _compressed_tensors(ckpt: dict) -> Fp8Config:
         raise ValueError(f"checkpoint quantization compressed-tensors: static activation strategy "
                          f"{acts.get('strategy')!r} is not supported (tensor)")
     kv = ckpt.get("kv_cache_scheme")
-    if kv and (kv.get("type") != "float" or kv.get("num_bits") != 8 or kv.get("strategy", "tensor") != "tensor"):
+    # strategy "attn_head" (llm-compressor): k_scale / v_scale of [num_kv_heads] (or [H, 1, 1]) per layer
+    if kv and (kv.get("type") != "float" or kv.get("num_bits") != 8
+               or kv.get("strategy", "tensor") not in KV_CACHE_STRATEGIES):
         raise ValueError(f"checkpoint quantization compressed-tensors: kv_cache_scheme {kv} is not supported "
-                         "(float, 8 bits, per tensor)")
+                         f"(float, 8 bits, strategy {' or '.join(KV_CACHE_STRATEGIES)})")
     return Fp8Config(checkpoint_fp8=True, static_activations=not dynamic, ignored=ckpt.get("ignore") or [],
                      source="compressed-tensors", weight_strategy=strategy, kv_cache_scales=bool(kv))
