@@ -1,6 +1,6 @@
 """FP8 on the GPU (skipped without CUDA; the H200 run records them): torch._scaled_mm against the
-dequantized product, the FP8 KV kernels at Llama-3.1-8B attention sizes against attention over
-dequantized K/V, and the demo model end to end, bf16 against FP8 weights and KV."""
+dequantized product, the FP8 KV kernels at Llama-3.1-8B attention sizes (per-tensor and per-KV-head
+scales) against attention over dequantized K/V, and the demo model end to end, bf16 against FP8 weights and KV."""
 import math
 from pathlib import Path
 
@@ -48,6 +48,33 @@ def test_fp8_kv_kernels_at_llama_sizes():
         torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
+def test_fp8_per_head_kv_kernels_at_llama_sizes():
+    """[num_kv_heads] scales 100x apart: the cache write bit-exact against quantize_kv, and the
+    decode (split-K too), prefill and unified kernels against attention over K/V dequantized with
+    each head's scale."""
+    from dataclasses import replace
+    from pagedserve.attention import triton_ops as ops
+    shapes = [(300, 1), (1500, 1), (0, 1), (2000, 1), (0, 97), (517, 64)]
+    batch = make_batch(shapes, 4, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, device="cuda", seed=6)
+    ks = torch.logspace(-3, -1, 8, device="cuda")
+    vs = ks.flip(0) * 0.8
+    kc, vc = quantize_kv(batch.k_cache, ks), quantize_kv(batch.v_cache, vs)
+    rk, rv = kc.clone(), vc.clone()
+    reference.write_kv(batch.new_k, batch.new_v, rk, rv, batch.meta.slot_mapping, ks, vs)
+    ops.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping, ks, vs)
+    assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+    ref = reference.paged_attention(batch.query, kc.float() * ks[:, None], vc.float() * vs[:, None], batch.meta,
+                                    128 ** -0.5)
+    for splits in (None, 1, 4):
+        out = ops.paged_attention(batch.query, kc, vc, batch.meta, 128 ** -0.5, num_splits=splits,
+                                  k_scale=ks, v_scale=vs)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    out = ops.unified_paged_attention(batch.query, kc, vc, replace(batch.meta, unified_work=None), 128 ** -0.5,
+                                      k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
 def _perplexity(llm_kwargs) -> float:
     from transformers import AutoTokenizer
     from pagedserve import SamplingParams
@@ -66,12 +93,16 @@ def _perplexity(llm_kwargs) -> float:
 def test_demo_model_perplexity_bf16_vs_fp8_within_2pct():
     base = _perplexity({})
     for kw in ({"quantization": "fp8"}, {"kv_cache_dtype": "fp8", "calculate_kv_scales": True},
+               {"kv_cache_dtype": "fp8", "calculate_kv_scales": True, "kv_cache_scale_strategy": "attn_head"},
                {"quantization": "fp8", "kv_cache_dtype": "fp8"}):
         ppl = _perplexity(kw)
         assert abs(ppl / base - 1) <= 0.02, (kw, ppl, base)
 
 
-def test_fp8_graphs_match_eager_on_the_demo_model():
+@pytest.mark.parametrize("kv_scales", [{}, {"calculate_kv_scales": True, "kv_cache_scale_strategy": "attn_head"}],
+                         ids=["kv-scales-1.0", "kv-scales-per-head"])
+def test_fp8_graphs_match_eager_on_the_demo_model(kv_scales):
+    """Per head too: the warm-up and the graphs then compile and capture the per-head kernels."""
     from pagedserve import SamplingParams
     from pagedserve.entrypoints.llm import LLM
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -81,7 +112,7 @@ def test_fp8_graphs_match_eager_on_the_demo_model():
         # A fixed pool: the memory profile after the other GPU tests in this process found no room
         # (the H200 run at f66e8cc).
         llm = LLM(str(DEMO), dtype="bfloat16", quantization="fp8", kv_cache_dtype="fp8", enforce_eager=eager,
-                  num_gpu_blocks_override=512)
+                  num_gpu_blocks_override=512, **kv_scales)
         got[eager] = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params)]
         llm.shutdown()
     assert got[True] == got[False]
