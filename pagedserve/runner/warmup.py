@@ -22,6 +22,10 @@ match):
   dtype (the fused plain-path kernels compile per dtype), and the host copy;
 - a swap out, a swap in and a block copy.
 
+FP8 KV scales: every forward and _attention_variants pass the layers' own k_scale / v_scale,
+whose shape ([1] or [num_kv_heads]) loading and calculate_kv_scales settle before the warm-up,
+so it compiles the per-tensor or the per-head kernels (KV_SCALE_PER_HEAD), whichever serving runs.
+
 Invariant: afterwards the engine is as if nothing had run. The runner holds no scheduler, KV
 manager, prefix cache or stats, so those are untouched by construction; the device pool is
 zeroed again (it is allocated zeroed), the sampler draws from generators of its own, and the
