@@ -2,7 +2,8 @@
 
 Modes: baseline (the model dtype, float32 on CPU; bfloat16 on CUDA), fp8 weights (`quantization=
 "fp8"`: per-channel weights, dynamic per-token activations), fp8 KV (e4m3 cache; scales 1.0, and
-calibrated as `calculate_kv_scales` does at start-up), and both. For each:
+calibrated as `calculate_kv_scales` does at start-up, per layer or per KV head with
+`kv_cache_scale_strategy="attn_head"`), and both. For each:
   - perplexity on pagedserve/demo_model/heldout.txt by eval.json's procedure (chapters as
     <s> chapter </s>, non-overlapping 512-token windows, every token but a window's first
     predicted); each window is one prefill that writes its K/V into a paged pool of the mode's
@@ -37,13 +38,14 @@ from pagedserve.models.loader import get_model, load_hf_config  # noqa: E402
 
 DEMO = ROOT / "pagedserve" / "demo_model"
 WINDOW, BLOCK, GREEDY_TOKENS, PROMPT_TOKENS = 512, 16, 64, 24
-MODES = {  # name: (quantization, kv_cache_dtype, calculate_kv_scales)
-    "baseline": (None, "auto", False),
-    "fp8_weights": ("fp8", "auto", False),
-    "fp8_kv": (None, "fp8", False),
-    "fp8_kv_calibrated": (None, "fp8", True),
-    "fp8_weights_and_kv": ("fp8", "fp8", False),
-    "fp8_weights_and_kv_calibrated": ("fp8", "fp8", True),
+MODES = {  # name: (quantization, kv_cache_dtype, calculate_kv_scales, kv_cache_scale_strategy)
+    "baseline": (None, "auto", False, "tensor"),
+    "fp8_weights": ("fp8", "auto", False, "tensor"),
+    "fp8_kv": (None, "fp8", False, "tensor"),
+    "fp8_kv_calibrated": (None, "fp8", True, "tensor"),
+    "fp8_kv_calibrated_per_head": (None, "fp8", True, "attn_head"),
+    "fp8_weights_and_kv": ("fp8", "fp8", False, "tensor"),
+    "fp8_weights_and_kv_calibrated": ("fp8", "fp8", True, "tensor"),
 }
 
 
@@ -71,27 +73,30 @@ def window_logits(model, ids: list[int], kv_dtype: torch.dtype, device) -> torch
 
 
 def build(mode: str, hf, dtype, device):
-    quant, kv, calibrate = MODES[mode]
+    quant, kv = MODES[mode][:2]
     model = get_model(hf, model_dir=DEMO, device=device, dtype=dtype,
                       quant_config=get_quantization_config(quant, hf))
     return model, (FP8_KV_DTYPE if kv == "fp8" else dtype)
 
 
-def calibrate_like_startup(mode: str, dtype: str, device: str) -> list[tuple[float, float]]:
-    """The scales calculate_kv_scales gives at engine start-up (its random-prompt forward)."""
-    quant, kv, _ = MODES[mode]
+def calibrate_like_startup(mode: str, dtype: str, device: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The scales calculate_kv_scales gives at engine start-up (its random-prompt forward): each
+    layer's K and V scales, [1] or [num_kv_heads]."""
+    quant, kv, _, strategy = MODES[mode]
     llm = LLM(str(DEMO), device=device, dtype=dtype, quantization=quant, kv_cache_dtype="fp8",
-              calculate_kv_scales=True, num_gpu_blocks_override=64, enforce_eager=True)
-    scales = [(float(m.k_scale), float(m.v_scale)) for m in llm.llm_engine.runner.model.modules()
+              calculate_kv_scales=True, kv_cache_scale_strategy=strategy, num_gpu_blocks_override=64,
+              enforce_eager=True)
+    scales = [(m.k_scale.clone(), m.v_scale.clone()) for m in llm.llm_engine.runner.model.modules()
               if isinstance(m, Attention)]
     llm.shutdown()
     return scales
 
 
 def greedy_outputs(mode: str, prompts: list[list[int]], dtype: str, device: str) -> list[list[int]]:
-    quant, kv, calibrate = MODES[mode]
+    quant, kv, calibrate, strategy = MODES[mode]
     llm = LLM(str(DEMO), device=device, dtype=dtype, quantization=quant, kv_cache_dtype=kv,
-              calculate_kv_scales=calibrate, num_gpu_blocks_override=256, enforce_eager=True)
+              calculate_kv_scales=calibrate, kv_cache_scale_strategy=strategy, num_gpu_blocks_override=256,
+              enforce_eager=True)
     params = SamplingParams(temperature=0.0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     llm.shutdown()
@@ -103,7 +108,12 @@ def main() -> int:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default=None, help="baseline dtype (default: float32 on CPU, bfloat16 on CUDA)")
     ap.add_argument("--output", default=str(ROOT / "benchmarks/results/cpu/fp8_accuracy.json"))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated subset (baseline is always run first)")
     args = ap.parse_args()
+    modes = ["baseline"] + [m for m in args.modes.split(",") if m != "baseline"]
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {unknown}; known: {', '.join(MODES)}")
     dtype_name = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     dtype = getattr(torch, dtype_name)
     from transformers import AutoTokenizer
@@ -114,15 +124,16 @@ def main() -> int:
     prompts = [c[:PROMPT_TOKENS] for c in chapters]
 
     base_logp, results = None, {}
-    for mode in MODES:
+    for mode in modes:
         model, kv_dtype = build(mode, hf, dtype, args.device)
         scales = None
         if MODES[mode][2]:
             scales = calibrate_like_startup(mode, dtype_name, args.device)
             layers = [m for m in model.modules() if isinstance(m, Attention)]
             for m, (k, v) in zip(layers, scales):
-                m.k_scale.fill_(k)
-                m.v_scale.fill_(v)
+                m.set_kv_scale_per_head(k.numel() > 1)
+                m.k_scale.copy_(k)
+                m.v_scale.copy_(v)
         logps = [F.log_softmax(window_logits(model, w, kv_dtype, args.device)[:-1], -1) for w in windows]
         targets = [torch.tensor(w[1:], device=args.device) for w in windows]
         nll = sum(-lp.gather(1, t[:, None]).sum().item() for lp, t in zip(logps, targets))
@@ -136,8 +147,10 @@ def main() -> int:
             entry["perplexity_change_pct"] = round(100 * (entry["perplexity"] / base_ppl - 1), 3)
             entry["within_2pct"] = abs(entry["perplexity"] / base_ppl - 1) <= 0.02
         if scales:
-            entry["kv_scales_k_range"] = [round(min(k for k, _ in scales), 5), round(max(k for k, _ in scales), 5)]
-            entry["kv_scales_v_range"] = [round(min(v for _, v in scales), 5), round(max(v for _, v in scales), 5)]
+            # over every layer (and head, per head)
+            ks, vs = torch.cat([k for k, _ in scales]), torch.cat([v for _, v in scales])
+            entry["kv_scales_k_range"] = [round(ks.min().item(), 5), round(ks.max().item(), 5)]
+            entry["kv_scales_v_range"] = [round(vs.min().item(), 5), round(vs.max().item(), 5)]
         entry["greedy"] = greedy_outputs(mode, prompts, dtype_name, args.device)
         results[mode] = entry
         print(mode, {k: v for k, v in entry.items() if k != "greedy"}, flush=True)
@@ -155,8 +168,9 @@ def main() -> int:
               "baseline_dtype": dtype_name, "heldout": "heldout.txt, eval.json's procedure", "window": WINDOW,
               "block_size": BLOCK, "greedy": f"{len(prompts)} prompts (each chapter's first {PROMPT_TOKENS} tokens), "
                                              f"{GREEDY_TOKENS} tokens, LLM engine",
-              "modes": {m: {"quantization": q, "kv_cache_dtype": k, "calculate_kv_scales": c}
-                        for m, (q, k, c) in MODES.items()},
+              "modes": {m: {"quantization": q, "kv_cache_dtype": k, "calculate_kv_scales": c,
+                            "kv_cache_scale_strategy": st}
+                        for m, (q, k, c, st) in MODES.items() if m in modes},
               "target": "perplexity within 2% of the baseline in every FP8 mode"}
     device = "cpu" if args.device == "cpu" else None
     write_result(args.output, "fp8_accuracy", None, config, results, device=device)
