@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # FP8 on the H200, one section per device command (each < 10 min): run from the repo root.
-#   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused
+#   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead
+# kvhead = per-KV-head KV scales: their GPU tests, then benchmarks/kernels/fp8_kv_scales.py (the cache
+# write, decode and prefill kernels with per-tensor vs per-head scales).
 # fused = the activation quantization fused into the norms / SiLU-and-mul: its GPU tests, then
 # benchmarks/kernels/fp8_fused_quant.py (kernels and a Llama-3.1-8B decode step, fusion on/off).
 # Parts land in benchmarks/results/h200/fp8_parts/ (and are copied to $OUT when set); once all are
@@ -27,7 +29,10 @@ case "${1:-}" in
   fused) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/layers/test_fp8_fused_gpu.py 2>&1 \
            | tee $P/fused_gpu_tests.log | tail -30
          timeout 380 python3 benchmarks/kernels/fp8_fused_quant.py --output $P/fp8_fused_quant.json ;;
-  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused" >&2; exit 2 ;;
+  kvhead) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/attention/test_fp8_gpu.py \
+            -k "per_head or perplexity or graphs" 2>&1 | tee $P/kv_per_head_gpu_tests.log | tail -30
+          timeout 180 python3 benchmarks/kernels/fp8_kv_scales.py --output $P/fp8_kv_scales.json ;;
+  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead" >&2; exit 2 ;;
 esac
 rc=$?
 [ -n "${OUT:-}" ] && cp -r $P "$OUT/" 2>/dev/null
