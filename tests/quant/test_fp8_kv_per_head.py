@@ -153,9 +153,12 @@ def test_per_head_calibration_beats_per_tensor_on_uneven_heads(uneven_heads_dir)
     assert agree(head_tokens) >= agree(tensor_tokens), (head_tokens, tensor_tokens, base_tokens)
 
 
-def test_kv_cache_scheme_strategies_outside_tensor_and_attn_head_are_refused(ct_kv_checkpoint):
+def test_kv_cache_schemes_other_than_symmetric_tensor_or_attn_head_are_refused(ct_kv_checkpoint):
     hf = load_hf_config(ct_kv_checkpoint[0])
     assert get_quantization_config(None, hf).kv_cache_scales  # attn_head: accepted
     hf.quantization_config["kv_cache_scheme"]["strategy"] = "channel"
     with pytest.raises(ValueError, match="kv_cache_scheme .* strategy tensor or attn_head"):
+        get_quantization_config(None, hf)
+    hf.quantization_config["kv_cache_scheme"].update(strategy="attn_head", symmetric=False)
+    with pytest.raises(ValueError, match="kv_cache_scheme .* is asymmetric"):
         get_quantization_config(None, hf)

@@ -85,5 +85,8 @@ def _compressed_tensors(ckpt: dict) -> Fp8Config:
                or kv.get("strategy", "tensor") not in KV_CACHE_STRATEGIES):
         raise ValueError(f"checkpoint quantization compressed-tensors: kv_cache_scheme {kv} is not supported "
                          f"(float, 8 bits, strategy {' or '.join(KV_CACHE_STRATEGIES)})")
+    if kv and kv.get("symmetric", True) is False:  # zero points pagedserve would ignore (vLLM refuses too)
+        raise ValueError(f"checkpoint quantization compressed-tensors: kv_cache_scheme {kv} is asymmetric; "
+                         "only symmetric KV-cache scales are supported")
     return Fp8Config(checkpoint_fp8=True, static_activations=not dynamic, ignored=ckpt.get("ignore") or [],
                      source="compressed-tensors", weight_strategy=strategy, kv_cache_scales=bool(kv))
