@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # FP8 on the H200, one section per device command (each < 10 min): run from the repo root.
-#   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead
+#   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm
+# gemm = the Triton W8A8 GEMM: its GPU tests, then benchmarks/kernels/fp8_gemm_ab.py (against cuBLASLt
+# at Llama-3.1-8B's shapes, 1-4096 tokens).
 # kvhead = per-KV-head KV scales: their GPU tests, then benchmarks/kernels/fp8_kv_scales.py (the cache
 # write, decode and prefill kernels with per-tensor vs per-head scales).
 # fused = the activation quantization fused into the norms / SiLU-and-mul: its GPU tests, then
@@ -32,7 +34,10 @@ case "${1:-}" in
   kvhead) timeout 400 python3 -m pytest -q -p no:cacheprovider tests/attention/test_fp8_gpu.py \
             -k "per_head or perplexity or graphs" 2>&1 | tee $P/kv_per_head_gpu_tests.log | tail -30
           timeout 180 python3 benchmarks/kernels/fp8_kv_scales.py --output $P/fp8_kv_scales.json ;;
-  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead" >&2; exit 2 ;;
+  gemm) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/quant/test_fp8_gemm_gpu.py 2>&1 \
+          | tee $P/gemm_gpu_tests.log | tail -30
+        timeout 300 python3 benchmarks/kernels/fp8_gemm_ab.py --output $P/fp8_gemm_ab.json ;;
+  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm" >&2; exit 2 ;;
 esac
 rc=$?
 [ -n "${OUT:-}" ] && cp -r $P "$OUT/" 2>/dev/null

@@ -3,7 +3,8 @@
 Scales are float32 and multiply: real = fp8 * scale. Weights carry one scale per output channel
 ([N]); activations one per token ([M, 1], dynamic: amax / 448 of the row) or one for the tensor
 (static, from the checkpoint). The GEMM on CUDA is torch._scaled_mm (cuBLASLt's FP8 path with
-row-wise scales, sm89+); elsewhere the same arithmetic dequantized: the fp8 values are exact in
+row-wise scales, sm89+), or with PAGEDSERVE_FP8_GEMM=triton our Triton kernel (triton_fp8_gemm.py,
+for the A/B); elsewhere the same arithmetic dequantized: the fp8 values are exact in
 float32, so the CPU path differs from the GPU only by accumulation order.
 
 Fp8Activation is an activation the op before the linear (RMSNorm, SiLU-and-mul) already quantized
@@ -79,13 +80,28 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
+_TRITON_GEMM: bool | None = None
+
+
+def _triton_gemm() -> bool:
+    """PAGEDSERVE_FP8_GEMM=triton (layers/quant/triton_fp8_gemm.py), read once per process: the
+    A/B switch against cuBLASLt, off by default."""
+    global _TRITON_GEMM
+    if _TRITON_GEMM is None:
+        _TRITON_GEMM = os.environ.get("PAGEDSERVE_FP8_GEMM", "").strip().lower() == "triton"
+    return _TRITON_GEMM
+
+
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
              out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
     """(xq * x_scale) @ (wq * w_scale[:, None]).T (+ bias) in out_dtype.
 
     xq [M, K] fp8, x_scale [M, 1] f32, wq [N, K] fp8, w_scale [N] f32.
     """
-    if xq.is_cuda:
+    if xq.is_cuda and _triton_gemm():
+        from pagedserve.layers.quant.triton_fp8_gemm import triton_fp8_gemm
+        y = triton_fp8_gemm(xq, x_scale, wq, w_scale, out_dtype)
+    elif xq.is_cuda:
         # Row-wise scaled FP8 GEMMs produce bfloat16; wq.t() is the column-major operand cuBLASLt wants.
         y = torch._scaled_mm(xq, wq.t(), scale_a=x_scale, scale_b=w_scale.view(1, -1), out_dtype=torch.bfloat16)
         y = y if out_dtype == torch.bfloat16 else y.to(out_dtype)

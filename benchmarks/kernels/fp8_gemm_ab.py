@@ -1,0 +1,113 @@
+#!/usr/bin/env python3
+"""The W8A8 GEMM: cuBLASLt (torch._scaled_mm, the default) against our Triton kernel
+(pagedserve/layers/quant/triton_fp8_gemm.py) at Llama-3.1-8B's four linear shapes, token counts
+1 to 4096 (issue 34: "torch's scaled matmul on cuBLASLt, or Triton where it wins: measure it").
+
+Each point: microseconds per GEMM, from a CUDA graph of one GEMM per weight copy, with enough
+copies (>= 256 MB of fp8 weights) that every launch reads its weight from HBM as a decode step does,
+not from L2; per-token activation scales, per-channel weight scales, bf16 output. Also the largest
+difference between the two outputs relative to the output's largest value.
+
+    python benchmarks/kernels/fp8_gemm_ab.py --output $OUT/fp8_gemm_ab.json     # ~1-2 min on an H200
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from pagedserve.benchmark.results import write_result  # noqa: E402
+from pagedserve.layers.quant import fp8_ops  # noqa: E402
+from pagedserve.layers.quant.triton_fp8_gemm import gemm_config, triton_fp8_gemm  # noqa: E402
+
+# (name, N, K) of Llama-3.1-8B's linears: fused qkv, o, fused gate_up, down.
+SHAPES = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
+          ("down_proj", 4096, 14336)]
+WEIGHT_BYTES_PER_GRAPH = 256 << 20
+
+
+def cublaslt(xq, xs, wq, ws):
+    return torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.view(1, -1), out_dtype=torch.bfloat16)
+
+
+def triton(xq, xs, wq, ws):
+    return triton_fp8_gemm(xq, xs, wq, ws, torch.bfloat16)
+
+
+def us_per_gemm(fn, xq, xs, weights, replays: int) -> float:
+    """Median microseconds per GEMM of one graph that runs fn once per weight copy."""
+    for wq, ws in weights[:1]:
+        fn(xq, xs, wq, ws)  # compile / pick the algorithm outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for wq, ws in weights:
+            fn(xq, xs, wq, ws)
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / len(weights))
+    return statistics.median(times)
+
+
+def bench(tokens: list[int], replays: int) -> list[dict]:
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for name, n, k in SHAPES:
+        copies = max(1, min(64, -(-WEIGHT_BYTES_PER_GRAPH // (n * k))))
+        weights = [fp8_ops.quantize_per_channel(0.02 * torch.randn(n, k, device="cuda", generator=g))
+                   for _ in range(copies)]
+        for m in tokens:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            xq, xs = fp8_ops.quantize_per_token(x)
+            ref = cublaslt(xq, xs, *weights[0]).float()
+            diff = (triton(xq, xs, *weights[0]).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)
+            row = {"shape": name, "n": n, "k": k, "tokens": m, "weight_copies": copies,
+                   "cublaslt_us": round(us_per_gemm(cublaslt, xq, xs, weights, replays), 2),
+                   "triton_us": round(us_per_gemm(triton, xq, xs, weights, replays), 2),
+                   "max_rel_diff": float(diff), "triton_config": gemm_config(m)}
+            row["triton_over_cublaslt"] = round(row["triton_us"] / row["cublaslt_us"], 3)
+            # Bytes a GEMM must move at least (fp8 weight and input, bf16 output) over its time.
+            row["cublaslt_GBps"] = round((n * k + m * k + 2 * m * n) / row["cublaslt_us"] / 1e3, 1)
+            print(row, flush=True)
+            rows.append(row)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
+def table(doc: dict) -> str:
+    lines = ["| shape | tokens | cuBLASLt us | Triton us | Triton / cuBLASLt |", "|---|---|---|---|---|"]
+    for r in doc["results"]["gemms"]:
+        lines.append(f"| {r['shape']} | {r['tokens']} | {r['cublaslt_us']} | {r['triton_us']} | "
+                     f"{r['triton_over_cublaslt']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--output", required=True)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096])
+    ap.add_argument("--replays", type=int, default=20)
+    args = ap.parse_args()
+    if not torch.cuda.is_available() or not fp8_ops.scaled_mm_supported(torch.device("cuda")):
+        sys.exit("fp8_gemm_ab.py needs a CUDA GPU with FP8 (compute capability 8.9+)")
+    config = {"model": "llama-3.1-8b shapes", "activation_scales": "per token",
+              "weight_scales": "per channel", "out_dtype": "bfloat16",
+              "weight_bytes_per_graph": WEIGHT_BYTES_PER_GRAPH}
+    write_result(args.output, "fp8_gemm_ab", None, config, {"gemms": bench(args.tokens, args.replays)},
+                 table_md=table)
+
+
+if __name__ == "__main__":
+    main()
