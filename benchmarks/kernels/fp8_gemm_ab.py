@@ -13,7 +13,7 @@ difference between the two outputs relative to the output's largest value.
 from __future__ import annotations
 
 import argparse
-import statistics
+import itertools
 import sys
 from pathlib import Path
 
@@ -21,10 +21,13 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
 
 from pagedserve.benchmark.results import write_result  # noqa: E402
 from pagedserve.layers.quant import fp8_ops  # noqa: E402
 from pagedserve.layers.quant.triton_fp8_gemm import gemm_config, triton_fp8_gemm  # noqa: E402
+
+from decode_skew import graph_us_per_launch  # noqa: E402  (benchmarks/kernels/)
 
 # (name, N, K) of Llama-3.1-8B's linears: fused qkv, o, fused gate_up, down.
 SHAPES = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
@@ -42,22 +45,8 @@ def triton(xq, xs, wq, ws):
 
 def us_per_gemm(fn, xq, xs, weights, replays: int) -> float:
     """Median microseconds per GEMM of one graph that runs fn once per weight copy."""
-    for wq, ws in weights[:1]:
-        fn(xq, xs, wq, ws)  # compile / pick the algorithm outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for wq, ws in weights:
-            fn(xq, xs, wq, ws)
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(weights))
-    return statistics.median(times)
+    copies = itertools.cycle(weights)
+    return graph_us_per_launch(lambda: fn(xq, xs, *next(copies)), replays, launches=len(weights))
 
 
 def bench(tokens: list[int], replays: int) -> list[dict]:

@@ -39,6 +39,7 @@ import triton.language as tl
 from pagedserve.layers.fused_moe import triton_align
 from pagedserve.layers.fused_moe.align import align_block_size
 from pagedserve.layers.fused_moe.config import get_config
+from pagedserve.layers.triton_tile_order import grouped_tile
 from pagedserve.layers.fused_moe.reference import quantize_activations
 from pagedserve.layers.quant.fp8_format import FP8_DTYPE
 
@@ -100,15 +101,7 @@ def _moe_gemm_kernel(a_ptr, b_ptr, c_ptr, weights_ptr, sorted_ids_ptr, block_exp
     """C[pair, n] = f(A[pair // A_ROW_DIV, :] @ B[expert, n, :]) for the rows of one BLOCK_M block.
     GATED: B holds 2N rows (gate, then up) and f is silu(gate) * up. MUL_WEIGHT: times weights[pair].
     FP8: A and B are e4m3; the product is scaled by a_scale[A row] * b_scale[expert, n] (float32)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(EM, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row blocks share each column block while it is in L2.
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), EM, N, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(num_padded_ptr):
         return
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)

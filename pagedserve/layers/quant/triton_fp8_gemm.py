@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.layers.triton_tile_order import grouped_tile
+
 @triton.jit
 def fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
                     stride_am, stride_bn, stride_cm, stride_as, stride_bs,
@@ -26,15 +28,7 @@ def fp8_gemm_kernel(a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K,
     """One (BLOCK_M, BLOCK_N) tile of C. A [M, K] and B [N, K] are row-major e4m3 (B is the weight
     as stored: the tile loads it transposed). stride_as / stride_bs: 1 per row / channel, 0 for one
     scale. IEEE: widen to float32 first (the interpreter has no fp8 dot)."""
-    pid = tl.program_id(0)
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    # Grouped order: GROUP_M row blocks share each weight tile while it is in L2.
-    per_group = GROUP_M * num_pid_n
-    first_m = (pid // per_group) * GROUP_M
-    group_size = tl.minimum(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % per_group) % group_size
-    pid_n = (pid % per_group) // group_size
+    pid_m, pid_n = grouped_tile(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
