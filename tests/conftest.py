@@ -19,3 +19,26 @@ def tiny_model_dir(tmp_path_factory):
             cache[key] = make_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), **overrides)
         return cache[key]
     return get
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "interpreter_cases(path, env_drop=(), timeout=600): the test checks the "
+                            "result of this Triton-interpreter case file (fixture interpreter_run)")
+
+
+@pytest.fixture(scope="session")
+def interpreter_run(request):
+    """interpreter_run(path) -> the CompletedProcess of that case file under TRITON_INTERPRET=1. The
+    first call runs every marked case file of the session, one per core at a time (interpreter_runs.py)."""
+    from pathlib import Path
+
+    from interpreter_runs import CaseRun, InterpreterRuns
+    runs = {}
+    for item in request.session.items:
+        mark = item.get_closest_marker("interpreter_cases")
+        if mark is not None:
+            path = Path(mark.args[0]).resolve()
+            runs[path] = CaseRun(path, **mark.kwargs)
+    pool = InterpreterRuns(list(runs.values()), jobs=len(os.sched_getaffinity(0)))
+    yield pool
+    pool.close()

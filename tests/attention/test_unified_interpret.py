@@ -1,10 +1,7 @@
 """The unified varlen kernel matches reference.py under the Triton interpreter on CPU: its cases
 (unified_interpret_cases.py) run in a subprocess with TRITON_INTERPRET=1, as test_triton_interpret.py
-runs the other kernels'. The work list itself is plain torch and is checked here directly."""
-import os
+runs the other kernels' (beside them: tests/interpreter_runs.py). The work list itself is plain torch and is checked here directly."""
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,14 +10,11 @@ import torch
 from pagedserve.attention import triton_unified as unified
 
 CASES = Path(__file__).with_name("unified_interpret_cases.py")
-ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_unified_kernel_matches_reference_under_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(CASES)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+@pytest.mark.interpreter_cases(CASES, timeout=300)
+def test_unified_kernel_matches_reference_under_interpreter(interpreter_run):
+    proc = interpreter_run(CASES)
     assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
 

@@ -29,9 +29,10 @@ def ray_server(tmp_path_factory):
     stop_process(s.proc)
 
 
-@pytest.fixture
+@pytest.fixture(scope="class")
 def single_server(tmp_path_factory):
-    """One replica alone, for the baseline figures; stopped right after its test."""
+    """One replica alone, for the baseline figures; stopped right after its tests (group them in a
+    class: one start for all of them, and it is gone before the next test outside the class)."""
     s = start_single_server(tmp_path_factory.mktemp("dp") / "single.log")
     yield s
     stop_process(s.proc)

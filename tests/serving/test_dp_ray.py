@@ -25,31 +25,33 @@ def ray_http(ray_server):
         yield c
 
 
-def test_ray_prefix_routing_keeps_one_replicas_hit_rate_and_balances(ray_server, single_server):
-    before = [_metrics(single_server.base_url)]
-    run_workload(single_server.base_url, shared_prefix_workload(seed=11))
-    single = replica_figures(before, [_metrics(single_server.base_url)])
+class TestAgainstOneReplica:
+    """The checks whose reference is one replica alone: it runs for these two tests only."""
 
-    def read():
-        return [_metrics(ray_server.base_url)]
-    before = read()
-    run_workload(ray_server.base_url, shared_prefix_workload(seed=12), headers=ray_server.headers)
-    import time
-    time.sleep(1.5)  # the replicas report their metrics every half second
-    prefix = replica_figures(before, read())
-    print("\nDP routing figures (ray):", json.dumps({"one_replica": single, "dp2_prefix": prefix}))
-    assert single["requests"] == prefix["requests"] == 48
-    assert single["hit_rate"] > 0.5
-    assert abs(prefix["hit_rate"] - single["hit_rate"]) <= 0.05
-    assert len(prefix["shares"]) == 2 and min(prefix["shares"].values()) >= 0.30
+    def test_ray_prefix_routing_keeps_one_replicas_hit_rate_and_balances(self, ray_server, single_server):
+        before = [_metrics(single_server.base_url)]
+        run_workload(single_server.base_url, shared_prefix_workload(seed=11))
+        single = replica_figures(before, [_metrics(single_server.base_url)])
+
+        def read():
+            return [_metrics(ray_server.base_url)]
+        before = read()
+        run_workload(ray_server.base_url, shared_prefix_workload(seed=12), headers=ray_server.headers)
+        import time
+        time.sleep(1.5)  # the replicas report their metrics every half second
+        prefix = replica_figures(before, read())
+        print("\nDP routing figures (ray):", json.dumps({"one_replica": single, "dp2_prefix": prefix}))
+        assert single["requests"] == prefix["requests"] == 48
+        assert single["hit_rate"] > 0.5
+        assert abs(prefix["hit_rate"] - single["hit_rate"]) <= 0.05
+        assert len(prefix["shares"]) == 2 and min(prefix["shares"].values()) >= 0.30
+
+    def test_ray_openai_client_against_the_dp_endpoint(self, ray_server, single_server):
+        check_openai_client(ray_server, single_server.v1)
 
 
 def test_ray_metrics_aggregate_every_replica_with_a_label(ray_server, ray_http):
     check_metrics_aggregate(ray_server, ray_http)
-
-
-def test_ray_openai_client_against_the_dp_endpoint(ray_server, single_server):
-    check_openai_client(ray_server, single_server.v1)
 
 
 def test_ray_client_disconnect_aborts_on_the_replica(ray_server):
