@@ -1,6 +1,6 @@
 """Run the Triton-interpreter case files side by side instead of one after another.
 
-Each case file (tests/attention/*_interpret_cases.py, tests/layers/*_interpret_cases.py) runs in a
+Each case file (tests/{attention,layers,quant}/*_interpret_cases.py) runs in a
 subprocess with TRITON_INTERPRET=1, because Triton picks interpreter-or-compiler when @triton.jit
 decorates a function (at import): setting it in this process would leak into every later test.
 Those subprocesses are single-threaded Python (the interpreter walks every program of the grid),
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Solo wall seconds on the 2-core CI machine (last measured): only the start order uses them, so
 # that the longest runs do not end up last.
 EXPECTED_S = {"triton_interpret_cases.py": 40, "sampling_interpret_cases.py": 37, "fused_interpret_cases.py": 23,
-              "unified_interpret_cases.py": 17, "moe_interpret_cases.py": 14}
+              "unified_interpret_cases.py": 17, "moe_interpret_cases.py": 14, "fp8_gemm_interpret_cases.py": 5}
 
 
 @dataclass
