@@ -14,7 +14,10 @@ def test_freeze_moves_live_objects_out_of_collection():
     keep = [object() for _ in range(1000)]
     try:
         frozen = pauses.freeze_startup_heap()
-        assert frozen == gc.get_freeze_count() >= before + 1000
+        # The count it reports is the one right after freezing; a frozen object can still die by
+        # reference counting afterwards (a background thread an earlier test left, a frame), so
+        # the count may only fall from there, and the 1000 live objects stay frozen.
+        assert frozen >= gc.get_freeze_count() >= before + 1000
         # Frozen objects are no longer in any generation the collector walks.
         assert not any(o is keep[0] for o in gc.get_objects())
     finally:
