@@ -53,7 +53,15 @@ def check_metrics_aggregate(server, http: httpx.Client) -> None:
     """Every replica's series under its `replica` label, vLLM names included; the counters
     of the requests just sent add up over the replicas."""
     name = "vllm:e2e_request_latency_seconds_count"
-    before = sum(per_replica(http.get("/metrics").text, name).values())
+
+    def count() -> float:
+        return sum(per_replica(http.get("/metrics").text, name).values())
+
+    def quiet():  # an earlier test's requests may not be reported yet: wait until the count holds
+        first = count()
+        time.sleep(1.0)  # two report periods
+        return (first,) if count() == first else None
+    before = wait_for(quiet, 10, "the count left by earlier requests to settle")[0]
     for i in range(6):
         r = http.post("/v1/completions", json={"model": MODEL, "prompt": [50 + i] * 40,
                                                "max_tokens": 5, "ignore_eos": True})
