@@ -13,12 +13,12 @@ Anything else is refused with one line naming it.
 """
 from __future__ import annotations
 
+from pagedserve.config import KV_CACHE_SCALE_STRATEGIES as KV_CACHE_STRATEGIES
 from pagedserve.layers.quant.base import QuantizationConfig
 from pagedserve.layers.quant.fp8 import Fp8Config
 
 QUANTIZATION_METHODS = ("fp8",)
 CHECKPOINT_METHODS = ("fp8", "compressed-tensors")
-KV_CACHE_STRATEGIES = ("tensor", "attn_head")  # compressed-tensors' QuantizationStrategy names
 
 
 def _checkpoint_quant(hf_config) -> dict | None:
