@@ -1,6 +1,12 @@
 #!/usr/bin/env bash
 # FP8 on the H200, one section per device command (each < 10 min): run from the repo root.
 #   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm
+#   SITE=/path/to/vllm-site bash benchmarks/fp8_h200.sh vllm_offline|online
+# vllm_offline = vLLM 0.26 FP8 on Llama-3.1-8B: nanovllm (its prompts and lengths, on OUR model: bench_vllm's
+# nanovllm defaults to Qwen3-0.6B, so --config is required) and 128/2048, one start-up (~6 min); it writes
+# vllm_fp8_<workload>.json into $OUT: copy them into $P before collect.
+# online = both OpenAI servers with the FP8 switches, sharegpt-like at 10/20/40 req/s (~8 min); then
+# `python benchmarks/serving/vs_vllm.py collect --work $P/online --rates 10 20 40 --output $P/online_fp8.json`.
 # gemm = the Triton W8A8 GEMM: its GPU tests, then benchmarks/kernels/fp8_gemm_ab.py (against cuBLASLt
 # at Llama-3.1-8B's shapes, 1-4096 tokens).
 # kvhead = per-KV-head KV scales: their GPU tests, then benchmarks/kernels/fp8_kv_scales.py (the cache
@@ -37,7 +43,13 @@ case "${1:-}" in
   gemm) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/quant/test_fp8_gemm_gpu.py 2>&1 \
           | tee $P/gemm_gpu_tests.log | tail -30
         timeout 300 python3 benchmarks/kernels/fp8_gemm_ab.py --output $P/fp8_gemm_ab.json ;;
-  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm" >&2; exit 2 ;;
+  vllm_offline) PYTHONPATH=${SITE:?set SITE to the dir vLLM 0.26 is installed in} VLLM_USE_FLASHINFER_SAMPLER=0 \
+                timeout 590 python3 benchmarks/serving/peers/bench_vllm.py --workload nanovllm --also trtllm_128_2048 \
+                --config benchmarks/models/llama-3.1-8b/config.json --quantization fp8 --kv-cache-dtype fp8 --tag fp8 ;;
+  online) VLLM_USE_FLASHINFER_SAMPLER=0 timeout 590 python3 benchmarks/serving/vs_vllm.py online \
+            --site "${SITE:?set SITE to the dir vLLM 0.26 is installed in}" --work $P/online --rates 10 20 40 \
+            --pagedserve-args "$FP8" --vllm-args "$FP8" ;;
+  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm|vllm_offline|online" >&2; exit 2 ;;
 esac
 rc=$?
 [ -n "${OUT:-}" ] && cp -r $P "$OUT/" 2>/dev/null

@@ -100,11 +100,20 @@ def capacity(kv: str, out: Path) -> dict:
     return res
 
 
-def _vllm_output_tok_s(path: Path) -> float | None:
-    return json.loads(path.read_text())["results"]["output_tok_s"] if path.exists() else None
+def _vllm_output_tok_s(path: Path, model: str | None = None) -> float | None:
+    """vLLM's output tok/s from a bench_vllm.py file, or None when there is none or it ran another
+    model than ours (`model`: our model dir; bench_vllm's nanovllm defaults to Qwen3-0.6B)."""
+    if not path.exists():
+        return None
+    doc = json.loads(path.read_text())
+    theirs = Path(doc["config"].get("model_config") or "").parent.name
+    if model is not None and theirs != Path(model).name:
+        print(f"{path.name}: vLLM ran {theirs}, ours {Path(model).name}: no ratio", file=sys.stderr)
+        return None
+    return doc["results"]["output_tok_s"]
 
 
-def collect(parts: Path, output: Path) -> None:
+def collect(parts: Path, output: Path, note: str | None = None) -> None:
     results, ratios, stamps = {}, {}, []
     for name in ("fixed256", "nanovllm"):
         f = parts / f"{name}_fp8.json"
@@ -115,7 +124,7 @@ def collect(parts: Path, output: Path) -> None:
                                                               "requests_per_s", "seconds", "num_gpu_blocks")}
             results[name].update(command=doc["command"], commit=doc["commit"])
             ratios[f"{name}_over_vllm_fp8"] = None
-            theirs = _vllm_output_tok_s(parts / f"vllm_fp8_{name}.json")
+            theirs = _vllm_output_tok_s(parts / f"vllm_fp8_{name}.json", doc["config"]["model"])
             if theirs:
                 cold = doc["results"]["runs"][0]["output_tokens_per_s"]  # like vLLM's one run: no cache hits
                 results[name].update(first_run_output_tokens_per_s=cold, vllm_fp8_output_tokens_per_s=theirs)
@@ -126,7 +135,7 @@ def collect(parts: Path, output: Path) -> None:
             results[f"trtllm_{shape}"] = json.loads(f.read_text())
             stamps.append({k: results[f"trtllm_{shape}"][k] for k in ("device", "commit")})
             ratios[f"{shape}_over_trtllm_published"] = results[f"trtllm_{shape}"]["over_trtllm_published"]
-            theirs = _vllm_output_tok_s(parts / f"vllm_fp8_trtllm_{shape}.json")
+            theirs = _vllm_output_tok_s(parts / f"vllm_fp8_trtllm_{shape}.json", MODEL)
             if theirs:
                 results[f"trtllm_{shape}"]["vllm_fp8_output_tokens_per_s"] = theirs
                 ratios[f"{shape}_over_vllm_fp8"] = round(results[f"trtllm_{shape}"]["output_tokens_per_s"] / theirs, 3)
@@ -137,13 +146,29 @@ def collect(parts: Path, output: Path) -> None:
         results["kv_capacity_4k"] = caps
         if len(caps) == 2:
             ratios["kv_capacity_fp8_over_bf16"] = round(caps["fp8"]["largest_batch"] / caps["auto"]["largest_batch"], 3)
+    online = parts / "online_fp8.json"  # vs_vllm.py collect over the online phase's files (parts/online/)
+    if online.exists():
+        doc = json.loads(online.read_text())
+        stamps.append({"device": doc["device"], "commit": doc["commit"]})
+        results["online"] = {"command": doc["command"], "commit": doc["commit"], "config": doc["config"],
+                             **doc["results"]["online"]}
+        for key, value in doc["ratios"].items():
+            metric, _, rate = key.partition("_over_vllm_")
+            if rate:  # tpot_p50_over_vllm_r10 -> online_r10_tpot_p50_over_vllm_fp8
+                ratios[f"online_{rate}_{metric}_over_vllm_fp8"] = value
+    for name, key in (("fp8_gemm_ab", "gemms"), ("fp8_kv_scales", None)):
+        f = parts / f"{name}.json"
+        if f.exists():  # kernel A/Bs: kept whole, with their own commit (not stamps: no vLLM side)
+            doc = json.loads(f.read_text())
+            results[name] = {"commit": doc["commit"], "command": doc.get("command"),
+                             **(doc["results"] if key else {k: v for k, v in doc.items() if k not in ("switches", "versions")})}
     vllm_runs = sorted(parts.glob("vllm_fp8_*.json"))
+    docs = {f.name: json.loads(f.read_text()) for f in vllm_runs}
     vllm_note = ("not measured" if not vllm_runs else
-                 "; ".join(f"{f.name}: {json.loads(f.read_text())['device']}, {json.loads(f.read_text())['date']}, "
-                           f"{json.loads(f.read_text())['command'].split('bench_vllm.py', 1)[-1].strip()}"
-                           for f in vllm_runs) +
-                 " (vLLM measured in its own device session; its trtllm_128_128 ran after fixed256 on the same "
-                 "LLM, and the two draw the same id stream, so 1000 of its 8000 prompts were cached prefixes)")
+                 "; ".join(f"{name}: {d['device']}, {d['date']}, model {Path(d['config']['model_config']).parent.name}, "
+                           f"{d['command'].split('bench_vllm.py', 1)[-1].strip()}" for name, d in docs.items()))
+    if note:
+        vllm_note += f" ({note})"
     devices, commits = {s["device"] for s in stamps}, sorted({s["commit"] for s in stamps})
     if len(devices) != 1:
         raise SystemExit(f"the parts come from several devices {devices}: re-run them on one")
@@ -160,6 +185,7 @@ def main() -> int:
     ap.add_argument("arg", nargs="?", help="trtllm: 128_128 or 128_2048; capacity: auto or fp8")
     ap.add_argument("--parts", default="benchmarks/results/h200/fp8_parts")
     ap.add_argument("--output", default="benchmarks/results/h200/fp8.json")
+    ap.add_argument("--note", default=None, help="collect: how and when the vLLM side ran, kept in the result")
     args = ap.parse_args()
     git_commit()
     parts = Path(args.parts)
@@ -169,7 +195,7 @@ def main() -> int:
     elif args.section == "capacity":
         print(json.dumps(capacity(args.arg, parts), indent=2))
     else:
-        collect(parts, Path(args.output))
+        collect(parts, Path(args.output), args.note)
     return 0
 
 
