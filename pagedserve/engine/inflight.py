@@ -18,3 +18,4 @@ class InflightStep:
     sampled: list                 # ScheduledSequence rows that sample, in the order of tokens
     tokens: torch.Tensor          # [len(sampled)] sampled ids on the device (the next step's placeholders)
     copy: AsyncHostCopy
+    processed: bool = False       # its tokens appended already (during the next step's mask fill)

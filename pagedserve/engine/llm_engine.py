@@ -368,12 +368,12 @@ class LLMEngine(TokenApplication):
             touched[id(group)] = group
         if not out.is_empty:
             if overlap:
-                self._inflight = self._launch(out, prev)
+                self._inflight = self._launch(out, prev, touched, final_only)
             else:
                 self._run_sync(out, touched, final_only)
         if spec_k:
             self.speculator.clear()  # no proposal outlives its step (an overlapped one must see none)
-        if prev is not None:
+        if prev is not None and not prev.processed:
             self._process_inflight(prev, touched, final_only)
         if self._inflight is not None and not self._groups:
             self._inflight = None  # every request ended: its rows would all be discarded
@@ -467,7 +467,7 @@ class LLMEngine(TokenApplication):
 
     # ---- overlapped steps -----------------------------------------------------------------
 
-    def _launch(self, out, prev: InflightStep | None) -> InflightStep | None:
+    def _launch(self, out, prev: InflightStep | None, touched: dict, final_only: bool) -> InflightStep | None:
         """Queue the step on the device, sampling included, and start copying its tokens out;
         every sampled sequence gets a placeholder. Nothing here waits for the device. The
         executor calls the sampler inside the step (with tensor parallelism it then hands the
@@ -476,12 +476,20 @@ class LLMEngine(TokenApplication):
         timer.launch_begin(out)
         sampled = [s for s in out.scheduled if s.do_sample]
 
+        def process_prev():
+            # Ends sequences and frees their blocks before update_after_step(out), which skips
+            # the finished; their rows of this step are discarded when it is processed.
+            self._process_inflight(prev, touched, final_only)
+            prev.processed = True
+
         def sample(logits):
             timer.mark("execute")
             if self.structured.seqs:
                 # The device runs this step's forward meanwhile: take the previous step's tokens,
-                # advance the matchers, fill and apply this step's mask (vLLM's overlap).
-                self._mask_logits(logits, sampled, prev)
+                # advance the matchers, fill and apply this step's mask (vLLM's overlap); with the
+                # fill in the background, process those tokens while it runs.
+                during = process_prev if prev is not None and self.structured.fill_in_background else None
+                self._mask_logits(logits, sampled, prev, during)
             return self._sample_device(logits, sampled)
         result = self.runner.execute(out, None if prev is None else prev.tokens, sample=sample)
         if result is None:

@@ -238,6 +238,39 @@ def test_preempted_grammar_requests_match_an_unpreempted_run(unpreempted, mode, 
         small.shutdown()
 
 
+def test_background_fill_gives_the_same_tokens(unpreempted, monkeypatch):
+    """PAGEDSERVE_GRAMMAR_FILL=background: the masks fill on a thread while the step loop appends
+    the previous step's tokens; the draws equal the inline fill's, token for token, and the
+    background path really ran (masks reached apply() still filling, with prev processed)."""
+    monkeypatch.setenv("PAGEDSERVE_GRAMMAR_FILL", "background")
+    llm = make_llm(DEMO_MODEL_DIR, num_gpu_blocks_override=256)
+    engine = llm.llm_engine
+    apply, seen = engine.structured.apply, [0, 0]
+
+    def spy(logits, mask):
+        seen[0] += mask is not None and mask.filling is not None
+        seen[1] += 1
+        return apply(logits, mask)
+    engine.structured.apply = spy
+    try:
+        got, _ = _run_tokens(llm, _mix())
+        assert got == unpreempted
+        assert seen[0] > 10, seen
+        assert_no_leak(llm)
+        assert not engine.structured.seqs.by_seq
+    finally:
+        llm.shutdown()
+
+
+def test_grammar_fill_mode_is_checked(monkeypatch):
+    from pagedserve.engine.structured.manager import grammar_fill_mode
+    monkeypatch.setenv("PAGEDSERVE_GRAMMAR_FILL", "sideways")
+    with pytest.raises(ValueError, match="PAGEDSERVE_GRAMMAR_FILL must be one of inline, background"):
+        grammar_fill_mode()
+    monkeypatch.delenv("PAGEDSERVE_GRAMMAR_FILL")
+    assert grammar_fill_mode() == "inline"
+
+
 def test_tensor_parallel_rank0_masks_for_every_rank(unpreempted):
     """TP=2 (gloo on CPU): rank 0 masks its logits, samples and broadcasts the ids, so every rank
     continues from the same constrained draw; the tokens equal the single-rank run's."""

@@ -11,13 +11,17 @@ Lifecycle of a constrained request:
      feeds each constrained row's grammar its newest token and fills its bitmask row on the host
      (masks.py: xgrammar's batch calls, the fill on its own threads), and apply() uploads the rows
      and masks the logits in place on the device before any sampling (penalties, temperature,
-     top-k/p, greedy argmax all see -inf for a token the grammar forbids).
+     top-k/p, greedy argmax all see -inf for a token the grammar forbids). With
+     PAGEDSERVE_GRAMMAR_FILL=background the fill runs on one background thread instead, so that
+     the engine can process the previous step's tokens meanwhile (xgrammar's fill releases the
+     GIL); apply() joins it. The rows it fills are the only state that thread touches.
   4. A sequence whose matcher has accepted its stop token (EOS) finishes with "stop".
 """
 from __future__ import annotations
 
+import os
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, wait
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +32,19 @@ from pagedserve.engine.structured.compiler import BACKENDS, GrammarCompilerPool,
 from pagedserve.engine.structured.masks import BATCH_FILL_MIN_ROWS, MaskBuffers, StepMask, default_fill_threads
 from pagedserve.engine.structured.matchers import SeqGrammar, SeqGrammars
 from pagedserve.sampling_params import StructuredOutputsParams
+
+
+GRAMMAR_FILL_MODES = ("inline", "background")
+
+
+def grammar_fill_mode() -> str:
+    """PAGEDSERVE_GRAMMAR_FILL: where an overlapped step's masks are filled. inline (default): in
+    the step loop, before the sampler; background: on a thread, while the loop processes the
+    previous step's tokens (llm_engine._launch)."""
+    mode = os.environ.get("PAGEDSERVE_GRAMMAR_FILL", "").strip().lower() or "inline"
+    if mode not in GRAMMAR_FILL_MODES:
+        raise ValueError(f"PAGEDSERVE_GRAMMAR_FILL must be one of {', '.join(GRAMMAR_FILL_MODES)}, got {mode!r}")
+    return mode
 
 
 @dataclass
@@ -63,6 +80,8 @@ class StructuredOutputs:
         self._fill_serial = xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask  # in the calling thread
         self._fill_threaded = (xgr.BatchGrammarMatcher(threads).batch_fill_next_token_bitmask if threads > 1
                                else self._fill_serial)
+        self.fill_in_background = grammar_fill_mode() == "background"
+        self._filler: ThreadPoolExecutor | None = None  # the background fill's one thread, on first use
 
     # ---- compiles -------------------------------------------------------------------------
 
@@ -155,19 +174,32 @@ class StructuredOutputs:
     def grammar_of(self, seq: Any) -> SeqGrammar | None:
         return self.seqs.get(seq.seq_id)
 
-    def advance_and_fill(self, rows: list[tuple[int, SeqGrammar, list[int], int | None]]) -> StepMask | None:
+    def advance_and_fill(self, rows: list[tuple[int, SeqGrammar, list[int], int | None]],
+                         background: bool = False) -> StepMask | None:
         """A step's mask from (logits row, grammar, output tokens, pending) in increasing row
         order: each grammar first takes the tokens it has not accepted (SeqGrammars.advance: the
         output tokens, then `pending`, the previous overlapped step's token), then fills its row;
         the fill on xgrammar's threads. None when no row needs masking (a done
-        grammar's row is discarded anyway: its sequence has ended, so it is left unmasked)."""
+        grammar's row is discarded anyway: its sequence has ended, so it is left unmasked).
+        background: the accepts happen here, the fill is started on the background thread and
+        the mask returned at once (its `filling` set; apply() waits for it). Until then the
+        caller must not touch these rows' matchers; it may append their tokens (they have
+        accepted them already) and read `done`."""
         if not rows:
             return None
         slot, bitmask = self.masks.take(rows[-1][0] + 1)
         SeqGrammars.advance([(g, out, pending) for _, g, out, pending in rows])
         live = [(i, g.matcher) for i, g, _, _ in rows if not g.done]
-        self._fill(live, bitmask)
-        return StepMask(bitmask, live[-1][0] + 1, [i for i, _ in live], slot) if live else None
+        if not live:
+            return None
+        mask = StepMask(bitmask, live[-1][0] + 1, [i for i, _ in live], slot)
+        if background:
+            if self._filler is None:
+                self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
+            mask.filling = self._filler.submit(self._fill, live, bitmask)
+        else:
+            self._fill(live, bitmask)
+        return mask
 
     def _fill(self, live: list[tuple[int, Any]], bitmask: torch.Tensor) -> None:
         """Fill (logits row, matcher) rows: on xgrammar's threads from BATCH_FILL_MIN_ROWS rows."""
@@ -190,6 +222,9 @@ class StructuredOutputs:
         from pinned memory into persistent device buffers, queued before xgrammar's kernel."""
         if mask is None:
             return
+        if mask.filling is not None:
+            mask.filling.result()  # the background fill (re-raises its error here, in the step)
+            mask.filling = None
         vocab = min(self.vocab_size, logits.shape[-1])
         # Every row of the logits masked: xgrammar needs no indices at all.
         indices = None if len(mask.indices) == logits.shape[0] else mask.indices
@@ -202,3 +237,5 @@ class StructuredOutputs:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
+        if self._filler is not None:
+            self._filler.shutdown(wait=True)
