@@ -56,21 +56,24 @@ def test_auto_without_a_table_runs_triton_up_to_the_threshold(mode, table_dir):
 
 
 def test_auto_follows_the_tables_timings_per_bucket(mode, table_dir):
-    """Buckets 1, 8, 64: Triton faster at 1 and 64, slower at 8; a bucket without timings falls
-    back to the threshold; m takes the smallest bucket >= m, the largest beyond."""
+    """Buckets 1, 8, 32, 64: Triton faster at 1 and 64, slower at 8, untimed at 32 (the threshold
+    decides); m takes the smallest bucket >= m; beyond the last bucket (a tuning run cut short)
+    the heuristics decide, the Triton-or-not threshold included."""
     raw = {"1": dict(ENTRY, triton_us=10.0, cublas_us=18.0), "8": dict(ENTRY, triton_us=20.0, cublas_us=18.0),
-           "64": dict(ENTRY, SPLIT_K=1, triton_us=14.0, cublas_us=15.0), "512": dict(ENTRY, BLOCK_M=128)}
+           "32": dict(ENTRY, BLOCK_M=32), "64": dict(ENTRY, BLOCK_M=64, SPLIT_K=1, triton_us=14.0, cublas_us=15.0)}
     (table_dir / cfgmod.config_file_name(6144, 4096, "cpu")).write_text(json.dumps(raw))
     mode("auto")
-    got = {m: fp8_ops.uses_triton(m, 6144, 4096, CPU) for m in (1, 2, 8, 9, 64, 65, 512, 9999)}
-    assert got == {1: True, 2: False, 8: False, 9: True, 64: True, 65: False, 512: False, 9999: False}
-    # Configs: the same buckets, only the kernel keys.
+    got = {m: fp8_ops.uses_triton(m, 6144, 4096, CPU) for m in (1, 2, 8, 9, 32, 33, 64, 65, 9999)}
+    assert got == {1: True, 2: False, 8: False, 9: True, 32: True, 33: True, 64: True, 65: False, 9999: False}
+    # Configs: the same buckets, only the kernel keys; the heuristics beyond.
     assert cfgmod.get_config(2, 6144, 4096, CPU) == ENTRY
-    assert cfgmod.get_config(33, 6144, 4096, CPU) == dict(ENTRY, SPLIT_K=1)
-    assert cfgmod.get_config(9999, 6144, 4096, CPU)["BLOCK_M"] == 128
+    assert cfgmod.get_config(33, 6144, 4096, CPU) == dict(ENTRY, BLOCK_M=64, SPLIT_K=1)
+    assert cfgmod.get_config(65, 6144, 4096, CPU) == cfgmod.default_config(128, 6144, 4096)
+    assert cfgmod.get_config(9999, 6144, 4096, CPU) == cfgmod.default_config(9999, 6144, 4096)
     # Another shape has no table: the heuristics.
     assert cfgmod.get_config(1, 4096, 4096, CPU) == cfgmod.default_config(1, 4096, 4096)
-    assert cfgmod.warmup_token_counts(6144, 4096, CPU, 100) == [1, 8, 64, 100]
+    # The warm-up meets every bucket: the table's, then the heuristics' beyond it.
+    assert cfgmod.warmup_token_counts(6144, 4096, CPU, 300) == [1, 8, 32, 64, 128, 256, 300]
     assert cfgmod.warmup_token_counts(4096, 4096, CPU, 40) == [1, 2, 4, 8, 16, 32, 40]
 
 

@@ -6,8 +6,9 @@ names it, e.g. NVIDIA_H200) maps a token-count bucket M (as a string: "1", "2", 
 "128", ...) to {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, num_warps, num_stages}, and, where the
 tuner timed them, "triton_us" and "cublas_us" (microseconds at that M, L2 flushed).
 benchmarks/kernels/tune_fp8_gemm.py writes them on the GPU. A call with m tokens takes the entry of
-the smallest bucket >= m (the largest bucket beyond it). Block sizes decide speed only, never the
-result beyond float32 summation order, so any entry is correct for any m.
+the smallest bucket >= m; beyond the table's largest bucket (a tuning run stopped early) the
+heuristics decide, as they do for a shape without a table. Block sizes decide speed only, never
+the result beyond float32 summation order, so any entry is correct for any m.
 
 Every choice here is a host-side function of shapes only (no device reads), so a CUDA graph
 captures whatever it picks, and the runner's warm-up (fp8_gemm_warmup.py) can run every config
@@ -57,10 +58,9 @@ def load_table(name: str) -> dict[int, dict] | None:
     return table
 
 
-def bucket_of(m: int, buckets) -> int:
-    """The smallest bucket >= m, or the largest one."""
-    buckets = sorted(buckets)
-    return next((b for b in buckets if b >= m), buckets[-1])
+def bucket_of(m: int, buckets) -> int | None:
+    """The smallest bucket >= m; None beyond the largest."""
+    return min((b for b in buckets if b >= m), default=None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -94,10 +94,10 @@ def get_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 @functools.lru_cache(maxsize=8192)
 def _get_config(m: int, n: int, k: int, device: str) -> dict:
-    table = load_table(config_file_name(n, k, device))
-    if table:
-        return {key: table[bucket_of(m, table)][key] for key in KEYS}
-    return default_config(bucket_of(m, DEFAULT_BUCKETS), n, k, _num_sms(device))
+    bucket = bucket_of(m, load_table(config_file_name(n, k, device)) or ())
+    if bucket is not None:
+        return {key: load_table(config_file_name(n, k, device))[bucket][key] for key in KEYS}
+    return default_config(bucket_of(m, DEFAULT_BUCKETS) or m, n, k, _num_sms(device))
 
 
 def triton_wins(m: int, n: int, k: int, device: torch.device) -> bool:
@@ -108,19 +108,18 @@ def triton_wins(m: int, n: int, k: int, device: torch.device) -> bool:
 
 @functools.lru_cache(maxsize=8192)
 def _triton_wins(m: int, n: int, k: int, device: str) -> bool:
-    table = load_table(config_file_name(n, k, device))
-    if table:
-        entry = table[bucket_of(m, table)]
-        if "triton_us" in entry and "cublas_us" in entry:
-            return entry["triton_us"] < entry["cublas_us"]
+    table = load_table(config_file_name(n, k, device)) or {}
+    entry = table.get(bucket_of(m, table))
+    if entry is not None and "triton_us" in entry and "cublas_us" in entry:
+        return entry["triton_us"] < entry["cublas_us"]
     return m <= AUTO_MAX_M
 
 
 def warmup_token_counts(n: int, k: int, device: torch.device, max_tokens: int) -> list[int]:
     """One token count per bucket up to max_tokens (its largest m, and max_tokens itself), so the
     warm-up compiles every config serving can pick; 1 too (the decode of one sequence)."""
-    table = load_table(config_file_name(n, k, device_name(device)))
-    buckets = sorted(table) if table else DEFAULT_BUCKETS
-    counts = {1, max_tokens} | {b for b in buckets if b <= max_tokens}
+    table = load_table(config_file_name(n, k, device_name(device))) or {}
+    beyond = [b for b in DEFAULT_BUCKETS if b > max(table, default=0)]  # the heuristics' share
+    counts = {1, max_tokens} | {b for b in [*table, *beyond] if b <= max_tokens}
     # A bucket that starts below max_tokens but ends beyond it is served by max_tokens (in counts).
     return sorted(counts)
