@@ -94,9 +94,10 @@ def get_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 @functools.lru_cache(maxsize=8192)
 def _get_config(m: int, n: int, k: int, device: str) -> dict:
-    bucket = bucket_of(m, load_table(config_file_name(n, k, device)) or ())
+    table = load_table(config_file_name(n, k, device)) or {}
+    bucket = bucket_of(m, table)
     if bucket is not None:
-        return {key: load_table(config_file_name(n, k, device))[bucket][key] for key in KEYS}
+        return {key: table[bucket][key] for key in KEYS}
     return default_config(bucket_of(m, DEFAULT_BUCKETS) or m, n, k, _num_sms(device))
 
 
