@@ -82,3 +82,16 @@ def test_a_table_entry_missing_a_key_is_an_error(table_dir):
     (table_dir / cfgmod.config_file_name(8, 8, "cpu")).write_text(json.dumps({"1": bad}))
     with pytest.raises(ValueError, match="SPLIT_K"):
         cfgmod.get_config(1, 8, 8, CPU)
+
+
+def test_result_files_record_the_gemm_that_ran(mode, monkeypatch):
+    """Beside the env value (None when unset), engine_switches says which GEMM setting was read:
+    the default may flip, so an unset variable alone would not say."""
+    from pagedserve.benchmark.results import engine_switches
+    monkeypatch.setattr(fp8_ops, "_GEMM_MODE", None)
+    assert "fp8_gemm" not in engine_switches()  # no FP8 GEMM ran in this process yet
+    mode(None)
+    sw = engine_switches()
+    assert sw["PAGEDSERVE_FP8_GEMM"] is None and sw["fp8_gemm"] == fp8_ops.DEFAULT_GEMM
+    mode("auto")
+    assert engine_switches()["fp8_gemm"] == "auto"
