@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 on the H200, one section per device command (each < 10 min): run from the repo root.
-#   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm
+#   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm|gemm_tune
 #   SITE=/path/to/vllm-site bash benchmarks/fp8_h200.sh vllm_offline|online
 # vllm_offline = vLLM 0.26 FP8 on Llama-3.1-8B: nanovllm (its prompts and lengths, on OUR model: bench_vllm's
 # nanovllm defaults to Qwen3-0.6B, so --config is required) and 128/2048, one start-up (~6 min); it writes
@@ -9,6 +9,9 @@
 # `python benchmarks/serving/vs_vllm.py collect --work $P/online --rates 10 20 40 --output $P/online_fp8.json`.
 # gemm = the Triton W8A8 GEMM: its GPU tests, then benchmarks/kernels/fp8_gemm_ab.py (against cuBLASLt
 # at Llama-3.1-8B's shapes, 1-4096 tokens).
+# gemm_tune = benchmarks/kernels/tune_fp8_gemm.py first (writes the tables into
+# pagedserve/layers/quant/configs/, where the kernel reads them, and copies them to $P/configs: commit
+# those), then the GEMM's GPU tests and the A/B with the tables in place (< 10 min in all: 180 + 170 + 230 s at most).
 # kvhead = per-KV-head KV scales: their GPU tests, then benchmarks/kernels/fp8_kv_scales.py (the cache
 # write, decode and prefill kernels with per-tensor vs per-head scales).
 # fused = the activation quantization fused into the norms / SiLU-and-mul: its GPU tests, then
@@ -49,7 +52,12 @@ case "${1:-}" in
   online) VLLM_USE_FLASHINFER_SAMPLER=0 timeout 590 python3 benchmarks/serving/vs_vllm.py online \
             --site "${SITE:?set SITE to the dir vLLM 0.26 is installed in}" --work $P/online --rates 10 20 40 \
             --pagedserve-args "$FP8" --vllm-args "$FP8" ;;
-  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm|vllm_offline|online" >&2; exit 2 ;;
+  gemm_tune) timeout 180 python3 benchmarks/kernels/tune_fp8_gemm.py --max-seconds 140 2>&1 | tee $P/fp8_gemm_tune.log | tail -20
+             mkdir -p $P/configs && cp pagedserve/layers/quant/configs/N=*.json $P/configs/
+             timeout 170 python3 -m pytest -q -p no:cacheprovider tests/quant/test_fp8_gemm_gpu.py 2>&1 \
+               | tee $P/gemm_gpu_tests.log | tail -30
+             timeout 230 python3 benchmarks/kernels/fp8_gemm_ab.py --output $P/fp8_gemm_ab.json ;;
+  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm|gemm_tune|vllm_offline|online" >&2; exit 2 ;;
 esac
 rc=$?
 [ -n "${OUT:-}" ] && cp -r $P "$OUT/" 2>/dev/null

@@ -2,13 +2,19 @@
 """The W8A8 GEMM: cuBLASLt (torch._scaled_mm, the default) against our Triton kernel
 (pagedserve/layers/quant/triton_fp8_gemm.py) at Llama-3.1-8B's four linear shapes, token counts
 1 to 4096 (issue 34: "torch's scaled matmul on cuBLASLt, or Triton where it wins: measure it").
+The Triton kernel runs the config it would serve with (fp8_gemm_config.get_config: the tuned table
+of this GPU and shape when pagedserve/layers/quant/configs/ has one, "config_source" says which),
+and each row names what PAGEDSERVE_FP8_GEMM=auto picks there ("auto") and that pick's time.
 
 Each point: microseconds per GEMM, from a CUDA graph of one GEMM per weight copy, with enough
 copies (>= 256 MB of fp8 weights) that every launch reads its weight from HBM as a decode step does,
 not from L2; per-token activation scales, per-channel weight scales, bf16 output. Also the largest
 difference between the two outputs relative to the output's largest value.
 
-    python benchmarks/kernels/fp8_gemm_ab.py --output $OUT/fp8_gemm_ab.json     # ~1-2 min on an H200
+Also each kernel's effective bandwidth: the bytes it must move at least (fp8 weight and input,
+bf16 output) over its time (an H200 copies at ~4.3 TB/s).
+
+    python benchmarks/kernels/fp8_gemm_ab.py --output $OUT/fp8_gemm_ab.json     # ~2-3 min on an H200
 """
 from __future__ import annotations
 
@@ -25,7 +31,9 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
 
 from pagedserve.benchmark.results import write_result  # noqa: E402
 from pagedserve.layers.quant import fp8_ops  # noqa: E402
-from pagedserve.layers.quant.triton_fp8_gemm import gemm_config, triton_fp8_gemm  # noqa: E402
+from pagedserve.layers.fused_moe.config import device_name  # noqa: E402
+from pagedserve.layers.quant.fp8_gemm_config import config_file_name, get_config, load_table, triton_wins  # noqa: E402
+from pagedserve.layers.quant.triton_fp8_gemm import triton_fp8_gemm  # noqa: E402
 
 from decode_skew import graph_us_per_launch  # noqa: E402  (benchmarks/kernels/)
 
@@ -61,13 +69,20 @@ def bench(tokens: list[int], replays: int) -> list[dict]:
             xq, xs = fp8_ops.quantize_per_token(x)
             ref = cublaslt(xq, xs, *weights[0]).float()
             diff = (triton(xq, xs, *weights[0]).float() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)
+            dev = xq.device
             row = {"shape": name, "n": n, "k": k, "tokens": m, "weight_copies": copies,
                    "cublaslt_us": round(us_per_gemm(cublaslt, xq, xs, weights, replays), 2),
                    "triton_us": round(us_per_gemm(triton, xq, xs, weights, replays), 2),
-                   "max_rel_diff": float(diff), "triton_config": gemm_config(m)}
+                   "max_rel_diff": float(diff), "triton_config": get_config(m, n, k, dev),
+                   "config_source": "tuned" if load_table(config_file_name(n, k, device_name(dev))) else "heuristic",
+                   "auto": "triton" if triton_wins(m, n, k, dev) else "cublas"}
             row["triton_over_cublaslt"] = round(row["triton_us"] / row["cublaslt_us"], 3)
+            row["auto_us"] = row["triton_us"] if row["auto"] == "triton" else row["cublaslt_us"]
+            row["auto_over_cublaslt"] = round(row["auto_us"] / row["cublaslt_us"], 3)
             # Bytes a GEMM must move at least (fp8 weight and input, bf16 output) over its time.
-            row["cublaslt_GBps"] = round((n * k + m * k + 2 * m * n) / row["cublaslt_us"] / 1e3, 1)
+            min_bytes = n * k + m * k + 2 * m * n
+            row["cublaslt_GBps"] = round(min_bytes / row["cublaslt_us"] / 1e3, 1)
+            row["triton_GBps"] = round(min_bytes / row["triton_us"] / 1e3, 1)
             print(row, flush=True)
             rows.append(row)
         del weights
@@ -76,17 +91,20 @@ def bench(tokens: list[int], replays: int) -> list[dict]:
 
 
 def table(doc: dict) -> str:
-    lines = ["| shape | tokens | cuBLASLt us | Triton us | Triton / cuBLASLt |", "|---|---|---|---|---|"]
+    lines = ["| shape | tokens | cuBLASLt us | Triton us | Triton / cuBLASLt | cuBLASLt GB/s | Triton GB/s "
+             "| Triton config (source) | auto picks |", "|---|---|---|---|---|---|---|---|---|"]
     for r in doc["results"]["gemms"]:
+        c = r["triton_config"]
+        cfg = f"{c['BLOCK_M']}x{c['BLOCK_N']}x{c['BLOCK_K']} split {c['SPLIT_K']} ({r['config_source']})"
         lines.append(f"| {r['shape']} | {r['tokens']} | {r['cublaslt_us']} | {r['triton_us']} | "
-                     f"{r['triton_over_cublaslt']} |")
+                     f"{r['triton_over_cublaslt']} | {r['cublaslt_GBps']} | {r['triton_GBps']} | {cfg} | {r['auto']} |")
     return "\n".join(lines) + "\n"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--output", required=True)
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 8, 32, 64, 128, 256, 512, 1024, 2048, 4096])
+    ap.add_argument("--tokens", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096])
     ap.add_argument("--replays", type=int, default=20)
     args = ap.parse_args()
     if not torch.cuda.is_available() or not fp8_ops.scaled_mm_supported(torch.device("cuda")):

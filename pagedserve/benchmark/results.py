@@ -146,6 +146,9 @@ def engine_switches(engine_config: Any = None) -> dict:
             out["fused_moe"] = picked
     if "pagedserve.layers.quant.fusion" in sys.modules:  # its default changed (off, then on): say which ran
         out["fp8_activation_fusion"] = sys.modules["pagedserve.layers.quant.fusion"].fusion_enabled()
+    fp8_ops = sys.modules.get("pagedserve.layers.quant.fp8_ops")
+    if fp8_ops is not None and fp8_ops._GEMM_MODE is not None:  # read once FP8 ran: its default may flip
+        out["fp8_gemm"] = fp8_ops._GEMM_MODE
     if engine_config is not None:
         get = engine_config.get if isinstance(engine_config, dict) else (lambda k, d: getattr(engine_config, k, d))
         missing = object()

@@ -9,6 +9,7 @@ match):
 
 - prefills without context over token counts 1, 2, 4, ... up to max_num_batched_tokens;
 - for MoE models, the grouped GEMM at every token count that selects another block-size config;
+- for FP8 linears on the Triton GEMM (PAGEDSERVE_FP8_GEMM triton / auto), every config bucket;
 - prefill chunks with prior context (a prefix hit or a chunk continuation), sampling or not;
 - decode-only steps of every graph bucket size (graph replays; eager steps under enforce_eager),
   one with its tokens fed from a previous step's sampled ids on the device (overlapped steps);
@@ -43,6 +44,7 @@ import torch
 from pagedserve.attention.backend import Attention, get_backend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.layers.fused_moe.warmup import warm_up_moe
+from pagedserve.layers.quant.fp8_gemm_warmup import warm_up_fp8_gemm
 from pagedserve.layers.sampler import Sampler, SampleRow
 from pagedserve.runner.async_output import AsyncHostCopy
 from pagedserve.runner.batch import HostBatch
@@ -213,6 +215,8 @@ def warm_up(runner: RunnerView) -> float:
             run(steps.step(_prefill(total, max_len, max_seqs), 0))
         # The MoE grouped GEMM's block-size configs that the counts above skip (fused_moe/warmup.py).
         warm_up_moe(runner.model, min(max_tokens, max_seqs * max_len))
+        # The Triton FP8 GEMM's configs that the counts above skip (layers/quant/fp8_gemm_warmup.py).
+        warm_up_fp8_gemm(runner.model, min(max_tokens, max_seqs * max_len), runner.dtype)
         # A chunk after context (a prefix hit, a chunk continuation, mid-block): sampling and not.
         chunk = max(1, min(max_tokens, max_len // 2, 64))
         start = max(0, min(max_len - chunk, steps.block_size + 1))

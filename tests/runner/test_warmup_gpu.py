@@ -67,15 +67,24 @@ def _workload(vocab: int, max_len: int) -> tuple[list[dict], list[SamplingParams
 
 # A mixture of experts adds the routing, one-program sort/pad and grouped-GEMM kernels.
 # cudagraph_mode "full": mixed steps replay full graphs (the unified kernel) and the rest of the
-# kernels must still be warm for the steps beyond them.
-@pytest.mark.parametrize("arch,enforce_eager,async_scheduling,cudagraph_mode",
-                         [("llama", e, a, "piecewise") for e in (False, True) for a in (True, False)]
-                         + [("llama", False, True, "full"), ("llama", False, False, "full")]
-                         + [("qwen3_moe", False, True, "piecewise"), ("mixtral", True, False, "piecewise")])
+# kernels must still be warm for the steps beyond them. fp8_gemm: FP8 weights with the Triton W8A8
+# GEMM (PAGEDSERVE_FP8_GEMM triton / auto: a config per token bucket, split-K kernels).
+@pytest.mark.parametrize("arch,enforce_eager,async_scheduling,cudagraph_mode,fp8_gemm",
+                         [("llama", e, a, "piecewise", None) for e in (False, True) for a in (True, False)]
+                         + [("llama", False, True, "full", None), ("llama", False, False, "full", None)]
+                         + [("qwen3_moe", False, True, "piecewise", None), ("mixtral", True, False, "piecewise", None)]
+                         + [("llama", False, True, "piecewise", "auto"), ("llama", True, False, "piecewise", "triton")])
 def test_no_compile_or_capture_after_start(tiny_model_dir, monkeypatch, arch, enforce_eager, async_scheduling,
-                                           cudagraph_mode):
+                                           cudagraph_mode, fp8_gemm):
     model_dir = tiny_model_dir(arch)
-    llm = make_llm(model_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
+    quant = {}
+    if fp8_gemm:
+        from pagedserve.layers.quant import fp8_ops
+        if not fp8_ops.scaled_mm_supported(torch.device("cuda")):
+            pytest.skip("needs a GPU with FP8")
+        monkeypatch.setattr(fp8_ops, "_GEMM_MODE", fp8_gemm)
+        quant = {"quantization": "fp8"}
+    llm = make_llm(model_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager, **quant,
                    async_scheduling=async_scheduling, block_size=16, num_gpu_blocks_override=34,
                    max_num_seqs=32, max_num_batched_tokens=128, enable_prefix_caching=True,
                    preemption_mode="swap", swap_space=0.05, cudagraph_mode=cudagraph_mode)

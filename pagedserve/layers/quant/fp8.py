@@ -21,7 +21,7 @@ from torch import nn
 
 from pagedserve.layers.quant.base import (LinearMethod, QuantizationConfig, UnquantizedLinearMethod,
                                           UnquantizedMoEMethod)
-from pagedserve.layers.quant.fp8_ops import (FP8_DTYPE, Fp8Activation, fp8_gemm, quantize_per_channel,
+from pagedserve.layers.quant.fp8_ops import (FP8_DTYPE, Fp8Activation, fp8_gemm, gemm_mode, quantize_per_channel,
                                              quantize_per_token, quantize_static, scaled_mm_supported)
 from pagedserve.layers.weights import materialize
 
@@ -77,6 +77,8 @@ class Fp8Config(QuantizationConfig):
 
     def check_device(self, device: torch.device) -> None:
         device = torch.device(device)
+        if device.type == "cuda":
+            gemm_mode()  # a bad PAGEDSERVE_FP8_GEMM fails at start-up, not at the first forward
         if device.type == "cuda" and not scaled_mm_supported(device):
             cap = ".".join(map(str, torch.cuda.get_device_capability(device)))
             raise ValueError(f"quantization fp8: {torch.cuda.get_device_name(device)} (compute capability {cap}) "

@@ -3,9 +3,9 @@
 Scales are float32 and multiply: real = fp8 * scale. Weights carry one scale per output channel
 ([N]); activations one per token ([M, 1], dynamic: amax / 448 of the row) or one for the tensor
 (static, from the checkpoint). The GEMM on CUDA is torch._scaled_mm (cuBLASLt's FP8 path with
-row-wise scales, sm89+), or with PAGEDSERVE_FP8_GEMM=triton our Triton kernel (triton_fp8_gemm.py,
-for the A/B); elsewhere the same arithmetic dequantized: the fp8 values are exact in
-float32, so the CPU path differs from the GPU only by accumulation order.
+row-wise scales, sm89+) or our Triton kernel (triton_fp8_gemm.py), as PAGEDSERVE_FP8_GEMM says
+(GEMM_MODES; DEFAULT_GEMM when unset); elsewhere the same arithmetic dequantized: the fp8 values
+are exact in float32, so the CPU path differs from the GPU only by accumulation order.
 
 Fp8Activation is an activation the op before the linear (RMSNorm, SiLU-and-mul) already quantized
 per token, in its own kernel on CUDA (layers/triton_fused.py): the FP8 linear takes it as its input
@@ -80,16 +80,33 @@ def scaled_mm_supported(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-_TRITON_GEMM: bool | None = None
+GEMM_ENV = "PAGEDSERVE_FP8_GEMM"
+# cublas: torch._scaled_mm always; triton: our kernel always; auto: Triton at the token counts where
+# it beats cuBLASLt (fp8_gemm_config.triton_wins: the tuned table's timings, else M <= AUTO_MAX_M).
+GEMM_MODES = ("cublas", "triton", "auto")
+# The default until an end-to-end GPU run shows `auto` ahead: flip this one constant.
+DEFAULT_GEMM = "cublas"
+_GEMM_MODE: str | None = None
 
 
-def _triton_gemm() -> bool:
-    """PAGEDSERVE_FP8_GEMM=triton (layers/quant/triton_fp8_gemm.py), read once per process: the
-    A/B switch against cuBLASLt, off by default."""
-    global _TRITON_GEMM
-    if _TRITON_GEMM is None:
-        _TRITON_GEMM = os.environ.get("PAGEDSERVE_FP8_GEMM", "").strip().lower() == "triton"
-    return _TRITON_GEMM
+def gemm_mode() -> str:
+    """PAGEDSERVE_FP8_GEMM (empty or unset: DEFAULT_GEMM), read once per process."""
+    global _GEMM_MODE
+    if _GEMM_MODE is None:
+        mode = os.environ.get(GEMM_ENV, "").strip().lower() or DEFAULT_GEMM
+        if mode not in GEMM_MODES:
+            raise ValueError(f"{GEMM_ENV} must be one of {', '.join(GEMM_MODES)}, got {mode!r}")
+        _GEMM_MODE = mode
+    return _GEMM_MODE
+
+
+def uses_triton(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Whether a CUDA GEMM of m tokens against an [n, k] weight runs our Triton kernel."""
+    mode = gemm_mode()
+    if mode == "auto":
+        from pagedserve.layers.quant.fp8_gemm_config import triton_wins
+        return triton_wins(m, n, k, device)
+    return mode == "triton"
 
 
 def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
@@ -98,7 +115,7 @@ def fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale:
 
     xq [M, K] fp8, x_scale [M, 1] f32, wq [N, K] fp8, w_scale [N] f32.
     """
-    if xq.is_cuda and _triton_gemm():
+    if xq.is_cuda and uses_triton(xq.shape[0], wq.shape[0], wq.shape[1], xq.device):
         from pagedserve.layers.quant.triton_fp8_gemm import triton_fp8_gemm
         y = triton_fp8_gemm(xq, x_scale, wq, w_scale, out_dtype)
     elif xq.is_cuda:
