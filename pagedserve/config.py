@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
+# Whitespace characters a JSON grammar allows in one gap (engine/structured/compiler.parse_spec).
+STRUCTURED_OUTPUTS_MAX_WHITESPACE = 20
 CUDAGRAPH_MODES = ("decode", "piecewise", "full")
 # The server's output parsers (entrypoints/openai/tool_parsers, reasoning_parsers; a test keeps
 # these lists equal to the registries there, which config must not import).
@@ -206,6 +208,10 @@ class EngineConfig:
     structured_outputs_compile_timeout_s: float = option(30.0, "seconds a request may wait for its "
                                                                "grammar to compile before it fails "
                                                                "(alone, with an error)")
+    structured_outputs_max_whitespace: int = option(
+        STRUCTURED_OUTPUTS_MAX_WHITESPACE, "most whitespace characters a JSON grammar allows between two "
+        "tokens of the JSON (a newline and its indentation fit); a model stuck emitting newlines must then "
+        "go on; 0: unbounded, as vLLM")
     structured_outputs_fill_threads: int | None = option(None, "xgrammar threads that fill a step's "
                                                                "grammar bitmask rows (default: half the "
                                                                "CPUs, at most 8)")
@@ -271,6 +277,9 @@ class EngineConfig:
         if self.structured_outputs_fill_threads is not None and self.structured_outputs_fill_threads < 1:
             raise ValueError(f"structured_outputs_fill_threads must be >= 1, "
                              f"got {self.structured_outputs_fill_threads}")
+        if self.structured_outputs_max_whitespace < 0:
+            raise ValueError(f"structured_outputs_max_whitespace must be >= 0 (0: unbounded), "
+                             f"got {self.structured_outputs_max_whitespace}")
         if not self.structured_outputs_compile_timeout_s > 0:
             raise ValueError(f"structured_outputs_compile_timeout_s must be > 0, "
                              f"got {self.structured_outputs_compile_timeout_s}")

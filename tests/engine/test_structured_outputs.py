@@ -120,6 +120,64 @@ def test_json_object_and_any_whitespace(llm):
             jsonschema.validate(json.loads(c.text), schema)
 
 
+def test_json_whitespace_is_bounded_per_gap():
+    """structured_outputs_max_whitespace caps a gap between JSON tokens: the grammar takes that many
+    whitespace characters and refuses one more (spaces and newlines alike); 0 leaves it unbounded,
+    as vLLM does; disable_any_whitespace still allows none."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+    from pagedserve.engine.structured.compiler import parse_spec
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=len(tok)))
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    def takes(spec, cap, text):
+        return xgr.GrammarMatcher(compiler.compile_grammar(parse_spec(spec, cap))).accept_string(text)
+    spec = SO(json=schema)
+    assert takes(spec, 5, "{" + " \n" * 2 + "\n")
+    assert not takes(spec, 5, "{" + " \n" * 3)
+    assert takes(spec, 5, '{"a":' + "\n" * 5 + "1}")
+    assert not takes(spec, 5, '{"a":' + "\n" * 6)
+    assert takes(spec, 0, "{" + "\n" * 500)
+    assert takes(SO(json_object=True), 3, "{" + " " * 3) and not takes(SO(json_object=True), 3, "{" + " " * 4)
+    assert not takes(SO(json=schema, disable_any_whitespace=True), 5, "{ ")
+
+
+def test_structured_outputs_engine_options_are_checked():
+    from pagedserve.config import EngineConfig
+    for field, bad, words in (("structured_outputs_max_whitespace", -1, ">= 0 (0: unbounded)"),
+                              ("structured_outputs_fill_threads", 0, ">= 1"),
+                              ("structured_outputs_compile_timeout_s", 0.0, "> 0")):
+        with pytest.raises(ValueError, match=re.escape(f"{field} must be {words}")):
+            EngineConfig(model=str(DEMO_MODEL_DIR), **{field: bad})
+
+
+def test_bounded_whitespace_lets_a_newline_loving_model_close_its_json():
+    """The demo model, asked for JSON with free whitespace, writes newlines for as long as the
+    grammar lets it: unbounded (0, vLLM's behaviour) it runs to max_tokens with the object open;
+    with the default bound every gap fills and the model must go on, so the object closes and
+    validates."""
+    schema = {"type": "object", "required": ["name", "reign"], "additionalProperties": False,
+              "properties": {"name": {"type": "string", "maxLength": 12},
+                             "reign": {"type": "integer", "minimum": 1, "maximum": 60}}}
+    params = [SamplingParams(temperature=1.0, seed=s, max_tokens=160, structured_outputs=SO(json=schema))
+              for s in range(3)]
+    for cap, closes in ((0, False), (None, True)):
+        kw = {} if cap is None else {"structured_outputs_max_whitespace": cap}
+        llm = make_llm(DEMO_MODEL_DIR, num_gpu_blocks_override=256, **kw)
+        try:
+            outs = llm.generate(["Name a king of Israel:"] * 3, params, use_tqdm=False)
+        finally:
+            llm.shutdown()
+        reasons = [o.outputs[0].finish_reason for o in outs]
+        if closes:
+            assert reasons == ["stop"] * 3, reasons
+            for o in outs:
+                jsonschema.validate(json.loads(o.outputs[0].text), schema)
+        else:
+            assert reasons == ["length"] * 3, [o.outputs[0].text[:80] for o in outs]
+
+
 def test_regex_choice_and_ebnf(llm):
     regex = r"(Psalm|Proverb) [1-9][0-9]?:[1-9][0-9]?"
     choices = ["yea", "nay", 'he said "amen"\n', "selah\\"]

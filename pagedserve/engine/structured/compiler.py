@@ -59,13 +59,19 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(_ebnf_literal(c) for c in choices)
 
 
-def parse_spec(spec: StructuredOutputsParams) -> xgr.Grammar:
-    """The spec as an xgrammar Grammar; ValueError naming the field and xgrammar's reason."""
+def parse_spec(spec: StructuredOutputsParams, max_whitespace: int = 0) -> xgr.Grammar:
+    """The spec as an xgrammar Grammar; ValueError naming the field and xgrammar's reason.
+    max_whitespace (> 0): the most whitespace characters a JSON grammar allows in one gap between
+    JSON tokens (EngineConfig.structured_outputs_max_whitespace). Unbounded, a model that keeps
+    choosing newlines inside a JSON object runs to max_tokens and returns truncated JSON (the
+    failure vLLM users report with xgrammar); bounded, it must write the next token once the gap
+    is full."""
     kind = spec.kind
     if spec.whitespace_pattern is not None:
         raise ValueError("structured_outputs.whitespace_pattern is not supported by the xgrammar backend "
                          "(use disable_any_whitespace for compact JSON)")
     any_ws = not spec.disable_any_whitespace
+    ws_cap = max_whitespace if any_ws and max_whitespace > 0 else None
     try:
         if kind == "json":
             schema = spec.json
@@ -77,9 +83,11 @@ def parse_spec(spec: StructuredOutputsParams) -> xgr.Grammar:
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(schema).__name__}")
             _check_schema(schema)
-            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_ws, strict_mode=True)
+            return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_ws, strict_mode=True,
+                                                max_whitespace_cnt=ws_cap)
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_ws, strict_mode=False)
+            return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_ws, strict_mode=False,
+                                                max_whitespace_cnt=ws_cap)
         if kind == "regex":
             return xgr.Grammar.from_regex(spec.regex)
         if kind == "choice":
