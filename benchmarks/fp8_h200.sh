@@ -47,7 +47,7 @@ case "${1:-}" in
   gemm) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/quant/test_fp8_gemm_gpu.py 2>&1 \
           | tee $P/gemm_gpu_tests.log | tail -30
         timeout 300 python3 benchmarks/kernels/fp8_gemm_ab.py --output $P/fp8_gemm_ab.json ;;
-  kvdecode) timeout 300 python3 -m pytest -q -p no:cacheprovider tests/attention/test_fp8_gpu.py \
+  kvdecode) timeout 340 python3 -m pytest -q -p no:cacheprovider tests/attention/test_fp8_gpu.py \
               tests/runner/test_warmup_gpu.py -k "launch" 2>&1 | tee $P/kvdecode_gpu_tests.log | tail -30
             timeout 200 python3 benchmarks/kernels/fp8_decode_sweep.py --output $P/fp8_decode_sweep.json ;;
   vllm_offline) PYTHONPATH=${SITE:?set SITE to the dir vLLM 0.26 is installed in} VLLM_USE_FLASHINFER_SAMPLER=0 \

@@ -52,6 +52,8 @@ def variants() -> list[str]:
             for stages in (3, 2, 4):
                 if block_n == 64 and (warps, stages) != (4, 3):
                     continue  # half the bf16 tile's bytes again: one point says whether smaller helps
+                if block_n == 256 and stages == 4:
+                    continue  # 4 stages of 256-position e4m3 K and V tiles: 256 KB, past an SM's shared memory
                 for cast in ("", "+f16"):
                     names.append(f"bn{block_n}+w{warps}+s{stages}{cast}")
     return names
