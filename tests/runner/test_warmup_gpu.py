@@ -83,7 +83,7 @@ def test_no_compile_after_start_with_an_fp8_decode_launch(tiny_model_dir, monkey
     PAGEDSERVE_DECODE_LAUNCH_FP8, as an A/B or a flipped DECODE_FP8_LAUNCH would): the warm-up
     and the graphs compile that launch, and serving meets nothing else."""
     from pagedserve.attention import triton_ops
-    monkeypatch.setenv(triton_ops.DECODE_FP8_LAUNCH_ENV, "bn256+w8+f16")
+    monkeypatch.setenv(triton_ops.DECODE_FP8_LAUNCH_ENV, "bn256+w8+s2+f16")
     triton_ops.fp8_decode_launch_settings.cache_clear()
     try:
         assert triton_ops.decode_launch_for(torch.float8_e4m3fn) != triton_ops.decode_launch_for(torch.bfloat16)
