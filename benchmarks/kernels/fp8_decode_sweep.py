@@ -190,7 +190,8 @@ def markdown(rec: dict) -> str:
     lines = [f"# FP8 KV decode launch sweep — {rec['device']}", "",
              f"Llama-3.1-8B attention, block size 16, bf16 queries; commit `{rec['commit'][:10]}`, {rec['date']}; "
              f"`{rec['command']}`", "",
-             "| batch x context | bf16 default us | bf16 % copy | fp8 today us | fp8 best | us | % copy | best / bf16 |",
+             "| batch x context | bf16 default us | bf16 % copy | fp8 today us | fp8 best | us | % copy "
+             "| best / bf16 |",
              "|---|---|---|---|---|---|---|---|"]
     base = triton_ops.DecodeLaunch()
     today = f"bn{base.block_n}+w{base.num_warps}+s{base.num_stages}"
@@ -198,8 +199,8 @@ def markdown(rec: dict) -> str:
         bf, b, t = row["bf16_default"], row.get("best", {}), row["fp8"].get(today, {})
         us = lambda r: f"{r['ms'] * 1e3:.1f}" if r.get("ms") else "–"  # noqa: E731
         pc = lambda r: f"{100 * r['bandwidth_fraction']:.1f}" if r.get("bandwidth_fraction") else "–"  # noqa: E731
-        lines.append(f"| {key} | {us(bf)} | {pc(bf)} | {us(t)} | {b.get('launch', '–')} | {us(b)} | {pc(b)} | "
-                     f"{b['over_bf16']:.3f} |" if b else f"| {key} | {us(bf)} | {pc(bf)} | {us(t)} | – | – | – | – |")
+        head = f"| {key} | {us(bf)} | {pc(bf)} | {us(t)} | "
+        lines.append(head + (f"{b['launch']} | {us(b)} | {pc(b)} | {b['over_bf16']:.3f} |" if b else "– | – | – | – |"))
     return "\n".join(lines) + "\n"
 
 
