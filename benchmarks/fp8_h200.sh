@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # FP8 on the H200, one section per device command (each < 10 min): run from the repo root.
-#   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm|gemm_tune
+#   bash benchmarks/fp8_h200.sh tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm|gemm_tune|kvdecode
 #   SITE=/path/to/vllm-site bash benchmarks/fp8_h200.sh vllm_offline|online
 # vllm_offline = vLLM 0.26 FP8 on Llama-3.1-8B: nanovllm (its prompts and lengths, on OUR model: bench_vllm's
 # nanovllm defaults to Qwen3-0.6B, so --config is required) and 128/2048, one start-up (~6 min); it writes
@@ -14,6 +14,10 @@
 # those), then the GEMM's GPU tests and the A/B with the tables in place (< 10 min in all: 180 + 170 + 230 s at most).
 # kvhead = per-KV-head KV scales: their GPU tests, then benchmarks/kernels/fp8_kv_scales.py (the cache
 # write, decode and prefill kernels with per-tensor vs per-head scales).
+# kvdecode = the FP8 KV decode kernel's own launch: its GPU tests (the launch variants against the reference, in a
+# CUDA graph, and no compile after start-up with PAGEDSERVE_DECODE_LAUNCH_FP8 set; ~2 min), then
+# benchmarks/kernels/fp8_decode_sweep.py (BLOCK_N x warps x stages x the f16 cast at 4 batch x context shapes,
+# beside bf16; < 3 min): its best launch per shape is the candidate for triton_ops.DECODE_FP8_LAUNCH.
 # fused = the activation quantization fused into the norms / SiLU-and-mul: its GPU tests, then
 # benchmarks/kernels/fp8_fused_quant.py (kernels and a Llama-3.1-8B decode step, fusion on/off).
 # Parts land in benchmarks/results/h200/fp8_parts/ (and are copied to $OUT when set); once all are
@@ -46,6 +50,9 @@ case "${1:-}" in
   gemm) timeout 200 python3 -m pytest -q -p no:cacheprovider tests/quant/test_fp8_gemm_gpu.py 2>&1 \
           | tee $P/gemm_gpu_tests.log | tail -30
         timeout 300 python3 benchmarks/kernels/fp8_gemm_ab.py --output $P/fp8_gemm_ab.json ;;
+  kvdecode) timeout 340 python3 -m pytest -q -p no:cacheprovider tests/attention/test_fp8_gpu.py \
+              tests/runner/test_warmup_gpu.py -k "launch" 2>&1 | tee $P/kvdecode_gpu_tests.log | tail -30
+            timeout 200 python3 benchmarks/kernels/fp8_decode_sweep.py --output $P/fp8_decode_sweep.json ;;
   vllm_offline) PYTHONPATH=${SITE:?set SITE to the dir vLLM 0.26 is installed in} VLLM_USE_FLASHINFER_SAMPLER=0 \
                 timeout 590 python3 benchmarks/serving/peers/bench_vllm.py --workload nanovllm --also trtllm_128_2048 \
                 --config benchmarks/models/llama-3.1-8b/config.json --quantization fp8 --kv-cache-dtype fp8 --tag fp8 ;;
@@ -57,7 +64,7 @@ case "${1:-}" in
              timeout 170 python3 -m pytest -q -p no:cacheprovider tests/quant/test_fp8_gemm_gpu.py 2>&1 \
                | tee $P/gemm_gpu_tests.log | tail -30
              timeout 230 python3 benchmarks/kernels/fp8_gemm_ab.py --output $P/fp8_gemm_ab.json ;;
-  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm|gemm_tune|vllm_offline|online" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm|gemm_tune|kvdecode|vllm_offline|online" >&2; exit 2 ;;
 esac
 rc=$?
 [ -n "${OUT:-}" ] && cp -r $P "$OUT/" 2>/dev/null

@@ -27,7 +27,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Solo wall seconds on the 2-core CI machine (last measured): only the start order uses them, so
 # that the longest runs do not end up last.
 EXPECTED_S = {"triton_interpret_cases.py": 40, "sampling_interpret_cases.py": 37, "fused_interpret_cases.py": 23,
-              "unified_interpret_cases.py": 17, "moe_interpret_cases.py": 14, "fp8_gemm_interpret_cases.py": 7}
+              "unified_interpret_cases.py": 17, "moe_interpret_cases.py": 14, "fp8_gemm_interpret_cases.py": 7,
+              "fp8_decode_interpret_cases.py": 9}
 
 
 @dataclass

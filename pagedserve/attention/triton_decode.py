@@ -45,6 +45,7 @@ def paged_decode_kernel(
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
     IEEE: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, order_ptr=None,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False,
 ):
     if HEADS_FASTEST:
         # Grid (kv head, sequence, split): a sequence's heads run side by side and read its
@@ -75,7 +76,7 @@ def paged_decode_kernel(
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
                       stride_bt, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
                       GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE,
-                      k_scale_ptr, v_scale_ptr, KV_FP8, KV_SCALE_PER_HEAD)
+                      k_scale_ptr, v_scale_ptr, KV_FP8, KV_SCALE_PER_HEAD, F16_DOT)
 
 
 @triton.jit
@@ -123,10 +124,13 @@ def _decode_split(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr, k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr, KV_SCALE_PER_HEAD: tl.constexpr,
+    F16_DOT: tl.constexpr,
 ):
     """Positions [start, end) of one sequence for the query heads of one KV head: the output
     itself when the sequence has one split (active), else this split's part for the reduce.
-    KV_SCALE_PER_HEAD: the fp8 scales are [num_kv_heads] and this program reads its head's."""
+    KV_SCALE_PER_HEAD: the fp8 scales are [num_kv_heads] and this program reads its head's.
+    F16_DOT (fp8 only, not with IEEE): q becomes fp16, so attend_tiles casts the e4m3 tiles to
+    fp16, the cast the hardware does in one packed instruction, and the dots run in fp16."""
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -142,6 +146,11 @@ def _decode_split(
         q = q.to(tl.float32)
     elif not KV_FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
+    elif F16_DOT:
+        # Every e4m3 value is exact in fp16, and a bf16 q loses nothing in fp16's normal range
+        # (|q| in [2^-14, 65504]: fp16 has more mantissa bits). Beyond it q saturates rather than
+        # becoming inf (and the scores NaN): only a degenerate query reaches that far.
+        q = tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
     if KV_FP8:
         if KV_SCALE_PER_HEAD:
             qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)

@@ -8,6 +8,7 @@ come only from host values in `meta`, so nothing here syncs the device.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -38,6 +39,17 @@ DECODE_NUM_STAGES = 3
 # axis), nolpt (rows in row order), bnN (N-position tiles), wN (warps), sN (pipeline stages).
 # E.g. PAGEDSERVE_DECODE_LAUNCH=rows+nolpt+bn64 is the launch before 925e530.
 DECODE_LAUNCH_ENV = "PAGEDSERVE_DECODE_LAUNCH"
+# An FP8 (e4m3) KV cache's decode has a launch of its own: its tiles move half the bytes of a bf16
+# tile, and on the H200 at 52fbedc (fp8_kv_scales.py, 64 x 4096, Llama-3.1-8B attention) the bf16
+# launch took 0.282 ms over an fp8 cache against ~0.25 ms over bf16's twice the bytes. These are
+# its changes to the launch above (decode_launch_settings(), the switch included), in the
+# switch's names plus f16: the dot in fp16, q cast to fp16 (saturated to +-65504) and the tiles
+# cast e4m3 -> fp16 (one packed cvt on sm_89+; e4m3 -> bf16 is that cvt and a cvt per element
+# after), instead of the tiles cast to q's dtype. "" keeps the bf16 launch. The flip after the
+# sweep (benchmarks/kernels/fp8_decode_sweep.py) is this one string, e.g. "bn256+f16".
+DECODE_FP8_LAUNCH = ""
+# Replaces DECODE_FP8_LAUNCH without a code change (read once per process); "base": the bf16 launch.
+DECODE_FP8_LAUNCH_ENV = "PAGEDSERVE_DECODE_LAUNCH_FP8"
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 MAX_SPLITS = 64
@@ -76,10 +88,13 @@ class DecodeLaunch:
     num_stages: int = DECODE_NUM_STAGES
     heads_fastest: bool = True
     longest_first: bool = True
+    f16_dot: bool = False  # fp8 caches only: tiles cast to fp16 and q to fp16 (DECODE_FP8_LAUNCH)
 
 
-def parse_decode_launch(text: str) -> DecodeLaunch:
-    """'base' or '' (the defaults), or '+'-joined changes to them (see DECODE_LAUNCH_ENV)."""
+def parse_decode_launch(text: str, base: DecodeLaunch | None = None, fp8: bool = False) -> DecodeLaunch:
+    """'base' or '' (base, default DecodeLaunch()), or '+'-joined changes to it (see DECODE_LAUNCH_ENV);
+    fp8: an fp8 cache's launch (DECODE_FP8_LAUNCH_ENV), which may also name f16."""
+    env = DECODE_FP8_LAUNCH_ENV if fp8 else DECODE_LAUNCH_ENV
     kw: dict = {}
     for part in filter(None, text.strip().split("+")):
         number = part.lstrip("bnws")
@@ -89,14 +104,16 @@ def parse_decode_launch(text: str) -> DecodeLaunch:
             kw["heads_fastest"] = False
         elif part == "nolpt":
             kw["longest_first"] = False
+        elif part == "f16" and fp8:
+            kw["f16_dot"] = True
         elif number.isdigit() and part[:-len(number)] in ("bn", "w", "s") and int(number) > 0:
             kw[{"bn": "block_n", "w": "num_warps", "s": "num_stages"}[part[:-len(number)]]] = int(number)
         else:
-            raise ValueError(f"{DECODE_LAUNCH_ENV} parts are rows, nolpt, bnN, wN, sN joined by '+', "
-                             f"got {part!r} in {text!r}")
-    launch = DecodeLaunch(**kw)
+            names = "rows, nolpt, bnN, wN, sN" + (", f16" if fp8 else "")
+            raise ValueError(f"{env} parts are {names} joined by '+', got {part!r} in {text!r}")
+    launch = dataclasses.replace(base or DecodeLaunch(), **kw)
     if launch.block_n < 16 or launch.block_n & (launch.block_n - 1):
-        raise ValueError(f"{DECODE_LAUNCH_ENV}: bnN must be a power of two >= 16, got {launch.block_n}")
+        raise ValueError(f"{env}: bnN must be a power of two >= 16, got {launch.block_n}")
     return launch
 
 
@@ -104,6 +121,19 @@ def parse_decode_launch(text: str) -> DecodeLaunch:
 def decode_launch_settings() -> DecodeLaunch:
     """paged_attention's decode launch: the defaults, or as DECODE_LAUNCH_ENV changes them."""
     return parse_decode_launch(os.environ.get(DECODE_LAUNCH_ENV, ""))
+
+
+@functools.lru_cache(maxsize=None)
+def fp8_decode_launch_settings() -> DecodeLaunch:
+    """An fp8 cache's decode launch: decode_launch_settings() changed by DECODE_FP8_LAUNCH, or by
+    DECODE_FP8_LAUNCH_ENV in its place."""
+    return parse_decode_launch(os.environ.get(DECODE_FP8_LAUNCH_ENV, DECODE_FP8_LAUNCH),
+                               base=decode_launch_settings(), fp8=True)
+
+
+def decode_launch_for(kv_dtype: torch.dtype | None) -> DecodeLaunch:
+    """The decode launch over a cache of kv_dtype (None: the bf16 / fp16 / fp32 one)."""
+    return fp8_decode_launch_settings() if kv_dtype == FP8_KV_DTYPE else decode_launch_settings()
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -187,16 +217,17 @@ def decode_graph_split_modes() -> list[int]:
 
 
 def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, max_seq_len: int,
-                    device: torch.device, block_n: int | None = None) -> int:
+                    device: torch.device, block_n: int | None = None, kv_dtype: torch.dtype | None = None) -> int:
     """BALANCED or 0 for a balanced launch over num_rows rows: the first len(seq_lens) hold these
     lengths, the rest are padding of length 1. BALANCED where the plan the kernels derive
     (triton_decode.split_plan, mirrored here from the same lengths) shortens the longest chain of
     tiles by more than BALANCED_MIN_GAIN_TILES, else 0: the same cuts the batch size asks for,
-    without the plan's extra programs and reduction."""
+    without the plan's extra programs and reduction. block_n: default the launch's over a cache of
+    kv_dtype (decode_launch_for)."""
     base, splits, mode = _balanced_launch(num_rows, num_kv_heads, max_seq_len, device)
     if mode != BALANCED or not len(seq_lens):
         return 0
-    block_n = decode_launch_settings().block_n if block_n is None else block_n
+    block_n = decode_launch_for(kv_dtype).block_n if block_n is None else block_n
     tiles = -(-np.asarray(seq_lens, dtype=np.int64) // block_n)
     work = (int(tiles.sum()) + num_rows - len(tiles)) * num_kv_heads
     share, min_chain = _balanced_share(device, block_n)
@@ -282,7 +313,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  split_tokens: int | None = None, share_programs: int | None = None,
                  min_chain_tiles: int | None = None, heads_fastest: bool | None = None,
                  order: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, f16_dot: bool | None = None) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
     num_splits: each sequence's base split count (default: choose_num_splits); split_tokens: the
     length-aware splits (default: decode_split_tokens(); 0: every sequence in num_splits; BALANCED);
@@ -291,12 +322,15 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     heads_fastest: the grid is (KV head, sequence, split), so a sequence's heads, whose K/V rows
     are adjacent in the pool, run side by side; else (sequence, KV head, split). order: the rows in
     the order their programs should start (longest_first), or None for row order. block_n,
-    num_warps, num_stages, heads_fastest: None takes decode_launch_settings()'s."""
-    launch = decode_launch_settings()
+    num_warps, num_stages, heads_fastest, f16_dot: None takes decode_launch_for(k_cache.dtype)'s.
+    f16_dot (an fp8 cache read by fp16/bf16 queries; else ignored): the tiles become fp16 and q is
+    cast to fp16, saturated to +-65504, so the dots run in fp16 (fp32 accumulation either way)."""
+    launch = decode_launch_for(k_cache.dtype)
     block_n = launch.block_n if block_n is None else block_n
     num_warps = launch.num_warps if num_warps is None else num_warps
     num_stages = launch.num_stages if num_stages is None else num_stages
     heads_fastest = launch.heads_fastest if heads_fastest is None else heads_fastest
+    f16_dot = launch.f16_dot if f16_dot is None else f16_dot
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -307,10 +341,12 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     share_programs = default_share if share_programs is None else share_programs
     min_chain_tiles = default_min_chain if min_chain_tiles is None else min_chain_tiles
     plan = dict(SPLIT_TOKENS=mode, SHARE_PROGRAMS=share_programs, MIN_CHAIN_TILES=min_chain_tiles)
+    # Only when on, so that the default launch stays the compiled variant it was before the switch.
+    cast = dict(F16_DOT=True) if f16_dot and _fp8(k_cache) and not ieee else {}
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
                   IEEE=ieee, num_warps=num_warps, num_stages=num_stages, HEADS_FASTEST=heads_fastest,
-                  order_ptr=order, **plan, **_scales(k_cache, k_scale, v_scale))
+                  order_ptr=order, **plan, **cast, **_scales(k_cache, k_scale, v_scale))
     grid = (num_kv_heads, num_seqs, splits) if heads_fastest else (num_seqs, num_kv_heads, splits)
     if splits == 1:
         # No reduction: the split buffers are never written, but they are float32 pointers here
@@ -391,7 +427,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_lens_cpu = meta.seq_lens_cpu
     if nd > 0:
         max_len = max(seq_lens_cpu[:nd]) if seq_lens_cpu is not None else meta.max_seq_len
-        if meta.decode_order is None and decode_launch_settings().longest_first:
+        if meta.decode_order is None and decode_launch_for(k_cache.dtype).longest_first:
             meta.decode_order = longest_first(meta.seq_lens[:nd])  # once per step: later layers reuse it
         # Outside a decode graph the grid follows the step's longest sequence and the switch's mode
         # applies as it is (its compiles are the warm-up's decode_compile_key).

@@ -26,8 +26,8 @@ def attend_tiles(
     EMPTY_ROWS: tl.constexpr = False,
 ):
     """Context positions [lo, hi) for query rows q ([rows, BLOCK_D], already in the dot's dtype:
-    fp32 when IEEE, else the cache's, or the query's own for an fp8 cache) at positions q_pos
-    (read only when MASK is CAUSAL). KV_FP8: the tiles are e4m3 and are cast to q's dtype here,
+    fp32 when IEEE, else the cache's, or for an fp8 cache the query's own or fp16 (the decode's
+    F16_DOT)) at positions q_pos (read only when MASK is CAUSAL). KV_FP8: the tiles are e4m3 and are cast to q's dtype here,
     in registers; their scales are the caller's (folded into qk_scale and the output).
     EMPTY_ROWS: a row may see no position of a tile, nor of any before it (a KV split that
     starts after the row's position): its maximum stays -inf and must not make NaNs."""

@@ -35,7 +35,8 @@ RESULT_KEYS = ("benchmark", "device", "commit", "date", "command", "switches", "
 # Environment switches that change which kernels run (layers/fused.py, attention/backend.py).
 ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_FUSED_SAMPLING", "PAGEDSERVE_FUSED_MOE", "PAGEDSERVE_ATTENTION",
                 "PAGEDSERVE_INCREMENTAL_INPUTS", "PAGEDSERVE_TP_ALLREDUCE", "PAGEDSERVE_STEP_TRACE",
-                "PAGEDSERVE_DECODE_SPLIT_TOKENS", "PAGEDSERVE_DECODE_LAUNCH", "PAGEDSERVE_SHORT_PREFILL_GRAPHS",
+                "PAGEDSERVE_DECODE_SPLIT_TOKENS", "PAGEDSERVE_DECODE_LAUNCH", "PAGEDSERVE_DECODE_LAUNCH_FP8",
+                "PAGEDSERVE_SHORT_PREFILL_GRAPHS",
                 "PAGEDSERVE_FP8_QUANT", "PAGEDSERVE_FP8_FUSE", "PAGEDSERVE_FP8_GEMM",
                 "PAGEDSERVE_GRAMMAR_FILL")
 # EngineConfig fields that switch engine behaviour, and the batch limits (their defaults follow the

@@ -105,6 +105,8 @@ class DecodeCUDAGraphs:
         self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
         mode = self.split_modes[0]
         if len(self.split_modes) > 1 and meta.seq_lens_cpu is not None:
-            mode = self.pick_split_mode(meta.seq_lens_cpu, g, self.num_kv_heads, self.max_model_len, self.device)
+            # The tiles are counted as the launch over this cache walks them (an fp8 cache has its own).
+            mode = self.pick_split_mode(meta.seq_lens_cpu, g, self.num_kv_heads, self.max_model_len, self.device,
+                                        kv_dtype=self.kv_caches[0][0].dtype)
         self.graphs[g, mode].replay()
         return self.outputs[g, mode][:b]

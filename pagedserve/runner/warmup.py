@@ -26,6 +26,9 @@ match):
 FP8 KV scales: every forward and _attention_variants pass the layers' own k_scale / v_scale,
 whose shape ([1] or [num_kv_heads]) loading and calculate_kv_scales settle before the warm-up,
 so it compiles the per-tensor or the per-head kernels (KV_SCALE_PER_HEAD), whichever serving runs.
+An fp8 pool's decode launch (triton_ops.decode_launch_for: its BLOCK_N, warps, stages, the f16 cast)
+is chosen inside paged_attention from the pool's dtype, once per process, so the same steps compile
+the launch serving runs, whichever DECODE_FP8_LAUNCH or its switch selects.
 
 Invariant: afterwards the engine is as if nothing had run. The runner holds no scheduler, KV
 manager, prefix cache or stats, so those are untouched by construction; the device pool is

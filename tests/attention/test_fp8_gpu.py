@@ -1,6 +1,7 @@
 """FP8 on the GPU (skipped without CUDA; the H200 run records them): torch._scaled_mm against the
 dequantized product, the FP8 KV kernels at Llama-3.1-8B attention sizes (per-tensor and per-KV-head
-scales) against attention over dequantized K/V, and the demo model end to end, bf16 against FP8 weights and KV."""
+scales; the fp8 decode's launch variants, in a CUDA graph too) against attention over dequantized K/V,
+and the demo model end to end, bf16 against FP8 weights and KV."""
 import math
 from pathlib import Path
 
@@ -73,6 +74,74 @@ def test_fp8_per_head_kv_kernels_at_llama_sizes():
     out = ops.unified_paged_attention(batch.query, kc, vc, replace(batch.meta, unified_work=None), 128 ** -0.5,
                                       k_scale=ks, v_scale=vs)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+# The fp8 decode launch variants benchmarks/kernels/fp8_decode_sweep.py times (DECODE_FP8_LAUNCH's names).
+FP8_DECODE_VARIANTS = ["base", "f16", "bn256", "bn256+f16", "bn256+w8", "bn256+w8+f16", "bn256+w8+s2+f16",
+                       "bn64+s4+f16"]
+
+
+def _fp8_decodes(seed):
+    """Five decodes at Llama-3.1-8B attention sizes (one of 4096 positions), per-KV-head scales 100x
+    apart, bf16 queries; and the reference over K/V dequantized with each head's scale."""
+    shapes = [(300, 1), (1500, 1), (0, 1), (2000, 1), (4095, 1)]
+    batch = make_batch(shapes, 5, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, device="cuda", seed=seed)
+    ks = torch.logspace(-3, -1, 8, device="cuda")
+    vs = ks.flip(0) * 0.8
+    kc, vc = quantize_kv(batch.k_cache, ks), quantize_kv(batch.v_cache, vs)
+    from pagedserve.attention import triton_ops as ops
+    ops.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping, ks, vs)
+    ref = reference.paged_attention(batch.query, kc.float() * ks[:, None], vc.float() * vs[:, None], batch.meta,
+                                    128 ** -0.5)
+    return batch, kc, vc, ks, vs, ref
+
+
+@pytest.mark.parametrize("variant", FP8_DECODE_VARIANTS)
+def test_fp8_decode_launch_variants_at_llama_sizes(variant):
+    """Each fp8 decode launch (BLOCK_N, warps, stages, the f16 cast) against attention over the
+    dequantized K/V, one split, four, and the default's, programs longest first."""
+    from triton.runtime.errors import OutOfResources
+    from pagedserve.attention import triton_ops as ops
+    launch = ops.parse_decode_launch(variant, fp8=True)
+    batch, kc, vc, ks, vs, ref = _fp8_decodes(seed=7)
+    m = batch.meta
+    for splits in (None, 1, 4):
+        out = torch.empty_like(batch.query)
+        try:
+            ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, m.max_seq_len, 128 ** -0.5, out,
+                             num_splits=splits, block_n=launch.block_n, num_warps=launch.num_warps,
+                             num_stages=launch.num_stages, f16_dot=launch.f16_dot,
+                             order=ops.longest_first(m.seq_lens), k_scale=ks, v_scale=vs)
+        except OutOfResources as e:  # a launch this GPU cannot take can never be the default: say so
+            pytest.skip(f"{variant} does not fit this GPU: {e}")
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_fp8_decode_launch_in_a_cuda_graph(monkeypatch):
+    """paged_attention with an fp8 launch of its own (BLOCK_N 256, 8 warps, 2 stages, the f16 cast) captured
+    as a decode graph captures it (balanced split mode), replayed on new queries and lengths."""
+    from dataclasses import replace
+    from pagedserve.attention import triton_ops as ops
+    monkeypatch.setattr(ops, "fp8_decode_launch_settings",
+                        lambda: ops.parse_decode_launch("bn256+w8+s2+f16", fp8=True))
+    batch, kc, vc, ks, vs, _ = _fp8_decodes(seed=8)
+    q = batch.query.clone()
+    seq_lens = batch.meta.seq_lens.clone()
+    meta = lambda: replace(batch.meta, seq_lens=seq_lens, seq_lens_cpu=None,  # noqa: E731
+                           decode_split_tokens=ops.BALANCED, decode_order=None)
+    ops.paged_attention(q, kc, vc, meta(), 128 ** -0.5, k_scale=ks, v_scale=vs)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ops.paged_attention(q, kc, vc, meta(), 128 ** -0.5, k_scale=ks, v_scale=vs)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for shorter in (0, 700):
+        q.copy_(torch.randn(q.shape, device="cuda", generator=gen, dtype=torch.float32).to(q.dtype))
+        seq_lens.copy_((batch.meta.seq_lens - shorter).clamp(min=1))
+        graph.replay()
+        want_meta = replace(batch.meta, seq_lens=seq_lens.clone(), seq_lens_cpu=seq_lens.tolist())
+        ref = reference.paged_attention(q, kc.float() * ks[:, None], vc.float() * vs[:, None], want_meta, 128 ** -0.5)
+        torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
 def _perplexity(llm_kwargs) -> float:

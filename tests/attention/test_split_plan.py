@@ -132,3 +132,55 @@ def test_pick_counts_the_switch_tiles(monkeypatch):
     assert ops.pick_split_mode(lens, 64, 8, 4096, cpu, block_n=256) == 0
     monkeypatch.setattr(ops, "decode_launch_settings", lambda: ops.DecodeLaunch(block_n=256))
     assert ops.pick_split_mode(lens, 64, 8, 4096, cpu) == 0
+
+
+def _fresh_launches():
+    ops.decode_launch_settings.cache_clear()
+    ops.fp8_decode_launch_settings.cache_clear()
+
+
+@pytest.mark.parametrize("bf16_env, fp8_env, constant, want", [
+    # no switch: today's constant, on top of the bf16 launch
+    (None, None, "", ops.DecodeLaunch()),
+    (None, None, "bn256+f16", ops.DecodeLaunch(block_n=256, f16_dot=True)),
+    # the fp8 switch replaces the constant; "base" is the bf16 launch itself
+    (None, "base", "bn256+f16", ops.DecodeLaunch()),
+    (None, "bn256+w8+s2+f16", "", ops.DecodeLaunch(block_n=256, num_warps=8, num_stages=2, f16_dot=True)),
+    # the bf16 switch reaches fp8 caches too, under their own changes
+    ("rows+w8", "bn256", "", ops.DecodeLaunch(block_n=256, num_warps=8, heads_fastest=False)),
+])
+def test_fp8_decode_launch_switch(monkeypatch, bf16_env, fp8_env, constant, want):
+    for name, value in ((ops.DECODE_LAUNCH_ENV, bf16_env), (ops.DECODE_FP8_LAUNCH_ENV, fp8_env)):
+        if value is None:
+            monkeypatch.delenv(name, raising=False)
+        else:
+            monkeypatch.setenv(name, value)
+    monkeypatch.setattr(ops, "DECODE_FP8_LAUNCH", constant)
+    _fresh_launches()
+    try:
+        assert ops.decode_launch_for(torch.float8_e4m3fn) == want
+        # bf16 / fp16 / fp32 caches keep their own launch, which never casts to f16
+        bf16 = ops.parse_decode_launch(bf16_env or "")
+        for dtype in (torch.bfloat16, torch.float16, torch.float32, None):
+            assert ops.decode_launch_for(dtype) == bf16
+    finally:
+        _fresh_launches()
+
+
+def test_f16_is_an_fp8_launch_name_only():
+    with pytest.raises(ValueError, match=ops.DECODE_LAUNCH_ENV):
+        ops.parse_decode_launch("f16")
+    with pytest.raises(ValueError, match=ops.DECODE_FP8_LAUNCH_ENV):
+        ops.parse_decode_launch("bn256+fp16", fp8=True)
+    with pytest.raises(ValueError, match=ops.DECODE_FP8_LAUNCH_ENV):
+        ops.parse_decode_launch("bn96", fp8=True)
+    assert ops.parse_decode_launch(ops.DECODE_FP8_LAUNCH, fp8=True).block_n >= 16  # the constant parses
+
+
+def test_pick_counts_the_fp8_launch_tiles(monkeypatch):
+    """A decode graph over an fp8 cache picks its split mode with the fp8 launch's tiles."""
+    lens, cpu = [900] + [200] * 63, torch.device("cpu")
+    monkeypatch.setattr(ops, "decode_launch_settings", lambda: ops.DecodeLaunch(block_n=64))
+    monkeypatch.setattr(ops, "fp8_decode_launch_settings", lambda: ops.DecodeLaunch(block_n=256))
+    assert ops.pick_split_mode(lens, 64, 8, 4096, cpu, kv_dtype=torch.bfloat16) == ops.BALANCED
+    assert ops.pick_split_mode(lens, 64, 8, 4096, cpu, kv_dtype=torch.float8_e4m3fn) == 0

@@ -76,7 +76,7 @@ def test_balanced_split_graphs_both_match_hf(tiny_model_dir, monkeypatch):
         (13, 16, triton_ops.BALANCED)
     picked = []
 
-    def alternate(*args):
+    def alternate(*args, **kwargs):
         picked.append(triton_ops.BALANCED if len(picked) % 2 else 0)
         return picked[-1]
     graphs.pick_split_mode = alternate

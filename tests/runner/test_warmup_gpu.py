@@ -76,7 +76,6 @@ def _workload(vocab: int, max_len: int) -> tuple[list[dict], list[SamplingParams
                          + [("llama", False, True, "piecewise", "auto"), ("llama", True, False, "piecewise", "triton")])
 def test_no_compile_or_capture_after_start(tiny_model_dir, monkeypatch, arch, enforce_eager, async_scheduling,
                                            cudagraph_mode, fp8_gemm):
-    model_dir = tiny_model_dir(arch)
     quant = {}
     if fp8_gemm:
         from pagedserve.layers.quant import fp8_ops
@@ -84,10 +83,35 @@ def test_no_compile_or_capture_after_start(tiny_model_dir, monkeypatch, arch, en
             pytest.skip("needs a GPU with FP8")
         monkeypatch.setattr(fp8_ops, "_GEMM_MODE", fp8_gemm)
         quant = {"quantization": "fp8"}
-    llm = make_llm(model_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager, **quant,
+    _check_no_compile_or_capture(tiny_model_dir, monkeypatch, arch, enforce_eager, async_scheduling, cudagraph_mode,
+                                 **quant)
+
+
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_no_compile_after_start_with_an_fp8_decode_launch(tiny_model_dir, monkeypatch, enforce_eager):
+    """An FP8 KV cache whose decode launch differs from the bf16 one (BLOCK_N, warps, the f16 cast:
+    PAGEDSERVE_DECODE_LAUNCH_FP8, as an A/B or a flipped DECODE_FP8_LAUNCH would): the warm-up
+    and the graphs compile that launch, and serving meets nothing else."""
+    from pagedserve.attention import triton_ops
+    monkeypatch.setenv(triton_ops.DECODE_FP8_LAUNCH_ENV, "bn256+w8+s2+f16")
+    triton_ops.fp8_decode_launch_settings.cache_clear()
+    try:
+        assert triton_ops.decode_launch_for(torch.float8_e4m3fn) != triton_ops.decode_launch_for(torch.bfloat16)
+        runner = _check_no_compile_or_capture(tiny_model_dir, monkeypatch, "llama", enforce_eager, True, "piecewise",
+                                              kv_cache_dtype="fp8")
+        assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
+    finally:
+        triton_ops.fp8_decode_launch_settings.cache_clear()
+
+
+def _check_no_compile_or_capture(tiny_model_dir, monkeypatch, arch, enforce_eager, async_scheduling,
+                                 cudagraph_mode, **llm_kw):
+    """Builds the engine, runs the workload, and returns its runner."""
+    model_dir = tiny_model_dir(arch)
+    llm = make_llm(model_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
                    async_scheduling=async_scheduling, block_size=16, num_gpu_blocks_override=34,
                    max_num_seqs=32, max_num_batched_tokens=128, enable_prefix_caching=True,
-                   preemption_mode="swap", swap_space=0.05, cudagraph_mode=cudagraph_mode)
+                   preemption_mode="swap", swap_space=0.05, cudagraph_mode=cudagraph_mode, **llm_kw)
     runner = llm.llm_engine.runner
     assert "warmup_seconds" in runner.profile
     graphs_before = sorted(runner.graphs.graphs) if runner.graphs is not None else []
@@ -117,3 +141,4 @@ def test_no_compile_or_capture_after_start(tiny_model_dir, monkeypatch, arch, en
     assert not captures
     assert (sorted(runner.graphs.graphs) if runner.graphs is not None else []) == graphs_before
     assert (sorted(runner.full_graphs.graphs) if runner.full_graphs is not None else []) == full_before
+    return runner
