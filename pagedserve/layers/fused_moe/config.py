@@ -11,11 +11,12 @@ while experts get few rows each, larger ones beyond.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from pathlib import Path
 
 import torch
+
+from pagedserve.layers.tuned_tables import device_name, read_table
 
 logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).with_name("configs")
@@ -25,37 +26,15 @@ _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.floa
                 torch.float8_e4m3fn: "fp8_w8a8"}
 
 
-def device_name(device: torch.device) -> str:
-    """"NVIDIA_H200" and the like (spaces and dashes to underscores); "cpu" off CUDA."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return "cpu"
-    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _cuda_name(index: int) -> str:
-    return torch.cuda.get_device_name(index).replace(" ", "_").replace("-", "_")
-
-
 def config_file_name(num_experts: int, hidden: int, intermediate: int, dtype: torch.dtype, device: str) -> str:
     return f"E={num_experts},H={hidden},I={intermediate},dtype={_DTYPE_NAMES[dtype]},device={device}.json"
 
 
 @functools.lru_cache(maxsize=None)
 def load_table(name: str) -> dict[int, dict] | None:
-    path = CONFIG_DIR / name
-    if not path.is_file():
-        return None
-    with open(path) as f:
-        raw = json.load(f)
-    table = {}
-    for tokens, cfg in raw.items():
-        missing = [k for k in KEYS if k not in cfg]
-        if missing:
-            raise ValueError(f"{path}: entry {tokens!r} lacks {missing}")
-        table[int(tokens)] = {k: int(cfg[k]) for k in KEYS}
-    logger.info("fused MoE block sizes from %s (%d token counts)", path.name, len(table))
+    table = read_table(CONFIG_DIR / name, KEYS)
+    if table is not None:
+        logger.info("fused MoE block sizes from %s (%d token counts)", name, len(table))
     return table
 
 

@@ -17,13 +17,12 @@ that serving will meet: warmup_token_counts lists one m per bucket.
 from __future__ import annotations
 
 import functools
-import json
 import logging
 from pathlib import Path
 
 import torch
 
-from pagedserve.layers.fused_moe.config import device_name
+from pagedserve.layers.tuned_tables import device_name, read_table
 
 logger = logging.getLogger(__name__)
 CONFIG_DIR = Path(__file__).with_name("configs")
@@ -42,19 +41,9 @@ def config_file_name(n: int, k: int, device: str) -> str:
 @functools.lru_cache(maxsize=None)
 def load_table(name: str) -> dict[int, dict] | None:
     """bucket -> entry (KEYS as ints, plus the timings where present); None without a file."""
-    path = CONFIG_DIR / name
-    if not path.is_file():
-        return None
-    with open(path) as f:
-        raw = json.load(f)
-    table = {}
-    for bucket, entry in raw.items():
-        missing = [k for k in KEYS if k not in entry]
-        if missing:
-            raise ValueError(f"{path}: entry {bucket!r} lacks {missing}")
-        table[int(bucket)] = {**{k: int(entry[k]) for k in KEYS},
-                              **{k: float(entry[k]) for k in ("triton_us", "cublas_us") if k in entry}}
-    logger.info("FP8 GEMM block sizes from %s (%d buckets)", path.name, len(table))
+    table = read_table(CONFIG_DIR / name, KEYS, ("triton_us", "cublas_us"))
+    if table is not None:
+        logger.info("FP8 GEMM block sizes from %s (%d buckets)", name, len(table))
     return table
 
 
