@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 VOCAB_DRAW = 10000
 
@@ -60,16 +60,23 @@ def _draw_len(rng: random.Random, dist: tuple, cap: int) -> int:
 
 def make_workload(name: str, num_requests: int | None = None, request_rate: float | None = None,
                   seed: int = 0, vocab_size: int | None = None,
-                  max_total_len: int | None = None) -> list[WorkloadRequest]:
+                  max_total_len: int | None = None,
+                  shared_prefix_len: int | None = None) -> list[WorkloadRequest]:
     """Requests of a named workload; request_rate (req/s) gives Poisson arrival times.
 
     For a model smaller than the workload assumes, vocab_size (ids drawn from
     [0, min(10000, vocab_size))) and max_total_len (prompt + output never above it; the
-    workload's own cap when larger) fit it. Left at None, the draw is docs/benchmarks.md's exactly.
+    workload's own cap when larger) fit it. shared_prefix_len replaces the workload's shared
+    prefix length (a shorter system prompt for a smaller run). Left at None, the draw is
+    docs/benchmarks.md's exactly.
     """
     if name not in WORKLOADS:
         raise ValueError(f"workload must be one of {sorted(WORKLOADS)}, got {name!r}")
     spec = WORKLOADS[name]
+    if shared_prefix_len is not None:
+        if shared_prefix_len < 0:
+            raise ValueError(f"shared_prefix_len must be >= 0, got {shared_prefix_len}")
+        spec = replace(spec, shared_prefix_len=shared_prefix_len)
     n = spec.num_requests if num_requests is None else num_requests
     if n < 1:
         raise ValueError(f"num_requests must be >= 1, got {n}")

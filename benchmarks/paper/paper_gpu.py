@@ -78,10 +78,11 @@ def params(r) -> SamplingParams:
     return SamplingParams(temperature=0.6, max_tokens=out_len(r), ignore_eos=True)
 
 
-def workload(eng: LLMEngine, name: str, n: int | None = None, rate: float | None = None) -> list:
+def workload(eng: LLMEngine, name: str, n: int | None = None, rate: float | None = None,
+             shared_prefix_len: int | None = None) -> list:
     """docs/benchmarks.md's workload; token ids folded into the vocabulary (a no-op for the real configs,
     whose vocabularies exceed the 10,000 ids drawn, but not for the smoke test's tiny model)."""
-    reqs = make_workload(name, n, request_rate=rate)
+    reqs = make_workload(name, n, request_rate=rate, shared_prefix_len=shared_prefix_len)
     for r in reqs:
         r.prompt_token_ids = [t % eng.vocab_size for t in r.prompt_token_ids]
     return reqs
@@ -268,7 +269,7 @@ def block_size_docs(cfg: dict, svr_tokens: int, rows: dict, svr: dict) -> dict:
 def shared_prefix(args, save) -> dict:
     """The seed's scenario: 100 users, one long system prompt; prefix caching off, then on."""
     eng = make_engine(args.sp_model, max_model_len=8192)
-    reqs_all = workload(eng, "shared-prefix", args.sp_users, rate=args.sp_rate)
+    reqs_all = workload(eng, "shared-prefix", args.sp_users, rate=args.sp_rate, shared_prefix_len=args.sp_prefix_len)
     # Warm-up (caching on, the default) on prompts of the same shapes with another shared prefix, so
     # the prefix-hit kernel variants compile here; the fresh schedulers below start with empty caches.
     warm_up(eng, [type(r)([(t + 1) % eng.vocab_size for t in r.prompt_token_ids], r.output_len, r.arrival_time)
@@ -287,7 +288,9 @@ def shared_prefix(args, save) -> dict:
         print("shared_prefix", caching, json.dumps(s), flush=True)
     c, u = out["cached"], out["uncached"]
     return {"config": {"model": args.sp_model, "workload": "shared-prefix", "users": len(reqs_all),
-                       "request_rate": args.sp_rate, "prefix_len": WORKLOADS["shared-prefix"].shared_prefix_len},
+                       "request_rate": args.sp_rate,
+                       "prefix_len": WORKLOADS["shared-prefix"].shared_prefix_len if args.sp_prefix_len is None
+                       else args.sp_prefix_len},
             "results": out,
             "ratios": {"kv_blocks_saved_fraction": round(1 - c["peak_blocks_used"] / u["peak_blocks_used"], 3),
                        "ttft_speedup_cached": round(u["mean_ttft_s"] / c["mean_ttft_s"], 2)}}
@@ -367,6 +370,8 @@ def main(argv=None) -> None:
     ap.add_argument("--sp-model", default="llama-3.1-8b")
     ap.add_argument("--sp-users", type=int, default=None)
     ap.add_argument("--sp-rate", type=float, default=20.0)
+    ap.add_argument("--sp-prefix-len", type=int, default=None,
+                    help="tokens of the users' shared system prompt (default: the workload's 5,000)")
     ap.add_argument("--mem-requests", type=int, default=1000)
     ap.add_argument("--mem-steps", type=int, default=400)
     args = ap.parse_args(argv)

@@ -13,7 +13,7 @@ import hashlib
 from array import array
 from typing import Iterable, Sequence as Seq
 
-from pagedserve.core.free_queue import FreeKVCacheBlockQueue, KVCacheBlock
+from pagedserve.core.free_queue import FreeKVCacheBlockQueue, KVCacheBlock, PoolBlocks
 
 # Each block's state as one ASCII letter (the dashboard's snapshot, core/kv_state.py): free, used
 # (ref_cnt 1), shared (ref_cnt > 1), cached (free, hash registered). BlockPool.codes is kept up to
@@ -41,8 +41,8 @@ class BlockPool:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVCacheBlock(i) for i in range(num_blocks)]
-        self.free_block_queue = FreeKVCacheBlockQueue(self.blocks)
+        self.free_block_queue = FreeKVCacheBlockQueue.fresh(num_blocks)
+        self.blocks = PoolBlocks(self.free_block_queue)  # by id; each made when first reached
         self.cached_block_hash_to_block: dict[bytes, KVCacheBlock] = {}
         self.num_cached_free = 0  # free blocks that still hold a registered hash
         self.codes = bytearray([FREE]) * num_blocks  # by block id, see FREE..CACHED
@@ -138,7 +138,7 @@ class BlockPool:
         """Forget every cached-free block's content; False if some block is still owned."""
         if self.get_num_used_blocks() != 0:
             return False
-        for block in self.blocks:
+        for block in self.blocks.made():  # a block never made never held a hash
             block.block_hash = None
         self.cached_block_hash_to_block.clear()
         self.num_cached_free = 0

@@ -308,6 +308,9 @@ def run_engine_core(config: EngineConfig | None, input_address: str, output_addr
         if not isinstance(e, ValueError):
             logger.error("engine core failed to start: %s", traceback.format_exc())
         out.send(codec.encode(StartupFailed(f"{type(e).__name__}: {e}")))
+        # term() waits for every socket to close: an open input socket would hold this process
+        # until the API server gave up on it (its 10 s shutdown wait, then SIGTERM).
+        inp.close(linger=0)
         out.close(linger=2000)
         ctx.term()
         return 1

@@ -39,14 +39,17 @@ logger = logging.getLogger("pagedserve.dp")
 
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket that other processes may bind to the same address too."""
+    """A listening TCP socket that other processes may bind to the same address too.
+
+    Not inheritable (Python's default): each process binds its own. A child that inherited a
+    listener would keep it in the SO_REUSEPORT group after its owner died, and the kernel would
+    go on queueing connections on it that nobody accepts."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     sock.listen(2048)
-    sock.set_inheritable(True)
     return sock
 
 

@@ -62,3 +62,16 @@ def test_workload_fits_a_small_model_and_is_unchanged_for_a_large_one():
     assert max(t for r in warm for t in r.prompt_token_ids) < demo.vocab_size
     big = load_hf_config(default_model("nanovllm"))
     assert fitted_workload("sharegpt-like", 50, big, 4096) == make_workload("sharegpt-like", 50)
+
+
+def test_shared_prefix_len_replaces_the_workloads_system_prompt():
+    """A smaller run's shorter system prompt: every request starts with the same prefix of that
+    length; left at None the draw is the documented one."""
+    reqs = make_workload("shared-prefix", 4, shared_prefix_len=300)
+    prefix = reqs[0].prompt_token_ids[:300]
+    assert all(r.prompt_token_ids[:300] == prefix for r in reqs)
+    assert len({r.prompt_token_ids[300] for r in reqs}) > 1  # the user parts differ right after it
+    assert make_workload("shared-prefix", 4, shared_prefix_len=None) == make_workload("shared-prefix", 4)
+    assert len(set(tuple(r.prompt_token_ids[:5000]) for r in make_workload("shared-prefix", 4))) == 1
+    with pytest.raises(ValueError, match="shared_prefix_len"):
+        make_workload("shared-prefix", 4, shared_prefix_len=-1)

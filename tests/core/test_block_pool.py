@@ -73,3 +73,50 @@ def test_caching_disabled_never_registers():
     pool = BlockPool(2, enable_caching=False)
     (b,) = pool.get_new_blocks(1)
     assert not pool.cache_full_block(b, b"x") and pool.get_cached_block(b"x") is None
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_fresh_queue_makes_blocks_late_in_the_same_order(seed, monkeypatch):
+    """A fresh queue (blocks made when first reached, 3 at a time here) hands out and orders blocks
+    exactly as a queue of all blocks made up front, under any mix of operations."""
+    import random
+
+    from pagedserve.core import free_queue
+    monkeypatch.setattr(free_queue, "MAKE_CHUNK", 3)
+    n = 40
+    ref_blocks = [KVCacheBlock(i) for i in range(n)]
+    ref = FreeKVCacheBlockQueue(ref_blocks)
+    lazy = FreeKVCacheBlockQueue.fresh(n)
+    rng = random.Random(seed)
+    out: list[int] = []  # ids handed out, not yet back
+    for _ in range(300):
+        op = rng.choice(["pop", "pop", "append", "appendleft", "remove", "peek"])
+        if op == "pop" and len(ref):
+            a, b = ref.popleft(), lazy.popleft()
+            assert a.block_id == b.block_id
+            out.append(a.block_id)
+        elif op in ("append", "appendleft") and out:
+            i = out.pop(rng.randrange(len(out)))
+            getattr(ref, op)(ref_blocks[i])
+            getattr(lazy, op)(lazy.block(i))
+        elif op == "remove" and len(ref):
+            # a free block revived from the middle (a prefix hit): one made already or not
+            i = rng.choice([b.block_id for b in ref])
+            ref.remove(ref_blocks[i])
+            lazy.remove(lazy.block(i))
+            out.append(i)
+        elif op == "peek":
+            lazy.block(rng.randrange(n))  # making a block must not move it
+        assert len(lazy) == len(ref)
+    assert lazy.block_ids() == ref.block_ids()
+
+
+def test_a_large_pool_makes_only_the_blocks_it_reaches():
+    pool = BlockPool(1 << 20, enable_caching=False)
+    got = pool.get_new_blocks(5)
+    assert [b.block_id for b in got] == [0, 1, 2, 3, 4]
+    assert len(pool.blocks.made()) < 1000 and len(pool.blocks) == 1 << 20
+    assert pool.get_num_free_blocks() == (1 << 20) - 5
+    pool.free_blocks(reversed(got))
+    assert pool.blocks[-1].block_id == (1 << 20) - 1 and pool.blocks[-1].ref_cnt == 0
+    assert pool.get_num_free_blocks() == 1 << 20

@@ -42,11 +42,31 @@ def _relay_workers(server) -> list[int]:
     return sorted(out)
 
 
-def _running(pid: int) -> bool:
-    try:
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+def _listening_socket_inodes(port: int) -> set[int]:
+    """Inodes of the TCP sockets listening on port (state 0A in /proc/net/tcp{,6})."""
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = open(table).read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:
+                out.add(int(f[9]))
+    return out
+
+
+def _socket_inodes(pid: int) -> set[int]:
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            out.add(int(link[len("socket:["):-1]))
+    return out
 
 
 def _replica_urls(server) -> list[str]:
@@ -112,12 +132,18 @@ def test_a_relay_worker_that_dies_is_replaced(server):
     workers = _relay_workers(server)
     argv = open(f"/proc/{workers[0]}/cmdline", "rb").read().decode().split("\0")
     name = argv[argv.index("--name") + 1]
+    port = int(server.base_url.rsplit(":", 1)[1])
+    theirs = _socket_inodes(workers[0]) & _listening_socket_inodes(port)
+    assert len(theirs) == 1, theirs
     os.kill(workers[0], signal.SIGKILL)
-    # Until the killed process has closed its listening socket (a zombie has), the kernel may
-    # still hand it a new connection, and resets what was queued there when it closes.
+    # Until the killed process's listening socket is closed, the kernel may still hand it a new
+    # connection, and resets what was queued there when it closes. Its pid turning zombie is not
+    # that moment: the leader thread is a zombie while its other threads (ZMQ's, the tokenizer's)
+    # still exit, and the last of them closes the descriptors. So wait for the socket itself.
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _running(workers[0]):
+    while time.monotonic() < deadline and theirs & _listening_socket_inodes(port):
         time.sleep(0.01)
+    assert not theirs & _listening_socket_inodes(port), "the killed worker's socket still listens after 10 s"
     # The others (and the first front end) keep serving new connections meanwhile.
     with httpx.Client(base_url=server.base_url, headers={**server.headers, **CLOSE}, timeout=120) as c:
         for i in range(10):
