@@ -31,17 +31,25 @@ def test_scaled_mm_matches_dequantized_product(M, K, N):
     torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2 * want.abs().mean().item())
 
 
-def test_fp8_kv_kernels_at_llama_sizes():
+def _written_fp8_pools(batch, ks, vs):
+    """The batch's pools quantized with (ks, vs), then its new K/V written by the Triton kernel,
+    whose bytes must equal the reference write's."""
     from pagedserve.attention import triton_ops as ops
-    shapes = [(300, 1), (1500, 1), (0, 1), (2000, 1), (0, 97), (517, 64)]
-    batch = make_batch(shapes, 4, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, device="cuda", seed=2)
-    ks, vs = torch.tensor([0.01], device="cuda"), torch.tensor([0.008], device="cuda")
     kc, vc = quantize_kv(batch.k_cache, ks), quantize_kv(batch.v_cache, vs)
     rk, rv = kc.clone(), vc.clone()
     reference.write_kv(batch.new_k, batch.new_v, rk, rv, batch.meta.slot_mapping, ks, vs)
     ops.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping, ks, vs)
     assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+    return kc, vc
+
+
+def test_fp8_kv_kernels_at_llama_sizes():
+    from pagedserve.attention import triton_ops as ops
+    shapes = [(300, 1), (1500, 1), (0, 1), (2000, 1), (0, 97), (517, 64)]
+    batch = make_batch(shapes, 4, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, device="cuda", seed=2)
+    ks, vs = torch.tensor([0.01], device="cuda"), torch.tensor([0.008], device="cuda")
+    kc, vc = _written_fp8_pools(batch, ks, vs)
     ref = reference.paged_attention(batch.query, kc.float() * ks, vc.float() * vs, batch.meta, 128 ** -0.5)
     for splits in (None, 1, 4):
         out = ops.paged_attention(batch.query, kc, vc, batch.meta, 128 ** -0.5, num_splits=splits,
@@ -59,12 +67,7 @@ def test_fp8_per_head_kv_kernels_at_llama_sizes():
     batch = make_batch(shapes, 4, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, device="cuda", seed=6)
     ks = torch.logspace(-3, -1, 8, device="cuda")
     vs = ks.flip(0) * 0.8
-    kc, vc = quantize_kv(batch.k_cache, ks), quantize_kv(batch.v_cache, vs)
-    rk, rv = kc.clone(), vc.clone()
-    reference.write_kv(batch.new_k, batch.new_v, rk, rv, batch.meta.slot_mapping, ks, vs)
-    ops.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping, ks, vs)
-    assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
-    assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+    kc, vc = _written_fp8_pools(batch, ks, vs)
     ref = reference.paged_attention(batch.query, kc.float() * ks[:, None], vc.float() * vs[:, None], batch.meta,
                                     128 ** -0.5)
     for splits in (None, 1, 4):

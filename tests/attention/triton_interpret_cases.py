@@ -184,17 +184,22 @@ def _fp8_pools(batch, k_scale, v_scale):
     return quantize_kv(batch.k_cache, k_scale), quantize_kv(batch.v_cache, v_scale)
 
 
-def test_fp8_write_kv_quantizes_like_reference_bit_exact():
-    batch = make_batch([(5, 1), (0, 7), (9, 4)], 1, H=4, Hkv=2, D=8, block_size=8, seed=3)
-    ks, vs = torch.tensor([0.03]), torch.tensor([0.002])  # V's scale pushes some values to +-448, some subnormal
-    kc, vc = _fp8_pools(batch, ks, vs)
+def _write_kv_bit_exact(batch, kc, vc, slots, ks, vs):
+    """The Triton cache write into (kc, vc) leaves the same bytes as the reference's into copies."""
     rk, rv = kc.clone(), vc.clone()
-    slots = batch.meta.slot_mapping.clone()
-    slots[2] = -1
     reference.write_kv(batch.new_k, batch.new_v, rk, rv, slots, ks, vs)
     ops.write_kv(batch.new_k, batch.new_v, kc, vc, slots, ks, vs)
     assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
     assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+
+
+def test_fp8_write_kv_quantizes_like_reference_bit_exact():
+    batch = make_batch([(5, 1), (0, 7), (9, 4)], 1, H=4, Hkv=2, D=8, block_size=8, seed=3)
+    ks, vs = torch.tensor([0.03]), torch.tensor([0.002])  # V's scale pushes some values to +-448, some subnormal
+    kc, vc = _fp8_pools(batch, ks, vs)
+    slots = batch.meta.slot_mapping.clone()
+    slots[2] = -1
+    _write_kv_bit_exact(batch, kc, vc, slots, ks, vs)
 
 
 @pytest.mark.parametrize("qdtype,num_splits", [(torch.float32, None), (torch.float32, 3), (torch.float16, None)])
@@ -235,13 +240,9 @@ def test_fp8_per_head_write_kv_bit_exact():
     batch = make_batch([(5, 1), (0, 7), (9, 4)], 1, H=6, Hkv=3, D=8, block_size=8, seed=11)
     ks, vs = PER_HEAD_K, PER_HEAD_V
     kc, vc = _fp8_pools(batch, ks, vs)
-    rk, rv = kc.clone(), vc.clone()
     slots = batch.meta.slot_mapping.clone()
     slots[2] = -1
-    reference.write_kv(batch.new_k, batch.new_v, rk, rv, slots, ks, vs)
-    ops.write_kv(batch.new_k, batch.new_v, kc, vc, slots, ks, vs)
-    assert torch.equal(kc.view(torch.uint8), rk.view(torch.uint8))
-    assert torch.equal(vc.view(torch.uint8), rv.view(torch.uint8))
+    _write_kv_bit_exact(batch, kc, vc, slots, ks, vs)
     # each head's bytes are that head alone quantized with its own scale
     kept = slots >= 0
     for h in range(3):
