@@ -45,9 +45,10 @@ DECODE_LAUNCH_ENV = "PAGEDSERVE_DECODE_LAUNCH"
 # its changes to the launch above (decode_launch_settings(), the switch included), in the
 # switch's names plus f16: the dot in fp16, q cast to fp16 (saturated to +-65504) and the tiles
 # cast e4m3 -> fp16 (one packed cvt on sm_89+; e4m3 -> bf16 is that cvt and a cvt per element
-# after), instead of the tiles cast to q's dtype. "" keeps the bf16 launch. The flip after the
-# sweep (benchmarks/kernels/fp8_decode_sweep.py) is this one string, e.g. "bn256+f16".
-DECODE_FP8_LAUNCH = ""
+# after), instead of the tiles cast to q's dtype. "" keeps the bf16 launch. The sweep on the H200
+# (benchmarks/kernels/fp8_decode_sweep.py, 2026-12-02, fp8_parts/fp8_decode_sweep.json): the f16
+# cast at the bf16 launch was fastest at all four shapes, 0.83-0.96x of the bf16 kernel's time.
+DECODE_FP8_LAUNCH = "f16"
 # Replaces DECODE_FP8_LAUNCH without a code change (read once per process); "base": the bf16 launch.
 DECODE_FP8_LAUNCH_ENV = "PAGEDSERVE_DECODE_LAUNCH_FP8"
 PREFILL_BLOCK_M = 64

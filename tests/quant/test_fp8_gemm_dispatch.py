@@ -36,7 +36,7 @@ def table_dir(tmp_path, monkeypatch):
 
 
 def test_default_is_the_one_constant_and_bad_values_name_the_variable(mode):
-    assert mode(None) == fp8_ops.DEFAULT_GEMM == "cublas"
+    assert mode(None) == fp8_ops.DEFAULT_GEMM == "auto"
     assert mode(" Auto ") == "auto"
     with pytest.raises(ValueError, match=r"PAGEDSERVE_FP8_GEMM must be one of cublas, triton, auto, got 'cutlass'"):
         mode("cutlass")
