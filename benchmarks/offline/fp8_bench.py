@@ -29,7 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-from pagedserve.benchmark.results import git_commit, write_result  # noqa: E402
+from pagedserve.benchmark.results import engine_switches, git_commit, write_result  # noqa: E402
 
 MODEL = str(ROOT / "benchmarks/models/llama-3.1-8b")
 FP8 = {"quantization": "fp8", "kv_cache_dtype": "fp8"}
@@ -45,8 +45,10 @@ def _requests(prompt_len: int, output_len: int, n: int, seed: int = 0):
 
 
 def _stamp() -> dict:
+    """Where and how a part ran: called after the run, so the switches include the kernels it picked."""
     import torch
-    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "commit": git_commit()}
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "commit": git_commit(),
+            "switches": engine_switches()}
 
 
 def _llm(**kw):
