@@ -34,6 +34,8 @@ from pagedserve.attention import triton_ops  # noqa: E402
 from pagedserve.benchmark.results import write_result  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
 
+from graph_timing import graph_us_per_launch  # noqa: E402  (benchmarks/kernels/)
+
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 32, 8, 128, 16
 
 
@@ -74,26 +76,6 @@ def time_case(lens: list[int], mode: str, max_len: int, replays: int, pool) -> f
         triton_ops.paged_decode(q, k_cache, v_cache, seq_lens, tables, max_len, HEAD_DIM ** -0.5, out,
                                 num_splits=base, split_tokens=split_tokens, share_programs=share)
     return round(graph_us_per_launch(launch, replays), 2)
-
-
-def graph_us_per_launch(launch, replays: int, launches: int = 32) -> float:
-    """Median microseconds per launch of `launches` calls of launch() (one per layer) captured in
-    one CUDA graph, over `replays` replays; compiled outside the capture first."""
-    launch()  # compile
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(launches):
-            launch()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / launches)
-    return statistics.median(times)
 
 
 def main() -> None:

@@ -36,7 +36,8 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
 from pagedserve.attention import triton_ops  # noqa: E402
 from pagedserve.benchmark.results import write_result  # noqa: E402
 
-from decode_skew import graph_us_per_launch, serving_contexts  # noqa: E402  (benchmarks/)
+from decode_skew import serving_contexts  # noqa: E402  (benchmarks/)
+from graph_timing import graph_us_per_launch  # noqa: E402
 
 HEAD_DIM, BLOCK = 128, 16
 DEFAULT_CASES = ["nanovllm:16/8:64", "nanovllm:16/8:128", "nanovllm:16/8:256", "serving:32/8:32",

@@ -5,7 +5,7 @@ Two sections, both on CUDA:
            RMSNorm with the residual add then the per-token quant kernel (two launches) against
            fused_add_rms_norm_fp8 (one), and SiLU-and-mul then the quant kernel against
            silu_and_mul_fp8. Microseconds per op pair, 32 launches captured in one CUDA graph and
-           replayed (decode_skew.graph_us_per_launch), and whether the fused outputs (fp8 bytes,
+           replayed (graph_timing.graph_us_per_launch), and whether the fused outputs (fp8 bytes,
            scales, residual) are bit-equal to the separate pair's.
   decode   one decode step of Llama-3.1-8B (benchmarks/models/llama-3.1-8b, dummy weights,
            --quantization fp8 over bf16, bf16 KV) at each --batches size, every sequence at
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
 
 from pagedserve.benchmark.results import write_result  # noqa: E402
 
-from decode_skew import graph_us_per_launch  # noqa: E402  (benchmarks/kernels/)
+from graph_timing import graph_us_per_launch  # noqa: E402  (benchmarks/kernels/)
 
 HIDDEN, INTER = 4096, 14336
 MODEL_DIR = ROOT / "benchmarks" / "models" / "llama-3.1-8b"

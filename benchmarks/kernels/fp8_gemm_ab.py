@@ -19,7 +19,6 @@ bf16 output) over its time (an H200 copies at ~4.3 TB/s).
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
 from pathlib import Path
 
@@ -35,12 +34,11 @@ from pagedserve.layers.fused_moe.config import device_name  # noqa: E402
 from pagedserve.layers.quant.fp8_gemm_config import config_file_name, get_config, load_table, triton_wins  # noqa: E402
 from pagedserve.layers.quant.triton_fp8_gemm import triton_fp8_gemm  # noqa: E402
 
-from decode_skew import graph_us_per_launch  # noqa: E402  (benchmarks/kernels/)
+from graph_timing import WEIGHT_BYTES_PER_GRAPH, cold_copies, graph_us_per_copy  # noqa: E402  (benchmarks/kernels/)
 
 # (name, N, K) of Llama-3.1-8B's linears: fused qkv, o, fused gate_up, down.
 SHAPES = [("qkv_proj", 6144, 4096), ("o_proj", 4096, 4096), ("gate_up_proj", 28672, 4096),
           ("down_proj", 4096, 14336)]
-WEIGHT_BYTES_PER_GRAPH = 256 << 20
 
 
 def cublaslt(xq, xs, wq, ws):
@@ -53,17 +51,15 @@ def triton(xq, xs, wq, ws):
 
 def us_per_gemm(fn, xq, xs, weights, replays: int) -> float:
     """Median microseconds per GEMM of one graph that runs fn once per weight copy."""
-    copies = itertools.cycle(weights)
-    return graph_us_per_launch(lambda: fn(xq, xs, *next(copies)), replays, launches=len(weights))
+    return graph_us_per_copy(lambda w: fn(xq, xs, *w), weights, replays)
 
 
 def bench(tokens: list[int], replays: int) -> list[dict]:
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k in SHAPES:
-        copies = max(1, min(64, -(-WEIGHT_BYTES_PER_GRAPH // (n * k))))
-        weights = [fp8_ops.quantize_per_channel(0.02 * torch.randn(n, k, device="cuda", generator=g))
-                   for _ in range(copies)]
+        weights = cold_copies(fp8_ops.quantize_per_channel(0.02 * torch.randn(n, k, device="cuda", generator=g)))
+        copies = len(weights)
         for m in tokens:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
             xq, xs = fp8_ops.quantize_per_token(x)

@@ -2,7 +2,8 @@
 (fused_moe/config.py) and the FP8 GEMM (quant/fp8_gemm_config.py): one JSON file per shape and
 device, mapping a token count (as a string) to the launch's integer settings. Their tuners
 (benchmarks/kernels/tune_*.py) write the files on the GPU; a shape without one takes its module's
-heuristics, which are correct for every shape (block sizes only decide speed)."""
+heuristics, which are correct for every shape (block sizes only decide speed). An entry may carry
+more (the tuners record their times and how they were taken): the readers take only their keys."""
 from __future__ import annotations
 
 import functools
@@ -40,3 +41,10 @@ def read_table(path: Path, keys: tuple[str, ...], float_keys: tuple[str, ...] = 
         table[int(tokens)] = {**{k: int(entry[k]) for k in keys},
                               **{k: float(entry[k]) for k in float_keys if k in entry}}
     return table
+
+
+def write_table(path: Path | str, table: dict[str, dict]) -> None:
+    """The tuners' writer: entries in token-count order, one key a line (diffs stay readable)."""
+    with open(path, "w") as f:
+        json.dump(dict(sorted(table.items(), key=lambda kv: int(kv[0]))), f, indent=2)
+        f.write("\n")
