@@ -1,12 +1,17 @@
 """PAGEDSERVE_FP8_GEMM's choice between cuBLASLt and the Triton GEMM (fp8_ops.uses_triton) and the
 config tables it reads (fp8_gemm_config): pure host logic, checked on CPU with a table written here."""
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from pagedserve.layers.quant import fp8_gemm_config as cfgmod
 from pagedserve.layers.quant import fp8_ops
+from pagedserve.layers.tuned_tables import write_table
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"))  # the tuner
 
 CPU = torch.device("cpu")
 ENTRY = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, SPLIT_K=4, num_warps=4, num_stages=4)
@@ -75,6 +80,23 @@ def test_auto_follows_the_tables_timings_per_bucket(mode, table_dir):
     # The warm-up meets every bucket: the table's, then the heuristics' beyond it.
     assert cfgmod.warmup_token_counts(6144, 4096, CPU, 300) == [1, 8, 32, 64, 128, 256, 300]
     assert cfgmod.warmup_token_counts(4096, 4096, CPU, 40) == [1, 2, 4, 8, 16, 32, 40]
+
+
+def test_the_tuners_entries_drive_auto(mode, table_dir):
+    """tune_fp8_gemm's entries as it writes them: the kernel's keys, both times (rounded) and how
+    they were timed (a string the reader skips); auto follows the times, the kernel gets its keys."""
+    from tune_fp8_gemm import table_entry
+    name = cfgmod.config_file_name(4096, 4096, "cpu")
+    wide = dict(ENTRY, BLOCK_N=64)
+    write_table(table_dir / name, {"16": table_entry(wide, 19.0, 17.0, "launch"),
+                                   "1": table_entry(ENTRY, 11.004, 17.3, "graph")})
+    assert list(json.loads((table_dir / name).read_text())) == ["1", "16"]
+    assert json.loads((table_dir / name).read_text())["1"]["timing"] == "graph"
+    mode("auto")
+    assert [fp8_ops.uses_triton(m, 4096, 4096, CPU) for m in (1, 2, 16, 17)] == [True, False, False, True]
+    assert cfgmod.get_config(1, 4096, 4096, CPU) == ENTRY
+    assert cfgmod.get_config(9, 4096, 4096, CPU) == wide
+    assert cfgmod.load_table(name)[1] == dict(ENTRY, triton_us=11.0, cublas_us=17.3)
 
 
 def test_a_table_entry_missing_a_key_is_an_error(table_dir):
