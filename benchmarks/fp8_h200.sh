@@ -11,7 +11,8 @@
 # at Llama-3.1-8B's shapes, 1-4096 tokens).
 # gemm_tune = benchmarks/kernels/tune_fp8_gemm.py first (writes the tables into
 # pagedserve/layers/quant/configs/, where the kernel reads them, and copies them to $P/configs: commit
-# those), then the GEMM's GPU tests and the A/B with the tables in place (< 10 min in all: 180 + 170 + 230 s at most).
+# those; it times CUDA graph replays, benchmarks/kernels/graph_timing.py), then the GEMM's GPU tests (and the
+# timer's fallback) and the A/B with the tables in place (< 10 min in all: 180 + 170 + 230 s at most).
 # kvhead = per-KV-head KV scales: their GPU tests, then benchmarks/kernels/fp8_kv_scales.py (the cache
 # write, decode and prefill kernels with per-tensor vs per-head scales).
 # kvdecode = the FP8 KV decode kernel's own launch: its GPU tests (the launch variants against the reference, in a
@@ -61,8 +62,8 @@ case "${1:-}" in
             --pagedserve-args "$FP8" --vllm-args "$FP8" ;;
   gemm_tune) timeout 180 python3 benchmarks/kernels/tune_fp8_gemm.py --max-seconds 140 2>&1 | tee $P/fp8_gemm_tune.log | tail -20
              mkdir -p $P/configs && cp pagedserve/layers/quant/configs/N=*.json $P/configs/
-             timeout 170 python3 -m pytest -q -p no:cacheprovider tests/quant/test_fp8_gemm_gpu.py 2>&1 \
-               | tee $P/gemm_gpu_tests.log | tail -30
+             timeout 170 python3 -m pytest -q -p no:cacheprovider tests/quant/test_fp8_gemm_gpu.py \
+               tests/quant/test_tune_tables.py 2>&1 | tee $P/gemm_gpu_tests.log | tail -30
              timeout 230 python3 benchmarks/kernels/fp8_gemm_ab.py --output $P/fp8_gemm_ab.json ;;
   *) echo "usage: $0 tests|fixed256|nanovllm|trtllm128|trtllm2048|cap_bf16|cap_fp8|accuracy|fused|kvhead|gemm|gemm_tune|kvdecode|vllm_offline|online" >&2; exit 2 ;;
 esac

@@ -9,14 +9,14 @@ activation quantization for fp8, sort/pad, gate/up GEMM, down GEMM, top-k sum) o
 timed as a decode step runs it: one CUDA graph of one call per routing, with enough routings that
 the experts they touch reach 256 MB (so each call meets its experts in HBM, as each layer of a step
 does), replayed 20 times, median microseconds per call (graph_timing.py). Why graphs: MoE decode
-steps replay CUDA graphs, and a call is ~6 launches whose host cost, at decode token counts, is as
-long as their device time; do_bench (one call at a time from Python) then times mostly the host,
-the same for every config, and the pick is noise. The fastest is kept; its entry records its time
-("us") and how it was taken ("timing": "graph", or "launch" where the capture failed and do_bench
-timed it; a launch-timed config never beats a graph-timed one). The layer reads only the block
-sizes. The file is rewritten after every token count, so a run stopped by its time limit
-(--max-seconds, or the caller's timeout) keeps what it finished; rerun with --tokens for the rest.
-Needs CUDA.
+steps replay CUDA graphs, and a call is several launches whose host cost (never paid in a graph)
+can be as long as their device time at decode token counts; do_bench (one call at a time from
+Python) adds it to every config alike, hiding their differences. The fastest is kept; its entry
+records its time ("us") and how it was taken ("timing": "graph", or "launch" where the capture
+failed and do_bench timed it; a launch-timed config never beats a graph-timed one). The layer
+reads only the block sizes. The file is rewritten after every token count, so a run stopped by
+its time limit (--max-seconds, or the caller's timeout) keeps what it finished; rerun with
+--tokens for the rest. Needs CUDA.
 
 Sized to finish in about 4 minutes per model and dtype on an H200, where compiling dominates (each
 config is two kernel variants, compiled once and reused across token counts): about 30 distinct

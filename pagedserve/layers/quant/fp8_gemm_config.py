@@ -4,7 +4,10 @@ files in configs/ beside this module, or heuristics where there is none.
 A file configs/N=<out features>,K=<in features>,device=<name>.json (device as fused_moe.config
 names it, e.g. NVIDIA_H200) maps a token-count bucket M (as a string: "1", "2", "4", ... "64",
 "128", ...) to {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, num_warps, num_stages}, and, where the
-tuner timed them, "triton_us" and "cublas_us" (microseconds at that M, L2 flushed).
+tuner timed them, "triton_us" and "cublas_us" (microseconds at that M, weights read from HBM) and
+"timing" ("graph": per launch of a replayed CUDA graph, as decode runs; "launch": do_bench, one
+call at a time; absent in tables tuned before the tuner timed graphs). Only KEYS and the two times
+are read.
 benchmarks/kernels/tune_fp8_gemm.py writes them on the GPU. A call with m tokens takes the entry of
 the smallest bucket >= m; beyond the table's largest bucket (a tuning run stopped early) the
 heuristics decide, as they do for a shape without a table. Block sizes decide speed only, never
