@@ -82,6 +82,8 @@ def timed_us(fn, copies: list, graph: bool = True, replays: int = 20, rep_ms: in
             return graph_us_per_copy(fn, copies, replays), "graph"
         except Exception as e:  # noqa: BLE001  (not capturable: time it as it launches, and say so)
             print(f"  graph capture failed ({type(e).__name__}: {str(e)[:120]}): timing launches", flush=True)
+            # torch.cuda.graph's exit raises before it leaves its capture stream: back to the default one.
+            torch.cuda.set_stream(torch.cuda.default_stream())
             torch.cuda.synchronize()
     return launch_us(lambda: fn(copies[0]), rep_ms), "launch"
 
