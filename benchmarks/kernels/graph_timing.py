@@ -23,6 +23,7 @@ import itertools
 import statistics
 
 import torch
+import triton.testing
 
 WEIGHT_BYTES_PER_GRAPH = 256 << 20
 MAX_COPIES = 64  # a small weight: the graph's launches, not its bytes, bound the copies
@@ -68,7 +69,6 @@ def graph_us_per_copy(fn, copies: list, replays: int = 20) -> float:
 
 def launch_us(fn, rep_ms: int = 10) -> float:
     """do_bench's median microseconds of fn(), one launch at a time, L2 flushed before each."""
-    import triton.testing
     return 1e3 * triton.testing.do_bench(fn, warmup=1, rep=rep_ms, return_mode="median")
 
 
