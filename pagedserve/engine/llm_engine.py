@@ -487,10 +487,11 @@ class LLMEngine(TokenApplication):
             timer.mark("execute")
             if self.structured.seqs:
                 # The device runs this step's forward meanwhile: take the previous step's tokens,
-                # advance the matchers, fill and apply this step's mask (vLLM's overlap); with the
-                # fill in the background, process those tokens while it runs.
-                during = process_prev if prev is not None and self.structured.fill_in_background else None
-                self._mask_logits(logits, sampled, prev, during)
+                # advance the matchers, fill and apply this step's mask (vLLM's overlap); with
+                # PAGEDSERVE_GRAMMAR_FILL=overlap, a helper thread processes those tokens during
+                # the fill.
+                alongside = process_prev if prev is not None and self.structured.overlap_fill else None
+                self._mask_logits(logits, sampled, prev, alongside)
             return self._sample_device(logits, sampled)
         result = self.runner.execute(out, None if prev is None else prev.tokens, sample=sample)
         if result is None:

@@ -47,19 +47,17 @@ class TokenApplication:
         return rows
 
     def _mask_logits(self, logits: torch.Tensor, sampled: list, prev: "InflightStep | None" = None,
-                     during_fill: Any = None) -> None:
+                     alongside: Any = None) -> None:
         """The step's mask. Overlapped (prev: the step before, still in flight): wait for its
         tokens (already sampled on the device; this step's forward is queued behind them, so the
         device keeps busy), feed them to the matchers, fill this step's rows on the host and mask
         the logits on the device. Synchronous: the matchers took every token already.
-        during_fill (overlapped steps, PAGEDSERVE_GRAMMAR_FILL=background): host work run while
-        the background thread fills the rows: the engine processes prev's tokens there, which
-        otherwise follows the sampler's launch on the same thread."""
+        alongside (overlapped steps, PAGEDSERVE_GRAMMAR_FILL=overlap): host work run on a helper
+        thread while this thread fills the rows: the engine processes prev's tokens there, which
+        otherwise follows the sampler's launch. Only when there are rows to fill: without, the
+        engine processes them after the launch, as inline."""
         rows = self._grammar_rows(sampled, prev)
-        background = during_fill is not None and bool(rows)
-        mask = self.structured.advance_and_fill(rows, background=background)
-        if background:
-            during_fill()
+        mask = self.structured.advance_and_fill(rows, alongside if rows else None)
         self.structured.apply(logits, mask)
 
     def _grammar_ended(self, seqs) -> list[tuple[Sequence, SequenceStatus]]:

@@ -296,26 +296,65 @@ def test_preempted_grammar_requests_match_an_unpreempted_run(unpreempted, mode, 
         small.shutdown()
 
 
-def test_background_fill_gives_the_same_tokens(unpreempted, monkeypatch):
-    """PAGEDSERVE_GRAMMAR_FILL=background: the masks fill on a thread while the step loop appends
-    the previous step's tokens; the draws equal the inline fill's, token for token, and the
-    background path really ran (masks reached apply() still filling, with prev processed)."""
-    monkeypatch.setenv("PAGEDSERVE_GRAMMAR_FILL", "background")
+def test_overlap_fill_gives_the_same_tokens(unpreempted, monkeypatch):
+    """PAGEDSERVE_GRAMMAR_FILL=overlap: a helper thread appends the previous step's tokens while
+    the step loop fills the masks; the draws equal the inline fill's, token for token. The spies
+    check the arrangement: the helper's processing starts while the loop is inside the fill (the
+    spied fill waits up to 0.5 s for it: a fill started before or after would not see it), and
+    each processing ends before its mask is applied (it sleeps 2 ms: without the join, apply()
+    would run first)."""
+    import threading
+    import time
+    monkeypatch.setenv("PAGEDSERVE_GRAMMAR_FILL", "overlap")
     llm = make_llm(DEMO_MODEL_DIR, num_gpu_blocks_override=256)
     engine = llm.llm_engine
-    apply, seen = engine.structured.apply, [0, 0]
+    st = engine.structured
+    process, advance_and_fill, fill, apply = engine._process_inflight, st.advance_and_fill, st._fill, st.apply
+    state = {"expect_helper": False, "filling": False, "processing": 0, "on_helper": 0, "beside_fill": 0,
+             "applied_while_processing": 0}
+    started = threading.Event()
 
-    def spy(logits, mask):
-        seen[0] += mask is not None and mask.filling is not None
-        seen[1] += 1
+    def process_spy(*args):
+        if threading.current_thread() is threading.main_thread():
+            return process(*args)
+        state["on_helper"] += 1
+        state["beside_fill"] += state["filling"]
+        state["processing"] += 1
+        started.set()
+        try:
+            time.sleep(0.002)
+            return process(*args)
+        finally:
+            state["processing"] -= 1
+
+    def advance_and_fill_spy(rows, alongside=None):
+        state["expect_helper"] = alongside is not None
+        return advance_and_fill(rows, alongside)
+
+    def fill_spy(live, bitmask):
+        state["filling"] = True
+        try:
+            fill(live, bitmask)
+            if state["expect_helper"]:
+                started.wait(0.5)
+        finally:
+            state["filling"] = False
+            started.clear()
+
+    def apply_spy(logits, mask):
+        state["applied_while_processing"] += state["processing"] > 0
         return apply(logits, mask)
-    engine.structured.apply = spy
+    engine._process_inflight, st._fill, st.apply = process_spy, fill_spy, apply_spy
+    st.advance_and_fill = advance_and_fill_spy
     try:
         got, _ = _run_tokens(llm, _mix())
         assert got == unpreempted
-        assert seen[0] > 10, seen
+        assert state["on_helper"] > 10, state
+        # All but the first: starting the helper's thread lets it run before that fill begins.
+        assert state["beside_fill"] >= state["on_helper"] - 1, state
+        assert state["applied_while_processing"] == 0, state
         assert_no_leak(llm)
-        assert not engine.structured.seqs.by_seq
+        assert not st.seqs.by_seq
     finally:
         llm.shutdown()
 
@@ -323,7 +362,7 @@ def test_background_fill_gives_the_same_tokens(unpreempted, monkeypatch):
 def test_grammar_fill_mode_is_checked(monkeypatch):
     from pagedserve.engine.structured.manager import grammar_fill_mode
     monkeypatch.setenv("PAGEDSERVE_GRAMMAR_FILL", "sideways")
-    with pytest.raises(ValueError, match="PAGEDSERVE_GRAMMAR_FILL must be one of inline, background"):
+    with pytest.raises(ValueError, match="PAGEDSERVE_GRAMMAR_FILL must be one of inline, overlap"):
         grammar_fill_mode()
     monkeypatch.delenv("PAGEDSERVE_GRAMMAR_FILL")
     assert grammar_fill_mode() == "inline"

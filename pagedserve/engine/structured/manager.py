@@ -12,9 +12,10 @@ Lifecycle of a constrained request:
      (masks.py: xgrammar's batch calls, the fill on its own threads), and apply() uploads the rows
      and masks the logits in place on the device before any sampling (penalties, temperature,
      top-k/p, greedy argmax all see -inf for a token the grammar forbids). With
-     PAGEDSERVE_GRAMMAR_FILL=background the fill runs on one background thread instead, so that
-     the engine can process the previous step's tokens meanwhile (xgrammar's fill releases the
-     GIL); apply() joins it. The rows it fills are the only state that thread touches.
+     PAGEDSERVE_GRAMMAR_FILL=overlap the caller's other host work (the engine: processing the
+     previous step's tokens) runs on a helper thread while this thread fills: xgrammar gives up
+     the GIL for the whole fill, so the helper's Python runs meanwhile; advance_and_fill returns
+     once both are done.
   4. A sequence whose matcher has accepted its stop token (EOS) finishes with "stop".
 """
 from __future__ import annotations
@@ -23,7 +24,7 @@ import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import xgrammar as xgr
@@ -35,13 +36,19 @@ from pagedserve.engine.structured.matchers import SeqGrammar, SeqGrammars
 from pagedserve.sampling_params import StructuredOutputsParams
 
 
-GRAMMAR_FILL_MODES = ("inline", "background")
+GRAMMAR_FILL_MODES = ("inline", "overlap")
 
 
 def grammar_fill_mode() -> str:
-    """PAGEDSERVE_GRAMMAR_FILL: where an overlapped step's masks are filled. inline (default): in
-    the step loop, before the sampler; background: on a thread, while the loop processes the
-    previous step's tokens (llm_engine._launch)."""
+    """PAGEDSERVE_GRAMMAR_FILL: what an overlapped step does while its masks fill. inline
+    (default): nothing, the step loop fills, launches the sampler, then processes the previous
+    step's tokens; overlap: a helper thread processes them during the fill (llm_engine._launch).
+
+    Why the fill stays on the step loop's thread and the Python work moves (the removed
+    `background` mode did the opposite and measured slower): a thread needs the GIL to start and
+    to return from a native call. A fill started on another thread waits for the GIL until the
+    loop's Python stops (its switch interval, 5 ms, or the join), so it ran after that Python,
+    not beside it. The loop's own native call gives the GIL up at once, and the helper takes it."""
     mode = os.environ.get("PAGEDSERVE_GRAMMAR_FILL", "").strip().lower() or "inline"
     if mode not in GRAMMAR_FILL_MODES:
         raise ValueError(f"PAGEDSERVE_GRAMMAR_FILL must be one of {', '.join(GRAMMAR_FILL_MODES)}, got {mode!r}")
@@ -83,8 +90,8 @@ class StructuredOutputs:
         self._fill_serial = xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask  # in the calling thread
         self._fill_threaded = (xgr.BatchGrammarMatcher(threads).batch_fill_next_token_bitmask if threads > 1
                                else self._fill_serial)
-        self.fill_in_background = grammar_fill_mode() == "background"
-        self._filler: ThreadPoolExecutor | None = None  # the background fill's one thread, on first use
+        self.overlap_fill = grammar_fill_mode() == "overlap"
+        self._helper: ThreadPoolExecutor | None = None  # runs advance_and_fill's `alongside`, on first use
 
     # ---- compiles -------------------------------------------------------------------------
 
@@ -178,31 +185,46 @@ class StructuredOutputs:
         return self.seqs.get(seq.seq_id)
 
     def advance_and_fill(self, rows: list[tuple[int, SeqGrammar, list[int], int | None]],
-                         background: bool = False) -> StepMask | None:
+                         alongside: Callable[[], None] | None = None) -> StepMask | None:
         """A step's mask from (logits row, grammar, output tokens, pending) in increasing row
         order: each grammar first takes the tokens it has not accepted (SeqGrammars.advance: the
         output tokens, then `pending`, the previous overlapped step's token), then fills its row;
         the fill on xgrammar's threads. None when no row needs masking (a done
         grammar's row is discarded anyway: its sequence has ended, so it is left unmasked).
-        background: the accepts happen here, the fill is started on the background thread and
-        the mask returned at once (its `filling` set; apply() waits for it). Until then the
-        caller must not touch these rows' matchers; it may append their tokens (they have
-        accepted them already) and read `done`."""
+        alongside: host work run once, on the helper thread, while this thread fills (with nothing
+        to fill, here after the accepts); this returns after it has ended and re-raises its error.
+        It must not touch these rows' matchers; it may append their tokens (they have accepted
+        them already) and read `done`."""
         if not rows:
+            if alongside is not None:
+                alongside()
             return None
         slot, bitmask = self.masks.take(rows[-1][0] + 1)
         SeqGrammars.advance([(g, out, pending) for _, g, out, pending in rows])
         live = [(i, g.matcher) for i, g, _, _ in rows if not g.done]
         if not live:
+            if alongside is not None:
+                alongside()
             return None
-        mask = StepMask(bitmask, live[-1][0] + 1, [i for i, _ in live], slot)
-        if background:
-            if self._filler is None:
-                self._filler = ThreadPoolExecutor(1, thread_name_prefix="grammar-fill")
-            mask.filling = self._filler.submit(self._fill, live, bitmask)
-        else:
+        if alongside is None:
             self._fill(live, bitmask)
-        return mask
+        else:
+            self._fill_alongside(live, bitmask, alongside)
+        return StepMask(bitmask, live[-1][0] + 1, [i for i, _ in live], slot)
+
+    def _fill_alongside(self, live: list[tuple[int, Any]], bitmask: torch.Tensor,
+                        work: Callable[[], None]) -> None:
+        """_fill on this thread while `work` runs on the helper: the helper is woken first and
+        takes the GIL the moment xgrammar's call gives it up, so its Python overlaps the fill."""
+        if self._helper is None:
+            self._helper = ThreadPoolExecutor(1, thread_name_prefix="grammar-overlap")
+        done = self._helper.submit(work)
+        try:
+            self._fill(live, bitmask)
+        finally:
+            error = done.exception()  # waits: the helper never outlives the step's mask
+        if error is not None:
+            raise error
 
     def _fill(self, live: list[tuple[int, Any]], bitmask: torch.Tensor) -> None:
         """Fill (logits row, matcher) rows: on xgrammar's threads from BATCH_FILL_MIN_ROWS rows."""
@@ -225,9 +247,6 @@ class StructuredOutputs:
         from pinned memory into persistent device buffers, queued before xgrammar's kernel."""
         if mask is None:
             return
-        if mask.filling is not None:
-            mask.filling.result()  # the background fill (re-raises its error here, in the step)
-            mask.filling = None
         vocab = min(self.vocab_size, logits.shape[-1])
         # Every row of the logits masked: xgrammar needs no indices at all.
         indices = None if len(mask.indices) == logits.shape[0] else mask.indices
@@ -240,5 +259,5 @@ class StructuredOutputs:
     def shutdown(self) -> None:
         if self._pool is not None:
             self._pool.shutdown()
-        if self._filler is not None:
-            self._filler.shutdown(wait=True)
+        if self._helper is not None:
+            self._helper.shutdown(wait=True)

@@ -24,7 +24,6 @@ the same stream, so a copy never overtakes the kernel that reads the previous st
 from __future__ import annotations
 
 import os
-from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -46,15 +45,11 @@ def default_fill_threads() -> int:
 @dataclass(slots=True)
 class StepMask:
     """A host bitmask: row i holds the mask of logits row i for i in `indices` (increasing);
-    `rows` = indices[-1] + 1 rows are uploaded. `slot`: which of MaskBuffers' host buffers.
-    `filling`: the fill still running on the background thread (PAGEDSERVE_GRAMMAR_FILL=background);
-    StructuredOutputs.apply waits for it before anything reads the rows."""
+    `rows` = indices[-1] + 1 rows are uploaded. `slot`: which of MaskBuffers' host buffers."""
     bitmask: torch.Tensor
     rows: int
     indices: list[int]
     slot: int
-    filling: Future | None = None
-
 
 
 class MaskBuffers:
