@@ -82,6 +82,13 @@ class CaseRun:
             self.proc.wait()
 
 
+def assert_cases_passed(proc: subprocess.CompletedProcess) -> None:
+    """A case file's run passed: exit 0, some test passed, none skipped (a case file whose tests
+    all skip, e.g. for want of an import, must not pass as a success)."""
+    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
+    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+
+
 class InterpreterRuns:
     """The case files of this session, run at most `jobs` at a time on the first request."""
 

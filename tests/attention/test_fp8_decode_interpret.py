@@ -4,6 +4,7 @@ with TRITON_INTERPRET=1, beside the other case files (tests/interpreter_runs.py)
 from pathlib import Path
 
 import pytest
+from interpreter_runs import assert_cases_passed
 
 CASES = Path(__file__).with_name("fp8_decode_interpret_cases.py")
 
@@ -11,5 +12,4 @@ CASES = Path(__file__).with_name("fp8_decode_interpret_cases.py")
 @pytest.mark.interpreter_cases(CASES, timeout=300)
 def test_fp8_decode_variants_match_reference_under_interpreter(interpreter_run):
     proc = interpreter_run(CASES)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    assert_cases_passed(proc)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedserve.attention import triton_unified as unified
+from interpreter_runs import assert_cases_passed
 
 CASES = Path(__file__).with_name("unified_interpret_cases.py")
 
@@ -15,8 +16,7 @@ CASES = Path(__file__).with_name("unified_interpret_cases.py")
 @pytest.mark.interpreter_cases(CASES, timeout=300)
 def test_unified_kernel_matches_reference_under_interpreter(interpreter_run):
     proc = interpreter_run(CASES)
-    assert proc.returncode == 0, proc.stdout[-8000:] + proc.stderr[-2000:]
-    assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
+    assert_cases_passed(proc)
 
 
 @pytest.mark.parametrize("seed", range(6))

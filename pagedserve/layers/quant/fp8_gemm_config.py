@@ -1,8 +1,8 @@
 """Block sizes of the Triton W8A8 GEMM (triton_fp8_gemm.py): a tuned table per weight shape, as JSON
 files in configs/ beside this module, or heuristics where there is none.
 
-A file configs/N=<out features>,K=<in features>,device=<name>.json (device as fused_moe.config
-names it, e.g. NVIDIA_H200) maps a token-count bucket M (as a string: "1", "2", "4", ... "64",
+A file configs/N=<out features>,K=<in features>,device=<name>.json (device as
+tuned_tables.device_name names it, e.g. NVIDIA_H200) maps a token-count bucket M (as a string: "1", "2", "4", ... "64",
 "128", ...) to {BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, num_warps, num_stages}, and, where the
 tuner timed them, "triton_us" and "cublas_us" (microseconds at that M, weights read from HBM) and
 "timing" ("graph": per launch of a replayed CUDA graph, as decode runs; "launch": do_bench, one
