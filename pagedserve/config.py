@@ -11,8 +11,11 @@ from dataclasses import dataclass, field
 KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
-# Whitespace characters a JSON grammar allows in one gap (engine/structured/compiler.parse_spec).
-STRUCTURED_OUTPUTS_MAX_WHITESPACE = 20
+# Whitespace characters a JSON grammar allows in one gap (engine/structured/compiler.parse_spec);
+# 0: unbounded, as vLLM. Not bounded by default: on the H200 at 3333762 a bound of 20 took the
+# constrained TPOT p50 at 10 req/s from 6.0 to 22.3 ms (the bounded grammar's mask fills cost more
+# and the host step outran the device's; structured_runs/whitespace_bound_3333762.tar.gz).
+STRUCTURED_OUTPUTS_MAX_WHITESPACE = 0
 CUDAGRAPH_MODES = ("decode", "piecewise", "full")
 # The server's output parsers (entrypoints/openai/tool_parsers, reasoning_parsers; a test keeps
 # these lists equal to the registries there, which config must not import).
@@ -210,8 +213,8 @@ class EngineConfig:
                                                                "(alone, with an error)")
     structured_outputs_max_whitespace: int = option(
         STRUCTURED_OUTPUTS_MAX_WHITESPACE, "most whitespace characters a JSON grammar allows between two "
-        "tokens of the JSON (a newline and its indentation fit); a model stuck emitting newlines must then "
-        "go on; 0: unbounded, as vLLM")
+        "tokens of the JSON; a model stuck emitting newlines must then go on (20 fits a newline and deep "
+        "indentation; each fill costs more, ~4x TPOT at 10 req/s on the H200); 0: unbounded, as vLLM")
     structured_outputs_fill_threads: int | None = option(None, "xgrammar threads that fill a step's "
                                                                "grammar bitmask rows (default: half the "
                                                                "CPUs, at most 8)")
