@@ -21,7 +21,7 @@ completions with token-id prompts, ignore_eos, 256 output tokens unless said (Po
             tokens) sent at once,
             then one 100k prompt 5 s later: the short ones' inter-token gaps while it prefills
             (from its send to its first token), and before it
-Prompts are fresh random ids (no prefix-cache hits). collect writes
+Prompts are fresh random ids, each scenario's its own (no prefix-cache hits). collect writes
 benchmarks/results/h200/long_context.json with ratios <metric>_over_vllm_<scenario> for tpot_p50,
 tpot_p99, ttft_p50, ttft_p99 and throughput (total tokens/s) at 8k, 32k, 100k and mix_short, and
 decode_itl_p50/p99_during_100k_prefill_over_vllm; below 1 is better except for throughput; start-up
@@ -56,9 +56,12 @@ VOCAB_DRAW = 10000
 # --- the requests ---------------------------------------------------------------------------------
 def scenario_requests(name: str, args, seed: int = 0, vocab_size: int | None = None) -> list:
     """The scenario's WorkloadRequests with arrival times, drawn the same for both engines (token
-    ids below 10000, or below vocab_size when smaller)."""
+    ids below 10000, or below vocab_size when smaller). Each scenario draws its prompts from its
+    own stream: with one stream for all (before this was fixed, the 2026-12-02 run) len32k's first
+    prompt began with len8k's, len100k's with len32k's, and mix's 32k prompts were len32k's, so
+    later scenarios found prefixes cached (in both engines)."""
     from pagedserve.workloads import WorkloadRequest, make_workload
-    rng = random.Random(seed)
+    rng = random.Random(f"{seed}:{name}")
     draw = min(VOCAB_DRAW, vocab_size or VOCAB_DRAW)
 
     def req(prompt_len: int, output_len: int, at: float, scaled: bool = True) -> WorkloadRequest:
@@ -256,23 +259,29 @@ def _mix_kind(summary: dict, long: bool):
     return lambda r: (r["prompt_len"] == longest) == long
 
 
+def engine_runs(work: Path, engine: str) -> dict:
+    """One engine's per-scenario figures from its run files in work."""
+    runs: dict = {}
+    for scenario in SCENARIOS:
+        s = _load(work / f"lc_{engine}_{scenario}.json")
+        if s is None:
+            continue
+        if scenario in LENGTHS:
+            runs[scenario.removeprefix("len")] = stats(s)
+        elif scenario == "mix":
+            runs["mix_short"] = stats(s, _mix_kind(s, long=False))
+            runs["mix_long"] = stats(s, _mix_kind(s, long=True))
+        else:
+            runs["prefill100k"] = prefill_window_stats(s)
+    return runs
+
+
 def phase_collect(args, work: Path) -> None:
     from pagedserve.benchmark.results import write_result
     results: dict = {}
     for engine in ("vllm", "pagedserve"):
         info = _load(work / f"lc_{engine}_info.json") or {}
-        runs: dict = {}
-        for scenario in SCENARIOS:
-            s = _load(work / f"lc_{engine}_{scenario}.json")
-            if s is None:
-                continue
-            if scenario in LENGTHS:
-                runs[scenario.removeprefix("len")] = stats(s)
-            elif scenario == "mix":
-                runs["mix_short"] = stats(s, _mix_kind(s, long=False))
-                runs["mix_long"] = stats(s, _mix_kind(s, long=True))
-            else:
-                runs["prefill100k"] = prefill_window_stats(s)
+        runs = engine_runs(work, engine)
         results[engine] = {"startup_seconds": info.get("startup_seconds"), "server_args": info.get("server_args"),
                            "error": info.get("error"), "runs": runs}
     ratios: dict = {}
@@ -295,6 +304,12 @@ def phase_collect(args, work: Path) -> None:
                                                           "prefill_decodes", "decode_output_len",
                                                           "prompt_scale")},
               "pagedserve_args": args.pagedserve_args, "vllm_args": args.vllm_args}
+    for alt in args.alt_work or []:  # another pagedserve run (other flags), reported beside, no ratios
+        label, _, path = alt.partition("=")
+        alt_info = _load(Path(path) / "lc_pagedserve_info.json") or {}
+        results[f"pagedserve_{label}"] = {"startup_seconds": alt_info.get("startup_seconds"),
+                                          "server_args": alt_info.get("server_args"),
+                                          "commit": alt_info.get("commit"), "runs": engine_runs(Path(path), "pagedserve")}
     ours_info = _load(work / "lc_pagedserve_info.json") or {}
     write_result(Path(args.output), "long_context_vs_vllm",
                  "python benchmarks/serving/long_context.py " + shlex.join(sys.argv[1:]), config, results,
@@ -334,6 +349,8 @@ def main() -> None:
     ap.add_argument("--output", default=str(REPO / "benchmarks/results/h200/long_context.json"))
     ap.add_argument("--device", default=None)
     ap.add_argument("--note", default=None)
+    ap.add_argument("--alt-work", action="append", metavar="LABEL=DIR",
+                    help="collect: another pagedserve run's work dir (e.g. piecewise=DIR), kept as results['pagedserve_LABEL']")
     # client (internal): one scenario against a running server
     ap.add_argument("--scenario", choices=SCENARIOS)
     ap.add_argument("--port", type=int)

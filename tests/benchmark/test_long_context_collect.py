@@ -34,6 +34,10 @@ def test_scenarios_have_their_lengths_and_arrivals():
     assert [r.arrival_time for r in mix] == sorted(r.arrival_time for r in mix)
     pre = lc.scenario_requests("prefill100k", args)
     assert [len(r.prompt_token_ids) for r in pre] == [128] * 4 + [100_000] and pre[-1].arrival_time == 5.0
+    # No scenario finds another's prompts cached: their first blocks (16 tokens) all differ.
+    firsts = [tuple(r.prompt_token_ids[:16]) for name in ("len8k", "len32k", "len100k", "mix")
+              for r in lc.scenario_requests(name, args) if len(r.prompt_token_ids) >= 8192]
+    assert len(firsts) == 3 + 2 + 2 + 1 == len(set(firsts))
 
 
 def _req(prompt_len, ttft, gaps, sent_at=0.0, latency=None):
@@ -67,12 +71,20 @@ def test_collect_writes_the_ratios(tmp_path):
         (work / f"lc_{engine}_mix.json").write_text(json.dumps({"duration_s": 10.0, "requests": mix}))
         pre = [_req(128, 0.1, [0.02 * scale] * 100), _req(100_000, 1.0, [0.05], sent_at=0.5)]
         (work / f"lc_{engine}_prefill100k.json").write_text(json.dumps({"duration_s": 5.0, "requests": pre}))
+    alt = tmp_path / "alt"
+    alt.mkdir()
+    (alt / "lc_pagedserve_info.json").write_text(json.dumps({"startup_seconds": 50, "server_args": "--x"}))
+    (alt / "lc_pagedserve_len8k.json").write_text((work / "lc_vllm_len8k.json").read_text())
     out = tmp_path / "long_context.json"
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks/serving/long_context.py"), "collect", "--work",
-                        str(work), "--device", "NVIDIA H200", "--output", str(out)],
+                        str(work), "--device", "NVIDIA H200", "--output", str(out), "--alt-work", f"pw={alt}"],
                        capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-2000:]
-    ratios = json.loads(out.read_text())["ratios"]
+    result = json.loads(out.read_text())
+    ratios = result["ratios"]
+    alt_runs = result["results"]["pagedserve_pw"]
+    assert alt_runs["server_args"] == "--x" and list(alt_runs["runs"]) == ["8k"]
+    assert alt_runs["runs"]["8k"] == result["results"]["vllm"]["runs"]["8k"]  # the same file, the same figures
     for key in ("8k", "32k", "100k", "mix_short"):
         assert ratios[f"tpot_p50_over_vllm_{key}"] == pytest.approx(0.8, abs=1e-3)
         assert ratios[f"tpot_p99_over_vllm_{key}"] == pytest.approx(0.8, abs=1e-3)
