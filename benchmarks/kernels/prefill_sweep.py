@@ -13,8 +13,11 @@ K/V gathered contiguous, KV heads repeated, with a lower-right causal mask), eac
 row's relative L2 error within --rtol; then its time by CUDA events (--warmup, median of --reps;
 these kernels take ms). TFLOPS count the FLOPs exactly: 4 x head_dim x q heads x visible (query,
 key) pairs. A launch that does not compile or launch (shared memory) is recorded with its error; an
-incorrect one is recorded and never picked. The pick: per kernel, the correct launch with every
-shape timed whose geometric mean of time over the shapes is lowest, printed as the switch line.
+incorrect one is recorded and never picked. After the grid, the --lpt-top best prefill launches
+run again with +lpt (query tiles longest first). The pick: per kernel, the correct launch with
+every shape timed whose geometric mean of time over the shapes is lowest, printed as the switch
+line. torch's flash backend is FlashAttention-2 (vLLM runs FA3 on Hopper), over the KV heads
+repeated to 32.
 
 Time on an H200: about 3 minutes for the full grid (108 launches): --jobs processes compile the
 candidates first on a tiny problem of the same heads (Triton's disk cache then serves the timed
@@ -66,6 +69,7 @@ GRIDS = {  # kernel: grid: (bm, bn, warps, stages, gqa)
                 "quick": ((64, 128, 256), (32, 64), (4, 8), (2,), (False,))},
 }
 PRECOMPILE_SHAPE = (64, 200)  # (c, L): the same heads, dtypes and strides, so the same compiled variants
+REFINE_S = 6.0  # seconds kept for each lpt launch after the grid (compiled then: not precompiled)
 
 
 # --- what a shape costs, and the candidates --------------------------------------------------------
@@ -247,18 +251,24 @@ def precompile(items: list[tuple[str, str]], jobs: int) -> dict:
 
 
 # --- the pick ------------------------------------------------------------------------------------
-def pick(runs: dict, shape_keys: list[str], rtol: float = RTOL) -> dict | None:
-    """The launch whose geometric mean of ms over shape_keys is lowest among those timed on every
-    shape with every row within rtol; runs: {launch: {shape key: {"ms", "max_rel_err"} or {"error"}}}."""
+def ranking(runs: dict, shape_keys: list[str], rtol: float = RTOL) -> list[tuple[str, float]]:
+    """(launch, geometric mean of its ms over shape_keys), fastest first, of the launches timed on
+    every shape with every row within rtol; runs: {launch: {shape key: {"ms", "max_rel_err"} or
+    {"error"}}}."""
     means = {}
     for name, per_shape in runs.items():
         rows = [per_shape.get(k, {}) for k in shape_keys]
         if all("ms" in r and r.get("max_rel_err", math.inf) <= rtol for r in rows):
             means[name] = math.exp(statistics.fmean(math.log(r["ms"]) for r in rows))
-    if not means:
+    return sorted(means.items(), key=lambda kv: kv[1])
+
+
+def pick(runs: dict, shape_keys: list[str], rtol: float = RTOL) -> dict | None:
+    """The first of ranking(), or None when no launch is correct on every shape."""
+    ranked = ranking(runs, shape_keys, rtol)
+    if not ranked:
         return None
-    best = min(means, key=means.get)
-    return {"launch": best, "geomean_ms": means[best], "correct_launches": len(means)}
+    return {"launch": ranked[0][0], "geomean_ms": ranked[0][1], "correct_launches": len(ranked)}
 
 
 def picks(results: dict, shape_keys: list[str], rtol: float = RTOL) -> dict:
@@ -285,6 +295,29 @@ def print_picks(found: dict) -> None:
 
 
 # --- the run -------------------------------------------------------------------------------------
+def run_launch(kernel: str, name: str, shapes: list[Shape], refs: dict, out: torch.Tensor, results: dict,
+               sync, args) -> None:
+    """Check, then time, launch `name` on every shape into results[kernel][name]."""
+    runs = results[kernel][name] = {}
+    for shape in shapes:
+        o = out[:shape.c]
+        try:
+            fn = make_runner(kernel, shape, name, o)
+            o.fill_(float("nan"))
+            fn()
+            sync()
+            err, ok = check_output(o, refs[shape.key], args.rtol)
+            ms = time_ms(fn, args.warmup, args.reps)  # timed even if wrong: --pick may loosen --rtol
+            runs[shape.key] = {"max_rel_err": err, "within_rtol": ok, "ms": ms,
+                               "tflops": attention_flops(shape.c, shape.L) / ms / 1e9}
+        except Exception as e:  # does not compile or launch (shared memory): say so, go on
+            runs[shape.key] = {"error": repr(e)[:300]}
+            break
+    cells = ["error" if "error" in r else f"{r['ms']:8.3f} ms {r['tflops']:4.0f} TF"
+             + ("" if r["within_rtol"] else f" WRONG {r['max_rel_err']:.1e}") for r in runs.values()]
+    print(f"  {kernel:13s} {name:28s} " + " | ".join(cells), flush=True)
+
+
 def sweep(args) -> int:
     from torch.nn.attention import SDPBackend
     from pagedserve.benchmark.results import git_commit, write_result
@@ -328,32 +361,20 @@ def sweep(args) -> int:
 
     results: dict = {k: {} for k in kernels}
     not_reached = []
-    deadline = t0 + args.budget_s
     out = torch.empty_like(max((s.query for s in shapes), key=lambda q: q.shape[0]))
+    run = lambda kernel, name: run_launch(kernel, name, shapes, refs, out, results, sync, args)  # noqa: E731
+    refine = args.lpt_top if "paged_prefill" in kernels else 0
+    deadline = t0 + args.budget_s - REFINE_S * refine  # kept for the lpt launches after the grid
     for kernel, name in order:
         if time.monotonic() > deadline:
             not_reached.append(f"{kernel}:{name}")
             continue
-        runs = results[kernel][name] = {}
-        for shape in shapes:
-            o = out[:shape.c]
-            try:
-                fn = make_runner(kernel, shape, name, o)
-                o.fill_(float("nan"))
-                fn()
-                sync()
-                err, ok = check_output(o, refs[shape.key], args.rtol)
-                ms = time_ms(fn, args.warmup, args.reps)  # timed even if wrong: --pick may loosen --rtol
-                runs[shape.key] = {"max_rel_err": err, "within_rtol": ok, "ms": ms,
-                                   "tflops": attention_flops(shape.c, shape.L) / ms / 1e9}
-            except Exception as e:  # does not compile or launch (shared memory): say so, go on
-                runs[shape.key] = {"error": repr(e)[:300]}
-                break
-        cells = ["error" if "error" in r else f"{r['ms']:8.3f} ms {r['tflops']:4.0f} TF"
-                 + ("" if r["within_rtol"] else f" WRONG {r['max_rel_err']:.1e}") for r in runs.values()]
-        print(f"  {kernel:13s} {name:24s} " + " | ".join(cells), flush=True)
-
+        run(kernel, name)
     keys = [s.key for s in shapes]
+    # The best few prefill launches again with their tiles longest first (lpt).
+    for name, _ in ranking(results.get("paged_prefill", {}), keys, args.rtol)[:refine]:
+        run("paged_prefill", name + "+lpt")
+
     found = picks(results, keys, args.rtol)
     ratios = {}
     for kernel, p in found.items():
@@ -368,6 +389,7 @@ def sweep(args) -> int:
               "grid": args.grid, "kernels": kernels, "launches": [f"{k}:{n}" for k, n in order], "rtol": args.rtol,
               "check": "per (token, head) row ||out - ref|| / ||ref|| against SDPA (flash or efficient), lower-right causal",
               "timing": f"CUDA events, {args.warmup} warm-up, median of {args.reps}", "budget_s": args.budget_s,
+              "lpt_top": args.lpt_top,
               "flops": "4 * head_dim * num_q_heads * visible (query, key) pairs", "torch": torch.__version__,
               "triton": __import__("triton").__version__, "precompile_jobs": args.jobs}
     doc_results = {**results, "pick": found, "not_reached": not_reached,
@@ -412,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=max(1, min(12, (os.cpu_count() or 2) - 2)),
                     help="processes compiling the launches first (0: compile as they are timed)")
     ap.add_argument("--budget-s", type=float, default=200.0, help="start no launch after this many seconds")
+    ap.add_argument("--lpt-top", type=int, default=3,
+                    help="after the grid, time the N best prefill launches again with +lpt (longest tiles first)")
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                     help="cpu: a smoke run of the script itself under TRITON_INTERPRET=1 (tiny --shapes)")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")

@@ -1,7 +1,7 @@
 """The launch of a tiled attention kernel (the paged prefill kernel's, the unified kernel's) as a
 switch: '+'-joined parts bmN (rows of a query tile, the M of tl.dot), bnN (context positions per
 K/V tile), wN (warps), sN (pipeline stages), plus the flags a kernel names (the prefill kernel's
-gqa), e.g. bm128+bn64+w8+s3. Each part changes one field of the kernel's default launch; an empty
+gqa and lpt), e.g. bm128+bn64+w8+s3. Each part changes one field of the kernel's default launch; an empty
 string is the default. One parser serves every such switch, so their grammars cannot drift apart.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ class TileLaunch:
     num_warps: int = 4
     num_stages: int = 2
     gqa: bool = False  # the prefill kernel's GQA-packed variant (triton_prefill.py)
+    lpt: bool = False  # the prefill kernel's query tiles start last (longest) first
 
     def name(self, flags: tuple[str, ...] = ()) -> str:
         """The switch string that parses back to this launch (flags: the ones the kernel takes)."""

@@ -385,14 +385,15 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   first_seq: int, num_seqs: int, max_query_len: int, scale: float, out: torch.Tensor,
                   block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None, gqa: bool | None = None) -> torch.Tensor:
+                  v_scale: torch.Tensor | None = None, gqa: bool | None = None,
+                  lpt: bool | None = None) -> torch.Tensor:
     """Causal varlen attention of sequences first_seq .. first_seq+num_seqs-1 over their paged context.
 
     query/out are the whole flat batch [num_tokens, num_heads, head_dim]; query_start_loc indexes it.
-    block_m, block_n, num_warps, num_stages, gqa (the GQA-packed variant): None takes
-    triton_prefill.prefill_launch()'s (PAGEDSERVE_PREFILL_LAUNCH).
+    block_m, block_n, num_warps, num_stages, gqa (the GQA-packed variant), lpt (longest tiles
+    first): None takes triton_prefill.prefill_launch()'s (PAGEDSERVE_PREFILL_LAUNCH).
     """
-    given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, gqa=gqa)
+    given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, gqa=gqa, lpt=lpt)
     launch = dataclasses.replace(prefill_launch(), **{k: v for k, v in given.items() if v is not None})
     return prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq, num_seqs,
                              max_query_len, scale, out, launch, _ieee(query, k_cache), _scales(k_cache, k_scale, v_scale))

@@ -12,6 +12,10 @@ unified kernel's), so each K/V tile is loaded once per group instead of once per
 a tile's dots do GROUP times the arithmetic per byte of K/V. Each row's causal mask uses its own
 token's position. Without it every K/V tile is read by GROUP programs (through L2 at best).
 
+LONGEST_FIRST (lpt, a constexpr): query tiles start in reverse, so a chunk's last tiles, the
+longest (causal), start first and the short ones fill the end of the grid instead of leaving one
+long program running alone (the unified kernel orders its items so too).
+
 The launch (BLOCK_M, BLOCK_N, warps, stages, GQA) comes from prefill_launch(): PREFILL_DEFAULT,
 or PAGEDSERVE_PREFILL_LAUNCH in tile_launch.py's grammar (bm128+bn64+w8+s3+gqa);
 benchmarks/kernels/prefill_sweep.py times the candidates at long-context shapes.
@@ -30,9 +34,9 @@ PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 PREFILL_DEFAULT = TileLaunch(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=2)
 # An A/B of the launch without a code change (read once per process), e.g.
-# PAGEDSERVE_PREFILL_LAUNCH=bm128+bn64+w8+s3+gqa. Not yet swept on the H200.
+# PAGEDSERVE_PREFILL_LAUNCH=bm128+bn64+w8+s3+gqa+lpt. Not yet swept on the H200.
 PREFILL_LAUNCH_ENV = "PAGEDSERVE_PREFILL_LAUNCH"
-PREFILL_FLAGS = ("gqa",)
+PREFILL_FLAGS = ("gqa", "lpt")
 
 
 def parse_prefill_launch(text: str) -> TileLaunch:
@@ -67,11 +71,14 @@ def paged_prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
-    GQA: tl.constexpr = False, BLOCK_G: tl.constexpr = 1,
+    GQA: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, LONGEST_FIRST: tl.constexpr = False,
 ):
     # BLOCK_Q query tokens per tile: all BLOCK_M rows, or with GQA BLOCK_M / BLOCK_G tokens x heads.
     BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
-    tile_m = tl.program_id(0)
+    if LONGEST_FIRST:
+        tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        tile_m = tl.program_id(0)
     seq = tl.program_id(1) + first_seq
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
@@ -149,8 +156,10 @@ def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     block_g, block_q, packed = prefill_rows(group, launch)
-    # Only when packed, so that the default launch stays the compiled variant it was before the switch.
+    # Only when asked for, so that the default launch stays the compiled variant it was before the switch.
     pack = dict(GQA=True, BLOCK_G=block_g) if packed else {}
+    if launch.lpt:
+        pack["LONGEST_FIRST"] = True
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads if packed else num_heads)
     paged_prefill_kernel[grid](
         query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq,

@@ -102,6 +102,8 @@ def test_pick_is_the_fastest_correct_by_geometric_mean():
     assert got["geomean_ms"] == pytest.approx(10.0)
     assert got["over_default"] == pytest.approx(10.0 / math.sqrt(160))
     assert got["correct_launches"] == 3
+    assert [n for n, _ in ps.ranking(RUNS["paged_prefill"], ["a", "b"])] == [
+        "bm128+bn64+w8+s3", "bm64+bn128+w4+s2", "bm64+bn64+w4+s2"]
     # a looser tolerance lets the packed launch in (it was timed although outside 2e-2)
     assert ps.picks(RUNS, ["a", "b"], rtol=0.6)["paged_prefill"]["launch"] == "bm128+bn64+w8+s3+gqa"
     assert "unified" not in ps.picks(RUNS, ["a", "b"])
