@@ -62,11 +62,13 @@ KERNELS = {  # name: (switch, default launch, flags the switch takes, parser)
     "paged_prefill": (PREFILL_LAUNCH_ENV, PREFILL_DEFAULT, PREFILL_FLAGS, parse_prefill_launch),
     "unified": (UNIFIED_LAUNCH_ENV, UNIFIED_DEFAULT, (), parse_unified_launch),
 }
-GRIDS = {  # kernel: grid: (bm, bn, warps, stages, gqa)
-    "paged_prefill": {"full": ((64, 128), (32, 64, 128), (4, 8), (2, 3, 4), (False, True)),
-                      "quick": ((64, 128), (64, 128), (4, 8), (2, 3), (False, True))},
-    "unified": {"full": ((64, 128, 256), (32, 64, 128), (4, 8), (2, 3), (False,)),
-                "quick": ((64, 128, 256), (32, 64), (4, 8), (2,), (False,))},
+# kernel: grid: (bm, bn, warps, stages, gqa), each axis in the order its values are tried: the likelier
+# winners (bigger tiles, the packed kernel) first, so that a budget cut leaves out the least likely.
+GRIDS = {
+    "paged_prefill": {"full": ((128, 64), (64, 128, 32), (8, 4), (3, 2, 4), (True, False)),
+                      "quick": ((128, 64), (64, 128), (8, 4), (3, 2), (True, False))},
+    "unified": {"full": ((128, 256, 64), (64, 32, 128), (8, 4), (2, 3), (False,)),
+                "quick": ((128, 256, 64), (64, 32), (8, 4), (2,), (False,))},
 }
 PRECOMPILE_SHAPE = (64, 200)  # (c, L): the same heads, dtypes and strides, so the same compiled variants
 REFINE_S = 6.0  # seconds kept for each lpt launch after the grid (compiled then: not precompiled)
