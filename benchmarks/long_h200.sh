@@ -7,6 +7,9 @@
 #   SITE=/path/to/vllm-site bash benchmarks/long_h200.sh vllm     # long_context.py online, vLLM 0.26 (~9 min)
 #   bash benchmarks/long_h200.sh ours [--cudagraph-mode full]     # long_context.py online, pagedserve (~9 min)
 #   bash benchmarks/long_h200.sh collect      # -> benchmarks/results/h200/long_context.json
+#   bash benchmarks/long_h200.sh sweep        # ~4 min: prefill_sweep.py, the long-chunk attention
+#                                             # launches; $OUT/prefill_launch.env holds the picked switches
+#                                             # (env $(cat $OUT/prefill_launch.env) bash ... ours)
 # vllm/ours/collect share $OUT/long_context/ (the work dir); run them in one $OUT, or copy it over.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -42,6 +45,11 @@ case $MODE in
       --device "NVIDIA H200"
     cp benchmarks/results/h200/long_context.json benchmarks/results/h200/long_context.md "$OUT/" 2>/dev/null
     ;;
-  *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect" >&2; exit 2 ;;
+  sweep)
+    step prefill_sweep 280 python3 benchmarks/kernels/prefill_sweep.py --output "$OUT/prefill_sweep.json"
+    python3 benchmarks/kernels/prefill_sweep.py --pick "$OUT/prefill_sweep.json" > "$OUT/prefill_launch.env" \
+      2>> "$OUT/prefill_sweep.log"
+    ;;
+  *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect|sweep" >&2; exit 2 ;;
 esac
 echo "$(date +%T) done $MODE" >> "$OUT/progress.log"

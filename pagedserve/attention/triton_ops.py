@@ -23,7 +23,7 @@ from pagedserve.attention.kv_quant import FP8_KV_DTYPE
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kernel
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
-from pagedserve.attention.triton_prefill import paged_prefill_kernel
+from pagedserve.attention.triton_prefill import prefill_attention, prefill_launch
 from pagedserve.attention import triton_unified as unified
 
 # Launch defaults; benchmarks/kernels/bench_paged_decode.py sweeps the decode ones on the GPU, and
@@ -51,8 +51,6 @@ DECODE_LAUNCH_ENV = "PAGEDSERVE_DECODE_LAUNCH"
 DECODE_FP8_LAUNCH = "f16"
 # Replaces DECODE_FP8_LAUNCH without a code change (read once per process); "base": the bf16 launch.
 DECODE_FP8_LAUNCH_ENV = "PAGEDSERVE_DECODE_LAUNCH_FP8"
-PREFILL_BLOCK_M = 64
-PREFILL_BLOCK_N = 64
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
 DECODE_PROGRAMS_PER_SM = 3
@@ -385,25 +383,20 @@ def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:
 def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                   first_seq: int, num_seqs: int, max_query_len: int, scale: float, out: torch.Tensor,
-                  block_m: int = PREFILL_BLOCK_M, block_n: int = PREFILL_BLOCK_N,
-                  num_warps: int = 4, num_stages: int = 2, k_scale: torch.Tensor | None = None,
-                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
+                  num_stages: int | None = None, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None, gqa: bool | None = None,
+                  lpt: bool | None = None) -> torch.Tensor:
     """Causal varlen attention of sequences first_seq .. first_seq+num_seqs-1 over their paged context.
 
     query/out are the whole flat batch [num_tokens, num_heads, head_dim]; query_start_loc indexes it.
+    block_m, block_n, num_warps, num_stages, gqa (the GQA-packed variant), lpt (longest tiles
+    first): None takes triton_prefill.prefill_launch()'s (PAGEDSERVE_PREFILL_LAUNCH).
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    group = num_heads // k_cache.shape[2]
-    grid = (triton.cdiv(max_query_len, block_m), num_seqs, num_heads)
-    paged_prefill_kernel[grid](
-        query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq,
-        scale * math.log2(math.e),
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=block_m,
-        BLOCK_D=_pow2_at_least_16(head_dim), BLOCK_N=block_n, IEEE=_ieee(query, k_cache),
-        num_warps=num_warps, num_stages=num_stages, **_scales(k_cache, k_scale, v_scale))
-    return out
+    given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, gqa=gqa, lpt=lpt)
+    launch = dataclasses.replace(prefill_launch(), **{k: v for k, v in given.items() if v is not None})
+    return prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq, num_seqs,
+                             max_query_len, scale, out, launch, _ieee(query, k_cache), _scales(k_cache, k_scale, v_scale))
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -5,11 +5,59 @@ L - q .. L - 1 of its context of L tokens; they attend to every cached token and
 to each other. K/V are read only through the block table by triton_tiles.attend_tiles, the
 loop the decode kernel shares. Tiles wholly below the tile's first query position need no
 causal mask; only the tiles on the diagonal pay for one.
+
+GQA (the packed variant, a constexpr): grid (query tile, sequence, KV head) and a tile's BLOCK_M
+rows are BLOCK_M / BLOCK_G query tokens times the GQA group padded to BLOCK_G (token-major, as the
+unified kernel's), so each K/V tile is loaded once per group instead of once per query head, and
+a tile's dots do GROUP times the arithmetic per byte of K/V. Each row's causal mask uses its own
+token's position. Without it every K/V tile is read by GROUP programs (through L2 at best).
+
+LONGEST_FIRST (lpt, a constexpr): query tiles start in reverse, so a chunk's last tiles, the
+longest (causal), start first and the short ones fill the end of the grid instead of leaving one
+long program running alone (the unified kernel orders its items so too).
+
+The launch (BLOCK_M, BLOCK_N, warps, stages, GQA) comes from prefill_launch(): PREFILL_DEFAULT,
+or PAGEDSERVE_PREFILL_LAUNCH in tile_launch.py's grammar (bm128+bn64+w8+s3+gqa);
+benchmarks/kernels/prefill_sweep.py times the candidates at long-context shapes.
 """
+import functools
+import math
+import os
+
 import triton
 import triton.language as tl
 
+from pagedserve.attention.tile_launch import TileLaunch, parse_tile_launch
 from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles
+
+PREFILL_BLOCK_M = 64
+PREFILL_BLOCK_N = 64
+PREFILL_DEFAULT = TileLaunch(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=2)
+# An A/B of the launch without a code change (read once per process), e.g.
+# PAGEDSERVE_PREFILL_LAUNCH=bm128+bn64+w8+s3+gqa+lpt. Not yet swept on the H200.
+PREFILL_LAUNCH_ENV = "PAGEDSERVE_PREFILL_LAUNCH"
+PREFILL_FLAGS = ("gqa", "lpt")
+
+
+def parse_prefill_launch(text: str) -> TileLaunch:
+    return parse_tile_launch(text, PREFILL_LAUNCH_ENV, PREFILL_DEFAULT, PREFILL_FLAGS)
+
+
+@functools.lru_cache(maxsize=None)
+def prefill_launch() -> TileLaunch:
+    """paged_prefill's launch: PREFILL_DEFAULT, or as PREFILL_LAUNCH_ENV changes it."""
+    return parse_prefill_launch(os.environ.get(PREFILL_LAUNCH_ENV, ""))
+
+
+def prefill_rows(group: int, launch: TileLaunch) -> tuple[int, int, bool]:
+    """(BLOCK_G, query tokens per tile, packed) of a launch over a GQA group of `group`: packed
+    only with gqa and a group above 1 (for MHA the two variants are the same kernel)."""
+    if not launch.gqa or group == 1:
+        return 1, launch.block_m, False
+    block_g = triton.next_power_of_2(group)
+    if block_g > launch.block_m:
+        raise ValueError(f"{PREFILL_LAUNCH_ENV}: gqa needs bmN >= the padded GQA group ({block_g}), got {launch.block_m}")
+    return block_g, launch.block_m // block_g, True
 
 
 # The decode count (first_seq), the block-table width and the query's row stride (eager qkv view or
@@ -23,33 +71,51 @@ def paged_prefill_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
+    GQA: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, LONGEST_FIRST: tl.constexpr = False,
 ):
-    tile_m = tl.program_id(0)
+    # BLOCK_Q query tokens per tile: all BLOCK_M rows, or with GQA BLOCK_M / BLOCK_G tokens x heads.
+    BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
+    if LONGEST_FIRST:
+        tile_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        tile_m = tl.program_id(0)
     seq = tl.program_id(1) + first_seq
-    head = tl.program_id(2)
     q_start = tl.load(query_start_loc_ptr + seq)
     q_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    if tile_m * BLOCK_M >= q_len:
+    if tile_m * BLOCK_Q >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_before = seq_len - q_len
 
-    m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     d = tl.arange(0, BLOCK_D)
-    m_valid = m < q_len
+    if GQA:
+        kv_head = tl.program_id(2)
+        r = tl.arange(0, BLOCK_M)
+        m = tile_m * BLOCK_Q + r // BLOCK_G  # each row's token in the chunk
+        g = r % BLOCK_G
+        m_valid = (m < q_len) & (g < GROUP)
+        q_head_off = (kv_head * GROUP + g)[:, None] * stride_qh
+        o_head_off = (kv_head * GROUP + g)[:, None] * stride_oh
+    else:
+        head = tl.program_id(2)
+        kv_head = head // GROUP
+        m = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_valid = m < q_len
+        q_head_off = head * stride_qh
+        o_head_off = head * stride_oh
     if BLOCK_D == HEAD_DIM:
         q_mask = m_valid[:, None]
     else:
         q_mask = m_valid[:, None] & (d[None, :] < HEAD_DIM)
     rows = (q_start + m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + d[None, :], mask=q_mask, other=0.0)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + q_head_off + d[None, :], mask=q_mask, other=0.0)
     if IEEE:
         q = q.to(tl.float32)
     elif not KV_FP8:
         q = q.to(k_cache_ptr.dtype.element_ty)
     if KV_FP8:
         if KV_SCALE_PER_HEAD:  # [num_kv_heads] scales: this query head's KV head's
-            qk_scale = qk_scale * tl.load(k_scale_ptr + head // GROUP)
+            qk_scale = qk_scale * tl.load(k_scale_ptr + kv_head)
         else:
             qk_scale = qk_scale * tl.load(k_scale_ptr)  # dequantizing K is one multiply per score
     q_pos = ctx_before + m
@@ -58,10 +124,10 @@ def paged_prefill_kernel(
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
-    head_off = (head // GROUP) * stride_ch
+    head_off = kv_head * stride_ch
     # Keys below the tile's first query position are visible to every row: no mask.
-    unmasked_end = ((ctx_before + tile_m * BLOCK_M + 1) // BLOCK_N) * BLOCK_N
-    causal_end = tl.minimum(ctx_before + (tile_m + 1) * BLOCK_M, seq_len)
+    unmasked_end = ((ctx_before + tile_m * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
+    causal_end = tl.minimum(ctx_before + (tile_m + 1) * BLOCK_Q, seq_len)
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, 0, unmasked_end,
                                  k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                  stride_cb, stride_cs, d,
@@ -70,11 +136,37 @@ def paged_prefill_kernel(
                                  k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                  stride_cb, stride_cs, d,
                                  HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8)
+    # Padded group rows (g >= GROUP) saw every position with q = 0: l_i > 0, no NaN; not stored.
     out = acc / l_i[:, None]
     if KV_FP8:
         if KV_SCALE_PER_HEAD:
-            out = out * tl.load(v_scale_ptr + head // GROUP)
+            out = out * tl.load(v_scale_ptr + kv_head)
         else:
             out = out * tl.load(v_scale_ptr)
-    tl.store(out_ptr + rows[:, None] * stride_ot + head * stride_oh + d[None, :],
+    tl.store(out_ptr + rows[:, None] * stride_ot + o_head_off + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq: int,
+                      num_seqs: int, max_query_len: int, scale: float, out, launch: TileLaunch, ieee: bool,
+                      scales: dict):
+    """paged_prefill_kernel's launch (triton_ops.paged_prefill's body): ieee and scales as
+    triton_ops computes them for every kernel."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    block_g, block_q, packed = prefill_rows(group, launch)
+    # Only when asked for, so that the default launch stays the compiled variant it was before the switch.
+    pack = dict(GQA=True, BLOCK_G=block_g) if packed else {}
+    if launch.lpt:
+        pack["LONGEST_FIRST"] = True
+    grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads if packed else num_heads)
+    paged_prefill_kernel[grid](
+        query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq,
+        scale * math.log2(math.e),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=launch.block_m,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=launch.block_n, IEEE=ieee,
+        num_warps=launch.num_warps, num_stages=launch.num_stages, **pack, **scales)
+    return out

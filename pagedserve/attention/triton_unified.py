@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.attention.tile_launch import TileLaunch, parse_tile_launch
 from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles
 
 # Fields of a work item and of a q tile (int32 rows of the work buffers).
@@ -51,37 +52,20 @@ UNIFIED_BLOCK_N = 64
 MAX_SPLITS = 64
 # An A/B of the launch without a code change (read once per process): '+'-joined bmN (rows of a
 # tile: query tokens x padded GQA group), bnN (context positions per K/V tile), wN (warps), sN
-# (pipeline stages), e.g. PAGEDSERVE_UNIFIED_LAUNCH=bm128+bn32+w8. Not yet swept on the H200.
+# (pipeline stages), e.g. PAGEDSERVE_UNIFIED_LAUNCH=bm128+bn32+w8 (tile_launch.py's grammar, shared with
+# PAGEDSERVE_PREFILL_LAUNCH). Not yet swept on the H200: benchmarks/kernels/prefill_sweep.py does.
 UNIFIED_LAUNCH_ENV = "PAGEDSERVE_UNIFIED_LAUNCH"
 
 
-@dataclass(frozen=True)
-class UnifiedLaunch:
-    block_m: int = UNIFIED_BLOCK_M
-    block_n: int = UNIFIED_BLOCK_N
-    num_warps: int = 4
-    num_stages: int = 2
+UNIFIED_DEFAULT = TileLaunch(block_m=UNIFIED_BLOCK_M, block_n=UNIFIED_BLOCK_N, num_warps=4, num_stages=2)
 
 
-def parse_unified_launch(text: str) -> UnifiedLaunch:
-    kw: dict = {}
-    names = {"bm": "block_m", "bn": "block_n", "w": "num_warps", "s": "num_stages"}
-    for part in filter(None, text.strip().split("+")):
-        key = part.rstrip("0123456789")
-        number = part[len(key):]
-        if key not in names or not number or int(number) < 1:
-            raise ValueError(f"{UNIFIED_LAUNCH_ENV} parts are bmN, bnN, wN, sN joined by '+', got {part!r} in {text!r}")
-        kw[names[key]] = int(number)
-    launch = UnifiedLaunch(**kw)
-    for name in ("block_m", "block_n"):
-        v = getattr(launch, name)
-        if v < 16 or v & (v - 1):
-            raise ValueError(f"{UNIFIED_LAUNCH_ENV}: {name} must be a power of two >= 16, got {v}")
-    return launch
+def parse_unified_launch(text: str) -> TileLaunch:
+    return parse_tile_launch(text, UNIFIED_LAUNCH_ENV, UNIFIED_DEFAULT)
 
 
 @functools.lru_cache(maxsize=None)
-def unified_launch() -> UnifiedLaunch:
+def unified_launch() -> TileLaunch:
     return parse_unified_launch(os.environ.get(UNIFIED_LAUNCH_ENV, ""))
 
 

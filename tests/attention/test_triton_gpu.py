@@ -122,3 +122,23 @@ def test_decode_is_capturable_in_a_cuda_graph(ops):
         out.zero_()
         graph.replay()
         torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("launch", ["bm64+bn64+w4+s2+gqa", "bm128+bn64+w8+s3+gqa+lpt", "bm128+bn128+w8+s2+lpt"])
+@pytest.mark.parametrize("H,Hkv,D", [(32, 8, 128), (28, 4, 128), (14, 2, 64)])
+def test_prefill_launches(ops, launch, H, Hkv, D):
+    """PAGEDSERVE_PREFILL_LAUNCH candidates the sweep (benchmarks/kernels/prefill_sweep.py) may pick,
+    the GQA-packed variant (a group of 7 padded to 8) and longest-first tiles included, over chunks
+    with and without context."""
+    from pagedserve.attention.triton_prefill import parse_prefill_launch
+    shapes = [(0, 700), (1000, 333), (2048, 64), (5, 1)]
+    batch = make_batch(shapes, 0, H=H, Hkv=Hkv, D=D, block_size=16, dtype=torch.bfloat16, device="cuda", seed=3)
+    kc, vc = _written(batch)
+    m = batch.meta
+    ref = reference.paged_attention(batch.query, kc, vc, m, scale=D ** -0.5)
+    chosen = parse_prefill_launch(launch)
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 0, len(shapes),
+                      m.max_query_len, D ** -0.5, out, block_m=chosen.block_m, block_n=chosen.block_n,
+                      num_warps=chosen.num_warps, num_stages=chosen.num_stages, gqa=chosen.gqa, lpt=chosen.lpt)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])

@@ -146,14 +146,16 @@ def test_half_precision_matches_reference(dtype):
     torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
 
 
-def test_prefill_tiles_span_the_diagonal():
-    """Query tiles smaller than the chunk: the unmasked/causal split and partial tiles at both ends."""
+@pytest.mark.parametrize("lpt", [False, True])
+def test_prefill_tiles_span_the_diagonal(lpt):
+    """Query tiles smaller than the chunk: the unmasked/causal split and partial tiles at both ends;
+    lpt: the same tiles started last first."""
     batch = make_batch([(21, 27), (0, 33)], 0, H=2, Hkv=1, D=8, block_size=8, seed=7)
     kc, vc, ref = _reference_out(batch)
     m = batch.meta
     out = torch.empty_like(batch.query)
     ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 0, 2,
-                      m.max_query_len, 8 ** -0.5, out, block_m=16, block_n=16)
+                      m.max_query_len, 8 ** -0.5, out, block_m=16, block_n=16, lpt=lpt)
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
@@ -267,3 +269,41 @@ def test_fp8_per_head_scales_match_attention_over_dequantized_kv(qdtype, num_spl
     # the heads' scales matter: reading every head with head 0's is nowhere near
     wrong = reference.paged_attention(batch.query, kc, vc, batch.meta, 0.25, k_scale=ks[:1], v_scale=vs[:1])
     assert (wrong - ref).abs().max() > 0.1
+
+
+# --- The GQA-packed prefill variant (triton_prefill.py, PAGEDSERVE_PREFILL_LAUNCH's gqa) ----------
+@pytest.mark.parametrize("lpt", [False, True])
+@pytest.mark.parametrize("block_size,H,Hkv,D,block_m", [
+    (8, 4, 4, 64, 16),     # MHA: packing is a no-op (the plain kernel runs)
+    (16, 8, 2, 128, 32),   # group 4: 8 tokens x 4 heads per tile
+    (8, 8, 1, 64, 16),     # group 8: 2 tokens per tile, every tile on the diagonal
+    (16, 6, 1, 32, 32),    # group 6 padded to 8: padded rows must not be written
+])
+def test_gqa_packed_prefill_matches_reference(block_size, H, Hkv, D, block_m, lpt):
+    """Chunks crossing block boundaries, with and without prefix context, one shorter than a tile;
+    each row's causal mask follows its own token. The rows of other sequences (a decode first)
+    stay as they were: NaN. lpt: the tiles in reverse order (the short chunk's past its end)."""
+    shapes = [(9, 1), (21, 27), (0, 33), (5, 3)]
+    batch = make_batch(shapes, 1, H=H, Hkv=Hkv, D=D, block_size=block_size, seed=H + D)
+    kc, vc, ref = _reference_out(batch)
+    m = batch.meta
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 1, 3,
+                      max(m.query_lens_cpu[1:]), D ** -0.5, out, block_m=block_m, block_n=16, gqa=True, lpt=lpt)
+    assert out[:1].isnan().all()
+    torch.testing.assert_close(out[1:], ref[1:], **_tol(torch.float32))
+
+
+def test_gqa_packed_prefill_fp8_per_head_scales():
+    """Each KV head's own scales in the packed tile (group 2; scales 40x apart between heads)."""
+    batch = make_batch([(20, 9), (0, 13)], 0, H=6, Hkv=3, D=16, block_size=8, seed=13)
+    ks, vs = PER_HEAD_K, PER_HEAD_V
+    kc, vc = _fp8_pools(batch, ks, vs)
+    ops.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping, ks, vs)
+    ref = reference.paged_attention(batch.query, kc.float() * ks[:, None], vc.float() * vs[:, None], batch.meta,
+                                    scale=0.25)
+    m = batch.meta
+    out = torch.empty_like(batch.query)
+    ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 0, 2, m.max_query_len,
+                      0.25, out, block_m=16, block_n=16, gqa=True, k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))

@@ -1,0 +1,53 @@
+"""PAGEDSERVE_PREFILL_LAUNCH and PAGEDSERVE_UNIFIED_LAUNCH: one grammar (tile_launch.py), each
+switch's own defaults and flags, a ValueError naming the switch on bad input."""
+import pytest
+
+from pagedserve.attention import triton_prefill as prefill
+from pagedserve.attention import triton_unified as unified
+from pagedserve.attention.tile_launch import TileLaunch
+
+
+@pytest.mark.parametrize("raw, want", [
+    ("", prefill.PREFILL_DEFAULT),
+    ("bm128+bn32+w8+s3", TileLaunch(128, 32, 8, 3)),
+    ("gqa+bm128", TileLaunch(128, prefill.PREFILL_BLOCK_N, 4, 2, gqa=True)),
+    ("lpt", TileLaunch(prefill.PREFILL_BLOCK_M, prefill.PREFILL_BLOCK_N, 4, 2, lpt=True)),
+    (" s4 ", TileLaunch(prefill.PREFILL_BLOCK_M, prefill.PREFILL_BLOCK_N, 4, 4)),
+])
+def test_prefill_launch_switch_read_once(monkeypatch, raw, want):
+    monkeypatch.setenv(prefill.PREFILL_LAUNCH_ENV, raw)
+    prefill.prefill_launch.cache_clear()
+    try:
+        assert prefill.prefill_launch() == want
+        monkeypatch.setenv(prefill.PREFILL_LAUNCH_ENV, "bm16")  # read once per process: no effect now
+        assert prefill.prefill_launch() == want
+    finally:
+        prefill.prefill_launch.cache_clear()
+
+
+@pytest.mark.parametrize("raw", ["bm48", "bn8", "x4", "w0", "bm", "gqa2", "lpt1", "bm64+fast"])
+def test_bad_prefill_launch_names_the_switch(raw):
+    with pytest.raises(ValueError, match=prefill.PREFILL_LAUNCH_ENV) as err:
+        prefill.parse_prefill_launch(raw)
+    assert "\n" not in str(err.value)
+
+
+def test_launch_names_parse_back():
+    for text in ("bm128+bn64+w8+s3+gqa", "bm64+bn128+w4+s2", "bm64+bn64+w4+s2+lpt", "bm128+bn64+w8+s3+gqa+lpt"):
+        assert prefill.parse_prefill_launch(text).name(prefill.PREFILL_FLAGS) == text
+    assert unified.parse_unified_launch("bm256+bn32+w8+s3").name() == "bm256+bn32+w8+s3"
+
+
+@pytest.mark.parametrize("group, launch, want", [
+    (4, TileLaunch(64, 64, 4, 2), (1, 64, False)),              # not packed: BLOCK_M query tokens
+    (4, TileLaunch(128, 64, 4, 2, gqa=True), (4, 32, True)),    # 32 tokens x 4 heads
+    (6, TileLaunch(64, 64, 4, 2, gqa=True), (8, 8, True)),      # a group of 6 padded to 8
+    (1, TileLaunch(64, 64, 4, 2, gqa=True), (1, 64, False)),    # MHA: packing changes nothing
+])
+def test_prefill_rows(group, launch, want):
+    assert prefill.prefill_rows(group, launch) == want
+
+
+def test_gqa_tile_smaller_than_the_group_is_refused():
+    with pytest.raises(ValueError, match=prefill.PREFILL_LAUNCH_ENV):
+        prefill.prefill_rows(32, TileLaunch(16, 64, 4, 2, gqa=True))
