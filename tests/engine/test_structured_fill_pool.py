@@ -4,9 +4,10 @@ On two tokenizers (the demo model's 2k BPE, and a ~13k byte-level BPE trained he
 package's own sources), matchers of JSON / regex / choice grammars walked to varied states, some
 closed (their stop token accepted), fill a bitmask whose every word starts as garbage; the pool
 must leave it bit-identical to one serial BatchGrammarMatcher(1) call on the same rows: 1 row,
-fewer rows than threads, scattered rows, many rows. An error in any share (a closed grammar,
-which xgrammar refuses to fill, in the caller's share or a worker's) reaches the caller after
-every share has ended, and the pool fills correctly after it. close() joins every worker.
+fewer rows than threads, scattered rows, many rows (one chunk a thread, and several). An error
+in any chunk (a closed grammar, which xgrammar refuses to fill, in the caller's first chunk or in
+all the others) reaches the caller after every chunk has ended, and the pool fills correctly
+after it. close() joins every worker.
 Through StructuredOutputs with the switch set, advance_and_fill (closed grammars among the rows:
 left out) fills what the serial path fills, and shutdown leaves no worker behind.
 """
@@ -82,19 +83,19 @@ def _serial(matchers, indices, rows, words):
     return ref
 
 
-@pytest.mark.parametrize("threads,picks", [
-    (4, [7]),                          # 1 row: the caller alone
-    (4, [3, 5, 11]),                   # fewer rows than threads
-    (3, list(range(0, 30, 3))),        # scattered rows, several per share
-    (4, list(range(30))),              # many rows
+@pytest.mark.parametrize("threads,chunks_per_thread,picks", [
+    (4, 4, [7]),                          # 1 row: the caller alone
+    (4, 1, [3, 5, 11]),                   # fewer rows than threads
+    (3, 1, list(range(0, 30, 3))),        # scattered rows, several per chunk
+    (4, 4, list(range(30))),              # many rows, more chunks than threads
 ])
-def test_pool_fill_is_bit_identical_to_the_serial_fill(walked, threads, picks):
+def test_pool_fill_is_bit_identical_to_the_serial_fill(walked, threads, chunks_per_thread, picks):
     so, matchers, _ = walked
     ms = [matchers[k] for k in picks]
     indices = [2 * k + 1 for k in picks]  # odd rows: the even ones must stay untouched
     rows = indices[-1] + 2
     ref = _serial(ms, indices, rows, so.masks.words)
-    pool = FillPool(threads)
+    pool = FillPool(threads, chunks_per_thread)
     try:
         for _ in range(2):  # the second call reuses the threads the first started
             got = torch.full_like(ref, 0x5A5A5A5A)
@@ -106,26 +107,29 @@ def test_pool_fill_is_bit_identical_to_the_serial_fill(walked, threads, picks):
     assert not _workers()
 
 
-def test_an_error_in_any_share_reaches_the_caller_after_all_shares_end(walked):
+def test_an_error_in_any_chunk_reaches_the_caller_after_all_chunks_end(walked):
     so, matchers, closed = walked
-    ms = matchers[:6]
-    pool = FillPool(3)  # shares: rows 0,3 (the caller), 1,4 and 2,5 (workers)
+    ms = matchers[:12]
+    pool = FillPool(3, chunks_per_thread=2)  # 6 chunks: rows c, c + 6; the caller fills chunk 0 first
     try:
-        for bad in (0, 4):  # a closed grammar (xgrammar refuses it) in the caller's share, then a worker's
-            bitmask = torch.zeros(6, so.masks.words, dtype=torch.int32)
+        # A closed grammar (xgrammar refuses to fill it) in the caller's first chunk, then in
+        # every other chunk (taken by the workers, or by the caller once its own is done).
+        for bad in ([0], [1, 2, 3, 4, 5]):
             with pytest.raises(RuntimeError, match="terminated"):
-                pool.fill(ms[:bad] + [closed[0]] + ms[bad + 1:], bitmask, list(range(6)))
-            ref = _serial(ms, list(range(6)), 6, so.masks.words)  # and the next fill is right
+                pool.fill([closed[0] if r in bad else m for r, m in enumerate(ms)],
+                          torch.zeros(12, so.masks.words, dtype=torch.int32), list(range(12)))
+            assert pool._done.empty() and pool._work.empty()  # no chunk's result left for the next fill
+            ref = _serial(ms, list(range(12)), 12, so.masks.words)  # and the next fill is right
             got = torch.zeros_like(ref)
-            pool.fill(ms, got, list(range(6)))
+            pool.fill(ms, got, list(range(12)))
             assert torch.equal(got, ref)
-        with pytest.raises(ValueError, match="6 matchers but 5 indices"):
-            pool.fill(ms, got, list(range(5)))
+        with pytest.raises(ValueError, match="12 matchers but 11 indices"):
+            pool.fill(ms, got, list(range(11)))
     finally:
         pool.close()
     assert not _workers()
     with pytest.raises(RuntimeError, match="after close"):
-        pool.fill(ms, got, list(range(6)))
+        pool.fill(ms, got, list(range(12)))
     pool.close()  # idempotent
 
 
@@ -165,3 +169,5 @@ def test_the_switch_is_checked_and_off_by_default(monkeypatch):
         fill_pool_enabled()
     with pytest.raises(ValueError, match="threads >= 2"):
         FillPool(1)
+    with pytest.raises(ValueError, match="chunks_per_thread >= 1"):
+        FillPool(2, 0)
