@@ -37,11 +37,14 @@ states, in rotating order: `serial` (one BatchGrammarMatcher(1) call in this thr
 the engine's default from 8 rows) and `pool_cN` (engine/structured/fill_pool.py, --fill-threads
 threads started once, N chunks a thread, per --pool-chunks: PAGEDSERVE_GRAMMAR_FILL_POOL=1 uses
 CHUNKS_PER_THREAD). Each step checks every mask is bit-identical to the serial one. Reported: ms
-per step, min / p50 / p99 / mean, and the p50 ratios. On the H200
-host (16 cores, 8 fill threads by default), with the serving run's whitespace bound:
+per step, min / p50 / p99 / mean, and the p50 ratios. On the H200 host (16 cores, 8 fill
+threads by default), with the serving run's whitespace bound, building the BPE first if needed
+(2 cores here: 150 steps took ~2 minutes with the compiles):
 
-  timeout 900 python benchmarks/kernels/structured_mask_cost.py --tokenizer DIR --fill-compare \
-      --batches 16,64,128,256 --steps 200 --max-whitespace 0 --output $OUT/fill_compare.json
+  timeout 590 bash -c 'test -f /tmp/bpe/tokenizer.json || python benchmarks/serving/make_bpe_model_dir.py \\
+      benchmarks/models/llama-3.1-8b /tmp/bpe; python benchmarks/kernels/structured_mask_cost.py \\
+      --tokenizer /tmp/bpe --fill-compare --batches 16,64,128,256 --steps 200 --max-whitespace 0 \\
+      --output $OUT/fill_compare.json'
 """
 from __future__ import annotations
 
