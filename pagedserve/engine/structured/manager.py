@@ -106,7 +106,7 @@ class StructuredOutputs:
             raise ValueError(f"fill_threads must be >= 1, got {threads}")
         self._fill_serial = xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask  # in the calling thread
         # PAGEDSERVE_GRAMMAR_FILL_POOL=1: threads that outlive the call (started on the first fill).
-        self._fill_pool = FillPool(threads) if threads > 1 and fill_pool_enabled() else None
+        self._fill_pool = FillPool(threads) if fill_pool_enabled() and threads > 1 else None
         if self._fill_pool is not None:
             self._fill_threaded = self._fill_pool.fill
         elif threads > 1:
