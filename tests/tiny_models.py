@@ -30,8 +30,8 @@ MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt") + MOE_ARCHS
 
 
-def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320):
-    """A byte-level BPE trained offline on CORPUS, saved as an HF fast tokenizer."""
+def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320, corpus: list[str] | None = None):
+    """A byte-level BPE trained offline on `corpus` (default CORPUS), saved as an HF fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -40,7 +40,7 @@ def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<s>", "</s>", "<pad>"],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(CORPUS if corpus is None else corpus, trainer)
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
                                    pad_token="<pad>")
     fast.chat_template = CHAT_TEMPLATE

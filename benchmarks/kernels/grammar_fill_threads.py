@@ -18,7 +18,11 @@ fill_on_thread's fill begins only once the work, which holds the GIL, ends (or a
 5 ms, has passed), so it runs after the work, not beside it; work_on_thread's work begins as soon
 as xgrammar's fill gives the GIL up, at its start.
 
-  python benchmarks/kernels/grammar_fill_threads.py --tokenizer DIR [--rows 64] [--fill-threads 1]
+  python benchmarks/kernels/grammar_fill_threads.py --tokenizer DIR [--rows 64] [--fill-threads 1] [--fill-pool]
+
+--fill-pool: the fill on engine/structured/fill_pool.py's long-lived threads. Its workers need the
+GIL for a moment to start and to end each chunk, so work_on_thread (the overlap) shows whether
+the helper's Python holds them back.
 DIR: benchmarks/serving/make_bpe_model_dir.py's output (a 128k BPE); the demo model's 2k
 vocabulary (the default) makes a fill too cheap to matter. An idle core is needed for any overlap:
 with torch's CPU threads busy (OMP_NUM_THREADS unset after CPU work) the threads share one.
@@ -45,6 +49,7 @@ from pagedserve.demo_model import DEMO_MODEL_DIR  # noqa: E402
 from pagedserve.engine.detokenizer import detokenize_incrementally, initial_state  # noqa: E402
 from pagedserve.engine.input_processor import load_tokenizer  # noqa: E402
 from pagedserve.engine.structured.compiler import GrammarCompilerPool, parse_spec  # noqa: E402
+from pagedserve.engine.structured.fill_pool import FillPool  # noqa: E402
 from pagedserve.sampling_params import StructuredOutputsParams  # noqa: E402
 
 ARRANGEMENTS = ("inline", "fill_on_thread", "work_on_thread")
@@ -56,6 +61,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=64)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--fill-threads", type=int, default=1, help="xgrammar's threads for the fill")
+    p.add_argument("--fill-pool", action="store_true",
+                   help="fill on a FillPool of --fill-threads threads (PAGEDSERVE_GRAMMAR_FILL_POOL=1) instead")
     p.add_argument("--max-whitespace", type=int, default=STRUCTURED_OUTPUTS_MAX_WHITESPACE)
     p.add_argument("--work-scale", type=int, default=1,
                    help="detokenize each row this many times (heavier per-row work: stop strings, logprobs, ...)")
@@ -72,7 +79,8 @@ def main() -> None:
     n = args.rows
     matchers = [xgr.GrammarMatcher(compiled[i % len(compiled)]) for i in range(n)]
     bitmask = xgr.allocate_token_bitmask(n, vocab)
-    fill = xgr.BatchGrammarMatcher(args.fill_threads).batch_fill_next_token_bitmask
+    pool = FillPool(args.fill_threads) if args.fill_pool else None
+    fill = pool.fill if pool else xgr.BatchGrammarMatcher(args.fill_threads).batch_fill_next_token_bitmask
     rows = list(range(n))
     prompt = tok.encode("Answer in JSON:", add_special_tokens=False)
     outputs: list[list[int]] = [[] for _ in range(n)]
@@ -136,9 +144,12 @@ def main() -> None:
                 m.accept_token(t)
             out.append(t)
     second.shutdown()
+    if pool:
+        pool.close()
     ms = lambda xs: round(statistics.median(xs) * 1e3, 3)  # noqa: E731
     result = {"config": {"tokenizer": args.tokenizer, "vocab": vocab, "rows": n, "steps": args.steps,
-                         "fill_threads": args.fill_threads, "max_whitespace": args.max_whitespace,
+                         "fill_threads": args.fill_threads, "fill_pool": args.fill_pool,
+                         "max_whitespace": args.max_whitespace,
                          "work_scale": args.work_scale,
                          "switch_interval_s": sys.getswitchinterval()},
               "fill_ms_p50": ms(alone["fill"]), "work_ms_p50": ms(alone["work"]),

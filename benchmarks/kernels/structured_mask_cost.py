@@ -29,11 +29,28 @@ keys and closing brackets alike; a sequence whose grammar closes starts over. Th
   python benchmarks/kernels/structured_mask_cost.py --tokenizer DIR --device cuda --output $OUT/mask.json
 DIR: a tokenizer directory; benchmarks/serving/make_bpe_model_dir.py builds the 128k byte-level BPE
 the serving benchmark uses (the demo model's 2048 tokens are the default).
+
+--fill-compare: instead, who fills the masks (the host alone, no device). At each --batches size
+the rows walk together as above and each step's masks are filled each way on the same matcher
+states, in rotating order: `serial` (one BatchGrammarMatcher(1) call in this thread),
+`xgrammar` (BatchGrammarMatcher(--fill-threads): its threads started and joined in every call,
+the engine's default from 8 rows) and `pool_cN` (engine/structured/fill_pool.py, --fill-threads
+threads started once, N chunks a thread, per --pool-chunks: PAGEDSERVE_GRAMMAR_FILL_POOL=1 uses
+CHUNKS_PER_THREAD). Each step checks every mask is bit-identical to the serial one. Reported: ms
+per step, min / p50 / p99 / mean, and the p50 ratios. On the H200 host (16 cores, 8 fill
+threads by default), with the serving run's whitespace bound, building the BPE first if needed
+(2 cores here: 150 steps took ~2 minutes with the compiles):
+
+  timeout 590 bash -c 'test -f /tmp/bpe/tokenizer.json || python benchmarks/serving/make_bpe_model_dir.py \\
+      benchmarks/models/llama-3.1-8b /tmp/bpe; python benchmarks/kernels/structured_mask_cost.py \\
+      --tokenizer /tmp/bpe --fill-compare --batches 16,64,128,256 --steps 200 --max-whitespace 0 \\
+      --output $OUT/fill_compare.json'
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -51,6 +68,7 @@ from pagedserve.benchmark.results import write_result  # noqa: E402
 from pagedserve.demo_model import DEMO_MODEL_DIR  # noqa: E402
 from pagedserve.engine.input_processor import load_tokenizer  # noqa: E402
 from pagedserve.engine.structured import StructuredOutputs  # noqa: E402
+from pagedserve.engine.structured.fill_pool import CHUNKS_PER_THREAD, FillPool  # noqa: E402
 from pagedserve.engine.structured.masks import default_fill_threads  # noqa: E402
 from pagedserve.engine.token_application import TokenApplication  # noqa: E402
 from pagedserve.sampling_params import StructuredOutputsParams  # noqa: E402
@@ -274,6 +292,54 @@ def run_batch(so: StructuredOutputs, compiled: list, batch: int, steps: int, war
     return out
 
 
+def compare_fills(compiled: list, vocab: int, batch: int, steps: int, warmup: int, threads: int,
+                  pool_chunks: list[int], seed: int) -> dict:
+    """--fill-compare at one batch size: ms per step of each filler, on the same walk."""
+    rng = random.Random(seed)
+    fill = {"serial": xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask,
+            "xgrammar": xgr.BatchGrammarMatcher(threads).batch_fill_next_token_bitmask}
+    pools = [FillPool(threads, c) for c in pool_chunks]
+    for c, pool in zip(pool_chunks, pools):
+        fill[f"pool_c{c}"] = pool.fill
+    fillers = tuple(fill)
+    words = xgr.get_bitmask_shape(1, vocab)[1]
+    masks = {k: torch.zeros(batch, words, dtype=torch.int32) for k in fillers}
+
+    def fresh():
+        return xgr.GrammarMatcher(compiled[rng.randrange(len(compiled))])
+    matchers = [fresh() for _ in range(batch)]
+    rows = list(range(batch))
+    times = {k: [] for k in fillers}
+    restarts = 0
+    try:
+        for step in range(steps + warmup):
+            r = step % len(fillers)
+            order = fillers[r:] + fillers[:r]  # who runs first (colder caches) rotates
+            for k in order:
+                t0 = time.perf_counter()
+                fill[k](matchers, masks[k], rows)
+                if step >= warmup:
+                    times[k].append(time.perf_counter() - t0)
+            for k in fillers[1:]:
+                assert torch.equal(masks[k], masks["serial"]), f"{k} filled other masks than the serial fill"
+            for r, m in enumerate(matchers):
+                m.accept_token(_draw(rng, masks["serial"][r], vocab))
+                if m.is_terminated():
+                    matchers[r] = fresh()
+                    restarts += 1
+    finally:
+        for pool in pools:
+            pool.close()
+    out = {f"{k}_ms_per_step": _summary(times[k], 1e3) for k in fillers}
+    p50 = {k: out[f"{k}_ms_per_step"]["p50"] for k in fillers}
+    for k in fillers[1:]:
+        out[f"{k}_over_serial_p50"] = round(p50[k] / p50["serial"], 3)
+        if k != "xgrammar":
+            out[f"{k}_over_xgrammar_p50"] = round(p50[k] / p50["xgrammar"], 3)
+    out["grammars_closed_and_restarted"] = restarts
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokenizer", default=str(DEMO_MODEL_DIR), help="HF tokenizer directory")
@@ -284,13 +350,21 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--fill-threads", type=int, default=None, help="StructuredOutputs' fill threads (default: its own)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-whitespace", type=int, default=None,
+                   help="bound on free JSON whitespace (structured_outputs_max_whitespace; default the engine's)")
+    p.add_argument("--fill-compare", action="store_true",
+                   help="time serial / xgrammar threads / FillPool fills instead (see the docstring)")
+    p.add_argument("--pool-chunks", default=f"1,{CHUNKS_PER_THREAD}",
+                   help="--fill-compare: a FillPool per value of chunks per thread (the engine's: "
+                        f"{CHUNKS_PER_THREAD})")
     p.add_argument("--output", default=None, help="result JSON (benchmark/results.py format, with a .md beside)")
     args = p.parse_args()
 
     tok = load_tokenizer(args.tokenizer)
     vocab = args.vocab_size or len(tok)
     device = torch.device(args.device)
-    so = StructuredOutputs(tok, vocab, {tok.eos_token_id}, device, fill_threads=args.fill_threads)
+    ws = {} if args.max_whitespace is None else {"max_whitespace": args.max_whitespace}
+    so = StructuredOutputs(tok, vocab, {tok.eos_token_id}, device, fill_threads=args.fill_threads, **ws)
     specs = [StructuredOutputsParams(json=s) for s in benchmark_schemas()]
 
     uncached, cached, compiled = [], [], []
@@ -302,6 +376,27 @@ def main() -> None:
     compiled = compiled[::2]
 
     results = {"compile_ms_uncached": _summary(uncached, 1e3), "compile_ms_cached": _summary(cached, 1e3)}
+    threads = args.fill_threads or default_fill_threads()
+    if args.fill_compare:
+        so.shutdown()
+        if threads < 2:
+            raise SystemExit(f"--fill-compare needs --fill-threads >= 2 (this machine's default is {threads})")
+        batches = [int(b) for b in args.batches.split(",")]
+        pool_chunks = [int(c) for c in args.pool_chunks.split(",")]
+        for batch in batches:
+            results[f"batch_{batch}"] = r = compare_fills(compiled, vocab, batch, args.steps, args.warmup, threads,
+                                                          pool_chunks, args.seed)
+            print(batch, {k[:-len("_ms_per_step")]: v["p50"] for k, v in r.items() if k.endswith("_ms_per_step")},
+                  file=sys.stderr, flush=True)
+        config = {"tokenizer": args.tokenizer, "vocab_size": vocab, "batches": args.batches, "steps": args.steps,
+                  "warmup": args.warmup, "schemas": len(specs), "fill_threads": threads, "pool_chunks": pool_chunks,
+                  "max_whitespace": so.max_whitespace, "cpus": len(os.sched_getaffinity(0))}
+        print(json.dumps({"config": config, "results": results}, indent=1))
+        if args.output:
+            ratios = {f"{k}_b{b}": v for b in batches for k, v in results[f"batch_{b}"].items()
+                      if k.endswith("_p50")}
+            write_result(args.output, "structured_fill_compare", None, config, results, ratios=ratios, device="cpu")
+        return
     for batch in (int(b) for b in args.batches.split(",")):
         results[f"batch_{batch}"] = run_batch(so, compiled, batch, args.steps, args.warmup, device, args.seed)
     so.shutdown()

@@ -38,7 +38,7 @@ ENV_SWITCHES = ("PAGEDSERVE_FUSED", "PAGEDSERVE_FUSED_SAMPLING", "PAGEDSERVE_FUS
                 "PAGEDSERVE_DECODE_SPLIT_TOKENS", "PAGEDSERVE_DECODE_LAUNCH", "PAGEDSERVE_DECODE_LAUNCH_FP8",
                 "PAGEDSERVE_SHORT_PREFILL_GRAPHS", "PAGEDSERVE_PREFILL_LAUNCH", "PAGEDSERVE_UNIFIED_LAUNCH",
                 "PAGEDSERVE_FP8_QUANT", "PAGEDSERVE_FP8_FUSE", "PAGEDSERVE_FP8_GEMM",
-                "PAGEDSERVE_GRAMMAR_FILL")
+                "PAGEDSERVE_GRAMMAR_FILL", "PAGEDSERVE_GRAMMAR_FILL_POOL")
 # EngineConfig fields that switch engine behaviour, and the batch limits (their defaults follow the
 # device); absent fields are skipped.
 ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "cudagraph_mode", "enable_prefix_caching",

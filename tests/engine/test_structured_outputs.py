@@ -359,6 +359,30 @@ def test_overlap_fill_gives_the_same_tokens(unpreempted, monkeypatch):
         llm.shutdown()
 
 
+def test_fill_pool_gives_the_same_tokens(llm, monkeypatch):
+    """PAGEDSERVE_GRAMMAR_FILL_POOL=1: 12 constrained rows (the threaded fill's from 8) fill on the
+    FillPool's long-lived threads; the draws equal the module engine's (the pool off), token for
+    token, and the engine's shutdown joins the workers."""
+    import threading
+    monkeypatch.setenv("PAGEDSERVE_GRAMMAR_FILL_POOL", "1")
+    reqs = [(PROMPTS[i % 4], _json_params(SCHEMAS[1], 30 + i, max_tokens=24)) for i in range(12)]
+    expect, _ = _run_tokens(llm, reqs)
+    pooled = make_llm(DEMO_MODEL_DIR, num_gpu_blocks_override=256, structured_outputs_fill_threads=2)
+    pool = pooled.llm_engine.structured._fill_pool
+    fills = []
+    pool_fill = pool.fill
+    pool.fill = lambda ms, bitmask, indices: (fills.append(len(ms)), pool_fill(ms, bitmask, indices))
+    pooled.llm_engine.structured._fill_threaded = pool.fill
+    try:
+        got, _ = _run_tokens(pooled, reqs)
+        assert got == expect
+        assert len(fills) > 10 and max(fills) == 12, fills
+        assert any(t.name.startswith("grammar-fill-") for t in threading.enumerate())
+    finally:
+        pooled.shutdown()
+    assert not any(t.name.startswith("grammar-fill-") for t in threading.enumerate())
+
+
 def test_grammar_fill_mode_is_checked(monkeypatch):
     from pagedserve.engine.structured.manager import grammar_fill_mode
     monkeypatch.setenv("PAGEDSERVE_GRAMMAR_FILL", "sideways")

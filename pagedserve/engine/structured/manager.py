@@ -9,7 +9,8 @@ Lifecycle of a constrained request:
      alone finishes with finish_reason "abort" and an error naming the cause).
   3. Its first sequence gets a matcher (matchers.py); forks copy it; every step advance_and_fill()
      feeds each constrained row's grammar its newest token and fills its bitmask row on the host
-     (masks.py: xgrammar's batch calls, the fill on its own threads), and apply() uploads the rows
+     (masks.py: xgrammar's batch calls, the fill on its own threads, or with
+     PAGEDSERVE_GRAMMAR_FILL_POOL=1 on fill_pool.py's long-lived ones), and apply() uploads the rows
      and masks the logits in place on the device before any sampling (penalties, temperature,
      top-k/p, greedy argmax all see -inf for a token the grammar forbids). With
      PAGEDSERVE_GRAMMAR_FILL=overlap the caller's other host work (the engine: processing the
@@ -31,6 +32,7 @@ import xgrammar as xgr
 
 from pagedserve.config import STRUCTURED_OUTPUTS_MAX_WHITESPACE
 from pagedserve.engine.structured.compiler import BACKENDS, GrammarCompilerPool, parse_spec
+from pagedserve.engine.structured.fill_pool import FillPool
 from pagedserve.engine.structured.masks import BATCH_FILL_MIN_ROWS, MaskBuffers, StepMask, default_fill_threads
 from pagedserve.engine.structured.matchers import SeqGrammar, SeqGrammars
 from pagedserve.sampling_params import StructuredOutputsParams
@@ -53,6 +55,21 @@ def grammar_fill_mode() -> str:
     if mode not in GRAMMAR_FILL_MODES:
         raise ValueError(f"PAGEDSERVE_GRAMMAR_FILL must be one of {', '.join(GRAMMAR_FILL_MODES)}, got {mode!r}")
     return mode
+
+
+FILL_POOL_ENV = "PAGEDSERVE_GRAMMAR_FILL_POOL"
+
+
+def fill_pool_enabled() -> bool:
+    """PAGEDSERVE_GRAMMAR_FILL_POOL: who fills a step's masks from BATCH_FILL_MIN_ROWS rows. "0"
+    (the default): xgrammar's BatchGrammarMatcher(fill_threads), which starts and joins its threads
+    on every call; "1": a FillPool (fill_pool.py), fill_threads threads started once (the caller
+    and fill_threads - 1 workers), each a serial fill of its share of the rows. Off until the H200
+    measures it (benchmarks/kernels/structured_mask_cost.py --fill-compare, then a serving run)."""
+    mode = os.environ.get(FILL_POOL_ENV, "").strip() or "0"
+    if mode not in ("0", "1"):
+        raise ValueError(f"{FILL_POOL_ENV} must be 0 or 1, got {mode!r}")
+    return mode == "1"
 
 
 @dataclass
@@ -88,8 +105,14 @@ class StructuredOutputs:
         if threads < 1:
             raise ValueError(f"fill_threads must be >= 1, got {threads}")
         self._fill_serial = xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask  # in the calling thread
-        self._fill_threaded = (xgr.BatchGrammarMatcher(threads).batch_fill_next_token_bitmask if threads > 1
-                               else self._fill_serial)
+        # PAGEDSERVE_GRAMMAR_FILL_POOL=1: threads that outlive the call (started on the first fill).
+        self._fill_pool = FillPool(threads) if fill_pool_enabled() and threads > 1 else None
+        if self._fill_pool is not None:
+            self._fill_threaded = self._fill_pool.fill
+        elif threads > 1:
+            self._fill_threaded = xgr.BatchGrammarMatcher(threads).batch_fill_next_token_bitmask
+        else:
+            self._fill_threaded = self._fill_serial
         self.overlap_fill = grammar_fill_mode() == "overlap"
         self._helper: ThreadPoolExecutor | None = None  # runs advance_and_fill's `alongside`, on first use
 
@@ -227,7 +250,8 @@ class StructuredOutputs:
             raise error
 
     def _fill(self, live: list[tuple[int, Any]], bitmask: torch.Tensor) -> None:
-        """Fill (logits row, matcher) rows: on xgrammar's threads from BATCH_FILL_MIN_ROWS rows."""
+        """Fill (logits row, matcher) rows: on xgrammar's threads (or the FillPool's) from
+        BATCH_FILL_MIN_ROWS rows."""
         if live:
             fill = self._fill_threaded if len(live) >= BATCH_FILL_MIN_ROWS else self._fill_serial
             fill([m for _, m in live], bitmask, [i for i, _ in live])
@@ -261,3 +285,5 @@ class StructuredOutputs:
             self._pool.shutdown()
         if self._helper is not None:
             self._helper.shutdown(wait=True)
+        if self._fill_pool is not None:
+            self._fill_pool.close()

@@ -7,7 +7,8 @@ sync would end the overlap altogether. Hence:
 - The matchers take their tokens in the calling thread (~1-10 us a row), then fill their rows in
   one batch_fill_next_token_bitmask call on xgrammar's own C++ threads (~1-150 us a row with a
   128k vocabulary, by grammar state). xgrammar starts and joins that pool on every call
-  (cpp/grammar_matcher.cc), a cost paid every step, but its workers never take the GIL. Python
+  (cpp/grammar_matcher.cc), a cost paid every step, but its workers never take the GIL
+  (PAGEDSERVE_GRAMMAR_FILL_POOL=1: fill_pool.py's threads, started once, instead). Python
   threads over slices of the rows (accept and fill per slice) measured worse on the H200: TPOT
   p50 overhead 1.25 at 40 req/s against 1.069 with this fill (docs/benchmarks.md), the workers'
   Python between the GIL-releasing calls contending with the step loop.
