@@ -105,14 +105,19 @@ class ModelCost:
         """Parameters one token's forward multiplies by (top_k experts per layer), lm head included."""
         return self.matmul_params + self.lm_head_params
 
+    def step_matmul_seconds(self, num_tokens: int, num_sampled: int, flops_rate: float,
+                            fp8_flops_rate: float | None = None) -> float:
+        """Compute time of one step's matmuls: FP8 GEMMs at fp8_flops_rate (the H200's is twice
+        its bf16 rate), the rest (lm head over the sampled rows, routers) at flops_rate."""
+        fp8 = 2 * self.fp8_matmul_params * num_tokens
+        other = 2 * (self.matmul_params - self.fp8_matmul_params) * num_tokens + 2 * self.lm_head_params * num_sampled
+        return other / flops_rate + fp8 / (fp8_flops_rate or flops_rate)
+
     def step_flops_seconds(self, num_tokens: int, num_sampled: int, attended_pairs: int,
                            flops_rate: float, fp8_flops_rate: float | None = None) -> float:
-        """Compute time of one step: FP8 GEMMs at fp8_flops_rate (the H200's is twice its bf16
-        rate), the rest (lm head, routers, attention) at flops_rate."""
-        fp8 = 2 * self.fp8_matmul_params * num_tokens
-        other = (2 * (self.matmul_params - self.fp8_matmul_params) * num_tokens
-                 + 2 * self.lm_head_params * num_sampled + self.attn_flops_per_pair * attended_pairs)
-        return other / flops_rate + fp8 / (fp8_flops_rate or flops_rate)
+        """Compute time of one step: its matmuls, and attention at flops_rate."""
+        return (self.step_matmul_seconds(num_tokens, num_sampled, flops_rate, fp8_flops_rate)
+                + self.attn_flops_per_pair * attended_pairs / flops_rate)
 
 
 @dataclass
@@ -141,10 +146,28 @@ class StepLog:
 
     def ideal_seconds(self, cost: ModelCost, bandwidth: float, flops_rate: float,
                       fp8_flops_rate: float | None = None) -> float:
+        """Per step, max(every byte it moves / bandwidth, every FLOP / rate): a perfect engine that
+        overlaps the memory-bound work (attention's KV reads) with the compute-bound (GEMMs)."""
         total = 0.0
         for st in self.steps:
             nbytes = cost.step_weight_bytes(st.num_tokens) + st.context_tokens * cost.kv_bytes_per_token
             compute = cost.step_flops_seconds(st.num_tokens, st.num_sampled, st.attended_pairs, flops_rate,
                                               fp8_flops_rate)
             total += max(nbytes / bandwidth, compute)
+        return total
+
+    def serial_ideal_seconds(self, cost: ModelCost, bandwidth: float, flops_rate: float,
+                             fp8_flops_rate: float | None = None) -> float:
+        """Per step, the matmuls at their own bound (weights read or FLOPs) plus attention at its
+        own (KV read or FLOPs), one after the other: a perfect engine that runs each layer's GEMMs
+        and attention in sequence, as pagedserve and vLLM do. At large decode batches the GEMMs
+        are compute-bound and attention memory-bound, and this is well above ideal_seconds: only
+        overlapping the two (two nano-batches on two streams) gets below it."""
+        total = 0.0
+        for st in self.steps:
+            matmul = max(cost.step_weight_bytes(st.num_tokens) / bandwidth,
+                         cost.step_matmul_seconds(st.num_tokens, st.num_sampled, flops_rate, fp8_flops_rate))
+            attention = max(st.context_tokens * cost.kv_bytes_per_token / bandwidth,
+                            cost.attn_flops_per_pair * st.attended_pairs / flops_rate)
+            total += matmul + attention
         return total

@@ -173,12 +173,15 @@ def run_throughput(workload: str, model: str, engine_kwargs: dict, num_requests:
             cost = ModelCost.for_engine(llm.llm_engine)
             fp8_rate = measure_fp8_matmul_rate() if cost.fp8_matmul_params else None
             ideal = log.ideal_seconds(cost, bw, rate, fp8_rate)
+            serial = log.serial_ideal_seconds(cost, bw, rate, fp8_rate)
             results.update(measured_copy_bandwidth_GBps=round(bw / 1e9, 1),
                            measured_matmul_TFLOPs=round(rate / 1e12, 1),
-                           roofline_ideal_seconds=round(ideal, 3), num_steps=len(log.steps))
+                           roofline_ideal_seconds=round(ideal, 3),
+                           roofline_serial_ideal_seconds=round(serial, 3), num_steps=len(log.steps))
             if fp8_rate:
                 results["measured_fp8_matmul_TFLOPs"] = round(fp8_rate / 1e12, 1)
             ratios["roofline_fraction"] = round(ideal / best.seconds, 3)
+            ratios["serial_roofline_fraction"] = round(serial / best.seconds, 3)
     # Taken here, in the process that ran the engine, so the kernels it picked are recorded too.
     from pagedserve.benchmark.results import engine_switches
     switches = engine_switches(llm.llm_engine.config)
