@@ -14,7 +14,8 @@ One step with speculation, synchronous (see LLMEngine.step):
      through the ordinary stop rules, so a stop token or string inside an accepted run ends the
      sequence exactly where decoding without speculation would;
   5. after the step (clear): the policy observes the step's yield, 1 + accepted proposals / rows
-     that got proposals, and pauses speculation while it stays low (spec_decode/policy.py).
+     that got proposals, and pauses speculation while it stays low, or while the proposer keeps
+     having nothing for any row (spec_decode/policy.py).
 
 Which requests speculate: single sequences (n = best_of = 1) whose tokens depend only on the
 logits at each position: temperature, top-k, top-p, min-p, seeds and structured outputs; not
@@ -71,6 +72,7 @@ class Speculator:
         self._draft_rows: dict[int, tuple[torch.Tensor, int]] = {}
         # This step's rows that got proposals and proposals accepted: its yield, seen in clear().
         self._asked = self._accepted = 0
+        self._tried = False  # this step's propose() had rows to propose for
 
     def tokens_this_step(self, num_running: int) -> int:
         paused = self.policy.num_paused_steps
@@ -101,6 +103,7 @@ class Speculator:
             reqs.append(ProposalRequest(s.seq_id, history, k, t, generators.get(s.seq_id)))
         if not reqs:
             return
+        self._tried = True
         t0 = time.perf_counter()
         proposals = self.proposer.propose(reqs)
         self.stats.proposer_seconds += time.perf_counter() - t0
@@ -126,7 +129,10 @@ class Speculator:
         self._draft_rows = {}
         if self._asked:
             self.policy.observe(1.0 + self._accepted / self._asked)
+        elif self._tried:  # rows could take proposals and the proposer had none for any of them
+            self.policy.observe_empty()
         self._asked = self._accepted = 0
+        self._tried = False
 
     def finish(self, seq_id: int) -> None:
         self.proposer.finish(seq_id)

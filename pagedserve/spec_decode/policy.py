@@ -30,6 +30,17 @@ from first_pause_steps); one that does not pauses again for twice as long, up to
 max_pause_steps. A paused step is one the batch rule would have speculated in; only those count
 down a pause. The decision is a function of the observed yields alone (no clock, no
 randomness), so a run's schedule is exact and reproducible.
+
+Nothing proposed. A speculating step in which no row got a proposal (an n-gram proposer over
+text that does not repeat) has no yield, yet it still ran synchronously: an n-gram that never
+matches would make every step ~1.25x an overlapped one (what vLLM users report). So, with pausing
+on (min_speculation_yield above 1), EMPTY_STEPS_BEFORE_PAUSE such steps in a row pause
+speculation too: first_pause_steps steps, then one probe; a probe that proposes nothing again
+doubles the pause, up to MAX_EMPTY_PAUSE_STEPS (shorter than a low yield's cap: text that starts
+repeating later is found within that many steps); a step with proposals ends the streak and
+resets this backoff. In the steady state of a proposer that never matches, one step in
+1 + MAX_EMPTY_PAUSE_STEPS is synchronous. The streak is long (16) because a model's own
+repetition, the n-gram's food, often begins only some tokens in (the test model's within 15).
 """
 from __future__ import annotations
 
@@ -38,6 +49,8 @@ from __future__ import annotations
 YIELD_WEIGHT = 0.25
 FIRST_PAUSE_STEPS = 8
 MAX_PAUSE_STEPS = 256
+EMPTY_STEPS_BEFORE_PAUSE = 16
+MAX_EMPTY_PAUSE_STEPS = 32
 
 
 class SpeculationPolicy:
@@ -60,6 +73,8 @@ class SpeculationPolicy:
         self.pause_left = 0            # steps still paused
         self.next_pause = self.first_pause
         self.probing = False           # the next observed step is a probe
+        self.empty_streak = 0          # speculating steps in a row in which no row got a proposal
+        self.next_empty_pause = self.first_pause
 
     def tokens_to_propose(self, num_decodes: int) -> int:
         """k for this step given the running decodes (0: do not speculate)."""
@@ -76,7 +91,9 @@ class SpeculationPolicy:
 
     def observe(self, step_yield: float) -> None:
         """A speculating step's yield (see the module docstring); steps where no row got a
-        proposal are not observed."""
+        proposal go to observe_empty instead."""
+        self.empty_streak = 0
+        self.next_empty_pause = self.first_pause
         if self.probing:
             if step_yield >= self.min_yield:
                 self.probing = False
@@ -88,6 +105,15 @@ class SpeculationPolicy:
         self.estimate += YIELD_WEIGHT * (step_yield - self.estimate)
         if self.estimate < self.min_yield:
             self._pause()
+
+    def observe_empty(self) -> None:
+        """A speculating step in which no row got a proposal (see the module docstring)."""
+        if self.min_yield <= 1.0:
+            return
+        self.empty_streak += 1
+        if self.empty_streak >= EMPTY_STEPS_BEFORE_PAUSE:
+            self.pause_left = self.next_empty_pause
+            self.next_empty_pause = min(2 * self.next_empty_pause, MAX_EMPTY_PAUSE_STEPS)
 
     def _pause(self) -> None:
         self.pause_left = self.next_pause

@@ -9,7 +9,8 @@ import pytest
 
 from pagedserve import SamplingParams
 from pagedserve.spec_decode.config import DEFAULT_MIN_SPECULATION_YIELD, SpeculativeConfig
-from pagedserve.spec_decode.policy import (FIRST_PAUSE_STEPS, MAX_PAUSE_STEPS, YIELD_WEIGHT,
+from pagedserve.spec_decode.policy import (EMPTY_STEPS_BEFORE_PAUSE, FIRST_PAUSE_STEPS, MAX_EMPTY_PAUSE_STEPS,
+                                           MAX_PAUSE_STEPS, YIELD_WEIGHT,
                                            SpeculationPolicy)
 from pagedserve.spec_decode.synthetic import AcceptanceControlledProposer, ReplayProposer
 from engine.helpers import assert_no_leak, make_llm, tokenizer
@@ -187,3 +188,68 @@ def test_always_accepted_never_pauses(setup, monkeypatch):
     # synchronously: only the prompts' step launched overlapped.
     assert stats.num_spec_steps == math.ceil((MAX_TOKENS - 1) / 5)
     assert launches == 1
+
+
+# --- nothing proposed -----------------------------------------------------------------------------
+def empty_schedule(policy, steps, decodes=1):
+    """k per step over `steps` steps when every speculating step proposes nothing, run-length encoded."""
+    runs = []
+    for _ in range(steps):
+        k = policy.tokens_to_propose(decodes)
+        if k:
+            policy.observe_empty()
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    return [tuple(r) for r in runs]
+
+
+def test_steps_with_nothing_proposed_pause_and_back_off_to_their_own_cap():
+    assert (EMPTY_STEPS_BEFORE_PAUSE, MAX_EMPTY_PAUSE_STEPS) == (16, 32)
+    p = SpeculationPolicy(4, 256, min_speculation_yield=T)
+    assert empty_schedule(p, 16 + 8 + 1 + 16 + 1 + 32 + 1 + 32 + 1) == [
+        (4, 16), (0, 8), (4, 1), (0, 16), (4, 1), (0, 32), (4, 1), (0, 32), (4, 1)]
+    assert p.estimate == 5.0  # no yield was observed
+
+
+def test_a_step_with_proposals_ends_the_streak_and_resets_its_backoff():
+    p = SpeculationPolicy(4, 256, min_speculation_yield=T)
+    assert empty_schedule(p, 16 + 8 + 1 + 16) == [(4, 16), (0, 8), (4, 1), (0, 16)]
+    assert p.tokens_to_propose(1) == 4
+    p.observe(5.0)  # the text began to repeat: a full yield
+    assert empty_schedule(p, 15) == [(4, 15)]  # a new streak: 15 empty steps do not pause
+    assert empty_schedule(p, 1 + 8) == [(4, 1), (0, 8)]  # the 16th does, for 8 again
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.0])
+def test_nothing_proposed_never_pauses_with_pausing_off(threshold):
+    p = SpeculationPolicy(4, 256, min_speculation_yield=threshold)
+    assert empty_schedule(p, 100) == [(4, 100)]
+
+
+class _NothingProposer:
+    """A proposer that never has anything (an n-gram over text that does not repeat)."""
+    def propose(self, reqs):
+        from pagedserve.spec_decode.proposer import Proposals
+        return Proposals([[] for _ in reqs], None)
+
+    def finish(self, seq_id):
+        pass
+
+
+def test_an_engine_whose_proposer_finds_nothing_runs_overlapped(setup, monkeypatch):
+    model_dir, ids, want, _ = setup
+    llm = make_llm(model_dir, block_size=4, speculative_config=NGRAM)
+    engine = llm.llm_engine
+    engine.speculator.proposer = _NothingProposer()
+    launches = []
+    launch = engine._launch
+    monkeypatch.setattr(engine, "_launch", lambda *a: launches.append(1) or launch(*a))
+    assert _greedy(llm, ids) == want
+    # 47 decode steps: 16 synchronous empty steps, a pause of 8, a probe, 16, a probe, then 5 of a
+    # 32-step pause; every paused step (and the prompts' step) launched overlapped.
+    decode_steps, sync = MAX_TOKENS - 1, 16 + 1 + 1
+    assert engine.speculator.stats.num_spec_steps == 0 and engine.speculator.stats.num_draft_tokens == 0
+    assert engine.speculator.stats.num_paused_steps == decode_steps - sync + 1
+    assert len(launches) == 1 + decode_steps - sync
