@@ -46,6 +46,8 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"
+    # vLLM's: a prefill with more tokens left than this takes at most this many a step (0: off).
+    long_prefill_token_threshold: int = 0
     # Costs for preemption_mode="auto": moving one block over PCIe both ways against recomputing
     # one token. The engine replaces both with the runner's measurements in every CUDA setup
     # (num_gpu_blocks_override or not); these constants remain only on CPU, unless
@@ -66,6 +68,8 @@ class SchedulerConfig:
                 f"({self.max_model_len}) when chunked prefill is off")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
@@ -152,6 +156,9 @@ class EngineConfig:
                                           "the cheaper of swap and recompute, measured",
                                   PREEMPTION_MODES)
     enable_chunked_prefill: bool = option(True, "split long prompts across steps, decodes first")
+    long_prefill_token_threshold: int = option(0, "a prompt with more tokens left than this prefills at "
+                                                  "most this many a step, so decodes beside a very long "
+                                                  "prompt wait less per step (vLLM's; 0: off)")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     cudagraph_mode: str = option("piecewise", "decode: CUDA graphs for decode-only steps, steps with "
                                               "prefill tokens eager; piecewise: also graphs for those "
@@ -234,6 +241,8 @@ class EngineConfig:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -313,4 +322,5 @@ class EngineConfig:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
         )

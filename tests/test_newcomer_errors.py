@@ -60,6 +60,12 @@ def test_max_model_len_beyond_the_model_fails_once_before_the_engine(no_process_
     assert no_process_starts == []
 
 
+def test_a_negative_long_prefill_token_threshold_is_named(no_process_starts, capsys):
+    err = serve_error(["--long-prefill-token-threshold", "-1"], capsys)
+    assert "long_prefill_token_threshold must be >= 0 (0: off), got -1" in err
+    assert no_process_starts == []
+
+
 def test_cuda_without_cuda_fails_once_before_the_engine(no_process_starts, capsys, monkeypatch):
     import torch
     if torch.cuda.is_available():

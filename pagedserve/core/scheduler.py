@@ -341,6 +341,9 @@ class Scheduler:
     def _schedule_prefill(self, group: SequenceGroup, seq: Sequence, scheduled: list, out: SchedulerOutput) -> None:
         todo = seq.num_uncomputed_tokens
         n = min(todo, self._budget)
+        cap = self.scheduler_config.long_prefill_token_threshold
+        if 0 < cap < n and self.scheduler_config.enable_chunked_prefill:
+            n = cap  # a long prompt's chunk is capped (vLLM's long_prefill_token_threshold)
         if n <= 0 or (n < todo and not self.scheduler_config.enable_chunked_prefill):
             return
         if not self.kv_cache_manager.can_append_slots([(seq, n)]):

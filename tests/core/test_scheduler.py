@@ -59,6 +59,29 @@ def test_chunked_prefill_splits_long_prompt():
     assert g.seqs[0].num_computed_tokens == 20 and len(g.seqs[0].output_token_ids) == 1
 
 
+def test_long_prefill_token_threshold_caps_a_long_prompts_chunk():
+    """vLLM's long_prefill_token_threshold: a prompt with more tokens left than it prefills that
+    many a step, beside the running decodes; the budget left over goes to the next prompt, and a
+    prompt at or below the threshold is unaffected."""
+    s = make_scheduler(64, max_num_batched_tokens=16, long_prefill_token_threshold=6)
+    short, long_, after = make_group("s", prompt(3), max_tokens=8), make_group("l", prompt(20, 50)), \
+        make_group("a", prompt(6, 200))
+    for g in (short, long_, after):
+        s.add_seq_group(g)
+    d = Driver(s)
+    steps = []
+    for _ in range(4):
+        out = d.step()
+        check_invariants(s)
+        steps.append([(x.group.request_id, x.start, x.num_new_tokens) for x in out.scheduled])
+    assert steps == [[("s", 0, 3), ("l", 0, 6), ("a", 0, 6)],
+                     [("s", 3, 1), ("a", 6, 1), ("l", 6, 6)],
+                     [("s", 4, 1), ("a", 7, 1), ("l", 12, 6)],
+                     [("s", 5, 1), ("a", 8, 1), ("l", 18, 2)]]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be >= 0"):
+        SchedulerConfig(long_prefill_token_threshold=-1)
+
+
 def test_no_chunking_when_disabled():
     s = make_scheduler(64, max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
     a, b = make_group("a", prompt(10)), make_group("b", prompt(10, 50))

@@ -58,6 +58,24 @@ def test_greedy_block_sizes_and_chunked_prefill(tiny_model_dir, block_size, asyn
     _check(llm, model_dir, prompt_ids(model_dir))
 
 
+def test_greedy_with_long_prefill_token_threshold(tiny_model_dir):
+    """vLLM's long_prefill_token_threshold reaches the scheduler: no prefill chunk above it, the
+    budget (64) left to the other prompts and the decodes, and the tokens HF's."""
+    model_dir = tiny_model_dir("llama")
+    llm = make_llm(model_dir, block_size=4, max_num_batched_tokens=64, long_prefill_token_threshold=5)
+    sched = llm.llm_engine.scheduler
+    chunks = []
+    schedule = sched.schedule
+
+    def spy():
+        out = schedule()
+        chunks.extend(x.num_new_tokens for x in out.scheduled if not x.is_decode)
+        return out
+    sched.schedule = spy
+    _check(llm, model_dir, prompt_ids(model_dir))
+    assert max(chunks) == 5 and len(chunks) > len(prompt_ids(model_dir))
+
+
 @pytest.mark.parametrize("prefix_caching,async_scheduling", [(True, True), (False, True), (True, False)])
 def test_greedy_prefix_caching_on_off(tiny_model_dir, prefix_caching, async_scheduling):
     model_dir = tiny_model_dir("mistral")
