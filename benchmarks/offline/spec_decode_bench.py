@@ -294,7 +294,9 @@ def vllm_counters(llm) -> tuple[int, int] | None:
     return None if d is None or a is None else (int(d), int(a))
 
 
-def vllm(config: str, args) -> dict:
+def vllm(config: str, args, checkpoint=None) -> dict:
+    """One vLLM config (off, draft_model_kK, ngram_kK): {"bB": {...}} for each batch of args.batches;
+    checkpoint(results), when given, after the start and after every batch."""
     import shutil
 
     import vllm as vllm_pkg
@@ -321,6 +323,8 @@ def vllm(config: str, args) -> dict:
     results: dict = {"engine_seconds": round(time.perf_counter() - t0, 1), "vllm_version": vllm_pkg.__version__,
                      "llm_kwargs": {k: v for k, v in kw.items() if k != "model"}}
     log(f"vllm {config}: engine up in {results['engine_seconds']} s")
+    if checkpoint is not None:
+        checkpoint(results)
 
     def gen(prompts, n):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -345,6 +349,8 @@ def vllm(config: str, args) -> dict:
                        acceptance_rate=round((after[1] - before[1]) / (after[0] - before[0]), 4))
         results[f"b{b}"] = res
         log(f"vllm {config} b{b}: {res}")
+        if checkpoint is not None:
+            checkpoint(results)
     shutil.rmtree(model_dir, ignore_errors=True)
     return results
 
@@ -555,7 +561,9 @@ def main() -> int:
     elif args.section == "vllm":
         if args.site:
             sys.path.insert(0, args.site)
-        write_part(parts, f"vllm_{args.config}", vllm(args.config, args), vllm_side=True, args=args)
+        name = f"vllm_{args.config}"
+        write_part(parts, name, vllm(args.config, args, checkpoint=lambda res: write_part(
+            parts, name, res, vllm_side=True, args=args)), vllm_side=True, args=args)
     elif args.section == "collect":
         print(json.dumps(collect(parts, Path(args.output), args.batches, ks), indent=1))
     else:  # smoke: CPU, tiny, everything at once, into --parts / --output under a temp dir by default
