@@ -502,7 +502,7 @@ def write_part(parts_dir: Path, name: str, results: dict, vllm_side: bool, args)
     parts_dir.mkdir(parents=True, exist_ok=True)
     setup = {"model": Path(args.model).name, "prompt_len": args.prompt_len, "output_len": args.output_len,
              "batches": args.batches, "ks": args.ks, "accepts": args.accepts, "max_model_len": args.max_model_len,
-             "grid": args.grid}
+             "grid": args.grid if name.startswith("ours_spec") else None}  # spec_plan's; the others have none
     doc = {"device": device, "commit": "vllm" if vllm_side else git_commit(), "host": _host(), "setup": setup,
            "results": results}
     part_path(parts_dir, name).write_text(json.dumps(doc, indent=1) + "\n")
