@@ -198,7 +198,8 @@ def spec_plan(grid: str, ks: list[int], accepts: list[float]) -> list[tuple[int,
            (7 + 6 + 4 = 17 runs with the defaults)."""
     if grid not in GRIDS:
         raise SystemExit(f"--grid must be one of {GRIDS}, got {grid!r}")
-    plan = [(0, "adaptive_ngram", ADAPTIVE_K, True, "ngram", None), (0, "adaptive_draft", ADAPTIVE_K, True, "draft", None),
+    plan = [(0, "adaptive_ngram", ADAPTIVE_K, True, "ngram", None),
+            (0, "adaptive_draft", ADAPTIVE_K, True, "draft", None),
             (0, "adaptive_draft_a0", ADAPTIVE_K, True, "draft", 0.0),
             (0, "adaptive_replay_a0", ADAPTIVE_K, True, "replay", 0.0)]
 
