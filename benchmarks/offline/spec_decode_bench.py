@@ -29,8 +29,14 @@ Sections, each one process that fits a 10-minute device call (benchmarks/spec_h2
   vllm --config off | draft_model_kK | ngram_kK   vLLM offline with speculative_config (draft = target:
                            {"method": "draft_model", "model": <the same dir>}; {"method": "ngram"});
                            run it with vLLM on PYTHONPATH (--site DIR adds it)
-  collect                  merges the parts into benchmarks/results/h200/spec_decode.json
-  smoke                    CPU, a tiny config: both `ours` sections and collect in one process
+  ours --config spec --grid quick   the same engine, every batch in it, a coarser grid (spec_plan):
+                           the adaptive runs, then k4_draft_a1, k4_replay_a1 and k4_ngram (what the
+                           targets need) at every batch first; then the acceptance sweep at k = 4 only
+                           (draft and replay at each a) and k = 1, 2 at a = 1 only (draft and replay),
+                           no n-gram at k = 1, 2. 17 runs a batch instead of 31, one engine instead of four
+  collect                  merges the parts into benchmarks/results/h200/spec_decode.json; config.grids
+                           says which grid each part ran, `targets` the issue's targets against the figures
+  smoke                    CPU, a tiny config: both `ours` sections and collect in one process (--grid too)
 Acceptance is measured (accepted / proposed tokens, from the engine's counters) beside the a
 that was asked for: with corruption probability 1 - a per token, greedy verification accepts
 proposal j with probability a**j.
@@ -57,6 +63,7 @@ KS = (1, 2, 4)
 ACCEPTS = (0.0, 0.5, 0.8, 1.0)
 FIXED = 1 << 30            # spec_disable_batch_tokens that never turns speculation off
 ADAPTIVE_K = 4
+GRIDS = ("full", "quick")  # spec_plan
 PARTS = ROOT / "benchmarks/results/h200/spec_decode_parts"
 OUTPUT = ROOT / "benchmarks/results/h200/spec_decode.json"
 VLLM_ENV = {"VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
@@ -176,14 +183,52 @@ def free(llm) -> None:
         torch.cuda.empty_cache()
 
 
+def spec_plan(grid: str, ks: list[int], accepts: list[float]) -> list[tuple[int, str, int, bool, str, float | None]]:
+    """The runs of one batch in an `ours --config spec` section, in order, as (tier, name, k, adaptive,
+    proposer, a): proposer "ngram", "draft" (the draft model = target) or "replay" (the target's own
+    greedy output), corrupted at acceptance a (None: not corrupted); adaptive: the default policy
+    (batch rule and yield pausing) at k = ADAPTIVE_K, else a fixed k with pausing off.
+    A section runs tier 0 at every batch, then tier 1 at every batch, so a section cut by its time
+    limit has the targets' runs at every batch.
+    full:  tier 0 the four adaptive runs; tier 1 for each k of ks, n-gram, then draft and replay at
+           each a of accepts (4 + 3 * (1 + 2 * 4) = 31 runs with the defaults).
+    quick: tier 0 the four adaptive runs and k4_draft_a1, k4_replay_a1, k4_ngram (batch 1's 0.4x target,
+           the vLLM comparison at k = 4); tier 1 the acceptance sweep at k = ADAPTIVE_K only (draft and
+           replay at each other a of accepts), then draft and replay at a = 1 for each other k of ks
+           (7 + 6 + 4 = 17 runs with the defaults)."""
+    if grid not in GRIDS:
+        raise SystemExit(f"--grid must be one of {GRIDS}, got {grid!r}")
+    plan = [(0, "adaptive_ngram", ADAPTIVE_K, True, "ngram", None),
+            (0, "adaptive_draft", ADAPTIVE_K, True, "draft", None),
+            (0, "adaptive_draft_a0", ADAPTIVE_K, True, "draft", 0.0),
+            (0, "adaptive_replay_a0", ADAPTIVE_K, True, "replay", 0.0)]
+
+    def pair(tier: int, k: int, a: float) -> list:
+        return [(tier, f"k{k}_{kind}_a{a:g}", k, False, kind, a) for kind in ("draft", "replay")]
+
+    if grid == "full":
+        for k in ks:
+            plan.append((1, f"k{k}_ngram", k, False, "ngram", None))
+            for a in accepts:
+                plan += pair(1, k, a)
+        return plan
+    k = ADAPTIVE_K
+    plan += pair(0, k, 1.0) + [(0, f"k{k}_ngram", k, False, "ngram", None)]
+    for a in accepts:
+        if a != 1.0:
+            plan += pair(1, k, a)
+    for other in ks:
+        if other != k:
+            plan += pair(1, other, 1.0)
+    return plan
+
+
 def ours(config: str, args, checkpoint=None) -> dict:
     """One `ours` section: {"bB": {run name: measure()}} for each batch of args.batches.
-    config "off": one run per batch. config "spec": one engine (draft model = target, k = max(ks)) whose
-    proposer and policy are switched between runs: for each k, the n-gram proposer, then the draft and
-    the replay at each acceptance a (runs "k{k}_ngram", "k{k}_draft_a{a}", "k{k}_replay_a{a}"), with
-    the adaptive policy off; then the adaptive policy at k = ADAPTIVE_K ("adaptive_ngram", "adaptive_draft",
-    and with every proposal rejected "adaptive_draft_a0", "adaptive_replay_a0"). checkpoint(results), when
-    given, is called after every run with what is measured so far."""
+    config "off": one run per batch. config "spec": one engine (draft model = target, k = max(ks, ADAPTIVE_K))
+    whose proposer and policy are switched between runs, spec_plan(args.grid) at every batch, a tier at
+    a time (tier 0 at every batch, then tier 1). checkpoint(results), when given, is called after every
+    run with what is measured so far."""
     from pagedserve.spec_decode.config import DEFAULT_DISABLE_BATCH_TOKENS, DEFAULT_MIN_SPECULATION_YIELD
     from pagedserve.spec_decode.ngram import NgramProposer
     from pagedserve.spec_decode.synthetic import AcceptanceControlledProposer, ReplayProposer
@@ -195,48 +240,45 @@ def ours(config: str, args, checkpoint=None) -> dict:
                 "spec_disable_batch_tokens": FIXED}
     elif config != "off":
         raise SystemExit(f"ours: --config must be off or spec, got {config!r}")
+    plan = spec_plan(args.grid, args.ks, args.accepts) if spec is not None else []
     t0 = time.perf_counter()
     llm = build_llm(model, args, spec)
     log(f"ours {config}: engine up in {time.perf_counter() - t0:.1f} s")
     vocab = llm.llm_engine.vocab_size
     results: dict = {"engine_seconds": round(time.perf_counter() - t0, 1)}
     _generate(llm, make_prompts(2, args.prompt_len, vocab, seed=1), 4)  # warm-up
+    prompts = {b: make_prompts(b, args.prompt_len, vocab) for b in args.batches}
+    if spec is None:
+        for b in args.batches:
+            results[f"b{b}"] = {"off": measure(llm, prompts[b], args.output_len, spec=False)}
+            log(f"ours off b{b}: {results[f'b{b}']['off']}")
+            if checkpoint is not None:
+                checkpoint(results)
+        free(llm)
+        return results
+    draft, ngram = get_proposer(llm), NgramProposer(1, 5)
+    replay = {}
+    set_proposer(llm, NoProposals())
     for b in args.batches:
-        prompts = make_prompts(b, args.prompt_len, vocab)
-        runs: dict = {}
-        results[f"b{b}"] = runs
-        if spec is None:
-            runs["off"] = measure(llm, prompts, args.output_len, spec=False)
-            log(f"ours off b{b}: {runs['off']}")
-            if checkpoint is not None:
-                checkpoint(results)
-            continue
-        draft, ngram = get_proposer(llm), NgramProposer(1, 5)
-        set_proposer(llm, NoProposals())
-        _, recorded = _generate(llm, prompts, args.output_len)
-        replay = [p + o for p, o in zip(prompts, recorded)]
-        # The adaptive runs first: at batch 128 they carry the target (never slower than off), and a
-        # section cut by its time limit keeps what it finished (checkpoint, below).
-        adaptive = (ADAPTIVE_K, DEFAULT_DISABLE_BATCH_TOKENS, DEFAULT_MIN_SPECULATION_YIELD)
-        todo = [("adaptive_ngram", *adaptive, ngram), ("adaptive_draft", *adaptive, draft),
-                ("adaptive_draft_a0", *adaptive, AcceptanceControlledProposer(draft, 0.0, vocab, seed=b)),
-                ("adaptive_replay_a0", *adaptive,
-                 AcceptanceControlledProposer(ReplayProposer(replay), 0.0, vocab, seed=b))]
-        for k in args.ks:
-            todo.append((f"k{k}_ngram", k, FIXED, 0.0, ngram))
-            for a in args.accepts:
-                todo.append((f"k{k}_draft_a{a:g}", k, FIXED, 0.0,
-                             AcceptanceControlledProposer(draft, a, vocab, seed=b)))
-                todo.append((f"k{k}_replay_a{a:g}", k, FIXED, 0.0,
-                             AcceptanceControlledProposer(ReplayProposer(replay), a, vocab, seed=b)))
-        for name, k, threshold, min_yield, proposer in todo:
-            set_proposer(llm, proposer)
-            set_policy(llm, k, threshold, min_yield)
-            runs[name] = measure(llm, prompts, args.output_len, spec=True)
-            log(f"ours spec b{b} {name}: {runs[name]}")
-            if checkpoint is not None:
-                checkpoint(results)
-        set_proposer(llm, draft)
+        _, recorded = _generate(llm, prompts[b], args.output_len)
+        replay[b] = [p + o for p, o in zip(prompts[b], recorded)]
+        results[f"b{b}"] = {}
+    adaptive = (DEFAULT_DISABLE_BATCH_TOKENS, DEFAULT_MIN_SPECULATION_YIELD)
+
+    def proposer_for(kind: str, a: float | None, b: int):
+        inner = ReplayProposer(replay[b]) if kind == "replay" else {"ngram": ngram, "draft": draft}[kind]
+        return inner if a is None else AcceptanceControlledProposer(inner, a, vocab, seed=b)
+
+    for tier in sorted({run[0] for run in plan}):
+        for b in args.batches:
+            for _, name, k, is_adaptive, kind, a in (run for run in plan if run[0] == tier):
+                set_proposer(llm, proposer_for(kind, a, b))
+                set_policy(llm, k, *(adaptive if is_adaptive else (FIXED, 0.0)))
+                results[f"b{b}"][name] = measure(llm, prompts[b], args.output_len, spec=True)
+                log(f"ours spec b{b} {name}: {results[f'b{b}'][name]}")
+                if checkpoint is not None:
+                    checkpoint(results)
+    set_proposer(llm, draft)
     free(llm)
     return results
 
@@ -253,7 +295,9 @@ def vllm_counters(llm) -> tuple[int, int] | None:
     return None if d is None or a is None else (int(d), int(a))
 
 
-def vllm(config: str, args) -> dict:
+def vllm(config: str, args, checkpoint=None) -> dict:
+    """One vLLM config (off, draft_model_kK, ngram_kK): {"bB": {...}} for each batch of args.batches;
+    checkpoint(results), when given, after the start and after every batch."""
     import shutil
 
     import vllm as vllm_pkg
@@ -280,6 +324,8 @@ def vllm(config: str, args) -> dict:
     results: dict = {"engine_seconds": round(time.perf_counter() - t0, 1), "vllm_version": vllm_pkg.__version__,
                      "llm_kwargs": {k: v for k, v in kw.items() if k != "model"}}
     log(f"vllm {config}: engine up in {results['engine_seconds']} s")
+    if checkpoint is not None:
+        checkpoint(results)
 
     def gen(prompts, n):
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -304,6 +350,8 @@ def vllm(config: str, args) -> dict:
                        acceptance_rate=round((after[1] - before[1]) / (after[0] - before[0]), 4))
         results[f"b{b}"] = res
         log(f"vllm {config} b{b}: {res}")
+        if checkpoint is not None:
+            checkpoint(results)
     shutil.rmtree(model_dir, ignore_errors=True)
     return results
 
@@ -312,12 +360,13 @@ def vllm(config: str, args) -> dict:
 def merge_parts(parts_dir: Path) -> tuple[dict, set]:
     """{"ours": {"bB": {run: ...}}, "vllm": {config: {"bB": {...}}}} from the part files, and their
     (device, commit) stamps (vLLM parts carry commit "vllm")."""
-    merged: dict = {"ours": {}, "vllm": {}, "setup": {}}
+    merged: dict = {"ours": {}, "vllm": {}, "setup": {}, "host": {}}
     stamps = set()
     for f in sorted(parts_dir.glob("*.json")):
         doc = json.loads(f.read_text())
         stamps.add((doc["device"], doc["commit"]))
         merged["setup"][f.stem] = doc.get("setup")
+        merged["host"][f.stem] = doc.get("host")
         if f.stem.startswith("vllm_"):
             merged["vllm"][f.stem[len("vllm_"):]] = doc["results"]
         else:
@@ -337,7 +386,8 @@ def _tpot(section: dict, batch: int, run: str | None = None) -> float | None:
 
 
 def _ratio(x: float | None, y: float | None) -> float | None:
-    return round(x / y, 3) if x and y else None
+    # A TPOT at or below 0 (a run too short to time: only on the CPU smoke) gives no ratio.
+    return round(x / y, 3) if x is not None and y is not None and x > 0 and y > 0 else None
 
 
 def ratios_of(merged: dict, batches, ks) -> dict:
@@ -350,15 +400,37 @@ def ratios_of(merged: dict, batches, ks) -> dict:
         r[f"adaptive_draft_over_off_b{b}"] = _ratio(_tpot(ours, b, "adaptive_draft"), off[b])
         for name in ("adaptive_draft_a0", "adaptive_replay_a0"):
             r[f"{name}_over_off_b{b}"] = _ratio(_tpot(ours, b, name), off[b])
-    if theirs:
+    # Only the vLLM configs that ran (the quick plan runs off, draft_model_k4 and ngram_k4), each
+    # against our run of the same set-up: off, kK_draft_a1 (draft = target), kK_ngram.
+    for config in sorted(theirs):
+        method, _, k = config.rpartition("_k")
+        mine = {"off": "off", "draft_model": f"k{k}_draft_a1", "ngram": f"k{k}_ngram"}.get(method or config)
+        if mine is None:
+            continue
+        label = "off" if mine == "off" else f"{method.split('_')[0]}_k{k}"
         for b in batches:
-            r[f"tpot_off_b{b}_over_vllm"] = _ratio(off[b], _tpot(theirs.get("off", {}), b))
-            for k in ks:
-                r[f"tpot_draft_k{k}_b{b}_over_vllm"] = _ratio(_tpot(ours, b, f"k{k}_draft_a1"),
-                                                              _tpot(theirs.get(f"draft_model_k{k}", {}), b))
-                r[f"tpot_ngram_k{k}_b{b}_over_vllm"] = _ratio(_tpot(ours, b, f"k{k}_ngram"),
-                                                              _tpot(theirs.get(f"ngram_k{k}", {}), b))
+            r[f"tpot_{label}_b{b}_over_vllm"] = _ratio(_tpot(ours, b, mine), _tpot(theirs[config], b))
     return r
+
+
+def targets_of(ratios: dict, batches) -> dict:
+    """The issue's H200 targets against the collected ratios: {target: {"value", "limit", "met"}}
+    (met None where a figure is missing). The adaptive target takes the worst ratio over batches and
+    over the n-gram, draft and every-proposal-rejected runs; the vLLM target the worst of the matching
+    set-ups (draft = target and n-gram, every k and batch that ran)."""
+    def target(values: list, limit: float) -> dict:
+        got = [v for v in values if v is not None]
+        worst = max(got) if got else None
+        return {"value": worst, "limit": limit,
+                "met": None if worst is None or len(got) < len(values) else worst <= limit}
+
+    adaptive = [ratios.get(f"{n}_over_off_b{b}") for b in batches
+                for n in ("adaptive", "adaptive_draft", "adaptive_draft_a0", "adaptive_replay_a0")]
+    vs_vllm = [v for n, v in ratios.items() if n.endswith("_over_vllm") and not n.startswith("tpot_off_")]
+    return {"b1_k4_a100_replay_tpot_over_off": target([ratios.get("tpot_b1_k4_a100_over_off")], 0.4),
+            "b1_k4_a100_draft_tpot_over_off": target([ratios.get("tpot_b1_k4_a100_draft_over_off")], 0.4),
+            "adaptive_tpot_over_off_worst": target(adaptive, 1.02),
+            "tpot_over_vllm_worst": target(vs_vllm, 1.0) if vs_vllm else {"value": None, "limit": 1.0, "met": None}}
 
 
 NOTES = {
@@ -390,20 +462,38 @@ def collect(parts_dir: Path, output: Path, batches, ks, device: str | None = Non
     if any(s_[key] != setups[0][key] for s_ in setups for key in ("model", "prompt_len", "output_len")):
         raise SystemExit(f"the parts ran different set-ups: {merged['setup']}")
     first = setups[0] if setups else {}
+    # Which grid (spec_plan) each of our spec parts ran: "quick" or "full".
+    grids = {name: setup.get("grid", "full") for name, setup in merged["setup"].items()
+             if setup and name.startswith("ours_spec")}
     config = {"model": first.get("model"), "load_format": "dummy", "prompt_len": first.get("prompt_len"),
               "output_len": first.get("output_len"), "batches": list(batches),
-              "ks": list(ks), "greedy": True, "ignore_eos": True, "prefix_caching": False,
+              "ks": list(ks), "grids": grids, "vllm_configs": sorted(merged["vllm"]),
+              "greedy": True, "ignore_eos": True, "prefix_caching": False,
               "tpot": "(t(full generate) - t(generate with max_tokens=2)) / (output_len - 2)"}
     baselines = {"vllm": ("0.26 offline, same prompts, lengths and model config" if merged["vllm"]
                           else "not run (no vllm_* parts)")}
+    hosts = [h for name, h in sorted(merged.pop("host").items()) if h and not name.startswith("vllm_")]
+    targets = targets_of(ratios, batches)
     write_result(output, "spec_decode", None, config, merged, baselines, ratios,
-                 device=device or (devices.pop() if devices else None),
-                 measured_commit=ours_commits.pop() if ours_commits else None, extra={"notes": NOTES})
-    return ratios
+                 device=device or (devices.pop() if devices else None), host=hosts[0] if hosts else None,
+                 measured_commit=ours_commits.pop() if ours_commits else None,
+                 extra={"targets": targets, "notes": NOTES})
+    return {"ratios": ratios, "targets": targets}
 
 
 def part_path(parts_dir: Path, name: str) -> Path:
     return parts_dir / f"{name}.json"
+
+
+_HOST: list = []
+
+
+def _host() -> dict:
+    """This machine's host_info(), once a process (write_part runs after every run)."""
+    if not _HOST:
+        from pagedserve.benchmark.results import host_info
+        _HOST.append(host_info())
+    return _HOST[0]
 
 
 def write_part(parts_dir: Path, name: str, results: dict, vllm_side: bool, args) -> None:
@@ -412,8 +502,10 @@ def write_part(parts_dir: Path, name: str, results: dict, vllm_side: bool, args)
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     parts_dir.mkdir(parents=True, exist_ok=True)
     setup = {"model": Path(args.model).name, "prompt_len": args.prompt_len, "output_len": args.output_len,
-             "batches": args.batches, "ks": args.ks, "accepts": args.accepts, "max_model_len": args.max_model_len}
-    doc = {"device": device, "commit": "vllm" if vllm_side else git_commit(), "setup": setup, "results": results}
+             "batches": args.batches, "ks": args.ks, "accepts": args.accepts, "max_model_len": args.max_model_len,
+             "grid": args.grid if name.startswith("ours_spec") else None}  # spec_plan's; the others have none
+    doc = {"device": device, "commit": "vllm" if vllm_side else git_commit(), "host": _host(), "setup": setup,
+           "results": results}
     part_path(parts_dir, name).write_text(json.dumps(doc, indent=1) + "\n")
     out = os.environ.get("OUT")
     if out:
@@ -442,6 +534,8 @@ def main() -> int:
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)))
     ap.add_argument("--ks", default=",".join(map(str, KS)))
     ap.add_argument("--accepts", default=",".join(f"{a:g}" for a in ACCEPTS))
+    ap.add_argument("--grid", choices=GRIDS, default="full", help="ours --config spec: the runs of each batch "
+                    "(spec_plan): full, or quick (the acceptance sweep at k = 4 only, k = 1, 2 at a = 1)")
     ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     ap.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -460,13 +554,17 @@ def main() -> int:
     parts = Path(args.parts)
     if args.section == "ours":
         name = "ours_off" if args.config == "off" else "ours_spec_b" + "_".join(map(str, args.batches))
+        if args.config == "spec" and args.grid != "full":
+            name += f"_{args.grid}"
         # The part is rewritten after every run, so a section cut by its time limit keeps its runs.
         write_part(parts, name, ours(args.config, args, checkpoint=lambda res: write_part(
             parts, name, res, vllm_side=False, args=args)), vllm_side=False, args=args)
     elif args.section == "vllm":
         if args.site:
             sys.path.insert(0, args.site)
-        write_part(parts, f"vllm_{args.config}", vllm(args.config, args), vllm_side=True, args=args)
+        name = f"vllm_{args.config}"
+        write_part(parts, name, vllm(args.config, args, checkpoint=lambda res: write_part(
+            parts, name, res, vllm_side=True, args=args)), vllm_side=True, args=args)
     elif args.section == "collect":
         print(json.dumps(collect(parts, Path(args.output), args.batches, ks), indent=1))
     else:  # smoke: CPU, tiny, everything at once, into --parts / --output under a temp dir by default
@@ -481,7 +579,7 @@ def main() -> int:
         parts = Path(args.parts)
         write_part(parts, "ours_off", ours("off", args), vllm_side=False, args=args)
         checkpoints = []
-        write_part(parts, "ours_spec", ours("spec", args, checkpoint=lambda res: checkpoints.append(
+        write_part(parts, f"ours_spec_{args.grid}", ours("spec", args, checkpoint=lambda res: checkpoints.append(
             sum(len(runs) for runs in res.values() if isinstance(runs, dict)))), vllm_side=False, args=args)
         assert checkpoints == sorted(checkpoints) and len(checkpoints) == checkpoints[-1], checkpoints
         print(json.dumps(collect(parts, Path(args.output), args.batches, ks, device="cpu"), indent=1))
