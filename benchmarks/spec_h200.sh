@@ -10,7 +10,7 @@
 # quick_ours: two processes. (1) ours --config off, every batch: import ~10 s + engine ~50 s + 4
 #   measurements (a generate of 2 and one of 128 tokens each: ~0.7 s at batch 1 to ~1.6 s at 128) -> ~70 s.
 #   (2) ours --config spec --grid quick, every batch in one engine (target + draft = target, graphs for
-#   both: ~70-90 s to start), 4 recordings, then 17 runs a batch = 68 runs (spec_plan says which). Run
+#   both: ~70-90 s to start), 4 recordings, then 18 runs a batch = 72 runs (spec_plan says which). Run
 #   cost from ~5.5 ms (batch 1) to ~10 ms (batch 128) a decode step: a k = 4 draft step is 4 draft
 #   forwards + 1 verify + host (~30 ms at batch 1, ~65 ms at 128), a replay step 1 verify + host
 #   (~8-25 ms); steps per 128 tokens at k = 4: a = 1 -> 26, 0.8 -> 38, 0.5 -> 66, 0 -> 128. That is

@@ -25,7 +25,8 @@ Sections, each one process that fits a 10-minute device call (benchmarks/spec_h2
                                                 costs and gains);
                            then the default adaptive policy (batch rule and yield pausing) at k = 4:
                              adaptive_ngram, adaptive_draft, and adaptive_draft_a0 / adaptive_replay_a0
-                             (every proposal rejected: pausing should bring these near speculation off)
+                             (every proposal rejected: pausing should bring these near speculation off),
+                             adaptive_empty (a proposer that never has anything: likewise)
   vllm --config off | draft_model_kK | ngram_kK   vLLM offline with speculative_config (draft = target:
                            {"method": "draft_model", "model": <the same dir>}; {"method": "ngram"});
                            run it with vLLM on PYTHONPATH (--site DIR adds it)
@@ -33,7 +34,7 @@ Sections, each one process that fits a 10-minute device call (benchmarks/spec_h2
                            the adaptive runs, then k4_draft_a1, k4_replay_a1 and k4_ngram (what the
                            targets need) at every batch first; then the acceptance sweep at k = 4 only
                            (draft and replay at each a) and k = 1, 2 at a = 1 only (draft and replay),
-                           no n-gram at k = 1, 2. 17 runs a batch instead of 31, one engine instead of four
+                           no n-gram at k = 1, 2. 18 runs a batch instead of 32, one engine instead of four
   collect                  merges the parts into benchmarks/results/h200/spec_decode.json; config.grids
                            says which grid each part ran, `targets` the issue's targets against the figures
   smoke                    CPU, a tiny config: both `ours` sections and collect in one process (--grid too)
@@ -190,18 +191,21 @@ def spec_plan(grid: str, ks: list[int], accepts: list[float]) -> list[tuple[int,
     (batch rule and yield pausing) at k = ADAPTIVE_K, else a fixed k with pausing off.
     A section runs tier 0 at every batch, then tier 1 at every batch, so a section cut by its time
     limit has the targets' runs at every batch.
-    full:  tier 0 the four adaptive runs; tier 1 for each k of ks, n-gram, then draft and replay at
-           each a of accepts (4 + 3 * (1 + 2 * 4) = 31 runs with the defaults).
-    quick: tier 0 the four adaptive runs and k4_draft_a1, k4_replay_a1, k4_ngram (batch 1's 0.4x target,
+    full:  tier 0 the five adaptive runs; tier 1 for each k of ks, n-gram, then draft and replay at
+           each a of accepts (5 + 3 * (1 + 2 * 4) = 32 runs with the defaults).
+    quick: tier 0 the five adaptive runs and k4_draft_a1, k4_replay_a1, k4_ngram (batch 1's 0.4x target,
            the vLLM comparison at k = 4); tier 1 the acceptance sweep at k = ADAPTIVE_K only (draft and
            replay at each other a of accepts), then draft and replay at a = 1 for each other k of ks
-           (7 + 6 + 4 = 17 runs with the defaults)."""
+           (8 + 6 + 4 = 18 runs with the defaults).
+    adaptive_empty: a proposer that never has anything (an n-gram over text that does not repeat):
+           the policy's empty-step pause should keep it near speculation off."""
     if grid not in GRIDS:
         raise SystemExit(f"--grid must be one of {GRIDS}, got {grid!r}")
     plan = [(0, "adaptive_ngram", ADAPTIVE_K, True, "ngram", None),
             (0, "adaptive_draft", ADAPTIVE_K, True, "draft", None),
             (0, "adaptive_draft_a0", ADAPTIVE_K, True, "draft", 0.0),
-            (0, "adaptive_replay_a0", ADAPTIVE_K, True, "replay", 0.0)]
+            (0, "adaptive_replay_a0", ADAPTIVE_K, True, "replay", 0.0),
+            (0, "adaptive_empty", ADAPTIVE_K, True, "none", None)]
 
     def pair(tier: int, k: int, a: float) -> list:
         return [(tier, f"k{k}_{kind}_a{a:g}", k, False, kind, a) for kind in ("draft", "replay")]
@@ -266,6 +270,8 @@ def ours(config: str, args, checkpoint=None) -> dict:
     adaptive = (DEFAULT_DISABLE_BATCH_TOKENS, DEFAULT_MIN_SPECULATION_YIELD)
 
     def proposer_for(kind: str, a: float | None, b: int):
+        if kind == "none":
+            return NoProposals()
         inner = ReplayProposer(replay[b]) if kind == "replay" else {"ngram": ngram, "draft": draft}[kind]
         return inner if a is None else AcceptanceControlledProposer(inner, a, vocab, seed=b)
 
@@ -398,7 +404,7 @@ def ratios_of(merged: dict, batches, ks) -> dict:
     for b in batches:
         r[f"adaptive_over_off_b{b}"] = _ratio(_tpot(ours, b, "adaptive_ngram"), off[b])
         r[f"adaptive_draft_over_off_b{b}"] = _ratio(_tpot(ours, b, "adaptive_draft"), off[b])
-        for name in ("adaptive_draft_a0", "adaptive_replay_a0"):
+        for name in ("adaptive_draft_a0", "adaptive_replay_a0", "adaptive_empty"):
             r[f"{name}_over_off_b{b}"] = _ratio(_tpot(ours, b, name), off[b])
     # Only the vLLM configs that ran (the quick plan runs off, draft_model_k4 and ngram_k4), each
     # against our run of the same set-up: off, kK_draft_a1 (draft = target), kK_ngram.
@@ -425,7 +431,7 @@ def targets_of(ratios: dict, batches) -> dict:
                 "met": None if worst is None or len(got) < len(values) else worst <= limit}
 
     adaptive = [ratios.get(f"{n}_over_off_b{b}") for b in batches
-                for n in ("adaptive", "adaptive_draft", "adaptive_draft_a0", "adaptive_replay_a0")]
+                for n in ("adaptive", "adaptive_draft", "adaptive_draft_a0", "adaptive_replay_a0", "adaptive_empty")]
     vs_vllm = [v for n, v in ratios.items() if n.endswith("_over_vllm") and not n.startswith("tpot_off_")]
     return {"b1_k4_a100_replay_tpot_over_off": target([ratios.get("tpot_b1_k4_a100_over_off")], 0.4),
             "b1_k4_a100_draft_tpot_over_off": target([ratios.get("tpot_b1_k4_a100_draft_over_off")], 0.4),
@@ -444,6 +450,9 @@ NOTES = {
     "adaptive_draft_a0_over_off_bB": "the default adaptive policy with every proposal rejected (draft = target, "
                                      "or replay, corrupted at a = 0): yield pausing keeps most steps plain and "
                                      "overlapped, so this should stay near 1 (k4_draft_a0 is the same without it)",
+    "adaptive_empty_over_off_bB": "the default adaptive policy with a proposer that never has anything (an n-gram "
+                                  "over text that does not repeat): the policy's empty-step pause should keep "
+                                  "this near 1",
     "acceptance": "runs *_aA corrupt each proposal with probability 1 - A (spec_decode/synthetic.py); "
                   "acceptance_rate is what the engine's counters measured",
 }

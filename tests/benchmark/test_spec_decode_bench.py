@@ -24,26 +24,26 @@ def bench():
 
 
 KS, ACCEPTS = [1, 2, 4], [0.0, 0.5, 0.8, 1.0]
-TARGET_RUNS = {"adaptive_ngram", "adaptive_draft", "adaptive_draft_a0", "adaptive_replay_a0",
+TARGET_RUNS = {"adaptive_ngram", "adaptive_draft", "adaptive_draft_a0", "adaptive_replay_a0", "adaptive_empty",
                "k4_draft_a1", "k4_replay_a1", "k4_ngram"}
 
 
 def test_full_plan_is_the_whole_grid(bench):
     plan = bench.spec_plan("full", KS, ACCEPTS)
     names = [p[1] for p in plan]
-    expected = ["adaptive_ngram", "adaptive_draft", "adaptive_draft_a0", "adaptive_replay_a0"]
+    expected = ["adaptive_ngram", "adaptive_draft", "adaptive_draft_a0", "adaptive_replay_a0", "adaptive_empty"]
     for k in KS:
         expected.append(f"k{k}_ngram")
         for a in ACCEPTS:
             expected += [f"k{k}_draft_a{a:g}", f"k{k}_replay_a{a:g}"]
-    assert names == expected and len(names) == 31
+    assert names == expected and len(names) == 32
 
 
 def test_quick_plan_is_a_subset_with_the_targets_first(bench):
     full = {p[1]: p[2:] for p in bench.spec_plan("full", KS, ACCEPTS)}
     quick = bench.spec_plan("quick", KS, ACCEPTS)
     names = [p[1] for p in quick]
-    assert len(names) == len(set(names)) == 17
+    assert len(names) == len(set(names)) == 18
     # Each quick run is the full grid's run of the same name: same k, policy, proposer and a.
     assert all(full[p[1]] == p[2:] for p in quick)
     tiers = [p[0] for p in quick]
