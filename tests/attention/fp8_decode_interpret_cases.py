@@ -1,4 +1,4 @@
-"""Cases for the FP8 KV decode launch variants (triton_ops.DECODE_FP8_LAUNCH: BLOCK_N, warps,
+"""Cases for the FP8 KV decode launch variants (decode_plan.DECODE_FP8_LAUNCH: BLOCK_N, warps,
 stages, the f16 cast) under the Triton interpreter (CPU), checked against reference.py over the
 dequantized pools; run by test_fp8_decode_interpret.py in a subprocess with TRITON_INTERPRET=1
 (see triton_interpret_cases.py for why). Tiny shapes: seconds.
@@ -21,7 +21,7 @@ from interpreter_fixes import apply as _fix_interpreter  # noqa: E402
 
 _fix_interpreter()
 
-from pagedserve.attention import triton_ops as ops  # noqa: E402
+from pagedserve.attention import decode_plan, triton_ops as ops  # noqa: E402
 from pagedserve.attention.kv_quant import quantize_kv  # noqa: E402
 
 # Half-precision dots over e4m3 tiles, fp32 softmax and accumulation: the kernels' FP8 tolerance.
@@ -102,10 +102,11 @@ def test_paged_attention_takes_the_fp8_launch(monkeypatch):
     real = ops.paged_decode
 
     def spy(*args, **kwargs):
-        seen.append(ops.decode_launch_for(args[1].dtype))
+        seen.append(decode_plan.decode_launch_for(args[1].dtype))
         return real(*args, **kwargs)
-    monkeypatch.setattr(ops, "fp8_decode_launch_settings", lambda: ops.DecodeLaunch(block_n=32, f16_dot=True))
+    monkeypatch.setattr(decode_plan, "fp8_decode_launch_settings",
+                        lambda: decode_plan.DecodeLaunch(block_n=32, f16_dot=True))
     monkeypatch.setattr(ops, "paged_decode", spy)
     out = ops.paged_attention(batch.query.to(torch.float16), kc, vc, batch.meta, 0.25, k_scale=ks, v_scale=vs)
-    assert seen == [ops.DecodeLaunch(block_n=32, f16_dot=True)]
+    assert seen == [decode_plan.DecodeLaunch(block_n=32, f16_dot=True)]
     torch.testing.assert_close(out.float(), ref, **TOL)
