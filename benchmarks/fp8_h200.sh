@@ -18,7 +18,7 @@
 # kvdecode = the FP8 KV decode kernel's own launch: its GPU tests (the launch variants against the reference, in a
 # CUDA graph, and no compile after start-up with PAGEDSERVE_DECODE_LAUNCH_FP8 set; ~2 min), then
 # benchmarks/kernels/fp8_decode_sweep.py (BLOCK_N x warps x stages x the f16 cast at 4 batch x context shapes,
-# beside bf16; < 3 min): its best launch per shape is the candidate for triton_ops.DECODE_FP8_LAUNCH.
+# beside bf16; < 3 min): its best launch per shape is the candidate for decode_plan.DECODE_FP8_LAUNCH.
 # fused = the activation quantization fused into the norms / SiLU-and-mul: its GPU tests, then
 # benchmarks/kernels/fp8_fused_quant.py (kernels and a Llama-3.1-8B decode step, fusion on/off).
 # Parts land in benchmarks/results/h200/fp8_parts/ (and are copied to $OUT when set); once all are

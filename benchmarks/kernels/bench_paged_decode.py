@@ -24,7 +24,7 @@ import torch.nn.functional as F
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from pagedserve.attention import triton_ops  # noqa: E402
+from pagedserve.attention import decode_plan, triton_ops  # noqa: E402
 from pagedserve.benchmark.results import git_commit, write_result  # noqa: E402
 
 ERRORS: dict[str, str] = {}
@@ -260,13 +260,13 @@ def main():
 
     q, kc, vc, tables, seq_lens = make_paged(B, L, H, Hkv, D, args.block_size, dtype)
     nbytes = decode_bytes(B, L, H, Hkv, D, args.block_size, kc.element_size())
-    splits = triton_ops.choose_num_splits(B, Hkv, L, q.device)
+    splits = decode_plan.choose_num_splits(B, Hkv, L, q.device)
     paged = section("paged_decode")(time_paged)(q, kc, vc, tables, seq_lens, L, scale)
     if paged:
         paged_ms, paged_out = paged
         gbps = nbytes / paged_ms / 1e6
         results["paged_decode"] = {"ms": paged_ms, "GBps": gbps, "bytes": nbytes, "num_splits": splits,
-                                   "block_n": triton_ops.DECODE_BLOCK_N}
+                                   "block_n": decode_plan.DECODE_BLOCK_N}
         if copy_gbps:
             ratios["bandwidth_fraction"] = gbps / copy_gbps
         print("paged", results["paged_decode"], flush=True)

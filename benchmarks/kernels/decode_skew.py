@@ -7,7 +7,7 @@ max_model_len, 4096) for Llama-3.1-8B's attention (32 query heads, 8 KV heads, h
 bf16, 16-token blocks) at each --num-seqs, for each --split-tokens (0: the split count alone;
 N: length-aware splits of about N positions; "balanced", or "balanced@R" with an even share over R
 programs instead of the device's default: see triton_decode.split_plan; "auto": balanced or 0 as
-triton_ops.pick_split_mode picks for the lengths, as a decode graph's replay does), over two sets of
+decode_plan.pick_split_mode picks for the lengths, as a decode graph's replay does), over two sets of
 contexts:
   serving  contexts of running sharegpt-like requests (max 2048 tokens): a request drawn with
            probability proportional to its output length, at a uniform point of its output
@@ -30,7 +30,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from pagedserve.attention import triton_ops  # noqa: E402
+from pagedserve.attention import decode_plan, triton_ops  # noqa: E402
 from pagedserve.benchmark.results import write_result  # noqa: E402
 from pagedserve.workloads import make_workload  # noqa: E402
 
@@ -53,7 +53,7 @@ def split_mode(text: str) -> tuple[int, int | None]:
         return None, None
     if text.startswith("balanced"):
         share = text.partition("@")[2]
-        return triton_ops.BALANCED, (int(share) if share else None)
+        return decode_plan.BALANCED, (int(share) if share else None)
     return int(text), None
 
 
@@ -61,7 +61,7 @@ def time_case(lens: list[int], mode: str, max_len: int, replays: int, pool) -> f
     split_tokens, share = split_mode(mode)
     k_cache, v_cache = pool
     if mode == "auto":
-        split_tokens = triton_ops.pick_split_mode(lens, len(lens), KV_HEADS, max_len, k_cache.device)
+        split_tokens = decode_plan.pick_split_mode(lens, len(lens), KV_HEADS, max_len, k_cache.device)
     n = len(lens)
     dev = k_cache.device
     blocks_per_seq = -(-max_len // BLOCK)
@@ -70,7 +70,7 @@ def time_case(lens: list[int], mode: str, max_len: int, replays: int, pool) -> f
     seq_lens = torch.tensor(lens, dtype=torch.int32, device=dev)
     q = torch.randn(n, HEADS, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     out = torch.empty_like(q)
-    base = triton_ops.choose_num_splits(n, KV_HEADS, max_len, dev)
+    base = decode_plan.choose_num_splits(n, KV_HEADS, max_len, dev)
 
     def launch():
         triton_ops.paged_decode(q, k_cache, v_cache, seq_lens, tables, max_len, HEAD_DIM ** -0.5, out,
@@ -104,7 +104,7 @@ def main() -> None:
             row[name] = {t: time_case(lens, t, args.max_model_len, args.replays, pool)
                          for t in args.split_tokens}
             if "auto" in args.split_tokens:
-                row[name]["auto_picked"] = triton_ops.pick_split_mode(lens, n, KV_HEADS, args.max_model_len,
+                row[name]["auto_picked"] = decode_plan.pick_split_mode(lens, n, KV_HEADS, args.max_model_len,
                                                                       pool[0].device)
         results[f"n{n}"] = row
         print(n, row, flush=True)

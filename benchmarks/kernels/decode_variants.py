@@ -14,7 +14,7 @@ This times one variant against another on the shapes the benchmarks meet:
               it joined with '+': rows (sequences the fastest axis), nolpt (rows in row order),
               bnN, wN, sN (BLOCK_N, warps, stages); e.g. rows+nolpt+bn64, the defaults before 925e530.
 Each case is 32 launches in a CUDA graph with max_seq_len = --max-model-len and the split mode a
-graph's replay would pick (triton_ops.pick_split_mode), replayed --replays times; microseconds per
+graph's replay would pick (decode_plan.pick_split_mode), replayed --replays times; microseconds per
 launch, and the KV bytes over that time. Needs CUDA.
 
   python benchmarks/kernels/decode_variants.py --output /tmp/decode_variants.json
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
 
-from pagedserve.attention import triton_ops  # noqa: E402
+from pagedserve.attention import decode_plan, triton_ops  # noqa: E402
 from pagedserve.benchmark.results import write_result  # noqa: E402
 
 from decode_skew import serving_contexts  # noqa: E402  (benchmarks/)
@@ -65,9 +65,9 @@ def parse_case(text: str) -> tuple[str, int, int, int]:
 
 
 def parse_variant(text: str) -> dict:
-    """A variant's paged_decode arguments (triton_ops.parse_decode_launch: the names
+    """A variant's paged_decode arguments (decode_plan.parse_decode_launch: the names
     PAGEDSERVE_DECODE_LAUNCH takes), with lpt: whether the rows go longest first."""
-    launch = triton_ops.parse_decode_launch(text)
+    launch = decode_plan.parse_decode_launch(text)
     return {"block_n": launch.block_n, "num_warps": launch.num_warps, "num_stages": launch.num_stages,
             "heads_fastest": launch.heads_fastest, "lpt": launch.longest_first}
 
@@ -80,7 +80,7 @@ def time_case(lens: list[int], heads: int, kv_heads: int, variant: dict, max_len
     variant = dict(variant)
     lpt = variant.pop("lpt", False)
     block_n = variant["block_n"]
-    mode = triton_ops.pick_split_mode(lens, n, kv_heads, max_len, dev, block_n=block_n)
+    mode = decode_plan.pick_split_mode(lens, n, kv_heads, max_len, dev, block_n=block_n)
     blocks_per_seq = -(-max_len // BLOCK)
     kv = k_cache[:, :, :kv_heads]
     perm = torch.randperm(k_cache.shape[0], device=dev)[: n * blocks_per_seq]
@@ -89,7 +89,7 @@ def time_case(lens: list[int], heads: int, kv_heads: int, variant: dict, max_len
     order = triton_ops.longest_first(seq_lens) if lpt else None
     q = torch.randn(n, heads, HEAD_DIM, dtype=torch.bfloat16, device=dev)
     out = torch.empty_like(q)
-    base = triton_ops.choose_num_splits(n, kv_heads, max_len, dev)
+    base = decode_plan.choose_num_splits(n, kv_heads, max_len, dev)
 
     def launch():
         triton_ops.paged_decode(q, kv, v_cache[:, :, :kv_heads], seq_lens, tables, max_len, HEAD_DIM ** -0.5,

@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "kernels"))
 
 from bench_paged_decode import copy_bandwidth, decode_bytes, make_paged  # noqa: E402
-from pagedserve.attention import reference, triton_ops  # noqa: E402
+from pagedserve.attention import decode_plan, reference, triton_ops  # noqa: E402
 from pagedserve.attention.kv_quant import calibration_scale, quantize_kv  # noqa: E402
 from pagedserve.attention.metadata import AttentionMetadata  # noqa: E402
 from pagedserve.benchmark.results import git_commit, write_result  # noqa: E402
@@ -100,7 +100,7 @@ def sweep_shape(batch: int, context: int, names: list[str], copy_gbps: float | N
         if time.monotonic() > deadline:
             row["not_reached"].append(name)
             continue
-        launch = triton_ops.parse_decode_launch(name, fp8=True)
+        launch = decode_plan.parse_decode_launch(name, fp8=True)
         kw = dict(block_n=launch.block_n, num_warps=launch.num_warps, num_stages=launch.num_stages,
                   f16_dot=launch.f16_dot, order=order, k_scale=ks, v_scale=vs)
         try:
@@ -122,7 +122,7 @@ def sweep_shape(batch: int, context: int, names: list[str], copy_gbps: float | N
     if ok:
         best = min(ok, key=lambda n: ok[n]["ms"])
         row["best"] = dict(ok[best], launch=best)
-        base = triton_ops.DecodeLaunch()
+        base = decode_plan.DecodeLaunch()
         today = f"bn{base.block_n}+w{base.num_warps}+s{base.num_stages}"
         if today in ok:
             row["best_over_today"] = ok[best]["ms"] / ok[today]["ms"]
@@ -149,9 +149,9 @@ def main() -> int:
     config = {"shapes": [list(s) for s in shapes], "num_heads": H, "num_kv_heads": HKV, "head_dim": D,
               "block_size": BLOCK_SIZE, "query_dtype": "bfloat16", "kv_scales": "per tensor, calibration_scale(amax)",
               "variants": names, "tolerance_vs_reference": TOLERANCE, "budget_s": args.budget_s,
-              "split_tokens": triton_ops.decode_split_tokens(), "order": "longest first",
-              "bf16_launch": dataclasses.asdict(triton_ops.decode_launch_settings()),
-              "fp8_launch_today": dataclasses.asdict(triton_ops.fp8_decode_launch_settings()),
+              "split_tokens": decode_plan.decode_split_tokens(), "order": "longest first",
+              "bf16_launch": dataclasses.asdict(decode_plan.decode_launch_settings()),
+              "fp8_launch_today": dataclasses.asdict(decode_plan.fp8_decode_launch_settings()),
               "timing": "triton.testing.do_bench median (L2 flushed), eager paged_decode", "triton": triton.__version__,
               "torch": torch.__version__}
     results, ratios = {}, {}
@@ -193,7 +193,7 @@ def markdown(rec: dict) -> str:
              "| batch x context | bf16 default us | bf16 % copy | fp8 today us | fp8 best | us | % copy "
              "| best / bf16 |",
              "|---|---|---|---|---|---|---|---|"]
-    base = triton_ops.DecodeLaunch()
+    base = decode_plan.DecodeLaunch()
     today = f"bn{base.block_n}+w{base.num_warps}+s{base.num_stages}"
     for key, row in rec["results"].items():
         bf, b, t = row["bf16_default"], row.get("best", {}), row["fp8"].get(today, {})

@@ -5,7 +5,9 @@ meta.slot_mapping, then attends each sequence's new queries over its whole conte
 read through meta.block_tables. On CUDA the Triton kernels are used
 (pagedserve.attention.triton_ops, imported lazily); on CPU, or when they are missing,
 the plain-torch reference. Both expose the same three functions:
-write_kv, paged_attention, copy_blocks.
+write_kv, paged_attention, copy_blocks. The Triton one also carries its decode launch plan
+(triton_ops.decode_plan, attention/decode_plan.py), which the runner reads for its decode graphs'
+split modes and the warm-up's compile keys; the reference has none.
 """
 from __future__ import annotations
 

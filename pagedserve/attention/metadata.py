@@ -25,7 +25,7 @@ class AttentionMetadata:
     # Host copies, so backends never sync the device to learn shapes.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
-    # The decode kernels' split mode (triton_ops.decode_split_tokens' values), fixed by a decode
+    # The decode kernels' split mode (decode_plan.decode_split_tokens' values), fixed by a decode
     # CUDA graph at capture; None: the backend's own choice.
     decode_split_tokens: int | None = None
     # The decode rows longest first (triton_ops.paged_attention sorts seq_lens once per step, at the

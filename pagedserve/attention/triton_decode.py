@@ -14,7 +14,7 @@ asks for to fill the GPU, or into more when it is long, up to the grid's splits:
   SPLIT_TOKENS > 0  so that no split holds much more than SPLIT_TOKENS positions;
   SPLIT_TOKENS < 0  ("balanced") so that no split's chain of tiles is longer than an even share
                     of the step's work: every sequence's tiles times the KV heads, over
-                    SHARE_PROGRAMS (triton_ops.DECODE_SHARE_PROGRAMS_PER_SM per SM), read from
+                    SHARE_PROGRAMS (decode_plan.DECODE_SHARE_PROGRAMS_PER_SM per SM), read from
                     seq_lens on the device.
 Why: a decode graph is captured once per batch size, so base_splits cannot follow the step's
 lengths; at 64 sequences it is 1, and in a serving batch whose contexts run from a few tokens to

@@ -4,135 +4,25 @@ KV pools are [num_blocks, block_size, num_kv_heads, head_dim] per layer (head_di
 contiguous). `paged_attention` sends the batch's decodes (the first meta.num_decodes
 sequences, one query token each) to the split-K decode kernel and the rest (prefill
 chunks, extends after a prefix-cache hit) to the varlen prefill kernel. Launch shapes
-come only from host values in `meta`, so nothing here syncs the device.
+come only from host values in `meta`, so nothing here syncs the device. How the decode kernel
+is launched (its tiles, warps, grid order, splits) is decode_plan.py's decision; this module
+reads it from there at every call, so a test that patches decode_plan reaches these launches.
 """
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
-import os
-from dataclasses import dataclass
-from typing import Sequence
 
-import numpy as np
 import torch
 import triton
 
+from pagedserve.attention import decode_plan
 from pagedserve.attention.kv_quant import FP8_KV_DTYPE
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kernel
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import prefill_attention, prefill_launch
 from pagedserve.attention import triton_unified as unified
-
-# Launch defaults; benchmarks/kernels/bench_paged_decode.py sweeps the decode ones on the GPU, and
-# benchmarks/kernels/decode_variants.py the grid order with them. On the H200 (runs/cb44d75_decode_variants/)
-# 128-position tiles, KV heads as the grid's fastest axis and rows longest first together took a
-# graph-launched decode from 232 to 199 us at 256 sequences of nanovllm's contexts (3.7 to 4.3 TB/s
-# of K/V), 164 to 129 us over serving's at 256, 477 to 462 us at fixed256's 1000 even ones.
-DECODE_BLOCK_N = 128
-DECODE_NUM_WARPS = 4
-DECODE_NUM_STAGES = 3
-# An A/B of the decode launch without a code change (read once per process): '+'-joined changes
-# to the defaults, named as decode_variants.py names them: rows (sequences the grid's fastest
-# axis), nolpt (rows in row order), bnN (N-position tiles), wN (warps), sN (pipeline stages).
-# E.g. PAGEDSERVE_DECODE_LAUNCH=rows+nolpt+bn64 is the launch before 925e530.
-DECODE_LAUNCH_ENV = "PAGEDSERVE_DECODE_LAUNCH"
-# An FP8 (e4m3) KV cache's decode has a launch of its own: its tiles move half the bytes of a bf16
-# tile, and on the H200 at 52fbedc (fp8_kv_scales.py, 64 x 4096, Llama-3.1-8B attention) the bf16
-# launch took 0.282 ms over an fp8 cache against ~0.25 ms over bf16's twice the bytes. These are
-# its changes to the launch above (decode_launch_settings(), the switch included), in the
-# switch's names plus f16: the dot in fp16, q cast to fp16 (saturated to +-65504) and the tiles
-# cast e4m3 -> fp16 (one packed cvt on sm_89+; e4m3 -> bf16 is that cvt and a cvt per element
-# after), instead of the tiles cast to q's dtype. "" keeps the bf16 launch. The sweep on the H200
-# (benchmarks/kernels/fp8_decode_sweep.py, 2026-12-02, fp8_parts/fp8_decode_sweep.json): the f16
-# cast at the bf16 launch was fastest at all four shapes, 0.83-0.96x of the bf16 kernel's time.
-DECODE_FP8_LAUNCH = "f16"
-# Replaces DECODE_FP8_LAUNCH without a code change (read once per process); "base": the bf16 launch.
-DECODE_FP8_LAUNCH_ENV = "PAGEDSERVE_DECODE_LAUNCH_FP8"
-MAX_SPLITS = 64
-MIN_TOKENS_PER_SPLIT = 256
-DECODE_PROGRAMS_PER_SM = 3
-# Length-aware splits (triton_decode.split_plan): a long sequence gets more splits than the batch
-# size asks for. PAGEDSERVE_DECODE_SPLIT_TOKENS sets how (read once per process): 0 off, N > 0
-# splits of about N positions, "balanced" (the default) splits no longer than an even share of the
-# step's work. Fixed sizes on the H200 (benchmarks/kernels/decode_skew.py, runs/2cf31a8_decode_skew/): 512
-# took a graph-launched decode over serving's uneven contexts from 70.3 to 52.7 us at 64
-# sequences, but over even contexts of the same total from 39.6 to 50.5 us: the grid was sized
-# for max_model_len, each program past a sequence's last split still costs a launch, and so does
-# the reduction. "balanced" bounds the grid by a program budget, cuts only what would outlast the
-# rest, and a decode graph replays it only for steps whose lengths gain from it (pick_split_mode).
-BALANCED = -1
-DECODE_SPLIT_TOKENS = BALANCED
-SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
-# The balanced plan's even share: all of a step's tiles over this many programs per SM. An SM runs
-# about 2 decode programs at once at the launch defaults above (inferred from the even case's time
-# per tile), but a long chain that starts last ends late, so a cut pays from about twice that: on
-# the H200 (decode_skew.py at a7ed567) 4 per SM was best or within 5% of it at 16-128 sequences over
-# serving's contexts; 1 per SM cut too little.
-DECODE_SHARE_PROGRAMS_PER_SM = 4
-# The balanced grid's splits keep it within this many programs per SM (at least 2 splits), since
-# each program past a sequence's last split still costs a launch.
-DECODE_GRID_PROGRAMS_PER_SM = 8
-# A step takes the balanced plan only if it shortens the longest chain by more than this many
-# tiles: its extra programs and the reduction cost about 3.7 us at 64 even sequences, ~1.6 tiles.
-BALANCED_MIN_GAIN_TILES = 2
-
-
-@dataclass(frozen=True)
-class DecodeLaunch:
-    block_n: int = DECODE_BLOCK_N
-    num_warps: int = DECODE_NUM_WARPS
-    num_stages: int = DECODE_NUM_STAGES
-    heads_fastest: bool = True
-    longest_first: bool = True
-    f16_dot: bool = False  # fp8 caches only: tiles cast to fp16 and q to fp16 (DECODE_FP8_LAUNCH)
-
-
-def parse_decode_launch(text: str, base: DecodeLaunch | None = None, fp8: bool = False) -> DecodeLaunch:
-    """'base' or '' (base, default DecodeLaunch()), or '+'-joined changes to it (see DECODE_LAUNCH_ENV);
-    fp8: an fp8 cache's launch (DECODE_FP8_LAUNCH_ENV), which may also name f16."""
-    env = DECODE_FP8_LAUNCH_ENV if fp8 else DECODE_LAUNCH_ENV
-    kw: dict = {}
-    for part in filter(None, text.strip().split("+")):
-        number = part.lstrip("bnws")
-        if part == "base":
-            continue
-        elif part == "rows":
-            kw["heads_fastest"] = False
-        elif part == "nolpt":
-            kw["longest_first"] = False
-        elif part == "f16" and fp8:
-            kw["f16_dot"] = True
-        elif number.isdigit() and part[:-len(number)] in ("bn", "w", "s") and int(number) > 0:
-            kw[{"bn": "block_n", "w": "num_warps", "s": "num_stages"}[part[:-len(number)]]] = int(number)
-        else:
-            names = "rows, nolpt, bnN, wN, sN" + (", f16" if fp8 else "")
-            raise ValueError(f"{env} parts are {names} joined by '+', got {part!r} in {text!r}")
-    launch = dataclasses.replace(base or DecodeLaunch(), **kw)
-    if launch.block_n < 16 or launch.block_n & (launch.block_n - 1):
-        raise ValueError(f"{env}: bnN must be a power of two >= 16, got {launch.block_n}")
-    return launch
-
-
-@functools.lru_cache(maxsize=None)
-def decode_launch_settings() -> DecodeLaunch:
-    """paged_attention's decode launch: the defaults, or as DECODE_LAUNCH_ENV changes them."""
-    return parse_decode_launch(os.environ.get(DECODE_LAUNCH_ENV, ""))
-
-
-@functools.lru_cache(maxsize=None)
-def fp8_decode_launch_settings() -> DecodeLaunch:
-    """An fp8 cache's decode launch: decode_launch_settings() changed by DECODE_FP8_LAUNCH, or by
-    DECODE_FP8_LAUNCH_ENV in its place."""
-    return parse_decode_launch(os.environ.get(DECODE_FP8_LAUNCH_ENV, DECODE_FP8_LAUNCH),
-                               base=decode_launch_settings(), fp8=True)
-
-
-def decode_launch_for(kv_dtype: torch.dtype | None) -> DecodeLaunch:
-    """The decode launch over a cache of kv_dtype (None: the bf16 / fp16 / fp32 one)."""
-    return fp8_decode_launch_settings() if kv_dtype == FP8_KV_DTYPE else decode_launch_settings()
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -143,115 +33,6 @@ def _check_cache(cache: torch.Tensor, head_dim: int) -> None:
     if cache.dim() != 4 or cache.shape[3] != head_dim or cache.stride(3) != 1:
         raise ValueError(f"KV cache must be [num_blocks, block_size, num_kv_heads, {head_dim}] with "
                          f"contiguous head_dim, got shape {tuple(cache.shape)} strides {cache.stride()}")
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-@functools.lru_cache(maxsize=None)
-def decode_split_tokens() -> int:
-    """The switch's value: 0 (off), a split size in positions, or BALANCED."""
-    raw = os.environ.get(SPLIT_TOKENS_ENV, "").strip()
-    if not raw:
-        return DECODE_SPLIT_TOKENS
-    if raw == "balanced":
-        return BALANCED
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ValueError(f"{SPLIT_TOKENS_ENV} must be 'balanced' or a whole number of tokens (0: off), "
-                         f"got {raw!r}") from None
-    if value < 0:
-        raise ValueError(f"{SPLIT_TOKENS_ENV} must be 'balanced' or >= 0 (0: off), got {value}")
-    return value
-
-
-def grid_splits(base_splits: int, max_seq_len: int, split_tokens: int, num_seqs: int, num_kv_heads: int,
-                sms: int) -> int:
-    """The grid's splits per sequence, never fewer than base_splits, at most MAX_SPLITS: with a split
-    size, enough for the longest possible sequence (max_seq_len); balanced, as many as keep the
-    grid within DECODE_GRID_PROGRAMS_PER_SM programs per SM (but 2 at least) and splits of at least
-    MIN_TOKENS_PER_SPLIT."""
-    if split_tokens == 0:
-        return base_splits
-    if split_tokens > 0:
-        return max(base_splits, min(MAX_SPLITS, triton.cdiv(max_seq_len, split_tokens)))
-    budget = max(2, triton.cdiv(DECODE_GRID_PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads)))
-    return max(base_splits, min(MAX_SPLITS, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), budget))
-
-
-def _sms(device: torch.device) -> int:
-    return _num_sms(device.index or 0) if device.type == "cuda" else 132
-
-
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per sequence so that the decode grid has about DECODE_PROGRAMS_PER_SM programs per SM.
-
-    A few resident programs per SM keep enough loads in flight to saturate HBM; each split
-    keeps at least MIN_TOKENS_PER_SPLIT tokens, so short contexts are not shredded into
-    splits whose reduction costs more than it saves.
-    """
-    programs = max(1, num_seqs * num_kv_heads)
-    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * _sms(device), programs)
-    most = max(1, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
-    return max(1, min(wanted, most, MAX_SPLITS))
-
-
-def decode_launch(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
-                  num_splits: int | None = None, split_tokens: int | None = None) -> tuple[int, int, int]:
-    """(base splits, grid splits, split mode passed to the kernels) of a decode launch."""
-    base = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device) if num_splits is None else num_splits
-    tokens = decode_split_tokens() if split_tokens is None else split_tokens
-    splits = grid_splits(base, max_seq_len, tokens, num_seqs, num_kv_heads, _sms(device))
-    return base, splits, (tokens if splits > base else 0)
-
-
-def decode_graph_split_modes() -> list[int]:
-    """The split modes a decode CUDA graph is captured with: the switch's, and with "balanced" also 0,
-    so that a step whose lengths need no cut replays a graph without the plan's extra programs."""
-    mode = decode_split_tokens()
-    return [0, BALANCED] if mode == BALANCED else [mode]
-
-
-def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, max_seq_len: int,
-                    device: torch.device, block_n: int | None = None, kv_dtype: torch.dtype | None = None) -> int:
-    """BALANCED or 0 for a balanced launch over num_rows rows: the first len(seq_lens) hold these
-    lengths, the rest are padding of length 1. BALANCED where the plan the kernels derive
-    (triton_decode.split_plan, mirrored here from the same lengths) shortens the longest chain of
-    tiles by more than BALANCED_MIN_GAIN_TILES, else 0: the same cuts the batch size asks for,
-    without the plan's extra programs and reduction. block_n: default the launch's over a cache of
-    kv_dtype (decode_launch_for)."""
-    base, splits, mode = _balanced_launch(num_rows, num_kv_heads, max_seq_len, device)
-    if mode != BALANCED or not len(seq_lens):
-        return 0
-    block_n = decode_launch_for(kv_dtype).block_n if block_n is None else block_n
-    tiles = -(-np.asarray(seq_lens, dtype=np.int64) // block_n)
-    work = (int(tiles.sum()) + num_rows - len(tiles)) * num_kv_heads
-    share, min_chain = _balanced_share(device, block_n)
-    chain = max(-(-work // share), min_chain)
-    longest = int(tiles.max())
-    parts = min(max(-(-longest // chain), base), splits)
-    return BALANCED if -(-longest // base) - -(-longest // parts) > BALANCED_MIN_GAIN_TILES else 0
-
-
-def _balanced_share(device: torch.device, block_n: int) -> tuple[int, int]:
-    """The balanced plan's defaults: (programs the step's work is shared over, fewest tiles a
-    chain is cut to), as the kernels get them (SHARE_PROGRAMS, MIN_CHAIN_TILES)."""
-    return DECODE_SHARE_PROGRAMS_PER_SM * _sms(device), max(1, MIN_TOKENS_PER_SPLIT // block_n)
-
-
-@functools.lru_cache(maxsize=4096)
-def _balanced_launch(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int, int]:
-    return decode_launch(num_rows, num_kv_heads, max_seq_len, device, split_tokens=BALANCED)
-
-
-def decode_compile_key(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
-    """What a decode launch compiles per (runner/warmup.py covers each): the reduction's split
-    block (1: no reduction, the kernel writes the output) and the split mode."""
-    _, splits, mode = decode_launch(num_seqs, num_kv_heads, max_seq_len, device)
-    return (triton.next_power_of_2(splits) if splits > 1 else 1), mode
 
 
 def _fp8(cache: torch.Tensor) -> bool:
@@ -314,17 +95,18 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  order: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, f16_dot: bool | None = None) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
-    num_splits: each sequence's base split count (default: choose_num_splits); split_tokens: the
-    length-aware splits (default: decode_split_tokens(); 0: every sequence in num_splits; BALANCED);
-    share_programs, min_chain_tiles: the balanced plan's even share (defaults: the device's
-    DECODE_SHARE_PROGRAMS_PER_SM per SM, MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps.
+    The launch is decode_plan's: num_splits: each sequence's base split count (default:
+    choose_num_splits); split_tokens: the length-aware splits (default: decode_split_tokens();
+    0: every sequence in num_splits; BALANCED); share_programs, min_chain_tiles: the balanced
+    plan's even share (defaults: the device's DECODE_SHARE_PROGRAMS_PER_SM per SM,
+    MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps.
     heads_fastest: the grid is (KV head, sequence, split), so a sequence's heads, whose K/V rows
     are adjacent in the pool, run side by side; else (sequence, KV head, split). order: the rows in
     the order their programs should start (longest_first), or None for row order. block_n,
     num_warps, num_stages, heads_fastest, f16_dot: None takes decode_launch_for(k_cache.dtype)'s.
     f16_dot (an fp8 cache read by fp16/bf16 queries; else ignored): the tiles become fp16 and q is
     cast to fp16, saturated to +-65504, so the dots run in fp16 (fp32 accumulation either way)."""
-    launch = decode_launch_for(k_cache.dtype)
+    launch = decode_plan.decode_launch_for(k_cache.dtype)
     block_n = launch.block_n if block_n is None else block_n
     num_warps = launch.num_warps if num_warps is None else num_warps
     num_stages = launch.num_stages if num_stages is None else num_stages
@@ -333,10 +115,11 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    base, splits, mode = decode_launch(num_seqs, num_kv_heads, max_seq_len, query.device, num_splits, split_tokens)
+    base, splits, mode = decode_plan.decode_launch(num_seqs, num_kv_heads, max_seq_len, query.device,
+                                                   num_splits, split_tokens)
     block_d = _pow2_at_least_16(head_dim)
     ieee = _ieee(query, k_cache)
-    default_share, default_min_chain = _balanced_share(query.device, block_n)
+    default_share, default_min_chain = decode_plan.balanced_share(query.device, block_n)
     share_programs = default_share if share_programs is None else share_programs
     min_chain_tiles = default_min_chain if min_chain_tiles is None else min_chain_tiles
     plan = dict(SPLIT_TOKENS=mode, SHARE_PROGRAMS=share_programs, MIN_CHAIN_TILES=min_chain_tiles)
@@ -421,7 +204,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     seq_lens_cpu = meta.seq_lens_cpu
     if nd > 0:
         max_len = max(seq_lens_cpu[:nd]) if seq_lens_cpu is not None else meta.max_seq_len
-        if meta.decode_order is None and decode_launch_for(k_cache.dtype).longest_first:
+        if meta.decode_order is None and decode_plan.decode_launch_for(k_cache.dtype).longest_first:
             meta.decode_order = longest_first(meta.seq_lens[:nd])  # once per step: later layers reuse it
         # Outside a decode graph the grid follows the step's longest sequence and the switch's mode
         # applies as it is (its compiles are the warm-up's decode_compile_key).
@@ -443,7 +226,7 @@ def unified_capacity(num_tokens: int, num_seqs: int, num_heads: int, num_kv_head
     unified_launch()'s, as unified_paged_attention's."""
     launch = unified.unified_launch()
     block_q = unified.block_q_for(num_heads // num_kv_heads, launch.block_m if block_m is None else block_m)
-    share, _ = _balanced_share(device, launch.block_n)
+    share, _ = decode_plan.balanced_share(device, launch.block_n)
     return unified.work_capacity(num_tokens, num_seqs, num_kv_heads, block_q, share)
 
 
@@ -468,7 +251,7 @@ def unified_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(query) if out is None else out
     if meta.unified_work is None:
-        default_share, default_min_chain = _balanced_share(query.device, block_n)
+        default_share, default_min_chain = decode_plan.balanced_share(query.device, block_n)
         share = default_share if share_programs is None else share_programs
         if meta.unified_capacity is not None and share > default_share:
             # The capacity's bound holds for the share it was sized with (unified_capacity's).

@@ -5,9 +5,10 @@ graph removes the launch cost that otherwise dominates. Every tensor the graph r
 lives in a static buffer sized for the largest bucket; a step copies its inputs into
 the first B rows and pads the rest so that padding writes nothing (slot -1) and
 attends to one token of block 0. The attention backend is captured with max_seq_len
-fixed to max_model_len, so its launch grid does not depend on the step. A backend may ask for
-one graph per decode split mode (decode_graph_split_modes; balanced splits, then also none) and
-pick one for each step from the host's lengths (pick_split_mode).
+fixed to max_model_len, so its launch grid does not depend on the step. A backend with a decode
+plan (triton_ops.decode_plan) may ask for one graph per decode split mode
+(decode_graph_split_modes; balanced splits, then also none) and pick one for each step from the
+host's lengths (pick_split_mode).
 """
 from __future__ import annotations
 
@@ -44,9 +45,9 @@ class DecodeCUDAGraphs:
         self.max_model_len, self.block_size = max_model_len, block_size
         self.buckets = buckets
         self.num_kv_heads, self.device = num_kv_heads, device
-        ops = get_backend(device)
-        self.split_modes: list[int | None] = getattr(ops, "decode_graph_split_modes", lambda: [None])()
-        self.pick_split_mode = getattr(ops, "pick_split_mode", None)
+        plan = getattr(get_backend(device), "decode_plan", None)
+        self.split_modes: list[int | None] = plan.decode_graph_split_modes() if plan else [None]
+        self.pick_split_mode = plan.pick_split_mode if plan else None
         max_blocks = (max_model_len + block_size - 1) // block_size
         n = self.buckets[-1]
         i32 = dict(dtype=torch.int32, device=device)

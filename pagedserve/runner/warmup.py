@@ -26,7 +26,7 @@ match):
 FP8 KV scales: every forward and _attention_variants pass the layers' own k_scale / v_scale,
 whose shape ([1] or [num_kv_heads]) loading and calculate_kv_scales settle before the warm-up,
 so it compiles the per-tensor or the per-head kernels (KV_SCALE_PER_HEAD), whichever serving runs.
-An fp8 pool's decode launch (triton_ops.decode_launch_for: its BLOCK_N, warps, stages, the f16 cast)
+An fp8 pool's decode launch (decode_plan.decode_launch_for: its BLOCK_N, warps, stages, the f16 cast)
 is chosen inside paged_attention from the pool's dtype, once per process, so the same steps compile
 the launch serving runs, whichever DECODE_FP8_LAUNCH or its switch selects.
 
@@ -132,18 +132,18 @@ def _prefill(total: int, max_len: int, max_seqs: int) -> list[tuple[int, int, bo
 
 def _split_variants(runner: RunnerView, max_seqs: int, max_len: int) -> dict:
     """compile key -> (decodes, context length) giving it, for every variant the backend's decode
-    kernels can be compiled for in a mixed batch (decode_compile_key; an empty dict: no such
-    choice)."""
-    ops = get_backend(runner.device)
-    key_of = getattr(ops, "decode_compile_key", None)
-    if key_of is None:
+    kernels can be compiled for in a mixed batch (its decode plan's decode_compile_key; an empty
+    dict: a backend without a decode plan has no such choice)."""
+    plan = getattr(get_backend(runner.device), "decode_plan", None)
+    if plan is None:
         return {}
-    tokens = ops.decode_split_tokens()
+    key_of = plan.decode_compile_key
+    tokens = plan.decode_split_tokens()
     # The keys change where a length crosses a multiple of 256 (MIN_TOKENS_PER_SPLIT, at most
     # 64 splits) or, with length-aware splits of a fixed size, of that size.
     lens = {min(max_len, max(1, 256 * k)) for k in range(0, 65)} | {max_len}
     if tokens > 0:
-        lens |= {min(max_len, tokens * k) for k in range(1, min(ops.MAX_SPLITS, -(-max_len // tokens)) + 2)}
+        lens |= {min(max_len, tokens * k) for k in range(1, min(plan.MAX_SPLITS, -(-max_len // tokens)) + 2)}
     found: dict = {}
     for n in range(1, max_seqs + 1):
         for seq_len in sorted(lens):

@@ -1,4 +1,4 @@
-"""Cases for the FP8 KV decode launch variants (triton_ops.DECODE_FP8_LAUNCH: BLOCK_N, warps,
+"""Cases for the FP8 KV decode launch variants (decode_plan.DECODE_FP8_LAUNCH: BLOCK_N, warps,
 stages, the f16 cast) under the Triton interpreter (CPU), checked against reference.py over the
 dequantized pools; run by test_fp8_decode_interpret.py in a subprocess with TRITON_INTERPRET=1
 (see triton_interpret_cases.py for why). Tiny shapes: seconds.
@@ -21,7 +21,7 @@ from interpreter_fixes import apply as _fix_interpreter  # noqa: E402
 
 _fix_interpreter()
 
-from pagedserve.attention import triton_ops as ops  # noqa: E402
+from pagedserve.attention import decode_plan, triton_ops as ops  # noqa: E402
 from pagedserve.attention.kv_quant import quantize_kv  # noqa: E402
 
 # Half-precision dots over e4m3 tiles, fp32 softmax and accumulation: the kernels' FP8 tolerance.
@@ -92,20 +92,24 @@ def test_fp8_f16_cast_leaves_float32_queries_ieee():
 
 def test_paged_attention_takes_the_fp8_launch(monkeypatch):
     """paged_attention runs an fp8 cache's decodes with fp8_decode_launch_settings() (f16 and its
-    BLOCK_N), a mixed batch's prefill beside them as before."""
+    BLOCK_N), read from decode_plan at the launch, a mixed batch's prefill beside them as before."""
     batch = make_batch([(20, 1), (70, 1), (0, 9), (13, 6)], 2, H=4, Hkv=2, D=16, block_size=8, seed=8)
     ks, vs = SCALES["per_tensor"]
     kc, vc = quantize_kv(batch.k_cache, ks), quantize_kv(batch.v_cache, vs)
     ops.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping, ks, vs)
     ref = reference.paged_attention(batch.query, kc.float() * ks, vc.float() * vs, batch.meta, scale=0.25)
-    seen = []
-    real = ops.paged_decode
+    launched = []
+    real = ops.paged_decode_kernel
 
-    def spy(*args, **kwargs):
-        seen.append(ops.decode_launch_for(args[1].dtype))
-        return real(*args, **kwargs)
-    monkeypatch.setattr(ops, "fp8_decode_launch_settings", lambda: ops.DecodeLaunch(block_n=32, f16_dot=True))
-    monkeypatch.setattr(ops, "paged_decode", spy)
+    class Recorder:  # the decode kernel as paged_decode launches it: its BLOCK_N and the f16 cast
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                launched.append((kwargs["BLOCK_N"], kwargs.get("F16_DOT", False)))
+                return real[grid](*args, **kwargs)
+            return launch
+    monkeypatch.setattr(decode_plan, "fp8_decode_launch_settings",
+                        lambda: decode_plan.DecodeLaunch(block_n=32, f16_dot=True))
+    monkeypatch.setattr(ops, "paged_decode_kernel", Recorder())
     out = ops.paged_attention(batch.query.to(torch.float16), kc, vc, batch.meta, 0.25, k_scale=ks, v_scale=vs)
-    assert seen == [ops.DecodeLaunch(block_n=32, f16_dot=True)]
+    assert launched == [(32, True)]
     torch.testing.assert_close(out.float(), ref, **TOL)

@@ -104,8 +104,8 @@ def test_fp8_decode_launch_variants_at_llama_sizes(variant):
     """Each fp8 decode launch (BLOCK_N, warps, stages, the f16 cast) against attention over the
     dequantized K/V, one split, four, and the default's, programs longest first."""
     from triton.runtime.errors import OutOfResources
-    from pagedserve.attention import triton_ops as ops
-    launch = ops.parse_decode_launch(variant, fp8=True)
+    from pagedserve.attention import decode_plan, triton_ops as ops
+    launch = decode_plan.parse_decode_launch(variant, fp8=True)
     batch, kc, vc, ks, vs, ref = _fp8_decodes(seed=7)
     m = batch.meta
     for splits in (None, 1, 4):
@@ -124,14 +124,14 @@ def test_fp8_decode_launch_in_a_cuda_graph(monkeypatch):
     """paged_attention with an fp8 launch of its own (BLOCK_N 256, 8 warps, 2 stages, the f16 cast) captured
     as a decode graph captures it (balanced split mode), replayed on new queries and lengths."""
     from dataclasses import replace
-    from pagedserve.attention import triton_ops as ops
-    monkeypatch.setattr(ops, "fp8_decode_launch_settings",
-                        lambda: ops.parse_decode_launch("bn256+w8+s2+f16", fp8=True))
+    from pagedserve.attention import decode_plan, triton_ops as ops
+    monkeypatch.setattr(decode_plan, "fp8_decode_launch_settings",
+                        lambda: decode_plan.parse_decode_launch("bn256+w8+s2+f16", fp8=True))
     batch, kc, vc, ks, vs, _ = _fp8_decodes(seed=8)
     q = batch.query.clone()
     seq_lens = batch.meta.seq_lens.clone()
     meta = lambda: replace(batch.meta, seq_lens=seq_lens, seq_lens_cpu=None,  # noqa: E731
-                           decode_split_tokens=ops.BALANCED, decode_order=None)
+                           decode_split_tokens=decode_plan.BALANCED, decode_order=None)
     ops.paged_attention(q, kc, vc, meta(), 128 ** -0.5, k_scale=ks, v_scale=vs)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()

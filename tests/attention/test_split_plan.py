@@ -3,11 +3,11 @@ triton_decode.split_plan; the kernels themselves are checked in triton_interpret
 import pytest
 import torch
 
-from pagedserve.attention import triton_ops as ops
+from pagedserve.attention import decode_plan as plan
 
 
 def grid(base, max_len, tokens, n=64, kv=8, sms=132):
-    return ops.grid_splits(base, max_len, tokens, n, kv, sms)
+    return plan.grid_splits(base, max_len, tokens, n, kv, sms)
 
 
 def test_grid_fits_the_longest_sequence_at_split_tokens():
@@ -15,60 +15,60 @@ def test_grid_fits_the_longest_sequence_at_split_tokens():
     assert grid(12, 4096, 512) == 12      # a small batch already asks for more
     assert grid(1, 300, 512) == 1         # eager, short contexts: nothing to cut
     assert grid(3, 4096, 0) == 3          # off: the base alone
-    assert grid(1, 10 ** 6, 512) == ops.MAX_SPLITS
+    assert grid(1, 10 ** 6, 512) == plan.MAX_SPLITS
 
 
 def test_balanced_grid_keeps_to_the_program_budget():
-    budget = ops.DECODE_GRID_PROGRAMS_PER_SM * 132          # 1056 programs
-    assert grid(1, 4096, ops.BALANCED, n=64) == 3           # ceil(1056 / 512)
-    assert grid(1, 4096, ops.BALANCED, n=96) == 2
-    assert grid(1, 4096, ops.BALANCED, n=256) == 2          # at least 2
-    assert grid(3, 4096, ops.BALANCED, n=256) == 3          # never below the base
-    assert grid(1, 4096, ops.BALANCED, n=1, kv=1) == 4096 // ops.MIN_TOKENS_PER_SPLIT
-    assert grid(1, 700, ops.BALANCED, n=8) == 3             # splits of at least 256 positions
+    budget = plan.DECODE_GRID_PROGRAMS_PER_SM * 132          # 1056 programs
+    assert grid(1, 4096, plan.BALANCED, n=64) == 3           # ceil(1056 / 512)
+    assert grid(1, 4096, plan.BALANCED, n=96) == 2
+    assert grid(1, 4096, plan.BALANCED, n=256) == 2          # at least 2
+    assert grid(3, 4096, plan.BALANCED, n=256) == 3          # never below the base
+    assert grid(1, 4096, plan.BALANCED, n=1, kv=1) == 4096 // plan.MIN_TOKENS_PER_SPLIT
+    assert grid(1, 700, plan.BALANCED, n=8) == 3             # splits of at least 256 positions
     for n in range(1, 300):
-        g = grid(1, 4096, ops.BALANCED, n=n)
+        g = grid(1, 4096, plan.BALANCED, n=n)
         assert g == 2 or n * 8 * (g - 1) < budget
 
 
 def test_launch_passes_the_mode_only_when_the_grid_has_room():
     cpu = torch.device("cpu")
-    assert ops.decode_launch(64, 8, 4096, cpu, split_tokens=ops.BALANCED) == (1, 3, ops.BALANCED)
-    assert ops.decode_launch(256, 8, 4096, cpu, split_tokens=ops.BALANCED) == (1, 2, ops.BALANCED)
-    assert ops.decode_launch(64, 8, 200, cpu, split_tokens=ops.BALANCED) == (1, 1, 0)
-    assert ops.decode_launch(64, 8, 4096, cpu, split_tokens=0) == (1, 1, 0)
-    assert ops.decode_launch(64, 8, 4096, cpu, num_splits=2, split_tokens=1024) == (2, 4, 1024)
+    assert plan.decode_launch(64, 8, 4096, cpu, split_tokens=plan.BALANCED) == (1, 3, plan.BALANCED)
+    assert plan.decode_launch(256, 8, 4096, cpu, split_tokens=plan.BALANCED) == (1, 2, plan.BALANCED)
+    assert plan.decode_launch(64, 8, 200, cpu, split_tokens=plan.BALANCED) == (1, 1, 0)
+    assert plan.decode_launch(64, 8, 4096, cpu, split_tokens=0) == (1, 1, 0)
+    assert plan.decode_launch(64, 8, 4096, cpu, num_splits=2, split_tokens=1024) == (2, 4, 1024)
 
 
-@pytest.mark.parametrize("raw, want", [("", ops.DECODE_SPLIT_TOKENS), ("0", 0), ("1024", 1024),
-                                       ("balanced", ops.BALANCED)])
+@pytest.mark.parametrize("raw, want", [("", plan.DECODE_SPLIT_TOKENS), ("0", 0), ("1024", 1024),
+                                       ("balanced", plan.BALANCED)])
 def test_switch(monkeypatch, raw, want):
-    monkeypatch.setenv(ops.SPLIT_TOKENS_ENV, raw)
-    ops.decode_split_tokens.cache_clear()
+    monkeypatch.setenv(plan.SPLIT_TOKENS_ENV, raw)
+    plan.decode_split_tokens.cache_clear()
     try:
-        assert ops.decode_split_tokens() == want
+        assert plan.decode_split_tokens() == want
     finally:
-        ops.decode_split_tokens.cache_clear()
+        plan.decode_split_tokens.cache_clear()
 
 
 @pytest.mark.parametrize("raw", ["-1", "lots", "Balanced"])
 def test_bad_switch_names_it(monkeypatch, raw):
-    monkeypatch.setenv(ops.SPLIT_TOKENS_ENV, raw)
-    ops.decode_split_tokens.cache_clear()
+    monkeypatch.setenv(plan.SPLIT_TOKENS_ENV, raw)
+    plan.decode_split_tokens.cache_clear()
     try:
-        with pytest.raises(ValueError, match=ops.SPLIT_TOKENS_ENV):
-            ops.decode_split_tokens()
+        with pytest.raises(ValueError, match=plan.SPLIT_TOKENS_ENV):
+            plan.decode_split_tokens()
     finally:
-        ops.decode_split_tokens.cache_clear()
+        plan.decode_split_tokens.cache_clear()
 
 
 def _kernel_parts(lens, rows, kv, max_len, block_n, sms=132):
     """The kernels' plan (triton_decode.split_plan, balanced) written out in Python: each
     sequence's number of non-empty splits."""
-    base, grid_, mode = ops.decode_launch(rows, kv, max_len, torch.device("cpu"), split_tokens=ops.BALANCED)
+    base, grid_, mode = plan.decode_launch(rows, kv, max_len, torch.device("cpu"), split_tokens=plan.BALANCED)
     padded = list(lens) + [1] * (rows - len(lens))
     work = sum(-(-n // block_n) for n in padded) * kv
-    chain = max(-(-work // (ops.DECODE_SHARE_PROGRAMS_PER_SM * sms)), ops.MIN_TOKENS_PER_SPLIT // block_n)
+    chain = max(-(-work // (plan.DECODE_SHARE_PROGRAMS_PER_SM * sms)), plan.MIN_TOKENS_PER_SPLIT // block_n)
     out = []
     for n in lens:
         parts = min(max(-(-(-(-n // block_n)) // chain), base), grid_)
@@ -78,109 +78,109 @@ def _kernel_parts(lens, rows, kv, max_len, block_n, sms=132):
 
 
 @pytest.mark.parametrize("lens, rows, want", [
-    ([1871] + [300] * 63, 64, ops.BALANCED),     # one long context among short: cut it
+    ([1871] + [300] * 63, 64, plan.BALANCED),     # one long context among short: cut it
     ([533] * 64, 64, 0),                         # even: nothing to cut
     ([533] * 60, 64, 0),                         # padded rows count one tile each
     ([2000] * 250, 256, 0),                      # all long: the share is long too
-    ([4000] + [10] * 7, 8, ops.BALANCED),        # base 7 of a grid of 16
+    ([4000] + [10] * 7, 8, plan.BALANCED),        # base 7 of a grid of 16
     ([700], 1, 0),                               # one sequence: its base is the whole grid
-    ([4096] + [10] * 200, 256, ops.BALANCED),    # a large batch of short contexts and one long one
+    ([4096] + [10] * 200, 256, plan.BALANCED),    # a large batch of short contexts and one long one
 ])
 def test_pick_split_mode(lens, rows, want):
     cpu = torch.device("cpu")
-    block_n = ops.decode_launch_settings().block_n  # the tiles the kernels walk, and the pick counts
-    assert ops.pick_split_mode(lens, rows, 8, 4096, cpu) == want
+    block_n = plan.decode_launch_settings().block_n  # the tiles the kernels walk, and the pick counts
+    assert plan.pick_split_mode(lens, rows, 8, 4096, cpu) == want
     base, parts = _kernel_parts(lens, rows, 8, 4096, block_n)
     longest = max(lens)
     gain = -(-(-(-longest // block_n)) // base) - -(-(-(-longest // block_n)) // parts[lens.index(longest)])
-    assert (gain > ops.BALANCED_MIN_GAIN_TILES) == (want == ops.BALANCED)
+    assert (gain > plan.BALANCED_MIN_GAIN_TILES) == (want == plan.BALANCED)
 
 
 def test_graph_modes_follow_the_switch(monkeypatch):
-    monkeypatch.setattr(ops, "decode_split_tokens", lambda: ops.BALANCED)
-    assert ops.decode_graph_split_modes() == [0, ops.BALANCED]
-    monkeypatch.setattr(ops, "decode_split_tokens", lambda: 512)
-    assert ops.decode_graph_split_modes() == [512]
+    monkeypatch.setattr(plan, "decode_split_tokens", lambda: plan.BALANCED)
+    assert plan.decode_graph_split_modes() == [0, plan.BALANCED]
+    monkeypatch.setattr(plan, "decode_split_tokens", lambda: 512)
+    assert plan.decode_graph_split_modes() == [512]
 
 
 @pytest.mark.parametrize("raw, want", [
-    ("", ops.DecodeLaunch()),
-    ("base", ops.DecodeLaunch()),
-    ("rows+nolpt+bn64", ops.DecodeLaunch(block_n=64, heads_fastest=False, longest_first=False)),
-    ("w8+s2", ops.DecodeLaunch(num_warps=8, num_stages=2)),
+    ("", plan.DecodeLaunch()),
+    ("base", plan.DecodeLaunch()),
+    ("rows+nolpt+bn64", plan.DecodeLaunch(block_n=64, heads_fastest=False, longest_first=False)),
+    ("w8+s2", plan.DecodeLaunch(num_warps=8, num_stages=2)),
 ])
 def test_decode_launch_switch(monkeypatch, raw, want):
-    monkeypatch.setenv(ops.DECODE_LAUNCH_ENV, raw)
-    ops.decode_launch_settings.cache_clear()
+    monkeypatch.setenv(plan.DECODE_LAUNCH_ENV, raw)
+    plan.decode_launch_settings.cache_clear()
     try:
-        assert ops.decode_launch_settings() == want
+        assert plan.decode_launch_settings() == want
     finally:
-        ops.decode_launch_settings.cache_clear()
+        plan.decode_launch_settings.cache_clear()
 
 
 @pytest.mark.parametrize("raw", ["bn", "bn100", "rows+fast", "w0"])
 def test_bad_decode_launch_names_it(raw):
-    with pytest.raises(ValueError, match=ops.DECODE_LAUNCH_ENV):
-        ops.parse_decode_launch(raw)
+    with pytest.raises(ValueError, match=plan.DECODE_LAUNCH_ENV):
+        plan.parse_decode_launch(raw)
 
 
 def test_pick_counts_the_switch_tiles(monkeypatch):
     """pick_split_mode counts tiles of the launch's BLOCK_N: one long sequence among short ones
     whose gain from cuts is more than BALANCED_MIN_GAIN_TILES tiles of 64 but not of 256."""
     lens, cpu = [900] + [200] * 63, torch.device("cpu")
-    assert ops.pick_split_mode(lens, 64, 8, 4096, cpu, block_n=64) == ops.BALANCED
-    assert ops.pick_split_mode(lens, 64, 8, 4096, cpu, block_n=256) == 0
-    monkeypatch.setattr(ops, "decode_launch_settings", lambda: ops.DecodeLaunch(block_n=256))
-    assert ops.pick_split_mode(lens, 64, 8, 4096, cpu) == 0
+    assert plan.pick_split_mode(lens, 64, 8, 4096, cpu, block_n=64) == plan.BALANCED
+    assert plan.pick_split_mode(lens, 64, 8, 4096, cpu, block_n=256) == 0
+    monkeypatch.setattr(plan, "decode_launch_settings", lambda: plan.DecodeLaunch(block_n=256))
+    assert plan.pick_split_mode(lens, 64, 8, 4096, cpu) == 0
 
 
 def _fresh_launches():
-    ops.decode_launch_settings.cache_clear()
-    ops.fp8_decode_launch_settings.cache_clear()
+    plan.decode_launch_settings.cache_clear()
+    plan.fp8_decode_launch_settings.cache_clear()
 
 
 @pytest.mark.parametrize("bf16_env, fp8_env, constant, want", [
     # no switch: today's constant, on top of the bf16 launch
-    (None, None, "", ops.DecodeLaunch()),
-    (None, None, "bn256+f16", ops.DecodeLaunch(block_n=256, f16_dot=True)),
+    (None, None, "", plan.DecodeLaunch()),
+    (None, None, "bn256+f16", plan.DecodeLaunch(block_n=256, f16_dot=True)),
     # the fp8 switch replaces the constant; "base" is the bf16 launch itself
-    (None, "base", "bn256+f16", ops.DecodeLaunch()),
-    (None, "bn256+w8+s2+f16", "", ops.DecodeLaunch(block_n=256, num_warps=8, num_stages=2, f16_dot=True)),
+    (None, "base", "bn256+f16", plan.DecodeLaunch()),
+    (None, "bn256+w8+s2+f16", "", plan.DecodeLaunch(block_n=256, num_warps=8, num_stages=2, f16_dot=True)),
     # the bf16 switch reaches fp8 caches too, under their own changes
-    ("rows+w8", "bn256", "", ops.DecodeLaunch(block_n=256, num_warps=8, heads_fastest=False)),
+    ("rows+w8", "bn256", "", plan.DecodeLaunch(block_n=256, num_warps=8, heads_fastest=False)),
 ])
 def test_fp8_decode_launch_switch(monkeypatch, bf16_env, fp8_env, constant, want):
-    for name, value in ((ops.DECODE_LAUNCH_ENV, bf16_env), (ops.DECODE_FP8_LAUNCH_ENV, fp8_env)):
+    for name, value in ((plan.DECODE_LAUNCH_ENV, bf16_env), (plan.DECODE_FP8_LAUNCH_ENV, fp8_env)):
         if value is None:
             monkeypatch.delenv(name, raising=False)
         else:
             monkeypatch.setenv(name, value)
-    monkeypatch.setattr(ops, "DECODE_FP8_LAUNCH", constant)
+    monkeypatch.setattr(plan, "DECODE_FP8_LAUNCH", constant)
     _fresh_launches()
     try:
-        assert ops.decode_launch_for(torch.float8_e4m3fn) == want
+        assert plan.decode_launch_for(torch.float8_e4m3fn) == want
         # bf16 / fp16 / fp32 caches keep their own launch, which never casts to f16
-        bf16 = ops.parse_decode_launch(bf16_env or "")
+        bf16 = plan.parse_decode_launch(bf16_env or "")
         for dtype in (torch.bfloat16, torch.float16, torch.float32, None):
-            assert ops.decode_launch_for(dtype) == bf16
+            assert plan.decode_launch_for(dtype) == bf16
     finally:
         _fresh_launches()
 
 
 def test_f16_is_an_fp8_launch_name_only():
-    with pytest.raises(ValueError, match=ops.DECODE_LAUNCH_ENV):
-        ops.parse_decode_launch("f16")
-    with pytest.raises(ValueError, match=ops.DECODE_FP8_LAUNCH_ENV):
-        ops.parse_decode_launch("bn256+fp16", fp8=True)
-    with pytest.raises(ValueError, match=ops.DECODE_FP8_LAUNCH_ENV):
-        ops.parse_decode_launch("bn96", fp8=True)
-    assert ops.parse_decode_launch(ops.DECODE_FP8_LAUNCH, fp8=True).block_n >= 16  # the constant parses
+    with pytest.raises(ValueError, match=plan.DECODE_LAUNCH_ENV):
+        plan.parse_decode_launch("f16")
+    with pytest.raises(ValueError, match=plan.DECODE_FP8_LAUNCH_ENV):
+        plan.parse_decode_launch("bn256+fp16", fp8=True)
+    with pytest.raises(ValueError, match=plan.DECODE_FP8_LAUNCH_ENV):
+        plan.parse_decode_launch("bn96", fp8=True)
+    assert plan.parse_decode_launch(plan.DECODE_FP8_LAUNCH, fp8=True).block_n >= 16  # the constant parses
 
 
 def test_pick_counts_the_fp8_launch_tiles(monkeypatch):
     """A decode graph over an fp8 cache picks its split mode with the fp8 launch's tiles."""
     lens, cpu = [900] + [200] * 63, torch.device("cpu")
-    monkeypatch.setattr(ops, "decode_launch_settings", lambda: ops.DecodeLaunch(block_n=64))
-    monkeypatch.setattr(ops, "fp8_decode_launch_settings", lambda: ops.DecodeLaunch(block_n=256))
-    assert ops.pick_split_mode(lens, 64, 8, 4096, cpu, kv_dtype=torch.bfloat16) == ops.BALANCED
-    assert ops.pick_split_mode(lens, 64, 8, 4096, cpu, kv_dtype=torch.float8_e4m3fn) == 0
+    monkeypatch.setattr(plan, "decode_launch_settings", lambda: plan.DecodeLaunch(block_n=64))
+    monkeypatch.setattr(plan, "fp8_decode_launch_settings", lambda: plan.DecodeLaunch(block_n=256))
+    assert plan.pick_split_mode(lens, 64, 8, 4096, cpu, kv_dtype=torch.bfloat16) == plan.BALANCED
+    assert plan.pick_split_mode(lens, 64, 8, 4096, cpu, kv_dtype=torch.float8_e4m3fn) == 0

@@ -23,7 +23,7 @@ _fix_interpreter()
 
 from triton.runtime import interpreter  # noqa: E402
 
-from pagedserve.attention import triton_ops as ops  # noqa: E402
+from pagedserve.attention import decode_plan, triton_ops as ops  # noqa: E402
 
 
 def _reference_out(batch):
@@ -114,7 +114,7 @@ def test_balanced_splits_match_reference(base, share, min_chain):
     out = torch.full_like(batch.query, float("nan"))
     m = batch.meta
     ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 4096, 16 ** -0.5, out,
-                     num_splits=base, block_n=16, split_tokens=ops.BALANCED, share_programs=share,
+                     num_splits=base, block_n=16, split_tokens=decode_plan.BALANCED, share_programs=share,
                      min_chain_tiles=min_chain)
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
@@ -174,10 +174,10 @@ def test_copy_blocks_matches_reference(block_size):
 
 def test_choose_num_splits_fills_the_gpu():
     cpu = torch.device("cpu")
-    assert ops.choose_num_splits(64, 8, 4096, cpu) * 64 * 8 >= ops.DECODE_PROGRAMS_PER_SM * 132
-    few = ops.choose_num_splits(2, 8, 32768, cpu)
-    assert few * 2 * 8 >= ops.DECODE_PROGRAMS_PER_SM * 132
-    assert ops.choose_num_splits(2, 8, 100, cpu) == 1
+    assert decode_plan.choose_num_splits(64, 8, 4096, cpu) * 64 * 8 >= decode_plan.DECODE_PROGRAMS_PER_SM * 132
+    few = decode_plan.choose_num_splits(2, 8, 32768, cpu)
+    assert few * 2 * 8 >= decode_plan.DECODE_PROGRAMS_PER_SM * 132
+    assert decode_plan.choose_num_splits(2, 8, 100, cpu) == 1
 
 
 # --- FP8 KV cache: e4m3 pools with per-layer scales -------------------------------------------------

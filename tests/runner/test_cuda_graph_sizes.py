@@ -62,22 +62,22 @@ def test_padded_and_eager_batches_match_hf(tiny_model_dir):
 def test_balanced_split_graphs_both_match_hf(tiny_model_dir, monkeypatch):
     """With balanced decode splits each bucket has two graphs (the plan's and none); whichever a
     step replays, greedy tokens equal HF's. The pick alternates so both run at every size."""
-    from pagedserve.attention import triton_ops
+    from pagedserve.attention import decode_plan
 
-    monkeypatch.setattr(triton_ops, "decode_split_tokens", lambda: triton_ops.BALANCED)
+    monkeypatch.setattr(decode_plan, "decode_split_tokens", lambda: decode_plan.BALANCED)
     model_dir = tiny_model_dir("llama", max_position_embeddings=4096)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 100, (n,), generator=gen).tolist() for n in (700, 3, 90, 260, 1, 1500, 40)]
     llm = make_llm(model_dir, device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 16], max_model_len=4096)
     graphs = llm.llm_engine.runner.graphs
-    assert set(graphs.graphs) == {(b, m) for b in (1, 16) for m in (0, triton_ops.BALANCED)}
+    assert set(graphs.graphs) == {(b, m) for b in (1, 16) for m in (0, decode_plan.BALANCED)}
     # at 16 rows of the tiny model's 2 KV heads the balanced grid is wider than the base (13 of 16)
-    assert triton_ops.decode_launch(16, 2, 4096, torch.device("cuda"), split_tokens=triton_ops.BALANCED) == \
-        (13, 16, triton_ops.BALANCED)
+    assert decode_plan.decode_launch(16, 2, 4096, torch.device("cuda"), split_tokens=decode_plan.BALANCED) == \
+        (13, 16, decode_plan.BALANCED)
     picked = []
 
     def alternate(*args, **kwargs):
-        picked.append(triton_ops.BALANCED if len(picked) % 2 else 0)
+        picked.append(decode_plan.BALANCED if len(picked) % 2 else 0)
         return picked[-1]
     graphs.pick_split_mode = alternate
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],

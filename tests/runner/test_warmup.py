@@ -115,18 +115,18 @@ def test_split_variants_cover_every_compile(monkeypatch, tokens):
     brute-force set over every batch and length, and each really gives its key."""
     from types import SimpleNamespace
 
-    from pagedserve.attention import triton_ops
+    from pagedserve.attention import decode_plan, triton_ops
     from pagedserve.runner import warmup
 
     monkeypatch.setattr(warmup, "get_backend", lambda device: triton_ops)
-    monkeypatch.setattr(triton_ops, "decode_split_tokens", lambda: tokens)
+    monkeypatch.setattr(decode_plan, "decode_split_tokens", lambda: tokens)
     runner = SimpleNamespace(device=torch.device("cpu"), num_kv_heads=2)
     max_seqs, max_len = 12, 20000
     found = warmup._split_variants(runner, max_seqs, max_len)
-    every = {triton_ops.decode_compile_key(n, 2, seq_len, runner.device)
+    every = {decode_plan.decode_compile_key(n, 2, seq_len, runner.device)
              for n in range(1, max_seqs + 1) for seq_len in range(1, max_len + 1, 3)}
     assert set(found) == every and len(every) >= 6
     assert {mode for _, mode in every} == ({0} if tokens == 0 else {0, tokens})
     for key, (n, seq_len) in found.items():
         assert 1 <= n <= max_seqs and 1 <= seq_len <= max_len
-        assert triton_ops.decode_compile_key(n, 2, seq_len, runner.device) == key
+        assert decode_plan.decode_compile_key(n, 2, seq_len, runner.device) == key

@@ -92,16 +92,16 @@ def test_no_compile_after_start_with_an_fp8_decode_launch(tiny_model_dir, monkey
     """An FP8 KV cache whose decode launch differs from the bf16 one (BLOCK_N, warps, the f16 cast:
     PAGEDSERVE_DECODE_LAUNCH_FP8, as an A/B or a flipped DECODE_FP8_LAUNCH would): the warm-up
     and the graphs compile that launch, and serving meets nothing else."""
-    from pagedserve.attention import triton_ops
-    monkeypatch.setenv(triton_ops.DECODE_FP8_LAUNCH_ENV, "bn256+w8+s2+f16")
-    triton_ops.fp8_decode_launch_settings.cache_clear()
+    from pagedserve.attention import decode_plan
+    monkeypatch.setenv(decode_plan.DECODE_FP8_LAUNCH_ENV, "bn256+w8+s2+f16")
+    decode_plan.fp8_decode_launch_settings.cache_clear()
     try:
-        assert triton_ops.decode_launch_for(torch.float8_e4m3fn) != triton_ops.decode_launch_for(torch.bfloat16)
+        assert decode_plan.decode_launch_for(torch.float8_e4m3fn) != decode_plan.decode_launch_for(torch.bfloat16)
         runner = _check_no_compile_or_capture(tiny_model_dir, monkeypatch, "llama", enforce_eager, True, "piecewise",
                                               kv_cache_dtype="fp8")
         assert runner.kv_caches[0][0].dtype == torch.float8_e4m3fn
     finally:
-        triton_ops.fp8_decode_launch_settings.cache_clear()
+        decode_plan.fp8_decode_launch_settings.cache_clear()
 
 
 def _check_no_compile_or_capture(tiny_model_dir, monkeypatch, arch, enforce_eager, async_scheduling,
