@@ -8,6 +8,9 @@ counts the experts each step touches (pagedserve/benchmark/roofline.py).
 
 One model x workload fits a 10-minute device call; --merge adds each to the same file (the
 commit of each merged run is kept in config.merged_runs).
+--one-engine: each model's workloads on one LLM in this process (moe_engine_runs.py: one start-up
+per model, and the nanovllm run's decode-step roofline fraction from a step trace); --repeats 1
+times only the cold first run, the one compared with vLLM's single run (like_for_like).
 
 --vllm-dir: a folder of vLLM's results of the same runs, vllm_<model>_<workload>.json as written by
 benchmarks/serving/peers/bench_vllm.py --workload W --config benchmarks/models/<model>/config.json --tag <model>;
@@ -76,12 +79,45 @@ def recompute_ratios(output: Path, vllm_dir: Path) -> None:
     print(json.dumps(doc["ratios"], indent=2))
 
 
+def engine_kwargs(model_dir: Path, engine_args: str) -> dict:
+    """LLM(...) keyword arguments as `pagedserve bench throughput` gives them: max_model_len 4096 (or
+    the model's own limit when shorter) and the flags of --engine-args."""
+    from pagedserve.engine_args import add_engine_args, changed_engine_kwargs
+    from pagedserve.models.loader import get_max_model_len, load_hf_config
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return {"max_model_len": min(4096, get_max_model_len(load_hf_config(str(model_dir)))),
+            **changed_engine_kwargs(p.parse_args(shlex.split(engine_args)))}
+
+
+def one_engine(args, model: str, results: dict, ratios: dict) -> dict | None:
+    """--one-engine: the model's workloads on one LLM here; fills results/ratios under the usual names."""
+    from moe_engine_runs import run_workloads
+    model_dir = Path(model) if Path(model).is_dir() else ROOT / "benchmarks/models" / model
+    model = model_dir.name
+    out = run_workloads(str(model_dir), args.workloads, engine_kwargs(model_dir, args.engine_args), args.repeats,
+                        num_requests=args.num_requests)
+    suffix = f"_{args.tag}" if args.tag else ""
+    for wl, res in out["results"].items():
+        results[f"{model}_{wl}{suffix}"] = res
+        if args.vllm_dir:
+            add_vllm_ratio(results, ratios, f"{model}_{wl}{suffix}", f"{model}_{wl}", Path(args.vllm_dir))
+    for key, value in out["ratios"].items():  # <workload>_[decode_]roofline_fraction
+        wl, _, what = key.partition("_")
+        ratios[f"{model}_{wl}{suffix}_{what}"] = value
+    return out["switches"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--workloads", nargs="+", default=["nanovllm", "fixed256"])
     ap.add_argument("--engine-args", default="", help="extra flags for `pagedserve bench throughput`")
     ap.add_argument("--vllm-dir", default=None)
+    ap.add_argument("--one-engine", action="store_true",
+                    help="each model's workloads on one LLM in this process (one start-up; decode-step roofline)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per workload (1: the cold run only)")
+    ap.add_argument("--num-requests", type=int, default=None, help="fewer requests (CPU tests)")
     ap.add_argument("--tag", default="", help="suffix of the result names (e.g. tp2, tp2_ep)")
     ap.add_argument("--output", default=str(ROOT / "benchmarks/results/h200/moe.json"))
     ap.add_argument("--merge", action="store_true",
@@ -96,12 +132,17 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp())
     results, ratios, switches, errors = {}, {}, {}, {}
     for model in args.models:
+        if args.one_engine:
+            switches = one_engine(args, model, results, ratios) or switches
+            continue
         for workload in args.workloads:
             run = f"{model}_{workload}"
             name = f"{run}_{args.tag}" if args.tag else run
             out = tmp / f"{name}.json"
             cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "throughput", "--workload", workload,
                    "--model", str(ROOT / "benchmarks/models" / model), "--output", str(out),
+                   "--repeats", str(args.repeats),
+                   *(["--num-requests", str(args.num_requests)] if args.num_requests else []),
                    *shlex.split(args.engine_args)]
             print("+", shlex.join(cmd), flush=True)
             if subprocess.run(cmd).returncode != 0 or not out.is_file():
@@ -117,7 +158,7 @@ def main() -> None:
     if errors:
         results["errors"] = errors
     config = {"models": args.models, "workloads": args.workloads, "load_format": "dummy", "dtype": "bfloat16",
-              "engine_args": args.engine_args}
+              "engine_args": args.engine_args, "repeats": args.repeats, "one_engine": args.one_engine}
     if args.merge and Path(args.output).is_file():
         old = json.loads(Path(args.output).read_text())
         results = {**{k: v for k, v in old.get("results", {}).items() if k != "errors"}, **results}

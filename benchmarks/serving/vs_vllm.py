@@ -9,7 +9,9 @@ it also supplies fastapi/uvicorn/pydantic/pyzmq/msgspec there):
 Phases (each also runs alone, so a run can be split across calls with a time limit):
   online   both OpenAI servers, Llama-3.1-8B dummy weights with an offline word-level tokenizer,
            max_model_len 4096, driven by `pagedserve bench serve` (streamed completions, token-id
-           prompts, ignore_eos, Poisson arrivals), sharegpt-like, --num-requests at each rate
+           prompts, ignore_eos, Poisson arrivals), sharegpt-like, --num-requests at each rate;
+           --saturation-fractions 0.3 0.6 0.9 picks the rates from a first vLLM run with every request
+           at once (rates.json), --salt-rates gives each rate its own prompts (no cross-rate cache hits)
   offline  `nanovllm` and `fixed256`: benchmarks/serving/peers/bench_vllm.py beside
            `pagedserve bench throughput`, two timed runs each, the faster reported by both
   decode   (not in `all`) benchmarks/serving/peers/decode_step_diff.py for both engines at --decode-seqs:
@@ -94,22 +96,78 @@ def online_one(engine: str, gpu: str, args, model_dir: Path, work: Path) -> None
             return
         info["startup_seconds"] = round(time.monotonic() - t0, 1)
         log(work, f"{engine} up after {info['startup_seconds']} s on GPU {gpu}")
-        for rate in args.rates:
-            out = work / f"online_{engine}_r{rate:g}.json"
-            cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve",
-                   "--base-url", f"http://127.0.0.1:{port}/v1", "--workload", args.workload,
-                   "--num-requests", str(args.num_requests), "--request-rate", str(rate), "--output", str(out),
-                   # vLLM's /v1/models reports no vocabulary size: both engines' ids come from the tokenizer
-                   "--tokenizer", str(model_dir), "--disable-tqdm"]
-            r = subprocess.run(cmd, env={**os.environ, **ENV, "PYTHONPATH": f"{REPO}:{args.site}"},
-                               capture_output=True, text=True, timeout=args.rate_limit)
-            tail = [ln for ln in r.stdout.splitlines() if any(k in ln for k in ("completed", "throughput", "TTFT", "TPOT"))]
-            log(work, f"{engine} rate {rate:g} rc={r.returncode}: " + " | ".join(tail)[:400])
-            if r.returncode != 0 and not out.exists():
-                log(work, r.stderr[-1500:])
+        if args.saturation_fractions:
+            if engine == "vllm":
+                probe_rates(args, port, model_dir, work)
+            elif not wait_for_rates(args, work):
+                info["error"] = "no rates.json from vLLM's probe"
+                log(work, f"{engine}: {info['error']}")
+                return
+        for i, rate in enumerate(args.rates):
+            bench_serve(args, engine, port, rate, args.num_requests, work / f"online_{engine}_r{rate:g}.json",
+                        model_dir, work, salt=i + 1 if args.salt_rates else 0)
     finally:
         stop_process(proc)
         (work / f"online_{engine}_info.json").write_text(json.dumps(info, indent=1))
+
+
+def bench_serve(args, engine: str, port: int, rate: float, num: int, out: Path, model_dir: Path, work: Path,
+                salt: int = 0) -> None:
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve",
+           "--base-url", f"http://127.0.0.1:{port}/v1", "--workload", args.workload,
+           "--num-requests", str(num), "--request-rate", str(rate), "--output", str(out),
+           # vLLM's /v1/models reports no vocabulary size: both engines' ids come from the tokenizer
+           "--tokenizer", str(model_dir), "--disable-tqdm", *(["--prompt-salt", str(salt)] if salt else [])]
+    r = subprocess.run(cmd, env={**os.environ, **ENV, "PYTHONPATH": f"{REPO}:{args.site}"},
+                       capture_output=True, text=True, timeout=args.rate_limit)
+    tail = [ln for ln in r.stdout.splitlines() if any(k in ln for k in ("completed", "throughput", "TTFT", "TPOT"))]
+    log(work, f"{engine} rate {rate:g} rc={r.returncode}: " + " | ".join(tail)[:400])
+    if r.returncode != 0 and not out.exists():
+        log(work, r.stderr[-1500:])
+
+
+def saturation_req_s(requests: list[dict], lo: float = 0.1, hi: float = 0.9) -> float | None:
+    """Requests finished per second while the engine is full: all sent at once (rate inf), the slope
+    of the completions between the lo and hi fractions of them. The whole run's requests/s would
+    count the tail, where the last long outputs decode in a thinning batch (tens of seconds for
+    sharegpt-like's longest), and so understate what the engine sustains."""
+    done = sorted(r["sent_at"] + r["latency"] for r in requests if not r.get("error") and r.get("latency"))
+    if len(done) < 10:
+        return None
+    i, j = int(lo * len(done)), int(hi * len(done)) - 1
+    return (j - i) / (done[j] - done[i]) if done[j] > done[i] else None
+
+
+def probe_rates(args, port: int, model_dir: Path, work: Path) -> None:
+    """--saturation-fractions: vLLM's saturation from one run with every request at once (its own
+    prompts: salt 1000), and the rates at those fractions of it, into work/rates.json and args.rates."""
+    out = work / "online_vllm_probe.json"
+    bench_serve(args, "vllm", port, float("inf"), args.probe_requests or args.num_requests, out, model_dir, work,
+                salt=1000)
+    doc = _load(out) or {}
+    sat = saturation_req_s(doc.get("results", doc).get("requests", []))
+    if sat is None:
+        log(work, "probe: no saturation figure; keeping --rates")
+        return
+    args.rates = [round(f * sat, 2) for f in args.saturation_fractions]
+    (work / "rates.json").write_text(json.dumps({
+        "saturation_req_s": round(sat, 3), "fractions": args.saturation_fractions, "rates": args.rates,
+        "probe": {"requests": args.probe_requests or args.num_requests, "request_rate": "inf",
+                  "whole_run_req_s": doc.get("results", doc).get("request_throughput"),
+                  "rule": "completions per second between the 10% and 90% finished (vs_vllm.saturation_req_s)"}},
+        indent=1))
+    log(work, f"probe: vLLM saturation {sat:.2f} req/s; rates {args.rates}")
+
+
+def wait_for_rates(args, work: Path) -> bool:
+    """pagedserve waits for vLLM's probe (concurrent on two GPUs; one after the other it is there)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < args.startup_limit + args.rate_limit:
+        if (work / "rates.json").exists():
+            args.rates = json.loads((work / "rates.json").read_text())["rates"]
+            return True
+        time.sleep(2)
+    return False
 
 
 def offline_one(engine: str, gpu: str, args, work: Path) -> None:
@@ -179,6 +237,10 @@ def phase_collect(args, work: Path) -> None:
     from pagedserve.benchmark.results import write_result
     results: dict = {"online": {}, "offline": {}}
     ratios: dict = {}
+    rates_file = _load(work / "rates.json")
+    if rates_file:  # --saturation-fractions: the rates the probe chose
+        args.rates = rates_file["rates"]
+        results["saturation"] = rates_file
     for engine in ("vllm", "pagedserve"):
         info = _load(work / f"online_{engine}_info.json") or {}
         per_rate = {}
@@ -227,6 +289,7 @@ def phase_collect(args, work: Path) -> None:
         if v and p and v.get("step_period_ms") and p.get("step_period_ms"):
             ratios[f"decode_step_period_n{n}_over_vllm"] = round(p["step_period_ms"] / v["step_period_ms"], 3)
     config = {"model": os.path.relpath(args.model, REPO), "workload": args.workload, "num_requests": args.num_requests, "rates": args.rates,
+              "salt_rates": args.salt_rates,
               "max_model_len": args.max_model_len, "gpus": args.gpus,
               "placement": "concurrent, one engine per GPU" if len(args.gpus.split(",")) > 1 else "one after the other",
               "pagedserve_args": args.pagedserve_args, "pagedserve_offline_args": args.pagedserve_offline_args,
@@ -269,6 +332,13 @@ def main() -> None:
                          "collect still needs both engines' files for the ratios)")
     ap.add_argument("--rates", type=float, nargs="+", default=[10, 20, 40])
     ap.add_argument("--num-requests", type=int, default=300)
+    ap.add_argument("--saturation-fractions", type=float, nargs="+", default=None,
+                    help="online: first a vLLM run with every request at once (the probe), then --rates = these "
+                         "fractions of its saturation (saturation_req_s), written to rates.json for both engines")
+    ap.add_argument("--probe-requests", type=int, default=None, help="the probe's requests (default --num-requests)")
+    ap.add_argument("--salt-rates", action="store_true",
+                    help="rate i sends its prompts with --prompt-salt i+1 (both engines alike), so no rate finds "
+                         "another's prompts in the prefix cache")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--workloads", nargs="+", default=["nanovllm", "fixed256"])
     ap.add_argument("--pagedserve-args", default="", help="extra flags for `pagedserve serve`")
