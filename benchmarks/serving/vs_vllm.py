@@ -146,26 +146,30 @@ def probe_rates(args, port: int, model_dir: Path, work: Path) -> None:
                 salt=1000)
     doc = _load(out) or {}
     sat = saturation_req_s(doc.get("results", doc).get("requests", []))
-    if sat is None:
+    if sat is None:  # both engines still run the same rates: --rates
         log(work, "probe: no saturation figure; keeping --rates")
-        return
-    args.rates = [round(f * sat, 2) for f in args.saturation_fractions]
+    else:
+        args.rates = [round(f * sat, 2) for f in args.saturation_fractions]
     (work / "rates.json").write_text(json.dumps({
-        "saturation_req_s": round(sat, 3), "fractions": args.saturation_fractions, "rates": args.rates,
+        "saturation_req_s": round(sat, 3) if sat else None,
+        "fractions": args.saturation_fractions if sat else None, "rates": args.rates,
         "probe": {"requests": args.probe_requests or args.num_requests, "request_rate": "inf",
                   "whole_run_req_s": doc.get("results", doc).get("request_throughput"),
                   "rule": "completions per second between the 10% and 90% finished (vs_vllm.saturation_req_s)"}},
         indent=1))
-    log(work, f"probe: vLLM saturation {sat:.2f} req/s; rates {args.rates}")
+    log(work, f"probe: vLLM saturation {sat} req/s; rates {args.rates}")
 
 
 def wait_for_rates(args, work: Path) -> bool:
-    """pagedserve waits for vLLM's probe (concurrent on two GPUs; one after the other it is there)."""
+    """pagedserve waits for vLLM's probe (concurrent on two GPUs; one after the other it is there).
+    vLLM's info file is written when its phase ends: no rates by then, none will come."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < args.startup_limit + args.rate_limit:
         if (work / "rates.json").exists():
             args.rates = json.loads((work / "rates.json").read_text())["rates"]
             return True
+        if (work / "online_vllm_info.json").exists():
+            return False
         time.sleep(2)
     return False
 
