@@ -40,18 +40,18 @@ need_site() {
   [ -n "${SITE:-}" ] && [ -d "$SITE/vllm" ] || { echo "set SITE to the folder vLLM 0.26 is installed in" >&2; exit 2; }
 }
 case "${1:-}" in
-  tune_layer)  # ~5.5 min; limits 150 + 150 + 220 s
+  tune_layer)  # ~5 min; limits 140 + 140 + 200 s (+ vLLM's install: under 9 min)
     lease tune_layer
     mkdir -p "$O/configs"
     # Start from the committed tables: a token count the time limit leaves out keeps its old entry
     # (without "timing": do_bench-tuned) instead of vanishing.
     cp pagedserve/layers/fused_moe/configs/E=*.json "$O/configs/"
     for m in qwen3-30b-a3b mixtral-8x7b; do
-      step "tune_${m//-/_}_bfloat16" 150 python3 benchmarks/kernels/tune_fused_moe.py --model "$m" --dtype bfloat16 \
+      step "tune_${m//-/_}_bfloat16" 140 python3 benchmarks/kernels/tune_fused_moe.py --model "$m" --dtype bfloat16 \
         --max-seconds 100 --output-dir "$O/configs"
     done
     cp "$O"/configs/E=*.json pagedserve/layers/fused_moe/configs/
-    step moe_layer 220 env PYTHONPATH="$PWD${SITE:+:$SITE}" python3 benchmarks/kernels/bench_fused_moe.py \
+    step moe_layer 200 env PYTHONPATH="$PWD${SITE:+:$SITE}" python3 benchmarks/kernels/bench_fused_moe.py \
       ${SITE:+--vllm} --output "$O/moe_layer.json" ;;
   pair)  # MODEL [both|vllm|ours]: vLLM's offline runs (one LLM, both workloads), then ours (one engine)
     m=${2:?model}; which=${3:-both}; lease "pair $m $which"
@@ -80,7 +80,7 @@ case "${1:-}" in
       both) args="--saturation-fractions 0.3 0.6 0.9 --gpus ${GPUS:-0}" ;;
       *) echo "online MODEL both|vllm|ours" >&2; exit 2 ;;
     esac
-    step "online_${m}_$which" 520 python3 benchmarks/serving/vs_vllm.py online --site "$SITE" --work "$work" \
+    step "online_${m}_$which" 500 python3 benchmarks/serving/vs_vllm.py online --site "$SITE" --work "$work" \
       --model "benchmarks/models/$m" --num-requests "$n" --salt-rates $args
     [ -f "$work/rates.json" ] && cp "$work/rates.json" "$saved"
     cp "$work/progress.log" "$O/logs/online_${m}_progress.log" 2>/dev/null ;;
@@ -125,8 +125,8 @@ tail -3 "$O/logs/progress.log"
 #
 # Lease 1 (~15 device minutes):
 #  1. tune_layer (vLLM)  ~5 min: install 30 s; retune Qwen3-30B-A3B bf16 ~80 s and Mixtral-8x7B bf16
-#     ~75 s (graph-timed, from the committed tables, --max-seconds 100, 150 s caps); the layer at batch
-#     1..512 for both models, ours vs vLLM's fused_experts, graph-timed ~120 s (220 s cap).
+#     ~75 s (graph-timed, from the committed tables, --max-seconds 100, 140 s caps); the layer at batch
+#     1..512 for both models, ours vs vLLM's fused_experts, graph-timed ~120 s (200 s cap).
 #     Then, on the CPU: copy $OUT/configs/E=*.json into pagedserve/layers/fused_moe/configs/ (every
 #     later call must run with them) and commit them.
 #  2. pair qwen3-30b-a3b (vLLM)  ~6 min: install 30 s; vLLM nanovllm + fixed256 on one LLM, one run
@@ -146,7 +146,7 @@ tail -3 "$O/logs/progress.log"
 #     share call 5's lease (at once after it; the rates come from /tmp, or RATES="..." from 5's rates.json).
 #  7. online mixtral-8x7b vllm (vLLM)  ~7.5 min: server ~150 s, probe ~50 s, 3 rates of 120 requests
 #     (~105 s of arrivals at ~7 req/s, ~40 s drain each: 20 ms a token x the longest output).
-#     If the probe finds under 5 req/s, run 7 again with N=80: 520 s is the step's cap.
+#     If the probe finds under 5 req/s, run 7 again with N=80: 500 s is the step's cap.
 #  8. online mixtral-8x7b ours (vLLM)  ~5.5 min. MUST share call 7's lease.
 #  On a 2-GPU machine (kind nvidia-h200-x2), `GPUS=0,1 ... online MODEL both` runs 5+6 (~6 min) and
 #  7+8 (~8 min) as one call each, one engine per GPU, ours waiting for vLLM's rates.
