@@ -142,6 +142,7 @@ def probe_rates(args, port: int, model_dir: Path, work: Path) -> None:
     """--saturation-fractions: vLLM's saturation from one run with every request at once (its own
     prompts: salt 1000), and the rates at those fractions of it, into work/rates.json and args.rates."""
     out = work / "online_vllm_probe.json"
+    out.unlink(missing_ok=True)  # an earlier run's probe in the same --work is not this one
     bench_serve(args, "vllm", port, float("inf"), args.probe_requests or args.num_requests, out, model_dir, work,
                 salt=1000)
     doc = _load(out) or {}

@@ -55,3 +55,30 @@ def test_saturation_is_the_completion_slope_not_the_tail():
     reqs.append({"sent_at": 0.0, "latency": 60.0, "error": None})
     assert abs(saturation_req_s(reqs) - 10.0) < 1e-9
     assert len(reqs) / 60.0 < 2  # what the whole run's requests/s would have said
+
+
+def test_probe_sets_the_rates_both_engines_run(tmp_path, monkeypatch):
+    """vLLM's probe (bench serve stubbed: a file of 100 completions at 20 a second) gives the rates
+    at the fractions asked, in rates.json and args.rates; pagedserve's side reads the same rates;
+    with no usable probe both keep --rates."""
+    import argparse
+
+    import vs_vllm
+
+    def fake_bench_serve(args, engine, port, rate, num, out, model_dir, work, salt=0):
+        reqs = [{"sent_at": 0.0, "latency": 0.5 + i / 20, "error": None} for i in range(num)]
+        out.write_text(json.dumps({"results": {"requests": reqs, "request_throughput": 1.0}}))
+    monkeypatch.setattr(vs_vllm, "bench_serve", fake_bench_serve)
+    args = argparse.Namespace(saturation_fractions=[0.3, 0.6, 0.9], probe_requests=None, num_requests=100,
+                              rates=[10.0, 20.0, 40.0], startup_limit=1, rate_limit=1)
+    vs_vllm.probe_rates(args, 0, tmp_path, tmp_path)
+    assert args.rates == [6.0, 12.0, 18.0]
+    ours = argparse.Namespace(**{**vars(args), "rates": [10.0, 20.0, 40.0]})
+    assert vs_vllm.wait_for_rates(ours, tmp_path) and ours.rates == [6.0, 12.0, 18.0]
+
+    (tmp_path / "rates.json").unlink()
+    monkeypatch.setattr(vs_vllm, "bench_serve", lambda *a, **k: None)  # no probe file
+    args.rates = [10.0, 20.0, 40.0]
+    vs_vllm.probe_rates(args, 0, tmp_path, tmp_path)
+    saved = json.loads((tmp_path / "rates.json").read_text())
+    assert saved["rates"] == [10.0, 20.0, 40.0] and saved["saturation_req_s"] is None
