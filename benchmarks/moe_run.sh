@@ -150,7 +150,8 @@ tail -3 "$O/logs/progress.log"
 #  8. online mixtral-8x7b ours (vLLM)  ~5.5 min. MUST share call 7's lease.
 #  On a 2-GPU machine (kind nvidia-h200-x2), `GPUS=0,1 ... online MODEL both` runs 5+6 (~6 min) and
 #  7+8 (~8 min) as one call each, one engine per GPU, ours waiting for vLLM's rates.
-# Collect (CPU): copy each call's $OUT into benchmarks/results/h200/moe_parts/<n>_<section>/, the newest
-# moe_layer.json over benchmarks/results/h200/moe_layer.json, then
+# Collect (CPU): copy each call's $OUT into benchmarks/results/h200/moe_parts/<n>_<section>/ (n orders
+# them: the newest layer part wins), then
 #   python benchmarks/offline/moe_collect.py --parts benchmarks/results/h200/moe_parts --output benchmarks/results/h200/moe.json
+# (it also copies the newest moe_layer.json part over benchmarks/results/h200/moe_layer.json).
 # END QUICK

@@ -19,8 +19,8 @@ What each call's folder may hold, and where it goes:
   vs_vllm.py collect computes their ratios, which land here as
   <model>_sharegpt-like_<at30pct|rX>_<tpot_p50|ttft_p99|throughput>_over_vllm (atNpct where
   rates.json says which fraction of vLLM's saturation the rate was).
-- moe_layer.json (bench_fused_moe.py --vllm): its <model>_layer_b<T>_over_vllm ratios, and a pointer
-  to the file (copy the newest part over benchmarks/results/h200/moe_layer.json).
+- moe_layer.json (bench_fused_moe.py --vllm): its <model>_layer_b<T>_over_vllm ratios, a pointer,
+  and the newest part copied over --layer-output (benchmarks/results/h200/moe_layer.json).
 Results in moe.json that no part replaces stay as they are.
 """
 from __future__ import annotations
@@ -143,25 +143,34 @@ def merge_online(doc: dict, parts: Path) -> list[str]:
     return merged
 
 
-def merge_layer(doc: dict, parts: Path) -> list[str]:
+def merge_layer(doc: dict, parts: Path, layer_output: Path | None = None) -> list[str]:
+    """The newest part's layer ratios into moe.json; with layer_output, the part itself over that file
+    (its predecessor's commit is kept beside the pointer; git keeps its figures)."""
     files = sorted(parts.glob("*/moe_layer.json"))
     if not files:
         return []
     f = files[-1]
     layer = load(f)
+    replaced = None
+    if layer_output is not None:
+        if layer_output.is_file() and load(layer_output) != layer:
+            replaced = load(layer_output).get("commit")
+        layer_output.write_text(f.read_text())
     for k in [k for k in doc["ratios"] if "_layer_b" in k]:
         doc["ratios"].pop(k)
     doc["ratios"].update({k: v for k, v in layer.get("ratios", {}).items() if "_layer_b" in k})
+    previous = doc["results"].get("layer", {})
     doc["results"]["layer"] = {"commit": layer.get("commit"), "lease": lease_of(parts, f),
-                               "source": f.relative_to(parts).as_posix(), "file": "benchmarks/results/h200/moe_layer.json"}
+                               "source": f.relative_to(parts).as_posix(), "file": "benchmarks/results/h200/moe_layer.json",
+                               "replaced_commit": replaced or previous.get("replaced_commit")}
     return ["layer"]
 
 
-def collect(parts: Path, output: Path) -> dict:
+def collect(parts: Path, output: Path, layer_output: Path | None = None) -> dict:
     doc = load(output) if output.is_file() else {"benchmark": "moe", "results": {}, "ratios": {}, "config": {}}
     doc.setdefault("results", {})
     doc.setdefault("ratios", {})
-    merged = merge_offline(doc, parts) + merge_online(doc, parts) + merge_layer(doc, parts)
+    merged = merge_offline(doc, parts) + merge_online(doc, parts) + merge_layer(doc, parts, layer_output)
     if merged:
         commits = {r.get("commit") for n, r in doc["results"].items() if n in merged and isinstance(r, dict)} - {None}
         if doc.get("commit_note", NOTE) != NOTE:  # it described the runs it came with; they may be superseded now
@@ -179,8 +188,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--parts", default=str(ROOT / "benchmarks/results/h200/moe_parts"))
     ap.add_argument("--output", default=str(ROOT / "benchmarks/results/h200/moe.json"))
+    ap.add_argument("--layer-output", default=str(ROOT / "benchmarks/results/h200/moe_layer.json"),
+                    help="where the newest part's moe_layer.json goes ('' : leave it)")
     args = ap.parse_args()
-    doc = collect(Path(args.parts), Path(args.output))
+    doc = collect(Path(args.parts), Path(args.output), Path(args.layer_output) if args.layer_output else None)
     print(json.dumps({"collected": doc.get("collected", []), "ratios": doc["ratios"]}, indent=2))
 
 

@@ -54,7 +54,9 @@ def test_collect_merges_parts_into_moe_json(tmp_path):
                                             for f in LEASE.glob("online_vllm_r*.json")}})
     call(parts, "q7_online_ours", "L6", {f"online_{q}/{f.name}": json.loads(f.read_text())
                                          for f in LEASE.glob("online_pagedserve_r*.json")})
-    doc = collect(parts, out)
+    layer_out = tmp_path / "moe_layer.json"
+    layer_out.write_text(json.dumps({"commit": "2aa153b", "ratios": {}}))
+    doc = collect(parts, out, layer_out)
     r, ratios = doc["results"], doc["ratios"]
 
     # Same lease preferred over another lease's vLLM run.
@@ -81,7 +83,8 @@ def test_collect_merges_parts_into_moe_json(tmp_path):
         / json.loads((LEASE / "online_vllm_r40.json").read_text())["results"]["request_throughput"], 3)
     assert r[f"{q}_sharegpt-like"]["same_lease"] is True and r[f"{q}_sharegpt-like"]["saturation"]["saturation_req_s"] == 44.4
     assert ratios[f"{q}_layer_b1_over_vllm"] == 1.2
+    assert json.loads(layer_out.read_text())["commit"] == "c1" and r["layer"]["replaced_commit"] == "2aa153b"
 
-    again = collect(parts, out)
+    again = collect(parts, out, layer_out)
     for key in ("results", "ratios", "superseded"):
         assert again[key] == doc[key]
