@@ -59,7 +59,9 @@ def supersede(doc: dict, name: str, source) -> None:
     """Move results[name] and its ratios to the list superseded[name], with the commit they were
     measured at; a result from the same source (collect run again over the same parts) just goes."""
     old = doc["results"].pop(name, None)
-    ratios = {k: doc["ratios"].pop(k) for k in list(doc["ratios"]) if k == name or k.startswith(name + "_")}
+    longer = [n for n in doc["results"] if n.startswith(name + "_")]  # e.g. <name>_tp2: its ratios are its own
+    ratios = {k: doc["ratios"].pop(k) for k in list(doc["ratios"])
+              if (k == name or k.startswith(name + "_")) and not any(k.startswith(n + "_") for n in longer)}
     if old is None or old.get("source") == source:
         return
     # A run merged before results carried commits: the file's commit (moe.json's of 811b171 was corrected
