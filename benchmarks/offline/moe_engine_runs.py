@@ -10,7 +10,8 @@ two workloads draw different token ids, so the second finds nothing of the first
 For the workloads in `traced`, one more run (after the timed ones, so its prompts are cached, as
 bench throughput's roofline run) records the schedule and the step trace (engine/step_trace.py:
 each step's device busy time) together:
-- `roofline_fraction`: the schedule's roofline ideal over the best timed run (bench throughput's figure);
+- `roofline_fraction`: the schedule's roofline ideal over the best timed run (bench throughput's figure;
+  with repeats=1 that is the cold run, where moe.json's figures of 811b171 divided by the warm one);
 - `decode_roofline_fraction`: over the decode-only steps, their ideal (offline_steps.step_ideal_s:
   the dense weights, the experts the step's tokens touch in expectation, every context token's KV)
   over their device busy time. That is the issue's "roofline fraction of a decode step", without
