@@ -102,7 +102,7 @@ case "${1:-}" in
   layer) step moe_layer 560 python3 benchmarks/kernels/bench_fused_moe.py ${VLLM:+--vllm} --output "$O/moe_layer.json" ;;
   offline) step "moe_offline_$2_$3" 580 python3 benchmarks/offline/moe_offline.py --models "$2" --workloads "$3" --merge \
              ${VLLM_DIR:+--vllm-dir $VLLM_DIR} --output "$O/moe.json" ;;
-  steps) step moe_offline_steps 560 python3 benchmarks/offline_steps.py --workload nanovllm \
+  steps) step moe_offline_steps 560 python3 benchmarks/offline/offline_steps.py --workload nanovllm \
            --model benchmarks/models/qwen3-30b-a3b --output "$O/offline_steps_qwen3_30b_a3b.json" ;;
   ep_layer) step moe_layer_tp2 280 python3 benchmarks/kernels/bench_fused_moe.py --tp 2 --output "$O/moe_layer_tp2.json"
             step moe_layer_tp2_ep 280 python3 benchmarks/kernels/bench_fused_moe.py --tp 2 --expert-parallel \
