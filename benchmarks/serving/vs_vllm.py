@@ -126,16 +126,23 @@ def bench_serve(args, engine: str, port: int, rate: float, num: int, out: Path, 
         log(work, r.stderr[-1500:])
 
 
-def saturation_req_s(requests: list[dict], lo: float = 0.1, hi: float = 0.9) -> float | None:
-    """Requests finished per second while the engine is full: all sent at once (rate inf), the slope
-    of the completions between the lo and hi fractions of them. The whole run's requests/s would
-    count the tail, where the last long outputs decode in a thinning batch (tens of seconds for
-    sharegpt-like's longest), and so understate what the engine sustains."""
-    done = sorted(r["sent_at"] + r["latency"] for r in requests if not r.get("error") and r.get("latency"))
-    if len(done) < 10:
+def saturation_req_s(requests: list[dict], upto: float = 0.1) -> float | None:
+    """The request rate the engine sustains with the probe's N requests in flight: every request sent
+    at once (rate inf), its output tokens per second until the first `upto` of them have finished
+    (all N still, or nearly, decoding), over the mean output length. Each request's tokens are
+    counted as spread evenly between its first token and its end. Neither the whole run's
+    requests/s (it counts the tail, the last long outputs decoding almost alone) nor the slope of
+    the completions (in a burst it follows the spread of the output lengths) says that."""
+    ok = [r for r in requests if not r.get("error") and r.get("latency") and r.get("ttft") is not None
+          and r.get("output_len")]
+    if len(ok) < 10:
         return None
-    i, j = int(lo * len(done)), int(hi * len(done)) - 1
-    return (j - i) / (done[j] - done[i]) if done[j] > done[i] else None
+    t1 = sorted(r["sent_at"] + r["latency"] for r in ok)[max(0, int(upto * len(ok)) - 1)]
+    if t1 <= 0:
+        return None
+    tokens = sum(r["output_len"] * min(1.0, max(0.0, (t1 - r["sent_at"] - r["ttft"]) / max(r["latency"] - r["ttft"], 1e-9)))
+                 for r in ok)
+    return tokens / t1 / (sum(r["output_len"] for r in ok) / len(ok))
 
 
 def probe_rates(args, port: int, model_dir: Path, work: Path) -> None:
@@ -156,7 +163,7 @@ def probe_rates(args, port: int, model_dir: Path, work: Path) -> None:
         "fractions": args.saturation_fractions if sat else None, "rates": args.rates,
         "probe": {"requests": args.probe_requests or args.num_requests, "request_rate": "inf",
                   "whole_run_req_s": doc.get("results", doc).get("request_throughput"),
-                  "rule": "completions per second between the 10% and 90% finished (vs_vllm.saturation_req_s)"}},
+                  "rule": "output tokens/s until 10% finished, over the mean output length (vs_vllm.saturation_req_s)"}},
         indent=1))
     log(work, f"probe: vLLM saturation {sat} req/s; rates {args.rates}")
 

@@ -1,7 +1,7 @@
 """moe_offline.py --one-engine on CPU (a tiny Qwen3-MoE): both workloads on one LLM do each
 workload's whole work, the second workload's first run finds nothing of the first's in the prefix
 cache, and the decode-step roofline fraction counts decode-only steps. vs_vllm's saturation rule
-reads the completions' slope, not the tail."""
+counts the full batch's token rate, not the tail."""
 import json
 import subprocess
 import sys
@@ -48,17 +48,19 @@ def test_decode_fraction_counts_decode_steps_only():
     assert got["decode_roofline_fraction"] == round(ideal / 0.003, 3)
 
 
-def test_saturation_is_the_completion_slope_not_the_tail():
+def test_saturation_is_the_full_batch_token_rate_over_the_mean_length():
     from vs_vllm import saturation_req_s
-    # 100 requests sent at once, finishing 10 a second from t=1 s, and one long output at 60 s.
-    reqs = [{"sent_at": 0.0, "latency": 1.0 + i / 10, "error": None} for i in range(100)]
-    reqs.append({"sent_at": 0.0, "latency": 60.0, "error": None})
-    assert abs(saturation_req_s(reqs) - 10.0) < 1e-9
-    assert len(reqs) / 60.0 < 2  # what the whole run's requests/s would have said
+    # 100 requests sent at once, 100 tokens a second each from t=0: 10 of 100 tokens (done at 1 s),
+    # 90 of 1,000. Until the 10th finishes: 10,000 tokens in 1 s; mean length 910 -> 10.99 req/s,
+    # which is also what 100 in flight at 100 tokens/s each sustain with these lengths.
+    reqs = [{"sent_at": 0.0, "ttft": 0.0, "latency": n / 100, "output_len": n, "error": None}
+            for n in [100] * 10 + [1000] * 90]
+    assert abs(saturation_req_s(reqs) - 10000 / 910) < 1e-9
+    assert len(reqs) / 10.0 < 10000 / 910  # the whole run's requests/s (tail included) says less
 
 
 def test_probe_sets_the_rates_both_engines_run(tmp_path, monkeypatch):
-    """vLLM's probe (bench serve stubbed: a file of 100 completions at 20 a second) gives the rates
+    """vLLM's probe (bench serve stubbed: 100 requests of 100 tokens in 1 s, so 100 req/s) gives the rates
     at the fractions asked, in rates.json and args.rates; pagedserve's side reads the same rates;
     with no usable probe both keep --rates."""
     import argparse
@@ -66,15 +68,15 @@ def test_probe_sets_the_rates_both_engines_run(tmp_path, monkeypatch):
     import vs_vllm
 
     def fake_bench_serve(args, engine, port, rate, num, out, model_dir, work, salt=0):
-        reqs = [{"sent_at": 0.0, "latency": 0.5 + i / 20, "error": None} for i in range(num)]
+        reqs = [{"sent_at": 0.0, "ttft": 0.0, "latency": 1.0, "output_len": 100, "error": None} for _ in range(num)]
         out.write_text(json.dumps({"results": {"requests": reqs, "request_throughput": 1.0}}))
     monkeypatch.setattr(vs_vllm, "bench_serve", fake_bench_serve)
     args = argparse.Namespace(saturation_fractions=[0.3, 0.6, 0.9], probe_requests=None, num_requests=100,
                               rates=[10.0, 20.0, 40.0], startup_limit=1, rate_limit=1)
     vs_vllm.probe_rates(args, 0, tmp_path, tmp_path)
-    assert args.rates == [6.0, 12.0, 18.0]
+    assert args.rates == [30.0, 60.0, 90.0]
     ours = argparse.Namespace(**{**vars(args), "rates": [10.0, 20.0, 40.0]})
-    assert vs_vllm.wait_for_rates(ours, tmp_path) and ours.rates == [6.0, 12.0, 18.0]
+    assert vs_vllm.wait_for_rates(ours, tmp_path) and ours.rates == [30.0, 60.0, 90.0]
 
     (tmp_path / "rates.json").unlink()
     monkeypatch.setattr(vs_vllm, "bench_serve", lambda *a, **k: None)  # no probe file
