@@ -86,7 +86,8 @@ def online_one(engine: str, gpu: str, args, model_dir: Path, work: Path) -> None
     t0 = time.monotonic()
     proc = subprocess.Popen(serve_cmd(engine, model_dir, port, args.max_model_len, extra),
                             env=env_for(engine, args.site, gpu), stdout=server_log, stderr=subprocess.STDOUT)
-    info = {"engine": engine, "gpu": gpu, "server_args": extra,
+    info = {"engine": engine, "gpu": gpu, "server_args": extra, "num_requests": args.num_requests,
+            "salt_rates": args.salt_rates,
             # the server's environment switches, for collect (which may run later, elsewhere)
             "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES}}
     try:
@@ -300,8 +301,12 @@ def phase_collect(args, work: Path) -> None:
         v, p = dec.get("vllm", {}).get(f"n{n}"), dec.get("pagedserve", {}).get(f"n{n}")
         if v and p and v.get("step_period_ms") and p.get("step_period_ms"):
             ratios[f"decode_step_period_n{n}_over_vllm"] = round(p["step_period_ms"] / v["step_period_ms"], 3)
-    config = {"model": os.path.relpath(args.model, REPO), "workload": args.workload, "num_requests": args.num_requests, "rates": args.rates,
-              "salt_rates": args.salt_rates,
+    # As the online phase ran (its info files), where they say: collect may run later with defaults.
+    ran = [_load(work / f"online_{e}_info.json") or {} for e in ("vllm", "pagedserve")]
+    num_requests = next((i["num_requests"] for i in ran if "num_requests" in i), args.num_requests)
+    salt_rates = next((i["salt_rates"] for i in ran if "salt_rates" in i), args.salt_rates)
+    config = {"model": os.path.relpath(args.model, REPO), "workload": args.workload, "num_requests": num_requests,
+              "rates": args.rates, "salt_rates": salt_rates,
               "max_model_len": args.max_model_len, "gpus": args.gpus,
               "placement": "concurrent, one engine per GPU" if len(args.gpus.split(",")) > 1 else "one after the other",
               "pagedserve_args": args.pagedserve_args, "pagedserve_offline_args": args.pagedserve_offline_args,
