@@ -62,53 +62,81 @@ def decode_fraction(steps: list[dict], cost, bandwidth: float, flops_rate: float
 
 
 def run_workloads(model: str, workloads: list[str], engine_kwargs: dict, repeats: int = 1,
-                  traced: tuple[str, ...] = ("nanovllm",), num_requests: int | None = None) -> dict:
-    """{"results": {workload: ...}, "ratios": {workload_roofline_fraction, ...}, "switches": ...}; the
-    results' keys are bench throughput's, so moe_offline.py and its collect read them alike."""
-    import torch
-
+                  traced: tuple[str, ...] = ("nanovllm",), num_requests: int | None = None,
+                  on_workload=None) -> dict:
+    """{"results": {workload: ...}, "ratios": {workload_roofline_fraction, ...}, "switches": ...,
+    "errors": {workload: message}}; the results' keys are bench throughput's, so moe_offline.py and
+    its collect read them alike. on_workload(out) is called after each workload with the figures so
+    far (moe_offline.py writes its file there: a device call's time limit keeps what finished); a
+    workload that raises is recorded in errors and the next one runs."""
     from pagedserve import LLM
     from pagedserve.benchmark.results import engine_switches
-    from pagedserve.benchmark.throughput import fitted_workload, progress, timed_generate, warm_up_requests
-    from pagedserve.workloads import VOCAB_DRAW
+    from pagedserve.benchmark.throughput import progress
 
     progress(f"loading {model} with dummy weights (one engine for {', '.join(workloads)})")
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, **engine_kwargs)
     hf = llm.llm_engine.hf_config
-    results, ratios = {}, {}
+    out = {"results": {}, "ratios": {}, "switches": engine_switches(llm.llm_engine.config), "errors": {}}
     for wl in workloads:
-        reqs = fitted_workload(wl, num_requests, hf, llm.llm_engine.max_model_len)
-        timed_generate(llm, warm_up_requests(reqs, vocab=getattr(hf, "vocab_size", VOCAB_DRAW)))
-        runs = []
-        for i in range(repeats):
-            before = llm.get_kv_cache_stats().prefix_cache_hits
-            r = timed_generate(llm, reqs)
-            runs.append((r, llm.get_kv_cache_stats().prefix_cache_hits - before))
-            progress(f"{wl} run {i + 1}/{repeats}: {r.seconds:.2f} s, {r.output_tokens_per_s:.1f} output tok/s")
-        best = min((r for r, _ in runs), key=lambda r: r.seconds)
-        res = {"num_requests": len(reqs), "prompt_tokens": best.prompt_tokens, "output_tokens": best.output_tokens,
-               "seconds": round(best.seconds, 3), "output_tokens_per_s": round(best.output_tokens_per_s, 1),
-               "total_tokens_per_s": round(best.total_tokens_per_s, 1), "requests_per_s": round(best.requests_per_s, 2),
-               "runs": [{"seconds": round(r.seconds, 3), "output_tokens_per_s": round(r.output_tokens_per_s, 1),
-                         "requests_per_s": round(r.requests_per_s, 2), "prefix_cache_hit_tokens": h} for r, h in runs],
-               "num_gpu_blocks": llm.get_kv_cache_stats().num_blocks_total, "one_engine": workloads}
-        if wl in traced and torch.cuda.is_available():
-            from pagedserve.benchmark.hardware import (measure_copy_bandwidth, measure_fp8_matmul_rate,
-                                                       measure_matmul_rate)
-            from pagedserve.benchmark.roofline import ModelCost
-            progress(f"{wl}: one more run with the schedule and the step trace recorded")
-            log, steps = _traced_run(llm, reqs)
-            bw, rate = measure_copy_bandwidth(), measure_matmul_rate()
-            cost = ModelCost.for_engine(llm.llm_engine)
-            fp8 = measure_fp8_matmul_rate() if cost.fp8_matmul_params else None
-            ideal = log.ideal_seconds(cost, bw, rate, fp8)
-            dec = decode_fraction(steps, cost, bw, rate, fp8)
-            res.update(measured_copy_bandwidth_GBps=round(bw / 1e9, 1), measured_matmul_TFLOPs=round(rate / 1e12, 1),
-                       roofline_ideal_seconds=round(ideal, 3), num_steps=len(log.steps), **dec)
-            ratios[f"{wl}_roofline_fraction"] = round(ideal / best.seconds, 3)
-            if dec["decode_roofline_fraction"] is not None:
-                ratios[f"{wl}_decode_roofline_fraction"] = dec["decode_roofline_fraction"]
-        results[wl] = res
-    switches = engine_switches(llm.llm_engine.config)
+        try:
+            res, wl_ratios = _one_workload(llm, hf, wl, repeats, wl in traced, num_requests, progress)
+            out["results"][wl] = res
+            out["ratios"].update(wl_ratios)
+        except Exception as e:  # noqa: BLE001  (an OOM or a kernel error: keep the other workload's figures)
+            out["errors"][wl] = f"{type(e).__name__}: {str(e)[:500]}"
+            progress(f"{wl} failed: {out['errors'][wl]}")
+        if on_workload is not None:
+            on_workload(out)
     del llm
-    return {"results": results, "ratios": ratios, "switches": switches}
+    return out
+
+
+def _one_workload(llm, hf, wl: str, repeats: int, traced: bool, num_requests: int | None, progress):
+    """(results, ratios) of one workload on the running engine: warm-up, timed runs, traced run."""
+    import torch
+
+    from pagedserve.benchmark.throughput import fitted_workload, timed_generate, warm_up_requests
+    from pagedserve.workloads import VOCAB_DRAW
+    ratios = {}
+    reqs = fitted_workload(wl, num_requests, hf, llm.llm_engine.max_model_len)
+    timed_generate(llm, warm_up_requests(reqs, vocab=getattr(hf, "vocab_size", VOCAB_DRAW)))
+    runs = []
+    for i in range(repeats):
+        before = llm.get_kv_cache_stats().prefix_cache_hits
+        r = timed_generate(llm, reqs)
+        runs.append((r, llm.get_kv_cache_stats().prefix_cache_hits - before))
+        progress(f"{wl} run {i + 1}/{repeats}: {r.seconds:.2f} s, {r.output_tokens_per_s:.1f} output tok/s")
+    best = min((r for r, _ in runs), key=lambda r: r.seconds)
+    res = {"num_requests": len(reqs), "prompt_tokens": best.prompt_tokens, "output_tokens": best.output_tokens,
+           "seconds": round(best.seconds, 3), "output_tokens_per_s": round(best.output_tokens_per_s, 1),
+           "total_tokens_per_s": round(best.total_tokens_per_s, 1), "requests_per_s": round(best.requests_per_s, 2),
+           "runs": [{"seconds": round(r.seconds, 3), "output_tokens_per_s": round(r.output_tokens_per_s, 1),
+                     "requests_per_s": round(r.requests_per_s, 2), "prefix_cache_hit_tokens": h} for r, h in runs],
+           "num_gpu_blocks": llm.get_kv_cache_stats().num_blocks_total, "one_engine": True}
+    if traced and torch.cuda.is_available():
+        try:  # the timed figures stand without it
+            ratios.update(_roofline(llm, wl, reqs, best.seconds, res, progress))
+        except Exception as e:  # noqa: BLE001
+            res["trace_error"] = f"{type(e).__name__}: {str(e)[:500]}"
+            progress(f"{wl}: traced run failed: {res['trace_error']}")
+    return res, ratios
+
+
+def _roofline(llm, wl: str, reqs, best_seconds: float, res: dict, progress) -> dict:
+    """The traced run's figures into res; its ratios returned."""
+    from pagedserve.benchmark.hardware import measure_copy_bandwidth, measure_fp8_matmul_rate, measure_matmul_rate
+    from pagedserve.benchmark.roofline import ModelCost
+    ratios = {}
+    progress(f"{wl}: one more run with the schedule and the step trace recorded")
+    log, steps = _traced_run(llm, reqs)
+    bw, rate = measure_copy_bandwidth(), measure_matmul_rate()
+    cost = ModelCost.for_engine(llm.llm_engine)
+    fp8 = measure_fp8_matmul_rate() if cost.fp8_matmul_params else None
+    ideal = log.ideal_seconds(cost, bw, rate, fp8)
+    dec = decode_fraction(steps, cost, bw, rate, fp8)
+    res.update(measured_copy_bandwidth_GBps=round(bw / 1e9, 1), measured_matmul_TFLOPs=round(rate / 1e12, 1),
+               roofline_ideal_seconds=round(ideal, 3), num_steps=len(log.steps), **dec)
+    ratios[f"{wl}_roofline_fraction"] = round(ideal / best_seconds, 3)
+    if dec["decode_roofline_fraction"] is not None:
+        ratios[f"{wl}_decode_roofline_fraction"] = dec["decode_roofline_fraction"]
+    return ratios

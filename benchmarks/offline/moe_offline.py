@@ -90,21 +90,30 @@ def engine_kwargs(model_dir: Path, engine_args: str) -> dict:
             **changed_engine_kwargs(p.parse_args(shlex.split(engine_args)))}
 
 
-def one_engine(args, model: str, results: dict, ratios: dict) -> dict | None:
-    """--one-engine: the model's workloads on one LLM here; fills results/ratios under the usual names."""
+def one_engine(args, model: str, results: dict, ratios: dict, errors: dict, save) -> dict | None:
+    """--one-engine: the model's workloads on one LLM here; fills results/ratios under the usual names
+    and calls save(switches) after each workload (a time limit keeps what finished)."""
     from moe_engine_runs import run_workloads
     model_dir = Path(model) if Path(model).is_dir() else ROOT / "benchmarks/models" / model
     model = model_dir.name
-    out = run_workloads(str(model_dir), args.workloads, engine_kwargs(model_dir, args.engine_args), args.repeats,
-                        num_requests=args.num_requests)
     suffix = f"_{args.tag}" if args.tag else ""
-    for wl, res in out["results"].items():
-        results[f"{model}_{wl}{suffix}"] = res
-        if args.vllm_dir:
-            add_vllm_ratio(results, ratios, f"{model}_{wl}{suffix}", f"{model}_{wl}", Path(args.vllm_dir))
-    for key, value in out["ratios"].items():  # <workload>_[decode_]roofline_fraction
-        wl, _, what = key.partition("_")
-        ratios[f"{model}_{wl}{suffix}_{what}"] = value
+
+    def take(out: dict) -> None:
+        for wl, res in out["results"].items():
+            results[f"{model}_{wl}{suffix}"] = res
+            if args.vllm_dir:
+                add_vllm_ratio(results, ratios, f"{model}_{wl}{suffix}", f"{model}_{wl}", Path(args.vllm_dir))
+        for key, value in out["ratios"].items():  # <workload>_[decode_]roofline_fraction
+            wl, _, what = key.partition("_")
+            ratios[f"{model}_{wl}{suffix}_{what}"] = value
+        errors.update({f"{model}_{wl}{suffix}": msg for wl, msg in out["errors"].items()})
+        save(out["switches"])
+    try:
+        out = run_workloads(str(model_dir), args.workloads, engine_kwargs(model_dir, args.engine_args), args.repeats,
+                            num_requests=args.num_requests, on_workload=take)
+    except Exception as e:  # noqa: BLE001  (the engine did not start: say so in the file)
+        errors[model] = f"{type(e).__name__}: {str(e)[:500]}"
+        return None
     return out["switches"]
 
 
@@ -131,9 +140,14 @@ def main() -> None:
     git_commit()  # refuse before measuring
     tmp = Path(tempfile.mkdtemp())
     results, ratios, switches, errors = {}, {}, {}, {}
+
+    def save(run_switches: dict | None = None) -> None:
+        nonlocal switches
+        switches = run_switches or switches
+        write(args, results, ratios, switches, errors)
     for model in args.models:
         if args.one_engine:
-            switches = one_engine(args, model, results, ratios) or switches
+            one_engine(args, model, results, ratios, errors, save)
             continue
         for workload in args.workloads:
             run = f"{model}_{workload}"
@@ -155,19 +169,28 @@ def main() -> None:
                 ratios[f"{name}_roofline_fraction"] = doc["ratios"]["roofline_fraction"]
             if args.vllm_dir:
                 add_vllm_ratio(results, ratios, name, run, Path(args.vllm_dir))
-    if errors:
-        results["errors"] = errors
+    save()
+    print(json.dumps({"results": results, "ratios": ratios, "errors": errors}, indent=2))
+
+
+def write(args, results: dict, ratios: dict, switches: dict, errors: dict) -> None:
+    """--output from this run's figures (with --merge: over the file's earlier ones, read once, before
+    this run wrote anything)."""
+    results = {**results, **({"errors": errors} if errors else {})}
     config = {"models": args.models, "workloads": args.workloads, "load_format": "dummy", "dtype": "bfloat16",
               "engine_args": args.engine_args, "repeats": args.repeats, "one_engine": args.one_engine}
-    if args.merge and Path(args.output).is_file():
-        old = json.loads(Path(args.output).read_text())
-        results = {**{k: v for k, v in old.get("results", {}).items() if k != "errors"}, **results}
-        ratios = {**old.get("ratios", {}), **ratios}
-        config["merged_runs"] = {**old.get("config", {}).get("merged_runs", {}),
-                                 **{f"{m}_{w}{'_' + args.tag if args.tag else ''}": git_commit()
-                                    for m in args.models for w in args.workloads}}
+    if args.merge:
+        if not hasattr(args, "merged_from"):
+            path = Path(args.output)
+            args.merged_from = json.loads(path.read_text()) if path.is_file() else None
+        old = args.merged_from
+        if old is not None:
+            results = {**{k: v for k, v in old.get("results", {}).items() if k != "errors"}, **results}
+            ratios = {**old.get("ratios", {}), **ratios}
+            config["merged_runs"] = {**old.get("config", {}).get("merged_runs", {}),
+                                     **{f"{m}_{w}{'_' + args.tag if args.tag else ''}": git_commit()
+                                        for m in args.models for w in args.workloads}}
     write_result(args.output, "moe", None, config, results, {}, ratios, switches=switches)
-    print(json.dumps({"results": results, "ratios": ratios}, indent=2))
 
 
 if __name__ == "__main__":
