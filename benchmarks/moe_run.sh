@@ -5,7 +5,7 @@
 #   bash benchmarks/moe_run.sh fp8                       (FP8 MoE GPU tests, then the layer FP8 vs bf16, batch 1..256)
 #   bash benchmarks/moe_run.sh offline MODEL WORKLOAD   (qwen3-30b-a3b|mixtral-8x7b, nanovllm|fixed256)
 #   bash benchmarks/moe_run.sh ep_layer                  (one GPU: a rank's share at TP=2, sharded vs whole experts)
-#   bash benchmarks/moe_run.sh ep MODEL WORKLOAD         (two GPUs: TP=2 sharded vs expert parallel, into moe.json)
+#   bash benchmarks/moe_run.sh ep MODEL [WORKLOAD...]    (two GPUs: TP=2 sharded vs expert parallel, parts for moe_collect.py)
 # Results and logs go under ${OUT:-benchmarks/results/h200}; tuned tables are written into
 # $OUT/configs/ (commit them from there into pagedserve/layers/fused_moe/configs/) and copied into
 # that directory of the device's tree, so later sections of the same session use them.
@@ -104,13 +104,19 @@ case "${1:-}" in
              ${VLLM_DIR:+--vllm-dir $VLLM_DIR} --output "$O/moe.json" ;;
   steps) step moe_offline_steps 560 python3 benchmarks/offline/offline_steps.py --workload nanovllm \
            --model benchmarks/models/qwen3-30b-a3b --output "$O/offline_steps_qwen3_30b_a3b.json" ;;
-  ep_layer) step moe_layer_tp2 280 python3 benchmarks/kernels/bench_fused_moe.py --tp 2 --output "$O/moe_layer_tp2.json"
-            step moe_layer_tp2_ep 280 python3 benchmarks/kernels/bench_fused_moe.py --tp 2 --expert-parallel \
+  ep_layer) lease ep_layer  # ~3 min (200 + 200 s caps)
+            step moe_layer_tp2 200 python3 benchmarks/kernels/bench_fused_moe.py --tp 2 --output "$O/moe_layer_tp2.json"
+            step moe_layer_tp2_ep 200 python3 benchmarks/kernels/bench_fused_moe.py --tp 2 --expert-parallel \
               --output "$O/moe_layer_tp2_ep.json" ;;
-  ep) step "moe_offline_$2_$3_tp2" 290 python3 benchmarks/offline/moe_offline.py --models "$2" --workloads "$3" --merge \
-        --tag tp2 --engine-args "--tensor-parallel-size 2" --output "$O/moe.json"
-      step "moe_offline_$2_$3_tp2_ep" 290 python3 benchmarks/offline/moe_offline.py --models "$2" --workloads "$3" --merge \
-        --tag tp2_ep --engine-args "--tensor-parallel-size 2 --enable-expert-parallel" --output "$O/moe.json" ;;
+  ep)  # MODEL [WORKLOAD...] (default both): TP=2 sharded, then expert parallel, each one engine for the workloads;
+       # parts moe_offline_<model>_tp2[_ep].json for moe_collect.py (results <model>_<workload>_tp2[_ep])
+    m=${2:?model}; shift 2; wls=${*:-nanovllm fixed256}; lease "ep $m $wls"
+    cap=$([ "$m" = mixtral-8x7b ] && echo 270 || echo 230)
+    step "moe_offline_${m}_tp2" $cap python3 benchmarks/offline/moe_offline.py --one-engine --models "$m" \
+      --workloads $wls --repeats 1 --tag tp2 --engine-args "--tensor-parallel-size 2" --output "$O/moe_offline_${m}_tp2.json"
+    step "moe_offline_${m}_tp2_ep" $cap python3 benchmarks/offline/moe_offline.py --one-engine --models "$m" \
+      --workloads $wls --repeats 1 --tag tp2_ep --engine-args "--tensor-parallel-size 2 --enable-expert-parallel" \
+      --output "$O/moe_offline_${m}_tp2_ep.json" ;;
   *) echo "usage: $0 quick|tune_layer|pair MODEL [WHICH]|online MODEL [WHICH]|tests|tune_qwen [DTYPE]|tune_mixtral [DTYPE]|fp8|layer|steps, or offline MODEL WORKLOAD" >&2; exit 2 ;;
 esac
 tail -3 "$O/logs/progress.log"
@@ -150,6 +156,11 @@ tail -3 "$O/logs/progress.log"
 #  8. online mixtral-8x7b ours (vLLM)  ~5.5 min. MUST share call 7's lease.
 #  On a 2-GPU machine (kind nvidia-h200-x2), `GPUS=0,1 ... online MODEL both` runs 5+6 (~6 min) and
 #  7+8 (~8 min) as one call each, one engine per GPU, ours waiting for vLLM's rates.
+# Lease 4 (kind nvidia-h200-x2, ~15 min): expert parallelism against sharding (#33 asks for it, as EP
+# was built; nothing measured yet), ours only, so any lease:
+#  9. ep_layer  ~3 min: a rank's share of the layer at TP=2, sharded vs whole experts (one GPU).
+# 10. ep qwen3-30b-a3b  ~5 min: TP=2 sharded then EP, each one engine (~70 s start, ~60 s of runs).
+# 11. ep mixtral-8x7b  ~7 min (~100 s starts).
 # Collect (CPU): copy each call's $OUT into benchmarks/results/h200/moe_parts/<n>_<section>/ (n orders
 # them: the newest layer part wins), then
 #   python benchmarks/offline/moe_collect.py --parts benchmarks/results/h200/moe_parts --output benchmarks/results/h200/moe.json

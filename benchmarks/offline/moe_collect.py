@@ -19,6 +19,8 @@ What each call's folder may hold, and where it goes:
   vs_vllm.py collect computes their ratios, which land here as
   <model>_sharegpt-like_<at30pct|rX>_<tpot_p50|ttft_p99|throughput>_over_vllm (atNpct where
   rates.json says which fraction of vLLM's saturation the rate was).
+- moe_offline_<model>_tp2.json, moe_offline_<model>_tp2_ep.json (moe_run.sh ep): results
+  <model>_<workload>_tp2[_ep], and <model>_<workload>_tp2_ep_over_tp2 where both ran in one lease.
 - moe_layer.json (bench_fused_moe.py --vllm): its <model>_layer_b<T>_over_vllm ratios, a pointer,
   and the newest part copied over --layer-output (benchmarks/results/h200/moe_layer.json).
 Results in moe.json that no part replaces stay as they are.
@@ -84,8 +86,8 @@ def merge_offline(doc: dict, parts: Path) -> list[str]:
             doc["results"][name] = {**res, "commit": part.get("commit"), "lease": lease, "source": source}
             doc["ratios"].update({k: v for k, v in part.get("ratios", {}).items() if k.startswith(name + "_")})
             doc.setdefault("config", {}).setdefault("merged_runs", {})[name] = part.get("commit")
-            run = name.split("_tp")[0]  # tagged runs (tp2, tp2_ep) pair with vLLM's TP=1 run of the model
-            theirs = [v for v in vllm_parts if v.name == f"vllm_{run}.json"]
+            # Tagged runs (tp2, tp2_ep: two GPUs) are not set against vLLM's one-GPU run; see ep_ratios.
+            theirs = [v for v in vllm_parts if v.name == f"vllm_{name}.json"]
             same = [v for v in theirs if lease_of(parts, v) == lease]
             pick = (same or theirs)[-1:] if theirs else []
             for v in pick:
@@ -99,6 +101,21 @@ def merge_offline(doc: dict, parts: Path) -> list[str]:
             merged.append(name)
         doc["switches"] = part.get("switches", doc.get("switches"))
     return merged
+
+
+def ep_ratios(doc: dict) -> None:
+    """<model>_<workload>_tp2_ep_over_tp2: expert parallelism's output tokens/s over sharding's (TP=2
+    both, cold runs), where both are in moe.json and ran in one lease."""
+    r = doc["results"]
+    for name, ep in r.items():
+        base = name.removesuffix("_tp2_ep")
+        if name == base or f"{base}_tp2" not in r or not isinstance(ep, dict):
+            continue
+        sharded = r[f"{base}_tp2"]
+        if ep.get("lease") != sharded.get("lease") or "runs" not in ep or "runs" not in sharded:
+            continue
+        doc["ratios"][f"{name}_over_tp2"] = round(ep["runs"][0]["output_tokens_per_s"]
+                                                  / sharded["runs"][0]["output_tokens_per_s"], 3)
 
 
 def merge_online(doc: dict, parts: Path) -> list[str]:
@@ -173,6 +190,7 @@ def collect(parts: Path, output: Path, layer_output: Path | None = None) -> dict
     doc.setdefault("results", {})
     doc.setdefault("ratios", {})
     merged = merge_offline(doc, parts) + merge_online(doc, parts) + merge_layer(doc, parts, layer_output)
+    ep_ratios(doc)
     if merged:
         commits = {r.get("commit") for n, r in doc["results"].items() if n in merged and isinstance(r, dict)} - {None}
         if doc.get("commit_note", NOTE) != NOTE:  # it described the runs it came with; they may be superseded now

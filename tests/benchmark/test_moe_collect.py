@@ -48,6 +48,9 @@ def test_collect_merges_parts_into_moe_json(tmp_path):
     call(parts, "q3_other_lease", "L3", {f"vllm_{q}_nanovllm.json": theirs(5000.0)})
     call(parts, "q4_mixtral_ours", "L4", {"moe_offline_mixtral-8x7b.json": ours("mixtral-8x7b", {"fixed256": 9000.0}, "c2")})
     call(parts, "q5_mixtral_vllm", "L5", {"vllm_mixtral-8x7b_fixed256.json": theirs(7500.0)})
+    call(parts, "q8_ep", "L8", {"moe_offline_mixtral-8x7b_tp2.json": ours("mixtral-8x7b", {"fixed256_tp2": 8000.0}, "c2"),
+                                "moe_offline_mixtral-8x7b_tp2_ep.json": ours("mixtral-8x7b", {"fixed256_tp2_ep": 10000.0},
+                                                                             "c2")})
     rates = {"rates": [10, 20, 40], "fractions": [0.3, 0.6, 0.9], "saturation_req_s": 44.4}
     call(parts, "q6_online_vllm", "L6", {f"online_{q}/rates.json": rates,
                                          **{f"online_{q}/{f.name}": json.loads(f.read_text())
@@ -74,6 +77,9 @@ def test_collect_merges_parts_into_moe_json(tmp_path):
     # Only another lease's vLLM: the ratio, flagged.
     assert ratios["mixtral-8x7b_fixed256_over_vllm"] == round(9000 / 7500, 3)
     assert r["mixtral-8x7b_fixed256"]["vllm_same_lease"] is False
+    # Expert parallel over sharded (TP=2, one lease); neither is set against vLLM's one-GPU run.
+    assert ratios["mixtral-8x7b_fixed256_tp2_ep_over_tp2"] == 1.25
+    assert not any(k.startswith("mixtral-8x7b_fixed256_tp2") and k.endswith("_over_vllm") for k in ratios)
     # Online: vs_vllm's ratios over the phase files, named by the fraction of vLLM's saturation.
     phase = {e: json.loads((LEASE / f"online_{e}_r20.json").read_text())["results"] for e in ("pagedserve", "vllm")}
     assert ratios[f"{q}_sharegpt-like_at60pct_tpot_p50_over_vllm"] == round(
