@@ -124,9 +124,13 @@ def bench_model(model: str, tp: int, use_vllm: bool, bandwidth: float, expert_pa
             # vLLM's layout: w1 [E, 2I, H] gate then up (as ours), w2 [E, H, I]; int32 ids are fine.
             vl_us, vl_timing = call_us(lambda c: theirs(c[0], w13, w2, c[2], c[3]), calls, timing)
             row.update(vllm_us=round(vl_us, 1), vllm_timing=vl_timing)
-            if vl_timing != ours_timing:  # theirs could not be captured: both as they launch, then
-                ours_us, _ = call_us(lambda c: triton_moe.fused_experts(c[0], w13, w2, c[1], c[3]), calls, "launch")
-                row["ours_launch_us"] = round(ours_us, 1)
+            if vl_timing != ours_timing:  # one side could not be captured: both as they launch, then
+                if ours_timing == "graph":
+                    ours_us, _ = call_us(lambda c: triton_moe.fused_experts(c[0], w13, w2, c[1], c[3]), calls, "launch")
+                    row["ours_launch_us"] = round(ours_us, 1)
+                else:
+                    vl_us, _ = call_us(lambda c: theirs(c[0], w13, w2, c[2], c[3]), calls, "launch")
+                    row["vllm_launch_us"] = round(vl_us, 1)
             row["ours_over_vllm_speed"] = round(vl_us / ours_us, 3)
         rows[str(T)] = row
         print(model, T, row, flush=True)
