@@ -81,7 +81,7 @@ case "${1:-}" in
       *) echo "online MODEL both|vllm|ours" >&2; exit 2 ;;
     esac
     step "online_${m}_$which" 500 python3 benchmarks/serving/vs_vllm.py online --site "$SITE" --work "$work" \
-      --model "benchmarks/models/$m" --num-requests "$n" --salt-rates $args
+      --model "benchmarks/models/$m" --num-requests "$n" --max-arrival-seconds "${ARRIVAL_S:-45}" --salt-rates $args
     [ -f "$work/rates.json" ] && cp "$work/rates.json" "$saved"
     cp "$work/progress.log" "$O/logs/online_${m}_progress.log" 2>/dev/null ;;
   tests) step moe_kernel_tests 250 python3 -m pytest -q -p no:cacheprovider tests/layers/test_fused_moe_gpu.py
@@ -150,9 +150,10 @@ tail -3 "$O/logs/progress.log"
 #     200 requests (~80 s of arrivals at a saturation of ~15 req/s, ~25 s drain each).
 #  6. online qwen3-30b-a3b ours (vLLM: its server wheels)  ~4 min: server ~70 s, the same 3 rates. MUST
 #     share call 5's lease (at once after it; the rates come from /tmp, or RATES="..." from 5's rates.json).
-#  7. online mixtral-8x7b vllm (vLLM)  ~7.5 min: server ~150 s, probe ~50 s, 3 rates of 120 requests
-#     (~105 s of arrivals at ~7 req/s, ~40 s drain each: 20 ms a token x the longest output).
-#     If the probe finds under 5 req/s, run 7 again with N=80: 500 s is the step's cap.
+#  7. online mixtral-8x7b vllm (vLLM)  ~7.5 min: server ~150 s, probe ~50 s, 3 rates of up to 120
+#     requests (~90 s of arrivals at ~7 req/s, ~40 s drain each: 20 ms a token x the longest output).
+#     Every rate sends at most rate x 45 s of requests (ARRIVAL_S; at least 60), so a slower vLLM
+#     (a probe under 5 req/s) still fits the step's 500 s.
 #  8. online mixtral-8x7b ours (vLLM)  ~5.5 min. MUST share call 7's lease.
 #  On a 2-GPU machine (kind nvidia-h200-x2), `GPUS=0,1 ... online MODEL both` runs 5+6 (~6 min) and
 #  7+8 (~8 min) as one call each, one engine per GPU, ours waiting for vLLM's rates.

@@ -105,11 +105,19 @@ def online_one(engine: str, gpu: str, args, model_dir: Path, work: Path) -> None
                 log(work, f"{engine}: {info['error']}")
                 return
         for i, rate in enumerate(args.rates):
-            bench_serve(args, engine, port, rate, args.num_requests, work / f"online_{engine}_r{rate:g}.json",
+            bench_serve(args, engine, port, rate, requests_at(args, rate), work / f"online_{engine}_r{rate:g}.json",
                         model_dir, work, salt=i + 1 if args.salt_rates else 0)
     finally:
         stop_process(proc)
         (work / f"online_{engine}_info.json").write_text(json.dumps(info, indent=1))
+
+
+def requests_at(args, rate: float) -> int:
+    """--num-requests, or fewer where --max-arrival-seconds caps a slow rate's arrivals (at least 60
+    requests): the same count for both engines, as it follows the rate."""
+    if not args.max_arrival_seconds:
+        return args.num_requests
+    return min(args.num_requests, max(60, round(rate * args.max_arrival_seconds)))
 
 
 def bench_serve(args, engine: str, port: int, rate: float, num: int, out: Path, model_dir: Path, work: Path,
@@ -353,6 +361,9 @@ def main() -> None:
                     help="online: first a vLLM run with every request at once (the probe), then --rates = these "
                          "fractions of its saturation (saturation_req_s), written to rates.json for both engines")
     ap.add_argument("--probe-requests", type=int, default=None, help="the probe's requests (default --num-requests)")
+    ap.add_argument("--max-arrival-seconds", type=float, default=None,
+                    help="online: a rate sends at most rate x this many requests (at least 60), so slow rates "
+                         "of a slow model fit a device call")
     ap.add_argument("--salt-rates", action="store_true",
                     help="rate i sends its prompts with --prompt-salt i+1 (both engines alike), so no rate finds "
                          "another's prompts in the prefix cache")

@@ -84,3 +84,13 @@ def test_probe_sets_the_rates_both_engines_run(tmp_path, monkeypatch):
     vs_vllm.probe_rates(args, 0, tmp_path, tmp_path)
     saved = json.loads((tmp_path / "rates.json").read_text())
     assert saved["rates"] == [10.0, 20.0, 40.0] and saved["saturation_req_s"] is None
+
+
+def test_slow_rates_send_fewer_requests_alike():
+    import argparse
+
+    from vs_vllm import requests_at
+    args = argparse.Namespace(num_requests=120, max_arrival_seconds=45.0)
+    assert [requests_at(args, r) for r in (1.0, 2.1, 6.3)] == [60, 94, 120]
+    args.max_arrival_seconds = None
+    assert requests_at(args, 1.0) == 120
