@@ -87,7 +87,7 @@ def online_one(engine: str, gpu: str, args, model_dir: Path, work: Path) -> None
     proc = subprocess.Popen(serve_cmd(engine, model_dir, port, args.max_model_len, extra),
                             env=env_for(engine, args.site, gpu), stdout=server_log, stderr=subprocess.STDOUT)
     info = {"engine": engine, "gpu": gpu, "server_args": extra, "num_requests": args.num_requests,
-            "salt_rates": args.salt_rates,
+            "salt_rates": args.salt_rates, "max_arrival_seconds": args.max_arrival_seconds,
             # the server's environment switches, for collect (which may run later, elsewhere)
             "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES}}
     try:
