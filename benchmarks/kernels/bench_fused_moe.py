@@ -8,6 +8,13 @@ tokens per token), with its own bytes (1 per weight), and the ratio bf16 time / 
     python benchmarks/kernels/bench_fused_moe.py [--models qwen3-30b-a3b mixtral-8x7b] [--vllm] [--fp8] \
         [--batches 1 2 4 ...] [--tp 2 [--expert-parallel]] --output benchmarks/results/h200/moe_layer.json
 (--tp 2 times one rank's share: sharded intermediate, or with --expert-parallel whole experts.)
+--timing graph (default): ours and vLLM's fused_experts each timed as a decode step runs them, one CUDA
+graph of one call per random routing, enough routings that their experts reach 256 MB (so they come
+from HBM), replayed (graph_timing.py, as the tuner times); a call that cannot be captured is timed
+by do_bench and its row says "launch" (if vLLM's cannot be captured, ours is timed by do_bench too,
+`ours_launch_us`, and the ratio is of those). --timing launch: do_bench for both (this file's
+figures before 2026-12-02), where each call's host launch cost is in its time. Routing and the
+torch path are timed by do_bench.
 Needs CUDA.
 """
 from __future__ import annotations
@@ -18,6 +25,7 @@ import sys
 import torch
 import triton
 
+from graph_timing import copies_for, timed_us
 from moe_shapes import MODELS, layer_shape
 
 from pagedserve.benchmark.hardware import measure_copy_bandwidth
@@ -50,8 +58,13 @@ def fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, s
 
 
+def call_us(fn, calls: list, timing: str) -> tuple[float, str]:
+    """(us per call, "graph" | "launch") of fn over calls (one routing each): --timing's way."""
+    return timed_us(fn, calls) if timing == "graph" else timed_us(fn, calls, graph=False, rep_ms=50)
+
+
 def bench_model(model: str, tp: int, use_vllm: bool, bandwidth: float, expert_parallel: bool = False,
-                fp8: bool = False, batches=BATCHES) -> dict:
+                fp8: bool = False, batches=BATCHES, timing: str = "graph") -> dict:
     """Rank 0's layer. Under expert parallelism it routes over every expert and drops the pairs of
     the other ranks' experts, as FusedMoE does."""
     E, H, inter, top_k = layer_shape(model, tp, expert_parallel)
@@ -73,9 +86,18 @@ def bench_model(model: str, tp: int, use_vllm: bool, bandwidth: float, expert_pa
         w = weights.to(dtype)
         touched = int(torch.unique(ids[ids < E]).numel())
         expert_bytes = touched * 3 * H * inter * 2
-        ours = triton.testing.do_bench(lambda: triton_moe.fused_experts(x, w13, w2, w, ids, may_drop=expert_parallel),
-                                       warmup=10, rep=50)
-        row = {"ours_us": round(ours * 1e3, 1), "experts_touched": touched,
+        # (x, weights in the activation dtype, the router's weights, ids) per call: the first is this
+        # row's routing, the others fresh ones, until the experts they touch reach graph_timing's 256 MB.
+        calls = [(x, w, weights, ids)]
+        for _ in range(copies_for(expert_bytes) - 1 if timing == "graph" else 0):
+            xc = torch.randn(T, H, generator=g, device=dev).to(dtype)
+            wc, ic = triton_moe.route(torch.randn(T, E_all, generator=g, device=dev).to(dtype), top_k, True)
+            calls.append((xc, wc.to(dtype), wc, torch.where(ic < E, ic, E) if expert_parallel else ic))
+        ours_us, ours_timing = call_us(lambda c: triton_moe.fused_experts(c[0], w13, w2, c[1], c[3],
+                                                                          may_drop=expert_parallel), calls, timing)
+        ours = ours_us / 1e3  # ms, as do_bench gave it
+        row = {"ours_us": round(ours_us, 1), "ours_timing": ours_timing, "routings_timed": len(calls),
+               "experts_touched": touched,
                # the roofline's expectation under uniform routing, beside the count of this routing
                "experts_touched_expected": round(experts_touched(T, E_all, top_k) * E / E_all, 1),
                "ours_bandwidth_fraction": round(expert_bytes / (ours * 1e-3) / bandwidth, 3),
@@ -86,19 +108,30 @@ def bench_model(model: str, tp: int, use_vllm: bool, bandwidth: float, expert_pa
                    lambda: select_experts_torch(logits, top_k, True), warmup=10, rep=50), 1)}
         if fp8:
             scales = dict(w13_scale=s13, w2_scale=s2)
-            f8 = triton.testing.do_bench(lambda: triton_moe.fused_experts(x, q13, q2, w, ids, may_drop=expert_parallel,
-                                                                          **scales), warmup=10, rep=50)
-            row.update(fp8_us=round(f8 * 1e3, 1), fp8_speedup_over_bf16=round(ours / f8, 3),
+            f8_us, f8_timing = call_us(lambda c: triton_moe.fused_experts(c[0], q13, q2, c[1], c[3],
+                                                                         may_drop=expert_parallel, **scales),
+                                       calls, timing)
+            f8 = f8_us / 1e3
+            row.update(fp8_us=round(f8_us, 1), fp8_timing=f8_timing,
                        fp8_bandwidth_fraction=round(expert_bytes / 2 / (f8 * 1e-3) / bandwidth, 3),
                        fp8_config=get_config(T, E, H, inter, top_k, FP8_DTYPE, dev))
+            if f8_timing == ours_timing:
+                row["fp8_speedup_over_bf16"] = round(ours / f8, 3)
         if T <= 64:  # the per-expert loop is slow and syncs; enough to show the gap
             row["torch_us"] = round(1e3 * triton.testing.do_bench(
                 lambda: fused_experts_torch(x, w13, w2, w, ids), warmup=3, rep=20), 1)
         if theirs is not None and not expert_parallel:
             # vLLM's layout: w1 [E, 2I, H] gate then up (as ours), w2 [E, H, I]; int32 ids are fine.
-            vl = triton.testing.do_bench(lambda: theirs(x, w13, w2, weights, ids), warmup=10, rep=50)
-            row["vllm_us"] = round(vl * 1e3, 1)
-            row["ours_over_vllm_speed"] = round(vl / ours, 3)
+            vl_us, vl_timing = call_us(lambda c: theirs(c[0], w13, w2, c[2], c[3]), calls, timing)
+            row.update(vllm_us=round(vl_us, 1), vllm_timing=vl_timing)
+            if vl_timing != ours_timing:  # one side could not be captured: both as they launch, then
+                if ours_timing == "graph":
+                    ours_us, _ = call_us(lambda c: triton_moe.fused_experts(c[0], w13, w2, c[1], c[3]), calls, "launch")
+                    row["ours_launch_us"] = round(ours_us, 1)
+                else:
+                    vl_us, _ = call_us(lambda c: theirs(c[0], w13, w2, c[2], c[3]), calls, "launch")
+                    row["vllm_launch_us"] = round(vl_us, 1)
+            row["ours_over_vllm_speed"] = round(vl_us / ours_us, 3)
         rows[str(T)] = row
         print(model, T, row, flush=True)
     return {"shape": {"experts_per_rank": E, "hidden": H, "intermediate_per_rank": inter, "top_k": top_k, "tp": tp,
@@ -114,12 +147,14 @@ def main() -> None:
     ap.add_argument("--vllm", action="store_true", help="also time vLLM's fused_experts (vLLM on PYTHONPATH)")
     ap.add_argument("--fp8", action="store_true", help="also time FP8 (W8A8) experts beside bf16")
     ap.add_argument("--batches", type=int, nargs="+", default=list(BATCHES))
+    ap.add_argument("--timing", choices=["graph", "launch"], default="graph",
+                    help="graph: CUDA graph replays over several routings (what decode pays); launch: do_bench")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     if args.output:
         git_commit()
     bw = measure_copy_bandwidth()
-    results = {m: bench_model(m, args.tp, args.vllm, bw, args.expert_parallel, args.fp8, args.batches)
+    results = {m: bench_model(m, args.tp, args.vllm, bw, args.expert_parallel, args.fp8, args.batches, args.timing)
                for m in args.models}
     results["copy_bandwidth_GBps"] = round(bw / 1e9, 1)
     ratios = {f"{m}_layer_b{T}_over_vllm": row["ours_over_vllm_speed"]
@@ -128,7 +163,7 @@ def main() -> None:
                    for m in args.models for T, row in results[m]["batches"].items() if "fp8_speedup_over_bf16" in row})
     if args.output:
         write_result(args.output, "moe_layer", None, {"models": args.models, "tp": args.tp, "dtype": "bfloat16",
-                                                      "fp8": args.fp8, "expert_parallel": args.expert_parallel,
+                                                      "fp8": args.fp8, "expert_parallel": args.expert_parallel, "timing": args.timing,
                                                       "batches": list(args.batches)}, results, {}, ratios)
 
 

@@ -8,6 +8,9 @@ counts the experts each step touches (pagedserve/benchmark/roofline.py).
 
 One model x workload fits a 10-minute device call; --merge adds each to the same file (the
 commit of each merged run is kept in config.merged_runs).
+--one-engine: each model's workloads on one LLM in this process (moe_engine_runs.py: one start-up
+per model, and the nanovllm run's decode-step roofline fraction from a step trace); --repeats 1
+times only the cold first run, the one compared with vLLM's single run (like_for_like).
 
 --vllm-dir: a folder of vLLM's results of the same runs, vllm_<model>_<workload>.json as written by
 benchmarks/serving/peers/bench_vllm.py --workload W --config benchmarks/models/<model>/config.json --tag <model>;
@@ -76,12 +79,54 @@ def recompute_ratios(output: Path, vllm_dir: Path) -> None:
     print(json.dumps(doc["ratios"], indent=2))
 
 
+def engine_kwargs(model_dir: Path, engine_args: str) -> dict:
+    """LLM(...) keyword arguments as `pagedserve bench throughput` gives them: max_model_len 4096 (or
+    the model's own limit when shorter) and the flags of --engine-args."""
+    from pagedserve.engine_args import add_engine_args, changed_engine_kwargs
+    from pagedserve.models.loader import get_max_model_len, load_hf_config
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    return {"max_model_len": min(4096, get_max_model_len(load_hf_config(str(model_dir)))),
+            **changed_engine_kwargs(p.parse_args(shlex.split(engine_args)))}
+
+
+def one_engine(args, model: str, results: dict, ratios: dict, errors: dict, save) -> dict | None:
+    """--one-engine: the model's workloads on one LLM here; fills results/ratios under the usual names
+    and calls save(switches) after each workload (a time limit keeps what finished)."""
+    from moe_engine_runs import run_workloads
+    model_dir = Path(model) if Path(model).is_dir() else ROOT / "benchmarks/models" / model
+    model = model_dir.name
+    suffix = f"_{args.tag}" if args.tag else ""
+
+    def take(out: dict) -> None:
+        for wl, res in out["results"].items():
+            results[f"{model}_{wl}{suffix}"] = res
+            if args.vllm_dir:
+                add_vllm_ratio(results, ratios, f"{model}_{wl}{suffix}", f"{model}_{wl}", Path(args.vllm_dir))
+        for key, value in out["ratios"].items():  # <workload>_[decode_]roofline_fraction
+            wl, _, what = key.partition("_")
+            ratios[f"{model}_{wl}{suffix}_{what}"] = value
+        errors.update({f"{model}_{wl}{suffix}": msg for wl, msg in out["errors"].items()})
+        save(out["switches"])
+    try:
+        out = run_workloads(str(model_dir), args.workloads, engine_kwargs(model_dir, args.engine_args), args.repeats,
+                            num_requests=args.num_requests, on_workload=take)
+    except Exception as e:  # noqa: BLE001  (the engine did not start: say so in the file)
+        errors[model] = f"{type(e).__name__}: {str(e)[:500]}"
+        return None
+    return out["switches"]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--workloads", nargs="+", default=["nanovllm", "fixed256"])
     ap.add_argument("--engine-args", default="", help="extra flags for `pagedserve bench throughput`")
     ap.add_argument("--vllm-dir", default=None)
+    ap.add_argument("--one-engine", action="store_true",
+                    help="each model's workloads on one LLM in this process (one start-up; decode-step roofline)")
+    ap.add_argument("--repeats", type=int, default=2, help="timed runs per workload (1: the cold run only)")
+    ap.add_argument("--num-requests", type=int, default=None, help="fewer requests (CPU tests)")
     ap.add_argument("--tag", default="", help="suffix of the result names (e.g. tp2, tp2_ep)")
     ap.add_argument("--output", default=str(ROOT / "benchmarks/results/h200/moe.json"))
     ap.add_argument("--merge", action="store_true",
@@ -95,13 +140,23 @@ def main() -> None:
     git_commit()  # refuse before measuring
     tmp = Path(tempfile.mkdtemp())
     results, ratios, switches, errors = {}, {}, {}, {}
+
+    def save(run_switches: dict | None = None) -> None:
+        nonlocal switches
+        switches = run_switches or switches
+        write(args, results, ratios, switches, errors)
     for model in args.models:
+        if args.one_engine:
+            one_engine(args, model, results, ratios, errors, save)
+            continue
         for workload in args.workloads:
             run = f"{model}_{workload}"
             name = f"{run}_{args.tag}" if args.tag else run
             out = tmp / f"{name}.json"
             cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "throughput", "--workload", workload,
                    "--model", str(ROOT / "benchmarks/models" / model), "--output", str(out),
+                   "--repeats", str(args.repeats),
+                   *(["--num-requests", str(args.num_requests)] if args.num_requests else []),
                    *shlex.split(args.engine_args)]
             print("+", shlex.join(cmd), flush=True)
             if subprocess.run(cmd).returncode != 0 or not out.is_file():
@@ -114,19 +169,28 @@ def main() -> None:
                 ratios[f"{name}_roofline_fraction"] = doc["ratios"]["roofline_fraction"]
             if args.vllm_dir:
                 add_vllm_ratio(results, ratios, name, run, Path(args.vllm_dir))
-    if errors:
-        results["errors"] = errors
+    save()
+    print(json.dumps({"results": results, "ratios": ratios, "errors": errors}, indent=2))
+
+
+def write(args, results: dict, ratios: dict, switches: dict, errors: dict) -> None:
+    """--output from this run's figures (with --merge: over the file's earlier ones, read once, before
+    this run wrote anything)."""
+    results = {**results, **({"errors": errors} if errors else {})}
     config = {"models": args.models, "workloads": args.workloads, "load_format": "dummy", "dtype": "bfloat16",
-              "engine_args": args.engine_args}
-    if args.merge and Path(args.output).is_file():
-        old = json.loads(Path(args.output).read_text())
-        results = {**{k: v for k, v in old.get("results", {}).items() if k != "errors"}, **results}
-        ratios = {**old.get("ratios", {}), **ratios}
-        config["merged_runs"] = {**old.get("config", {}).get("merged_runs", {}),
-                                 **{f"{m}_{w}{'_' + args.tag if args.tag else ''}": git_commit()
-                                    for m in args.models for w in args.workloads}}
+              "engine_args": args.engine_args, "repeats": args.repeats, "one_engine": args.one_engine}
+    if args.merge:
+        if not hasattr(args, "merged_from"):
+            path = Path(args.output)
+            args.merged_from = json.loads(path.read_text()) if path.is_file() else None
+        old = args.merged_from
+        if old is not None:
+            results = {**{k: v for k, v in old.get("results", {}).items() if k != "errors"}, **results}
+            ratios = {**old.get("ratios", {}), **ratios}
+            config["merged_runs"] = {**old.get("config", {}).get("merged_runs", {}),
+                                     **{f"{m}_{w}{'_' + args.tag if args.tag else ''}": git_commit()
+                                        for m in args.models for w in args.workloads}}
     write_result(args.output, "moe", None, config, results, {}, ratios, switches=switches)
-    print(json.dumps({"results": results, "ratios": ratios}, indent=2))
 
 
 if __name__ == "__main__":

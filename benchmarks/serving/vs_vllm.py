@@ -9,7 +9,9 @@ it also supplies fastapi/uvicorn/pydantic/pyzmq/msgspec there):
 Phases (each also runs alone, so a run can be split across calls with a time limit):
   online   both OpenAI servers, Llama-3.1-8B dummy weights with an offline word-level tokenizer,
            max_model_len 4096, driven by `pagedserve bench serve` (streamed completions, token-id
-           prompts, ignore_eos, Poisson arrivals), sharegpt-like, --num-requests at each rate
+           prompts, ignore_eos, Poisson arrivals), sharegpt-like, --num-requests at each rate;
+           --saturation-fractions 0.3 0.6 0.9 picks the rates from a first vLLM run with every request
+           at once (rates.json), --salt-rates gives each rate its own prompts (no cross-rate cache hits)
   offline  `nanovllm` and `fixed256`: benchmarks/serving/peers/bench_vllm.py beside
            `pagedserve bench throughput`, two timed runs each, the faster reported by both
   decode   (not in `all`) benchmarks/serving/peers/decode_step_diff.py for both engines at --decode-seqs:
@@ -84,7 +86,8 @@ def online_one(engine: str, gpu: str, args, model_dir: Path, work: Path) -> None
     t0 = time.monotonic()
     proc = subprocess.Popen(serve_cmd(engine, model_dir, port, args.max_model_len, extra),
                             env=env_for(engine, args.site, gpu), stdout=server_log, stderr=subprocess.STDOUT)
-    info = {"engine": engine, "gpu": gpu, "server_args": extra,
+    info = {"engine": engine, "gpu": gpu, "server_args": extra, "num_requests": args.num_requests,
+            "salt_rates": args.salt_rates, "max_arrival_seconds": args.max_arrival_seconds,
             # the server's environment switches, for collect (which may run later, elsewhere)
             "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES}}
     try:
@@ -94,22 +97,98 @@ def online_one(engine: str, gpu: str, args, model_dir: Path, work: Path) -> None
             return
         info["startup_seconds"] = round(time.monotonic() - t0, 1)
         log(work, f"{engine} up after {info['startup_seconds']} s on GPU {gpu}")
-        for rate in args.rates:
-            out = work / f"online_{engine}_r{rate:g}.json"
-            cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve",
-                   "--base-url", f"http://127.0.0.1:{port}/v1", "--workload", args.workload,
-                   "--num-requests", str(args.num_requests), "--request-rate", str(rate), "--output", str(out),
-                   # vLLM's /v1/models reports no vocabulary size: both engines' ids come from the tokenizer
-                   "--tokenizer", str(model_dir), "--disable-tqdm"]
-            r = subprocess.run(cmd, env={**os.environ, **ENV, "PYTHONPATH": f"{REPO}:{args.site}"},
-                               capture_output=True, text=True, timeout=args.rate_limit)
-            tail = [ln for ln in r.stdout.splitlines() if any(k in ln for k in ("completed", "throughput", "TTFT", "TPOT"))]
-            log(work, f"{engine} rate {rate:g} rc={r.returncode}: " + " | ".join(tail)[:400])
-            if r.returncode != 0 and not out.exists():
-                log(work, r.stderr[-1500:])
+        if args.saturation_fractions:
+            if engine == "vllm":
+                probe_rates(args, port, model_dir, work)
+            elif not wait_for_rates(args, work):
+                info["error"] = "no rates.json from vLLM's probe"
+                log(work, f"{engine}: {info['error']}")
+                return
+        for i, rate in enumerate(args.rates):
+            bench_serve(args, engine, port, rate, requests_at(args, rate), work / f"online_{engine}_r{rate:g}.json",
+                        model_dir, work, salt=i + 1 if args.salt_rates else 0)
     finally:
         stop_process(proc)
         (work / f"online_{engine}_info.json").write_text(json.dumps(info, indent=1))
+
+
+def requests_at(args, rate: float) -> int:
+    """--num-requests, or fewer where --max-arrival-seconds caps a slow rate's arrivals (at least 60
+    requests): the same count for both engines, as it follows the rate."""
+    if not args.max_arrival_seconds:
+        return args.num_requests
+    return min(args.num_requests, max(60, round(rate * args.max_arrival_seconds)))
+
+
+def bench_serve(args, engine: str, port: int, rate: float, num: int, out: Path, model_dir: Path, work: Path,
+                salt: int = 0) -> None:
+    cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "serve",
+           "--base-url", f"http://127.0.0.1:{port}/v1", "--workload", args.workload,
+           "--num-requests", str(num), "--request-rate", str(rate), "--output", str(out),
+           # vLLM's /v1/models reports no vocabulary size: both engines' ids come from the tokenizer
+           "--tokenizer", str(model_dir), "--disable-tqdm", *(["--prompt-salt", str(salt)] if salt else [])]
+    r = subprocess.run(cmd, env={**os.environ, **ENV, "PYTHONPATH": f"{REPO}:{args.site}"},
+                       capture_output=True, text=True, timeout=args.rate_limit)
+    tail = [ln for ln in r.stdout.splitlines() if any(k in ln for k in ("completed", "throughput", "TTFT", "TPOT"))]
+    log(work, f"{engine} rate {rate:g} rc={r.returncode}: " + " | ".join(tail)[:400])
+    if r.returncode != 0 and not out.exists():
+        log(work, r.stderr[-1500:])
+
+
+def saturation_req_s(requests: list[dict], upto: float = 0.1) -> float | None:
+    """The request rate the engine sustains with the probe's N requests in flight: every request sent
+    at once (rate inf), its output tokens per second until the first `upto` of them have finished
+    (all N still, or nearly, decoding), over the mean output length. Each request's tokens are
+    counted as spread evenly between its first token and its end. Neither the whole run's
+    requests/s (it counts the tail, the last long outputs decoding almost alone) nor the slope of
+    the completions (in a burst it follows the spread of the output lengths) says that."""
+    ok = [r for r in requests if not r.get("error") and r.get("latency") and r.get("ttft") is not None
+          and r.get("output_len")]
+    if len(ok) < 10:
+        return None
+    t1 = sorted(r["sent_at"] + r["latency"] for r in ok)[max(0, int(upto * len(ok)) - 1)]
+    if t1 <= 0:
+        return None
+    tokens = sum(r["output_len"] * min(1.0, max(0.0, (t1 - r["sent_at"] - r["ttft"]) / max(r["latency"] - r["ttft"], 1e-9)))
+                 for r in ok)
+    return tokens / t1 / (sum(r["output_len"] for r in ok) / len(ok))
+
+
+def probe_rates(args, port: int, model_dir: Path, work: Path) -> None:
+    """--saturation-fractions: vLLM's saturation from one run with every request at once (its own
+    prompts: salt 1000), and the rates at those fractions of it, into work/rates.json and args.rates."""
+    out = work / "online_vllm_probe.json"
+    out.unlink(missing_ok=True)  # an earlier run's probe in the same --work is not this one
+    bench_serve(args, "vllm", port, float("inf"), args.probe_requests or args.num_requests, out, model_dir, work,
+                salt=1000)
+    doc = _load(out) or {}
+    sat = saturation_req_s(doc.get("results", doc).get("requests", []))
+    if sat is None:  # both engines still run the same rates: --rates
+        log(work, "probe: no saturation figure; keeping --rates")
+    else:
+        args.rates = [round(f * sat, 2) for f in args.saturation_fractions]
+    (work / "rates.json").write_text(json.dumps({
+        "saturation_req_s": round(sat, 3) if sat else None,
+        "fractions": args.saturation_fractions if sat else None, "rates": args.rates,
+        "probe": {"requests": args.probe_requests or args.num_requests, "request_rate": "inf",
+                  "whole_run_req_s": doc.get("results", doc).get("request_throughput"),
+                  "rule": "output tokens/s until 10% finished, over the mean output length (vs_vllm.saturation_req_s)"}},
+        indent=1))
+    log(work, f"probe: vLLM saturation {sat} req/s; rates {args.rates}")
+
+
+def wait_for_rates(args, work: Path) -> bool:
+    """pagedserve waits for vLLM's probe (concurrent on two GPUs; one after the other it is there).
+    vLLM's info file is written when its phase ends: no rates by then, none will come."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < args.startup_limit + args.rate_limit:
+        if (work / "rates.json").exists():
+            args.rates = json.loads((work / "rates.json").read_text())["rates"]
+            return True
+        if (work / "online_vllm_info.json").exists():
+            return False
+        time.sleep(2)
+    return False
 
 
 def offline_one(engine: str, gpu: str, args, work: Path) -> None:
@@ -179,6 +258,10 @@ def phase_collect(args, work: Path) -> None:
     from pagedserve.benchmark.results import write_result
     results: dict = {"online": {}, "offline": {}}
     ratios: dict = {}
+    rates_file = _load(work / "rates.json")
+    if rates_file:  # --saturation-fractions: the rates the probe chose
+        args.rates = rates_file["rates"]
+        results["saturation"] = rates_file
     for engine in ("vllm", "pagedserve"):
         info = _load(work / f"online_{engine}_info.json") or {}
         per_rate = {}
@@ -226,7 +309,12 @@ def phase_collect(args, work: Path) -> None:
         v, p = dec.get("vllm", {}).get(f"n{n}"), dec.get("pagedserve", {}).get(f"n{n}")
         if v and p and v.get("step_period_ms") and p.get("step_period_ms"):
             ratios[f"decode_step_period_n{n}_over_vllm"] = round(p["step_period_ms"] / v["step_period_ms"], 3)
-    config = {"model": os.path.relpath(args.model, REPO), "workload": args.workload, "num_requests": args.num_requests, "rates": args.rates,
+    # As the online phase ran (its info files), where they say: collect may run later with defaults.
+    ran = [_load(work / f"online_{e}_info.json") or {} for e in ("vllm", "pagedserve")]
+    num_requests = next((i["num_requests"] for i in ran if "num_requests" in i), args.num_requests)
+    salt_rates = next((i["salt_rates"] for i in ran if "salt_rates" in i), args.salt_rates)
+    config = {"model": os.path.relpath(args.model, REPO), "workload": args.workload, "num_requests": num_requests,
+              "rates": args.rates, "salt_rates": salt_rates,
               "max_model_len": args.max_model_len, "gpus": args.gpus,
               "placement": "concurrent, one engine per GPU" if len(args.gpus.split(",")) > 1 else "one after the other",
               "pagedserve_args": args.pagedserve_args, "pagedserve_offline_args": args.pagedserve_offline_args,
@@ -269,6 +357,16 @@ def main() -> None:
                          "collect still needs both engines' files for the ratios)")
     ap.add_argument("--rates", type=float, nargs="+", default=[10, 20, 40])
     ap.add_argument("--num-requests", type=int, default=300)
+    ap.add_argument("--saturation-fractions", type=float, nargs="+", default=None,
+                    help="online: first a vLLM run with every request at once (the probe), then --rates = these "
+                         "fractions of its saturation (saturation_req_s), written to rates.json for both engines")
+    ap.add_argument("--probe-requests", type=int, default=None, help="the probe's requests (default --num-requests)")
+    ap.add_argument("--max-arrival-seconds", type=float, default=None,
+                    help="online: a rate sends at most rate x this many requests (at least 60), so slow rates "
+                         "of a slow model fit a device call")
+    ap.add_argument("--salt-rates", action="store_true",
+                    help="rate i sends its prompts with --prompt-salt i+1 (both engines alike), so no rate finds "
+                         "another's prompts in the prefix cache")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--workloads", nargs="+", default=["nanovllm", "fixed256"])
     ap.add_argument("--pagedserve-args", default="", help="extra flags for `pagedserve serve`")

@@ -1,0 +1,96 @@
+"""benchmarks/offline/moe_collect.py: the parts of several device calls merged into the committed
+moe.json. Ours is paired with vLLM's part of the same lease when there is one (flagged when not),
+replaced runs keep their figures under `superseded`, untouched runs stay, online ratios are
+vs_vllm.py collect's over the phase files, and collecting twice changes nothing."""
+import json
+import shutil
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks/offline"))
+from moe_collect import collect  # noqa: E402
+
+COMMITTED = ROOT / "benchmarks/results/h200/moe.json"
+LEASE = ROOT / "benchmarks/results/h200/serving_runs_5574bce"  # real online phase files (Llama, rates 10/20/40)
+
+
+def call(parts: Path, name: str, lease: str, files: dict) -> Path:
+    d = parts / name
+    d.mkdir(parents=True)
+    (d / "lease.txt").write_text(f"{lease} new\n")
+    for rel, doc in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_text(json.dumps(doc))
+    return d
+
+
+def ours(model: str, runs: dict, commit: str) -> dict:
+    return {"commit": commit, "switches": {"fused_moe": {"cuda": "triton"}},
+            "results": {f"{model}_{wl}": {"output_tokens_per_s": tps, "runs": [{"output_tokens_per_s": tps}]}
+                        for wl, tps in runs.items()},
+            "ratios": {f"{model}_nanovllm_decode_roofline_fraction": 0.81} if "nanovllm" in runs else {}}
+
+
+def theirs(tps: float) -> dict:
+    return {"results": {"output_tok_s": tps, "runs": [{"output_tok_s": tps}]}}
+
+
+def test_collect_merges_parts_into_moe_json(tmp_path):
+    out = tmp_path / "moe.json"
+    shutil.copy(COMMITTED, out)
+    before = json.loads(out.read_text())
+    parts = tmp_path / "parts"
+    q = "qwen3-30b-a3b"
+    call(parts, "q1_tune_layer", "L1", {"moe_layer.json": {"commit": "c1", "ratios": {f"{q}_layer_b1_over_vllm": 1.2}}})
+    call(parts, "q2_qwen", "L2", {f"moe_offline_{q}.json": ours(q, {"nanovllm": 7000.0}, "c2"),
+                                  f"vllm_{q}_nanovllm.json": theirs(6000.0)})
+    call(parts, "q3_other_lease", "L3", {f"vllm_{q}_nanovllm.json": theirs(5000.0)})
+    call(parts, "q4_mixtral_ours", "L4", {"moe_offline_mixtral-8x7b.json": ours("mixtral-8x7b", {"fixed256": 9000.0}, "c2")})
+    call(parts, "q5_mixtral_vllm", "L5", {"vllm_mixtral-8x7b_fixed256.json": theirs(7500.0)})
+    call(parts, "q8_ep", "L8", {"moe_offline_mixtral-8x7b_tp2.json": ours("mixtral-8x7b", {"fixed256_tp2": 8000.0}, "c2"),
+                                "moe_offline_mixtral-8x7b_tp2_ep.json": ours("mixtral-8x7b", {"fixed256_tp2_ep": 10000.0},
+                                                                             "c2")})
+    rates = {"rates": [10, 20, 40], "fractions": [0.3, 0.6, 0.9], "saturation_req_s": 44.4}
+    call(parts, "q6_online_vllm", "L6", {f"online_{q}/rates.json": rates,
+                                         **{f"online_{q}/{f.name}": json.loads(f.read_text())
+                                            for f in LEASE.glob("online_vllm_r*.json")}})
+    call(parts, "q7_online_ours", "L6", {f"online_{q}/{f.name}": json.loads(f.read_text())
+                                         for f in LEASE.glob("online_pagedserve_r*.json")})
+    layer_out = tmp_path / "moe_layer.json"
+    layer_out.write_text(json.dumps({"commit": "2aa153b", "ratios": {}}))
+    doc = collect(parts, out, layer_out)
+    r, ratios = doc["results"], doc["ratios"]
+
+    # Same lease preferred over another lease's vLLM run.
+    assert ratios[f"{q}_nanovllm_over_vllm"] == round(7000 / 6000, 3)
+    assert r[f"{q}_nanovllm"]["vllm_same_lease"] is True and r[f"{q}_nanovllm"]["lease"] == "L2"
+    assert ratios[f"{q}_nanovllm_decode_roofline_fraction"] == 0.81
+    # The replaced run keeps its figures, with the commit it ran at.
+    old = doc["superseded"][f"{q}_nanovllm"][0]
+    assert old["results"]["runs"] == before["results"][f"{q}_nanovllm"]["runs"]
+    assert old["ratios"][f"{q}_nanovllm_over_vllm"] == before["ratios"][f"{q}_nanovllm_over_vllm"]
+    assert old["commit"] == before["commit"] and old["commit"].startswith("811b171")
+    # Untouched: Qwen's fixed256 as it was.
+    assert r[f"{q}_fixed256"] == before["results"][f"{q}_fixed256"]
+    assert ratios[f"{q}_fixed256_over_vllm"] == before["ratios"][f"{q}_fixed256_over_vllm"]
+    # Only another lease's vLLM: the ratio, flagged.
+    assert ratios["mixtral-8x7b_fixed256_over_vllm"] == round(9000 / 7500, 3)
+    assert r["mixtral-8x7b_fixed256"]["vllm_same_lease"] is False
+    # Expert parallel over sharded (TP=2, one lease); neither is set against vLLM's one-GPU run.
+    assert ratios["mixtral-8x7b_fixed256_tp2_ep_over_tp2"] == 1.25
+    assert not any(k.startswith("mixtral-8x7b_fixed256_tp2") and k.endswith("_over_vllm") for k in ratios)
+    # Online: vs_vllm's ratios over the phase files, named by the fraction of vLLM's saturation.
+    phase = {e: json.loads((LEASE / f"online_{e}_r20.json").read_text())["results"] for e in ("pagedserve", "vllm")}
+    assert ratios[f"{q}_sharegpt-like_at60pct_tpot_p50_over_vllm"] == round(
+        phase["pagedserve"]["tpot_ms"]["p50"] / phase["vllm"]["tpot_ms"]["p50"], 3)
+    assert ratios[f"{q}_sharegpt-like_at90pct_throughput_over_vllm"] == round(
+        json.loads((LEASE / "online_pagedserve_r40.json").read_text())["results"]["request_throughput"]
+        / json.loads((LEASE / "online_vllm_r40.json").read_text())["results"]["request_throughput"], 3)
+    assert r[f"{q}_sharegpt-like"]["same_lease"] is True and r[f"{q}_sharegpt-like"]["saturation"]["saturation_req_s"] == 44.4
+    assert ratios[f"{q}_layer_b1_over_vllm"] == 1.2
+    assert json.loads(layer_out.read_text())["commit"] == "c1" and r["layer"]["replaced_commit"] == "2aa153b"
+
+    again = collect(parts, out, layer_out)
+    for key in ("results", "ratios", "superseded"):
+        assert again[key] == doc[key]
