@@ -32,6 +32,11 @@ def schedule(policy, yields, decodes=1):
                 break
             policy.observe(y)
         ks.append(k)
+    return run_lengths(ks)
+
+
+def run_lengths(ks):
+    """[(k, steps)] for each run of equal values of ks."""
     runs = []
     for k in ks:
         if runs and runs[-1][0] == k:
@@ -193,16 +198,13 @@ def test_always_accepted_never_pauses(setup, monkeypatch):
 # --- nothing proposed -----------------------------------------------------------------------------
 def empty_schedule(policy, steps, decodes=1):
     """k per step over `steps` steps when every speculating step proposes nothing, run-length encoded."""
-    runs = []
+    ks = []
     for _ in range(steps):
         k = policy.tokens_to_propose(decodes)
         if k:
             policy.observe_empty()
-        if runs and runs[-1][0] == k:
-            runs[-1][1] += 1
-        else:
-            runs.append([k, 1])
-    return [tuple(r) for r in runs]
+        ks.append(k)
+    return run_lengths(ks)
 
 
 def test_steps_with_nothing_proposed_pause_and_back_off_to_their_own_cap():
