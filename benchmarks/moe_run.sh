@@ -7,7 +7,7 @@
 #   bash benchmarks/moe_run.sh ep_layer                  (one GPU: a rank's share at TP=2, sharded vs whole experts)
 #   bash benchmarks/moe_run.sh ep MODEL [WORKLOAD...]    (two GPUs: TP=2 sharded vs expert parallel, parts for moe_collect.py)
 # Results and logs go under ${OUT:-benchmarks/results/h200}; tuned tables are written into
-# $OUT/configs/ (commit them from there into pagedserve/layers/fused_moe/configs/) and copied into
+# $OUT/configs.tgz (unpack it into pagedserve/layers/fused_moe/configs/ and commit) and copied into
 # that directory of the device's tree, so later sections of the same session use them.
 # Like h200_run.sh: a tree without .git needs pagedserve/_build_commit.json for result files.
 #
@@ -51,6 +51,8 @@ case "${1:-}" in
         --max-seconds 100 --output-dir "$O/configs"
     done
     cp "$O"/configs/E=*.json pagedserve/layers/fused_moe/configs/
+    # The device tool does not bring back files whose names hold '=' or ',' (every table's): a tarball does.
+    tar czf "$O/configs.tgz" -C "$O/configs" . && rm -rf "$O/configs"
     step moe_layer 200 env PYTHONPATH="$PWD${SITE:+:$SITE}" python3 benchmarks/kernels/bench_fused_moe.py \
       ${SITE:+--vllm} --output "$O/moe_layer.json" ;;
   pair)  # MODEL [both|vllm|ours]: vLLM's offline runs (one LLM, both workloads), then ours (one engine)
@@ -95,7 +97,8 @@ case "${1:-}" in
       step "tune_${model//-/_}_$dt" 270 python3 benchmarks/kernels/tune_fused_moe.py --model "$model" --dtype "$dt" \
         --max-seconds 200 --output-dir "$O/configs"
     done
-    cp "$O"/configs/E=*.json pagedserve/layers/fused_moe/configs/ 2>/dev/null ;;
+    cp "$O"/configs/E=*.json pagedserve/layers/fused_moe/configs/ 2>/dev/null
+    tar czf "$O/configs.tgz" -C "$O/configs" . && rm -rf "$O/configs" ;;
   fp8) step moe_fp8_tests 300 python3 -m pytest -q -p no:cacheprovider tests/layers/test_fused_moe_fp8_gpu.py
        step moe_fp8_layer 250 python3 benchmarks/kernels/bench_fused_moe.py --models qwen3-30b-a3b --fp8 \
          --batches 1 2 4 8 16 32 64 128 256 --output "$O/moe_fp8_layer.json" ;;
@@ -133,7 +136,7 @@ tail -3 "$O/logs/progress.log"
 #  1. tune_layer (vLLM)  ~5 min: install 30 s; retune Qwen3-30B-A3B bf16 ~80 s and Mixtral-8x7B bf16
 #     ~75 s (graph-timed, from the committed tables, --max-seconds 100, 140 s caps); the layer at batch
 #     1..512 for both models, ours vs vLLM's fused_experts, graph-timed ~120 s (200 s cap).
-#     Then, on the CPU: copy $OUT/configs/E=*.json into pagedserve/layers/fused_moe/configs/ (every
+#     Then, on the CPU: unpack $OUT/configs.tgz (the tables, E=*.json) into pagedserve/layers/fused_moe/configs/ (every
 #     later call must run with them) and commit them.
 #  2. pair qwen3-30b-a3b (vLLM)  ~6 min: install 30 s; vLLM nanovllm + fixed256 on one LLM, one run
 #     each ~165 s (230 s cap); ours, one engine, both workloads, the cold run each plus a traced
