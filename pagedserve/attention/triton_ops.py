@@ -11,6 +11,7 @@ reads it from there at every call, so a test that patches decode_plan reaches th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -23,6 +24,12 @@ from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kerne
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import prefill_attention, prefill_launch
 from pagedserve.attention import triton_unified as unified
+
+
+@functools.lru_cache(maxsize=None)
+def _sm90(device: torch.device) -> bool:
+    """A Hopper GPU (compute capability 9.x): the prefill kernel's larger tiles fit its shared memory."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
 
 
 def _pow2_at_least_16(n: int) -> int:
@@ -174,10 +181,12 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     query/out are the whole flat batch [num_tokens, num_heads, head_dim]; query_start_loc indexes it.
     block_m, block_n, num_warps, num_stages, gqa (the GQA-packed variant), lpt (longest tiles
-    first): None takes triton_prefill.prefill_launch()'s (PAGEDSERVE_PREFILL_LAUNCH).
+    first): None takes triton_prefill.prefill_launch()'s (Hopper's default at head_dim <= 128,
+    PAGEDSERVE_PREFILL_LAUNCH).
     """
     given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, gqa=gqa, lpt=lpt)
-    launch = dataclasses.replace(prefill_launch(), **{k: v for k, v in given.items() if v is not None})
+    launch = dataclasses.replace(prefill_launch(_sm90(query.device) and query.shape[-1] <= 128),
+                                 **{k: v for k, v in given.items() if v is not None})
     return prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq, num_seqs,
                              max_query_len, scale, out, launch, _ieee(query, k_cache), _scales(k_cache, k_scale, v_scale))
 

@@ -16,8 +16,8 @@ LONGEST_FIRST (lpt, a constexpr): query tiles start in reverse, so a chunk's las
 longest (causal), start first and the short ones fill the end of the grid instead of leaving one
 long program running alone (the unified kernel orders its items so too).
 
-The launch (BLOCK_M, BLOCK_N, warps, stages, GQA) comes from prefill_launch(): PREFILL_DEFAULT,
-or PAGEDSERVE_PREFILL_LAUNCH in tile_launch.py's grammar (bm128+bn64+w8+s3+gqa);
+The launch (BLOCK_M, BLOCK_N, warps, stages, GQA) comes from prefill_launch(): PREFILL_DEFAULT
+(PREFILL_DEFAULT_SM90 on Hopper), or PAGEDSERVE_PREFILL_LAUNCH in tile_launch.py's grammar (bm128+bn64+w8+s3+gqa);
 benchmarks/kernels/prefill_sweep.py times the candidates at long-context shapes.
 """
 import functools
@@ -33,20 +33,27 @@ from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
 PREFILL_DEFAULT = TileLaunch(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, num_warps=4, num_stages=2)
+# Hopper (sm90), head_dim <= 128: the H200 sweep's pick (benchmarks/results/h200/prefill_sweep.json,
+# 3368ebd): 0.84-0.92x the default's time at every long shape swept (8k x 8k to 8k x 100k, 2k x 64k),
+# ~410-440 TFLOPS at 32k-100k. Its 128x128 tiles in 4 stages need Hopper's shared memory (an A100's
+# 164 KB may not hold them) and were swept at head_dim 128 only; elsewhere the small default stays.
+PREFILL_DEFAULT_SM90 = TileLaunch(block_m=128, block_n=128, num_warps=8, num_stages=4)
 # An A/B of the launch without a code change (read once per process), e.g.
-# PAGEDSERVE_PREFILL_LAUNCH=bm128+bn64+w8+s3+gqa+lpt. Not yet swept on the H200.
+# PAGEDSERVE_PREFILL_LAUNCH=bm128+bn64+w8+s3+gqa+lpt: its parts change the default above.
 PREFILL_LAUNCH_ENV = "PAGEDSERVE_PREFILL_LAUNCH"
 PREFILL_FLAGS = ("gqa", "lpt")
 
 
-def parse_prefill_launch(text: str) -> TileLaunch:
-    return parse_tile_launch(text, PREFILL_LAUNCH_ENV, PREFILL_DEFAULT, PREFILL_FLAGS)
+def parse_prefill_launch(text: str, sm90: bool = False) -> TileLaunch:
+    return parse_tile_launch(text, PREFILL_LAUNCH_ENV, PREFILL_DEFAULT_SM90 if sm90 else PREFILL_DEFAULT,
+                             PREFILL_FLAGS)
 
 
 @functools.lru_cache(maxsize=None)
-def prefill_launch() -> TileLaunch:
-    """paged_prefill's launch: PREFILL_DEFAULT, or as PREFILL_LAUNCH_ENV changes it."""
-    return parse_prefill_launch(os.environ.get(PREFILL_LAUNCH_ENV, ""))
+def prefill_launch(sm90: bool = False) -> TileLaunch:
+    """paged_prefill's launch: the default (PREFILL_DEFAULT_SM90 where sm90: a Hopper GPU and
+    head_dim <= 128), or as PREFILL_LAUNCH_ENV changes it."""
+    return parse_prefill_launch(os.environ.get(PREFILL_LAUNCH_ENV, ""), sm90)
 
 
 def prefill_rows(group: int, launch: TileLaunch) -> tuple[int, int, bool]:

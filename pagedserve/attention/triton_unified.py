@@ -53,7 +53,9 @@ MAX_SPLITS = 64
 # An A/B of the launch without a code change (read once per process): '+'-joined bmN (rows of a
 # tile: query tokens x padded GQA group), bnN (context positions per K/V tile), wN (warps), sN
 # (pipeline stages), e.g. PAGEDSERVE_UNIFIED_LAUNCH=bm128+bn32+w8 (tile_launch.py's grammar, shared with
-# PAGEDSERVE_PREFILL_LAUNCH). Not yet swept on the H200: benchmarks/kernels/prefill_sweep.py does.
+# PAGEDSERVE_PREFILL_LAUNCH). The H200 sweep (prefill_sweep.json, 3368ebd) picked bm256+bn64+w8+s3 on
+# long chunks (0.83x the default's time); the default stays until a mixed-step A/B shows it suits the
+# decode rows this kernel also serves (a 256-row tile holds 64 decode rows' worth of 4 heads each).
 UNIFIED_LAUNCH_ENV = "PAGEDSERVE_UNIFIED_LAUNCH"
 
 

@@ -51,3 +51,18 @@ def test_prefill_rows(group, launch, want):
 def test_gqa_tile_smaller_than_the_group_is_refused():
     with pytest.raises(ValueError, match=prefill.PREFILL_LAUNCH_ENV):
         prefill.prefill_rows(32, TileLaunch(16, 64, 4, 2, gqa=True))
+
+
+def test_hopper_default_is_the_sweep_pick_and_the_switch_changes_it(monkeypatch):
+    """On Hopper (head_dim <= 128) the default is the H200 sweep's pick, and the switch's parts
+    change that default, not the small one."""
+    sweep = prefill.PREFILL_DEFAULT_SM90
+    assert sweep.name() == "bm128+bn128+w8+s4" and sweep != prefill.PREFILL_DEFAULT
+    monkeypatch.setenv(prefill.PREFILL_LAUNCH_ENV, "")
+    prefill.prefill_launch.cache_clear()
+    try:
+        assert prefill.prefill_launch(sm90=True) == sweep
+        assert prefill.prefill_launch(sm90=False) == prefill.PREFILL_DEFAULT
+    finally:
+        prefill.prefill_launch.cache_clear()
+    assert prefill.parse_prefill_launch("s2", sm90=True) == TileLaunch(128, 128, 8, 2)
