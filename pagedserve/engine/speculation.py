@@ -14,8 +14,9 @@ One step with speculation, synchronous (see LLMEngine.step):
      through the ordinary stop rules, so a stop token or string inside an accepted run ends the
      sequence exactly where decoding without speculation would;
   5. after the step (clear): the policy observes the step's yield, 1 + accepted proposals / rows
-     that got proposals, and pauses speculation while it stays low, or while the proposer keeps
-     having nothing for any row (spec_decode/policy.py).
+     that got proposals, and pauses speculation while it stays below what the step cost (a draft
+     model's forwards count), or while the proposer keeps having nothing for any row
+     (spec_decode/policy.py).
 
 Which requests speculate: single sequences (n = best_of = 1) whose tokens depend only on the
 logits at each position: temperature, top-k, top-p, min-p, seeds and structured outputs; not
@@ -64,6 +65,8 @@ class Speculator:
         self.policy = SpeculationPolicy(spec.num_speculative_tokens, spec.spec_disable_batch_tokens,
                                         spec.disable_by_batch_size, spec.min_speculation_yield)
         self.stats = SpecDecodeStats()
+        self._target_hf_config = engine.hf_config
+        self._costs: dict[int, float] = {}  # id(draft hf_config) -> its cost
         # A proposer that reads token_ids incrementally gets a TokenHistory view (no copy per step);
         # others get a plain list.
         self._views = getattr(self.proposer, "accepts_token_history", False)
@@ -76,9 +79,27 @@ class Speculator:
 
     def tokens_this_step(self, num_running: int) -> int:
         paused = self.policy.num_paused_steps
+        self.policy.proposer_cost = self._cost(self.proposer)  # a benchmark may swap proposers
         k = self.policy.tokens_to_propose(num_running)
         self.stats.num_paused_steps += self.policy.num_paused_steps - paused  # (a benchmark may swap policies)
         return k
+
+    def _cost(self, proposer: Any) -> float:
+        """What one proposed token costs in target steps (spec_decode/policy.py): a draft model's
+        weight bytes over the target's (a decode step reads its weights), 0 for a proposer without
+        a model (n-gram); a wrapper (spec_decode/synthetic.py) costs what its inner proposer does."""
+        inner = getattr(proposer, "inner", None)
+        if inner is not None:
+            return self._cost(inner)
+        cfg = getattr(proposer, "hf_config", None)
+        if cfg is None:
+            return 0.0
+        key = id(cfg)
+        if key not in self._costs:
+            from pagedserve.benchmark.roofline import ModelCost
+            self._costs[key] = (ModelCost.from_hf_config(cfg).weight_bytes
+                                / ModelCost.from_hf_config(self._target_hf_config).weight_bytes)
+        return self._costs[key]
 
     def idle(self) -> None:
         """The engine has no requests left: the next ones start from a fresh yield estimate, so

@@ -19,7 +19,7 @@ from typing import Any
 METHODS = ("ngram", "draft_model")
 # Running decodes + their lookahead tokens above which speculation turns off for a step
 # (spec_decode/policy.py explains the default).
-DEFAULT_DISABLE_BATCH_TOKENS = 256
+DEFAULT_DISABLE_BATCH_TOKENS = 128
 # Tokens per speculating row below which speculation pauses (spec_decode/policy.py). A speculating
 # step is synchronous: it gives up overlapping the next step's host work (scheduling, output
 # processing; 10-30% of a small model's decode step) with the device, and pays the proposer and

@@ -40,8 +40,11 @@ def draft_dir(target_dir, tmp_path_factory):
     return out
 
 
-def spec(draft_dir, k=K):
-    return {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
+def spec(draft_dir, k=K, pausing=False):
+    """The draft here is as large as the target, which the default policy never runs (it cannot
+    pay: spec_decode/policy.py); the mechanism's tests ask for speculation as configured."""
+    d = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": k}
+    return d if pausing else dict(d, min_speculation_yield=0)
 
 
 def run(llm, ids, max_tokens):
@@ -103,7 +106,7 @@ def test_seeded_sampling_reproducible(target_dir, draft_dir):
     other = SamplingParams(temperature=0.8, max_tokens=16, ignore_eos=True)
     outs = []
     for batch in ([ids[0]], ids):
-        llm = make_llm(target_dir, speculative_config=dict(spec(draft_dir), min_speculation_yield=0), block_size=16)
+        llm = make_llm(target_dir, speculative_config=spec(draft_dir), block_size=16)
         params = [seeded] + [other] * (len(batch) - 1)
         res = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         outs.append(res[0].outputs[0].token_ids)
@@ -209,7 +212,7 @@ def check_within_budget(target_dir, draft_dir, calls, **kw) -> tuple:
                                              enable_chunked_prefill=True, **kw)
     # Pausing off: the catch-up's rounds are what is tested, and a catch-up round yields one token
     # per row (no proposal), which pauses speculation (spec_decode/policy.py) and so skips rounds.
-    llm = make_llm(target_dir, speculative_config=dict(spec(draft_dir), min_speculation_yield=0), **kw)
+    llm = make_llm(target_dir, speculative_config=spec(draft_dir), **kw)
     got = run(llm, ids, 16)
     off = make_llm(target_dir, **kw).generate([{"prompt_token_ids": p} for p in ids],
                                               SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
@@ -241,3 +244,14 @@ def test_long_catch_up_after_recompute_within_the_step_budget(target_dir, draft_
                                     preemption_mode="recompute")
     assert llm.get_kv_cache_stats().num_preemptions > 0
     assert len(long) > len(set(long)), long  # a sequence caught up on more than the budget twice
+
+
+def test_the_default_policy_does_not_run_a_draft_as_large_as_the_target(target_dir, draft_dir):
+    """Its proposals cost a target step each (weight bytes 1:1), so no step can pay: the engine
+    decodes without speculating, overlapped, and the output is the target's."""
+    ids = prompt_ids(str(target_dir))[:2]
+    llm = make_llm(target_dir, speculative_config=spec(draft_dir, pausing=True), block_size=16)
+    assert run(llm, ids, 8) == [hf_greedy(target_dir, p, 8, ignore_eos=True) for p in ids]
+    sp = llm.llm_engine.speculator
+    assert sp.policy.proposer_cost == pytest.approx(1.0)
+    assert sp.stats.num_spec_steps == 0 and sp.stats.num_draft_tokens == 0

@@ -52,30 +52,36 @@ def test_default_threshold_and_constants():
 
 
 def test_pauses_probe_and_back_off_to_the_cap():
-    # k = 2: the estimate starts at 3 and after n steps of yield 1 is 1 + 2 * 0.75**n, first below
-    # 1.25 at n = 8 (1.2003; 1.267 at n = 7). Then pauses of 8, 16, ... 256, 256, one probe between.
+    # k = 2: the first step's yield of 1 is the whole estimate (gain 1 / 1.25 = 0.8): it pauses at
+    # once. Then pauses of 8, 16, ... 256, 256, one probe between, each with one proposal (the
+    # fewest that can pay).
     p = SpeculationPolicy(2, 256, min_speculation_yield=T)
-    assert schedule(p, [1.0] * 15) == [(2, 8), (0, 8), (2, 1), (0, 16), (2, 1), (0, 32), (2, 1), (0, 64), (2, 1),
-                                       (0, 128), (2, 1), (0, 256), (2, 1), (0, 256), (2, 1), (0, 256)]
+    assert schedule(p, [1.0] * 8) == [(2, 1), (0, 8), (1, 1), (0, 16), (1, 1), (0, 32), (1, 1), (0, 64), (1, 1),
+                                      (0, 128), (1, 1), (0, 256), (1, 1), (0, 256), (1, 1), (0, 256)]
     assert p.num_paused_steps == 8 + 16 + 32 + 64 + 128 + 256 * 3
 
 
 def test_a_good_probe_resumes_and_resets_the_backoff():
     p = SpeculationPolicy(2, 256, min_speculation_yield=T)
-    yields = ([1.0] * 8           # pause 8
-              + [1.0]             # failed probe: pause 16
-              + [3.0] + [3.0] * 5  # good probe (the estimate restarts at 3), five good steps
-              + [1.0] * 8         # back below 1.25 after 8 steps: pause 8, not 32
-              + [T]               # a probe at exactly the threshold succeeds (estimate 1.25)
-              + [1.0])            # 1.25 + 0.25 * (1 - 1.25) = 1.1875 < 1.25: pause 8 again
-    assert schedule(p, yields) == [(2, 8), (0, 8), (2, 1), (0, 16), (2, 14), (0, 8), (2, 2), (0, 8)]
+    # Gains are yields over 1.25 (no proposer cost).
+    yields = ([1.0]               # pause 8
+              + [1.0]             # failed probe (k = 1): pause 16
+              + [2.0]             # good probe (gain 1.6): the estimate restarts at 1.6, k = 2 again
+              + [3.0] * 5         # gain 2.4: the mean (2.0, 2.13), then weight 0.25: 2.2, 2.25, 2.29
+              + [1.0] * 7         # gain 0.8 at weight 0.25: below 1 after 7 steps (0.9985): pause 8, not 32
+              + [T]               # a probe at exactly the threshold succeeds (estimate 1.0)
+              + [1.0])            # the mean of 1.0 and 0.8 is 0.9 < 1: pause 8 again
+    assert schedule(p, yields) == [(2, 1), (0, 8), (1, 1), (0, 16), (1, 1), (2, 12), (0, 8), (1, 1), (2, 1), (0, 8)]
 
 
 def test_one_bad_step_in_a_good_run_does_not_pause():
     p = SpeculationPolicy(4, 256, min_speculation_yield=T)
-    # Alternating 1 and 2: the estimate settles between 1.43 and 1.57, above 1.25.
-    assert schedule(p, [1.0, 2.0] * 50) == [(4, 100)]
+    # Alternating 2 and 1 (gains 1.6 and 0.8): the estimate settles between 1.14 and 1.26, above 1.
+    assert schedule(p, [2.0, 1.0] * 50) == [(4, 100)]
     assert p.num_paused_steps == 0
+    # A bad first step is all the evidence there is: it pauses (the probe resumes a good run).
+    assert schedule(SpeculationPolicy(4, 256, min_speculation_yield=T), [1.0, 2.0, 2.0]) == [
+        (4, 1), (0, 8), (1, 1), (4, 1)]
 
 
 @pytest.mark.parametrize("threshold", [0.0, 1.0])
@@ -86,9 +92,8 @@ def test_threshold_at_most_one_never_pauses(threshold):
 
 def test_combined_with_the_batch_rule():
     p = SpeculationPolicy(2, 256, min_speculation_yield=T)
-    for _ in range(8):
-        assert p.tokens_to_propose(1) == 2
-        p.observe(1.0)
+    assert p.tokens_to_propose(1) == 2
+    p.observe(1.0)
     assert p.pause_left == 8  # paused: 8 steps to go
     # 200 decodes: the batch rule alone says 0 (256 // 200 - 1); such steps do not count down.
     assert [p.tokens_to_propose(200) for _ in range(20)] == [0] * 20
@@ -98,10 +103,10 @@ def test_combined_with_the_batch_rule():
     assert p.num_paused_steps == 8
     # A probe step in which no row got a proposal is not observed: the next step probes.
     assert p.tokens_to_propose(100) == 1
-    p.observe(1.0)  # the probe fails: 16 steps
-    assert [p.tokens_to_propose(1) for _ in range(17)] == [0] * 16 + [2]
+    p.observe(1.0)  # the probe fails: 16 steps, then a probe of one proposal
+    assert [p.tokens_to_propose(1) for _ in range(17)] == [0] * 16 + [1]
     p.reset()  # the engine ran out of requests: a fresh estimate, the backoff from 8 again
-    assert schedule(p, [1.0] * 9) == [(2, 8), (0, 8), (2, 1), (0, 16)]
+    assert schedule(p, [1.0] * 2) == [(2, 1), (0, 8), (1, 1), (0, 16)]
 
 
 @pytest.mark.parametrize("bad", [-0.5, 6.5, "1.5", True, float("nan")])
@@ -150,13 +155,11 @@ def _run_with_acceptance(setup, acceptance, monkeypatch):
     return _greedy(llm, ids), engine.speculator.stats, len(launches), llm
 
 
-def _spec_steps_when_always_rejected(k, decode_steps):
-    """Speculating steps among `decode_steps` when every step yields 1, from the rule: the
-    estimate starts at 1 + k and decays as 1 + k * (1 - w)**n, so it is first below T after
-    W = floor(log((T - 1) / k) / log(1 - w)) + 1 steps; then pauses of 8, 16, ... (capped), with
+def _spec_steps_when_always_rejected(decode_steps):
+    """Speculating steps among `decode_steps` when every step yields 1, from the rule: the first
+    step's yield is the estimate, below T, so it pauses; then pauses of 8, 16, ... (capped), with
     one probe after each."""
-    w = math.floor(math.log((T - 1) / k) / math.log(1 - YIELD_WEIGHT)) + 1
-    steps, at, pause = w, w, FIRST_PAUSE_STEPS
+    steps, at, pause = 1, 1, FIRST_PAUSE_STEPS
     while at + pause + 1 <= decode_steps:
         at += pause + 1
         steps += 1
@@ -168,11 +171,11 @@ def test_always_rejected_pauses_and_keeps_outputs(setup, monkeypatch):
     got, stats, launches, llm = _run_with_acceptance(setup, 0.0, monkeypatch)
     assert got == setup[2]
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == 0
-    # 47 decode steps (one token each) with k = 4: 10 speculating steps (1 + 4 * 0.75**10 = 1.23),
-    # then probes after 8 and 16 paused steps (steps 19 and 36; the next would be step 69).
-    k, decode_steps = NGRAM["num_speculative_tokens"], MAX_TOKENS - 1
-    expected = _spec_steps_when_always_rejected(k, decode_steps)
-    assert expected == 12
+    # 47 decode steps (one token each): one speculating step (k = 4), then probes (k = 1) after 8
+    # and 16 paused steps (steps 10 and 27; the next would be step 60).
+    decode_steps = MAX_TOKENS - 1
+    expected = _spec_steps_when_always_rejected(decode_steps)
+    assert expected == 3
     assert stats.num_spec_steps == expected
     # Every other step while the requests ran was paused, and ran overlapped (launched without
     # waiting): the other decode steps, and the one that collects the last overlapped step's tokens.
@@ -208,20 +211,20 @@ def empty_schedule(policy, steps, decodes=1):
 
 
 def test_steps_with_nothing_proposed_pause_and_back_off_to_their_own_cap():
-    assert (EMPTY_STEPS_BEFORE_PAUSE, MAX_EMPTY_PAUSE_STEPS) == (16, 32)
+    assert (EMPTY_STEPS_BEFORE_PAUSE, MAX_EMPTY_PAUSE_STEPS) == (8, 32)
     p = SpeculationPolicy(4, 256, min_speculation_yield=T)
-    assert empty_schedule(p, 16 + 8 + 1 + 16 + 1 + 32 + 1 + 32 + 1) == [
-        (4, 16), (0, 8), (4, 1), (0, 16), (4, 1), (0, 32), (4, 1), (0, 32), (4, 1)]
-    assert p.estimate == 5.0  # no yield was observed
+    assert empty_schedule(p, 8 + 8 + 1 + 16 + 1 + 32 + 1 + 32 + 1) == [
+        (4, 8), (0, 8), (4, 1), (0, 16), (4, 1), (0, 32), (4, 1), (0, 32), (4, 1)]
+    assert p.observed == 0 and p.estimate == math.inf  # no yield was observed
 
 
 def test_a_step_with_proposals_ends_the_streak_and_resets_its_backoff():
     p = SpeculationPolicy(4, 256, min_speculation_yield=T)
-    assert empty_schedule(p, 16 + 8 + 1 + 16) == [(4, 16), (0, 8), (4, 1), (0, 16)]
+    assert empty_schedule(p, 8 + 8 + 1 + 16) == [(4, 8), (0, 8), (4, 1), (0, 16)]
     assert p.tokens_to_propose(1) == 4
     p.observe(5.0)  # the text began to repeat: a full yield
-    assert empty_schedule(p, 15) == [(4, 15)]  # a new streak: 15 empty steps do not pause
-    assert empty_schedule(p, 1 + 8) == [(4, 1), (0, 8)]  # the 16th does, for 8 again
+    assert empty_schedule(p, 7) == [(4, 7)]  # a new streak: 7 empty steps do not pause
+    assert empty_schedule(p, 1 + 8) == [(4, 1), (0, 8)]  # the 8th does, for 8 again
 
 
 @pytest.mark.parametrize("threshold", [0.0, 1.0])
@@ -249,9 +252,32 @@ def test_an_engine_whose_proposer_finds_nothing_runs_overlapped(setup, monkeypat
     launch = engine._launch
     monkeypatch.setattr(engine, "_launch", lambda *a: launches.append(1) or launch(*a))
     assert _greedy(llm, ids) == want
-    # 47 decode steps: 16 synchronous empty steps, a pause of 8, a probe, 16, a probe, then 5 of a
+    # 47 decode steps: 8 synchronous empty steps, a pause of 8, a probe, 16, a probe, then 13 of a
     # 32-step pause; every paused step (and the prompts' step) launched overlapped.
-    decode_steps, sync = MAX_TOKENS - 1, 16 + 1 + 1
+    decode_steps, sync = MAX_TOKENS - 1, 8 + 1 + 1
     assert engine.speculator.stats.num_spec_steps == 0 and engine.speculator.stats.num_draft_tokens == 0
     assert engine.speculator.stats.num_paused_steps == decode_steps - sync + 1
     assert len(launches) == 1 + decode_steps - sync
+
+
+# --- what a proposal costs ------------------------------------------------------------------------
+def test_a_draft_as_large_as_the_target_never_speculates():
+    # cost 1: a step of k proposals costs 1 + k target steps; not even a fully accepted one (1 + k
+    # tokens) reaches 1.25 x (1 + k). Not a pause: nothing is ever asked, nothing counted.
+    p = SpeculationPolicy(4, 256, min_speculation_yield=T, proposer_cost=1.0)
+    assert [p.tokens_to_propose(d) for d in (1, 8, 50)] == [0, 0, 0] and p.num_paused_steps == 0
+    # With pausing off (the benchmarks' fixed-k runs) the cost is not looked at.
+    assert SpeculationPolicy(4, 256, min_speculation_yield=0.0, proposer_cost=1.0).tokens_to_propose(1) == 4
+
+
+def test_the_threshold_and_the_probe_follow_the_cost():
+    p = SpeculationPolicy(4, 256, min_speculation_yield=T, proposer_cost=0.5)
+    assert p.threshold(4) == pytest.approx(3.75) and p.threshold(1) == pytest.approx(1.875)
+    # A yield of 3 at k = 4 is a gain of 0.8 (it would pay without the draft's cost): pause 8, then
+    # a probe of one proposal (2 tokens >= 1.875 can pay).
+    assert schedule(p, [3.0, 2.0, 5.0]) == [(4, 1), (0, 8), (1, 1), (4, 1)]
+    # Dearer proposals: one cannot pay (2 < 1.25 x 1.7), two can (3 >= 1.25 x 2.4): probes of 2;
+    # a batch where the batch rule allows only k = 1 does not speculate, and does not count down.
+    q = SpeculationPolicy(4, 256, min_speculation_yield=T, proposer_cost=0.7)
+    assert q.probe_k(4) == 2 and not q.pays(1) and q.pays(2)
+    assert q.tokens_to_propose(100) == 0 and q.num_paused_steps == 0
