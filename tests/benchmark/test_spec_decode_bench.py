@@ -167,6 +167,9 @@ def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
 
 def test_smoke_on_a_checkpoint_runs_the_quick_plan_in_tier_order(bench, tmp_path):
     out, ckpt = tmp_path / "spec_decode.json", tmp_path / "ckpt"
+    stale = tmp_path / "ckpt.partial12345"  # what a killed writer leaves: the next one removes it
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
     proc = subprocess.run([sys.executable, str(BENCH), "smoke", "--grid", "quick", "--parts", str(tmp_path / "parts"),
                            "--output", str(out), "--weights", str(ckpt)],
                           capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -184,6 +187,9 @@ def test_smoke_on_a_checkpoint_runs_the_quick_plan_in_tier_order(bench, tmp_path
     record = bench.weights_record(ckpt, ckpt)
     assert record["load_format"] == "auto" and record["seed"] == 0 and len(record["first_shard_mib_sha256"]) == 64
     assert part["weights"] == off["weights"] == record
+    assert not stale.exists() and sorted(p.name for p in tmp_path.glob("ckpt*")) == ["ckpt"]
+    with pytest.raises(SystemExit, match="exists"):  # never written over
+        bench.write_checkpoint(bench.MODEL, ckpt)
     doc = json.loads(out.read_text())
     assert doc["config"]["weights"] == record and doc["config"]["load_format"] == "auto"
     assert doc["config"]["grids"] == {"ours_spec_quick": "quick"} and set(doc["targets"]) == {

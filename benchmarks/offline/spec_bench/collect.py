@@ -102,8 +102,9 @@ NOTES = {
     "tpot_b1_k4_a100_draft_over_off": "the same with the draft model = target: each proposal costs a forward of a "
                                       "target-sized draft, so this cannot go far below 1 however cheap verification "
                                       "is; a real, smaller draft sits between the two ratios",
-    "adaptive_over_off_bB": "n-gram proposer, default adaptive policy (k = 4, spec_disable_batch_tokens 256) against "
-                            "speculation off; adaptive_draft_over_off_bB: the same with the draft model = target",
+    "adaptive_over_off_bB": "n-gram proposer, default adaptive policy (k = 4, spec_disable_batch_tokens at its "
+                            "default) against speculation off; adaptive_draft_over_off_bB: the same with the draft "
+                            "model = target",
     "adaptive_draft_a0_over_off_bB": "the default adaptive policy with every proposal rejected (draft = target, "
                                      "or replay, corrupted at a = 0): yield pausing keeps most steps plain and "
                                      "overlapped, so this should stay near 1 (k4_draft_a0 is the same without it)",

@@ -10,7 +10,8 @@ draft alike.
 
 Invariants:
 - A checkpoint directory appears whole or not at all: it is written under a temporary name beside it
-  and renamed at the end, so a run killed half-way leaves nothing a later run would take for it.
+  (DIR.partialPID) and renamed at the end, so a run killed half-way leaves nothing a later run would
+  take for it; the next writer removes such leftovers (one writer at a time).
 - weights_record() uses the standard library only (the vLLM process computes it too) and reads at
   most 1 MiB of weights: a dummy run is {"load_format": "dummy", ...}; a checkpoint run names the
   directory, the config it was built from, its seed, and sha256s of its config.json and of the first
@@ -95,8 +96,10 @@ def write_checkpoint(model_dir: str | os.PathLike, out_dir: str | os.PathLike, s
         model = AutoModelForCausalLM.from_config(cfg, **{dtype_kw: dtype})
     built = time.perf_counter() - t0
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # One writer at a time: what an earlier, killed writer left (16 GB for the 8B) goes first.
+    for stale in glob.glob(glob.escape(str(out_dir)) + ".partial*"):
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out_dir.with_name(out_dir.name + f".partial{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
     save_kw = {"max_shard_size": SHARD_SIZE}
     if dtype_kw == "torch_dtype":
         save_kw["safe_serialization"] = True  # 4.x's default too; 5 writes only safetensors
