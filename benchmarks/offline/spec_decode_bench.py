@@ -62,6 +62,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -132,17 +133,20 @@ def smoke(args) -> None:
     if args.parts == str(PARTS):
         tmp = Path(tempfile.mkdtemp(prefix="spec_smoke_out_"))
         args.parts, args.output = str(tmp / "parts"), str(tmp / "spec_decode.json")
-    args.weights = args.weights or str(Path(args.model) / "checkpoint")
-    log(f"checkpoint: {write_checkpoint(args.model, args.weights, seed=args.seed, device='cpu')}")
-    args.record = weights_record(args.weights, args.model)
-    parts = Path(args.parts)
-    write_part(parts, "ours_off", ours("off", args), vllm_side=False, args=args)
-    runs = []
-    write_part(parts, f"ours_spec_{args.grid}", ours("spec", args, on_run=lambda res: runs.append(
-        sum(len(r) for r in res.values() if isinstance(r, dict)))), vllm_side=False, args=args)
-    assert runs == sorted(runs) and len(runs) == runs[-1], runs  # on_run after each run, with it in
-    print(json.dumps(collect(parts, Path(args.output), args.batches, args.ks, device="cpu"), indent=1))
-    print(f"wrote {args.output}")
+    args.weights = args.weights or str(Path(args.model) / "checkpoint")  # removed with the config below
+    try:
+        log(f"checkpoint: {write_checkpoint(args.model, args.weights, seed=args.seed, device='cpu')}")
+        args.record = weights_record(args.weights, args.model)
+        parts = Path(args.parts)
+        write_part(parts, "ours_off", ours("off", args), vllm_side=False, args=args)
+        runs = []
+        write_part(parts, f"ours_spec_{args.grid}", ours("spec", args, on_run=lambda res: runs.append(
+            sum(len(r) for r in res.values() if isinstance(r, dict)))), vllm_side=False, args=args)
+        assert runs == sorted(runs) and len(runs) == runs[-1], runs  # on_run after each run, with it in
+        print(json.dumps(collect(parts, Path(args.output), args.batches, args.ks, device="cpu"), indent=1))
+        print(f"wrote {args.output}")
+    finally:
+        shutil.rmtree(args.model, ignore_errors=True)
 
 
 def main() -> int:
