@@ -1,7 +1,9 @@
 """benchmarks/offline/spec_decode_bench.py (issue #36's H200 plan): the quick grid is a subset of the
 full one that keeps every run the targets need, tier 0 first; collect on quick parts says which grid
-ran, compares only the vLLM configs that ran, and checks the targets against the parts' figures; the
-CPU smoke runs the quick plan end to end in the order the plan gives."""
+ran, compares only the vLLM configs that ran on our checkpoint, refuses our parts of different weights,
+and checks the targets against the parts' figures; the CPU smoke writes a checkpoint and runs the
+quick plan end to end on it in the order the plan gives, its outputs HF's greedy ones on that
+checkpoint."""
 import importlib.util
 import json
 import re
@@ -57,18 +59,28 @@ def test_quick_plan_is_a_subset_with_the_targets_first(bench):
         bench.spec_plan("fast", KS, ACCEPTS)
 
 
-def _part(path: Path, commit: str, grid: str | None, results: dict) -> None:
+CKPT = {"load_format": "auto", "dir": "spec_ckpt", "model": "llama-3.1-8b", "seed": 0, "config_sha256": "c" * 64,
+        "first_shard": "model-00001-of-00004.safetensors", "first_shard_mib_sha256": "a" * 64}
+DUMMY = {"load_format": "dummy", "model": "llama-3.1-8b", "config_sha256": "c" * 64}
+
+
+def _part(path: Path, commit: str, grid: str | None, results: dict, weights: dict | None = CKPT) -> None:
     setup = {"model": "llama-3.1-8b", "prompt_len": 128, "output_len": 128, "batches": [1, 8, 32, 128],
              "ks": KS, "accepts": ACCEPTS, "max_model_len": 1024, "grid": grid}
     host = {"cpu": "GPU host", "logical_cpus": 16, "python_loop_ms": 7.0}
-    path.write_text(json.dumps({"device": "NVIDIA H200", "commit": commit, "host": host, "setup": setup,
-                                "results": results}))
+    doc = {"device": "NVIDIA H200", "commit": commit, "host": host, "setup": setup, "results": results}
+    if weights is not None:  # None: a part written before parts recorded their weights
+        doc["weights"] = weights
+    path.write_text(json.dumps(doc))
 
 
-def test_collect_on_quick_parts(bench, tmp_path):
-    parts = tmp_path / "parts"
+VLLM_TPOT = {"draft_model_k4": 4.0, "ngram_k4": 2.0, "off": 6.0}
+
+
+def _quick_parts(parts: Path, batches: list[int], vllm_weights: dict | None = CKPT, ours_weights=(CKPT, CKPT)) -> dict:
+    """Our two quick parts (off, spec) on ours_weights and vLLM's three on vllm_weights; returns our off
+    TPOT per batch."""
     parts.mkdir()
-    batches = [1, 8, 32, 128]
     off = {b: 5.0 + b / 32 for b in batches}
     spec = {}
     for b in batches:
@@ -77,17 +89,25 @@ def test_collect_on_quick_parts(bench, tmp_path):
         runs["k4_replay_a1"] = {"tpot_ms": off[b] * 0.3}
         spec[f"b{b}"] = runs
     _part(parts / "ours_off.json", "abc1234", "full", {"engine_seconds": 50.0} | {
-        f"b{b}": {"off": {"tpot_ms": off[b]}} for b in batches})
-    _part(parts / "ours_spec_b1_8_32_128_quick.json", "abc1234", "quick", {"engine_seconds": 80.0} | spec)
-    vllm_tpot = {"draft_model_k4": 4.0, "ngram_k4": 2.0, "off": 6.0}
-    for config, t in vllm_tpot.items():
+        f"b{b}": {"off": {"tpot_ms": off[b]}} for b in batches}, weights=ours_weights[0])
+    _part(parts / "ours_spec_b1_8_32_128_quick.json", "abc1234", "quick", {"engine_seconds": 80.0} | spec,
+          weights=ours_weights[1])
+    for config, t in VLLM_TPOT.items():
         _part(parts / f"vllm_{config}.json", "vllm", "full", {"engine_seconds": 90.0} | {
-            f"b{b}": {"tpot_ms": t} for b in batches})
+            f"b{b}": {"tpot_ms": t} for b in batches}, weights=vllm_weights)
+    return off
+
+
+def test_collect_on_quick_parts(bench, tmp_path):
+    parts = tmp_path / "parts"
+    batches = [1, 8, 32, 128]
+    off = _quick_parts(parts, batches)
     out = tmp_path / "spec_decode.json"
     bench.collect(parts, out, batches, KS)
     doc = json.loads(out.read_text())
     assert doc["config"]["grids"] == {"ours_spec_b1_8_32_128_quick": "quick"}
-    assert doc["config"]["vllm_configs"] == sorted(vllm_tpot)
+    assert doc["config"]["vllm_configs"] == doc["config"]["vllm_compared"] == sorted(VLLM_TPOT)
+    assert doc["config"]["weights"] == CKPT and doc["config"]["load_format"] == "auto"
     assert doc["commit"] == "abc1234" and doc["host"]["cpu"] == "GPU host"
     r = doc["ratios"]
     for b in batches:
@@ -104,20 +124,81 @@ def test_collect_on_quick_parts(bench, tmp_path):
     assert t["tpot_over_vllm_worst"] == {"value": worst_vs_vllm, "limit": 1.0, "met": worst_vs_vllm <= 1.0}
 
 
-def test_smoke_runs_the_quick_plan_in_tier_order(bench, tmp_path):
+OTHER_SEED = CKPT | {"seed": 1, "first_shard_mib_sha256": "b" * 64}
+
+
+@pytest.mark.parametrize("ours_w, vllm_w, why", [
+    (CKPT, DUMMY, "dummy weights"), (CKPT, None, "dummy weights"),  # None: a part from before weights records
+    (CKPT, OTHER_SEED, "another checkpoint"), (DUMMY, DUMMY, "dummy weights")])
+def test_collect_sets_against_vllm_only_its_parts_on_our_checkpoint(bench, tmp_path, ours_w, vllm_w, why):
+    batches = [1, 8, 32, 128]
+    off = _quick_parts(tmp_path / "parts", batches, vllm_weights=vllm_w, ours_weights=(ours_w, ours_w))
     out = tmp_path / "spec_decode.json"
+    res = bench.collect(tmp_path / "parts", out, batches, KS)
+    doc = json.loads(out.read_text())
+    assert doc["config"]["vllm_configs"] == sorted(VLLM_TPOT) and doc["config"]["vllm_compared"] == []
+    assert set(res["vllm_not_compared"]) == set(VLLM_TPOT) and all(
+        why in reason for reason in res["vllm_not_compared"].values())
+    assert doc["config"]["load_format"] == ours_w["load_format"]
+    assert not any(n.endswith("_over_vllm") for n in doc["ratios"])
+    assert doc["targets"]["tpot_over_vllm_worst"] == {"value": None, "limit": 1.0, "met": None}
+    assert doc["ratios"]["adaptive_over_off_b8"] == round(off[8] * 0.5 / off[8], 3)  # ours still collected
+    assert "not compared" in doc["baselines"]["vllm"]
+
+
+@pytest.mark.parametrize("spec_w", [OTHER_SEED, DUMMY, None])
+def test_collect_refuses_our_parts_of_different_weights(bench, tmp_path, spec_w):
+    _quick_parts(tmp_path / "parts", [1, 8, 32, 128], ours_weights=(CKPT, spec_w))
+    with pytest.raises(SystemExit, match="our parts ran different weights"):
+        bench.collect(tmp_path / "parts", tmp_path / "spec_decode.json", [1, 8, 32, 128], KS)
+
+
+def hf_greedy(model_dir: Path, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens of HF transformers' model on the checkpoint, fp32, a full forward a token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(model_dir).float().eval()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(n):
+            ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt):].tolist()
+
+
+def test_smoke_on_a_checkpoint_runs_the_quick_plan_in_tier_order(bench, tmp_path):
+    out, ckpt = tmp_path / "spec_decode.json", tmp_path / "ckpt"
+    stale = tmp_path / "ckpt.partial12345"  # what a killed writer leaves: the next one removes it
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half")
     proc = subprocess.run([sys.executable, str(BENCH), "smoke", "--grid", "quick", "--parts", str(tmp_path / "parts"),
-                           "--output", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+                           "--output", str(out), "--weights", str(ckpt)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ran = re.findall(r"ours spec b(\d+) (\S+):", proc.stdout)
     plan = bench.spec_plan("quick", [1, 4], [0.0, 1.0])  # smoke's ks and accepts
     expected = [(str(b), p[1]) for tier in (0, 1) for b in (1, 4) for p in plan if p[0] == tier]
     assert ran == expected
     part = json.loads((tmp_path / "parts/ours_spec_quick.json").read_text())
+    off = json.loads((tmp_path / "parts/ours_off.json").read_text())
     assert part["setup"]["grid"] == "quick"
     assert all(r["output_tokens"] == 8 * int(b[1:]) for b, runs in part["results"].items() if b.startswith("b")
                for r in runs.values())
+    # Both parts record the checkpoint the smoke wrote, and collect carries it.
+    record = bench.weights_record(ckpt, ckpt)
+    assert record["load_format"] == "auto" and record["seed"] == 0 and len(record["first_shard_mib_sha256"]) == 64
+    assert part["weights"] == off["weights"] == record
+    assert not stale.exists() and sorted(p.name for p in tmp_path.glob("ckpt*")) == ["ckpt"]
+    with pytest.raises(SystemExit, match="exists"):  # never written over
+        bench.write_checkpoint(bench.MODEL, ckpt)
     doc = json.loads(out.read_text())
+    assert doc["config"]["weights"] == record and doc["config"]["load_format"] == "auto"
     assert doc["config"]["grids"] == {"ours_spec_quick": "quick"} and set(doc["targets"]) == {
         "b1_k4_a100_replay_tpot_over_off", "b1_k4_a100_draft_tpot_over_off", "adaptive_tpot_over_off_worst",
         "tpot_over_vllm_worst"}
+    # The target ran the checkpoint's weights (not dummy ones): its greedy output is HF's on it.
+    prompt = bench.make_prompts(1, 16, 512)[0]  # smoke's prompt_len, the tiny config's vocabulary
+    assert off["results"]["b1"]["off"]["sample_output_ids"] == hf_greedy(ckpt, prompt, 8)
+    # The draft is the same checkpoint: uncorrupted proposals of draft = target are all accepted (fp32).
+    for b in ("b1", "b4"):
+        assert part["results"][b]["k4_draft_a1"]["acceptance_rate"] == 1.0
+        assert all(r["warmup_seconds"] > 0 for r in part["results"][b].values())
