@@ -14,8 +14,9 @@ first MiB, or "dummy"), and collect refuses to merge our parts of different weig
 Per (config, batch): first an untimed warm-up generate of the same batch (max_tokens=2), so lazy
 first-call work at that shape is not timed (vLLM's first generate of a draft config at batch 1 took
 1.2 s for 2 tokens, which made its TPOT negative); then t2 = seconds of a generate with max_tokens=2
-(prefill, first token and one decode step; 2 rather than 1 because our engine with speculation on
-never reports a max_tokens=1 request finished to LLM.generate, a bug left to the engine's owner), and
+(prefill, first token and one decode step; 2 rather than 1 since an early version of our engine
+with speculation on lost max_tokens=1 requests, fixed and tested since in
+tests/spec_decode/test_spec_engine.py: kept at 2 so figures stay comparable across runs), and
 t = seconds of the full generate; TPOT = (t - t2) / (OUTPUT_LEN - 2) and throughput = batch *
 OUTPUT_LEN / t (output tokens/s). The warm-up's seconds are kept beside them (warmup_seconds).
 
