@@ -15,15 +15,24 @@ One propose() round, for every request at once:
    short ones first; a sequence that does not fit writes a piece of its KV and gets no proposal
    this round (it decodes unspeculated), and goes on next round. One forward per round, so a
    long prompt never stalls the running decodes behind a long draft prefill.
-2. k - 1 batched decode forwards, each on the previous proposal, give proposals 2..k.
+2. k - 1 batched decode forwards, each on the previous proposal, give proposals 2..k. Their
+   metadata is uploaded once and advanced on the device (spec_decode/draft_steps.py); the drawn
+   tokens stay there as the next inputs. A round reads the device once, at its end (to_host):
+   every step is queued before the host waits for any, so the host's work per step hides behind
+   the device's, and a step costs the host a graph replay and a few launches whatever the batch.
 Each proposal is drawn from the draft's distribution at the request's temperature (argmax at 0;
 otherwise softmax(logits / T) with exponential-race noise from the sequence's own generator when
 it has one, else the proposer's), and its probability row is returned for the rejection sampler.
 The proposer leaves KV for proposals 1..k-1 in its cache; the next round keeps what was accepted.
 
 On CUDA (unless enforce_eager) the decode forwards replay CUDA graphs of the draft
-(runner/cuda_graph.DecodeCUDAGraphs, one per batch bucket up to max_num_seqs), and a short
-catch-up replays them as one decode row per token (runner/decode_rows.py), as the target's steps do.
+(runner/cuda_graph.DecodeCUDAGraphs, one per batch bucket), and a short catch-up replays them as
+one decode row per token (runner/decode_rows.py), as the target's steps do. The buckets go up to
+twice max_num_seqs (within max_num_batched_tokens): a round after one whose proposals were all
+accepted catches up on two tokens per request (the last proposal, which has no KV yet, and the
+bonus token), so a full batch's catch-up still replays a graph. It does so while its decode rows
+read at most twice what one decode step over the same sequences reads (or the runner's own limit,
+when larger); a longer catch-up (a prompt, a recompute) runs eagerly.
 
 How many draft blocks. Inside an engine, as many as the target's pool has (same block size, so
 the same tokens): the engine loads the draft's weights before the target's pool is sized
@@ -62,7 +71,7 @@ from pagedserve.models.llama import head_dim_of
 from pagedserve.models.loader import get_max_model_len, get_model, load_hf_config, resolve_dtype
 from pagedserve.runner.batch import ModelInput, build_model_input
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
-from pagedserve.runner.decode_rows import as_decode_rows
+from pagedserve.runner.decode_rows import MAX_PREFILL_POSITIONS, as_decode_rows
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.layers.sampler import to_device
 from pagedserve.spec_decode.draft_kv import DraftKVManager
@@ -282,7 +291,8 @@ class DraftModelProposer:
 
         if not graph_capturable(self.model):
             return
-        buckets = batch_buckets(self.max_num_seqs, target.cuda_graph_sizes)
+        # Twice max_num_seqs: a steady-state catch-up has up to two rows per request (module docstring).
+        buckets = batch_buckets(min(2 * self.max_num_seqs, self.max_num_batched_tokens), target.cuda_graph_sizes)
         if buckets:
             self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, buckets, max_model_len=self.max_model_len,
                                            block_size=self.block_size, device=self.device, num_kv_heads=kv_heads)
@@ -395,7 +405,10 @@ class DraftModelProposer:
                                             n if decode_only else 0, self.block_size, self.device)
         g = self.graphs
         if g is not None and g.bucket_for(len(input_ids)) is not None:
-            meta = inp.attn_meta if decode_only else as_decode_rows(inp.attn_meta, inp.positions)
+            # Decode rows while they read at most twice what a decode step of these sequences reads.
+            reads = max(MAX_PREFILL_POSITIONS, 2 * int((starts + query_lens).sum()))
+            meta = inp.attn_meta if decode_only else as_decode_rows(
+                inp.attn_meta, inp.positions, max_prefill_tokens=g.buckets[-1], max_prefill_positions=reads)
             if meta is not None:
                 hidden = g.run(inp.input_ids, inp.positions, meta)
                 return self.model.compute_logits(hidden[inp.sample_indices])
