@@ -128,7 +128,7 @@ def _uniforms(rows: list[VerifyRow], ks: list[int], total: int, dev, shared: tor
         u[to_device(idx, torch.long, dev)] = torch.rand(len(idx), device=dev, generator=shared)
     offset = 0
     for r, k in zip(rows, ks):
-        if r.generator is not None and k:
+        if r.generator is not None and k and not r.greedy:
             u[offset:offset + k] = torch.rand(k, device=dev, generator=r.generator)
         offset += k
     return u
