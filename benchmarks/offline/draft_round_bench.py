@@ -11,11 +11,18 @@ then k - 1 decode steps. Per batch:
              (CUDA events around DecodeCUDAGraphs.replay; present where the checkout has it)
   overhead_ms = round_ms - k * step_ms: what the round costs beyond its k forwards' device time
              (the catch-up's two rows a request make its forward a little dearer than a step)
+With --engine, the same batches through the engine (LLM with speculative_config draft_model, draft
+= target, k fixed, pausing off; greedy, 128 new tokens), per speculating step:
+  step_ms    (t - t2) / (steps - steps2): t the generate's seconds, t2 that of max_tokens=2 (prefill)
+  propose_ms the proposer's share (SpecDecodeStats.proposer_seconds: propose() with its one read)
+  rest_ms    step_ms - propose_ms: scheduling, the verification's forward and read, appending, output
+  acceptance accepted / proposed tokens (draft = target, greedy: should be near 1)
 Written as JSON to --out (default $OUT/draft_round.json, else ./draft_round.json).
 
 Runs on any checkout whose DraftModelProposer takes (dir, EngineConfig, num_blocks=...), so the
 same script measures main before and after a change:
     timeout 300 python benchmarks/offline/draft_round_bench.py            # CUDA, ~1-2 min
+    timeout 420 python benchmarks/offline/draft_round_bench.py --engine   # CUDA, ~3-5 min
     python benchmarks/offline/draft_round_bench.py --smoke                # CPU, tiny config, seconds
 """
 from __future__ import annotations
@@ -94,6 +101,44 @@ def measure(prop: DraftModelProposer, batch: int, k: int, prompt_len: int, round
     return out
 
 
+def engine_section(model: str, batches: list[int], k: int, prompt_len: int, output_len: int, device: str,
+                   dtype: str) -> list[dict]:
+    from pagedserve import LLM, SamplingParams
+    spec = {"method": "draft_model", "model": model, "num_speculative_tokens": k, "min_speculation_yield": 0,
+            "spec_disable_batch_tokens": 1 << 30}
+    llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, max_model_len=1024, max_num_seqs=max(batches),
+              enable_prefix_caching=False, device=device, dtype=dtype, seed=0, speculative_config=spec)
+    stats = llm.llm_engine.get_spec_decode_stats()
+    vocab = min(llm.llm_engine.hf_config.vocab_size, 10000)
+    out = []
+    for b in batches:
+        prompts = [{"prompt_token_ids": [10 + (i * 131 + j * 7) % (vocab - 10) for j in range(prompt_len)]}
+                   for i in range(b)]
+
+        def run(max_tokens):
+            before = (stats.num_spec_steps, stats.proposer_seconds, stats.num_draft_tokens, stats.num_accepted_tokens)
+            sync(device)
+            t0 = time.perf_counter()
+            llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+                         use_tqdm=False)
+            sync(device)
+            after = (stats.num_spec_steps, stats.proposer_seconds, stats.num_draft_tokens, stats.num_accepted_tokens)
+            return (time.perf_counter() - t0, *(a - c for a, c in zip(after, before)))
+        run(8)  # warm-up: first shapes
+        t2, steps2, prop2, _, _ = run(2)
+        t, steps, prop, drafted, accepted = run(output_len)
+        n = max(1, steps - steps2)
+        step_ms = (t - t2) / n * 1e3
+        propose_ms = (prop - prop2) / n * 1e3
+        out.append({"batch": b, "k": k, "spec_steps": steps, "step_ms": round(step_ms, 3),
+                    "propose_ms": round(propose_ms, 3), "rest_ms": round(step_ms - propose_ms, 3),
+                    "acceptance": round(accepted / drafted, 4) if drafted else None,
+                    "tpot_ms": round((t - t2) / (output_len - 2) * 1e3, 3)})
+        print(json.dumps(out[-1]), flush=True)
+    llm.llm_engine.shutdown()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default=str(ROOT / "benchmarks/models/llama-3.1-8b"))
@@ -102,7 +147,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--smoke", action="store_true", help="CPU, a tiny config, 2 batches")
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "draft_round.json"))
+    ap.add_argument("--engine", action="store_true", help="through the engine instead (see the docstring)")
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--out", default=None)
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     model = tiny_model_dir() if args.smoke else args.model
@@ -112,21 +159,28 @@ def main() -> None:
                        load_format="dummy", block_size=16, max_num_seqs=max(batches), max_model_len=max_len,
                        skip_tokenizer_init=True, seed=0)
     t0 = time.perf_counter()
-    prop = DraftModelProposer(model, cfg, num_blocks=max(batches) * max_len // 16)
+    if args.engine:
+        results = engine_section(model, batches, args.k, args.prompt_len, 16 if args.smoke else args.output_len,
+                                 device, cfg.dtype)
+    else:
+        prop = DraftModelProposer(model, cfg, num_blocks=max(batches) * max_len // 16)
+        results = []
+        for b in batches:
+            results.append(measure(prop, b, args.k, args.prompt_len, 3 if args.smoke else args.rounds, device))
+            print(json.dumps(results[-1]), flush=True)
     start_s = time.perf_counter() - t0
-    results = []
-    for b in batches:
-        results.append(measure(prop, b, args.k, args.prompt_len, 3 if args.smoke else args.rounds, device))
-        print(json.dumps(results[-1]), flush=True)
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                                 text=True).stdout.strip() or None
     except OSError:
         commit = None
     report = {"commit": commit, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-              "model": os.path.basename(model), "start_s": round(start_s, 1), "results": results}
-    Path(args.out).write_text(json.dumps(report, indent=1))
-    print(f"wrote {args.out}")
+              "model": os.path.basename(model), "section": "engine" if args.engine else "round",
+              "seconds": round(start_s, 1), "results": results}
+    name = "draft_engine.json" if args.engine else "draft_round.json"
+    path = args.out or os.path.join(os.environ.get("OUT", "."), name)
+    Path(path).write_text(json.dumps(report, indent=1))
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
