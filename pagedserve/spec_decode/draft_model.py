@@ -67,27 +67,27 @@ import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.layers.sampler import to_device
 from pagedserve.models.llama import head_dim_of
 from pagedserve.models.loader import get_max_model_len, get_model, load_hf_config, resolve_dtype
 from pagedserve.runner.batch import ModelInput, build_model_input
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.decode_rows import MAX_PREFILL_POSITIONS, as_decode_rows
 from pagedserve.spec_decode.config import SpeculativeConfig
-from pagedserve.layers.sampler import to_device
 from pagedserve.spec_decode.draft_kv import DraftKVManager
 from pagedserve.spec_decode.draft_steps import DraftDecodeSteps
 from pagedserve.spec_decode.proposer import ProposalRequest, Proposals
 
 logger = logging.getLogger(__name__)
 GiB = 1 << 30
+# Share of the device memory free after the draft's weights that its KV pools may take on CUDA
+# (the rest: its activations and CUDA graphs).
+DRAFT_KV_FREE_FRACTION = 0.8
 
 
 def to_host(tokens: torch.Tensor) -> list:
     """A round's one device-to-host read: every draw of every step (tests count the calls)."""
     return tokens.tolist()
-# Share of the device memory free after the draft's weights that its KV pools may take on CUDA
-# (the rest: its activations and CUDA graphs).
-DRAFT_KV_FREE_FRACTION = 0.8
 
 
 def _tokenizer_vocab(model_dir: str | None) -> dict | None:
