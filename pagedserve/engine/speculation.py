@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.layers.sampler import SampleRow
+from pagedserve.layers.sampler import SampleRow, to_device
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.spec_decode.config import SpeculativeConfig
@@ -178,10 +178,9 @@ class Speculator:
             return logits, sampled, []
         if off != logits.shape[0]:
             raise RuntimeError(f"speculative step: {logits.shape[0]} logits rows for {off} expected")
-        plain_logits = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.long, device=dev)) \
-            if plain else None
+        plain_logits = logits.index_select(0, to_device(plain_rows, torch.long, dev)) if plain else None
         idx = [o + j for s, o in spec for j in range(1 + s.num_lookahead)]
-        target = logits.index_select(0, torch.tensor(idx, dtype=torch.long, device=dev)).float()
+        target = logits.index_select(0, to_device(idx, torch.long, dev)).float()
         rows, vrows, drafts = [], [], []
         for s, _ in spec:
             seq, p = s.seq, s.group.sampling_params
@@ -199,25 +198,16 @@ class Speculator:
         if drafts and len(drafts) != len(spec):
             raise RuntimeError("a proposer returned draft_probs for some requests only")
         draft_probs = torch.cat(drafts).to(dev) if drafts else None
-        result = rejection_sample(probs, vrows, draft_probs, shared)
-        # Raw logprobs of the emitted tokens (what decoding without speculation reports).
-        lp_rows, lp_tokens, base = [], [], 0
-        for (s, _), toks in zip(spec, result.token_ids):
-            lp_rows.extend(range(base, base + len(toks)))
-            lp_tokens.extend(toks)
-            base += 1 + s.num_lookahead
-        rows_t = torch.tensor(lp_rows, dtype=torch.long, device=dev)
-        toks_t = torch.tensor(lp_tokens, dtype=torch.long, device=dev)
-        chosen = (target[rows_t].gather(1, toks_t[:, None]).squeeze(1)
-                  - torch.logsumexp(target[rows_t], dim=-1)).tolist()
-        out, i = [], 0
+        # One read of the device for the whole verification, the raw logprobs of the emitted tokens
+        # (what decoding without speculation reports) included.
+        result = rejection_sample(probs, vrows, draft_probs, shared, logits=target)
+        out = []
         self.stats.num_spec_steps += 1
-        for (s, _), toks, a in zip(spec, result.token_ids, result.num_accepted):
+        for (s, _), toks, a, lps in zip(spec, result.token_ids, result.num_accepted, result.logprobs):
             s.num_rejected = s.num_lookahead - a
             self.stats.record(s.num_lookahead, a)
             self._accepted += a
-            out.append((s, toks, chosen[i:i + len(toks)]))
-            i += len(toks)
+            out.append((s, toks, lps))
         return plain_logits, plain, out
 
 

@@ -95,19 +95,28 @@ class DecodeCUDAGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Replay the graph of the smallest bucket >= batch; returns hidden states [batch, hidden]."""
         b = input_ids.shape[0]
-        g = self.bucket_for(b)
         self.input_ids[:b].copy_(input_ids, non_blocking=True)
         self.positions[:b].copy_(positions, non_blocking=True)
         self.slot_mapping[:b].copy_(meta.slot_mapping, non_blocking=True)
-        self.slot_mapping[b:g].fill_(-1)
         self.seq_lens[:b].copy_(meta.seq_lens, non_blocking=True)
-        self.seq_lens[b:g].fill_(1)
         width = meta.block_tables.shape[1]
         self.block_tables[:b, :width].copy_(meta.block_tables, non_blocking=True)
+        return self.replay(b, meta.seq_lens_cpu)
+
+    def replay(self, b: int, seq_lens_cpu: list[int] | None = None) -> torch.Tensor:
+        """Replay the graph of the smallest bucket >= b over the static buffers as they stand: the
+        caller wrote rows :b of input_ids, positions, slot_mapping, seq_lens and block_tables (run()
+        copies them from a step's tensors; a caller that advances them on the device, as the draft
+        model's decode steps do, writes them in place). Rows b.. of the bucket are padded here so
+        that they write nothing. seq_lens_cpu (the rows' lengths on the host) picks the split mode.
+        Returns the hidden states [b, hidden]."""
+        g = self.bucket_for(b)
+        self.slot_mapping[b:g].fill_(-1)
+        self.seq_lens[b:g].fill_(1)
         mode = self.split_modes[0]
-        if len(self.split_modes) > 1 and meta.seq_lens_cpu is not None:
+        if len(self.split_modes) > 1 and seq_lens_cpu is not None:
             # The tiles are counted as the launch over this cache walks them (an fp8 cache has its own).
-            mode = self.pick_split_mode(meta.seq_lens_cpu, g, self.num_kv_heads, self.max_model_len, self.device,
+            mode = self.pick_split_mode(seq_lens_cpu, g, self.num_kv_heads, self.max_model_len, self.device,
                                         kv_dtype=self.kv_caches[0][0].dtype)
         self.graphs[g, mode].replay()
         return self.outputs[g, mode][:b]

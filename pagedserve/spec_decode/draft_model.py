@@ -15,15 +15,24 @@ One propose() round, for every request at once:
    short ones first; a sequence that does not fit writes a piece of its KV and gets no proposal
    this round (it decodes unspeculated), and goes on next round. One forward per round, so a
    long prompt never stalls the running decodes behind a long draft prefill.
-2. k - 1 batched decode forwards, each on the previous proposal, give proposals 2..k.
+2. k - 1 batched decode forwards, each on the previous proposal, give proposals 2..k. Their
+   metadata is uploaded once and advanced on the device (spec_decode/draft_steps.py); the drawn
+   tokens stay there as the next inputs. A round reads the device once, at its end (to_host):
+   every step is queued before the host waits for any, so the host's work per step hides behind
+   the device's, and a step costs the host a graph replay and a few launches whatever the batch.
 Each proposal is drawn from the draft's distribution at the request's temperature (argmax at 0;
 otherwise softmax(logits / T) with exponential-race noise from the sequence's own generator when
 it has one, else the proposer's), and its probability row is returned for the rejection sampler.
 The proposer leaves KV for proposals 1..k-1 in its cache; the next round keeps what was accepted.
 
 On CUDA (unless enforce_eager) the decode forwards replay CUDA graphs of the draft
-(runner/cuda_graph.DecodeCUDAGraphs, one per batch bucket up to max_num_seqs), and a short
-catch-up replays them as one decode row per token (runner/decode_rows.py), as the target's steps do.
+(runner/cuda_graph.DecodeCUDAGraphs, one per batch bucket), and a short catch-up replays them as
+one decode row per token (runner/decode_rows.py), as the target's steps do. The buckets go up to
+twice max_num_seqs (within max_num_batched_tokens): a round after one whose proposals were all
+accepted catches up on two tokens per request (the last proposal, which has no KV yet, and the
+bonus token), so a full batch's catch-up still replays a graph. It does so while its decode rows
+read at most twice what one decode step over the same sequences reads (or the runner's own limit,
+when larger); a longer catch-up (a prompt, a recompute) runs eagerly.
 
 How many draft blocks. Inside an engine, as many as the target's pool has (same block size, so
 the same tokens): the engine loads the draft's weights before the target's pool is sized
@@ -58,13 +67,15 @@ import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
+from pagedserve.layers.sampler import to_device
 from pagedserve.models.llama import head_dim_of
 from pagedserve.models.loader import get_max_model_len, get_model, load_hf_config, resolve_dtype
 from pagedserve.runner.batch import ModelInput, build_model_input
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
-from pagedserve.runner.decode_rows import as_decode_rows
+from pagedserve.runner.decode_rows import MAX_PREFILL_POSITIONS, as_decode_rows
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.draft_kv import DraftKVManager
+from pagedserve.spec_decode.draft_steps import DraftDecodeSteps
 from pagedserve.spec_decode.proposer import ProposalRequest, Proposals
 
 logger = logging.getLogger(__name__)
@@ -72,6 +83,11 @@ GiB = 1 << 30
 # Share of the device memory free after the draft's weights that its KV pools may take on CUDA
 # (the rest: its activations and CUDA graphs).
 DRAFT_KV_FREE_FRACTION = 0.8
+
+
+def to_host(tokens: torch.Tensor) -> list:
+    """A round's one device-to-host read: every draw of every step (tests count the calls)."""
+    return tokens.tolist()
 
 
 def _tokenizer_vocab(model_dir: str | None) -> dict | None:
@@ -275,7 +291,8 @@ class DraftModelProposer:
 
         if not graph_capturable(self.model):
             return
-        buckets = batch_buckets(self.max_num_seqs, target.cuda_graph_sizes)
+        # Twice max_num_seqs: a steady-state catch-up has up to two rows per request (module docstring).
+        buckets = batch_buckets(min(2 * self.max_num_seqs, self.max_num_batched_tokens), target.cuda_graph_sizes)
         if buckets:
             self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, buckets, max_model_len=self.max_model_len,
                                            block_size=self.block_size, device=self.device, num_kv_heads=kv_heads)
@@ -296,37 +313,49 @@ class DraftModelProposer:
                 self.kv.commit(requests[i].seq_id, requests[i].token_ids[:start + q], [])
         if not active:
             return Proposals(out, None)
-        any_sampled = any(requests[i].temperature > 0 for i in active)
-        # Drawn tokens stay on the device between steps (the next step's input), read once at the end,
-        # so the host builds step j + 1's metadata while the device still runs step j.
-        step_rows: list[list[int]] = []       # per step: indices into requests of its rows
-        step_tokens: list[torch.Tensor] = []
-        step_probs: list[torch.Tensor] = []
-        rows = list(active)
-        pos = np.asarray([len(requests[i].token_ids) for i in active], dtype=np.int64)  # next input position
-        for step in range(max(ks.values())):
-            if step:
-                keep = [j for j, i in enumerate(rows) if ks[i] > step]
-                prev = step_tokens[-1]
-                if len(keep) < len(rows):
-                    prev = prev.index_select(0, torch.tensor(keep, dtype=torch.long, device=prev.device))
-                    rows, pos = [rows[j] for j in keep], pos[keep]
-                logits = self._forward(np.zeros(len(rows), dtype=np.int64), pos, np.ones(len(rows), dtype=np.int64),
-                                       [requests[i].seq_id for i in rows], input_ids_device=prev)
-                pos = pos + 1
-            tokens, probs = self._draw(logits, [requests[i] for i in rows], any_sampled)
-            step_rows.append(rows)
-            step_tokens.append(tokens)
-            if probs is not None:
-                step_probs.append(probs)
-        flat, off = torch.cat(step_tokens).tolist(), 0  # the round's one device-to-host read
-        for rows in step_rows:
-            for i, t in zip(rows, flat[off:off + len(rows)]):
-                out[i].append(t)
-            off += len(rows)
-        for i in active:
+        reqs = [requests[i] for i in active]
+        k = [ks[i] for i in active]
+        tokens, probs = self._draft_steps(logits, reqs, k)
+        drawn = to_host(tokens)  # the round's one device-to-host read: [steps, rows]
+        for row, i in enumerate(active):
+            out[i] = [drawn[s][row] for s in range(k[row])]
             self.kv.commit(requests[i].seq_id, requests[i].token_ids, out[i][:-1])
-        return Proposals(out, self._order_probs(step_rows, step_probs, out) if any_sampled else None)
+        return Proposals(out, probs)
+
+    def _draft_steps(self, logits: torch.Tensor, reqs: list[ProposalRequest],
+                     ks: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Proposals 1..max(ks) of the caught-up requests, all on the device and launched without
+        reading it: from the catch-up's logits (proposal 1), then max(ks) - 1 decode steps whose
+        metadata advances on the device (spec_decode/draft_steps.py). Returns the draws
+        [max(ks), rows] (row r's first ks[r] are its proposals) and, when some request samples, the
+        probability rows of the proposals in request order (Proposals.draft_probs)."""
+        sampling = self._sampling(reqs, ks)
+        steps = max(ks)
+        tokens, probs = self._draw(logits, sampling, 0)
+        all_tokens, all_probs = [tokens], [probs]
+        if steps > 1:
+            n = np.asarray([len(r.token_ids) for r in reqs], dtype=np.int64)
+            decode = DraftDecodeSteps(self.model, self.kv_caches, self.block_size, self.graphs, self.device,
+                                      positions=n, last=n + np.asarray(ks, dtype=np.int64) - 2,
+                                      block_tables=[self.kv.block_table(r.seq_id) for r in reqs])
+            for step in range(1, steps):
+                tokens, probs = self._draw(decode.step(tokens), sampling, step)
+                all_tokens.append(tokens)
+                all_probs.append(probs)
+        if sampling is None:
+            return torch.stack(all_tokens), None
+        # Step s's row r is proposal s + 1 of request r; request order lists each request's in turn.
+        b = len(reqs)
+        order = to_device([s * b + r for r, k in enumerate(ks) for s in range(k)], torch.long, self.device)
+        return torch.stack(all_tokens), torch.cat(all_probs).index_select(0, order)
+
+    def _sampling(self, reqs: list[ProposalRequest], ks: list[int]) -> tuple | None:
+        """None when every request is greedy; else the rows' temperatures on the device (uploaded
+        once a round), their own generators (None: the proposer's) and their ks."""
+        if not any(r.temperature > 0 for r in reqs):
+            return None
+        temps = to_device([r.temperature for r in reqs], torch.float32, self.device)
+        return temps, [r.generator if r.temperature > 0 else None for r in reqs], ks
 
     # --- one round's pieces ------------------------------------------------------------------------------
     def _plan(self, requests: list[ProposalRequest]) -> CatchUpPlan:
@@ -364,61 +393,51 @@ class DraftModelProposer:
                              [requests[i].seq_id for i, _, _ in pieces], sample_mask=ends)
 
     def _forward(self, input_ids: np.ndarray, starts: np.ndarray, query_lens: np.ndarray,
-                 seq_ids: list[int], input_ids_device: torch.Tensor | None = None,
-                 sample_mask: np.ndarray | None = None) -> torch.Tensor:
-        """Logits [len(seq_ids), vocab] of each sequence's last query token, in the model's dtype
-        (only the sequences sample_mask selects, when given).
-        input_ids_device: the tokens already on the device (then input_ids only gives the count)."""
+                 seq_ids: list[int], sample_mask: np.ndarray) -> torch.Tensor:
+        """The catch-up's forward: logits [sample_mask.sum(), vocab] of the last query token of each
+        sequence sample_mask selects, in the model's dtype. It replays the decode graph of its token
+        count as one decode row per token where runner/decode_rows.py allows, else runs eagerly."""
         tables = [self.kv.block_table(s) for s in seq_ids]
         n = len(seq_ids)
-        mask = np.ones(n, dtype=bool) if sample_mask is None else sample_mask
-        # Decode rows sample every row; a one-token piece of a longer catch-up samples none.
-        decode_only = bool((query_lens == 1).all() and mask.all())
-        inp: ModelInput = build_model_input(input_ids, starts, query_lens, tables, mask,
+        # One token per sequence, every one sampling (after a rejection): plain decode rows already.
+        decode_only = bool((query_lens == 1).all() and sample_mask.all())
+        inp: ModelInput = build_model_input(input_ids, starts, query_lens, tables, sample_mask,
                                             n if decode_only else 0, self.block_size, self.device)
-        if input_ids_device is not None:
-            inp.input_ids = input_ids_device
         g = self.graphs
         if g is not None and g.bucket_for(len(input_ids)) is not None:
-            meta = inp.attn_meta if decode_only else as_decode_rows(inp.attn_meta, inp.positions)
+            # Decode rows while they read at most twice what a decode step of these sequences reads.
+            reads = max(MAX_PREFILL_POSITIONS, 2 * int((starts + query_lens).sum()))
+            meta = inp.attn_meta if decode_only else as_decode_rows(
+                inp.attn_meta, inp.positions, max_prefill_tokens=g.buckets[-1], max_prefill_positions=reads)
             if meta is not None:
                 hidden = g.run(inp.input_ids, inp.positions, meta)
                 return self.model.compute_logits(hidden[inp.sample_indices])
         hidden = self.model(inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta)
         return self.model.compute_logits(hidden[inp.sample_indices])
 
-    def _draw(self, logits: torch.Tensor, reqs: list[ProposalRequest],
-              any_sampled: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """One token per row (int64, on the device) and, when the round has a sampled request, the
-        rows' probabilities (one-hot for greedy rows: what they were drawn from)."""
+    def _draw(self, logits: torch.Tensor, sampling: tuple | None,
+              step: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One token per row (int64, on the device) and, when the round has a sampled request
+        (sampling: _sampling's), the rows' probabilities (one-hot for greedy rows: what they were
+        drawn from). A request's own generator draws only at the steps that make its proposals
+        (step < its k), so what it draws does not depend on the batch. Nothing here reads the device."""
         logits = logits[:, :self.vocab_size].float()
         tokens = logits.argmax(dim=-1)
-        if not any_sampled:
+        if sampling is None:
             return tokens, None
-        temps = torch.tensor([r.temperature for r in reqs], dtype=torch.float32, device=logits.device)
+        temps, generators, ks = sampling
         sampled = temps > 0
         probs = torch.softmax(logits / torch.where(sampled, temps, 1.0)[:, None], dim=-1)
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
-        for j, r in enumerate(reqs):
-            if r.temperature > 0 and r.generator is not None:
-                if r.generator.device == probs.device:
-                    noise[j].exponential_(generator=r.generator)
-                else:
-                    noise[j].copy_(torch.empty(probs.shape[1]).exponential_(generator=r.generator))
+        for j, (gen, k) in enumerate(zip(generators, ks)):
+            if gen is not None and step < k:
+                if gen.device == probs.device:
+                    noise[j].exponential_(generator=gen)
+                else:  # a host generator beside a device draft: drawn on the host, copied without a sync
+                    drawn = torch.empty(probs.shape[1]).exponential_(generator=gen)
+                    noise[j].copy_(drawn if probs.device.type == "cpu" else drawn.pin_memory(), non_blocking=True)
         drawn = (probs / noise).argmax(dim=-1)  # exponential race: token i with probability probs[i]
         tokens = torch.where(sampled, drawn, tokens)
         one_hot = torch.zeros_like(probs).scatter_(1, tokens[:, None], 1.0)
         probs = torch.where(sampled[:, None], probs, one_hot)
         return tokens, probs
-
-    @staticmethod
-    def _order_probs(step_rows: list[list[int]], step_probs: list[torch.Tensor],
-                     out: list[list[int]]) -> torch.Tensor:
-        """The per-step probability rows reordered to request order (request 0's proposals first)."""
-        offsets, off = [], 0
-        for rows in step_rows:
-            offsets.append({i: off + j for j, i in enumerate(rows)})
-            off += len(rows)
-        perm = [offsets[s][i] for i, toks in enumerate(out) for s in range(len(toks))]
-        allp = torch.cat(step_probs)
-        return allp.index_select(0, torch.tensor(perm, dtype=torch.long, device=allp.device))

@@ -106,3 +106,62 @@ def test_seeded_rows_do_not_depend_on_the_batch():
 def test_no_drafts_is_a_plain_draw():
     res = rejection_sample(torch.tensor([[0.0, 1.0, 0.0]]), [VerifyRow([], False, None)], None, torch.Generator())
     assert res.token_ids == [[1]] and res.num_accepted == [0]
+
+
+def _mixed_batch(device: str):
+    """Greedy, sampled and seeded rows, k = 3, 0, 2, 3 (the greedy row's third draft is wrong)."""
+    g = torch.Generator(device=device).manual_seed(5)
+    V = 11
+    ks = [3, 0, 2, 3]
+    logits = torch.randn(sum(ks) + len(ks), V, generator=g, device=device) * 3
+    probs = logits.softmax(dim=-1)
+    am = logits.argmax(dim=-1).tolist()
+    draft_probs = torch.rand(sum(ks), V, generator=g, device=device).softmax(dim=-1)
+    rows = [VerifyRow([am[0], am[1], (am[2] + 1) % V], True, None),
+            VerifyRow([], False, None),
+            VerifyRow([3, 4], False, None),
+            VerifyRow([1, 2, 3], False, torch.Generator(device=device).manual_seed(9))]
+    return logits, probs, rows, draft_probs, ks, am
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_one_read_per_verification_with_the_emitted_tokens_logprobs(monkeypatch, device):
+    """A batch of greedy, sampled and seeded rows is verified with one host read (rejection.to_host:
+    accepted counts, final tokens and logprobs together; on CUDA no other sync, which
+    set_sync_debug_mode("error") would raise on); the greedy row follows the argmax rule, and each
+    emitted token's logprob is log_softmax(logits) at its position."""
+    from pagedserve.spec_decode import rejection
+    from spec_decode.host_reads import count_reads
+
+    logits, probs, rows, draft_probs, ks, am = _mixed_batch(device)
+    shared = torch.Generator(device=device).manual_seed(1)
+    if device == "cuda":
+        read = rejection.to_host
+
+        def allowed_read(t):
+            torch.cuda.set_sync_debug_mode(0)
+            try:
+                return read(t)
+            finally:
+                torch.cuda.set_sync_debug_mode("error")
+        monkeypatch.setattr(rejection, "to_host", allowed_read)
+        rejection_sample(probs, rows, draft_probs, shared, logits=logits)  # first use may sync
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        with count_reads(("pagedserve.spec_decode",)) as reads:
+            res = rejection_sample(probs, rows, draft_probs, shared, logits=logits)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    if device == "cpu":
+        assert dict(reads) == {("pagedserve.spec_decode.rejection", "tolist"): 1}
+    assert res.token_ids[0] == [am[0], am[1], am[2]] and res.num_accepted[0] == 2
+    ref = logits.log_softmax(dim=-1).cpu()
+    start = 0
+    for toks, k, lps, a in zip(res.token_ids, ks, res.logprobs, res.num_accepted):
+        assert len(toks) == len(lps) == a + 1
+        want = [ref[start + j, t].item() for j, t in enumerate(toks)]
+        assert lps == pytest.approx(want, abs=1e-5)
+        start += k + 1
