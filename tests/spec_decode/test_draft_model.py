@@ -18,17 +18,6 @@ from pagedserve.spec_decode.proposer import ProposalRequest
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [60, 61, 62], [300, 4, 8, 15, 16, 23, 42, 108, 77, 31, 9, 200, 201]]
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-
-
 def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
     """HF's next-token logits after `tokens` (a full, non-paged forward)."""
     with torch.no_grad():

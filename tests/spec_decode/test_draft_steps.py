@@ -19,17 +19,6 @@ SPEC_MODULES = ("pagedserve.spec_decode", "pagedserve.engine.speculation")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_model_dir):
-    return tiny_model_dir("llama")
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
-    from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
-
-
 def make(model_dir, device="cpu", **kw) -> DraftModelProposer:
     cfg = EngineConfig(model=str(model_dir), device=device, dtype="float32", block_size=kw.pop("block_size", 4),
                        max_num_seqs=8, cpu_kv_cache_gib=0.01, **kw)
