@@ -35,6 +35,11 @@ APP_NAME = "pagedserve"
 ENGINE_DEPLOYMENT = "EngineReplica"
 REPORT_INTERVAL_S = 0.5
 STALE_AFTER_S = 3.0  # a replica silent this long is gone (dead or restarting)
+# The ingress only forwards: each request it holds waits on an EngineReplica, whose own
+# max_ongoing_requests (max_num_seqs) bounds the work and past which Ray's router queues. Serve's
+# default for a deployment (5) would cap the whole DP endpoint at 5 requests in flight, whatever
+# the replicas' batch size; Ray Serve LLM's ingress is likewise unbounded (1e9).
+INGRESS_MAX_ONGOING_REQUESTS = 1_000_000_000
 
 
 @ray.remote(num_cpus=0)
@@ -193,7 +198,8 @@ def _ingress_deployment(frontend: dict):
                             frontend["config"]["block_size"], api_key=frontend["api_key"],
                             max_request_bytes=frontend["max_request_bytes"], manage_pool=False)
 
-    @serve.deployment(name="PagedServeIngress", num_replicas=1, ray_actor_options={"num_cpus": 0})
+    @serve.deployment(name="PagedServeIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                      max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS)
     @serve.ingress(build)
     class PagedServeIngress:
         def __init__(self, engine_replicas: Any) -> None:
