@@ -5,6 +5,11 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# One intra-op thread, here and in every process a test starts (they inherit it). The tiny models
+# gain nothing from a second one (tests/benchmark + tests/engine: 131 s either way on 2 idle cores),
+# and with two, a core busy elsewhere stalls every op at its barrier: one test took 12 s alone and
+# 515 s beside another CPU-bound process. Servers and replicas started by tests already set it.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

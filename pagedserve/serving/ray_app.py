@@ -35,6 +35,14 @@ APP_NAME = "pagedserve"
 ENGINE_DEPLOYMENT = "EngineReplica"
 REPORT_INTERVAL_S = 0.5
 STALE_AFTER_S = 3.0  # a replica silent this long is gone (dead or restarting)
+# The ingress only forwards: each request it holds waits on an EngineReplica, whose own
+# max_ongoing_requests (max_num_seqs) bounds the work and past which Ray's router queues. Serve's
+# default for a deployment (5) would cap the whole DP endpoint at 5 requests in flight, whatever
+# the replicas' batch size; Ray Serve LLM's ingress is likewise unbounded (1e9).
+INGRESS_MAX_ONGOING_REQUESTS = 1_000_000_000
+# A replica being stopped (downscaled, its app deleted) sleeps this long before each check for
+# requests still in flight: Serve's 2 s default made every idle replica take 2 s to stop.
+SHUTDOWN_POLL_S = 0.5
 
 
 @ray.remote(num_cpus=0)
@@ -193,7 +201,9 @@ def _ingress_deployment(frontend: dict):
                             frontend["config"]["block_size"], api_key=frontend["api_key"],
                             max_request_bytes=frontend["max_request_bytes"], manage_pool=False)
 
-    @serve.deployment(name="PagedServeIngress", num_replicas=1, ray_actor_options={"num_cpus": 0})
+    @serve.deployment(name="PagedServeIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
+                      max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+                      graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
     @serve.ingress(build)
     class PagedServeIngress:
         def __init__(self, engine_replicas: Any) -> None:
@@ -219,6 +229,7 @@ def build_serve_app(config: EngineConfig, served_name: str, api_key: str | None,
         # Beyond max_num_seqs a replica only queues: let Ray hold the rest at the router.
         max_ongoing_requests=max_seqs,
         health_check_period_s=2.0, health_check_timeout_s=60.0,
+        graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S,
         request_router_config=RequestRouterConfig(
             request_router_class="pagedserve.serving.ray_router:PrefixAffinityRequestRouter",
             request_router_kwargs={"policy": routing_policy,

@@ -92,8 +92,9 @@ def test_workers_exit_when_rank0_is_killed(tiny_model_dir):
 def test_hung_worker_is_reported_after_the_collective_timeout(tiny_model_dir, monkeypatch, mode):
     monkeypatch.setenv(FAIL_ENV, "1:2:hang")  # rank 1 stops answering (alive, silent) on its second step
     # The per-collective bound applies only once the compute group exists (start-up's waits have
-    # their own bound), when both ranks run in lockstep: 4 s is far above a tiny model's step.
-    monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT", "4")
+    # their own bound), when both ranks run in lockstep: 2 s is far above a tiny model's step (ms),
+    # and this test waits it out (plus rank 0's 2 s for a report that never comes).
+    monkeypatch.setenv("PAGEDSERVE_TP_TIMEOUT", "2")
     llm = LLM(str(tiny_model_dir("llama")), **KW)
     try:
         pid = llm.llm_engine.runner.worker_pids[1]

@@ -69,8 +69,9 @@ def test_rank_stuck_in_a_startup_phase_fails_naming_rank_and_phase(tiny_model_di
 @pytest.mark.parametrize("mode", list(STEP_MODES))
 def test_rank_stuck_in_a_step_fails_naming_rank_within_the_step_timeout(tiny_model_dir, monkeypatch, mode):
     monkeypatch.setenv(FAIL_ENV, "1:2:hang")  # rank 1 stops answering on its second step
-    # Steps only (start-up has its own bounds): a tiny model's step takes milliseconds.
-    monkeypatch.setenv("PAGEDSERVE_TP_STEP_TIMEOUT", "4")
+    # Steps only (start-up has its own bounds): a tiny model's step takes milliseconds, and this
+    # test waits the bound out, so it is short.
+    monkeypatch.setenv("PAGEDSERVE_TP_STEP_TIMEOUT", "2")
     llm = LLM(str(tiny_model_dir("llama")), **KW, num_gpu_blocks_override=64, tensor_parallel_size=2)
     try:
         pid = llm.llm_engine.runner.worker_pids[1]

@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from dp_helpers import start_dp_server, start_single_server, stop_process  # noqa: E402
+from dp_helpers import launch_single_server, start_dp_server, stop_process, wait_healthy  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -29,11 +29,23 @@ def ray_server(tmp_path_factory):
     stop_process(s.proc)
 
 
+@pytest.fixture(scope="module")
+def single_server_launched(tmp_path_factory):
+    """The one-replica baseline's process, started and not waited for. Name it before a slower
+    module-scoped server in a test's arguments (pytest sets up same-scope fixtures in that order)
+    and the baseline starts while that server does: with the ray server, ~5 s less than one after
+    the other. single_server waits for it and stops it."""
+    s = launch_single_server(tmp_path_factory.mktemp("dp") / "single.log")
+    yield s
+    stop_process(s.proc)  # a no-op when single_server has already stopped it
+
+
 @pytest.fixture(scope="class")
-def single_server(tmp_path_factory):
+def single_server(single_server_launched):
     """One replica alone, for the baseline figures; stopped right after its tests (group them in a
     class: one start for all of them, and it is gone before the next test outside the class)."""
-    s = start_single_server(tmp_path_factory.mktemp("dp") / "single.log")
+    s = single_server_launched
+    wait_healthy(s.base_url, s.proc, s.log_path, 180.0, every_replica=False)
     yield s
     stop_process(s.proc)
 

@@ -57,16 +57,15 @@ def child_env() -> dict:
                 PAGEDSERVE_REPLICA_API_KEY=REPLICA_KEY)
 
 
-def start_single_server(log_path: Path, timeout: float = 180.0) -> DPServer:
-    """One plain `pagedserve serve` with the replicas' flags: the one-replica baseline."""
+def launch_single_server(log_path: Path) -> DPServer:
+    """One plain `pagedserve serve` with the replicas' flags, the one-replica baseline, started but
+    not waited for (wait_healthy(..., every_replica=False) before using it)."""
     port = free_port()
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", "--port", str(port),
            "--served-model-name", MODEL, *REPLICA_FLAGS]
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=child_env(), cwd=REPO)
-    server = DPServer(f"http://127.0.0.1:{port}", proc, log_path)
-    wait_healthy(server.base_url, proc, log_path, timeout, every_replica=False)
-    return server
+    return DPServer(f"http://127.0.0.1:{port}", proc, log_path)
 
 
 def wait_healthy(base_url: str, proc: subprocess.Popen, log: Path, timeout: float,

@@ -26,9 +26,11 @@ def ray_http(ray_server):
 
 
 class TestAgainstOneReplica:
-    """The checks whose reference is one replica alone: it runs for these two tests only."""
+    """The checks whose reference is one replica alone: it runs for these two tests only (launched
+    before ray_server, so that both start together: single_server_launched comes first)."""
 
-    def test_ray_prefix_routing_keeps_one_replicas_hit_rate_and_balances(self, ray_server, single_server):
+    def test_ray_prefix_routing_keeps_one_replicas_hit_rate_and_balances(self, single_server_launched, ray_server,
+                                                                         single_server):
         before = [_metrics(single_server.base_url)]
         run_workload(single_server.base_url, shared_prefix_workload(seed=11))
         single = replica_figures(before, [_metrics(single_server.base_url)])
@@ -46,7 +48,7 @@ class TestAgainstOneReplica:
         assert abs(prefix["hit_rate"] - single["hit_rate"]) <= 0.05
         assert len(prefix["shares"]) == 2 and min(prefix["shares"].values()) >= 0.30
 
-    def test_ray_openai_client_against_the_dp_endpoint(self, ray_server, single_server):
+    def test_ray_openai_client_against_the_dp_endpoint(self, single_server_launched, ray_server, single_server):
         check_openai_client(ray_server, single_server.v1)
 
 
