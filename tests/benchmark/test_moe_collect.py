@@ -67,10 +67,12 @@ def test_collect_merges_parts_into_moe_json(tmp_path):
     assert r[f"{q}_nanovllm"]["vllm_same_lease"] is True and r[f"{q}_nanovllm"]["lease"] == "L2"
     assert ratios[f"{q}_nanovllm_decode_roofline_fraction"] == 0.81
     # The replaced run keeps its figures, with the commit it ran at.
-    old = doc["superseded"][f"{q}_nanovllm"][0]
+    # (the newest entry: moe.json keeps every earlier replacement before it)
+    old = doc["superseded"][f"{q}_nanovllm"][-1]
+    assert len(doc["superseded"][f"{q}_nanovllm"]) == len(before.get("superseded", {}).get(f"{q}_nanovllm", [])) + 1
     assert old["results"]["runs"] == before["results"][f"{q}_nanovllm"]["runs"]
     assert old["ratios"][f"{q}_nanovllm_over_vllm"] == before["ratios"][f"{q}_nanovllm_over_vllm"]
-    assert old["commit"] == before["commit"] and old["commit"].startswith("811b171")
+    assert old["commit"] == before["results"][f"{q}_nanovllm"].get("commit", before["commit"])
     # Untouched: Qwen's fixed256 as it was.
     assert r[f"{q}_fixed256"] == before["results"][f"{q}_fixed256"]
     assert ratios[f"{q}_fixed256_over_vllm"] == before["ratios"][f"{q}_fixed256_over_vllm"]
