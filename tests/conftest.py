@@ -34,7 +34,7 @@ def pytest_configure(config):
 @pytest.fixture(scope="session")
 def interpreter_run(request):
     """interpreter_run(path) -> the CompletedProcess of that case file under TRITON_INTERPRET=1. The
-    first call runs every marked case file of the session, one per core at a time (interpreter_runs.py)."""
+    first call runs every marked case file of the session, in one pytest process per core (interpreter_runs.py)."""
     from pathlib import Path
 
     from interpreter_runs import CaseRun, InterpreterRuns

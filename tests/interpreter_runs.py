@@ -1,16 +1,20 @@
-"""Run the Triton-interpreter case files side by side instead of one after another.
+"""Run the Triton-interpreter case files side by side, a few pytest processes for all of them.
 
 Each case file (tests/{attention,layers,quant}/*_interpret_cases.py) runs in a
 subprocess with TRITON_INTERPRET=1, because Triton picks interpreter-or-compiler when @triton.jit
 decorates a function (at import): setting it in this process would leak into every later test.
 Those subprocesses are single-threaded Python (the interpreter walks every program of the grid),
 so on an N-core machine N of them run in the time of one. The first test that needs a case file
-starts every case file this session will need (read from the collected tests' markers), at most
-one per core, longest first, and waits until all of them are done: nothing runs beside the other
-tests. Each test then checks its own file's result exactly as it did when it ran it alone.
+splits every case file this session will need (read from the collected tests' markers) into one
+pytest process per core, balanced by their expected times, and waits until all of them are done:
+nothing runs beside the other tests. One process per core, not per file: each process spends ~5 s
+importing torch, triton and pagedserve and collecting, and a file run alone paid that every time.
+Each test then checks its own file's result, read from the process's JUnit XML: the file's own
+test cases, passed, failed or skipped, whatever the other files in its process did.
 
 Mark a test with @pytest.mark.interpreter_cases(path, env_drop=(...)) and take the fixture
-`interpreter_run` (tests/conftest.py): `interpreter_run(path)` is the CompletedProcess of that file.
+`interpreter_run` (tests/conftest.py): `interpreter_run(path)` is the CompletedProcess of that file
+(its returncode and a summary of its own cases; the process's whole output when it failed).
 """
 from __future__ import annotations
 
@@ -19,47 +23,79 @@ import subprocess
 import sys
 import tempfile
 import time
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Solo wall seconds on the 2-core CI machine (last measured): only the start order uses them, so
-# that the longest runs do not end up last.
-EXPECTED_S = {"triton_interpret_cases.py": 40, "sampling_interpret_cases.py": 37, "fused_interpret_cases.py": 23,
-              "unified_interpret_cases.py": 17, "moe_interpret_cases.py": 14, "fp8_gemm_interpret_cases.py": 7,
-              "fp8_decode_interpret_cases.py": 9}
+# Seconds of each file's own cases (their JUnit times) in two grouped processes on a 2-core machine,
+# last measured: only the split into processes uses them, so that the processes take about as long
+# as each other (a file after another that interprets the same kernels is cheaper: hence fp8_decode's).
+EXPECTED_S = {"triton_interpret_cases.py": 31, "sampling_interpret_cases.py": 25, "fused_interpret_cases.py": 11,
+              "moe_interpret_cases.py": 10, "unified_interpret_cases.py": 9, "fp8_decode_interpret_cases.py": 2,
+              "fp8_gemm_interpret_cases.py": 2}
 
 
 @dataclass
 class CaseRun:
+    """One case file: what it needs (environment variables removed, a time limit) and its result."""
     path: Path
     env_drop: tuple[str, ...] = ()
     timeout: float = 600.0
+    result: subprocess.CompletedProcess | None = field(default=None, repr=False)
+
+    @property
+    def expected_s(self) -> float:
+        return EXPECTED_S.get(self.path.name, 30)
+
+    @property
+    def module(self) -> str:
+        """Its dotted name as pytest's JUnit XML writes it (rootdir-relative)."""
+        return ".".join(self.path.resolve().relative_to(ROOT).with_suffix("").parts)
+
+
+@dataclass
+class GroupRun:
+    """Some case files in one pytest process; each file's own result comes from the JUnit XML."""
+    members: list[CaseRun]
     proc: subprocess.Popen | None = None
     out: object = None
     err: object = None
+    junit: Path | None = None
     started: float = 0.0
-    result: subprocess.CompletedProcess | None = field(default=None, repr=False)
+    done: bool = False
+
+    @property
+    def timeout(self) -> float:
+        """The members' limits added up: they run one after another in this process."""
+        return sum(m.timeout for m in self.members)
 
     def env(self) -> dict:
-        # One intra-op thread each: the runs share the cores among themselves.
+        # One intra-op thread each: the processes share the cores among themselves. The variables
+        # any member wants gone are gone for all (switches each file decides for itself).
         env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
-        for name in self.env_drop:
-            env.pop(name, None)
+        for m in self.members:
+            for name in m.env_drop:
+                env.pop(name, None)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
         return env
 
     def start(self) -> None:
         # Files, not pipes: nobody reads a pipe while the run fills it.
         self.out, self.err = tempfile.TemporaryFile(mode="w+"), tempfile.TemporaryFile(mode="w+")
-        self.proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(self.path)],
-                                     cwd=ROOT, env=self.env(), stdout=self.out, stderr=self.err, text=True)
+        fd, name = tempfile.mkstemp(prefix="interpreter-", suffix=".xml")
+        os.close(fd)
+        self.junit = Path(name)
+        # A file that fails to import must not keep the others of its process from running.
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--continue-on-collection-errors",
+               "-o", "junit_family=xunit1", f"--junitxml={self.junit}", *(str(m.path) for m in self.members)]
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env(), stdout=self.out, stderr=self.err, text=True)
         self.started = time.monotonic()
 
     def poll(self) -> bool:
-        """True once finished (or killed for running past its timeout)."""
-        if self.result is not None:
+        """True once finished (or killed for running past its timeout); then every member has its result."""
+        if self.done:
             return True
         rc = self.proc.poll()
         if rc is None and time.monotonic() - self.started > self.timeout:
@@ -73,13 +109,55 @@ class CaseRun:
             f.seek(0)
             texts.append(f.read())
             f.close()
-        self.result = subprocess.CompletedProcess(self.proc.args, rc, stdout=texts[0], stderr=texts[1])
+        self._split_results(rc, *texts)
+        self.junit.unlink(missing_ok=True)
+        self.done = True
         return True
+
+    def _split_results(self, rc: int, stdout: str, stderr: str) -> None:
+        """Each member's CompletedProcess: its own cases' outcome when the process ended normally
+        (exit 0, or 1: some case somewhere failed); the process's exit and output otherwise."""
+        whole = subprocess.CompletedProcess(self.proc.args, rc if rc else 1, stdout=stdout, stderr=stderr)
+        try:
+            cases = list(ET.parse(self.junit).getroot().iter("testcase")) if rc in (0, 1) else None
+        except (ET.ParseError, OSError):
+            cases = None
+        for m in self.members:
+            if cases is None:  # crashed, killed, interrupted: nothing to split
+                m.result = whole
+                continue
+            mine = [c for c in cases if _case_module(c) == m.module]
+            failed = [c for c in mine if c.find("failure") is not None or c.find("error") is not None]
+            skipped = [c for c in mine if c.find("skipped") is not None]
+            passed = len(mine) - len(failed) - len(skipped)
+            summary = f"{m.path.name}: {passed} passed" + (f", {len(skipped)} skipped" if skipped else "") + \
+                (f", {len(failed)} failed" if failed else "")
+            if failed or not mine:
+                details = "\n\n".join(f"{c.get('name')}:\n{_case_text(c)}" for c in failed)
+                m.result = subprocess.CompletedProcess(self.proc.args, 1, stdout=f"{details}\n{summary}\n{stdout}",
+                                                       stderr=stderr)
+            else:
+                m.result = subprocess.CompletedProcess(self.proc.args, 0, stdout=summary + "\n", stderr="")
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        if self.junit is not None:
+            self.junit.unlink(missing_ok=True)
+
+
+def _case_module(case: ET.Element) -> str:
+    """The dotted module of a JUnit test case: from its file, or (a collection error or a module-level
+    skip, which have none) from its classname or name."""
+    if case.get("file"):
+        return ".".join(Path(case.get("file")).with_suffix("").parts)
+    return case.get("classname") or case.get("name") or ""
+
+
+def _case_text(case: ET.Element) -> str:
+    el = case.find("failure") if case.find("failure") is not None else case.find("error")
+    return ((el.get("message") or "") + "\n" + (el.text or ""))[-6000:]
 
 
 def assert_cases_passed(proc: subprocess.CompletedProcess) -> None:
@@ -89,36 +167,39 @@ def assert_cases_passed(proc: subprocess.CompletedProcess) -> None:
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]
 
 
+def split_by_expected_time(runs: list[CaseRun], jobs: int) -> list[list[CaseRun]]:
+    """At most `jobs` groups, longest file first into the group expected to finish first."""
+    groups: list[list[CaseRun]] = [[] for _ in range(max(1, min(jobs, len(runs))))]
+    for run in sorted(runs, key=lambda r: -r.expected_s):
+        min(groups, key=lambda g: sum(r.expected_s for r in g)).append(run)
+    return [g for g in groups if g]
+
+
 class InterpreterRuns:
-    """The case files of this session, run at most `jobs` at a time on the first request."""
+    """The case files of this session, in at most `jobs` processes at once, on the first request."""
 
     def __init__(self, runs: list[CaseRun], jobs: int) -> None:
         self.runs = {r.path.resolve(): r for r in runs}
         self.jobs = max(1, jobs)
-        self.done = False
+        self.groups: list[GroupRun] = []
 
     def run_all(self) -> None:
-        pending = sorted((r for r in self.runs.values() if r.result is None),
-                         key=lambda r: -EXPECTED_S.get(r.path.name, 30))
-        running: list[CaseRun] = []
-        while pending or running:
-            while pending and len(running) < self.jobs:
-                run = pending.pop(0)
-                run.start()
-                running.append(run)
+        pending = [r for r in self.runs.values() if r.result is None]
+        groups = [GroupRun(g) for g in split_by_expected_time(pending, self.jobs)]
+        self.groups += groups
+        for g in groups:
+            g.start()
+        while not all([g.poll() for g in groups]):  # a list: poll every group, each checks its own timeout
             time.sleep(0.2)
-            running = [r for r in running if not r.poll()]
-        self.done = True
 
     def __call__(self, path: Path | str) -> subprocess.CompletedProcess:
         key = Path(path).resolve()
         if key not in self.runs:  # a test not seen at collection (e.g. called by name): run it alone
             self.runs[key] = CaseRun(key)
-            self.done = False
-        if not self.done:
+        if self.runs[key].result is None:
             self.run_all()
         return self.runs[key].result
 
     def close(self) -> None:
-        for r in self.runs.values():
-            r.kill()
+        for g in self.groups:
+            g.kill()
