@@ -76,35 +76,41 @@ class _Marker:
         self.name, self.buffer = name, torch.empty(4)
 
 
-def _rank(rank: int, port: int, succeed_on: tuple, results) -> None:
+# (ranks whose own set-up succeeds, what each rank installs): all, one, none.
+AGREEMENT_CASES = [((0, 1), ["reducer of rank 0", "reducer of rank 1"]), ((0,), [None, None]), ((), [None, None])]
+
+
+def _rank(rank: int, port: int, results) -> None:
     os.environ[symm_allreduce.SWITCH] = "symm_mem"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         marker = _Marker(f"reducer of rank {rank}")
-        # What each rank's own set-up gives; the real one needs CUDA, so it is replaced here.
-        symm_allreduce._set_up = lambda *a: (marker, None) if rank in succeed_on else (None, "no P2P here")
-        # A CUDA device in name only: _set_up, which would use it, is replaced; the agreement runs
-        # on this gloo group with a CPU tensor.
-        got = symm_allreduce.install(dist.group.WORLD, rank, 2, torch.device("cuda", rank), torch.float32)
-        results[rank] = None if got is None else got.name
+        for i, (succeed_on, _) in enumerate(AGREEMENT_CASES):  # both ranks, in the same order
+            # What each rank's own set-up gives; the real one needs CUDA, so it is replaced here.
+            symm_allreduce._set_up = lambda *a, ok=rank in succeed_on: (marker, None) if ok else (None, "no P2P here")
+            # A CUDA device in name only: _set_up, which would use it, is replaced; the agreement runs
+            # on this gloo group with a CPU tensor.
+            got = symm_allreduce.install(dist.group.WORLD, rank, 2, torch.device("cuda", rank), torch.float32)
+            results[(i, rank)] = None if got is None else got.name
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("succeed_on, want", [((0, 1), ["reducer of rank 0", "reducer of rank 1"]),
-                                              ((0,), [None, None]), ((), [None, None])])
-def test_every_rank_uses_it_or_none_does(succeed_on, want):
+def test_every_rank_uses_it_or_none_does():
+    """Each case is one install() on both ranks; the cases share one pair of spawned ranks (a pair
+    costs ~2 s to start, and each install is its own agreement: nothing carries over)."""
     ctx = mp.get_context("spawn")
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
-        procs = [ctx.Process(target=_rank, args=(r, port, succeed_on, results)) for r in range(2)]
+        procs = [ctx.Process(target=_rank, args=(r, port, results)) for r in range(2)]
         for p in procs:
             p.start()
         for p in procs:
             p.join(60)
             assert p.exitcode == 0
-        assert [results[0], results[1]] == want
+        for i, (succeed_on, want) in enumerate(AGREEMENT_CASES):
+            assert [results[(i, 0)], results[(i, 1)]] == want, succeed_on
 
 
 @pytest.mark.parametrize("device, dtype", [("cpu", torch.float32), ("cuda", torch.float16)])
