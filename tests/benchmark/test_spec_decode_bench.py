@@ -124,6 +124,27 @@ def test_collect_on_quick_parts(bench, tmp_path):
     assert t["tpot_over_vllm_worst"] == {"value": worst_vs_vllm, "limit": 1.0, "met": worst_vs_vllm <= 1.0}
 
 
+def test_collect_gives_no_ratio_for_an_unsteady_run(bench, tmp_path):
+    """A run whose timed two-token generate took over 1.25x its warm-up (a one-off inside it makes
+    the TPOT too small) gives no ratio and is listed; 1.25x itself still counts; the target over
+    a missing ratio is not judged."""
+    parts, batches = tmp_path / "parts", [1, 8, 32, 128]
+    off = _quick_parts(parts, batches)
+    f = parts / "vllm_draft_model_k4.json"
+    doc = json.loads(f.read_text())
+    doc["results"]["b32"] |= {"two_token_seconds": 0.70, "warmup_seconds": 0.45}
+    doc["results"]["b8"] |= {"two_token_seconds": 0.50, "warmup_seconds": 0.40}  # exactly 1.25x
+    f.write_text(json.dumps(doc))
+    out = tmp_path / "spec_decode.json"
+    bench.collect(parts, out, batches, KS)
+    doc = json.loads(out.read_text())
+    assert doc["config"]["unsteady_runs"] == ["vllm draft_model_k4 b32"]
+    r = doc["ratios"]
+    assert r["tpot_draft_k4_b32_over_vllm"] is None
+    assert r["tpot_draft_k4_b8_over_vllm"] == round(off[8] * 0.5 / 4.0, 3)
+    assert doc["targets"]["tpot_over_vllm_worst"]["met"] is None
+
+
 OTHER_SEED = CKPT | {"seed": 1, "first_shard_mib_sha256": "b" * 64}
 
 

@@ -38,11 +38,38 @@ def merge_parts(parts_dir: Path) -> tuple[dict, set]:
     return merged, stamps
 
 
+# A TPOT is (t(full) - t(two tokens)) / (n - 2): a one-off (a compile, a lazy allocation) inside the
+# timed two-token generate inflates t(two tokens) and makes the TPOT too small. The untimed warm-up is
+# the same two-token generate run just before, so a two-token time this far above it marks the run
+# unsteady and it gives no ratio (vLLM's draft run at batch 32 on the H200: 0.70 s against a 0.45 s
+# warm-up, a TPOT of 6.1 ms between its 11.0 at batch 8 and 18.8 at 128).
+UNSTEADY_TWO_TOKEN_OVER_WARMUP = 1.25
+
+
+def unsteady(r: dict) -> bool:
+    w, t2 = r.get("warmup_seconds"), r.get("two_token_seconds")
+    return bool(w and t2 and t2 > UNSTEADY_TWO_TOKEN_OVER_WARMUP * w)
+
+
 def _tpot(section: dict, batch: int, run: str | None = None) -> float | None:
     r = section.get(f"b{batch}")
     if r is not None and run is not None:
         r = r.get(run)
-    return None if r is None else r.get("tpot_ms")
+    return None if r is None or unsteady(r) else r.get("tpot_ms")
+
+
+def unsteady_runs(merged: dict) -> list[str]:
+    """Every run that gives no ratio because its two-token generate ran far above its warm-up:
+    ours is {"b1": {run: figures}}, vLLM's {config: {"b1": figures}}."""
+    ours = [f"ours b{b} {run}" for b in _batches(merged["ours"])
+            for run, r in merged["ours"][f"b{b}"].items() if unsteady(r)]
+    theirs = [f"vllm {config} b{b}" for config, sec in sorted(merged["vllm"].items())
+              for b in _batches(sec) if unsteady(sec[f"b{b}"])]
+    return ours + theirs
+
+
+def _batches(section: dict) -> list[int]:
+    return sorted(int(k[1:]) for k in section if k[:1] == "b" and k[1:].isdigit())
 
 
 def _ratio(x: float | None, y: float | None) -> float | None:
@@ -165,6 +192,7 @@ def collect(parts_dir: Path, output: Path, batches, ks, device: str | None = Non
               "output_len": first.get("output_len"), "batches": list(batches),
               "ks": list(ks), "grids": grids, "vllm_configs": sorted(merged["vllm"]),
               "vllm_compared": compared, "vllm_not_compared": not_compared,
+              "unsteady_runs": unsteady_runs(merged),
               "greedy": True, "ignore_eos": True, "prefix_caching": False,
               "tpot": "(t(full generate) - t(generate with max_tokens=2)) / (output_len - 2), each batch after "
                       "an untimed warm-up generate of the same batch (parts without warmup_seconds had none)"}
