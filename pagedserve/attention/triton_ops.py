@@ -181,11 +181,13 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
     query/out are the whole flat batch [num_tokens, num_heads, head_dim]; query_start_loc indexes it.
     block_m, block_n, num_warps, num_stages, gqa (the GQA-packed variant), lpt (longest tiles
-    first): None takes triton_prefill.prefill_launch()'s (Hopper's default at head_dim <= 128,
-    PAGEDSERVE_PREFILL_LAUNCH).
+    first): None takes triton_prefill.prefill_launch()'s (Hopper's default at head_dim <= 128 and
+    a 2-byte query: fp32's tiles take twice the shared memory, 262,656 bytes in 4 stages of 128 x 128
+    against the H200's 232,448; PAGEDSERVE_PREFILL_LAUNCH).
     """
     given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, gqa=gqa, lpt=lpt)
-    launch = dataclasses.replace(prefill_launch(_sm90(query.device) and query.shape[-1] <= 128),
+    launch = dataclasses.replace(prefill_launch(_sm90(query.device) and query.shape[-1] <= 128
+                                                and query.element_size() <= 2),
                                  **{k: v for k, v in given.items() if v is not None})
     return prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq, num_seqs,
                              max_query_len, scale, out, launch, _ieee(query, k_cache), _scales(k_cache, k_scale, v_scale))

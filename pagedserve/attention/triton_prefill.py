@@ -36,7 +36,8 @@ PREFILL_DEFAULT = TileLaunch(block_m=PREFILL_BLOCK_M, block_n=PREFILL_BLOCK_N, n
 # Hopper (sm90), head_dim <= 128: the H200 sweep's pick (benchmarks/results/h200/prefill_sweep.json,
 # 3368ebd): 0.84-0.92x the default's time at every long shape swept (8k x 8k to 8k x 100k, 2k x 64k),
 # ~410-440 TFLOPS at 32k-100k. Its 128x128 tiles in 4 stages need Hopper's shared memory (an A100's
-# 164 KB may not hold them) and were swept at head_dim 128 only; elsewhere the small default stays.
+# 164 KB may not hold them) and were swept at head_dim 128 in bf16 only; elsewhere (an fp32 query's
+# tiles need 262,656 bytes: the H200's GPU tests ran out of shared memory) the small default stays.
 PREFILL_DEFAULT_SM90 = TileLaunch(block_m=128, block_n=128, num_warps=8, num_stages=4)
 # An A/B of the launch without a code change (read once per process), e.g.
 # PAGEDSERVE_PREFILL_LAUNCH=bm128+bn64+w8+s3+gqa+lpt: its parts change the default above.

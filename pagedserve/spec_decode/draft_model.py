@@ -431,7 +431,8 @@ class DraftModelProposer:
         noise = torch.empty_like(probs).exponential_(generator=self.generator)
         for j, (gen, k) in enumerate(zip(generators, ks)):
             if gen is not None and step < k:
-                if gen.device == probs.device:
+                # By type: a generator made on "cuda" reports cuda, the tensors cuda:0.
+                if gen.device.type == probs.device.type:
                     noise[j].exponential_(generator=gen)
                 else:  # a host generator beside a device draft: drawn on the host, copied without a sync
                     drawn = torch.empty(probs.shape[1]).exponential_(generator=gen)

@@ -66,3 +66,28 @@ def test_hopper_default_is_the_sweep_pick_and_the_switch_changes_it(monkeypatch)
     finally:
         prefill.prefill_launch.cache_clear()
     assert prefill.parse_prefill_launch("s2", sm90=True) == TileLaunch(128, 128, 8, 2)
+
+
+@pytest.mark.parametrize("sm90, dtype, head_dim, want", [
+    (True, "bfloat16", 128, prefill.PREFILL_DEFAULT_SM90),
+    (True, "float16", 64, prefill.PREFILL_DEFAULT_SM90),
+    (True, "float32", 128, prefill.PREFILL_DEFAULT),   # 4 stages of fp32 128 x 128 tiles overflow shared memory
+    (True, "bfloat16", 256, prefill.PREFILL_DEFAULT),
+    (False, "bfloat16", 128, prefill.PREFILL_DEFAULT),
+])
+def test_paged_prefill_takes_hopper_tiles_only_where_they_fit(monkeypatch, sm90, dtype, head_dim, want):
+    """paged_prefill's launch without an override: Hopper's large tiles for 2-byte queries at
+    head_dim <= 128, the small default elsewhere (the kernel itself is replaced: CPU only)."""
+    import torch
+    from pagedserve.attention import triton_ops
+    monkeypatch.delenv(prefill.PREFILL_LAUNCH_ENV, raising=False)
+    prefill.prefill_launch.cache_clear()
+    monkeypatch.setattr(triton_ops, "_sm90", lambda device: sm90)
+    seen = []
+    monkeypatch.setattr(triton_ops, "prefill_attention", lambda *a: seen.append(a[11]))
+    q = torch.zeros(4, 2, head_dim, dtype=getattr(torch, dtype))
+    try:
+        triton_ops.paged_prefill(q, q, q, None, None, None, 0, 1, 4, 1.0, q)
+    finally:
+        prefill.prefill_launch.cache_clear()
+    assert seen == [want]

@@ -290,7 +290,9 @@ def test_cuda_engine_sizes_both_pools_within_the_budget(model_dir, hf):
     util = min(0.9, (total - free + (1 << 30)) / total)
     llm = LLM(str(model_dir), device="cuda", dtype="float32", max_num_seqs=8, max_num_batched_tokens=512,
               swap_space=0.01, enforce_eager=True, gpu_memory_utilization=util,
-              speculative_config={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3})
+              # min_speculation_yield 0: the default policy never runs a draft as large as the target.
+              speculative_config={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3,
+                                  "min_speculation_yield": 0})
     try:
         engine = llm.llm_engine
         draft = engine.speculator.proposer
