@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -169,17 +168,13 @@ def main() -> None:
             results.append(measure(prop, b, args.k, args.prompt_len, 3 if args.smoke else args.rounds, device))
             print(json.dumps(results[-1]), flush=True)
     start_s = time.perf_counter() - t0
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
-                                text=True).stdout.strip() or None
-    except OSError:
-        commit = None
-    report = {"commit": commit, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-              "model": os.path.basename(model), "section": "engine" if args.engine else "round",
-              "seconds": round(start_s, 1), "results": results}
+    from pagedserve.benchmark.results import engine_switches, write_result
     name = "draft_engine.json" if args.engine else "draft_round.json"
     path = args.out or os.path.join(os.environ.get("OUT", "."), name)
-    Path(path).write_text(json.dumps(report, indent=1))
+    config = {"model": os.path.basename(model), "section": "engine" if args.engine else "round", "k": args.k,
+              "batches": batches, "prompt_len": args.prompt_len, "rounds": args.rounds, "dtype": cfg.dtype,
+              "seconds": round(start_s, 1)}
+    write_result(path, Path(name).stem, None, config, {"rows": results}, switches=engine_switches(cfg))
     print(f"wrote {path}")
 
 
