@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from types import SimpleNamespace
 from typing import Callable
 
-from pagedserve.benchmark.roofline import ModelCost, experts_touched
+from pagedserve.model_cost import ModelCost, experts_touched
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.sampling_params import SamplingParams
@@ -60,7 +60,7 @@ class StepTimeModel:
     @classmethod
     def from_model_cost(cls, cost: ModelCost, bandwidth: float, flops_rate: float,
                         matmul_efficiency: float = 0.5, pcie_bytes_per_s: float = 25e9) -> "StepTimeModel":
-        """The same linear model for another model and device (benchmark/roofline.ModelCost): the
+        """The same linear model for another model and device (model_cost.ModelCost): the
         dense weights read once per step, the active parameters' FLOPs per token at
         matmul_efficiency of the peak, the KV read per context token, and the experts touched."""
         return cls(fixed=cost.weight_bytes / bandwidth,

@@ -96,7 +96,7 @@ class Speculator:
             return 0.0
         key = id(cfg)
         if key not in self._costs:
-            from pagedserve.benchmark.roofline import ModelCost
+            from pagedserve.model_cost import ModelCost
             self._costs[key] = (ModelCost.from_hf_config(cfg).weight_bytes
                                 / ModelCost.from_hf_config(self._target_hf_config).weight_bytes)
         return self._costs[key]
