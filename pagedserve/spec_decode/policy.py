@@ -104,7 +104,7 @@ class SpeculationPolicy:
         self.observed = 0              # steps in the estimate since it (re)started
         self.pause_left = 0            # steps still paused
         self.next_pause = self.first_pause
-        self.probing = False           # the next observed step is a probe
+        self.probing = self.pausing    # the next observed step is a probe (the first one is)
         self.step_k = 0                # k of the step last asked for
         self.empty_streak = 0          # speculating steps in a row in which no row got a proposal
         self.next_empty_pause = self.first_pause
@@ -127,6 +127,12 @@ class SpeculationPolicy:
             k = self.probe_k(k)
         self.step_k = k
         return k
+
+    def nothing_to_propose(self) -> None:
+        """The step tokens_to_propose asked for found nothing to propose before it gave up its
+        overlap (a host-side proposer's peek, spec_decode/proposer.py): it runs overlapped, as if
+        never asked. Neither paused nor empty; a due probe stays due."""
+        self.step_k = 0
 
     def observe(self, step_yield: float) -> None:
         """A speculating step's yield (see the module docstring); steps where no row got a
@@ -158,6 +164,7 @@ class SpeculationPolicy:
         if self.empty_streak >= EMPTY_STEPS_BEFORE_PAUSE:
             self.pause_left = self.next_empty_pause
             self.next_empty_pause = min(2 * self.next_empty_pause, MAX_EMPTY_PAUSE_STEPS)
+            self.probing = True  # speculation restarts with a probe
 
     def _pause(self) -> None:
         self.pause_left = self.next_pause

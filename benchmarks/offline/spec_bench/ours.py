@@ -41,7 +41,13 @@ def counters(llm) -> tuple[int, int, int]:
 
 
 class NoProposals:
-    """Proposes nothing: the engine decodes one token per step (for the replay's recordings)."""
+    """Proposes nothing: the engine decodes one token per step (for the replay's recordings). A
+    host-side proposer (spec_decode/proposer.py), as the n-gram over text that does not repeat."""
+
+    proposes_on_host = True
+
+    def has_proposals(self, requests) -> bool:
+        return False
 
     def propose(self, requests):
         from pagedserve.spec_decode.proposer import Proposals
