@@ -4,7 +4,10 @@ One step with speculation, synchronous (see LLMEngine.step):
   1. the policy picks k from the running batch (spec_decode/policy.py); k = 0 leaves the step as
      it was, overlapped scheduling included;
   2. the proposer fills seq.spec_token_ids of every running single-sequence decode whose request
-     can speculate (timed: proposer_seconds);
+     can speculate (timed: proposer_seconds). A host-side proposer (spec_decode/proposer.py) is
+     first asked over the host's histories while a step is in flight (peek); with nothing there,
+     or nothing in its fresh proposals once no step is in flight, the step runs overlapped as if
+     k were 0 (nothing_to_propose; counted in num_unproposed_steps);
   3. the scheduler grants each as many lookahead slots as fit (core/scheduler.py) and the runner
      runs the last token plus the granted proposals as one row, returning logits at all 1 + k
      positions (runner/batch.py sample_rows);
