@@ -359,7 +359,8 @@ class LLMEngine(TokenApplication):
                 spec_k = 0
         overlap = can_overlap and not spec_k
         if prev is not None and not overlap:
-            # A request that needs every token on the host joined: finish the step in flight first.
+            # Speculation, or a request that needs every token on the host: finish the step in
+            # flight first.
             self._inflight = None
             self._process_inflight(prev, touched, final_only)
             prev = None

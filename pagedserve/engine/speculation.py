@@ -127,6 +127,9 @@ class Speculator:
             s = g.seqs[0]
             if s.status is not RUNNING or not s.is_decode or (s.num_inflight_tokens and not stale):
                 continue
+            m = g.sampling_params.max_tokens
+            if m is not None and m - len(s.output_token_ids) - s.num_inflight_tokens - 1 < 1:
+                continue  # its last token: the scheduler would grant it no lookahead (max_tokens)
             t = g.sampling_params.temperature
             seqs.append(s)
             history = TokenHistory(s.prompt_token_ids, s.output_token_ids) if self._views else s.token_ids
