@@ -345,15 +345,36 @@ class LLMEngine(TokenApplication):
         spec_k = 0
         if self._spec_requests:
             spec_k = self.speculator.tokens_this_step(self.scheduler.num_running)
-        overlap = self.async_scheduling and not self._sync_requests and not spec_k
+        can_overlap = self.async_scheduling and not self._sync_requests
+        # A host-side proposer (spec_decode/proposer.py) is asked before the overlap is given up:
+        # with a step in flight, over the histories the host has (one token stale); nothing there
+        # keeps this step overlapped. Only a step that finished the one in flight for speculation
+        # and then found nothing to propose counts as an empty one (spec_decode/policy.py).
+        host_side = bool(spec_k) and self.speculator.proposes_on_host
+        waited = False
+        if host_side and prev is not None and can_overlap:
+            if self.speculator.peek(self.scheduler.running, self._spec_requests, spec_k, self._seq_generators):
+                waited = True
+            else:
+                spec_k = 0
+        overlap = can_overlap and not spec_k
         if prev is not None and not overlap:
-            # A request that needs every token on the host joined: finish the step in flight first.
+            # Speculation, or a request that needs every token on the host: finish the step in
+            # flight first.
             self._inflight = None
             self._process_inflight(prev, touched, final_only)
             prev = None
         if spec_k:
-            self.speculator.propose(self.scheduler.running, self._spec_requests, spec_k, self._seq_generators,
-                                    self.structured.seqs)
+            proposed = self.speculator.propose(self.scheduler.running, self._spec_requests, spec_k,
+                                               self._seq_generators, self.structured.seqs)
+            if not proposed and host_side:
+                # Nothing over the fresh histories either: no verification, so launch overlapped.
+                if waited:
+                    self.speculator.clear()  # the wait was paid: an empty speculating step
+                else:
+                    self.speculator.nothing_to_propose()
+                spec_k = 0
+                overlap = can_overlap
         out = self.scheduler.schedule()
         if spec_k:
             for group in out.preempted:  # a draft model's state for them is stale once they resume

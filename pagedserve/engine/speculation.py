@@ -4,7 +4,10 @@ One step with speculation, synchronous (see LLMEngine.step):
   1. the policy picks k from the running batch (spec_decode/policy.py); k = 0 leaves the step as
      it was, overlapped scheduling included;
   2. the proposer fills seq.spec_token_ids of every running single-sequence decode whose request
-     can speculate (timed: proposer_seconds);
+     can speculate (timed: proposer_seconds). A host-side proposer (spec_decode/proposer.py) is
+     first asked over the host's histories while a step is in flight (peek); with nothing there,
+     or nothing in its fresh proposals once no step is in flight, the step runs overlapped as if
+     k were 0 (nothing_to_propose; counted in num_unproposed_steps);
   3. the scheduler grants each as many lookahead slots as fit (core/scheduler.py) and the runner
      runs the last token plus the granted proposals as one row, returning logits at all 1 + k
      positions (runner/batch.py sample_rows);
@@ -42,7 +45,7 @@ from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.spec_decode.config import SpeculativeConfig
 from pagedserve.spec_decode.factory import make_proposer
 from pagedserve.spec_decode.policy import SpeculationPolicy
-from pagedserve.spec_decode.proposer import ProposalRequest, TokenHistory
+from pagedserve.spec_decode.proposer import ProposalRequest, TokenHistory, proposes_on_host
 from pagedserve.spec_decode.rejection import VerifyRow, rejection_sample
 from pagedserve.spec_decode.stats import SpecDecodeStats
 
@@ -107,23 +110,61 @@ class Speculator:
         draws alike)."""
         self.policy.reset()
 
-    def propose(self, groups: list[SequenceGroup], eligible: set[str], k: int,
-                generators: dict[int, torch.Generator], grammars: Any = None) -> None:
-        """Fill spec_token_ids of the running decodes of eligible requests (at most k each);
-        grammars (engine/structured SeqGrammars) trims a constrained sequence's proposals."""
+    @property
+    def proposes_on_host(self) -> bool:
+        """Whether the proposer may be asked has_proposals (spec_decode/proposer.py); looked up
+        each step (a benchmark may swap proposers)."""
+        return proposes_on_host(self.proposer)
+
+    def _requests(self, groups: list[SequenceGroup], eligible: set[str], k: int,
+                  generators: dict[int, torch.Generator], stale: bool) -> tuple[list[Sequence], list[ProposalRequest]]:
+        """The running decodes of eligible requests and their ProposalRequests; stale: also those
+        with a token in flight, over the history the host has (without that token)."""
         seqs, reqs = [], []
         for g in groups:
             if g.request_id not in eligible or len(g.seqs) != 1:
                 continue
             s = g.seqs[0]
-            if s.status is not RUNNING or not s.is_decode or s.num_inflight_tokens:
+            if s.status is not RUNNING or not s.is_decode or (s.num_inflight_tokens and not stale):
                 continue
+            m = g.sampling_params.max_tokens
+            if m is not None and m - len(s.output_token_ids) - s.num_inflight_tokens - 1 < 1:
+                continue  # its last token: the scheduler would grant it no lookahead (max_tokens)
             t = g.sampling_params.temperature
             seqs.append(s)
             history = TokenHistory(s.prompt_token_ids, s.output_token_ids) if self._views else s.token_ids
             reqs.append(ProposalRequest(s.seq_id, history, k, t, generators.get(s.seq_id)))
+        return seqs, reqs
+
+    def peek(self, groups: list[SequenceGroup], eligible: set[str], k: int,
+             generators: dict[int, torch.Generator]) -> bool:
+        """While a step is in flight: whether the host-side proposer would propose anything over
+        the histories the host has (one token stale). False: the step stays overlapped, as if the
+        policy had not asked (nothing_to_propose); True: the engine finishes the step in flight
+        and proposes over the fresh histories."""
+        _, reqs = self._requests(groups, eligible, k, generators, stale=True)
+        t0 = time.perf_counter()
+        found = bool(reqs) and self.proposer.has_proposals(reqs)
+        self.stats.proposer_seconds += time.perf_counter() - t0
+        if not found:
+            self.nothing_to_propose()
+        return found
+
+    def nothing_to_propose(self) -> None:
+        """A host-side proposer had nothing for this step before the step gave up its overlap:
+        it runs overlapped, neither paused nor empty for the policy (spec_decode/policy.py)."""
+        self.policy.nothing_to_propose()
+        self.stats.num_unproposed_steps += 1
+        self._tried = False
+
+    def propose(self, groups: list[SequenceGroup], eligible: set[str], k: int,
+                generators: dict[int, torch.Generator], grammars: Any = None) -> int:
+        """Fill spec_token_ids of the running decodes of eligible requests (at most k each);
+        grammars (engine/structured SeqGrammars) trims a constrained sequence's proposals.
+        Returns how many sequences got proposals."""
+        seqs, reqs = self._requests(groups, eligible, k, generators, stale=False)
         if not reqs:
-            return
+            return 0
         self._tried = True
         t0 = time.perf_counter()
         proposals = self.proposer.propose(reqs)
@@ -141,6 +182,7 @@ class Speculator:
         # The yield counts the rows that got proposals: a row without one costs no verification,
         # and an n-gram that has not matched yet must not pause speculation before it does.
         self._asked = len(self._proposed)
+        return self._asked
 
     def clear(self) -> None:
         """After the step: no proposal outlives it; the policy sees what the step yielded."""

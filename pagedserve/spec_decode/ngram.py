@@ -53,6 +53,7 @@ class NgramProposer:
     match; finish() drops it."""
 
     accepts_token_history = True  # ProposalRequest.token_ids may be a TokenHistory view
+    proposes_on_host = True       # has_proposals may peek (spec_decode/proposer.py)
 
     def __init__(self, prompt_lookup_min: int, prompt_lookup_max: int) -> None:
         if not 1 <= prompt_lookup_min <= prompt_lookup_max:
@@ -80,6 +81,13 @@ class NgramProposer:
         for r in requests:
             out.append(ngram_propose(self._tokens(r), self.min_n, self.max_n, r.num_speculative_tokens).tolist())
         return Proposals(out, None)
+
+    def has_proposals(self, requests: list[ProposalRequest]) -> bool:
+        """Whether propose(requests) would give any request a token. Safe on a stale history: the
+        per-sequence buffer only ever holds verified tokens, and a later, longer history of the
+        same sequence continues it."""
+        return any(ngram_propose(self._tokens(r), self.min_n, self.max_n, r.num_speculative_tokens).size
+                   for r in requests)
 
     def finish(self, seq_id: int) -> None:
         self._history.pop(seq_id, None)

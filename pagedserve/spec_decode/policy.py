@@ -26,30 +26,53 @@ Yield. A step's yield is the tokens its speculating rows emitted per row: 1 + ac
 / rows that got proposals, and its gain that yield over threshold(k) of its k (gain 1: the step
 paid for itself exactly). Rows the proposer had nothing for are left out, and a step where no row
 got one is not observed: such rows cost no verification, and an n-gram proposer that has not
-matched yet must not pause speculation before it has proposed anything. The policy keeps an
-estimate of the gain: the mean of the steps so far while there are few of them (so one step's
-evidence decides at once: a proposer whose every proposal is rejected pauses after its first
-step, not after the ten a prior of 1 + k took to decay), then an exponentially weighted one
+matched yet must not pause speculation before it has proposed anything.
+The first speculating step after a (re)start (the engine starting, or running out of requests:
+reset; or a pause for nothing proposed, below) is a probe: it proposes the fewest tokens that can
+pay (probe_k: 1 for n-gram), so a proposer whose every proposal is rejected costs one cheap step
+before its first pause, not a full-k one (a first k = 4 step at 32 decodes verifies 160
+tokens; the H200's always-rejected replay measured TPOT 1.018 / 1.026 / 1.062x speculation off
+at 1 / 8 / 32 decodes with one); a probe whose own gain reaches 1 resumes speculation at full k,
+the estimate starting from its gain. The policy keeps an estimate of the gain: the mean of the steps so far while there
+are few of them (so one step's evidence decides at once), then an exponentially weighted one
 (weight YIELD_WEIGHT for the newest step: about the last 7 steps matter). When the estimate falls
 below 1, speculation pauses: k = 0 for the next first_pause_steps steps (overlapped), then one
-speculating step probes with the fewest proposals that can pay (probe_k: 1 for n-gram), so a
-failed probe costs little more than a synchronous step. A probe whose own gain reaches 1 resumes
-speculation at full k (the estimate restarts from it, the pause length from first_pause_steps);
-one that does not pauses again for twice as long, up to max_pause_steps. A paused step is one the
-batch rule would have speculated in; only those count down a pause. The decision is a function of
-the observed yields alone (no clock, no randomness), so a run's schedule is exact and reproducible.
+speculating step probes; a failed probe costs little more than a synchronous step. A probe that
+pays resumes speculation at full k (the estimate restarts from it, the pause length from
+first_pause_steps); one that does not pauses again for twice as long, up to max_pause_steps. A
+paused step is one the batch rule would have speculated in; only those count down a pause. The
+decision is a function of the observed yields alone (no clock, no randomness), so a run's schedule
+is exact and reproducible.
 
-Nothing proposed. A speculating step in which no row got a proposal (an n-gram proposer over
-text that does not repeat) has no yield, yet it still ran synchronously: an n-gram that never
-matches would make every step ~1.25x an overlapped one (what vLLM users report). So, with pausing
-on (min_speculation_yield above 1), EMPTY_STEPS_BEFORE_PAUSE such steps in a row pause
-speculation too: first_pause_steps steps, then one probe; a probe that proposes nothing again
-doubles the pause, up to MAX_EMPTY_PAUSE_STEPS (shorter than a low yield's cap: text that starts
-repeating later is found within that many steps); a step with proposals ends the streak and
-resets this backoff. In the steady state of a proposer that never matches, one step in
-1 + MAX_EMPTY_PAUSE_STEPS is synchronous. The streak is 8 steps: a model's own repetition, the
-n-gram's food, often begins only some tokens in, and the first probe comes 8 steps later (at the
-17th decode step); a longer streak cost the H200's 128-token runs 3-5% in synchronous steps.
+Nothing to propose. A speculating step in which no row got a proposal has no yield, yet once it
+has given up its overlap it costs what a speculating step does (an n-gram that never matches would
+make every step ~1.25x an overlapped one: what vLLM users report). The engine avoids most such
+steps (LLMEngine.step): a host-side proposer (proposes_on_host, spec_decode/proposer.py: n-gram)
+is asked before the step gives up its overlap, over the histories the host has (one token stale
+while a step is in flight), and with nothing there the step stays overlapped and the policy hears
+nothing_to_propose: the step is neither paused nor empty (it cost nothing), and a due probe stays
+due. On the H200 (Llama-3.1-8B, 128 output tokens, before the peek) an n-gram that never matched
+ran about 12 of its 127 decode steps synchronously under the streak rule below (TPOT 1.015 /
+1.033 / 1.044x speculation off at 1 / 8 / 32 decodes; a proposer with nothing at all 1.020 /
+1.030 / 1.035x), each 1.21 / 1.25 / 1.31x an overlapped step: those steps were the whole excess.
+With the peek it runs none (tests/spec_decode/test_spec_peek.py counts the steps).
+So only a step that finished the one in flight for speculation and then had nothing for any row
+counts as empty: a draft model's (it cannot be asked without the device; it proposes for every
+row unless a grammar refuses every proposal), or a host-side proposer's whose stale history found
+something and the fresh one did not. EMPTY_STEPS_BEFORE_PAUSE such steps in a row (steps the
+proposer had nothing for between them neither extend nor end the streak) pause speculation, with
+pausing on (min_speculation_yield above 1): first_pause_steps steps, then one probe; a probe that
+proposes nothing again doubles the pause, up to MAX_EMPTY_PAUSE_STEPS (shorter than a low yield's
+cap: text that starts repeating later is found within that many steps); a step with proposals
+ends the streak and resets this backoff.
+The constants stay what they were before the peek (8 and 32): each step the streak counts still
+costs a synchronous wait, as every empty step did then, so the evidence needed to pause is the
+same, and a longer streak cost the H200's 128-token runs 3-5% in synchronous steps. What changed
+is how rarely a host-side proposer fills it: after such a step the next one peeks over exactly the
+history the fresh proposal found nothing in, so at most every other step can count, and a
+workload must keep finding matches one token too early for 8 of them before it pauses; a pause
+then costs it at most 32 steps of missed matches and saves only those waits, so a shorter cap or a
+longer streak would change little either way.
 """
 from __future__ import annotations
 
@@ -104,7 +127,7 @@ class SpeculationPolicy:
         self.observed = 0              # steps in the estimate since it (re)started
         self.pause_left = 0            # steps still paused
         self.next_pause = self.first_pause
-        self.probing = False           # the next observed step is a probe
+        self.probing = self.pausing    # the next observed step is a probe (the first one is)
         self.step_k = 0                # k of the step last asked for
         self.empty_streak = 0          # speculating steps in a row in which no row got a proposal
         self.next_empty_pause = self.first_pause
@@ -127,6 +150,12 @@ class SpeculationPolicy:
             k = self.probe_k(k)
         self.step_k = k
         return k
+
+    def nothing_to_propose(self) -> None:
+        """The step tokens_to_propose asked for found nothing to propose before it gave up its
+        overlap (a host-side proposer's peek, spec_decode/proposer.py): it runs overlapped, as if
+        never asked. Neither paused nor empty; a due probe stays due."""
+        self.step_k = 0
 
     def observe(self, step_yield: float) -> None:
         """A speculating step's yield (see the module docstring); steps where no row got a
@@ -158,6 +187,7 @@ class SpeculationPolicy:
         if self.empty_streak >= EMPTY_STEPS_BEFORE_PAUSE:
             self.pause_left = self.next_empty_pause
             self.next_empty_pause = min(2 * self.next_empty_pause, MAX_EMPTY_PAUSE_STEPS)
+            self.probing = True  # speculation restarts with a probe
 
     def _pause(self) -> None:
         self.pause_left = self.next_pause

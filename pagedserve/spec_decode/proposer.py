@@ -16,6 +16,16 @@ Invariants:
   when a sequence finishes, is aborted or preempted, and may be called for a
   sequence the proposer never saw.
 
+Host-side proposers (``proposes_on_host = True``: n-gram, the benchmarks' stand-ins) propose on
+the host, cheaply and without the device, from the history alone. The engine may then ask
+``has_proposals(requests)`` before it gives up an overlapped step (engine/llm_engine.py step):
+whether propose(requests) would give any request at least one token. It is asked over the host's
+histories while a step is in flight (one token stale: the in-flight token is not in them) and
+must leave every later propose() as it would have been: a history it saw may be followed by a
+longer one of the same sequence (the stale one's continuation), and it must consume nothing a
+proposal draws (a wrapper's random generator). A proposer without the attribute (a draft model:
+its proposals need the device) is never asked; every speculating step it is in is synchronous.
+
 Construction: spec_decode/factory.py builds the proposer the config names; a draft-model
 proposer is `pagedserve.spec_decode.draft_model.DraftModelProposer(spec, engine)` with spec the
 SpeculativeConfig and engine the LLMEngine it serves. The engine builds it (factory.load_draft_model)
@@ -80,3 +90,15 @@ class Proposals:
 class Proposer(Protocol):
     def propose(self, requests: list[ProposalRequest]) -> Proposals: ...
     def finish(self, seq_id: int) -> None: ...   # drop per-sequence state (finished/aborted/preempted)
+
+
+class HostProposer(Proposer, Protocol):
+    """A proposer that proposes on the host from the history alone (see the module docstring)."""
+    proposes_on_host: bool  # True
+
+    def has_proposals(self, requests: list[ProposalRequest]) -> bool: ...
+
+
+def proposes_on_host(proposer: object) -> bool:
+    """Whether the engine may ask proposer.has_proposals (a HostProposer)."""
+    return bool(getattr(proposer, "proposes_on_host", False))

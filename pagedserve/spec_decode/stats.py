@@ -17,6 +17,8 @@ class SpecDecodeStats:
     proposer_seconds: float = 0.0       # host time spent proposing
     num_spec_steps: int = 0             # steps that verified proposals
     num_paused_steps: int = 0           # steps the policy kept from speculating for a low yield
+    num_unproposed_steps: int = 0       # steps due to speculate that a host-side proposer had
+                                        # nothing for before they gave up their overlap
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1

@@ -16,7 +16,7 @@ from typing import Sequence
 
 import numpy as np
 
-from pagedserve.spec_decode.proposer import ProposalRequest, Proposals, Proposer
+from pagedserve.spec_decode.proposer import ProposalRequest, Proposals, Proposer, proposes_on_host
 
 
 class AcceptanceControlledProposer:
@@ -31,6 +31,16 @@ class AcceptanceControlledProposer:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         self.inner, self.acceptance, self.vocab_size = inner, acceptance, vocab_size
         self.rng = np.random.default_rng(seed)
+
+    @property
+    def proposes_on_host(self) -> bool:
+        """The inner proposer's (spec_decode/proposer.py): corrupting is host work."""
+        return proposes_on_host(self.inner)
+
+    def has_proposals(self, requests: list[ProposalRequest]) -> bool:
+        """The inner proposer's answer (corruption keeps every proposal's length); the corruption
+        generator is not touched, so a peek leaves the run's corrupted tokens as they were."""
+        return self.inner.has_proposals(requests)
 
     def propose(self, requests: list[ProposalRequest]) -> Proposals:
         for r in requests:
@@ -57,6 +67,8 @@ class ReplayProposer:
     verification. A history that no recording starts with (greedy output changed) gets nothing,
     then and for the rest of its sequence (it is not searched again)."""
 
+    proposes_on_host = True  # has_proposals may peek (spec_decode/proposer.py)
+
     def __init__(self, recordings: Sequence[Sequence[int]]):
         self.recordings = [np.asarray(r, dtype=np.int64) for r in recordings]
         self.by_seq: dict[int, np.ndarray | None] = {}  # None: diverged from every recording
@@ -68,17 +80,27 @@ class ReplayProposer:
                 return rec
         return None
 
+    def _recording(self, r: ProposalRequest) -> np.ndarray | None:
+        """The recording r's sequence follows (None: none), without remembering it."""
+        n = len(r.token_ids)
+        rec = self.by_seq[r.seq_id] if r.seq_id in self.by_seq else \
+            self._find(np.asarray(r.token_ids, dtype=np.int64))
+        if rec is not None and (rec.shape[0] <= n or rec[n - 1] != r.token_ids[-1]):
+            return None
+        return rec
+
     def propose(self, requests: list[ProposalRequest]) -> Proposals:
         out = []
         for r in requests:
             n = len(r.token_ids)
-            if r.seq_id not in self.by_seq:
-                self.by_seq[r.seq_id] = self._find(np.asarray(r.token_ids, dtype=np.int64))
-            rec = self.by_seq[r.seq_id]
-            if rec is not None and (rec.shape[0] <= n or rec[n - 1] != r.token_ids[-1]):
-                rec = self.by_seq[r.seq_id] = None
+            rec = self.by_seq[r.seq_id] = self._recording(r)
             out.append([] if rec is None else rec[n:n + r.num_speculative_tokens].tolist())
         return Proposals(out, None)
+
+    def has_proposals(self, requests: list[ProposalRequest]) -> bool:
+        """Whether propose(requests) would give any request a token; remembers nothing (a stale
+        history must not pick the recording that a later, longer one decides)."""
+        return any(self._recording(r) is not None for r in requests)
 
     def finish(self, seq_id: int) -> None:
         self.by_seq.pop(seq_id, None)

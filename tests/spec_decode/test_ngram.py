@@ -59,3 +59,25 @@ def test_incremental_history_matches_fresh_matching():
         output.extend(rng.randrange(4) for _ in range(rng.randint(1, 5)))
     prop.finish(9)
     assert 9 not in prop._history
+
+
+def test_peek_over_stale_histories_agrees_and_leaves_proposals_unchanged():
+    """has_proposals (the engine's peek, spec_decode/proposer.py) says whether propose would give
+    anything, here over a history one token stale and then the fresh one, as the engine asks with
+    a step in flight; the proposals match a fresh brute-force match all along."""
+    from pagedserve.spec_decode.proposer import TokenHistory, proposes_on_host
+    rng = random.Random(7)
+    prop = NgramProposer(2, 3)
+    assert proposes_on_host(prop)
+    prompt = [rng.randrange(6) for _ in range(12)]
+    output: list[int] = []
+    for _ in range(60):
+        output.append(rng.randrange(6))
+        stale = TokenHistory(prompt, output[:-1])
+        assert prop.has_proposals([ProposalRequest(3, stale, 4, 0.0, None)]) == \
+            bool(brute_force(prompt + output[:-1], 2, 3, 4))
+        got = prop.propose([ProposalRequest(3, TokenHistory(prompt, output), 4, 0.0, None)]).token_ids[0]
+        assert got == brute_force(prompt + output, 2, 3, 4)
+    assert prop.has_proposals([ProposalRequest(1, [1, 2, 3], 2, 0.0, None),
+                               ProposalRequest(2, [5, 6, 5, 6], 2, 0.0, None)])
+    assert not prop.has_proposals([ProposalRequest(1, [1, 2, 3], 2, 0.0, None)])

@@ -52,11 +52,10 @@ def test_default_threshold_and_constants():
 
 
 def test_pauses_probe_and_back_off_to_the_cap():
-    # k = 2: the first step's yield of 1 is the whole estimate (gain 1 / 1.25 = 0.8): it pauses at
-    # once. Then pauses of 8, 16, ... 256, 256, one probe between, each with one proposal (the
-    # fewest that can pay).
+    # k = 2: the first step is a probe with one proposal (the fewest that can pay); its yield of 1
+    # (gain 1 / 1.25 = 0.8) pauses at once. Then pauses of 8, 16, ... 256, 256, one probe between.
     p = SpeculationPolicy(2, 256, min_speculation_yield=T)
-    assert schedule(p, [1.0] * 8) == [(2, 1), (0, 8), (1, 1), (0, 16), (1, 1), (0, 32), (1, 1), (0, 64), (1, 1),
+    assert schedule(p, [1.0] * 8) == [(1, 1), (0, 8), (1, 1), (0, 16), (1, 1), (0, 32), (1, 1), (0, 64), (1, 1),
                                       (0, 128), (1, 1), (0, 256), (1, 1), (0, 256), (1, 1), (0, 256)]
     assert p.num_paused_steps == 8 + 16 + 32 + 64 + 128 + 256 * 3
 
@@ -64,24 +63,25 @@ def test_pauses_probe_and_back_off_to_the_cap():
 def test_a_good_probe_resumes_and_resets_the_backoff():
     p = SpeculationPolicy(2, 256, min_speculation_yield=T)
     # Gains are yields over 1.25 (no proposer cost).
-    yields = ([1.0]               # pause 8
-              + [1.0]             # failed probe (k = 1): pause 16
+    yields = ([1.0]               # the first step, a probe (k = 1), fails: pause 8
+              + [1.0]             # failed probe: pause 16
               + [2.0]             # good probe (gain 1.6): the estimate restarts at 1.6, k = 2 again
               + [3.0] * 5         # gain 2.4: the mean (2.0, 2.13), then weight 0.25: 2.2, 2.25, 2.29
               + [1.0] * 7         # gain 0.8 at weight 0.25: below 1 after 7 steps (0.9985): pause 8, not 32
               + [T]               # a probe at exactly the threshold succeeds (estimate 1.0)
               + [1.0])            # the mean of 1.0 and 0.8 is 0.9 < 1: pause 8 again
-    assert schedule(p, yields) == [(2, 1), (0, 8), (1, 1), (0, 16), (1, 1), (2, 12), (0, 8), (1, 1), (2, 1), (0, 8)]
+    assert schedule(p, yields) == [(1, 1), (0, 8), (1, 1), (0, 16), (1, 1), (2, 12), (0, 8), (1, 1), (2, 1), (0, 8)]
 
 
 def test_one_bad_step_in_a_good_run_does_not_pause():
     p = SpeculationPolicy(4, 256, min_speculation_yield=T)
-    # Alternating 2 and 1 (gains 1.6 and 0.8): the estimate settles between 1.14 and 1.26, above 1.
-    assert schedule(p, [2.0, 1.0] * 50) == [(4, 100)]
+    # Alternating 2 and 1 (gains 1.6 and 0.8): the first step, a probe of one proposal, pays and
+    # resumes k = 4; the estimate settles between 1.14 and 1.26, above 1.
+    assert schedule(p, [2.0, 1.0] * 50) == [(1, 1), (4, 99)]
     assert p.num_paused_steps == 0
-    # A bad first step is all the evidence there is: it pauses (the probe resumes a good run).
+    # A bad first step is all the evidence there is: it pauses (the next probe resumes a good run).
     assert schedule(SpeculationPolicy(4, 256, min_speculation_yield=T), [1.0, 2.0, 2.0]) == [
-        (4, 1), (0, 8), (1, 1), (4, 1)]
+        (1, 1), (0, 8), (1, 1), (4, 1)]
 
 
 @pytest.mark.parametrize("threshold", [0.0, 1.0])
@@ -92,7 +92,7 @@ def test_threshold_at_most_one_never_pauses(threshold):
 
 def test_combined_with_the_batch_rule():
     p = SpeculationPolicy(2, 256, min_speculation_yield=T)
-    assert p.tokens_to_propose(1) == 2
+    assert p.tokens_to_propose(1) == 1  # the first step probes
     p.observe(1.0)
     assert p.pause_left == 8  # paused: 8 steps to go
     # 200 decodes: the batch rule alone says 0 (256 // 200 - 1); such steps do not count down.
@@ -106,7 +106,7 @@ def test_combined_with_the_batch_rule():
     p.observe(1.0)  # the probe fails: 16 steps, then a probe of one proposal
     assert [p.tokens_to_propose(1) for _ in range(17)] == [0] * 16 + [1]
     p.reset()  # the engine ran out of requests: a fresh estimate, the backoff from 8 again
-    assert schedule(p, [1.0] * 2) == [(2, 1), (0, 8), (1, 1), (0, 16)]
+    assert schedule(p, [1.0] * 2) == [(1, 1), (0, 8), (1, 1), (0, 16)]
 
 
 @pytest.mark.parametrize("bad", [-0.5, 6.5, "1.5", True, float("nan")])
@@ -157,8 +157,8 @@ def _run_with_acceptance(setup, acceptance, monkeypatch):
 
 def _spec_steps_when_always_rejected(decode_steps):
     """Speculating steps among `decode_steps` when every step yields 1, from the rule: the first
-    step's yield is the estimate, below T, so it pauses; then pauses of 8, 16, ... (capped), with
-    one probe after each."""
+    step is a probe, and fails, so it pauses; then pauses of 8, 16, ... (capped), with one probe
+    after each."""
     steps, at, pause = 1, 1, FIRST_PAUSE_STEPS
     while at + pause + 1 <= decode_steps:
         at += pause + 1
@@ -171,8 +171,9 @@ def test_always_rejected_pauses_and_keeps_outputs(setup, monkeypatch):
     got, stats, launches, llm = _run_with_acceptance(setup, 0.0, monkeypatch)
     assert got == setup[2]
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == 0
-    # 47 decode steps (one token each): one speculating step (k = 4), then probes (k = 1) after 8
-    # and 16 paused steps (steps 10 and 27; the next would be step 60).
+    # 47 decode steps (one token each): probes (k = 1) at the first step and after 8 and 16 paused
+    # steps (steps 10 and 27; the next would be step 60). The replay is a host-side proposer: its
+    # peeks find proposals, so these steps go synchronous as before.
     decode_steps = MAX_TOKENS - 1
     expected = _spec_steps_when_always_rejected(decode_steps)
     assert expected == 3
@@ -192,9 +193,9 @@ def test_always_accepted_never_pauses(setup, monkeypatch):
     assert got == setup[2]
     assert stats.num_paused_steps == 0
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
-    # Every decode step speculated (k + 1 = 5 tokens a step, the last one trimmed by max_tokens),
-    # synchronously: only the prompts' step launched overlapped.
-    assert stats.num_spec_steps == math.ceil((MAX_TOKENS - 1) / 5)
+    # Every decode step speculated, synchronously (only the prompts' step launched overlapped): the
+    # first, a probe, emits 2 tokens, the others k + 1 = 5 (the last one trimmed by max_tokens).
+    assert stats.num_spec_steps == 1 + math.ceil((MAX_TOKENS - 1 - 2) / 5)
     assert launches == 1
 
 
@@ -213,18 +214,21 @@ def empty_schedule(policy, steps, decodes=1):
 def test_steps_with_nothing_proposed_pause_and_back_off_to_their_own_cap():
     assert (EMPTY_STEPS_BEFORE_PAUSE, MAX_EMPTY_PAUSE_STEPS) == (8, 32)
     p = SpeculationPolicy(4, 256, min_speculation_yield=T)
+    # Nothing observed: the first step's probe (one proposal) stays due until a step has proposals.
     assert empty_schedule(p, 8 + 8 + 1 + 16 + 1 + 32 + 1 + 32 + 1) == [
-        (4, 8), (0, 8), (4, 1), (0, 16), (4, 1), (0, 32), (4, 1), (0, 32), (4, 1)]
+        (1, 8), (0, 8), (1, 1), (0, 16), (1, 1), (0, 32), (1, 1), (0, 32), (1, 1)]
     assert p.observed == 0 and p.estimate == math.inf  # no yield was observed
 
 
 def test_a_step_with_proposals_ends_the_streak_and_resets_its_backoff():
     p = SpeculationPolicy(4, 256, min_speculation_yield=T)
-    assert empty_schedule(p, 8 + 8 + 1 + 16) == [(4, 8), (0, 8), (4, 1), (0, 16)]
-    assert p.tokens_to_propose(1) == 4
-    p.observe(5.0)  # the text began to repeat: a full yield
+    assert empty_schedule(p, 8 + 8 + 1 + 16) == [(1, 8), (0, 8), (1, 1), (0, 16)]
+    assert p.tokens_to_propose(1) == 1  # the probe
+    p.observe(2.0)  # the text began to repeat: the probe's proposal is accepted, full k again
     assert empty_schedule(p, 7) == [(4, 7)]  # a new streak: 7 empty steps do not pause
     assert empty_schedule(p, 1 + 8) == [(4, 1), (0, 8)]  # the 8th does, for 8 again
+    # After a pause for nothing proposed, speculation restarts with a probe too.
+    assert p.tokens_to_propose(1) == 1
 
 
 @pytest.mark.parametrize("threshold", [0.0, 1.0])
@@ -273,9 +277,10 @@ def test_a_draft_as_large_as_the_target_never_speculates():
 def test_the_threshold_and_the_probe_follow_the_cost():
     p = SpeculationPolicy(4, 256, min_speculation_yield=T, proposer_cost=0.5)
     assert p.threshold(4) == pytest.approx(3.75) and p.threshold(1) == pytest.approx(1.875)
-    # A yield of 3 at k = 4 is a gain of 0.8 (it would pay without the draft's cost): pause 8, then
-    # a probe of one proposal (2 tokens >= 1.875 can pay).
-    assert schedule(p, [3.0, 2.0, 5.0]) == [(4, 1), (0, 8), (1, 1), (4, 1)]
+    # Probes have one proposal (2 tokens >= 1.875 can pay): the first one's 2.0 (gain 1.07) resumes
+    # k = 4; a yield of 3 at k = 4 is a gain of 0.8 (it would pay without the draft's cost), the
+    # mean 0.93: pause 8, then a probe.
+    assert schedule(p, [2.0, 3.0, 2.0, 5.0]) == [(1, 1), (4, 1), (0, 8), (1, 1), (4, 1)]
     # Dearer proposals: one cannot pay (2 < 1.25 x 1.7), two can (3 >= 1.25 x 2.4): probes of 2;
     # a batch where the batch rule allows only k = 1 does not speculate, and does not count down.
     q = SpeculationPolicy(4, 256, min_speculation_yield=T, proposer_cost=0.7)

@@ -47,3 +47,25 @@ def test_corruption_refuses_sampled_requests():
         p.propose([req(0, REC[0][:5], 2, temperature=0.5)])
     with pytest.raises(ValueError, match="acceptance"):
         AcceptanceControlledProposer(ReplayProposer(REC), 1.5, 50)
+
+
+def test_peek_remembers_nothing_and_draws_nothing():
+    """has_proposals (the engine's peek): the replay answers without remembering which recording a
+    (stale) history follows; the corruption wrapper forwards it without drawing from its generator,
+    so a run with peeks corrupts the same tokens as one without."""
+    from pagedserve.spec_decode.proposer import proposes_on_host
+    # Two recordings that share their first 3 tokens: a 3-token history cannot tell them apart.
+    recs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 8, 7]]
+    p = ReplayProposer(recs)
+    assert proposes_on_host(p) and p.has_proposals([req(0, [1, 2, 3], 2)])
+    assert not p.has_proposals([req(0, [4, 4], 2)]) and p.by_seq == {}
+    assert p.propose([req(0, [1, 2, 3, 9], 2)]).token_ids == [[8, 7]]  # the second recording
+    assert p.has_proposals([req(0, [1, 2, 3, 9, 8], 2)]) and not p.has_proposals([req(0, [1, 2, 3, 9, 5], 2)])
+    wrapped = [AcceptanceControlledProposer(ReplayProposer(REC), 0.5, 50, seed=1) for _ in range(2)]
+    assert proposes_on_host(wrapped[0])
+    assert not proposes_on_host(AcceptanceControlledProposer(object(), 0.5, 50))  # not host-side inside
+    for step in range(20):
+        assert wrapped[0].has_proposals([req(step, REC[0][:5], 4)])
+        assert not wrapped[0].has_proposals([req(step, [999], 4)])
+        assert wrapped[0].propose([req(step, REC[0][:5], 4)]).token_ids == \
+            wrapped[1].propose([req(step, REC[0][:5], 4)]).token_ids

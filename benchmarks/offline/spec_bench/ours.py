@@ -33,15 +33,23 @@ def set_policy(llm, k: int, disable_batch_tokens: int, min_speculation_yield: fl
     speculator(llm).policy = SpeculationPolicy(k, disable_batch_tokens, min_speculation_yield=min_speculation_yield)
 
 
-def counters(llm) -> tuple[int, int, int]:
-    """(proposed, accepted) tokens and paused steps so far, from the engine's speculative-decoding
-    counters."""
+def counters(llm) -> tuple[int, int, int, int, int]:
+    """(proposed, accepted) tokens, paused steps, speculating (synchronous, verifying) steps and
+    steps a host-side proposer had nothing for (overlapped) so far, from the engine's
+    speculative-decoding counters."""
     s = speculator(llm).stats
-    return int(s.num_draft_tokens), int(s.num_accepted_tokens), int(s.num_paused_steps)
+    return (int(s.num_draft_tokens), int(s.num_accepted_tokens), int(s.num_paused_steps),
+            int(s.num_spec_steps), int(s.num_unproposed_steps))
 
 
 class NoProposals:
-    """Proposes nothing: the engine decodes one token per step (for the replay's recordings)."""
+    """Proposes nothing: the engine decodes one token per step (for the replay's recordings). A
+    host-side proposer (spec_decode/proposer.py), as the n-gram over text that does not repeat."""
+
+    proposes_on_host = True
+
+    def has_proposals(self, requests) -> bool:
+        return False
 
     def propose(self, requests):
         from pagedserve.spec_decode.proposer import Proposals
@@ -70,12 +78,13 @@ def measure(llm, prompts, output_len: int, spec: bool, fresh_policy=None) -> dic
     if fresh_policy is not None:
         fresh_policy()
     t2, _ = _generate(llm, prompts, 2)
-    before = counters(llm) if spec else (0, 0, 0)
+    before = counters(llm) if spec else None
     t, outs = _generate(llm, prompts, output_len)
     res = timing(t, t2, warmup, outs, output_len)
     if spec:
-        proposed, accepted, paused = (a - b for a, b in zip(counters(llm), before))
+        proposed, accepted, paused, spec_steps, unproposed = (a - b for a, b in zip(counters(llm), before))
         res.update(proposed_tokens=proposed, accepted_tokens=accepted, paused_steps=paused,
+                   spec_steps=spec_steps, unproposed_steps=unproposed,
                    acceptance_rate=round(accepted / proposed, 4) if proposed else None)
     return res
 
