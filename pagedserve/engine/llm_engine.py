@@ -339,42 +339,27 @@ class LLMEngine(TokenApplication):
         if self.structured.pending:
             self._admit_compiled(touched)
         prev = self._inflight  # stays visible until processed: the step the scheduler plans around
+        can_overlap = self.async_scheduling and not self._sync_requests
+
+        def finish_inflight() -> None:
+            # Speculation, or a request that needs every token on the host: the step in flight ends first.
+            nonlocal prev
+            if prev is not None:
+                self._inflight = None
+                self._process_inflight(prev, touched, final_only)
+                prev = None
+
         # Speculation (engine/speculation.py) runs synchronous steps: proposals need every token on
-        # the host. The policy's k = 0 (a large batch, or speculation paused for a low yield) keeps
-        # the step overlapped.
+        # the host. k = 0 (a large batch, a paused policy, a host-side proposer with nothing to
+        # propose) keeps the step overlapped.
         spec_k = 0
         if self._spec_requests:
-            spec_k = self.speculator.tokens_this_step(self.scheduler.num_running)
-        can_overlap = self.async_scheduling and not self._sync_requests
-        # A host-side proposer (spec_decode/proposer.py) is asked before the overlap is given up:
-        # with a step in flight, over the histories the host has (one token stale); nothing there
-        # keeps this step overlapped. Only a step that finished the one in flight for speculation
-        # and then found nothing to propose counts as an empty one (spec_decode/policy.py).
-        host_side = bool(spec_k) and self.speculator.proposes_on_host
-        waited = False
-        if host_side and prev is not None and can_overlap:
-            if self.speculator.peek(self.scheduler.running, self._spec_requests, spec_k, self._seq_generators):
-                waited = True
-            else:
-                spec_k = 0
+            spec_k = self.speculator.begin_step(self.scheduler, self._spec_requests, self._seq_generators,
+                                                self.structured.seqs, prev is not None and can_overlap,
+                                                finish_inflight)
         overlap = can_overlap and not spec_k
-        if prev is not None and not overlap:
-            # Speculation, or a request that needs every token on the host: finish the step in
-            # flight first.
-            self._inflight = None
-            self._process_inflight(prev, touched, final_only)
-            prev = None
-        if spec_k:
-            proposed = self.speculator.propose(self.scheduler.running, self._spec_requests, spec_k,
-                                               self._seq_generators, self.structured.seqs)
-            if not proposed and host_side:
-                # Nothing over the fresh histories either: no verification, so launch overlapped.
-                if waited:
-                    self.speculator.clear()  # the wait was paid: an empty speculating step
-                else:
-                    self.speculator.nothing_to_propose()
-                spec_k = 0
-                overlap = can_overlap
+        if not overlap:
+            finish_inflight()
         out = self.scheduler.schedule()
         if spec_k:
             for group in out.preempted:  # a draft model's state for them is stale once they resume

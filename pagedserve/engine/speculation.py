@@ -35,6 +35,7 @@ draws from the constrained target distribution exactly as decoding without specu
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -79,6 +80,33 @@ class Speculator:
         # This step's rows that got proposals and proposals accepted: its yield, seen in clear().
         self._asked = self._accepted = 0
         self._tried = False  # this step's propose() had rows to propose for
+
+    def begin_step(self, scheduler: Any, eligible: set[str], generators: dict[int, torch.Generator],
+                   grammars: Any, overlapping: bool, finish_inflight: Callable[[], None]) -> int:
+        """This step's k, its proposals filled in (0: none; the step may overlap). overlapping: a
+        step is in flight and this one could overlap it. A host-side proposer
+        (spec_decode/proposer.py) is asked over the histories the host has (peek, one token
+        stale) before the overlap is given up: nothing there keeps the step overlapped. Otherwise
+        finish_inflight() ends the step in flight and the proposer runs over fresh histories; a
+        host-side one with nothing there either leaves the step overlapped too, counted as an empty
+        speculating step only when the wait was paid for it (spec_decode/policy.py)."""
+        k = self.tokens_this_step(scheduler.num_running)
+        if not k:
+            return 0
+        host_side = self.proposes_on_host
+        waited = False
+        if host_side and overlapping:
+            if not self.peek(scheduler.running, eligible, k, generators):
+                return 0
+            waited = True
+        finish_inflight()
+        if self.propose(scheduler.running, eligible, k, generators, grammars) or not host_side:
+            return k
+        if waited:
+            self.clear()  # the wait was paid: an empty speculating step
+        else:
+            self.nothing_to_propose()
+        return 0
 
     def tokens_this_step(self, num_running: int) -> int:
         paused = self.policy.num_paused_steps
