@@ -54,8 +54,9 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 def overlaps(p: SamplingParams) -> bool:
     """Whether a request's steps can overlap (see EngineConfig.async_scheduling): nothing it needs
-    reads the newest token on the host before the next step, and it never forks."""
-    return (p.logprobs is None and p.prompt_logprobs is None and p.min_tokens == 0 and p.best_of == 1
+    reads the newest token on the host before the next step, and it never forks. Logprobs travel
+    with the sampled ids (DeviceSample.packed); min_tokens needs only how many tokens there are."""
+    return (p.prompt_logprobs is None and p.best_of == 1
             and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty)
 
 

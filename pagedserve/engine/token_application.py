@@ -86,8 +86,18 @@ class TokenApplication:
             return self.sampler.sample_plain_device(logits, temps)
         gens = self._seq_generators
         rows = [SampleRow(i, s.group.sampling_params, s.seq.prompt_token_ids, s.seq.output_token_ids,
-                          gens.get(s.seq.seq_id)) for i, s in enumerate(sampled)]
+                          gens.get(s.seq.seq_id), self._min_tokens_suppress(s)) for i, s in enumerate(sampled)]
         return self.sampler.sample_device(logits, rows)
+
+    def _min_tokens_suppress(self, s) -> list[int]:
+        """The stop tokens this row must not draw yet (min_tokens). Overlapped, the host's output
+        lags by the tokens still in flight; their count is known, so the rule needs no sync. A
+        constrained output's grammar decides when it may end (masking its stop token too could
+        leave no token at all)."""
+        p, seq = s.group.sampling_params, s.seq
+        if len(seq.output_token_ids) + seq.num_inflight_tokens >= p.min_tokens or seq.seq_id in self.structured.seqs:
+            return []
+        return self.output_processor.stop_token_ids(s.group)
 
     def _process_inflight(self, step: InflightStep, touched: dict, final_only: bool) -> None:
         """Wait for a launched step's tokens and append them: placeholders become tokens. Rows of
@@ -95,8 +105,8 @@ class TokenApplication:
         result = step.copy.result()
         self.step_timer.mark("wait")
         now = time.time()
-        live, tokens, logprobs = [], [], []
-        for s, token, logprob in zip(step.sampled, result.token_ids, result.logprobs):
+        live, tokens, logprobs, tops = [], [], [], []
+        for s, token, logprob, top in zip(step.sampled, result.token_ids, result.logprobs, result.top_logprobs):
             seq = s.seq
             seq.num_inflight_tokens -= 1
             if seq.status.finished:
@@ -104,16 +114,17 @@ class TokenApplication:
             live.append(s)
             tokens.append(token)
             logprobs.append(logprob)
+            tops.append(top)
             group = s.group
             if group.first_token_time is None or not final_only:
                 self._note_sampled(group, now, touched, final_only)
-        if self.output_processor.tokenizer is None:
+        if self.output_processor.tokenizer is None and not any(t is not None for t in tops):
             done = self.output_processor.append_plain_tokens(live, tokens, logprobs)
-        else:
+        else:  # text to detokenize, or logprobs to keep
             append = self.output_processor.append_token
             done = []
-            for s, token, logprob in zip(live, tokens, logprobs):
-                status = append(s.seq, s.group, token, logprob, None)
+            for s, token, logprob, top in zip(live, tokens, logprobs, tops):
+                status = append(s.seq, s.group, token, logprob, top)
                 if status is not None:
                     done.append((s.seq, status))
         if self.structured.seqs:

@@ -11,7 +11,7 @@ from pagedserve.runner.model_runner import INCREMENTAL_ENV
 from .helpers import assert_no_leak, make_llm, prompt_ids
 
 ABORT_AT = 5          # step at which the "victim" requests are aborted
-LATE_SYNC_AT = 8      # step at which a request the overlap cannot serve (logprobs) joins
+LATE_SYNC_AT = 8      # step at which a request the overlap cannot serve (a repetition penalty) joins
 
 
 def _engine(model_dir, async_scheduling, mode="recompute", **kw):
@@ -24,7 +24,7 @@ def _engine(model_dir, async_scheduling, mode="recompute", **kw):
 def _workload(ids, stop_after):
     """(step to add it at, request id, prompt, params). Greedy requests (some ended mid-batch by a
     stop token or EOS), seeded top-k / top-p sampling, twins of the aborted ones, and a late
-    logprobs request that forces synchronous steps while it runs."""
+    request with a repetition penalty that forces synchronous steps while it runs."""
     reqs = []
     for i, p in enumerate(ids):
         if i % 3 == 0:
@@ -37,7 +37,7 @@ def _workload(ids, stop_after):
     long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     for i in (1, 4):
         reqs += [(0, f"victim{i}", ids[i], long), (0, f"twin{i}", ids[i], long)]
-    reqs.append((LATE_SYNC_AT, "logprobs", ids[2], SamplingParams(temperature=0.0, max_tokens=6, logprobs=2)))
+    reqs.append((LATE_SYNC_AT, "penalty", ids[2], SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.2)))
     return reqs
 
 
@@ -117,7 +117,7 @@ def test_token_exact_with_overlap_on_and_off(model_dir, stop_after, monkeypatch,
         try:
             placeholder_steps = [0]
             runs[on] = _run(llm, reqs, _count_placeholder_steps(placeholder_steps))
-            # Overlap really ran (the late logprobs request makes some steps synchronous, not all).
+            # Overlap really ran (the late penalty request makes some steps synchronous, not all).
             assert placeholder_steps[0] >= 5 if on else placeholder_steps[0] == 0
             stats = llm.get_kv_cache_stats()
             assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
@@ -201,10 +201,9 @@ def test_overlap_off_never_holds_placeholders(model_dir):
     assert held and not any(held)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=4, logprobs=2),
-                                    SamplingParams(temperature=0.8, max_tokens=4, n=2, seed=3),
-                                    SamplingParams(temperature=0.0, max_tokens=4, min_tokens=2),
-                                    SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.2)])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, max_tokens=4, n=2, seed=3),
+                                    SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.2),
+                                    SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)])
 def test_requests_the_overlap_cannot_serve_make_steps_synchronous(model_dir, params):
     """While such a request is unfinished no step is planned around placeholders; before it
     joins and after it ends, steps overlap again."""
@@ -225,3 +224,56 @@ def test_requests_the_overlap_cannot_serve_make_steps_synchronous(model_dir, par
     last_special = max(i for i, (special, _) in enumerate(seen) if special)
     assert any(placeholder for _, placeholder in seen[last_special + 1:])
     assert not llm.llm_engine._sync_requests
+
+
+def test_logprobs_and_min_tokens_overlap_and_equal_synchronous_steps(model_dir, stop_after):
+    """Top-N logprobs (greedy and seeded sampling) and min_tokens no longer make steps synchronous:
+    every step after the first is planned around placeholders, and the tokens, the chosen
+    tokens' logprobs and the top-N sets equal a run with overlap off. min_tokens held back a stop
+    token that plain greedy draws as its 4th token."""
+    ids = prompt_ids(model_dir)
+    reqs = [(0, "greedy_top3", ids[0], SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)),
+            (0, "sampled_top2", ids[1], SamplingParams(temperature=0.8, seed=7, max_tokens=8, logprobs=2)),
+            (1, "chosen_only", ids[2], SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)),
+            (1, "min_tokens", ids[3], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6,
+                                                      stop_token_ids=[stop_after[3]]))]
+    runs = {}
+    for on in (True, False):
+        llm = _engine(model_dir, on, num_gpu_blocks_override=400)
+        engine = llm.llm_engine
+        seen = []
+
+        def spy(engine, out):
+            seen.append((bool(engine._sync_requests), any(s.seq.num_inflight_tokens for s in out.scheduled)))
+            return out
+        schedule = engine.scheduler.schedule
+        engine.scheduler.schedule = lambda: spy(engine, schedule())
+        finals = {}
+        for step in range(200):
+            for when, rid, prompt, params in reqs:
+                if when == step:
+                    engine.add_request(rid, {"prompt_token_ids": prompt}, params)
+            for out in engine.step():
+                if out.finished:
+                    finals[out.request_id] = out.outputs[0]
+            if step > 1 and not engine.has_unfinished_requests():
+                break
+        assert_no_leak(llm)
+        llm.shutdown()
+        runs[on] = (finals, seen)
+    (on, seen_on), (off, _) = runs[True], runs[False]
+    assert not any(sync for sync, _ in seen_on)
+    assert sum(placeholder for _, placeholder in seen_on) >= len(seen_on) - 2
+    assert on.keys() == off.keys() == {r[1] for r in reqs}
+    for rid in on:
+        a, b = on[rid], off[rid]
+        assert a.token_ids == b.token_ids, rid
+        if rid == "min_tokens":
+            assert a.logprobs is None
+            assert stop_after[3] not in a.token_ids[:5] and len(a.token_ids) >= 6
+            continue
+        assert len(a.logprobs) == len(a.token_ids)
+        want = {"greedy_top3": 3, "sampled_top2": 2, "chosen_only": 0}[rid]
+        for tok, da, db in zip(a.token_ids, a.logprobs, b.logprobs):
+            assert da.keys() == db.keys() and tok in da and len(da) in (want, want + 1)
+            assert [da[t] for t in sorted(da)] == pytest.approx([db[t] for t in sorted(db)], abs=1e-5)
