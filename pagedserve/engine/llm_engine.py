@@ -55,9 +55,9 @@ FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 def overlaps(p: SamplingParams) -> bool:
     """Whether a request's steps can overlap (see EngineConfig.async_scheduling): nothing it needs
     reads the newest token on the host before the next step, and it never forks. Logprobs travel
-    with the sampled ids (DeviceSample.packed); min_tokens needs only how many tokens there are."""
-    return (p.prompt_logprobs is None and p.best_of == 1
-            and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty)
+    with the sampled ids (DeviceSample.packed); min_tokens needs only how many tokens there are;
+    penalties take the token in flight from the device (TokenApplication._sample_device)."""
+    return p.prompt_logprobs is None and p.best_of == 1
 
 
 class LLMEngine(TokenApplication):
@@ -499,7 +499,7 @@ class LLMEngine(TokenApplication):
                 # the fill.
                 alongside = process_prev if prev is not None and self.structured.overlap_fill else None
                 self._mask_logits(logits, sampled, prev, alongside)
-            return self._sample_device(logits, sampled)
+            return self._sample_device(logits, sampled, None if prev is None else prev.tokens)
         result = self.runner.execute(out, None if prev is None else prev.tokens, sample=sample)
         if result is None:
             timer.mark("execute")

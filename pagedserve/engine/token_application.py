@@ -16,7 +16,7 @@ import torch
 
 from pagedserve.engine.inflight import InflightStep
 from pagedserve.engine.structured.matchers import SeqGrammars
-from pagedserve.layers.sampler import DeviceSample, SampleRow, derive_seed
+from pagedserve.layers.sampler import DeviceSample, SampleRow, derive_seed, penalised, to_device
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -79,7 +79,10 @@ class TokenApplication:
         return [(seq, SequenceStatus.FINISHED_ABORTED if g.rejected else SequenceStatus.FINISHED_STOPPED)
                 for seq, g in rows if g.done and not seq.status.finished]
 
-    def _sample_device(self, logits: torch.Tensor, sampled: list) -> DeviceSample:
+    def _sample_device(self, logits: torch.Tensor, sampled: list, prev_tokens: torch.Tensor | None = None
+                       ) -> DeviceSample:
+        """An overlapped step's draw, on the device. prev_tokens: the step in flight's sampled ids
+        (a sequence's token there is not in its output_token_ids yet: penalties take it from here)."""
         get = self._plain_sampling.get
         temps = [get(s.group.request_id) for s in sampled]
         if None not in temps and (all(temps) or not any(temps)):
@@ -87,7 +90,13 @@ class TokenApplication:
         gens = self._seq_generators
         rows = [SampleRow(i, s.group.sampling_params, s.seq.prompt_token_ids, s.seq.output_token_ids,
                           gens.get(s.seq.seq_id), self._min_tokens_suppress(s)) for i, s in enumerate(sampled)]
-        return self.sampler.sample_device(logits, rows)
+        pending = None
+        if prev_tokens is not None and any(penalised(r.params) for r in rows):
+            index = [s.seq.inflight_sample_row if s.seq.num_inflight_tokens else -1 for s in sampled]
+            if any(i >= 0 for i in index):
+                idx = to_device(index, torch.long, logits.device)
+                pending = torch.where(idx >= 0, prev_tokens[idx.clamp(min=0)], logits.shape[-1])
+        return self.sampler.sample_device(logits, rows, pending)
 
     def _min_tokens_suppress(self, s) -> list[int]:
         """The stop tokens this row must not draw yet (min_tokens). Overlapped, the host's output

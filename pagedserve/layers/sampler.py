@@ -136,13 +136,23 @@ def _chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor
     return logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
 
 
-def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-    """Repetition (HF: over prompt + output), then frequency and presence (OpenAI: over output)."""
+def penalised(p: SamplingParams) -> bool:
+    """Whether a request's logits take repetition, frequency or presence penalties."""
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
+
+
+def apply_penalties(logits: torch.Tensor, rows: list[SampleRow],
+                    pending: torch.Tensor | None = None) -> torch.Tensor:
+    """Repetition (HF: over prompt + output), then frequency and presence (OpenAI: over output).
+
+    pending: [n] per row, an output token still on the device (an overlapped step's, not yet in
+    output_token_ids) or vocab for none; it counts as the output's last token. Nothing here reads
+    the device: the switches come from the rows' params, the host lists go up pinned."""
     n, vocab = logits.shape
     dev = logits.device
-    rep = torch.tensor([r.params.repetition_penalty for r in rows], device=dev, dtype=logits.dtype)
-    freq = torch.tensor([r.params.frequency_penalty for r in rows], device=dev, dtype=logits.dtype)
-    pres = torch.tensor([r.params.presence_penalty for r in rows], device=dev, dtype=logits.dtype)
+    rep = to_device([r.params.repetition_penalty for r in rows], logits.dtype, dev)
+    freq = to_device([r.params.frequency_penalty for r in rows], logits.dtype, dev)
+    pres = to_device([r.params.presence_penalty for r in rows], logits.dtype, dev)
 
     def padded(seqs: list[list[int]]) -> torch.Tensor:
         # Pad with `vocab`, an extra column that is dropped after the scatter.
@@ -151,14 +161,15 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor
         for i, s in enumerate(seqs):
             if s:
                 out[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        return out.to(dev)
+        out = out if dev.type == "cpu" else out.pin_memory().to(dev, non_blocking=True)
+        return out if pending is None else torch.cat([out, pending[:, None]], dim=1)
 
-    if (rep != 1.0).any():
+    if any(r.params.repetition_penalty != 1.0 for r in rows):
         ids = padded([r.prompt_token_ids + r.output_token_ids for r in rows])
         seen = torch.zeros((n, vocab + 1), dtype=torch.bool, device=dev).scatter_(1, ids, True)[:, :vocab]
         penalised = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
         logits = torch.where(seen, penalised, logits)
-    if (freq != 0).any() or (pres != 0).any():
+    if any(r.params.frequency_penalty or r.params.presence_penalty for r in rows):
         ids = padded([r.output_token_ids for r in rows])
         counts = torch.zeros((n, vocab + 1), dtype=logits.dtype, device=dev)
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
@@ -239,12 +250,14 @@ class Sampler:
         self._fused_draws += 1
         return derive_seed(self.generator.initial_seed(), self._fused_draws) & 0x7FFFFFFF
 
-    def process_logits(self, logits: torch.Tensor, rows: list[SampleRow]) -> torch.Tensor:
-        """The logits the draw is made from: penalties, suppression, temperature, filters."""
+    def process_logits(self, logits: torch.Tensor, rows: list[SampleRow],
+                       pending: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits the draw is made from: penalties (pending: apply_penalties'), suppression,
+        temperature, filters."""
         dev = logits.device
         params = [r.params for r in rows]
-        if any(p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty for p in params):
-            logits = apply_penalties(logits, rows)
+        if any(penalised(p) for p in params):
+            logits = apply_penalties(logits, rows, pending)
         suppress = [(i, t) for i, r in enumerate(rows) for t in r.suppress_token_ids]
         if suppress:
             ri, ti = zip(*suppress)
@@ -301,14 +314,16 @@ class Sampler:
     def sample_plain(self, logits: torch.Tensor, temperatures: list[float]) -> SamplerOutput:
         return self.sample_plain_device(logits, temperatures).to_host()
 
-    def sample_device(self, logits: torch.Tensor, rows: list[SampleRow]) -> DeviceSample:
-        """The draw for every row, left on the device (penalties are the one part that reads it)."""
+    def sample_device(self, logits: torch.Tensor, rows: list[SampleRow],
+                      pending: torch.Tensor | None = None) -> DeviceSample:
+        """The draw for every row, left on the device; nothing here reads it. pending: each row's
+        output token still on the device, for penalties (apply_penalties)."""
         dev = logits.device
         index = [r.logits_index for r in rows]
         if index != list(range(logits.shape[0])):
             logits = logits.index_select(0, to_device(index, torch.long, dev))
         logits = logits.float()
-        x = self.process_logits(logits, rows)
+        x = self.process_logits(logits, rows, pending)
 
         # Greedy rows: the top token survives every filter, so argmax of x is the greedy choice.
         sampled = [i for i, r in enumerate(rows) if not r.params.greedy]

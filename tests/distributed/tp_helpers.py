@@ -20,8 +20,11 @@ STEP_MODES = {"sync": 3, "overlap": None}  # name -> the logprobs to ask for
 
 def greedy(llm: LLM, prompts=PROMPTS, max_tokens: int = 16, logprobs: int | None = 3):
     """(token ids, per-token logprob dicts) of each prompt, greedy, ignoring EOS. logprobs=None
-    lets the steps overlap (STEP_MODES); the logprob dicts are then None."""
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs)
+    lets the steps overlap (STEP_MODES); the logprob dicts are then None. With logprobs the
+    request also asks for prompt_logprobs, which keeps every step synchronous (logprobs alone
+    overlap)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=logprobs,
+                        prompt_logprobs=None if logprobs is None else 0)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     return [o.outputs[0].token_ids for o in outs], [o.outputs[0].logprobs for o in outs]
 

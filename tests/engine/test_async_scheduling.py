@@ -11,7 +11,7 @@ from pagedserve.runner.model_runner import INCREMENTAL_ENV
 from .helpers import assert_no_leak, make_llm, prompt_ids
 
 ABORT_AT = 5          # step at which the "victim" requests are aborted
-LATE_SYNC_AT = 8      # step at which a request the overlap cannot serve (a repetition penalty) joins
+LATE_SYNC_AT = 8      # step at which a request the overlap cannot serve (prompt_logprobs) joins
 
 
 def _engine(model_dir, async_scheduling, mode="recompute", **kw):
@@ -24,7 +24,7 @@ def _engine(model_dir, async_scheduling, mode="recompute", **kw):
 def _workload(ids, stop_after):
     """(step to add it at, request id, prompt, params). Greedy requests (some ended mid-batch by a
     stop token or EOS), seeded top-k / top-p sampling, twins of the aborted ones, and a late
-    request with a repetition penalty that forces synchronous steps while it runs."""
+    request with prompt_logprobs that forces synchronous steps while it runs."""
     reqs = []
     for i, p in enumerate(ids):
         if i % 3 == 0:
@@ -37,7 +37,7 @@ def _workload(ids, stop_after):
     long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     for i in (1, 4):
         reqs += [(0, f"victim{i}", ids[i], long), (0, f"twin{i}", ids[i], long)]
-    reqs.append((LATE_SYNC_AT, "penalty", ids[2], SamplingParams(temperature=0.0, max_tokens=6, repetition_penalty=1.2)))
+    reqs.append((LATE_SYNC_AT, "prompt_logprobs", ids[2], SamplingParams(temperature=0.0, max_tokens=6, prompt_logprobs=1)))
     return reqs
 
 
@@ -117,7 +117,7 @@ def test_token_exact_with_overlap_on_and_off(model_dir, stop_after, monkeypatch,
         try:
             placeholder_steps = [0]
             runs[on] = _run(llm, reqs, _count_placeholder_steps(placeholder_steps))
-            # Overlap really ran (the late penalty request makes some steps synchronous, not all).
+            # Overlap really ran (the late prompt_logprobs request makes some steps synchronous, not all).
             assert placeholder_steps[0] >= 5 if on else placeholder_steps[0] == 0
             stats = llm.get_kv_cache_stats()
             assert stats.num_preemptions > 0 and stats.prefix_cache_hits > 0
@@ -202,7 +202,6 @@ def test_overlap_off_never_holds_placeholders(model_dir):
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, max_tokens=4, n=2, seed=3),
-                                    SamplingParams(temperature=0.0, max_tokens=4, repetition_penalty=1.2),
                                     SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)])
 def test_requests_the_overlap_cannot_serve_make_steps_synchronous(model_dir, params):
     """While such a request is unfinished no step is planned around placeholders; before it
@@ -226,17 +225,28 @@ def test_requests_the_overlap_cannot_serve_make_steps_synchronous(model_dir, par
     assert not llm.llm_engine._sync_requests
 
 
-def test_logprobs_and_min_tokens_overlap_and_equal_synchronous_steps(model_dir, stop_after):
-    """Top-N logprobs (greedy and seeded sampling) and min_tokens no longer make steps synchronous:
-    every step after the first is planned around placeholders, and the tokens, the chosen
-    tokens' logprobs and the top-N sets equal a run with overlap off. min_tokens held back a stop
-    token that plain greedy draws as its 4th token."""
+PENALTIES = {"repetition": SamplingParams(temperature=0.0, max_tokens=12, repetition_penalty=1.5, ignore_eos=True),
+             "frequency": SamplingParams(temperature=0.0, max_tokens=12, frequency_penalty=1.0, presence_penalty=0.5,
+                                         ignore_eos=True),
+             "sampled_penalty": SamplingParams(temperature=0.8, seed=11, max_tokens=12, frequency_penalty=0.8,
+                                               ignore_eos=True)}
+
+
+def test_logprobs_min_tokens_and_penalties_overlap_and_equal_synchronous_steps(model_dir, stop_after):
+    """Top-N logprobs (greedy and seeded sampling), min_tokens and repetition / frequency /
+    presence penalties no longer make steps synchronous: every step after the first is planned
+    around placeholders, and the tokens, the chosen tokens' logprobs and the top-N sets equal a
+    run with overlap off. min_tokens held back a stop token that plain greedy draws as its 4th
+    token; the penalties changed what plain greedy writes (so the token in flight, which only the
+    device has when the next step samples, was counted)."""
     ids = prompt_ids(model_dir)
     reqs = [(0, "greedy_top3", ids[0], SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)),
             (0, "sampled_top2", ids[1], SamplingParams(temperature=0.8, seed=7, max_tokens=8, logprobs=2)),
             (1, "chosen_only", ids[2], SamplingParams(temperature=0.0, max_tokens=6, logprobs=0)),
             (1, "min_tokens", ids[3], SamplingParams(temperature=0.0, max_tokens=8, min_tokens=6,
-                                                      stop_token_ids=[stop_after[3]]))]
+                                                      stop_token_ids=[stop_after[3]])),
+            (2, "plain", ids[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
+    reqs += [(2, name, ids[0], params) for name, params in PENALTIES.items()]
     runs = {}
     for on in (True, False):
         llm = _engine(model_dir, on, num_gpu_blocks_override=400)
@@ -268,9 +278,13 @@ def test_logprobs_and_min_tokens_overlap_and_equal_synchronous_steps(model_dir, 
     for rid in on:
         a, b = on[rid], off[rid]
         assert a.token_ids == b.token_ids, rid
-        if rid == "min_tokens":
+        if rid in PENALTIES:
+            assert a.token_ids != on["plain"].token_ids, rid
+        if rid == "min_tokens" or rid in PENALTIES or rid == "plain":
             assert a.logprobs is None
+        if rid == "min_tokens":
             assert stop_after[3] not in a.token_ids[:5] and len(a.token_ids) >= 6
+        if a.logprobs is None:
             continue
         assert len(a.logprobs) == len(a.token_ids)
         want = {"greedy_top3": 3, "sampled_top2": 2, "chosen_only": 0}[rid]
