@@ -165,6 +165,34 @@ def test_penalties_match_reference():
     assert torch.equal(mixed[1], logits[1])
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_a_pending_token_counts_as_the_outputs_last(device):
+    """pending (an overlapped step's token still on the device) penalises exactly as if it had
+    been appended to the output; rows whose pending is vocab (none) are as without it. On CUDA
+    nothing in it reads the device (sync debug mode raises on any sync)."""
+    torch.manual_seed(0)
+    logits = (torch.randn(3, V) * 2).to(device)
+    prompt, output = [1, 4, 4, 9], [9, 9, 17, 4, 30]
+    params = [SamplingParams(repetition_penalty=1.3), SamplingParams(frequency_penalty=0.7, presence_penalty=0.4),
+              SamplingParams(frequency_penalty=0.5)]
+    pending_ids = [23, 9, None]
+    want = apply_penalties(logits.clone(), [SampleRow(i, p, prompt, output + ([t] if t is not None else []))
+                                            for i, (p, t) in enumerate(zip(params, pending_ids))])
+    pending = torch.tensor([V if t is None else t for t in pending_ids], device=device)
+    rows = [SampleRow(i, p, prompt, output) for i, p in enumerate(params)]
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = apply_penalties(logits.clone(), rows, pending)
+    finally:
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.allclose(got, want, atol=1e-6)
+    assert not torch.allclose(got[:2], apply_penalties(logits.clone(), rows)[:2])  # the pending ids mattered
+
+
 def test_suppressed_tokens_are_never_sampled():
     logits = torch.zeros(2000, V)
     logits[:, 3] = 10.0  # would win almost always
