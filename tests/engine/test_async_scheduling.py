@@ -23,7 +23,8 @@ def _engine(model_dir, async_scheduling, mode="recompute", **kw):
 
 def _workload(ids, stop_after):
     """(step to add it at, request id, prompt, params). Greedy requests (some ended mid-batch by a
-    stop token or EOS), seeded top-k / top-p sampling, twins of the aborted ones, and a late
+    stop token or EOS), seeded top-k / top-p sampling, one with penalties, logprobs and
+    min_tokens, twins of the aborted ones, and a late
     request with prompt_logprobs that forces synchronous steps while it runs."""
     reqs = []
     for i, p in enumerate(ids):
@@ -34,6 +35,9 @@ def _workload(ids, stop_after):
         else:
             params = SamplingParams(temperature=0.0, max_tokens=12 + i)  # EOS may end it
         reqs.append((i % 4, f"r{i}", p, params))
+    # Penalties read the token in flight on the device; logprobs and min_tokens overlap too.
+    reqs.append((0, "penalised", ids[-1], SamplingParams(temperature=0.0, max_tokens=18, repetition_penalty=2.0,
+                                                         frequency_penalty=2.0, logprobs=2, min_tokens=10)))
     long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     for i in (1, 4):
         reqs += [(0, f"victim{i}", ids[i], long), (0, f"twin{i}", ids[i], long)]
