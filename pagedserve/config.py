@@ -118,7 +118,7 @@ class EngineConfig:
     prepares step N+1 while step N runs on the device; N's sampled ids feed N+1 on the device and
     reach the host on a side stream while N+1 runs. Steps fall back to the synchronous path while
     any unfinished request needs what the overlap cannot serve cheaply: beam search, n > 1 or
-    best_of > 1 (forks) and prompt_logprobs. With tensor_parallel_size > 1 rank 0
+    best_of > 1 until its first sample (the fork) and prompt_logprobs. With tensor_parallel_size > 1 rank 0
     samples inside the step and broadcasts the ids to the other ranks (runner/sampled_ids.py).
     Greedy, temperature, top-k, top-p, min-p, seeds, logprobs (top-N: copied out with the ids),
     min_tokens (it needs only the count of tokens, in flight ones included), repetition /

@@ -52,12 +52,14 @@ logger = logging.getLogger(__name__)
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY
 
 
-def overlaps(p: SamplingParams) -> bool:
+def overlaps(p: SamplingParams, forked: bool = False) -> bool:
     """Whether a request's steps can overlap (see EngineConfig.async_scheduling): nothing it needs
-    reads the newest token on the host before the next step, and it never forks. Logprobs travel
+    reads the newest token on the host before the next step, and it does not fork. Logprobs travel
     with the sampled ids (DeviceSample.packed); min_tokens needs only how many tokens there are;
-    penalties take the token in flight from the device (TokenApplication._sample_device)."""
-    return p.prompt_logprobs is None and p.best_of == 1
+    penalties take the token in flight from the device (TokenApplication._sample_device). n /
+    best_of > 1 forks at its first sample, a synchronous step; forked, its sequences decode as any
+    others (forked=True)."""
+    return p.prompt_logprobs is None and (p.best_of == 1 or forked)
 
 
 class LLMEngine(TokenApplication):
@@ -467,6 +469,11 @@ class LLMEngine(TokenApplication):
             for s in sampled:
                 self._note_sampled(s.group, now, touched, final_only)
             self._process_samples(logits, sampled)
+            for s in sampled:  # a group that has forked (its first sample) may overlap from now on
+                rid = s.group.request_id
+                if rid in self._sync_requests and rid not in self._beams and s.seq.output_token_ids \
+                        and overlaps(s.group.sampling_params, forked=True):
+                    self._sync_requests.discard(rid)
         if verified:
             for s, _, _ in verified:
                 self._note_sampled(s.group, now, touched, final_only)

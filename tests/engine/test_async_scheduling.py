@@ -24,7 +24,7 @@ def _engine(model_dir, async_scheduling, mode="recompute", **kw):
 def _workload(ids, stop_after):
     """(step to add it at, request id, prompt, params). Greedy requests (some ended mid-batch by a
     stop token or EOS), seeded top-k / top-p sampling, one with penalties, logprobs and
-    min_tokens, twins of the aborted ones, and a late
+    min_tokens, a seeded n=2 / best_of=3 fork, twins of the aborted ones, and a late
     request with prompt_logprobs that forces synchronous steps while it runs."""
     reqs = []
     for i, p in enumerate(ids):
@@ -36,6 +36,7 @@ def _workload(ids, stop_after):
             params = SamplingParams(temperature=0.0, max_tokens=12 + i)  # EOS may end it
         reqs.append((i % 4, f"r{i}", p, params))
     # Penalties read the token in flight on the device; logprobs and min_tokens overlap too.
+    reqs.append((2, "forks", ids[3], SamplingParams(temperature=0.9, seed=9, n=2, best_of=3, max_tokens=12)))
     reqs.append((0, "penalised", ids[-1], SamplingParams(temperature=0.0, max_tokens=18, repetition_penalty=2.0,
                                                          frequency_penalty=2.0, logprobs=2, min_tokens=10)))
     long = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
@@ -70,7 +71,8 @@ def _run(llm, reqs, spy=None):
             c = out.outputs[0]
             partial[out.request_id] = list(c.token_ids)
             if out.finished:
-                finals[out.request_id] = (list(c.token_ids), c.finish_reason, c.text)
+                finals[out.request_id] = (list(c.token_ids), c.finish_reason, c.text,
+                                          [list(o.token_ids) for o in out.outputs])  # a fork's every output
         step += 1
         assert step < 500
     assert_no_leak(llm)
@@ -205,8 +207,7 @@ def test_overlap_off_never_holds_placeholders(model_dir):
     assert held and not any(held)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8, max_tokens=4, n=2, seed=3),
-                                    SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)])
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)])
 def test_requests_the_overlap_cannot_serve_make_steps_synchronous(model_dir, params):
     """While such a request is unfinished no step is planned around placeholders; before it
     joins and after it ends, steps overlap again."""
@@ -234,12 +235,13 @@ PENALTIES = {"repetition": SamplingParams(temperature=0.0, max_tokens=12, repeti
                                          ignore_eos=True),
              "sampled_penalty": SamplingParams(temperature=0.8, seed=11, max_tokens=12, frequency_penalty=0.8,
                                                ignore_eos=True)}
+FORKS = ("n2_seeded", "best_of3")
 
 
-def test_logprobs_min_tokens_and_penalties_overlap_and_equal_synchronous_steps(model_dir, stop_after):
-    """Top-N logprobs (greedy and seeded sampling), min_tokens and repetition / frequency /
-    presence penalties no longer make steps synchronous: every step after the first is planned
-    around placeholders, and the tokens, the chosen tokens' logprobs and the top-N sets equal a
+def test_logprobs_min_tokens_penalties_and_forks_overlap_and_equal_synchronous_steps(model_dir, stop_after):
+    """Top-N logprobs (greedy and seeded sampling), min_tokens, repetition / frequency / presence
+    penalties and forks (n, best_of > 1: synchronous until their first sample) no longer make
+    steps synchronous: once the forks have sampled, steps are planned around placeholders, and the tokens, the chosen tokens' logprobs and the top-N sets equal a
     run with overlap off. min_tokens held back a stop token that plain greedy draws as its 4th
     token; the penalties changed what plain greedy writes (so the token in flight, which only the
     device has when the next step samples, was counted)."""
@@ -251,18 +253,27 @@ def test_logprobs_min_tokens_and_penalties_overlap_and_equal_synchronous_steps(m
                                                       stop_token_ids=[stop_after[3]])),
             (2, "plain", ids[0], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))]
     reqs += [(2, name, ids[0], params) for name, params in PENALTIES.items()]
+    # Forks: synchronous until their first sample.
+    reqs += [(3, "n2_seeded", ids[4], SamplingParams(temperature=0.9, seed=5, n=2, max_tokens=10, ignore_eos=True)),
+             (3, "best_of3", ids[5], SamplingParams(temperature=0.9, seed=6, n=2, best_of=3, max_tokens=10,
+                                                    ignore_eos=True, logprobs=1))]
     runs = {}
     for on in (True, False):
         llm = _engine(model_dir, on, num_gpu_blocks_override=400)
         engine = llm.llm_engine
         seen = []
 
+        both_forked = []  # latched once both fork requests have forked
+
         def spy(engine, out):
-            seen.append((bool(engine._sync_requests), any(s.seq.num_inflight_tokens for s in out.scheduled)))
+            if not both_forked and all(rid in engine._groups and len(engine._groups[rid].seqs) > 1 for rid in FORKS):
+                both_forked.append(True)
+            seen.append((bool(engine._sync_requests), any(s.seq.num_inflight_tokens for s in out.scheduled),
+                         bool(both_forked)))
             return out
         schedule = engine.scheduler.schedule
         engine.scheduler.schedule = lambda: spy(engine, schedule())
-        finals = {}
+        finals, every = {}, {}
         for step in range(200):
             for when, rid, prompt, params in reqs:
                 if when == step:
@@ -270,28 +281,38 @@ def test_logprobs_min_tokens_and_penalties_overlap_and_equal_synchronous_steps(m
             for out in engine.step():
                 if out.finished:
                     finals[out.request_id] = out.outputs[0]
+                    every[out.request_id] = out.outputs
             if step > 1 and not engine.has_unfinished_requests():
                 break
         assert_no_leak(llm)
         llm.shutdown()
-        runs[on] = (finals, seen)
-    (on, seen_on), (off, _) = runs[True], runs[False]
-    assert not any(sync for sync, _ in seen_on)
-    assert sum(placeholder for _, placeholder in seen_on) >= len(seen_on) - 2
+        runs[on] = (finals, seen, every)
+    (on, seen_on, on_all), (off, _, off_all) = runs[True], runs[False]
+    # Synchronous only until the fork requests have sampled their first token (their prompts' steps);
+    # afterwards every step is planned around placeholders but the first (nothing in flight yet)
+    # and the last (an empty schedule while the final tokens are in flight: nothing is planned past
+    # max_tokens).
+    assert any(sync for sync, _, _ in seen_on)
+    after = [(sync, placeholder) for sync, placeholder, forked in seen_on if forked]
+    assert len(after) >= 8 and not any(sync for sync, _ in after)
+    assert all(placeholder for _, placeholder in after[1:-1])
     assert on.keys() == off.keys() == {r[1] for r in reqs}
+    for rid in ("n2_seeded", "best_of3"):
+        assert [c.token_ids for c in on_all[rid]] == [c.token_ids for c in off_all[rid]], rid
+        assert len(on_all[rid]) == 2 and on_all[rid][0].token_ids != on_all[rid][1].token_ids
     for rid in on:
         a, b = on[rid], off[rid]
         assert a.token_ids == b.token_ids, rid
         if rid in PENALTIES:
             assert a.token_ids != on["plain"].token_ids, rid
-        if rid == "min_tokens" or rid in PENALTIES or rid == "plain":
+        if rid in ("min_tokens", "plain", "n2_seeded") or rid in PENALTIES:
             assert a.logprobs is None
         if rid == "min_tokens":
             assert stop_after[3] not in a.token_ids[:5] and len(a.token_ids) >= 6
         if a.logprobs is None:
             continue
         assert len(a.logprobs) == len(a.token_ids)
-        want = {"greedy_top3": 3, "sampled_top2": 2, "chosen_only": 0}[rid]
+        want = {"greedy_top3": 3, "sampled_top2": 2, "chosen_only": 0, "best_of3": 1}[rid]
         for tok, da, db in zip(a.token_ids, a.logprobs, b.logprobs):
             assert da.keys() == db.keys() and tok in da and len(da) in (want, want + 1)
             assert [da[t] for t in sorted(da)] == pytest.approx([db[t] for t in sorted(db)], abs=1e-5)
