@@ -62,6 +62,19 @@ def test_worker_stuck_creating_the_compute_group_fails_naming_rank_and_substep(t
     assert not launch_children(os.getpid())
 
 
+def test_startup_bound_is_the_start_timeout_when_set_else_follows_the_phase_bound(monkeypatch):
+    from pagedserve.runner.tp_startup import startup_bound
+    monkeypatch.delenv("PAGEDSERVE_TP_START_TIMEOUT", raising=False)
+    monkeypatch.delenv("PAGEDSERVE_TP_PHASE_TIMEOUT", raising=False)
+    assert startup_bound() == 600
+    monkeypatch.setenv("PAGEDSERVE_TP_PHASE_TIMEOUT", "5")
+    assert startup_bound() == 5  # lowering only the phase bound lowers it too
+    monkeypatch.setenv("PAGEDSERVE_TP_START_TIMEOUT", "8")
+    assert startup_bound() == 8  # set, it bounds the start-up alone, above the phases' bound
+    monkeypatch.setenv("PAGEDSERVE_TP_PHASE_TIMEOUT", "900")
+    assert startup_bound() == 8
+
+
 @pytest.mark.timeout(60)
 def test_watchdog_store_answers_while_the_main_connection_waits_in_a_rendezvous():
     """A group's rendezvous blocks in the store for a missing peer; the watchdog must still read
