@@ -89,7 +89,7 @@ def test_watchdog_store_answers_while_the_main_connection_waits_in_a_rendezvous(
 
     env = DistEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=free_port(),
                   external=False)
-    tcp = dist.TCPStore(env.master_addr, env.master_port, None, is_master=True, timeout=timedelta(seconds=3),
+    tcp = dist.TCPStore(env.master_addr, env.master_port, None, is_master=True, timeout=timedelta(seconds=2),
                         wait_for_workers=False)
     main = dist.PrefixStore("pagedserve", tcp)
     main.set("progress/1", "x")
@@ -107,7 +107,7 @@ def test_watchdog_store_answers_while_the_main_connection_waits_in_a_rendezvous(
         t = threading.Thread(target=wait_for_peer)
         t.start()
         waiting.wait()
-        time.sleep(0.5)  # inside the 3 s wait
+        time.sleep(0.5)  # inside the 2 s wait
         reader.check(["progress/1"])
         events.append("read")
         t.join()
