@@ -21,9 +21,12 @@ def compute_timeout() -> timedelta:
     return timedelta(seconds=float(os.environ.get("PAGEDSERVE_TP_TIMEOUT", "600")))
 
 
+START_TIMEOUT_ENV = "PAGEDSERVE_TP_START_TIMEOUT"
+
+
 def start_timeout() -> timedelta:
     """Longest rank 0 waits for every rank to arrive (PAGEDSERVE_TP_START_TIMEOUT seconds)."""
-    return timedelta(seconds=float(os.environ.get("PAGEDSERVE_TP_START_TIMEOUT", "600")))
+    return timedelta(seconds=float(os.environ.get(START_TIMEOUT_ENV, "600")))
 
 
 PHASE_TIMEOUT_ENV = "PAGEDSERVE_TP_PHASE_TIMEOUT"

@@ -26,7 +26,7 @@ import sys
 import time
 from pathlib import Path
 
-from pagedserve.runner.dist_env import PHASE_TIMEOUT_ENV, phase_timeout, start_timeout
+from pagedserve.runner.dist_env import PHASE_TIMEOUT_ENV, START_TIMEOUT_ENV, phase_timeout, start_timeout
 
 STARTUP_DIR_ENV = "PAGEDSERVE_TP_STARTUP_DIR"
 DEBUG_ENV = "PAGEDSERVE_TP_DEBUG"
@@ -38,13 +38,17 @@ BACKSTOP_MARGIN_S = 1.0
 
 
 def startup_bound() -> float:
-    """Seconds any one pre-phase wait may take: the smaller of PAGEDSERVE_TP_START_TIMEOUT (default
-    600) and PAGEDSERVE_TP_PHASE_TIMEOUT (default 900), so lowering the phase bound lowers this too."""
+    """Seconds any one pre-phase wait (and init_runner) may take: PAGEDSERVE_TP_START_TIMEOUT when it
+    is set; unset, the smaller of its default (600) and PAGEDSERVE_TP_PHASE_TIMEOUT (default 900), so
+    lowering only the phase bound lowers this too. Both set, each bounds its own part: e.g. a short
+    bound for the phases and room for every rank's interpreter to start and import torch before them."""
+    if os.environ.get(START_TIMEOUT_ENV):
+        return start_timeout().total_seconds()
     return min(start_timeout().total_seconds(), phase_timeout())
 
 
 def bound_names() -> str:
-    return f"PAGEDSERVE_TP_START_TIMEOUT / {PHASE_TIMEOUT_ENV}"
+    return f"{START_TIMEOUT_ENV} / {PHASE_TIMEOUT_ENV}"
 
 
 def startup_key(rank: int) -> str:

@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve import LLM
 from pagedserve.runner.executor import TensorParallelError
-from pagedserve.runner.tp_startup import DEBUG_ENV, FAIL_ENV
+from pagedserve.runner.tp_startup import BACKSTOP_MARGIN_S, DEBUG_ENV, FAIL_ENV
 from tp_helpers import launch_children
 
 KW = dict(device="cpu", block_size=8, max_num_batched_tokens=64, max_num_seqs=8, num_gpu_blocks_override=32)
@@ -44,8 +44,9 @@ def test_worker_that_never_joins_the_store_fails_naming_rank_and_substep(tiny_mo
 @pytest.mark.timeout(90)
 def test_worker_stuck_creating_the_compute_group_fails_naming_rank_and_substep(tiny_model_dir, monkeypatch,
                                                                               capfd):
-    err, took = _start_stuck(monkeypatch, str(tiny_model_dir("llama")), "compute group",
-                             12)  # room for rank 1 to import torch on a loaded 2-core machine
+    # 8 s: room for rank 1 to import torch on a loaded 2-core machine (the same bound the start-up
+    # phase tests and the idle test below give that import).
+    err, took = _start_stuck(monkeypatch, str(tiny_model_dir("llama")), "compute group", 8)
     msg = str(err)
     assert "start-up phase init_runner did not finish" in msg
     assert "rank(s) [1] in init_runner" in msg
@@ -59,6 +60,19 @@ def test_worker_stuck_creating_the_compute_group_fails_naming_rank_and_substep(t
     assert "_maybe_hang" in log and "init_compute" in log
     assert ": control group" in log and ": compute group" in log
     assert not launch_children(os.getpid())
+
+
+def test_startup_bound_is_the_start_timeout_when_set_else_follows_the_phase_bound(monkeypatch):
+    from pagedserve.runner.tp_startup import startup_bound
+    monkeypatch.delenv("PAGEDSERVE_TP_START_TIMEOUT", raising=False)
+    monkeypatch.delenv("PAGEDSERVE_TP_PHASE_TIMEOUT", raising=False)
+    assert startup_bound() == 600
+    monkeypatch.setenv("PAGEDSERVE_TP_PHASE_TIMEOUT", "5")
+    assert startup_bound() == 5  # lowering only the phase bound lowers it too
+    monkeypatch.setenv("PAGEDSERVE_TP_START_TIMEOUT", "8")
+    assert startup_bound() == 8  # set, it bounds the start-up alone, above the phases' bound
+    monkeypatch.setenv("PAGEDSERVE_TP_PHASE_TIMEOUT", "900")
+    assert startup_bound() == 8
 
 
 @pytest.mark.timeout(60)
@@ -75,7 +89,7 @@ def test_watchdog_store_answers_while_the_main_connection_waits_in_a_rendezvous(
 
     env = DistEnv(rank=0, world_size=2, local_rank=0, master_addr="127.0.0.1", master_port=free_port(),
                   external=False)
-    tcp = dist.TCPStore(env.master_addr, env.master_port, None, is_master=True, timeout=timedelta(seconds=3),
+    tcp = dist.TCPStore(env.master_addr, env.master_port, None, is_master=True, timeout=timedelta(seconds=2),
                         wait_for_workers=False)
     main = dist.PrefixStore("pagedserve", tcp)
     main.set("progress/1", "x")
@@ -93,7 +107,7 @@ def test_watchdog_store_answers_while_the_main_connection_waits_in_a_rendezvous(
         t = threading.Thread(target=wait_for_peer)
         t.start()
         waiting.wait()
-        time.sleep(0.5)  # inside the 3 s wait
+        time.sleep(0.5)  # inside the 2 s wait
         reader.check(["progress/1"])
         events.append("read")
         t.join()
@@ -112,7 +126,9 @@ def test_idle_engine_outlives_the_startup_bound(tiny_model_dir, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_TP_START_TIMEOUT", "8")
     llm = LLM(str(tiny_model_dir("llama")), **KW, tensor_parallel_size=2)
     try:
-        time.sleep(8 + 1 + 3)  # past the bound and the store's / gloo's backstop
+        # Past the bound and the store's / gloo's backstop (BACKSTOP_MARGIN_S), plus 1 s: the
+        # workers' waits began before LLM() returned.
+        time.sleep(8 + BACKSTOP_MARGIN_S + 1)
         sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
         out = llm.generate(["The quick brown fox"], sp, use_tqdm=False)
         assert len(out[0].outputs[0].token_ids) == 4

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from pagedserve.demo_model import DEMO_MODEL_DIR
-from server_process import start_server, stop_server
 
 lm_eval = pytest.importorskip("lm_eval")  # a dev dependency (pyproject.toml)
 
@@ -44,11 +43,11 @@ def _task_dir(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def demo_server(tmp_path_factory):
-    s = start_server(DEMO_MODEL_DIR, tmp_path_factory.mktemp("lm_eval") / "server.log",
-                     "--max-model-len", "512", "--num-gpu-blocks-override", "256")
-    yield s
-    stop_server(s)
+def demo_server(tools_server):
+    """The session's demo-model server (conftest.tools_server), not one of its own: its tool-call
+    and reasoning parsers and its chat template act on chat completions only, and lm-eval's
+    local-completions model calls /v1/completions."""
+    return tools_server
 
 
 def test_lm_eval_local_completions_scores_match_hf(demo_server, tmp_path, monkeypatch):

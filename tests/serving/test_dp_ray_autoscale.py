@@ -18,7 +18,7 @@ pytest.importorskip("ray.serve")
 
 from dp_helpers import MODEL, start_dp_server, stop_process  # noqa: E402
 
-AUTOSCALING = {"upscale_delay_s": 0.0, "downscale_delay_s": 3.0, "look_back_period_s": 1.0,
+AUTOSCALING = {"upscale_delay_s": 0.0, "downscale_delay_s": 1.0, "look_back_period_s": 1.0,
                "metrics_interval_s": 0.5, "target_ongoing_requests": 2}
 
 
