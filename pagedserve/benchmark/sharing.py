@@ -79,15 +79,17 @@ def alpaca_prompts(num_requests: int, vocab_size: int, max_model_len: int, seed:
 def measure_parallel_sampling(make_llm, requests, k: int, seed: int = 0) -> dict:
     """n=k samples per prompt with sharing, against the same samples as independent requests
     (seeds derive_seed(seed_i, j), which is how the engine seeds its forks)."""
+    # Both runs step synchronously, as the paper's engine did: the overlap's one-step-early slot of
+    # every running sequence would otherwise enter the counts (and n > 1 steps synchronously until
+    # it forks, its independent twin not at all).
     llm = make_llm()
+    llm.llm_engine.async_scheduling = False
     params = [SamplingParams(n=k, temperature=1.0, seed=seed + i, max_tokens=o, ignore_eos=True)
               for i, (_, o) in enumerate(requests)]
     prompts = [{"prompt_token_ids": p} for p, _ in requests]
     with BlockRecorder(llm.llm_engine) as shared:
         outs = llm.generate(prompts, params, use_tqdm=False)
     ind_llm = make_llm()
-    # n > 1 always steps synchronously; so must its independent twin, or the overlap's one-step-early
-    # slot of every running sequence would count as memory that sharing saves.
     ind_llm.llm_engine.async_scheduling = False
     ind_params = [SamplingParams(temperature=1.0, seed=derive_seed(seed + i, j), max_tokens=o, ignore_eos=True)
                   for i, (_, o) in enumerate(requests) for j in range(k)]
