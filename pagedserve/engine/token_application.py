@@ -95,7 +95,7 @@ class TokenApplication:
             index = [s.seq.inflight_sample_row if s.seq.num_inflight_tokens else -1 for s in sampled]
             if any(i >= 0 for i in index):
                 idx = to_device(index, torch.long, logits.device)
-                pending = torch.where(idx >= 0, prev_tokens[idx.clamp(min=0)], logits.shape[-1])
+                pending = torch.where(idx >= 0, prev_tokens[idx.clamp(min=0)].long(), logits.shape[-1])
         return self.sampler.sample_device(logits, rows, pending)
 
     def _min_tokens_suppress(self, s) -> list[int]:
