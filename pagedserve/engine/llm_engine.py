@@ -469,16 +469,21 @@ class LLMEngine(TokenApplication):
             for s in sampled:
                 self._note_sampled(s.group, now, touched, final_only)
             self._process_samples(logits, sampled)
-            for s in sampled:  # a group that has forked (its first sample) may overlap from now on
-                rid = s.group.request_id
-                if rid in self._sync_requests and rid not in self._beams and s.seq.output_token_ids \
-                        and overlaps(s.group.sampling_params, forked=True):
-                    self._sync_requests.discard(rid)
+            if self._sync_requests:
+                self._release_forked(sampled)
         if verified:
             for s, _, _ in verified:
                 self._note_sampled(s.group, now, touched, final_only)
             self._append_verified(verified)
         timer.launch_end()
+
+    def _release_forked(self, sampled: list) -> None:
+        """A group that has forked (its first sample, just taken) may overlap from now on."""
+        for s in sampled:
+            rid = s.group.request_id
+            if rid in self._sync_requests and rid not in self._beams and s.seq.output_token_ids \
+                    and overlaps(s.group.sampling_params, forked=True):
+                self._sync_requests.discard(rid)
 
     # ---- overlapped steps -----------------------------------------------------------------
 

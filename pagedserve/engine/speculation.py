@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.layers.sampler import SampleRow, to_device
+from pagedserve.layers.sampler import SampleRow, penalised, to_device
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 from pagedserve.spec_decode.config import SpeculativeConfig
@@ -56,8 +56,7 @@ RUNNING = SequenceStatus.RUNNING
 def can_speculate(p: SamplingParams) -> bool:
     """Whether a request's sampling lets it verify proposals (see the module docstring)."""
     return (p.n == 1 and p.best_of == 1 and p.logprobs is None and p.prompt_logprobs is None
-            and p.min_tokens == 0 and p.repetition_penalty == 1.0 and not p.frequency_penalty
-            and not p.presence_penalty)
+            and p.min_tokens == 0 and not penalised(p))
 
 
 class Speculator:

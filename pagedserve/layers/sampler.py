@@ -128,7 +128,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 def needs_only_temperature(p: SamplingParams) -> bool:
     """Whether sample_plain can draw for these params (given no seed generator and no suppression)."""
     return (p.seed is None and p.logprobs is None and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
-            and p.repetition_penalty == 1.0 and not p.frequency_penalty and not p.presence_penalty)
+            and not penalised(p))
 
 
 def _chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
