@@ -92,7 +92,8 @@ def main() -> None:
                for i in range(args.batch * len(args.kinds))]
     # Warm-up: every kind once, outside the count (first uses allocate and compile).
     for kind in args.kinds:
-        run_kind(llm, [SamplingParams(max_tokens=4, ignore_eos=True, **KINDS[kind])], prompts[:1])
+        warm = KINDS[kind].get("min_tokens", 0) + 4  # min_tokens must stay <= max_tokens
+        run_kind(llm, [SamplingParams(max_tokens=warm, ignore_eos=True, **KINDS[kind])], prompts[:1])
     results = {}
     for kind in args.kinds:
         params = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **KINDS[kind])] * args.batch
