@@ -48,9 +48,13 @@ from pagedserve.spec_decode.factory import make_proposer
 from pagedserve.spec_decode.policy import SpeculationPolicy
 from pagedserve.spec_decode.proposer import ProposalRequest, TokenHistory, proposes_on_host
 from pagedserve.spec_decode.rejection import VerifyRow, rejection_sample
+from pagedserve.spec_decode.shadow import ShadowProbe
 from pagedserve.spec_decode.stats import SpecDecodeStats
 
 RUNNING = SequenceStatus.RUNNING
+# A shadow probe's rows not scored within k + this many steps are dropped (spec_decode/shadow.py):
+# the token in flight when it was taken and one step of slack.
+SHADOW_SLACK_STEPS = 2
 
 
 def can_speculate(p: SamplingParams) -> bool:
@@ -79,6 +83,7 @@ class Speculator:
         # This step's rows that got proposals and proposals accepted: its yield, seen in clear().
         self._asked = self._accepted = 0
         self._tried = False  # this step's propose() had rows to propose for
+        self._shadow: ShadowProbe | None = None  # a shadow probe being scored (begin_step)
 
     def begin_step(self, scheduler: Any, eligible: set[str], generators: dict[int, torch.Generator],
                    grammars: Any, overlapping: bool, finish_inflight: Callable[[], None]) -> int:
@@ -89,10 +94,14 @@ class Speculator:
         finish_inflight() ends the step in flight and the proposer runs over fresh histories; a
         host-side one with nothing there either leaves the step overlapped too, counted as an empty
         speculating step only when the wait was paid for it (spec_decode/policy.py)."""
+        if self._shadow is not None:
+            self._score_shadow(scheduler.running)
         k = self.tokens_this_step(scheduler.num_running)
         if not k:
             return 0
         host_side = self.proposes_on_host
+        if host_side and self.policy.probing and hasattr(self.proposer, "peek_proposals"):
+            return self._shadow_probe(scheduler, eligible, generators)
         waited = False
         if host_side and overlapping:
             if not self.peek(scheduler.running, eligible, k, generators):
@@ -106,6 +115,45 @@ class Speculator:
         else:
             self.nothing_to_propose()
         return 0
+
+    def _shadow_probe(self, scheduler: Any, eligible: set[str], generators: dict[int, torch.Generator]) -> int:
+        """Take the due probe as a shadow probe (spec_decode/shadow.py): the proposer's proposals
+        over the host's histories, at the k the batch rule allows; the step stays as it was (0).
+        With nothing proposed for any row the probe stays due (nothing_to_propose)."""
+        k = self.policy.batch_k(scheduler.num_running)
+        _, reqs = self._requests(scheduler.running, eligible, k, generators, stale=True)
+        t0 = time.perf_counter()
+        proposals = self.proposer.peek_proposals(reqs) if reqs else []
+        self.stats.proposer_seconds += time.perf_counter() - t0
+        rows = {r.seq_id: (len(r.token_ids), ids) for r, ids in zip(reqs, proposals) if ids}
+        if not rows:
+            self.nothing_to_propose()
+            return 0
+        # Scored within k tokens of each row (2 more: the token in flight and the one after).
+        self._shadow = ShadowProbe(k, rows, max_steps=k + SHADOW_SLACK_STEPS)
+        self.policy.begin_shadow()
+        self.stats.num_shadow_probes += 1
+        return 0
+
+    def _score_shadow(self, groups: list[SequenceGroup]) -> None:
+        running = {s.seq_id: s for g in groups for s in g.seqs if s.status is RUNNING}
+
+        def history_of(seq_id: int) -> TokenHistory | None:
+            s = running.get(seq_id)
+            return None if s is None else TokenHistory(s.prompt_token_ids, s.output_token_ids)
+
+        shadow = self._shadow
+        shadow.advance(history_of)
+        b = shadow.bounds()
+        if b is None:  # every row's sequence ended unscored: the probe stays due
+            self._shadow = None
+            self.policy.cancel_shadow()
+            return
+        low, high = b
+        threshold = self.policy.threshold(shadow.k)
+        if shadow.done or low >= threshold or high < threshold:  # decided: as a verified probe
+            self._shadow = None
+            self.policy.observe_shadow(low if low >= threshold else high, shadow.k)
 
     def tokens_this_step(self, num_running: int) -> int:
         paused = self.policy.num_paused_steps
@@ -136,6 +184,7 @@ class Speculator:
         that the same offline batch run twice speculates in the same steps (seeded sampling
         draws alike)."""
         self.policy.reset()
+        self._shadow = None
 
     @property
     def proposes_on_host(self) -> bool:

@@ -44,6 +44,16 @@ paused step is one the batch rule would have speculated in; only those count dow
 decision is a function of the observed yields alone (no clock, no randomness), so a run's schedule
 is exact and reproducible.
 
+Shadow probes. A host-side proposer's probe (spec_decode/proposer.py peek_proposals: n-gram)
+needs neither the device nor a synchronous step: the engine takes its proposals over the host's
+histories and scores them against the tokens decoding emits in the next few steps
+(spec_decode/shadow.py; exact in distribution for a one-hot proposer, equal for greedy). The
+policy withholds speculation while one is scored (begin_shadow; the steps count as paused), then
+decides on its yield as on a verified probe's (observe_shadow), over the k the batch rule allows
+rather than probe_k's (a shadow proposal costs nothing on the device). So a paused n-gram whose
+text never repeats, or whose every proposal is rejected, runs no synchronous step at all; only a
+proposer that cannot propose on the host (a draft model) still probes by verifying.
+
 Nothing to propose. A speculating step in which no row got a proposal has no yield, yet once it
 has given up its overlap it costs what a speculating step does (an n-gram that never matches would
 make every step ~1.25x an overlapped one: what vLLM users report). The engine avoids most such
@@ -131,16 +141,24 @@ class SpeculationPolicy:
         self.step_k = 0                # k of the step last asked for
         self.empty_streak = 0          # speculating steps in a row in which no row got a proposal
         self.next_empty_pause = self.first_pause
+        self.shadow_pending = False    # a shadow probe (begin_shadow) awaits its score
 
-    def tokens_to_propose(self, num_decodes: int) -> int:
-        """k for this step given the running decodes (0: do not speculate)."""
-        self.step_k = 0
+    def batch_k(self, num_decodes: int) -> int:
+        """k the batch rule allows at this many running decodes (0: speculation off)."""
         if num_decodes <= 0:
             return 0
         if self.disable_by_batch_size is not None and num_decodes >= self.disable_by_batch_size:
             return 0
-        k = max(0, min(self.k, self.disable_batch_tokens // num_decodes - 1))
+        return max(0, min(self.k, self.disable_batch_tokens // num_decodes - 1))
+
+    def tokens_to_propose(self, num_decodes: int) -> int:
+        """k for this step given the running decodes (0: do not speculate)."""
+        self.step_k = 0
+        k = self.batch_k(num_decodes)
         if not k or not self.pays(k):
+            return 0
+        if self.shadow_pending:  # a shadow probe is being scored: withheld, as a pause withholds
+            self.num_paused_steps += 1
             return 0
         if self.pause_left:
             self.pause_left -= 1
@@ -156,6 +174,24 @@ class SpeculationPolicy:
         overlap (a host-side proposer's peek, spec_decode/proposer.py): it runs overlapped, as if
         never asked. Neither paused nor empty; a due probe stays due."""
         self.step_k = 0
+
+    def begin_shadow(self) -> None:
+        """The engine took this step's probe as a shadow probe (spec_decode/shadow.py): the step
+        runs without speculation and later steps are withheld until observe_shadow or
+        cancel_shadow."""
+        self.step_k = 0
+        self.shadow_pending = True
+
+    def observe_shadow(self, step_yield: float, k: int) -> None:
+        """A shadow probe's score: what a verified probe of k proposals would have yielded. It
+        decides as a probe does (resume at full k, or pause twice as long)."""
+        self.shadow_pending = False
+        self.step_k = k
+        self.observe(step_yield)
+
+    def cancel_shadow(self) -> None:
+        """No row of the shadow probe could be scored (its sequences ended): the probe stays due."""
+        self.shadow_pending = False
 
     def observe(self, step_yield: float) -> None:
         """A speculating step's yield (see the module docstring); steps where no row got a

@@ -25,6 +25,11 @@ must leave every later propose() as it would have been: a history it saw may be 
 longer one of the same sequence (the stale one's continuation), and it must consume nothing a
 proposal draws (a wrapper's random generator). A proposer without the attribute (a draft model:
 its proposals need the device) is never asked; every speculating step it is in is synchronous.
+A host-side proposer may also offer ``peek_proposals(requests)``: the token ids propose(requests)
+would give, under the same rules (it leaves later proposals as they would have been; a random
+proposer draws from a generator of its own). The engine takes the adaptive policy's probes with
+it, scored against the tokens decoding goes on to emit, in overlapped steps
+(spec_decode/shadow.py); without it a probe is a verified, synchronous step.
 
 Construction: spec_decode/factory.py builds the proposer the config names; a draft-model
 proposer is `pagedserve.spec_decode.draft_model.DraftModelProposer(spec, engine)` with spec the
@@ -97,6 +102,7 @@ class HostProposer(Proposer, Protocol):
     proposes_on_host: bool  # True
 
     def has_proposals(self, requests: list[ProposalRequest]) -> bool: ...
+    # Optional: def peek_proposals(self, requests: list[ProposalRequest]) -> list[list[int]]
 
 
 def proposes_on_host(proposer: object) -> bool:

@@ -19,6 +19,8 @@ class SpecDecodeStats:
     num_paused_steps: int = 0           # steps the policy kept from speculating for a low yield
     num_unproposed_steps: int = 0       # steps due to speculate that a host-side proposer had
                                         # nothing for before they gave up their overlap
+    num_shadow_probes: int = 0          # probes taken over host histories and scored from the
+                                        # tokens decoding emitted (spec_decode/shadow.py)
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1

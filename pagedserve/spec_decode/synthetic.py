@@ -31,6 +31,7 @@ class AcceptanceControlledProposer:
             raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
         self.inner, self.acceptance, self.vocab_size = inner, acceptance, vocab_size
         self.rng = np.random.default_rng(seed)
+        self.peek_rng = np.random.default_rng(seed + 1)  # peeks draw apart: a run's proposals stay
 
     @property
     def proposes_on_host(self) -> bool:
@@ -42,20 +43,25 @@ class AcceptanceControlledProposer:
         generator is not touched, so a peek leaves the run's corrupted tokens as they were."""
         return self.inner.has_proposals(requests)
 
+    def peek_proposals(self, requests: list[ProposalRequest]) -> list[list[int]]:
+        """The inner proposer's, corrupted alike from a generator of their own (so a peek leaves
+        the run's corrupted tokens as they were)."""
+        return [self._corrupt(ids, self.peek_rng) for ids in self.inner.peek_proposals(requests)]
+
+    def _corrupt(self, ids, rng: np.random.Generator) -> list[int]:
+        ids = np.asarray(ids, dtype=np.int64)
+        hit = rng.random(ids.shape[0]) >= self.acceptance
+        # Shift by 1..vocab-1: always another id, uniformly among the others.
+        shift = rng.integers(1, self.vocab_size, size=ids.shape[0])
+        return np.where(hit, (ids + shift) % self.vocab_size, ids).tolist()
+
     def propose(self, requests: list[ProposalRequest]) -> Proposals:
         for r in requests:
             if r.temperature > 0:
                 raise ValueError("AcceptanceControlledProposer is for greedy benchmark requests only "
                                  f"(sequence {r.seq_id} has temperature {r.temperature})")
         got = self.inner.propose(requests)
-        out = []
-        for ids in got.token_ids:
-            ids = np.asarray(ids, dtype=np.int64)
-            hit = self.rng.random(ids.shape[0]) >= self.acceptance
-            # Shift by 1..vocab-1: always another id, uniformly among the others.
-            shift = self.rng.integers(1, self.vocab_size, size=ids.shape[0])
-            out.append(np.where(hit, (ids + shift) % self.vocab_size, ids).tolist())
-        return Proposals(out, None)
+        return Proposals([self._corrupt(ids, self.rng) for ids in got.token_ids], None)
 
     def finish(self, seq_id: int) -> None:
         self.inner.finish(seq_id)
@@ -101,6 +107,14 @@ class ReplayProposer:
         """Whether propose(requests) would give any request a token; remembers nothing (a stale
         history must not pick the recording that a later, longer one decides)."""
         return any(self._recording(r) is not None for r in requests)
+
+    def peek_proposals(self, requests: list[ProposalRequest]) -> list[list[int]]:
+        """What propose(requests) would give, remembering nothing (as has_proposals)."""
+        out = []
+        for r in requests:
+            rec, n = self._recording(r), len(r.token_ids)
+            out.append([] if rec is None else rec[n:n + r.num_speculative_tokens].tolist())
+        return out
 
     def finish(self, seq_id: int) -> None:
         self.by_seq.pop(seq_id, None)

@@ -15,3 +15,29 @@ TEXTS = [
     "Paged attention stores the KV cache in fixed-size",
     "Hi",
 ]
+
+
+class VerifiedProbes:
+    """A host-side proposer without peek_proposals: the policy's probes are verified, synchronous
+    steps (the path a draft model takes), not shadow probes (spec_decode/shadow.py). Install it
+    over a built engine's: engine.speculator.proposer = VerifiedProbes(engine.speculator.proposer)."""
+    proposes_on_host = True
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def propose(self, requests):
+        return self.inner.propose(requests)
+
+    def has_proposals(self, requests):
+        return self.inner.has_proposals(requests)
+
+    def finish(self, seq_id):
+        self.inner.finish(seq_id)
+
+
+def verified_probes(llm):
+    """llm with its proposer behind VerifiedProbes; returns llm."""
+    sp = llm.llm_engine.speculator
+    sp.proposer = VerifiedProbes(sp.proposer)
+    return llm

@@ -61,23 +61,36 @@ def test_incremental_history_matches_fresh_matching():
     assert 9 not in prop._history
 
 
-def test_peek_over_stale_histories_agrees_and_leaves_proposals_unchanged():
-    """has_proposals (the engine's peek, spec_decode/proposer.py) says whether propose would give
-    anything, here over a history one token stale and then the fresh one, as the engine asks with
-    a step in flight; the proposals match a fresh brute-force match all along."""
+@pytest.mark.parametrize("lo,hi,vocab", [(1, 5, 40), (2, 3, 6), (3, 4, 3)])
+def test_peek_over_stale_histories_agrees_and_leaves_proposals_unchanged(lo, hi, vocab):
+    """has_proposals (the engine's peek, spec_decode/proposer.py; its own gram index, not the
+    match) says whether propose would give anything, here over a history one token stale, then
+    the fresh one, as the engine asks with a step in flight, and sometimes over both the fresh
+    one and a longer one (several tokens a step); the proposals match a fresh brute-force match
+    all along."""
     from pagedserve.spec_decode.proposer import TokenHistory, proposes_on_host
-    rng = random.Random(7)
-    prop = NgramProposer(2, 3)
+    rng = random.Random(7 + lo)
+    prop = NgramProposer(lo, hi)
     assert proposes_on_host(prop)
-    prompt = [rng.randrange(6) for _ in range(12)]
+    prompt = [rng.randrange(vocab) for _ in range(rng.randrange(0, 12))]
     output: list[int] = []
-    for _ in range(60):
-        output.append(rng.randrange(6))
+    for _ in range(80):
+        output.extend(rng.randrange(vocab) for _ in range(rng.choice([1, 1, 1, 3])))
         stale = TokenHistory(prompt, output[:-1])
         assert prop.has_proposals([ProposalRequest(3, stale, 4, 0.0, None)]) == \
-            bool(brute_force(prompt + output[:-1], 2, 3, 4))
-        got = prop.propose([ProposalRequest(3, TokenHistory(prompt, output), 4, 0.0, None)]).token_ids[0]
-        assert got == brute_force(prompt + output, 2, 3, 4)
+            bool(brute_force(prompt + output[:-1], lo, hi, 4))
+        fresh = ProposalRequest(3, TokenHistory(prompt, output), 4, 0.0, None)
+        assert prop.has_proposals([fresh]) == bool(brute_force(prompt + output, lo, hi, 4))
+        assert prop.peek_proposals([stale_req := ProposalRequest(3, stale, 4, 0.0, None)]) == \
+            [brute_force(list(stale_req.token_ids), lo, hi, 4)]
+        assert prop.propose([fresh]).token_ids[0] == brute_force(prompt + output, lo, hi, 4)
+    # Not a continuation (a shorter history under the same id): the index starts again.
+    short = prompt + output[:lo]
+    assert prop.has_proposals([ProposalRequest(3, short, 4, 0.0, None)]) == bool(brute_force(short, lo, hi, 4))
+    assert not prop.has_proposals([ProposalRequest(4, [1, 1, 1, 1], 0, 0.0, None)])  # k = 0
+    prop.finish(3)
+    assert 3 not in prop._seen and 3 not in prop._history
+    prop = NgramProposer(2, 3)
     assert prop.has_proposals([ProposalRequest(1, [1, 2, 3], 2, 0.0, None),
                                ProposalRequest(2, [5, 6, 5, 6], 2, 0.0, None)])
     assert not prop.has_proposals([ProposalRequest(1, [1, 2, 3], 2, 0.0, None)])

@@ -7,12 +7,12 @@ from pagedserve import SamplingParams
 from pagedserve.engine.core import EngineCore
 from pagedserve.metrics import EngineSnapshot, ServerMetrics
 from engine.helpers import make_llm, tokenizer
-from spec_decode.spec_helpers import NGRAM_EAGER_PAUSE, TEXTS
+from spec_decode.spec_helpers import NGRAM_EAGER_PAUSE, TEXTS, verified_probes
 
 
 def test_counters_in_metrics_and_core_utility(tiny_model_dir):
     model_dir = tiny_model_dir("llama")
-    llm = make_llm(model_dir, block_size=4, speculative_config=NGRAM_EAGER_PAUSE)
+    llm = verified_probes(make_llm(model_dir, block_size=4, speculative_config=NGRAM_EAGER_PAUSE))
     tok = tokenizer(str(model_dir))
     llm.generate([{"prompt_token_ids": tok.encode(TEXTS[0])}],
                  SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)

@@ -14,7 +14,7 @@ from pagedserve.spec_decode.policy import (EMPTY_STEPS_BEFORE_PAUSE, FIRST_PAUSE
                                            SpeculationPolicy)
 from pagedserve.spec_decode.synthetic import AcceptanceControlledProposer, ReplayProposer
 from engine.helpers import assert_no_leak, make_llm, tokenizer
-from spec_decode.spec_helpers import NGRAM_PAUSING as NGRAM, TEXTS
+from spec_decode.spec_helpers import NGRAM_PAUSING as NGRAM, TEXTS, VerifiedProbes
 
 T = 1.25  # the threshold the schedules below are worked out for
 
@@ -140,7 +140,7 @@ def _greedy(llm, ids):
     return [o.outputs[0].token_ids for o in outs]
 
 
-def _run_with_acceptance(setup, acceptance, monkeypatch):
+def _run_with_acceptance(setup, acceptance, monkeypatch, verified=True):
     """Greedy with the replay of the reference output as the proposer, every proposed token
     corrupted with probability 1 - acceptance (0: all rejected, 1: all accepted). Returns the
     outputs, the speculator's stats and how many steps launched overlapped."""
@@ -149,6 +149,8 @@ def _run_with_acceptance(setup, acceptance, monkeypatch):
     engine = llm.llm_engine
     engine.speculator.proposer = AcceptanceControlledProposer(
         ReplayProposer([p + w for p, w in zip(ids, want)]), acceptance, vocab)
+    if verified:  # probes verified in steps of their own (a draft model's); else shadow probes
+        engine.speculator.proposer = VerifiedProbes(engine.speculator.proposer)
     launches = []
     launch = engine._launch
     monkeypatch.setattr(engine, "_launch", lambda *a: launches.append(1) or launch(*a))
@@ -286,3 +288,33 @@ def test_the_threshold_and_the_probe_follow_the_cost():
     q = SpeculationPolicy(4, 256, min_speculation_yield=T, proposer_cost=0.7)
     assert q.probe_k(4) == 2 and not q.pays(1) and q.pays(2)
     assert q.tokens_to_propose(100) == 0 and q.num_paused_steps == 0
+
+
+def test_shadow_probes_when_always_rejected_run_no_synchronous_step(setup, monkeypatch):
+    """The replay can propose on the host (peek_proposals), so its probes are shadow probes
+    (spec_decode/shadow.py): taken over the host's histories in an overlapped step and scored a
+    step later, when the token they first proposed for is on the host. They come at the same
+    steps as the verified probes above (1, 10 and 27: each failed one pauses 8, then 16 steps),
+    and no step waits: every decode step launched overlapped."""
+    got, stats, launches, llm = _run_with_acceptance(setup, 0.0, monkeypatch, verified=False)
+    assert got == setup[2]
+    decode_steps = MAX_TOKENS - 1
+    assert stats.num_spec_steps == 0 and stats.num_draft_tokens == 0
+    assert stats.num_shadow_probes == _spec_steps_when_always_rejected(decode_steps) == 3
+    assert launches == 1 + decode_steps
+    assert _greedy(llm, setup[1]) == setup[2]  # a fresh estimate again: the same probes
+    assert stats.num_shadow_probes == 6
+
+
+def test_a_shadow_probe_that_pays_resumes_speculation_a_step_later(setup, monkeypatch):
+    """Every proposal accepted: the first decode step's shadow probe matches the first token as
+    soon as it reaches the host, one step later, which already pays (yield >= 2 > 1.25), so
+    speculation runs at full k from the second decode step on: one overlapped decode step, then
+    synchronous steps of k + 1 = 5 tokens, 46 = 9 x 5 + 1 of them, and the last token alone (no
+    proposal for a sequence's last token)."""
+    got, stats, launches, _ = _run_with_acceptance(setup, 1.0, monkeypatch, verified=False)
+    assert got == setup[2]
+    assert stats.num_shadow_probes == 1 and stats.num_paused_steps == 0
+    assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
+    assert stats.num_spec_steps == (MAX_TOKENS - 2) // 5 == 9
+    assert launches == 3  # the prompts' step, the first decode step and the last token's

@@ -61,11 +61,16 @@ def test_peek_remembers_nothing_and_draws_nothing():
     assert not p.has_proposals([req(0, [4, 4], 2)]) and p.by_seq == {}
     assert p.propose([req(0, [1, 2, 3, 9], 2)]).token_ids == [[8, 7]]  # the second recording
     assert p.has_proposals([req(0, [1, 2, 3, 9, 8], 2)]) and not p.has_proposals([req(0, [1, 2, 3, 9, 5], 2)])
+    assert p.peek_proposals([req(1, [1, 2, 3, 4], 2), req(0, [1, 2, 3, 9, 5], 2)]) == [[5, 6], []]
+    assert 1 not in p.by_seq
     wrapped = [AcceptanceControlledProposer(ReplayProposer(REC), 0.5, 50, seed=1) for _ in range(2)]
     assert proposes_on_host(wrapped[0])
     assert not proposes_on_host(AcceptanceControlledProposer(object(), 0.5, 50))  # not host-side inside
     for step in range(20):
         assert wrapped[0].has_proposals([req(step, REC[0][:5], 4)])
         assert not wrapped[0].has_proposals([req(step, [999], 4)])
+        # peek_proposals (a shadow probe's) corrupts from a generator of its own, at the same rate.
+        peeked = wrapped[0].peek_proposals([req(step, REC[0][:5], 4), req(step, [999], 4)])
+        assert len(peeked[0]) == 4 and peeked[1] == []
         assert wrapped[0].propose([req(step, REC[0][:5], 4)]).token_ids == \
             wrapped[1].propose([req(step, REC[0][:5], 4)]).token_ids

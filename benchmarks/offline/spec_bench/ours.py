@@ -33,13 +33,13 @@ def set_policy(llm, k: int, disable_batch_tokens: int, min_speculation_yield: fl
     speculator(llm).policy = SpeculationPolicy(k, disable_batch_tokens, min_speculation_yield=min_speculation_yield)
 
 
-def counters(llm) -> tuple[int, int, int, int, int]:
-    """(proposed, accepted) tokens, paused steps, speculating (synchronous, verifying) steps and
-    steps a host-side proposer had nothing for (overlapped) so far, from the engine's
-    speculative-decoding counters."""
+def counters(llm) -> tuple[int, int, int, int, int, int]:
+    """(proposed, accepted) tokens, paused steps, speculating (synchronous, verifying) steps,
+    steps a host-side proposer had nothing for (overlapped) and shadow probes so far, from the
+    engine's speculative-decoding counters."""
     s = speculator(llm).stats
     return (int(s.num_draft_tokens), int(s.num_accepted_tokens), int(s.num_paused_steps),
-            int(s.num_spec_steps), int(s.num_unproposed_steps))
+            int(s.num_spec_steps), int(s.num_unproposed_steps), int(s.num_shadow_probes))
 
 
 class NoProposals:
@@ -82,9 +82,9 @@ def measure(llm, prompts, output_len: int, spec: bool, fresh_policy=None) -> dic
     t, outs = _generate(llm, prompts, output_len)
     res = timing(t, t2, warmup, outs, output_len)
     if spec:
-        proposed, accepted, paused, spec_steps, unproposed = (a - b for a, b in zip(counters(llm), before))
+        proposed, accepted, paused, spec_steps, unproposed, shadow = (a - b for a, b in zip(counters(llm), before))
         res.update(proposed_tokens=proposed, accepted_tokens=accepted, paused_steps=paused,
-                   spec_steps=spec_steps, unproposed_steps=unproposed,
+                   spec_steps=spec_steps, unproposed_steps=unproposed, shadow_probes=shadow,
                    acceptance_rate=round(accepted / proposed, 4) if proposed else None)
     return res
 

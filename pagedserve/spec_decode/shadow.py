@@ -1,0 +1,73 @@
+"""Shadow probes: a host-side proposer's probe, scored against the tokens decoding went on to
+produce instead of verified in a step of its own.
+
+Why: the adaptive policy (spec_decode/policy.py) pauses a proposer whose proposals do not pay and
+probes it now and then. A probe verified by the target is a synchronous step, 1.2-1.4x an
+overlapped one on the H200, and the step after it starts without overlap too: an always-rejected
+proposer's five probes in a 128-token run cost 1.02-1.03x speculation off at 1-32 decodes (ours at
+e6c6628, benchmarks/results/h200/spec_decode.json). A host-side proposer (spec_decode/proposer.py)
+needs no device to propose, so its probe can be taken over the host's histories while the step
+stays overlapped, and scored a few steps later from the tokens that decoding emitted meanwhile.
+
+Exact, not an estimate, for a deterministic (one-hot) proposer: speculative sampling emits the
+proposed token at a position exactly when it accepts it (a rejection resamples from the residual
+(p - q)+, which excludes the proposed token), so the number of proposals a verification would
+accept has the same distribution as the length of the common prefix of the proposals and the
+tokens decoding produced without them; for a greedy request the two are equal. The yield is then
+what a verified probe of k proposals would have yielded: 1 + accepted, averaged over the rows.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+class ShadowProbe:
+    """Proposals taken over host histories, waiting for the tokens that score them.
+
+    rows: seq_id -> (length of the history proposed over, proposals). advance() reads how far each
+    row's proposals match the tokens the host's history now shows; a row is scored once a token
+    differs or every proposed position is known. The probe need not wait for every row: bounds()
+    gives the least and the most it can still yield, and the policy decides as soon as its
+    threshold lies outside them (a proposal that matched once already pays at batch 1). A row
+    whose sequence is no longer running is dropped, and so is every row still unscored after
+    max_steps calls (a preempted sequence may wait long)."""
+
+    def __init__(self, k: int, rows: dict[int, tuple[int, list[int]]], max_steps: int) -> None:
+        self.k = k
+        self.pending = {sid: (n0, ids, 0) for sid, (n0, ids) in rows.items()}  # + matched so far
+        self.accepted: list[int] = []  # scored rows' accepted proposals
+        self.steps_left = max_steps
+
+    def advance(self, history_of: Callable[[int], Sequence[int] | None]) -> None:
+        """Read what the histories now show (history_of(seq_id): prompt + host-known output, or
+        None once the sequence is not running)."""
+        for sid, (n0, ids, _) in list(self.pending.items()):
+            hist = history_of(sid)
+            if hist is None:
+                del self.pending[sid]
+                continue
+            seen = hist[n0:min(len(hist), n0 + len(ids))]
+            same = next((i for i, (a, b) in enumerate(zip(seen, ids)) if a != b), len(seen))
+            if same < len(seen) or len(seen) == len(ids):
+                self.accepted.append(same)
+                del self.pending[sid]
+            else:
+                self.pending[sid] = (n0, ids, same)
+        self.steps_left -= 1
+        if self.steps_left <= 0:
+            self.pending.clear()
+
+    @property
+    def done(self) -> bool:
+        return not self.pending
+
+    def bounds(self) -> tuple[float, float] | None:
+        """(least, most) tokens per row a verified probe would have emitted, given what is known
+        (equal once done); None when no row is left to score."""
+        n = len(self.accepted) + len(self.pending)
+        if not n:
+            return None
+        scored = sum(self.accepted)
+        low = scored + sum(m for _, _, m in self.pending.values())
+        high = scored + sum(len(ids) for _, ids, _ in self.pending.values())
+        return 1.0 + low / n, 1.0 + high / n
