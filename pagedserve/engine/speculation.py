@@ -53,8 +53,8 @@ from pagedserve.spec_decode.stats import SpecDecodeStats
 
 RUNNING = SequenceStatus.RUNNING
 # A shadow probe's rows not scored within k + this many steps are dropped (spec_decode/shadow.py):
-# the token in flight when it was taken and one step of slack.
-SHADOW_SLACK_STEPS = 2
+# the token in flight when it was taken, the step that proposes, and one step of slack.
+SHADOW_SLACK_STEPS = 3
 
 
 def can_speculate(p: SamplingParams) -> bool:
@@ -121,15 +121,16 @@ class Speculator:
         over the host's histories, at the k the batch rule allows; the step stays as it was (0).
         With nothing proposed for any row the probe stays due (nothing_to_propose)."""
         k = self.policy.batch_k(scheduler.num_running)
-        _, reqs = self._requests(scheduler.running, eligible, k, generators, stale=True)
+        seqs, reqs = self._requests(scheduler.running, eligible, k, generators, stale=True)
         t0 = time.perf_counter()
-        proposals = self.proposer.peek_proposals(reqs) if reqs else []
+        found = bool(reqs) and self.proposer.has_proposals(reqs)  # the peek: worth a probe?
         self.stats.proposer_seconds += time.perf_counter() - t0
-        rows = {r.seq_id: (len(r.token_ids), ids) for r, ids in zip(reqs, proposals) if ids}
-        if not rows:
+        if not found:
             self.nothing_to_propose()
             return 0
-        # Scored within k tokens of each row (2 more: the token in flight and the one after).
+        # Each row proposes over what a verified probe would see now: the host's history and the
+        # token in flight; it is made once that token is on the host, and scored k tokens later.
+        rows = {r.seq_id: (len(r.token_ids) + s.num_inflight_tokens, r) for s, r in zip(seqs, reqs)}
         self._shadow = ShadowProbe(k, rows, max_steps=k + SHADOW_SLACK_STEPS)
         self.policy.begin_shadow()
         self.stats.num_shadow_probes += 1
@@ -142,8 +143,14 @@ class Speculator:
             s = running.get(seq_id)
             return None if s is None else TokenHistory(s.prompt_token_ids, s.output_token_ids)
 
+        def propose(r: ProposalRequest) -> list[int]:
+            t0 = time.perf_counter()
+            ids = self.proposer.peek_proposals([r])[0]
+            self.stats.proposer_seconds += time.perf_counter() - t0
+            return ids
+
         shadow = self._shadow
-        shadow.advance(history_of)
+        shadow.advance(history_of, propose)
         b = shadow.bounds()
         if b is None:  # every row's sequence ended unscored: the probe stays due
             self._shadow = None

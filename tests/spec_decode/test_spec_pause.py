@@ -306,15 +306,15 @@ def test_shadow_probes_when_always_rejected_run_no_synchronous_step(setup, monke
     assert stats.num_shadow_probes == 6
 
 
-def test_a_shadow_probe_that_pays_resumes_speculation_a_step_later(setup, monkeypatch):
-    """Every proposal accepted: the first decode step's shadow probe matches the first token as
-    soon as it reaches the host, one step later, which already pays (yield >= 2 > 1.25), so
-    speculation runs at full k from the second decode step on: one overlapped decode step, then
-    synchronous steps of k + 1 = 5 tokens, 46 = 9 x 5 + 1 of them, and the last token alone (no
-    proposal for a sequence's last token)."""
+def test_a_shadow_probe_that_pays_resumes_speculation_two_steps_later(setup, monkeypatch):
+    """Every proposal accepted: the first decode step's shadow probe proposes once the token then
+    in flight reaches the host (the second decode step, withheld: one paused step) and pays as soon
+    as its first proposal matches, one step later (yield >= 2 > 1.25), so speculation runs at full
+    k from the third decode step on: three overlapped decode steps' tokens, then synchronous steps
+    of k + 1 = 5 tokens, 45 = 9 x 5 of them."""
     got, stats, launches, _ = _run_with_acceptance(setup, 1.0, monkeypatch, verified=False)
     assert got == setup[2]
-    assert stats.num_shadow_probes == 1 and stats.num_paused_steps == 0
+    assert stats.num_shadow_probes == 1 and stats.num_paused_steps == 1
     assert stats.num_accepted_tokens == stats.num_draft_tokens > 0
-    assert stats.num_spec_steps == (MAX_TOKENS - 2) // 5 == 9
-    assert launches == 3  # the prompts' step, the first decode step and the last token's
+    assert stats.num_spec_steps == (MAX_TOKENS - 3) // 5 == 9
+    assert launches == 3  # the prompts' step and the first two decode steps
