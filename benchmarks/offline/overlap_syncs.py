@@ -12,7 +12,7 @@ that made it, so a regression (or an old leak) names its line. Each request kind
     timeout 300 python benchmarks/offline/overlap_syncs.py --output $OUT/overlap_syncs.json   # CUDA, ~1-2 min
 
 Kinds: plain greedy, seeded top-k/top-p, logprobs=5, penalties (repetition, frequency, presence),
-min_tokens. The JSON holds, per kind, the steps run and {"file:line function": count} of the
+min_tokens; "control" is one known sync alone (an .item()), which must count 1. The JSON holds, per kind, the steps run and {"file:line function": count} of the
 syncs outside the warm-up. Not a test: the counts are what the loop does today, to read.
 """
 from __future__ import annotations
@@ -44,7 +44,10 @@ def place(stack: list[traceback.FrameSummary]) -> str:
     return f"{os.path.relpath(f.filename, ROOT)}:{f.lineno} {f.name}"
 
 
-def run_kind(llm, params_list, prompts) -> dict:
+def run_kind(llm, params_list, prompts, control: bool = False) -> dict:
+    """Step the engine over these requests, counting sync warnings by place. control: first make
+    one known sync (.item() of a CUDA tensor) under the same recording, so that a count of 0
+    cannot come from a detector that hears nothing (results["control"] must show it)."""
     import torch
     engine = llm.llm_engine
     for i, (p, prompt) in enumerate(zip(params_list, prompts)):
@@ -64,6 +67,8 @@ def run_kind(llm, params_list, prompts) -> dict:
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             warnings.showwarning = record
+            if control:
+                torch.ones(1, device=engine.device).sum().item()
             while engine.has_unfinished_requests():
                 engine.step()
                 steps += 1
@@ -94,7 +99,7 @@ def main() -> None:
     for kind in args.kinds:
         warm = KINDS[kind].get("min_tokens", 0) + 4  # min_tokens must stay <= max_tokens
         run_kind(llm, [SamplingParams(max_tokens=warm, ignore_eos=True, **KINDS[kind])], prompts[:1])
-    results = {}
+    results = {"control": run_kind(llm, [], [], control=True)}  # one .item(): must count 1
     for kind in args.kinds:
         params = [SamplingParams(max_tokens=args.max_tokens, ignore_eos=True, **KINDS[kind])] * args.batch
         results[kind] = run_kind(llm, params, prompts[:args.batch])
