@@ -78,19 +78,28 @@ class ReplayProposer:
     def __init__(self, recordings: Sequence[Sequence[int]]):
         self.recordings = [np.asarray(r, dtype=np.int64) for r in recordings]
         self.by_seq: dict[int, np.ndarray | None] = {}  # None: diverged from every recording
+        # seq_id -> (tokens compared, recordings whose prefix equals them): a longer history of the
+        # same sequence can only follow one of these, so each call compares the new tokens alone
+        # (a peek every step at 32 decodes compared whole histories with every recording).
+        self._consistent: dict[int, tuple[int, list[int]]] = {}
 
-    def _find(self, history: np.ndarray) -> np.ndarray | None:
-        n = history.shape[0]
-        for rec in self.recordings:
-            if rec.shape[0] > n and np.array_equal(rec[:n], history):
-                return rec
-        return None
+    def _find(self, r: ProposalRequest) -> np.ndarray | None:
+        """The first recording that r's history is a proper prefix of (None: none)."""
+        n = len(r.token_ids)
+        seen, cands = self._consistent.get(r.seq_id, (0, None))
+        if cands is None or seen > n:  # unknown, or not a continuation: every recording again
+            seen, cands = 0, list(range(len(self.recordings)))
+        tail = np.asarray(r.token_ids[seen:n], dtype=np.int64)
+        cands = [i for i in cands if self.recordings[i].shape[0] >= n
+                 and np.array_equal(self.recordings[i][seen:n], tail)]
+        self._consistent[r.seq_id] = (n, cands)
+        return next((self.recordings[i] for i in cands if self.recordings[i].shape[0] > n), None)
 
     def _recording(self, r: ProposalRequest) -> np.ndarray | None:
-        """The recording r's sequence follows (None: none), without remembering it."""
+        """The recording r's sequence follows (None: none); which one it is stays undecided until
+        propose() (two recordings may share a prefix)."""
         n = len(r.token_ids)
-        rec = self.by_seq[r.seq_id] if r.seq_id in self.by_seq else \
-            self._find(np.asarray(r.token_ids, dtype=np.int64))
+        rec = self.by_seq[r.seq_id] if r.seq_id in self.by_seq else self._find(r)
         if rec is not None and (rec.shape[0] <= n or rec[n - 1] != r.token_ids[-1]):
             return None
         return rec
@@ -104,8 +113,9 @@ class ReplayProposer:
         return Proposals(out, None)
 
     def has_proposals(self, requests: list[ProposalRequest]) -> bool:
-        """Whether propose(requests) would give any request a token; remembers nothing (a stale
-        history must not pick the recording that a later, longer one decides)."""
+        """Whether propose(requests) would give any request a token; picks no recording (a stale
+        history must not pick the one that a later, longer one decides), only narrows the ones
+        the sequence can still follow."""
         return any(self._recording(r) is not None for r in requests)
 
     def peek_proposals(self, requests: list[ProposalRequest]) -> list[list[int]]:
@@ -118,3 +128,4 @@ class ReplayProposer:
 
     def finish(self, seq_id: int) -> None:
         self.by_seq.pop(seq_id, None)
+        self._consistent.pop(seq_id, None)

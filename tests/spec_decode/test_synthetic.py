@@ -58,7 +58,7 @@ def test_peek_remembers_nothing_and_draws_nothing():
     recs = [[1, 2, 3, 4, 5, 6], [1, 2, 3, 9, 8, 7]]
     p = ReplayProposer(recs)
     assert proposes_on_host(p) and p.has_proposals([req(0, [1, 2, 3], 2)])
-    assert not p.has_proposals([req(0, [4, 4], 2)]) and p.by_seq == {}
+    assert not p.has_proposals([req(5, [4, 4], 2)]) and p.by_seq == {}  # (a sequence's history only grows)
     assert p.propose([req(0, [1, 2, 3, 9], 2)]).token_ids == [[8, 7]]  # the second recording
     assert p.has_proposals([req(0, [1, 2, 3, 9, 8], 2)]) and not p.has_proposals([req(0, [1, 2, 3, 9, 5], 2)])
     assert p.peek_proposals([req(1, [1, 2, 3, 4], 2), req(0, [1, 2, 3, 9, 5], 2)]) == [[5, 6], []]
@@ -68,9 +68,31 @@ def test_peek_remembers_nothing_and_draws_nothing():
     assert not proposes_on_host(AcceptanceControlledProposer(object(), 0.5, 50))  # not host-side inside
     for step in range(20):
         assert wrapped[0].has_proposals([req(step, REC[0][:5], 4)])
-        assert not wrapped[0].has_proposals([req(step, [999], 4)])
+        assert not wrapped[0].has_proposals([req(100 + step, [999], 4)])
         # peek_proposals (a shadow probe's) corrupts from a generator of its own, at the same rate.
-        peeked = wrapped[0].peek_proposals([req(step, REC[0][:5], 4), req(step, [999], 4)])
+        peeked = wrapped[0].peek_proposals([req(step, REC[0][:5], 4), req(100 + step, [999], 4)])
         assert len(peeked[0]) == 4 and peeked[1] == []
         assert wrapped[0].propose([req(step, REC[0][:5], 4)]).token_ids == \
             wrapped[1].propose([req(step, REC[0][:5], 4)]).token_ids
+
+
+def test_replay_narrowing_agrees_with_a_full_search():
+    """The replay keeps, per sequence, the recordings its history so far is a prefix of and
+    compares only the new tokens each call: over growing histories (one token or several a step,
+    following a recording, then leaving it) its answers equal a search of every recording."""
+    import random
+    rng = random.Random(3)
+    recs = [[rng.randrange(3) for _ in range(12)] for _ in range(6)]
+    recs += [recs[0][:6] + [7, 7], recs[1][:4]]  # shared prefixes, and a recording that ends early
+
+    def full(h, k):
+        rec = next((r for r in recs if len(r) > len(h) and r[:len(h)] == h), None)
+        return [] if rec is None else rec[len(h):len(h) + k]
+    for trial in range(60):
+        p, src = ReplayProposer(recs), rng.choice(recs)
+        h = list(src[:rng.randrange(1, 4)])
+        while len(h) < 14:
+            assert p.peek_proposals([req(trial, list(h), 3)]) == [full(h, 3)], (h, recs)
+            assert p.has_proposals([req(trial, list(h), 3)]) == bool(full(h, 3))
+            nxt = len(h) + rng.choice([1, 1, 2])
+            h = h + (src[len(h):nxt] if rng.random() < 0.85 else [rng.randrange(3)])
