@@ -19,7 +19,9 @@ One step with speculation, synchronous (see LLMEngine.step):
   5. after the step (clear): the policy observes the step's yield, 1 + accepted proposals / rows
      that got proposals, and pauses speculation while it stays below what the step cost (a draft
      model's forwards count), or while the proposer keeps having nothing for any row
-     (spec_decode/policy.py).
+     (spec_decode/policy.py). A host-side proposer's probes after a pause are shadow probes
+     (spec_decode/shadow.py): made over the host's histories and scored from the tokens decoding
+     emits, while the steps stay overlapped.
 
 Which requests speculate: single sequences (n = best_of = 1) whose tokens depend only on the
 logits at each position: temperature, top-k, top-p, min-p, seeds and structured outputs; not
