@@ -45,9 +45,12 @@ decision is a function of the observed yields alone (no clock, no randomness), s
 is exact and reproducible.
 
 Shadow probes. A host-side proposer's probe (spec_decode/proposer.py peek_proposals: n-gram)
-needs neither the device nor a synchronous step: the engine takes its proposals over the host's
-histories and scores them against the tokens decoding emits in the next few steps
-(spec_decode/shadow.py; exact in distribution for a one-hot proposer, equal for greedy). The
+needs neither the device nor a synchronous step: the engine has it propose over the history a
+verified probe would have seen (the host's, once the token in flight has arrived) and scores the
+proposals against the tokens decoding emits next (spec_decode/shadow.py; exact in distribution for
+a one-hot proposer, equal for greedy). On the H200 at e6c6628 an always-rejected replay's
+verified probes (5, 5 and 3 in 128 steps) still cost 1.023 / 1.033 / 1.029x speculation off at
+1 / 8 / 32 decodes. The
 policy withholds speculation while one is scored (begin_shadow; the steps count as paused), then
 decides on its yield as on a verified probe's (observe_shadow), over the k the batch rule allows
 rather than probe_k's (a shadow proposal costs nothing on the device). So a paused n-gram whose
