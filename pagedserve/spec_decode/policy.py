@@ -55,7 +55,10 @@ policy withholds speculation while one is scored (begin_shadow; the steps count 
 decides on its yield as on a verified probe's (observe_shadow), over the k the batch rule allows
 rather than probe_k's (a shadow proposal costs nothing on the device). So a paused n-gram whose
 text never repeats, or whose every proposal is rejected, runs no synchronous step at all; only a
-proposer that cannot propose on the host (a draft model) still probes by verifying.
+proposer that cannot propose on the host (a draft model) still probes by verifying. Nor does a
+failed shadow probe back off: the next one comes after first_pause_steps again, so text that
+starts repeating late in a long generation is found within about ten steps, not after up to
+max_pause_steps.
 
 Nothing to propose. A speculating step in which no row got a proposal has no yield, yet once it
 has given up its overlap it costs what a speculating step does (an n-gram that never matches would
@@ -187,10 +190,13 @@ class SpeculationPolicy:
 
     def observe_shadow(self, step_yield: float, k: int) -> None:
         """A shadow probe's score: what a verified probe of k proposals would have yielded. It
-        decides as a probe does (resume at full k, or pause twice as long)."""
+        decides as a probe does (resume at full k), except that a failed one pauses
+        first_pause_steps again, not twice as long: it cost no device time."""
         self.shadow_pending = False
         self.step_k = k
         self.observe(step_yield)
+        if self.probing:  # failed
+            self.pause_left = self.next_pause = self.first_pause
 
     def cancel_shadow(self) -> None:
         """No row of the shadow probe could be scored (its sequences ended): the probe stays due."""

@@ -73,6 +73,10 @@ def test_policy_withholds_while_scored_then_decides_as_a_probe():
     ks = [p.tokens_to_propose(1) for _ in range(FIRST_PAUSE_STEPS + 1)]
     assert ks == [0] * FIRST_PAUSE_STEPS + [1]
     p.begin_shadow()
+    p.observe_shadow(1.5 / 1.25 - 0.01, 4)  # fails again: the same short pause, no backoff
+    ks = [p.tokens_to_propose(1) for _ in range(FIRST_PAUSE_STEPS + 1)]
+    assert ks == [0] * FIRST_PAUSE_STEPS + [1]
+    p.begin_shadow()
     p.cancel_shadow()  # its sequences ended unscored: the probe stays due
     assert p.probing and p.tokens_to_propose(1) == 1
     p.begin_shadow()

@@ -293,17 +293,19 @@ def test_the_threshold_and_the_probe_follow_the_cost():
 def test_shadow_probes_when_always_rejected_run_no_synchronous_step(setup, monkeypatch):
     """The replay can propose on the host (peek_proposals), so its probes are shadow probes
     (spec_decode/shadow.py): taken over the host's histories in an overlapped step and scored a
-    step later, when the token they first proposed for is on the host. They come at the same
-    steps as the verified probes above (1, 10 and 27: each failed one pauses 8, then 16 steps),
-    and no step waits: every decode step launched overlapped."""
+    few steps later, once the tokens they proposed for are on the host. Each is decided two steps
+    after it was taken (the token then in flight arrives, the proposals are made; the next token
+    refutes them) and pauses 8 steps, without backing off (it costs no device time): probes at
+    decode steps 1, 11, 21, 31 and 41, where verified ones came at 1, 10 and 27 (pauses of 8, then
+    16). No step waits: every decode step launched overlapped."""
     got, stats, launches, llm = _run_with_acceptance(setup, 0.0, monkeypatch, verified=False)
     assert got == setup[2]
     decode_steps = MAX_TOKENS - 1
     assert stats.num_spec_steps == 0 and stats.num_draft_tokens == 0
-    assert stats.num_shadow_probes == _spec_steps_when_always_rejected(decode_steps) == 3
+    assert stats.num_shadow_probes == len(range(1, decode_steps + 1, 2 + FIRST_PAUSE_STEPS)) == 5
     assert launches == 1 + decode_steps
     assert _greedy(llm, setup[1]) == setup[2]  # a fresh estimate again: the same probes
-    assert stats.num_shadow_probes == 6
+    assert stats.num_shadow_probes == 10
 
 
 def test_a_shadow_probe_that_pays_resumes_speculation_two_steps_later(setup, monkeypatch):
