@@ -63,6 +63,8 @@ class EngineSnapshot:
     spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     spec_decode_proposer_seconds: float = 0.0
     spec_decode_num_paused_steps: int = 0
+    spec_decode_num_unproposed_steps: int = 0
+    spec_decode_num_shadow_probes: int = 0
     cache_dtype: str = ""           # the KV pools' element type (fp8_e4m3, bfloat16, ...)
     num_gpu_blocks: int = 0
     block_size: int = 0
@@ -128,9 +130,15 @@ def spec_decode_families(prefix: str, s: EngineSnapshot, label: dict):
     for pos, value in enumerate(s.spec_decode_num_accepted_tokens_per_pos):
         c.add_metric(values + [str(pos)], value)
     yield c
-    if prefix == PREFIX:  # ours alone: vLLM has no such counter
+    if prefix == PREFIX:  # ours alone: vLLM has no such counters
         yield CounterMetricFamily(PREFIX + "spec_decode_paused_steps", "Steps in which speculation was paused "
                                   "for a low yield (spec_decode/policy.py).", value=s.spec_decode_num_paused_steps)
+        yield CounterMetricFamily(PREFIX + "spec_decode_unproposed_steps", "Steps due to speculate that stayed "
+                                  "overlapped: the host-side proposer had nothing to propose.",
+                                  value=s.spec_decode_num_unproposed_steps)
+        yield CounterMetricFamily(PREFIX + "spec_decode_shadow_probes", "Probes scored from the tokens decoding "
+                                  "emitted instead of verified (spec_decode/shadow.py).",
+                                  value=s.spec_decode_num_shadow_probes)
 
 
 VLLM_PREFIX = "vllm:"

@@ -148,7 +148,9 @@ class EngineCore:
                     spec_decode_num_accepted_tokens=st.num_accepted_tokens,
                     spec_decode_num_accepted_tokens_per_pos=list(st.num_accepted_tokens_per_pos),
                     spec_decode_proposer_seconds=st.proposer_seconds,
-                    spec_decode_num_paused_steps=st.num_paused_steps)
+                    spec_decode_num_paused_steps=st.num_paused_steps,
+                    spec_decode_num_unproposed_steps=st.num_unproposed_steps,
+                    spec_decode_num_shadow_probes=st.num_shadow_probes)
 
     def _structured_stats(self) -> dict:
         """The grammar compile counters (engine/structured/), for /metrics; none before the first."""
