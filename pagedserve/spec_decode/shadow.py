@@ -4,8 +4,8 @@ produce instead of verified in a step of its own.
 Why: the adaptive policy (spec_decode/policy.py) pauses a proposer whose proposals do not pay and
 probes it now and then. A probe verified by the target is a synchronous step, 1.2-1.4x an
 overlapped one on the H200, and the step after it starts without overlap too: an always-rejected
-proposer's five probes in a 128-token run cost 1.02-1.03x speculation off at 1-32 decodes (ours at
-e6c6628, benchmarks/results/h200/spec_decode.json). A host-side proposer (spec_decode/proposer.py)
+proposer's probes (5, 5 and 3 in a 128-token run at 1, 8 and 32 decodes) cost 1.023-1.033x
+speculation off (ours at e6c6628, benchmarks/results/h200/spec_decode.json). A host-side proposer (spec_decode/proposer.py)
 needs no device to propose, so its probe can be taken over the host's histories while the step
 stays overlapped, and made and scored a few steps later from the tokens that decoding emitted
 meanwhile. The proposals are made over the history a verified probe would have seen (the host's
