@@ -50,8 +50,8 @@ verified probe would have seen (the host's, once the token in flight has arrived
 proposals against the tokens decoding emits next (spec_decode/shadow.py; exact in distribution for
 a one-hot proposer, equal for greedy). On the H200 at e6c6628 an always-rejected replay's
 verified probes (5, 5 and 3 in 128 steps) still cost 1.023 / 1.033 / 1.029x speculation off at
-1 / 8 / 32 decodes. The
-policy withholds speculation while one is scored (begin_shadow; the steps count as paused), then
+1 / 8 / 32 decodes. The policy withholds speculation while a shadow probe is scored
+(begin_shadow; the steps count as paused), then
 decides on its yield as on a verified probe's (observe_shadow), over the k the batch rule allows
 rather than probe_k's (a shadow proposal costs nothing on the device). So a paused n-gram whose
 text never repeats, or whose every proposal is rejected, runs no synchronous step at all; only a
