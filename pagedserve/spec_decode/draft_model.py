@@ -45,35 +45,25 @@ target (verified tokens plus k - 1 proposals, against the target's k lookahead s
 with prefix caching: a block the target shares between sequences is one draft block per sequence.
 A request whose blocks do not fit gets fewer proposals this round, or none (always allowed).
 
-Activation memory. The start-up profile (runner/kv_sizing.py) runs only the target's forward of
-max_num_batched_tokens tokens; the KV budget is what its peak leaves, with the draft's weights
-already loaded. Every draft forward runs between the target's, has at most that many tokens (the
-catch-up is capped, the decode steps have one token per sequence) and computes logits for at
-most one row per sequence; so its activations stay within the profiled peak as long as the draft
-is no wider than the target per token, in the dtype both share: check_draft_not_wider refuses at
-start-up a draft whose hidden_size, MLP width or attention widths exceed the target's. (Rather
-than profiling the draft's forward too: a draft is smaller by purpose, the check is free, exact on
-every device and leaves the runner's profile to the one model the runner owns; a wider draft would
-need that second profiled forward and its scratch pool, and gains little as a draft.)
+Activation memory: spec_decode/draft_checks.py (check_draft_not_wider).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from pagedserve.config import EngineConfig
 from pagedserve.layers.sampler import to_device
-from pagedserve.models.llama import head_dim_of
 from pagedserve.models.loader import get_max_model_len, get_model, load_hf_config, resolve_dtype
 from pagedserve.runner.batch import ModelInput, build_model_input
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.decode_rows import MAX_PREFILL_POSITIONS, as_decode_rows
+from pagedserve.spec_decode.catch_up import CatchUpPlan, plan_catch_up
 from pagedserve.spec_decode.config import SpeculativeConfig
+from pagedserve.spec_decode.draft_checks import check_draft_not_wider, check_vocab_compatible
 from pagedserve.spec_decode.draft_kv import DraftKVManager
 from pagedserve.spec_decode.draft_steps import DraftDecodeSteps
 from pagedserve.spec_decode.proposer import ProposalRequest, Proposals
@@ -88,92 +78,6 @@ DRAFT_KV_FREE_FRACTION = 0.8
 def to_host(tokens: torch.Tensor) -> list:
     """A round's one device-to-host read: every draw of every step (tests count the calls)."""
     return tokens.tolist()
-
-
-def _tokenizer_vocab(model_dir: str | None) -> dict | None:
-    """The token -> id map (and added tokens) of a directory's tokenizer.json, or None if it has none."""
-    if not model_dir:
-        return None
-    path = os.path.join(os.fspath(model_dir), "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
-    with open(path, encoding="utf-8") as f:
-        tok = json.load(f)
-    added = {t["content"]: t["id"] for t in tok.get("added_tokens", [])}
-    return {"vocab": (tok.get("model") or {}).get("vocab"), "added": added}
-
-
-def check_vocab_compatible(draft_cfg, target_cfg, draft_dir: str | None, target_tokenizer_dir: str | None) -> None:
-    """Refuse a draft whose vocabulary differs from the target's: proposals are token ids and the
-    rejection sampler compares probability rows id by id, so both must mean the same tokens."""
-    dv, tv = getattr(draft_cfg, "vocab_size", None), getattr(target_cfg, "vocab_size", None)
-    if dv != tv:
-        raise ValueError(f"speculative_config.model: the draft model's vocab_size ({dv}) differs from the "
-                         f"target's ({tv}); a draft model must share the target's tokenizer and vocabulary")
-    if draft_dir and target_tokenizer_dir and os.path.realpath(draft_dir) != os.path.realpath(target_tokenizer_dir):
-        d, t = _tokenizer_vocab(draft_dir), _tokenizer_vocab(target_tokenizer_dir)
-        if d is not None and t is not None and d != t:
-            raise ValueError(f"speculative_config.model: the draft's tokenizer ({draft_dir}/tokenizer.json) "
-                             f"maps tokens to ids differently from the target's ({target_tokenizer_dir}); "
-                             "a draft model must share the target's tokenizer")
-
-
-@dataclass
-class CatchUpPlan:
-    """One round's catch-up, at most budget tokens: `active` requests (indices, in request order)
-    are caught up to their last verified token and get proposals, `ks[i]` of them; `pieces` are
-    (request index, start, length) of every request's KV written this round, in request order,
-    active ones ending at their last token."""
-    active: list[int] = field(default_factory=list)
-    ks: dict[int, int] = field(default_factory=dict)
-    pieces: list[tuple[int, int, int]] = field(default_factory=list)
-
-
-def plan_catch_up(unseen: list[tuple[int, int]], budget: int, reserve) -> CatchUpPlan:
-    """unseen: per request (start, length) of its tokens the draft has not seen, or None when it
-    does not speculate; reserve(i, tokens) gives request i blocks for its first `tokens` positions
-    plus its proposals and returns the number of proposals it may make (0: none; -1: no blocks at
-    all). The shortest catch-ups go first, so the ordinary decode rows (a few tokens each) always
-    fit; a longer one takes what room is left as a piece and no proposal, and finishes in a later
-    round: a 100k-token prompt is caught up over rounds of `budget` tokens while it decodes."""
-    plan, room = CatchUpPlan(), budget
-    for i in sorted((i for i, u in enumerate(unseen) if u is not None), key=lambda i: unseen[i][1]):
-        start, length = unseen[i]
-        if length <= room:
-            k = reserve(i, start + length)
-            if k >= 1:
-                plan.active.append(i)
-                plan.ks[i] = k
-                plan.pieces.append((i, start, length))
-                room -= length
-        elif room > 0 and reserve(i, start + room) >= 0:
-            plan.pieces.append((i, start, room))
-            room = 0
-    plan.active.sort()
-    plan.pieces.sort()
-    return plan
-
-
-def _widths(cfg) -> dict[str, int]:
-    """The per-token widths a dense decoder's activations scale with (OPT names its MLP ffn_dim).
-    A mixture-of-experts draft's expert widths are not compared: drafts are dense in practice."""
-    heads, head_dim = cfg.num_attention_heads, head_dim_of(cfg)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    return {"hidden_size": cfg.hidden_size,
-            "intermediate_size": getattr(cfg, "intermediate_size", None) or getattr(cfg, "ffn_dim", 0),
-            "num_attention_heads x head_dim": heads * head_dim,
-            "num_key_value_heads x head_dim": kv_heads * head_dim}
-
-
-def check_draft_not_wider(draft_cfg, target_cfg) -> None:
-    """Refuse a draft wider than the target (see "Activation memory" above): its forwards of up to
-    max_num_batched_tokens tokens could then need more activation memory than the profile measured."""
-    draft, target = _widths(draft_cfg), _widths(target_cfg)
-    for name, width in draft.items():
-        if width > target[name]:
-            raise ValueError(f"speculative_config.model: the draft model's {name} ({width}) is larger than the "
-                             f"target's ({target[name]}); the start-up memory profile covers a draft no wider than "
-                             "the target, pick a smaller draft model")
 
 
 class DraftModelProposer:

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from pagedserve.config import EngineConfig
-from pagedserve.spec_decode.draft_model import DraftModelProposer, plan_catch_up
+from pagedserve.spec_decode.catch_up import plan_catch_up
+from pagedserve.spec_decode.draft_model import DraftModelProposer
 from pagedserve.spec_decode.proposer import ProposalRequest
 
 PROMPTS = [[5, 17, 42, 99, 7, 3, 250, 11], [60, 61, 62], [300, 4, 8, 15, 16, 23, 42, 108, 77, 31, 9, 200, 201]]
