@@ -71,7 +71,9 @@ case "${1:-}" in
   online)  # MODEL [both|vllm|ours]; N requests a rate (200 Qwen, 120 Mixtral); RATES for ours alone; GPUS=0,1 for both at once
     m=${2:?model}; which=${3:-both}; lease "online $m $which"; need_site
     n=${N:-$([ "$m" = mixtral-8x7b ] && echo 120 || echo 200)}
-    work="$O/online_$m"; mkdir -p "$work"
+    # MOE_WORK (on the device: a /tmp folder) keeps the runs' ~20 files out of $OUT, of which the
+    # device tool brings back 8 (the 25th session lost vLLM's results so): a tarball of them lands in $O.
+    base=${MOE_WORK:-$O}; work="$base/online_$m"; mkdir -p "$work"
     saved=/tmp/pagedserve_moe_rates_$m.json
     case "$which" in
       ours) rates=${RATES:-$(python3 -c "import json; print(*json.load(open('$saved'))['rates'])" 2>/dev/null)}
@@ -85,7 +87,8 @@ case "${1:-}" in
     step "online_${m}_$which" 500 python3 benchmarks/serving/vs_vllm.py online --site "$SITE" --work "$work" \
       --model "benchmarks/models/$m" --num-requests "$n" --max-arrival-seconds "${ARRIVAL_S:-45}" --salt-rates $args
     [ -f "$work/rates.json" ] && cp "$work/rates.json" "$saved"
-    cp "$work/progress.log" "$O/logs/online_${m}_progress.log" 2>/dev/null ;;
+    cp "$work/progress.log" "$O/logs/online_${m}_progress.log" 2>/dev/null
+    [ "$base" = "$O" ] || tar czf "$O/online_$m.tgz" -C "$base" --exclude="online_$m/model" "online_$m" ;;
   tests) step moe_kernel_tests 250 python3 -m pytest -q -p no:cacheprovider tests/layers/test_fused_moe_gpu.py
          step moe_model_tests 310 python3 -m pytest -q -p no:cacheprovider tests/runner/test_cuda_runner.py \
            tests/engine/test_cuda_engine.py tests/runner/test_warmup_gpu.py -k "moe or mixtral" ;;
@@ -129,7 +132,8 @@ tail -3 "$O/logs/progress.log"
 # runs 25 s (nanovllm) and 28 s (fixed256), ours 23 s and 14 s; our engine starts Llama-3.1-8B in
 # 45-50 s (the MoE models: ~70 s and ~100 s assumed), vLLM in 60-110 s (Mixtral: ~150 s assumed);
 # a fresh machine ~1 min; vLLM's install ~30 s; the machine goes back 30 s after a call ends).
-# Every call: OUT=$OUT, `timeout 570` around it, progress in $OUT/logs/progress.log as it goes.
+# Every call: OUT=$OUT, `timeout 570` around it, progress in $OUT/logs/progress.log as it goes;
+# online calls also MOE_WORK=/tmp/moe_work (the device brings back 8 files of $OUT: online_MODEL.tgz).
 # "vLLM" = install vLLM 0.26 into $SITE first, in the same call.
 #
 # Lease 1 (~15 device minutes):
@@ -149,9 +153,9 @@ tail -3 "$O/logs/progress.log"
 #     min) they do not fit one call's 9 minutes.
 # Lease 3 (~25 min; sharegpt-like, --salt-rates, rates at 30/60/90% of vLLM's saturation from a probe
 # with every request at once, vs_vllm.saturation_req_s):
-#  5. online qwen3-30b-a3b vllm (vLLM)  ~5.5 min: install 30 s, server ~100 s, probe ~45 s, 3 rates of
+#  5. [measured 2026-12-02, s25_online_qwen3] online qwen3-30b-a3b vllm (vLLM)  ~5.5 min: install 30 s, server ~100 s, probe ~45 s, 3 rates of
 #     200 requests (~80 s of arrivals at a saturation of ~15 req/s, ~25 s drain each).
-#  6. online qwen3-30b-a3b ours (vLLM: its server wheels)  ~4 min: server ~70 s, the same 3 rates. MUST
+#  6. [measured, s25] online qwen3-30b-a3b ours (vLLM: its server wheels)  ~4 min: server ~70 s, the same 3 rates. MUST
 #     share call 5's lease (at once after it; the rates come from /tmp, or RATES="..." from 5's rates.json).
 #  7. online mixtral-8x7b vllm (vLLM)  ~7.5 min: server ~150 s, probe ~50 s, 3 rates of up to 120
 #     requests (~90 s of arrivals at ~7 req/s, ~40 s drain each: 20 ms a token x the longest output).
