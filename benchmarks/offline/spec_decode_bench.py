@@ -50,6 +50,8 @@ Sections, each one process that fits a 10-minute device call (benchmarks/spec_h2
   collect                  merges the parts into benchmarks/results/h200/spec_decode.json; config.grids
                            says which grid each part ran, `targets` the issue's targets against the figures,
                            config.vllm_compared which vLLM parts ran our checkpoint (the only ones in ratios)
+  plot                     draws --output's figures (TPOT and throughput against acceptance and k, every
+                           batch; spec_bench/plot.py) into --figure (docs/figures/h200_spec_decode.png)
   smoke                    CPU, a tiny config: checkpoint, both `ours` sections with --weights on it, and
                            collect in one process (--grid too; --weights DIR to keep the checkpoint)
 Acceptance is measured (accepted / proposed tokens, from the engine's counters) beside the a
@@ -153,7 +155,7 @@ def smoke(args) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("section", choices=["checkpoint", "ours", "vllm", "collect", "smoke"])
+    ap.add_argument("section", choices=["checkpoint", "ours", "vllm", "collect", "plot", "smoke"])
     ap.add_argument("--config", help="ours: off or spec; vllm: off, draft_model_kK, ngram_kK")
     ap.add_argument("--model", default=MODEL, help="a model directory (config.json): the checkpoint's config, "
                     "or the config of the dummy weights without --weights")
@@ -176,6 +178,7 @@ def main() -> int:
     ap.add_argument("--site", default=None, help="vllm: a directory with vLLM installed (put on sys.path)")
     ap.add_argument("--parts", default=str(PARTS))
     ap.add_argument("--output", default=str(OUTPUT))
+    ap.add_argument("--figure", default=str(ROOT / "docs/figures/h200_spec_decode.png"))
     args = ap.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
     args.accepts = [float(a) for a in args.accepts.split(",")]
@@ -204,6 +207,10 @@ def main() -> int:
             parts, name, res, vllm_side=True, args=args)), vllm_side=True, args=args)
     elif args.section == "collect":
         print(json.dumps(collect(parts, Path(args.output), args.batches, args.ks), indent=1))
+    elif args.section == "plot":
+        from spec_bench.plot import plot
+        plot(json.loads(Path(args.output).read_text()), Path(args.figure))
+        log(f"plot: wrote {args.figure}")
     else:
         smoke(args)
     return 0

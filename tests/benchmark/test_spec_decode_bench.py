@@ -223,3 +223,47 @@ def test_smoke_on_a_checkpoint_runs_the_quick_plan_in_tier_order(bench, tmp_path
     for b in ("b1", "b4"):
         assert part["results"][b]["k4_draft_a1"]["acceptance_rate"] == 1.0
         assert all(r["warmup_seconds"] > 0 for r in part["results"][b].values())
+
+
+def _run(tpot, tps, acc=None):
+    return {"tpot_ms": tpot, "output_tokens_per_s": tps, "acceptance_rate": acc}
+
+
+def test_plot_series_takes_each_run_where_the_figure_draws_it(bench, tmp_path):
+    """plot: x is the measured acceptance (not the asked a), sorted; the k curve starts at off (k = 0);
+    vLLM's draft = target point comes only from a part on our checkpoint; the PNG is written."""
+    from spec_bench.plot import plot, series
+    ours = {"off": _run(5.0, 100.0), "k4_replay_a1": _run(1.5, 300.0, 0.98), "k4_replay_a0": _run(6.0, 80.0, 0.0),
+            "k4_draft_a0.5": _run(12.0, 40.0, 0.3), "k4_draft_a1": _run(7.0, 70.0, 0.85),
+            "k1_replay_a1": _run(3.0, 160.0, 1.0), "k2_draft_a1": _run(6.5, 75.0, 0.9),
+            "adaptive_ngram": _run(5.01, 99.0)}
+    doc = {"device": "test", "commit": "0" * 40, "date": "today",
+           "config": {"vllm_compared": ["draft_model_k4"]},
+           "results": {"ours": {"b8": ours}, "vllm": {"draft_model_k4": {"b8": _run(9.0, 55.0, 0.8)}}}}
+    got = series(doc)
+    assert list(got) == [8]
+    row = got[8]
+    assert row["off"] == (5.0, 100.0)
+    assert row["accept"]["replay"] == [(0.0, 6.0, 80.0), (0.98, 1.5, 300.0)]
+    assert row["accept"]["draft"] == [(0.3, 12.0, 40.0), (0.85, 7.0, 70.0)]
+    assert row["k"]["replay"] == [(0, 5.0, 100.0), (1, 3.0, 160.0), (4, 1.5, 300.0)]
+    assert row["k"]["draft"] == [(0, 5.0, 100.0), (2, 6.5, 75.0), (4, 7.0, 70.0)]
+    assert row["vllm"] == [(0.8, 9.0, 55.0)]
+    doc["config"]["vllm_compared"] = []  # a vLLM part of other weights is not drawn against ours
+    assert series(doc)[8]["vllm"] == []
+    out = tmp_path / "f.png"
+    plot(doc, out)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_covers_every_batch_of_the_committed_h200_result(bench):
+    from spec_bench.plot import series
+    doc = json.loads((ROOT / "benchmarks/results/h200/spec_decode.json").read_text())
+    got = series(doc)
+    assert sorted(got) == sorted(int(b[1:]) for b in doc["results"]["ours"] if re.fullmatch(r"b\d+", b))
+    for b, row in got.items():
+        runs = doc["results"]["ours"][f"b{b}"]
+        for kind in ("replay", "draft"):
+            asked = [n for n in runs if n.startswith(f"k4_{kind}_a")]
+            assert len(row["accept"][kind]) == len(asked) >= 2
+            assert {p[1] for p in row["accept"][kind]} == {runs[n]["tpot_ms"] for n in asked}
