@@ -142,3 +142,36 @@ def test_page_recovers_after_server_restart(page, dash):
     page.wait_for_function(f"Number(document.body.dataset.version) >= {state['version']}", timeout=10_000)
     shown = page.evaluate(PAGE_STATES_JS)
     assert shown["states"] == [b["state"] for b in dash.state()["blocks"]] == ["free"] * RESTART_BLOCKS
+
+
+SPEC_JS = """() => Object.fromEntries(Array.from(document.querySelectorAll('.spec-row [data-counter]'),
+  el => [el.dataset.counter, el.dataset.value === undefined ? null : Number(el.dataset.value)]))"""
+
+
+def test_speculation_row_shows_the_engines_counters(browser, tiny_model_dir, tmp_path):  # noqa: F811
+    """With --speculative-config the page shows acceptance, mean accepted length and proposer time,
+    the values of the server's /kv_cache/state on the same frame (hidden without speculation:
+    the other tests' server has none)."""
+    d = DashServer(tiny_model_dir("llama"), tmp_path)
+    d.server = start_server(d.model_dir, tmp_path / "spec.log", *BASE_ARGS, "--num-gpu-blocks-override", "64",
+                            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+                            api_key=KEY, port=d.port)
+    p = browser.new_page()
+    try:
+        r = httpx.post(d.server.base_url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                       json={"model": "tiny", "prompt": "alpha beta gamma delta epsilon " * 8, "max_tokens": 48,
+                             "temperature": 0.0, "ignore_eos": True}, timeout=120)
+        r.raise_for_status()
+        state = d.state()
+        sd = state["spec_decode"]
+        assert sd["num_draft_tokens"] > 0 and sd["proposer_seconds"] > 0, sd  # it proposed and was timed
+        p.goto(f"{d.server.base_url}/dashboard?interval=0.25#key={KEY}")
+        p.wait_for_function(f"Number(document.body.dataset.version) >= {state['version']}", timeout=30_000)
+        assert p.is_visible(".spec-row")
+        shown = p.evaluate(SPEC_JS)
+        assert shown == pytest.approx({"spec_acceptance": sd["acceptance_rate"],
+                                       "spec_mean_accepted": sd["mean_accepted_length"],
+                                       "spec_proposer_s": sd["proposer_seconds"]}, abs=1e-9)
+    finally:
+        p.close()
+        d.stop()

@@ -67,7 +67,7 @@ def check(target_dir, draft_dir, max_tokens=16, **kw):
     return llm
 
 
-@pytest.mark.parametrize("block_size", [1, 16])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_block_sizes(target_dir, draft_dir, block_size):
     check(target_dir, draft_dir, block_size=block_size)
 

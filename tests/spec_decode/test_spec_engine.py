@@ -92,6 +92,9 @@ def test_refused_combinations(tiny_model_dir):
         make_llm(model_dir, speculative_config=dict(NGRAM, num_lookahead_slots=2))
     with pytest.raises(ValueError, match="draft_model"):
         make_llm(model_dir, speculative_config={"method": "draft_model", "num_speculative_tokens": 2})
+    # Refused before any rank starts or any weight loads: the message names both settings.
+    with pytest.raises(ValueError, match="speculative_config with tensor_parallel_size > 1"):
+        make_llm(model_dir, tensor_parallel_size=2, speculative_config=NGRAM)
 
 
 def _mix_outputs(llm, ids):

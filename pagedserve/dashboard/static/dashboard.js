@@ -152,8 +152,10 @@
     el.dataset.value = value;
     el.textContent = text;
   }
-  function setCounter(name, text) {
-    document.querySelector(`[data-counter="${name}"]`).textContent = text;
+  function setCounter(name, text, value) {
+    const el = document.querySelector(`[data-counter="${name}"]`);
+    el.textContent = text;
+    if (value !== undefined) el.dataset.value = value;  // the unrounded figure, for tests and tooltips
   }
 
   function renderCounters(f) {
@@ -175,8 +177,10 @@
     setMetric("pagedserve:num_requests_swapped", f.num_swapped, fmt(f.num_swapped));
     if (f.spec_decode) {  // only with speculative decoding on (engine get_kv_cache_state)
       for (const el of document.querySelectorAll(".spec-row")) el.hidden = false;
-      setCounter("spec_acceptance", pct(f.spec_decode.acceptance_rate));
-      setCounter("spec_mean_accepted", f.spec_decode.mean_accepted_length.toFixed(2));
+      const sd = f.spec_decode;
+      setCounter("spec_acceptance", pct(sd.acceptance_rate), sd.acceptance_rate);
+      setCounter("spec_mean_accepted", sd.mean_accepted_length.toFixed(2), sd.mean_accepted_length);
+      setCounter("spec_proposer_s", sd.proposer_seconds.toFixed(2) + " s", sd.proposer_seconds);
     }
   }
 
