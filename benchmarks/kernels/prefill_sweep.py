@@ -334,6 +334,15 @@ def sweep(args) -> int:
         if k not in KERNELS:
             raise ValueError(f"--kernels are {', '.join(KERNELS)}, got {k!r}")
     order = schedule(kernels, args.grid)
+    if args.launches:  # an A/B of named launches instead of the grid, e.g. paged_prefill:bm128+bn128+w8+s4+fold
+        order = []
+        for item in filter(None, args.launches.split(",")):
+            kernel, _, name = item.partition(":")
+            if kernel not in KERNELS or not name:
+                raise ValueError(f"--launches are KERNEL:LAUNCH joined by ',', got {item!r}")
+            KERNELS[kernel][3](name)  # a bad name is a ValueError naming the switch, before any GPU work
+            order.append((kernel, name))
+        kernels = sorted({k for k, _ in order}, key=list(KERNELS).index)
     cuda = args.device == "cuda"
     dev = torch.cuda.get_device_name() if cuda else "cpu"
     dtype = getattr(torch, args.dtype)
@@ -433,6 +442,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help="CxL pairs, e.g. 8192x32768,2048x65536 (default: SHAPES)")
     ap.add_argument("--kernels", default="paged_prefill,unified")
     ap.add_argument("--grid", choices=("full", "quick"), default="full")
+    ap.add_argument("--launches", default=None, help="KERNEL:LAUNCH,... to time instead of the grid (an A/B; "
+                    "--lpt-top 0 to time only these)")
     ap.add_argument("--rtol", type=float, default=RTOL, help="largest row-relative L2 error of a correct launch")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)

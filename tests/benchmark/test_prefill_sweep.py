@@ -118,3 +118,11 @@ def test_pick_from_a_saved_result(tmp_path, capsys):
                                             "pick": {}, "not_reached": []}}))
     assert ps.main(["--pick", str(path)]) == 0
     assert capsys.readouterr().out.splitlines() == ["PAGEDSERVE_UNIFIED_LAUNCH=bm128+bn32+w8+s2"]
+
+
+@pytest.mark.parametrize("bad, match", [("paged_prefill:bm48", "PAGEDSERVE_PREFILL_LAUNCH"),
+                                        ("prefill:bm64", "--launches"), ("paged_prefill", "--launches")])
+def test_launches_refuse_a_bad_item_before_any_work(tmp_path, bad, match):
+    with pytest.raises(ValueError, match=match):
+        ps.main(["--launches", bad, "--output", str(tmp_path / "x.json")])
+    assert not (tmp_path / "x.json").exists()
