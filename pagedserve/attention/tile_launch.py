@@ -20,7 +20,6 @@ class TileLaunch:
     num_stages: int = 2
     gqa: bool = False  # the prefill kernel's GQA-packed variant (triton_prefill.py)
     lpt: bool = False  # the prefill kernel's query tiles start last (longest) first
-    fold: bool = False  # the prefill kernel's scale folded into exp2's argument, unpredicated full tiles
 
     def name(self, flags: tuple[str, ...] = ()) -> str:
         """The switch string that parses back to this launch (flags: the ones the kernel takes)."""

@@ -12,9 +12,6 @@ unified kernel's), so each K/V tile is loaded once per group instead of once per
 a tile's dots do GROUP times the arithmetic per byte of K/V. Each row's causal mask uses its own
 token's position. Without it every K/V tile is read by GROUP programs (through L2 at best).
 
-FOLD (fold, a constexpr): the softmax scale folded into exp2's argument (one FMA a score) and the
-unmasked stretch's tiles loaded without predicates (triton_tiles.attend_tiles' FOLD_SCALE, FULL_TILES).
-
 LONGEST_FIRST (lpt, a constexpr): query tiles start in reverse, so a chunk's last tiles, the
 longest (causal), start first and the short ones fill the end of the grid instead of leaving one
 long program running alone (the unified kernel orders its items so too).
@@ -45,7 +42,7 @@ PREFILL_DEFAULT_SM90 = TileLaunch(block_m=128, block_n=128, num_warps=8, num_sta
 # An A/B of the launch without a code change (read once per process), e.g.
 # PAGEDSERVE_PREFILL_LAUNCH=bm128+bn64+w8+s3+gqa+lpt: its parts change the default above.
 PREFILL_LAUNCH_ENV = "PAGEDSERVE_PREFILL_LAUNCH"
-PREFILL_FLAGS = ("gqa", "lpt", "fold")
+PREFILL_FLAGS = ("gqa", "lpt")
 
 
 def parse_prefill_launch(text: str, sm90: bool = False) -> TileLaunch:
@@ -83,7 +80,6 @@ def paged_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
     GQA: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, LONGEST_FIRST: tl.constexpr = False,
-    FOLD: tl.constexpr = False,
 ):
     # BLOCK_Q query tokens per tile: all BLOCK_M rows, or with GQA BLOCK_M / BLOCK_G tokens x heads.
     BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
@@ -143,12 +139,11 @@ def paged_prefill_kernel(
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, 0, unmasked_end,
                                  k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                  stride_cb, stride_cs, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8,
-                                 FOLD_SCALE=FOLD, FULL_TILES=FOLD)
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8)
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, causal_end,
                                  k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                  stride_cb, stride_cs, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8, FOLD_SCALE=FOLD)
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8)
     # Padded group rows (g >= GROUP) saw every position with q = 0: l_i > 0, no NaN; not stored.
     out = acc / l_i[:, None]
     if KV_FP8:
@@ -173,8 +168,6 @@ def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_
     pack = dict(GQA=True, BLOCK_G=block_g) if packed else {}
     if launch.lpt:
         pack["LONGEST_FIRST"] = True
-    if launch.fold:
-        pack["FOLD"] = True
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads if packed else num_heads)
     paged_prefill_kernel[grid](
         query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq,

@@ -23,40 +23,26 @@ def attend_tiles(
     stride_cb, stride_cs, d,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr = False,
-    EMPTY_ROWS: tl.constexpr = False, FOLD_SCALE: tl.constexpr = False, FULL_TILES: tl.constexpr = False,
+    EMPTY_ROWS: tl.constexpr = False,
 ):
     """Context positions [lo, hi) for query rows q ([rows, BLOCK_D], already in the dot's dtype:
     fp32 when IEEE, else the cache's, or for an fp8 cache the query's own or fp16 (the decode's
     F16_DOT)) at positions q_pos (read only when MASK is CAUSAL). KV_FP8: the tiles are e4m3 and are cast to q's dtype here,
     in registers; their scales are the caller's (folded into qk_scale and the output).
     EMPTY_ROWS: a row may see no position of a tile, nor of any before it (a KV split that
-    starts after the row's position): its maximum stays -inf and must not make NaNs.
-    FOLD_SCALE: the running maximum is kept in scaled units and qk_scale goes into the exponent's
-    argument, s * qk_scale - m, one fused multiply-add per score instead of a multiply then a
-    subtract (FlashAttention's form; qk_scale > 0, so the maximum of the scaled scores is the scaled
-    maximum). FULL_TILES: every tile of [lo, hi) is whole (hi - lo a multiple of BLOCK_N, all inside
-    the table: prefill's unmasked stretch), so K/V and the table are loaded without a predicate."""
+    starts after the row's position): its maximum stays -inf and must not make NaNs."""
     n = tl.arange(0, BLOCK_N)
     for tile in range(lo, hi, BLOCK_N):
         pos = tile + n
         valid = pos < hi
-        if FULL_TILES:
-            block = tl.load(table + pos // BLOCK_SIZE).to(tl.int64)
-        else:
-            block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        block = tl.load(table + pos // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         kv_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + head_off
-        if FULL_TILES and BLOCK_D == HEAD_DIM:
-            k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :])
-            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :])
+        if BLOCK_D == HEAD_DIM:
+            kv_mask = valid[:, None]
         else:
-            if FULL_TILES:
-                kv_mask = (d < HEAD_DIM)[None, :]
-            elif BLOCK_D == HEAD_DIM:
-                kv_mask = valid[:, None]
-            else:
-                kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
-            k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            kv_mask = valid[:, None] & (d[None, :] < HEAD_DIM)
+        k = tl.load(k_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=kv_mask, other=0.0)
         if KV_FP8:
             k = k.to(q.dtype)
             v = v.to(q.dtype)
@@ -64,25 +50,19 @@ def attend_tiles(
             s = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        if not FOLD_SCALE:
-            s = s * qk_scale
+        s = s * qk_scale
         if MASK == IN_CONTEXT:
             s = tl.where(valid[None, :], s, float("-inf"))
         elif MASK == CAUSAL:
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        if FOLD_SCALE:
-            m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
         if EMPTY_ROWS:
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_use = m_new
-        alpha = tl.exp2(m_i - m_use)
-        if FOLD_SCALE:
-            p = tl.exp2(s * qk_scale - m_use[:, None])
-        else:
+            alpha = tl.exp2(m_i - m_use)
             p = tl.exp2(s - m_use[:, None])
+        else:
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")

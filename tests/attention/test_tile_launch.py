@@ -12,7 +12,6 @@ from pagedserve.attention.tile_launch import TileLaunch
     ("bm128+bn32+w8+s3", TileLaunch(128, 32, 8, 3)),
     ("gqa+bm128", TileLaunch(128, prefill.PREFILL_BLOCK_N, 4, 2, gqa=True)),
     ("lpt", TileLaunch(prefill.PREFILL_BLOCK_M, prefill.PREFILL_BLOCK_N, 4, 2, lpt=True)),
-    ("fold+s3", TileLaunch(prefill.PREFILL_BLOCK_M, prefill.PREFILL_BLOCK_N, 4, 3, fold=True)),
     (" s4 ", TileLaunch(prefill.PREFILL_BLOCK_M, prefill.PREFILL_BLOCK_N, 4, 4)),
 ])
 def test_prefill_launch_switch_read_once(monkeypatch, raw, want):
@@ -26,7 +25,7 @@ def test_prefill_launch_switch_read_once(monkeypatch, raw, want):
         prefill.prefill_launch.cache_clear()
 
 
-@pytest.mark.parametrize("raw", ["bm48", "bn8", "x4", "w0", "bm", "gqa2", "lpt1", "fold1", "bm64+fast"])
+@pytest.mark.parametrize("raw", ["bm48", "bn8", "x4", "w0", "bm", "gqa2", "lpt1", "bm64+fast"])
 def test_bad_prefill_launch_names_the_switch(raw):
     with pytest.raises(ValueError, match=prefill.PREFILL_LAUNCH_ENV) as err:
         prefill.parse_prefill_launch(raw)
@@ -34,8 +33,7 @@ def test_bad_prefill_launch_names_the_switch(raw):
 
 
 def test_launch_names_parse_back():
-    for text in ("bm128+bn64+w8+s3+gqa", "bm64+bn128+w4+s2", "bm64+bn64+w4+s2+lpt", "bm128+bn64+w8+s3+gqa+lpt",
-                 "bm128+bn128+w8+s4+fold", "bm128+bn64+w8+s2+gqa+lpt+fold"):
+    for text in ("bm128+bn64+w8+s3+gqa", "bm64+bn128+w4+s2", "bm64+bn64+w4+s2+lpt", "bm128+bn64+w8+s3+gqa+lpt"):
         assert prefill.parse_prefill_launch(text).name(prefill.PREFILL_FLAGS) == text
     assert unified.parse_unified_launch("bm256+bn32+w8+s3").name() == "bm256+bn32+w8+s3"
 

@@ -58,6 +58,6 @@ def test_unified_launch_switch():
     assert unified.parse_unified_launch("") == unified.UNIFIED_DEFAULT
     got = unified.parse_unified_launch("bm128+bn32+w8+s3")
     assert (got.block_m, got.block_n, got.num_warps, got.num_stages) == (128, 32, 8, 3)
-    for bad in ("bm48", "bn8", "x4", "w0", "bm", "gqa", "lpt", "fold"):  # the prefill kernel's flags, not this one's
+    for bad in ("bm48", "bn8", "x4", "w0", "bm", "gqa", "lpt"):  # the prefill kernel's flags, not this one's
         with pytest.raises(ValueError, match=unified.UNIFIED_LAUNCH_ENV):
             unified.parse_unified_launch(bad)

@@ -149,17 +149,16 @@ def test_half_precision_matches_reference(dtype):
     torch.testing.assert_close(out.float(), ref.float(), **_tol(dtype))
 
 
-@pytest.mark.parametrize("lpt,fold", [(False, False), (True, False), (False, True)])
-def test_prefill_tiles_span_the_diagonal(lpt, fold):
+@pytest.mark.parametrize("lpt", [False, True])
+def test_prefill_tiles_span_the_diagonal(lpt):
     """Query tiles smaller than the chunk: the unmasked/causal split and partial tiles at both ends;
-    lpt: the same tiles started last first; fold: the scale in exp2's argument, unmasked stretch
-    loaded without predicates (head_dim 8 in 16-wide tiles: the head_dim mask stays)."""
+    lpt: the same tiles started last first."""
     batch = make_batch([(21, 27), (0, 33)], 0, H=2, Hkv=1, D=8, block_size=8, seed=7)
     kc, vc, ref = _reference_out(batch)
     m = batch.meta
     out = torch.empty_like(batch.query)
     ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 0, 2,
-                      m.max_query_len, 8 ** -0.5, out, block_m=16, block_n=16, lpt=lpt, fold=fold)
+                      m.max_query_len, 8 ** -0.5, out, block_m=16, block_n=16, lpt=lpt)
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
@@ -276,14 +275,14 @@ def test_fp8_per_head_scales_match_attention_over_dequantized_kv(qdtype, num_spl
 
 
 # --- The GQA-packed prefill variant (triton_prefill.py, PAGEDSERVE_PREFILL_LAUNCH's gqa) ----------
-@pytest.mark.parametrize("lpt,fold", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("lpt", [False, True])
 @pytest.mark.parametrize("block_size,H,Hkv,D,block_m", [
     (8, 4, 4, 64, 16),     # MHA: packing is a no-op (the plain kernel runs)
     (16, 8, 2, 128, 32),   # group 4: 8 tokens x 4 heads per tile
     (8, 8, 1, 64, 16),     # group 8: 2 tokens per tile, every tile on the diagonal
     (16, 6, 1, 32, 32),    # group 6 padded to 8: padded rows must not be written
 ])
-def test_gqa_packed_prefill_matches_reference(block_size, H, Hkv, D, block_m, lpt, fold):
+def test_gqa_packed_prefill_matches_reference(block_size, H, Hkv, D, block_m, lpt):
     """Chunks crossing block boundaries, with and without prefix context, one shorter than a tile;
     each row's causal mask follows its own token. The rows of other sequences (a decode first)
     stay as they were: NaN. lpt: the tiles in reverse order (the short chunk's past its end)."""
@@ -293,8 +292,7 @@ def test_gqa_packed_prefill_matches_reference(block_size, H, Hkv, D, block_m, lp
     m = batch.meta
     out = torch.full_like(batch.query, float("nan"))
     ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 1, 3,
-                      max(m.query_lens_cpu[1:]), D ** -0.5, out, block_m=block_m, block_n=16, gqa=True, lpt=lpt,
-                      fold=fold)
+                      max(m.query_lens_cpu[1:]), D ** -0.5, out, block_m=block_m, block_n=16, gqa=True, lpt=lpt)
     assert out[:1].isnan().all()
     torch.testing.assert_close(out[1:], ref[1:], **_tol(torch.float32))
 
