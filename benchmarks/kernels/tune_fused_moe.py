@@ -52,17 +52,20 @@ from pagedserve.layers.tuned_tables import write_table
 TUNE_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
 
-def search_space(num_tokens: int, num_experts: int, top_k: int, fp8: bool) -> list[dict]:
+def search_space(num_tokens: int, num_experts: int, top_k: int, fp8: bool, wide: bool = False) -> list[dict]:
     """Decode-like counts (a few rows per expert): 16-row blocks, no grouping, the widths and depths
     that keep a thin GEMM streaming weights. Beyond: row blocks no taller than twice the rows an
-    expert gets on average, grouped by 16, 8 warps on big tiles. fp8 reads K twice as deep per byte."""
+    expert gets on average, grouped by 16, 8 warps on big tiles. fp8 reads K twice as deep per byte.
+    wide: the same and the kinds of choice the first cut left out that vLLM's own H200 table makes
+    for Mixtral-8x7B (5 stages at 1-8 tokens, BLOCK_K 128 at 64-128, 8 warps on 64 x 128 tiles),
+    for a retune of the token counts where the layer trails vLLM's (about twice the configs)."""
     rows_per_expert = num_tokens * top_k / num_experts
     out = []
     if rows_per_expert <= 8:
         depths = (128, 256) if fp8 else (64, 128)
         for n in (32, 64, 128):
             for k in depths:
-                for s in (3, 4):
+                for s in (3, 4, 5) if wide else (3, 4):
                     out.append(dict(BLOCK_M=16, BLOCK_N=n, BLOCK_K=k, GROUP_M=1, num_warps=4, num_stages=s))
         if rows_per_expert > 2:
             return out + [dict(c, BLOCK_M=32) for c in out if c["BLOCK_N"] == 64]
@@ -73,6 +76,11 @@ def search_space(num_tokens: int, num_experts: int, top_k: int, fp8: bool) -> li
             for s in (3, 4):
                 out.append(dict(BLOCK_M=m, BLOCK_N=n, BLOCK_K=k, GROUP_M=16, num_warps=8 if m * n > 64 * 128 else 4,
                                 num_stages=s))
+    if wide:
+        deeper = [dict(c, BLOCK_K=2 * k) for c in out if c["BLOCK_M"] <= 64 and c["BLOCK_N"] <= 128]
+        warps = [dict(c, num_warps=12 - c["num_warps"]) for c in out + deeper
+                 if c["BLOCK_M"] * c["BLOCK_N"] == 64 * 128]
+        out += deeper + warps
     return out
 
 
@@ -125,6 +133,7 @@ def main() -> None:
                     help="the experts' dtype (fp8_w8a8: FP8 experts, bf16 activations quantized per token)")
     ap.add_argument("--tokens", type=int, nargs="+", default=list(TUNE_TOKENS))
     ap.add_argument("--max-seconds", type=float, default=200, help="stop starting new token counts after this")
+    ap.add_argument("--wide", action="store_true", help="search_space's wider set (with --tokens: a targeted retune)")
     ap.add_argument("--output-dir", default=str(CONFIG_DIR))
     args = ap.parse_args()
     E, H, inter, top_k = layer_shape(args.model, args.tp, args.expert_parallel)
@@ -148,7 +157,7 @@ def main() -> None:
             break
         calls = routings(T, E, H, top_k, act, expert_bytes, g, dev)
         timed = []
-        for cfg in search_space(T, E, top_k, fp8):
+        for cfg in search_space(T, E, top_k, fp8, args.wide):
             try:
                 timed.append((cfg, *time_config(cfg, experts, calls)))
             except Exception as e:  # out of shared memory / registers: not a candidate here
