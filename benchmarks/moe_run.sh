@@ -15,6 +15,8 @@
 # prints the sequence, the time of each call and which calls must share a lease):
 #   bash benchmarks/moe_run.sh tune_layer               (graph-timed retune of both bf16 tables, then the
 #                                                        layer vs vLLM's fused_experts; vLLM in $SITE)
+#   bash benchmarks/moe_run.sh tune_wide                (the wider search at the counts where the layer trails
+#                                                        vLLM's, then the layer again; vLLM in $SITE)
 #   bash benchmarks/moe_run.sh pair MODEL [both|vllm|ours]   (offline nanovllm + fixed256, vLLM then ours)
 #   bash benchmarks/moe_run.sh online MODEL [both|vllm|ours] (sharegpt-like at 30/60/90% of vLLM's saturation)
 # $SITE: the folder vLLM 0.26 is installed in (install it in the same call, first). Each call writes
@@ -52,6 +54,19 @@ case "${1:-}" in
     done
     cp "$O"/configs/E=*.json pagedserve/layers/fused_moe/configs/
     # The device tool does not bring back files whose names hold '=' or ',' (every table's): a tarball does.
+    tar czf "$O/configs.tgz" -C "$O/configs" . && rm -rf "$O/configs"
+    step moe_layer 200 env PYTHONPATH="$PWD${SITE:+:$SITE}" python3 benchmarks/kernels/bench_fused_moe.py \
+      ${SITE:+--vllm} --output "$O/moe_layer.json" ;;
+  tune_wide)  # ~6 min: tune_layer's retune with search_space(wide) at the token counts where the layer
+              # trailed vLLM's (moe_layer.json at ba18304), then the layer again (vLLM in $SITE)
+    lease tune_wide
+    mkdir -p "$O/configs"
+    cp pagedserve/layers/fused_moe/configs/E=*.json "$O/configs/"
+    step tune_mixtral_8x7b_wide 150 python3 benchmarks/kernels/tune_fused_moe.py --model mixtral-8x7b --wide \
+      --tokens 1 64 128 256 512 --max-seconds 120 --output-dir "$O/configs"
+    step tune_qwen3_30b_a3b_wide 120 python3 benchmarks/kernels/tune_fused_moe.py --model qwen3-30b-a3b --wide \
+      --tokens 1 2 4 256 512 --max-seconds 90 --output-dir "$O/configs"
+    cp "$O"/configs/E=*.json pagedserve/layers/fused_moe/configs/
     tar czf "$O/configs.tgz" -C "$O/configs" . && rm -rf "$O/configs"
     step moe_layer 200 env PYTHONPATH="$PWD${SITE:+:$SITE}" python3 benchmarks/kernels/bench_fused_moe.py \
       ${SITE:+--vllm} --output "$O/moe_layer.json" ;;
