@@ -11,6 +11,8 @@
 #                                             # launches; $OUT/prefill_launch.env holds the picked switches
 #                                             # (env $(cat $OUT/prefill_launch.env) bash ... ours)
 # vllm/ours/collect share $OUT/long_context/ (the work dir); run them in one $OUT, or copy it over.
+# On the device tool (which brings back 8 files of $OUT) set LONG_WORK=/tmp/long_context: the work dir
+# stays there for the lease's later calls, and vllm/ours leave it in $OUT/long_context.tgz.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-$PWD/logs}
@@ -21,7 +23,8 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
   timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
   echo "$(date +%T) end $name rc=$?" >> "$OUT/progress.log"
 }
-WORK=$OUT/long_context
+WORK=${LONG_WORK:-$OUT/long_context}
+pack() { [ "$WORK" = "$OUT/long_context" ] || tar czf "$OUT/long_context.tgz" -C "$(dirname "$WORK")" "$(basename "$WORK")"; }
 MODE=${1:-quick}
 case $MODE in
   quick)
@@ -33,13 +36,13 @@ case $MODE in
   vllm)
     step long_context_vllm 590 python3 benchmarks/serving/long_context.py online --engines vllm \
       --site "${SITE:?set SITE to the dir vLLM 0.26 is installed in}" --work "$WORK"
-    ;;
+    pack ;;
   ours)
     shift
     step long_context_pagedserve 590 python3 benchmarks/serving/long_context.py online --engines pagedserve \
       --site "${SITE:?set SITE to the dir vLLM 0.26 is installed in (it supplies the server packages)}" --work "$WORK" \
       --pagedserve-args "$*"
-    ;;
+    pack ;;
   collect)
     step long_context_collect 60 python3 benchmarks/serving/long_context.py collect --work "$WORK" \
       --device "NVIDIA H200"
