@@ -7,6 +7,7 @@ and exit status 2, never a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from pagedserve import __version__
@@ -63,7 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     if is_external_worker():
         # torchrun started this command on every node: ranks > 0 serve rank 0's engine instead.
         from pagedserve.runner.launch import main as worker_main
-        return worker_main()
+        code = worker_main()
+        # As launch.py's own entry does: skip the interpreter's finalization, where a library's
+        # atexit hook or a gloo thread can block on groups already torn down. test_tp_env_rendezvous
+        # once timed out with rank 0 done and node 0's torchrun waiting at its exit barrier for
+        # this worker (cause not pinned down; finalization is the step launch.py already skips).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
     parser = build_parser()
     args, extras = parser.parse_known_args(argv)
     if extras:
