@@ -334,7 +334,7 @@ def sweep(args) -> int:
         if k not in KERNELS:
             raise ValueError(f"--kernels are {', '.join(KERNELS)}, got {k!r}")
     order = schedule(kernels, args.grid)
-    if args.launches:  # an A/B of named launches instead of the grid, e.g. paged_prefill:bm128+bn128+w8+s4+fold
+    if args.launches:  # an A/B of named launches instead of the grid, e.g. paged_prefill:bm128+bn128+w8+s4+lpt
         order = []
         for item in filter(None, args.launches.split(",")):
             kernel, _, name = item.partition(":")

@@ -155,7 +155,7 @@
   function setCounter(name, text, value) {
     const el = document.querySelector(`[data-counter="${name}"]`);
     el.textContent = text;
-    if (value !== undefined) el.dataset.value = value;  // the unrounded figure, for tests and tooltips
+    if (value !== undefined) el.dataset.value = value;  // the unrounded figure, which the browser test compares
   }
 
   function renderCounters(f) {
