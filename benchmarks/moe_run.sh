@@ -15,9 +15,9 @@
 # prints the sequence, the time of each call and which calls must share a lease):
 #   bash benchmarks/moe_run.sh tune_layer               (graph-timed retune of both bf16 tables, then the
 #                                                        layer vs vLLM's fused_experts; vLLM in $SITE)
-#   bash benchmarks/moe_run.sh tune_wide                (the wider search at the counts where the layer trails
+#   bash benchmarks/moe_run.sh tune_wide [MODEL|both]   (the wider search at the counts where the layer trails
 #                                                        vLLM's, then the layer again; vLLM in $SITE)
-#   bash benchmarks/moe_run.sh pair MODEL [both|vllm|ours]   (offline nanovllm + fixed256, vLLM then ours)
+#   bash benchmarks/moe_run.sh pair MODEL [both|vllm|ours] [WORKLOAD...]   (offline, default nanovllm + fixed256, vLLM then ours)
 #   bash benchmarks/moe_run.sh online MODEL [both|vllm|ours] (sharegpt-like at 30/60/90% of vLLM's saturation)
 # $SITE: the folder vLLM 0.26 is installed in (install it in the same call, first). Each call writes
 # $O/lease.txt ("<lease id> new|continued ..."): a call that finds the id of an earlier call left
@@ -57,31 +57,39 @@ case "${1:-}" in
     tar czf "$O/configs.tgz" -C "$O/configs" . && rm -rf "$O/configs"
     step moe_layer 200 env PYTHONPATH="$PWD${SITE:+:$SITE}" python3 benchmarks/kernels/bench_fused_moe.py \
       ${SITE:+--vllm} --output "$O/moe_layer.json" ;;
-  tune_wide)  # ~6 min: tune_layer's retune with search_space(wide) at the token counts where the layer
-              # trailed vLLM's (moe_layer.json at ba18304), then the layer again (vLLM in $SITE)
-    lease tune_wide
+  tune_wide)  # [MODEL|both] ~6 min for both: tune_layer's retune with search_space(wide) at the token counts
+              # where the layer trailed vLLM's (moe_layer.json at ba18304), then the layer again (vLLM in $SITE)
+    which=${2:-both}; lease "tune_wide $which"
     mkdir -p "$O/configs"
     cp pagedserve/layers/fused_moe/configs/E=*.json "$O/configs/"
-    step tune_mixtral_8x7b_wide 150 python3 benchmarks/kernels/tune_fused_moe.py --model mixtral-8x7b --wide \
-      --tokens 1 64 128 256 512 --max-seconds 120 --output-dir "$O/configs"
-    step tune_qwen3_30b_a3b_wide 120 python3 benchmarks/kernels/tune_fused_moe.py --model qwen3-30b-a3b --wide \
-      --tokens 1 2 4 256 512 --max-seconds 90 --output-dir "$O/configs"
+    if [ "$which" != qwen3-30b-a3b ]; then
+      step tune_mixtral_8x7b_wide 150 python3 benchmarks/kernels/tune_fused_moe.py --model mixtral-8x7b --wide \
+        --tokens 1 64 128 256 512 --max-seconds 120 --output-dir "$O/configs"
+    fi
+    if [ "$which" != mixtral-8x7b ]; then
+      step tune_qwen3_30b_a3b_wide 120 python3 benchmarks/kernels/tune_fused_moe.py --model qwen3-30b-a3b --wide \
+        --tokens 1 2 4 256 512 --max-seconds 90 --output-dir "$O/configs"
+    fi
     cp "$O"/configs/E=*.json pagedserve/layers/fused_moe/configs/
     tar czf "$O/configs.tgz" -C "$O/configs" . && rm -rf "$O/configs"
+    models=$([ "$which" = both ] && echo "qwen3-30b-a3b mixtral-8x7b" || echo "$which")
     step moe_layer 200 env PYTHONPATH="$PWD${SITE:+:$SITE}" python3 benchmarks/kernels/bench_fused_moe.py \
-      ${SITE:+--vllm} --output "$O/moe_layer.json" ;;
-  pair)  # MODEL [both|vllm|ours]: vLLM's offline runs (one LLM, both workloads), then ours (one engine)
-    m=${2:?model}; which=${3:-both}; lease "pair $m $which"
+      ${SITE:+--vllm} --models $models --output "$O/moe_layer.json" ;;
+  pair)  # MODEL [both|vllm|ours] [WORKLOAD...] (default nanovllm fixed256): vLLM's offline runs (one LLM,
+         # the workloads), then ours (one engine)
+    m=${2:?model}; which=${3:-both}; shift $(( $# < 3 ? $# : 3 )); wls=${*:-nanovllm fixed256}
+    lease "pair $m $which $wls"
     big=$([ "$m" = mixtral-8x7b ] && echo 1 || echo 0)
     if [ "$which" != ours ]; then
       need_site
+      set -- $wls; first=$1; shift; also=${*:+--also $*}
       step "vllm_offline_$m" $([ $big = 1 ] && echo 330 || echo 230) env PYTHONPATH="$SITE" VLLM_USE_FLASHINFER_SAMPLER=0 \
-        OUT="$O" python3 benchmarks/serving/peers/bench_vllm.py --workload nanovllm --also fixed256 \
+        OUT="$O" python3 benchmarks/serving/peers/bench_vllm.py --workload "$first" $also \
         --config "benchmarks/models/$m/config.json" --tag "$m"
     fi
     if [ "$which" != vllm ]; then
       step "moe_offline_$m" $([ $big = 1 ] && echo 300 || echo 230) python3 benchmarks/offline/moe_offline.py --one-engine \
-        --models "$m" --repeats 1 --output "$O/moe_offline_$m.json"
+        --models "$m" --workloads $wls --repeats 1 --output "$O/moe_offline_$m.json"
     fi ;;
   online)  # MODEL [both|vllm|ours]; N requests a rate (200 Qwen, 120 Mixtral); RATES for ours alone; GPUS=0,1 for both at once
     m=${2:?model}; which=${3:-both}; lease "online $m $which"; need_site
