@@ -180,16 +180,16 @@ tail -3 "$O/logs/progress.log"
 #     200 requests (~80 s of arrivals at a saturation of ~15 req/s, ~25 s drain each).
 #  6. [measured, s25] online qwen3-30b-a3b ours (vLLM: its server wheels)  ~4 min: server ~70 s, the same 3 rates. MUST
 #     share call 5's lease (at once after it; the rates come from /tmp, or RATES="..." from 5's rates.json).
-#  7. online mixtral-8x7b vllm (vLLM)  ~7.5 min: server ~150 s, probe ~50 s, 3 rates of up to 120
+#  7. [measured 2026-12-02, s26_2_online_mixtral: 6.2 min] online mixtral-8x7b vllm (vLLM)  ~7.5 min: server ~150 s, probe ~50 s, 3 rates of up to 120
 #     requests (~90 s of arrivals at ~7 req/s, ~40 s drain each: 20 ms a token x the longest output).
 #     Every rate sends at most rate x 45 s of requests (ARRIVAL_S; at least 60), so a slower vLLM
 #     (a probe under 5 req/s) still fits the step's 500 s.
-#  8. online mixtral-8x7b ours (vLLM)  ~5.5 min. MUST share call 7's lease.
+#  8. [measured, s26: 4.8 min] online mixtral-8x7b ours (vLLM)  ~5.5 min. MUST share call 7's lease.
 #  On a 2-GPU machine (kind nvidia-h200-x2), `GPUS=0,1 ... online MODEL both` runs 5+6 (~6 min) and
 #  7+8 (~8 min) as one call each, one engine per GPU, ours waiting for vLLM's rates.
 # Lease 4 (kind nvidia-h200-x2, ~15 min): expert parallelism against sharding (#33 asks for it, as EP
 # was built; nothing measured yet), ours only, so any lease:
-#  9. ep_layer  ~3 min: a rank's share of the layer at TP=2, sharded vs whole experts (one GPU).
+#  9. [measured, s26_1_ep_layer: 1.2 min] ep_layer  ~3 min: a rank's share of the layer at TP=2, sharded vs whole experts (one GPU).
 # 10. ep qwen3-30b-a3b  ~5 min: TP=2 sharded then EP, each one engine (~70 s start, ~60 s of runs).
 # 11. ep mixtral-8x7b  ~7 min (~100 s starts).
 # Collect (CPU): copy each call's $OUT into benchmarks/results/h200/moe_parts/<n>_<section>/ (n orders

@@ -21,8 +21,11 @@ What each call's folder may hold, and where it goes:
   rates.json says which fraction of vLLM's saturation the rate was).
 - moe_offline_<model>_tp2.json, moe_offline_<model>_tp2_ep.json (moe_run.sh ep): results
   <model>_<workload>_tp2[_ep], and <model>_<workload>_tp2_ep_over_tp2 where both ran in one lease.
-- moe_layer.json (bench_fused_moe.py --vllm): its <model>_layer_b<T>_over_vllm ratios, a pointer,
-  and the newest part copied over --layer-output (benchmarks/results/h200/moe_layer.json).
+- moe_layer.json (bench_fused_moe.py --vllm): its <model>_layer_b<T>_over_vllm ratios, each model's
+  from the newest part that timed it, a pointer, and those parts merged over --layer-output
+  (benchmarks/results/h200/moe_layer.json; the newest part as written when it has every model).
+- moe_layer_tp2.json + moe_layer_tp2_ep.json (moe_run.sh ep_layer, one call): one rank's share of the
+  layer at TP=2, <model>_layer_b<T>_tp2_ep_over_tp2 (sharded time / expert-parallel time).
 Results in moe.json that no part replaces stay as they are.
 """
 from __future__ import annotations
@@ -69,7 +72,18 @@ def supersede(doc: dict, name: str, source) -> None:
     # A run merged before results carried commits: the file's commit (moe.json's of 811b171 was corrected
     # by hand there, while config.merged_runs kept the stale .git's 315c8fc; see its commit_note).
     commit = old.get("commit") or doc.get("commit")
-    doc.setdefault("superseded", {}).setdefault(name, []).append({"commit": commit, "results": old, "ratios": ratios})
+    kept = doc.setdefault("superseded", {}).setdefault(name, [])
+    if all(e["results"].get("source") != old.get("source") or old.get("source") is None for e in kept):
+        kept.append({"commit": commit, "results": old, "ratios": ratios})
+
+
+def drop_live_from_superseded(doc: dict) -> None:
+    """Collecting again walks the parts from the oldest, so a live result is superseded on the way
+    before it wins again: it does not stay listed as replaced."""
+    for name, kept in doc.get("superseded", {}).items():
+        live = doc["results"].get(name, {}).get("source") if isinstance(kept, list) else None
+        if live is not None:
+            kept[:] = [e for e in kept if e["results"].get("source") != live]
 
 
 def merge_offline(doc: dict, parts: Path) -> list[str]:
@@ -89,7 +103,8 @@ def merge_offline(doc: dict, parts: Path) -> list[str]:
             # Tagged runs (tp2, tp2_ep: two GPUs) are not set against vLLM's one-GPU run; see ep_ratios.
             theirs = [v for v in vllm_parts if v.name == f"vllm_{name}.json"]
             same = [v for v in theirs if lease_of(parts, v) == lease]
-            pick = (same or theirs)[-1:] if theirs else []
+            beside = [v for v in same if v.parent == f.parent]  # a lease with several pairs: this call's own
+            pick = (beside or same or theirs)[-1:] if theirs else []
             for v in pick:
                 pair = like_for_like(doc["results"][name], vllm_runs(v))
                 if pair:
@@ -162,35 +177,82 @@ def merge_online(doc: dict, parts: Path) -> list[str]:
     return merged
 
 
+def layer_models(layer: dict) -> list[str]:
+    return [m for m, v in layer.get("results", {}).items() if isinstance(v, dict) and "batches" in v]
+
+
 def merge_layer(doc: dict, parts: Path, layer_output: Path | None = None) -> list[str]:
-    """The newest part's layer ratios into moe.json; with layer_output, the part itself over that file
-    (its predecessor's commit is kept beside the pointer; git keeps its figures)."""
+    """Each model's layer figures from the newest part that timed it (a retune of one model times only
+    that one) into moe.json's ratios; with layer_output, those parts merged over that file, each
+    model's results with the commit and part they came from (the predecessor's commit is kept beside
+    the pointer; git keeps its figures)."""
     files = sorted(parts.glob("*/moe_layer.json"))
     if not files:
         return []
-    f = files[-1]
-    layer = load(f)
+    newest: dict[str, Path] = {}
+    for f in files:
+        for m in layer_models(load(f)) or ["*"]:  # a part without per-model results: all of it
+            newest[m] = f
+    base = load(files[-1])
+    merged = {**base, "results": dict(base.get("results", {})), "ratios": {}}
+    sources = {}
+    for m, f in newest.items():
+        layer = load(f)
+        if m != "*":
+            merged["results"][m] = {**layer["results"][m], "commit": layer.get("commit"),
+                                    "source": f.relative_to(parts).as_posix()}
+        merged["ratios"].update({k: v for k, v in layer.get("ratios", {}).items()
+                                 if "_layer_b" in k and (m == "*" or k.startswith(m + "_"))})
+        sources[m] = {"commit": layer.get("commit"), "lease": lease_of(parts, f),
+                      "source": f.relative_to(parts).as_posix()}
+    if len({s["source"] for s in sources.values()}) == 1:
+        merged = base  # one part has every model: the file is that part, as written
     replaced = None
     if layer_output is not None:
-        if layer_output.is_file() and load(layer_output) != layer:
+        if layer_output.is_file() and load(layer_output) != merged:
             replaced = load(layer_output).get("commit")
-        layer_output.write_text(f.read_text())
-    for k in [k for k in doc["ratios"] if "_layer_b" in k]:
+        layer_output.write_text(json.dumps(merged, indent=2) + "\n" if merged is not base else files[-1].read_text())
+    for k in [k for k in doc["ratios"] if "_layer_b" in k and "_tp2" not in k]:
         doc["ratios"].pop(k)
-    doc["ratios"].update({k: v for k, v in layer.get("ratios", {}).items() if "_layer_b" in k})
+    doc["ratios"].update({k: v for k, v in merged.get("ratios", {}).items() if "_layer_b" in k})
     previous = doc["results"].get("layer", {})
-    doc["results"]["layer"] = {"commit": layer.get("commit"), "lease": lease_of(parts, f),
-                               "source": f.relative_to(parts).as_posix(), "file": "benchmarks/results/h200/moe_layer.json",
+    doc["results"]["layer"] = {"models": sources, "file": "benchmarks/results/h200/moe_layer.json",
                                "replaced_commit": replaced or previous.get("replaced_commit")}
     return ["layer"]
+
+
+def merge_layer_ep(doc: dict, parts: Path) -> list[str]:
+    """One rank's share of the layer at TP=2 (moe_run.sh ep_layer: moe_layer_tp2.json, sharded, and
+    moe_layer_tp2_ep.json, whole experts, one call): <model>_layer_b<T>_tp2_ep_over_tp2, expert
+    parallelism's speed over sharding's (sharded time / EP time), from the newest call with both."""
+    calls = [f.parent for f in sorted(parts.glob("*/moe_layer_tp2_ep.json")) if (f.parent / "moe_layer_tp2.json").is_file()]
+    if not calls:
+        return []
+    d = calls[-1]
+    sharded, ep = load(d / "moe_layer_tp2.json"), load(d / "moe_layer_tp2_ep.json")
+    for k in [k for k in doc["ratios"] if "_layer_b" in k and k.endswith("_tp2_ep_over_tp2")]:
+        doc["ratios"].pop(k)
+    for m in set(layer_models(sharded)) & set(layer_models(ep)):
+        for T, row in ep["results"][m]["batches"].items():
+            base = sharded["results"][m]["batches"].get(T)
+            if base and row.get("ours_timing") == base.get("ours_timing"):
+                doc["ratios"][f"{m}_layer_b{T}_tp2_ep_over_tp2"] = round(base["ours_us"] / row["ours_us"], 3)
+    doc["results"]["layer_tp2"] = {"commit": ep.get("commit"), "lease": lease_of(parts, d / "lease.txt"),
+                                   "source": [(d / n).relative_to(parts).as_posix()
+                                              for n in ("moe_layer_tp2.json", "moe_layer_tp2_ep.json")],
+                                   "shapes": {m: {"tp2": sharded["results"][m]["shape"], "tp2_ep": ep["results"][m]["shape"]}
+                                              for m in set(layer_models(sharded)) & set(layer_models(ep))}}
+    return ["layer_tp2"]
 
 
 def collect(parts: Path, output: Path, layer_output: Path | None = None) -> dict:
     doc = load(output) if output.is_file() else {"benchmark": "moe", "results": {}, "ratios": {}, "config": {}}
     doc.setdefault("results", {})
     doc.setdefault("ratios", {})
-    merged = merge_offline(doc, parts) + merge_online(doc, parts) + merge_layer(doc, parts, layer_output)
+    merged = (merge_offline(doc, parts) + merge_online(doc, parts) + merge_layer(doc, parts, layer_output)
+              + merge_layer_ep(doc, parts))
     ep_ratios(doc)
+    drop_live_from_superseded(doc)
     if merged:
         commits = {r.get("commit") for n, r in doc["results"].items() if n in merged and isinstance(r, dict)} - {None}
         if doc.get("commit_note", NOTE) != NOTE:  # it described the runs it came with; they may be superseded now

@@ -96,3 +96,56 @@ def test_collect_merges_parts_into_moe_json(tmp_path):
     again = collect(parts, out, layer_out)
     for key in ("results", "ratios", "superseded"):
         assert again[key] == doc[key]
+
+
+def layer_part(commit: str, models: dict, tp: int = 1, ep: bool = False) -> dict:
+    """A bench_fused_moe.py output: {model: {batch: (ours_us, vllm_us or None)}}."""
+    results = {m: {"shape": {"tp": tp, "expert_parallel": ep},
+                   "batches": {str(T): {"ours_us": us, "ours_timing": "graph",
+                                        **({"ours_over_vllm_speed": round(vl / us, 3)} if vl else {})}
+                               for T, (us, vl) in rows.items()}} for m, rows in models.items()}
+    ratios = {f"{m}_layer_b{T}_over_vllm": row["ours_over_vllm_speed"]
+              for m, r in results.items() for T, row in r["batches"].items() if "ours_over_vllm_speed" in row}
+    return {"commit": commit, "results": {**results, "copy_bandwidth_GBps": 4300.0}, "ratios": ratios}
+
+
+def test_layer_parts_merge_per_model_and_ep_over_sharded(tmp_path):
+    """A retune of one model times only that one: the other model's layer figures stay from the
+    older part, in moe.json and in the merged moe_layer.json; ep_layer's two files give EP over sharded."""
+    q, m = "qwen3-30b-a3b", "mixtral-8x7b"
+    parts = tmp_path / "parts"
+    call(parts, "a_both", "L1", {"moe_layer.json": layer_part("c1", {q: {1: (20.0, 25.0)}, m: {1: (200.0, 180.0)}})})
+    call(parts, "b_mixtral", "L2", {"moe_layer.json": layer_part("c2", {m: {1: (190.0, 190.0)}})})
+    call(parts, "c_ep", "L3", {"moe_layer_tp2.json": layer_part("c3", {m: {64: (500.0, None), 128: (540.0, None)}}, 2),
+                               "moe_layer_tp2_ep.json": layer_part("c3", {m: {64: (600.0, None), 128: (540.0, None)}},
+                                                                   2, True)})
+    out, layer_out = tmp_path / "moe.json", tmp_path / "moe_layer.json"
+    doc = collect(parts, out, layer_out)
+    ratios = doc["ratios"]
+    assert ratios[f"{q}_layer_b1_over_vllm"] == 1.25  # from the older part: the newer one lacks Qwen
+    assert ratios[f"{m}_layer_b1_over_vllm"] == 1.0  # the newer part's
+    assert doc["results"]["layer"]["models"][q]["commit"] == "c1"
+    assert doc["results"]["layer"]["models"][m]["lease"] == "L2"
+    merged = json.loads(layer_out.read_text())
+    assert merged["results"][q]["commit"] == "c1" and merged["results"][m]["batches"]["1"]["ours_us"] == 190.0
+    assert merged["ratios"] == {f"{q}_layer_b1_over_vllm": 1.25, f"{m}_layer_b1_over_vllm": 1.0}
+    assert ratios[f"{m}_layer_b64_tp2_ep_over_tp2"] == round(500 / 600, 3)
+    assert ratios[f"{m}_layer_b128_tp2_ep_over_tp2"] == 1.0
+    assert doc["results"]["layer_tp2"]["lease"] == "L3"
+    assert not any(k.startswith(q) and "tp2" in k for k in ratios)  # Qwen was not in the ep_layer call
+    again = collect(parts, out, layer_out)
+    assert again["ratios"] == ratios and json.loads(layer_out.read_text()) == merged
+
+
+def test_two_pairs_in_one_lease_each_keep_their_own_vllm_run(tmp_path):
+    m = "mixtral-8x7b"
+    parts = tmp_path / "parts"
+    call(parts, "a_pair", "L1", {f"moe_offline_{m}.json": ours(m, {"nanovllm": 3762.0}, "c1"),
+                                 f"vllm_{m}_nanovllm.json": theirs(3620.0)})
+    call(parts, "b_pair", "L1", {f"moe_offline_{m}.json": ours(m, {"nanovllm": 3764.0}, "c1"),
+                                 f"vllm_{m}_nanovllm.json": theirs(3600.0)})
+    doc = collect(parts, tmp_path / "moe.json")
+    assert doc["ratios"][f"{m}_nanovllm_over_vllm"] == round(3764 / 3600, 3)
+    first = doc["superseded"][f"{m}_nanovllm"]
+    assert len(first) == 1 and first[0]["ratios"][f"{m}_nanovllm_over_vllm"] == round(3762 / 3620, 3)
+    assert collect(parts, tmp_path / "moe.json")["superseded"] == doc["superseded"]  # collecting again adds nothing
