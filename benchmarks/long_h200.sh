@@ -10,6 +10,9 @@
 #   bash benchmarks/long_h200.sh sweep        # ~4 min: prefill_sweep.py, the long-chunk attention
 #                                             # launches; $OUT/prefill_launch.env holds the picked switches
 #                                             # (env $(cat $OUT/prefill_launch.env) bash ... ours)
+#   bash benchmarks/long_h200.sh split        # ~2 min: the two kernels' default launches beside torch
+#                                             # SDPA (cuDNN, flash) over the gathered context, split
+#                                             # into prefix + causal square (--split-baselines)
 # vllm/ours/collect share $OUT/long_context/ (the work dir); run them in one $OUT, or copy it over.
 # On the device tool (which brings back 8 files of $OUT) set LONG_WORK=/tmp/long_context: the work dir
 # stays there for the lease's later calls, and vllm/ours leave it in $OUT/long_context.tgz.
@@ -53,6 +56,10 @@ case $MODE in
     python3 benchmarks/kernels/prefill_sweep.py --pick "$OUT/prefill_sweep.json" > "$OUT/prefill_launch.env" \
       2>> "$OUT/prefill_sweep.log"
     ;;
-  *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect|sweep" >&2; exit 2 ;;
+  split)
+    step prefill_split 280 python3 benchmarks/kernels/prefill_sweep.py --launches paged_prefill:default,unified:default \
+      --split-baselines --reps 5 --output "$OUT/prefill_split.json"
+    ;;
+  *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect|sweep|split" >&2; exit 2 ;;
 esac
 echo "$(date +%T) done $MODE" >> "$OUT/progress.log"

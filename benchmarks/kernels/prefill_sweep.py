@@ -186,6 +186,41 @@ def sdpa_attention(q4, k4, v4, backends) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
+def merge_by_lse(out1, lse1, out2, lse2) -> torch.Tensor:
+    """Two softmax attentions of the same queries over disjoint key sets, [B, H, c, D] each with
+    their log-sum-exps [B, H, c], combined into the attention over the union."""
+    acc = torch.promote_types(out1.dtype, torch.float32)
+    lse1, lse2 = lse1.to(acc).reshape(out1.shape[:3]), lse2.to(acc).reshape(out2.shape[:3])
+    m = torch.maximum(lse1, lse2)
+    w1, w2 = (lse1 - m).exp().unsqueeze(-1), (lse2 - m).exp().unsqueeze(-1)
+    return ((out1.to(acc) * w1 + out2.to(acc) * w2) / (w1 + w2)).to(out1.dtype)
+
+
+def split_attention(q4, k4, v4, piece) -> torch.Tensor:
+    """A chunk's lower-right causal attention as a library kernel sees it: the chunk's queries over
+    the context before it (no mask: every earlier key is visible to every query), plus over its
+    own keys (causal, a square, where top-left and lower-right agree), merged by log-sum-exp.
+    `piece(q, k, v, causal)` -> (out [B, H, c, D], lse). [c, H, D] back."""
+    prefix = k4.shape[2] - q4.shape[2]
+    out2, lse2 = piece(q4, k4[:, :, prefix:], v4[:, :, prefix:], True)
+    if prefix == 0:
+        return out2[0].transpose(0, 1)
+    out1, lse1 = piece(q4, k4[:, :, :prefix], v4[:, :, :prefix], False)
+    return merge_by_lse(out1, lse1, out2, lse2)[0].transpose(0, 1)
+
+
+def library_pieces() -> dict:
+    """The CUDA SDPA kernels that return their log-sum-exp (torch's private ops, as SDPA calls
+    them), for split_attention: the long-prefill path a gather into contiguous K/V would allow."""
+    aten = torch.ops.aten
+    return {
+        "sdpa_cudnn_split": lambda q, k, v, causal: aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=q.shape[-1] ** -0.5)[:2],
+        "sdpa_flash_split": lambda q, k, v, causal: aten._scaled_dot_product_flash_attention(
+            q, k, v, 0.0, causal, False, scale=q.shape[-1] ** -0.5)[:2],
+    }
+
+
 def check_output(out: torch.Tensor, ref: torch.Tensor, rtol: float = RTOL) -> tuple[float, bool]:
     """(the worst (token, head) row's ||out - ref|| / ||ref||, whether it is within rtol); NaN or
     inf anywhere is never within."""
@@ -340,6 +375,8 @@ def sweep(args) -> int:
             kernel, _, name = item.partition(":")
             if kernel not in KERNELS or not name:
                 raise ValueError(f"--launches are KERNEL:LAUNCH joined by ',', got {item!r}")
+            if name == "default":  # the launch serving runs with unset switches (on Hopper)
+                name = KERNELS[kernel][1].name(KERNELS[kernel][2])
             KERNELS[kernel][3](name)  # a bad name is a ValueError naming the switch, before any GPU work
             order.append((kernel, name))
         kernels = sorted({k for k, _ in order}, key=list(KERNELS).index)
@@ -357,6 +394,7 @@ def sweep(args) -> int:
           f"{time.monotonic() - t0:.0f} s", flush=True)
 
     shapes, refs, sdpa = [], {}, {}
+    split = {name: {} for name in library_pieces()} if args.split_baselines else {}
     for i, (c, L) in enumerate(shape_list):
         shape = make_shape(c, L, args.device, seed=i, dtype=dtype)
         q4, k4, v4 = sdpa_inputs(shape)
@@ -368,6 +406,16 @@ def sweep(args) -> int:
         except RuntimeError as e:  # no flash kernel for this device / dtype
             sdpa[shape.key] = {"error": repr(e)[:300]}
         print(f"  {shape.key}: sdpa flash {sdpa[shape.key]}", flush=True)
+        for name, piece in (library_pieces().items() if cuda and args.split_baselines else ()):
+            try:
+                got = split_attention(q4, k4, v4, piece)
+                err, ok = check_output(got, refs[shape.key], args.rtol)
+                ms = time_ms(lambda: split_attention(q4, k4, v4, piece), args.warmup, args.reps)
+                split[name][shape.key] = {"ms": ms, "tflops": attention_flops(c, L) / ms / 1e9,
+                                          "max_rel_err": err, "within_rtol": ok}
+            except (RuntimeError, NotImplementedError) as e:  # no such kernel for this device / dtype / size
+                split[name][shape.key] = {"error": repr(e)[:300]}
+            print(f"  {shape.key}: {name} {split[name][shape.key]}", flush=True)
         del q4, k4, v4
         shapes.append(shape)
     if cuda:
@@ -408,7 +456,7 @@ def sweep(args) -> int:
               "triton": __import__("triton").__version__, "precompile_jobs": args.jobs}
     doc_results = {**results, "pick": found, "not_reached": not_reached,
                    "precompile_failures": {k: v for k, v in pre.items() if v != "ok"}}
-    write_result(args.output, "prefill_sweep", None, config, doc_results, {"sdpa_flash": sdpa}, ratios, markdown,
+    write_result(args.output, "prefill_sweep", None, config, doc_results, {"sdpa_flash": sdpa, **split}, ratios, markdown,
                  device=dev)
     print(f"\n{len(not_reached)} launches not reached; {time.monotonic() - t0:.0f} s; wrote {args.output}")
     print_picks(found)
@@ -423,6 +471,8 @@ def markdown(rec: dict) -> str:
              f"commit `{rec['commit'][:10]}`, {rec['date']}; `{rec['command']}`; ms (TFLOPS) per c x L", "",
              "| kernel | launch | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys),
              "| torch SDPA | flash | " + " | ".join(fmt(sdpa.get(k, {})) for k in keys) + " |"]
+    lines += [f"| torch SDPA, gathered K/V | {name.removeprefix('sdpa_')} | " + " | ".join(fmt(runs.get(k, {})) for k in keys)
+              + " |" for name, runs in rec["baselines"].items() if name.endswith("_split")]
     for kernel, (_, default, flags, _) in KERNELS.items():
         p = rec["results"]["pick"].get(kernel)
         shown = [default.name(flags)] + ([p["launch"]] if p and p["launch"] != default.name(flags) else [])
@@ -442,8 +492,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shapes", default=None, help="CxL pairs, e.g. 8192x32768,2048x65536 (default: SHAPES)")
     ap.add_argument("--kernels", default="paged_prefill,unified")
     ap.add_argument("--grid", choices=("full", "quick"), default="full")
-    ap.add_argument("--launches", default=None, help="KERNEL:LAUNCH,... to time instead of the grid (an A/B; "
+    ap.add_argument("--launches", default=None, help="KERNEL:LAUNCH,... to time instead of the grid (LAUNCH 'default': "
+                    "the kernel's Hopper default; an A/B; "
                     "--lpt-top 0 to time only these)")
+    ap.add_argument("--split-baselines", action="store_true",
+                    help="also time cuDNN's and flash's SDPA over the gathered context, split into prefix + "
+                         "causal square and merged by log-sum-exp (baselines.sdpa_cudnn_split, sdpa_flash_split)")
     ap.add_argument("--rtol", type=float, default=RTOL, help="largest row-relative L2 error of a correct launch")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)

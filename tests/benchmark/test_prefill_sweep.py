@@ -121,8 +121,32 @@ def test_pick_from_a_saved_result(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("bad, match", [("paged_prefill:bm48", "PAGEDSERVE_PREFILL_LAUNCH"),
-                                        ("prefill:bm64", "--launches"), ("paged_prefill", "--launches")])
+                                        ("prefill:bm64", "--launches"), ("paged_prefill", "--launches"),
+                                        # 'default' names the kernel's Hopper default: the next item is the bad one
+                                        ("paged_prefill:default,prefill:bm64", "'prefill:bm64'")])
 def test_launches_refuse_a_bad_item_before_any_work(tmp_path, bad, match):
     with pytest.raises(ValueError, match=match):
         ps.main(["--launches", bad, "--output", str(tmp_path / "x.json")])
     assert not (tmp_path / "x.json").exists()
+
+
+def math_piece(q, k, v, causal):
+    """(out, lse) of plain softmax attention, causal top-left: the CPU stand-in for the CUDA ops."""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v, scores.logsumexp(-1)
+
+
+@pytest.mark.parametrize("c,L", [(4, 4), (5, 13), (16, 100)])
+def test_split_attention_equals_lower_right_causal(c, L):
+    """The split baselines' merge: prefix (no mask) + the chunk's own square (causal), combined by
+    log-sum-exp, is the chunk's lower-right causal attention over the whole context."""
+    torch.manual_seed(0)
+    q4, k4, v4 = (torch.randn(1, 3, n, 8, dtype=torch.float64) for n in (c, L, L))
+    got = ps.split_attention(q4, k4, v4, math_piece)
+    ref = ps.sdpa_attention(q4, k4, v4, [torch.nn.attention.SDPBackend.MATH])
+    assert torch.allclose(got, ref, atol=1e-12)
+    # the top-left causal attention over the whole context (the wrong alignment) is not it
+    wrong = math_piece(q4, k4, v4, True)[0][0].transpose(0, 1)
+    assert c == L or not torch.allclose(wrong, ref, atol=1e-3)
