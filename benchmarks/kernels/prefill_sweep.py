@@ -413,7 +413,7 @@ def sweep(args) -> int:
                 ms = time_ms(lambda: split_attention(q4, k4, v4, piece), args.warmup, args.reps)
                 split[name][shape.key] = {"ms": ms, "tflops": attention_flops(c, L) / ms / 1e9,
                                           "max_rel_err": err, "within_rtol": ok}
-            except (RuntimeError, NotImplementedError) as e:  # no such kernel for this device / dtype / size
+            except Exception as e:  # noqa: BLE001  a baseline that cannot run here is recorded, not fatal
                 split[name][shape.key] = {"error": repr(e)[:300]}
             print(f"  {shape.key}: {name} {split[name][shape.key]}", flush=True)
         del q4, k4, v4
