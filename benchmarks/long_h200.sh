@@ -10,9 +10,10 @@
 #   bash benchmarks/long_h200.sh sweep        # ~4 min: prefill_sweep.py, the long-chunk attention
 #                                             # launches; $OUT/prefill_launch.env holds the picked switches
 #                                             # (env $(cat $OUT/prefill_launch.env) bash ... ours)
-#   bash benchmarks/long_h200.sh split        # ~2 min: the two kernels' default launches beside torch
-#                                             # SDPA (cuDNN, flash) over the gathered context, split
-#                                             # into prefix + causal square (--split-baselines)
+#   bash benchmarks/long_h200.sh split        # ~3 min, 128-token pages: the two kernels' default launches,
+#                                             # the prefill kernel's tma (+ws) launches, and torch SDPA
+#                                             # (cuDNN, flash) over the gathered context, split into
+#                                             # prefix + causal square (--split-baselines)
 # vllm/ours/collect share $OUT/long_context/ (the work dir); run them in one $OUT, or copy it over.
 # On the device tool (which brings back 8 files of $OUT) set LONG_WORK=/tmp/long_context: the work dir
 # stays there for the lease's later calls, and vllm/ours leave it in $OUT/long_context.tgz.
@@ -57,7 +58,9 @@ case $MODE in
       2>> "$OUT/prefill_sweep.log"
     ;;
   split)
-    step prefill_split 280 python3 benchmarks/kernels/prefill_sweep.py --launches paged_prefill:default,unified:default \
+    l=paged_prefill:default,unified:default,paged_prefill:bm128+bn128+w8+s4+tma,paged_prefill:bm128+bn64+w8+s3+gqa+tma
+    l=$l,paged_prefill:bm128+bn128+w8+s3+tma+ws,paged_prefill:bm128+bn64+w4+s2+gqa+tma+ws
+    step prefill_split 280 python3 benchmarks/kernels/prefill_sweep.py --block-size 128 --launches "$l" \
       --split-baselines --reps 5 --output "$OUT/prefill_split.json"
     ;;
   *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect|sweep|split" >&2; exit 2 ;;

@@ -141,7 +141,7 @@ class Shape:
         return AttentionMetadata(
             slot_mapping=torch.full((self.c,), -1, dtype=torch.long, device=self.query.device),
             query_start_loc=self.query_start_loc, seq_lens=self.seq_lens, block_tables=self.table, num_decodes=0,
-            max_query_len=self.c, max_seq_len=self.L, block_size=BLOCK_SIZE, query_lens_cpu=[self.c],
+            max_query_len=self.c, max_seq_len=self.L, block_size=self.k_cache.shape[1], query_lens_cpu=[self.c],
             seq_lens_cpu=[self.L])
 
 
@@ -240,7 +240,8 @@ def make_runner(kernel: str, shape: Shape, name: str, out: torch.Tensor):
     s = shape
     if kernel == "paged_prefill":
         return lambda: triton_ops.paged_prefill(s.query, s.k_cache, s.v_cache, s.query_start_loc, s.seq_lens, s.table,
-                                                0, 1, s.c, SCALE, out, gqa=launch.gqa, **kw)
+                                                0, 1, s.c, SCALE, out, gqa=launch.gqa, lpt=launch.lpt, tma=launch.tma,
+                                                ws=launch.ws, **kw)
     meta = s.meta()  # the first call builds the work list, later ones reuse it (as a step's later layers)
     return lambda: triton_ops.unified_paged_attention(s.query, s.k_cache, s.v_cache, meta, SCALE, out, **kw)
 
@@ -264,10 +265,10 @@ def time_ms(fn, warmup: int, reps: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in events)
 
 
-def _precompile(items: list[tuple[str, str]]) -> dict:
-    """In a worker process: run each launch once on a tiny problem of the same heads, so Triton's
-    disk cache holds it when the timed run asks."""
-    shape = make_shape(*PRECOMPILE_SHAPE, device="cuda")
+def _precompile(items: list[tuple[str, str]], block_size: int = BLOCK_SIZE) -> dict:
+    """In a worker process: run each launch once on a tiny problem of the same heads and pages, so
+    Triton's disk cache holds it when the timed run asks."""
+    shape = make_shape(*PRECOMPILE_SHAPE, device="cuda", block_size=block_size)
     out = torch.empty_like(shape.query)
     done = {}
     for kernel, name in items:
@@ -280,14 +281,14 @@ def _precompile(items: list[tuple[str, str]]) -> dict:
     return done
 
 
-def precompile(items: list[tuple[str, str]], jobs: int) -> dict:
+def precompile(items: list[tuple[str, str]], jobs: int, block_size: int = BLOCK_SIZE) -> dict:
     if jobs < 1 or not items:
         return {}
     import multiprocessing
     jobs = min(jobs, len(items))
     chunks = [items[i::jobs] for i in range(jobs)]
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return {k: v for part in pool.map(_precompile, chunks) for k, v in part.items()}
+        return {k: v for part in pool.map(_precompile, chunks, [block_size] * jobs) for k, v in part.items()}
 
 
 # --- the pick ------------------------------------------------------------------------------------
@@ -386,7 +387,7 @@ def sweep(args) -> int:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     print(f"device {dev}; {len(order)} launches over {len(shape_list)} shapes", flush=True)
     try:
-        pre = precompile(order, args.jobs if cuda and dtype == torch.bfloat16 else 0)
+        pre = precompile(order, args.jobs if cuda and dtype == torch.bfloat16 else 0, args.block_size)
     except Exception as e:  # only a head start: the timed run compiles what is missing
         print(f"precompile failed ({e!r:.200}); compiling as the launches are timed", flush=True)
         pre = {}
@@ -396,7 +397,7 @@ def sweep(args) -> int:
     shapes, refs, sdpa = [], {}, {}
     split = {name: {} for name in library_pieces()} if args.split_baselines else {}
     for i, (c, L) in enumerate(shape_list):
-        shape = make_shape(c, L, args.device, seed=i, dtype=dtype)
+        shape = make_shape(c, L, args.device, seed=i, dtype=dtype, block_size=args.block_size)
         q4, k4, v4 = sdpa_inputs(shape)
         refs[shape.key] = sdpa_attention(q4, k4, v4, [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
                                          if cuda else [SDPBackend.MATH])
@@ -447,7 +448,7 @@ def sweep(args) -> int:
             if "ms" in sdpa.get(key, {}):
                 ratios[f"{kernel}_best_over_sdpa_flash_{key}"] = ms / sdpa[key]["ms"]
     config = {"shapes": [list(s) for s in shape_list], "num_heads": H, "num_kv_heads": HKV, "head_dim": D,
-              "block_size": BLOCK_SIZE, "dtype": args.dtype, "block_tables": "shuffled (random permutation)",
+              "block_size": args.block_size, "dtype": args.dtype, "block_tables": "shuffled (random permutation)",
               "grid": args.grid, "kernels": kernels, "launches": [f"{k}:{n}" for k, n in order], "rtol": args.rtol,
               "check": "per (token, head) row ||out - ref|| / ||ref|| against SDPA (flash or efficient), lower-right causal",
               "timing": f"CUDA events, {args.warmup} warm-up, median of {args.reps}", "budget_s": args.budget_s,
@@ -498,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--split-baselines", action="store_true",
                     help="also time cuDNN's and flash's SDPA over the gathered context, split into prefix + "
                          "causal square and merged by log-sum-exp (baselines.sdpa_cudnn_split, sdpa_flash_split)")
+    ap.add_argument("--block-size", type=int, default=BLOCK_SIZE,
+                    help="KV page size of the shapes (the tma launches need a multiple of their bn, e.g. 128)")
     ap.add_argument("--rtol", type=float, default=RTOL, help="largest row-relative L2 error of a correct launch")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--reps", type=int, default=5)

@@ -1,7 +1,7 @@
 """The launch of a tiled attention kernel (the paged prefill kernel's, the unified kernel's) as a
 switch: '+'-joined parts bmN (rows of a query tile, the M of tl.dot), bnN (context positions per
 K/V tile), wN (warps), sN (pipeline stages), plus the flags a kernel names (the prefill kernel's
-gqa and lpt), e.g. bm128+bn64+w8+s3. Each part changes one field of the kernel's default launch; an empty
+gqa, lpt, tma and ws), e.g. bm128+bn64+w8+s3. Each part changes one field of the kernel's default launch; an empty
 string is the default. One parser serves every such switch, so their grammars cannot drift apart.
 """
 from __future__ import annotations
@@ -20,6 +20,8 @@ class TileLaunch:
     num_stages: int = 2
     gqa: bool = False  # the prefill kernel's GQA-packed variant (triton_prefill.py)
     lpt: bool = False  # the prefill kernel's query tiles start last (longest) first
+    tma: bool = False  # the prefill kernel's K/V tiles by TMA, one page each (block size % bn == 0)
+    ws: bool = False   # the prefill kernel's tile loop warp-specialised (with tma; Hopper/Blackwell)
 
     def name(self, flags: tuple[str, ...] = ()) -> str:
         """The switch string that parses back to this launch (flags: the ones the kernel takes)."""

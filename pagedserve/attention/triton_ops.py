@@ -176,16 +176,17 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, k_scale: torch.Tensor | None = None,
                   v_scale: torch.Tensor | None = None, gqa: bool | None = None,
-                  lpt: bool | None = None) -> torch.Tensor:
+                  lpt: bool | None = None, tma: bool | None = None, ws: bool | None = None) -> torch.Tensor:
     """Causal varlen attention of sequences first_seq .. first_seq+num_seqs-1 over their paged context.
 
     query/out are the whole flat batch [num_tokens, num_heads, head_dim]; query_start_loc indexes it.
     block_m, block_n, num_warps, num_stages, gqa (the GQA-packed variant), lpt (longest tiles
-    first): None takes triton_prefill.prefill_launch()'s (Hopper's default at head_dim <= 128 and
+    first), tma (K/V tiles by TMA, one page each), ws (its loop warp-specialised): None takes triton_prefill.prefill_launch()'s (Hopper's default at head_dim <= 128 and
     a 2-byte query: fp32's tiles take twice the shared memory, 262,656 bytes in 4 stages of 128 x 128
     against the H200's 232,448; PAGEDSERVE_PREFILL_LAUNCH).
     """
-    given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, gqa=gqa, lpt=lpt)
+    given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, gqa=gqa, lpt=lpt,
+                 tma=tma, ws=ws)
     launch = dataclasses.replace(prefill_launch(_sm90(query.device) and query.shape[-1] <= 128
                                                 and query.element_size() <= 2),
                                  **{k: v for k, v in given.items() if v is not None})

@@ -12,6 +12,12 @@ unified kernel's), so each K/V tile is loaded once per group instead of once per
 a tile's dots do GROUP times the arithmetic per byte of K/V. Each row's causal mask uses its own
 token's position. Without it every K/V tile is read by GROUP programs (through L2 at best).
 
+TMA (tma, a constexpr; WS: ws): where a page holds whole K/V tiles (block size a multiple of bn),
+each tile is one TMA load of a descriptor over the pool (triton_tiles.attend_tiles_tma) instead
+of BLOCK_N row gathers through the block table, and the tile loop may be warp-specialised (ws),
+the shape of FlashAttention-3's producer/consumer split that Triton builds on Hopper from
+descriptor loads. Serving needs --block-size >= bn (e.g. 128) for it. Untimed on the GPU yet.
+
 LONGEST_FIRST (lpt, a constexpr): query tiles start in reverse, so a chunk's last tiles, the
 longest (causal), start first and the short ones fill the end of the grid instead of leaving one
 long program running alone (the unified kernel orders its items so too).
@@ -28,7 +34,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.tile_launch import TileLaunch, parse_tile_launch
-from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles
+from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles, attend_tiles_tma
 
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
@@ -42,7 +48,7 @@ PREFILL_DEFAULT_SM90 = TileLaunch(block_m=128, block_n=128, num_warps=8, num_sta
 # An A/B of the launch without a code change (read once per process), e.g.
 # PAGEDSERVE_PREFILL_LAUNCH=bm128+bn64+w8+s3+gqa+lpt: its parts change the default above.
 PREFILL_LAUNCH_ENV = "PAGEDSERVE_PREFILL_LAUNCH"
-PREFILL_FLAGS = ("gqa", "lpt")
+PREFILL_FLAGS = ("gqa", "lpt", "tma", "ws")
 
 
 def parse_prefill_launch(text: str, sm90: bool = False) -> TileLaunch:
@@ -80,6 +86,7 @@ def paged_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
     GQA: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, LONGEST_FIRST: tl.constexpr = False,
+    k_desc=None, v_desc=None, TMA: tl.constexpr = False, WS: tl.constexpr = False,
 ):
     # BLOCK_Q query tokens per tile: all BLOCK_M rows, or with GQA BLOCK_M / BLOCK_G tokens x heads.
     BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
@@ -136,14 +143,21 @@ def paged_prefill_kernel(
     # Keys below the tile's first query position are visible to every row: no mask.
     unmasked_end = ((ctx_before + tile_m * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
     causal_end = tl.minimum(ctx_before + (tile_m + 1) * BLOCK_Q, seq_len)
-    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, 0, unmasked_end,
-                                 k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                 stride_cb, stride_cs, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8)
-    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, causal_end,
-                                 k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                 stride_cb, stride_cs, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8)
+    if TMA:
+        kv_col = kv_head * HEAD_DIM
+        acc, l_i, m_i = attend_tiles_tma(acc, l_i, m_i, q, q_pos, 0, unmasked_end, k_desc, v_desc, table, kv_col,
+                                         qk_scale, BLOCK_SIZE, BLOCK_N, NO_MASK, IEEE, WS)
+        acc, l_i, m_i = attend_tiles_tma(acc, l_i, m_i, q, q_pos, unmasked_end, causal_end, k_desc, v_desc, table,
+                                         kv_col, qk_scale, BLOCK_SIZE, BLOCK_N, CAUSAL, IEEE, WS)
+    else:
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, 0, unmasked_end,
+                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+                                     stride_cb, stride_cs, d,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8)
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, causal_end,
+                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+                                     stride_cb, stride_cs, d,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8)
     # Padded group rows (g >= GROUP) saw every position with q = 0: l_i > 0, no NaN; not stored.
     out = acc / l_i[:, None]
     if KV_FP8:
@@ -153,6 +167,27 @@ def paged_prefill_kernel(
             out = out * tl.load(v_scale_ptr)
     tl.store(out_ptr + rows[:, None] * stride_ot + o_head_off + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def tma_descriptors(k_cache, v_cache, launch: TileLaunch, head_dim: int, scales: dict) -> dict:
+    """The tma launch's K/V descriptors: each pool as a [blocks * block_size, kv heads * head_dim]
+    matrix of [bn, head_dim] tiles. A pool it cannot serve is a ValueError naming the switch."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+    num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
+    why = None
+    if block_size % launch.block_n:
+        why = f"the block size ({block_size}) must be a multiple of bn ({launch.block_n}): a tile is one page"
+    elif scales or k_cache.element_size() == 1:
+        why = "an fp8 KV cache takes the gather path (its scales)"
+    elif head_dim & (head_dim - 1) or head_dim < 16:
+        why = f"head_dim must be a power of two >= 16, got {head_dim}"
+    elif not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        why = "the K/V pools must be contiguous"
+    if why:
+        raise ValueError(f"{PREFILL_LAUNCH_ENV}: tma: {why}")
+    rows, cols = num_blocks * block_size, num_kv_heads * head_dim
+    return {name: TensorDescriptor.from_tensor(pool.view(rows, cols), [launch.block_n, head_dim])
+            for name, pool in (("k_desc", k_cache), ("v_desc", v_cache))}
 
 
 def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq: int,
@@ -168,6 +203,10 @@ def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_
     pack = dict(GQA=True, BLOCK_G=block_g) if packed else {}
     if launch.lpt:
         pack["LONGEST_FIRST"] = True
+    if launch.tma:
+        pack.update(tma_descriptors(k_cache, v_cache, launch, head_dim, scales), TMA=True, WS=launch.ws)
+    elif launch.ws:
+        raise ValueError(f"{PREFILL_LAUNCH_ENV}: ws warp-specialises the tma loop; add tma")
     grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads if packed else num_heads)
     paged_prefill_kernel[grid](
         query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq,

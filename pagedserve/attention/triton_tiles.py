@@ -70,3 +70,44 @@ def attend_tiles(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     return acc, l_i, m_i
+
+
+@triton.jit
+def attend_tiles_tma(
+    acc, l_i, m_i, q, q_pos, lo, hi, k_desc, v_desc, table, kv_col, qk_scale,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,
+    WS: tl.constexpr = False,
+):
+    """attend_tiles with each K/V tile one TMA load instead of a token-by-token gather: the pool
+    seen as [blocks * BLOCK_SIZE, kv heads * head_dim] (k_desc, v_desc: host TensorDescriptors of
+    [BLOCK_N, head_dim] tiles), tile t at row page(t) * BLOCK_SIZE + t % BLOCK_SIZE, column kv_col.
+    Needs BLOCK_SIZE % BLOCK_N == 0 and lo a multiple of BLOCK_N, so that no tile spans two pages;
+    no fp8 (its scales are the gather path's). A tile's positions past hi still exist in its page
+    (slots not yet written, or past this query's causal reach): MASK CAUSAL drops their scores and
+    zeroes their V rows, so a stale slot cannot carry a NaN into the sum. WS: the loop is
+    warp-specialised (loads in a producer warp group), Triton's tl.range(warp_specialize=)."""
+    n = tl.arange(0, BLOCK_N)
+    for tile in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
+        page = tl.load(table + tile // BLOCK_SIZE)
+        row = page * BLOCK_SIZE + tile % BLOCK_SIZE
+        k = k_desc.load([row, kv_col])
+        v = v_desc.load([row, kv_col])
+        if IEEE:
+            s = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            s = tl.dot(q, tl.trans(k))
+        s = s * qk_scale
+        if MASK == CAUSAL:
+            pos = tile + n
+            s = tl.where((pos[None, :] < hi) & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            v = tl.where((pos < hi)[:, None], v, 0.0)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i

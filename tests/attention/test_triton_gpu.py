@@ -124,6 +124,32 @@ def test_decode_is_capturable_in_a_cuda_graph(ops):
         torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("launch", ["bm128+bn128+w8+s4+tma", "bm128+bn64+w8+s3+gqa+tma", "bm128+bn128+w8+s3+tma+ws",
+                                    "bm128+bn64+w4+s2+gqa+tma+ws"])
+@pytest.mark.parametrize("H,Hkv,D", [(32, 8, 128), (14, 2, 64)])
+def test_tma_prefill_launches(ops, launch, H, Hkv, D):
+    """The tma variant (K/V tiles by descriptor, one page each) over 128-token pages, warp-specialised
+    or not, in bf16 (the interpreter cases cover fp32/fp16); slots past each sequence's end are NaN."""
+    from pagedserve.attention.triton_prefill import parse_prefill_launch
+    shapes = [(0, 700), (1000, 333), (2048, 64), (5, 1)]
+    batch = make_batch(shapes, 0, H=H, Hkv=Hkv, D=D, block_size=128, dtype=torch.bfloat16, device="cuda", seed=5)
+    kc, vc = _written(batch)
+    m = batch.meta
+    ref = reference.paged_attention(batch.query, kc, vc, m, scale=D ** -0.5)
+    live = torch.zeros(kc.shape[0] * 128, dtype=torch.bool, device="cuda")
+    for row, n in zip(m.block_tables.tolist(), m.seq_lens.tolist()):
+        pos = torch.arange(n, device="cuda")
+        live[torch.tensor(row, device="cuda")[pos // 128] * 128 + pos % 128] = True
+    dead = ~live.view(kc.shape[0], 128)
+    kc[dead], vc[dead] = float("nan"), float("nan")
+    chosen = parse_prefill_launch(launch)
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 0, len(shapes),
+                      m.max_query_len, D ** -0.5, out, block_m=chosen.block_m, block_n=chosen.block_n,
+                      num_warps=chosen.num_warps, num_stages=chosen.num_stages, gqa=chosen.gqa, tma=True, ws=chosen.ws)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
 @pytest.mark.parametrize("launch", ["bm64+bn64+w4+s2+gqa", "bm128+bn64+w8+s3+gqa+lpt", "bm128+bn128+w8+s2+lpt"])
 @pytest.mark.parametrize("H,Hkv,D", [(32, 8, 128), (28, 4, 128), (14, 2, 64)])
 def test_prefill_launches(ops, launch, H, Hkv, D):

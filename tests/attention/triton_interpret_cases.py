@@ -310,3 +310,44 @@ def test_gqa_packed_prefill_fp8_per_head_scales():
     ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 0, 2, m.max_query_len,
                       0.25, out, block_m=16, block_n=16, gqa=True, k_scale=ks, v_scale=vs)
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
+# --- The TMA prefill variant (PAGEDSERVE_PREFILL_LAUNCH's tma, ws) ---------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])  # bf16: test_triton_gpu.py (see above)
+@pytest.mark.parametrize("block_size,block_n,H,Hkv,D,gqa,ws", [
+    (32, 16, 8, 2, 32, False, False),   # two tiles a page
+    (16, 16, 8, 2, 32, True, False),    # one tile a page, packed rows
+    (64, 32, 4, 4, 16, False, True),    # MHA, ws (the interpreter ignores it: the same result)
+])
+def test_tma_prefill_matches_reference(dtype, block_size, block_n, H, Hkv, D, gqa, ws):
+    """Each K/V tile one descriptor load of its page: chunks crossing pages, with and without
+    prefix context, one shorter than a tile; slots past each sequence's end hold NaN, which the
+    causal tail must neither score nor sum (the gather path masks its loads instead)."""
+    shapes = [(9, 1), (21, 27), (0, 33), (5, 3), (70, 40)]
+    batch = make_batch(shapes, 1, H=H, Hkv=Hkv, D=D, block_size=block_size, dtype=dtype, seed=block_size + D)
+    kc, vc, ref = _reference_out(batch)
+    m = batch.meta
+    live = torch.zeros(kc.shape[0] * block_size, dtype=torch.bool)
+    for row, n in zip(m.block_tables.tolist(), m.seq_lens.tolist()):
+        for p in range(n):
+            live[row[p // block_size] * block_size + p % block_size] = True
+    dead = ~live.view(kc.shape[0], block_size)
+    kc[dead], vc[dead] = float("nan"), float("nan")
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 1, 4,
+                      max(m.query_lens_cpu[1:]), D ** -0.5, out, block_m=32, block_n=block_n, gqa=gqa,
+                      tma=True, ws=ws)
+    assert out[:1].isnan().all()
+    torch.testing.assert_close(out[1:].float(), ref[1:].float(), **_tol(dtype))
+
+
+@pytest.mark.parametrize("block_size, kw, match", [
+    (8, dict(block_n=16), "multiple of bn"),     # a tile would span two pages
+    (16, dict(block_n=16, ws=True, tma=False), "add tma"),
+])
+def test_tma_prefill_refuses_what_it_cannot_serve(block_size, kw, match):
+    batch = make_batch([(3, 5)], 0, H=2, Hkv=2, D=16, block_size=block_size)
+    m = batch.meta
+    with pytest.raises(ValueError, match=match):
+        ops.paged_prefill(batch.query, batch.k_cache, batch.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
+                          0, 1, 5, 0.25, torch.empty_like(batch.query), block_m=16, **{"tma": True, **kw})

@@ -150,3 +150,16 @@ def test_split_attention_equals_lower_right_causal(c, L):
     # the top-left causal attention over the whole context (the wrong alignment) is not it
     wrong = math_piece(q4, k4, v4, True)[0][0].transpose(0, 1)
     assert c == L or not torch.allclose(wrong, ref, atol=1e-3)
+
+
+def test_runner_passes_every_flag_of_the_launch(monkeypatch):
+    """A launch's flags reach the kernel (before 2026-12-03 lpt did not: the sweep's "+lpt" rows,
+    prefill_sweep.json at 3368ebd included, timed the launch without it)."""
+    from pagedserve.attention import triton_ops
+    seen = {}
+    monkeypatch.setattr(triton_ops, "paged_prefill", lambda *a, **kw: seen.update(kw))
+    shape = ps.make_shape(5, 40, "cpu", dtype=torch.float32, block_size=32)
+    assert shape.meta().block_size == 32
+    ps.make_runner("paged_prefill", shape, "bm128+bn32+w8+s3+gqa+lpt+tma+ws", torch.empty(1))()
+    assert {k: seen[k] for k in ("gqa", "lpt", "tma", "ws", "block_n")} == dict(gqa=True, lpt=True, tma=True, ws=True,
+                                                                                  block_n=32)
