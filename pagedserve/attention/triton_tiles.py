@@ -17,6 +17,26 @@ CAUSAL: tl.constexpr = tl.constexpr(2)       # positions < hi and <= the query r
 
 
 @triton.jit
+def fold_tile(acc, l_i, m_i, s, v, IEEE: tl.constexpr, EMPTY_ROWS: tl.constexpr = False):
+    """One tile's scaled scores s ([rows, BLOCK_N], -inf where masked) and values v folded into the
+    online softmax (acc, l_i, m_i). EMPTY_ROWS: see attend_tiles."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if EMPTY_ROWS:
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+    else:
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def attend_tiles(
     acc, l_i, m_i, q, q_pos, lo, hi,
     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
@@ -55,20 +75,7 @@ def attend_tiles(
             s = tl.where(valid[None, :], s, float("-inf"))
         elif MASK == CAUSAL:
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        if EMPTY_ROWS:
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_use)
-            p = tl.exp2(s - m_use[:, None])
-        else:
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, l_i, m_i = fold_tile(acc, l_i, m_i, s, v, IEEE, EMPTY_ROWS)
     return acc, l_i, m_i
 
 
@@ -101,13 +108,5 @@ def attend_tiles_tma(
             pos = tile + n
             s = tl.where((pos[None, :] < hi) & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
             v = tl.where((pos < hi)[:, None], v, 0.0)
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        acc, l_i, m_i = fold_tile(acc, l_i, m_i, s, v, IEEE)
     return acc, l_i, m_i
