@@ -163,3 +163,21 @@ def test_runner_passes_every_flag_of_the_launch(monkeypatch):
     ps.make_runner("paged_prefill", shape, "bm128+bn32+w8+s3+gqa+lpt+tma+ws", torch.empty(1))()
     assert {k: seen[k] for k in ("gqa", "lpt", "tma", "ws", "block_n")} == dict(gqa=True, lpt=True, tma=True, ws=True,
                                                                                   block_n=32)
+
+
+def test_sweep_runs_under_the_interpreter(tmp_path):
+    """--device cpu under TRITON_INTERPRET=1 (a subprocess: the switch is read at import): both a
+    gather launch and a tma one are checked against SDPA and pass, and the pick names one of them."""
+    import os
+    import subprocess
+    out = tmp_path / "sweep.json"
+    launches = "paged_prefill:bm16+bn16+w4+s2,paged_prefill:bm16+bn16+w4+s2+tma"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    subprocess.run([sys.executable, str(ROOT / "benchmarks/kernels/prefill_sweep.py"), "--device", "cpu",
+                    "--dtype", "float32", "--shapes", "16x48", "--launches", launches, "--block-size", "16",
+                    "--reps", "1", "--lpt-top", "0", "--output", str(out)], check=True, env=env, timeout=600,
+                   capture_output=True)
+    runs = json.loads(out.read_text())["results"]["paged_prefill"]
+    assert set(runs) == {"bm16+bn16+w4+s2", "bm16+bn16+w4+s2+tma"}
+    assert all(r["16x48"]["within_rtol"] for r in runs.values()), runs
+    assert json.loads(out.read_text())["results"]["pick"]["paged_prefill"]["launch"] in runs
