@@ -49,6 +49,16 @@ def vllm_fused_experts():
         return None
 
 
+def vllm_align():
+    """vLLM's moe_align_block_size (topk_ids, block_size, num_experts), or None."""
+    try:
+        from vllm.model_executor.layers.fused_moe.moe_align_block_size import moe_align_block_size
+        return moe_align_block_size
+    except Exception as e:  # noqa: BLE001  not installed here, or moved in this build
+        print(f"vLLM moe_align_block_size unavailable: {e}", file=sys.stderr)
+        return None
+
+
 def fp8_experts(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[E, N, K] -> (fp8 [E, N, K], float32 scales [E, N]), one expert at a time (as the layer does)."""
     q = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
@@ -106,6 +116,15 @@ def bench_model(model: str, tp: int, use_vllm: bool, bandwidth: float, expert_pa
                    lambda: triton_moe.route(logits, top_k, True), warmup=10, rep=50), 1),
                "routing_torch_us": round(1e3 * triton.testing.do_bench(
                    lambda: select_experts_torch(logits, top_k, True), warmup=10, rep=50), 1)}
+        # The sort/pad alone at this row's block size (the part of the layer that is not a GEMM, and
+        # grows fastest with the batch in the one-program align), and vLLM's where it imports.
+        block_m = row["config"]["BLOCK_M"]
+        row["align_us"] = round(call_us(lambda c: triton_moe._align(c[3], E, block_m), calls, timing)[0], 1)
+        if theirs is not None and not expert_parallel and (align := vllm_align()) is not None:
+            try:
+                row["vllm_align_us"] = round(call_us(lambda c: align(c[3], block_m, E), calls, timing)[0], 1)
+            except Exception as e:  # noqa: BLE001  (its signature moved): the layer's figures stand without it
+                print(f"vLLM align not timed: {type(e).__name__}: {str(e)[:120]}", flush=True)
         if fp8:
             scales = dict(w13_scale=s13, w2_scale=s2)
             f8_us, f8_timing = call_us(lambda c: triton_moe.fused_experts(c[0], q13, q2, c[1], c[3],
