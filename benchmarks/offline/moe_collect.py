@@ -72,8 +72,8 @@ def supersede(doc: dict, name: str, source) -> None:
     # A run merged before results carried commits: the file's commit (moe.json's of 811b171 was corrected
     # by hand there, while config.merged_runs kept the stale .git's 315c8fc; see its commit_note).
     commit = old.get("commit") or doc.get("commit")
-    kept = doc.setdefault("superseded", {}).setdefault(name, [])
-    if all(e["results"].get("source") != old.get("source") or old.get("source") is None for e in kept):
+    kept, src = doc.setdefault("superseded", {}).setdefault(name, []), old.get("source")
+    if src is None or all(e["results"].get("source") != src for e in kept):  # listed once, however often collected
         kept.append({"commit": commit, "results": old, "ratios": ratios})
 
 
@@ -205,13 +205,14 @@ def merge_layer(doc: dict, parts: Path, layer_output: Path | None = None) -> lis
                                  if "_layer_b" in k and (m == "*" or k.startswith(m + "_"))})
         sources[m] = {"commit": layer.get("commit"), "lease": lease_of(parts, f),
                       "source": f.relative_to(parts).as_posix()}
-    if len({s["source"] for s in sources.values()}) == 1:
-        merged = base  # one part has every model: the file is that part, as written
+    text = json.dumps(merged, indent=2) + "\n"
+    if len({s["source"] for s in sources.values()}) == 1:  # one part has every model: that part, as written
+        merged, text = base, files[-1].read_text()
     replaced = None
     if layer_output is not None:
         if layer_output.is_file() and load(layer_output) != merged:
             replaced = load(layer_output).get("commit")
-        layer_output.write_text(json.dumps(merged, indent=2) + "\n" if merged is not base else files[-1].read_text())
+        layer_output.write_text(text)
     for k in [k for k in doc["ratios"] if "_layer_b" in k and "_tp2" not in k]:
         doc["ratios"].pop(k)
     doc["ratios"].update({k: v for k, v in merged.get("ratios", {}).items() if "_layer_b" in k})
@@ -232,7 +233,8 @@ def merge_layer_ep(doc: dict, parts: Path) -> list[str]:
     sharded, ep = load(d / "moe_layer_tp2.json"), load(d / "moe_layer_tp2_ep.json")
     for k in [k for k in doc["ratios"] if "_layer_b" in k and k.endswith("_tp2_ep_over_tp2")]:
         doc["ratios"].pop(k)
-    for m in set(layer_models(sharded)) & set(layer_models(ep)):
+    models = sorted(set(layer_models(sharded)) & set(layer_models(ep)))
+    for m in models:
         for T, row in ep["results"][m]["batches"].items():
             base = sharded["results"][m]["batches"].get(T)
             if base and row.get("ours_timing") == base.get("ours_timing"):
@@ -241,7 +243,7 @@ def merge_layer_ep(doc: dict, parts: Path) -> list[str]:
                                    "source": [(d / n).relative_to(parts).as_posix()
                                               for n in ("moe_layer_tp2.json", "moe_layer_tp2_ep.json")],
                                    "shapes": {m: {"tp2": sharded["results"][m]["shape"], "tp2_ep": ep["results"][m]["shape"]}
-                                              for m in set(layer_models(sharded)) & set(layer_models(ep))}}
+                                              for m in models}}
     return ["layer_tp2"]
 
 
