@@ -209,13 +209,38 @@ def split_attention(q4, k4, v4, piece) -> torch.Tensor:
     return merge_by_lse(out1, lse1, out2, lse2)[0].transpose(0, 1)
 
 
-def library_pieces() -> dict:
+def library_pieces(group: int = 1, pad_to: int = 8192, base=None) -> dict:
     """The CUDA SDPA kernels that return their log-sum-exp (torch's private ops, as SDPA calls
-    them), for split_attention: the long-prefill path a gather into contiguous K/V would allow."""
+    them), for split_attention: the long-prefill path a gather into contiguous K/V would allow.
+    `_fold`: the unmasked prefix with each KV group's query heads folded into the query length
+    ([1, Hkv, group * c, D] against un-repeated K/V, as an engine would call it). `_padded`: that,
+    with the prefix padded with zero K/V to a multiple of pad_to and the pad masked by a broadcast
+    bias row, so that cuDNN's plan (one per shape) would serve a bucket of context lengths.
+    base(q, k, v, causal, bias) -> (out, lse) stands in for cuDNN's op (a CPU test's)."""
     aten = torch.ops.aten
+    cudnn = base or (lambda q, k, v, causal, bias=None: aten._scaled_dot_product_cudnn_attention(  # noqa: E731
+        q, k, v, bias, True, 0.0, causal, False, scale=q.shape[-1] ** -0.5)[:2])
+
+    def folded(q, k, v, bias=None):
+        b, h, c, d = q.shape
+        out, lse = cudnn(q.reshape(b, h // group, group * c, d), k[:, ::group], v[:, ::group], False,
+                         None if bias is None else bias.expand(b, h // group, group * c, -1))
+        return out.reshape(b, h, c, d), lse.reshape(b, h, c)
+
+    def padded(q, k, v):
+        n = k.shape[2]
+        pad = -n % pad_to
+        if pad == 0:
+            return folded(q, k, v)
+        z = k.new_zeros(k.shape[0], k.shape[1], pad, k.shape[3])
+        bias = torch.zeros(1, 1, 1, n + pad, dtype=q.dtype, device=q.device)
+        bias[..., n:] = float("-inf")
+        return folded(q, torch.cat([k, z], 2), torch.cat([v, z], 2), bias)
+
     return {
-        "sdpa_cudnn_split": lambda q, k, v, causal: aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=q.shape[-1] ** -0.5)[:2],
+        "sdpa_cudnn_split": cudnn,
+        "sdpa_cudnn_fold_split": lambda q, k, v, causal: cudnn(q, k, v, True) if causal else folded(q, k, v),
+        "sdpa_cudnn_padded_split": lambda q, k, v, causal: cudnn(q, k, v, True) if causal else padded(q, k, v),
         "sdpa_flash_split": lambda q, k, v, causal: aten._scaled_dot_product_flash_attention(
             q, k, v, 0.0, causal, False, scale=q.shape[-1] ** -0.5)[:2],
     }
@@ -407,7 +432,8 @@ def sweep(args) -> int:
         except RuntimeError as e:  # no flash kernel for this device / dtype
             sdpa[shape.key] = {"error": repr(e)[:300]}
         print(f"  {shape.key}: sdpa flash {sdpa[shape.key]}", flush=True)
-        for name, piece in (library_pieces().items() if cuda and args.split_baselines else ()):
+        group = shape.query.shape[1] // shape.k_cache.shape[2]
+        for name, piece in (library_pieces(group).items() if cuda and args.split_baselines else ()):
             try:
                 sync()
                 t = time.perf_counter()

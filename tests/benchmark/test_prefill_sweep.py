@@ -152,6 +152,29 @@ def test_split_attention_equals_lower_right_causal(c, L):
     assert c == L or not torch.allclose(wrong, ref, atol=1e-3)
 
 
+def biased_math_piece(q, k, v, causal, bias=None):
+    """math_piece with cuDNN's additive bias argument."""
+    scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5 + (0 if bias is None else bias)
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return scores.softmax(-1) @ v, scores.logsumexp(-1)
+
+
+@pytest.mark.parametrize("name", ["sdpa_cudnn_fold_split", "sdpa_cudnn_padded_split"])
+@pytest.mark.parametrize("c,L", [(5, 13), (16, 100), (8, 8)])
+def test_folded_and_padded_pieces_equal_lower_right_causal(name, c, L):
+    """The engine-shaped cuDNN calls: query heads of a KV group folded into the query length over
+    un-repeated K/V, and the prefix padded with zero K/V to a bucket, the pad masked by a bias row."""
+    torch.manual_seed(1)
+    group, kv_heads = 3, 2
+    q4 = torch.randn(1, group * kv_heads, c, 8, dtype=torch.float64)
+    k4, v4 = (torch.randn(1, kv_heads, L, 8, dtype=torch.float64).repeat_interleave(group, 1) for _ in "kv")
+    piece = ps.library_pieces(group, pad_to=32, base=biased_math_piece)[name]
+    got = ps.split_attention(q4, k4, v4, piece)
+    ref = ps.sdpa_attention(q4, k4, v4, [torch.nn.attention.SDPBackend.MATH])
+    assert torch.allclose(got, ref, atol=1e-12)
+
+
 def test_runner_passes_every_flag_of_the_launch(monkeypatch):
     """A launch's flags reach the kernel (before 2026-12-03 lpt did not: the sweep's "+lpt" rows,
     prefill_sweep.json at 3368ebd included, timed the launch without it)."""
