@@ -246,6 +246,28 @@ def library_pieces(group: int = 1, pad_to: int = 8192, base=None) -> dict:
     }
 
 
+def time_gathered(shape: Shape, ref: torch.Tensor, args, sync) -> dict:
+    """attention/gathered_prefill.py over the shape's pages as the engine calls it (gather, pad,
+    fold, cuDNN's prefix + flash's square, merge); first_call_ms builds its plan at this shape."""
+    from pagedserve.attention.gathered_prefill import GatheredPrefill
+    c, L = shape.c, shape.L
+    try:
+        g = GatheredPrefill(L, shape.k_cache.shape[2], shape.query.shape[2], shape.query.dtype, shape.query.device)
+        run = lambda: g.attend(shape.query, shape.k_cache, shape.v_cache, shape.table[0], L,  # noqa: E731
+                               shape.query.shape[2] ** -0.5)
+        sync()
+        t = time.perf_counter()
+        got = run()
+        sync()
+        cold_ms = (time.perf_counter() - t) * 1e3
+        err, ok = check_output(got, ref, args.rtol)
+        ms = time_ms(run, args.warmup, args.reps)
+        return {"ms": ms, "tflops": attention_flops(c, L) / ms / 1e9, "first_call_ms": cold_ms,
+                "max_rel_err": err, "within_rtol": ok}
+    except Exception as e:  # noqa: BLE001  recorded, not fatal
+        return {"error": repr(e)[:300]}
+
+
 def check_output(out: torch.Tensor, ref: torch.Tensor, rtol: float = RTOL) -> tuple[float, bool]:
     """(the worst (token, head) row's ||out - ref|| / ||ref||, whether it is within rtol); NaN or
     inf anywhere is never within."""
@@ -449,6 +471,9 @@ def sweep(args) -> int:
             except Exception as e:  # noqa: BLE001  a baseline that cannot run here is recorded, not fatal
                 split[name][shape.key] = {"error": repr(e)[:300]}
             print(f"  {shape.key}: {name} {split[name][shape.key]}", flush=True)
+        if cuda and args.split_baselines:  # the engine's path itself (PAGEDSERVE_LONG_PREFILL=cudnn)
+            split.setdefault("gathered_cudnn", {})[shape.key] = time_gathered(shape, refs[shape.key], args, sync)
+            print(f"  {shape.key}: gathered_cudnn {split['gathered_cudnn'][shape.key]}", flush=True)
         del q4, k4, v4
         shapes.append(shape)
     if cuda:
@@ -505,7 +530,7 @@ def markdown(rec: dict) -> str:
              "| kernel | launch | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys),
              "| torch SDPA | flash | " + " | ".join(fmt(sdpa.get(k, {})) for k in keys) + " |"]
     lines += [f"| torch SDPA, gathered K/V | {name.removeprefix('sdpa_')} | " + " | ".join(fmt(runs.get(k, {})) for k in keys)
-              + " |" for name, runs in rec["baselines"].items() if name.endswith("_split")]
+              + " |" for name, runs in rec["baselines"].items() if name.endswith("_split") or name == "gathered_cudnn"]
     for kernel, (_, default, flags, _) in KERNELS.items():
         p = rec["results"]["pick"].get(kernel)
         shown = [default.name(flags)] + ([p["launch"]] if p and p["launch"] != default.name(flags) else [])

@@ -17,13 +17,26 @@ import math
 import torch
 import triton
 
-from pagedserve.attention import decode_plan
+from pagedserve.attention import decode_plan, gathered_prefill
 from pagedserve.attention.kv_quant import FP8_KV_DTYPE
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kernel
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import prefill_attention, prefill_launch
 from pagedserve.attention import triton_unified as unified
+
+
+# device -> gathered_prefill.GatheredPrefill: set by enable_gathered_prefill (the runner, at start-up,
+# under PAGEDSERVE_LONG_PREFILL=cudnn); absent, every prefill chunk takes the Triton prefill kernel.
+_GATHERED: dict = {}
+
+
+def enable_gathered_prefill(max_model_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                            device: torch.device) -> gathered_prefill.GatheredPrefill:
+    """Long chunks through cuDNN over their gathered context from now on (gathered_prefill.py)."""
+    g = gathered_prefill.GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, device)
+    _GATHERED[g.k.device] = g  # the allocated tensor's device: 'cuda' is keyed as 'cuda:N', as pools are
+    return g
 
 
 @functools.lru_cache(maxsize=None)
@@ -225,9 +238,16 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                      order=meta.decode_order, k_scale=k_scale, v_scale=v_scale)
     if nd < ns:
         q_lens = meta.query_lens_cpu
-        max_q = max(q_lens[nd:]) if q_lens is not None else meta.max_query_len
-        paged_prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                      nd, ns - nd, max_q, scale, out, k_scale=k_scale, v_scale=v_scale)
+        gathered = _GATHERED.get(k_cache.device)
+        long = gathered_prefill.long_chunks(meta, k_cache) if gathered is not None else []
+        for first, count in gathered_prefill.other_ranges(nd, ns, long):
+            max_q = max(q_lens[first:first + count]) if q_lens is not None else meta.max_query_len
+            paged_prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                          first, count, max_q, scale, out, k_scale=k_scale, v_scale=v_scale)
+        for i in long:
+            start, end = sum(q_lens[:i]), sum(q_lens[:i + 1])
+            out[start:end] = gathered.attend(query[start:end], k_cache, v_cache, meta.block_tables[i],
+                                             meta.seq_lens_cpu[i], scale)
     return out
 
 

@@ -23,6 +23,7 @@ import time
 import torch
 from torch import nn
 
+from pagedserve.attention import gathered_prefill
 from pagedserve.attention.backend import Attention
 from pagedserve.attention.kv_quant import resolve_kv_cache_dtype
 from pagedserve.config import EngineConfig
@@ -129,6 +130,11 @@ class ModelRunner:
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
+        if gathered_prefill.enabled() and self.device.type == "cuda" and self.kv_dtype in (torch.bfloat16, torch.float16):
+            # Before the KV pool is sized, so that the start-up profile counts the gather buffers.
+            from pagedserve.attention import triton_ops  # CUDA only
+            triton_ops.enable_gathered_prefill(self.max_model_len, self.num_kv_heads, self.head_dim, self.kv_dtype,
+                                               self.device)
         return self.model
 
     def _require(self, what: str):

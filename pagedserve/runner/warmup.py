@@ -21,6 +21,8 @@ match):
 - every sampler path (greedy, temperature, top-k, top-p, both, min-p, seeds, logprobs,
   penalties, suppressed tokens) at one row and at max_num_seqs rows, on logits of the model's
   dtype (the fused plain-path kernels compile per dtype), and the host copy;
+- under PAGEDSERVE_LONG_PREFILL=cudnn, every bucketed shape a long chunk's cuDNN call can meet
+  (attention/gathered_prefill.py: cuDNN builds a plan per shape);
 - a swap out, a swap in and a block copy.
 
 FP8 KV scales: every forward and _attention_variants pass the layers' own k_scale / v_scale,
@@ -45,6 +47,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.backend import Attention, get_backend
+from pagedserve.attention.gathered_prefill import warm_up_plans
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.layers.fused_moe.warmup import warm_up_moe
 from pagedserve.layers.quant.fp8_gemm_warmup import warm_up_fp8_gemm
@@ -241,6 +244,14 @@ def warm_up(runner: RunnerView) -> float:
                 seq_len = min(seq_len, max_len)
                 run(steps.step([(seq_len - 1, 1, True)] * n + [(start, 1, True)], n))
             _attention_variants(runner, steps, variants, (start, chunk))
+        # Long chunks over their gathered context (PAGEDSERVE_LONG_PREFILL=cudnn): every bucketed
+        # shape's cuDNN plan.
+        k_cache = runner.cache_engine.kv_caches[0][0]
+        gathered = getattr(get_backend(dev), "_GATHERED", {}).get(k_cache.device)
+        if gathered is not None:
+            attn = next(m for m in runner.model.modules() if isinstance(m, Attention))
+            n = warm_up_plans(gathered, max_tokens, attn.num_heads, attn.scale)
+            logger.info("long-prefill plans built: %d shapes", n)
         # Cache operations: copy-on-write and a swap round trip.
         ce = runner.cache_engine
         ce.copy([(0, min(1, ce.num_gpu_blocks - 1))])

@@ -168,3 +168,36 @@ def test_prefill_launches(ops, launch, H, Hkv, D):
                       m.max_query_len, D ** -0.5, out, block_m=chosen.block_m, block_n=chosen.block_n,
                       num_warps=chosen.num_warps, num_stages=chosen.num_stages, gqa=chosen.gqa, lpt=chosen.lpt)
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("buckets", ["small", "serving"])
+def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets):
+    """PAGEDSERVE_LONG_PREFILL=cudnn's path with cuDNN's and flash's real ops, routed through
+    paged_attention beside decodes and a short chunk; slots past each sequence's end are NaN.
+    small: buckets shrunk so that several long chunks fit a small test; serving: the defaults."""
+    from pagedserve.attention import gathered_prefill as gp
+    if buckets == "small":
+        for name, value in (("PREFIX_BUCKET", 256), ("QUERY_BUCKET", 128), ("MIN_PREFIX", 512), ("MIN_CHUNK", 64)):
+            monkeypatch.setattr(gp, name, value)
+        shapes, long = [(900, 1), (5, 1), (700, 300), (40, 30), (2048, 1024), (513, 64)], [300, 1024, 64]
+    else:
+        shapes, long = [(3000, 1), (16384, 1024), (20000, 1500)], [1024, 1500]
+    batch = make_batch(shapes, 2, H=32, Hkv=8, D=128, block_size=16, dtype=dtype, device="cuda", seed=2)
+    kc, vc = _written(batch)
+    m = batch.meta
+    ref = reference.paged_attention(batch.query, kc, vc, m, scale=128 ** -0.5)
+    live = torch.zeros(kc.shape[0] * 16, dtype=torch.bool, device="cuda")
+    for row, n in zip(m.block_tables.tolist(), m.seq_lens.tolist()):
+        pos = torch.arange(n, device="cuda")
+        live[torch.tensor(row, device="cuda")[pos // 16] * 16 + pos % 16] = True
+    dead = ~live.view(kc.shape[0], 16)
+    kc[dead], vc[dead] = float("nan"), float("nan")
+    g = gp.GatheredPrefill(max(m.seq_lens_cpu) + 1, 8, 128, dtype, torch.device("cuda"))
+    monkeypatch.setitem(ops._GATHERED, kc.device, g)
+    used = []
+    attend = g.attend
+    monkeypatch.setattr(g, "attend", lambda q, *a: used.append(q.shape[0]) or attend(q, *a))
+    out = ops.paged_attention(batch.query, kc, vc, m, scale=128 ** -0.5)
+    assert used == long
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])

@@ -351,3 +351,25 @@ def test_tma_prefill_refuses_what_it_cannot_serve(block_size, kw, match):
     with pytest.raises(ValueError, match=match):
         ops.paged_prefill(batch.query, batch.k_cache, batch.v_cache, m.query_start_loc, m.seq_lens, m.block_tables,
                           0, 1, 5, 0.25, torch.empty_like(batch.query), block_m=16, **{"tma": True, **kw})
+
+
+def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch):
+    """PAGEDSERVE_LONG_PREFILL=cudnn's routing: a step of decodes, short chunks and two long ones
+    (not adjacent) gives reference.py's output, the long chunks through gathered_prefill (its CUDA
+    ops stood in for by plain attention: tests/attention/test_gathered_prefill.py) and every other
+    sequence through the Triton kernels, in the ranges between."""
+    from pagedserve.attention import gathered_prefill as gp
+    from test_gathered_prefill import math_prefix, math_square
+    for name, value in (("PREFIX_BUCKET", 32), ("QUERY_BUCKET", 8), ("MIN_PREFIX", 40), ("MIN_CHUNK", 4)):
+        monkeypatch.setattr(gp, name, value)
+    shapes = [(20, 1), (37, 1), (50, 6), (3, 5), (77, 13), (45, 2), (41, 4)]
+    batch = make_batch(shapes, 2, H=8, Hkv=2, D=16, block_size=8, seed=3)
+    kc, vc, ref = _reference_out(batch)
+    g = gp.GatheredPrefill(128, 2, 16, torch.float32, torch.device("cpu"), math_prefix, math_square)
+    monkeypatch.setitem(ops._GATHERED, kc.device, g)
+    used = []
+    attend = g.attend
+    monkeypatch.setattr(g, "attend", lambda q, *a: used.append(q.shape[0]) or attend(q, *a))
+    out = ops.paged_attention(batch.query, kc, vc, batch.meta, scale=0.25)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+    assert used == [6, 13, 4]
