@@ -6,6 +6,7 @@ same GPU, one after the other (one device call each: a call lasts 10 minutes).
     python3 benchmarks/serving/long_context.py online --engines vllm --site $SITE --work $OUT/lc
     python3 benchmarks/serving/long_context.py online --engines pagedserve --site $SITE --work $OUT/lc
     python3 benchmarks/serving/long_context.py collect --work DIR       # here or there
+    python3 benchmarks/serving/long_context.py prefill --out F.json     # offline: start-up + long prefills
 
 Each engine serves Llama-3.1-8B (benchmarks/models/llama-3.1-8b: llama3 RoPE to 131072) with dummy
 weights and the offline word-level tokenizer (peers/make_bench_model_dir.py) at max_model_len
@@ -318,9 +319,30 @@ def phase_collect(args, work: Path) -> None:
     print(json.dumps(ratios, indent=1))
 
 
+def phase_prefill(args) -> None:
+    """One engine in this process (its switches from the environment): start-up seconds, then each
+    of --prefill-lens as one fresh prompt with 1 output token, one at a time: that request's
+    seconds are its prefill's (an A/B of long-prefill paths, e.g. PAGEDSERVE_LONG_PREFILL=cudnn)."""
+    from pagedserve import LLM, SamplingParams
+    from pagedserve.benchmark.results import ENV_SWITCHES
+    t0 = time.perf_counter()
+    llm = LLM(str(args.model), load_format="dummy", max_model_len=args.max_model_len, block_size=args.block_size)
+    rec = {"startup_seconds": time.perf_counter() - t0, "block_size": args.block_size, "prefill_seconds": {},
+           "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES if os.environ.get(k)}, **_measured_code()}
+    rng = random.Random(7)
+    vocab = min(VOCAB_DRAW, json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
+    for n in args.prefill_lens:
+        prompt = [rng.randrange(vocab) for _ in range(n)]
+        t = time.perf_counter()
+        llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+        rec["prefill_seconds"][str(n)] = round(time.perf_counter() - t, 3)
+        print(f"prefill {n}: {rec['prefill_seconds'][str(n)]} s", flush=True)
+    Path(args.out).write_text(json.dumps(rec, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["online", "collect", "client"])
+    ap.add_argument("phase", choices=["online", "collect", "client", "prefill"])
     ap.add_argument("--site", default=os.environ.get("SITE", os.path.join(tempfile.gettempdir(), "site")))
     ap.add_argument("--gpu", default="0")
     ap.add_argument("--work", default=os.environ.get("OUT") or tempfile.mkdtemp())
@@ -351,6 +373,9 @@ def main() -> None:
     ap.add_argument("--note", default=None)
     ap.add_argument("--alt-work", action="append", metavar="LABEL=DIR",
                     help="collect: another pagedserve run's work dir (e.g. piecewise=DIR), kept as results['pagedserve_LABEL']")
+    ap.add_argument("--prefill-lens", type=int, nargs="+", default=[32768, 100_000, 100_000],
+                    help="prefill: prompt lengths, one request each, in order")
+    ap.add_argument("--block-size", type=int, default=16, help="prefill: the engine's KV block size")
     # client (internal): one scenario against a running server
     ap.add_argument("--scenario", choices=SCENARIOS)
     ap.add_argument("--port", type=int)
@@ -358,6 +383,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.phase == "client":
         run_client(args)
+        return
+    if args.phase == "prefill":
+        phase_prefill(args)
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
