@@ -67,12 +67,12 @@ case $MODE in
   prefill_ab)  # ~4 min, deps installed: offline start-up + 32k/100k/100k prefills, default vs
                # PAGEDSERVE_LONG_PREFILL=cudnn (then any further "ENV=VALUE,..." given, e.g. a tma launch)
     shift
-    step prefill_default 240 python3 benchmarks/serving/long_context.py prefill --out "$OUT/prefill_default.json"
-    step prefill_cudnn 240 env PAGEDSERVE_LONG_PREFILL=cudnn python3 benchmarks/serving/long_context.py prefill \
+    step prefill_default 180 python3 benchmarks/serving/long_context.py prefill --out "$OUT/prefill_default.json"
+    step prefill_cudnn 180 env PAGEDSERVE_LONG_PREFILL=cudnn python3 benchmarks/serving/long_context.py prefill \
       --out "$OUT/prefill_cudnn.json"
     for extra in "$@"; do  # BLOCK=N in it: the engine's --block-size (tma needs pages of whole tiles)
       name=prefill_$(echo "$extra" | tr -c 'A-Za-z0-9\n' _ | cut -c1-60)
-      step "$name" 240 env ${extra//,/ } bash -c 'python3 benchmarks/serving/long_context.py prefill \
+      step "$name" 180 env ${extra//,/ } bash -c 'python3 benchmarks/serving/long_context.py prefill \
         --block-size "${BLOCK:-16}" --out "$0"' "$OUT/$name.json"
     done ;;
   *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect|sweep|split|prefill_ab" >&2; exit 2 ;;
