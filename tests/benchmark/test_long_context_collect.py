@@ -93,3 +93,16 @@ def test_collect_writes_the_ratios(tmp_path):
     assert ratios["throughput_over_vllm_8k"] == 1.0  # same tokens in the same time
     assert ratios["decode_itl_p50_during_100k_prefill_over_vllm"] == pytest.approx(0.8, abs=1e-3)
     assert ratios["startup_seconds_over_vllm"] == pytest.approx(0.8)
+
+
+def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_model_dir, tmp_path, monkeypatch):
+    """`long_context.py prefill` (long_h200.sh prefill_ab): one engine, one request per length,
+    their seconds and the switches it ran under in the file."""
+    monkeypatch.setenv("PAGEDSERVE_LONG_PREFILL", "cudnn")  # recorded; on CPU the path stays off
+    out = tmp_path / "p.json"
+    lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=256, block_size=8,
+                                        prefill_lens=[40, 200], out=str(out)))
+    rec = json.loads(out.read_text())
+    assert list(rec["prefill_seconds"]) == ["40", "200"] and all(s > 0 for s in rec["prefill_seconds"].values())
+    assert rec["env_switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn" and rec["block_size"] == 8
+    assert rec["startup_seconds"] > 0 and rec["commit"]
