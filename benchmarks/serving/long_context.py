@@ -326,7 +326,8 @@ def phase_prefill(args) -> None:
     from pagedserve import LLM, SamplingParams
     from pagedserve.benchmark.results import ENV_SWITCHES
     t0 = time.perf_counter()
-    llm = LLM(str(args.model), load_format="dummy", max_model_len=args.max_model_len, block_size=args.block_size)
+    llm = LLM(str(args.model), load_format="dummy", max_model_len=args.max_model_len, block_size=args.block_size,
+              skip_tokenizer_init=True)
     rec = {"startup_seconds": time.perf_counter() - t0, "block_size": args.block_size, "prefill_seconds": {},
            "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES if os.environ.get(k)}, **_measured_code()}
     rng = random.Random(7)
