@@ -182,7 +182,7 @@ def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets):
             monkeypatch.setattr(gp, name, value)
         shapes, long = [(900, 1), (5, 1), (700, 300), (40, 30), (2048, 1024), (513, 64)], [300, 1024, 64]
     else:
-        shapes, long = [(3000, 1), (16384, 1024), (20000, 1500)], [1024, 1500]
+        shapes, long = [(3000, 1), (0, 1), (16384, 1024), (20000, 1500)], [1024, 1500]
     batch = make_batch(shapes, 2, H=32, Hkv=8, D=128, block_size=16, dtype=dtype, device="cuda", seed=2)
     kc, vc = _written(batch)
     m = batch.meta
