@@ -9,15 +9,15 @@ from pagedserve.attention import gathered_prefill as gp, reference
 from paged_batch import make_batch
 
 
-def math_prefix(q, k, v, bias, scale):
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale + bias.float()
-    return (scores.softmax(-1) @ v.float()).to(q.dtype), scores.logsumexp(-1)
-
-
-def math_square(q, k, v, scale):
+def math_flash(q, k, v, causal, scale):
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
     return (scores.softmax(-1) @ v.float()).to(q.dtype), scores.logsumexp(-1)
+
+
+def math_prefix(q, k, v, scale):
+    return math_flash(q, k, v, False, scale)
 
 
 @pytest.fixture
@@ -31,18 +31,23 @@ def small_buckets(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cached,new,block_size", [(40, 4, 16), (77, 13, 8), (96, 32, 16), (100, 9, 1)])
 def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_size):
-    """Prefixes off and on the bucket edge (96 = 3 x 32: no pad), chunks off and on the query
-    bucket, pages of 1/8/16 tokens; the pool's spare slots are random (garbage past the sequence)."""
+    """Prefixes off and on the bucket edge (96 = 3 x 32: no tail past the bucketed head), chunks
+    off and on the query bucket, pages of 1/8/16 tokens; the pool's spare slots are random
+    (garbage past the sequence)."""
     batch = make_batch([(3, 1), (cached, new)], 1, H=6, Hkv=2, D=16, block_size=block_size, dtype=dtype)
     kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
     reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
     scale = 16 ** -0.5
     ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale)[1:]
-    g = gp.GatheredPrefill(160, 2, 16, dtype, torch.device("cpu"), math_prefix, math_square)
-    g.k.fill_(float("nan"))  # a stale NaN in the buffer's pad must not reach the output
+    heads = []
+    g = gp.GatheredPrefill(160, 2, 16, dtype, torch.device("cpu"),
+                           lambda q, k, *a: heads.append((q.shape[2], k.shape[2])) or math_prefix(q, k, *a), math_flash)
+    g.k.fill_(float("nan")), g.v.fill_(float("nan"))  # stale NaNs past the sequence must not reach the output
     got = g.attend(batch.query[1:], kc, vc, batch.meta.block_tables[1], cached + new, scale)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, ref, **tol)
+    # cuDNN only ever sees bucketed shapes: queries (folded, 3 heads a group) and the prefix's head
+    assert heads == [(3 * gp.bucket(new, 8), cached // 32 * 32)]
 
 
 def test_which_chunks_take_the_path(small_buckets):
@@ -60,7 +65,8 @@ def test_plan_shapes_cover_every_chunk(small_buckets):
     for seq_len in range(1, 201):
         for new in range(1, min(24, seq_len) + 1):
             if gp.takes(new, seq_len):
-                assert (gp.bucket(new, gp.QUERY_BUCKET), gp.bucket(seq_len - new, gp.PREFIX_BUCKET)) in shapes
+                head = (seq_len - new) // gp.PREFIX_BUCKET * gp.PREFIX_BUCKET
+                assert (gp.bucket(new, gp.QUERY_BUCKET), head) in shapes
 
 
 def test_switch_values(monkeypatch):
