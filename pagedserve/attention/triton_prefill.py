@@ -16,7 +16,9 @@ TMA (tma, a constexpr; WS: ws): where a page holds whole K/V tiles (block size a
 each tile is one TMA load of a descriptor over the pool (triton_tiles.attend_tiles_tma) instead
 of BLOCK_N row gathers through the block table, and the tile loop may be warp-specialised (ws),
 the shape of FlashAttention-3's producer/consumer split that Triton builds on Hopper from
-descriptor loads. Serving needs --block-size >= bn (e.g. 128) for it. Untimed on the GPU yet.
+descriptor loads. Serving needs --block-size a multiple of bn (e.g. 128) for it. On the H200 tma takes
+~0.93x the gather launch's time at long chunks, ws adds nothing, and bn64+w4+gqa+tma+ws fails to
+compile (docs/long-context.md).
 
 LONGEST_FIRST (lpt, a constexpr): query tiles start in reverse, so a chunk's last tiles, the
 longest (causal), start first and the short ones fill the end of the grid instead of leaving one

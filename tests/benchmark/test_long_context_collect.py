@@ -101,8 +101,10 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     monkeypatch.setenv("PAGEDSERVE_LONG_PREFILL", "cudnn")  # recorded; on CPU the path stays off
     out = tmp_path / "p.json"
     lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=256, block_size=8,
-                                        prefill_lens=[40, 200], out=str(out)))
+                                        prefill_lens=[40, 200, 40], out=str(out)))
     rec = json.loads(out.read_text())
-    assert list(rec["prefill_seconds"]) == ["40", "200"] and all(s > 0 for s in rec["prefill_seconds"].values())
+    secs = rec["prefill_seconds"]
+    assert list(secs) == ["40", "200"] and [len(secs["40"]), len(secs["200"])] == [2, 1]
+    assert all(s > 0 for runs in secs.values() for s in runs)
     assert rec["env_switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn" and rec["block_size"] == 8
     assert rec["startup_seconds"] > 0 and rec["commit"]
