@@ -124,8 +124,10 @@ def test_decode_is_capturable_in_a_cuda_graph(ops):
         torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
 
 
+# Not bm128+bn64+w4+s2+gqa+tma+ws: Triton 3.6's warp-specialisation pass fails to compile it on the
+# H200 (2026-12-03, docs/long-context.md).
 @pytest.mark.parametrize("launch", ["bm128+bn128+w8+s4+tma", "bm128+bn64+w8+s3+gqa+tma", "bm128+bn128+w8+s3+tma+ws",
-                                    "bm128+bn64+w4+s2+gqa+tma+ws"])
+                                    "bm128+bn128+w8+s3+tma+ws+lpt"])
 @pytest.mark.parametrize("H,Hkv,D", [(32, 8, 128), (14, 2, 64)])
 def test_tma_prefill_launches(ops, launch, H, Hkv, D):
     """The tma variant (K/V tiles by descriptor, one page each) over 128-token pages, warp-specialised
