@@ -27,6 +27,17 @@ def _written(batch):
     return kc, vc
 
 
+def _poison_dead_slots(kc, vc, meta):
+    """NaN in every pool slot no sequence of the batch holds (past each end, spare blocks)."""
+    bs = kc.shape[1]
+    live = torch.zeros(kc.shape[0] * bs, dtype=torch.bool, device=kc.device)
+    for row, n in zip(meta.block_tables.tolist(), meta.seq_lens.tolist()):
+        pos = torch.arange(n, device=kc.device)
+        live[torch.tensor(row, device=kc.device)[pos // bs] * bs + pos % bs] = True
+    dead = ~live.view(kc.shape[0], bs)
+    kc[dead], vc[dead] = float("nan"), float("nan")
+
+
 MIXED = [(1500, 1), (0, 1), (4095, 1), (77, 1), (300, 1), (0, 512), (1000, 333), (2048, 64), (5, 1)]
 
 
@@ -138,12 +149,7 @@ def test_tma_prefill_launches(ops, launch, H, Hkv, D):
     kc, vc = _written(batch)
     m = batch.meta
     ref = reference.paged_attention(batch.query, kc, vc, m, scale=D ** -0.5)
-    live = torch.zeros(kc.shape[0] * 128, dtype=torch.bool, device="cuda")
-    for row, n in zip(m.block_tables.tolist(), m.seq_lens.tolist()):
-        pos = torch.arange(n, device="cuda")
-        live[torch.tensor(row, device="cuda")[pos // 128] * 128 + pos % 128] = True
-    dead = ~live.view(kc.shape[0], 128)
-    kc[dead], vc[dead] = float("nan"), float("nan")
+    _poison_dead_slots(kc, vc, m)
     chosen = parse_prefill_launch(launch)
     out = torch.full_like(batch.query, float("nan"))
     ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 0, len(shapes),
@@ -189,12 +195,7 @@ def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets):
     kc, vc = _written(batch)
     m = batch.meta
     ref = reference.paged_attention(batch.query, kc, vc, m, scale=128 ** -0.5)
-    live = torch.zeros(kc.shape[0] * 16, dtype=torch.bool, device="cuda")
-    for row, n in zip(m.block_tables.tolist(), m.seq_lens.tolist()):
-        pos = torch.arange(n, device="cuda")
-        live[torch.tensor(row, device="cuda")[pos // 16] * 16 + pos % 16] = True
-    dead = ~live.view(kc.shape[0], 16)
-    kc[dead], vc[dead] = float("nan"), float("nan")
+    _poison_dead_slots(kc, vc, m)
     g = gp.GatheredPrefill(max(m.seq_lens_cpu) + 1, 8, 128, dtype, torch.device("cuda"))
     monkeypatch.setitem(ops._GATHERED, kc.device, g)
     used = []
