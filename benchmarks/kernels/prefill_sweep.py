@@ -186,27 +186,17 @@ def sdpa_attention(q4, k4, v4, backends) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
-def merge_by_lse(out1, lse1, out2, lse2) -> torch.Tensor:
-    """Two softmax attentions of the same queries over disjoint key sets, [B, H, c, D] each with
-    their log-sum-exps [B, H, c], combined into the attention over the union."""
-    acc = torch.promote_types(out1.dtype, torch.float32)
-    lse1, lse2 = lse1.to(acc).reshape(out1.shape[:3]), lse2.to(acc).reshape(out2.shape[:3])
-    m = torch.maximum(lse1, lse2)
-    w1, w2 = (lse1 - m).exp().unsqueeze(-1), (lse2 - m).exp().unsqueeze(-1)
-    return ((out1.to(acc) * w1 + out2.to(acc) * w2) / (w1 + w2)).to(out1.dtype)
-
-
 def split_attention(q4, k4, v4, piece) -> torch.Tensor:
     """A chunk's lower-right causal attention as a library kernel sees it: the chunk's queries over
     the context before it (no mask: every earlier key is visible to every query), plus over its
     own keys (causal, a square, where top-left and lower-right agree), merged by log-sum-exp.
     `piece(q, k, v, causal)` -> (out [B, H, c, D], lse). [c, H, D] back."""
+    from pagedserve.attention.gathered_prefill import merge
     prefix = k4.shape[2] - q4.shape[2]
-    out2, lse2 = piece(q4, k4[:, :, prefix:], v4[:, :, prefix:], True)
-    if prefix == 0:
-        return out2[0].transpose(0, 1)
-    out1, lse1 = piece(q4, k4[:, :, :prefix], v4[:, :, :prefix], False)
-    return merge_by_lse(out1, lse1, out2, lse2)[0].transpose(0, 1)
+    heads_c = q4.shape[1:3]
+    parts = [piece(q4, k4[:, :, :prefix], v4[:, :, :prefix], False)] if prefix else []
+    parts.append(piece(q4, k4[:, :, prefix:], v4[:, :, prefix:], True))
+    return merge([(out[0], lse.reshape(heads_c)) for out, lse in parts]).transpose(0, 1)
 
 
 def library_pieces(group: int = 1, pad_to: int = 8192, base=None) -> dict:
@@ -247,8 +237,9 @@ def library_pieces(group: int = 1, pad_to: int = 8192, base=None) -> dict:
 
 
 def time_gathered(shape: Shape, ref: torch.Tensor, args, sync) -> dict:
-    """attention/gathered_prefill.py over the shape's pages as the engine calls it (gather, pad,
-    fold, cuDNN's prefix + flash's square, merge); first_call_ms builds its plan at this shape."""
+    """attention/gathered_prefill.py over the shape's pages as the engine calls it (gather, fold,
+    cuDNN's bucketed prefix head + flash's tail and square, merge); first_call_ms builds cuDNN's
+    plan at this shape (the engine's warm-up builds them all)."""
     from pagedserve.attention.gathered_prefill import GatheredPrefill
     c, L = shape.c, shape.L
     try:

@@ -39,6 +39,29 @@ MIN_PREFIX = 16384
 MIN_CHUNK = 1024
 
 
+# device -> GatheredPrefill: the pools long chunks on that device are routed for (configure).
+_ACTIVE: dict = {}
+
+
+def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_dim: int,
+              dtype: torch.dtype) -> GatheredPrefill | None:
+    """At start-up, before the KV pool is sized (so the profile counts the buffers): under the
+    switch, on CUDA, for a bf16/fp16 pool, route this device's long chunks here; otherwise route
+    none, whatever an earlier engine in this process set."""
+    if device.type != "cuda":
+        return None
+    key = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+    _ACTIVE.pop(key, None)
+    if enabled() and dtype in (torch.bfloat16, torch.float16):
+        _ACTIVE[key] = GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, key)
+    return _ACTIVE.get(key)
+
+
+def active(device: torch.device) -> GatheredPrefill | None:
+    """The path's buffers for pools on `device` (a pool's own device, 'cuda:N'), or None."""
+    return _ACTIVE.get(device)
+
+
 def enabled() -> bool:
     value = os.environ.get(LONG_PREFILL_ENV, "")
     if value not in ("", "0", "cudnn"):
@@ -147,8 +170,9 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
     """Softmax attentions of the same queries over disjoint keys ([H, c, D] each with its [H, c]
-    log-sum-exp) as the attention over their union, in float32."""
-    lses = torch.stack([lse.float() for _, lse in parts])
+    log-sum-exp) as the attention over their union, in float32 at least."""
+    acc = torch.promote_types(parts[0][0].dtype, torch.float32)
+    lses = torch.stack([lse.to(acc) for _, lse in parts])
     weights = (lses - lses.max(0).values).exp().unsqueeze(-1)
-    total = sum(w * out.float() for w, (out, _) in zip(weights, parts))
+    total = sum(w * out.to(acc) for w, (out, _) in zip(weights, parts))
     return (total / weights.sum(0)).to(parts[0][0].dtype)

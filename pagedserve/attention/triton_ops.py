@@ -26,19 +26,6 @@ from pagedserve.attention.triton_prefill import prefill_attention, prefill_launc
 from pagedserve.attention import triton_unified as unified
 
 
-# device -> gathered_prefill.GatheredPrefill: set by enable_gathered_prefill (the runner, at start-up,
-# under PAGEDSERVE_LONG_PREFILL=cudnn); absent, every prefill chunk takes the Triton prefill kernel.
-_GATHERED: dict = {}
-
-
-def enable_gathered_prefill(max_model_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                            device: torch.device) -> gathered_prefill.GatheredPrefill:
-    """Long chunks through cuDNN over their gathered context from now on (gathered_prefill.py)."""
-    g = gathered_prefill.GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, device)
-    _GATHERED[g.k.device] = g  # the allocated tensor's device: 'cuda' is keyed as 'cuda:N', as pools are
-    return g
-
-
 @functools.lru_cache(maxsize=None)
 def _sm90(device: torch.device) -> bool:
     """A Hopper GPU (compute capability 9.x): the prefill kernel's larger tiles fit its shared memory."""
@@ -238,7 +225,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                      order=meta.decode_order, k_scale=k_scale, v_scale=v_scale)
     if nd < ns:
         q_lens = meta.query_lens_cpu
-        gathered = _GATHERED.get(k_cache.device)
+        gathered = gathered_prefill.active(k_cache.device)
         long = gathered_prefill.long_chunks(meta, k_cache) if gathered is not None else []
         for first, count in gathered_prefill.other_ranges(nd, ns, long):
             max_q = max(q_lens[first:first + count]) if q_lens is not None else meta.max_query_len

@@ -130,11 +130,8 @@ class ModelRunner:
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
-        if gathered_prefill.enabled() and self.device.type == "cuda" and self.kv_dtype in (torch.bfloat16, torch.float16):
-            # Before the KV pool is sized, so that the start-up profile counts the gather buffers.
-            from pagedserve.attention import triton_ops  # CUDA only
-            triton_ops.enable_gathered_prefill(self.max_model_len, self.num_kv_heads, self.head_dim, self.kv_dtype,
-                                               self.device)
+        # PAGEDSERVE_LONG_PREFILL: before the KV pool is sized, so that the profile counts its buffers.
+        gathered_prefill.configure(self.device, self.max_model_len, self.num_kv_heads, self.head_dim, self.kv_dtype)
         return self.model
 
     def _require(self, what: str):

@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from pagedserve.attention.backend import Attention, get_backend
-from pagedserve.attention.gathered_prefill import warm_up_plans
+from pagedserve.attention.gathered_prefill import active as active_gathered, warm_up_plans
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.layers.fused_moe.warmup import warm_up_moe
 from pagedserve.layers.quant.fp8_gemm_warmup import warm_up_fp8_gemm
@@ -246,8 +246,7 @@ def warm_up(runner: RunnerView) -> float:
             _attention_variants(runner, steps, variants, (start, chunk))
         # Long chunks over their gathered context (PAGEDSERVE_LONG_PREFILL=cudnn): every bucketed
         # shape's cuDNN plan.
-        k_cache = runner.cache_engine.kv_caches[0][0]
-        gathered = getattr(get_backend(dev), "_GATHERED", {}).get(k_cache.device)
+        gathered = active_gathered(runner.cache_engine.kv_caches[0][0].device)
         if gathered is not None:
             attn = next(m for m in runner.model.modules() if isinstance(m, Attention))
             n = warm_up_plans(gathered, max_tokens, attn.num_heads, attn.scale)

@@ -77,3 +77,15 @@ def test_switch_values(monkeypatch):
     monkeypatch.setenv(gp.LONG_PREFILL_ENV, "flash")
     with pytest.raises(ValueError, match=gp.LONG_PREFILL_ENV):
         gp.enabled()
+
+
+def test_configure_routes_only_under_the_switch(monkeypatch):
+    """An engine started without the switch routes no long chunk, even where an earlier engine of
+    the same process (same device) had it on; CPU pools never take the path."""
+    cuda0 = torch.device("cuda", 0)
+    monkeypatch.setitem(gp._ACTIVE, cuda0, "an earlier engine's")
+    monkeypatch.delenv(gp.LONG_PREFILL_ENV, raising=False)
+    assert gp.configure(cuda0, 1024, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None
+    monkeypatch.setenv(gp.LONG_PREFILL_ENV, "cudnn")
+    assert gp.configure(torch.device("cpu"), 1024, 8, 128, torch.bfloat16) is None
+    assert gp.configure(cuda0, 1024, 8, 128, torch.float8_e4m3fn) is None  # fp8 pools: the Triton kernels

@@ -197,7 +197,7 @@ def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets):
     ref = reference.paged_attention(batch.query, kc, vc, m, scale=128 ** -0.5)
     _poison_dead_slots(kc, vc, m)
     g = gp.GatheredPrefill(max(m.seq_lens_cpu) + 1, 8, 128, dtype, torch.device("cuda"))
-    monkeypatch.setitem(ops._GATHERED, kc.device, g)
+    monkeypatch.setitem(gp._ACTIVE, kc.device, g)
     used = []
     attend = g.attend
     monkeypatch.setattr(g, "attend", lambda q, *a: used.append(q.shape[0]) or attend(q, *a))

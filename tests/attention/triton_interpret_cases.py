@@ -366,7 +366,7 @@ def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch):
     batch = make_batch(shapes, 2, H=8, Hkv=2, D=16, block_size=8, seed=3)
     kc, vc, ref = _reference_out(batch)
     g = gp.GatheredPrefill(128, 2, 16, torch.float32, torch.device("cpu"), math_prefix, math_flash)
-    monkeypatch.setitem(ops._GATHERED, kc.device, g)
+    monkeypatch.setitem(gp._ACTIVE, kc.device, g)
     used = []
     attend = g.attend
     monkeypatch.setattr(g, "attend", lambda q, *a: used.append(q.shape[0]) or attend(q, *a))
