@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -319,6 +320,20 @@ def phase_collect(args, work: Path) -> None:
     print(json.dumps(ratios, indent=1))
 
 
+def _kernel_profiler():
+    import torch
+    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+
+
+def _top_kernels(prof, top: int = 30) -> list[dict]:
+    """The profiled window's device kernels by total time: name, calls, total ms, share of all."""
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.self_device_time_total for e in rows) or 1.0
+    rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return [{"kernel": e.key[:120], "calls": e.count, "ms": round(e.self_device_time_total / 1e3, 2),
+             "share": round(e.self_device_time_total / total, 4)} for e in rows[:top]]
+
+
 def phase_prefill(args) -> None:
     """One engine in this process (its switches from the environment): start-up seconds, then each
     of --prefill-lens as one fresh prompt with 1 output token, one at a time: that request's
@@ -332,11 +347,16 @@ def phase_prefill(args) -> None:
            "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES if os.environ.get(k)}, **_measured_code()}
     rng = random.Random(7)
     vocab = min(VOCAB_DRAW, json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
-    for n in args.prefill_lens:
+    for i, n in enumerate(args.prefill_lens):
         prompt = [rng.randrange(vocab) for _ in range(n)]
+        profile = args.profile and i == len(args.prefill_lens) - 1
+        prof = _kernel_profiler() if profile else contextlib.nullcontext()
         t = time.perf_counter()
-        llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+        with prof:
+            llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
         seconds = round(time.perf_counter() - t, 3)
+        if profile:  # the last prompt's kernels, by total device time (the profiler slows the host)
+            rec["profile"] = {"prompt_len": n, "seconds_profiled": seconds, "kernels": _top_kernels(prof)}
         rec["prefill_seconds"].setdefault(str(n), []).append(seconds)  # a length given twice: both runs
         print(f"prefill {n}: {seconds} s", flush=True)
     Path(args.out).write_text(json.dumps(rec, indent=1))
@@ -378,6 +398,8 @@ def main() -> None:
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=[32768, 100_000, 100_000],
                     help="prefill: prompt lengths, one request each, in order")
     ap.add_argument("--block-size", type=int, default=16, help="prefill: the engine's KV block size")
+    ap.add_argument("--profile", action="store_true",
+                    help="prefill: the last prompt under torch.profiler; its top kernels go in the JSON")
     # client (internal): one scenario against a running server
     ap.add_argument("--scenario", choices=SCENARIOS)
     ap.add_argument("--port", type=int)
