@@ -311,12 +311,15 @@ def phase_collect(args, work: Path) -> None:
         alt_info = _load(Path(path) / "lc_pagedserve_info.json") or {}
         results[f"pagedserve_{label}"] = {"startup_seconds": alt_info.get("startup_seconds"),
                                           "server_args": alt_info.get("server_args"),
+                                          "env_switches": alt_info.get("env_switches"),
                                           "commit": alt_info.get("commit"), "runs": engine_runs(Path(path), "pagedserve")}
     ours_info = _load(work / "lc_pagedserve_info.json") or {}
+    # The environment switches as the measured server saw them, not as this (collecting) process does.
     write_result(Path(args.output), "long_context_vs_vllm",
                  "python benchmarks/serving/long_context.py " + shlex.join(sys.argv[1:]), config, results,
                  {"vllm": "0.26.0"}, ratios, device=args.device, measured_commit=ours_info.get("commit"),
-                 host=ours_info.get("host"), extra={"note": args.note} if args.note else None)
+                 switches=ours_info.get("env_switches"), host=ours_info.get("host"),
+                 extra={"note": args.note} if args.note else None)
     print(json.dumps(ratios, indent=1))
 
 

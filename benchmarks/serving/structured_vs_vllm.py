@@ -150,10 +150,14 @@ def phase_collect(args, work: Path) -> None:
     if earlier is not None:
         measured, hosts = {earlier["commit"]}, [earlier.get("host")]
         config["tokenizer"] = config["tokenizer"] or earlier["config"].get("tokenizer")
+    # The environment switches as the measured server saw them, not as this (collecting) process does.
+    ran_with = (vv._load(work / "structured_pagedserve_info.json") or {}).get("env_switches")
+    if earlier is not None:
+        ran_with = earlier.get("switches")
     write_result(Path(args.output), "structured_vs_vllm",
                  "python benchmarks/serving/structured_vs_vllm.py " + shlex.join(sys.argv[1:]), config, results,
                  {"vllm": "0.26.0"}, ratios, device=args.device,
-                 measured_commit=measured.pop() if len(measured) == 1 else None,
+                 measured_commit=measured.pop() if len(measured) == 1 else None, switches=ran_with,
                  host=next((h for h in hosts if h), None), extra={"note": args.note} if args.note else None)
     print(json.dumps(ratios, indent=1))
 

@@ -3,6 +3,7 @@ says, and collect turns per-request records into the issue's ratios, including t
 decodes' gaps while the 100k prompt prefills (only the gaps that end inside that window)."""
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,7 +63,10 @@ def test_collect_writes_the_ratios(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     for engine, scale in (("vllm", 1.0), ("pagedserve", 0.8)):
-        (work / f"lc_{engine}_info.json").write_text(json.dumps({"startup_seconds": 60 * scale, "commit": None}))
+        info = {"startup_seconds": 60 * scale, "commit": None}
+        if engine == "pagedserve":  # as the server ran; the collecting process has no such switch set
+            info["env_switches"] = {"PAGEDSERVE_LONG_PREFILL": "cudnn", "PAGEDSERVE_FUSED": None}
+        (work / f"lc_{engine}_info.json").write_text(json.dumps(info))
         for scenario, plen in (("len8k", 8192), ("len32k", 32768), ("len100k", 100_000)):
             reqs = [_req(plen, 0.5 * scale * (i + 1), [0.02 * scale] * 255, sent_at=i) for i in range(4)]
             (work / f"lc_{engine}_{scenario}.json").write_text(json.dumps({"duration_s": 10.0, "requests": reqs}))
@@ -76,9 +80,10 @@ def test_collect_writes_the_ratios(tmp_path):
     (alt / "lc_pagedserve_info.json").write_text(json.dumps({"startup_seconds": 50, "server_args": "--x"}))
     (alt / "lc_pagedserve_len8k.json").write_text((work / "lc_vllm_len8k.json").read_text())
     out = tmp_path / "long_context.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks/serving/long_context.py"), "collect", "--work",
                         str(work), "--device", "NVIDIA H200", "--output", str(out), "--alt-work", f"pw={alt}"],
-                       capture_output=True, text=True, cwd=ROOT)
+                       capture_output=True, text=True, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
     ratios = result["ratios"]
@@ -93,6 +98,9 @@ def test_collect_writes_the_ratios(tmp_path):
     assert ratios["throughput_over_vllm_8k"] == 1.0  # same tokens in the same time
     assert ratios["decode_itl_p50_during_100k_prefill_over_vllm"] == pytest.approx(0.8, abs=1e-3)
     assert ratios["startup_seconds_over_vllm"] == pytest.approx(0.8)
+    # The switches recorded are the measured server's, not the collecting process's.
+    assert result["switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn"
+    assert "PAGEDSERVE_LONG_PREFILL=cudnn" in out.with_suffix(".md").read_text()
 
 
 def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_model_dir, tmp_path, monkeypatch):
@@ -101,7 +109,8 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     monkeypatch.setenv("PAGEDSERVE_LONG_PREFILL", "cudnn")  # recorded; on CPU the path stays off
     out = tmp_path / "p.json"
     lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=256, block_size=8,
-                                        prefill_lens=[40, 200, 40], out=str(out)))
+                                        prefill_lens=[40, 200, 40], out=str(out),
+                                        profile=False))
     rec = json.loads(out.read_text())
     secs = rec["prefill_seconds"]
     assert list(secs) == ["40", "200"] and [len(secs["40"]), len(secs["200"])] == [2, 1]
