@@ -14,7 +14,8 @@
 #                                             # the prefill kernel's tma (+ws) launches, and torch SDPA
 #                                             # (cuDNN, flash) over the gathered context, split into
 #                                             # prefix + causal square (--split-baselines)
-#   bash benchmarks/long_h200.sh prefill_ab    # ~4 min: offline long prefills, default vs PAGEDSERVE_LONG_PREFILL=cudnn
+#   bash benchmarks/long_h200.sh prefill_ab    # ~4 min: offline long prefills, default (on Hopper: the gathered
+#                                             # path) vs PAGEDSERVE_LONG_PREFILL=off
 # vllm/ours/collect share $OUT/long_context/ (the work dir); run them in one $OUT, or copy it over.
 # On the device tool (which brings back 8 files of $OUT) set LONG_WORK=/tmp/long_context: the work dir
 # stays there for the lease's later calls, and vllm/ours leave it in $OUT/long_context.tgz.
@@ -65,11 +66,11 @@ case $MODE in
       --split-baselines --reps 5 --output "$OUT/prefill_split.json"
     ;;
   prefill_ab)  # ~4 min, deps installed: offline start-up + 32k/100k/100k prefills, default vs
-               # PAGEDSERVE_LONG_PREFILL=cudnn (then any further "ENV=VALUE,..." given, e.g. a tma launch)
+               # PAGEDSERVE_LONG_PREFILL=off (then any further "ENV=VALUE,..." given, e.g. a tma launch)
     shift
     step prefill_default 180 python3 benchmarks/serving/long_context.py prefill --out "$OUT/prefill_default.json"
-    step prefill_cudnn 180 env PAGEDSERVE_LONG_PREFILL=cudnn python3 benchmarks/serving/long_context.py prefill \
-      --out "$OUT/prefill_cudnn.json"
+    step prefill_off 180 env PAGEDSERVE_LONG_PREFILL=off python3 benchmarks/serving/long_context.py prefill \
+      --out "$OUT/prefill_off.json"
     for extra in "$@"; do  # BLOCK=N in it: the engine's --block-size (tma needs pages of whole tiles)
       name=prefill_$(echo "$extra" | tr -c 'A-Za-z0-9\n' _ | cut -c1-60)
       step "$name" 180 env ${extra//,/ } bash -c 'python3 benchmarks/serving/long_context.py prefill \

@@ -20,10 +20,6 @@ def math_prefix(q, k, v, scale):
     return math_flash(q, k, v, False, scale)
 
 
-def math_causal(q, k, v, scale):
-    return math_flash(q, k, v, True, scale)
-
-
 @pytest.fixture
 def small_buckets(monkeypatch):
     monkeypatch.setattr(gp, "PREFIX_BUCKET", 32)
@@ -43,19 +39,15 @@ def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_si
     reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
     scale = 16 ** -0.5
     ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale)[1:]
-    heads, squares = [], []
+    heads = []
     g = gp.GatheredPrefill(160, 2, 16, dtype, torch.device("cpu"),
-                           lambda q, k, *a: heads.append((q.shape[2], k.shape[2])) or math_prefix(q, k, *a), math_flash,
-                           lambda q, k, *a: squares.append((q.shape[1:3], k.shape[1:3])) or math_causal(q, k, *a))
+                           lambda q, k, *a: heads.append((q.shape[2], k.shape[2])) or math_prefix(q, k, *a), math_flash)
     g.k.fill_(float("nan")), g.v.fill_(float("nan"))  # stale NaNs past the sequence must not reach the output
     got = g.attend(batch.query[1:], kc, vc, batch.meta.block_tables[1], cached + new, scale)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, ref, **tol)
-    # cuDNN only ever sees bucketed shapes: queries (folded, 3 heads a group) and the prefix's head;
-    # the square, all 6 heads, padded to the query bucket
-    rows = gp.bucket(new, 8)
-    assert heads == [(3 * rows, cached // 32 * 32)]
-    assert squares == [((6, rows), (6, rows))]
+    # cuDNN only ever sees bucketed shapes: queries (folded, 3 heads a group) and the prefix's head
+    assert heads == [(3 * gp.bucket(new, 8), cached // 32 * 32)]
 
 
 def test_which_chunks_take_the_path(small_buckets):
@@ -77,48 +69,53 @@ def test_plan_shapes_cover_every_chunk(small_buckets):
                 assert (gp.bucket(new, gp.QUERY_BUCKET), head) in shapes
 
 
-def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets):
-    """cuDNN keys its plans by shapes and strides: the warm-up calls it with both as attend does, for
-    every chunk a step of up to max_tokens tokens can bring (nothing is built after start-up)."""
-    seen = {"prefix": set(), "square": set()}
-    key = lambda *ts: tuple((tuple(t.shape), t.stride()) for t in ts)  # noqa: E731
-
-    def recorder(kind, fn):
-        return lambda q, k, v, *a: seen[kind].add(key(q, k, v)) or fn(q, k, v, *a)
-    g = gp.GatheredPrefill(200, 2, 8, torch.float32, torch.device("cpu"), recorder("prefix", math_prefix),
-                           math_flash, recorder("square", math_causal))
-    n = gp.warm_up_plans(g, max_tokens=24, num_heads=6, scale=0.3)
-    built = {kind: set(keys) for kind, keys in seen.items()}
-    assert n == len(built["prefix"]) + len(built["square"]) == len(g.shapes(24)) + 3
-    for kind in seen:
-        seen[kind].clear()
-    kc = torch.randn(30, 8, 2, 8)  # 30 pages of 8 tokens
-    table = torch.randperm(30)
-    for seq_len in range(41, 201, 7):
-        for new in (4, 11, 24):
-            if gp.takes(new, seq_len):
-                g.attend(torch.randn(new, 6, 8), kc, kc, table, seq_len, 0.3)
-    assert seen["prefix"] and seen["square"]
-    assert seen["prefix"] <= built["prefix"] and seen["square"] <= built["square"]
+@pytest.fixture
+def gpu_of(monkeypatch):
+    """Pretend cuda devices of a given compute capability major (no GPU needed: enabled() only asks
+    for the capability; buffers are made on CPU)."""
+    def pretend(major):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
+        monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+        made = gp.GatheredPrefill
+        monkeypatch.setattr(gp, "GatheredPrefill", lambda *a: made(*a[:4], torch.device("cpu")))
+    return pretend
 
 
-def test_switch_values(monkeypatch):
-    monkeypatch.delenv(gp.LONG_PREFILL_ENV, raising=False)
-    assert not gp.enabled()
-    monkeypatch.setenv(gp.LONG_PREFILL_ENV, "cudnn")
-    assert gp.enabled()
+@pytest.mark.parametrize("value,major,on", [(None, 9, True), ("auto", 9, True), (None, 8, False),
+                                            ("cudnn", 8, True), ("cudnn", 9, True), ("off", 9, False),
+                                            ("0", 9, False)])
+def test_switch_values(monkeypatch, gpu_of, value, major, on):
+    """Unset: on for Hopper only (where it was measured); 'cudnn' forces it on any CUDA GPU; never on CPU."""
+    gpu_of(major)
+    if value is None:
+        monkeypatch.delenv(gp.LONG_PREFILL_ENV, raising=False)
+    else:
+        monkeypatch.setenv(gp.LONG_PREFILL_ENV, value)
+    assert gp.enabled(torch.device("cuda", 0)) is on
+    assert not gp.enabled(torch.device("cpu"))
+
+
+def test_bad_switch_value_names_it(monkeypatch):
     monkeypatch.setenv(gp.LONG_PREFILL_ENV, "flash")
     with pytest.raises(ValueError, match=gp.LONG_PREFILL_ENV):
-        gp.enabled()
+        gp.enabled(torch.device("cpu"))
 
 
-def test_configure_routes_only_under_the_switch(monkeypatch):
-    """An engine started without the switch routes no long chunk, even where an earlier engine of
-    the same process (same device) had it on; CPU pools never take the path."""
+def test_configure_routes_only_where_on(monkeypatch, gpu_of):
+    """An engine started with the path off routes no long chunk, even where an earlier engine of
+    the same process (same device) had it on; CPU pools, fp8 pools and a max_model_len no long chunk
+    fits never take the path; a Hopper GPU takes it by default."""
     cuda0 = torch.device("cuda", 0)
+    gpu_of(9)
     monkeypatch.setitem(gp._ACTIVE, cuda0, "an earlier engine's")
-    monkeypatch.delenv(gp.LONG_PREFILL_ENV, raising=False)
-    assert gp.configure(cuda0, 1024, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None
-    monkeypatch.setenv(gp.LONG_PREFILL_ENV, "cudnn")
-    assert gp.configure(torch.device("cpu"), 1024, 8, 128, torch.bfloat16) is None
-    assert gp.configure(cuda0, 1024, 8, 128, torch.float8_e4m3fn) is None  # fp8 pools: the Triton kernels
+    monkeypatch.setenv(gp.LONG_PREFILL_ENV, "off")
+    assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None
+    monkeypatch.delenv(gp.LONG_PREFILL_ENV)
+    assert gp.configure(torch.device("cpu"), 32768, 8, 128, torch.bfloat16) is None
+    assert gp.configure(cuda0, 32768, 8, 128, torch.float8_e4m3fn) is None  # fp8 pools: the Triton kernels
+    too_short = gp.MIN_PREFIX + gp.MIN_CHUNK - 1
+    assert gp.configure(cuda0, too_short, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None
+    g = gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)
+    assert g is not None and gp.active(cuda0) is g and tuple(g.k.shape) == (1, 8, 32768, 128)
+    gpu_of(8)
+    assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None
