@@ -8,6 +8,8 @@ a block-size sweep, and a paged prefill vs causal SDPA. Every section logs its o
 error and the run goes on; a number that was not measured is absent from the JSON.
 
     python benchmarks/kernels/bench_paged_decode.py [--output benchmarks/results/h200/paged_decode.json]
+    python benchmarks/kernels/bench_paged_decode.py --batch 1 --context 100000 --splits 32 48 64 96 128 \
+        --skip sweep,flex,blocks,prefill --output /tmp/decode_long.json    # long_h200.sh decode_long
 """
 from __future__ import annotations
 
@@ -183,6 +185,21 @@ def config_sweep(q, kc, vc, tables, seq_lens, L, scale):
     return rows
 
 
+@section("split_sweep")
+def split_sweep(q, kc, vc, tables, seq_lens, L, scale, nbytes, copy_gbps, counts):
+    """The default launch at each given split count per sequence (length-aware splits off): at
+    long contexts and few sequences the grid is a few waves of programs, and how full the last one
+    is shows here."""
+    rows = []
+    for n in counts:
+        ms, _ = time_paged(q, kc, vc, tables, seq_lens, L, scale, reps=3, num_splits=n, split_tokens=0)
+        gbps = nbytes / ms / 1e6
+        rows.append({"num_splits": n, "programs": q.shape[0] * kc.shape[2] * n, "ms": ms, "GBps": gbps,
+                     "bandwidth_fraction": gbps / copy_gbps if copy_gbps else None})
+        print("splits", rows[-1], flush=True)
+    return rows
+
+
 @section("block_size_sweep")
 def block_size_sweep(B, L, H, Hkv, D, dtype, scale, copy_gbps):
     rows = []
@@ -232,6 +249,9 @@ def main():
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--skip", default="", help="comma list: sweep,flex,blocks,prefill")
+    ap.add_argument("--splits", type=int, nargs="*", default=[],
+                    help="also time the default launch at these split counts per sequence (e.g. at --batch 1 "
+                         "--context 100000: 32 48 64 96 128)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     git_commit()  # refuse before measuring, not after
@@ -292,6 +312,12 @@ def main():
             ratios["paged_over_sdpa_flash"] = paged_ms / sdpa["flash"]["ms"]
         print("sdpa", {n: e.get("ms", e.get("error")) for n, e in sdpa.items()}, flush=True)
     save()
+
+    if args.splits and paged:
+        rows = split_sweep(q, kc, vc, tables, seq_lens, L, scale, nbytes, copy_gbps, args.splits)
+        if rows:
+            results["split_sweep"] = rows
+        save()
 
     if "sweep" not in skip:
         rows = config_sweep(q, kc, vc, tables, seq_lens, L, scale)
