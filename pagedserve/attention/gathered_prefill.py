@@ -54,8 +54,9 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
         return None
     key = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
     _ACTIVE.pop(key, None)
+    on = enabled(key)  # first: a bad switch value is an error whatever the pool
     # Only where a chunk can ever take the path (else its buffers and plans would be dead weight).
-    if dtype in (torch.bfloat16, torch.float16) and max_model_len >= MIN_PREFIX + MIN_CHUNK and enabled(key):
+    if on and dtype in (torch.bfloat16, torch.float16) and max_model_len >= MIN_PREFIX + MIN_CHUNK:
         _ACTIVE[key] = GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, key)
     return _ACTIVE.get(key)
 

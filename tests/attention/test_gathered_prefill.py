@@ -95,10 +95,14 @@ def test_switch_values(monkeypatch, gpu_of, value, major, on):
     assert not gp.enabled(torch.device("cpu"))
 
 
-def test_bad_switch_value_names_it(monkeypatch):
+def test_bad_switch_value_names_it(monkeypatch, gpu_of):
+    """Named at start-up even where the path could not run (a max_model_len no long chunk fits)."""
+    gpu_of(9)
     monkeypatch.setenv(gp.LONG_PREFILL_ENV, "flash")
     with pytest.raises(ValueError, match=gp.LONG_PREFILL_ENV):
         gp.enabled(torch.device("cpu"))
+    with pytest.raises(ValueError, match=gp.LONG_PREFILL_ENV):
+        gp.configure(torch.device("cuda", 0), 4096, 8, 128, torch.bfloat16)
 
 
 def test_configure_routes_only_where_on(monkeypatch, gpu_of):
