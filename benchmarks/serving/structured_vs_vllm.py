@@ -147,13 +147,11 @@ def phase_collect(args, work: Path) -> None:
               "pagedserve_args": args.pagedserve_args, "vllm_args": args.vllm_args}
     measured = {(vv._load(f) or {}).get("commit") for f in work.glob("structured_pagedserve_r*.json")} - {None}
     hosts = [(vv._load(f) or {}).get("host") for f in sorted(work.glob("structured_pagedserve_r*.json"))]
-    if earlier is not None:
-        measured, hosts = {earlier["commit"]}, [earlier.get("host")]
-        config["tokenizer"] = config["tokenizer"] or earlier["config"].get("tokenizer")
     # The environment switches as the measured server saw them, not as this (collecting) process does.
     ran_with = (vv._load(work / "structured_pagedserve_info.json") or {}).get("env_switches")
     if earlier is not None:
-        ran_with = earlier.get("switches")
+        measured, hosts, ran_with = {earlier["commit"]}, [earlier.get("host")], earlier.get("switches")
+        config["tokenizer"] = config["tokenizer"] or earlier["config"].get("tokenizer")
     write_result(Path(args.output), "structured_vs_vllm",
                  "python benchmarks/serving/structured_vs_vllm.py " + shlex.join(sys.argv[1:]), config, results,
                  {"vllm": "0.26.0"}, ratios, device=args.device,

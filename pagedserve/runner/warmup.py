@@ -21,8 +21,8 @@ match):
 - every sampler path (greedy, temperature, top-k, top-p, both, min-p, seeds, logprobs,
   penalties, suppressed tokens) at one row and at max_num_seqs rows, on logits of the model's
   dtype (the fused plain-path kernels compile per dtype), and the host copy;
-- under PAGEDSERVE_LONG_PREFILL=cudnn, every bucketed shape a long chunk's cuDNN call can meet
-  (attention/gathered_prefill.py: cuDNN builds a plan per shape);
+- where the gathered long-prefill path is on (Hopper by default; PAGEDSERVE_LONG_PREFILL), every
+  bucketed shape a long chunk's cuDNN call can meet (attention/gathered_prefill.py: a plan per shape);
 - a swap out, a swap in and a block copy.
 
 FP8 KV scales: every forward and _attention_variants pass the layers' own k_scale / v_scale,
@@ -244,8 +244,8 @@ def warm_up(runner: RunnerView) -> float:
                 seq_len = min(seq_len, max_len)
                 run(steps.step([(seq_len - 1, 1, True)] * n + [(start, 1, True)], n))
             _attention_variants(runner, steps, variants, (start, chunk))
-        # Long chunks over their gathered context (PAGEDSERVE_LONG_PREFILL=cudnn): every bucketed
-        # shape's cuDNN plan.
+        # Long chunks over their gathered context (where gathered_prefill.configure turned it on):
+        # every bucketed shape's cuDNN plan.
         gathered = active_gathered(runner.cache_engine.kv_caches[0][0].device)
         if gathered is not None:
             attn = next(m for m in runner.model.modules() if isinstance(m, Attention))

@@ -117,3 +117,19 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     assert all(s > 0 for runs in secs.values() for s in runs)
     assert rec["env_switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn" and rec["block_size"] == 8
     assert rec["startup_seconds"] > 0 and rec["commit"]
+
+
+def test_structured_collect_records_the_measured_servers_switches(tmp_path):
+    """structured_vs_vllm.py collect, like long_context.py's: the switches in the result are the ones
+    the measured server ran with (its info file), not the collecting process's."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "structured_pagedserve_info.json").write_text(json.dumps(
+        {"engine": "pagedserve", "server_args": "", "env_switches": {"PAGEDSERVE_GRAMMAR_FILL": "0"}}))
+    out = tmp_path / "structured.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/serving/structured_vs_vllm.py"), "collect", "--work",
+                        str(work), "--device", "NVIDIA H200", "--output", str(out)],
+                       capture_output=True, text=True, cwd=ROOT, env=env)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert json.loads(out.read_text())["switches"]["PAGEDSERVE_GRAMMAR_FILL"] == "0"
