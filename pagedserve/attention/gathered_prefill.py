@@ -8,24 +8,28 @@ read a block table, so a long chunk takes this path instead:
 
 A chunk of c new tokens after P earlier ones attends to the P earlier tokens, unmasked, and to its
 own c tokens, causally; at long contexts the first is nearly all of it (P * c against c * c / 2).
-The prefix's K/V are gathered out of their pages into one contiguous buffer, heads first (~2 KB a
-token a layer for Llama-3.1-8B: 0.4 GB at 100k). cuDNN builds an execution plan per shape (70-100
-ms each on the H200), and a long prefill meets a new context length every step, so the prefix is
-cut at its last multiple of PREFIX_BUCKET:
+The context's K/V are gathered out of their pages by one index_select each into buffers laid out
+as the pages lay their rows ([positions, Hkv, D], ~2 KB a token a layer for Llama-3.1-8B: 0.4 GB at
+100k); cuDNN and flash read them as strided views, heads first, never copied again. cuDNN builds an
+execution plan per shape and stride (70-100 ms each on the H200), and a long prefill meets a new
+context length every step, so the prefix is cut at its last multiple of PREFIX_BUCKET:
 (1) the first B = (P // PREFIX_BUCKET) * PREFIX_BUCKET tokens go to cuDNN, with each KV group's
     query heads folded into the query length (K/V read once per group, never repeated) and the
     queries padded with zero rows to a multiple of QUERY_BUCKET tokens: serving meets only these
     bucketed shapes, whose plans the warm-up builds (warm_up_plans; none is built after start-up);
-(2) the rest of the prefix (< PREFIX_BUCKET tokens), folded likewise, and (3) the chunk's own
-    square, causal (top-left and lower-right agree on a square), to torch's flash kernel, which
-    builds no plans.
+(2) the rest of the prefix (< PREFIX_BUCKET tokens), folded likewise, to torch's flash kernel,
+    which builds no plans;
+(3) the chunk's own square, causal, padded to its query bucket (zero keys past the chunk, which a
+    real row never sees under the top-left mask) to cuDNN: one plan per query bucket. It ran on
+    flash in the second version (1.25 s of a 100k prefill, with (2): docs/long-context.md).
 The parts are merged by their log-sum-exps. A first version padded the prefix to the bucket and
 masked the pad with a broadcast bias row instead of (2): cuDNN's biased kernel ran at 256-377
 TFLOPS, slower than ours (docs/long-context.md). Chunks shorter than MIN_CHUNK or after fewer than
 MIN_PREFIX tokens stay on the Triton kernel.
 
-The parts go through `prefix_attention(q [1, Hkv, R, D], k [1, Hkv, S, D], v, scale)` (cuDNN)
-and `flash_attention(q, k, v, causal, scale)` -> (out, lse [.., R]); CPU tests pass their own.
+The parts go through `prefix_attention(q [1, Hkv, R, D], k [1, Hkv, S, D], v, scale)` and
+`square_attention(q [1, H, R, D], k, v, scale)` (cuDNN) and `flash_attention(q, k, v, causal,
+scale)` -> (out, lse [.., R]); CPU tests pass their own.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ PREFIX_BUCKET = 8192
 QUERY_BUCKET = 1024
 MIN_PREFIX = 16384
 MIN_CHUNK = 1024
+MAX_PAGE = 1024  # config.CacheConfig's largest block_size
 
 
 # device -> GatheredPrefill: the pools long chunks on that device are routed for (configure).
@@ -110,19 +115,41 @@ def cudnn_prefix(q, k, v, scale):
     return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, False, False, scale=scale)[:2]
 
 
+def cudnn_causal(q, k, v, scale):
+    return torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)[:2]
+
+
 def flash(q, k, v, causal, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)[:2]
 
 
+def heads_first(buf: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Positions [start, end) of a gather buffer ([positions, Hkv, D]) as [1, Hkv, end - start, D]:
+    a strided view (each row's D values contiguous), no copy."""
+    return buf[start:end].permute(1, 0, 2).unsqueeze(0)
+
+
+def square_kv(buf: torch.Tensor, start: int, rows: int, group: int) -> torch.Tensor:
+    """Positions [start, start + rows) repeated over each KV head's group of query heads, as
+    [1, Hkv * group, rows, D] (the square is c x c: small beside the prefix)."""
+    return buf[start:start + rows].repeat_interleave(group, dim=1).permute(1, 0, 2).unsqueeze(0)
+
+
 class GatheredPrefill:
-    """The gather buffers of one pool layout, sized for max_model_len and made before the KV pool
-    is sized (so the start-up profile counts them); shared by all layers, which run one at a time."""
+    """The gather buffers of one pool layout ([positions, Hkv, D], as the pool's pages lay their
+    rows out, so one index_select fills them), sized for max_model_len plus a query bucket of
+    padding and made before the KV pool is sized (so the start-up profile counts them); shared by
+    all layers, which run one at a time."""
 
     def __init__(self, max_model_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, prefix_attention=cudnn_prefix, flash_attention=flash):
-        self.k = torch.empty(1, num_kv_heads, max_model_len, head_dim, dtype=dtype, device=device)
+                 device: torch.device, prefix_attention=cudnn_prefix, flash_attention=flash,
+                 square_attention=cudnn_causal):
+        # Past max_model_len: the square's padding (< a query bucket) and the last page's spare slots.
+        length = bucket(max_model_len, QUERY_BUCKET) + QUERY_BUCKET + MAX_PAGE
+        self.k = torch.empty(length, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.prefix_attention, self.flash_attention = prefix_attention, flash_attention
+        self.square_attention = square_attention
         self.max_model_len = max_model_len
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
@@ -131,51 +158,64 @@ class GatheredPrefill:
         (table: its block table row); its causal attention over its context, [c, H, D]."""
         c, H, D = q.shape
         prefix, bs, kv_heads = seq_len - c, k_cache.shape[1], k_cache.shape[2]
-        group = H // kv_heads
-        pages = table[: -(-seq_len // bs)].long()
+        group, rows, n_pages = H // kv_heads, bucket(c, QUERY_BUCKET), -(-seq_len // bs)
+        if bs > MAX_PAGE:
+            raise ValueError(f"gathered long prefill: pages of {bs} tokens, at most {MAX_PAGE}")
+        pages = table[:n_pages].long()
         for pool, buf in ((k_cache, self.k), (v_cache, self.v)):
-            ctx = pool.index_select(0, pages).flatten(0, 1)  # [pages * bs, Hkv, D]
-            buf[0, :, :seq_len].copy_(ctx[:seq_len].transpose(0, 1))
+            torch.index_select(pool, 0, pages, out=buf[: n_pages * bs].view(n_pages, bs, kv_heads, D))
+            buf[seq_len: prefix + rows].zero_()  # the square's padded keys: zeros, not stale (NaN) rows
         head = prefix // PREFIX_BUCKET * PREFIX_BUCKET
-        rows = bucket(c, QUERY_BUCKET)
+        # Query head h = KV head h // group: [Hkv, group, rows, D] is the square's [H, rows, D] and,
+        # viewed [1, Hkv, group * rows, D], the prefix parts' queries with each group folded in.
         folded = q.new_zeros(kv_heads, group, rows, D)
         folded[:, :, :c] = q.view(c, kv_heads, group, D).permute(1, 2, 0, 3)
-        folded = folded.view(1, kv_heads, group * rows, D)
-        unfold = lambda out, lse: (out.reshape(kv_heads, group, rows, D)[:, :, :c].reshape(H, c, D),  # noqa: E731
-                                   lse.reshape(kv_heads, group, rows)[:, :, :c].reshape(H, c))
+        qf = folded.view(1, kv_heads, group * rows, D)
+        parts = []
         # (1) the bucketed head of the prefix: cuDNN, at a shape the warm-up built.
-        parts = [unfold(*self.prefix_attention(folded, self.k[:, :, :head], self.v[:, :, :head], scale))] if head else []
+        if head:
+            parts.append(self.prefix_attention(qf, heads_first(self.k, 0, head), heads_first(self.v, 0, head), scale))
         # (2) the prefix's tail past the bucket: flash (no plans), folded likewise.
         if prefix > head:
-            parts.append(unfold(*self.flash_attention(folded, self.k[:, :, head:prefix], self.v[:, :, head:prefix],
-                                                      False, scale)))
-        # (3) the chunk's own square, causal, K/V repeated over the group (c x c: small).
-        sk, sv = (buf[0, :, prefix:seq_len].repeat_interleave(group, dim=0).unsqueeze(0) for buf in (self.k, self.v))
-        out, lse = self.flash_attention(q.transpose(0, 1).unsqueeze(0), sk, sv, True, scale)
-        parts.append((out[0], lse.reshape(H, c)))
-        return merge(parts).transpose(0, 1)
+            parts.append(self.flash_attention(qf, heads_first(self.k, head, prefix), heads_first(self.v, head, prefix),
+                                              False, scale))
+        # (3) the chunk's own square padded to rows x rows, causal (top-left; a real row never sees
+        # a padded key): cuDNN, one plan per query bucket.
+        parts.append(self.square_attention(folded.view(1, H, rows, D), square_kv(self.k, prefix, rows, group),
+                                           square_kv(self.v, prefix, rows, group), scale))
+        out = merge([(o.reshape(H, rows, D), lse.reshape(H, rows)) for o, lse in parts])
+        return out[:, :c].transpose(0, 1)
 
     def shapes(self, max_tokens: int) -> list[tuple[int, int]]:
-        """Every (query rows, prefix head) a chunk can meet: the plans warm_up_plans builds."""
+        """Every (query rows, prefix head) a chunk can meet: the prefix plans warm_up_plans builds."""
         heads = range(MIN_PREFIX // PREFIX_BUCKET * PREFIX_BUCKET,
                       (self.max_model_len - MIN_CHUNK) // PREFIX_BUCKET * PREFIX_BUCKET + 1, PREFIX_BUCKET)
-        rows = range(QUERY_BUCKET, bucket(max_tokens, QUERY_BUCKET) + 1, QUERY_BUCKET)
-        return [(r, h) for r in rows for h in heads if h > 0]
+        return [(r, h) for r in query_rows(max_tokens) for h in heads if h > 0]
+
+
+def query_rows(max_tokens: int) -> range:
+    """The query buckets a chunk of at most max_tokens tokens can meet (each a square plan)."""
+    return range(QUERY_BUCKET, bucket(max_tokens, QUERY_BUCKET) + 1, QUERY_BUCKET)
 
 
 def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: float) -> int:
-    """Run the cuDNN part once at every shape of g.shapes(max_tokens) (cuDNN builds and caches each
-    one's plan) and flash once (its kernels load on first use); returns the shapes run."""
-    _, kv_heads, _, head_dim = g.k.shape
+    """Run cuDNN once at every prefix shape of g.shapes(max_tokens) and every square of
+    query_rows(max_tokens), with the strides attend gives it (cuDNN builds and caches each plan),
+    and flash once (its kernels load on first use); returns the plans run."""
+    _, kv_heads, head_dim = g.k.shape
     group = num_heads // kv_heads
     shapes = g.shapes(max_tokens)
     g.k.zero_(), g.v.zero_()
     for rows, head in shapes:
         q = g.k.new_zeros(1, kv_heads, group * rows, head_dim)
-        g.prefix_attention(q, g.k[:, :, :head], g.v[:, :, :head], scale)
-    sq = g.k.new_zeros(1, num_heads, QUERY_BUCKET, head_dim)
-    g.flash_attention(sq, sq, sq, True, scale)
-    return len(shapes)
+        g.prefix_attention(q, heads_first(g.k, 0, head), heads_first(g.v, 0, head), scale)
+    squares = query_rows(max_tokens)
+    for rows in squares:
+        q = g.k.new_zeros(1, num_heads, rows, head_dim)
+        g.square_attention(q, square_kv(g.k, 0, rows, group), square_kv(g.v, 0, rows, group), scale)
+    q = g.k.new_zeros(1, kv_heads, group * QUERY_BUCKET, head_dim)
+    g.flash_attention(q, heads_first(g.k, 0, QUERY_BUCKET), heads_first(g.v, 0, QUERY_BUCKET), False, scale)
+    return len(shapes) + len(squares)
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -20,6 +20,10 @@ def math_prefix(q, k, v, scale):
     return math_flash(q, k, v, False, scale)
 
 
+def math_causal(q, k, v, scale):
+    return math_flash(q, k, v, True, scale)
+
+
 @pytest.fixture
 def small_buckets(monkeypatch):
     monkeypatch.setattr(gp, "PREFIX_BUCKET", 32)
@@ -39,15 +43,19 @@ def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_si
     reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
     scale = 16 ** -0.5
     ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale)[1:]
-    heads = []
+    heads, squares = [], []
     g = gp.GatheredPrefill(160, 2, 16, dtype, torch.device("cpu"),
-                           lambda q, k, *a: heads.append((q.shape[2], k.shape[2])) or math_prefix(q, k, *a), math_flash)
+                           lambda q, k, *a: heads.append((q.shape[2], k.shape[2])) or math_prefix(q, k, *a), math_flash,
+                           lambda q, k, *a: squares.append((q.shape[1:3], k.shape[1:3])) or math_causal(q, k, *a))
     g.k.fill_(float("nan")), g.v.fill_(float("nan"))  # stale NaNs past the sequence must not reach the output
     got = g.attend(batch.query[1:], kc, vc, batch.meta.block_tables[1], cached + new, scale)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, ref, **tol)
-    # cuDNN only ever sees bucketed shapes: queries (folded, 3 heads a group) and the prefix's head
-    assert heads == [(3 * gp.bucket(new, 8), cached // 32 * 32)]
+    # cuDNN only ever sees bucketed shapes: queries (folded, 3 heads a group) and the prefix's head;
+    # the square, all 6 heads, padded to the query bucket
+    rows = gp.bucket(new, 8)
+    assert heads == [(3 * rows, cached // 32 * 32)]
+    assert squares == [((6, rows), (6, rows))]
 
 
 def test_which_chunks_take_the_path(small_buckets):
@@ -67,6 +75,31 @@ def test_plan_shapes_cover_every_chunk(small_buckets):
             if gp.takes(new, seq_len):
                 head = (seq_len - new) // gp.PREFIX_BUCKET * gp.PREFIX_BUCKET
                 assert (gp.bucket(new, gp.QUERY_BUCKET), head) in shapes
+
+
+def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets):
+    """cuDNN keys its plans by shapes and strides: the warm-up calls it with both as attend does, for
+    every chunk a step of up to max_tokens tokens can bring (nothing is built after start-up)."""
+    seen = {"prefix": set(), "square": set()}
+    key = lambda *ts: tuple((tuple(t.shape), t.stride()) for t in ts)  # noqa: E731
+
+    def recorder(kind, fn):
+        return lambda q, k, v, *a: seen[kind].add(key(q, k, v)) or fn(q, k, v, *a)
+    g = gp.GatheredPrefill(200, 2, 8, torch.float32, torch.device("cpu"), recorder("prefix", math_prefix),
+                           math_flash, recorder("square", math_causal))
+    n = gp.warm_up_plans(g, max_tokens=24, num_heads=6, scale=0.3)
+    built = {kind: set(keys) for kind, keys in seen.items()}
+    assert n == len(built["prefix"]) + len(built["square"]) == len(g.shapes(24)) + 3
+    for kind in seen:
+        seen[kind].clear()
+    kc = torch.randn(30, 8, 2, 8)  # 30 pages of 8 tokens
+    table = torch.randperm(30)
+    for seq_len in range(41, 201, 7):
+        for new in (4, 11, 24):
+            if gp.takes(new, seq_len):
+                g.attend(torch.randn(new, 6, 8), kc, kc, table, seq_len, 0.3)
+    assert seen["prefix"] and seen["square"]
+    assert seen["prefix"] <= built["prefix"] and seen["square"] <= built["square"]
 
 
 @pytest.fixture
@@ -120,6 +153,6 @@ def test_configure_routes_only_where_on(monkeypatch, gpu_of):
     too_short = gp.MIN_PREFIX + gp.MIN_CHUNK - 1
     assert gp.configure(cuda0, too_short, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None
     g = gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)
-    assert g is not None and gp.active(cuda0) is g and tuple(g.k.shape) == (1, 8, 32768, 128)
+    assert g is not None and gp.active(cuda0) is g and tuple(g.k.shape[1:]) == (8, 128) and len(g.k) >= 32768
     gpu_of(8)
     assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None

@@ -359,13 +359,14 @@ def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch):
     ops stood in for by plain attention: tests/attention/test_gathered_prefill.py) and every other
     sequence through the Triton kernels, in the ranges between."""
     from pagedserve.attention import gathered_prefill as gp
-    from test_gathered_prefill import math_flash, math_prefix
+    from test_gathered_prefill import math_causal, math_flash, math_prefix
     for name, value in (("PREFIX_BUCKET", 32), ("QUERY_BUCKET", 8), ("MIN_PREFIX", 40), ("MIN_CHUNK", 4)):
         monkeypatch.setattr(gp, name, value)
     shapes = [(20, 1), (37, 1), (50, 6), (3, 5), (77, 13), (45, 2), (41, 4)]
     batch = make_batch(shapes, 2, H=8, Hkv=2, D=16, block_size=8, seed=3)
     kc, vc, ref = _reference_out(batch)
-    g = gp.GatheredPrefill(128, 2, 16, torch.float32, torch.device("cpu"), math_prefix, math_flash)
+    g = gp.GatheredPrefill(128, 2, 16, torch.float32, torch.device("cpu"), math_prefix, math_flash,
+                           math_causal)
     monkeypatch.setitem(gp._ACTIVE, kc.device, g)
     used = []
     attend = g.attend
