@@ -14,7 +14,7 @@
 #                                             # the prefill kernel's tma (+ws) launches, and torch SDPA
 #                                             # (cuDNN, flash) over the gathered context, split into
 #                                             # prefix + causal square (--split-baselines)
-#   bash benchmarks/long_h200.sh decode_long   # ~2 min: the decode kernel at 1/2/4 sequences of 100k tokens
+#   bash benchmarks/long_h200.sh decode_long   # ~4 min: the decode kernel at 1/2/4 sequences of 100k tokens, plan variants
 #   bash benchmarks/long_h200.sh prefill_ab    # ~4 min: offline long prefills, default (on Hopper: the gathered
 #                                             # path) vs PAGEDSERVE_LONG_PREFILL=off
 # vllm/ours/collect share $OUT/long_context/ (the work dir); run them in one $OUT, or copy it over.
@@ -77,12 +77,19 @@ case $MODE in
       step "$name" 180 env ${extra//,/ } bash -c 'python3 benchmarks/serving/long_context.py prefill \
         --block-size "${BLOCK:-16}" --out "$0"' "$OUT/$name.json"
     done ;;
-  decode_long)  # ~2 min, kernel-only deps: the decode kernel at 1, 2 and 4 sequences of 100k tokens, its
-                # share of copy bandwidth at the planned splits and at fixed ones (serving measured
-                # ~4.0 TB/s of K/V at these against vLLM's ~4.6, 2026-12-03)
+  decode_long)  # ~4 min, kernel-only deps: the decode kernel at 1, 2 and 4 sequences of 100k tokens, its
+                # share of copy bandwidth at the planned splits and at fixed ones (2026-12-03: the
+                # plan's 512-544 programs sat just past a wave of ~396, whole waves were 10-24% faster,
+                # docs/long-context.md), and the plan's variants (--shares: the balanced share at 2-8
+                # programs per SM, and the one-wave plan) there and at 16 and 64 x 4096 tokens
     for b in 1 2 4; do
       step "decode_long_b$b" 150 python3 benchmarks/kernels/bench_paged_decode.py --batch "$b" --context 100000 \
-        --splits 16 32 48 64 96 128 --skip sweep,flex,blocks,prefill --output "$OUT/decode_long_b$b.json"
+        --splits 12 16 24 32 48 64 96 128 --shares 2 3 4 6 8 --skip sweep,flex,blocks,prefill \
+        --output "$OUT/decode_long_b$b.json"
+    done
+    for b in 16 64; do
+      step "decode_short_b$b" 150 python3 benchmarks/kernels/bench_paged_decode.py --batch "$b" --context 4096 \
+        --shares 2 3 4 6 8 --skip sweep,flex,blocks,prefill --output "$OUT/decode_short_b$b.json"
     done ;;
   *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect|sweep|split|prefill_ab|decode_long" >&2; exit 2 ;;
 esac

@@ -9,7 +9,7 @@ error and the run goes on; a number that was not measured is absent from the JSO
 
     python benchmarks/kernels/bench_paged_decode.py [--output benchmarks/results/h200/paged_decode.json]
     python benchmarks/kernels/bench_paged_decode.py --batch 1 --context 100000 --splits 32 48 64 96 128 \
-        --skip sweep,flex,blocks,prefill --output /tmp/decode_long.json    # long_h200.sh decode_long
+        --shares 3 4 --skip sweep,flex,blocks,prefill --output /tmp/decode_long.json    # long_h200.sh decode_long
 """
 from __future__ import annotations
 
@@ -200,6 +200,29 @@ def split_sweep(q, kc, vc, tables, seq_lens, L, scale, nbytes, copy_gbps, counts
     return rows
 
 
+@section("plan_variants")
+def plan_variants(q, kc, vc, tables, seq_lens, L, scale, nbytes, shares):
+    """The balanced plan (decode_plan's default split mode) with its even share at other sizes, and
+    the one-wave variant: base splits floor(slots / (seqs x KV heads)) and the share shrunk by one
+    program per (sequence, KV head), so that rounding each sequence's parts up never takes the
+    programs past one wave of slots = DECODE_PROGRAMS_PER_SM per SM (the plan's cdiv can: 400 of 396
+    at one 100k sequence). Rows name the share in programs (absolute) and the base."""
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    slots = decode_plan.DECODE_PROGRAMS_PER_SM * sms
+    pairs = q.shape[0] * kc.shape[2]
+    variants = [(f"share{n}_per_sm", None, n * sms) for n in shares]
+    if pairs < slots:
+        variants.append(("one_wave", max(1, slots // pairs), max(1, slots - pairs)))
+    rows = []
+    for name, base, share in variants:
+        ms, _ = time_paged(q, kc, vc, tables, seq_lens, L, scale, reps=3, num_splits=base,
+                           split_tokens=decode_plan.BALANCED, share_programs=share)
+        rows.append({"variant": name, "base_splits": base, "share_programs": share, "ms": ms,
+                     "GBps": nbytes / ms / 1e6})
+        print("plan", rows[-1], flush=True)
+    return rows
+
+
 @section("block_size_sweep")
 def block_size_sweep(B, L, H, Hkv, D, dtype, scale, copy_gbps):
     rows = []
@@ -252,6 +275,9 @@ def main():
     ap.add_argument("--splits", type=int, nargs="*", default=[],
                     help="also time the default launch at these split counts per sequence (e.g. at --batch 1 "
                          "--context 100000: 32 48 64 96 128)")
+    ap.add_argument("--shares", type=int, nargs="*", default=[],
+                    help="also time the balanced plan with its even share at these programs per SM (default "
+                         "DECODE_SHARE_PROGRAMS_PER_SM), and its one-wave variant (plan_variants)")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     git_commit()  # refuse before measuring, not after
@@ -317,6 +343,12 @@ def main():
         rows = split_sweep(q, kc, vc, tables, seq_lens, L, scale, nbytes, copy_gbps, args.splits)
         if rows:
             results["split_sweep"] = rows
+        save()
+
+    if args.shares and paged:
+        rows = plan_variants(q, kc, vc, tables, seq_lens, L, scale, nbytes, args.shares)
+        if rows:
+            results["plan_variants"] = rows
         save()
 
     if "sweep" not in skip:

@@ -67,4 +67,4 @@ def test_fixed256s_recorded_roofline_and_its_serial_bound():
     log = StepLog(steps)
     assert log.ideal_seconds(cost, bw, rate) == pytest.approx(run["roofline_ideal_seconds"], abs=0.01)
     serial = log.serial_ideal_seconds(cost, bw, rate)
-    assert serial > run["roofline_ideal_seconds"] / 0.65      # 8.10 s against 7.92 s
+    assert serial > run["roofline_ideal_seconds"] / 0.65      # 8.25 s against 8.19 s (ba7b152's lease)
