@@ -205,8 +205,9 @@ def plan_variants(q, kc, vc, tables, seq_lens, L, scale, nbytes, shares):
     """The balanced plan (decode_plan's default split mode) with its even share at other sizes, and
     the one-wave variant: base splits floor(slots / (seqs x KV heads)) and the share shrunk by one
     program per (sequence, KV head), so that rounding each sequence's parts up never takes the
-    programs past one wave of slots = DECODE_PROGRAMS_PER_SM per SM (the plan's cdiv can: 400 of 396
-    at one 100k sequence). Rows name the share in programs (absolute) and the base."""
+    programs past one wave of slots = DECODE_PROGRAMS_PER_SM per SM (at one 100k sequence on the H200
+    the plan's base alone is 400 programs of 396, its balanced cut 512). Rows name the share in
+    programs (absolute) and the base (None: the plan's)."""
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
     slots = decode_plan.DECODE_PROGRAMS_PER_SM * sms
     pairs = q.shape[0] * kc.shape[2]
