@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 # message made each stream wake for one output at a time: 37.6 us of API-server CPU per token
 # against 25.3 with 50 ms slices and 23.1 never turning (benchmarks/dashboard/dashboard_latency.py).
 DISPATCH_SLICE_S = 0.05
+UNSENT_RETRY_S = 0.05  # how soon inputs the core could not take are offered again
 
 
 class EngineDeadError(RuntimeError):
@@ -231,8 +232,26 @@ class MPCoreClient(EngineCoreClient):
             self._flush_handle = None
         if not self._ops or self._closed:
             return
-        ops, self._ops = self._ops, []
-        self._input.send(self._codec.encode(CoreInputs(ops)), copy=False)
+        import zmq
+        try:
+            # NOBLOCK: with SNDHWM 0 a send waits only when the PUSH has no peer, i.e. the core
+            # died and ZMQ saw its end close. A blocking send would then freeze this event loop,
+            # and with it the watch that fails every request with the core's death (a request
+            # that came in the watch's 0.2 s blind spot hung its server, and its caller, for good).
+            self._input.send(self._codec.encode(CoreInputs(self._ops)), flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            if self.dead is None:  # kept, and tried again, until the watch declares the core dead
+                self._retry_flush()
+            return
+        self._ops = []
+
+    def _retry_flush(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop: they go with the next flush
+            return
+        if self._flush_handle is None:
+            self._flush_handle = loop.call_later(UNSENT_RETRY_S, self._flush)
 
     async def add_request_async(self, request_id: str, prompt_token_ids: list[int], params: Any,
                                 arrival_time: float, prompt: str | None = None) -> None:
@@ -346,6 +365,7 @@ class MPCoreClient(EngineCoreClient):
     def fail(self, error: EngineDeadError) -> None:
         """The core is gone: every pending add and utility call raises `error` from now on."""
         self.dead = error
+        self._ops.clear()  # never to be sent
         for fut in list(self._adds.values()) + list(self._utility.values()):
             if not fut.done():
                 fut.set_exception(error)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -186,3 +187,45 @@ def test_the_core_sends_a_utility_answer_before_running_the_step():
     assert second.utility_results == [] and second.added == ["r"]
     assert [o.request_id for o in second.outputs] == ["r"]
     assert sum(len(o.outputs[0].token_ids) for m in sockets.sent for o in m.outputs) == DELTA.max_tokens
+
+
+
+def test_a_request_sent_to_a_core_already_dead_fails_with_503_and_blocks_nothing(monkeypatch):
+    """SIGKILL the core, then add a request before the watch has seen the death (the loop is kept
+    from turning until ZMQ has dropped the core's end). The PUSH has no peer then, and a blocking
+    send froze the event loop, the watch with it, and every caller of the server for good. Run in
+    a process of its own: the hang can only be seen from outside (an alarm inside is swallowed by
+    the event loop that runs the send)."""
+    root = str(Path(__file__).resolve().parents[2])
+    monkeypatch.setenv("PYTHONPATH", root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    scenario = f"""
+import asyncio, os, signal, sys, time
+import zmq
+from pagedserve.config import EngineConfig
+from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedserve.engine.core_client import MPCoreClient
+from pagedserve.sampling_params import SamplingParams
+c = MPCoreClient(EngineConfig(), ready_timeout_s=60, core_cmd=[sys.executable, "-c", {PUPPET!r}])
+
+async def main():
+    engine = AsyncLLMEngine(c, None)
+    engine.start()
+    os.kill(c.pid, signal.SIGKILL)
+    c.proc.wait()
+    while c._input.poll(0, zmq.POLLOUT):  # ZMQ still holds the core's end: not yet peerless
+        time.sleep(0.01)
+    assert engine.errored is None  # the watch has not turned since
+    try:
+        await engine.add_request("late", [1], SamplingParams(max_tokens=2))
+    except EngineDeadError as e:
+        assert engine.num_unfinished_requests == 0 and not c._ops  # nothing left to send
+        print("status", e.status, e)
+asyncio.run(main())
+c.shutdown()
+"""
+    try:
+        done = subprocess.run([sys.executable, "-c", scenario], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("adding a request to a dead core hung its event loop (no answer in 60 s)")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("status 503 engine core is dead") and "SIGKILL" in done.stdout, done.stdout
