@@ -26,6 +26,13 @@ first is the time the device sat idle waiting for the host (median over the step
 with --async-scheduling and --no-async-scheduling for the A/B.
 
   python benchmarks/offline/host_overhead.py                                     # tiny llama, CPU or CUDA
+  python benchmarks/offline/host_overhead.py --attention-layer   # one eager attention layer's wrappers
+
+--attention-layer times instead the host side of one attention layer run eagerly (what piecewise
+graphs run between their pieces, 32 times a step for an 8B model): write_kv and paged_attention
+for 20 decodes beside a 300-token chunk, Llama-3.1-8B's heads, with every Triton kernel replaced
+by a stub that launches nothing. Only our wrappers' Python and torch glue is timed (CPU is fine),
+not Triton's own launcher.
   python benchmarks/offline/host_overhead.py --model benchmarks/models/qwen3-0.6b --load-format dummy
 """
 from __future__ import annotations
@@ -128,6 +135,43 @@ def fill_decode_batch(engine: LLMEngine, n: int, prompt_len: tuple[int, int], te
     return steps
 
 
+def attention_layer_us(reps: int = 3000, num_decodes: int = 20, chunk: int = 300, context: int = 1200) -> float:
+    """Median over 5 runs of the mean host time (us) of one eager attention layer, kernels stubbed."""
+    import itertools
+
+    from pagedserve.attention import triton_ops, triton_prefill
+    from pagedserve.attention.metadata import AttentionMetadata
+
+    class NoLaunch:
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+    for mod in (triton_ops, triton_prefill):
+        for name in dir(mod):
+            if name.endswith("_kernel"):
+                setattr(mod, name, NoLaunch())
+    heads, kv_heads, head_dim, block_size, t = 32, 8, 128, 16, num_decodes + chunk
+    kc = torch.zeros(4096, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    q = torch.zeros(t, heads, head_dim, dtype=torch.bfloat16)
+    k, v = (torch.zeros(t, kv_heads, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    one = torch.ones(1)
+    q_lens, seq_lens = [1] * num_decodes + [chunk], [context + i for i in range(num_decodes)] + [chunk]
+    meta = AttentionMetadata(torch.arange(t), torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32),
+                             torch.tensor(seq_lens, dtype=torch.int32), torch.zeros(num_decodes + 1, 128, dtype=torch.int32),
+                             num_decodes, chunk, max(seq_lens), block_size, q_lens, seq_lens)
+
+    def layer():
+        triton_ops.write_kv(k, v, kc, vc, meta.slot_mapping, one, one)
+        triton_ops.paged_attention(q, kc, vc, meta, head_dim ** -0.5, k_scale=one, v_scale=one)
+    runs = []
+    for _ in range(6):
+        start = time.perf_counter()
+        for _ in range(reps):
+            layer()
+        runs.append((time.perf_counter() - start) / reps * 1e6)
+    return round(statistics.median(runs[1:]), 2)  # the first run warms up
+
+
 def _ms(xs: list[float]) -> float:
     """Median in milliseconds."""
     return round(1e3 * statistics.median(xs), 4)
@@ -159,7 +203,14 @@ def main() -> None:
     ap.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                     help="overlapped steps (the engine's default); --no-async-scheduling: synchronous steps")
     ap.add_argument("--output", default=None)
+    ap.add_argument("--attention-layer", action="store_true",
+                    help="time one eager attention layer's host wrappers instead (kernels stubbed)")
     args = ap.parse_args()
+    if args.attention_layer:
+        torch.set_num_threads(1)
+        print(f"commit {git_commit()}: {attention_layer_us()} us of host time per eager attention layer "
+              "(20 decodes + a 300-token chunk, Triton launches stubbed)")
+        return
     git_commit()  # refuse before measuring, not after
     if args.device == "cpu" or not torch.cuda.is_available():
         torch.set_num_threads(args.cpu_threads)
