@@ -41,9 +41,9 @@ from typing import Sequence
 
 import numpy as np
 import torch
-import triton
 
 from pagedserve.attention.kv_quant import FP8_KV_DTYPE
+from pagedserve.host_math import cdiv, next_power_of_2
 
 # Launch defaults; benchmarks/kernels/bench_paged_decode.py sweeps the decode ones on the GPU, and
 # benchmarks/kernels/decode_variants.py the grid order with them. On the H200 (runs/cb44d75_decode_variants/)
@@ -186,9 +186,9 @@ def grid_splits(base_splits: int, max_seq_len: int, split_tokens: int, num_seqs:
     if split_tokens == 0:
         return base_splits
     if split_tokens > 0:
-        return max(base_splits, min(MAX_SPLITS, triton.cdiv(max_seq_len, split_tokens)))
-    budget = max(2, triton.cdiv(DECODE_GRID_PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads)))
-    return max(base_splits, min(MAX_SPLITS, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), budget))
+        return max(base_splits, min(MAX_SPLITS, cdiv(max_seq_len, split_tokens)))
+    budget = max(2, cdiv(DECODE_GRID_PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads)))
+    return max(base_splits, min(MAX_SPLITS, cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), budget))
 
 
 def _sms(device: torch.device) -> int:
@@ -203,8 +203,8 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     splits whose reduction costs more than it saves.
     """
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = triton.cdiv(DECODE_PROGRAMS_PER_SM * _sms(device), programs)
-    most = max(1, triton.cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
+    wanted = cdiv(DECODE_PROGRAMS_PER_SM * _sms(device), programs)
+    most = max(1, cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
     return max(1, min(wanted, most, MAX_SPLITS))
 
 
@@ -260,4 +260,4 @@ def decode_compile_key(num_seqs: int, num_kv_heads: int, max_seq_len: int, devic
     """What a decode launch compiles per (runner/warmup.py covers each): the reduction's split
     block (1: no reduction, the kernel writes the output) and the split mode."""
     _, splits, mode = decode_launch(num_seqs, num_kv_heads, max_seq_len, device)
-    return (triton.next_power_of_2(splits) if splits > 1 else 1), mode
+    return (next_power_of_2(splits) if splits > 1 else 1), mode

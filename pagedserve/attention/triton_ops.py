@@ -15,7 +15,6 @@ import functools
 import math
 
 import torch
-import triton
 
 from pagedserve.attention import decode_plan, gathered_prefill
 from pagedserve.attention.kv_quant import FP8_KV_DTYPE
@@ -24,6 +23,7 @@ from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kerne
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import prefill_attention, prefill_launch
 from pagedserve.attention import triton_unified as unified
+from pagedserve.host_math import cdiv, next_power_of_2
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,7 +33,7 @@ def _sm90(device: torch.device) -> bool:
 
 
 def _pow2_at_least_16(n: int) -> int:
-    return max(16, triton.next_power_of_2(n))
+    return max(16, next_power_of_2(n))
 
 
 def _check_cache(cache: torch.Tensor, head_dim: int) -> None:
@@ -88,7 +88,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
-        BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1], **_scales(k_cache, k_scale, v_scale),
     )
 
@@ -159,7 +159,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     reduce_splits_kernel[(num_seqs, num_heads)](
         mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_kv_heads, splits, base,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=triton.next_power_of_2(splits),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=next_power_of_2(splits),
         num_warps=4, **plan)
     return out
 
@@ -185,11 +185,11 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     a 2-byte query: fp32's tiles take twice the shared memory, 262,656 bytes in 4 stages of 128 x 128
     against the H200's 232,448; PAGEDSERVE_PREFILL_LAUNCH).
     """
-    given = dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages, gqa=gqa, lpt=lpt,
-                 tma=tma, ws=ws)
-    launch = dataclasses.replace(prefill_launch(_sm90(query.device) and query.shape[-1] <= 128
-                                                and query.element_size() <= 2),
-                                 **{k: v for k, v in given.items() if v is not None})
+    launch = prefill_launch(_sm90(query.device) and query.shape[-1] <= 128 and query.element_size() <= 2)
+    given = {k: v for k, v in dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                                   gqa=gqa, lpt=lpt, tma=tma, ws=ws).items() if v is not None}
+    if given:  # (tests and sweeps; serving takes the default, and every layer of a step calls this)
+        launch = dataclasses.replace(launch, **given)
     return prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq, num_seqs,
                              max_query_len, scale, out, launch, _ieee(query, k_cache), _scales(k_cache, k_scale, v_scale))
 
@@ -281,7 +281,7 @@ def unified_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
             query.shape[0], meta.num_seqs, num_kv_heads, block_q, share)
         work = unified.build_work(meta.query_start_loc, meta.seq_lens, num_kv_heads, block_q, block_n,
                                   max_qtiles, capacity, share, min_chain)
-        block_m_rows = block_q * triton.next_power_of_2(num_heads // num_kv_heads)
+        block_m_rows = block_q * next_power_of_2(num_heads // num_kv_heads)
         mid = unified.mid_buffers(capacity, num_kv_heads, block_m_rows, _pow2_at_least_16(head_dim), query.device)
         meta.unified_work = (work, mid)
     work, mid = meta.unified_work
@@ -302,6 +302,6 @@ def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
         if k.stride() != v.stride() or not k[0].is_contiguous():
             raise ValueError("copy_blocks needs K/V pools of one layout with contiguous blocks")
         numel = k[0].numel()
-        chunk = min(4096, triton.next_power_of_2(numel))
-        copy_blocks_kernel[(len(pairs), triton.cdiv(numel, chunk))](
+        chunk = min(4096, next_power_of_2(numel))
+        copy_blocks_kernel[(len(pairs), cdiv(numel, chunk))](
             k, v, pair_t, k.stride(0), BLOCK_NUMEL=numel, CHUNK=chunk, num_warps=4)

@@ -37,6 +37,7 @@ import triton.language as tl
 
 from pagedserve.attention.tile_launch import TileLaunch, parse_tile_launch
 from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles, attend_tiles_tma
+from pagedserve.host_math import cdiv, next_power_of_2
 
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
@@ -70,7 +71,7 @@ def prefill_rows(group: int, launch: TileLaunch) -> tuple[int, int, bool]:
     only with gqa and a group above 1 (for MHA the two variants are the same kernel)."""
     if not launch.gqa or group == 1:
         return 1, launch.block_m, False
-    block_g = triton.next_power_of_2(group)
+    block_g = next_power_of_2(group)
     if block_g > launch.block_m:
         raise ValueError(f"{PREFILL_LAUNCH_ENV}: gqa needs bmN >= the padded GQA group ({block_g}), got {launch.block_m}")
     return block_g, launch.block_m // block_g, True
@@ -209,13 +210,13 @@ def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_
         pack.update(tma_descriptors(k_cache, v_cache, launch, head_dim, scales), TMA=True, WS=launch.ws)
     elif launch.ws:
         raise ValueError(f"{PREFILL_LAUNCH_ENV}: ws warp-specialises the tma loop; add tma")
-    grid = (triton.cdiv(max_query_len, block_q), num_seqs, num_kv_heads if packed else num_heads)
+    grid = (cdiv(max_query_len, block_q), num_seqs, num_kv_heads if packed else num_heads)
     paged_prefill_kernel[grid](
         query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq,
         scale * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=launch.block_m,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_N=launch.block_n, IEEE=ieee,
+        BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_N=launch.block_n, IEEE=ieee,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pack, **scales)
     return out

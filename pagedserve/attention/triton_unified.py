@@ -43,6 +43,7 @@ import triton.language as tl
 
 from pagedserve.attention.tile_launch import TileLaunch, parse_tile_launch
 from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles
+from pagedserve.host_math import next_power_of_2
 
 # Fields of a work item and of a q tile (int32 rows of the work buffers).
 ITEM_FIELDS = 5      # seq (-1: no work), q tile of the sequence, KV start, KV end, splits of the tile
@@ -81,7 +82,7 @@ class UnifiedWork:
 
 def block_q_for(group: int, block_m: int = UNIFIED_BLOCK_M) -> int:
     """Query tokens per tile: block_m rows over the GQA group padded to a power of two."""
-    return max(1, block_m // triton.next_power_of_2(group))
+    return max(1, block_m // next_power_of_2(group))
 
 
 def work_capacity(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: int,
@@ -275,9 +276,9 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    block_g = triton.next_power_of_2(group)
+    block_g = next_power_of_2(group)
     block_m = work.block_q * block_g
-    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_d = max(16, next_power_of_2(head_dim))
     capacity, max_qtiles = work.items.shape[0], work.qtiles.shape[0]
     if mid is None:
         mid = mid_buffers(capacity, num_kv_heads, block_m, block_d, query.device)

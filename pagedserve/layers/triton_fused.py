@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.layers.quant.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from pagedserve.host_math import cdiv, next_power_of_2
 
 
 @triton.jit
@@ -189,7 +190,7 @@ def _norm_warps(block: int) -> int:
 
 def _launch_norm(rows, res, weight, out, res_out, q, scale, eps, has_residual: bool, fp8_out: bool) -> None:
     n = rows.shape[1]
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     if rows.shape[0]:
         _rms_norm_kernel[(rows.shape[0],)](
             rows, res, weight, out, res_out, q, scale, rows.stride(0), res.stride(0) if has_residual else 0,
@@ -244,9 +245,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = _rows(gate_up)
     n = rows.shape[1] // 2
     out = torch.empty((rows.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
-    block = min(triton.next_power_of_2(n), 1024)
+    block = min(next_power_of_2(n), 1024)
     if rows.shape[0]:
-        _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, rows.stride(0), out.stride(0), n,
+        _silu_and_mul_kernel[(rows.shape[0], cdiv(n, block))](rows, out, rows.stride(0), out.stride(0), n,
                                                                      BLOCK=block, num_warps=4)
     return out.view(*gate_up.shape[:-1], n)
 
@@ -262,7 +263,7 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     scale = torch.empty(rows.shape[0], 1, dtype=torch.float32, device=gate_up.device)
     # Up to 16k features (Llama-3.1-8B's 14336) a row is one block of 16 warps, read once; a
     # longer row is walked twice in blocks of 4096.
-    block = triton.next_power_of_2(n)
+    block = next_power_of_2(n)
     one_pass = block <= _SILU_FP8_ONE_PASS_MAX
     block = block if one_pass else 4096
     if rows.shape[0]:
@@ -289,6 +290,6 @@ def qk_norm_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
         _qk_norm_rope_kernel[(T, num_q + k.shape[1])](
             q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos2, sin2,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0), sin2.stride(0),
-            num_q, eps, HEAD_DIM=D, HALF=rd // 2, REST=D - rd, BLOCK_HALF=triton.next_power_of_2(max(rd // 2, 1)),
-            BLOCK_REST=triton.next_power_of_2(max(D - rd, 1)), HAS_NORM=has_norm, num_warps=1)
+            num_q, eps, HEAD_DIM=D, HALF=rd // 2, REST=D - rd, BLOCK_HALF=next_power_of_2(max(rd // 2, 1)),
+            BLOCK_REST=next_power_of_2(max(D - rd, 1)), HAS_NORM=has_norm, num_warps=1)
     return q, k

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.layers.fused_moe.align import max_padded_rows
+from pagedserve.host_math import cdiv, next_power_of_2
 
 MAX_PAIRS = 4096
 
@@ -62,7 +63,7 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int,
         raise ValueError(f"one-program align takes at most {MAX_PAIRS} pairs, got {n}")
     device = topk_ids.device
     em = max_padded_rows(n, num_experts, block_m)
-    num_blocks = triton.cdiv(em, block_m)
+    num_blocks = cdiv(em, block_m)
     sorted_ids = torch.empty(em, dtype=torch.int32, device=device)
     block_expert = torch.empty(num_blocks, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
@@ -70,7 +71,7 @@ def align_block_size(topk_ids: torch.Tensor, num_experts: int,
     if not ids.is_contiguous():
         ids = ids.contiguous()
     _align_kernel[(1,)](ids, sorted_ids, block_expert, num_padded, n, em, num_blocks,
-                        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=max(16, triton.next_power_of_2(n)),
-                        BLOCK_E=max(16, triton.next_power_of_2(num_experts + 1)), CHUNK=128,
+                        NUM_EXPERTS=num_experts, BLOCK_M=block_m, BLOCK_N=max(16, next_power_of_2(n)),
+                        BLOCK_E=max(16, next_power_of_2(num_experts + 1)), CHUNK=128,
                         num_warps=8 if n > 1024 else 4)
     return sorted_ids, block_expert, num_padded

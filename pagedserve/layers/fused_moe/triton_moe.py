@@ -42,6 +42,7 @@ from pagedserve.layers.fused_moe.config import get_config
 from pagedserve.layers.triton_tile_order import grouped_tile
 from pagedserve.layers.fused_moe.reference import quantize_activations
 from pagedserve.layers.quant.fp8_format import FP8_DTYPE
+from pagedserve.host_math import cdiv, next_power_of_2
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     ids = torch.empty(T, top_k, dtype=torch.int32, device=logits.device)
     if T:
         _route_kernel[(T,)](logits, weights, ids, E, logits.stride(0), TOP_K=top_k,
-                            BLOCK_E=max(2, triton.next_power_of_2(E)), BLOCK_TOPK=max(2, triton.next_power_of_2(top_k)),
+                            BLOCK_E=max(2, next_power_of_2(E)), BLOCK_TOPK=max(2, next_power_of_2(top_k)),
                             RENORMALIZE=renormalize)
     return weights, ids
 
@@ -167,7 +168,7 @@ def _gemm(a, b, c, weights, sorted_ids, block_expert, num_padded, n, k, num_pair
     """a_scale [rows of a, 1] and b_scale [E, rows of b] float32 for fp8 a and b; None otherwise."""
     em = sorted_ids.numel()
     fp8 = b_scale is not None
-    grid = (triton.cdiv(em, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    grid = (cdiv(em, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]),)
     _moe_gemm_kernel[grid](
         a, b, c, weights, sorted_ids, block_expert, num_padded,
         a_scale if fp8 else weights, b_scale if fp8 else weights, n, k, em, num_pairs,

@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.layers.quant.fp8_format import FP8_DTYPE, FP8_MAX, MIN_SCALE
+from pagedserve.host_math import next_power_of_2
 
 
 @triton.jit
@@ -42,5 +43,5 @@ def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(M, 1, dtype=torch.float32, device=x.device)
     if M:
         per_token_fp8_kernel[(M,)](x, q, scale, x.stride(0), q.stride(0), K, FP8_MAX=FP8_MAX, MIN_SCALE=MIN_SCALE,
-                                   BLOCK=min(4096, triton.next_power_of_2(K)), num_warps=4)
+                                   BLOCK=min(4096, next_power_of_2(K)), num_warps=4)
     return q, scale

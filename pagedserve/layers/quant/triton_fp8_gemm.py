@@ -26,6 +26,7 @@ import triton.language as tl
 
 from pagedserve.layers.quant.fp8_gemm_config import get_config
 from pagedserve.layers.triton_tile_order import grouped_tile
+from pagedserve.host_math import cdiv
 
 REDUCE_BLOCK = 512
 
@@ -111,11 +112,11 @@ def triton_fp8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w
     cfg = dict(config or get_config(m, n, k, xq.device))
     split = cfg["SPLIT_K"]
     partials = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32, device=xq.device)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]), split)
+    grid = (cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"]), split)
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     fp8_gemm_kernel[grid](xq, wq, out, partials, x_scale, w_scale, m, n, k, xq.stride(0), wq.stride(0), out.stride(0),
                           stride_as, stride_bs, IEEE=interpret, **cfg)
     if split > 1:
-        splitk_reduce_kernel[(m, triton.cdiv(n, REDUCE_BLOCK))](partials, out, x_scale, w_scale, m, n, out.stride(0),
+        splitk_reduce_kernel[(m, cdiv(n, REDUCE_BLOCK))](partials, out, x_scale, w_scale, m, n, out.stride(0),
                                                                stride_as, stride_bs, SPLIT_K=split, BLOCK=REDUCE_BLOCK)
     return out
