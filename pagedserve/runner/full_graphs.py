@@ -14,8 +14,8 @@ max_model_len). A step of n tokens in s sequences copies its inputs into the fir
 sequences; the remaining sequences get no tokens (query_start_loc stays at n) and the remaining
 rows slot -1, so padding neither writes K/V nor attends. The metadata carries
 unified_capacity (the bucket's), which sends attention to the unified kernel; the graph of the
-smallest bucket >= n replays. Buckets: piecewise_graphs.token_buckets' up to 1024, then every 256
-up to 2048, every 512 up to 4096 and every 1024 up to MAX_FULL_TOKENS, capped at
+smallest bucket >= n replays. Buckets: piecewise_graphs.token_buckets' (every 128 from 640 to 1024,
+then every 256 up to 2048, every 512 up to 4096 and every 1024 up to MAX_FULL_TOKENS), capped at
 max_num_batched_tokens; a step above the largest runs eagerly.
 
 Memory: one pool (the decode graphs'), largest bucket first. The graph type is a parameter so CPU
@@ -37,12 +37,8 @@ MAX_FULL_TOKENS = 8192
 
 
 def full_token_buckets(max_tokens: int) -> list[int]:
-    """Token counts to capture: token_buckets' (every 16 up to 256 .. every 128 up to 1024), then
-    every 256 up to 2048, 512 up to 4096, 1024 up to MAX_FULL_TOKENS; capped at max_tokens (and
-    including it). Padding stays under 25% of a step above 1024 tokens."""
-    top = min(max_tokens, MAX_FULL_TOKENS)
-    large = list(range(1280, 2049, 256)) + list(range(2560, 4097, 512)) + list(range(5120, MAX_FULL_TOKENS + 1, 1024))
-    return sorted({s for s in token_buckets(top) + large if s <= top} | ({top} if top >= 1 else set()))
+    """Token counts to capture: token_buckets' up to min(max_tokens, MAX_FULL_TOKENS)."""
+    return token_buckets(max_tokens, cap=MAX_FULL_TOKENS)
 
 
 def unified_capacity(device: torch.device, num_tokens: int, num_seqs: int, num_heads: int,

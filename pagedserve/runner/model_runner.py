@@ -267,7 +267,7 @@ class ModelRunner:
 
     def capture_piecewise_graphs(self) -> None:
         """Piecewise graphs (runner/piecewise_graphs.py) for steps with prefill tokens, per token-count
-        bucket up to min(max_num_batched_tokens, 1024). Only with cudagraph_mode="piecewise", on CUDA,
+        bucket up to min(max_num_batched_tokens, 1024; PAGEDSERVE_PIECEWISE_MAX_TOKENS). Only with cudagraph_mode="piecewise", on CUDA,
         unless enforce_eager, for Llama-family models and a single rank (tensor parallelism keeps
         those steps eager: its executor runs the start-up phases one by one and has no such phase)."""
         self._require("cache")

@@ -35,6 +35,7 @@ recorder with the same capture_begin / capture_end / replay / pool surface.
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Callable, Protocol
 
 import torch
@@ -44,8 +45,22 @@ from pagedserve.attention.backend import Attention, attention_boundary
 from pagedserve.attention.metadata import AttentionMetadata
 
 # Above ~1k tokens the GPU work of a step (~15 ms for an 8B model) outlasts the host's launches, so
-# eager costs nothing there, and padding up to a coarse bucket would only add work.
+# eager costs nothing there, and padding up to a coarse bucket would only add work. On a slow host
+# that does not hold (the H200 serving run at ba7b152, 10 req/s: a 1,042-token step took 40 ms
+# eagerly, piecewise steps of 769-1,024 tokens 23.5 ms): PAGEDSERVE_PIECEWISE_MAX_TOKENS raises the
+# cap for an A/B (buckets above 1,024 as the full graphs': every 256 to 2,048, 512 to 4,096, ...).
 MAX_PIECEWISE_TOKENS = 1024
+PIECEWISE_MAX_TOKENS_ENV = "PAGEDSERVE_PIECEWISE_MAX_TOKENS"
+
+
+def piecewise_max_tokens() -> int:
+    """PAGEDSERVE_PIECEWISE_MAX_TOKENS: the largest piecewise bucket (default MAX_PIECEWISE_TOKENS)."""
+    text = os.environ.get(PIECEWISE_MAX_TOKENS_ENV, "").strip()
+    if not text:
+        return MAX_PIECEWISE_TOKENS
+    if not text.isdigit() or not 16 <= int(text) <= 8192:
+        raise ValueError(f"{PIECEWISE_MAX_TOKENS_ENV} must be an integer from 16 to 8192, got {text!r}")
+    return int(text)
 
 
 class GraphLike(Protocol):
@@ -55,13 +70,15 @@ class GraphLike(Protocol):
     def pool(self): ...
 
 
-def token_buckets(max_tokens: int) -> list[int]:
-    """Token counts to capture: every 16 up to 256, every 32 up to 512, every 128 up to 1024, capped
-    at max_tokens (and including it). At most 28 buckets (28 x (layers + 1) graphs: 924 for a
-    32-layer model); padding adds under 16 rows up to 256 tokens, under 32 up to 512 and under 128
-    (at most 25%) up to 1,024, where the step's GPU time already hides most of its launches."""
-    top = min(max_tokens, MAX_PIECEWISE_TOKENS)
-    sizes = list(range(16, 257, 16)) + list(range(288, 513, 32)) + list(range(640, 1025, 128))
+def token_buckets(max_tokens: int, cap: int = MAX_PIECEWISE_TOKENS) -> list[int]:
+    """Token counts to capture: every 16 up to 256, every 32 up to 512, every 128 up to 1024, then
+    every 256 up to 2048, 512 up to 4096 and 1024 up to 8192; capped at min(max_tokens, cap) (and
+    including it). Up to 1,024: at most 28 buckets (28 x (layers + 1) graphs: 924 for a 32-layer
+    model); padding adds under 16 rows up to 256 tokens, under 32 up to 512, and under 25% of a step
+    above that, where the step's GPU time already hides most of its launches."""
+    top = min(max_tokens, cap)
+    sizes = list(range(16, 257, 16)) + list(range(288, 513, 32)) + list(range(640, 1025, 128)) + \
+        list(range(1280, 2049, 256)) + list(range(2560, 4097, 512)) + list(range(5120, 8193, 1024))
     return sorted({s for s in sizes if s <= top} | {top}) if top >= 1 else []
 
 
@@ -83,7 +100,7 @@ class PiecewiseCUDAGraphs:
         self.model, self.kv_caches, self.device = model, kv_caches, torch.device(device)
         self.graph_factory = graph_factory or torch.cuda.CUDAGraph
         self.pool = pool
-        self.buckets = token_buckets(max_tokens)
+        self.buckets = token_buckets(max_tokens, piecewise_max_tokens())
         if not self.buckets:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
         n = self.buckets[-1]

@@ -25,6 +25,24 @@ def test_token_buckets():
     assert token_buckets(MAX_TOKENS) == [16, 32, 48, 64]
     assert token_buckets(100) == [16, 32, 48, 64, 80, 96, 100]
     assert token_buckets(8) == [8]
+    assert token_buckets(8192, cap=2048) == b + [1280, 1536, 1792, 2048]
+    assert token_buckets(1500, cap=2048) == b + [1280, 1500]
+
+
+def test_the_cap_comes_from_the_environment(tiny_model_dir, monkeypatch):
+    """PAGEDSERVE_PIECEWISE_MAX_TOKENS (an A/B of the largest piecewise bucket) sets the buckets a
+    runner captures; a bad value is refused, naming the variable."""
+    runner = make_runner(tiny_model_dir("llama"))
+    model, kv = runner.model, runner.kv_caches
+    monkeypatch.setenv("PAGEDSERVE_PIECEWISE_MAX_TOKENS", "48")
+    assert PiecewiseCUDAGraphs(model, kv, MAX_TOKENS, "cpu", graph_factory=RecordedGraph).buckets == [16, 32, 48]
+    monkeypatch.setenv("PAGEDSERVE_PIECEWISE_MAX_TOKENS", "2048")
+    assert PiecewiseCUDAGraphs(model, kv, 4096, "cpu", graph_factory=RecordedGraph).buckets[-5:] == \
+        [1024, 1280, 1536, 1792, 2048]
+    for bad in ("8", "9000", "1k"):
+        monkeypatch.setenv("PAGEDSERVE_PIECEWISE_MAX_TOKENS", bad)
+        with pytest.raises(ValueError, match="PAGEDSERVE_PIECEWISE_MAX_TOKENS must be an integer from 16 to 8192"):
+            PiecewiseCUDAGraphs(model, kv, MAX_TOKENS, "cpu", graph_factory=RecordedGraph)
 
 
 def piecewise_runner(model_dir):
