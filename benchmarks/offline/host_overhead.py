@@ -28,11 +28,12 @@ with --async-scheduling and --no-async-scheduling for the A/B.
   python benchmarks/offline/host_overhead.py                                     # tiny llama, CPU or CUDA
   python benchmarks/offline/host_overhead.py --attention-layer   # one eager attention layer's wrappers
 
---attention-layer times instead the host side of one attention layer run eagerly (what piecewise
-graphs run between their pieces, 32 times a step for an 8B model): write_kv and paged_attention
-for 20 decodes beside a 300-token chunk, Llama-3.1-8B's heads, with every Triton kernel replaced
-by a stub that launches nothing. Only our wrappers' Python and torch glue is timed (CPU is fine),
-not Triton's own launcher.
+--attention-layer times instead the host side of one attention layer run eagerly, for 20 decodes
+beside a 300-token chunk with Llama-3.1-8B's heads and every Triton kernel replaced by a stub that
+launches nothing: write_kv and paged_attention (an eager step's layer), and paged_attention alone
+(what piecewise graphs run between their pieces since the K/V write moved into them, 32 times a
+step for an 8B model). Only our wrappers' Python and torch glue is timed (CPU is fine), not
+Triton's own launcher (tens of microseconds a launch: kernels/graph_timing.py).
   python benchmarks/offline/host_overhead.py --model benchmarks/models/qwen3-0.6b --load-format dummy
 """
 from __future__ import annotations
@@ -135,8 +136,10 @@ def fill_decode_batch(engine: LLMEngine, n: int, prompt_len: tuple[int, int], te
     return steps
 
 
-def attention_layer_us(reps: int = 3000, num_decodes: int = 20, chunk: int = 300, context: int = 1200) -> float:
-    """Median over 5 runs of the mean host time (us) of one eager attention layer, kernels stubbed."""
+def attention_layer_us(write_kv: bool = True, reps: int = 3000, num_decodes: int = 20, chunk: int = 300,
+                       context: int = 1200) -> float:
+    """Median over 5 runs of the mean host time (us) of one eager attention layer, kernels stubbed;
+    write_kv False: paged_attention alone."""
     import itertools
 
     from pagedserve.attention import triton_ops, triton_prefill
@@ -161,7 +164,8 @@ def attention_layer_us(reps: int = 3000, num_decodes: int = 20, chunk: int = 300
                              num_decodes, chunk, max(seq_lens), block_size, q_lens, seq_lens)
 
     def layer():
-        triton_ops.write_kv(k, v, kc, vc, meta.slot_mapping, one, one)
+        if write_kv:
+            triton_ops.write_kv(k, v, kc, vc, meta.slot_mapping, one, one)
         triton_ops.paged_attention(q, kc, vc, meta, head_dim ** -0.5, k_scale=one, v_scale=one)
     runs = []
     for _ in range(6):
@@ -208,8 +212,9 @@ def main() -> None:
     args = ap.parse_args()
     if args.attention_layer:
         torch.set_num_threads(1)
-        print(f"commit {git_commit()}: {attention_layer_us()} us of host time per eager attention layer "
-              "(20 decodes + a 300-token chunk, Triton launches stubbed)")
+        print(f"commit {git_commit()}, 20 decodes + a 300-token chunk, Triton launches stubbed, host us "
+              f"per layer: write_kv + paged_attention {attention_layer_us()}, paged_attention alone "
+              f"{attention_layer_us(write_kv=False)}")
         return
     git_commit()  # refuse before measuring, not after
     if args.device == "cpu" or not torch.cuda.is_available():

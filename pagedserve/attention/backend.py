@@ -128,20 +128,34 @@ class Attention(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The attention itself (forward without the boundary hook)."""
+        """The attention itself (forward without the boundary hook): store_kv, then attend_stored."""
         T = q.shape[0]
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
         if self.calibrating and T:
+            k3 = k.view(T, self.num_kv_heads, self.head_dim)
+            v3 = v.view(T, self.num_kv_heads, self.head_dim)
             # per head: the amax over tokens and head_dim, one per KV head; else over everything
             dims = (0, 2) if self.kv_scale_per_head else (0, 1, 2)
-            self.k_scale.copy_(torch.maximum(self.k_scale, calibration_scale(k.abs().amax(dim=dims))))
-            self.v_scale.copy_(torch.maximum(self.v_scale, calibration_scale(v.abs().amax(dim=dims))))
-        ops = get_backend(q.device)
-        ops.write_kv(k, v, k_cache, v_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        out = ops.paged_attention(q, k_cache, v_cache, meta, self.scale, k_scale=self.k_scale,
-                                  v_scale=self.v_scale)
+            self.k_scale.copy_(torch.maximum(self.k_scale, calibration_scale(k3.abs().amax(dim=dims))))
+            self.v_scale.copy_(torch.maximum(self.v_scale, calibration_scale(v3.abs().amax(dim=dims))))
+        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend_stored(q, k_cache, v_cache, meta)
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 slot_mapping: torch.Tensor) -> None:
+        """Write the step's new K/V ([T, num_kv_heads * head_dim] or [T, num_kv_heads, head_dim])
+        into the pools at slot_mapping (slot -1: not written). Its launch depends only on T, so
+        piecewise graphs capture it inside their pieces."""
+        T = k.shape[0]
+        get_backend(k.device).write_kv(k.view(T, self.num_kv_heads, self.head_dim),
+                                       v.view(T, self.num_kv_heads, self.head_dim), k_cache, v_cache,
+                                       slot_mapping, self.k_scale, self.v_scale)
+
+    def attend_stored(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """Attention of q over the pools, once store_kv has written the step's K/V there."""
+        T = q.shape[0]
+        out = get_backend(q.device).paged_attention(q.view(T, self.num_heads, self.head_dim), k_cache, v_cache,
+                                                    meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
         return out.reshape(T, self.num_heads * self.head_dim)
 
 

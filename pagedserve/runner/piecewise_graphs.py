@@ -8,21 +8,24 @@ it is captured per bucket; attention runs eagerly between the pieces (vLLM's "pi
 
 How: the forward of bucket T is captured as num_layers + 1 graphs ("pieces") split at every
 attention call. While capturing, `attention_boundary` diverts Attention.forward to a hook that
- 1. copies the layer's q, k, v into static buffers (inside the current piece, so every replay
-    does it too),
+ 1. copies the layer's q into a static buffer and writes its k, v into the KV pools at the slots
+    of a static slot-mapping buffer (Attention.store_kv: its launch depends only on the row count),
+    both inside the current piece, so every replay does them too,
  2. ends the current piece and begins the next one,
  3. returns the static attention-output buffer, which the next piece reads.
 The last piece copies the final hidden states into a static buffer. Replay of a step with n <= T
-tokens: copy input ids and positions into the first n rows of static buffers, replay piece 0, run
-attention i eagerly on the first n rows of q/k/v with the step's real metadata and write it into
-the output buffer, replay piece i + 1, and so on. Padded rows (n..T) hold the stale, always-valid
-ids and positions of earlier steps; every op outside attention treats rows independently and the
-padded rows never reach attention, so they neither write K/V nor disturb the real rows.
+tokens: copy input ids, positions and slot mapping into the first n rows of static buffers (slot
+-1 in rows n..T), replay piece 0, run attention i eagerly on the first n rows of q with the step's
+real metadata over the pools piece i has written, put it into the output buffer, replay piece
+i + 1, and so on. Padded rows (n..T) hold the stale, always-valid ids and positions of earlier
+steps; every op outside attention treats rows independently, their slot -1 writes nothing, and
+attention never reads them, so they do not disturb the real rows. (The K/V write sat with the
+eager attention before: one Triton launch from Python per layer and step, and two copies.)
 
 Memory: one pool for every piece of every bucket (the decode graphs' pool when given), largest
 bucket first. Nothing captured stays referenced across buckets: whatever crosses a piece boundary
 (residual stream, rotary cos/sin) is only held while its bucket is captured, and the tensors eager
-code touches (ids, positions, q/k/v, attention output, hidden states) are static buffers outside
+code touches (ids, positions, slot mapping, q, attention output, hidden states) are static buffers outside
 the pool, sized for the largest bucket and shared by all buckets and layers. Sharing is sound
 because steps replay one at a time on one stream.
 
@@ -96,7 +99,7 @@ class PiecewiseCUDAGraphs:
         widths = {(a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim) for a in attn}
         if len(widths) != 1:
             raise ValueError(f"piecewise graphs need one attention shape in every layer, got {sorted(widths)}")
-        (q_width, kv_width), = widths
+        (q_width, _), = widths
         self.model, self.kv_caches, self.device = model, kv_caches, torch.device(device)
         self.graph_factory = graph_factory or torch.cuda.CUDAGraph
         self.pool = pool
@@ -109,8 +112,7 @@ class PiecewiseCUDAGraphs:
         self.input_ids = torch.zeros(n, dtype=torch.long, device=self.device)
         self.positions = torch.zeros(n, dtype=torch.long, device=self.device)
         self.q = torch.zeros(n, q_width, dtype=dtype, device=self.device)
-        self.k = torch.zeros(n, kv_width, dtype=dtype, device=self.device)
-        self.v = torch.zeros(n, kv_width, dtype=dtype, device=self.device)
+        self.slot_mapping = torch.full((n,), -1, dtype=torch.long, device=self.device)
         self.attn_out = torch.zeros(n, q_width, dtype=dtype, device=self.device)
         self.hidden = torch.zeros(n, hidden, dtype=dtype, device=self.device)
         self.pieces: dict[int, list[GraphLike]] = {}
@@ -162,8 +164,8 @@ class PiecewiseCUDAGraphs:
 
         def boundary(attn, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
             self.q[:t].view(q.shape).copy_(q)
-            self.k[:t].view(k.shape).copy_(k)
-            self.v[:t].view(v.shape).copy_(v)
+            # Every slot is -1 while capturing (run() sets them per step): this writes nothing now.
+            attn.store_kv(k, v, k_cache, v_cache, self.slot_mapping[:t])
             layers.append((attn, k_cache, v_cache))
             if capture:
                 end()
@@ -195,10 +197,12 @@ class PiecewiseCUDAGraphs:
             raise ValueError(f"{n} tokens exceed the largest piecewise bucket ({self.buckets[-1]})")
         self.input_ids[:n].copy_(input_ids, non_blocking=True)
         self.positions[:n].copy_(positions, non_blocking=True)
+        self.slot_mapping[:n].copy_(meta.slot_mapping, non_blocking=True)
+        self.slot_mapping[n:t].fill_(-1)  # (the rows of a larger step before)
         pieces = self.pieces[t]
-        q, k, v, out = self.q[:n], self.k[:n], self.v[:n], self.attn_out[:n]
+        q, out = self.q[:n], self.attn_out[:n]
         for piece, (attn, k_cache, v_cache) in zip(pieces, self.layers):
             piece.replay()
-            out.copy_(attn.attend(q, k, v, k_cache, v_cache, meta))
+            out.copy_(attn.attend_stored(q, k_cache, v_cache, meta))
         pieces[-1].replay()
         return self.hidden[:n]
