@@ -151,12 +151,14 @@ class Attention(nn.Module):
                                        slot_mapping, self.k_scale, self.v_scale)
 
     def attend_stored(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      meta: AttentionMetadata) -> torch.Tensor:
-        """Attention of q over the pools, once store_kv has written the step's K/V there."""
-        T = q.shape[0]
-        out = get_backend(q.device).paged_attention(q.view(T, self.num_heads, self.head_dim), k_cache, v_cache,
-                                                    meta, self.scale, k_scale=self.k_scale, v_scale=self.v_scale)
-        return out.reshape(T, self.num_heads * self.head_dim)
+                      meta: AttentionMetadata, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Attention of q over the pools, once store_kv has written the step's K/V there; into
+        `out` ([T, num_heads * head_dim], contiguous) when given."""
+        T, H, D = q.shape[0], self.num_heads, self.head_dim
+        o = get_backend(q.device).paged_attention(q.view(T, H, D), k_cache, v_cache, meta, self.scale,
+                                                  k_scale=self.k_scale, v_scale=self.v_scale,
+                                                  out=None if out is None else out.view(T, H, D))
+        return o.reshape(T, H * D)
 
 
 @contextmanager

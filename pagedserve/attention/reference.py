@@ -48,16 +48,17 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
-    query: [num_tokens, num_heads, head_dim]; returns the same shape. Query token j of a
-    sequence with q new tokens and context L sits at position L - q + j and sees
+    query: [num_tokens, num_heads, head_dim]; returns the same shape (in `out` when given). Query
+    token j of a sequence with q new tokens and context L sits at position L - q + j and sees
     positions <= its own. An fp8 pool is read as stored * k_scale (v_scale).
     """
     if meta.unified_capacity is not None:
-        return static_paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
-    out = torch.empty_like(query)
+        result = static_paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        return result if out is None else out.copy_(result)
+    out = torch.empty_like(query) if out is None else out
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     starts = meta.query_start_loc.tolist()

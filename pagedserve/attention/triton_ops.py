@@ -196,9 +196,11 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, num_splits: int | None = None,
-                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of each sequence's new tokens over its whole paged context (see reference.py);
-    an fp8 pool is read as stored * k_scale (v_scale), dequantized in the kernels' registers."""
+                    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context (see reference.py),
+    into `out` when given (else a new tensor); an fp8 pool is read as stored * k_scale (v_scale),
+    dequantized in the kernels' registers."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     _check_cache(k_cache, head_dim)
@@ -209,9 +211,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if meta.unified_capacity is not None:
         # Zeros: a graph bucket's padding rows belong to no sequence and are never written; they
         # must not carry NaNs from stale memory into the layers after (a MoE router reads them).
-        out = torch.zeros_like(query)
+        out = torch.zeros_like(query) if out is None else out.zero_()
         return unified_paged_attention(query, k_cache, v_cache, meta, scale, out, k_scale=k_scale, v_scale=v_scale)
-    out = torch.empty_like(query)
+    out = torch.empty_like(query) if out is None else out
     nd, ns = meta.num_decodes, meta.num_seqs
     seq_lens_cpu = meta.seq_lens_cpu
     if nd > 0:

@@ -16,11 +16,12 @@ attention call. While capturing, `attention_boundary` diverts Attention.forward 
 The last piece copies the final hidden states into a static buffer. Replay of a step with n <= T
 tokens: copy input ids, positions and slot mapping into the first n rows of static buffers (slot
 -1 in rows n..T), replay piece 0, run attention i eagerly on the first n rows of q with the step's
-real metadata over the pools piece i has written, put it into the output buffer, replay piece
-i + 1, and so on. Padded rows (n..T) hold the stale, always-valid ids and positions of earlier
+real metadata over the pools piece i has written, straight into the output buffer, replay
+piece i + 1, and so on. Padded rows (n..T) hold the stale, always-valid ids and positions of earlier
 steps; every op outside attention treats rows independently, their slot -1 writes nothing, and
 attention never reads them, so they do not disturb the real rows. (The K/V write sat with the
-eager attention before: one Triton launch from Python per layer and step, and two copies.)
+eager attention before: one Triton launch from Python per layer and step, and two copies; and
+attention's output was copied into the buffer, a third.)
 
 Memory: one pool for every piece of every bucket (the decode graphs' pool when given), largest
 bucket first. Nothing captured stays referenced across buckets: whatever crosses a piece boundary
@@ -203,6 +204,6 @@ class PiecewiseCUDAGraphs:
         q, out = self.q[:n], self.attn_out[:n]
         for piece, (attn, k_cache, v_cache) in zip(pieces, self.layers):
             piece.replay()
-            out.copy_(attn.attend_stored(q, k_cache, v_cache, meta))
+            attn.attend_stored(q, k_cache, v_cache, meta, out=out)
         pieces[-1].replay()
         return self.hidden[:n]

@@ -73,6 +73,11 @@ def test_mixed_batch_matches_reference(block_size, H, Hkv, D):
     ops.write_kv(batch.new_k, batch.new_v, batch.k_cache, batch.v_cache, batch.meta.slot_mapping)
     out = ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale=D ** -0.5)
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
+    # Into a given buffer (piecewise graphs pass their static one): every row written there.
+    given = torch.full_like(batch.query, float("nan"))
+    into = ops.paged_attention(batch.query, batch.k_cache, batch.v_cache, batch.meta, scale=D ** -0.5, out=given)
+    assert into.data_ptr() == given.data_ptr()
+    torch.testing.assert_close(given, out, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 5])
