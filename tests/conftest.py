@@ -1,3 +1,4 @@
+import logging
 import os
 import sys
 
@@ -47,3 +48,17 @@ def interpreter_run(request):
     pool = InterpreterRuns(list(runs.values()), jobs=len(os.sched_getaffinity(0)))
     yield pool
     pool.close()
+
+
+@pytest.fixture(autouse=True)
+def _root_logger_restored():
+    """A test that runs the CLI in this process (`main(["serve", ...])` reaching
+    log_setup.configure_logging) points the root logger at that test's captured stderr, which
+    pytest closes after it: every later INFO record (httpx logs each request) then printed a
+    '--- Logging error ---' traceback into whichever test's stderr was being captured, and a test
+    that wants one line of stderr failed, depending on test order."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
