@@ -77,6 +77,35 @@ def test_trace_lines_hold_shape_busy_and_gap(tmp_path, monkeypatch):
     assert trace.records == [{}]  # phases are not kept
 
 
+def test_under_load_finished_steps_become_lines_as_they_finish(tmp_path, monkeypatch):
+    """10,000 steps with no idle moment, the device one step behind the host (async scheduling):
+    every launch_end converts the step or two the device has finished, so nothing piles up for one
+    long conversion (4096 steps at once stalled the engine core 60-102 ms on the H200), and the
+    file grows by WRITE_EVERY lines at a time."""
+    from pagedserve.engine.step_trace import WRITE_EVERY
+    clock = {"now": 0.0, "done": -1.0}
+    trace = StepTrace(str(tmp_path / "t.jsonl"))
+    monkeypatch.setattr(trace, "_event", lambda: FakeEvent(clock))
+    path, most_pending, sizes = tmp_path / "t.jsonl", 0, set()
+    for i in range(10_000):
+        trace.begin()
+        clock["now"] = 5.0 * i
+        trace.launch_begin(plan(8))
+        clock["now"] = 5.0 * i + 4.9
+        clock["done"] = 5.0 * i - 0.1  # the step before this one has finished on the device
+        trace.launch_end()
+        most_pending = max(most_pending, len(trace._events))
+        if i % 50 == 0:  # (every size the file goes through lasts 512 steps)
+            sizes.add(len(path.read_text().splitlines()) if path.exists() else 0)
+    assert most_pending <= 2
+    assert sizes == {WRITE_EVERY * k for k in range(10_000 // WRITE_EVERY + 1)}
+    clock["done"] = 1e9
+    assert trace.flush(idle=True) == 10_000 % WRITE_EVERY
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    assert len(lines) == 10_000 and all(x["busy_ms"] == 4.9 for x in lines)
+    assert lines[0]["gap_ms"] is None and all(x["gap_ms"] == 0.1 for x in lines[1:])
+
+
 def test_trace_lines_say_how_the_runner_ran_each_step(tmp_path, monkeypatch):
     clock = {"now": 0.0, "done": -1.0}
     trace = StepTrace(str(tmp_path / "t.jsonl"))
