@@ -134,6 +134,7 @@ class PiecewiseCUDAGraphs:
     @torch.inference_mode()
     def capture(self) -> None:
         cuda = self.device.type == "cuda"
+        self.slot_mapping.fill_(-1)  # the capture runs execute too: they must write no K/V
         stream = torch.cuda.Stream(self.device) if cuda else None
         if cuda:
             stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -165,7 +166,7 @@ class PiecewiseCUDAGraphs:
 
         def boundary(attn, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
             self.q[:t].view(q.shape).copy_(q)
-            # Every slot is -1 while capturing (run() sets them per step): this writes nothing now.
+            # Every slot is -1 while capturing (run() sets them per step): nothing is written now.
             attn.store_kv(k, v, k_cache, v_cache, self.slot_mapping[:t])
             layers.append((attn, k_cache, v_cache))
             if capture:
