@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any
 
 from pagedserve.config import CacheConfig, SchedulerConfig
@@ -43,6 +44,7 @@ class ModelLessEngine:
         self._next_step = time.monotonic()
         self._groups: dict[str, SequenceGroup] = {}
         self.hooks: list[Any] = []  # called with each snapshot dict (a benchmark's stamps)
+        self.config = SimpleNamespace(model="(no model)")  # EngineCore.describe() names the model
 
     def add_request(self, request_id: str, prompt: dict, params: SamplingParams,
                     arrival_time: float | None = None) -> None:

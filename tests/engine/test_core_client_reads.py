@@ -229,3 +229,29 @@ c.shutdown()
         pytest.fail("adding a request to a dead core hung its event loop (no answer in 60 s)")
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.startswith("status 503 engine core is dead") and "SIGKILL" in done.stdout, done.stdout
+
+
+def test_the_modelless_core_starts_and_streams_through_the_real_client():
+    """benchmarks/dashboard/dashboard_latency.py's core process: start-up (its ready line) and a
+    request to the end over MPCoreClient (the start-up line once named a model it did not have)."""
+    import asyncio
+    import sys
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.core_client import MPCoreClient
+    from pagedserve.sampling_params import SamplingParams
+    core = [sys.executable, "-m", "pagedserve.benchmark.modelless_core", "--step-ms", "1", "--num-blocks", "64"]
+    client = MPCoreClient(EngineConfig(), core_cmd=core)
+    try:
+        async def run() -> list[int]:
+            async def read() -> list[int]:
+                while True:  # also what resolves the add: its answer comes with the outputs
+                    for o in (await client.get_output_async()).outputs:
+                        if o.finished:
+                            return list(o.outputs[0].token_ids)
+            reader = asyncio.ensure_future(read())
+            await client.add_request_async("r", [5, 6, 7], SamplingParams(max_tokens=4, ignore_eos=True), 0.0, None)
+            return await reader
+        assert asyncio.run(asyncio.wait_for(run(), 60)) == [100, 101, 102, 103]
+    finally:
+        client.shutdown()
