@@ -126,7 +126,10 @@ def bench_serve(args, engine: str, port: int, rate: float, num: int, out: Path, 
            "--base-url", f"http://127.0.0.1:{port}/v1", "--workload", args.workload,
            "--num-requests", str(num), "--request-rate", str(rate), "--output", str(out),
            # vLLM's /v1/models reports no vocabulary size: both engines' ids come from the tokenizer
-           "--tokenizer", str(model_dir), "--disable-tqdm", *(["--prompt-salt", str(salt)] if salt else [])]
+           "--tokenizer", str(model_dir), "--disable-tqdm", *(["--prompt-salt", str(salt)] if salt else []),
+           # More than one: the client's own CPU off the measurement (one process is near a core at
+           # 40 req/s on the H200's hosts: docs/benchmarks.md, single engine).
+           "--num-client-processes", str(args.client_processes)]
     r = subprocess.run(cmd, env={**os.environ, **ENV, "PYTHONPATH": f"{REPO}:{args.site}"},
                        capture_output=True, text=True, timeout=args.rate_limit)
     tail = [ln for ln in r.stdout.splitlines() if any(k in ln for k in ("completed", "throughput", "TTFT", "TPOT"))]
@@ -374,6 +377,7 @@ def main() -> None:
     ap.add_argument("--vllm-args", default="", help="extra flags for `vllm serve`")
     ap.add_argument("--startup-limit", type=float, default=420)
     ap.add_argument("--rate-limit", type=float, default=300)
+    ap.add_argument("--client-processes", type=int, default=1, help="online: processes of the benchmark client")
     ap.add_argument("--offline-limit", type=float, default=420)
     ap.add_argument("--decode-seqs", type=int, nargs="+", default=[16, 32], help="decode: batch sizes")
     ap.add_argument("--output", default=str(REPO / "benchmarks/results/h200/serving.json"))

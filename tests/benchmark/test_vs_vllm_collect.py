@@ -1,6 +1,6 @@
 """benchmarks/serving/vs_vllm.py collect: the phase files of one lease become serving.json with the
 issue's ratios, the measured commit and the GPU machine's host (not the collecting machine's).
-The phase files are the headline lease's own (benchmarks/results/h200/serving_runs_ba7b152/): collected
+The phase files are the headline lease's own (benchmarks/results/h200/serving_runs_47a9b2e/): collected
 again, they give the committed benchmarks/results/h200/serving.json's figures exactly, so every
 ratio the README cites follows from the files beside it."""
 import json
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LEASE = ROOT / "benchmarks/results/h200/serving_runs_ba7b152"
+LEASE = ROOT / "benchmarks/results/h200/serving_runs_47a9b2e"
 COMMITTED = ROOT / "benchmarks/results/h200/serving.json"
 
 
@@ -38,3 +38,21 @@ def test_collect_computes_ratios_from_the_phase_files(tmp_path):
     assert got["host"] == committed["host"] and got["host"]["cpu"] in {  # the GPU machine's, from its phases
         json.loads(f.read_text()).get("host", {}).get("cpu") for f in LEASE.glob("o*.json")}
     assert got["ratios"] == committed["ratios"] and got["results"] == committed["results"]
+
+
+def test_online_runs_the_client_with_the_processes_asked_for(monkeypatch, tmp_path):
+    """--client-processes reaches `pagedserve bench serve` (and 1, the default, is passed as 1)."""
+    import argparse
+    sys.path.insert(0, str(ROOT / "benchmarks/serving"))
+    import vs_vllm
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "completed 1", "")
+    monkeypatch.setattr(vs_vllm.subprocess, "run", fake_run)
+    for k in (1, 3):
+        args = argparse.Namespace(workload="sharegpt-like", site=str(tmp_path), rate_limit=10, client_processes=k)
+        vs_vllm.bench_serve(args, "pagedserve", 8200, 10.0, 5, tmp_path / "o.json", tmp_path, tmp_path)
+        cmd = seen[-1]
+        assert cmd[cmd.index("--num-client-processes") + 1] == str(k)
