@@ -35,6 +35,28 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
+
+def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
+    """Two successive DELTA outputs of one request as one: each choice's new text, tokens and
+    logprobs joined in order, everything that is a state (finish, cumulative logprob, metrics)
+    the later one's, the prompt's logprobs (sent once) kept from whichever had them."""
+    outputs = list(earlier.outputs)
+    at = {c.index: i for i, c in enumerate(outputs)}
+    for c in later.outputs:
+        i = at.get(c.index)
+        if i is None:
+            at[c.index] = len(outputs)
+            outputs.append(c)
+            continue
+        p = outputs[i]
+        logprobs = None if p.logprobs is None and c.logprobs is None else (p.logprobs or []) + (c.logprobs or [])
+        outputs[i] = CompletionOutput(c.index, p.text + c.text, p.token_ids + c.token_ids, c.cumulative_logprob,
+                                      logprobs, c.finish_reason, c.stop_reason)
+    return RequestOutput(later.request_id, later.prompt, later.prompt_token_ids, outputs, later.finished,
+                         later.metrics, later.error or earlier.error,
+                         earlier.prompt_logprobs if earlier.prompt_logprobs is not None else later.prompt_logprobs)
+
+
 @dataclass
 class BeamSearchSequence:
     """One finished beam. As in vLLM, `tokens` and `text` cover prompt + generated tokens."""

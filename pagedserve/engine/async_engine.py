@@ -27,7 +27,7 @@ from pagedserve.engine.core_client import EngineDeadError, MPCoreClient
 from pagedserve.engine.input_processor import load_tokenizer, split_prompt
 from pagedserve.engine.text_output import RequestText, core_params
 from pagedserve.metrics import ServerMetrics
-from pagedserve.outputs import RequestOutput
+from pagedserve.outputs import RequestOutput, merge_deltas
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestStream", "load_tokenizer"]
@@ -353,6 +353,7 @@ class RequestStream:
         self._state = state
         self._done = False
         self._closed = False
+        self._held: BaseException | None = None  # an error read while merging: raised next
 
     def __aiter__(self) -> "RequestStream":
         return self
@@ -360,10 +361,31 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self._done:
             raise StopAsyncIteration
-        item = await self._state.queue.get()
+        queue = self._state.queue
+        if self._held is not None:
+            item, self._held = self._held, None
+        else:
+            item = await queue.get()
         if isinstance(item, BaseException):
             self._done = True
             raise item
+        # Outputs that queued up while the consumer was busy leave as one: under load every
+        # output costs the server (and the client) a chunk to encode, write and parse whatever
+        # it carries, so a consumer that falls behind catches up instead of falling further
+        # behind (as vLLM's output collector merges). Nothing is lost: deltas are joined,
+        # cumulative outputs superseded; an error waits for the next call.
+        kind = self._state.kind
+        while not item.finished and not queue.empty() and kind is not RequestOutputKind.FINAL_ONLY:
+            nxt = queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._held = nxt
+                break
+            if kind is RequestOutputKind.DELTA:
+                item = merge_deltas(item, nxt)
+            else:
+                if nxt.prompt_logprobs is None and item.prompt_logprobs is not None:
+                    nxt.prompt_logprobs = item.prompt_logprobs
+                item = nxt
         if item.finished:
             self._done = True
         return item
