@@ -91,6 +91,10 @@ SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
 # the H200 (decode_skew.py at a7ed567) 4 per SM was best or within 5% of it at 16-128 sequences over
 # serving's contexts; 1 per SM cut too little.
 DECODE_SHARE_PROGRAMS_PER_SM = 4
+# Replaces it without a code change (read once per process), for the A/B the even-length kernel
+# times ask for (docs/long-context.md, 2026-12-03: 6 per SM was 9-13% faster at 2-4 x 100k and at
+# 16-64 x 4096, level at one 100k sequence; serving's uneven lengths are not measured yet).
+DECODE_SHARE_ENV = "PAGEDSERVE_DECODE_SHARE"
 # The balanced grid's splits keep it within this many programs per SM (at least 2 splits), since
 # each program past a sequence's last split still costs a launch.
 DECODE_GRID_PROGRAMS_PER_SM = 8
@@ -245,10 +249,21 @@ def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, m
     return BALANCED if -(-longest // base) - -(-longest // parts) > BALANCED_MIN_GAIN_TILES else 0
 
 
+@functools.lru_cache(maxsize=None)
+def decode_share_per_sm() -> int:
+    """The balanced plan's programs per SM: DECODE_SHARE_PROGRAMS_PER_SM, or DECODE_SHARE_ENV's."""
+    raw = os.environ.get(DECODE_SHARE_ENV, "").strip()
+    if not raw:
+        return DECODE_SHARE_PROGRAMS_PER_SM
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{DECODE_SHARE_ENV} must be a whole number of programs per SM >= 1, got {raw!r}")
+    return int(raw)
+
+
 def balanced_share(device: torch.device, block_n: int) -> tuple[int, int]:
     """The balanced plan's defaults: (programs the step's work is shared over, fewest tiles a
     chain is cut to), as the kernels get them (SHARE_PROGRAMS, MIN_CHAIN_TILES)."""
-    return DECODE_SHARE_PROGRAMS_PER_SM * _sms(device), max(1, MIN_TOKENS_PER_SPLIT // block_n)
+    return decode_share_per_sm() * _sms(device), max(1, MIN_TOKENS_PER_SPLIT // block_n)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -184,3 +184,40 @@ def test_pick_counts_the_fp8_launch_tiles(monkeypatch):
     monkeypatch.setattr(plan, "fp8_decode_launch_settings", lambda: plan.DecodeLaunch(block_n=256))
     assert plan.pick_split_mode(lens, 64, 8, 4096, cpu, kv_dtype=torch.bfloat16) == plan.BALANCED
     assert plan.pick_split_mode(lens, 64, 8, 4096, cpu, kv_dtype=torch.float8_e4m3fn) == 0
+
+
+@pytest.mark.parametrize("raw, want", [("", plan.DECODE_SHARE_PROGRAMS_PER_SM), ("6", 6), ("1", 1)])
+def test_share_switch_sets_the_balanced_plans_programs_per_sm(monkeypatch, raw, want):
+    monkeypatch.setenv(plan.DECODE_SHARE_ENV, raw)
+    plan.decode_share_per_sm.cache_clear()
+    try:
+        assert plan.balanced_share(torch.device("cpu"), 128) == (want * 132, plan.MIN_TOKENS_PER_SPLIT // 128)
+    finally:
+        plan.decode_share_per_sm.cache_clear()
+
+
+def test_the_share_decides_whether_a_step_takes_the_balanced_cut(monkeypatch):
+    # 8 rows x 8 KV heads: one 4,000-token sequence (32 tiles of 128) beside seven of 1,000 (8
+    # tiles): 704 tiles of work; the base is 7 splits (cdiv(3 x 132, 64)), so its longest chain 5
+    # tiles. At 2 per SM (264 programs) chains of 3 tiles cut the long one into 11: 3 tiles, a
+    # gain of 2, not more than BALANCED_MIN_GAIN_TILES: no cut. At 6 (792) chains of 2 (the floor)
+    # cut it into 16: 2 tiles, a gain of 3: the balanced graph.
+    lens = [4000] + [1000] * 7
+    for share, want in (("2", 0), ("6", plan.BALANCED)):
+        monkeypatch.setenv(plan.DECODE_SHARE_ENV, share)
+        plan.decode_share_per_sm.cache_clear()
+        try:
+            assert plan.pick_split_mode(lens, 8, 8, 8192, torch.device("cpu"), block_n=128) == want
+        finally:
+            plan.decode_share_per_sm.cache_clear()
+
+
+@pytest.mark.parametrize("raw", ["0", "-2", "six", "4.5"])
+def test_bad_share_switch_names_it(monkeypatch, raw):
+    monkeypatch.setenv(plan.DECODE_SHARE_ENV, raw)
+    plan.decode_share_per_sm.cache_clear()
+    try:
+        with pytest.raises(ValueError, match=plan.DECODE_SHARE_ENV):
+            plan.decode_share_per_sm()
+    finally:
+        plan.decode_share_per_sm.cache_clear()
