@@ -50,13 +50,6 @@ KEY = "sk-dashboard-latency"
 mono = time.monotonic
 
 
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a process, from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def run_core(args, rest: list[str]) -> None:
     from pagedserve.benchmark import modelless_core as mc
     args = mc.parse_args(["--step-ms", str(args.step_ms), "--num-blocks", str(args.num_blocks),
@@ -189,6 +182,7 @@ def main() -> int:
 
 def one_run(args, tree: str | None) -> dict:
     """One server (its pagedserve from `tree`, else this one), the streams, the viewer; the figures."""
+    from pagedserve.benchmark.server_process import process_cpu_seconds as cpu_seconds
     from pagedserve.benchmark.server_process import stop_process, wait_until_ready
     from pagedserve.entrypoints.bench_serve import run_benchmark
     from pagedserve.workloads import WorkloadRequest

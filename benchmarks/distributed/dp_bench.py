@@ -112,12 +112,11 @@ def _children(pid: int) -> list[int]:
 
 
 def _cpu_seconds(pid: int) -> float | None:
+    from pagedserve.benchmark.server_process import process_cpu_seconds
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
+        return process_cpu_seconds(pid)
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def server_processes(proc: subprocess.Popen, dp: int) -> dict[str, int]:

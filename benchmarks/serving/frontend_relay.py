@@ -36,14 +36,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-TICK = os.sysconf("SC_CLK_TCK")
-
 
 def cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a process (not its children), from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    # Imported here: a server role imports pagedserve from --server-tree, never this tree's first.
+    from pagedserve.benchmark.server_process import process_cpu_seconds
+    return process_cpu_seconds(pid)
 
 
 # ---- the fake replica ------------------------------------------------------------------------

@@ -32,16 +32,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-TICK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    """user + system CPU time of a process, from /proc/PID/stat."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
-
-
 def run_core(step_ms: float, rest: list[str]) -> int:
     from pagedserve.benchmark import modelless_core as mc
     args = mc.parse_args(["--step-ms", str(step_ms), *rest])
@@ -68,6 +58,7 @@ def run_server(port: int, step_ms: float, tree: str | None) -> None:
 
 
 def one_run(args, tree: str | None) -> dict:
+    from pagedserve.benchmark.server_process import process_cpu_seconds as cpu_seconds
     from pagedserve.benchmark.server_process import stop_process, wait_until_ready
     from pagedserve.entrypoints.bench_serve import run_benchmark
     from pagedserve.workloads import WorkloadRequest

@@ -1,4 +1,5 @@
-"""A server process for a benchmark or test: a free port, wait until it answers, stop it (bounded).
+"""A server process for a benchmark or test: a free port, wait until it answers, stop it (bounded),
+the CPU time it spent.
 
 Shared by benchmarks/*.py, scripts/ and the server tests. Servers started with
 `start_new_session=True` are stopped as a process group (`group=True`), so rank 0's TP workers
@@ -70,3 +71,11 @@ def stop_process(proc: subprocess.Popen, timeout: float = 30.0, *, group: bool =
     except subprocess.TimeoutExpired:
         send(signal.SIGKILL)
         proc.wait()
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """user + system CPU time of a process (not its children), from /proc/PID/stat (Linux);
+    OSError once the process is gone."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the command name may hold spaces and ')'
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

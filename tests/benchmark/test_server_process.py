@@ -70,3 +70,17 @@ def test_group_stop_takes_the_children_along():
     while not _gone(child) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _gone(child)
+
+
+def test_process_cpu_seconds_counts_a_childs_busy_time_and_fails_once_it_is_gone():
+    from pagedserve.benchmark.server_process import process_cpu_seconds
+    busy = subprocess.Popen([sys.executable, "-c", "import time\nt = time.process_time()\n"
+                             "while time.process_time() - t < 0.5: pass\nprint('done', flush=True)\ninput()"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert busy.stdout.readline().strip() == "done"  # 0.5 s of its own CPU spent, still alive
+        assert 0.45 <= process_cpu_seconds(busy.pid) < 5
+    finally:
+        busy.communicate("\n", timeout=30)
+    with pytest.raises(OSError):
+        process_cpu_seconds(busy.pid)
