@@ -15,7 +15,8 @@ server from another checkout (`git archive BASE pagedserve | tar -x -C DIR`), al
 this tree for --rounds rounds, for a before/after.
 
     python benchmarks/serving/stream_cost.py --out stream_cost.json
-    python benchmarks/serving/stream_cost.py --server-cpus 1 --client-cpus 0 --hogs 0 2 --server-tree /tmp/before --rounds 3
+    python benchmarks/serving/stream_cost.py --server-cpus 1 --client-cpus 0 --hogs 0 2 --server-tree /tmp/before \
+        --rounds 2 --clients httpx aiohttp
 """
 from __future__ import annotations
 
@@ -104,6 +105,8 @@ def main() -> int:
     ap.add_argument("--hogs", type=int, nargs="+", default=[0],
                     help="busy loops pinned to --server-cpus meanwhile; several: one set of runs each")
     ap.add_argument("--server-tree", default=None, help="also run the server from this source tree (before/after)")
+    ap.add_argument("--clients", nargs="+", default=[None], choices=["aiohttp", "httpx"],
+                    help="the benchmark client's HTTP library (PAGEDSERVE_BENCH_CLIENT); several: runs of each")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--out", default=None)
     args, rest = ap.parse_known_args()
@@ -121,21 +124,25 @@ def main() -> int:
         os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
     tree = str(Path(args.server_tree).resolve()) if args.server_tree else None
     runs = []
+    from pagedserve.entrypoints.bench_serve import BENCH_CLIENT_ENV, bench_client
     for n in args.hogs:
         hogs = [subprocess.Popen(["taskset", "-c", args.server_cpus, sys.executable, "-c", "while True: pass"])
                 for _ in range(n)]
         try:
             for _ in range(args.rounds):
-                for t in ([tree] if tree else []) + [None]:
-                    runs.append({"hogs": n, **one_run(args, t)})
-                    print(runs[-1], flush=True)
+                for client in args.clients:
+                    if client:
+                        os.environ[BENCH_CLIENT_ENV] = client
+                    for t in ([tree] if tree else []) + [None]:
+                        runs.append({"hogs": n, "client": bench_client(), **one_run(args, t)})
+                        print(runs[-1], flush=True)
         finally:
             for h in hogs:
                 h.kill()
     summary = {}
-    for key in dict.fromkeys((r["hogs"], r["tree"]) for r in runs):
-        mine = [r for r in runs if (r["hogs"], r["tree"]) == key]
-        summary[f"hogs={key[0]} tree={key[1]}"] = {
+    for key in dict.fromkeys((r["hogs"], r["client"], r["tree"]) for r in runs):
+        mine = [r for r in runs if (r["hogs"], r["client"], r["tree"]) == key]
+        summary[f"hogs={key[0]} client={key[1]} tree={key[2]}"] = {
             "ttft_ms_p50": statistics.median(r["ttft_ms"]["p50"] for r in mine),
             "ttft_ms_p99": statistics.median(r["ttft_ms"]["p99"] for r in mine),
             "itl_ms_p90": statistics.median(r["itl_ms_p90"] for r in mine),
@@ -146,7 +153,7 @@ def main() -> int:
     if args.out:
         from pagedserve.benchmark.results import write_result
         config = {k: getattr(args, k) for k in ("step_ms", "num_requests", "request_rate", "output_len", "prompt_len",
-                                                "server_cpus", "client_cpus", "hogs", "server_tree", "rounds")}
+                                                "server_cpus", "client_cpus", "hogs", "server_tree", "rounds", "clients")}
         write_result(args.out, "stream_cost", "python benchmarks/serving/stream_cost.py " + " ".join(sys.argv[1:]),
                      config, {"medians": summary, "runs": runs}, {}, {}, device="cpu")
     return 0
