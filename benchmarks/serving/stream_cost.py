@@ -124,7 +124,7 @@ def main() -> int:
         os.sched_setaffinity(0, {int(c) for c in args.client_cpus.split(",")})
     tree = str(Path(args.server_tree).resolve()) if args.server_tree else None
     runs = []
-    from pagedserve.entrypoints.bench_serve import BENCH_CLIENT_ENV, bench_client
+    from pagedserve.entrypoints.bench_client import BENCH_CLIENT_ENV, bench_client
     for n in args.hogs:
         hogs = [subprocess.Popen(["taskset", "-c", args.server_cpus, sys.executable, "-c", "while True: pass"])
                 for _ in range(n)]

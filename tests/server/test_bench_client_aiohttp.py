@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from pagedserve.entrypoints import bench_serve
-from pagedserve.entrypoints.bench_serve import send_request
+from pagedserve.entrypoints import bench_client
+from pagedserve.entrypoints.bench_client import send_request
 from pagedserve.workloads import WorkloadRequest
 
 aiohttp = pytest.importorskip("aiohttp")
@@ -65,7 +65,7 @@ def run_requests(cases: list[str], retries: int = 0) -> tuple[list, RawServer]:
         srv = await asyncio.start_server(server.handle, "127.0.0.1", 0)
         port = srv.sockets[0].getsockname()[1]
         out = []
-        async with bench_serve._client("aiohttp", 4, 30.0) as client:
+        async with bench_client.make_client("aiohttp", 4, 30.0) as client:
             for case in cases:
                 req = WorkloadRequest(prompt_token_ids=[1, 2], output_len=2, arrival_time=0.0)
                 out.append(await send_request(client, f"http://127.0.0.1:{port}/v1", "m", req,
@@ -96,10 +96,10 @@ def test_retry_only_requests_that_got_no_response():
 
 
 def test_the_switch_picks_the_client(monkeypatch):
-    monkeypatch.delenv(bench_serve.BENCH_CLIENT_ENV, raising=False)
-    assert bench_serve.bench_client() == "aiohttp"
-    monkeypatch.setenv(bench_serve.BENCH_CLIENT_ENV, "httpx")
-    assert bench_serve.bench_client() == "httpx"
-    monkeypatch.setenv(bench_serve.BENCH_CLIENT_ENV, "curl")
-    with pytest.raises(ValueError, match=bench_serve.BENCH_CLIENT_ENV):
-        bench_serve.bench_client()
+    monkeypatch.delenv(bench_client.BENCH_CLIENT_ENV, raising=False)
+    assert bench_client.bench_client() == "aiohttp"
+    monkeypatch.setenv(bench_client.BENCH_CLIENT_ENV, "httpx")
+    assert bench_client.bench_client() == "httpx"
+    monkeypatch.setenv(bench_client.BENCH_CLIENT_ENV, "curl")
+    with pytest.raises(ValueError, match=bench_client.BENCH_CLIENT_ENV):
+        bench_client.bench_client()

@@ -205,7 +205,7 @@ def test_stream_is_read_to_its_end_so_the_connection_is_reused():
     end; send_request must not stop at [DONE] (it did: one new connection per request)."""
     import asyncio
 
-    from pagedserve.entrypoints.bench_serve import send_request
+    from pagedserve.entrypoints.bench_client import send_request
     from pagedserve.workloads import WorkloadRequest
 
     ended = []
@@ -234,7 +234,7 @@ def test_client_drops_idle_connections_before_the_server_does():
     """A pooled connection the server is closing (idle for its keep-alive) must never be reused:
     the benchmark client and the DP relay expire theirs first (at equal times, a 60,000-request
     run saw 52 requests reset)."""
-    from pagedserve.entrypoints.bench_serve import client_limits
+    from pagedserve.entrypoints.bench_client import client_limits
     from pagedserve.entrypoints.http_stack import SERVER_KEEP_ALIVE_S
     from pagedserve.serving.relay_clients import HttpxRelay
 
@@ -250,7 +250,7 @@ def test_retry_only_requests_that_got_no_response():
     counted; one that failed mid-stream, after its 200, is not (it may have run)."""
     import asyncio
 
-    from pagedserve.entrypoints.bench_serve import send_request
+    from pagedserve.entrypoints.bench_client import send_request
     from pagedserve.entrypoints.bench_stats import summarize
     from pagedserve.workloads import WorkloadRequest
 
