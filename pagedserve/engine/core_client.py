@@ -90,6 +90,11 @@ class EngineCoreClient:
     async def get_output_async(self) -> EngineCoreOutputs:
         raise NotImplementedError
 
+    def get_output_nowait(self) -> EngineCoreOutputs | None:
+        """The next outputs if they have already arrived and fail no request, else None; never
+        waits. A transport without a read-ahead has none."""
+        return None
+
     def call_utility(self, method: str, *args: Any) -> Any:
         raise NotImplementedError
 
@@ -315,7 +320,19 @@ class MPCoreClient(EngineCoreClient):
             self._answer(await self._async_output.recv(copy=False))  # nothing waiting: the loop turns
             self._turned_at = time.monotonic()
             self._read_waiting()
-        msg = self._read_ahead.popleft()
+        return self._decode_outputs(self._read_ahead.popleft())
+
+    def get_output_nowait(self) -> EngineCoreOutputs | None:
+        """The next outputs already read or waiting in the socket, else None. A message that
+        fails requests (a step's error) is left for get_output_async: its failures are handled
+        before its outputs, and must not overtake the outputs of the messages before it."""
+        if not self._read_ahead:
+            self._read_waiting()
+        if not self._read_ahead or self._read_ahead[0].failed or self._read_ahead[0].step_error:
+            return None
+        return self._decode_outputs(self._read_ahead.popleft())
+
+    def _decode_outputs(self, msg: StepOutputsHead) -> EngineCoreOutputs:
         outputs = []
         prompts = self._prompts
         for d in self._codec.step_outputs.decode(msg.outputs):

@@ -116,6 +116,9 @@ class RequestText:
 
     def _append(self, seq: _SeqText, c: CompletionOutput) -> None:
         p = self.params
+        if not p.stop and c.token_ids:
+            self._append_chunk(seq, c)
+            return
         last = len(c.token_ids) - 1
         for k, token in enumerate(c.token_ids):
             seq.token_ids.append(token)
@@ -142,6 +145,22 @@ class RequestText:
                 self._detokenize(seq, visible, final=True)
         if not c.token_ids and c.finish_reason is not None:  # "ignored", "abort": no new token
             seq.finish_reason, seq.stop_reason = c.finish_reason, c.stop_reason
+        if c.cumulative_logprob is not None:
+            seq.cumulative_logprob = c.cumulative_logprob
+
+    def _append_chunk(self, seq: _SeqText, c: CompletionOutput) -> None:
+        """_append without stop strings: nothing is decided between the chunk's tokens, so its
+        text is decoded once (the same text as token by token: both emit the difference of two
+        decodes of one window, engine/detokenizer.py)."""
+        seq.token_ids.extend(c.token_ids)
+        if seq.logprobs is not None and c.logprobs is not None:
+            seq.logprobs.extend(c.logprobs)
+        if c.finish_reason is None:
+            self._detokenize(seq, seq.token_ids, final=False)
+        else:
+            seq.finish_reason, seq.stop_reason = c.finish_reason, c.stop_reason
+            hide_token = c.finish_reason == "stop" and not self.params.include_stop_str_in_output
+            self._detokenize(seq, seq.token_ids[:-1] if hide_token else seq.token_ids, final=True)
         if c.cumulative_logprob is not None:
             seq.cumulative_logprob = c.cumulative_logprob
 

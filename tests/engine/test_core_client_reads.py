@@ -256,3 +256,50 @@ def test_the_modelless_core_starts_and_streams_through_the_real_client():
         assert asyncio.run(asyncio.wait_for(run(), 60)) == [100, 101, 102, 103]
     finally:
         client.shutdown()
+
+
+def test_a_backlog_of_steps_reaches_each_stream_as_one_output_and_a_failure_after_it(client):
+    """Steps that queued while the server was busy (AsyncLLMEngine._catch_up): each request's
+    tokens of all of them are processed and delivered once, in order; a message that fails a
+    request is not joined ahead of the outputs before it; a request whose core outputs are not
+    deltas (CUMULATIVE, no tokenizer here) keeps every output."""
+    from pagedserve.engine.core_messages import StepOutputs
+    c, push = client
+    cumulative = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.CUMULATIVE)
+
+    async def main():
+        engine = AsyncLLMEngine(c, None)
+        engine.start()
+        adds = [engine.add_request("a", [1], DELTA), engine.add_request("b", [1], DELTA),
+                engine.add_request("c", [1], cumulative)]
+        *streams, _ = await asyncio.gather(*adds, answer(c, push, "abc"))  # kept: a dropped stream aborts
+        engine._tasks[0].cancel()  # the dispatch stops, so the backlog below is exact
+        await asyncio.gather(engine._tasks[0], return_exceptions=True)
+        puts = {r: [] for r in "abc"}
+        for rid, st in engine._requests.items():
+            st.queue.put_nowait = lambda item, rid=rid: puts[rid].append(item)
+        for t in (1, 2, 3):
+            push.send(tokens(("a", t), ("b", t)))
+        push.send(CODEC.encode(StepOutputs(outputs=[
+            RequestDelta("c", [CompletionDelta(0, "", [7], None, None)], False)])))
+        push.send(CODEC.encode(StepOutputs(outputs=[
+            RequestDelta("c", [CompletionDelta(0, "", [7, 8], None, None)], False)])))
+        push.send(CODEC.encode(StepOutputs(outputs=[
+            RequestDelta("a", [CompletionDelta(0, "", [4], None, None)], False)], failed=["b"], step_error="boom")))
+        read_ahead(c, 6)
+        task = asyncio.ensure_future(engine._dispatch_outputs())
+        while len(puts["b"]) < 2:
+            await asyncio.sleep(0.001)
+        task.cancel()
+        assert [o.outputs[0].token_ids for o in puts["a"]] == [[1, 2, 3], [4]]
+        assert [o.outputs[0].token_ids for o in puts["b"][:1]] == [[1, 2, 3]]
+        assert isinstance(puts["b"][1], core_client.EngineDeadError) and "boom" in str(puts["b"][1])
+        assert [o.outputs[0].token_ids for o in puts["c"]] == [[7], [7, 8]]
+        for s in streams:
+            s.close()
+
+    async def answer(c, push, rids):
+        while len(c._adds) < len(rids):
+            await asyncio.sleep(0.001)
+        push.send(CODEC.encode(StepOutputs(added=list(rids))))
+    asyncio.run(main())

@@ -72,3 +72,48 @@ def test_find_stop_string_earliest_and_only_new_region():
     assert find_stop_string("hello world", ["wor", "lo"], 0) == (3, "lo")
     assert find_stop_string("hello world", ["lo"], 6) is None       # already checked before
     assert find_stop_string("hello world", ["o w"], 5) == (4, "o w")  # straddles the boundary
+
+
+@pytest.mark.parametrize("finish", ["length", "stop"])
+@pytest.mark.parametrize("text", TEXTS)
+def test_request_text_gives_the_same_text_for_any_chunking_of_the_tokens(tokenizer, text, finish):
+    """The API server joins a request's tokens that queued up (AsyncLLMEngine._catch_up; also
+    speculative decoding's several tokens a step): without stop strings their text is decoded
+    once a chunk. Every chunking streams what one token at a time does, and that is the
+    tokenizer's own decode of the whole output less an EOS that ended it with "stop"."""
+    import random
+
+    from pagedserve.engine.text_output import RequestText
+    from pagedserve.outputs import CompletionOutput, RequestOutput
+    from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+    ids = tokenizer.encode(text) + ([tokenizer.eos_token_id] if finish == "stop" else [])
+    prompt = tokenizer.encode("Q:")
+    # special tokens kept: the EOS's text is left out by the finish rule alone
+    params = SamplingParams(max_tokens=len(ids), logprobs=0, output_kind=RequestOutputKind.DELTA,
+                            skip_special_tokens=False)
+
+    def run(sizes):
+        rt, pieces, at = RequestText(tokenizer, params, "Q:", prompt), [], 0
+        for n in sizes:
+            chunk, at = ids[at:at + n], at + n
+            end = at == len(ids)
+            c = CompletionOutput(0, "", chunk, -0.5 * at, [{t: -0.5} for t in chunk],
+                                 finish if end else None, tokenizer.eos_token_id if end and finish == "stop" else None)
+            o = rt.process(RequestOutput("r", "Q:", prompt, [c], end))
+            if o is not None:
+                pieces.append(o.outputs[0])
+        return ("".join(p.text for p in pieces), [t for p in pieces for t in p.token_ids],
+                sum(len(p.logprobs) for p in pieces), pieces[-1].finish_reason, pieces[-1].cumulative_logprob)
+
+    one_by_one = run([1] * len(ids))
+    visible = ids[:-1] if finish == "stop" else ids
+    assert one_by_one[0] == tokenizer.decode(visible, skip_special_tokens=False) and one_by_one[1:] == \
+        (ids, len(ids), finish, -0.5 * len(ids))
+    rng = random.Random(len(text))
+    for _ in range(5):
+        sizes, left = [], len(ids)
+        while left:
+            sizes.append(min(left, rng.randint(1, 6)))
+            left -= sizes[-1]
+        assert run(sizes) == one_by_one, sizes
+    assert run([len(ids)]) == one_by_one
