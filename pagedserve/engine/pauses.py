@@ -10,6 +10,9 @@ does); later garbage is collected as usual.
 PAGEDSERVE_LOG_PAUSES_MS=N (default: off) logs, in the process that calls the installers, every
 collection over N ms, every engine-core loop iteration over N ms (core.py) and every event-loop
 stall over N ms in the API server: the tool for a latency tail that has no other explanation.
+With PAGEDSERVE_LOG_GC_GARBAGE=1 beside it, a collection over N ms also names what its garbage
+was made of (the most common types; frames and coroutines by their code): the collector then
+keeps every piece of garbage it finds (gc.DEBUG_SAVEALL), so this is for a diagnostic run only.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from typing import Iterator
 logger = logging.getLogger(__name__)
 
 LOG_PAUSES_ENV = "PAGEDSERVE_LOG_PAUSES_MS"
+LOG_GC_GARBAGE_ENV = "PAGEDSERVE_LOG_GC_GARBAGE"
 
 
 def pause_threshold_s() -> float | None:
@@ -84,18 +88,39 @@ def install_gc_pause_log(process: str) -> bool:
     if threshold is None:
         return False
     started: dict[int, float] = {}
+    keep_garbage = os.environ.get(LOG_GC_GARBAGE_ENV, "").strip() not in ("", "0")
+    if keep_garbage:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+    seen = len(gc.garbage)
 
     def on_gc(phase: str, info: dict) -> None:
+        nonlocal seen
         gen = info.get("generation", -1)
         if phase == "start":
             started[gen] = time.perf_counter()
         elif gen in started:
             took = time.perf_counter() - started.pop(gen)
             if took >= threshold:
-                logger.warning("%s: gc generation %d took %.1f ms (collected %d)", process, gen, took * 1e3,
-                               info.get("collected", 0))
+                what = f"; garbage: {describe_garbage(gc.garbage[seen:])}" if keep_garbage else ""
+                logger.warning("%s: gc generation %d took %.1f ms (collected %d)%s", process, gen, took * 1e3,
+                               info.get("collected", 0), what)
+            seen = len(gc.garbage)
     gc.callbacks.append(on_gc)
     return True
+
+
+def describe_garbage(objects: list, top: int = 12) -> str:
+    """The most common kinds among `objects`, e.g. "frame Foo.bar x120, dict x80"."""
+    from collections import Counter
+
+    def kind(o: object) -> str:
+        code = getattr(o, "f_code", None) or getattr(o, "cr_code", None) or getattr(o, "ag_code", None) \
+            or getattr(o, "gi_code", None) or getattr(o, "__code__", None)
+        name = type(o).__qualname__
+        if type(o).__module__ not in ("builtins", None):
+            name = f"{type(o).__module__}.{name}"
+        return f"{name} {code.co_qualname}" if code is not None else name
+    return ", ".join(f"{k} x{n}" for k, n in Counter(map(kind, objects)).most_common(top)) or "none kept"
 
 
 async def watch_event_loop(process: str, period_s: float = 0.01) -> None:
