@@ -114,12 +114,15 @@ def describe_garbage(objects: list, top: int = 12) -> str:
     from collections import Counter
 
     def kind(o: object) -> str:
-        code = getattr(o, "f_code", None) or getattr(o, "cr_code", None) or getattr(o, "ag_code", None) \
-            or getattr(o, "gi_code", None) or getattr(o, "__code__", None)
         name = type(o).__qualname__
         if type(o).__module__ not in ("builtins", None):
             name = f"{type(o).__module__}.{name}"
-        return f"{name} {code.co_qualname}" if code is not None else name
+        try:  # garbage may be anything, with a __getattr__ that raises anything: the line must still go out
+            code = getattr(o, "f_code", None) or getattr(o, "cr_code", None) or getattr(o, "ag_code", None) \
+                or getattr(o, "gi_code", None) or getattr(o, "__code__", None)
+            return f"{name} {code.co_qualname}" if code is not None else name
+        except Exception:
+            return name
     return ", ".join(f"{k} x{n}" for k, n in Counter(map(kind, objects)).most_common(top)) or "none kept"
 
 

@@ -152,10 +152,17 @@ class _Knot:
         self.me = self
 
 
+class _Touchy(_Knot):
+    """Garbage whose attribute lookups raise something other than AttributeError."""
+
+    def __getattr__(self, name: str):
+        raise RuntimeError(name)
+
+
 def test_a_slow_collection_names_its_garbage_with_the_switch(monkeypatch, caplog):
     """PAGEDSERVE_LOG_GC_GARBAGE=1: the log line of a slow collection says what it collected
-    (here 500 self-referencing objects and their dicts); without the switch it does not, and the
-    collector frees it."""
+    (500 self-referencing objects, and 400 whose attribute lookups raise); without the switch
+    it does not, and the collector frees it."""
     monkeypatch.setenv(pauses.LOG_PAUSES_ENV, "0.000001")
     n, debug = len(gc.callbacks), gc.get_debug()
     for keep in ("1", ""):
@@ -163,14 +170,15 @@ def test_a_slow_collection_names_its_garbage_with_the_switch(monkeypatch, caplog
         caplog.clear()
         try:
             assert pauses.install_gc_pause_log("test process")
-            knots = [_Knot() for _ in range(500)]
+            knots = [_Knot() for _ in range(500)] + [_Touchy() for _ in range(400)]
             del knots
             with caplog.at_level(logging.WARNING, logger=pauses.__name__):
                 gc.collect()
             lines = [r.getMessage() for r in caplog.records if "test process: gc generation 2" in r.getMessage()]
             assert lines
             if keep:
-                assert f"{__name__}._Knot x500" in lines[-1] and sum(isinstance(o, _Knot) for o in gc.garbage) == 500
+                assert f"{__name__}._Knot x500" in lines[-1] and f"{__name__}._Touchy x400" in lines[-1]
+                assert sum(type(o) is _Knot for o in gc.garbage) == 500
             else:
                 assert "garbage" not in lines[-1] and not any(isinstance(o, _Knot) for o in gc.garbage)
         finally:
