@@ -120,7 +120,11 @@ def describe_garbage(objects: list, top: int = 12) -> str:
         try:  # garbage may be anything, with a __getattr__ that raises anything: the line must still go out
             code = getattr(o, "f_code", None) or getattr(o, "cr_code", None) or getattr(o, "ag_code", None) \
                 or getattr(o, "gi_code", None) or getattr(o, "__code__", None)
-            return f"{name} {code.co_qualname}" if code is not None else name
+            if code is not None:
+                return f"{name} {code.co_qualname}"
+            if isinstance(o, dict):  # an instance's __dict__ or a message: its keys say whose
+                return f"{name}[{','.join(sorted(str(k)[:24] for k in list(o)[:40])[:4])}]"
+            return name
         except Exception:
             return name
     return ", ".join(f"{k} x{n}" for k, n in Counter(map(kind, objects)).most_common(top)) or "none kept"

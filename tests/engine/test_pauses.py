@@ -185,3 +185,11 @@ def test_a_slow_collection_names_its_garbage_with_the_switch(monkeypatch, caplog
             del gc.callbacks[n:]
             gc.set_debug(debug)
             gc.garbage.clear()
+
+
+def test_describe_garbage_names_dicts_by_their_keys():
+    """A dict in the garbage says whose it is by (up to four of) its keys, sorted."""
+    messages = [{"type": "http.response.body", "body": b"", "more_body": True} for _ in range(3)]
+    line = pauses.describe_garbage(messages + [{"z": 1}, _Knot()])
+    assert line.startswith("dict[body,more_body,type] x3")
+    assert "dict[z] x1" in line and f"{__name__}._Knot x1" in line
