@@ -183,3 +183,27 @@ def test_auto_tool_choice_needs_the_flags(http):
         assert "--enable-auto-tool-choice" in r.json()["error"]["message"]
     r = http.post(CHAT, json=ch(model="tiny", tools=[TOOL], tool_choice="none"))
     assert r.status_code == 200, r.text
+
+
+def test_validating_requests_leaves_no_cyclic_garbage():
+    """A request's model is freed by reference counting alone, unknown keys remembered or not.
+    (Under pydantic 2.13 a private attribute with a builtin default_factory left ~26 objects of
+    cyclic garbage per request, from inspect.signature on the factory: 33,488 of them made one
+    young collection stall the H200 server's event loop for 174 ms.)"""
+    import gc
+    bodies = [(CompletionRequest, c()), (CompletionRequest, c(not_openai=1, zz=2)), (ChatCompletionRequest, ch()),
+              (ChatCompletionRequest, ch(extra_key=True))]
+    for cls, body in bodies:  # anything a first validation builds once is not the point
+        cls.model_validate(body)
+    gc.collect()
+    debug = gc.get_debug()
+    gc.set_debug(gc.DEBUG_SAVEALL)
+    try:
+        kept = [cls.model_validate(body)._unknown_keys for cls, body in bodies for _ in range(20)]
+        gc.collect()
+        garbage = list(gc.garbage)
+    finally:
+        gc.set_debug(debug)
+        gc.garbage.clear()
+    assert kept[20] == ("not_openai", "zz") and kept[60] == ("extra_key",) and kept[0] == ()
+    assert garbage == []
