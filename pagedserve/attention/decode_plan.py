@@ -24,6 +24,7 @@ Invariants:
 - The switches are read once per process (functools caches: a test that sets one clears the
   cache of the function that reads it).
 - The grid never has fewer splits than the base; the kernels get split mode 0 unless it has more.
+- Planned splits (base and balanced grid) give one sequence at most one wave of programs (wave_splits).
 - A graph's split mode is fixed at its capture (AttentionMetadata.decode_split_tokens): one graph
   per mode of decode_graph_split_modes, and pick_split_mode returns one of those (0 or BALANCED).
 - pick_split_mode counts tiles of the BLOCK_N the launch over that cache walks (decode_launch_for).
@@ -89,15 +90,21 @@ SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
 # about 2 decode programs at once at the launch defaults above (inferred from the even case's time
 # per tile), but a long chain that starts last ends late, so a cut pays from about twice that: on
 # the H200 (decode_skew.py at a7ed567) 4 per SM was best or within 5% of it at 16-128 sequences over
-# serving's contexts; 1 per SM cut too little.
-DECODE_SHARE_PROGRAMS_PER_SM = 4
-# Replaces it without a code change (read once per process), for the A/B the even-length kernel
-# times ask for (docs/long-context.md, 2026-12-03: 6 per SM was 9-13% faster at 2-4 x 100k and at
-# 16-64 x 4096, level at one 100k sequence; serving's uneven lengths are not measured yet).
+# serving's contexts; 1 per SM cut too little. 6 since (bench_paged_decode.py --shares at 47a9b2e,
+# docs/long-context.md): 9-13% faster than 4 at 2 and 4 x 100k and at 16 and 64 x 4,096 tokens,
+# level at one 100k sequence (where the wave cap below decides), and serving's decode steps took
+# the same time under either at every batch size (the H200 at d004244).
+DECODE_SHARE_PROGRAMS_PER_SM = 6
+# Replaces it without a code change (read once per process), for an A/B.
 DECODE_SHARE_ENV = "PAGEDSERVE_DECODE_SHARE"
 # The balanced grid's splits keep it within this many programs per SM (at least 2 splits), since
 # each program past a sequence's last split still costs a launch.
 DECODE_GRID_PROGRAMS_PER_SM = 8
+# Neither the base nor the grid gives one sequence more programs than one wave (DECODE_PROGRAMS_PER_SM
+# per SM, wave_splits): on the H200 (runs/s29_long_context/decode_long_b*.json) one 100k sequence of
+# 8 KV heads took 0.146 ms a layer at the plan's 512 programs and 0.135 at 64 splits (512), but
+# 0.118 at 48 (384, one wave of 396); the one-wave plan 0.115 against the share's 0.132 at 47a9b2e.
+# It binds only where one sequence could have more: a step of one or two long sequences.
 # A step takes the balanced plan only if it shortens the longest chain by more than this many
 # tiles: its extra programs and the reduction cost about 3.7 us at 64 even sequences, ~1.6 tiles.
 BALANCED_MIN_GAIN_TILES = 2
@@ -191,8 +198,14 @@ def grid_splits(base_splits: int, max_seq_len: int, split_tokens: int, num_seqs:
         return base_splits
     if split_tokens > 0:
         return max(base_splits, min(MAX_SPLITS, cdiv(max_seq_len, split_tokens)))
-    budget = max(2, cdiv(DECODE_GRID_PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads)))
+    budget = max(2, min(cdiv(DECODE_GRID_PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads)),
+                        wave_splits(num_kv_heads, sms)))
     return max(base_splits, min(MAX_SPLITS, cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), budget))
+
+
+def wave_splits(num_kv_heads: int, sms: int) -> int:
+    """The most splits that keep one sequence's programs within one wave of DECODE_PROGRAMS_PER_SM per SM."""
+    return max(1, DECODE_PROGRAMS_PER_SM * sms // max(1, num_kv_heads))
 
 
 def _sms(device: torch.device) -> int:
@@ -200,14 +213,16 @@ def _sms(device: torch.device) -> int:
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
-    """Splits per sequence so that the decode grid has about DECODE_PROGRAMS_PER_SM programs per SM.
+    """Splits per sequence so that the decode grid has about DECODE_PROGRAMS_PER_SM programs per SM
+    (one sequence's within one wave: wave_splits).
 
     A few resident programs per SM keep enough loads in flight to saturate HBM; each split
     keeps at least MIN_TOKENS_PER_SPLIT tokens, so short contexts are not shredded into
     splits whose reduction costs more than it saves.
     """
     programs = max(1, num_seqs * num_kv_heads)
-    wanted = cdiv(DECODE_PROGRAMS_PER_SM * _sms(device), programs)
+    sms = _sms(device)
+    wanted = min(cdiv(DECODE_PROGRAMS_PER_SM * sms, programs), wave_splits(num_kv_heads, sms))
     most = max(1, cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
     return max(1, min(wanted, most, MAX_SPLITS))
 

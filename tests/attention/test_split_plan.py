@@ -31,6 +31,21 @@ def test_balanced_grid_keeps_to_the_program_budget():
         assert g == 2 or n * 8 * (g - 1) < budget
 
 
+def test_one_sequence_gets_at_most_one_wave_of_programs():
+    """One 100k sequence of 8 KV heads on 132 SMs: base and grid 49 splits (392 programs, within the
+    396 resident at once), where the rounding up of 396 / 8 and the program budget gave 50 and 64;
+    the kernels' balanced cut then stops at 49 too. Two sequences: 25 base splits, as before."""
+    cpu = torch.device("cpu")
+    assert plan.wave_splits(8, 132) == 49 and plan.wave_splits(40, 132) == 9
+    base, grid_, mode = plan.decode_launch(1, 8, 131072, cpu, split_tokens=plan.BALANCED)
+    assert (base, grid_, mode) == (49, 49, 0)
+    assert _kernel_parts([100_000], 1, 8, 131072, 128)[1] == [49]
+    assert plan.choose_num_splits(2, 8, 131072, cpu) == 25          # the cap binds on one sequence only
+    assert grid(25, 131072, plan.BALANCED, n=2) == 49               # 66 by the budget alone
+    assert grid(1, 10 ** 6, 4096, n=1) == plan.MAX_SPLITS           # splits by size: the caller's choice
+    assert plan.choose_num_splits(1, 40, 131072, cpu) == 9          # MHA: 360 programs, not 400
+
+
 def test_launch_passes_the_mode_only_when_the_grid_has_room():
     cpu = torch.device("cpu")
     assert plan.decode_launch(64, 8, 4096, cpu, split_tokens=plan.BALANCED) == (1, 3, plan.BALANCED)
