@@ -12,7 +12,7 @@ sys.path.insert(0, str(ROOT / "benchmarks/offline"))
 from moe_collect import collect  # noqa: E402
 
 COMMITTED = ROOT / "benchmarks/results/h200/moe.json"
-LEASE = ROOT / "benchmarks/results/h200/serving_runs_d004244"  # real online phase files (Llama, rates 10/20/40)
+LEASE = ROOT / "benchmarks/results/h200/serving_runs_0a88c13"  # real online phase files (Llama, rates 10/20/40)
 
 
 def call(parts: Path, name: str, lease: str, files: dict) -> Path:

@@ -1,6 +1,6 @@
 """benchmarks/serving/vs_vllm.py collect: the phase files of one lease become serving.json with the
 issue's ratios, the measured commit and the GPU machine's host (not the collecting machine's).
-The phase files are the headline lease's own (benchmarks/results/h200/serving_runs_d004244/): collected
+The phase files are the headline lease's own (benchmarks/results/h200/serving_runs_0a88c13/): collected
 again, they give the committed benchmarks/results/h200/serving.json's figures exactly, so every
 ratio the README cites follows from the files beside it."""
 import json
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LEASE = ROOT / "benchmarks/results/h200/serving_runs_d004244"
+LEASE = ROOT / "benchmarks/results/h200/serving_runs_0a88c13"
 COMMITTED = ROOT / "benchmarks/results/h200/serving.json"
 
 
