@@ -207,3 +207,18 @@ def test_validating_requests_leaves_no_cyclic_garbage():
         gc.garbage.clear()
     assert kept[20] == ("not_openai", "zz") and kept[60] == ("extra_key",) and kept[0] == ()
     assert garbage == []
+
+
+def test_no_api_model_has_a_private_attribute_factory():
+    """The property behind the test above, whatever pydantic is installed: no model of the API has
+    a private attribute with a default_factory (pydantic 2.13 signs it per instance)."""
+    from pydantic import BaseModel
+
+    from pagedserve.entrypoints.openai import protocol
+    models = [m for m in vars(protocol).values() if isinstance(m, type) and issubclass(m, BaseModel)
+              and m is not BaseModel]
+    assert CompletionRequest in models and ChatCompletionRequest in models
+    assert "_unknown_keys" in CompletionRequest.__private_attributes__
+    factories = {(m.__name__, name) for m in models for name, attr in m.__private_attributes__.items()
+                 if attr.default_factory is not None}
+    assert factories == set()
