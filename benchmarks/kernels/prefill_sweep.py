@@ -239,11 +239,12 @@ def library_pieces(group: int = 1, pad_to: int = 8192, base=None) -> dict:
 def time_gathered(shape: Shape, ref: torch.Tensor, args, sync) -> dict:
     """attention/gathered_prefill.py over the shape's pages as the engine calls it (gather, fold,
     cuDNN's bucketed prefix head + flash's tail and square, merge); first_call_ms builds cuDNN's
-    plan at this shape (the engine's warm-up builds them all)."""
-    from pagedserve.attention.gathered_prefill import GatheredPrefill
+    plan at this shape (the engine's warm-up builds them all). The merge as PAGEDSERVE_LONG_PREFILL_MERGE says."""
+    from pagedserve.attention.gathered_prefill import GatheredPrefill, merge_kernel
     c, L = shape.c, shape.L
     try:
-        g = GatheredPrefill(L, shape.k_cache.shape[2], shape.query.shape[2], shape.query.dtype, shape.query.device)
+        g = GatheredPrefill(L, shape.k_cache.shape[2], shape.query.shape[2], shape.query.dtype, shape.query.device,
+                            merge_into=merge_kernel())
         run = lambda: g.attend(shape.query, shape.k_cache, shape.v_cache, shape.table[0], L,  # noqa: E731
                                shape.query.shape[2] ** -0.5)
         sync()

@@ -27,6 +27,9 @@ masked the pad with a broadcast bias row instead of (2): cuDNN's biased kernel r
 TFLOPS, slower than ours (docs/long-context.md). Chunks shorter than MIN_CHUNK or after fewer than
 MIN_PREFIX tokens stay on the Triton kernel.
 
+The parts are merged by torch ops in float32 (merge), or with PAGEDSERVE_LONG_PREFILL_MERGE=triton
+in one pass straight into the layer's output (triton_merge.merge_into; not yet timed on the GPU).
+
 The parts go through `prefix_attention(q [1, Hkv, R, D], k [1, Hkv, S, D], v, scale)` and
 `square_attention(q [1, H, R, D], k, v, scale)` (cuDNN) and `flash_attention(q, k, v, causal,
 scale)` -> (out, lse [.., R]); CPU tests pass their own.
@@ -38,6 +41,7 @@ import os
 import torch
 
 LONG_PREFILL_ENV = "PAGEDSERVE_LONG_PREFILL"
+MERGE_ENV = "PAGEDSERVE_LONG_PREFILL_MERGE"  # 'torch' (default) or 'triton': how the parts are merged
 PREFIX_BUCKET = 8192
 QUERY_BUCKET = 1024
 MIN_PREFIX = 16384
@@ -62,8 +66,20 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
     on = enabled(key)  # first: a bad switch value is an error whatever the pool
     # Only where a chunk can ever take the path (else its buffers and plans would be dead weight).
     if on and dtype in (torch.bfloat16, torch.float16) and max_model_len >= MIN_PREFIX + MIN_CHUNK:
-        _ACTIVE[key] = GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, key)
+        _ACTIVE[key] = GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, key,
+                                       merge_into=merge_kernel())
     return _ACTIVE.get(key)
+
+
+def merge_kernel():
+    """MERGE_ENV's merge: None (torch ops, the default) or triton_merge.merge_into."""
+    value = os.environ.get(MERGE_ENV, "").strip()
+    if value not in ("", "torch", "triton"):
+        raise ValueError(f"{MERGE_ENV}={value!r}: expected 'torch' (the default) or 'triton'")
+    if value != "triton":
+        return None
+    from pagedserve.attention.triton_merge import merge_into
+    return merge_into
 
 
 def active(device: torch.device) -> GatheredPrefill | None:
@@ -143,19 +159,21 @@ class GatheredPrefill:
 
     def __init__(self, max_model_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, prefix_attention=cudnn_prefix, flash_attention=flash,
-                 square_attention=cudnn_causal):
+                 square_attention=cudnn_causal, merge_into=None):
         # Past max_model_len: the square's padding (< a query bucket) and the last page's spare slots.
         length = bucket(max_model_len, QUERY_BUCKET) + QUERY_BUCKET + MAX_PAGE
         self.k = torch.empty(length, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.prefix_attention, self.flash_attention = prefix_attention, flash_attention
         self.square_attention = square_attention
+        self.merge_into = merge_into  # None: merge (torch ops); else merge_into(parts, out) -> out
         self.max_model_len = max_model_len
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-               seq_len: int, scale: float) -> torch.Tensor:
+               seq_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """q [c, H, D], the chunk's last token at position seq_len - 1, its K/V already in the pool
-        (table: its block table row); its causal attention over its context, [c, H, D]."""
+        (table: its block table row); its causal attention over its context, [c, H, D] (written
+        into out where given, and returned)."""
         c, H, D = q.shape
         prefix, bs, kv_heads = seq_len - c, k_cache.shape[1], k_cache.shape[2]
         group, rows, n_pages = H // kv_heads, bucket(c, QUERY_BUCKET), -(-seq_len // bs)
@@ -183,8 +201,11 @@ class GatheredPrefill:
         # a padded key): cuDNN, one plan per query bucket.
         parts.append(self.square_attention(folded.view(1, H, rows, D), square_kv(self.k, prefix, rows, group),
                                            square_kv(self.v, prefix, rows, group), scale))
-        out = merge([(o.reshape(H, rows, D), lse.reshape(H, rows)) for o, lse in parts])
-        return out[:, :c].transpose(0, 1)
+        parts = [(o.reshape(H, rows, D), lse.reshape(H, rows)) for o, lse in parts]
+        if self.merge_into is not None and len(parts) in (2, 3):
+            return self.merge_into(parts, q.new_empty(c, H, D) if out is None else out)
+        merged = merge(parts)[:, :c].transpose(0, 1)
+        return merged if out is None else out.copy_(merged)
 
     def shapes(self, max_tokens: int) -> list[tuple[int, int]]:
         """Every (query rows, prefix head) a chunk can meet: the prefix plans warm_up_plans builds."""
@@ -215,6 +236,10 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
         g.square_attention(q, square_kv(g.k, 0, rows, group), square_kv(g.v, 0, rows, group), scale)
     q = g.k.new_zeros(1, kv_heads, group * QUERY_BUCKET, head_dim)
     g.flash_attention(q, heads_first(g.k, 0, QUERY_BUCKET), heads_first(g.v, 0, QUERY_BUCKET), False, scale)
+    if g.merge_into is not None:  # its kernel compiles once per part count: here, not while serving
+        part = (g.k.new_zeros(num_heads, QUERY_BUCKET, head_dim), g.k.new_zeros(num_heads, QUERY_BUCKET).float())
+        for n in (2, 3):
+            g.merge_into([part] * n, g.k.new_empty(QUERY_BUCKET, num_heads, head_dim))
     return len(shapes) + len(squares)
 
 

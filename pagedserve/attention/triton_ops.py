@@ -235,8 +235,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
                           first, count, max_q, scale, out, k_scale=k_scale, v_scale=v_scale)
         for i in long:
             start, end = sum(q_lens[:i]), sum(q_lens[:i + 1])
-            out[start:end] = gathered.attend(query[start:end], k_cache, v_cache, meta.block_tables[i],
-                                             meta.seq_lens_cpu[i], scale)
+            gathered.attend(query[start:end], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale,
+                            out=out[start:end])
     return out
 
 

@@ -102,6 +102,23 @@ def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets):
     assert seen["prefix"] <= built["prefix"] and seen["square"] <= built["square"]
 
 
+def test_warm_up_runs_the_merge_kernel_at_both_part_counts(small_buckets):
+    """With the one-pass merge on, the warm-up runs it with 2 and 3 parts (its compiles), in the
+    pool's dtype with float32 log-sum-exps as the real ops give them; without it, never."""
+    calls = []
+
+    def merge_into(parts, out):
+        calls.append((len(parts), parts[0][0].dtype, parts[0][1].dtype, out.dtype, tuple(out.shape)))
+        return out
+    for merge, want in ((merge_into, [2, 3]), (None, [])):
+        calls.clear()
+        g = gp.GatheredPrefill(200, 2, 8, torch.bfloat16, torch.device("cpu"), math_prefix, math_flash, math_causal,
+                               merge_into=merge)
+        gp.warm_up_plans(g, max_tokens=24, num_heads=6, scale=0.3)
+        assert [n for n, *_ in calls] == want
+        assert all(c[1:] == (torch.bfloat16, torch.float32, torch.bfloat16, (gp.QUERY_BUCKET, 6, 8)) for c in calls)
+
+
 @pytest.fixture
 def gpu_of(monkeypatch):
     """Pretend cuda devices of a given compute capability major (no GPU needed: enabled() only asks
@@ -110,7 +127,7 @@ def gpu_of(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (major, 0))
         monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
         made = gp.GatheredPrefill
-        monkeypatch.setattr(gp, "GatheredPrefill", lambda *a: made(*a[:4], torch.device("cpu")))
+        monkeypatch.setattr(gp, "GatheredPrefill", lambda *a, **kw: made(*a[:4], torch.device("cpu"), **kw))
     return pretend
 
 
@@ -156,3 +173,21 @@ def test_configure_routes_only_where_on(monkeypatch, gpu_of):
     assert g is not None and gp.active(cuda0) is g and tuple(g.k.shape[1:]) == (8, 128) and len(g.k) >= 32768
     gpu_of(8)
     assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None
+
+
+def test_merge_switch(monkeypatch, gpu_of):
+    """PAGEDSERVE_LONG_PREFILL_MERGE: unset or 'torch', the torch merge; 'triton', the one-pass
+    kernel (checked against the torch merge under the interpreter, triton_interpret_cases.py);
+    anything else is an error naming the switch, at start-up."""
+    from pagedserve.attention.triton_merge import merge_into
+    cuda0 = torch.device("cuda", 0)
+    gpu_of(9)
+    for value, want in ((None, None), ("torch", None), ("triton", merge_into)):
+        if value is None:
+            monkeypatch.delenv(gp.MERGE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(gp.MERGE_ENV, value)
+        assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16).merge_into is want
+    monkeypatch.setenv(gp.MERGE_ENV, "fused")
+    with pytest.raises(ValueError, match=gp.MERGE_ENV):
+        gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)

@@ -178,13 +178,16 @@ def test_prefill_launches(ops, launch, H, Hkv, D):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("merge", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("buckets", ["small", "serving"])
-def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets):
+def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge):
     """PAGEDSERVE_LONG_PREFILL=cudnn's path with cuDNN's and flash's real ops, routed through
     paged_attention beside decodes and a short chunk; slots past each sequence's end are NaN.
-    small: buckets shrunk so that several long chunks fit a small test; serving: the defaults."""
+    small: buckets shrunk so that several long chunks fit a small test; serving: the defaults.
+    merge: the parts merged by torch ops or by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE)."""
     from pagedserve.attention import gathered_prefill as gp
+    from pagedserve.attention.triton_merge import merge_into
     if buckets == "small":
         for name, value in (("PREFIX_BUCKET", 256), ("QUERY_BUCKET", 128), ("MIN_PREFIX", 512), ("MIN_CHUNK", 64)):
             monkeypatch.setattr(gp, name, value)
@@ -196,11 +199,12 @@ def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets):
     m = batch.meta
     ref = reference.paged_attention(batch.query, kc, vc, m, scale=128 ** -0.5)
     _poison_dead_slots(kc, vc, m)
-    g = gp.GatheredPrefill(max(m.seq_lens_cpu) + 1, 8, 128, dtype, torch.device("cuda"))
+    g = gp.GatheredPrefill(max(m.seq_lens_cpu) + 1, 8, 128, dtype, torch.device("cuda"),
+                           merge_into=merge_into if merge == "triton" else None)
     monkeypatch.setitem(gp._ACTIVE, kc.device, g)
     used = []
     attend = g.attend
-    monkeypatch.setattr(g, "attend", lambda q, *a: used.append(q.shape[0]) or attend(q, *a))
+    monkeypatch.setattr(g, "attend", lambda q, *a, **kw: used.append(q.shape[0]) or attend(q, *a, **kw))
     out = ops.paged_attention(batch.query, kc, vc, m, scale=128 ** -0.5)
     assert used == long
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])

@@ -358,12 +358,15 @@ def test_tma_prefill_refuses_what_it_cannot_serve(block_size, kw, match):
                           0, 1, 5, 0.25, torch.empty_like(batch.query), block_m=16, **{"tma": True, **kw})
 
 
-def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch):
+@pytest.mark.parametrize("merge", ["torch", "triton"])
+def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch, merge):
     """PAGEDSERVE_LONG_PREFILL=cudnn's routing: a step of decodes, short chunks and two long ones
     (not adjacent) gives reference.py's output, the long chunks through gathered_prefill (its CUDA
     ops stood in for by plain attention: tests/attention/test_gathered_prefill.py) and every other
-    sequence through the Triton kernels, in the ranges between."""
+    sequence through the Triton kernels, in the ranges between; the parts merged by torch ops or
+    by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE) straight into the layer's output."""
     from pagedserve.attention import gathered_prefill as gp
+    from pagedserve.attention.triton_merge import merge_into
     from test_gathered_prefill import math_causal, math_flash, math_prefix
     for name, value in (("PREFIX_BUCKET", 32), ("QUERY_BUCKET", 8), ("MIN_PREFIX", 40), ("MIN_CHUNK", 4)):
         monkeypatch.setattr(gp, name, value)
@@ -371,11 +374,37 @@ def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch):
     batch = make_batch(shapes, 2, H=8, Hkv=2, D=16, block_size=8, seed=3)
     kc, vc, ref = _reference_out(batch)
     g = gp.GatheredPrefill(128, 2, 16, torch.float32, torch.device("cpu"), math_prefix, math_flash,
-                           math_causal)
+                           math_causal, merge_into=merge_into if merge == "triton" else None)
     monkeypatch.setitem(gp._ACTIVE, kc.device, g)
     used = []
     attend = g.attend
-    monkeypatch.setattr(g, "attend", lambda q, *a: used.append(q.shape[0]) or attend(q, *a))
+    monkeypatch.setattr(g, "attend", lambda q, *a, **kw: used.append(q.shape[0]) or attend(q, *a, **kw))
     out = ops.paged_attention(batch.query, kc, vc, batch.meta, scale=0.25)
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
     assert used == [6, 13, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("num_parts,c,rows,D", [(2, 13, 16, 16), (3, 40, 40, 8), (3, 1, 8, 32), (2, 33, 40, 12)])
+def test_merge_kernel_matches_the_torch_merge(dtype, num_parts, c, rows, D):
+    """triton_merge.merge_into against gathered_prefill.merge: parts of [H, rows, D] with their
+    log-sum-exps far apart (one part dominating some rows), the first c rows (c < rows: the query
+    bucket's padding is skipped) written into a strided slice of a [tokens, H, D] output, and
+    nothing else of it touched; a head_dim that is not a power of two."""
+    from pagedserve.attention.gathered_prefill import merge
+    from pagedserve.attention.triton_merge import merge_into
+    g = torch.Generator().manual_seed(num_parts * 100 + c)
+    H = 6
+    parts = [(torch.randn(H, rows, D, generator=g).to(dtype), torch.randn(H, rows, generator=g) * 8)
+             for _ in range(num_parts)]
+    want = merge(parts)[:, :c].transpose(0, 1)
+    layer_out = torch.full((c + 7, H, D), 7.0, dtype=dtype)
+    got = merge_into(parts, layer_out[3:3 + c])
+    assert got.data_ptr() == layer_out[3].data_ptr()
+    torch.testing.assert_close(got, want, **_tol(dtype))
+    assert (layer_out[:3] == 7).all() and (layer_out[3 + c:] == 7).all()
+    with pytest.raises(ValueError, match="2 or 3 parts"):
+        merge_into(parts[:1], layer_out[3:3 + c])
+    # parts laid out otherwise (D and the rows of a log-sum-exp not innermost) are made so first
+    odd = [(o.transpose(1, 2).contiguous().transpose(1, 2), lse.t().contiguous().t()) for o, lse in parts]
+    torch.testing.assert_close(merge_into(odd, torch.empty(c, H, D, dtype=dtype)), want, **_tol(dtype))
