@@ -25,7 +25,7 @@ context length every step, so the prefix is cut at its last multiple of PREFIX_B
 The parts are merged by their log-sum-exps. A first version padded the prefix to the bucket and
 masked the pad with a broadcast bias row instead of (2): cuDNN's biased kernel ran at 256-377
 TFLOPS, slower than ours (docs/long-context.md). Chunks shorter than MIN_CHUNK or after fewer than
-MIN_PREFIX tokens stay on the Triton kernel.
+MIN_PREFIX tokens stay on the Triton kernel (unless FIRST_CHUNK_ENV sends long first chunks here).
 
 The parts are merged by torch ops in float32 (merge), or with PAGEDSERVE_LONG_PREFILL_MERGE=triton
 in one pass straight into the layer's output (triton_merge.merge_into; not yet timed on the GPU).
@@ -42,6 +42,11 @@ import torch
 
 LONG_PREFILL_ENV = "PAGEDSERVE_LONG_PREFILL"
 MERGE_ENV = "PAGEDSERVE_LONG_PREFILL_MERGE"  # 'torch' (default) or 'triton': how the parts are merged
+# N > 0: a chunk of at least N tokens after fewer than PREFIX_BUCKET (a prompt's first chunk, or one
+# after a short cached prefix) takes the path too: its square on cuDNN's causal kernel (on the H200
+# 0.88 against our prefill kernel's 1.42 ms a layer at 8192 x 8192, runs/s27_long_prefill/), the few
+# earlier tokens on flash. 0 (the default): off, until timed in serving.
+FIRST_CHUNK_ENV = "PAGEDSERVE_LONG_PREFILL_FIRST"
 PREFIX_BUCKET = 8192
 QUERY_BUCKET = 1024
 MIN_PREFIX = 16384
@@ -65,10 +70,20 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
     _ACTIVE.pop(key, None)
     on = enabled(key)  # first: a bad switch value is an error whatever the pool
     # Only where a chunk can ever take the path (else its buffers and plans would be dead weight).
-    if on and dtype in (torch.bfloat16, torch.float16) and max_model_len >= MIN_PREFIX + MIN_CHUNK:
+    first = first_chunk_tokens()
+    long_fits = max_model_len >= MIN_PREFIX + MIN_CHUNK or (first > 0 and max_model_len >= first)
+    if on and dtype in (torch.bfloat16, torch.float16) and long_fits:
         _ACTIVE[key] = GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, key,
-                                       merge_into=merge_kernel())
+                                       merge_into=merge_kernel(), first_chunk_tokens=first)
     return _ACTIVE.get(key)
+
+
+def first_chunk_tokens() -> int:
+    """FIRST_CHUNK_ENV's value: 0 (off, the default) or the fewest tokens a first chunk needs."""
+    value = os.environ.get(FIRST_CHUNK_ENV, "").strip() or "0"
+    if not value.isdigit():
+        raise ValueError(f"{FIRST_CHUNK_ENV}={value!r}: expected a whole number of tokens (0: off)")
+    return int(value)
 
 
 def merge_kernel():
@@ -100,17 +115,23 @@ def enabled(device: torch.device) -> bool:
     return value == "cudnn" and device.type == "cuda"
 
 
-def takes(query_len: int, seq_len: int) -> bool:
-    """Whether a prefill chunk of query_len new tokens ending at seq_len takes this path."""
-    return query_len >= MIN_CHUNK and seq_len - query_len >= MIN_PREFIX
+def takes(query_len: int, seq_len: int, first_chunk: int = 0) -> bool:
+    """Whether a prefill chunk of query_len new tokens ending at seq_len takes this path: after at
+    least MIN_PREFIX tokens; with first_chunk > 0 (FIRST_CHUNK_ENV) also a chunk of at least that
+    many tokens after fewer than PREFIX_BUCKET (no prefix head, so no plan but the square's)."""
+    prefix = seq_len - query_len
+    if query_len >= MIN_CHUNK and prefix >= MIN_PREFIX:
+        return True
+    return 0 < first_chunk <= query_len and prefix < PREFIX_BUCKET
 
 
-def long_chunks(meta, k_cache: torch.Tensor) -> list[int]:
+def long_chunks(meta, k_cache: torch.Tensor, first_chunk: int = 0) -> list[int]:
     """The step's prefill sequences (indices) that take this path: from the host lengths, never a
     sync; none from an fp8 pool (its scales are the Triton kernels')."""
     if meta.query_lens_cpu is None or meta.seq_lens_cpu is None or k_cache.element_size() == 1:
         return []
-    return [i for i in range(meta.num_decodes, meta.num_seqs) if takes(meta.query_lens_cpu[i], meta.seq_lens_cpu[i])]
+    return [i for i in range(meta.num_decodes, meta.num_seqs)
+            if takes(meta.query_lens_cpu[i], meta.seq_lens_cpu[i], first_chunk)]
 
 
 def other_ranges(first: int, end: int, skip: list[int]) -> list[tuple[int, int]]:
@@ -159,7 +180,7 @@ class GatheredPrefill:
 
     def __init__(self, max_model_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, prefix_attention=cudnn_prefix, flash_attention=flash,
-                 square_attention=cudnn_causal, merge_into=None):
+                 square_attention=cudnn_causal, merge_into=None, first_chunk_tokens: int = 0):
         # Past max_model_len: the square's padding (< a query bucket) and the last page's spare slots.
         length = bucket(max_model_len, QUERY_BUCKET) + QUERY_BUCKET + MAX_PAGE
         self.k = torch.empty(length, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -167,6 +188,7 @@ class GatheredPrefill:
         self.prefix_attention, self.flash_attention = prefix_attention, flash_attention
         self.square_attention = square_attention
         self.merge_into = merge_into  # None: merge (torch ops); else merge_into(parts, out) -> out
+        self.first_chunk_tokens = first_chunk_tokens  # takes()'s first_chunk
         self.max_model_len = max_model_len
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
@@ -202,9 +224,12 @@ class GatheredPrefill:
         parts.append(self.square_attention(folded.view(1, H, rows, D), square_kv(self.k, prefix, rows, group),
                                            square_kv(self.v, prefix, rows, group), scale))
         parts = [(o.reshape(H, rows, D), lse.reshape(H, rows)) for o, lse in parts]
-        if self.merge_into is not None and len(parts) in (2, 3):
+        if len(parts) == 1:  # a first chunk: its square alone
+            merged = parts[0][0][:, :c].transpose(0, 1)
+        elif self.merge_into is not None:
             return self.merge_into(parts, q.new_empty(c, H, D) if out is None else out)
-        merged = merge(parts)[:, :c].transpose(0, 1)
+        else:
+            merged = merge(parts)[:, :c].transpose(0, 1)
         return merged if out is None else out.copy_(merged)
 
     def shapes(self, max_tokens: int) -> list[tuple[int, int]]:

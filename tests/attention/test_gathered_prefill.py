@@ -33,11 +33,13 @@ def small_buckets(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("cached,new,block_size", [(40, 4, 16), (77, 13, 8), (96, 32, 16), (100, 9, 1)])
+@pytest.mark.parametrize("cached,new,block_size", [(40, 4, 16), (77, 13, 8), (96, 32, 16), (100, 9, 1),
+                                                   (0, 20, 8), (13, 12, 16)])
 def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_size):
     """Prefixes off and on the bucket edge (96 = 3 x 32: no tail past the bucketed head), chunks
     off and on the query bucket, pages of 1/8/16 tokens; the pool's spare slots are random
-    (garbage past the sequence)."""
+    (garbage past the sequence). First chunks (PAGEDSERVE_LONG_PREFILL_FIRST): none before (the
+    square alone), or fewer than a prefix bucket (no cuDNN prefix part)."""
     batch = make_batch([(3, 1), (cached, new)], 1, H=6, Hkv=2, D=16, block_size=block_size, dtype=dtype)
     kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
     reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
@@ -54,13 +56,17 @@ def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_si
     # cuDNN only ever sees bucketed shapes: queries (folded, 3 heads a group) and the prefix's head;
     # the square, all 6 heads, padded to the query bucket
     rows = gp.bucket(new, 8)
-    assert heads == [(3 * rows, cached // 32 * 32)]
+    assert heads == ([(3 * rows, cached // 32 * 32)] if cached >= 32 else [])
     assert squares == [((6, rows), (6, rows))]
 
 
 def test_which_chunks_take_the_path(small_buckets):
     batch = make_batch([(3, 1), (50, 2), (39, 8), (40, 4), (0, 60), (45, 5)], 1, H=2, Hkv=1, D=8, block_size=8)
     assert gp.long_chunks(batch.meta, batch.k_cache) == [3, 5]  # >= 4 new tokens after >= 40
+    # PAGEDSERVE_LONG_PREFILL_FIRST=N: also >= N new tokens after < 32 (the prefix bucket)
+    assert gp.long_chunks(batch.meta, batch.k_cache, first_chunk=20) == [3, 4, 5]
+    assert gp.long_chunks(batch.meta, batch.k_cache, first_chunk=61) == [3, 5]
+    assert gp.takes(20, 51, 20) and not gp.takes(20, 52, 20)  # 31 before: flash; 32: a prefix plan not built
     assert gp.long_chunks(batch.meta, batch.k_cache.to(torch.float8_e4m3fn)) == []
     assert gp.other_ranges(1, 6, [3, 5]) == [(1, 2), (4, 1)]
     assert gp.other_ranges(1, 6, []) == [(1, 5)]
@@ -72,9 +78,11 @@ def test_plan_shapes_cover_every_chunk(small_buckets):
     shapes = set(g.shapes(max_tokens=24))
     for seq_len in range(1, 201):
         for new in range(1, min(24, seq_len) + 1):
-            if gp.takes(new, seq_len):
-                head = (seq_len - new) // gp.PREFIX_BUCKET * gp.PREFIX_BUCKET
-                assert (gp.bucket(new, gp.QUERY_BUCKET), head) in shapes
+            for first in (0, 5):
+                if gp.takes(new, seq_len, first):
+                    head = (seq_len - new) // gp.PREFIX_BUCKET * gp.PREFIX_BUCKET
+                    assert gp.bucket(new, gp.QUERY_BUCKET) in gp.query_rows(24)  # its square's plan
+                    assert head == 0 or (gp.bucket(new, gp.QUERY_BUCKET), head) in shapes
 
 
 def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets):
@@ -190,4 +198,21 @@ def test_merge_switch(monkeypatch, gpu_of):
         assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16).merge_into is want
     monkeypatch.setenv(gp.MERGE_ENV, "fused")
     with pytest.raises(ValueError, match=gp.MERGE_ENV):
+        gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)
+
+
+def test_first_chunk_switch(monkeypatch, gpu_of):
+    """PAGEDSERVE_LONG_PREFILL_FIRST=N: unset or 0, off; N, long first chunks take the path, and a
+    max_model_len too short for a long chunk after MIN_PREFIX gets the path where N fits; anything
+    but a whole number is an error naming the switch."""
+    cuda0 = torch.device("cuda", 0)
+    gpu_of(9)
+    monkeypatch.delenv(gp.FIRST_CHUNK_ENV, raising=False)
+    assert gp.configure(cuda0, 8192, 8, 128, torch.bfloat16) is None
+    assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16).first_chunk_tokens == 0
+    monkeypatch.setenv(gp.FIRST_CHUNK_ENV, "4096")
+    assert gp.configure(cuda0, 8192, 8, 128, torch.bfloat16).first_chunk_tokens == 4096
+    assert gp.configure(cuda0, 4095, 8, 128, torch.bfloat16) is None
+    monkeypatch.setenv(gp.FIRST_CHUNK_ENV, "4k")
+    with pytest.raises(ValueError, match=gp.FIRST_CHUNK_ENV):
         gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)

@@ -178,29 +178,35 @@ def test_prefill_launches(ops, launch, H, Hkv, D):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
 
 
-@pytest.mark.parametrize("merge", ["torch", "triton"])
+@pytest.mark.parametrize("merge,first", [("torch", False), ("triton", False), ("torch", True), ("triton", True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("buckets", ["small", "serving"])
-def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge):
+def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first):
     """PAGEDSERVE_LONG_PREFILL=cudnn's path with cuDNN's and flash's real ops, routed through
     paged_attention beside decodes and a short chunk; slots past each sequence's end are NaN.
     small: buckets shrunk so that several long chunks fit a small test; serving: the defaults.
-    merge: the parts merged by torch ops or by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE)."""
+    merge: the parts merged by torch ops or by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE);
+    first: PAGEDSERVE_LONG_PREFILL_FIRST on, with a first chunk and one after a short prefix."""
     from pagedserve.attention import gathered_prefill as gp
     from pagedserve.attention.triton_merge import merge_into
     if buckets == "small":
         for name, value in (("PREFIX_BUCKET", 256), ("QUERY_BUCKET", 128), ("MIN_PREFIX", 512), ("MIN_CHUNK", 64)):
             monkeypatch.setattr(gp, name, value)
         shapes, long = [(900, 1), (5, 1), (700, 300), (40, 30), (2048, 1024), (513, 64)], [300, 1024, 64]
+        first_min, firsts = 64, [(0, 200), (100, 150)]
     else:
         shapes, long = [(3000, 1), (0, 1), (16384, 1024), (20000, 1500)], [1024, 1500]
+        first_min, firsts = 2048, [(0, 4096), (500, 2048)]
+    if first:
+        shapes, long = shapes + firsts, long + [n for _, n in firsts]
     batch = make_batch(shapes, 2, H=32, Hkv=8, D=128, block_size=16, dtype=dtype, device="cuda", seed=2)
     kc, vc = _written(batch)
     m = batch.meta
     ref = reference.paged_attention(batch.query, kc, vc, m, scale=128 ** -0.5)
     _poison_dead_slots(kc, vc, m)
     g = gp.GatheredPrefill(max(m.seq_lens_cpu) + 1, 8, 128, dtype, torch.device("cuda"),
-                           merge_into=merge_into if merge == "triton" else None)
+                           merge_into=merge_into if merge == "triton" else None,
+                           first_chunk_tokens=first_min if first else 0)
     monkeypatch.setitem(gp._ACTIVE, kc.device, g)
     used = []
     attend = g.attend

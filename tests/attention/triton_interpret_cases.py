@@ -358,30 +358,31 @@ def test_tma_prefill_refuses_what_it_cannot_serve(block_size, kw, match):
                           0, 1, 5, 0.25, torch.empty_like(batch.query), block_m=16, **{"tma": True, **kw})
 
 
-@pytest.mark.parametrize("merge", ["torch", "triton"])
-def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch, merge):
+@pytest.mark.parametrize("merge,first", [("torch", 0), ("triton", 0), ("torch", 9), ("triton", 9)])
+def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch, merge, first):
     """PAGEDSERVE_LONG_PREFILL=cudnn's routing: a step of decodes, short chunks and two long ones
     (not adjacent) gives reference.py's output, the long chunks through gathered_prefill (its CUDA
     ops stood in for by plain attention: tests/attention/test_gathered_prefill.py) and every other
     sequence through the Triton kernels, in the ranges between; the parts merged by torch ops or
-    by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE) straight into the layer's output."""
+    by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE) straight into the layer's output;
+    with PAGEDSERVE_LONG_PREFILL_FIRST=9, the chunks of 9+ tokens after fewer than 32 too."""
     from pagedserve.attention import gathered_prefill as gp
     from pagedserve.attention.triton_merge import merge_into
     from test_gathered_prefill import math_causal, math_flash, math_prefix
     for name, value in (("PREFIX_BUCKET", 32), ("QUERY_BUCKET", 8), ("MIN_PREFIX", 40), ("MIN_CHUNK", 4)):
         monkeypatch.setattr(gp, name, value)
-    shapes = [(20, 1), (37, 1), (50, 6), (3, 5), (77, 13), (45, 2), (41, 4)]
+    shapes = [(20, 1), (37, 1), (50, 6), (3, 5), (77, 13), (45, 2), (41, 4), (0, 12), (20, 9), (33, 10)]
     batch = make_batch(shapes, 2, H=8, Hkv=2, D=16, block_size=8, seed=3)
     kc, vc, ref = _reference_out(batch)
     g = gp.GatheredPrefill(128, 2, 16, torch.float32, torch.device("cpu"), math_prefix, math_flash,
-                           math_causal, merge_into=merge_into if merge == "triton" else None)
+                           math_causal, merge_into=merge_into if merge == "triton" else None, first_chunk_tokens=first)
     monkeypatch.setitem(gp._ACTIVE, kc.device, g)
     used = []
     attend = g.attend
     monkeypatch.setattr(g, "attend", lambda q, *a, **kw: used.append(q.shape[0]) or attend(q, *a, **kw))
     out = ops.paged_attention(batch.query, kc, vc, batch.meta, scale=0.25)
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
-    assert used == [6, 13, 4]
+    assert used == ([6, 13, 4, 12, 9] if first else [6, 13, 4])  # (33, 10): a prefix head, under MIN_PREFIX
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
