@@ -134,6 +134,13 @@ def long_chunks(meta, k_cache: torch.Tensor, first_chunk: int = 0) -> list[int]:
             if takes(meta.query_lens_cpu[i], meta.seq_lens_cpu[i], first_chunk)]
 
 
+def step_takes(meta, k_cache: torch.Tensor) -> bool:
+    """Whether any sequence of this step takes the path on k_cache's device (the runner then runs
+    the step eagerly, not as a full graph, whose unified kernel would attend the long chunk)."""
+    g = active(k_cache.device)
+    return g is not None and bool(long_chunks(meta, k_cache, g.first_chunk_tokens))
+
+
 def other_ranges(first: int, end: int, skip: list[int]) -> list[tuple[int, int]]:
     """[first, end) less the sequences in skip, as (first, count) runs of consecutive sequences."""
     runs, start = [], first

@@ -119,6 +119,45 @@ def test_mixed_steps_replay_one_graph_each(tiny_model_dir):
         torch.testing.assert_close(v0, v1, rtol=1e-4, atol=1e-4)
 
 
+def test_steps_with_a_gathered_chunk_run_eagerly_in_full_mode(tiny_model_dir, monkeypatch):
+    """Where the gathered long-prefill path is on (a stand-in here, with the buckets shrunk), a step
+    carrying a chunk it takes runs eagerly, as in piecewise mode, not as a full graph (whose
+    unified kernel would attend the chunk); the steps around it still replay full graphs, and the
+    outputs equal the eager runner's."""
+    from pagedserve.attention import gathered_prefill as gp
+    for name, value in (("PREFIX_BUCKET", 16), ("QUERY_BUCKET", 8), ("MIN_PREFIX", 32), ("MIN_CHUNK", 16)):
+        monkeypatch.setattr(gp, name, value)
+    model_dir = tiny_model_dir("llama")
+    plain, full = make_runner(model_dir), full_runner(model_dir)
+    device = full.kv_caches[0][0].device
+    # (on CPU the eager forward attends by reference.py: only the routing is under test here)
+    monkeypatch.setitem(gp._ACTIVE, device, gp.GatheredPrefill(512, 1, 8, torch.float32, device))
+    d_plain, d_full = HandDriver(plain, seed=2), HandDriver(full, seed=2)
+    rng = random.Random(3)
+    prompts = {"a": [rng.randrange(3, 300) for _ in range(6)], "d": [rng.randrange(3, 300) for _ in range(90)]}
+    seqs, paths = {}, []
+
+    def step(*items):
+        logits = []
+        for d, key in ((d_plain, 0), (d_full, 1)):
+            sched = []
+            for name, num_new in items:
+                if (name, key) not in seqs:
+                    seqs[name, key] = d.add(prompts[name])
+                sched.append(d.schedule(seqs[name, key], num_new))
+            logits.append(d.step(sched))
+        paths.append(full.last_graph_path)
+        if logits[0] is not None:
+            torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+    step(("a", None), ("d", 40))      # d's first 40 tokens: no prefix, not the path
+    step(("a", 1), ("d", 30))         # 30 after 40: the path's (>= 16 after >= 32), 31 tokens
+    step(("a", 1), ("d", None))       # d's last 20: the path's too
+    step(("a", 1), ("d", 1))          # decodes
+    assert paths == ["full_graph", "eager", "eager", "full_graph"]
+    assert seqs["d", 0].output_token_ids == seqs["d", 1].output_token_ids
+
+
 def test_engine_with_long_prompts_takes_the_full_graph(tiny_model_dir, monkeypatch):
     """The whole engine (overlapped steps, chunked prefill): prompts of up to 300 tokens through a
     64-token budget, so most steps carry a chunk beside decodes; every step with prefill tokens
