@@ -81,3 +81,28 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2)
     return out[0, len(prompt):].tolist()
+
+
+class Lockstep:
+    """Two runners driven through the same hand-scheduled steps (a reference and the one under
+    test): step(*items), items (name, num_new or None), a name seen first added with its prompt
+    in both; returns the two steps' logits and records the runners' last_graph_path pairs."""
+
+    def __init__(self, reference: ModelRunner, tested: ModelRunner, prompts, seed: int = 0):
+        self.runners = (reference, tested)
+        self.drivers = (HandDriver(reference, seed=seed), HandDriver(tested, seed=seed))
+        self.prompts = prompts
+        self.seqs: dict = {}  # (name, 0 or 1) -> Sequence
+        self.paths: list[tuple[str, str]] = []
+
+    def step(self, *items) -> list[torch.Tensor | None]:
+        logits = []
+        for key, d in enumerate(self.drivers):
+            sched = []
+            for name, num_new in items:
+                if (name, key) not in self.seqs:
+                    self.seqs[name, key] = d.add(self.prompts[name])
+                sched.append(d.schedule(self.seqs[name, key], num_new))
+            logits.append(d.step(sched))
+        self.paths.append(tuple(r.last_graph_path for r in self.runners))
+        return logits

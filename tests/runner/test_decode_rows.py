@@ -11,7 +11,7 @@ import torch
 from pagedserve.attention import reference
 from pagedserve.runner.batch import build_model_input
 from pagedserve.runner.decode_rows import SHORT_PREFILL_ENV, as_decode_rows, short_prefill_graphs_enabled
-from paged_harness import HandDriver, make_runner
+from paged_harness import Lockstep, make_runner
 
 BLOCK = 4
 
@@ -92,21 +92,13 @@ def test_runner_sends_short_prefills_to_the_decode_graphs(tiny_model_dir):
     plain, rows = make_runner(model_dir), make_runner(model_dir)
     graphs = rows.graphs = EagerDecodeGraphs(rows, largest=40)
     assert rows.short_prefill_graphs
-    d_plain, d_rows = HandDriver(plain, seed=3), HandDriver(rows, seed=3)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (6, 11, 30, 50, 9)]
-    seqs, paths = {}, []
+    both = Lockstep(plain, rows, prompts, seed=3)
+    paths = both.paths
 
     def step(*items):
-        out = []
-        for d, key in ((d_plain, 0), (d_rows, 1)):
-            sched = []
-            for i, num_new in items:
-                if (i, key) not in seqs:
-                    seqs[i, key] = d.add(prompts[i])
-                sched.append(d.schedule(seqs[i, key], num_new))
-            out.append(d.step(sched))
-        paths.append((plain.last_graph_path, rows.last_graph_path))
+        out = both.step(*items)
         torch.testing.assert_close(out[1], out[0], rtol=1e-4, atol=1e-4)
         assert torch.equal(out[1].argmax(-1), out[0].argmax(-1))
 

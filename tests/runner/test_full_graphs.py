@@ -12,7 +12,7 @@ import torch
 from pagedserve.attention import reference
 from pagedserve.runner.full_graphs import MAX_FULL_TOKENS, full_token_buckets
 from attention.paged_batch import make_batch
-from paged_harness import HandDriver, make_runner
+from paged_harness import Lockstep, make_runner
 from recorded_graph import RecordedGraph
 
 MAX_TOKENS = 64
@@ -81,22 +81,14 @@ def test_mixed_steps_replay_one_graph_each(tiny_model_dir):
     plain, full = make_runner(model_dir), full_runner(model_dir)
     fg = full.full_graphs
     assert sorted(fg.graphs) == [16, 32, 48, 64]
-    d_plain, d_full = HandDriver(plain, seed=1), HandDriver(full, seed=1)
     rng = random.Random(0)
     prompts = {k: [rng.randrange(3, 300) for _ in range(n)] for k, n in
                {"a": 5, "b": 37, "c": 13, "d": 130, "e": 16, "f": 70}.items()}
-    seqs, paths = {}, []
+    both = Lockstep(plain, full, prompts, seed=1)
+    seqs = both.seqs
 
     def step(*items):
-        logits = []
-        for d, key in ((d_plain, 0), (d_full, 1)):
-            sched = []
-            for name, num_new in items:
-                if (name, key) not in seqs:
-                    seqs[name, key] = d.add(prompts[name])
-                sched.append(d.schedule(seqs[name, key], num_new))
-            logits.append(d.step(sched))
-        paths.append(full.last_graph_path)
+        logits = both.step(*items)
         if logits[0] is None:
             assert logits[1] is None
         else:
@@ -109,7 +101,7 @@ def test_mixed_steps_replay_one_graph_each(tiny_model_dir):
     step(("a", 1), ("b", 1), ("c", 1))                     # decode-only, no decode graphs on CPU: full too
     step(("a", 1), ("b", 1), ("c", 1), ("d", None), ("e", None))  # 30 + 16 + 3 tokens
     step(("a", 1), ("b", 1), ("f", None))                  # 72 tokens: beyond the buckets, eager
-    assert paths == ["full_graph"] * 6 + ["eager"]
+    assert [p for _, p in both.paths] == ["full_graph"] * 6 + ["eager"]
     assert all(g.num_replays for t, g in fg.graphs.items() if t in (16, 48, 64))
     for name in prompts:
         if (name, 0) in seqs:
@@ -132,21 +124,12 @@ def test_steps_with_a_gathered_chunk_run_eagerly_in_full_mode(tiny_model_dir, mo
     device = full.kv_caches[0][0].device
     # (on CPU the eager forward attends by reference.py: only the routing is under test here)
     monkeypatch.setitem(gp._ACTIVE, device, gp.GatheredPrefill(512, 1, 8, torch.float32, device))
-    d_plain, d_full = HandDriver(plain, seed=2), HandDriver(full, seed=2)
     rng = random.Random(3)
     prompts = {"a": [rng.randrange(3, 300) for _ in range(6)], "d": [rng.randrange(3, 300) for _ in range(90)]}
-    seqs, paths = {}, []
+    both = Lockstep(plain, full, prompts, seed=2)
 
     def step(*items):
-        logits = []
-        for d, key in ((d_plain, 0), (d_full, 1)):
-            sched = []
-            for name, num_new in items:
-                if (name, key) not in seqs:
-                    seqs[name, key] = d.add(prompts[name])
-                sched.append(d.schedule(seqs[name, key], num_new))
-            logits.append(d.step(sched))
-        paths.append(full.last_graph_path)
+        logits = both.step(*items)
         if logits[0] is not None:
             torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
 
@@ -154,8 +137,8 @@ def test_steps_with_a_gathered_chunk_run_eagerly_in_full_mode(tiny_model_dir, mo
     step(("a", 1), ("d", 30))         # 30 after 40: the path's (>= 16 after >= 32), 31 tokens
     step(("a", 1), ("d", None))       # d's last 20: the path's too
     step(("a", 1), ("d", 1))          # decodes
-    assert paths == ["full_graph", "eager", "eager", "full_graph"]
-    assert seqs["d", 0].output_token_ids == seqs["d", 1].output_token_ids
+    assert [p for _, p in both.paths] == ["full_graph", "eager", "eager", "full_graph"]
+    assert both.seqs["d", 0].output_token_ids == both.seqs["d", 1].output_token_ids
 
 
 def test_engine_with_long_prompts_takes_the_full_graph(tiny_model_dir, monkeypatch):

@@ -13,7 +13,7 @@ import torch
 from pagedserve.config import EngineConfig
 from pagedserve.engine_args import add_engine_args, engine_config_from_args
 from pagedserve.runner.piecewise_graphs import MAX_PIECEWISE_TOKENS, PiecewiseCUDAGraphs, token_buckets
-from paged_harness import HandDriver, make_runner
+from paged_harness import Lockstep, make_runner
 from recorded_graph import RecordedGraph
 
 MAX_TOKENS = 64  # buckets 16, 32, 48, 64
@@ -71,22 +71,14 @@ def test_mixed_steps_equal_plain_forward(tiny_model_dir, arch):
     used: list[int] = []
     run = pw.piecewise.run
     pw.piecewise.run = lambda ids, pos, meta: (used.append(ids.shape[0]), run(ids, pos, meta))[1]
-    d_plain, d_pw = HandDriver(plain, seed=1), HandDriver(pw, seed=1)
     prompts = {"a": list(range(3, 8)), "b": [(7 * i) % 300 + 3 for i in range(37)], "c": list(range(40, 53)),
                "d": [(11 * i) % 290 + 5 for i in range(45)], "e": list(range(100, 113)),
                "f": [(5 * i) % 280 + 9 for i in range(70)]}
-    seqs = {}
+    both = Lockstep(plain, pw, prompts, seed=1)
+    seqs = both.seqs
 
     def step(*items):
-        """items: (name, num_new or None); a name seen for the first time is added with its prompt."""
-        logits = []
-        for d, key in ((d_plain, 0), (d_pw, 1)):
-            sched = []
-            for name, num_new in items:
-                if (name, key) not in seqs:
-                    seqs[name, key] = d.add(prompts[name])
-                sched.append(d.schedule(seqs[name, key], num_new))
-            logits.append(d.step(sched))
+        logits = both.step(*items)
         if logits[0] is None:
             assert logits[1] is None
         else:
