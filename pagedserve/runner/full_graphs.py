@@ -14,7 +14,8 @@ max_model_len). A step of n tokens in s sequences copies its inputs into the fir
 sequences; the remaining sequences get no tokens (query_start_loc stays at n) and the remaining
 rows slot -1, so padding neither writes K/V nor attends. The metadata carries
 unified_capacity (the bucket's), which sends attention to the unified kernel; the graph of the
-smallest bucket >= n replays. Buckets: piecewise_graphs.token_buckets' (every 128 from 640 to 1024,
+smallest bucket >= n replays (not for a step with a long chunk for attention/gathered_prefill.py:
+takes). Buckets: piecewise_graphs.token_buckets' (every 128 from 640 to 1024,
 then every 256 up to 2048, every 512 up to 4096 and every 1024 up to MAX_FULL_TOKENS), capped at
 max_num_batched_tokens; a step above the largest runs eagerly.
 
@@ -29,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from pagedserve.attention import gathered_prefill
 from pagedserve.attention.backend import get_backend
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.runner.piecewise_graphs import GraphLike, token_buckets
@@ -119,6 +121,13 @@ class FullCUDAGraphs:
             if b >= num_tokens:
                 return b
         return None
+
+    def takes(self, num_tokens: int, num_seqs: int, meta: AttentionMetadata) -> bool:
+        """Whether a step replays one of these graphs: a bucket holds it and none of its chunks is
+        for the gathered long-prefill path, whose cuDNN over the gathered context beats the unified
+        kernel (such a step is long; it runs eagerly, as in piecewise mode)."""
+        return (self.bucket_for(num_tokens, num_seqs) is not None
+                and not gathered_prefill.step_takes(meta, self.kv_caches[0][0]))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The hidden states [num_tokens, hidden] of the step (a view of the bucket's output, valid

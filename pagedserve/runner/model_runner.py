@@ -10,9 +10,8 @@ runner never decides policy; it only carries out the plan.
 On CUDA the forward replays graphs where it can: a decode-only step, or one whose prefill is short
 (runner/decode_rows.py: one decode row per token), the decode graph of its size; another step with
 prefill, with cudagraph_mode="full" the full graph of its token count (runner/full_graphs.py,
-attention by the unified kernel; not a step with a chunk for attention/gathered_prefill.py, which
-runs eagerly), else with "piecewise" piecewise graphs with attention between them; anything
-larger runs eagerly. Which of these the last step took is `last_graph_path` (one
+attention by the unified kernel), else with "piecewise" piecewise graphs with attention between
+them; anything larger runs eagerly. Which of these the last step took is `last_graph_path` (one
 of GRAPH_PATHS; the step trace records it).
 """
 from __future__ import annotations
@@ -394,11 +393,8 @@ class ModelRunner:
                 if inp.num_sampling == 0:
                     return None
                 return self.model.compute_logits(hidden[inp.sample_indices])
-        # Any mix: also a decode-only step that no decode graph took (a batch above their sizes). A
-        # step with a chunk for the gathered long-prefill path runs eagerly, as in piecewise mode:
-        # cuDNN over the gathered context beats the unified kernel there, and such a step is long.
-        if (self.full_graphs is not None and self.full_graphs.bucket_for(num_tokens, n) is not None
-                and not gathered_prefill.step_takes(inp.attn_meta, self.kv_caches[0][0])):
+        # Any mix: also a decode-only step that no decode graph took (a batch above their sizes).
+        if self.full_graphs is not None and self.full_graphs.takes(num_tokens, n, inp.attn_meta):
             self.last_graph_path = "full_graph"
             hidden = self.full_graphs.run(inp.input_ids, inp.positions, inp.attn_meta)
             if inp.num_sampling == 0:
