@@ -81,8 +81,9 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
 def first_chunk_tokens() -> int:
     """FIRST_CHUNK_ENV's value: 0 (off, the default) or the fewest tokens a first chunk needs."""
     value = os.environ.get(FIRST_CHUNK_ENV, "").strip() or "0"
-    if not value.isdigit():
-        raise ValueError(f"{FIRST_CHUNK_ENV}={value!r}: expected a whole number of tokens (0: off)")
+    # Below MIN_CHUNK a short chunk would be padded to a whole query bucket for cuDNN.
+    if not value.isdigit() or 0 < int(value) < MIN_CHUNK:
+        raise ValueError(f"{FIRST_CHUNK_ENV}={value!r}: expected 0 (off) or a whole number of tokens >= {MIN_CHUNK}")
     return int(value)
 
 

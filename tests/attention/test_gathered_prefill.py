@@ -204,7 +204,7 @@ def test_merge_switch(monkeypatch, gpu_of):
 def test_first_chunk_switch(monkeypatch, gpu_of):
     """PAGEDSERVE_LONG_PREFILL_FIRST=N: unset or 0, off; N, long first chunks take the path, and a
     max_model_len too short for a long chunk after MIN_PREFIX gets the path where N fits; anything
-    but a whole number is an error naming the switch."""
+    but 0 or a whole number >= MIN_CHUNK is an error naming the switch and the limit."""
     cuda0 = torch.device("cuda", 0)
     gpu_of(9)
     monkeypatch.delenv(gp.FIRST_CHUNK_ENV, raising=False)
@@ -213,6 +213,7 @@ def test_first_chunk_switch(monkeypatch, gpu_of):
     monkeypatch.setenv(gp.FIRST_CHUNK_ENV, "4096")
     assert gp.configure(cuda0, 8192, 8, 128, torch.bfloat16).first_chunk_tokens == 4096
     assert gp.configure(cuda0, 4095, 8, 128, torch.bfloat16) is None
-    monkeypatch.setenv(gp.FIRST_CHUNK_ENV, "4k")
-    with pytest.raises(ValueError, match=gp.FIRST_CHUNK_ENV):
-        gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)
+    for bad in ("4k", "512"):  # not a number; under MIN_CHUNK (1024), padded to a whole query bucket
+        monkeypatch.setenv(gp.FIRST_CHUNK_ENV, bad)
+        with pytest.raises(ValueError, match=f"{gp.FIRST_CHUNK_ENV}.*>= 1024"):
+            gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)
