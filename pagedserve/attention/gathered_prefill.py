@@ -25,10 +25,13 @@ context length every step, so the prefix is cut at its last multiple of PREFIX_B
 The parts are merged by their log-sum-exps. A first version padded the prefix to the bucket and
 masked the pad with a broadcast bias row instead of (2): cuDNN's biased kernel ran at 256-377
 TFLOPS, slower than ours (docs/long-context.md). Chunks shorter than MIN_CHUNK or after fewer than
-MIN_PREFIX tokens stay on the Triton kernel (unless FIRST_CHUNK_ENV sends long first chunks here).
+MIN_PREFIX tokens stay on the Triton kernel, except first chunks of FIRST_CHUNK_DEFAULT+ tokens
+(FIRST_CHUNK_ENV): their square alone, on cuDNN's causal kernel.
 
-The parts are merged by torch ops in float32 (merge), or with PAGEDSERVE_LONG_PREFILL_MERGE=triton
-in one pass straight into the layer's output (triton_merge.merge_into; not yet timed on the GPU).
+The parts are merged in one Triton pass straight into the layer's output (triton_merge.merge_into),
+or with PAGEDSERVE_LONG_PREFILL_MERGE=torch by torch ops in float32 (merge). On the H200 the two
+defaults took a whole 100k prefill from 7.23-7.28 s to 7.00-7.01 s (the merge alone: 7.01-7.06 s),
+runs/s34_long_context/ in benchmarks/results/h200/history.tar.gz.
 
 The parts go through `prefix_attention(q [1, Hkv, R, D], k [1, Hkv, S, D], v, scale)` and
 `square_attention(q [1, H, R, D], k, v, scale)` (cuDNN) and `flash_attention(q, k, v, causal,
@@ -41,12 +44,13 @@ import os
 import torch
 
 LONG_PREFILL_ENV = "PAGEDSERVE_LONG_PREFILL"
-MERGE_ENV = "PAGEDSERVE_LONG_PREFILL_MERGE"  # 'torch' (default) or 'triton': how the parts are merged
+MERGE_ENV = "PAGEDSERVE_LONG_PREFILL_MERGE"  # 'triton' (default) or 'torch': how the parts are merged
 # N > 0: a chunk of at least N tokens after fewer than PREFIX_BUCKET (a prompt's first chunk, or one
 # after a short cached prefix) takes the path too: its square on cuDNN's causal kernel (on the H200
 # 0.88 against our prefill kernel's 1.42 ms a layer at 8192 x 8192, runs/s27_long_prefill/), the few
-# earlier tokens on flash. 0 (the default): off, until timed in serving.
+# earlier tokens on flash. 0: off.
 FIRST_CHUNK_ENV = "PAGEDSERVE_LONG_PREFILL_FIRST"
+FIRST_CHUNK_DEFAULT = 4096
 PREFIX_BUCKET = 8192
 QUERY_BUCKET = 1024
 MIN_PREFIX = 16384
@@ -79,8 +83,9 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
 
 
 def first_chunk_tokens() -> int:
-    """FIRST_CHUNK_ENV's value: 0 (off, the default) or the fewest tokens a first chunk needs."""
-    value = os.environ.get(FIRST_CHUNK_ENV, "").strip() or "0"
+    """FIRST_CHUNK_ENV's value (FIRST_CHUNK_DEFAULT unset): 0 (off) or the fewest tokens a first
+    chunk needs."""
+    value = os.environ.get(FIRST_CHUNK_ENV, "").strip() or str(FIRST_CHUNK_DEFAULT)
     # Below MIN_CHUNK a short chunk would be padded to a whole query bucket for cuDNN.
     if not value.isdigit() or 0 < int(value) < MIN_CHUNK:
         raise ValueError(f"{FIRST_CHUNK_ENV}={value!r}: expected 0 (off) or a whole number of tokens >= {MIN_CHUNK}")
@@ -88,10 +93,10 @@ def first_chunk_tokens() -> int:
 
 
 def merge_kernel():
-    """MERGE_ENV's merge: None (torch ops, the default) or triton_merge.merge_into."""
-    value = os.environ.get(MERGE_ENV, "").strip()
-    if value not in ("", "torch", "triton"):
-        raise ValueError(f"{MERGE_ENV}={value!r}: expected 'torch' (the default) or 'triton'")
+    """MERGE_ENV's merge: triton_merge.merge_into (the default) or None (torch ops)."""
+    value = os.environ.get(MERGE_ENV, "").strip() or "triton"
+    if value not in ("torch", "triton"):
+        raise ValueError(f"{MERGE_ENV}={value!r}: expected 'triton' (the default) or 'torch'")
     if value != "triton":
         return None
     from pagedserve.attention.triton_merge import merge_into

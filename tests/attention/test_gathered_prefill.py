@@ -175,8 +175,14 @@ def test_configure_routes_only_where_on(monkeypatch, gpu_of):
     monkeypatch.delenv(gp.LONG_PREFILL_ENV)
     assert gp.configure(torch.device("cpu"), 32768, 8, 128, torch.bfloat16) is None
     assert gp.configure(cuda0, 32768, 8, 128, torch.float8_e4m3fn) is None  # fp8 pools: the Triton kernels
+    # No chunk fits: under the default first chunk, or, with first chunks off, under a long chunk
+    # after MIN_PREFIX.
+    assert gp.configure(cuda0, gp.FIRST_CHUNK_DEFAULT - 1, 8, 128, torch.bfloat16) is None
+    assert gp.active(cuda0) is None
+    monkeypatch.setenv(gp.FIRST_CHUNK_ENV, "0")
     too_short = gp.MIN_PREFIX + gp.MIN_CHUNK - 1
     assert gp.configure(cuda0, too_short, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None
+    monkeypatch.delenv(gp.FIRST_CHUNK_ENV)
     g = gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)
     assert g is not None and gp.active(cuda0) is g and tuple(g.k.shape[1:]) == (8, 128) and len(g.k) >= 32768
     gpu_of(8)
@@ -184,13 +190,13 @@ def test_configure_routes_only_where_on(monkeypatch, gpu_of):
 
 
 def test_merge_switch(monkeypatch, gpu_of):
-    """PAGEDSERVE_LONG_PREFILL_MERGE: unset or 'torch', the torch merge; 'triton', the one-pass
-    kernel (checked against the torch merge under the interpreter, triton_interpret_cases.py);
+    """PAGEDSERVE_LONG_PREFILL_MERGE: unset or 'triton', the one-pass kernel; 'torch', the torch
+    merge (the kernel is checked against it under the interpreter, triton_interpret_cases.py);
     anything else is an error naming the switch, at start-up."""
     from pagedserve.attention.triton_merge import merge_into
     cuda0 = torch.device("cuda", 0)
     gpu_of(9)
-    for value, want in ((None, None), ("torch", None), ("triton", merge_into)):
+    for value, want in ((None, merge_into), ("torch", None), ("triton", merge_into)):
         if value is None:
             monkeypatch.delenv(gp.MERGE_ENV, raising=False)
         else:
@@ -202,12 +208,15 @@ def test_merge_switch(monkeypatch, gpu_of):
 
 
 def test_first_chunk_switch(monkeypatch, gpu_of):
-    """PAGEDSERVE_LONG_PREFILL_FIRST=N: unset or 0, off; N, long first chunks take the path, and a
-    max_model_len too short for a long chunk after MIN_PREFIX gets the path where N fits; anything
+    """PAGEDSERVE_LONG_PREFILL_FIRST=N: unset, FIRST_CHUNK_DEFAULT; 0, off; N, first chunks of N+
+    tokens take the path, and a max_model_len too short for a long chunk after MIN_PREFIX gets the
+    path where N fits; anything
     but 0 or a whole number >= MIN_CHUNK is an error naming the switch and the limit."""
     cuda0 = torch.device("cuda", 0)
     gpu_of(9)
     monkeypatch.delenv(gp.FIRST_CHUNK_ENV, raising=False)
+    assert gp.configure(cuda0, 8192, 8, 128, torch.bfloat16).first_chunk_tokens == gp.FIRST_CHUNK_DEFAULT == 4096
+    monkeypatch.setenv(gp.FIRST_CHUNK_ENV, "0")
     assert gp.configure(cuda0, 8192, 8, 128, torch.bfloat16) is None
     assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16).first_chunk_tokens == 0
     monkeypatch.setenv(gp.FIRST_CHUNK_ENV, "4096")
