@@ -2,10 +2,12 @@
 
 Each schedule() builds one step, in this order:
   1. running groups, oldest admission first: decodes get a slot (a new block or a copy-on-write);
-     when blocks run out, the most recently admitted running group is preempted (swap or recompute);
+     when blocks run out, the most recently admitted running group is preempted (swap or recompute,
+     core/preemption.py);
   2. running groups still in prefill get the next chunk of their prompt;
   3. if nothing was preempted this step: swapped groups come back (FCFS by admission);
   4. if nothing was preempted and nothing is left swapped: waiting groups are admitted FCFS.
+Steps 3 and 4 live in core/admission.py.
 All within max_num_batched_tokens tokens and max_num_seqs sequences. Decodes are listed first.
 
 Overlapped steps (async scheduling): the engine may call schedule() for step N+1 while step N
@@ -29,28 +31,23 @@ Lookahead never preempts anyone: if its blocks do not fit with one block left fo
 still to schedule, the sequence decodes plainly. After
 the step, update_after_step counts only verified tokens computed and hands the rejected slots'
 blocks back through the KV manager (free_rejected_slots).
-
-Multi-sequence groups (n > 1) are preempted whole. They prefer swap even when recompute is
-configured (as vLLM does); with no swap space each sequence recomputes its own tokens
-independently (prompt + its own outputs), so outputs stay correct but the shared prompt is
-no longer shared until it is re-cached.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 from collections import deque
-from operator import attrgetter
 from typing import Iterable
 
 from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.admission import Admission
 from pagedserve.core.contiguous import ContiguousKVCacheManager
-from pagedserve.core.kv_cache_manager import AllocStatus, KVCacheManager
+from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.plan import ScheduledSequence, SchedulerOutput
+from pagedserve.core.preemption import Preemption
 from pagedserve.core.stats import KVCacheStats, MemoryBreakdown
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
-RUNNING, WAITING, SWAPPED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED
+RUNNING, WAITING = SequenceStatus.RUNNING, SequenceStatus.WAITING
 
 
 def make_kv_cache_manager(cache_config: CacheConfig, max_model_len: int):
@@ -72,10 +69,7 @@ def _reached_limit(seq: Sequence, group: SequenceGroup, max_model_len: int) -> b
     return (max_tokens is not None and len(seq.output_token_ids) + n >= max_tokens) or seq.num_tokens >= max_model_len
 
 
-_ADMISSION = attrgetter("admitted_at")  # running and swapped are kept in admission order
-
-
-class Scheduler:
+class Scheduler(Admission, Preemption):
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
@@ -350,81 +344,6 @@ class Scheduler:
             return
         scheduled.append(self._run(group, seq, n, out))
 
-    def _seq_cost(self, group: SequenceGroup) -> int:
-        """Sequences the group occupies now or will after its prompt forks into best_of."""
-        live = len(group.unfinished_seqs())
-        if len(group.seqs) == 1 and not group.seqs[0].output_token_ids:
-            return max(live, group.sampling_params.best_of or 1)
-        return live
-
-    def _num_running_seqs(self) -> int:
-        return sum(self._seq_cost(g) for g in self.running)
-
-    def _schedule_swapped(self, scheduled: list, out: SchedulerOutput) -> None:
-        mgr = self.kv_cache_manager
-        # Counted once and kept up to date as groups join: a sum per admission was quadratic.
-        running_seqs = self._num_running_seqs()
-        while self.swapped:
-            group = self.swapped[0]
-            seqs = group.seqs_with_status(SWAPPED)
-            if running_seqs + self._seq_cost(group) > self.scheduler_config.max_num_seqs:
-                break
-            if sum(1 for s in seqs if s.is_decode) > self._budget or not mgr.can_swap_in(group):
-                break
-            self.swapped.pop(0)
-            out.blocks_to_swap_in.extend(mgr.swap_in(group))
-            self.num_swap_ins += 1
-            for s in seqs:
-                s.status = RUNNING
-            self._insert_running(group)
-            running_seqs += self._seq_cost(group)
-            for s in seqs:
-                if s.is_decode:
-                    if mgr.can_append_slots([(s, 1)]):
-                        scheduled.append(self._run(group, s, 1, out))
-                else:
-                    self._schedule_prefill(group, s, scheduled, out)
-
-    def _schedule_waiting(self, scheduled: list, out: SchedulerOutput) -> None:
-        mgr = self.kv_cache_manager
-        cfg = self.scheduler_config
-        # Counted once and kept up to date as groups join: a sum per admission made admitting a
-        # thousand prefix-cached prompts in one step quadratic (0.23 s of host time on our CPU).
-        running_seqs = self._num_running_seqs()
-        while self.waiting and self._budget > 0:
-            group = self.waiting[0]
-            seqs = group.seqs_with_status(WAITING)
-            too_long = any(s.num_tokens > cfg.max_model_len for s in seqs)
-            status = AllocStatus.NEVER if too_long else mgr.can_allocate(group)
-            if status is AllocStatus.NEVER and group.admitted_at is not None:
-                self.waiting.popleft()
-                self._finish_full(group)
-                self._insert_running(group)  # handed back by free_finished_seq_groups()
-                running_seqs += self._seq_cost(group)
-                continue
-            if status is AllocStatus.NEVER or (group.sampling_params.best_of or 1) > cfg.max_num_seqs:
-                self.waiting.popleft()
-                for s in seqs:
-                    s.status = SequenceStatus.FINISHED_IGNORED
-                out.ignored.append(group)
-                continue
-            if status is AllocStatus.LATER:
-                break
-            if running_seqs + self._seq_cost(group) > cfg.max_num_seqs:
-                break
-            if not cfg.enable_chunked_prefill and max(s.num_tokens for s in seqs) > self._budget:
-                break
-            self.waiting.popleft()
-            mgr.allocate(group)
-            if group.admitted_at is None:
-                group.admitted_at = next(self._admissions)
-            for s in seqs:
-                s.status = RUNNING
-            self._insert_running(group)
-            running_seqs += self._seq_cost(group)
-            for s in seqs:
-                self._schedule_prefill(group, s, scheduled, out)
-
     def _finish_full(self, group: SequenceGroup) -> None:
         """The group alone outgrew the whole device cache: end it as if it hit max_model_len
         (finish_reason "length") instead of preempting it forever. Engines that size
@@ -432,42 +351,6 @@ class Scheduler:
         for s in group.unfinished_seqs():
             s.status = SequenceStatus.FINISHED_LENGTH
             self.kv_cache_manager.free(s)
-
-    def _insert_running(self, group: SequenceGroup) -> None:
-        # A search, not a list of every key per insert (admitting a thousand groups was quadratic).
-        self.running.insert(bisect.bisect_right(self.running, group.admitted_at, key=_ADMISSION), group)
-
-    # ---- preemption -------------------------------------------------------------------------
-    def _preemption_uses_swap(self, group: SequenceGroup) -> bool:
-        cfg = self.scheduler_config
-        mgr = self.kv_cache_manager
-        if not (mgr.supports_swap and mgr.can_swap_out(group)):
-            return False
-        if len(group.unfinished_seqs()) > 1 or cfg.preemption_mode == "swap":
-            return True
-        if cfg.preemption_mode == "recompute":
-            return False
-        seqs = group.seqs_with_status(RUNNING)
-        blocks = len({b for s in seqs for b in mgr.get_block_table(s)})
-        tokens = sum(s.num_computed_tokens for s in seqs)
-        return blocks * cfg.swap_seconds_per_block < tokens * cfg.recompute_seconds_per_token
-
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
-        """Victims leave running: swapped out (kept in order of admission) or reset to the front of waiting."""
-        if self._preemption_uses_swap(group):
-            out.blocks_to_swap_out.extend(self.kv_cache_manager.swap_out(group))
-            self.num_swap_outs += 1
-            for s in group.seqs_with_status(RUNNING):
-                s.status = SWAPPED
-            self.swapped.insert(bisect.bisect_right(self.swapped, group.admitted_at, key=_ADMISSION), group)
-        else:
-            for s in group.unfinished_seqs():
-                self.kv_cache_manager.free(s)
-                s.num_computed_tokens = 0
-                s.status = WAITING
-            self.waiting.appendleft(group)
-        out.preempted.append(group)
-        self.num_preemptions += 1
 
     # ---- after the runner ---------------------------------------------------------------------
     def update_after_step(self, out: SchedulerOutput) -> None:

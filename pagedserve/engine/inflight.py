@@ -1,7 +1,7 @@
 """InflightStep: a step launched ahead of its tokens (overlapped steps, EngineConfig.async_scheduling).
 
-Its own module so that both halves of the engine (llm_engine.py launches it, token_application.py
-processes it one step late) take it from here and neither imports the other.
+Its own module so that both halves of the engine's step (step_pipeline.py launches it,
+token_application.py processes it one step late) take it from here and neither imports the other.
 """
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ The runner returns, beside a step's sampling logits, the logits of the flat rows
 positions of requests that ask (runner/batch.prompt_logprob_spans names them); this module turns them
 into one dict per position, filled chunk by chunk, so chunked prefill and a recomputed prompt
 (preemption) give the same list. Invariants: such a request reads no cached prefix (each position
-must be computed once, Sequence.reads_prefix_cache) and its steps never overlap (llm_engine.overlaps),
+must be computed once, Sequence.reads_prefix_cache) and its steps never overlap (step_pipeline.overlaps),
 so the host sees every chunk's rows in order. Position 0 stays None: nothing predicts it.
 """
 from __future__ import annotations

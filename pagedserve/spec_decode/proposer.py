@@ -18,7 +18,7 @@ Invariants:
 
 Host-side proposers (``proposes_on_host = True``: n-gram, the benchmarks' stand-ins) propose on
 the host, cheaply and without the device, from the history alone. The engine may then ask
-``has_proposals(requests)`` before it gives up an overlapped step (engine/llm_engine.py step):
+``has_proposals(requests)`` before it gives up an overlapped step (engine/step_pipeline.py step):
 whether propose(requests) would give any request at least one token. It is asked over the host's
 histories while a step is in flight (one token stale: the in-flight token is not in them) and
 must leave every later propose() as it would have been: a history it saw may be followed by a

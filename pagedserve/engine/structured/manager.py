@@ -44,7 +44,7 @@ GRAMMAR_FILL_MODES = ("inline", "overlap")
 def grammar_fill_mode() -> str:
     """PAGEDSERVE_GRAMMAR_FILL: what an overlapped step does while its masks fill. inline
     (default): nothing, the step loop fills, launches the sampler, then processes the previous
-    step's tokens; overlap: a helper thread processes them during the fill (llm_engine._launch).
+    step's tokens; overlap: a helper thread processes them during the fill (step_pipeline._launch).
 
     Why the fill stays on the step loop's thread and the Python work moves (the removed
     `background` mode did the opposite and measured slower): a thread needs the GIL to start and
