@@ -106,8 +106,8 @@ class LLMEngine(StepPipeline, TokenApplication):
                                                 self.eos_token_ids, max_model_len)
 
         self._groups: dict[str, SequenceGroup] = {}
-        # request_id -> True when its rows can take Sampler.sample_plain (decided once, at add).
-        # request id -> temperature, for requests whose rows need nothing but it (the sampler's plain path)
+        # request id -> temperature, for requests whose rows need nothing but it (decided once, at add):
+        # their rows can take Sampler.sample_plain_device
         self._plain_sampling: dict[str, float] = {}
         self._seq_generators: dict[int, torch.Generator] = {}
         # Grammars of structured-output requests (engine/structured/): compiles, matchers, masks.
