@@ -3,7 +3,10 @@
 The pool routes with a policy over the in-flight counts it keeps itself, forwards over
 HTTP, and supervises: a replica whose process exits is marked down at once (its prefixes
 forgotten), restarted with the same port and GPUs, and marked live when its /health
-answers 200 again.
+answers 200 again. A live replica's /health is asked every health_check_period seconds as well:
+health_check_failures misses in a row (no 200 within health_check_timeout: a hung server, an
+attached one that went away, a core that died while no request was there to find out) mark it
+down until it answers again; a process that still runs is left running.
 
 Faults: a request whose client has had nothing of it yet is sent to another replica: one that
 could not be delivered (connection refused), one whose replica went away before answering
@@ -65,6 +68,9 @@ class LocalReplica:
     started_at: float = 0.0
     respawn_at: float | None = None   # set while down: when to start it again
     failures: list[str] = field(default_factory=list)
+    missed_checks: int = 0            # live: /health checks in a row that got no 200
+    next_check_at: float = 0.0
+    check: asyncio.Task | None = None  # a live replica's /health check in flight
 
     @property
     def url(self) -> str:
@@ -222,11 +228,23 @@ class ProcessReplicaPool(RelayingPool):
 
     def __init__(self, commands: Sequence[tuple[list[str], dict[str, str], int]], policy,
                  startup_timeout: float = 600.0, poll_interval: float = 0.2,
-                 relay_client: str | None = None, replica_key: str | None = None) -> None:
+                 relay_client: str | None = None, replica_key: str | None = None,
+                 health_check_period: float = 5.0, health_check_timeout: float = 5.0,
+                 health_check_failures: int = 3) -> None:
         """commands: (argv, env, port) of each replica; argv must serve on 127.0.0.1:port.
         relay_client: aiohttp | httpx, the client that forwards requests (default:
         default_relay_client()); probes and /metrics always use httpx. replica_key: the
-        replicas' API key, sent with every relayed request."""
+        replicas' API key, sent with every relayed request. health_check_*: how often a live
+        replica's /health is asked, how long an answer may take, and how many misses in a row
+        mark it down (at the defaults a hung replica stops getting requests within ~15-20 s;
+        its /health needs no engine round trip, so a busy replica answers in time)."""
+        if health_check_period <= 0 or health_check_timeout <= 0 or health_check_failures < 1:
+            raise ValueError("health_check_period and health_check_timeout must be > 0 and "
+                             f"health_check_failures >= 1, got {health_check_period}, "
+                             f"{health_check_timeout}, {health_check_failures}")
+        self.health_check_period = health_check_period
+        self.health_check_timeout = health_check_timeout
+        self.health_check_failures = health_check_failures
         self.replica_headers = {"Authorization": f"Bearer {replica_key}"} if replica_key else {}
         self.replicas = [LocalReplica(i, list(c), dict(e), f"http://127.0.0.1:{p}")
                          for i, (c, e, p) in enumerate(commands)]
@@ -278,6 +296,8 @@ class ProcessReplicaPool(RelayingPool):
         if self._supervisor is not None:
             self._supervisor.cancel()
         for r in self.replicas:
+            if r.check is not None:
+                r.check.cancel()
             if r.proc is not None and r.proc.poll() is None:
                 r.proc.terminate()
         for r in self.replicas:
@@ -293,17 +313,39 @@ class ProcessReplicaPool(RelayingPool):
         if self._relay is not None:
             await self._relay.aclose()
 
-    async def _probe(self, r: LocalReplica) -> bool:
+    async def _probe(self, r: LocalReplica, timeout: float = 2.0) -> bool:
         try:
-            return (await self._client.get(r.url + "/health", timeout=2.0)).status_code == 200
+            return (await self._client.get(r.url + "/health", timeout=timeout)).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def _check_live(self, r: LocalReplica) -> None:
+        """Ask a live replica's /health when due, in a task of its own (a hung replica must not
+        hold up the supervision of the others); health_check_failures misses in a row mark it down."""
+        now = time.monotonic()
+        if r.check is not None or now < r.next_check_at:
+            return
+        r.next_check_at = now + self.health_check_period
+
+        async def check() -> None:
+            try:
+                if await self._probe(r, self.health_check_timeout):
+                    r.missed_checks = 0
+                    return
+                r.missed_checks += 1
+                if r.missed_checks >= self.health_check_failures:
+                    self._mark_down(r, f"/health: no 200 within {self.health_check_timeout:g} s, "
+                                       f"{r.missed_checks} checks in a row")
+            finally:
+                r.check = None
+        r.check = asyncio.get_running_loop().create_task(check())
 
     def _mark_down(self, r: LocalReplica, why: str) -> None:
         if r.live:
             logger.warning("replica %d down: %s", r.index, why)
             r.failures.append(why)
         r.live = False
+        r.missed_checks = 0
         self.policy.forget(r.index)
 
     async def _supervise(self) -> None:
@@ -324,7 +366,10 @@ class ProcessReplicaPool(RelayingPool):
                         r.spawn()
                     elif not r.live and await self._probe(r):
                         r.live = True
+                        r.next_check_at = time.monotonic() + self.health_check_period
                         logger.info("replica %d live again", r.index)
+                    elif r.live:
+                        self._check_live(r)
                 except Exception:  # the supervisor must outlive any one replica's trouble
                     logger.exception("supervising replica %d", r.index)
 

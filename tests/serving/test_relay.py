@@ -1,8 +1,9 @@
 """The mp pool's relay, with each of its HTTP clients (aiohttp, httpx), against small fake
 replicas (no engine): streams pass through byte for byte, a refused connection goes to the
 other replica, a stream whose replica is lost before its first byte continues from another
-one, a replica lost mid-stream ends the stream with the replica_failed event, and a client
-that leaves closes the replica's connection."""
+one, a replica lost mid-stream ends the stream with the replica_failed event, a client that
+leaves closes the replica's connection, and a live replica whose /health stops answering 200 is
+taken out of routing and back in once it answers."""
 from __future__ import annotations
 
 import asyncio
@@ -17,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from pagedserve.serving.mp_pool import ProcessReplicaPool
+from pagedserve.serving.pool import NoReplicaAvailable
 from pagedserve.serving.relay_clients import RELAY_CLIENTS, aiohttp
 from pagedserve.serving.routing import RoundRobinPolicy
 
@@ -29,7 +31,9 @@ def _fake_app(state: dict) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return JSONResponse({})
+        if state["health"] == "hang":  # longer than the tests' check timeout, short for teardown
+            await asyncio.sleep(2)
+        return JSONResponse({}, status_code=503 if state["health"] == "503" else 200)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -66,7 +70,7 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def fake_replica():
-    state = {"bodies": [], "cancelled": 0, "finished": 0, "dies": 0}
+    state = {"bodies": [], "cancelled": 0, "finished": 0, "dies": 0, "health": "ok"}
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(_fake_app(state), host="127.0.0.1", port=port,
                                            log_level="critical"))
@@ -203,3 +207,71 @@ def test_relay_closes_the_replica_connection_when_the_client_leaves(fake_replica
         finally:
             await pool.stop()
     asyncio.run(go())
+
+
+def test_live_replica_check_marks_down_only_after_misses_in_a_row(monkeypatch):
+    """_check_live: a miss, then a 200, resets the count; health_check_failures misses in a row
+    mark the replica down (its prefixes forgotten), named in its failures."""
+    async def go():
+        pool = ProcessReplicaPool.attach(["http://127.0.0.1:1"], RoundRobinPolicy(), health_check_failures=3)
+        answers = iter([False, False, True, False, False, False])
+
+        async def probe(r, timeout=2.0):
+            assert timeout == pool.health_check_timeout
+            return next(answers)
+        monkeypatch.setattr(pool, "_probe", probe)
+        forgot = []
+        monkeypatch.setattr(pool.policy, "forget", forgot.append)
+        r = pool.replicas[0]
+        r.live = True
+        seen = []
+        for _ in range(6):
+            r.next_check_at = 0.0  # due now
+            pool._check_live(r)
+            await r.check
+            seen.append((r.live, r.missed_checks))
+        assert seen == [(True, 1), (True, 2), (True, 0), (True, 1), (True, 2), (False, 0)]
+        assert forgot == [0] and r.failures == ["/health: no 200 within 5 s, 3 checks in a row"]
+        pool._check_live(r)  # not due (next_check_at is a period ahead): no check started
+        assert r.check is None
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize("mode", ["hang", "503"])
+def test_a_replica_whose_health_stops_answering_leaves_routing_and_comes_back(fake_replica, mode):
+    """The supervisor checks live replicas too: a /health that hangs past the timeout or answers
+    503 takes the replica out of routing (a request then gets NoReplicaAvailable, not a hang) and
+    a 200 again puts it back."""
+    url, state = fake_replica
+
+    async def until(cond, what):
+        deadline = time.monotonic() + 20
+        while not cond():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def go():
+        pool = ProcessReplicaPool.attach([url], RoundRobinPolicy(), poll_interval=0.05, health_check_period=0.1,
+                                         health_check_timeout=0.5, health_check_failures=2)
+        await pool.start()
+        r = pool.replicas[0]
+        try:
+            state["health"] = mode
+            await until(lambda: not r.live, "the replica was never marked down")
+            assert r.failures == ["/health: no 200 within 0.5 s, 2 checks in a row"]
+            with pytest.raises(NoReplicaAvailable):
+                await pool.forward("POST", "/v1/completions", b'{"x": 1}', [])
+            state["health"] = "ok"
+            await until(lambda: r.live, "the replica never came back")
+            resp = await pool.forward("POST", "/v1/completions", b'{"x": 1}', [])
+            assert resp.status == 200 and json.loads(await _read(resp)) == {"echo": {"x": 1}}
+        finally:
+            state["health"] = "ok"
+            await pool.stop()
+    asyncio.run(go())
+
+
+def test_health_check_settings_are_checked():
+    for bad in ({"health_check_period": 0}, {"health_check_timeout": -1}, {"health_check_failures": 0}):
+        with pytest.raises(ValueError, match="health_check"):
+            ProcessReplicaPool([], RoundRobinPolicy(), **bad)
