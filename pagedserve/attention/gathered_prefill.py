@@ -203,6 +203,16 @@ class GatheredPrefill:
         self.merge_into = merge_into  # None: merge (torch ops); else merge_into(parts, out) -> out
         self.first_chunk_tokens = first_chunk_tokens  # takes()'s first_chunk
         self.max_model_len = max_model_len
+        self.num_heads: int | None = None  # the query heads warm_up_plans built plans for
+
+    def chunks(self, meta, query: torch.Tensor, k_cache: torch.Tensor) -> list[int]:
+        """long_chunks of a step, for a pool of the layout these buffers and plans are for: another
+        model's attention on the device (a draft model's, with its own KV heads, head size or query
+        heads) keeps its chunks on the Triton kernels, not this path's buffers and plans."""
+        if (k_cache.shape[2:] != self.k.shape[1:] or k_cache.dtype != self.k.dtype
+                or self.num_heads not in (None, query.shape[1])):
+            return []
+        return long_chunks(meta, k_cache, self.first_chunk_tokens)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
                seq_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -263,6 +273,7 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
     and flash once (its kernels load on first use); returns the plans run."""
     _, kv_heads, head_dim = g.k.shape
     group = num_heads // kv_heads
+    g.num_heads = num_heads
     shapes = g.shapes(max_tokens)
     g.k.zero_(), g.v.zero_()
     for rows, head in shapes:

@@ -228,7 +228,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     if nd < ns:
         q_lens = meta.query_lens_cpu
         gathered = gathered_prefill.active(k_cache.device)
-        long = gathered_prefill.long_chunks(meta, k_cache, gathered.first_chunk_tokens) if gathered is not None else []
+        long = gathered.chunks(meta, query, k_cache) if gathered is not None else []
         for first, count in gathered_prefill.other_ranges(nd, ns, long):
             max_q = max(q_lens[first:first + count]) if q_lens is not None else meta.max_query_len
             paged_prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,

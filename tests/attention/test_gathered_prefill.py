@@ -72,6 +72,23 @@ def test_which_chunks_take_the_path(small_buckets):
     assert gp.other_ranges(1, 6, []) == [(1, 5)]
 
 
+def test_only_the_pool_layout_and_heads_it_was_built_for_take_the_path(small_buckets):
+    """GatheredPrefill.chunks (what paged_attention routes by): another model's attention on the
+    device (a draft model's pool: other KV heads, head size or dtype; or other query heads than
+    the warmed plans') keeps its chunks on the Triton kernels."""
+    shapes = [(3, 1), (50, 2), (39, 8), (40, 4), (0, 60), (45, 5)]
+    g = gp.GatheredPrefill(128, 2, 8, torch.float32, torch.device("cpu"), math_prefix, math_flash, math_causal,
+                           first_chunk_tokens=20)
+
+    def chunks(H=4, Hkv=2, D=8, dtype=torch.float32):
+        batch = make_batch(shapes, 1, H=H, Hkv=Hkv, D=D, block_size=8)
+        return g.chunks(batch.meta, batch.query, batch.k_cache.to(dtype))
+    assert chunks() == [3, 4, 5] == chunks(H=6)  # before the warm-up: any query heads
+    assert chunks(Hkv=1) == chunks(D=16) == chunks(dtype=torch.float16) == []
+    gp.warm_up_plans(g, max_tokens=24, num_heads=4, scale=0.5)  # plans for 4 query heads
+    assert chunks() == [3, 4, 5] and chunks(H=6) == []
+
+
 def test_plan_shapes_cover_every_chunk(small_buckets):
     """Every (chunk, context) the path takes lands on a shape warm_up_plans builds."""
     g = gp.GatheredPrefill(200, 1, 8, torch.float32, torch.device("cpu"))
