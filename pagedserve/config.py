@@ -48,6 +48,10 @@ class SchedulerConfig:
     preemption_mode: str = "auto"
     # vLLM's: a prefill with more tokens left than this takes at most this many a step (0: off).
     long_prefill_token_threshold: int = 0
+    # K > 0: a prefill token after P earlier tokens of its sequence costs 1 + P / K of the step's
+    # budget (core/chunk_cost.py); the engine sets K from the model's shape
+    # (EngineConfig.long_prefill_budget_by_cost). 0: every token costs 1.
+    attention_cost_context: int = 0
     # Costs for preemption_mode="auto": moving one block over PCIe both ways against recomputing
     # one token. The engine replaces both with the runner's measurements in every CUDA setup
     # (num_gpu_blocks_override or not); these constants remain only on CPU, unless
@@ -70,6 +74,8 @@ class SchedulerConfig:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
+        if self.attention_cost_context < 0:
+            raise ValueError(f"attention_cost_context must be >= 0 (0: off), got {self.attention_cost_context}")
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
@@ -160,6 +166,12 @@ class EngineConfig:
     long_prefill_token_threshold: int = option(0, "a prompt with more tokens left than this prefills at "
                                                   "most this many a step, so decodes beside a very long "
                                                   "prompt wait less per step (vLLM's; 0: off)")
+    long_prefill_budget_by_cost: bool = option(False, "count a prefill token's attention over the context "
+                                                      "before it against max_num_batched_tokens (a token "
+                                                      "after P earlier ones counts 1 + P/K, K from the "
+                                                      "model's shape: ~27k tokens for Llama-3.1-8B), so "
+                                                      "chunks deep in a long prompt are shorter and the "
+                                                      "decodes beside it wait less per step (not vLLM's)")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     cudagraph_mode: str = option("piecewise", "decode: CUDA graphs for decode-only steps, steps with "
                                               "prefill tokens eager; piecewise: also graphs for those "
@@ -244,6 +256,8 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
+        if self.long_prefill_budget_by_cost and not self.enable_chunked_prefill:
+            raise ValueError("long_prefill_budget_by_cost needs enable_chunked_prefill (it sizes prefill chunks)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

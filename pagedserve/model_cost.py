@@ -85,6 +85,12 @@ class ModelCost:
                    dense_params=linear + routers + lm_head, expert_params=sparse * expert,
                    fp8_matmul_params=(linear + sparse * top_k * expert) if fp8_weights else 0)
 
+    def attention_cost_context(self) -> int:
+        """K: the context length at which one token's attention over it (attn_flops_per_pair per
+        earlier token) costs as many FLOPs as its matmuls (2 per parameter touched, lm head aside:
+        a prefill samples only its last token)."""
+        return max(1, round(2 * self.matmul_params / self.attn_flops_per_pair))
+
     @classmethod
     def for_engine(cls, engine) -> "ModelCost":
         """The cost of the model an LLMEngine serves, with its weight and KV cache dtypes."""

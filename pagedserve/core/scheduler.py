@@ -40,6 +40,7 @@ from typing import Iterable
 
 from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.admission import Admission
+from pagedserve.core.chunk_cost import chunk_cost, longest_chunk
 from pagedserve.core.contiguous import ContiguousKVCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.plan import ScheduledSequence, SchedulerOutput
@@ -335,14 +336,20 @@ class Scheduler(Admission, Preemption):
     def _schedule_prefill(self, group: SequenceGroup, seq: Sequence, scheduled: list, out: SchedulerOutput) -> None:
         todo = seq.num_uncomputed_tokens
         n = min(todo, self._budget)
-        cap = self.scheduler_config.long_prefill_token_threshold
-        if 0 < cap < n and self.scheduler_config.enable_chunked_prefill:
+        cfg = self.scheduler_config
+        cap = cfg.long_prefill_token_threshold
+        if 0 < cap < n and cfg.enable_chunked_prefill:
             n = cap  # a long prompt's chunk is capped (vLLM's long_prefill_token_threshold)
-        if n <= 0 or (n < todo and not self.scheduler_config.enable_chunked_prefill):
+        k, cost = cfg.attention_cost_context, 0
+        if k and n > 0:  # the chunk's attention over its context counts too (core/chunk_cost.py)
+            n = longest_chunk(seq.num_computed_tokens, n, self._budget, k)
+            cost = chunk_cost(seq.num_computed_tokens, n, k)
+        if n <= 0 or (n < todo and not cfg.enable_chunked_prefill):
             return
         if not self.kv_cache_manager.can_append_slots([(seq, n)]):
             return
         scheduled.append(self._run(group, seq, n, out))
+        self._budget -= max(0, cost - n)  # _run took n
 
     def _finish_full(self, group: SequenceGroup) -> None:
         """The group alone outgrew the whole device cache: end it as if it hit max_model_len

@@ -34,6 +34,7 @@ from pagedserve.engine.structured import StructuredOutputs
 from pagedserve.engine.speculation import Speculator, can_speculate
 from pagedserve.engine.token_application import TokenApplication
 from pagedserve.layers.sampler import Sampler, needs_only_temperature
+from pagedserve.model_cost import ModelCost
 from pagedserve.models.loader import get_max_model_len, load_hf_config, resolve_dtype
 from pagedserve.outputs import BeamSearchOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
@@ -92,6 +93,9 @@ class LLMEngine(StepPipeline, TokenApplication):
                                         kv_allocator=config.kv_allocator,
                                         cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype, self.dtype))
         self.scheduler_config = config.scheduler_config(max_model_len)
+        if config.long_prefill_budget_by_cost:
+            self.scheduler_config.attention_cost_context = ModelCost.from_hf_config(
+                self.hf_config).attention_cost_context()
         for measured in ("recompute_seconds_per_token", "swap_seconds_per_block"):
             if measured in self.runner.profile:  # see ModelRunner.measures_costs for when they are absent
                 setattr(self.scheduler_config, measured, self.runner.profile[measured])

@@ -76,6 +76,31 @@ def test_greedy_with_long_prefill_token_threshold(tiny_model_dir):
     assert max(chunks) == 5 and len(chunks) > len(prompt_ids(model_dir))
 
 
+def test_greedy_with_long_prefill_budget_by_cost(tiny_model_dir):
+    """long_prefill_budget_by_cost: the scheduler gets K from the model's shape (model_cost), each
+    step's decodes plus its chunks' costs (their attention over their context counted) stay within
+    the token budget, and the tokens are HF's."""
+    from pagedserve.core.chunk_cost import chunk_cost
+    from pagedserve.model_cost import ModelCost
+    model_dir = tiny_model_dir("llama")
+    llm = make_llm(model_dir, block_size=4, max_num_batched_tokens=16, long_prefill_budget_by_cost=True)
+    engine = llm.llm_engine
+    k = engine.scheduler_config.attention_cost_context
+    assert k == ModelCost.from_hf_config(engine.hf_config).attention_cost_context() > 0
+    sched, steps = engine.scheduler, []
+    schedule = sched.schedule
+
+    def spy():
+        out = schedule()
+        steps.append([(x.is_decode, x.start, x.num_new_tokens) for x in out.scheduled])
+        return out
+    sched.schedule = spy
+    _check(llm, model_dir, prompt_ids(model_dir))
+    costs = [sum(n if dec else chunk_cost(start, n, k) for dec, start, n in st) for st in steps]
+    assert max(costs) <= 16
+    assert any(chunk_cost(start, n, k) > n for st in steps for dec, start, n in st if not dec)
+
+
 @pytest.mark.parametrize("prefix_caching,async_scheduling", [(True, True), (False, True), (True, False)])
 def test_greedy_prefix_caching_on_off(tiny_model_dir, prefix_caching, async_scheduling):
     model_dir = tiny_model_dir("mistral")
