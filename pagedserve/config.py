@@ -52,6 +52,9 @@ class SchedulerConfig:
     # budget (core/chunk_cost.py); the engine sets K from the model's shape
     # (EngineConfig.long_prefill_budget_by_cost). 0: every token costs 1.
     attention_cost_context: int = 0
+    # N > 0: a prefill chunk cut short by the budget ends on a multiple of N where that leaves it
+    # any tokens (core/scheduler.py _schedule_prefill). 0: off.
+    long_prefill_chunk_align: int = 0
     # Costs for preemption_mode="auto": moving one block over PCIe both ways against recomputing
     # one token. The engine replaces both with the runner's measurements in every CUDA setup
     # (num_gpu_blocks_override or not); these constants remain only on CPU, unless
@@ -76,6 +79,8 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
         if self.attention_cost_context < 0:
             raise ValueError(f"attention_cost_context must be >= 0 (0: off), got {self.attention_cost_context}")
+        if self.long_prefill_chunk_align < 0:
+            raise ValueError(f"long_prefill_chunk_align must be >= 0 (0: off), got {self.long_prefill_chunk_align}")
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
@@ -172,6 +177,12 @@ class EngineConfig:
                                                       "model's shape: ~27k tokens for Llama-3.1-8B), so "
                                                       "chunks deep in a long prompt are shorter and the "
                                                       "decodes beside it wait less per step (not vLLM's)")
+    long_prefill_chunk_align: int = option(0, "a prefill chunk cut short by the token budget ends on a "
+                                              "multiple of this many tokens where that leaves it any "
+                                              "(the rest follows in the next step, beside the decodes): "
+                                              "with decodes in every step, a long prompt's chunks then "
+                                              "start on the Hopper long-prefill path's 8,192-token "
+                                              "prefix buckets (0: off; not vLLM's)")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     cudagraph_mode: str = option("piecewise", "decode: CUDA graphs for decode-only steps, steps with "
                                               "prefill tokens eager; piecewise: also graphs for those "
@@ -256,6 +267,8 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
+        if self.long_prefill_chunk_align < 0:
+            raise ValueError(f"long_prefill_chunk_align must be >= 0 (0: off), got {self.long_prefill_chunk_align}")
         if self.long_prefill_budget_by_cost and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_budget_by_cost needs enable_chunked_prefill (it sizes prefill chunks)")
         if self.dtype not in DTYPES:
@@ -338,4 +351,5 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
+            long_prefill_chunk_align=self.long_prefill_chunk_align,
         )

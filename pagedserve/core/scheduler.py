@@ -340,10 +340,17 @@ class Scheduler(Admission, Preemption):
         cap = cfg.long_prefill_token_threshold
         if 0 < cap < n and cfg.enable_chunked_prefill:
             n = cap  # a long prompt's chunk is capped (vLLM's long_prefill_token_threshold)
-        k, cost = cfg.attention_cost_context, 0
+        start, k, cost = seq.num_computed_tokens, cfg.attention_cost_context, 0
         if k and n > 0:  # the chunk's attention over its context counts too (core/chunk_cost.py)
-            n = longest_chunk(seq.num_computed_tokens, n, self._budget, k)
-            cost = chunk_cost(seq.num_computed_tokens, n, k)
+            n = longest_chunk(start, n, self._budget, k)
+        align = cfg.long_prefill_chunk_align
+        if align and 0 < n < todo and (start + n) // align * align > start:
+            # Cut short by the budget: end on a bucket, the rest in the next step. Decodes take a
+            # few tokens of every step's budget, so unaligned chunks would drift off the long-prefill
+            # path's prefix buckets and leave up to a bucket of each prefix to a slower kernel.
+            n = (start + n) // align * align - start
+        if k and n > 0:
+            cost = chunk_cost(start, n, k)
         if n <= 0 or (n < todo and not cfg.enable_chunked_prefill):
             return
         if not self.kv_cache_manager.can_append_slots([(seq, n)]):

@@ -82,6 +82,34 @@ def test_long_prefill_token_threshold_caps_a_long_prompts_chunk():
         SchedulerConfig(long_prefill_token_threshold=-1)
 
 
+@pytest.mark.parametrize("align", [0, 8, 16])
+def test_long_prefill_chunk_align_keeps_chunks_on_buckets_beside_decodes(align):
+    """long_prefill_chunk_align=N: with a decode taking a token of every step's budget (10), a
+    long prompt's chunk that the budget cuts short ends on a multiple of N where that leaves it any
+    tokens, so the full chunks start on buckets; the last one (all that is left) is not cut; off,
+    the chunks drift (9, 9, 9, ...)."""
+    s = make_scheduler(128, max_num_batched_tokens=10, long_prefill_chunk_align=align)
+    dec, long_ = make_group("d", [1, 2], max_tokens=60), make_group("l", list(range(100, 140)))
+    s.add_seq_group(dec)
+    d = Driver(s)
+    d.step()
+    s.add_seq_group(long_)
+    chunks = []
+    while sum(n for _, n in chunks) < 40:
+        out = d.step()
+        check_invariants(s)
+        assert out.scheduled[0].group is dec and out.scheduled[0].num_new_tokens == 1
+        chunks += [(x.start, x.num_new_tokens) for x in out.scheduled if x.group is long_]
+    if align == 8:  # a bucket under the budget: every chunk is one
+        assert chunks == [(0, 8), (8, 8), (16, 8), (24, 8), (32, 8)]
+    elif align == 16:  # over it: a short chunk to the bucket, then a full one from it
+        assert chunks == [(0, 9), (9, 7), (16, 9), (25, 7), (32, 8)]
+    else:
+        assert chunks == [(0, 9), (9, 9), (18, 9), (27, 9), (36, 4)]
+    with pytest.raises(ValueError, match="long_prefill_chunk_align must be >= 0"):
+        SchedulerConfig(long_prefill_chunk_align=-1)
+
+
 def test_no_chunking_when_disabled():
     s = make_scheduler(64, max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
     a, b = make_group("a", prompt(10)), make_group("b", prompt(10, 50))

@@ -76,6 +76,25 @@ def test_greedy_with_long_prefill_token_threshold(tiny_model_dir):
     assert max(chunks) == 5 and len(chunks) > len(prompt_ids(model_dir))
 
 
+def test_greedy_with_long_prefill_chunk_align(tiny_model_dir):
+    """long_prefill_chunk_align reaches the scheduler: a prompt's chunks that the budget cut short
+    end on multiples of 4, and the tokens are HF's."""
+    model_dir = tiny_model_dir("llama")
+    llm = make_llm(model_dir, block_size=4, max_num_batched_tokens=7, long_prefill_chunk_align=4)
+    sched, chunks = llm.llm_engine.scheduler, []
+    assert sched.scheduler_config.long_prefill_chunk_align == 4
+    schedule = sched.schedule
+
+    def spy():
+        out = schedule()
+        chunks.extend((x.start, x.num_new_tokens, x.do_sample) for x in out.scheduled if not x.is_decode)
+        return out
+    sched.schedule = spy
+    _check(llm, model_dir, prompt_ids(model_dir))
+    cut = [(start, n) for start, n, last in chunks if not last]  # not a prompt's last chunk
+    assert cut and all((start + n) % 4 == 0 or (start + n) // 4 * 4 <= start for start, n in cut)
+
+
 def test_greedy_with_long_prefill_budget_by_cost(tiny_model_dir):
     """long_prefill_budget_by_cost: the scheduler gets K from the model's shape (model_cost), each
     step's decodes plus its chunks' costs (their attention over their context counted) stay within
