@@ -1,15 +1,15 @@
 """Engine configuration: dataclasses validated once, at construction.
 
 EngineConfig holds every `LLM(...)` argument; the core only ever sees the two
-small torch-free pieces it needs, CacheConfig and SchedulerConfig.
+small torch-free pieces it needs, CacheConfig and SchedulerConfig (core/config.py).
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
 
-KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
-PREEMPTION_MODES = ("auto", "recompute", "swap")
+from pagedserve.core.config import KV_ALLOCATORS, PREEMPTION_MODES, CacheConfig, SchedulerConfig
+
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 # Whitespace characters a JSON grammar allows in one gap (engine/structured/compiler.parse_spec);
 # 0: unbounded, as vLLM. Not bounded by default: on the H200 at 3333762 a bound of 20 took the
@@ -21,66 +21,6 @@ CUDAGRAPH_MODES = ("decode", "piecewise", "full")
 # these lists equal to the registries there, which config must not import).
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
-
-
-@dataclass
-class CacheConfig:
-    block_size: int = 16
-    num_gpu_blocks: int = 0          # filled in by the runner (profiling or override)
-    num_cpu_blocks: int = 0          # from swap_space
-    enable_prefix_caching: bool = True
-    kv_allocator: str = "paged"
-    cache_dtype: str = "auto"        # the pools' element type by name (bfloat16, fp8_e4m3, ...), for stats
-
-    def __post_init__(self) -> None:
-        if self.block_size < 1 or self.block_size > 1024:
-            raise ValueError(f"block_size must be in [1, 1024], got {self.block_size}")
-        if self.kv_allocator not in KV_ALLOCATORS:
-            raise ValueError(f"kv_allocator must be one of {KV_ALLOCATORS}, got {self.kv_allocator!r}")
-
-
-@dataclass
-class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 4096
-    enable_chunked_prefill: bool = True
-    preemption_mode: str = "auto"
-    # vLLM's: a prefill with more tokens left than this takes at most this many a step (0: off).
-    long_prefill_token_threshold: int = 0
-    # K > 0: a prefill token after P earlier tokens of its sequence costs 1 + P / K of the step's
-    # budget (core/chunk_cost.py); the engine sets K from the model's shape
-    # (EngineConfig.long_prefill_budget_by_cost). 0: every token costs 1.
-    attention_cost_context: int = 0
-    # N > 0: a prefill chunk cut short by the budget ends on a multiple of N where that leaves it
-    # any tokens (core/scheduler.py _schedule_prefill). 0: off.
-    long_prefill_chunk_align: int = 0
-    # Costs for preemption_mode="auto": moving one block over PCIe both ways against recomputing
-    # one token. The engine replaces both with the runner's measurements in every CUDA setup
-    # (num_gpu_blocks_override or not); these constants remain only on CPU, unless
-    # PAGEDSERVE_PROFILE_ON_CPU=1 measures there too (ModelRunner.measures_costs).
-    swap_seconds_per_block: float = 2e-5
-    recompute_seconds_per_token: float = 5e-5
-
-    def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
-        if self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
-                f"({self.max_model_len}) when chunked prefill is off")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
-        if self.attention_cost_context < 0:
-            raise ValueError(f"attention_cost_context must be >= 0 (0: off), got {self.attention_cost_context}")
-        if self.long_prefill_chunk_align < 0:
-            raise ValueError(f"long_prefill_chunk_align must be >= 0 (0: off), got {self.long_prefill_chunk_align}")
 
 
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")

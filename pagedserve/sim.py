@@ -18,7 +18,7 @@ from types import SimpleNamespace
 from typing import Callable
 
 from pagedserve.model_cost import ModelCost, experts_touched
-from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.config import CacheConfig, SchedulerConfig
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus

@@ -17,7 +17,7 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
-from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.config import CacheConfig, SchedulerConfig
 from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine.output_processor import OutputProcessor

@@ -38,9 +38,9 @@ import itertools
 from collections import deque
 from typing import Iterable
 
-from pagedserve.config import CacheConfig, SchedulerConfig
 from pagedserve.core.admission import Admission
 from pagedserve.core.chunk_cost import chunk_cost, longest_chunk
+from pagedserve.core.config import CacheConfig, SchedulerConfig
 from pagedserve.core.contiguous import ContiguousKVCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
 from pagedserve.core.plan import ScheduledSequence, SchedulerOutput

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Iterable
 
-from pagedserve.config import CacheConfig
+from pagedserve.core.config import CacheConfig
 from pagedserve.sampling_params import SamplingParams
 
 

@@ -19,7 +19,8 @@ from typing import Any, Iterable
 import torch
 
 from pagedserve.attention.kv_quant import kv_cache_dtype_name
-from pagedserve.config import CacheConfig, EngineConfig
+from pagedserve.config import EngineConfig
+from pagedserve.core.config import CacheConfig
 from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.core.scheduler import Scheduler
 from pagedserve.engine import prompt_logprobs

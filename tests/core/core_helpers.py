@@ -2,7 +2,7 @@
 shadow the KV memory like the runner would, and check the docs/design.md invariants."""
 from __future__ import annotations
 
-from pagedserve.config import CacheConfig, SchedulerConfig
+from pagedserve.core.config import CacheConfig, SchedulerConfig
 from pagedserve.core.block_pool import CACHED, FREE, SHARED, USED
 from pagedserve.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedserve.core.plan import SchedulerOutput

@@ -2,8 +2,9 @@
 scheduler under SchedulerConfig.attention_cost_context."""
 import pytest
 
-from pagedserve.config import EngineConfig, SchedulerConfig
+from pagedserve.config import EngineConfig
 from pagedserve.core.chunk_cost import CHUNK_ALIGN, chunk_cost, longest_chunk
+from pagedserve.core.config import SchedulerConfig
 
 from core_helpers import Driver, check_invariants, make_group, make_scheduler
 

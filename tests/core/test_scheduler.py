@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from pagedserve.config import SchedulerConfig
+from pagedserve.core.config import SchedulerConfig
 from pagedserve.sequence import SequenceStatus
 
 from core_helpers import Driver, check_invariants, make_group, make_scheduler

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from pagedserve.config import CacheConfig
+from pagedserve.core.config import CacheConfig
 from pagedserve.demo_model import DEMO_MODEL_DIR
 from pagedserve.engine.input_processor import InputProcessor, split_prompt
 

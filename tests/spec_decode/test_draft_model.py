@@ -244,7 +244,7 @@ def test_factory_builds_it_from_the_engine(model_dir, hf):
     the pool matches the engine's token capacity (its KV pool's blocks x block size)."""
     from types import SimpleNamespace
 
-    from pagedserve.config import CacheConfig
+    from pagedserve.core.config import CacheConfig
     from pagedserve.models.loader import load_hf_config
     from pagedserve.spec_decode.config import SpeculativeConfig
     from pagedserve.spec_decode.factory import make_proposer
