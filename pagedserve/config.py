@@ -111,8 +111,9 @@ class EngineConfig:
     long_prefill_token_threshold: int = option(0, "a prompt with more tokens left than this prefills at "
                                                   "most this many a step, so decodes beside a very long "
                                                   "prompt wait less per step (vLLM's; 0: off)")
-    long_prefill_budget_by_cost: bool = option(False, "count a prefill token's attention over the context "
-                                                      "before it against max_num_batched_tokens (a token "
+    long_prefill_budget_by_cost: bool = option(False, "in steps with decodes, count a prefill token's "
+                                                      "attention over the context before it against "
+                                                      "max_num_batched_tokens (a token "
                                                       "after P earlier ones counts 1 + P/K, K from the "
                                                       "model's shape: ~27k tokens for Llama-3.1-8B), so "
                                                       "chunks deep in a long prompt are shorter and the "

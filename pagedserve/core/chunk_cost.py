@@ -7,7 +7,9 @@ its context grows: on the H200 an 8,192-token chunk of Llama-3.1-8B takes ~0.1 s
 long for its next token. Counting a token after P earlier ones as 1 + P / K units of the budget
 (K: the context at which its attention costs as much as its matmuls, model_cost.py) keeps each
 step near the time of a budget's worth of context-free tokens: the late chunks get shorter, there
-are more of them, and the decodes beside them get a token each time.
+are more of them, and the decodes beside them get a token each time. The scheduler counts costs only
+in steps with a decode (or a speculative row): with nobody waiting for a token, whole chunks
+prefill fastest.
 
 A chunk of c tokens after P costs sum over j < c of (1 + (P + j) / K) = c + (c * P + c * (c - 1) / 2) / K.
 """

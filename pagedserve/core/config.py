@@ -33,8 +33,8 @@ class SchedulerConfig:
     preemption_mode: str = "auto"
     # vLLM's: a prefill with more tokens left than this takes at most this many a step (0: off).
     long_prefill_token_threshold: int = 0
-    # K > 0: a prefill token after P earlier tokens of its sequence costs 1 + P / K of the step's
-    # budget (core/chunk_cost.py); the engine sets K from the model's shape
+    # K > 0: in a step with a decode, a prefill token after P earlier tokens of its sequence costs
+    # 1 + P / K of the step's budget (core/chunk_cost.py); the engine sets K from the model's shape
     # (EngineConfig.long_prefill_budget_by_cost). 0: every token costs 1.
     attention_cost_context: int = 0
     # N > 0: a prefill chunk cut short by the budget ends on a multiple of N where that leaves it

@@ -73,14 +73,50 @@ def test_scheduler_sizes_prefill_chunks_by_cost():
 
 
 def test_a_chunks_cost_comes_off_the_budget_of_later_prompts():
-    """The budget a costly chunk used is gone for the prompt after it (it gets what is left, by
-    its own cost), not only the chunk's token count."""
-    s = make_scheduler(128, max_num_batched_tokens=40, attention_cost_context=10)
+    """Beside a decode, the budget a costly chunk used is gone for the prompt after it (it gets what
+    is left, by its own cost), not only the chunk's token count."""
+    s = make_scheduler(128, max_num_batched_tokens=41, attention_cost_context=10)
+    s.add_seq_group(make_group("d", [1, 2], max_tokens=8))
+    d = Driver(s)
+    d.step()  # d's prompt; it decodes from now on
     s.add_seq_group(make_group("l", list(range(100, 160))))
     s.add_seq_group(make_group("o", list(range(300, 305))))
-    out = Driver(s).step()
+    out = d.step()
     assert chunk_cost(0, 20, 10) == 39 and chunk_cost(0, 21, 10) > 40
-    assert [(x.group.request_id, x.start, x.num_new_tokens) for x in out.scheduled] == [("l", 0, 20), ("o", 0, 1)]
+    assert [(x.group.request_id, x.start, x.num_new_tokens) for x in out.scheduled] == \
+        [("d", 2, 1), ("l", 0, 20), ("o", 0, 1)]
+
+
+def test_without_decodes_chunks_take_the_whole_budget():
+    """Costs count only in steps with a decode: prompts alone (nobody waits for a token) are cut by
+    tokens, as without costs; once a decode runs beside the prompt, its chunks are cut by cost."""
+    k, budget = 10, 16
+    s = make_scheduler(128, max_num_batched_tokens=budget, attention_cost_context=k)
+    long_ = make_group("l", list(range(100, 160)))
+    s.add_seq_group(long_)
+    d = Driver(s)
+    plain = make_scheduler(128, max_num_batched_tokens=budget)
+    plain.add_seq_group(make_group("l", list(range(100, 160))))
+    d_plain = Driver(plain)
+    for _ in range(2):
+        got, want = d.step(), d_plain.step()
+        assert [(x.start, x.num_new_tokens) for x in got.scheduled] == \
+            [(x.start, x.num_new_tokens) for x in want.scheduled] == [(got.scheduled[0].start, budget)]
+    # A prompt beside another's prompt (no decode yet): by tokens; beside its decode: by cost.
+    s = make_scheduler(128, max_num_batched_tokens=budget, attention_cost_context=k)
+    s.add_seq_group(make_group("d", [1, 2], max_tokens=40))
+    s.add_seq_group(long_ := make_group("l", list(range(100, 160))))
+    d = Driver(s)
+    assert [(x.group.request_id, x.start, x.num_new_tokens) for x in d.step().scheduled] == \
+        [("d", 0, 2), ("l", 0, budget - 2)]
+    out = d.step()
+    assert [(x.group.request_id, x.is_decode) for x in out.scheduled] == [("d", True), ("l", False)]
+    n = out.scheduled[1].num_new_tokens
+    assert n == longest_chunk(budget - 2, 60 - (budget - 2), budget - 1, k) < budget - 1
+    check_invariants(s)
+
+
+def test_config_checks():
     with pytest.raises(ValueError, match="attention_cost_context must be >= 0"):
         SchedulerConfig(attention_cost_context=-1)
     with pytest.raises(ValueError, match="long_prefill_budget_by_cost needs enable_chunked_prefill"):
