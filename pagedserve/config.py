@@ -111,19 +111,21 @@ class EngineConfig:
     long_prefill_token_threshold: int = option(0, "a prompt with more tokens left than this prefills at "
                                                   "most this many a step, so decodes beside a very long "
                                                   "prompt wait less per step (vLLM's; 0: off)")
-    long_prefill_budget_by_cost: bool = option(False, "in steps with decodes, count a prefill token's "
-                                                      "attention over the context before it against "
-                                                      "max_num_batched_tokens (a token "
-                                                      "after P earlier ones counts 1 + P/K, K from the "
-                                                      "model's shape: ~27k tokens for Llama-3.1-8B), so "
-                                                      "chunks deep in a long prompt are shorter and the "
-                                                      "decodes beside it wait less per step (not vLLM's)")
-    long_prefill_chunk_align: int = option(0, "a prefill chunk cut short by the token budget ends on a "
-                                              "multiple of this many tokens where that leaves it any "
-                                              "(the rest follows in the next step, beside the decodes): "
-                                              "with decodes in every step, a long prompt's chunks then "
-                                              "start on the Hopper long-prefill path's 8,192-token "
-                                              "prefix buckets (0: off; not vLLM's)")
+    long_prefill_budget_by_cost: bool | None = option(None, "in steps with decodes, count a prefill token's "
+                                                             "attention over the context before it against "
+                                                             "max_num_batched_tokens (a token after P earlier "
+                                                             "ones counts 1 + P/K, K from the model's shape: "
+                                                             "~27k tokens for Llama-3.1-8B; prompts of 8,192+ "
+                                                             "tokens), so chunks deep in a long prompt are "
+                                                             "shorter and the decodes beside it wait less per "
+                                                             "step (default: on where the Hopper long-prefill "
+                                                             "path is on; not vLLM's)")
+    long_prefill_chunk_align: int | None = option(None, "a prefill chunk cut short by the token budget ends on "
+                                                        "a multiple of this many tokens where that leaves it "
+                                                        "any (the rest follows in the next step, beside the "
+                                                        "decodes), so a long prompt's chunks start on the "
+                                                        "Hopper long-prefill path's prefix buckets (default: "
+                                                        "8,192 where that path is on, else 0: off; not vLLM's)")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     cudagraph_mode: str = option("piecewise", "decode: CUDA graphs for decode-only steps, steps with "
                                               "prefill tokens eager; piecewise: also graphs for those "
@@ -208,7 +210,7 @@ class EngineConfig:
             raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
-        if self.long_prefill_chunk_align < 0:
+        if self.long_prefill_chunk_align is not None and self.long_prefill_chunk_align < 0:
             raise ValueError(f"long_prefill_chunk_align must be >= 0 (0: off), got {self.long_prefill_chunk_align}")
         if self.long_prefill_budget_by_cost and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_budget_by_cost needs enable_chunked_prefill (it sizes prefill chunks)")
@@ -292,5 +294,5 @@ class EngineConfig:
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
-            long_prefill_chunk_align=self.long_prefill_chunk_align,
+            long_prefill_chunk_align=self.long_prefill_chunk_align or 0,  # None: the engine's pick
         )

@@ -37,6 +37,9 @@ class SchedulerConfig:
     # 1 + P / K of the step's budget (core/chunk_cost.py); the engine sets K from the model's shape
     # (EngineConfig.long_prefill_budget_by_cost). 0: every token costs 1.
     attention_cost_context: int = 0
+    # Costs count only for sequences of at least this many tokens (the engine sets
+    # chunk_cost.COST_MIN_TOKENS): shorter prompts are chunked by tokens alone.
+    attention_cost_min_tokens: int = 0
     # N > 0: a prefill chunk cut short by the budget ends on a multiple of N where that leaves it
     # any tokens (core/scheduler.py _schedule_prefill). 0: off.
     long_prefill_chunk_align: int = 0

@@ -343,7 +343,9 @@ class Scheduler(Admission, Preemption):
         start, k, cost = seq.num_computed_tokens, cfg.attention_cost_context, 0
         # Costs count only beside a decode (they come first in `scheduled`): they bound how long it
         # waits for its token; a step of prefills alone keeps whole chunks, the fastest prefill.
-        if k and not any(x.is_decode or x.num_lookahead for x in scheduled):
+        # Nor for short sequences (attention_cost_min_tokens), whose chunks never cost much.
+        if k and (seq.num_tokens < cfg.attention_cost_min_tokens
+                  or not any(x.is_decode or x.num_lookahead for x in scheduled)):
             k = 0
         if k and n > 0:  # the chunk's attention over its context counts too (core/chunk_cost.py)
             n = longest_chunk(start, n, self._budget, k)

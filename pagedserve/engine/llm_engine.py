@@ -20,6 +20,7 @@ import torch
 
 from pagedserve.attention.kv_quant import kv_cache_dtype_name
 from pagedserve.config import EngineConfig
+from pagedserve.core.chunk_cost import COST_MIN_TOKENS
 from pagedserve.core.config import CacheConfig
 from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.core.scheduler import Scheduler
@@ -94,9 +95,16 @@ class LLMEngine(StepPipeline, TokenApplication):
                                         kv_allocator=config.kv_allocator,
                                         cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype, self.dtype))
         self.scheduler_config = config.scheduler_config(max_model_len)
-        if config.long_prefill_budget_by_cost:
+        # Unset (None), the two long-prompt chunk rules follow the Hopper long-prefill path: on where
+        # the runner turned it on (it reports the path's prefix bucket), where they were measured.
+        bucket = int(self.runner.profile.get("long_prefill_bucket", 0))
+        by_cost = config.long_prefill_budget_by_cost
+        if by_cost or (by_cost is None and bucket and config.enable_chunked_prefill):
             self.scheduler_config.attention_cost_context = ModelCost.from_hf_config(
                 self.hf_config).attention_cost_context()
+            self.scheduler_config.attention_cost_min_tokens = COST_MIN_TOKENS
+        if config.long_prefill_chunk_align is None:
+            self.scheduler_config.long_prefill_chunk_align = bucket
         for measured in ("recompute_seconds_per_token", "swap_seconds_per_block"):
             if measured in self.runner.profile:  # see ModelRunner.measures_costs for when they are absent
                 setattr(self.scheduler_config, measured, self.runner.profile[measured])

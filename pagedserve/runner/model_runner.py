@@ -121,7 +121,7 @@ class ModelRunner:
     def vocab_size(self) -> int:
         return self.hf_config.vocab_size
 
-    # --- model -----------------------------------------------------------------------------------------------
+    # --- model ---
     def load_model(self) -> nn.Module:
         fmt = self.config.load_format
         self.model = get_model(self.hf_config, model_dir=self.config.model, device=self.device, dtype=self.dtype,
@@ -130,8 +130,11 @@ class ModelRunner:
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
-        # PAGEDSERVE_LONG_PREFILL: before the KV pool is sized, so that the profile counts its buffers.
-        gathered_prefill.configure(self.device, self.max_model_len, self.num_kv_heads, self.head_dim, self.kv_dtype)
+        # PAGEDSERVE_LONG_PREFILL: before the KV pool is sized, so that the profile counts its buffers;
+        # where it is on, the engine's long-prompt chunk rules follow its prefix bucket.
+        if gathered_prefill.configure(self.device, self.max_model_len, self.num_kv_heads, self.head_dim,
+                                      self.kv_dtype) is not None:
+            self.profile["long_prefill_bucket"] = gathered_prefill.PREFIX_BUCKET
         return self.model
 
     def _require(self, what: str):
@@ -140,7 +143,7 @@ class ModelRunner:
         if what == "cache" and self.cache_engine is None:
             raise RuntimeError("call init_kv_cache() first")
 
-    # --- KV cache sizing ------------------------------------------------------------------------------------
+    # --- KV cache sizing ---
     @property
     def block_bytes(self) -> int:
         self._require("model")
@@ -312,7 +315,7 @@ class ModelRunner:
         logger.info("captured %d full CUDA graphs (token buckets up to %d) in %.1f s", self.full_graphs.num_graphs,
                     self.full_graphs.buckets[-1], time.perf_counter() - t0)
 
-    # --- one step -------------------------------------------------------------------------------------------
+    # --- one step ---
     @torch.inference_mode()
     def _forward(self, inp: ModelInput, kv_caches) -> torch.Tensor:
         hidden = self.model(inp.input_ids, inp.positions, kv_caches, inp.attn_meta)

@@ -116,6 +116,27 @@ def test_without_decodes_chunks_take_the_whole_budget():
     check_invariants(s)
 
 
+def test_short_sequences_are_chunked_by_tokens():
+    """attention_cost_min_tokens=M: beside a decode, a prompt of fewer than M tokens is chunked by
+    tokens; one of M or more by cost."""
+    k, budget = 10, 16
+    lens = {}
+    for prompt in (59, 60):
+        s = make_scheduler(128, max_num_batched_tokens=budget, attention_cost_context=k,
+                           attention_cost_min_tokens=60)
+        s.add_seq_group(make_group("d", [1, 2], max_tokens=40))
+        d = Driver(s)
+        d.step()
+        s.add_seq_group(make_group("l", list(range(100, 100 + prompt))))
+        d.step()  # l's first chunk (context 0)
+        out = d.step()
+        assert [x.is_decode for x in out.scheduled] == [True, False]
+        lens[prompt] = (out.scheduled[1].start, out.scheduled[1].num_new_tokens)
+    assert lens[59][1] == budget - 1
+    start = lens[60][0]
+    assert lens[60][1] == longest_chunk(start, 60 - start, budget - 1, k) < budget - 1
+
+
 def test_config_checks():
     with pytest.raises(ValueError, match="attention_cost_context must be >= 0"):
         SchedulerConfig(attention_cost_context=-1)
