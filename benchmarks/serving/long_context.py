@@ -278,16 +278,11 @@ def engine_runs(work: Path, engine: str) -> dict:
     return runs
 
 
-def phase_collect(args, work: Path) -> None:
-    from pagedserve.benchmark.results import write_result
-    results: dict = {}
-    for engine in ("vllm", "pagedserve"):
-        info = _load(work / f"lc_{engine}_info.json") or {}
-        runs = engine_runs(work, engine)
-        results[engine] = {"startup_seconds": info.get("startup_seconds"), "server_args": info.get("server_args"),
-                           "error": info.get("error"), "runs": runs}
+def ratios_over_vllm(ours_result: dict, vllm_result: dict) -> dict:
+    """<metric>_over_vllm_<length> of one pagedserve run against the vLLM run (None where either
+    lacks the figure), the decode gaps during the 100k prefill and the start-up."""
     ratios: dict = {}
-    ours, theirs = results["pagedserve"]["runs"], results["vllm"]["runs"]
+    ours, theirs = ours_result["runs"], vllm_result["runs"]
     for key in ("8k", "32k", "100k", "mix_short", "mix_long"):
         p, v = ours.get(key), theirs.get(key)
         for metric in ("tpot_p50", "tpot_p99", "ttft_p50", "ttft_p99", "throughput"):
@@ -297,8 +292,20 @@ def phase_collect(args, work: Path) -> None:
     for q in ("p50", "p99"):
         a, b = p.get(f"itl_{q}_during"), v.get(f"itl_{q}_during")
         ratios[f"decode_itl_{q}_during_100k_prefill_over_vllm"] = round(a / b, 3) if a and b else None
-    a, b = results["pagedserve"]["startup_seconds"], results["vllm"]["startup_seconds"]
+    a, b = ours_result["startup_seconds"], vllm_result["startup_seconds"]
     ratios["startup_seconds_over_vllm"] = round(a / b, 3) if a and b else None
+    return ratios
+
+
+def phase_collect(args, work: Path) -> None:
+    from pagedserve.benchmark.results import write_result
+    results: dict = {}
+    for engine in ("vllm", "pagedserve"):
+        info = _load(work / f"lc_{engine}_info.json") or {}
+        runs = engine_runs(work, engine)
+        results[engine] = {"startup_seconds": info.get("startup_seconds"), "server_args": info.get("server_args"),
+                           "error": info.get("error"), "runs": runs}
+    ratios = ratios_over_vllm(results["pagedserve"], results["vllm"])
     config = {"model": os.path.relpath(args.model, REPO), "max_model_len": args.max_model_len,
               "output_len": OUTPUT_LEN, "placement": "one after the other, one GPU",
               "scenarios": {k: getattr(args, k) for k in ("n8k", "rate8k", "n32k", "rate32k", "n100k", "rate100k",
@@ -313,6 +320,9 @@ def phase_collect(args, work: Path) -> None:
                                           "server_args": alt_info.get("server_args"),
                                           "env_switches": alt_info.get("env_switches"),
                                           "commit": alt_info.get("commit"), "runs": engine_runs(Path(path), "pagedserve")}
+        # Beside the headline's, not in place of them: what an alternative run's switches would give.
+        results[f"pagedserve_{label}"]["ratios_over_vllm"] = ratios_over_vllm(results[f"pagedserve_{label}"],
+                                                                              results["vllm"])
     ours_info = _load(work / "lc_pagedserve_info.json") or {}
     # The environment switches as the measured server saw them, not as this (collecting) process does.
     write_result(Path(args.output), "long_context_vs_vllm",

@@ -90,6 +90,9 @@ def test_collect_writes_the_ratios(tmp_path):
     alt_runs = result["results"]["pagedserve_pw"]
     assert alt_runs["server_args"] == "--x" and list(alt_runs["runs"]) == ["8k"]
     assert alt_runs["runs"]["8k"] == result["results"]["vllm"]["runs"]["8k"]  # the same file, the same figures
+    alt_ratios = alt_runs["ratios_over_vllm"]  # its own, beside the headline's; none where it has no figure
+    assert alt_ratios["tpot_p50_over_vllm_8k"] == alt_ratios["throughput_over_vllm_8k"] == 1.0
+    assert alt_ratios["tpot_p50_over_vllm_32k"] is None and alt_ratios["startup_seconds_over_vllm"] == round(50 / 60, 3)
     for key in ("8k", "32k", "100k", "mix_short"):
         assert ratios[f"tpot_p50_over_vllm_{key}"] == pytest.approx(0.8, abs=1e-3)
         assert ratios[f"tpot_p99_over_vllm_{key}"] == pytest.approx(0.8, abs=1e-3)
