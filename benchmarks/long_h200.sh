@@ -6,6 +6,7 @@
 #                                             # mixed-step A/B (full graph vs piecewise vs eager)
 #   SITE=/path/to/vllm-site bash benchmarks/long_h200.sh vllm     # long_context.py online, vLLM 0.26 (~9 min)
 #   bash benchmarks/long_h200.sh ours [--cudagraph-mode full]     # long_context.py online, pagedserve (~9 min)
+#   SCENARIOS="len32k len100k" ... vllm|ours                      # only those scenarios (long_context.py --scenarios)
 #   bash benchmarks/long_h200.sh collect      # -> benchmarks/results/h200/long_context.json
 #   bash benchmarks/long_h200.sh sweep        # ~4 min: prefill_sweep.py, the long-chunk attention
 #                                             # launches; $OUT/prefill_launch.env holds the picked switches
@@ -14,7 +15,7 @@
 #                                             # the prefill kernel's tma (+ws) launches, and torch SDPA
 #                                             # (cuDNN, flash) over the gathered context, split into
 #                                             # prefix + causal square (--split-baselines)
-#   bash benchmarks/long_h200.sh decode_long   # ~4 min: the decode kernel at 1/2/4 sequences of 100k tokens, plan variants
+#   bash benchmarks/long_h200.sh decode_long   # ~6 min: the decode kernel at 1/2/4 sequences of 100k and of 33k tokens, plan variants
 #   bash benchmarks/long_h200.sh prefill_ab    # ~4 min: offline long prefills, default (on Hopper: the gathered
 #                                             # path) vs PAGEDSERVE_LONG_PREFILL=off
 # vllm/ours/collect share $OUT/long_context/ (the work dir); run them in one $OUT, or copy it over.
@@ -42,13 +43,13 @@ case $MODE in
     ;;
   vllm)
     step long_context_vllm 590 python3 benchmarks/serving/long_context.py online --engines vllm \
-      --site "${SITE:?set SITE to the dir vLLM 0.26 is installed in}" --work "$WORK"
+      --site "${SITE:?set SITE to the dir vLLM 0.26 is installed in}" --work "$WORK" ${SCENARIOS:+--scenarios $SCENARIOS}
     pack ;;
   ours)
     shift
     step long_context_pagedserve 590 python3 benchmarks/serving/long_context.py online --engines pagedserve \
       --site "${SITE:?set SITE to the dir vLLM 0.26 is installed in (it supplies the server packages)}" --work "$WORK" \
-      --pagedserve-args "$*"
+      --pagedserve-args="$*" ${SCENARIOS:+--scenarios $SCENARIOS}  # '=': one flag alone would read as an option
     pack ;;
   collect)
     step long_context_collect 60 python3 benchmarks/serving/long_context.py collect --work "$WORK" \
@@ -77,7 +78,7 @@ case $MODE in
       step "$name" 180 env ${extra//,/ } bash -c 'python3 benchmarks/serving/long_context.py prefill \
         --block-size "${BLOCK:-16}" --out "$0"' "$OUT/$name.json"
     done ;;
-  decode_long)  # ~4 min, kernel-only deps: the decode kernel at 1, 2 and 4 sequences of 100k tokens, its
+  decode_long)  # ~6 min, kernel-only deps: the decode kernel at 1, 2 and 4 sequences of 100k (and 33k) tokens, its
                 # share of copy bandwidth at the planned splits and at fixed ones (2026-12-03: the
                 # plan's 512-544 programs sat just past a wave of ~396, whole waves were 10-24% faster,
                 # docs/long-context.md), and the plan's variants (--shares: the balanced share at 2-8
@@ -86,6 +87,11 @@ case $MODE in
       step "decode_long_b$b" 150 python3 benchmarks/kernels/bench_paged_decode.py --batch "$b" --context 100000 \
         --splits 12 16 24 32 48 64 96 128 --shares 2 3 4 6 8 --skip sweep,flex,blocks,prefill \
         --output "$OUT/decode_long_b$b.json"
+    done
+    for b in 1 2 4; do  # 32k contexts: ours decoded two of them at 6.8 ms a step, vLLM at 6.1 (35th session)
+      step "decode_32k_b$b" 150 python3 benchmarks/kernels/bench_paged_decode.py --batch "$b" --context 33000 \
+        --splits 12 16 24 32 48 64 --shares 2 3 4 6 8 --skip sweep,flex,blocks,prefill \
+        --output "$OUT/decode_32k_b$b.json"
     done
     for b in 16 64; do
       step "decode_short_b$b" 150 python3 benchmarks/kernels/bench_paged_decode.py --batch "$b" --context 4096 \
