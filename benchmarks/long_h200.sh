@@ -16,6 +16,7 @@
 #                                             # (cuDNN, flash) over the gathered context, split into
 #                                             # prefix + causal square (--split-baselines)
 #   bash benchmarks/long_h200.sh decode_long   # ~6 min: the decode kernel at 1/2/4 sequences of 100k and of 33k tokens, plan variants
+#   CONTEXTS=33000 bash benchmarks/long_h200.sh decode_long   # only those contexts (100000, 33000), no short rows
 #   bash benchmarks/long_h200.sh prefill_ab    # ~4 min: offline long prefills, default (on Hopper: the gathered
 #                                             # path) vs PAGEDSERVE_LONG_PREFILL=off
 # vllm/ours/collect share $OUT/long_context/ (the work dir); run them in one $OUT, or copy it over.
@@ -83,17 +84,18 @@ case $MODE in
                 # plan's 512-544 programs sat just past a wave of ~396, whole waves were 10-24% faster,
                 # docs/long-context.md), and the plan's variants (--shares: the balanced share at 2-8
                 # programs per SM, and the one-wave plan) there and at 16 and 64 x 4096 tokens
-    for b in 1 2 4; do
+    [[ " ${CONTEXTS:-100000 33000} " == *" 100000 "* ]] && for b in 1 2 4; do
       step "decode_long_b$b" 150 python3 benchmarks/kernels/bench_paged_decode.py --batch "$b" --context 100000 \
         --splits 12 16 24 32 48 64 96 128 --shares 2 3 4 6 8 --skip sweep,flex,blocks,prefill \
         --output "$OUT/decode_long_b$b.json"
     done
-    for b in 1 2 4; do  # 32k contexts: ours decoded two of them at 6.8 ms a step, vLLM at 6.1 (35th session)
+    # 32k contexts: ours decoded two of them at 6.8 ms a step, vLLM at 6.1 (35th session)
+    [[ " ${CONTEXTS:-100000 33000} " == *" 33000 "* ]] && for b in 1 2 4; do
       step "decode_32k_b$b" 150 python3 benchmarks/kernels/bench_paged_decode.py --batch "$b" --context 33000 \
-        --splits 12 16 24 32 48 64 --shares 2 3 4 6 8 --skip sweep,flex,blocks,prefill \
+        --splits 8 12 16 20 24 32 48 64 --shares 2 3 4 6 8 --skip sweep,flex,blocks,prefill \
         --output "$OUT/decode_32k_b$b.json"
     done
-    for b in 16 64; do
+    [ -n "${CONTEXTS:-}" ] || for b in 16 64; do
       step "decode_short_b$b" 150 python3 benchmarks/kernels/bench_paged_decode.py --batch "$b" --context 4096 \
         --shares 2 3 4 6 8 --skip sweep,flex,blocks,prefill --output "$OUT/decode_short_b$b.json"
     done ;;

@@ -20,7 +20,8 @@ context length every step, so the prefix is cut at its last multiple of PREFIX_B
 (2) the rest of the prefix (< PREFIX_BUCKET tokens), folded likewise, to torch's flash kernel,
     which builds no plans;
 (3) the chunk's own square, causal, padded to its query bucket (zero keys past the chunk, which a
-    real row never sees under the top-left mask) to cuDNN: one plan per query bucket. It ran on
+    real row never sees under the top-left mask) to cuDNN as grouped-query attention (SQUARE_ENV):
+    one plan per query bucket. It ran on
     flash in the second version (1.25 s of a 100k prefill, with (2): docs/long-context.md).
 The parts are merged by their log-sum-exps. A first version padded the prefix to the bucket and
 masked the pad with a broadcast bias row instead of (2): cuDNN's biased kernel ran at 256-377
@@ -51,6 +52,11 @@ MERGE_ENV = "PAGEDSERVE_LONG_PREFILL_MERGE"  # 'triton' (default) or 'torch': ho
 # earlier tokens on flash. 0: off.
 FIRST_CHUNK_ENV = "PAGEDSERVE_LONG_PREFILL_FIRST"
 FIRST_CHUNK_DEFAULT = 4096
+# How the chunk's square meets cuDNN: 'gqa' (the default) hands it the KV heads as they are (cuDNN
+# reads a KV head for each of its group's query heads); 'repeat' copies them once per query head
+# first, as until the 36th session (two [c, H, D] copies a layer: ~118 ms of a 100k prefill's
+# 7.3 s in runs/s33_prefill_profile/).
+SQUARE_ENV = "PAGEDSERVE_LONG_PREFILL_SQUARE"
 PREFIX_BUCKET = 8192
 QUERY_BUCKET = 1024
 MIN_PREFIX = 16384
@@ -78,7 +84,8 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
     long_fits = max_model_len >= MIN_PREFIX + MIN_CHUNK or (first > 0 and max_model_len >= first)
     if on and dtype in (torch.bfloat16, torch.float16) and long_fits:
         _ACTIVE[key] = GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, key,
-                                       merge_into=merge_kernel(), first_chunk_tokens=first)
+                                       merge_into=merge_kernel(), first_chunk_tokens=first,
+                                       square_gqa=square_gqa())
     return _ACTIVE.get(key)
 
 
@@ -90,6 +97,14 @@ def first_chunk_tokens() -> int:
     if not value.isdigit() or 0 < int(value) < MIN_CHUNK:
         raise ValueError(f"{FIRST_CHUNK_ENV}={value!r}: expected 0 (off) or a whole number of tokens >= {MIN_CHUNK}")
     return int(value)
+
+
+def square_gqa() -> bool:
+    """SQUARE_ENV's choice: True for 'gqa' (the default), False for 'repeat'."""
+    value = os.environ.get(SQUARE_ENV, "").strip() or "gqa"
+    if value not in ("gqa", "repeat"):
+        raise ValueError(f"{SQUARE_ENV}={value!r}: expected 'gqa' (the default) or 'repeat'")
+    return value == "gqa"
 
 
 def merge_kernel():
@@ -180,8 +195,12 @@ def heads_first(buf: torch.Tensor, start: int, end: int) -> torch.Tensor:
 
 
 def square_kv(buf: torch.Tensor, start: int, rows: int, group: int) -> torch.Tensor:
-    """Positions [start, start + rows) repeated over each KV head's group of query heads, as
-    [1, Hkv * group, rows, D] (the square is c x c: small beside the prefix)."""
+    """Positions [start, start + rows) for the square's H = Hkv * group query heads: with group 1 (the
+    default, SQUARE_ENV) the strided view [1, Hkv, rows, D], which cuDNN serves as grouped-query
+    attention (query head h reads KV head h // (H / Hkv)); else a copy repeated over each KV head's
+    group, [1, H, rows, D]."""
+    if group == 1:
+        return heads_first(buf, start, start + rows)
     return buf[start:start + rows].repeat_interleave(group, dim=1).permute(1, 0, 2).unsqueeze(0)
 
 
@@ -193,7 +212,8 @@ class GatheredPrefill:
 
     def __init__(self, max_model_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, prefix_attention=cudnn_prefix, flash_attention=flash,
-                 square_attention=cudnn_causal, merge_into=None, first_chunk_tokens: int = 0):
+                 square_attention=cudnn_causal, merge_into=None, first_chunk_tokens: int = 0,
+                 square_gqa: bool = False):
         # Past max_model_len: the square's padding (< a query bucket) and the last page's spare slots.
         length = bucket(max_model_len, QUERY_BUCKET) + QUERY_BUCKET + MAX_PAGE
         self.k = torch.empty(length, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -202,6 +222,7 @@ class GatheredPrefill:
         self.square_attention = square_attention
         self.merge_into = merge_into  # None: merge (torch ops); else merge_into(parts, out) -> out
         self.first_chunk_tokens = first_chunk_tokens  # takes()'s first_chunk
+        self.square_gqa = square_gqa  # the square's K/V as Hkv heads (SQUARE_ENV), not repeated to H
         self.max_model_len = max_model_len
         self.num_heads: int | None = None  # the query heads warm_up_plans built plans for
 
@@ -244,8 +265,9 @@ class GatheredPrefill:
                                               False, scale))
         # (3) the chunk's own square padded to rows x rows, causal (top-left; a real row never sees
         # a padded key): cuDNN, one plan per query bucket.
-        parts.append(self.square_attention(folded.view(1, H, rows, D), square_kv(self.k, prefix, rows, group),
-                                           square_kv(self.v, prefix, rows, group), scale))
+        sq = 1 if self.square_gqa else group
+        parts.append(self.square_attention(folded.view(1, H, rows, D), square_kv(self.k, prefix, rows, sq),
+                                           square_kv(self.v, prefix, rows, sq), scale))
         parts = [(o.reshape(H, rows, D), lse.reshape(H, rows)) for o, lse in parts]
         if len(parts) == 1:  # a first chunk: its square alone
             merged = parts[0][0][:, :c].transpose(0, 1)
@@ -282,7 +304,8 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
     squares = query_rows(max_tokens)
     for rows in squares:
         q = g.k.new_zeros(1, num_heads, rows, head_dim)
-        g.square_attention(q, square_kv(g.k, 0, rows, group), square_kv(g.v, 0, rows, group), scale)
+        sq = 1 if g.square_gqa else group
+        g.square_attention(q, square_kv(g.k, 0, rows, sq), square_kv(g.v, 0, rows, sq), scale)
     q = g.k.new_zeros(1, kv_heads, group * QUERY_BUCKET, head_dim)
     g.flash_attention(q, heads_first(g.k, 0, QUERY_BUCKET), heads_first(g.v, 0, QUERY_BUCKET), False, scale)
     if g.merge_into is not None:  # its kernel compiles once per part count: here, not while serving

@@ -10,6 +10,9 @@ from paged_batch import make_batch
 
 
 def math_flash(q, k, v, causal, scale):
+    """With fewer K/V heads than query heads, grouped-query attention as cuDNN's is: query head h
+    reads KV head h // (H / Hkv)."""
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = (q.float() @ k.float().transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
@@ -32,14 +35,16 @@ def small_buckets(monkeypatch):
     monkeypatch.setattr(gp, "MIN_CHUNK", 4)
 
 
+@pytest.mark.parametrize("square_gqa", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cached,new,block_size", [(40, 4, 16), (77, 13, 8), (96, 32, 16), (100, 9, 1),
                                                    (0, 20, 8), (13, 12, 16)])
-def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_size):
+def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_size, square_gqa):
     """Prefixes off and on the bucket edge (96 = 3 x 32: no tail past the bucketed head), chunks
     off and on the query bucket, pages of 1/8/16 tokens; the pool's spare slots are random
     (garbage past the sequence). First chunks (PAGEDSERVE_LONG_PREFILL_FIRST): none before (the
-    square alone), or fewer than a prefix bucket (no cuDNN prefix part)."""
+    square alone), or fewer than a prefix bucket (no cuDNN prefix part). square_gqa: the square's
+    K/V as the 2 KV heads (PAGEDSERVE_LONG_PREFILL_SQUARE=gqa) or repeated to the 6 query heads."""
     batch = make_batch([(3, 1), (cached, new)], 1, H=6, Hkv=2, D=16, block_size=block_size, dtype=dtype)
     kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
     reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
@@ -48,16 +53,17 @@ def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_si
     heads, squares = [], []
     g = gp.GatheredPrefill(160, 2, 16, dtype, torch.device("cpu"),
                            lambda q, k, *a: heads.append((q.shape[2], k.shape[2])) or math_prefix(q, k, *a), math_flash,
-                           lambda q, k, *a: squares.append((q.shape[1:3], k.shape[1:3])) or math_causal(q, k, *a))
+                           lambda q, k, *a: squares.append((q.shape[1:3], k.shape[1:3])) or math_causal(q, k, *a),
+                           square_gqa=square_gqa)
     g.k.fill_(float("nan")), g.v.fill_(float("nan"))  # stale NaNs past the sequence must not reach the output
     got = g.attend(batch.query[1:], kc, vc, batch.meta.block_tables[1], cached + new, scale)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, ref, **tol)
     # cuDNN only ever sees bucketed shapes: queries (folded, 3 heads a group) and the prefix's head;
-    # the square, all 6 heads, padded to the query bucket
+    # the square, 6 query heads over 2 KV heads (or 6 repeated), padded to the query bucket
     rows = gp.bucket(new, 8)
     assert heads == ([(3 * rows, cached // 32 * 32)] if cached >= 32 else [])
-    assert squares == [((6, rows), (6, rows))]
+    assert squares == [((6, rows), (2 if square_gqa else 6, rows))]
 
 
 def test_which_chunks_take_the_path(small_buckets):
@@ -102,7 +108,8 @@ def test_plan_shapes_cover_every_chunk(small_buckets):
                     assert head == 0 or (gp.bucket(new, gp.QUERY_BUCKET), head) in shapes
 
 
-def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets):
+@pytest.mark.parametrize("square_gqa", [True, False])
+def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets, square_gqa):
     """cuDNN keys its plans by shapes and strides: the warm-up calls it with both as attend does, for
     every chunk a step of up to max_tokens tokens can bring (nothing is built after start-up)."""
     seen = {"prefix": set(), "square": set()}
@@ -111,7 +118,7 @@ def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets):
     def recorder(kind, fn):
         return lambda q, k, v, *a: seen[kind].add(key(q, k, v)) or fn(q, k, v, *a)
     g = gp.GatheredPrefill(200, 2, 8, torch.float32, torch.device("cpu"), recorder("prefix", math_prefix),
-                           math_flash, recorder("square", math_causal))
+                           math_flash, recorder("square", math_causal), square_gqa=square_gqa)
     n = gp.warm_up_plans(g, max_tokens=24, num_heads=6, scale=0.3)
     built = {kind: set(keys) for kind, keys in seen.items()}
     assert n == len(built["prefix"]) + len(built["square"]) == len(g.shapes(24)) + 3
@@ -221,6 +228,22 @@ def test_merge_switch(monkeypatch, gpu_of):
         assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16).merge_into is want
     monkeypatch.setenv(gp.MERGE_ENV, "fused")
     with pytest.raises(ValueError, match=gp.MERGE_ENV):
+        gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)
+
+
+def test_square_switch(monkeypatch, gpu_of):
+    """PAGEDSERVE_LONG_PREFILL_SQUARE: unset or 'gqa', the square's K/V go to cuDNN as the KV heads;
+    'repeat', repeated to the query heads; anything else is an error naming the switch."""
+    cuda0 = torch.device("cuda", 0)
+    gpu_of(9)
+    for value, want in ((None, True), ("gqa", True), ("repeat", False)):
+        if value is None:
+            monkeypatch.delenv(gp.SQUARE_ENV, raising=False)
+        else:
+            monkeypatch.setenv(gp.SQUARE_ENV, value)
+        assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16).square_gqa is want
+    monkeypatch.setenv(gp.SQUARE_ENV, "flash")
+    with pytest.raises(ValueError, match=gp.SQUARE_ENV):
         gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)
 
 

@@ -181,12 +181,14 @@ def test_prefill_launches(ops, launch, H, Hkv, D):
 @pytest.mark.parametrize("merge,first", [("torch", False), ("triton", False), ("torch", True), ("triton", True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("buckets", ["small", "serving"])
-def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first):
+@pytest.mark.parametrize("square_gqa", [True, False])
+def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first, square_gqa):
     """PAGEDSERVE_LONG_PREFILL=cudnn's path with cuDNN's and flash's real ops, routed through
     paged_attention beside decodes and a short chunk; slots past each sequence's end are NaN.
     small: buckets shrunk so that several long chunks fit a small test; serving: the defaults.
     merge: the parts merged by torch ops or by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE);
-    first: PAGEDSERVE_LONG_PREFILL_FIRST on, with a first chunk and one after a short prefix."""
+    first: PAGEDSERVE_LONG_PREFILL_FIRST on, with a first chunk and one after a short prefix;
+    square_gqa: the square's K/V handed to cuDNN as 8 KV heads for 32 query heads, or repeated."""
     from pagedserve.attention import gathered_prefill as gp
     from pagedserve.attention.triton_merge import merge_into
     if buckets == "small":
@@ -206,7 +208,7 @@ def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first):
     _poison_dead_slots(kc, vc, m)
     g = gp.GatheredPrefill(max(m.seq_lens_cpu) + 1, 8, 128, dtype, torch.device("cuda"),
                            merge_into=merge_into if merge == "triton" else None,
-                           first_chunk_tokens=first_min if first else 0)
+                           first_chunk_tokens=first_min if first else 0, square_gqa=square_gqa)
     monkeypatch.setitem(gp._ACTIVE, kc.device, g)
     used = []
     attend = g.attend
