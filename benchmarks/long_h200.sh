@@ -17,6 +17,7 @@
 #                                             # prefix + causal square (--split-baselines)
 #   bash benchmarks/long_h200.sh decode_long   # ~6 min: the decode kernel at 1/2/4 sequences of 100k and of 33k tokens, plan variants
 #   CONTEXTS=33000 bash benchmarks/long_h200.sh decode_long   # only those contexts (100000, 33000), no short rows
+#   bash benchmarks/long_h200.sh decode_launches  # ~5 min: decode launches x splits x shares, CUDA-graph timed
 #   bash benchmarks/long_h200.sh prefill_ab    # ~4 min: offline long prefills, default (on Hopper: the gathered
 #                                             # path) vs PAGEDSERVE_LONG_PREFILL=off
 # vllm/ours/collect share $OUT/long_context/ (the work dir); run them in one $OUT, or copy it over.
@@ -99,6 +100,16 @@ case $MODE in
       step "decode_short_b$b" 150 python3 benchmarks/kernels/bench_paged_decode.py --batch "$b" --context 4096 \
         --shares 2 3 4 6 8 --skip sweep,flex,blocks,prefill --output "$OUT/decode_short_b$b.json"
     done ;;
-  *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect|sweep|split|prefill_ab|decode_long" >&2; exit 2 ;;
+  decode_launches)  # ~5 min, kernel-only deps: decode launches (bn/w/s) x splits x plan shares, graph-timed,
+                    # at 1/2/4 x 33k, 1/2 x 100k, and (launches and shares only) 16 and 64 x 4,096 tokens
+    launches=${LAUNCHES:-"base bn64 bn64+s4 bn128+s2 w8"}
+    for shape in 1x33000 2x33000 4x33000 1x100000 2x100000 16x4096 64x4096; do
+      b=${shape%x*} L=${shape#*x}
+      splits="--splits 8 16 24 32 48 64"; [ "$L" -lt 10000 ] && splits=""
+      step "launches_${shape}" 120 python3 benchmarks/kernels/bench_paged_decode.py --batch "$b" --context "$L" \
+        $splits --shares 4 6 8 --launches $launches --skip sweep,flex,blocks,prefill \
+        --output "$OUT/launches_${shape}.json"
+    done ;;
+  *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect|sweep|split|prefill_ab|decode_long|decode_launches" >&2; exit 2 ;;
 esac
 echo "$(date +%T) done $MODE" >> "$OUT/progress.log"

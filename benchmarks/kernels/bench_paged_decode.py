@@ -10,6 +10,12 @@ error and the run goes on; a number that was not measured is absent from the JSO
     python benchmarks/kernels/bench_paged_decode.py [--output benchmarks/results/h200/paged_decode.json]
     python benchmarks/kernels/bench_paged_decode.py --batch 1 --context 100000 --splits 32 48 64 96 128 \
         --shares 3 4 --skip sweep,flex,blocks,prefill --output /tmp/decode_long.json    # long_h200.sh decode_long
+
+Timing (--timing): 'graph' (the default since the 36th session) replays the launch from a CUDA
+graph, as serving's decode steps do; 'flush' (before) times each launch alone after an L2 flush,
+and so also the host's launch overhead wherever that outlasts the flush (kernels under ~0.1 ms:
+at 2 x 33k tokens the same launch read 87 and 140 us in one run). --launches times the decode at
+other launch settings (PAGEDSERVE_DECODE_LAUNCH's grammar), each with the split and plan sweeps.
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from pagedserve.attention import decode_plan, triton_ops  # noqa: E402
 from pagedserve.benchmark.results import git_commit, write_result  # noqa: E402
 
 ERRORS: dict[str, str] = {}
+TIMING = {"mode": "graph"}  # --timing
 
 
 def section(name):
@@ -51,9 +58,14 @@ def section(name):
 
 
 def bench_ms(fn, reps: int = 7) -> float:
-    """Median of `reps` triton do_bench medians (each flushes L2 and warms up first)."""
+    """Median of `reps` medians: of CUDA graph replays of fn (TIMING 'graph'), or of triton
+    do_bench (each flushes L2 and warms up first; TIMING 'flush')."""
     import triton.testing
-    times = [triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") for _ in range(reps)]
+    if TIMING["mode"] == "graph":  # each call: the median of 10 replays of ~20 ms of launches, steady
+        times = [triton.testing.do_bench_cudagraph(fn, rep=20, return_mode="median")
+                 for _ in range(1 if reps <= 3 else 3)]
+    else:
+        times = [triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") for _ in range(reps)]
     times.sort()
     return times[len(times) // 2]
 
@@ -186,13 +198,13 @@ def config_sweep(q, kc, vc, tables, seq_lens, L, scale):
 
 
 @section("split_sweep")
-def split_sweep(q, kc, vc, tables, seq_lens, L, scale, nbytes, copy_gbps, counts):
+def split_sweep(q, kc, vc, tables, seq_lens, L, scale, nbytes, copy_gbps, counts, **launch):
     """The default launch at each given split count per sequence (length-aware splits off): at
     long contexts and few sequences the grid is a few waves of programs, and how full the last one
     is shows here."""
     rows = []
     for n in counts:
-        ms, _ = time_paged(q, kc, vc, tables, seq_lens, L, scale, reps=3, num_splits=n, split_tokens=0)
+        ms, _ = time_paged(q, kc, vc, tables, seq_lens, L, scale, reps=3, num_splits=n, split_tokens=0, **launch)
         gbps = nbytes / ms / 1e6
         rows.append({"num_splits": n, "programs": q.shape[0] * kc.shape[2] * n, "ms": ms, "GBps": gbps,
                      "bandwidth_fraction": gbps / copy_gbps if copy_gbps else None})
@@ -201,7 +213,7 @@ def split_sweep(q, kc, vc, tables, seq_lens, L, scale, nbytes, copy_gbps, counts
 
 
 @section("plan_variants")
-def plan_variants(q, kc, vc, tables, seq_lens, L, scale, nbytes, shares):
+def plan_variants(q, kc, vc, tables, seq_lens, L, scale, nbytes, shares, **launch):
     """The balanced plan (decode_plan's default split mode) with its even share at other sizes, and
     the one-wave variant: base splits floor(slots / (seqs x KV heads)) and the share shrunk by one
     program per (sequence, KV head), so that rounding each sequence's parts up never takes the
@@ -217,7 +229,7 @@ def plan_variants(q, kc, vc, tables, seq_lens, L, scale, nbytes, shares):
     rows = []
     for name, base, share in variants:
         ms, _ = time_paged(q, kc, vc, tables, seq_lens, L, scale, reps=3, num_splits=base,
-                           split_tokens=decode_plan.BALANCED, share_programs=share)
+                           split_tokens=decode_plan.BALANCED, share_programs=share, **launch)
         rows.append({"variant": name, "base_splits": base, "share_programs": share, "ms": ms,
                      "GBps": nbytes / ms / 1e6})
         print("plan", rows[-1], flush=True)
@@ -279,7 +291,13 @@ def main():
     ap.add_argument("--shares", type=int, nargs="*", default=[],
                     help="also time the balanced plan with its even share at these programs per SM (default "
                          "DECODE_SHARE_PROGRAMS_PER_SM), and its one-wave variant (plan_variants)")
+    ap.add_argument("--launches", nargs="*", default=[],
+                    help="also time these decode launches ('+'-joined changes to the default, as "
+                         "PAGEDSERVE_DECODE_LAUNCH takes them, e.g. bn64+s4), each at the default plan and "
+                         "with --splits and --shares")
+    ap.add_argument("--timing", choices=["graph", "flush"], default="graph")
     args = ap.parse_args()
+    TIMING["mode"] = args.timing
     skip = set(filter(None, args.skip.split(",")))
     git_commit()  # refuse before measuring, not after
     B, L, H, Hkv, D, dtype = args.batch, args.context, 32, 8, 128, torch.bfloat16
@@ -291,7 +309,9 @@ def main():
     config = {"batch": B, "context": L, "num_heads": H, "num_kv_heads": Hkv, "head_dim": D,
               "dtype": "bfloat16", "block_size": args.block_size, "torch": torch.__version__,
               "triton": __import__("triton").__version__,
-              "timing": "triton.testing.do_bench median (L2 flushed), median of repeats"}
+              "timing": ("CUDA graph replays (triton.testing.do_bench_cudagraph), median of repeats"
+                         if args.timing == "graph" else
+                         "triton.testing.do_bench median (L2 flushed), median of repeats")}
     out_path = Path(args.output)
 
     def save():
@@ -350,6 +370,24 @@ def main():
         rows = plan_variants(q, kc, vc, tables, seq_lens, L, scale, nbytes, args.shares)
         if rows:
             results["plan_variants"] = rows
+        save()
+
+    for text in args.launches if paged else []:
+        chosen = decode_plan.parse_decode_launch(text)
+        launch = dict(block_n=chosen.block_n, num_warps=chosen.num_warps, num_stages=chosen.num_stages,
+                      heads_fastest=chosen.heads_fastest)
+        ms = section(f"launch {text}")(time_paged)(q, kc, vc, tables, seq_lens, L, scale, reps=3, **launch)
+        if not ms:
+            continue
+        entry = {"launch": text, "ms": ms[0], "GBps": nbytes / ms[0] / 1e6}
+        print("launch", entry, flush=True)
+        if args.splits:
+            entry["split_sweep"] = split_sweep(q, kc, vc, tables, seq_lens, L, scale, nbytes, copy_gbps,
+                                               args.splits, **launch)
+        if args.shares:
+            entry["plan_variants"] = plan_variants(q, kc, vc, tables, seq_lens, L, scale, nbytes, args.shares,
+                                                   **launch)
+        results.setdefault("launches", []).append(entry)
         save()
 
     if "sweep" not in skip:
