@@ -352,11 +352,16 @@ def phase_prefill(args) -> None:
     of --prefill-lens as one fresh prompt with 1 output token, one at a time: that request's
     seconds are its prefill's (an A/B of long-prefill paths, e.g. PAGEDSERVE_LONG_PREFILL=cudnn)."""
     from pagedserve import LLM, SamplingParams
+    from pagedserve.attention import gathered_prefill
     from pagedserve.benchmark.results import ENV_SWITCHES
+    if args.gathered_min_prefix is not None:  # an A/B of the constant; the engine runs in this process
+        gathered_prefill.MIN_PREFIX = args.gathered_min_prefix
     t0 = time.perf_counter()
     llm = LLM(str(args.model), load_format="dummy", max_model_len=args.max_model_len, block_size=args.block_size,
-              skip_tokenizer_init=True)
-    rec = {"startup_seconds": time.perf_counter() - t0, "block_size": args.block_size, "prefill_seconds": {},
+              skip_tokenizer_init=True, max_num_batched_tokens=args.max_num_batched_tokens)
+    rec = {"startup_seconds": time.perf_counter() - t0, "block_size": args.block_size,
+           "max_num_batched_tokens": args.max_num_batched_tokens, "gathered_min_prefix": gathered_prefill.MIN_PREFIX,
+           "prefill_seconds": {},
            "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES if os.environ.get(k)}, **_measured_code()}
     rng = random.Random(7)
     vocab = min(VOCAB_DRAW, json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
@@ -411,6 +416,11 @@ def main() -> None:
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=[32768, 100_000, 100_000],
                     help="prefill: prompt lengths, one request each, in order")
     ap.add_argument("--block-size", type=int, default=16, help="prefill: the engine's KV block size")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                    help="prefill: the step budget (default 8192, the server's on the H200, so the chunks are "
+                         "serving's; the offline engine's own default there is 16384, as until the 36th session)")
+    ap.add_argument("--gathered-min-prefix", type=int, default=None,
+                    help="prefill: gathered_prefill.MIN_PREFIX for this run (an A/B; default the module's)")
     ap.add_argument("--profile", action="store_true",
                     help="prefill: the last prompt under torch.profiler; its top kernels go in the JSON")
     # client (internal): one scenario against a running server

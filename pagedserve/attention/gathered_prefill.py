@@ -59,7 +59,11 @@ FIRST_CHUNK_DEFAULT = 4096
 SQUARE_ENV = "PAGEDSERVE_LONG_PREFILL_SQUARE"
 PREFIX_BUCKET = 8192
 QUERY_BUCKET = 1024
-MIN_PREFIX = 16384
+# A chunk after fewer earlier tokens stays on the Triton kernel (or, as a first chunk, takes the
+# square alone). 16,384 until the 36th session: the H200's serving budget cuts a 32k prompt into
+# 8,192-token chunks, and the second (8,192 earlier) then ran on our kernel (~400 TFLOPS against
+# cuDNN's ~600, ~1.3 TFLOP a layer), about 3% of the prompt's prefill (docs/long-context.md).
+MIN_PREFIX = 8192
 MIN_CHUNK = 1024
 MAX_PAGE = 1024  # config.CacheConfig's largest block_size
 

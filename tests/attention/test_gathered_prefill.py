@@ -35,6 +35,13 @@ def small_buckets(monkeypatch):
     monkeypatch.setattr(gp, "MIN_CHUNK", 4)
 
 
+@pytest.fixture(params=[40, 32], ids=["min_prefix_past_bucket", "min_prefix_one_bucket"])
+def small_buckets_any_min(request, small_buckets, monkeypatch):
+    """small_buckets, with MIN_PREFIX past the prefix bucket (40) or at it (32, as the defaults are
+    since the 36th session: a chunk after exactly one bucket takes the path)."""
+    monkeypatch.setattr(gp, "MIN_PREFIX", request.param)
+
+
 @pytest.mark.parametrize("square_gqa", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cached,new,block_size", [(40, 4, 16), (77, 13, 8), (96, 32, 16), (100, 9, 1),
@@ -95,7 +102,7 @@ def test_only_the_pool_layout_and_heads_it_was_built_for_take_the_path(small_buc
     assert chunks() == [3, 4, 5] and chunks(H=6) == []
 
 
-def test_plan_shapes_cover_every_chunk(small_buckets):
+def test_plan_shapes_cover_every_chunk(small_buckets_any_min):
     """Every (chunk, context) the path takes lands on a shape warm_up_plans builds."""
     g = gp.GatheredPrefill(200, 1, 8, torch.float32, torch.device("cpu"))
     shapes = set(g.shapes(max_tokens=24))
@@ -109,7 +116,7 @@ def test_plan_shapes_cover_every_chunk(small_buckets):
 
 
 @pytest.mark.parametrize("square_gqa", [True, False])
-def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets, square_gqa):
+def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets_any_min, square_gqa):
     """cuDNN keys its plans by shapes and strides: the warm-up calls it with both as attend does, for
     every chunk a step of up to max_tokens tokens can bring (nothing is built after start-up)."""
     seen = {"prefix": set(), "square": set()}

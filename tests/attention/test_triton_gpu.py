@@ -197,7 +197,8 @@ def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first, 
         shapes, long = [(900, 1), (5, 1), (700, 300), (40, 30), (2048, 1024), (513, 64)], [300, 1024, 64]
         first_min, firsts = 64, [(0, 200), (100, 150)]
     else:
-        shapes, long = [(3000, 1), (0, 1), (16384, 1024), (20000, 1500)], [1024, 1500]
+        # (9000, 1100): after one prefix bucket (MIN_PREFIX = PREFIX_BUCKET since the 36th session)
+        shapes, long = [(3000, 1), (0, 1), (16384, 1024), (20000, 1500), (9000, 1100)], [1024, 1500, 1100]
         first_min, firsts = 2048, [(0, 4096), (500, 2048)]
     if first:
         shapes, long = shapes + firsts, long + [n for _, n in firsts]

@@ -13,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks/serving"))
 import long_context as lc  # noqa: E402
+from pagedserve.attention import gathered_prefill as gp  # noqa: E402
 
 
 def _args(**kw):
@@ -113,13 +114,14 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     out = tmp_path / "p.json"
     lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=256, block_size=8,
                                         prefill_lens=[40, 200, 40], out=str(out),
-                                        profile=False))
+                                        profile=False, max_num_batched_tokens=64, gathered_min_prefix=None))
     rec = json.loads(out.read_text())
     secs = rec["prefill_seconds"]
     assert list(secs) == ["40", "200"] and [len(secs["40"]), len(secs["200"])] == [2, 1]
     assert all(s > 0 for runs in secs.values() for s in runs)
     assert rec["env_switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn" and rec["block_size"] == 8
     assert rec["startup_seconds"] > 0 and rec["commit"]
+    assert rec["max_num_batched_tokens"] == 64 and rec["gathered_min_prefix"] == gp.MIN_PREFIX
 
 
 def test_structured_collect_records_the_measured_servers_switches(tmp_path):
