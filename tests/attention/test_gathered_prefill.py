@@ -220,37 +220,32 @@ def test_configure_routes_only_where_on(monkeypatch, gpu_of):
     assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None
 
 
-def test_merge_switch(monkeypatch, gpu_of):
-    """PAGEDSERVE_LONG_PREFILL_MERGE: unset or 'triton', the one-pass kernel; 'torch', the torch
-    merge (the kernel is checked against it under the interpreter, triton_interpret_cases.py);
-    anything else is an error naming the switch, at start-up."""
+def _merge_into():
     from pagedserve.attention.triton_merge import merge_into
-    cuda0 = torch.device("cuda", 0)
-    gpu_of(9)
-    for value, want in ((None, merge_into), ("torch", None), ("triton", merge_into)):
-        if value is None:
-            monkeypatch.delenv(gp.MERGE_ENV, raising=False)
-        else:
-            monkeypatch.setenv(gp.MERGE_ENV, value)
-        assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16).merge_into is want
-    monkeypatch.setenv(gp.MERGE_ENV, "fused")
-    with pytest.raises(ValueError, match=gp.MERGE_ENV):
-        gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)
+    return merge_into
 
 
-def test_square_switch(monkeypatch, gpu_of):
-    """PAGEDSERVE_LONG_PREFILL_SQUARE: unset or 'gqa', the square's K/V go to cuDNN as the KV heads;
-    'repeat', repeated to the query heads; anything else is an error naming the switch."""
+@pytest.mark.parametrize("env,attr,cases,bad", [
+    # PAGEDSERVE_LONG_PREFILL_MERGE: unset or 'triton', the one-pass kernel; 'torch', the torch merge
+    # (the kernel is checked against it under the interpreter, triton_interpret_cases.py)
+    (gp.MERGE_ENV, "merge_into", ((None, _merge_into), ("torch", lambda: None), ("triton", _merge_into)), "fused"),
+    # PAGEDSERVE_LONG_PREFILL_SQUARE: unset or 'gqa', the square's K/V go to cuDNN as the KV heads;
+    # 'repeat', repeated to the query heads
+    (gp.SQUARE_ENV, "square_gqa", ((None, lambda: True), ("gqa", lambda: True), ("repeat", lambda: False)), "flash"),
+], ids=["merge", "square"])
+def test_switch_choices(monkeypatch, gpu_of, env, attr, cases, bad):
+    """Each value of a two-way switch picks its way at start-up (configure); anything else is an
+    error naming the switch."""
     cuda0 = torch.device("cuda", 0)
     gpu_of(9)
-    for value, want in ((None, True), ("gqa", True), ("repeat", False)):
+    for value, want in cases:
         if value is None:
-            monkeypatch.delenv(gp.SQUARE_ENV, raising=False)
+            monkeypatch.delenv(env, raising=False)
         else:
-            monkeypatch.setenv(gp.SQUARE_ENV, value)
-        assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16).square_gqa is want
-    monkeypatch.setenv(gp.SQUARE_ENV, "flash")
-    with pytest.raises(ValueError, match=gp.SQUARE_ENV):
+            monkeypatch.setenv(env, value)
+        assert getattr(gp.configure(cuda0, 32768, 8, 128, torch.bfloat16), attr) is want()
+    monkeypatch.setenv(env, bad)
+    with pytest.raises(ValueError, match=env):
         gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)
 
 
