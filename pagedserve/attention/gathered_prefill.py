@@ -62,7 +62,7 @@ QUERY_BUCKET = 1024
 # A chunk after fewer earlier tokens stays on the Triton kernel (or, as a first chunk, takes the
 # square alone). 16,384 until the 36th session: the H200's serving budget cuts a 32k prompt into
 # 8,192-token chunks, and the second (8,192 earlier) then ran on our kernel (~400 TFLOPS against
-# cuDNN's ~600, ~1.3 TFLOP a layer), about 3% of the prompt's prefill (docs/long-context.md).
+# cuDNN's ~600, ~1.6 TFLOP a layer), about 3% of the prompt's prefill (docs/long-context.md).
 MIN_PREFIX = 8192
 MIN_CHUNK = 1024
 MAX_PAGE = 1024  # config.CacheConfig's largest block_size
@@ -199,10 +199,10 @@ def heads_first(buf: torch.Tensor, start: int, end: int) -> torch.Tensor:
 
 
 def square_kv(buf: torch.Tensor, start: int, rows: int, group: int) -> torch.Tensor:
-    """Positions [start, start + rows) for the square's H = Hkv * group query heads: with group 1 (the
-    default, SQUARE_ENV) the strided view [1, Hkv, rows, D], which cuDNN serves as grouped-query
-    attention (query head h reads KV head h // (H / Hkv)); else a copy repeated over each KV head's
-    group, [1, H, rows, D]."""
+    """Positions [start, start + rows) for the square's query heads: with group 1 the strided view
+    [1, Hkv, rows, D] (GatheredPrefill.square_keys passes 1 under SQUARE_ENV's 'gqa': cuDNN serves
+    it as grouped-query attention, query head h reading KV head h // (H / Hkv)); else a copy
+    repeated over each KV head's group of query heads, [1, Hkv * group, rows, D]."""
     if group == 1:
         return heads_first(buf, start, start + rows)
     return buf[start:start + rows].repeat_interleave(group, dim=1).permute(1, 0, 2).unsqueeze(0)
@@ -229,6 +229,12 @@ class GatheredPrefill:
         self.square_gqa = square_gqa  # the square's K/V as Hkv heads (SQUARE_ENV), not repeated to H
         self.max_model_len = max_model_len
         self.num_heads: int | None = None  # the query heads warm_up_plans built plans for
+
+    def square_keys(self, start: int, rows: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The square's K and V (square_kv): the KV heads as they are under square_gqa, else repeated
+        over each one's group of query heads."""
+        sq = 1 if self.square_gqa else group
+        return square_kv(self.k, start, rows, sq), square_kv(self.v, start, rows, sq)
 
     def chunks(self, meta, query: torch.Tensor, k_cache: torch.Tensor) -> list[int]:
         """long_chunks of a step, for a pool of the layout these buffers and plans are for: another
@@ -269,9 +275,8 @@ class GatheredPrefill:
                                               False, scale))
         # (3) the chunk's own square padded to rows x rows, causal (top-left; a real row never sees
         # a padded key): cuDNN, one plan per query bucket.
-        sq = 1 if self.square_gqa else group
-        parts.append(self.square_attention(folded.view(1, H, rows, D), square_kv(self.k, prefix, rows, sq),
-                                           square_kv(self.v, prefix, rows, sq), scale))
+        parts.append(self.square_attention(folded.view(1, H, rows, D), *self.square_keys(prefix, rows, group),
+                                           scale))
         parts = [(o.reshape(H, rows, D), lse.reshape(H, rows)) for o, lse in parts]
         if len(parts) == 1:  # a first chunk: its square alone
             merged = parts[0][0][:, :c].transpose(0, 1)
@@ -308,8 +313,7 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
     squares = query_rows(max_tokens)
     for rows in squares:
         q = g.k.new_zeros(1, num_heads, rows, head_dim)
-        sq = 1 if g.square_gqa else group
-        g.square_attention(q, square_kv(g.k, 0, rows, sq), square_kv(g.v, 0, rows, sq), scale)
+        g.square_attention(q, *g.square_keys(0, rows, group), scale)
     q = g.k.new_zeros(1, kv_heads, group * QUERY_BUCKET, head_dim)
     g.flash_attention(q, heads_first(g.k, 0, QUERY_BUCKET), heads_first(g.v, 0, QUERY_BUCKET), False, scale)
     if g.merge_into is not None:  # its kernel compiles once per part count: here, not while serving
