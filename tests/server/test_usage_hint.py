@@ -36,7 +36,11 @@ def test_printed_examples_work_against_a_keyed_server(server):
         p = subprocess.run(["bash", "-c", cmd + (" --fail-with-body -s" if cmd.startswith("curl") else "")],
                            capture_output=True, text=True, env=env, timeout=120)
         assert p.returncode == 0, (cmd, p.stdout, p.stderr)
-        assert p.stdout.strip(), cmd
+        if cmd.startswith("curl"):
+            assert '"choices"' in p.stdout, (cmd, p.stdout)
+        else:  # print() ran on the reply's content, which the random tiny model may leave empty (an EOS
+            # or whitespace first: make test failed on that once, 2026-12-04)
+            assert p.stdout.endswith("\n"), (cmd, p.stdout)
     # Without the key the same commands are refused: the hint really does send it.
     env.pop("PAGEDSERVE_API_KEY")
     p = subprocess.run(["bash", "-c", cmds[0] + " --fail-with-body -s"], capture_output=True,
