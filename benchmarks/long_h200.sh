@@ -90,7 +90,8 @@ case $MODE in
         --splits 12 16 24 32 48 64 96 128 --shares 2 3 4 6 8 --skip sweep,flex,blocks,prefill \
         --output "$OUT/decode_long_b$b.json"
     done
-    # 32k contexts: ours decoded two of them at 6.8 ms a step, vLLM at 6.1 (35th session)
+    # 32k contexts (the 35th session's "6.8 against 6.1 ms a step" compared gaps of different mixes:
+    # classed alike, our decode steps matched vLLM's, docs/long-context.md, 2026-12-04)
     [[ " ${CONTEXTS:-100000 33000} " == *" 33000 "* ]] && for b in 1 2 4; do
       step "decode_32k_b$b" 150 python3 benchmarks/kernels/bench_paged_decode.py --batch "$b" --context 33000 \
         --splits 8 12 16 20 24 32 48 64 --shares 2 3 4 6 8 --skip sweep,flex,blocks,prefill \
