@@ -347,6 +347,28 @@ def _top_kernels(prof, top: int = 30) -> list[dict]:
              "share": round(e.self_device_time_total / total, 4)} for e in rows[:top]]
 
 
+def _device_idle(prof, top: int = 12) -> dict:
+    """The profiled window's device timeline: kernels' busy time (their union), the span from the
+    first kernel's start to the last one's end, and the idle gaps between kernels over 0.2 ms (the
+    host keeping the GPU waiting: step boundaries, syncs), the longest with the kernel before them."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start)
+    if not spans:
+        return {}
+    busy, gaps, end, before = 0.0, [], spans[0][0], spans[0][2]
+    for s, e, name in spans:
+        if s > end:
+            if s - end > 200:
+                gaps.append((s - end, before))
+        busy += max(0.0, e - max(s, end))
+        if e > end:
+            end, before = e, name
+    gaps.sort(reverse=True)
+    return {"span_ms": round((end - spans[0][0]) / 1e3, 2), "busy_ms": round(busy / 1e3, 2),
+            "gaps_over_0.2ms": len(gaps), "gaps_over_0.2ms_ms": round(sum(g for g, _ in gaps) / 1e3, 2),
+            "longest_gaps": [{"ms": round(g / 1e3, 2), "after": n[:80]} for g, n in gaps[:top]]}
+
+
 def phase_prefill(args) -> None:
     """One engine in this process (its switches from the environment): start-up seconds, then each
     of --prefill-lens as one fresh prompt with 1 output token, one at a time: that request's
@@ -374,7 +396,10 @@ def phase_prefill(args) -> None:
             llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
         seconds = round(time.perf_counter() - t, 3)
         if profile:  # the last prompt's kernels, by total device time (the profiler slows the host)
-            rec["profile"] = {"prompt_len": n, "seconds_profiled": seconds, "kernels": _top_kernels(prof)}
+            rec["profile"] = {"prompt_len": n, "seconds_profiled": seconds, "kernels": _top_kernels(prof),
+                              "device_timeline": _device_idle(prof)}
+            if args.trace:
+                prof.export_chrome_trace(args.trace)
         rec["prefill_seconds"].setdefault(str(n), []).append(seconds)  # a length given twice: both runs
         print(f"prefill {n}: {seconds} s", flush=True)
     Path(args.out).write_text(json.dumps(rec, indent=1))
@@ -422,7 +447,8 @@ def main() -> None:
     ap.add_argument("--gathered-min-prefix", type=int, default=None,
                     help="prefill: gathered_prefill.MIN_PREFIX for this run (an A/B; default the module's)")
     ap.add_argument("--profile", action="store_true",
-                    help="prefill: the last prompt under torch.profiler; its top kernels go in the JSON")
+                    help="prefill: the last prompt under torch.profiler; its top kernels and the device's idle gaps go in the JSON")
+    ap.add_argument("--trace", help="prefill with --profile: also write the profiled prompt's chrome trace here")
     # client (internal): one scenario against a running server
     ap.add_argument("--scenario", choices=SCENARIOS)
     ap.add_argument("--port", type=int)
