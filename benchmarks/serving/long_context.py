@@ -205,10 +205,15 @@ def stats(summary: dict, keep=lambda r: True) -> dict:
     ttft = [1000 * r["ttft"] for r in ok if r.get("ttft") is not None]
     tokens = sum(r["prompt_len"] + r["output_len"] for r in ok)
     dur = summary["duration_s"]
+    # Tokens that came in a streamed chunk with another one (output tokens past one a chunk): a
+    # server whose first chunk carries several tokens has counted their decode steps into its TTFT
+    # and out of its TPOT (vLLM 0.26 at long prompts: docs/long-context.md).
+    coalesced = [r["output_len"] - 1 - len(r.get("itl") or []) for r in ok if r.get("ttft") is not None]
     return {"requests": len(reqs), "completed": len(ok), "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
             "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
             "throughput": round(tokens / dur, 1) if dur > 0 else None,
-            "output_not_at_max": sum(1 for r in ok if r["output_len"] != r["expected_output_len"])}
+            "output_not_at_max": sum(1 for r in ok if r["output_len"] != r["expected_output_len"]),
+            "coalesced_tokens_p50": _pct(coalesced, 50)}
 
 
 def token_times(r: dict) -> list[float]:
@@ -402,7 +407,54 @@ def phase_prefill(args) -> None:
                 prof.export_chrome_trace(args.trace)
         rec["prefill_seconds"].setdefault(str(n), []).append(seconds)  # a length given twice: both runs
         print(f"prefill {n}: {seconds} s", flush=True)
+    if args.beside_decodes:
+        rec["beside_decodes"] = prefill_beside_decodes(llm, args, rng, vocab)
     Path(args.out).write_text(json.dumps(rec, indent=1))
+
+
+def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
+    """For each --beside-decodes count N and --cost-scales factor f: N requests (128-token prompts)
+    decoding, then one fresh prompt of the last --prefill-lens length; its seconds to its first
+    token and the steps meanwhile (each a token for every decode: their gaps). f scales the engine's
+    attention_cost_context K (core/chunk_cost.py; 0: chunks by tokens alone), set on the running
+    scheduler's config between runs: f = 2 lets a step cost about twice the budget's worth of
+    context-free tokens deep in the prompt."""
+    from pagedserve import SamplingParams
+    eng = llm.llm_engine
+    k0 = eng.scheduler_config.attention_cost_context
+    n = args.prefill_lens[-1]
+    rows = []
+    for decodes in args.beside_decodes:
+        for f in args.cost_scales:
+            eng.scheduler_config.attention_cost_context = round(k0 * f)
+            tag = f"{decodes}-{f}"
+            short = [f"d{tag}-{i}" for i in range(decodes)]
+            for rid in short:
+                eng.add_request(rid, [rng.randrange(vocab) for _ in range(128)],
+                                SamplingParams(max_tokens=args.decode_output_len, ignore_eos=True))
+            for _ in range(4):  # their prefill, then decodes only
+                eng.step()
+            long_id = f"long{tag}"
+            t0 = last = time.perf_counter()
+            eng.add_request(long_id, [rng.randrange(vocab) for _ in range(n)], SamplingParams(max_tokens=1, ignore_eos=True))
+            gaps, done = [], False
+            while not done:
+                outs = eng.step()
+                now = time.perf_counter()
+                gaps.append(now - last)
+                last = now
+                done = any(o.request_id == long_id and o.outputs[0].token_ids for o in outs)
+            eng.abort_request(short)
+            while eng.has_unfinished_requests():
+                eng.step()
+            row = {"decodes": decodes, "cost_scale": f, "attention_cost_context": round(k0 * f), "prompt_len": n,
+                   "prefill_s": round(last - t0, 3), "steps": len(gaps),
+                   "gap_p50_ms": _pct([1e3 * g for g in gaps], 50), "gap_p99_ms": _pct([1e3 * g for g in gaps], 99),
+                   "gap_max_ms": round(1e3 * max(gaps), 2)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    eng.scheduler_config.attention_cost_context = k0
+    return rows
 
 
 def main() -> None:
@@ -448,6 +500,11 @@ def main() -> None:
                     help="prefill: gathered_prefill.MIN_PREFIX for this run (an A/B; default the module's)")
     ap.add_argument("--profile", action="store_true",
                     help="prefill: the last prompt under torch.profiler; its top kernels and the device's idle gaps go in the JSON")
+    ap.add_argument("--beside-decodes", type=int, nargs="*", default=[],
+                    help="prefill: then the last --prefill-lens length again beside this many decoding requests "
+                         "(each count in turn), per --cost-scales factor")
+    ap.add_argument("--cost-scales", type=float, nargs="+", default=[1.0],
+                    help="prefill --beside-decodes: factors on the engine's attention_cost_context (0: off)")
     ap.add_argument("--trace", help="prefill with --profile: also write the profiled prompt's chrome trace here")
     # client (internal): one scenario against a running server
     ap.add_argument("--scenario", choices=SCENARIOS)

@@ -70,6 +70,9 @@ def test_collect_writes_the_ratios(tmp_path):
         (work / f"lc_{engine}_info.json").write_text(json.dumps(info))
         for scenario, plen in (("len8k", 8192), ("len32k", 32768), ("len100k", 100_000)):
             reqs = [_req(plen, 0.5 * scale * (i + 1), [0.02 * scale] * 255, sent_at=i) for i in range(4)]
+            if engine == "vllm":  # its first chunk carried 1 + 10 tokens: 10 gaps fewer, as many tokens
+                for r in reqs:
+                    r["itl"] = r["itl"][10:]
             (work / f"lc_{engine}_{scenario}.json").write_text(json.dumps({"duration_s": 10.0, "requests": reqs}))
         mix = [_req(200, 0.05 * scale, [0.01 * scale] * 99, sent_at=i * 0.5) for i in range(10)]
         mix += [_req(32768, 2.0, [0.03] * 255, sent_at=1.0)]
@@ -102,6 +105,8 @@ def test_collect_writes_the_ratios(tmp_path):
     assert ratios["throughput_over_vllm_8k"] == 1.0  # same tokens in the same time
     assert ratios["decode_itl_p50_during_100k_prefill_over_vllm"] == pytest.approx(0.8, abs=1e-3)
     assert ratios["startup_seconds_over_vllm"] == pytest.approx(0.8)
+    runs = {e: result["results"][e]["runs"] for e in ("vllm", "pagedserve")}
+    assert runs["vllm"]["32k"]["coalesced_tokens_p50"] == 10 and runs["pagedserve"]["32k"]["coalesced_tokens_p50"] == 0
     # The switches recorded are the measured server's, not the collecting process's.
     assert result["switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn"
     assert "PAGEDSERVE_LONG_PREFILL=cudnn" in out.with_suffix(".md").read_text()
@@ -114,7 +119,9 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     out = tmp_path / "p.json"
     lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=256, block_size=8,
                                         prefill_lens=[40, 200, 40], out=str(out),
-                                        profile=False, max_num_batched_tokens=64, gathered_min_prefix=None))
+                                        profile=False, max_num_batched_tokens=64, gathered_min_prefix=None,
+                                        beside_decodes=[2], cost_scales=[1.0, 0.0], decode_output_len=64,
+                                        trace=None))
     rec = json.loads(out.read_text())
     secs = rec["prefill_seconds"]
     assert list(secs) == ["40", "200"] and [len(secs["40"]), len(secs["200"])] == [2, 1]
@@ -122,6 +129,11 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     assert rec["env_switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn" and rec["block_size"] == 8
     assert rec["startup_seconds"] > 0 and rec["commit"]
     assert rec["max_num_batched_tokens"] == 64 and rec["gathered_min_prefix"] == gp.MIN_PREFIX
+    # Then the last length again beside 2 decoding requests, once per cost scale: its steps are the
+    # decodes' gaps, at least one a chunk of the 64-token budget less the decodes' tokens.
+    rows = rec["beside_decodes"]
+    assert [(r["decodes"], r["cost_scale"], r["prompt_len"]) for r in rows] == [(2, 1.0, 40), (2, 0.0, 40)]
+    assert all(r["steps"] >= 1 and r["prefill_s"] > 0 and r["gap_p50_ms"] <= r["gap_max_ms"] for r in rows)
 
 
 def test_structured_collect_records_the_measured_servers_switches(tmp_path):
