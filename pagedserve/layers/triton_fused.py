@@ -126,57 +126,67 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_stride, q_stride, N, FP8
 
 
 @triton.jit
-def _norm_rope_head(ptr, w_ptr, cos_ptr, sin_ptr, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                    REST: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                    HAS_NORM: tl.constexpr):
-    """One head vector in place: optional RMSNorm over HEAD_DIM = 2*HALF + REST, then NeoX rotary
-    of the first 2*HALF features (the REST pass through). Rounds where the torch path rounds."""
+def _norm_rope_heads(ptr, heads, h_mask, stride_h, w_ptr, cos_ptr, sin_ptr, eps, HEAD_DIM: tl.constexpr,
+                     HALF: tl.constexpr, REST: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+                     HAS_NORM: tl.constexpr):
+    """Head vectors `heads` (h_mask: which are real) of one token in place: optional RMSNorm over
+    HEAD_DIM = 2*HALF + REST, then NeoX rotary of the first 2*HALF features (the REST pass
+    through). Rounds where the torch path rounds."""
     i = tl.arange(0, BLOCK_HALF)
-    m = i < HALF
-    x1 = tl.load(ptr + i, mask=m, other=0.0).to(tl.float32)
-    x2 = tl.load(ptr + HALF + i, mask=m, other=0.0).to(tl.float32)
+    m = h_mask[:, None] & (i < HALF)[None, :]
+    rows = ptr + heads[:, None] * stride_h
+    x1 = tl.load(rows + i[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(rows + HALF + i[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_NORM:
-        sum_sq = tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)
+        sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
         if REST > 0:
             j = tl.arange(0, BLOCK_REST)
-            mr = j < REST
-            xr = tl.load(ptr + 2 * HALF + j, mask=mr, other=0.0).to(tl.float32)
-            sum_sq += tl.sum(xr * xr, axis=0)
-        inv_rms = tl.rsqrt(sum_sq / HEAD_DIM + eps)
-        x1 = _round(_round(x1 * inv_rms, ptr) * tl.load(w_ptr + i, mask=m, other=0.0).to(tl.float32), ptr)
-        x2 = _round(_round(x2 * inv_rms, ptr) * tl.load(w_ptr + HALF + i, mask=m, other=0.0).to(tl.float32),
-                    ptr)
+            mr = h_mask[:, None] & (j < REST)[None, :]
+            xr = tl.load(rows + 2 * HALF + j[None, :], mask=mr, other=0.0).to(tl.float32)
+            sum_sq += tl.sum(xr * xr, axis=1)
+        inv_rms = tl.rsqrt(sum_sq / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(w_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+        x1 = _round(_round(x1 * inv_rms, ptr) * w1, ptr)
+        x2 = _round(_round(x2 * inv_rms, ptr) * w2, ptr)
         if REST > 0:
-            wr = tl.load(w_ptr + 2 * HALF + j, mask=mr, other=0.0).to(tl.float32)
-            tl.store(ptr + 2 * HALF + j, (_round(xr * inv_rms, ptr) * wr).to(ptr.dtype.element_ty), mask=mr)
-    c1 = tl.load(cos_ptr + i, mask=m, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + HALF + i, mask=m, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + i, mask=m, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + HALF + i, mask=m, other=0.0).to(tl.float32)
+            wr = tl.load(w_ptr + 2 * HALF + j, mask=j < REST, other=0.0).to(tl.float32)[None, :]
+            tl.store(rows + 2 * HALF + j[None, :], (_round(xr * inv_rms, ptr) * wr).to(ptr.dtype.element_ty), mask=mr)
+    c1 = tl.load(cos_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    c2 = tl.load(cos_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    s1 = tl.load(sin_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
+    s2 = tl.load(sin_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
     # torch: rot * cos + cat(-x2, x1) * sin, each op rounded to the dtype
     o1 = _round(x1 * c1, ptr) - _round(x2 * s1, ptr)
     o2 = _round(x2 * c2, ptr) + _round(x1 * s2, ptr)
-    tl.store(ptr + i, o1.to(ptr.dtype.element_ty), mask=m)
-    tl.store(ptr + HALF + i, o2.to(ptr.dtype.element_ty), mask=m)
+    tl.store(rows + i[None, :], o1.to(ptr.dtype.element_ty), mask=m)
+    tl.store(rows + HALF + i[None, :], o2.to(ptr.dtype.element_ty), mask=m)
 
 
 # A one-token step may give cos/sin a size-1 leading dim with any stride: do not compile per value.
 @triton.jit(do_not_specialize=["cos_stride", "sin_stride"])
 def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
                          q_stride_t, q_stride_h, k_stride_t, k_stride_h, cos_stride, sin_stride,
-                         NUM_Q_HEADS, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr,
-                         BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr, HAS_NORM: tl.constexpr):
-    """Grid (tokens, q heads + k heads): one program per head vector of q or k."""
+                         NUM_Q_HEADS, NUM_K_HEADS, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                         REST: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
+                         HAS_NORM: tl.constexpr, HEADS: tl.constexpr):
+    """Grid (tokens, q head blocks + k head blocks): one program per HEADS head vectors of q or k
+    of one token (one program per head vector, as until the 37th session, made 327k one-warp
+    programs of a Llama-3.1-8B 8,192-token chunk: 0.19 ms, ~4x its memory time on the H200)."""
     t = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
+    block = tl.program_id(1)
+    q_blocks = (NUM_Q_HEADS + HEADS - 1) // HEADS
     cos = cos_ptr + t * cos_stride
     sin = sin_ptr + t * sin_stride
-    if h < NUM_Q_HEADS:
-        _norm_rope_head(q_ptr + t * q_stride_t + h * q_stride_h, qw_ptr, cos, sin, eps,
-                        HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM)
+    h = tl.arange(0, HEADS)
+    if block < q_blocks:
+        heads = block * HEADS + h
+        _norm_rope_heads(q_ptr + t * q_stride_t, heads, heads < NUM_Q_HEADS, q_stride_h, qw_ptr, cos, sin, eps,
+                         HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM)
     else:
-        _norm_rope_head(k_ptr + t * k_stride_t + (h - NUM_Q_HEADS) * k_stride_h, kw_ptr, cos, sin, eps,
-                        HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM)
+        heads = (block - q_blocks) * HEADS + h
+        _norm_rope_heads(k_ptr + t * k_stride_t, heads, heads < NUM_K_HEADS, k_stride_h, kw_ptr, cos, sin, eps,
+                         HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -273,6 +283,9 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return q.view(*gate_up.shape[:-1], n), scale
 
 
+QK_ROPE_HEADS = 8  # head vectors a program of qk_norm_rotary_ takes (at most)
+
+
 def qk_norm_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                     q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
                     eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
@@ -286,10 +299,12 @@ def qk_norm_rotary_(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
                          f"got q {tuple(q.shape)}/{q.stride()}, k {tuple(k.shape)}/{k.stride()}, rotary_dim {rd}")
     has_norm = q_weight is not None
     cos2, sin2 = cos.reshape(T, rd), sin.reshape(T, rd)
+    num_k = k.shape[1]
+    heads = min(QK_ROPE_HEADS, next_power_of_2(max(num_q, num_k)))
     if T:
-        _qk_norm_rope_kernel[(T, num_q + k.shape[1])](
+        _qk_norm_rope_kernel[(T, cdiv(num_q, heads) + cdiv(num_k, heads))](
             q, k, q_weight if has_norm else q, k_weight if has_norm else k, cos2, sin2,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), cos2.stride(0), sin2.stride(0),
-            num_q, eps, HEAD_DIM=D, HALF=rd // 2, REST=D - rd, BLOCK_HALF=next_power_of_2(max(rd // 2, 1)),
-            BLOCK_REST=next_power_of_2(max(D - rd, 1)), HAS_NORM=has_norm, num_warps=1)
+            num_q, num_k, eps, HEAD_DIM=D, HALF=rd // 2, REST=D - rd, BLOCK_HALF=next_power_of_2(max(rd // 2, 1)),
+            BLOCK_REST=next_power_of_2(max(D - rd, 1)), HAS_NORM=has_norm, HEADS=heads, num_warps=4)
     return q, k

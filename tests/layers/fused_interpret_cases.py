@@ -101,6 +101,7 @@ def test_silu_and_mul(dtype, T, inter):
     (1, 4, 2, 16, 16, False), (37, 4, 2, 16, 16, False), (37, 4, 2, 32, 32, True),   # plain; Qwen3 qk-norm
     (5, 6, 2, 24, 24, True),                                                          # head_dim not a power of 2
     (3, 2, 1, 40, 12, False), (4, 4, 4, 32, 16, True),                                # partial rotary
+    (3, 12, 4, 16, 16, True), (2, 20, 4, 16, 16, False),                              # q heads over a program's
 ])
 def test_qk_norm_rotary_in_place_on_qkv_views(dtype, T, Hq, Hk, D, rd, qk_norm):
     g = torch.Generator().manual_seed(T + D + rd)
