@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from pagedserve.core.chunk_cost import COST_SCALE as LONG_PREFILL_COST_SCALE
 from pagedserve.core.config import KV_ALLOCATORS, PREEMPTION_MODES, CacheConfig, SchedulerConfig
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
@@ -120,6 +121,11 @@ class EngineConfig:
                                                              "shorter and the decodes beside it wait less per "
                                                              "step (default: on where the Hopper long-prefill "
                                                              "path is on; not vLLM's)")
+    long_prefill_cost_scale: float = option(LONG_PREFILL_COST_SCALE, "with long_prefill_budget_by_cost: K "
+                                            "(the context at which a token's attention costs as much as "
+                                            "its matmuls) times this, so a step beside decodes may cost "
+                                            "more (> 1: fewer, longer steps; a faster prefill, longer "
+                                            "gaps for the decodes) or less")
     long_prefill_chunk_align: int | None = option(None, "a prefill chunk cut short by the token budget ends on "
                                                         "a multiple of this many tokens where that leaves it "
                                                         "any (the rest follows in the next step, beside the "
@@ -212,6 +218,9 @@ class EngineConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
         if self.long_prefill_chunk_align is not None and self.long_prefill_chunk_align < 0:
             raise ValueError(f"long_prefill_chunk_align must be >= 0 (0: off), got {self.long_prefill_chunk_align}")
+        if not self.long_prefill_cost_scale > 0:
+            raise ValueError(f"long_prefill_cost_scale must be > 0, got {self.long_prefill_cost_scale} "
+                             "(long_prefill_budget_by_cost=False turns the costs off)")
         if self.long_prefill_budget_by_cost and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_budget_by_cost needs enable_chunked_prefill (it sizes prefill chunks)")
         if self.dtype not in DTYPES:

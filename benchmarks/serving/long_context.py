@@ -416,12 +416,14 @@ def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
     """For each --beside-decodes count N and --cost-scales factor f: N requests (128-token prompts)
     decoding, then one fresh prompt of the last --prefill-lens length; its seconds to its first
     token and the steps meanwhile (each a token for every decode: their gaps). f scales the engine's
-    attention_cost_context K (core/chunk_cost.py; 0: chunks by tokens alone), set on the running
-    scheduler's config between runs: f = 2 lets a step cost about twice the budget's worth of
-    context-free tokens deep in the prompt."""
+    K: the model's compute balance (model_cost.attention_cost_context) times f, set on the running
+    scheduler's config between runs (core/chunk_cost.py; f = 0: chunks by tokens alone; the engine's
+    own is long_prefill_cost_scale's)."""
     from pagedserve import SamplingParams
+    from pagedserve.model_cost import ModelCost
     eng = llm.llm_engine
-    k0 = eng.scheduler_config.attention_cost_context
+    k_engine = eng.scheduler_config.attention_cost_context
+    k0 = ModelCost.from_hf_config(eng.hf_config).attention_cost_context()
     n = args.prefill_lens[-1]
     rows = []
     for decodes in args.beside_decodes:
@@ -453,7 +455,7 @@ def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
                    "gap_max_ms": round(1e3 * max(gaps), 2)}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    eng.scheduler_config.attention_cost_context = k0
+    eng.scheduler_config.attention_cost_context = k_engine
     return rows
 
 

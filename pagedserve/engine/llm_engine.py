@@ -100,8 +100,8 @@ class LLMEngine(StepPipeline, TokenApplication):
         bucket = int(self.runner.profile.get("long_prefill_bucket", 0))
         by_cost = config.long_prefill_budget_by_cost
         if by_cost or (by_cost is None and bucket and config.enable_chunked_prefill):
-            self.scheduler_config.attention_cost_context = ModelCost.from_hf_config(
-                self.hf_config).attention_cost_context()
+            self.scheduler_config.attention_cost_context = round(ModelCost.from_hf_config(
+                self.hf_config).attention_cost_context() * config.long_prefill_cost_scale)
             self.scheduler_config.attention_cost_min_tokens = COST_MIN_TOKENS
         if config.long_prefill_chunk_align is None:
             self.scheduler_config.long_prefill_chunk_align = bucket

@@ -140,5 +140,7 @@ def test_short_sequences_are_chunked_by_tokens():
 def test_config_checks():
     with pytest.raises(ValueError, match="attention_cost_context must be >= 0"):
         SchedulerConfig(attention_cost_context=-1)
+    with pytest.raises(ValueError, match="long_prefill_cost_scale must be > 0"):
+        EngineConfig(long_prefill_cost_scale=0)
     with pytest.raises(ValueError, match="long_prefill_budget_by_cost needs enable_chunked_prefill"):
         EngineConfig(long_prefill_budget_by_cost=True, enable_chunked_prefill=False)

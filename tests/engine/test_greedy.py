@@ -102,11 +102,15 @@ def test_greedy_with_long_prefill_budget_by_cost(tiny_model_dir):
     from pagedserve.core.chunk_cost import chunk_cost
     from pagedserve.model_cost import ModelCost
     model_dir = tiny_model_dir("llama")
-    from pagedserve.core.chunk_cost import COST_MIN_TOKENS
+    from pagedserve.core.chunk_cost import COST_MIN_TOKENS, COST_SCALE
     llm = make_llm(model_dir, block_size=4, max_num_batched_tokens=16, long_prefill_budget_by_cost=True)
     engine = llm.llm_engine
     k = engine.scheduler_config.attention_cost_context
-    assert k == ModelCost.from_hf_config(engine.hf_config).attention_cost_context() > 0
+    model_k = ModelCost.from_hf_config(engine.hf_config).attention_cost_context()
+    assert k == round(model_k * COST_SCALE) > 0
+    one = make_llm(model_dir, block_size=4, max_num_batched_tokens=16, long_prefill_budget_by_cost=True,
+                   long_prefill_cost_scale=1.0)
+    assert one.llm_engine.scheduler_config.attention_cost_context == model_k
     assert engine.scheduler_config.attention_cost_min_tokens == COST_MIN_TOKENS
     engine.scheduler_config.attention_cost_min_tokens = 0  # the tiny model's prompts are short: count theirs
     sched, steps = engine.scheduler, []
@@ -129,7 +133,7 @@ def test_long_prompt_chunk_rules_follow_the_long_prefill_path(tiny_model_dir, mo
     long-prefill path on (align = its prefix bucket; costs for prompts of COST_MIN_TOKENS+), off
     where it did not (here on CPU); set, they are what was asked."""
     from pagedserve.attention import gathered_prefill
-    from pagedserve.core.chunk_cost import COST_MIN_TOKENS
+    from pagedserve.core.chunk_cost import COST_MIN_TOKENS, COST_SCALE
     from pagedserve.model_cost import ModelCost
     model_dir = tiny_model_dir("llama")
 
@@ -140,7 +144,7 @@ def test_long_prompt_chunk_rules_follow_the_long_prefill_path(tiny_model_dir, mo
     assert rules(long_prefill_chunk_align=16)[0] == 16
     monkeypatch.setattr(gathered_prefill, "configure", lambda *a, **kw: object())  # as on an H200
     k = ModelCost.from_hf_config(make_llm(model_dir, block_size=4).llm_engine.hf_config).attention_cost_context()
-    assert rules() == (gathered_prefill.PREFIX_BUCKET, k, COST_MIN_TOKENS)
+    assert rules() == (gathered_prefill.PREFIX_BUCKET, round(k * COST_SCALE), COST_MIN_TOKENS)
     assert rules(long_prefill_chunk_align=0, long_prefill_budget_by_cost=False) == (0, 0, 0)
     assert rules(enable_chunked_prefill=False)[1] == 0
 
