@@ -28,10 +28,10 @@ CHUNK_ALIGN = 1024
 COST_MIN_TOKENS = 8192
 # The engine's K is the model's compute balance (model_cost.attention_cost_context) times this
 # (EngineConfig.long_prefill_cost_scale). 1 until the 37th session: a step beside decodes then cost
-# about a budget of context-free tokens (~0.2 s for Llama-3.1-8B on the H200), and a 100k prompt
-# beside one decode took 38 steps and 8.2 s against 7.0 alone (vLLM's first token came 7.2 s after
-# it, in 12 steps), and every decode beside it waited that out; the decodes' gaps over a 100k prefill
-# (p99 0.25 s against vLLM's 0.84) had room to spare. docs/long-context.md has the A/B.
+# about a budget of context-free tokens (~0.2 s for Llama-3.1-8B on the H200), and a fresh 100k
+# prompt beside one decode took 39 steps and 7.18 s (7.00 alone), which the decode beside it waited
+# out, while its gaps (p99 0.24 s against vLLM's 0.84) had room to spare. At 2 (A/B offline,
+# docs/long-context.md): 30 steps, 7.07 s, gaps p99 0.34 s.
 COST_SCALE = 2.0
 
 
