@@ -506,7 +506,7 @@ def main() -> None:
                     help="prefill: then the last --prefill-lens length again beside this many decoding requests "
                          "(each count in turn), per --cost-scales factor")
     ap.add_argument("--cost-scales", type=float, nargs="+", default=[1.0],
-                    help="prefill --beside-decodes: factors on the engine's attention_cost_context (0: off)")
+                    help="prefill --beside-decodes: K = the model's compute balance times each (0: chunks by tokens alone)")
     ap.add_argument("--trace", help="prefill with --profile: also write the profiled prompt's chrome trace here")
     # client (internal): one scenario against a running server
     ap.add_argument("--scenario", choices=SCENARIOS)
