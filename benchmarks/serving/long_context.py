@@ -377,16 +377,26 @@ def _device_idle(prof, top: int = 12) -> dict:
 def phase_prefill(args) -> None:
     """One engine in this process (its switches from the environment): start-up seconds, then each
     of --prefill-lens as one fresh prompt with 1 output token, one at a time: that request's
-    seconds are its prefill's (an A/B of long-prefill paths, e.g. PAGEDSERVE_LONG_PREFILL=cudnn)."""
-    from pagedserve import LLM, SamplingParams
+    seconds are its prefill's (an A/B of long-prefill paths, e.g. PAGEDSERVE_LONG_PREFILL=cudnn).
+    --engine vllm runs vLLM's offline LLM the same way (same model, budget and block size)."""
     from pagedserve.attention import gathered_prefill
     from pagedserve.benchmark.results import ENV_SWITCHES
+    if args.engine == "vllm":
+        if args.beside_decodes:
+            raise SystemExit("--beside-decodes drives pagedserve's engine; not with --engine vllm")
+        # The engine core in this process, so that the profiler sees its kernels too.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        import vllm
+        from vllm import LLM, SamplingParams
+    else:
+        from pagedserve import LLM, SamplingParams
     if args.gathered_min_prefix is not None:  # an A/B of the constant; the engine runs in this process
         gathered_prefill.MIN_PREFIX = args.gathered_min_prefix
     t0 = time.perf_counter()
     llm = LLM(str(args.model), load_format="dummy", max_model_len=args.max_model_len, block_size=args.block_size,
               skip_tokenizer_init=True, max_num_batched_tokens=args.max_num_batched_tokens)
-    rec = {"startup_seconds": time.perf_counter() - t0, "block_size": args.block_size,
+    rec = {"engine": args.engine if args.engine == "pagedserve" else f"vllm {vllm.__version__}",
+           "startup_seconds": time.perf_counter() - t0, "block_size": args.block_size,
            "max_num_batched_tokens": args.max_num_batched_tokens, "gathered_min_prefix": gathered_prefill.MIN_PREFIX,
            "prefill_seconds": {},
            "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES if os.environ.get(k)}, **_measured_code()}
@@ -398,7 +408,8 @@ def phase_prefill(args) -> None:
         prof = _kernel_profiler() if profile else contextlib.nullcontext()
         t = time.perf_counter()
         with prof:
-            llm.generate([prompt], SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+            llm.generate([{"prompt_token_ids": prompt} if args.engine == "vllm" else prompt],
+                         SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
         seconds = round(time.perf_counter() - t, 3)
         if profile:  # the last prompt's kernels, by total device time (the profiler slows the host)
             rec["profile"] = {"prompt_len": n, "seconds_profiled": seconds, "kernels": _top_kernels(prof),
@@ -495,6 +506,9 @@ def main() -> None:
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=[32768, 100_000, 100_000],
                     help="prefill: prompt lengths, one request each, in order")
     ap.add_argument("--block-size", type=int, default=16, help="prefill: the engine's KV block size")
+    ap.add_argument("--engine", choices=["pagedserve", "vllm"], default="pagedserve",
+                    help="prefill: whose engine runs in this process (vllm: import it from PYTHONPATH, "
+                         "its engine core in-process so that --profile sees its kernels)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192,
                     help="prefill: the step budget (default 8192, the server's on the H200, so the chunks are "
                          "serving's; the offline engine's own default there is 16384, as until the 36th session)")

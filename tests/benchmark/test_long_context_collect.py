@@ -121,13 +121,13 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
                                         prefill_lens=[40, 200, 40], out=str(out),
                                         profile=False, max_num_batched_tokens=64, gathered_min_prefix=None,
                                         beside_decodes=[2], cost_scales=[1.0, 0.0], decode_output_len=64,
-                                        trace=None))
+                                        trace=None, engine="pagedserve"))
     rec = json.loads(out.read_text())
     secs = rec["prefill_seconds"]
     assert list(secs) == ["40", "200"] and [len(secs["40"]), len(secs["200"])] == [2, 1]
     assert all(s > 0 for runs in secs.values() for s in runs)
     assert rec["env_switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn" and rec["block_size"] == 8
-    assert rec["startup_seconds"] > 0 and rec["commit"]
+    assert rec["startup_seconds"] > 0 and rec["commit"] and rec["engine"] == "pagedserve"
     assert rec["max_num_batched_tokens"] == 64 and rec["gathered_min_prefix"] == gp.MIN_PREFIX
     # Then the last length again beside 2 decoding requests, once per cost scale: its steps are the
     # decodes' gaps, at least one a chunk of the 64-token budget less the decodes' tokens.
