@@ -384,8 +384,9 @@ def phase_prefill(args) -> None:
     if args.engine == "vllm":
         if args.beside_decodes:
             raise SystemExit("--beside-decodes drives pagedserve's engine; not with --engine vllm")
-        # The engine core in this process, so that the profiler sees its kernels too.
-        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # Its server's environment (vs_vllm.ENV), and its engine core in this process, so that the
+        # profiler sees its kernels too.
+        os.environ.update({**vv.ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
         import vllm
         from vllm import LLM, SamplingParams
     else:
