@@ -17,8 +17,10 @@ context length every step, so the prefix is cut at its last multiple of PREFIX_B
     query heads folded into the query length (K/V read once per group, never repeated) and the
     queries padded with zero rows to a multiple of QUERY_BUCKET tokens: serving meets only these
     bucketed shapes, whose plans the warm-up builds (warm_up_plans; none is built after start-up);
-(2) the rest of the prefix (< PREFIX_BUCKET tokens), folded likewise, to torch's flash kernel,
-    which builds no plans;
+(2) the rest of the prefix (< PREFIX_BUCKET tokens), folded likewise: to cuDNN where it is a
+    whole number of TAIL_STEP tokens (as it is when chunks end on the engine's chunk alignment:
+    one plan per such length and query bucket), else to torch's flash kernel, which builds no
+    plans but runs at about half cuDNN's speed (TAIL_ENV);
 (3) the chunk's own square, causal, padded to its query bucket (zero keys past the chunk, which a
     real row never sees under the top-left mask) to cuDNN as grouped-query attention (SQUARE_ENV):
     one plan per query bucket. It ran on
@@ -27,7 +29,8 @@ The parts are merged by their log-sum-exps. A first version padded the prefix to
 masked the pad with a broadcast bias row instead of (2): cuDNN's biased kernel ran at 256-377
 TFLOPS, slower than ours (docs/long-context.md). Chunks shorter than MIN_CHUNK or after fewer than
 MIN_PREFIX tokens stay on the Triton kernel, except first chunks of FIRST_CHUNK_DEFAULT+ tokens
-(FIRST_CHUNK_ENV): their square alone, on cuDNN's causal kernel.
+(FIRST_CHUNK_ENV): their square alone, on cuDNN's causal kernel, which then reads the queries
+where they are (a strided view, as long as the chunk fills its query bucket) instead of a copy.
 
 The parts are merged in one Triton pass straight into the layer's output (triton_merge.merge_into),
 or with PAGEDSERVE_LONG_PREFILL_MERGE=torch by torch ops in float32 (merge). On the H200 the two
@@ -57,8 +60,13 @@ FIRST_CHUNK_DEFAULT = 4096
 # first, as until the 36th session (two [c, H, D] copies a layer: ~118 ms of a 100k prefill's
 # 7.3 s in runs/s33_prefill_profile/).
 SQUARE_ENV = "PAGEDSERVE_LONG_PREFILL_SQUARE"
+# Where the prefix's tail past its bucketed head goes when it is a whole number of TAIL_STEP
+# tokens: 'cudnn' (the default since the 38th session: chunks sized by cost beside decodes leave
+# such tails on most chunks) or 'flash' (as before: torch's flash kernel, no plans).
+TAIL_ENV = "PAGEDSERVE_LONG_PREFILL_TAIL"
 PREFIX_BUCKET = 8192
 QUERY_BUCKET = 1024
+TAIL_STEP = 1024  # core/chunk_cost.CHUNK_ALIGN: aligned chunks leave tails of whole steps
 # A chunk after fewer earlier tokens stays on the Triton kernel (or, as a first chunk, takes the
 # square alone). 16,384 until the 36th session: the H200's serving budget cuts a 32k prompt into
 # 8,192-token chunks, and the second (8,192 earlier) then ran on our kernel (~400 TFLOPS against
@@ -89,7 +97,7 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
     if on and dtype in (torch.bfloat16, torch.float16) and long_fits:
         _ACTIVE[key] = GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, key,
                                        merge_into=merge_kernel(), first_chunk_tokens=first,
-                                       square_gqa=square_gqa())
+                                       square_gqa=square_gqa(), tail_on_cudnn=tail_on_cudnn())
     return _ACTIVE.get(key)
 
 
@@ -109,6 +117,14 @@ def square_gqa() -> bool:
     if value not in ("gqa", "repeat"):
         raise ValueError(f"{SQUARE_ENV}={value!r}: expected 'gqa' (the default) or 'repeat'")
     return value == "gqa"
+
+
+def tail_on_cudnn() -> bool:
+    """TAIL_ENV's choice: True for 'cudnn' (the default), False for 'flash'."""
+    value = os.environ.get(TAIL_ENV, "").strip() or "cudnn"
+    if value not in ("cudnn", "flash"):
+        raise ValueError(f"{TAIL_ENV}={value!r}: expected 'cudnn' (the default) or 'flash'")
+    return value == "cudnn"
 
 
 def merge_kernel():
@@ -217,7 +233,7 @@ class GatheredPrefill:
     def __init__(self, max_model_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, prefix_attention=cudnn_prefix, flash_attention=flash,
                  square_attention=cudnn_causal, merge_into=None, first_chunk_tokens: int = 0,
-                 square_gqa: bool = False):
+                 square_gqa: bool = False, tail_on_cudnn: bool = False):
         # Past max_model_len: the square's padding (< a query bucket) and the last page's spare slots.
         length = bucket(max_model_len, QUERY_BUCKET) + QUERY_BUCKET + MAX_PAGE
         self.k = torch.empty(length, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -227,8 +243,12 @@ class GatheredPrefill:
         self.merge_into = merge_into  # None: merge (torch ops); else merge_into(parts, out) -> out
         self.first_chunk_tokens = first_chunk_tokens  # takes()'s first_chunk
         self.square_gqa = square_gqa  # the square's K/V as Hkv heads (SQUARE_ENV), not repeated to H
+        self.tail_on_cudnn = tail_on_cudnn  # whole-step prefix tails to cuDNN (TAIL_ENV), not flash
         self.max_model_len = max_model_len
         self.num_heads: int | None = None  # the query heads warm_up_plans built plans for
+        # The query row strides (queries are views of the step's qkv) whose first-chunk square plans
+        # on the queries in place warm_up_plans built; a first chunk with another takes the copy.
+        self.first_q_row_strides: set[int] = set()
 
     def square_keys(self, start: int, rows: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The square's K and V (square_kv): the KV heads as they are under square_gqa, else repeated
@@ -260,23 +280,33 @@ class GatheredPrefill:
             torch.index_select(pool, 0, pages, out=buf[: n_pages * bs].view(n_pages, bs, kv_heads, D))
             buf[seq_len: prefix + rows].zero_()  # the square's padded keys: zeros, not stale (NaN) rows
         head = prefix // PREFIX_BUCKET * PREFIX_BUCKET
+        square_keys = self.square_keys(prefix, rows, group)
+        if prefix == 0 and c == rows and q.stride()[1:] == (D, 1) and q.stride(0) in self.first_q_row_strides:
+            # A first chunk filling its bucket: the square alone, its queries read where they are
+            # ([1, H, c, D] strided; cuDNN lays its output out alike, so the copy below is the only one).
+            o, _ = self.square_attention(q.permute(1, 0, 2).unsqueeze(0), *square_keys, scale)
+            return o[0].transpose(0, 1) if out is None else out.copy_(o[0].transpose(0, 1))
         # Query head h = KV head h // group: [Hkv, group, rows, D] is the square's [H, rows, D] and,
         # viewed [1, Hkv, group * rows, D], the prefix parts' queries with each group folded in.
-        folded = q.new_zeros(kv_heads, group, rows, D)
+        folded = q.new_empty(kv_heads, group, rows, D)
         folded[:, :, :c] = q.view(c, kv_heads, group, D).permute(1, 2, 0, 3)
+        folded[:, :, c:].zero_()  # the padding rows (their outputs are dropped): zeros, not stale NaNs
         qf = folded.view(1, kv_heads, group * rows, D)
         parts = []
         # (1) the bucketed head of the prefix: cuDNN, at a shape the warm-up built.
         if head:
             parts.append(self.prefix_attention(qf, heads_first(self.k, 0, head), heads_first(self.v, 0, head), scale))
-        # (2) the prefix's tail past the bucket: flash (no plans), folded likewise.
+        # (2) the prefix's tail past the bucket, folded likewise: cuDNN at a built shape where it is
+        # whole TAIL_STEPs, else flash (no plans).
         if prefix > head:
-            parts.append(self.flash_attention(qf, heads_first(self.k, head, prefix), heads_first(self.v, head, prefix),
-                                              False, scale))
+            kt, vt = heads_first(self.k, head, prefix), heads_first(self.v, head, prefix)
+            if self.tail_on_cudnn and (prefix - head) % TAIL_STEP == 0:
+                parts.append(self.prefix_attention(qf, kt, vt, scale))
+            else:
+                parts.append(self.flash_attention(qf, kt, vt, False, scale))
         # (3) the chunk's own square padded to rows x rows, causal (top-left; a real row never sees
         # a padded key): cuDNN, one plan per query bucket.
-        parts.append(self.square_attention(folded.view(1, H, rows, D), *self.square_keys(prefix, rows, group),
-                                           scale))
+        parts.append(self.square_attention(folded.view(1, H, rows, D), *square_keys, scale))
         parts = [(o.reshape(H, rows, D), lse.reshape(H, rows)) for o, lse in parts]
         if len(parts) == 1:  # a first chunk: its square alone
             merged = parts[0][0][:, :c].transpose(0, 1)
@@ -287,10 +317,14 @@ class GatheredPrefill:
         return merged if out is None else out.copy_(merged)
 
     def shapes(self, max_tokens: int) -> list[tuple[int, int]]:
-        """Every (query rows, prefix head) a chunk can meet: the prefix plans warm_up_plans builds."""
+        """Every (query rows, keys) a chunk's prefix parts can meet on cuDNN: its bucketed head and,
+        under tail_on_cudnn, a tail of whole TAIL_STEPs: the prefix plans warm_up_plans builds."""
         heads = range(MIN_PREFIX // PREFIX_BUCKET * PREFIX_BUCKET,
                       (self.max_model_len - MIN_CHUNK) // PREFIX_BUCKET * PREFIX_BUCKET + 1, PREFIX_BUCKET)
-        return [(r, h) for r in query_rows(max_tokens) for h in heads if h > 0]
+        keys = [h for h in heads if h > 0]
+        if self.tail_on_cudnn:
+            keys += [t for t in range(TAIL_STEP, min(PREFIX_BUCKET, self.max_model_len), TAIL_STEP) if t not in keys]
+        return [(r, n) for r in query_rows(max_tokens) for n in keys]
 
 
 def query_rows(max_tokens: int) -> range:
@@ -298,10 +332,12 @@ def query_rows(max_tokens: int) -> range:
     return range(QUERY_BUCKET, bucket(max_tokens, QUERY_BUCKET) + 1, QUERY_BUCKET)
 
 
-def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: float) -> int:
+def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: float,
+                  q_row_stride: int | None = None) -> int:
     """Run cuDNN once at every prefix shape of g.shapes(max_tokens) and every square of
     query_rows(max_tokens), with the strides attend gives it (cuDNN builds and caches each plan),
-    and flash once (its kernels load on first use); returns the plans run."""
+    and flash once (its kernels load on first use); returns the plans run. q_row_stride: the
+    model's query rows' stride (its qkv's width), for first chunks' squares on their queries in place."""
     _, kv_heads, head_dim = g.k.shape
     group = num_heads // kv_heads
     g.num_heads = num_heads
@@ -314,13 +350,20 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
     for rows in squares:
         q = g.k.new_zeros(1, num_heads, rows, head_dim)
         g.square_attention(q, *g.square_keys(0, rows, group), scale)
+    # A first chunk filling its bucket hands cuDNN its queries as a strided view: other strides, other plans.
+    firsts = [r for r in squares if q_row_stride and g.first_chunk_tokens and r >= g.first_chunk_tokens]
+    for rows in firsts:
+        q = g.k.new_zeros(rows, q_row_stride)[:, :num_heads * head_dim].view(rows, num_heads, head_dim)
+        g.square_attention(q.permute(1, 0, 2).unsqueeze(0), *g.square_keys(0, rows, group), scale)
+    if firsts:
+        g.first_q_row_strides.add(q_row_stride)
     q = g.k.new_zeros(1, kv_heads, group * QUERY_BUCKET, head_dim)
     g.flash_attention(q, heads_first(g.k, 0, QUERY_BUCKET), heads_first(g.v, 0, QUERY_BUCKET), False, scale)
     if g.merge_into is not None:  # its kernel compiles once per part count: here, not while serving
         part = (g.k.new_zeros(num_heads, QUERY_BUCKET, head_dim), g.k.new_zeros(num_heads, QUERY_BUCKET).float())
         for n in (2, 3):
             g.merge_into([part] * n, g.k.new_empty(QUERY_BUCKET, num_heads, head_dim))
-    return len(shapes) + len(squares)
+    return len(shapes) + len(squares) + len(firsts)
 
 
 def merge(parts: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

@@ -249,7 +249,9 @@ def warm_up(runner: RunnerView) -> float:
         gathered = active_gathered(runner.cache_engine.kv_caches[0][0].device)
         if gathered is not None:
             attn = next(m for m in runner.model.modules() if isinstance(m, Attention))
-            n = warm_up_plans(gathered, max_tokens, attn.num_heads, attn.scale)
+            # The models' queries are views of their fused qkv: rows (H + 2 Hkv) * D apart.
+            q_row = (attn.num_heads + 2 * attn.num_kv_heads) * attn.head_dim
+            n = warm_up_plans(gathered, max_tokens, attn.num_heads, attn.scale, q_row_stride=q_row)
             logger.info("long-prefill plans built: %d shapes", n)
         # Cache operations: copy-on-write and a swap round trip.
         ce = runner.cache_engine

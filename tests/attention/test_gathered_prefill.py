@@ -31,6 +31,7 @@ def math_causal(q, k, v, scale):
 def small_buckets(monkeypatch):
     monkeypatch.setattr(gp, "PREFIX_BUCKET", 32)
     monkeypatch.setattr(gp, "QUERY_BUCKET", 8)
+    monkeypatch.setattr(gp, "TAIL_STEP", 8)
     monkeypatch.setattr(gp, "MIN_PREFIX", 40)
     monkeypatch.setattr(gp, "MIN_CHUNK", 4)
 
@@ -42,35 +43,68 @@ def small_buckets_any_min(request, small_buckets, monkeypatch):
     monkeypatch.setattr(gp, "MIN_PREFIX", request.param)
 
 
-@pytest.mark.parametrize("square_gqa", [True, False])
+@pytest.mark.parametrize("square_gqa,tail_on_cudnn", [(True, True), (True, False), (False, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cached,new,block_size", [(40, 4, 16), (77, 13, 8), (96, 32, 16), (100, 9, 1),
-                                                   (0, 20, 8), (13, 12, 16)])
-def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_size, square_gqa):
+                                                   (0, 20, 8), (13, 12, 16), (56, 8, 8), (16, 12, 8)])
+def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_size, square_gqa, tail_on_cudnn):
     """Prefixes off and on the bucket edge (96 = 3 x 32: no tail past the bucketed head), chunks
     off and on the query bucket, pages of 1/8/16 tokens; the pool's spare slots are random
     (garbage past the sequence). First chunks (PAGEDSERVE_LONG_PREFILL_FIRST): none before (the
-    square alone), or fewer than a prefix bucket (no cuDNN prefix part). square_gqa: the square's
-    K/V as the 2 KV heads (PAGEDSERVE_LONG_PREFILL_SQUARE=gqa) or repeated to the 6 query heads."""
+    square alone), or fewer than a prefix bucket (no cuDNN prefix part but a whole-step one).
+    square_gqa: the square's K/V as the 2 KV heads (PAGEDSERVE_LONG_PREFILL_SQUARE=gqa) or repeated
+    to the 6 query heads. tail_on_cudnn (PAGEDSERVE_LONG_PREFILL_TAIL): a tail of whole 8-token
+    steps past the head (40 - 32, 56 - 32, 16) goes to cuDNN's prefix op, any other to flash."""
     batch = make_batch([(3, 1), (cached, new)], 1, H=6, Hkv=2, D=16, block_size=block_size, dtype=dtype)
     kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
     reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
     scale = 16 ** -0.5
     ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale)[1:]
-    heads, squares = [], []
+    heads, squares, flashes = [], [], []
     g = gp.GatheredPrefill(160, 2, 16, dtype, torch.device("cpu"),
-                           lambda q, k, *a: heads.append((q.shape[2], k.shape[2])) or math_prefix(q, k, *a), math_flash,
+                           lambda q, k, *a: heads.append((q.shape[2], k.shape[2])) or math_prefix(q, k, *a),
+                           lambda q, k, *a: flashes.append(k.shape[2]) or math_flash(q, k, *a),
                            lambda q, k, *a: squares.append((q.shape[1:3], k.shape[1:3])) or math_causal(q, k, *a),
-                           square_gqa=square_gqa)
+                           square_gqa=square_gqa, tail_on_cudnn=tail_on_cudnn)
     g.k.fill_(float("nan")), g.v.fill_(float("nan"))  # stale NaNs past the sequence must not reach the output
     got = g.attend(batch.query[1:], kc, vc, batch.meta.block_tables[1], cached + new, scale)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(got, ref, **tol)
     # cuDNN only ever sees bucketed shapes: queries (folded, 3 heads a group) and the prefix's head;
     # the square, 6 query heads over 2 KV heads (or 6 repeated), padded to the query bucket
-    rows = gp.bucket(new, 8)
-    assert heads == ([(3 * rows, cached // 32 * 32)] if cached >= 32 else [])
+    rows, head, tail = gp.bucket(new, 8), cached // 32 * 32, cached % 32
+    on_cudnn = tail_on_cudnn and tail % 8 == 0
+    assert heads == [(3 * rows, n) for n in (head, tail if on_cudnn else 0) if n]
+    assert flashes == ([tail] if tail and not on_cudnn else [])
     assert squares == [((6, rows), (2 if square_gqa else 6, rows))]
+
+
+@pytest.mark.parametrize("registered", [True, False])
+@pytest.mark.parametrize("new", [16, 12])
+def test_first_chunk_square_reads_the_queries_in_place(small_buckets, new, registered):
+    """A first chunk filling its query bucket (16 = 2 x 8) whose queries are rows of a wider qkv at
+    a row stride the warm-up built plans for: the square reads them where they are (a strided
+    view, no fold copy), and equals the reference; 12 tokens (padded) or an unregistered stride:
+    the folded copy."""
+    H, Hkv, D = 6, 2, 16
+    batch = make_batch([(0, new)], 0, H=H, Hkv=Hkv, D=D, block_size=8)
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
+    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, D ** -0.5)
+    qkv = torch.randn(new, (H + 2 * Hkv) * D)
+    q = qkv[:, :H * D].view(new, H, D)
+    q.copy_(batch.query)
+    seen = []
+    g = gp.GatheredPrefill(160, Hkv, D, torch.float32, torch.device("cpu"), math_prefix, math_flash,
+                           lambda q, *a: seen.append(q.is_contiguous()) or math_causal(q, *a), square_gqa=True,
+                           first_chunk_tokens=8)
+    if registered:
+        g.first_q_row_strides.add(qkv.stride(0))
+    out = torch.full_like(batch.query, float("nan"))
+    got = g.attend(q, kc, vc, batch.meta.block_tables[0], new, D ** -0.5, out=out)
+    assert got is out
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert seen == [not (registered and new == 16)]
 
 
 def test_which_chunks_take_the_path(small_buckets):
@@ -104,40 +138,53 @@ def test_only_the_pool_layout_and_heads_it_was_built_for_take_the_path(small_buc
 
 def test_plan_shapes_cover_every_chunk(small_buckets_any_min):
     """Every (chunk, context) the path takes lands on a shape warm_up_plans builds."""
-    g = gp.GatheredPrefill(200, 1, 8, torch.float32, torch.device("cpu"))
-    shapes = set(g.shapes(max_tokens=24))
-    for seq_len in range(1, 201):
-        for new in range(1, min(24, seq_len) + 1):
-            for first in (0, 5):
-                if gp.takes(new, seq_len, first):
-                    head = (seq_len - new) // gp.PREFIX_BUCKET * gp.PREFIX_BUCKET
-                    assert gp.bucket(new, gp.QUERY_BUCKET) in gp.query_rows(24)  # its square's plan
-                    assert head == 0 or (gp.bucket(new, gp.QUERY_BUCKET), head) in shapes
+    for tail_on_cudnn in (False, True):
+        g = gp.GatheredPrefill(200, 1, 8, torch.float32, torch.device("cpu"), tail_on_cudnn=tail_on_cudnn)
+        shapes = set(g.shapes(max_tokens=24))
+        for seq_len in range(1, 201):
+            for new in range(1, min(24, seq_len) + 1):
+                for first in (0, 5):
+                    if gp.takes(new, seq_len, first):
+                        head = (seq_len - new) // gp.PREFIX_BUCKET * gp.PREFIX_BUCKET
+                        tail = seq_len - new - head
+                        rows = gp.bucket(new, gp.QUERY_BUCKET)
+                        assert rows in gp.query_rows(24)  # its square's plan
+                        assert head == 0 or (rows, head) in shapes
+                        # a whole-step tail on cuDNN, at a built shape
+                        assert not (tail_on_cudnn and tail and tail % gp.TAIL_STEP == 0) or (rows, tail) in shapes
 
 
-@pytest.mark.parametrize("square_gqa", [True, False])
-def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets_any_min, square_gqa):
+@pytest.mark.parametrize("square_gqa,tail_on_cudnn", [(True, True), (True, False), (False, True)])
+def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets_any_min, square_gqa, tail_on_cudnn):
     """cuDNN keys its plans by shapes and strides: the warm-up calls it with both as attend does, for
-    every chunk a step of up to max_tokens tokens can bring (nothing is built after start-up)."""
+    every chunk a step of up to max_tokens tokens can bring (nothing is built after start-up):
+    whole-step tails under tail_on_cudnn, and first chunks filling their bucket, their queries
+    views of a qkv rows 10 * 8 wide (6 query heads, 2 KV heads)."""
     seen = {"prefix": set(), "square": set()}
     key = lambda *ts: tuple((tuple(t.shape), t.stride()) for t in ts)  # noqa: E731
 
     def recorder(kind, fn):
         return lambda q, k, v, *a: seen[kind].add(key(q, k, v)) or fn(q, k, v, *a)
     g = gp.GatheredPrefill(200, 2, 8, torch.float32, torch.device("cpu"), recorder("prefix", math_prefix),
-                           math_flash, recorder("square", math_causal), square_gqa=square_gqa)
-    n = gp.warm_up_plans(g, max_tokens=24, num_heads=6, scale=0.3)
+                           math_flash, recorder("square", math_causal), square_gqa=square_gqa,
+                           tail_on_cudnn=tail_on_cudnn, first_chunk_tokens=16)
+    n = gp.warm_up_plans(g, max_tokens=24, num_heads=6, scale=0.3, q_row_stride=80)
     built = {kind: set(keys) for kind, keys in seen.items()}
-    assert n == len(built["prefix"]) + len(built["square"]) == len(g.shapes(24)) + 3
+    # squares: 8, 16 and 24 rows; first chunks in place: 16 and 24
+    assert n == len(built["prefix"]) + len(built["square"]) == len(g.shapes(24)) + 3 + 2
+    assert g.first_q_row_strides == {80}
     for kind in seen:
         seen[kind].clear()
     kc = torch.randn(30, 8, 2, 8)  # 30 pages of 8 tokens
     table = torch.randperm(30)
-    for seq_len in range(41, 201, 7):
-        for new in (4, 11, 24):
-            if gp.takes(new, seq_len):
-                g.attend(torch.randn(new, 6, 8), kc, kc, table, seq_len, 0.3)
-    assert seen["prefix"] and seen["square"]
+    tails = set()
+    for seq_len in [*range(16, 25), *range(41, 201, 7), 48, 64, 120, 200]:
+        for new in (4, 8, 11, 16, 24):
+            if new <= seq_len and gp.takes(new, seq_len, g.first_chunk_tokens):
+                q = torch.randn(new, 80)[:, :48].view(new, 6, 8)
+                g.attend(q, kc, kc, table, seq_len, 0.3)
+                tails.add((seq_len - new) % gp.PREFIX_BUCKET)
+    assert seen["prefix"] and seen["square"] and 8 in tails and 16 in tails and 0 in tails
     assert seen["prefix"] <= built["prefix"] and seen["square"] <= built["square"]
 
 
@@ -232,7 +279,9 @@ def _merge_into():
     # PAGEDSERVE_LONG_PREFILL_SQUARE: unset or 'gqa', the square's K/V go to cuDNN as the KV heads;
     # 'repeat', repeated to the query heads
     (gp.SQUARE_ENV, "square_gqa", ((None, lambda: True), ("gqa", lambda: True), ("repeat", lambda: False)), "flash"),
-], ids=["merge", "square"])
+    # PAGEDSERVE_LONG_PREFILL_TAIL: unset or 'cudnn', whole-step prefix tails to cuDNN; 'flash', to flash
+    (gp.TAIL_ENV, "tail_on_cudnn", ((None, lambda: True), ("cudnn", lambda: True), ("flash", lambda: False)), "off"),
+], ids=["merge", "square", "tail"])
 def test_switch_choices(monkeypatch, gpu_of, env, attr, cases, bad):
     """Each value of a two-way switch picks its way at start-up (configure); anything else is an
     error naming the switch."""

@@ -181,24 +181,30 @@ def test_prefill_launches(ops, launch, H, Hkv, D):
 @pytest.mark.parametrize("merge,first", [("torch", False), ("triton", False), ("torch", True), ("triton", True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("buckets", ["small", "serving"])
-@pytest.mark.parametrize("square_gqa", [True, False])
-def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first, square_gqa):
+@pytest.mark.parametrize("square_gqa,tail", [(True, True), (True, False), (False, False)])
+def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first, square_gqa, tail):
     """PAGEDSERVE_LONG_PREFILL=cudnn's path with cuDNN's and flash's real ops, routed through
     paged_attention beside decodes and a short chunk; slots past each sequence's end are NaN.
     small: buckets shrunk so that several long chunks fit a small test; serving: the defaults.
     merge: the parts merged by torch ops or by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE);
     first: PAGEDSERVE_LONG_PREFILL_FIRST on, with a first chunk and one after a short prefix;
-    square_gqa: the square's K/V handed to cuDNN as 8 KV heads for 32 query heads, or repeated."""
+    square_gqa: the square's K/V handed to cuDNN as 8 KV heads for 32 query heads, or repeated;
+    tail: prefix tails of whole TAIL_STEPs on cuDNN (PAGEDSERVE_LONG_PREFILL_TAIL), (640, 128) and
+    (11264, 1024) have one; first chunks filling their bucket, (0, 256) and (0, 4096), read their
+    queries in place."""
     from pagedserve.attention import gathered_prefill as gp
     from pagedserve.attention.triton_merge import merge_into
     if buckets == "small":
-        for name, value in (("PREFIX_BUCKET", 256), ("QUERY_BUCKET", 128), ("MIN_PREFIX", 512), ("MIN_CHUNK", 64)):
+        for name, value in (("PREFIX_BUCKET", 256), ("QUERY_BUCKET", 128), ("MIN_PREFIX", 512), ("MIN_CHUNK", 64),
+                            ("TAIL_STEP", 128)):
             monkeypatch.setattr(gp, name, value)
-        shapes, long = [(900, 1), (5, 1), (700, 300), (40, 30), (2048, 1024), (513, 64)], [300, 1024, 64]
-        first_min, firsts = 64, [(0, 200), (100, 150)]
+        shapes = [(900, 1), (5, 1), (700, 300), (40, 30), (2048, 1024), (513, 64), (640, 128)]
+        long = [300, 1024, 64, 128]
+        first_min, firsts = 64, [(0, 200), (100, 150), (0, 256)]
     else:
         # (9000, 1100): after one prefix bucket (MIN_PREFIX = PREFIX_BUCKET since the 36th session)
-        shapes, long = [(3000, 1), (0, 1), (16384, 1024), (20000, 1500), (9000, 1100)], [1024, 1500, 1100]
+        shapes = [(3000, 1), (0, 1), (16384, 1024), (20000, 1500), (9000, 1100), (11264, 1024)]
+        long = [1024, 1500, 1100, 1024]
         first_min, firsts = 2048, [(0, 4096), (500, 2048)]
     if first:
         shapes, long = shapes + firsts, long + [n for _, n in firsts]
@@ -209,7 +215,8 @@ def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first, 
     _poison_dead_slots(kc, vc, m)
     g = gp.GatheredPrefill(max(m.seq_lens_cpu) + 1, 8, 128, dtype, torch.device("cuda"),
                            merge_into=merge_into if merge == "triton" else None,
-                           first_chunk_tokens=first_min if first else 0, square_gqa=square_gqa)
+                           first_chunk_tokens=first_min if first else 0, square_gqa=square_gqa, tail_on_cudnn=tail)
+    g.first_q_row_strides.add(batch.query.stride(0))
     monkeypatch.setitem(gp._ACTIVE, kc.device, g)
     used = []
     attend = g.attend
