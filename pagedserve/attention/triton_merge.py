@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 MERGE_BLOCK_R = 32
+MERGE_NUM_WARPS = 4
 
 
 # A chunk's row count and the parts' strides change from chunk to chunk: one compile per part
@@ -79,5 +80,5 @@ def merge_into(parts: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor
                              o0.stride(0), o0.stride(1), o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1),
                              l0.stride(0), l1.stride(0), l2.stride(0), out.stride(0), out.stride(1),
                              NUM_PARTS=len(parts), HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-                             BLOCK_R=MERGE_BLOCK_R)
+                             BLOCK_R=MERGE_BLOCK_R, num_warps=MERGE_NUM_WARPS)
     return out
