@@ -19,7 +19,10 @@ import triton
 import triton.language as tl
 
 MERGE_BLOCK_R = 32
-MERGE_NUM_WARPS = 4
+# Warps a program by part count: on the H200, one 8,192-token chunk of Llama-3.1-8B (32 heads),
+# rows of 32: 2 parts 108 us at 4 warps (123 at 8), 3 parts 146 us at 8 (208 at 4); rows of 64 or
+# 128 slower at either (runs/s38_long_context/merge_bench.json in history.tar.gz).
+MERGE_NUM_WARPS = {2: 4, 3: 8}
 
 
 # A chunk's row count and the parts' strides change from chunk to chunk: one compile per part
@@ -80,5 +83,5 @@ def merge_into(parts: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor
                              o0.stride(0), o0.stride(1), o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1),
                              l0.stride(0), l1.stride(0), l2.stride(0), out.stride(0), out.stride(1),
                              NUM_PARTS=len(parts), HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-                             BLOCK_R=MERGE_BLOCK_R, num_warps=MERGE_NUM_WARPS)
+                             BLOCK_R=MERGE_BLOCK_R, num_warps=MERGE_NUM_WARPS[len(parts)])
     return out
