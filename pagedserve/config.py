@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from pagedserve.core.chunk_cost import COST_SCALE as LONG_PREFILL_COST_SCALE
+from pagedserve.core.chunk_cost import COST_MIN_TOKENS, COST_SCALE as LONG_PREFILL_COST_SCALE
 from pagedserve.core.config import KV_ALLOCATORS, PREEMPTION_MODES, CacheConfig, SchedulerConfig
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
@@ -132,6 +132,11 @@ class EngineConfig:
                                                         "decodes), so a long prompt's chunks start on the "
                                                         "Hopper long-prefill path's prefix buckets (default: "
                                                         "8,192 where that path is on, else 0: off; not vLLM's)")
+    long_prefill_drain: int = option(0, "N > 0: a new prompt of at least 8,192 tokens (and N) waits, up to one "
+                                        "decode step per N of its tokens, while running requests are that "
+                                        "close to their max_tokens, so they finish instead of stalling "
+                                        "through its whole prefill (e.g. 2048: at most 48 steps before a "
+                                        "100k prompt starts); 0: off (not vLLM's)")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     cudagraph_mode: str = option("piecewise", "decode: CUDA graphs for decode-only steps, steps with "
                                               "prefill tokens eager; piecewise: also graphs for those "
@@ -218,6 +223,8 @@ class EngineConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
         if self.long_prefill_chunk_align is not None and self.long_prefill_chunk_align < 0:
             raise ValueError(f"long_prefill_chunk_align must be >= 0 (0: off), got {self.long_prefill_chunk_align}")
+        if self.long_prefill_drain < 0:
+            raise ValueError(f"long_prefill_drain must be >= 0 (0: off), got {self.long_prefill_drain}")
         if not self.long_prefill_cost_scale > 0:
             raise ValueError(f"long_prefill_cost_scale must be > 0, got {self.long_prefill_cost_scale} "
                              "(long_prefill_budget_by_cost=False turns the costs off)")
@@ -304,4 +311,6 @@ class EngineConfig:
             preemption_mode=self.preemption_mode,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             long_prefill_chunk_align=self.long_prefill_chunk_align or 0,  # None: the engine's pick
+            long_prefill_drain=self.long_prefill_drain,
+            long_prefill_drain_min_tokens=COST_MIN_TOKENS,
         )

@@ -43,6 +43,11 @@ class SchedulerConfig:
     # N > 0: a prefill chunk cut short by the budget ends on a multiple of N where that leaves it
     # any tokens (core/scheduler.py _schedule_prefill). 0: off.
     long_prefill_chunk_align: int = 0
+    # N > 0: a fresh prompt of P >= max(N, long_prefill_drain_min_tokens) tokens waits for running
+    # requests within a few tokens of their max_tokens, up to P // N steps in all (core/admission.py).
+    # 0: off. The engine sets the minimum to chunk_cost.COST_MIN_TOKENS.
+    long_prefill_drain: int = 0
+    long_prefill_drain_min_tokens: int = 0
     # Costs for preemption_mode="auto": moving one block over PCIe both ways against recomputing
     # one token. The engine replaces both with the runner's measurements in every CUDA setup
     # (num_gpu_blocks_override or not); these constants remain only on CPU, unless
@@ -69,3 +74,5 @@ class SchedulerConfig:
             raise ValueError(f"attention_cost_context must be >= 0 (0: off), got {self.attention_cost_context}")
         if self.long_prefill_chunk_align < 0:
             raise ValueError(f"long_prefill_chunk_align must be >= 0 (0: off), got {self.long_prefill_chunk_align}")
+        if self.long_prefill_drain < 0:
+            raise ValueError(f"long_prefill_drain must be >= 0 (0: off), got {self.long_prefill_drain}")

@@ -83,6 +83,9 @@ class Scheduler(Admission, Preemption):
         # just before it): freed there, handed back by the next free_finished_seq_groups().
         self._dropped_finished: list[SequenceGroup] = []
         self._admissions = itertools.count()
+        # request id -> steps a fresh long prompt has waited while requests near their end drain
+        # (core/admission.py; an entry leaves when its group is admitted or aborted).
+        self._drain_waits: dict[str, int] = {}
         self.num_preemptions = 0
         self.num_swap_outs = 0   # groups swapped out to CPU (a subset of the preemptions)
         self.num_swap_ins = 0    # groups swapped back in
@@ -113,6 +116,8 @@ class Scheduler(Admission, Preemption):
 
     def abort_seq_group(self, request_id: str | Iterable[str]) -> None:
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        for rid in ids:
+            self._drain_waits.pop(rid, None)
         for queue in (self.waiting, self.running, self.swapped):
             for group in [g for g in queue if g.request_id in ids]:
                 queue.remove(group)

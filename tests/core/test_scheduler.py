@@ -110,6 +110,53 @@ def test_long_prefill_chunk_align_keeps_chunks_on_buckets_beside_decodes(align):
         SchedulerConfig(long_prefill_chunk_align=-1)
 
 
+@pytest.mark.parametrize("drain,left_a,prompt_len,waits", [
+    (8, 3, 40, 3),     # a finishes in 3 steps, within 40 // 8 = 5: the prompt waits 3
+    (8, 5, 40, 5),     # exactly the allowance: 5
+    (8, 6, 40, 0),     # 6 left > 5: no wait (b, 30 left, never counts)
+    (0, 3, 40, 0),     # off
+    (8, 3, 31, 0),     # a prompt under long_prefill_drain_min_tokens (32, the helper's): no wait
+    (50, 3, 40, 0),    # a prompt under N itself: no wait
+])
+def test_long_prefill_drain_lets_requests_near_their_end_finish_first(drain, left_a, prompt_len, waits):
+    """long_prefill_drain=N: a fresh prompt of P >= max(N, long_prefill_drain_min_tokens) tokens waits
+    while a running request has at most as many tokens left as the prompt may still wait (P // N
+    steps in all); the decodes run meanwhile, the running request ends, then the prompt starts."""
+    s = make_scheduler(256, max_num_batched_tokens=64, long_prefill_drain=drain)
+    a, b = make_group("a", [1, 2], max_tokens=left_a + 1), make_group("b", [3, 4], max_tokens=31)
+    long_ = make_group("l", list(range(100, 100 + prompt_len)))
+    s.add_seq_group(a)
+    s.add_seq_group(b)
+    d = Driver(s)
+    d.step()  # a and b prefilled: a has left_a tokens to go, b 30
+    s.add_seq_group(long_)
+    waited = 0
+    while True:
+        out = d.step()
+        check_invariants(s)
+        if any(x.group is long_ for x in out.scheduled):
+            break
+        assert [x.group.request_id for x in out.scheduled if x.is_decode] == ["a", "b"][:2 if waited < left_a else 1]
+        waited += 1
+    assert waited == waits
+    assert (a in d.finished) == (waits >= left_a) and s._drain_waits == {}
+    with pytest.raises(ValueError, match="long_prefill_drain must be >= 0"):
+        SchedulerConfig(long_prefill_drain=-1)
+
+
+def test_long_prefill_drain_forgets_an_aborted_prompt():
+    s = make_scheduler(256, max_num_batched_tokens=64, long_prefill_drain=8)
+    a, long_ = make_group("a", [1, 2], max_tokens=4), make_group("l", list(range(100, 140)))
+    s.add_seq_group(a)
+    d = Driver(s)
+    d.step()
+    s.add_seq_group(long_)
+    d.step()
+    assert s._drain_waits == {"l": 1}
+    s.abort_seq_group("l")
+    assert s._drain_waits == {}
+
+
 def test_no_chunking_when_disabled():
     s = make_scheduler(64, max_num_batched_tokens=16, max_model_len=16, enable_chunked_prefill=False)
     a, b = make_group("a", prompt(10)), make_group("b", prompt(10, 50))

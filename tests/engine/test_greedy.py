@@ -149,6 +149,44 @@ def test_long_prompt_chunk_rules_follow_the_long_prefill_path(tiny_model_dir, mo
     assert rules(enable_chunked_prefill=False)[1] == 0
 
 
+def test_long_prefill_drain_reaches_the_scheduler(tiny_model_dir, monkeypatch):
+    """long_prefill_drain=N: a long prompt arriving while a request is 3 tokens from its max_tokens
+    starts only once that request has finished (its prompt of 32 tokens may wait 32 // 4 steps; the
+    engine's minimum prompt, COST_MIN_TOKENS, lowered to 16 here); off, it starts beside it. The
+    tokens are the same either way (greedy)."""
+    from pagedserve import config as engine_config
+    monkeypatch.setattr(engine_config, "COST_MIN_TOKENS", 16)
+    model_dir = tiny_model_dir("llama")
+    ids = prompt_ids(model_dir)
+    short, long_ = ids[0][:5], (ids[1] * 8)[:32]
+    runs = {}
+    for drain in (0, 4):
+        llm = make_llm(model_dir, block_size=4, long_prefill_drain=drain)
+        eng = llm.llm_engine
+        assert eng.scheduler_config.long_prefill_drain == drain
+        steps, schedule = [], eng.scheduler.schedule
+
+        def spy():
+            out = schedule()
+            steps.append({x.group.request_id for x in out.scheduled})
+            return out
+        eng.scheduler.schedule = spy
+        eng.add_request("a", short, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+        tokens = {}
+        while not any("a" in st for st in steps[:-1]) or len(steps) < 2:
+            eng.step()  # a's prefill ran and its first token came back: 3 to go
+        eng.add_request("l", long_, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+        while eng.has_unfinished_requests():
+            for o in eng.step():
+                if o.finished:
+                    tokens[o.request_id] = list(o.outputs[0].token_ids)
+        first_l = next(i for i, st in enumerate(steps) if "l" in st)
+        last_a = max(i for i, st in enumerate(steps) if "a" in st)
+        runs[drain] = (first_l > last_a, tokens)
+    assert runs[4][0] and not runs[0][0]
+    assert runs[4][1] == runs[0][1] and len(runs[0][1]["a"]) == 4
+
+
 @pytest.mark.parametrize("prefix_caching,async_scheduling", [(True, True), (False, True), (True, False)])
 def test_greedy_prefix_caching_on_off(tiny_model_dir, prefix_caching, async_scheduling):
     model_dir = tiny_model_dir("mistral")
