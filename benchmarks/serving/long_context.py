@@ -382,8 +382,8 @@ def phase_prefill(args) -> None:
     from pagedserve.attention import gathered_prefill
     from pagedserve.benchmark.results import ENV_SWITCHES
     if args.engine == "vllm":
-        if args.beside_decodes:
-            raise SystemExit("--beside-decodes drives pagedserve's engine; not with --engine vllm")
+        if args.beside_decodes or args.near_end:
+            raise SystemExit("--beside-decodes and --near-end drive pagedserve's engine; not with --engine vllm")
         # Its server's environment (vs_vllm.ENV), and its engine core in this process, so that the
         # profiler sees its kernels too.
         os.environ.update({**vv.ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
@@ -422,6 +422,46 @@ def phase_prefill(args) -> None:
     if args.beside_decodes:
         rec["beside_decodes"] = prefill_beside_decodes(llm, args, rng, vocab)
     Path(args.out).write_text(json.dumps(rec, indent=1))
+    if args.near_end:
+        rec["near_end"] = prefill_near_end(llm, args, rng, vocab, Path(args.out), rec)
+
+
+def prefill_near_end(llm, args, rng, vocab, out: Path, rec: dict) -> list[dict]:
+    """--near-end T: one request (128-token prompt, 64 output tokens) decodes until it has T tokens
+    left, then a fresh prompt of the last --prefill-lens length arrives; per --drains value N (the
+    engine's long_prefill_drain, set on the running scheduler's config): the seconds (and steps) from
+    that arrival to the decoding request's end and to the prompt's first token.
+    The JSON is rewritten after each run (a cut-short device call keeps what finished)."""
+    from pagedserve import SamplingParams
+    eng = llm.llm_engine
+    n, rows = args.prefill_lens[-1], []
+    for drain in args.drains:
+        eng.scheduler_config.long_prefill_drain = drain
+        dec_id, long_id = f"dec{drain}", f"long{drain}"
+        eng.add_request(dec_id, [rng.randrange(vocab) for _ in range(128)],
+                        SamplingParams(max_tokens=64, ignore_eos=True))
+        made = 0
+        while made < 64 - args.near_end:
+            for o in eng.step():
+                if o.request_id == dec_id:
+                    made = len(o.outputs[0].token_ids)
+        t0 = time.perf_counter()
+        eng.add_request(long_id, [rng.randrange(vocab) for _ in range(n)], SamplingParams(max_tokens=1, ignore_eos=True))
+        ends, steps = {}, 0
+        while eng.has_unfinished_requests():
+            outs = eng.step()
+            steps += 1
+            now = time.perf_counter()
+            for o in outs:
+                if o.finished and o.request_id not in ends:
+                    ends[o.request_id] = (now - t0, steps)
+        row = {"drain": drain, "tokens_left": args.near_end, "prompt_len": n, "steps": steps,
+               "decode_end_s": round(ends[dec_id][0], 3), "prompt_first_token_s": round(ends[long_id][0], 3),
+               "decode_end_step": ends[dec_id][1], "prompt_first_token_step": ends[long_id][1]}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        out.write_text(json.dumps({**rec, "near_end": rows}, indent=1))
+    return rows
 
 
 def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
@@ -523,6 +563,11 @@ def main() -> None:
     ap.add_argument("--cost-scales", type=float, nargs="+", default=[1.0],
                     help="prefill --beside-decodes: K = the model's compute balance times each (0: chunks by tokens alone)")
     ap.add_argument("--trace", help="prefill with --profile: also write the profiled prompt's chrome trace here")
+    ap.add_argument("--near-end", type=int, default=0, metavar="T",
+                    help="prefill: then the last --prefill-lens length arriving while a request has T of its 64 "
+                         "output tokens left, once per --drains value (long_prefill_drain)")
+    ap.add_argument("--drains", type=int, nargs="+", default=[0, 2048],
+                    help="prefill --near-end: the engine's long_prefill_drain for each run (0: off)")
     # client (internal): one scenario against a running server
     ap.add_argument("--scenario", choices=SCENARIOS)
     ap.add_argument("--port", type=int)

@@ -121,7 +121,7 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
                                         prefill_lens=[40, 200, 40], out=str(out),
                                         profile=False, max_num_batched_tokens=64, gathered_min_prefix=None,
                                         beside_decodes=[2], cost_scales=[1.0, 0.0], decode_output_len=64,
-                                        trace=None, engine="pagedserve"))
+                                        trace=None, engine="pagedserve", near_end=0, drains=[0]))
     rec = json.loads(out.read_text())
     secs = rec["prefill_seconds"]
     assert list(secs) == ["40", "200"] and [len(secs["40"]), len(secs["200"])] == [2, 1]
@@ -134,6 +134,25 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     rows = rec["beside_decodes"]
     assert [(r["decodes"], r["cost_scale"], r["prompt_len"]) for r in rows] == [(2, 1.0, 40), (2, 0.0, 40)]
     assert all(r["steps"] >= 1 and r["prefill_s"] > 0 and r["gap_p50_ms"] <= r["gap_max_ms"] for r in rows)
+
+
+def test_prefill_near_end_times_a_drain_against_none(tiny_model_dir, tmp_path, monkeypatch):
+    """`long_context.py prefill --near-end 3 --drains 0 4`: a request 3 tokens from its end meets a
+    40-token prompt (the engine's drain minimum lowered to 16 here): off, the prompt's first token
+    comes no later than that request's end; draining (40 // 4 = 10 steps allowed), after it."""
+    from pagedserve import config as engine_config
+    monkeypatch.setattr(engine_config, "COST_MIN_TOKENS", 16)
+    out = tmp_path / "p.json"
+    lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=256, block_size=8,
+                                        prefill_lens=[40], out=str(out), profile=False, max_num_batched_tokens=64,
+                                        gathered_min_prefix=None, beside_decodes=[], cost_scales=[1.0],
+                                        decode_output_len=64, trace=None, engine="pagedserve", near_end=3,
+                                        drains=[0, 4]))
+    rows = json.loads(out.read_text())["near_end"]
+    assert [(r["drain"], r["tokens_left"], r["prompt_len"]) for r in rows] == [(0, 3, 40), (4, 3, 40)]
+    off, drained = rows
+    assert off["prompt_first_token_step"] <= off["decode_end_step"]  # it ran beside the decode
+    assert drained["decode_end_step"] < drained["prompt_first_token_step"]
 
 
 def test_structured_collect_records_the_measured_servers_switches(tmp_path):
