@@ -112,31 +112,26 @@ class EngineConfig:
     long_prefill_token_threshold: int = option(0, "a prompt with more tokens left than this prefills at "
                                                   "most this many a step, so decodes beside a very long "
                                                   "prompt wait less per step (vLLM's; 0: off)")
-    long_prefill_budget_by_cost: bool | None = option(None, "in steps with decodes, count a prefill token's "
-                                                             "attention over the context before it against "
-                                                             "max_num_batched_tokens (a token after P earlier "
-                                                             "ones counts 1 + P/K, K from the model's shape: "
-                                                             "~27k tokens for Llama-3.1-8B; prompts of 8,192+ "
-                                                             "tokens), so chunks deep in a long prompt are "
-                                                             "shorter and the decodes beside it wait less per "
-                                                             "step (default: on where the Hopper long-prefill "
-                                                             "path is on; not vLLM's)")
-    long_prefill_cost_scale: float = option(LONG_PREFILL_COST_SCALE, "with long_prefill_budget_by_cost: K "
-                                            "(the context at which a token's attention costs as much as "
-                                            "its matmuls) times this, so a step beside decodes may cost "
-                                            "more (> 1: fewer, longer steps; a faster prefill, longer "
-                                            "gaps for the decodes) or less")
-    long_prefill_chunk_align: int | None = option(None, "a prefill chunk cut short by the token budget ends on "
-                                                        "a multiple of this many tokens where that leaves it "
-                                                        "any (the rest follows in the next step, beside the "
-                                                        "decodes), so a long prompt's chunks start on the "
-                                                        "Hopper long-prefill path's prefix buckets (default: "
-                                                        "8,192 where that path is on, else 0: off; not vLLM's)")
-    long_prefill_drain: int = option(0, "N > 0: a new prompt of at least 8,192 tokens (and N) waits, up to one "
-                                        "decode step per N of its tokens, while running requests are that "
-                                        "close to their max_tokens, so they finish instead of stalling "
-                                        "through its whole prefill (e.g. 2048: at most 48 steps before a "
-                                        "100k prompt starts); 0: off (not vLLM's)")
+    long_prefill_budget_by_cost: bool | None = option(
+        None, "in steps with decodes, count a prefill token's attention over the context before it against "
+        "max_num_batched_tokens (a token after P earlier ones counts 1 + P/K, K from the model's shape: ~27k "
+        "tokens for Llama-3.1-8B; prompts of 8,192+ tokens), so chunks deep in a long prompt are shorter and "
+        "the decodes beside it wait less per step (default: on where the Hopper long-prefill path is on; "
+        "not vLLM's)")
+    long_prefill_cost_scale: float = option(
+        LONG_PREFILL_COST_SCALE, "with long_prefill_budget_by_cost: K (the context at which a token's "
+        "attention costs as much as its matmuls) times this, so a step beside decodes may cost more (> 1: "
+        "fewer, longer steps; a faster prefill, longer gaps for the decodes) or less")
+    long_prefill_chunk_align: int | None = option(
+        None, "a prefill chunk cut short by the token budget ends on a multiple of this many tokens where "
+        "that leaves it any (the rest follows in the next step, beside the decodes), so a long prompt's "
+        "chunks start on the Hopper long-prefill path's prefix buckets (default: 8,192 where that path is "
+        "on, else 0: off; not vLLM's)")
+    long_prefill_drain: int = option(
+        0, "N > 0: a new prompt of at least 8,192 tokens (and N) waits, up to one decode step per N of its "
+        "tokens, while running requests are that close to their max_tokens, so they finish instead of "
+        "stalling through its whole prefill (e.g. 2048: at most 48 steps before a 100k prompt starts); "
+        "0: off (not vLLM's)")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     cudagraph_mode: str = option("piecewise", "decode: CUDA graphs for decode-only steps, steps with "
                                               "prefill tokens eager; piecewise: also graphs for those "
