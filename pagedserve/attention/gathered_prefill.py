@@ -37,6 +37,9 @@ or with PAGEDSERVE_LONG_PREFILL_MERGE=torch by torch ops in float32 (merge). On 
 defaults took a whole 100k prefill from 7.23-7.28 s to 7.00-7.01 s (the merge alone: 7.01-7.06 s),
 runs/s34_long_context/ in benchmarks/results/h200/history.tar.gz.
 
+The queries are folded for cuDNN by one Triton pass (triton_fold.fold_into; FOLD_ENV=torch: a
+permuted copy and a fill, as until the 39th session).
+
 The parts go through `prefix_attention(q [1, Hkv, R, D], k [1, Hkv, S, D], v, scale)` and
 `square_attention(q [1, H, R, D], k, v, scale)` (cuDNN) and `flash_attention(q, k, v, causal,
 scale)` -> (out, lse [.., R]); CPU tests pass their own.
@@ -49,6 +52,7 @@ import torch
 
 LONG_PREFILL_ENV = "PAGEDSERVE_LONG_PREFILL"
 MERGE_ENV = "PAGEDSERVE_LONG_PREFILL_MERGE"  # 'triton' (default) or 'torch': how the parts are merged
+FOLD_ENV = "PAGEDSERVE_LONG_PREFILL_FOLD"  # 'triton' (default) or 'torch': how the queries are folded
 # N > 0: a chunk of at least N tokens after fewer than PREFIX_BUCKET (a prompt's first chunk, or one
 # after a short cached prefix) takes the path too: its square on cuDNN's causal kernel (on the H200
 # 0.88 against our prefill kernel's 1.42 ms a layer at 8192 x 8192, runs/s27_long_prefill/), the few
@@ -96,7 +100,7 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
     long_fits = max_model_len >= MIN_PREFIX + MIN_CHUNK or (first > 0 and max_model_len >= first)
     if on and dtype in (torch.bfloat16, torch.float16) and long_fits:
         _ACTIVE[key] = GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, key,
-                                       merge_into=merge_kernel(), first_chunk_tokens=first,
+                                       merge_into=merge_kernel(), fold_into=fold_kernel(), first_chunk_tokens=first,
                                        square_gqa=square_gqa(), tail_on_cudnn=tail_on_cudnn())
     return _ACTIVE.get(key)
 
@@ -136,6 +140,17 @@ def merge_kernel():
         return None
     from pagedserve.attention.triton_merge import merge_into
     return merge_into
+
+
+def fold_kernel():
+    """FOLD_ENV's fold: triton_fold.fold_into (the default) or None (a permuted copy and a fill)."""
+    value = os.environ.get(FOLD_ENV, "").strip() or "triton"
+    if value not in ("torch", "triton"):
+        raise ValueError(f"{FOLD_ENV}={value!r}: expected 'triton' (the default) or 'torch'")
+    if value != "triton":
+        return None
+    from pagedserve.attention.triton_fold import fold_into
+    return fold_into
 
 
 def active(device: torch.device) -> GatheredPrefill | None:
@@ -232,7 +247,7 @@ class GatheredPrefill:
 
     def __init__(self, max_model_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, prefix_attention=cudnn_prefix, flash_attention=flash,
-                 square_attention=cudnn_causal, merge_into=None, first_chunk_tokens: int = 0,
+                 square_attention=cudnn_causal, merge_into=None, fold_into=None, first_chunk_tokens: int = 0,
                  square_gqa: bool = False, tail_on_cudnn: bool = False):
         # Past max_model_len: the square's padding (< a query bucket) and the last page's spare slots.
         length = bucket(max_model_len, QUERY_BUCKET) + QUERY_BUCKET + MAX_PAGE
@@ -241,6 +256,7 @@ class GatheredPrefill:
         self.prefix_attention, self.flash_attention = prefix_attention, flash_attention
         self.square_attention = square_attention
         self.merge_into = merge_into  # None: merge (torch ops); else merge_into(parts, out) -> out
+        self.fold_into = fold_into  # None: a permuted copy and a fill; else fold_into(q, out [H, rows, D])
         self.first_chunk_tokens = first_chunk_tokens  # takes()'s first_chunk
         self.square_gqa = square_gqa  # the square's K/V as Hkv heads (SQUARE_ENV), not repeated to H
         self.tail_on_cudnn = tail_on_cudnn  # whole-step prefix tails to cuDNN (TAIL_ENV), not flash
@@ -289,8 +305,11 @@ class GatheredPrefill:
         # Query head h = KV head h // group: [Hkv, group, rows, D] is the square's [H, rows, D] and,
         # viewed [1, Hkv, group * rows, D], the prefix parts' queries with each group folded in.
         folded = q.new_empty(kv_heads, group, rows, D)
-        folded[:, :, :c] = q.view(c, kv_heads, group, D).permute(1, 2, 0, 3)
-        folded[:, :, c:].zero_()  # the padding rows (their outputs are dropped): zeros, not stale NaNs
+        if self.fold_into is not None:
+            self.fold_into(q, folded.view(H, rows, D))
+        else:
+            folded[:, :, :c] = q.view(c, kv_heads, group, D).permute(1, 2, 0, 3)
+            folded[:, :, c:].zero_()  # the padding rows (their outputs are dropped): zeros, not stale NaNs
         qf = folded.view(1, kv_heads, group * rows, D)
         parts = []
         # (1) the bucketed head of the prefix: cuDNN, at a shape the warm-up built.
@@ -359,6 +378,8 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
         g.first_q_row_strides.add(q_row_stride)
     q = g.k.new_zeros(1, kv_heads, group * QUERY_BUCKET, head_dim)
     g.flash_attention(q, heads_first(g.k, 0, QUERY_BUCKET), heads_first(g.v, 0, QUERY_BUCKET), False, scale)
+    if g.fold_into is not None:  # its kernel compiles once (per dtype and head size): here, not while serving
+        g.fold_into(g.k.new_zeros(QUERY_BUCKET // 2, num_heads, head_dim), g.k.new_empty(num_heads, QUERY_BUCKET, head_dim))
     if g.merge_into is not None:  # its kernel compiles once per part count: here, not while serving
         part = (g.k.new_zeros(num_heads, QUERY_BUCKET, head_dim), g.k.new_zeros(num_heads, QUERY_BUCKET).float())
         for n in (2, 3):

@@ -188,21 +188,27 @@ def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets_any_min, square_g
     assert seen["prefix"] <= built["prefix"] and seen["square"] <= built["square"]
 
 
-def test_warm_up_runs_the_merge_kernel_at_both_part_counts(small_buckets):
+def test_warm_up_runs_the_merge_and_fold_kernels(small_buckets):
     """With the one-pass merge on, the warm-up runs it with 2 and 3 parts (its compiles), in the
-    pool's dtype with float32 log-sum-exps as the real ops give them; without it, never."""
-    calls = []
+    pool's dtype with float32 log-sum-exps as the real ops give them; with the one-pass fold on, it
+    runs that once, with queries shorter than the bucket (the padding too); without them, never."""
+    calls, folds = [], []
 
     def merge_into(parts, out):
         calls.append((len(parts), parts[0][0].dtype, parts[0][1].dtype, out.dtype, tuple(out.shape)))
         return out
-    for merge, want in ((merge_into, [2, 3]), (None, [])):
-        calls.clear()
+
+    def fold_into(q, out):
+        folds.append((q.dtype, q.shape[0] < out.shape[1], tuple(out.shape)))
+        return out
+    for merge, fold, want in ((merge_into, fold_into, [2, 3]), (None, None, [])):
+        calls.clear(), folds.clear()
         g = gp.GatheredPrefill(200, 2, 8, torch.bfloat16, torch.device("cpu"), math_prefix, math_flash, math_causal,
-                               merge_into=merge)
+                               merge_into=merge, fold_into=fold)
         gp.warm_up_plans(g, max_tokens=24, num_heads=6, scale=0.3)
         assert [n for n, *_ in calls] == want
         assert all(c[1:] == (torch.bfloat16, torch.float32, torch.bfloat16, (gp.QUERY_BUCKET, 6, 8)) for c in calls)
+        assert folds == ([(torch.bfloat16, True, (6, gp.QUERY_BUCKET, 8))] if fold else [])
 
 
 @pytest.fixture
@@ -272,16 +278,23 @@ def _merge_into():
     return merge_into
 
 
+def _fold_into():
+    from pagedserve.attention.triton_fold import fold_into
+    return fold_into
+
+
 @pytest.mark.parametrize("env,attr,cases,bad", [
     # PAGEDSERVE_LONG_PREFILL_MERGE: unset or 'triton', the one-pass kernel; 'torch', the torch merge
     # (the kernel is checked against it under the interpreter, triton_interpret_cases.py)
     (gp.MERGE_ENV, "merge_into", ((None, _merge_into), ("torch", lambda: None), ("triton", _merge_into)), "fused"),
+    # PAGEDSERVE_LONG_PREFILL_FOLD: unset or 'triton', the one-pass fold; 'torch', a permuted copy
+    (gp.FOLD_ENV, "fold_into", ((None, _fold_into), ("torch", lambda: None), ("triton", _fold_into)), "copy"),
     # PAGEDSERVE_LONG_PREFILL_SQUARE: unset or 'gqa', the square's K/V go to cuDNN as the KV heads;
     # 'repeat', repeated to the query heads
     (gp.SQUARE_ENV, "square_gqa", ((None, lambda: True), ("gqa", lambda: True), ("repeat", lambda: False)), "flash"),
     # PAGEDSERVE_LONG_PREFILL_TAIL: unset or 'cudnn', whole-step prefix tails to cuDNN; 'flash', to flash
     (gp.TAIL_ENV, "tail_on_cudnn", ((None, lambda: True), ("cudnn", lambda: True), ("flash", lambda: False)), "off"),
-], ids=["merge", "square", "tail"])
+], ids=["merge", "fold", "square", "tail"])
 def test_switch_choices(monkeypatch, gpu_of, env, attr, cases, bad):
     """Each value of a two-way switch picks its way at start-up (configure); anything else is an
     error naming the switch."""

@@ -186,13 +186,15 @@ def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first, 
     """PAGEDSERVE_LONG_PREFILL=cudnn's path with cuDNN's and flash's real ops, routed through
     paged_attention beside decodes and a short chunk; slots past each sequence's end are NaN.
     small: buckets shrunk so that several long chunks fit a small test; serving: the defaults.
-    merge: the parts merged by torch ops or by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE);
+    merge: the parts merged (and the queries folded) by torch ops or by triton_merge's (and
+    triton_fold's) kernel (PAGEDSERVE_LONG_PREFILL_MERGE, PAGEDSERVE_LONG_PREFILL_FOLD);
     first: PAGEDSERVE_LONG_PREFILL_FIRST on, with a first chunk and one after a short prefix;
     square_gqa: the square's K/V handed to cuDNN as 8 KV heads for 32 query heads, or repeated;
     tail: prefix tails of whole TAIL_STEPs on cuDNN (PAGEDSERVE_LONG_PREFILL_TAIL), (640, 128) and
     (11264, 1024) have one; first chunks filling their bucket, (0, 256) and (0, 4096), read their
     queries in place."""
     from pagedserve.attention import gathered_prefill as gp
+    from pagedserve.attention.triton_fold import fold_into
     from pagedserve.attention.triton_merge import merge_into
     if buckets == "small":
         for name, value in (("PREFIX_BUCKET", 256), ("QUERY_BUCKET", 128), ("MIN_PREFIX", 512), ("MIN_CHUNK", 64),
@@ -215,6 +217,7 @@ def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first, 
     _poison_dead_slots(kc, vc, m)
     g = gp.GatheredPrefill(max(m.seq_lens_cpu) + 1, 8, 128, dtype, torch.device("cuda"),
                            merge_into=merge_into if merge == "triton" else None,
+                           fold_into=fold_into if merge == "triton" else None,
                            first_chunk_tokens=first_min if first else 0, square_gqa=square_gqa, tail_on_cudnn=tail)
     g.first_q_row_strides.add(batch.query.stride(0))
     monkeypatch.setitem(gp._ACTIVE, kc.device, g)

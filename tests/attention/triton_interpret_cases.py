@@ -364,9 +364,11 @@ def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch, merg
     (not adjacent) gives reference.py's output, the long chunks through gathered_prefill (its CUDA
     ops stood in for by plain attention: tests/attention/test_gathered_prefill.py) and every other
     sequence through the Triton kernels, in the ranges between; the parts merged by torch ops or
-    by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE) straight into the layer's output;
+    by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE) straight into the layer's output, the
+    queries folded likewise by torch ops or triton_fold's kernel (PAGEDSERVE_LONG_PREFILL_FOLD);
     with PAGEDSERVE_LONG_PREFILL_FIRST=9, the chunks of 9+ tokens after fewer than 32 too."""
     from pagedserve.attention import gathered_prefill as gp
+    from pagedserve.attention.triton_fold import fold_into
     from pagedserve.attention.triton_merge import merge_into
     from test_gathered_prefill import math_causal, math_flash, math_prefix
     for name, value in (("PREFIX_BUCKET", 32), ("QUERY_BUCKET", 8), ("MIN_PREFIX", 40), ("MIN_CHUNK", 4)):
@@ -375,7 +377,8 @@ def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch, merg
     batch = make_batch(shapes, 2, H=8, Hkv=2, D=16, block_size=8, seed=3)
     kc, vc, ref = _reference_out(batch)
     g = gp.GatheredPrefill(128, 2, 16, torch.float32, torch.device("cpu"), math_prefix, math_flash,
-                           math_causal, merge_into=merge_into if merge == "triton" else None, first_chunk_tokens=first)
+                           math_causal, merge_into=merge_into if merge == "triton" else None,
+                           fold_into=fold_into if merge == "triton" else None, first_chunk_tokens=first)
     monkeypatch.setitem(gp._ACTIVE, kc.device, g)
     used = []
     attend = g.attend
@@ -383,6 +386,29 @@ def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch, merg
     out = ops.paged_attention(batch.query, kc, vc, batch.meta, scale=0.25)
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
     assert used == ([6, 13, 4, 12, 9] if first else [6, 13, 4])  # (33, 10): a prefix head, under MIN_PREFIX
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("c,rows,D", [(13, 16, 16), (40, 40, 8), (1, 40, 32), (33, 64, 12)])
+def test_fold_kernel_matches_the_torch_fold(dtype, c, rows, D):
+    """triton_fold.fold_into against the permuted copy it replaces: queries as rows of a wider qkv
+    (row stride past the heads), folded heads first into [H, rows, D] with the padding rows past c
+    zeroed (the output starts as NaN: nothing stale may stay), over several row tiles; a head_dim
+    that is not a power of two; outputs of another shape or layout are refused."""
+    from pagedserve.attention.triton_fold import fold_into
+    g = torch.Generator().manual_seed(c * 10 + D)
+    H, Hkv = 6, 2
+    qkv = torch.randn(c, (H + 2 * Hkv) * D, generator=g).to(dtype)
+    q = qkv[:, :H * D].view(c, H, D)
+    want = torch.zeros(H, rows, D, dtype=dtype)
+    want[:, :c] = q.transpose(0, 1)
+    out = torch.full((H, rows, D), float("nan"), dtype=dtype)
+    assert fold_into(q, out) is out
+    assert torch.equal(out, want)
+    with pytest.raises(ValueError, match="contiguous"):
+        fold_into(q, torch.empty(H, c - 1, D, dtype=dtype) if c > 1 else torch.empty(H + 1, rows, D, dtype=dtype))
+    with pytest.raises(ValueError, match="contiguous"):
+        fold_into(q, torch.empty(rows, H, D, dtype=dtype).transpose(0, 1))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
