@@ -128,10 +128,10 @@ class EngineConfig:
         "chunks start on the Hopper long-prefill path's prefix buckets (default: 8,192 where that path is "
         "on, else 0: off; not vLLM's)")
     long_prefill_drain: int = option(
-        0, "N > 0: a new prompt of at least 8,192 tokens (and N) waits, up to one decode step per N of its "
-        "tokens, while running requests are that close to their max_tokens, so they finish instead of "
-        "stalling through its whole prefill (e.g. 2048: at most 48 steps before a 100k prompt starts); "
-        "0: off (not vLLM's)")
+        2048, "N > 0: a new prompt of at least 8,192 tokens (and N) waits, up to one decode step per N of "
+        "its tokens, while running requests are that close to their max_tokens, so they finish instead of "
+        "stalling through its whole prefill (2048, the default: at most 48 steps before a 100k prompt "
+        "starts); 0: off (not vLLM's)")
     enforce_eager: bool = option(False, "never capture CUDA graphs")
     cudagraph_mode: str = option("piecewise", "decode: CUDA graphs for decode-only steps, steps with "
                                               "prefill tokens eager; piecewise: also graphs for those "

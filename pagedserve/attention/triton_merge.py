@@ -10,11 +10,9 @@ each part once and writes the chunk's rows straight into the layer's output ([to
 head_dim]), skipping the rows that only pad the query bucket. The default (gathered_prefill.MERGE_ENV):
 a 100k prefill 7.23-7.28 s with the torch merge, 7.01-7.06 s with this one on the H200.
 
-Grid (heads, row tiles), heads fastest (MERGE_HEADS_FASTEST): programs running together then write
-whole output rows (each program a head's D values of 32 rows); with row tiles fastest they wrote
-256-byte pieces of rows 8 KB apart across the chunk. Each program loads its rows' log-sum-exps of
-every part, weights each part by exp(lse - max), and stores sum(w * out) / sum(w) in the output's
-dtype, accumulating in float32 (as merge does).
+Grid (row tiles, heads). Each program loads its rows' log-sum-exps of every part, weights each
+part by exp(lse - max), and stores sum(w * out) / sum(w) in the output's dtype, accumulating in
+float32 (as merge does).
 """
 import torch
 import triton
@@ -23,9 +21,9 @@ import triton.language as tl
 MERGE_BLOCK_R = 32
 # Warps a program by part count: on the H200, one 8,192-token chunk of Llama-3.1-8B (32 heads),
 # rows of 32: 2 parts 108 us at 4 warps (123 at 8), 3 parts 146 us at 8 (208 at 4); rows of 64 or
-# 128 slower at either (runs/s38_long_context/merge_bench.json in history.tar.gz).
+# 128 slower at either (runs/s38_long_context/merge_bench.json in history.tar.gz). A grid with heads
+# fastest (programs running together writing whole output rows) timed the same (runs/s39_long_context/).
 MERGE_NUM_WARPS = {2: 4, 3: 8}
-MERGE_HEADS_FASTEST = True  # the grid's order (above); False: row tiles fastest, as until the 39th session
 
 
 # A chunk's row count and the parts' strides change from chunk to chunk: one compile per part
@@ -36,12 +34,9 @@ def merge_parts_kernel(o0, o1, o2, l0, l1, l2, out_ptr, rows,
                        so0h, so0r, so1h, so1r, so2h, so2r,
                        sl0h, sl1h, sl2h, sout_r, sout_h,
                        NUM_PARTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_R: tl.constexpr, HEADS_FASTEST: tl.constexpr):
-    if HEADS_FASTEST:
-        h, tile = tl.program_id(0), tl.program_id(1)
-    else:
-        tile, h = tl.program_id(0), tl.program_id(1)
-    r = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+                       BLOCK_R: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
     rm = r < rows
     m2 = rm[:, None] & (d < HEAD_DIM)[None, :]
@@ -84,12 +79,10 @@ def merge_into(parts: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor
              for o, lse in parts]
     (o0, l0), (o1, l1) = parts[:2]
     o2, l2 = parts[2] if len(parts) == 3 else parts[0]
-    tiles = triton.cdiv(c, MERGE_BLOCK_R)
-    grid = (H, tiles) if MERGE_HEADS_FASTEST else (tiles, H)
+    grid = (triton.cdiv(c, MERGE_BLOCK_R), H)
     merge_parts_kernel[grid](o0, o1, o2, l0, l1, l2, out, c,
                              o0.stride(0), o0.stride(1), o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1),
                              l0.stride(0), l1.stride(0), l2.stride(0), out.stride(0), out.stride(1),
                              NUM_PARTS=len(parts), HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-                             BLOCK_R=MERGE_BLOCK_R, HEADS_FASTEST=MERGE_HEADS_FASTEST,
-                             num_warps=MERGE_NUM_WARPS[len(parts)])
+                             BLOCK_R=MERGE_BLOCK_R, num_warps=MERGE_NUM_WARPS[len(parts)])
     return out

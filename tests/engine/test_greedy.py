@@ -153,8 +153,10 @@ def test_long_prefill_drain_reaches_the_scheduler(tiny_model_dir, monkeypatch):
     """long_prefill_drain=N: a long prompt arriving while a request is 3 tokens from its max_tokens
     starts only once that request has finished (its prompt of 32 tokens may wait 32 // 4 steps; the
     engine's minimum prompt, COST_MIN_TOKENS, lowered to 16 here); off, it starts beside it. The
-    tokens are the same either way (greedy)."""
+    tokens are the same either way (greedy). Unset, it is on at 2048 (measured on the H200: a 100k
+    prompt 1.3% later, the request 27 tokens from its end done in 0.26 s instead of 6.1)."""
     from pagedserve import config as engine_config
+    assert engine_config.EngineConfig().long_prefill_drain == 2048
     monkeypatch.setattr(engine_config, "COST_MIN_TOKENS", 16)
     model_dir = tiny_model_dir("llama")
     ids = prompt_ids(model_dir)
