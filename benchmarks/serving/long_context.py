@@ -391,14 +391,16 @@ def phase_prefill(args) -> None:
         from vllm import LLM, SamplingParams
     else:
         from pagedserve import LLM, SamplingParams
+    ours = {} if args.engine == "vllm" or args.chunk_align is None else {"long_prefill_chunk_align": args.chunk_align}
     if args.gathered_min_prefix is not None:  # an A/B of the constant; the engine runs in this process
         gathered_prefill.MIN_PREFIX = args.gathered_min_prefix
     t0 = time.perf_counter()
     llm = LLM(str(args.model), load_format="dummy", max_model_len=args.max_model_len, block_size=args.block_size,
-              skip_tokenizer_init=True, max_num_batched_tokens=args.max_num_batched_tokens)
+              skip_tokenizer_init=True, max_num_batched_tokens=args.max_num_batched_tokens, **ours)
     rec = {"engine": args.engine if args.engine == "pagedserve" else f"vllm {vllm.__version__}",
            "startup_seconds": time.perf_counter() - t0, "block_size": args.block_size,
            "max_num_batched_tokens": args.max_num_batched_tokens, "gathered_min_prefix": gathered_prefill.MIN_PREFIX,
+           "long_prefill_chunk_align": args.chunk_align,
            "prefill_seconds": {},
            "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES if os.environ.get(k)}, **_measured_code()}
     rng = random.Random(7)
@@ -555,6 +557,8 @@ def main() -> None:
                          "serving's; the offline engine's own default there is 16384, as until the 36th session)")
     ap.add_argument("--gathered-min-prefix", type=int, default=None,
                     help="prefill: gathered_prefill.MIN_PREFIX for this run (an A/B; default the module's)")
+    ap.add_argument("--chunk-align", type=int, default=None,
+                    help="prefill: pagedserve's long_prefill_chunk_align (default: the engine's, 8,192 on Hopper)")
     ap.add_argument("--profile", action="store_true",
                     help="prefill: the last prompt under torch.profiler; its top kernels and the device's idle gaps go in the JSON")
     ap.add_argument("--beside-decodes", type=int, nargs="*", default=[],
