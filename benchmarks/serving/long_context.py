@@ -400,7 +400,9 @@ def phase_prefill(args) -> None:
     rec = {"engine": args.engine if args.engine == "pagedserve" else f"vllm {vllm.__version__}",
            "startup_seconds": time.perf_counter() - t0, "block_size": args.block_size,
            "max_num_batched_tokens": args.max_num_batched_tokens, "gathered_min_prefix": gathered_prefill.MIN_PREFIX,
-           "long_prefill_chunk_align": args.chunk_align,
+           # The engine's own value (--chunk-align or its default); vLLM has none.
+           "long_prefill_chunk_align": (None if args.engine == "vllm"
+                                        else llm.llm_engine.scheduler_config.long_prefill_chunk_align),
            "prefill_seconds": {},
            "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES if os.environ.get(k)}, **_measured_code()}
     rng = random.Random(7)

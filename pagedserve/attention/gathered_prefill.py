@@ -100,7 +100,8 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
     long_fits = max_model_len >= MIN_PREFIX + MIN_CHUNK or (first > 0 and max_model_len >= first)
     if on and dtype in (torch.bfloat16, torch.float16) and long_fits:
         _ACTIVE[key] = GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, key,
-                                       merge_into=merge_kernel(), fold_into=fold_kernel(), first_chunk_tokens=first,
+                                       merge_into=merge_kernel(), fold_into=fold_kernel(),
+                                       first_chunk_tokens=first,
                                        square_gqa=square_gqa(), tail_on_cudnn=tail_on_cudnn())
     return _ACTIVE.get(key)
 
@@ -247,7 +248,8 @@ class GatheredPrefill:
 
     def __init__(self, max_model_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device, prefix_attention=cudnn_prefix, flash_attention=flash,
-                 square_attention=cudnn_causal, merge_into=None, fold_into=None, first_chunk_tokens: int = 0,
+                 square_attention=cudnn_causal, merge_into=None, fold_into=None,
+                 first_chunk_tokens: int = 0,
                  square_gqa: bool = False, tail_on_cudnn: bool = False):
         # Past max_model_len: the square's padding (< a query bucket) and the last page's spare slots.
         length = bucket(max_model_len, QUERY_BUCKET) + QUERY_BUCKET + MAX_PAGE
@@ -379,7 +381,8 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
     q = g.k.new_zeros(1, kv_heads, group * QUERY_BUCKET, head_dim)
     g.flash_attention(q, heads_first(g.k, 0, QUERY_BUCKET), heads_first(g.v, 0, QUERY_BUCKET), False, scale)
     if g.fold_into is not None:  # its kernel compiles once (per dtype and head size): here, not while serving
-        g.fold_into(g.k.new_zeros(QUERY_BUCKET // 2, num_heads, head_dim), g.k.new_empty(num_heads, QUERY_BUCKET, head_dim))
+        g.fold_into(g.k.new_zeros(QUERY_BUCKET // 2, num_heads, head_dim),
+                    g.k.new_empty(num_heads, QUERY_BUCKET, head_dim))
     if g.merge_into is not None:  # its kernel compiles once per part count: here, not while serving
         part = (g.k.new_zeros(num_heads, QUERY_BUCKET, head_dim), g.k.new_zeros(num_heads, QUERY_BUCKET).float())
         for n in (2, 3):

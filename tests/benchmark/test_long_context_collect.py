@@ -121,7 +121,7 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
                                         prefill_lens=[40, 200, 40], out=str(out),
                                         profile=False, max_num_batched_tokens=64, gathered_min_prefix=None,
                                         beside_decodes=[2], cost_scales=[1.0, 0.0], decode_output_len=64,
-                                        trace=None, engine="pagedserve", near_end=0, drains=[0]))
+                                        trace=None, engine="pagedserve", near_end=0, drains=[0], chunk_align=16))
     rec = json.loads(out.read_text())
     secs = rec["prefill_seconds"]
     assert list(secs) == ["40", "200"] and [len(secs["40"]), len(secs["200"])] == [2, 1]
@@ -129,6 +129,7 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     assert rec["env_switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn" and rec["block_size"] == 8
     assert rec["startup_seconds"] > 0 and rec["commit"] and rec["engine"] == "pagedserve"
     assert rec["max_num_batched_tokens"] == 64 and rec["gathered_min_prefix"] == gp.MIN_PREFIX
+    assert rec["long_prefill_chunk_align"] == 16  # --chunk-align, as the engine's scheduler took it
     # Then the last length again beside 2 decoding requests, once per cost scale: its steps are the
     # decodes' gaps, at least one a chunk of the 64-token budget less the decodes' tokens.
     rows = rec["beside_decodes"]
@@ -147,7 +148,7 @@ def test_prefill_near_end_times_a_drain_against_none(tiny_model_dir, tmp_path, m
                                         prefill_lens=[40], out=str(out), profile=False, max_num_batched_tokens=64,
                                         gathered_min_prefix=None, beside_decodes=[], cost_scales=[1.0],
                                         decode_output_len=64, trace=None, engine="pagedserve", near_end=3,
-                                        drains=[0, 4]))
+                                        drains=[0, 4], chunk_align=None))
     rows = json.loads(out.read_text())["near_end"]
     assert [(r["drain"], r["tokens_left"], r["prompt_len"]) for r in rows] == [(0, 3, 40), (4, 3, 40)]
     off, drained = rows
