@@ -46,6 +46,7 @@ scale)` -> (out, lse [.., R]); CPU tests pass their own.
 """
 from __future__ import annotations
 
+import importlib
 import os
 
 import torch
@@ -132,26 +133,23 @@ def tail_on_cudnn() -> bool:
     return value == "cudnn"
 
 
+def _triton_kernel(env: str, module: str, name: str):
+    """A two-way switch between one of this path's Triton kernels and torch ops: 'triton' (or
+    unset) gives the kernel, pagedserve.attention.<module>.<name>; 'torch' gives None."""
+    value = os.environ.get(env, "").strip() or "triton"
+    if value not in ("torch", "triton"):
+        raise ValueError(f"{env}={value!r}: expected 'triton' (the default) or 'torch'")
+    return getattr(importlib.import_module(f"pagedserve.attention.{module}"), name) if value == "triton" else None
+
+
 def merge_kernel():
     """MERGE_ENV's merge: triton_merge.merge_into (the default) or None (torch ops)."""
-    value = os.environ.get(MERGE_ENV, "").strip() or "triton"
-    if value not in ("torch", "triton"):
-        raise ValueError(f"{MERGE_ENV}={value!r}: expected 'triton' (the default) or 'torch'")
-    if value != "triton":
-        return None
-    from pagedserve.attention.triton_merge import merge_into
-    return merge_into
+    return _triton_kernel(MERGE_ENV, "triton_merge", "merge_into")
 
 
 def fold_kernel():
     """FOLD_ENV's fold: triton_fold.fold_into (the default) or None (a permuted copy and a fill)."""
-    value = os.environ.get(FOLD_ENV, "").strip() or "triton"
-    if value not in ("torch", "triton"):
-        raise ValueError(f"{FOLD_ENV}={value!r}: expected 'triton' (the default) or 'torch'")
-    if value != "triton":
-        return None
-    from pagedserve.attention.triton_fold import fold_into
-    return fold_into
+    return _triton_kernel(FOLD_ENV, "triton_fold", "fold_into")
 
 
 def active(device: torch.device) -> GatheredPrefill | None:
