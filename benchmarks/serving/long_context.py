@@ -495,18 +495,23 @@ def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
             long_id = f"long{tag}"
             t0 = last = time.perf_counter()
             eng.add_request(long_id, [rng.randrange(vocab) for _ in range(n)], SamplingParams(max_tokens=1, ignore_eos=True))
-            gaps, done = [], False
+            gaps, chunks, computed, done = [], [], 0, False
             while not done:
                 outs = eng.step()
                 now = time.perf_counter()
                 gaps.append(now - last)
                 last = now
                 done = any(o.request_id == long_id and o.outputs[0].token_ids for o in outs)
+                # The prompt's chunk this step: its computed tokens' growth (0 while it waited).
+                seq = next((g.seqs[0] for g in eng.scheduler.running if g.request_id == long_id), None)
+                now_computed = n if done else (seq.num_computed_tokens if seq is not None else computed)
+                chunks.append(now_computed - computed)
+                computed = now_computed
             eng.abort_request(short)
             while eng.has_unfinished_requests():
                 eng.step()
             row = {"decodes": decodes, "cost_scale": f, "attention_cost_context": round(k0 * f), "prompt_len": n,
-                   "prefill_s": round(last - t0, 3), "steps": len(gaps),
+                   "prefill_s": round(last - t0, 3), "steps": len(gaps), "chunks": chunks,
                    "gap_p50_ms": _pct([1e3 * g for g in gaps], 50), "gap_p99_ms": _pct([1e3 * g for g in gaps], 99),
                    "gap_max_ms": round(1e3 * max(gaps), 2)}
             rows.append(row)

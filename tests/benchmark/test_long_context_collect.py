@@ -135,6 +135,8 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     rows = rec["beside_decodes"]
     assert [(r["decodes"], r["cost_scale"], r["prompt_len"]) for r in rows] == [(2, 1.0, 40), (2, 0.0, 40)]
     assert all(r["steps"] >= 1 and r["prefill_s"] > 0 and r["gap_p50_ms"] <= r["gap_max_ms"] for r in rows)
+    # Each step's chunk of the prompt: they add up to it, one a step, none past the budget.
+    assert all(sum(r["chunks"]) == 40 and len(r["chunks"]) == r["steps"] and max(r["chunks"]) <= 64 for r in rows)
 
 
 def test_prefill_near_end_times_a_drain_against_none(tiny_model_dir, tmp_path, monkeypatch):
