@@ -382,8 +382,9 @@ def phase_prefill(args) -> None:
     from pagedserve.attention import gathered_prefill
     from pagedserve.benchmark.results import ENV_SWITCHES
     if args.engine == "vllm":
-        if args.beside_decodes or args.near_end:
-            raise SystemExit("--beside-decodes and --near-end drive pagedserve's engine; not with --engine vllm")
+        if args.beside_decodes or args.near_end or args.step_times:
+            raise SystemExit("--beside-decodes, --near-end and --step-times drive pagedserve's engine; "
+                             "not with --engine vllm")
         # Its server's environment (vs_vllm.ENV), and its engine core in this process, so that the
         # profiler sees its kernels too.
         os.environ.update({**vv.ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
@@ -413,8 +414,11 @@ def phase_prefill(args) -> None:
         prof = _kernel_profiler() if profile else contextlib.nullcontext()
         t = time.perf_counter()
         with prof:
-            llm.generate([{"prompt_token_ids": prompt} if args.engine == "vllm" else prompt],
-                         SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
+            if args.step_times:  # the engine's own loop, each step timed (a first run's slow step shows)
+                rec.setdefault("step_ms", {}).setdefault(str(n), []).append(_timed_steps(llm, f"p{i}", prompt))
+            else:
+                llm.generate([{"prompt_token_ids": prompt} if args.engine == "vllm" else prompt],
+                             SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
         seconds = round(time.perf_counter() - t, 3)
         if profile:  # the last prompt's kernels, by total device time (the profiler slows the host)
             rec["profile"] = {"prompt_len": n, "seconds_profiled": seconds, "kernels": _top_kernels(prof),
@@ -428,6 +432,20 @@ def phase_prefill(args) -> None:
     Path(args.out).write_text(json.dumps(rec, indent=1))
     if args.near_end:
         rec["near_end"] = prefill_near_end(llm, args, rng, vocab, Path(args.out), rec)
+
+
+def _timed_steps(llm, request_id: str, prompt: list[int]) -> list[float]:
+    """pagedserve's engine steps for one fresh prompt (1 output token), each step's milliseconds."""
+    from pagedserve import SamplingParams
+    eng, steps = llm.llm_engine, []
+    eng.add_request(request_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    last = time.perf_counter()
+    while eng.has_unfinished_requests():
+        eng.step()
+        now = time.perf_counter()
+        steps.append(round(1e3 * (now - last), 2))
+        last = now
+    return steps
 
 
 def prefill_near_end(llm, args, rng, vocab, out: Path, rec: dict) -> list[dict]:
@@ -566,6 +584,8 @@ def main() -> None:
                     help="prefill: gathered_prefill.MIN_PREFIX for this run (an A/B; default the module's)")
     ap.add_argument("--chunk-align", type=int, default=None,
                     help="prefill: pagedserve's long_prefill_chunk_align (default: the engine's, 8,192 on Hopper)")
+    ap.add_argument("--step-times", action="store_true",
+                    help="prefill: run each prompt through pagedserve's engine loop and record every step's ms")
     ap.add_argument("--profile", action="store_true",
                     help="prefill: the last prompt under torch.profiler; its top kernels and the device's idle gaps go in the JSON")
     ap.add_argument("--beside-decodes", type=int, nargs="*", default=[],

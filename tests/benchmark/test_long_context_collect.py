@@ -121,7 +121,8 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
                                         prefill_lens=[40, 200, 40], out=str(out),
                                         profile=False, max_num_batched_tokens=64, gathered_min_prefix=None,
                                         beside_decodes=[2], cost_scales=[1.0, 0.0], decode_output_len=64,
-                                        trace=None, engine="pagedserve", near_end=0, drains=[0], chunk_align=16))
+                                        trace=None, engine="pagedserve", near_end=0, drains=[0], chunk_align=16,
+                                        step_times=False))
     rec = json.loads(out.read_text())
     secs = rec["prefill_seconds"]
     assert list(secs) == ["40", "200"] and [len(secs["40"]), len(secs["200"])] == [2, 1]
@@ -150,8 +151,13 @@ def test_prefill_near_end_times_a_drain_against_none(tiny_model_dir, tmp_path, m
                                         prefill_lens=[40], out=str(out), profile=False, max_num_batched_tokens=64,
                                         gathered_min_prefix=None, beside_decodes=[], cost_scales=[1.0],
                                         decode_output_len=64, trace=None, engine="pagedserve", near_end=3,
-                                        drains=[0, 4], chunk_align=None))
-    rows = json.loads(out.read_text())["near_end"]
+                                        drains=[0, 4], chunk_align=None, step_times=True))
+    rec = json.loads(out.read_text())
+    # --step-times: the 40-token prompt in the engine's own loop, each step timed: a 64-token
+    # budget prefills it in one step, its one token ends the request in that step or the next.
+    assert list(rec["step_ms"]) == ["40"] and 1 <= len(rec["step_ms"]["40"][0]) <= 2
+    assert all(ms > 0 for ms in rec["step_ms"]["40"][0]) and rec["prefill_seconds"]["40"][0] > 0
+    rows = rec["near_end"]
     assert [(r["drain"], r["tokens_left"], r["prompt_len"]) for r in rows] == [(0, 3, 40), (4, 3, 40)]
     off, drained = rows
     assert off["prompt_first_token_step"] <= off["decode_end_step"]  # it ran beside the decode
