@@ -2,6 +2,9 @@
 outputs of the one-process LLMEngine: same tokens, text, finish and stop reasons, logprobs and
 output shapes, step by step — with stop strings (cut in the API process, the core aborted),
 EOS / stop_token_ids, min_tokens, n > 1 and best_of > n (seeded, so batch-independent).
+Step by step up to catching up: outputs that queued while a consumer was busy leave as one
+(DELTA joined, CUMULATIVE superseded), so each served output must be a run of the reference's
+outputs merged, and the runs must cover them all, in order.
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import pytest
 
 from pagedserve.config import EngineConfig
 from pagedserve.engine.async_engine import AsyncLLMEngine
+from pagedserve.outputs import CompletionOutput, RequestOutput, merge_deltas
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
 from .helpers import PROMPT_TEXTS, make_llm, tokenizer
@@ -67,6 +71,29 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def _caught_up(got: list, want: list, kind: RequestOutputKind) -> bool:
+    """`got` is `want` with runs of successive outputs merged as a stream that fell behind merges
+    them (RequestStream, AsyncLLMEngine._catch_up), every output of `want` in exactly one run."""
+    j = 0
+    for g in got:
+        acc = None
+        while j < len(want):
+            w = want[j]
+            j += 1
+            if acc is None or kind is RequestOutputKind.FINAL_ONLY:
+                acc = w
+            elif kind is RequestOutputKind.DELTA:
+                acc = merge_deltas(acc, w)
+            else:  # CUMULATIVE: the later output supersedes; the prompt's logprobs are sent once
+                acc = dataclasses.replace(w, prompt_logprobs=w.prompt_logprobs if w.prompt_logprobs is not None
+                                          else acc.prompt_logprobs)
+            if _same(_shape([acc]), _shape([g])):
+                break
+        else:
+            return False
+    return j == len(want)
+
+
 def _reference(model_dir, requests) -> dict[str, list]:
     engine = make_llm(model_dir, **ENGINE).llm_engine
     for rid, ids, params in requests:
@@ -75,14 +102,19 @@ def _reference(model_dir, requests) -> dict[str, list]:
     while engine.has_unfinished_requests():
         for out in engine.step():
             seen[out.request_id].append(out)
-    return {rid: _shape(outs) for rid, outs in seen.items()}
+    return seen
 
 
 async def _served(engine: AsyncLLMEngine, requests) -> dict[str, list]:
-    async def one(rid, ids, params):
-        return rid, _shape([o async for o in engine.generate({"prompt_token_ids": ids}, params, rid)])
+    async def one(rid, ids, params, lag):
+        outs = []
+        async for o in engine.generate({"prompt_token_ids": ids}, params, rid):
+            outs.append(o)
+            await asyncio.sleep(lag)  # a consumer that falls behind: its outputs queue and merge
+        return rid, outs
+
     try:
-        return dict(await asyncio.gather(*(one(*r) for r in requests)))
+        return dict(await asyncio.gather(*(one(*r, 0.02 * (i % 2)) for i, r in enumerate(requests))))
     finally:
         await engine.shutdown()
 
@@ -104,10 +136,27 @@ def test_two_process_outputs_equal_the_one_process_engine(tiny_model_dir):
     got = asyncio.run(_served(engine, requests))
     # The stop strings were met (the test means something), somewhere in every shape.
     finals = [outs[-1] for outs in want.values()]
-    assert any(c[5] == "stop" and isinstance(c[6], str) for f in finals for c in f[3])
-    assert any(c[5] == "stop" and isinstance(c[6], int) for f in finals for c in f[3])
+    assert any(c.finish_reason == "stop" and isinstance(c.stop_reason, str) for f in finals for c in f.outputs)
+    assert any(c.finish_reason == "stop" and isinstance(c.stop_reason, int) for f in finals for c in f.outputs)
+    kinds = {rid: params.output_kind for rid, _, params in requests}
     for rid in want:
-        assert _same(got[rid], want[rid]), (rid, got[rid], want[rid])
+        assert _caught_up(got[rid], want[rid], kinds[rid]), (rid, _shape(got[rid]), _shape(want[rid]))
+
+
+def test_caught_up_accepts_merged_runs_and_nothing_else():
+    def out(text, ids, finished=False):
+        return RequestOutput("r", None, [1], [CompletionOutput(0, text, ids, -1.0 * len(ids), None,
+                                                               "length" if finished else None)], finished)
+    want = [out("a", [1]), out("b", [2]), out("c", [3], True)]
+    delta = RequestOutputKind.DELTA
+    assert _caught_up(want, want, delta)
+    assert _caught_up([merge_deltas(want[0], want[1]), want[2]], want, delta)
+    assert not _caught_up([want[0], want[2]], want, delta)            # an output lost
+    assert not _caught_up([want[0], want[1]], want, delta)            # the end missing
+    assert not _caught_up([merge_deltas(want[1], want[0]), want[2]], want, delta)  # out of order
+    cum = [out("a", [1]), out("ab", [1, 2]), out("abc", [1, 2, 3], True)]
+    assert _caught_up([cum[0], cum[2]], cum, RequestOutputKind.CUMULATIVE)
+    assert not _caught_up([cum[1], cum[0], cum[2]], cum, RequestOutputKind.CUMULATIVE)
 
 
 def test_core_rejections_are_the_engines_value_errors(tiny_model_dir):
