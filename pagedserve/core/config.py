@@ -41,7 +41,7 @@ class SchedulerConfig:
     # chunk_cost.COST_MIN_TOKENS): shorter prompts are chunked by tokens alone.
     attention_cost_min_tokens: int = 0
     # N > 0: a prefill chunk cut short by the budget ends on a multiple of N where that leaves it
-    # any tokens (core/scheduler.py _schedule_prefill). 0: off.
+    # half its tokens or chunk_cost.CHUNK_ALIGN (core/scheduler.py _schedule_prefill). 0: off.
     long_prefill_chunk_align: int = 0
     # N > 0: a fresh prompt of P >= max(N, long_prefill_drain_min_tokens) tokens waits for running
     # requests within a few tokens of their max_tokens, up to P // N steps in all (core/admission.py).

@@ -39,7 +39,7 @@ from collections import deque
 from typing import Iterable
 
 from pagedserve.core.admission import Admission
-from pagedserve.core.chunk_cost import chunk_cost, longest_chunk
+from pagedserve.core.chunk_cost import CHUNK_ALIGN, chunk_cost, longest_chunk
 from pagedserve.core.config import CacheConfig, SchedulerConfig
 from pagedserve.core.contiguous import ContiguousKVCacheManager
 from pagedserve.core.kv_cache_manager import KVCacheManager
@@ -355,10 +355,12 @@ class Scheduler(Admission, Preemption):
         if k and n > 0:  # the chunk's attention over its context counts too (core/chunk_cost.py)
             n = longest_chunk(start, n, self._budget, k)
         align = cfg.long_prefill_chunk_align
-        if align and 0 < n < todo and (start + n) // align * align > start:
+        if align and 0 < n < todo and (start + n) // align * align - start >= max(1, min(n // 2, CHUNK_ALIGN)):
             # Cut short by the budget: end on a bucket, the rest in the next step. Decodes take a
             # few tokens of every step's budget, so unaligned chunks would drift off the long-prefill
-            # path's prefix buckets and leave up to a bucket of each prefix to a slower kernel.
+            # path's prefix buckets and leave up to a bucket of each prefix to a slower kernel. Never
+            # to a sliver (at least half the chunk or CHUNK_ALIGN): a chunk of 8,191 (the budget less
+            # a decode, costs off) after 8,191 would be cut to 1 token, a step spent on it every other step.
             n = (start + n) // align * align - start
         if k and n > 0:
             cost = chunk_cost(start, n, k)

@@ -110,6 +110,32 @@ def test_long_prefill_chunk_align_keeps_chunks_on_buckets_beside_decodes(align):
         SchedulerConfig(long_prefill_chunk_align=-1)
 
 
+@pytest.mark.parametrize("cost_context", [0, 53248])
+def test_chunk_align_never_cuts_a_chunk_to_a_sliver(cost_context):
+    """The H200's serving settings (budget 8,192, align 8,192, block 16) with one decode beside a
+    32k prompt. Costs off, every chunk is the budget less the decode (8,191): cut to its bucket it
+    would be 1 token every other step (8,191, 1, 8,191, 1, ...: twice the steps), so it is not cut.
+    Costs on (Llama-3.1-8B's K at scale 2), the chunks are whole 1,024s and the rest of each bucket
+    follows in the next step, as measured on the H200 (docs/long-context.md)."""
+    s = make_scheduler(4096, block_size=16, max_num_batched_tokens=8192, max_model_len=32768,
+                       attention_cost_context=cost_context, attention_cost_min_tokens=8192,
+                       long_prefill_chunk_align=8192, enable_prefix_caching=False)
+    dec, long_ = make_group("d", [1, 2, 3], max_tokens=1000), make_group("l", list(range(32768)))
+    s.add_seq_group(dec)
+    d = Driver(s)
+    d.step()
+    s.add_seq_group(long_)
+    chunks = []
+    while sum(chunks) < 32768:
+        out = d.step()
+        assert out.scheduled[0].group is dec and out.scheduled[0].num_new_tokens == 1
+        chunks += [x.num_new_tokens for x in out.scheduled if x.group is long_]
+    if cost_context:
+        assert chunks == [7168, 1024, 7168, 1024, 6144, 2048, 5120, 3072]
+    else:
+        assert chunks == [8191, 8191, 8191, 8191, 4]
+
+
 @pytest.mark.parametrize("drain,left_a,prompt_len,waits", [
     (8, 3, 40, 3),     # a finishes in 3 steps, within 40 // 8 = 5: the prompt waits 3
     (8, 5, 40, 5),     # exactly the allowance: 5
