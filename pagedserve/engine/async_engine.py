@@ -183,7 +183,8 @@ class AsyncLLMEngine:
         per-output work (text, metrics, the stream's wake-up) on every step of every request,
         and falls further behind; joined, a request's k late tokens cost one output, one
         detokenization of the k tokens, one delivery. Core outputs are token-only DELTAs where a
-        tokenizer is here (core_params); without one only DELTA requests are joined.
+        tokenizer is here (core_params); without one only DELTA requests are joined; requests with
+        stop strings never (their text is cut token by token anyway).
         """
         more = []
         while len(more) < CATCH_UP_MESSAGES - 1:
@@ -202,7 +203,10 @@ class AsyncLLMEngine:
             for o in outs:
                 i = at.get(o.request_id)
                 st = requests.get(o.request_id)
-                if i is None or st is None or (st.text is None and st.kind is not RequestOutputKind.DELTA):
+                # Not joined: a request with stop strings (a cut inside a joined chunk would leave it
+                # the chunk's last cumulative logprob, run-on tokens and all: one token a step is exact).
+                if i is None or st is None or (st.text is None and st.kind is not RequestOutputKind.DELTA) \
+                        or (st.text is not None and st.text.params.stop):
                     at[o.request_id] = len(joined)
                     joined.append(o)
                 else:

@@ -37,6 +37,17 @@ def core_params(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, n=n, best_of=n, stop=[], output_kind=DELTA)
 
 
+def _cut_cumulative(c: CompletionOutput, k: int) -> float:
+    """The cumulative logprob of c's tokens up to its k-th, where a stop string cuts it: c's own
+    counts the tokens the core ran on past it, whose logprobs (where c carries them) come off.
+    Without them c is exact only for its last token (one token a step: _catch_up keeps such
+    requests' outputs apart; a speculative step's accepted run is the exception)."""
+    total = c.cumulative_logprob or 0.0
+    if c.logprobs is not None and k < len(c.token_ids) - 1:
+        total -= sum(c.logprobs[j][c.token_ids[j]] for j in range(k + 1, len(c.token_ids)))
+    return total
+
+
 @dataclass
 class _SeqText:
     token_ids: list[int] = field(default_factory=list)
@@ -137,7 +148,7 @@ class RequestText:
                         i, s = hit
                         seq.text = seq.text[:i + len(s) if p.include_stop_str_in_output else i]
                         seq.finish_reason, seq.stop_reason = "stop", s
-                        seq.cumulative_logprob = c.cumulative_logprob or 0.0
+                        seq.cumulative_logprob = _cut_cumulative(c, k)
                         return
             if core_finish is not None:
                 seq.finish_reason, seq.stop_reason = core_finish, c.stop_reason

@@ -303,3 +303,44 @@ def test_a_backlog_of_steps_reaches_each_stream_as_one_output_and_a_failure_afte
             await asyncio.sleep(0.001)
         push.send(CODEC.encode(StepOutputs(added=list(rids))))
     asyncio.run(main())
+
+
+def test_a_backlog_keeps_the_steps_of_a_request_with_stop_strings_apart(client, tiny_model_dir):
+    """With a tokenizer, a request's queued steps are joined before its text, except where stop
+    strings cut it: there every step is processed alone, so a cut leaves the cumulative logprob
+    of the kept tokens (not of the run-on tokens a joined chunk would end with)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
+    c, push = client
+    plain = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.DELTA)
+    stops = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.DELTA, stop=["zzzq"])
+
+    async def main():
+        engine = AsyncLLMEngine(c, tok)
+        engine.start()
+        adds = [engine.add_request("p", [1], plain), engine.add_request("s", [1], stops)]
+        *streams, _ = await asyncio.gather(*adds, answer(c, push, "ps"))
+        engine._tasks[0].cancel()
+        await asyncio.gather(engine._tasks[0], return_exceptions=True)
+        puts = {r: [] for r in "ps"}
+        for rid, st in engine._requests.items():
+            st.queue.put_nowait = lambda item, rid=rid: puts[rid].append(item)
+        for t in (40, 41, 42):
+            push.send(CODEC.encode(StepOutputs(outputs=[
+                RequestDelta(r, [CompletionDelta(0, "", [t], -1.0 * (t - 39), None)], False) for r in "ps"])))
+        read_ahead(c, 3)
+        task = asyncio.ensure_future(engine._dispatch_outputs())
+        while not puts["p"]:  # the three steps are dispatched in one turn of the loop: all in by then
+            await asyncio.sleep(0.001)
+        task.cancel()
+        assert [o.outputs[0].token_ids for o in puts["p"]] == [[40, 41, 42]]
+        assert [(o.outputs[0].token_ids, o.outputs[0].cumulative_logprob) for o in puts["s"]] == \
+            [([40], -1.0), ([41], -2.0), ([42], -3.0)]
+        for s in streams:
+            s.close()
+
+    async def answer(c, push, rids):
+        while len(c._adds) < len(rids):
+            await asyncio.sleep(0.001)
+        push.send(CODEC.encode(StepOutputs(added=list(rids))))
+    asyncio.run(main())

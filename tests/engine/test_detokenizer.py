@@ -117,3 +117,35 @@ def test_request_text_gives_the_same_text_for_any_chunking_of_the_tokens(tokeniz
             left -= sizes[-1]
         assert run(sizes) == one_by_one, sizes
     assert run([len(ids)]) == one_by_one
+
+
+def test_a_stop_string_inside_a_chunk_keeps_the_cumulative_logprob_of_the_kept_tokens(tokenizer):
+    """Several tokens in one core output (a speculative step's accepted run): a stop string met on
+    one of them ends the request there, and its cumulative logprob sums the kept tokens' logprobs
+    only, not the run-on tokens' (the core's value at the chunk's end), as token by token."""
+    from pagedserve.engine.text_output import RequestText
+    from pagedserve.outputs import CompletionOutput, RequestOutput
+    from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+    ids = tokenizer.encode("the cat sat on the mat and then it ran away")
+    prompt = tokenizer.encode("Q:")
+    lps = [-0.1 * (j + 1) for j in range(len(ids))]  # every token its own, so a wrong sum shows
+
+    def run(sizes):
+        params = SamplingParams(max_tokens=len(ids), logprobs=0, stop=["mat"],
+                                output_kind=RequestOutputKind.DELTA)
+        rt, out, at = RequestText(tokenizer, params, "Q:", prompt), None, 0
+        for n in sizes:
+            chunk, at = ids[at:at + n], at + n
+            c = CompletionOutput(0, "", chunk, sum(lps[:at]), [{t: lps[at - n + j]} for j, t in enumerate(chunk)])
+            out = rt.process(RequestOutput("r", "Q:", prompt, [c], False)) or out
+            if rt.finished:
+                break
+        o = out.outputs[0]
+        return o.finish_reason, o.stop_reason, len(rt.seqs[0].token_ids), o.cumulative_logprob
+
+    one_by_one = run([1] * len(ids))
+    kept = one_by_one[2]
+    assert one_by_one[:2] == ("stop", "mat") and kept < len(ids) - 2
+    assert one_by_one[3] == pytest.approx(sum(lps[:kept]))
+    for sizes in ([len(ids)], [2] * len(ids), [kept - 1, len(ids)]):
+        assert run(sizes) == pytest.approx(one_by_one), sizes
