@@ -7,6 +7,8 @@ same GPU, one after the other (one device call each: a call lasts 10 minutes).
     python3 benchmarks/serving/long_context.py online --engines pagedserve --site $SITE --work $OUT/lc
     python3 benchmarks/serving/long_context.py collect --work DIR       # here or there
     python3 benchmarks/serving/long_context.py prefill --out F.json     # offline: start-up + long prefills
+    python3 benchmarks/serving/long_context.py replay --prefill-lens 32768 100000 --cost-scales 2
+                                                       # CPU: the scheduler's chunks beside decodes
 
 Each engine serves Llama-3.1-8B (benchmarks/models/llama-3.1-8b: llama3 RoPE to 131072) with dummy
 weights and the offline word-level tokenizer (peers/make_bench_model_dir.py) at max_model_len
@@ -538,9 +540,66 @@ def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
     return rows
 
 
+def phase_replay(args) -> list[dict]:
+    """replay (no GPU, no model): pagedserve's scheduler alone at serving's settings on the H200
+    (--max-num-batched-tokens, --block-size, the long-prefill path's rules: K = the model's compute
+    balance times each --cost-scales factor, --chunk-align, default 8,192), per --beside-decodes
+    count and --prefill-lens length: one fresh prompt beside that many decoding requests, and the
+    chunks it is cut into, step by step (what `prefill --beside-decodes` measures the time of)."""
+    from transformers import AutoConfig
+
+    from pagedserve.core.chunk_cost import COST_MIN_TOKENS
+    from pagedserve.core.config import CacheConfig, SchedulerConfig
+    from pagedserve.core.scheduler import Scheduler
+    from pagedserve.model_cost import ModelCost
+    from pagedserve.sampling_params import SamplingParams
+    from pagedserve.sequence import Sequence, SequenceGroup
+    k0 = ModelCost.from_hf_config(AutoConfig.from_pretrained(args.model)).attention_cost_context()
+    align = 8192 if args.chunk_align is None else args.chunk_align
+    rows = []
+    for n in args.prefill_lens:
+        for decodes in args.beside_decodes or [1]:
+            for f in args.cost_scales:
+                blocks = 2 * -(-(n + 1024 * decodes) // args.block_size)  # room to spare: nothing waits for blocks
+                sched = Scheduler(SchedulerConfig(
+                    max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len,
+                    attention_cost_context=round(k0 * f), attention_cost_min_tokens=COST_MIN_TOKENS,
+                    long_prefill_chunk_align=align),
+                    CacheConfig(block_size=args.block_size, num_gpu_blocks=blocks, enable_prefix_caching=False))
+
+                def group(rid, length, max_tokens):
+                    return SequenceGroup(rid, [Sequence(list(range(length)))],
+                                         SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+                def step():
+                    out = sched.schedule()
+                    sched.update_after_step(out)
+                    for ss in out.scheduled:
+                        if ss.do_sample:
+                            ss.seq.append_token(1)
+                    return out
+                for i in range(decodes):
+                    sched.add_seq_group(group(f"d{i}", 128, args.max_model_len - 128))
+                for _ in range(4):  # their prefill, then decodes only
+                    step()
+                long_ = group("long", n, 1)
+                sched.add_seq_group(long_)
+                chunks = []
+                while sum(chunks) < n:
+                    chunks += [ss.num_new_tokens for ss in step().scheduled if ss.group is long_]
+                row = {"prompt_len": n, "decodes": decodes, "cost_scale": f, "attention_cost_context": round(k0 * f),
+                       "chunk_align": align, "max_num_batched_tokens": args.max_num_batched_tokens,
+                       "steps": len(chunks), "chunks": chunks}
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"phase": "replay", "model": args.model, "rows": rows}, indent=1) + "\n")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["online", "collect", "client", "prefill"])
+    ap.add_argument("phase", choices=["online", "collect", "client", "prefill", "replay"])
     ap.add_argument("--site", default=os.environ.get("SITE", os.path.join(tempfile.gettempdir(), "site")))
     ap.add_argument("--gpu", default="0")
     ap.add_argument("--work", default=os.environ.get("OUT") or tempfile.mkdtemp())
@@ -609,6 +668,9 @@ def main() -> None:
         return
     if args.phase == "prefill":
         phase_prefill(args)
+        return
+    if args.phase == "replay":
+        phase_replay(args)
         return
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

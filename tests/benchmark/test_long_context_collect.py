@@ -178,3 +178,38 @@ def test_structured_collect_records_the_measured_servers_switches(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(out.read_text())["switches"]["PAGEDSERVE_GRAMMAR_FILL"] == "0"
+
+
+def test_replay_cuts_a_prompt_beside_decodes_as_the_scheduler_driven_step_by_step(tmp_path):
+    """`long_context.py replay` (the scheduler alone, no model): each row's chunks are what the core
+    tests' Driver (the engine played step by step, KV shadowed, invariants checked) gets from a
+    scheduler with the same settings; the JSON keeps every row."""
+    sys.path.insert(0, str(ROOT / "tests/core"))
+    from core_helpers import Driver, make_group, make_scheduler
+    from pagedserve.core.chunk_cost import COST_MIN_TOKENS
+    out = tmp_path / "replay.json"
+    args = argparse.Namespace(model=str(ROOT / "benchmarks/models/llama-3.1-8b"), prefill_lens=[20000],
+                              beside_decodes=[1, 3], cost_scales=[2.0, 0.0], chunk_align=None,
+                              block_size=16, max_num_batched_tokens=4096, max_model_len=32768, out=str(out))
+    rows = lc.phase_replay(args)
+    assert json.loads(out.read_text())["rows"] == rows and len(rows) == 4
+    for row in rows:
+        s = make_scheduler(4000, block_size=16, max_num_batched_tokens=4096, max_model_len=32768,
+                           attention_cost_context=row["attention_cost_context"],
+                           attention_cost_min_tokens=COST_MIN_TOKENS, long_prefill_chunk_align=8192,
+                           enable_prefix_caching=False)
+        decs = [make_group(f"d{i}", list(range(128)), max_tokens=2000) for i in range(row["decodes"])]
+        for g in decs:
+            s.add_seq_group(g)
+        d = Driver(s)
+        for _ in range(4):
+            d.step()
+        long_ = make_group("l", list(range(20000)), max_tokens=1)
+        s.add_seq_group(long_)
+        chunks = []
+        while sum(chunks) < 20000:
+            out_ = d.step()
+            assert sum(x.group in decs for x in out_.scheduled) == row["decodes"]  # the decodes ran beside it
+            chunks += [x.num_new_tokens for x in out_.scheduled if x.group is long_]
+        assert row["chunks"] == chunks, row
+    assert rows[0]["steps"] > rows[1]["steps"]  # costs on cut it finer than tokens alone
