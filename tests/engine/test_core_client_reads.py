@@ -258,26 +258,36 @@ def test_the_modelless_core_starts_and_streams_through_the_real_client():
         client.shutdown()
 
 
+async def held_dispatch(c: MPCoreClient, push, tokenizer, params: dict) -> tuple:
+    """An AsyncLLMEngine over the puppet core with these requests (id -> SamplingParams) added and
+    its output dispatch stopped, so a backlog pushed next is exact; each request's deliveries land
+    in puts[id] instead of its stream. Returns (engine, streams: kept, a dropped one aborts, puts)."""
+    engine = AsyncLLMEngine(c, tokenizer)
+    engine.start()
+
+    async def answer():
+        while len(c._adds) < len(params):
+            await asyncio.sleep(0.001)
+        push.send(CODEC.encode(StepOutputs(added=list(params))))
+    *streams, _ = await asyncio.gather(*(engine.add_request(r, [1], p) for r, p in params.items()), answer())
+    engine._tasks[0].cancel()
+    await asyncio.gather(engine._tasks[0], return_exceptions=True)
+    puts = {r: [] for r in params}
+    for rid, st in engine._requests.items():
+        st.queue.put_nowait = lambda item, rid=rid: puts[rid].append(item)
+    return engine, streams, puts
+
+
 def test_a_backlog_of_steps_reaches_each_stream_as_one_output_and_a_failure_after_it(client):
     """Steps that queued while the server was busy (AsyncLLMEngine._catch_up): each request's
     tokens of all of them are processed and delivered once, in order; a message that fails a
     request is not joined ahead of the outputs before it; a request whose core outputs are not
     deltas (CUMULATIVE, no tokenizer here) keeps every output."""
-    from pagedserve.engine.core_messages import StepOutputs
     c, push = client
     cumulative = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.CUMULATIVE)
 
     async def main():
-        engine = AsyncLLMEngine(c, None)
-        engine.start()
-        adds = [engine.add_request("a", [1], DELTA), engine.add_request("b", [1], DELTA),
-                engine.add_request("c", [1], cumulative)]
-        *streams, _ = await asyncio.gather(*adds, answer(c, push, "abc"))  # kept: a dropped stream aborts
-        engine._tasks[0].cancel()  # the dispatch stops, so the backlog below is exact
-        await asyncio.gather(engine._tasks[0], return_exceptions=True)
-        puts = {r: [] for r in "abc"}
-        for rid, st in engine._requests.items():
-            st.queue.put_nowait = lambda item, rid=rid: puts[rid].append(item)
+        engine, streams, puts = await held_dispatch(c, push, None, {"a": DELTA, "b": DELTA, "c": cumulative})
         for t in (1, 2, 3):
             push.send(tokens(("a", t), ("b", t)))
         push.send(CODEC.encode(StepOutputs(outputs=[
@@ -297,11 +307,6 @@ def test_a_backlog_of_steps_reaches_each_stream_as_one_output_and_a_failure_afte
         assert [o.outputs[0].token_ids for o in puts["c"]] == [[7], [7, 8]]
         for s in streams:
             s.close()
-
-    async def answer(c, push, rids):
-        while len(c._adds) < len(rids):
-            await asyncio.sleep(0.001)
-        push.send(CODEC.encode(StepOutputs(added=list(rids))))
     asyncio.run(main())
 
 
@@ -312,19 +317,10 @@ def test_a_backlog_keeps_the_steps_of_a_request_with_stop_strings_apart(client, 
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(tiny_model_dir("llama")))
     c, push = client
-    plain = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.DELTA)
     stops = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.DELTA, stop=["zzzq"])
 
     async def main():
-        engine = AsyncLLMEngine(c, tok)
-        engine.start()
-        adds = [engine.add_request("p", [1], plain), engine.add_request("s", [1], stops)]
-        *streams, _ = await asyncio.gather(*adds, answer(c, push, "ps"))
-        engine._tasks[0].cancel()
-        await asyncio.gather(engine._tasks[0], return_exceptions=True)
-        puts = {r: [] for r in "ps"}
-        for rid, st in engine._requests.items():
-            st.queue.put_nowait = lambda item, rid=rid: puts[rid].append(item)
+        engine, streams, puts = await held_dispatch(c, push, tok, {"p": DELTA, "s": stops})
         for t in (40, 41, 42):
             push.send(CODEC.encode(StepOutputs(outputs=[
                 RequestDelta(r, [CompletionDelta(0, "", [t], -1.0 * (t - 39), None)], False) for r in "ps"])))
@@ -338,9 +334,4 @@ def test_a_backlog_keeps_the_steps_of_a_request_with_stop_strings_apart(client, 
             [([40], -1.0), ([41], -2.0), ([42], -3.0)]
         for s in streams:
             s.close()
-
-    async def answer(c, push, rids):
-        while len(c._adds) < len(rids):
-            await asyncio.sleep(0.001)
-        push.send(CODEC.encode(StepOutputs(added=list(rids))))
     asyncio.run(main())
