@@ -52,8 +52,12 @@ class DPServer:
 
 
 def child_env() -> dict:
+    # Ray Serve's proxy gets 5 s to answer its readiness check (10 s for health) before the
+    # controller kills it: a busy 2-core CI machine can miss that while the replicas load, and
+    # `serve.start` then fails. These tests are about our routing, not Ray's start-up deadlines.
     return dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
                 TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", RAY_USAGE_STATS_ENABLED="0",
+                RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S="60", RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S="60",
                 PAGEDSERVE_REPLICA_API_KEY=REPLICA_KEY)
 
 
