@@ -489,55 +489,63 @@ def prefill_near_end(llm, args, rng, vocab, out: Path, rec: dict) -> list[dict]:
 
 
 def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
-    """For each --beside-decodes count N and --cost-scales factor f: N requests (128-token prompts)
-    decoding, then one fresh prompt of the last --prefill-lens length; its seconds to its first
+    """For each --beside-lens length (default the last --prefill-lens), --beside-aligns alignment
+    (default the engine's), --beside-decodes count N and --cost-scales factor f: N requests
+    (128-token prompts) decoding, then one fresh prompt of that length; its seconds to its first
     token and the steps meanwhile (each a token for every decode: their gaps). f scales the engine's
-    K: the model's compute balance (model_cost.attention_cost_context) times f, set on the running
-    scheduler's config between runs (core/chunk_cost.py; f = 0: chunks by tokens alone; the engine's
-    own is long_prefill_cost_scale's)."""
-    from pagedserve import SamplingParams
+    K: the model's compute balance (model_cost.attention_cost_context) times f; it and the alignment
+    are set on the running scheduler's config between runs (core/chunk_cost.py; f = 0: chunks by
+    tokens alone; the engine's own is long_prefill_cost_scale's), so one start-up serves the A/B."""
     from pagedserve.model_cost import ModelCost
-    eng = llm.llm_engine
-    k_engine = eng.scheduler_config.attention_cost_context
-    k0 = ModelCost.from_hf_config(eng.hf_config).attention_cost_context()
-    n = args.prefill_lens[-1]
+    cfg = llm.llm_engine.scheduler_config
+    k_engine, align_engine = cfg.attention_cost_context, cfg.long_prefill_chunk_align
+    k0 = ModelCost.from_hf_config(llm.llm_engine.hf_config).attention_cost_context()
     rows = []
-    for decodes in args.beside_decodes:
-        for f in args.cost_scales:
-            eng.scheduler_config.attention_cost_context = round(k0 * f)
-            tag = f"{decodes}-{f}"
-            short = [f"d{tag}-{i}" for i in range(decodes)]
-            for rid in short:
-                eng.add_request(rid, [rng.randrange(vocab) for _ in range(128)],
-                                SamplingParams(max_tokens=args.decode_output_len, ignore_eos=True))
-            for _ in range(4):  # their prefill, then decodes only
-                eng.step()
-            long_id = f"long{tag}"
-            t0 = last = time.perf_counter()
-            eng.add_request(long_id, [rng.randrange(vocab) for _ in range(n)], SamplingParams(max_tokens=1, ignore_eos=True))
-            gaps, chunks, computed, done = [], [], 0, False
-            while not done:
-                outs = eng.step()
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-                done = any(o.request_id == long_id and o.outputs[0].token_ids for o in outs)
-                # The prompt's chunk this step: its computed tokens' growth (0 while it waited).
-                seq = next((g.seqs[0] for g in eng.scheduler.running if g.request_id == long_id), None)
-                now_computed = n if done else (seq.num_computed_tokens if seq is not None else computed)
-                chunks.append(now_computed - computed)
-                computed = now_computed
-            eng.abort_request(short)
-            while eng.has_unfinished_requests():
-                eng.step()
-            row = {"decodes": decodes, "cost_scale": f, "attention_cost_context": round(k0 * f), "prompt_len": n,
-                   "prefill_s": round(last - t0, 3), "steps": len(gaps), "chunks": chunks,
-                   "gap_p50_ms": _pct([1e3 * g for g in gaps], 50), "gap_p99_ms": _pct([1e3 * g for g in gaps], 99),
-                   "gap_max_ms": round(1e3 * max(gaps), 2)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
-    eng.scheduler_config.attention_cost_context = k_engine
+    for n in args.beside_lens or [args.prefill_lens[-1]]:
+        for align in args.beside_aligns or [align_engine]:
+            for decodes in args.beside_decodes:
+                for f in args.cost_scales:
+                    cfg.attention_cost_context, cfg.long_prefill_chunk_align = round(k0 * f), align
+                    row = {"decodes": decodes, "cost_scale": f, "attention_cost_context": round(k0 * f),
+                           "chunk_align": align, "prompt_len": n,
+                           **_beside_run(llm.llm_engine, rng, vocab, n, decodes, f"{n}-{align}-{decodes}-{f}",
+                                         args.decode_output_len)}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    cfg.attention_cost_context, cfg.long_prefill_chunk_align = k_engine, align_engine
     return rows
+
+
+def _beside_run(eng, rng, vocab, n: int, decodes: int, tag: str, decode_output_len: int) -> dict:
+    """One prompt of n tokens beside `decodes` decoding requests (prefill_beside_decodes)."""
+    from pagedserve import SamplingParams
+    short = [f"d{tag}-{i}" for i in range(decodes)]
+    for rid in short:
+        eng.add_request(rid, [rng.randrange(vocab) for _ in range(128)],
+                        SamplingParams(max_tokens=decode_output_len, ignore_eos=True))
+    for _ in range(4):  # their prefill, then decodes only
+        eng.step()
+    long_id = f"long{tag}"
+    t0 = last = time.perf_counter()
+    eng.add_request(long_id, [rng.randrange(vocab) for _ in range(n)], SamplingParams(max_tokens=1, ignore_eos=True))
+    gaps, chunks, computed, done = [], [], 0, False
+    while not done:
+        outs = eng.step()
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+        done = any(o.request_id == long_id and o.outputs[0].token_ids for o in outs)
+        # The prompt's chunk this step: its computed tokens' growth (0 while it waited).
+        seq = next((g.seqs[0] for g in eng.scheduler.running if g.request_id == long_id), None)
+        now_computed = n if done else (seq.num_computed_tokens if seq is not None else computed)
+        chunks.append(now_computed - computed)
+        computed = now_computed
+    eng.abort_request(short)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return {"prefill_s": round(last - t0, 3), "steps": len(gaps), "chunks": chunks,
+            "gap_p50_ms": _pct([1e3 * g for g in gaps], 50), "gap_p99_ms": _pct([1e3 * g for g in gaps], 99),
+            "gap_max_ms": round(1e3 * max(gaps), 2)}
 
 
 def phase_replay(args) -> list[dict]:
@@ -650,6 +658,10 @@ def main() -> None:
     ap.add_argument("--beside-decodes", type=int, nargs="*", default=[],
                     help="prefill: then the last --prefill-lens length again beside this many decoding requests "
                          "(each count in turn), per --cost-scales factor")
+    ap.add_argument("--beside-lens", type=int, nargs="*", default=[],
+                    help="prefill --beside-decodes: these prompt lengths (default: the last --prefill-lens)")
+    ap.add_argument("--beside-aligns", type=int, nargs="*", default=[],
+                    help="prefill --beside-decodes: each long_prefill_chunk_align in turn (default: the engine's)")
     ap.add_argument("--cost-scales", type=float, nargs="+", default=[1.0],
                     help="prefill --beside-decodes: K = the model's compute balance times each (0: chunks by tokens alone)")
     ap.add_argument("--trace", help="prefill with --profile: also write the profiled prompt's chrome trace here")

@@ -2,6 +2,7 @@
 says, and collect turns per-request records into the issue's ratios, including the running
 decodes' gaps while the 100k prompt prefills (only the gaps that end inside that window)."""
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -121,8 +122,8 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
                                         prefill_lens=[40, 200, 40], out=str(out),
                                         profile=False, max_num_batched_tokens=64, gathered_min_prefix=None,
                                         beside_decodes=[2], cost_scales=[1.0, 0.0], decode_output_len=64,
-                                        trace=None, engine="pagedserve", near_end=0, drains=[0], chunk_align=16,
-                                        step_times=False))
+                                        beside_lens=[], beside_aligns=[], trace=None, engine="pagedserve",
+                                        near_end=0, drains=[0], chunk_align=16, step_times=False))
     rec = json.loads(out.read_text())
     secs = rec["prefill_seconds"]
     assert list(secs) == ["40", "200"] and [len(secs["40"]), len(secs["200"])] == [2, 1]
@@ -138,6 +139,28 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     assert all(r["steps"] >= 1 and r["prefill_s"] > 0 and r["gap_p50_ms"] <= r["gap_max_ms"] for r in rows)
     # Each step's chunk of the prompt: they add up to it, one a step, none past the budget.
     assert all(sum(r["chunks"]) == 40 and len(r["chunks"]) == r["steps"] and max(r["chunks"]) <= 64 for r in rows)
+
+
+def test_prefill_beside_decodes_runs_each_length_and_alignment_in_one_engine(tiny_model_dir, tmp_path):
+    """--beside-lens and --beside-aligns: every (length, alignment, decodes, scale) row from one
+    start-up, each prompt's chunks those of its alignment (a chunk the budget cut short ends on a
+    multiple of it), and the engine's own alignment back afterwards."""
+    out = tmp_path / "p.json"
+    lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=256, block_size=8,
+                                        prefill_lens=[40], out=str(out), profile=False, max_num_batched_tokens=32,
+                                        gathered_min_prefix=None, beside_decodes=[1], cost_scales=[0.0],
+                                        decode_output_len=64, beside_lens=[100, 60], beside_aligns=[16, 8],
+                                        trace=None, engine="pagedserve", near_end=0, drains=[0], chunk_align=0,
+                                        step_times=False))
+    rec = json.loads(out.read_text())
+    rows = rec["beside_decodes"]
+    assert [(r["prompt_len"], r["chunk_align"]) for r in rows] == [(100, 16), (100, 8), (60, 16), (60, 8)]
+    for r in rows:
+        ends = list(itertools.accumulate(c for c in r["chunks"] if c))  # 0: a step without it
+        assert ends[-1] == r["prompt_len"]
+        # budget 32 less the decode's token: 31, cut to its alignment (the last chunk is all that is left)
+        assert all(e % r["chunk_align"] == 0 for e in ends[:-1]) and ends[0] > r["chunk_align"] // 2, r["chunks"]
+    assert rec["long_prefill_chunk_align"] == 0
 
 
 def test_prefill_near_end_times_a_drain_against_none(tiny_model_dir, tmp_path, monkeypatch):
