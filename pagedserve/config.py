@@ -124,9 +124,9 @@ class EngineConfig:
         "fewer, longer steps; a faster prefill, longer gaps for the decodes) or less")
     long_prefill_chunk_align: int | None = option(
         None, "a prefill chunk cut short by the token budget ends on a multiple of this many tokens where "
-        "that leaves it half its tokens or 1,024 (the rest follows in the next step, beside the decodes), so a long prompt's "
-        "chunks start on the Hopper long-prefill path's prefix buckets (default: 8,192 where that path is "
-        "on, else 0: off; not vLLM's)")
+        "that leaves it half its tokens or 1,024 (the rest follows in the next step, beside the decodes), "
+        "so a long prompt's chunks start on the Hopper long-prefill path's prefix buckets (default: 8,192 "
+        "where that path is on, else 0: off; not vLLM's)")
     long_prefill_drain: int = option(
         2048, "N > 0: a new prompt of at least 8,192 tokens (and N) waits, up to one decode step per N of "
         "its tokens, while running requests are that close to their max_tokens, so they finish instead of "
