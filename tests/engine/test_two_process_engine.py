@@ -80,13 +80,8 @@ def _caught_up(got: list, want: list, kind: RequestOutputKind) -> bool:
         while j < len(want):
             w = want[j]
             j += 1
-            if acc is None or kind is RequestOutputKind.FINAL_ONLY:
-                acc = w
-            elif kind is RequestOutputKind.DELTA:
-                acc = merge_deltas(acc, w)
-            else:  # CUMULATIVE: the later output supersedes; the prompt's logprobs are sent once
-                acc = dataclasses.replace(w, prompt_logprobs=w.prompt_logprobs if w.prompt_logprobs is not None
-                                          else acc.prompt_logprobs)
+            # DELTA outputs join; a CUMULATIVE one supersedes (_shape leaves out the prompt's logprobs).
+            acc = merge_deltas(acc, w) if acc is not None and kind is RequestOutputKind.DELTA else w
             if _same(_shape([acc]), _shape([g])):
                 break
         else:
