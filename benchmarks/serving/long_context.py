@@ -401,6 +401,7 @@ def phase_prefill(args) -> None:
     llm = LLM(str(args.model), load_format="dummy", max_model_len=args.max_model_len, block_size=args.block_size,
               skip_tokenizer_init=True, max_num_batched_tokens=args.max_num_batched_tokens, **ours)
     rec = {"engine": args.engine if args.engine == "pagedserve" else f"vllm {vllm.__version__}",
+           "command": getattr(args, "command", None), "date": time.strftime("%Y-%m-%d", time.gmtime()),
            "startup_seconds": time.perf_counter() - t0, "block_size": args.block_size,
            "max_num_batched_tokens": args.max_num_batched_tokens, "gathered_min_prefix": gathered_prefill.MIN_PREFIX,
            # The engine's own value (--chunk-align or its default); vLLM has none.
@@ -675,6 +676,7 @@ def main() -> None:
     ap.add_argument("--port", type=int)
     ap.add_argument("--out")
     args = ap.parse_args()
+    args.command = shlex.join(["python3", "benchmarks/serving/long_context.py", *sys.argv[1:]])  # into prefill's file
     if args.phase == "client":
         run_client(args)
         return

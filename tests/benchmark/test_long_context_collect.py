@@ -5,8 +5,10 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,13 +120,17 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     their seconds and the switches it ran under in the file."""
     monkeypatch.setenv("PAGEDSERVE_LONG_PREFILL", "cudnn")  # recorded; on CPU the path stays off
     out = tmp_path / "p.json"
-    lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=256, block_size=8,
-                                        prefill_lens=[40, 200, 40], out=str(out),
-                                        profile=False, max_num_batched_tokens=64, gathered_min_prefix=None,
-                                        beside_decodes=[2], cost_scales=[1.0, 0.0], decode_output_len=64,
-                                        beside_lens=[], beside_aligns=[], trace=None, engine="pagedserve",
-                                        near_end=0, drains=[0], chunk_align=16, step_times=False))
+    argv = ["prefill", "--model", str(tiny_model_dir("llama")), "--max-model-len", "256", "--block-size", "8",
+            "--prefill-lens", "40", "200", "40", "--out", str(out), "--max-num-batched-tokens", "64",
+            "--beside-decodes", "2", "--cost-scales", "1", "0", "--decode-output-len", "64", "--chunk-align", "16"]
+    monkeypatch.setattr(sys, "argv", ["long_context.py", *argv])
+    days = {time.strftime("%Y-%m-%d", time.gmtime())}
+    lc.main()
+    days.add(time.strftime("%Y-%m-%d", time.gmtime()))
     rec = json.loads(out.read_text())
+    # The command that wrote the file, as one would type it from the repo root, and the day.
+    assert shlex.split(rec["command"]) == ["python3", "benchmarks/serving/long_context.py", *argv]
+    assert rec["date"] in days
     secs = rec["prefill_seconds"]
     assert list(secs) == ["40", "200"] and [len(secs["40"]), len(secs["200"])] == [2, 1]
     assert all(s > 0 for runs in secs.values() for s in runs)
