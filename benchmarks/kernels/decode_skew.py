@@ -12,6 +12,8 @@ contexts:
   serving  contexts of running sharegpt-like requests (max 2048 tokens): a request drawn with
            probability proportional to its output length, at a uniform point of its output
   even     every context the serving set's mean, so the same number of positions in all
+  long     with --long L: the serving set with its first context replaced by L (one long request
+           decoding beside short ones, as in long_context.py's mix; --max-model-len >= L)
 Each case is 32 launches (one per layer) captured in a CUDA graph, replayed --replays times;
 microseconds per launch. Needs CUDA.
 
@@ -85,8 +87,12 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--long", type=int, default=None,
+                    help="also time the serving set with its first context this long (the 'long' set)")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
+    if args.long and args.long > args.max_model_len:
+        sys.exit(f"--long {args.long} is past --max-model-len {args.max_model_len}")
     for mode in args.split_tokens:
         split_mode(mode)  # a bad value fails here, before any GPU work
     if not torch.cuda.is_available():
@@ -100,7 +106,8 @@ def main() -> None:
         serving = serving_contexts(n, args.seed + n)
         even = [round(statistics.fmean(serving))] * n
         row = {"contexts": {"mean": round(statistics.fmean(serving), 1), "max": max(serving)}}
-        for name, lens in (("serving", serving), ("even", even)):
+        sets = [("serving", serving), ("even", even)] + ([("long", [args.long] + serving[1:])] if args.long else [])
+        for name, lens in sets:
             row[name] = {t: time_case(lens, t, args.max_model_len, args.replays, pool)
                          for t in args.split_tokens}
             if "auto" in args.split_tokens:
@@ -111,13 +118,16 @@ def main() -> None:
     ratios = {}  # each split size against the switch off, where both ran
     if "0" in args.split_tokens:
         for k, row in results.items():
-            for name in ("serving", "even"):
+            for name in ("serving", "even", "long"):
+                if name not in row:
+                    continue
                 for t in args.split_tokens:
                     if t != "0":
                         ratios[f"{k}_{name}_split{t}_over_off"] = round(row[name][t] / row[name]["0"], 3)
     if args.output:
         write_result(args.output, "decode_skew", None,
-                     {k: getattr(args, k) for k in ("num_seqs", "split_tokens", "max_model_len", "replays", "seed")} |
+                     {k: getattr(args, k) for k in ("num_seqs", "split_tokens", "max_model_len", "replays", "seed",
+                                                    "long")} |
                      {"attention": "32 q heads, 8 KV heads, head_dim 128, bf16, block 16", "unit": "us per launch"},
                      results, {}, ratios)
     print(ratios)

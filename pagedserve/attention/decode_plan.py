@@ -7,8 +7,9 @@ What it decides:
   an A/B by PAGEDSERVE_DECODE_LAUNCH, and over an fp8 cache by DECODE_FP8_LAUNCH or
   PAGEDSERVE_DECODE_LAUNCH_FP8 in its place (decode_launch_for);
 - the splits: base splits per sequence so that the grid fills the GPU (choose_num_splits), the
-  grid's splits, more for long sequences as PAGEDSERVE_DECODE_SPLIT_TOKENS says (grid_splits),
-  and the split mode the kernels get (decode_launch);
+  most one sequence may take, more for long sequences as PAGEDSERVE_DECODE_SPLIT_TOKENS says
+  (grid_splits), the balanced grid's slots (balanced_slots), and the split mode the kernels get
+  (decode_launch);
 - for decode CUDA graphs: the split modes a graph is captured with (decode_graph_split_modes) and
   the one a step replays (pick_split_mode);
 - what a launch compiles per (decode_compile_key), so that the warm-up covers each variant.
@@ -23,8 +24,10 @@ Invariants:
   or the device's SM count (read once per device).
 - The switches are read once per process (functools caches: a test that sets one clears the
   cache of the function that reads it).
-- The grid never has fewer splits than the base; the kernels get split mode 0 unless it has more.
-- Planned splits (base and balanced grid) give one sequence at most one wave of programs (wave_splits).
+- A sequence's most splits are never fewer than the base; the kernels get split mode 0 unless
+  they are more.
+- Planned splits (base and balanced) give one sequence at most one wave of programs (wave_splits).
+- The balanced grid's slots (balanced_slots) hold every non-empty split the kernels' plan makes.
 - A graph's split mode is fixed at its capture (AttentionMetadata.decode_split_tokens): one graph
   per mode of decode_graph_split_modes, and pick_split_mode returns one of those (0 or BALANCED).
 - pick_split_mode counts tiles of the BLOCK_N the launch over that cache walks (decode_launch_for).
@@ -81,8 +84,9 @@ DECODE_PROGRAMS_PER_SM = 3
 # took a graph-launched decode over serving's uneven contexts from 70.3 to 52.7 us at 64
 # sequences, but over even contexts of the same total from 39.6 to 50.5 us: the grid was sized
 # for max_model_len, each program past a sequence's last split still costs a launch, and so does
-# the reduction. "balanced" bounds the grid by a program budget, cuts only what would outlast the
-# rest, and a decode graph replays it only for steps whose lengths gain from it (pick_split_mode).
+# the reduction. "balanced" cuts only what would outlast an even share of the step, its grid has
+# a slot for each split it makes (balanced_slots), and a decode graph replays it only for steps
+# whose lengths gain from it (pick_split_mode).
 BALANCED = -1
 DECODE_SPLIT_TOKENS = BALANCED
 SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
@@ -97,10 +101,14 @@ SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
 DECODE_SHARE_PROGRAMS_PER_SM = 6
 # Replaces it without a code change (read once per process), for an A/B.
 DECODE_SHARE_ENV = "PAGEDSERVE_DECODE_SHARE"
-# The balanced grid's splits keep it within this many programs per SM (at least 2 splits), since
-# each program past a sequence's last split still costs a launch.
-DECODE_GRID_PROGRAMS_PER_SM = 8
-# Neither the base nor the grid gives one sequence more programs than one wave (DECODE_PROGRAMS_PER_SM
+# The balanced grid is (KV head, slot): the step's non-empty splits one after another
+# (triton_decode.slot_plan), as many slots as the plan can fill (balanced_slots), so a long
+# sequence may take up to one wave of splits whatever the rows beside it. Until the 41st session
+# it was (KV head, sequence, split) with at most 8 programs per SM in all, so at 16 rows a
+# sequence had at most 9 splits, which left one 32k-token sequence beside short ones walking
+# chains of 29 tiles (3 asked for), docs/long-context.md.
+#
+# Neither the base nor the balanced plan gives one sequence more programs than one wave (DECODE_PROGRAMS_PER_SM
 # per SM, wave_splits): on the H200 (runs/s29_long_context/decode_long_b*.json) one 100k sequence of
 # 8 KV heads took 0.146 ms a layer at the plan's 512 programs and 0.135 at 64 splits (512), but
 # 0.118 at 48 (384, one wave of 396); the one-wave plan 0.115 against the share's 0.132 at 47a9b2e.
@@ -188,19 +196,25 @@ def decode_split_tokens() -> int:
     return value
 
 
-def grid_splits(base_splits: int, max_seq_len: int, split_tokens: int, num_seqs: int, num_kv_heads: int,
-                sms: int) -> int:
-    """The grid's splits per sequence, never fewer than base_splits, at most MAX_SPLITS: with a split
-    size, enough for the longest possible sequence (max_seq_len); balanced, as many as keep the
-    grid within DECODE_GRID_PROGRAMS_PER_SM programs per SM (but 2 at least) and splits of at least
-    MIN_TOKENS_PER_SPLIT."""
+def grid_splits(base_splits: int, max_seq_len: int, split_tokens: int, num_kv_heads: int, sms: int) -> int:
+    """The most splits of one sequence, never fewer than base_splits, at most MAX_SPLITS: with a
+    split size, enough for the longest possible sequence (max_seq_len; the grid's split axis);
+    balanced, one wave of programs (wave_splits) in splits of at least MIN_TOKENS_PER_SPLIT (the
+    grid is then slots, balanced_slots)."""
     if split_tokens == 0:
         return base_splits
     if split_tokens > 0:
         return max(base_splits, min(MAX_SPLITS, cdiv(max_seq_len, split_tokens)))
-    budget = max(2, min(cdiv(DECODE_GRID_PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads)),
-                        wave_splits(num_kv_heads, sms)))
-    return max(base_splits, min(MAX_SPLITS, cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), budget))
+    return max(base_splits, min(MAX_SPLITS, cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), wave_splits(num_kv_heads, sms)))
+
+
+def balanced_slots(num_rows: int, num_kv_heads: int, base_splits: int, max_parts: int, share_programs: int) -> int:
+    """The balanced grid's slots (per KV head): enough for every non-empty split the kernels' plan
+    can make. A row's splits are at most max(ceil(tiles / chain), base_splits) <= tiles / chain +
+    base_splits, and the chain is at least the step's tiles times the KV heads over share_programs,
+    so all rows' splits are at most share_programs / KV heads + rows * base_splits; and at most
+    max_parts a row."""
+    return min(num_rows * max_parts, cdiv(share_programs, num_kv_heads) + num_rows * base_splits)
 
 
 def wave_splits(num_kv_heads: int, sms: int) -> int:
@@ -229,10 +243,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 
 def decode_launch(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                   num_splits: int | None = None, split_tokens: int | None = None) -> tuple[int, int, int]:
-    """(base splits, grid splits, split mode passed to the kernels) of a decode launch."""
+    """(base splits, most splits of one sequence (grid_splits), split mode passed to the kernels) of
+    a decode launch."""
     base = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device) if num_splits is None else num_splits
     tokens = decode_split_tokens() if split_tokens is None else split_tokens
-    splits = grid_splits(base, max_seq_len, tokens, num_seqs, num_kv_heads, _sms(device))
+    splits = grid_splits(base, max_seq_len, tokens, num_kv_heads, _sms(device))
     return base, splits, (tokens if splits > base else 0)
 
 

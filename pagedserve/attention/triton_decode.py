@@ -10,18 +10,26 @@ non-empty split writes its output directly; one with several writes per-split re
 (normalised output, log2-sum-exp) and reduce_splits_kernel combines them.
 
 How a sequence is split (split_plan): into base_splits equal parts, the count the batch size
-asks for to fill the GPU, or into more when it is long, up to the grid's splits:
-  SPLIT_TOKENS > 0  so that no split holds much more than SPLIT_TOKENS positions;
+asks for to fill the GPU, or into more when it is long, up to max_parts:
+  SPLIT_TOKENS > 0  so that no split holds much more than SPLIT_TOKENS positions; grid (KV head,
+                    sequence, split), the grid's splits sized for the longest possible sequence;
   SPLIT_TOKENS < 0  ("balanced") so that no split's chain of tiles is longer than an even share
                     of the step's work: every sequence's tiles times the KV heads, over
                     SHARE_PROGRAMS (decode_plan.DECODE_SHARE_PROGRAMS_PER_SM per SM), read from
-                    seq_lens on the device.
+                    seq_lens on the device. Grid (KV head, slot): the non-empty splits of all
+                    sequences, one after another in the order the rows start (slot_plan), so that
+                    one long sequence may take up to max_parts splits (one wave of programs) while
+                    the short ones beside it take a slot or two, not max_parts each.
 Why: a decode graph is captured once per batch size, so base_splits cannot follow the step's
 lengths; at 64 sequences it is 1, and in a serving batch whose contexts run from a few tokens to
 2048 the one program of the longest sequence kept walking tiles long after the others had
-finished. Programs past a sequence's last split return at once and write nothing; the reduction
-derives the same plan from the same lengths, so it reads only what was written. base_splits and
-the grid's split count are runtime values, so one compile serves every batch size.
+finished. Until the 41st session the balanced grid was (KV head, sequence, split) too, and at
+16 rows its 9 splits a sequence (a program budget over all rows) left a 32k-token sequence
+beside 15 short ones chains of 29 tiles where the share asked for 3: on the H200 such decode steps
+took 7.8 ms against vLLM's 6.2 (docs/long-context.md). Programs past the last split return at
+once and write nothing; the reduction derives the same plan from the same lengths, so it reads
+only what was written. base_splits and the split counts are runtime values, so one compile serves
+every batch size.
 """
 import triton
 import triton.language as tl
@@ -33,13 +41,13 @@ from pagedserve.attention.triton_tiles import IN_CONTEXT, attend_tiles
 # stride with where q lives (the fused qkv projection eagerly, a piecewise graph's q buffer): one
 # compile serves all (see runner/warmup.py). stride_ms is 0 without splits and BLOCK_D with them.
 @triton.jit(do_not_specialize=["stride_qt", "stride_ot", "stride_bt", "stride_mt", "stride_mh", "stride_ms",
-                               "stride_lt", "stride_lh", "base_splits"])
+                               "stride_lt", "stride_lh", "base_splits", "max_parts", "num_rows"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     seq_lens_ptr, block_tables_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, base_splits,
+    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, base_splits, max_parts, num_rows,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
@@ -48,30 +56,38 @@ def paged_decode_kernel(
     F16_DOT: tl.constexpr = False,
 ):
     if HEADS_FASTEST:
-        # Grid (kv head, sequence, split): a sequence's heads run side by side and read its
+        # Grid (kv head, sequence or slot, split): a sequence's heads run side by side and read its
         # tokens' K/V rows (all heads of a token are adjacent) at about the same time.
         kv_head = tl.program_id(0)
-        row = tl.program_id(1)
-        num_seqs = tl.num_programs(1)
+        cell = tl.program_id(1)
         num_kv_heads = tl.num_programs(0)
     else:
-        row = tl.program_id(0)
+        cell = tl.program_id(0)
         kv_head = tl.program_id(1)
-        num_seqs = tl.num_programs(0)
         num_kv_heads = tl.num_programs(1)
-    split = tl.program_id(2)
-    if order_ptr is None:
-        seq = row
+    if SPLIT_TOKENS < 0:
+        # Balanced: cell is a slot, the programs' own place for their split's result as well.
+        seq, split, split_len, active = slot_plan(cell, seq_lens_ptr, order_ptr, num_rows, num_kv_heads,
+                                                  base_splits, max_parts, SHARE_PROGRAMS, MIN_CHAIN_TILES,
+                                                  BLOCK_N)
+        mid_row = cell
+        mid_split = 0
     else:
-        # Programs start in grid order: longest sequences first, so no long chain starts last.
-        seq = tl.load(order_ptr + row)
+        split = tl.program_id(2)
+        if order_ptr is None:
+            seq = cell
+        else:
+            # Programs start in grid order: longest sequences first, so no long chain starts last.
+            seq = tl.load(order_ptr + cell)
+        split_len, active = split_plan(tl.load(seq_lens_ptr + seq), seq_lens_ptr, num_rows, num_kv_heads,
+                                       max_parts, base_splits, SPLIT_TOKENS, SHARE_PROGRAMS,
+                                       MIN_CHAIN_TILES, BLOCK_N)
+        mid_row = seq
+        mid_split = split
     seq_len = tl.load(seq_lens_ptr + seq)
-    split_len, active = split_plan(seq_len, seq_lens_ptr, num_seqs, num_kv_heads,
-                                   tl.num_programs(2), base_splits, SPLIT_TOKENS, SHARE_PROGRAMS,
-                                   MIN_CHAIN_TILES, BLOCK_N)
     if split < active:
         _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-                      block_tables_ptr, qk_scale, seq, kv_head, split, split * split_len,
+                      block_tables_ptr, qk_scale, seq, kv_head, mid_row, mid_split, split * split_len,
                       tl.minimum(split * split_len + split_len, seq_len), active,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
                       stride_bt, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
@@ -89,14 +105,84 @@ def split_plan(seq_len, seq_lens_ptr, num_seqs, num_kv_heads, num_splits, base_s
     # tl.cdiv is itself a @jit function, which the interpreter cannot call from our kernels.
     if SPLIT_TOKENS > 0:
         parts = tl.minimum(tl.maximum((seq_len + SPLIT_TOKENS - 1) // SPLIT_TOKENS, base_splits), num_splits)
+        return _cut(seq_len, parts, BLOCK_N)
     elif SPLIT_TOKENS < 0:
         chain = balanced_chain_tiles(seq_lens_ptr, num_seqs, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
-        tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-        parts = tl.minimum(tl.maximum((tiles + chain - 1) // chain, base_splits), num_splits)
+        return _balanced_cut(seq_len, chain, base_splits, num_splits, BLOCK_N)
     else:
-        parts = base_splits
+        return _cut(seq_len, base_splits, BLOCK_N)
+
+
+@triton.jit
+def _cut(seq_len, parts, BLOCK_N: tl.constexpr):
+    """(split_len, non-empty splits) of seq_len positions in `parts` parts of whole tiles (0 splits
+    for an empty length; parts >= 1)."""
     split_len = tl.maximum(((seq_len + parts - 1) // parts + BLOCK_N - 1) // BLOCK_N * BLOCK_N, BLOCK_N)
     return split_len, (seq_len + split_len - 1) // split_len
+
+
+@triton.jit
+def _balanced_cut(seq_len, chain, base_splits, max_parts, BLOCK_N: tl.constexpr):
+    """The balanced plan's cut of seq_len (a scalar or a block of lengths): parts of at most
+    `chain` tiles, at least base_splits, at most max_parts."""
+    tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
+    return _cut(seq_len, tl.minimum(tl.maximum((tiles + chain - 1) // chain, base_splits), max_parts), BLOCK_N)
+
+
+@triton.jit
+def slot_plan(slot, seq_lens_ptr, order_ptr, num_rows, num_kv_heads, base_splits, max_parts,
+              SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(sequence, split, split_len, its non-empty splits) of a balanced grid's slot: the rows (in
+    order_ptr's order, else row order) hold their non-empty splits one after another, slot 0 the
+    first row's first. A slot past the last split gets a split >= its row's count (no work)."""
+    CHUNK: tl.constexpr = 256
+    chain = balanced_chain_tiles(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
+    done = tl.full([], 0, tl.int32)    # splits of the rows before this chunk
+    rank = tl.full([], 0, tl.int32) + num_rows
+    first = tl.full([], 0, tl.int32)   # the slot of rank's first split
+    for start in range(0, num_rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        in_rows = offs < num_rows
+        if order_ptr is None:
+            rows = offs
+        else:
+            rows = tl.load(order_ptr + offs, mask=in_rows, other=0)
+        lens = tl.load(seq_lens_ptr + rows, mask=in_rows, other=0)
+        _, counts = _balanced_cut(lens, chain, base_splits, max_parts, BLOCK_N)
+        ends = tl.cumsum(counts, 0) + done  # each row's splits end before this slot
+        before = (ends <= slot) & in_rows
+        total = tl.sum(counts, 0)
+        here = (slot >= done) & (slot < done + total)
+        rank = tl.where(here, start + tl.sum(before.to(tl.int32), 0), rank)
+        first = tl.where(here, tl.max(tl.where(before, ends, done), 0), first)
+        done += total
+    found = rank < num_rows
+    rank = tl.minimum(rank, num_rows - 1)
+    if order_ptr is None:
+        seq = rank
+    else:
+        seq = tl.load(order_ptr + rank)
+    split_len, active = _balanced_cut(tl.load(seq_lens_ptr + seq), chain, base_splits, max_parts, BLOCK_N)
+    return seq, tl.where(found, slot - first, max_parts), split_len, active
+
+
+@triton.jit
+def slot_offset(rank, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max_parts, BLOCK_N: tl.constexpr):
+    """The slot of the first split of the row at `rank` (in order_ptr's order): the splits of the
+    rows before it (slot_plan's layout)."""
+    CHUNK: tl.constexpr = 256
+    done = tl.full([], 0, tl.int32)
+    for start in range(0, num_rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        before = offs < rank
+        if order_ptr is None:
+            rows = offs
+        else:
+            rows = tl.load(order_ptr + offs, mask=before, other=0)
+        lens = tl.load(seq_lens_ptr + rows, mask=before, other=0)
+        _, counts = _balanced_cut(lens, chain, base_splits, max_parts, BLOCK_N)
+        done += tl.sum(counts, 0)
+    return done
 
 
 @triton.jit
@@ -118,7 +204,7 @@ def balanced_chain_tiles(seq_lens_ptr, num_seqs, num_kv_heads, SHARE_PROGRAMS: t
 @triton.jit
 def _decode_split(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr, block_tables_ptr, qk_scale,
-    seq, kv_head, split, start, end, active,
+    seq, kv_head, mid_row, mid_split, start, end, active,
     stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch, stride_bt,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
@@ -127,7 +213,8 @@ def _decode_split(
     F16_DOT: tl.constexpr,
 ):
     """Positions [start, end) of one sequence for the query heads of one KV head: the output
-    itself when the sequence has one split (active), else this split's part for the reduce.
+    itself when the sequence has one split (active), else this split's part for the reduce, at
+    (mid_row, mid_split) of the split buffers ((sequence, split), or (slot, 0) when balanced).
     KV_SCALE_PER_HEAD: the fp8 scales are [num_kv_heads] and this program reads its head's.
     F16_DOT (fp8 only, not with IEEE): q becomes fp16, so attend_tiles casts the e4m3 tiles to
     fp16, the cast the hardware does in one packed instruction, and the dots run in fp16."""
@@ -179,9 +266,9 @@ def _decode_split(
                  out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         lse = m_i + tl.log2(l_i)
-        mid = seq.to(tl.int64) * stride_mt + heads * stride_mh + split * stride_ms
+        mid = mid_row.to(tl.int64) * stride_mt + heads * stride_mh + mid_split * stride_ms
         tl.store(mid_o_ptr + mid[:, None] + d[None, :], out, mask=q_mask)
-        tl.store(mid_lse_ptr + seq.to(tl.int64) * stride_lt + heads * stride_lh + split, lse, mask=g_mask)
+        tl.store(mid_lse_ptr + mid_row.to(tl.int64) * stride_lt + heads * stride_lh + mid_split, lse, mask=g_mask)
 
 
 @triton.jit(do_not_specialize=["stride_mt", "stride_mh", "stride_ms", "stride_lt", "stride_lh", "stride_ot",
@@ -192,23 +279,40 @@ def reduce_splits_kernel(
     num_kv_heads, num_splits, base_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, order_ptr=None,
 ):
-    """Program (sequence, head): out = sum_s 2^(lse_s - lse) * o_s over the sequence's non-empty
-    splits (split_plan); a sequence with one split already has its output."""
-    seq = tl.program_id(0)
+    """Program (row, head): out = sum_s 2^(lse_s - lse) * o_s over the row's sequence's non-empty
+    splits (split_plan; balanced: the slots slot_plan gave them, rows in order_ptr's order); a
+    sequence with one split already has its output. num_splits: the most splits of one sequence."""
+    row = tl.program_id(0)
     head = tl.program_id(1)
-    _, active = split_plan(tl.load(seq_lens_ptr + seq), seq_lens_ptr, tl.num_programs(0), num_kv_heads,
-                           num_splits, base_splits, SPLIT_TOKENS, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
+    num_rows = tl.num_programs(0)
+    if SPLIT_TOKENS < 0:
+        if order_ptr is None:
+            seq = row
+        else:
+            seq = tl.load(order_ptr + row)
+        chain = balanced_chain_tiles(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
+        _, active = _balanced_cut(tl.load(seq_lens_ptr + seq), chain, base_splits, num_splits, BLOCK_N)
+        mid_row = slot_offset(row, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, num_splits, BLOCK_N)
+        step = stride_mt  # a split's next one is the next slot
+        lse_step = stride_lt
+    else:
+        seq = row
+        _, active = split_plan(tl.load(seq_lens_ptr + seq), seq_lens_ptr, num_rows, num_kv_heads,
+                               num_splits, base_splits, SPLIT_TOKENS, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
+        mid_row = seq
+        step = stride_ms
+        lse_step = 1
     if active > 1:
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
-        base = seq.to(tl.int64) * stride_mt + head * stride_mh
-        lse = tl.load(mid_lse_ptr + seq.to(tl.int64) * stride_lt + head * stride_lh + s, mask=s < active,
-                      other=float("-inf"))
+        base = mid_row.to(tl.int64) * stride_mt + head * stride_mh
+        lse = tl.load(mid_lse_ptr + mid_row.to(tl.int64) * stride_lt + head * stride_lh + s * lse_step,
+                      mask=s < active, other=float("-inf"))
         w = tl.exp2(lse - tl.max(lse, 0))
         w = w / tl.sum(w, 0)
-        o = tl.load(mid_o_ptr + base + s[:, None] * stride_ms + d[None, :],
+        o = tl.load(mid_o_ptr + base + s[:, None].to(tl.int64) * step + d[None, :],
                     mask=(s[:, None] < active) & (d[None, :] < HEAD_DIM), other=0.0)
         out = tl.sum(o * w[:, None], 0)
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),

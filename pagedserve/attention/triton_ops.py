@@ -136,7 +136,12 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
                   IEEE=ieee, num_warps=num_warps, num_stages=num_stages, HEADS_FASTEST=heads_fastest,
                   order_ptr=order, **plan, **cast, **_scales(k_cache, k_scale, v_scale))
-    grid = (num_kv_heads, num_seqs, splits) if heads_fastest else (num_seqs, num_kv_heads, splits)
+    # Balanced: a slot per split the plan can make (triton_decode.slot_plan), splits is the most
+    # one sequence takes; else every sequence gets the grid's `splits`.
+    cells = decode_plan.balanced_slots(num_seqs, num_kv_heads, base, splits, share_programs) \
+        if mode == decode_plan.BALANCED else num_seqs
+    per_cell = 1 if mode == decode_plan.BALANCED else splits
+    grid = (num_kv_heads, cells, per_cell) if heads_fastest else (cells, num_kv_heads, per_cell)
     if splits == 1:
         # No reduction: the split buffers are never written, but they are float32 pointers here
         # too, so that this launch is the same compiled variant as a split one (a bf16 `out` in
@@ -147,20 +152,24 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             query, k_cache, v_cache, out, unused, unused, seq_lens, block_tables, scale * math.log2(math.e),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            0, 0, 0, 0, 0, base, **common)
+            0, 0, 0, 0, 0, base, splits, num_seqs, **common)
         return out
-    mid_o = torch.empty(num_seqs, num_heads, splits, block_d, dtype=torch.float32, device=query.device)
-    mid_lse = torch.empty(num_seqs, num_heads, splits, dtype=torch.float32, device=query.device)
+    # Split results by (cell, head, split): (sequence, head, split), or balanced (slot, head).
+    mid_o = torch.empty(cells, num_heads, per_cell, block_d, dtype=torch.float32, device=query.device)
+    mid_lse = torch.empty(cells, num_heads, per_cell, dtype=torch.float32, device=query.device)
     paged_decode_kernel[grid](
         query, k_cache, v_cache, out, mid_o, mid_lse, seq_lens, block_tables, scale * math.log2(math.e),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), base, **common)
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), base, splits,
+        num_seqs, **common)
+    # Balanced, its rows in the decode grid's order (the slots follow it).
+    rows_order = dict(order_ptr=order) if mode == decode_plan.BALANCED else {}
     reduce_splits_kernel[(num_seqs, num_heads)](
         mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_kv_heads, splits, base,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=next_power_of_2(splits),
-        num_warps=4, **plan)
+        num_warps=4, **plan, **rows_order)
     return out
 
 

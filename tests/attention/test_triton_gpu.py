@@ -93,6 +93,24 @@ def test_length_aware_splits(ops, base, split_tokens):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_balanced_long_context_beside_short_ones(ops, longest_first):
+    """The mix the balanced grid of slots is for: one 32k-token context decoding beside 15 short
+    ones, launched as a 16-row decode graph launches it (max_model_len 40,960), the long one cut
+    into ~43 splits and every short one into its base: all of them in the grid's slots."""
+    shapes = [(300 + 37 * i, 1) for i in range(16)]
+    shapes[3] = (32767, 1)
+    batch = make_batch(shapes, 16, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, device="cuda")
+    kc, vc = _written(batch)
+    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale=128 ** -0.5)
+    m = batch.meta
+    out = torch.full_like(batch.query, float("nan"))
+    order = ops.longest_first(m.seq_lens) if longest_first else None
+    ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 40960, 128 ** -0.5, out,
+                     split_tokens=-1, order=order)
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
+
+
 def test_write_kv_casts_like_torch(ops):
     batch = make_batch([(10, 20), (3, 1)], 0, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16,
                        device="cuda")

@@ -124,6 +124,31 @@ def test_balanced_splits_match_reference(base, share, min_chain):
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
+@pytest.mark.parametrize("longest_first", [False, True])
+def test_balanced_slots_give_one_long_row_many_splits_among_260(longest_first):
+    """The balanced grid's slots (slot_plan): 260 rows, more than one 256-row chunk of the plan's
+    scans, one long row (after the first chunk in row order, first in longest-first order) and
+    259 of 1-3 tokens. With the work (272 tiles) shared over 300 programs the long row takes 13
+    splits (one a 16-position tile) while every short row takes one slot: more splits than a
+    grid of sequences x splits under the old program budget gave it. Every row must find its own
+    splits, and the reduce the slots they went to."""
+    shapes = [(1 + i % 3, 1) for i in range(260)]
+    shapes[258] = (199, 1)
+    batch = make_batch(shapes, 260, H=2, Hkv=1, D=16, block_size=8, seed=5)
+    kc, vc, ref = _reference_out(batch)
+    out = torch.full_like(batch.query, float("nan"))
+    m = batch.meta
+    base, most, mode = decode_plan.decode_launch(260, 1, 4096, torch.device("cpu"), num_splits=1,
+                                                 split_tokens=decode_plan.BALANCED)
+    assert (base, most, mode) == (1, 16, decode_plan.BALANCED)
+    assert decode_plan.balanced_slots(260, 1, base, most, 300) == 560
+    order = ops.longest_first(m.seq_lens) if longest_first else None
+    ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 4096, 16 ** -0.5, out,
+                     num_splits=1, block_n=16, split_tokens=decode_plan.BALANCED, share_programs=300,
+                     min_chain_tiles=1, order=order)
+    torch.testing.assert_close(out, ref, **_tol(torch.float32))
+
+
 @pytest.mark.parametrize("split_tokens", [0, 16, -1])
 # (False, False), the plain order, is not repeated here: it is test_length_aware_splits_match_reference
 # (split_tokens 0 and 16) and test_balanced_splits_match_reference's (1, 4, 1) (BALANCED, 4 programs'
