@@ -301,8 +301,18 @@ def _balanced_launch(num_rows: int, num_kv_heads: int, max_seq_len: int, device:
     return decode_launch(num_rows, num_kv_heads, max_seq_len, device, split_tokens=BALANCED)
 
 
+# The split reduce's splits at a time (triton_decode.reduce_splits_kernel): more come in further
+# passes, so a reduce of a few splits reads only those while a balanced sequence may have a wave.
+REDUCE_BLOCK_S = 16
+
+
+def reduce_block(splits: int) -> int:
+    """The reduce's BLOCK_S for a launch whose sequences have at most `splits` splits."""
+    return min(next_power_of_2(splits), REDUCE_BLOCK_S)
+
+
 def decode_compile_key(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
     """What a decode launch compiles per (runner/warmup.py covers each): the reduction's split
     block (1: no reduction, the kernel writes the output) and the split mode."""
     _, splits, mode = decode_launch(num_seqs, num_kv_heads, max_seq_len, device)
-    return (next_power_of_2(splits) if splits > 1 else 1), mode
+    return (reduce_block(splits) if splits > 1 else 1), mode

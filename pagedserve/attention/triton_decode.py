@@ -122,19 +122,28 @@ def _cut(seq_len, parts, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _balanced_cut(seq_len, chain, base_splits, max_parts, BLOCK_N: tl.constexpr):
-    """The balanced plan's cut of seq_len (a scalar or a block of lengths): parts of at most
-    `chain` tiles, at least base_splits, at most max_parts."""
+def _balanced_parts(seq_len, chain, base_splits, max_parts, BLOCK_N: tl.constexpr):
+    """The balanced plan's parts of seq_len (a scalar or a block of lengths): parts of at most
+    `chain` tiles, at least base_splits, at most max_parts. A balanced row has this many slots;
+    rounding to whole tiles may leave its last ones empty (_cut)."""
     tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    return _cut(seq_len, tl.minimum(tl.maximum((tiles + chain - 1) // chain, base_splits), max_parts), BLOCK_N)
+    return tl.minimum(tl.maximum((tiles + chain - 1) // chain, base_splits), max_parts)
+
+
+@triton.jit
+def _balanced_cut(seq_len, chain, base_splits, max_parts, BLOCK_N: tl.constexpr):
+    """(split_len, non-empty splits) of seq_len under the balanced plan (_balanced_parts)."""
+    return _cut(seq_len, _balanced_parts(seq_len, chain, base_splits, max_parts, BLOCK_N), BLOCK_N)
 
 
 @triton.jit
 def slot_plan(slot, seq_lens_ptr, order_ptr, num_rows, num_kv_heads, base_splits, max_parts,
               SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
     """(sequence, split, split_len, its non-empty splits) of a balanced grid's slot: the rows (in
-    order_ptr's order, else row order) hold their non-empty splits one after another, slot 0 the
-    first row's first. A slot past the last split gets a split >= its row's count (no work)."""
+    order_ptr's order, else row order) hold their parts (_balanced_parts) one after another, slot 0
+    the first row's first. A slot past a row's non-empty splits, or past the last row's, gets a
+    split >= its row's count (no work). Counting parts, not non-empty splits, spares the scan two
+    integer divisions a row."""
     CHUNK: tl.constexpr = 256
     chain = balanced_chain_tiles(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
     done = tl.full([], 0, tl.int32)    # splits of the rows before this chunk
@@ -148,8 +157,8 @@ def slot_plan(slot, seq_lens_ptr, order_ptr, num_rows, num_kv_heads, base_splits
         else:
             rows = tl.load(order_ptr + offs, mask=in_rows, other=0)
         lens = tl.load(seq_lens_ptr + rows, mask=in_rows, other=0)
-        _, counts = _balanced_cut(lens, chain, base_splits, max_parts, BLOCK_N)
-        ends = tl.cumsum(counts, 0) + done  # each row's splits end before this slot
+        counts = tl.where(in_rows, _balanced_parts(lens, chain, base_splits, max_parts, BLOCK_N), 0)
+        ends = tl.cumsum(counts, 0) + done  # each row's slots end before this slot
         before = (ends <= slot) & in_rows
         total = tl.sum(counts, 0)
         here = (slot >= done) & (slot < done + total)
@@ -168,7 +177,7 @@ def slot_plan(slot, seq_lens_ptr, order_ptr, num_rows, num_kv_heads, base_splits
 
 @triton.jit
 def slot_offset(rank, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max_parts, BLOCK_N: tl.constexpr):
-    """The slot of the first split of the row at `rank` (in order_ptr's order): the splits of the
+    """The slot of the first split of the row at `rank` (in order_ptr's order): the parts of the
     rows before it (slot_plan's layout)."""
     CHUNK: tl.constexpr = 256
     done = tl.full([], 0, tl.int32)
@@ -180,8 +189,7 @@ def slot_offset(rank, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max
         else:
             rows = tl.load(order_ptr + offs, mask=before, other=0)
         lens = tl.load(seq_lens_ptr + rows, mask=before, other=0)
-        _, counts = _balanced_cut(lens, chain, base_splits, max_parts, BLOCK_N)
-        done += tl.sum(counts, 0)
+        done += tl.sum(tl.where(before, _balanced_parts(lens, chain, base_splits, max_parts, BLOCK_N), 0), 0)
     return done
 
 
@@ -305,15 +313,25 @@ def reduce_splits_kernel(
         step = stride_ms
         lse_step = 1
     if active > 1:
+        # BLOCK_S splits at a time, so that a reduce of a few splits reads and sums only those
+        # (a balanced sequence may have up to a wave of them, 49 at 8 KV heads on 132 SMs).
         s = tl.arange(0, BLOCK_S)
         d = tl.arange(0, BLOCK_D)
         base = mid_row.to(tl.int64) * stride_mt + head * stride_mh
-        lse = tl.load(mid_lse_ptr + mid_row.to(tl.int64) * stride_lt + head * stride_lh + s * lse_step,
-                      mask=s < active, other=float("-inf"))
-        w = tl.exp2(lse - tl.max(lse, 0))
-        w = w / tl.sum(w, 0)
-        o = tl.load(mid_o_ptr + base + s[:, None].to(tl.int64) * step + d[None, :],
-                    mask=(s[:, None] < active) & (d[None, :] < HEAD_DIM), other=0.0)
-        out = tl.sum(o * w[:, None], 0)
+        lse_base = mid_row.to(tl.int64) * stride_lt + head * stride_lh
+        top = tl.full([], float("-inf"), tl.float32)
+        for s0 in range(0, active, BLOCK_S):
+            lse = tl.load(mid_lse_ptr + lse_base + (s0 + s) * lse_step, mask=s0 + s < active, other=float("-inf"))
+            top = tl.maximum(top, tl.max(lse, 0))
+        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        total = tl.full([], 0.0, tl.float32)
+        for s0 in range(0, active, BLOCK_S):
+            live = s0 + s < active
+            w = tl.exp2(tl.load(mid_lse_ptr + lse_base + (s0 + s) * lse_step, mask=live, other=float("-inf")) - top)
+            o = tl.load(mid_o_ptr + base + (s0 + s)[:, None].to(tl.int64) * step + d[None, :],
+                        mask=live[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+            acc += tl.sum(o * w[:, None], 0)
+            total += tl.sum(w, 0)
+        out = acc / total
         tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
                  mask=d < HEAD_DIM)

@@ -168,7 +168,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     reduce_splits_kernel[(num_seqs, num_heads)](
         mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_kv_heads, splits, base,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=next_power_of_2(splits),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=decode_plan.reduce_block(splits),
         num_warps=4, **plan, **rows_order)
     return out
 

@@ -125,7 +125,7 @@ def test_split_variants_cover_every_compile(monkeypatch, tokens):
     found = warmup._split_variants(runner, max_seqs, max_len)
     every = {decode_plan.decode_compile_key(n, 2, seq_len, runner.device)
              for n in range(1, max_seqs + 1) for seq_len in range(1, max_len + 1, 3)}
-    assert set(found) == every and len(every) >= 6
+    assert set(found) == every and len(every) >= 5  # reduce blocks 1, 2, 4, 8, 16 at least
     assert {mode for _, mode in every} == ({0} if tokens == 0 else {0, tokens})
     for key, (n, seq_len) in found.items():
         assert 1 <= n <= max_seqs and 1 <= seq_len <= max_len
