@@ -7,9 +7,9 @@ What it decides:
   an A/B by PAGEDSERVE_DECODE_LAUNCH, and over an fp8 cache by DECODE_FP8_LAUNCH or
   PAGEDSERVE_DECODE_LAUNCH_FP8 in its place (decode_launch_for);
 - the splits: base splits per sequence so that the grid fills the GPU (choose_num_splits), the
-  most one sequence may take, more for long sequences as PAGEDSERVE_DECODE_SPLIT_TOKENS says
-  (grid_splits), the balanced grid's slots (balanced_slots), and the split mode the kernels get
-  (decode_launch);
+  grid's splits, more for long sequences as PAGEDSERVE_DECODE_SPLIT_TOKENS says (grid_splits),
+  balanced, the slots' grid a skewed step takes instead (slot_parts, balanced_cells, takes_slots),
+  and the split mode the kernels get (decode_launch);
 - for decode CUDA graphs: the split modes a graph is captured with (decode_graph_split_modes) and
   the one a step replays (pick_split_mode);
 - what a launch compiles per (decode_compile_key), so that the warm-up covers each variant.
@@ -24,10 +24,11 @@ Invariants:
   or the device's SM count (read once per device).
 - The switches are read once per process (functools caches: a test that sets one clears the
   cache of the function that reads it).
-- A sequence's most splits are never fewer than the base; the kernels get split mode 0 unless
-  they are more.
-- Planned splits (base and balanced) give one sequence at most one wave of programs (wave_splits).
-- The balanced grid's slots (balanced_slots) hold every non-empty split the kernels' plan makes.
+- The grid never has fewer splits than the base; the kernels get split mode 0 unless it has more.
+- Planned splits (base, the balanced rows' grid and its slots' grid) give one sequence at most one
+  wave of programs (wave_splits).
+- A balanced launch's cells (balanced_cells) hold every split of either grid; the kernels choose
+  the grid per step from seq_lens (takes_slots, mirrored here).
 - A graph's split mode is fixed at its capture (AttentionMetadata.decode_split_tokens): one graph
   per mode of decode_graph_split_modes, and pick_split_mode returns one of those (0 or BALANCED).
 - pick_split_mode counts tiles of the BLOCK_N the launch over that cache walks (decode_launch_for).
@@ -101,12 +102,21 @@ SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
 DECODE_SHARE_PROGRAMS_PER_SM = 6
 # Replaces it without a code change (read once per process), for an A/B.
 DECODE_SHARE_ENV = "PAGEDSERVE_DECODE_SHARE"
-# The balanced grid is (KV head, slot): the step's non-empty splits one after another
-# (triton_decode.slot_plan), as many slots as the plan can fill (balanced_slots), so a long
-# sequence may take up to one wave of splits whatever the rows beside it. Until the 41st session
-# it was (KV head, sequence, split) with at most 8 programs per SM in all, so at 16 rows a
-# sequence had at most 9 splits, which left one 32k-token sequence beside short ones walking
-# chains of 29 tiles (3 asked for), docs/long-context.md.
+# The balanced plan's rows' grid (KV head, sequence x split) keeps within this many programs per SM
+# (at least 2 splits a row), since each program past a sequence's last split still costs a launch.
+DECODE_GRID_PROGRAMS_PER_SM = 8
+# But then at 16 rows a sequence has at most 9 splits, and one 32k-token sequence decoding beside
+# short ones walked chains of 29 tiles where the share asked for 3 (on the H200 such decode steps
+# took 7.8 ms against vLLM's 6.2; docs/long-context.md, 41st session). A step whose longest chain
+# the rows' grid lengthens that much runs in the slots' grid instead (triton_decode.slot_plan): the
+# rows' splits one after another, so the long one may take up to one wave (slot_parts) while each
+# short one takes its own few. Its scans over the rows cost each program a little (at 16-64 rows
+# about 0.3 us a row a launch, measured with the slots' grid for every balanced step: 5865b07), so
+# it is taken only where the chain it saves, in tiles, exceeds SLOT_MIN_GAIN_TILES + rows /
+# SLOT_ROWS_PER_TILE (a tile of one program ~1.7 us in the same run: 100 -> 61 us a launch at
+# 16 rows as chains went from 29 to 6 tiles).
+SLOT_MIN_GAIN_TILES = 2
+SLOT_ROWS_PER_TILE = 6
 #
 # Neither the base nor the balanced plan gives one sequence more programs than one wave (DECODE_PROGRAMS_PER_SM
 # per SM, wave_splits): on the H200 (runs/s29_long_context/decode_long_b*.json) one 100k sequence of
@@ -196,25 +206,48 @@ def decode_split_tokens() -> int:
     return value
 
 
-def grid_splits(base_splits: int, max_seq_len: int, split_tokens: int, num_kv_heads: int, sms: int) -> int:
-    """The most splits of one sequence, never fewer than base_splits, at most MAX_SPLITS: with a
-    split size, enough for the longest possible sequence (max_seq_len; the grid's split axis);
-    balanced, one wave of programs (wave_splits) in splits of at least MIN_TOKENS_PER_SPLIT (the
-    grid is then slots, balanced_slots)."""
+def grid_splits(base_splits: int, max_seq_len: int, split_tokens: int, num_seqs: int, num_kv_heads: int,
+                sms: int) -> int:
+    """The grid's splits per sequence (the rows' grid), never fewer than base_splits, at most
+    MAX_SPLITS: with a split size, enough for the longest possible sequence (max_seq_len);
+    balanced, as many as keep the grid within DECODE_GRID_PROGRAMS_PER_SM programs per SM (but 2 at
+    least) and splits of at least MIN_TOKENS_PER_SPLIT."""
     if split_tokens == 0:
         return base_splits
     if split_tokens > 0:
         return max(base_splits, min(MAX_SPLITS, cdiv(max_seq_len, split_tokens)))
+    budget = max(2, min(cdiv(DECODE_GRID_PROGRAMS_PER_SM * sms, max(1, num_seqs * num_kv_heads)),
+                        wave_splits(num_kv_heads, sms)))
+    return max(base_splits, min(MAX_SPLITS, cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), budget))
+
+
+def slot_parts(base_splits: int, max_seq_len: int, num_kv_heads: int, sms: int) -> int:
+    """The most splits of one sequence in the slots' grid: one wave of programs (wave_splits), in
+    splits of at least MIN_TOKENS_PER_SPLIT, never fewer than base_splits."""
     return max(base_splits, min(MAX_SPLITS, cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT), wave_splits(num_kv_heads, sms)))
 
 
 def balanced_slots(num_rows: int, num_kv_heads: int, base_splits: int, max_parts: int, share_programs: int) -> int:
-    """The balanced grid's slots (per KV head): enough for every non-empty split the kernels' plan
-    can make. A row's splits are at most max(ceil(tiles / chain), base_splits) <= tiles / chain +
-    base_splits, and the chain is at least the step's tiles times the KV heads over share_programs,
-    so all rows' splits are at most share_programs / KV heads + rows * base_splits; and at most
-    max_parts a row."""
+    """The slots (per KV head) for every split the kernels' plan can make in the slots' grid. A
+    row's parts are at most max(ceil(tiles / chain), base_splits) <= tiles / chain + base_splits,
+    and the chain is at least the step's tiles times the KV heads over share_programs, so all rows'
+    parts are at most share_programs / KV heads + rows * base_splits; and at most max_parts a row."""
     return min(num_rows * max_parts, cdiv(share_programs, num_kv_heads) + num_rows * base_splits)
+
+
+def balanced_cells(num_rows: int, num_kv_heads: int, base_splits: int, splits: int, max_parts: int,
+                   share_programs: int) -> int:
+    """A balanced launch's grid cells per KV head: enough for the rows' grid (rows x splits) and
+    for the slots' (balanced_slots), whichever the step takes (takes_slots, on the device)."""
+    return max(num_rows * splits, balanced_slots(num_rows, num_kv_heads, base_splits, max_parts, share_programs))
+
+
+def takes_slots(longest_tiles: int, chain: int, base_splits: int, splits: int, max_parts: int, num_rows: int) -> bool:
+    """triton_decode.takes_slots on the host: whether a balanced step runs in the slots' grid."""
+    wanted = max(cdiv(longest_tiles, chain), base_splits)
+    in_rows, in_slots = min(wanted, splits), min(wanted, max_parts)
+    gain = cdiv(longest_tiles, in_rows) - cdiv(longest_tiles, in_slots)
+    return gain > SLOT_MIN_GAIN_TILES + num_rows // SLOT_ROWS_PER_TILE
 
 
 def wave_splits(num_kv_heads: int, sms: int) -> int:
@@ -222,7 +255,8 @@ def wave_splits(num_kv_heads: int, sms: int) -> int:
     return max(1, DECODE_PROGRAMS_PER_SM * sms // max(1, num_kv_heads))
 
 
-def _sms(device: torch.device) -> int:
+def device_sms(device: torch.device) -> int:
+    """The device's SMs (read once per device); an H200's 132 off CUDA, so that CPU tests plan as it does."""
     return _num_sms(device.index or 0) if device.type == "cuda" else 132
 
 
@@ -235,7 +269,7 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
     splits whose reduction costs more than it saves.
     """
     programs = max(1, num_seqs * num_kv_heads)
-    sms = _sms(device)
+    sms = device_sms(device)
     wanted = min(cdiv(DECODE_PROGRAMS_PER_SM * sms, programs), wave_splits(num_kv_heads, sms))
     most = max(1, cdiv(max_seq_len, MIN_TOKENS_PER_SPLIT))
     return max(1, min(wanted, most, MAX_SPLITS))
@@ -243,11 +277,11 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 
 def decode_launch(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                   num_splits: int | None = None, split_tokens: int | None = None) -> tuple[int, int, int]:
-    """(base splits, most splits of one sequence (grid_splits), split mode passed to the kernels) of
-    a decode launch."""
+    """(base splits, the rows' grid's splits (grid_splits), split mode passed to the kernels) of a
+    decode launch; balanced, slot_parts gives the slots' grid's most splits of one sequence."""
     base = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device) if num_splits is None else num_splits
     tokens = decode_split_tokens() if split_tokens is None else split_tokens
-    splits = grid_splits(base, max_seq_len, tokens, num_kv_heads, _sms(device))
+    splits = grid_splits(base, max_seq_len, tokens, num_seqs, num_kv_heads, device_sms(device))
     return base, splits, (tokens if splits > base else 0)
 
 
@@ -262,10 +296,10 @@ def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, m
                     device: torch.device, block_n: int | None = None, kv_dtype: torch.dtype | None = None) -> int:
     """BALANCED or 0 for a balanced launch over num_rows rows: the first len(seq_lens) hold these
     lengths, the rest are padding of length 1. BALANCED where the plan the kernels derive
-    (triton_decode.split_plan, mirrored here from the same lengths) shortens the longest chain of
-    tiles by more than BALANCED_MIN_GAIN_TILES, else 0: the same cuts the batch size asks for,
-    without the plan's extra programs and reduction. block_n: default the launch's over a cache of
-    kv_dtype (decode_launch_for)."""
+    (triton_decode's balanced_load, takes_slots and _balanced_parts, mirrored here from the same
+    lengths) shortens the longest chain of tiles by more than BALANCED_MIN_GAIN_TILES, else 0: the
+    same cuts the batch size asks for, without the plan's extra programs and reduction. block_n:
+    default the launch's over a cache of kv_dtype (decode_launch_for)."""
     base, splits, mode = _balanced_launch(num_rows, num_kv_heads, max_seq_len, device)
     if mode != BALANCED or not len(seq_lens):
         return 0
@@ -275,6 +309,9 @@ def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, m
     share, min_chain = balanced_share(device, block_n)
     chain = max(-(-work // share), min_chain)
     longest = int(tiles.max())
+    most = slot_parts(base, max_seq_len, num_kv_heads, device_sms(device))
+    if takes_slots(longest, chain, base, splits, most, num_rows):
+        splits = most
     parts = min(max(-(-longest // chain), base), splits)
     return BALANCED if -(-longest // base) - -(-longest // parts) > BALANCED_MIN_GAIN_TILES else 0
 
@@ -293,7 +330,7 @@ def decode_share_per_sm() -> int:
 def balanced_share(device: torch.device, block_n: int) -> tuple[int, int]:
     """The balanced plan's defaults: (programs the step's work is shared over, fewest tiles a
     chain is cut to), as the kernels get them (SHARE_PROGRAMS, MIN_CHAIN_TILES)."""
-    return decode_share_per_sm() * _sms(device), max(1, MIN_TOKENS_PER_SPLIT // block_n)
+    return decode_share_per_sm() * device_sms(device), max(1, MIN_TOKENS_PER_SPLIT // block_n)
 
 
 @functools.lru_cache(maxsize=4096)

@@ -1,35 +1,36 @@
 """Paged decode attention in Triton: one query token per sequence, flash-decoding split-K.
 
-Grid (kv head, sequence, split): a sequence's KV heads, whose rows are adjacent in the pool,
-run side by side (HEADS_FASTEST; else (sequence, kv head, split)), and with order_ptr the
-sequences start longest first. A program loads each K/V tile once for all query heads
-of its KV head (the GQA group is the M dimension of tl.dot, padded to >= 16) and walks its
-split of the context with triton_tiles.attend_tiles, the loop the prefill kernel shares
-(tiles gathered through the block table, online softmax in fp32). A sequence with one
-non-empty split writes its output directly; one with several writes per-split results
-(normalised output, log2-sum-exp) and reduce_splits_kernel combines them.
+Grid (kv head, sequence, split), or balanced (kv head, cell): a sequence's KV heads, whose rows
+are adjacent in the pool, run side by side (HEADS_FASTEST; else the head second), and with
+order_ptr the sequences start longest first. A program loads each K/V tile once for all query
+heads of its KV head (the GQA group is the M dimension of tl.dot, padded to >= 16) and walks its
+split of the context with triton_tiles.attend_tiles, the loop the prefill kernel shares (tiles
+gathered through the block table, online softmax in fp32). A sequence with one non-empty split
+writes its output directly; one with several writes per-split results (normalised output,
+log2-sum-exp) and reduce_splits_kernel combines them, BLOCK_S splits at a time.
 
-How a sequence is split (split_plan): into base_splits equal parts, the count the batch size
-asks for to fill the GPU, or into more when it is long, up to max_parts:
-  SPLIT_TOKENS > 0  so that no split holds much more than SPLIT_TOKENS positions; grid (KV head,
-                    sequence, split), the grid's splits sized for the longest possible sequence;
+How a sequence is split: into base_splits equal parts, the count the batch size asks for to fill
+the GPU, or into more when it is long:
+  SPLIT_TOKENS > 0  so that no split holds much more than SPLIT_TOKENS positions, up to the grid's
+                    splits (split_plan);
   SPLIT_TOKENS < 0  ("balanced") so that no split's chain of tiles is longer than an even share
                     of the step's work: every sequence's tiles times the KV heads, over
                     SHARE_PROGRAMS (decode_plan.DECODE_SHARE_PROGRAMS_PER_SM per SM), read from
-                    seq_lens on the device. Grid (KV head, slot): the non-empty splits of all
-                    sequences, one after another in the order the rows start (slot_plan), so that
-                    one long sequence may take up to max_parts splits (one wave of programs) while
-                    the short ones beside it take a slot or two, not max_parts each.
+                    seq_lens on the device (balanced_load). In the rows' grid (cell = split x
+                    rows + row) a sequence has at most num_splits, a program budget over all rows;
+                    a step whose longest chain that leaves much longer than the share asks
+                    (takes_slots) runs in the slots' grid instead (slot_plan): the rows' splits
+                    one after another, so a long sequence may take up to max_parts (one wave of
+                    programs) while the short ones beside it take their own few.
 Why: a decode graph is captured once per batch size, so base_splits cannot follow the step's
 lengths; at 64 sequences it is 1, and in a serving batch whose contexts run from a few tokens to
 2048 the one program of the longest sequence kept walking tiles long after the others had
-finished. Until the 41st session the balanced grid was (KV head, sequence, split) too, and at
-16 rows its 9 splits a sequence (a program budget over all rows) left a 32k-token sequence
-beside 15 short ones chains of 29 tiles where the share asked for 3: on the H200 such decode steps
-took 7.8 ms against vLLM's 6.2 (docs/long-context.md). Programs past the last split return at
-once and write nothing; the reduction derives the same plan from the same lengths, so it reads
-only what was written. base_splits and the split counts are runtime values, so one compile serves
-every batch size.
+finished. And at 16 rows the rows' grid has 9 splits a sequence: a 32k-token sequence beside 15
+short ones walked chains of 29 tiles where the share asked for 4 (on the H200 such decode steps
+took 7.8 ms against vLLM's 6.2, docs/long-context.md; the slots' grid, 41st session, cuts it
+into chains of 6). Programs past the last split return at once and write nothing; the reduction
+derives the same plan (and grid) from the same lengths, so it reads only what was written.
+base_splits and the split counts are runtime values, so one compile serves every batch size.
 """
 import triton
 import triton.language as tl
@@ -41,23 +42,24 @@ from pagedserve.attention.triton_tiles import IN_CONTEXT, attend_tiles
 # stride with where q lives (the fused qkv projection eagerly, a piecewise graph's q buffer): one
 # compile serves all (see runner/warmup.py). stride_ms is 0 without splits and BLOCK_D with them.
 @triton.jit(do_not_specialize=["stride_qt", "stride_ot", "stride_bt", "stride_mt", "stride_mh", "stride_ms",
-                               "stride_lt", "stride_lh", "base_splits", "max_parts", "num_rows"])
+                               "stride_lt", "stride_lh", "base_splits", "num_splits", "max_parts", "num_rows"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     seq_lens_ptr, block_tables_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, base_splits, max_parts, num_rows,
+    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, base_splits, num_splits, max_parts, num_rows,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
+    SLOT_MIN_GAIN_TILES: tl.constexpr, SLOT_ROWS_PER_TILE: tl.constexpr,
     IEEE: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, order_ptr=None,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
     F16_DOT: tl.constexpr = False,
 ):
     if HEADS_FASTEST:
-        # Grid (kv head, sequence or slot, split): a sequence's heads run side by side and read its
-        # tokens' K/V rows (all heads of a token are adjacent) at about the same time.
+        # Grid (kv head, cell[, split]): a sequence's heads run side by side and read its tokens'
+        # K/V rows (all heads of a token are adjacent) at about the same time.
         kv_head = tl.program_id(0)
         cell = tl.program_id(1)
         num_kv_heads = tl.num_programs(0)
@@ -66,22 +68,25 @@ def paged_decode_kernel(
         kv_head = tl.program_id(1)
         num_kv_heads = tl.num_programs(1)
     if SPLIT_TOKENS < 0:
-        # Balanced: cell is a slot, the programs' own place for their split's result as well.
-        seq, split, split_len, active = slot_plan(cell, seq_lens_ptr, order_ptr, num_rows, num_kv_heads,
-                                                  base_splits, max_parts, SHARE_PROGRAMS, MIN_CHAIN_TILES,
-                                                  BLOCK_N)
-        mid_row = cell
+        # Balanced, grid (kv head, cell): the cell is the program's place for its split's result too.
+        chain, longest = balanced_load(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
+        if takes_slots(longest, chain, base_splits, num_splits, max_parts, num_rows,
+                       SLOT_MIN_GAIN_TILES, SLOT_ROWS_PER_TILE):
+            seq, split, split_len, active = slot_plan(cell, seq_lens_ptr, order_ptr, num_rows, chain,
+                                                      base_splits, max_parts, BLOCK_N)
+            mid_row = cell
+        else:
+            # The rows' grid: num_splits a row, splits slowest (cell = split * rows + row).
+            row = cell % num_rows
+            split = cell // num_rows
+            seq = _row_seq(row, order_ptr)
+            split_len, active = _balanced_cut(tl.load(seq_lens_ptr + seq), chain, base_splits, num_splits, BLOCK_N)
+            mid_row = split * num_rows + seq
         mid_split = 0
     else:
         split = tl.program_id(2)
-        if order_ptr is None:
-            seq = cell
-        else:
-            # Programs start in grid order: longest sequences first, so no long chain starts last.
-            seq = tl.load(order_ptr + cell)
-        split_len, active = split_plan(tl.load(seq_lens_ptr + seq), seq_lens_ptr, num_rows, num_kv_heads,
-                                       max_parts, base_splits, SPLIT_TOKENS, SHARE_PROGRAMS,
-                                       MIN_CHAIN_TILES, BLOCK_N)
+        seq = _row_seq(cell, order_ptr)
+        split_len, active = split_plan(tl.load(seq_lens_ptr + seq), num_splits, base_splits, SPLIT_TOKENS, BLOCK_N)
         mid_row = seq
         mid_split = split
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -96,19 +101,24 @@ def paged_decode_kernel(
 
 
 @triton.jit
-def split_plan(seq_len, seq_lens_ptr, num_seqs, num_kv_heads, num_splits, base_splits,
-               SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
-               BLOCK_N: tl.constexpr):
-    """(split_len, number of non-empty splits) of a sequence of seq_len positions: base_splits
-    parts, or more by SPLIT_TOKENS (see the module docstring), at most num_splits; split_len
-    rounded up to whole tiles. The decode and the reduce kernel agree on it."""
+def _row_seq(row, order_ptr):
+    """The sequence of a grid row: programs start in grid order, so with order_ptr (longest first)
+    no long chain starts last."""
+    if order_ptr is None:
+        return row
+    else:
+        return tl.load(order_ptr + row)
+
+
+@triton.jit
+def split_plan(seq_len, num_splits, base_splits, SPLIT_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(split_len, number of non-empty splits) of a sequence of seq_len positions when not balanced:
+    base_splits parts, or more by SPLIT_TOKENS > 0 (see the module docstring), at most num_splits;
+    split_len rounded up to whole tiles. The decode and the reduce kernel agree on it."""
     # tl.cdiv is itself a @jit function, which the interpreter cannot call from our kernels.
     if SPLIT_TOKENS > 0:
         parts = tl.minimum(tl.maximum((seq_len + SPLIT_TOKENS - 1) // SPLIT_TOKENS, base_splits), num_splits)
         return _cut(seq_len, parts, BLOCK_N)
-    elif SPLIT_TOKENS < 0:
-        chain = balanced_chain_tiles(seq_lens_ptr, num_seqs, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
-        return _balanced_cut(seq_len, chain, base_splits, num_splits, BLOCK_N)
     else:
         return _cut(seq_len, base_splits, BLOCK_N)
 
@@ -122,31 +132,62 @@ def _cut(seq_len, parts, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _balanced_parts(seq_len, chain, base_splits, max_parts, BLOCK_N: tl.constexpr):
+def _balanced_parts(seq_len, chain, base_splits, most, BLOCK_N: tl.constexpr):
     """The balanced plan's parts of seq_len (a scalar or a block of lengths): parts of at most
-    `chain` tiles, at least base_splits, at most max_parts. A balanced row has this many slots;
-    rounding to whole tiles may leave its last ones empty (_cut)."""
+    `chain` tiles, at least base_splits, at most `most`. In the slots' grid a row has this many
+    slots; rounding to whole tiles may leave its last ones empty (_cut)."""
     tiles = (seq_len + BLOCK_N - 1) // BLOCK_N
-    return tl.minimum(tl.maximum((tiles + chain - 1) // chain, base_splits), max_parts)
+    return tl.minimum(tl.maximum((tiles + chain - 1) // chain, base_splits), most)
 
 
 @triton.jit
-def _balanced_cut(seq_len, chain, base_splits, max_parts, BLOCK_N: tl.constexpr):
+def _balanced_cut(seq_len, chain, base_splits, most, BLOCK_N: tl.constexpr):
     """(split_len, non-empty splits) of seq_len under the balanced plan (_balanced_parts)."""
-    return _cut(seq_len, _balanced_parts(seq_len, chain, base_splits, max_parts, BLOCK_N), BLOCK_N)
+    return _cut(seq_len, _balanced_parts(seq_len, chain, base_splits, most, BLOCK_N), BLOCK_N)
 
 
 @triton.jit
-def slot_plan(slot, seq_lens_ptr, order_ptr, num_rows, num_kv_heads, base_splits, max_parts,
-              SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(sequence, split, split_len, its non-empty splits) of a balanced grid's slot: the rows (in
+def balanced_load(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS: tl.constexpr,
+                  MIN_CHAIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(chain, longest): the tiles one program may walk without outlasting an even share of the
+    step (all tiles of all sequences and KV heads over SHARE_PROGRAMS, at least MIN_CHAIN_TILES),
+    and the longest sequence's tiles. Every program computes them from seq_lens (a few hundred
+    int32 in L2), so no plan travels from the host."""
+    CHUNK: tl.constexpr = 256
+    total = tl.zeros([CHUNK], dtype=tl.int32)
+    most = tl.zeros([CHUNK], dtype=tl.int32)
+    for start in range(0, num_rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tiles = (tl.load(seq_lens_ptr + offs, mask=offs < num_rows, other=0) + BLOCK_N - 1) // BLOCK_N
+        total += tiles
+        most = tl.maximum(most, tiles)
+    work = tl.sum(total, 0) * num_kv_heads
+    return tl.maximum((work + SHARE_PROGRAMS - 1) // SHARE_PROGRAMS, MIN_CHAIN_TILES), tl.max(most, 0)
+
+
+@triton.jit
+def takes_slots(longest, chain, base_splits, num_splits, max_parts, num_rows,
+                SLOT_MIN_GAIN_TILES: tl.constexpr, SLOT_ROWS_PER_TILE: tl.constexpr):
+    """Whether a balanced step runs in the slots' grid: when the rows' grid (num_splits a row)
+    leaves the longest sequence's chain longer than the slots' would (max_parts) by more than
+    SLOT_MIN_GAIN_TILES + num_rows / SLOT_ROWS_PER_TILE tiles; the slots' scans cost every
+    program a little, about a tile per SLOT_ROWS_PER_TILE rows (decode_plan.takes_slots mirrors it)."""
+    wanted = tl.maximum((longest + chain - 1) // chain, base_splits)
+    in_rows = tl.minimum(wanted, num_splits)
+    in_slots = tl.minimum(wanted, max_parts)
+    gain = (longest + in_rows - 1) // in_rows - (longest + in_slots - 1) // in_slots
+    return gain > SLOT_MIN_GAIN_TILES + num_rows // SLOT_ROWS_PER_TILE
+
+
+@triton.jit
+def slot_plan(slot, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max_parts, BLOCK_N: tl.constexpr):
+    """(sequence, split, split_len, its non-empty splits) of a slot of the slots' grid: the rows (in
     order_ptr's order, else row order) hold their parts (_balanced_parts) one after another, slot 0
     the first row's first. A slot past a row's non-empty splits, or past the last row's, gets a
     split >= its row's count (no work). Counting parts, not non-empty splits, spares the scan two
     integer divisions a row."""
     CHUNK: tl.constexpr = 256
-    chain = balanced_chain_tiles(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
-    done = tl.full([], 0, tl.int32)    # splits of the rows before this chunk
+    done = tl.full([], 0, tl.int32)    # slots of the rows before this chunk
     rank = tl.full([], 0, tl.int32) + num_rows
     first = tl.full([], 0, tl.int32)   # the slot of rank's first split
     for start in range(0, num_rows, CHUNK):
@@ -166,11 +207,7 @@ def slot_plan(slot, seq_lens_ptr, order_ptr, num_rows, num_kv_heads, base_splits
         first = tl.where(here, tl.max(tl.where(before, ends, done), 0), first)
         done += total
     found = rank < num_rows
-    rank = tl.minimum(rank, num_rows - 1)
-    if order_ptr is None:
-        seq = rank
-    else:
-        seq = tl.load(order_ptr + rank)
+    seq = _row_seq(tl.minimum(rank, num_rows - 1), order_ptr)
     split_len, active = _balanced_cut(tl.load(seq_lens_ptr + seq), chain, base_splits, max_parts, BLOCK_N)
     return seq, tl.where(found, slot - first, max_parts), split_len, active
 
@@ -191,22 +228,6 @@ def slot_offset(rank, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max
         lens = tl.load(seq_lens_ptr + rows, mask=before, other=0)
         done += tl.sum(tl.where(before, _balanced_parts(lens, chain, base_splits, max_parts, BLOCK_N), 0), 0)
     return done
-
-
-@triton.jit
-def balanced_chain_tiles(seq_lens_ptr, num_seqs, num_kv_heads, SHARE_PROGRAMS: tl.constexpr,
-                         MIN_CHAIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The tiles one program may walk without outlasting an even share of the step: all tiles of
-    all sequences and KV heads over SHARE_PROGRAMS, at least MIN_CHAIN_TILES. Every program computes it
-    from seq_lens (a few hundred int32 in L2), so no plan travels from the host."""
-    CHUNK: tl.constexpr = 256
-    total = tl.zeros([CHUNK], dtype=tl.int32)
-    for start in range(0, num_seqs, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        lens = tl.load(seq_lens_ptr + offs, mask=offs < num_seqs, other=0)
-        total += (lens + BLOCK_N - 1) // BLOCK_N
-    work = tl.sum(total, 0) * num_kv_heads
-    return tl.maximum((work + SHARE_PROGRAMS - 1) // SHARE_PROGRAMS, MIN_CHAIN_TILES)
 
 
 @triton.jit
@@ -280,35 +301,39 @@ def _decode_split(
 
 
 @triton.jit(do_not_specialize=["stride_mt", "stride_mh", "stride_ms", "stride_lt", "stride_lh", "stride_ot",
-                                "num_kv_heads", "num_splits", "base_splits"])
+                                "num_kv_heads", "num_splits", "base_splits", "max_parts"])
 def reduce_splits_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, stride_ot, stride_oh,
-    num_kv_heads, num_splits, base_splits,
+    num_kv_heads, num_splits, base_splits, max_parts,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
+    SLOT_MIN_GAIN_TILES: tl.constexpr, SLOT_ROWS_PER_TILE: tl.constexpr,
     BLOCK_S: tl.constexpr, order_ptr=None,
 ):
     """Program (row, head): out = sum_s 2^(lse_s - lse) * o_s over the row's sequence's non-empty
-    splits (split_plan; balanced: the slots slot_plan gave them, rows in order_ptr's order); a
-    sequence with one split already has its output. num_splits: the most splits of one sequence."""
+    splits, where the decode kernel put them (split_plan; balanced: the rows' grid or the slots',
+    as takes_slots chose for the step); a sequence with one split already has its output."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     num_rows = tl.num_programs(0)
+    seq = _row_seq(row, order_ptr)
+    seq_len = tl.load(seq_lens_ptr + seq)
     if SPLIT_TOKENS < 0:
-        if order_ptr is None:
-            seq = row
+        chain, longest = balanced_load(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
+        if takes_slots(longest, chain, base_splits, num_splits, max_parts, num_rows,
+                       SLOT_MIN_GAIN_TILES, SLOT_ROWS_PER_TILE):
+            _, active = _balanced_cut(seq_len, chain, base_splits, max_parts, BLOCK_N)
+            mid_row = slot_offset(row, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max_parts, BLOCK_N)
+            step = stride_mt  # a split's next one is the next slot
+            lse_step = stride_lt
         else:
-            seq = tl.load(order_ptr + row)
-        chain = balanced_chain_tiles(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
-        _, active = _balanced_cut(tl.load(seq_lens_ptr + seq), chain, base_splits, num_splits, BLOCK_N)
-        mid_row = slot_offset(row, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, num_splits, BLOCK_N)
-        step = stride_mt  # a split's next one is the next slot
-        lse_step = stride_lt
+            _, active = _balanced_cut(seq_len, chain, base_splits, num_splits, BLOCK_N)
+            mid_row = seq
+            step = stride_mt * num_rows  # the next split is a grid's worth of rows on
+            lse_step = stride_lt * num_rows
     else:
-        seq = row
-        _, active = split_plan(tl.load(seq_lens_ptr + seq), seq_lens_ptr, num_rows, num_kv_heads,
-                               num_splits, base_splits, SPLIT_TOKENS, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
+        _, active = split_plan(seq_len, num_splits, base_splits, SPLIT_TOKENS, BLOCK_N)
         mid_row = seq
         step = stride_ms
         lse_step = 1

@@ -6,8 +6,8 @@ import torch
 from pagedserve.attention import decode_plan as plan
 
 
-def grid(base, max_len, tokens, kv=8, sms=132):
-    return plan.grid_splits(base, max_len, tokens, kv, sms)
+def grid(base, max_len, tokens, n=64, kv=8, sms=132):
+    return plan.grid_splits(base, max_len, tokens, n, kv, sms)
 
 
 def test_grid_fits_the_longest_sequence_at_split_tokens():
@@ -18,14 +18,17 @@ def test_grid_fits_the_longest_sequence_at_split_tokens():
     assert grid(1, 10 ** 6, 512) == plan.MAX_SPLITS
 
 
-def test_balanced_gives_one_sequence_up_to_a_wave_of_splits():
-    """Balanced, the most splits of one sequence do not depend on the rows beside it (the grid is
-    slots, balanced_slots): one wave of programs, splits of at least MIN_TOKENS_PER_SPLIT."""
-    assert grid(1, 4096, plan.BALANCED) == 4096 // plan.MIN_TOKENS_PER_SPLIT    # 16
-    assert grid(1, 131072, plan.BALANCED) == plan.wave_splits(8, 132) == 49
-    assert grid(1, 131072, plan.BALANCED, kv=1) == plan.MAX_SPLITS
-    assert grid(1, 700, plan.BALANCED) == 3                                     # 256+ positions a split
-    assert grid(20, 4096, plan.BALANCED) == 20                                  # never below the base
+def test_balanced_grid_keeps_to_the_program_budget():
+    budget = plan.DECODE_GRID_PROGRAMS_PER_SM * 132          # 1056 programs
+    assert grid(1, 4096, plan.BALANCED, n=64) == 3           # ceil(1056 / 512)
+    assert grid(1, 4096, plan.BALANCED, n=96) == 2
+    assert grid(1, 4096, plan.BALANCED, n=256) == 2          # at least 2
+    assert grid(3, 4096, plan.BALANCED, n=256) == 3          # never below the base
+    assert grid(1, 4096, plan.BALANCED, n=1, kv=1) == 4096 // plan.MIN_TOKENS_PER_SPLIT
+    assert grid(1, 700, plan.BALANCED, n=8) == 3             # splits of at least 256 positions
+    for n in range(1, 300):
+        g = grid(1, 4096, plan.BALANCED, n=n)
+        assert g == 2 or n * 8 * (g - 1) < budget
 
 
 def test_one_sequence_gets_at_most_one_wave_of_programs():
@@ -38,50 +41,98 @@ def test_one_sequence_gets_at_most_one_wave_of_programs():
     assert (base, grid_, mode) == (49, 49, 0)
     assert _kernel_parts([100_000], 1, 8, 131072, 128)[1] == [49]
     assert plan.choose_num_splits(2, 8, 131072, cpu) == 25          # the cap binds on one sequence only
-    assert grid(25, 131072, plan.BALANCED) == 49
-    assert grid(1, 10 ** 6, 4096) == plan.MAX_SPLITS                # splits by size: the caller's choice
+    assert grid(25, 131072, plan.BALANCED, n=2) == 49               # 66 by the budget alone
+    assert grid(1, 10 ** 6, 4096, n=1) == plan.MAX_SPLITS           # splits by size: the caller's choice
     assert plan.choose_num_splits(1, 40, 131072, cpu) == 9          # MHA: 360 programs, not 400
 
 
 def test_launch_passes_the_mode_only_when_the_grid_has_room():
     cpu = torch.device("cpu")
-    assert plan.decode_launch(64, 8, 4096, cpu, split_tokens=plan.BALANCED) == (1, 16, plan.BALANCED)
-    assert plan.decode_launch(256, 8, 4096, cpu, split_tokens=plan.BALANCED) == (1, 16, plan.BALANCED)
+    assert plan.decode_launch(64, 8, 4096, cpu, split_tokens=plan.BALANCED) == (1, 3, plan.BALANCED)
+    assert plan.decode_launch(256, 8, 4096, cpu, split_tokens=plan.BALANCED) == (1, 2, plan.BALANCED)
     assert plan.decode_launch(64, 8, 200, cpu, split_tokens=plan.BALANCED) == (1, 1, 0)
     assert plan.decode_launch(64, 8, 4096, cpu, split_tokens=0) == (1, 1, 0)
     assert plan.decode_launch(64, 8, 4096, cpu, num_splits=2, split_tokens=1024) == (2, 4, 1024)
 
 
-def test_a_long_sequence_beside_short_ones_takes_its_share_of_splits():
-    """The mix that the 41st session measured (docs/long-context.md): one 32k-token sequence
-    decoding beside 15 short ones, a 16-row decode graph, 8 KV heads. The even share asks for
-    chains of 3 tiles; the long sequence is cut in 49 parts (one wave) of whole tiles, 6 each,
-    so 43 non-empty splits, where the grid of sequences x splits under its old budget (8
-    programs per SM over all rows: 9 splits) left chains of 29. And every split has its slot."""
-    lens = [32768] + [300] * 15
-    base, parts = _kernel_parts(lens, 16, 8, 40960, 128)
-    assert base == 4 and parts[0] == 43 and -(-256 // 43) == 6
+def test_slots_give_one_sequence_up_to_a_wave_of_splits():
+    """The slots' grid's most splits of one sequence do not depend on the rows beside it: one wave
+    of programs, splits of at least MIN_TOKENS_PER_SPLIT, never below the base."""
+    assert plan.slot_parts(1, 4096, 8, 132) == 4096 // plan.MIN_TOKENS_PER_SPLIT    # 16
+    assert plan.slot_parts(1, 131072, 8, 132) == plan.wave_splits(8, 132) == 49
+    assert plan.slot_parts(1, 131072, 1, 132) == plan.MAX_SPLITS
+    assert plan.slot_parts(1, 700, 8, 132) == 3
+    assert plan.slot_parts(20, 4096, 8, 132) == 20
+
+
+def test_a_long_sequence_beside_short_ones_takes_the_slots_grid():
+    """The mix the 41st session measured (docs/long-context.md): one 32k-token sequence decoding
+    beside 15 short ones, a 16-row decode graph, 8 KV heads. The even share asks for chains of 4
+    tiles; the rows' grid (9 splits a row at 16 rows) leaves the long one chains of 29, the slots'
+    grid cuts it in 49 parts of whole tiles, 6 each (43 non-empty): it takes the slots', and every
+    split has its cell."""
     cpu = torch.device("cpu")
-    _, most, mode = plan.decode_launch(16, 8, 40960, cpu, split_tokens=plan.BALANCED)
-    assert sum(parts) <= plan.balanced_slots(16, 8, base, most, plan.DECODE_SHARE_PROGRAMS_PER_SM * 132)
+    lens = [32768] + [300] * 15
+    base, splits, mode = plan.decode_launch(16, 8, 40960, cpu, split_tokens=plan.BALANCED)
+    most = plan.slot_parts(base, 40960, 8, 132)
+    assert (base, splits, most, mode) == (4, 9, 49, plan.BALANCED)
+    work = (256 + 15 * 3) * 8
+    chain = -(-work // (plan.DECODE_SHARE_PROGRAMS_PER_SM * 132))
+    assert chain == 4 and -(-256 // splits) == 29
+    assert plan.takes_slots(256, chain, base, splits, most, 16)
+    parts = _slot_parts_of(lens, 16, 8, 40960, 128)
+    assert parts[0] == 43 and -(-256 // 43) == 6
+    share = plan.DECODE_SHARE_PROGRAMS_PER_SM * 132
+    assert sum(parts) <= plan.balanced_cells(16, 8, base, splits, most, share)
     assert plan.pick_split_mode(lens, 16, 8, 40960, cpu) == plan.BALANCED
 
 
+def test_a_mildly_uneven_step_keeps_the_rows_grid():
+    """Serving's contexts at 64 rows (one of 1,871 tokens among ~500): the slots' grid would save
+    the longest chain a few tiles, less than its scans cost at 64 rows: the rows' grid."""
+    cpu = torch.device("cpu")
+    base, splits, _ = plan.decode_launch(64, 8, 4096, cpu, split_tokens=plan.BALANCED)
+    most = plan.slot_parts(base, 4096, 8, 132)
+    assert (base, splits, most) == (1, 3, 16)
+    longest, chain = -(-1871 // 128), 2
+    gain = -(-longest // 3) - -(-longest // min(-(-longest // chain), most))
+    assert gain == 3 and not plan.takes_slots(longest, chain, base, splits, most, 64)
+
+
+def _slot_parts_of(lens, rows, kv, max_len, block_n, share=None, sms=132):
+    """Each sequence's non-empty splits in the slots' grid (triton_decode.slot_plan's cut)."""
+    base, _, _ = plan.decode_launch(rows, kv, max_len, torch.device("cpu"), split_tokens=plan.BALANCED)
+    most = plan.slot_parts(base, max_len, kv, sms)
+    padded = list(lens) + [1] * (rows - len(lens))
+    work = sum(-(-n // block_n) for n in padded) * kv
+    share = plan.DECODE_SHARE_PROGRAMS_PER_SM * sms if share is None else share
+    chain = max(-(-work // share), max(1, plan.MIN_TOKENS_PER_SPLIT // block_n))
+    out = []
+    for n in padded:
+        parts = min(max(-(-(-(-n // block_n)) // chain), base), most)
+        split_len = max(-(-(-(-n // parts)) // block_n) * block_n, block_n)
+        out.append(-(-n // split_len))
+    return out
+
+
 @pytest.mark.parametrize("seed", range(40))
-def test_balanced_slots_hold_every_split_the_plan_makes(seed):
-    """balanced_slots bounds the kernels' splits (their plan written out in _kernel_parts) for any
-    lengths, padded rows, shares and tile sizes."""
+def test_balanced_cells_hold_every_split_of_either_grid(seed):
+    """balanced_cells bounds the slots the kernels' plan takes (every row's parts, padding rows
+    included) and the rows' grid, for any lengths, padded rows, shares and tile sizes."""
     import random
     rng = random.Random(seed)
     rows = rng.choice([1, 2, 4, 8, 16, 33, 64, 256, 300])
     kv, block_n = rng.choice([1, 2, 8, 40]), rng.choice([16, 64, 128, 256])
     share = rng.choice([1, 4, 50, 792, 5000])
     lens = [rng.choice([1, 2, 200, 4000, rng.randrange(1, 131072)]) for _ in range(rng.randrange(1, rows + 1))]
-    base, parts = _kernel_parts(lens, rows, kv, 131072, block_n, share=share)
-    _, most, _ = plan.decode_launch(rows, kv, 131072, torch.device("cpu"), split_tokens=plan.BALANCED)
-    padding = rows - len(lens)  # one position each: one split each
-    assert sum(parts) + padding <= plan.balanced_slots(rows, kv, base, most, share)
-    assert max(parts) <= most
+    base, splits, _ = plan.decode_launch(rows, kv, 131072, torch.device("cpu"), split_tokens=plan.BALANCED)
+    most = plan.slot_parts(base, 131072, kv, 132)
+    padded = list(lens) + [1] * (rows - len(lens))
+    work = sum(-(-n // block_n) for n in padded) * kv
+    chain = max(-(-work // share), max(1, plan.MIN_TOKENS_PER_SPLIT // block_n))
+    slots = sum(min(max(-(-(-(-n // block_n)) // chain), base), most) for n in padded)   # parts, as slot_plan counts
+    cells = plan.balanced_cells(rows, kv, base, splits, most, share)
+    assert slots <= cells and rows * splits <= cells
 
 
 @pytest.mark.parametrize("raw, want", [("", plan.DECODE_SPLIT_TOKENS), ("0", 0), ("1024", 1024),
@@ -106,14 +157,13 @@ def test_bad_switch_names_it(monkeypatch, raw):
         plan.decode_split_tokens.cache_clear()
 
 
-def _kernel_parts(lens, rows, kv, max_len, block_n, sms=132, share=None):
-    """The kernels' plan (triton_decode.split_plan / slot_plan, balanced) written out in Python:
-    each sequence's number of non-empty splits."""
+def _kernel_parts(lens, rows, kv, max_len, block_n, sms=132):
+    """The kernels' plan (triton_decode.split_plan, balanced) written out in Python: each
+    sequence's number of non-empty splits."""
     base, grid_, mode = plan.decode_launch(rows, kv, max_len, torch.device("cpu"), split_tokens=plan.BALANCED)
     padded = list(lens) + [1] * (rows - len(lens))
     work = sum(-(-n // block_n) for n in padded) * kv
-    share = plan.DECODE_SHARE_PROGRAMS_PER_SM * sms if share is None else share
-    chain = max(-(-work // share), max(1, plan.MIN_TOKENS_PER_SPLIT // block_n))
+    chain = max(-(-work // (plan.DECODE_SHARE_PROGRAMS_PER_SM * sms)), plan.MIN_TOKENS_PER_SPLIT // block_n)
     out = []
     for n in lens:
         parts = min(max(-(-(-(-n // block_n)) // chain), base), grid_)
@@ -172,7 +222,7 @@ def test_bad_decode_launch_names_it(raw):
 def test_pick_counts_the_switch_tiles(monkeypatch):
     """pick_split_mode counts tiles of the launch's BLOCK_N: one long sequence among short ones
     whose gain from cuts is more than BALANCED_MIN_GAIN_TILES tiles of 64 but not of 256."""
-    lens, cpu = [600] + [200] * 63, torch.device("cpu")
+    lens, cpu = [900] + [200] * 63, torch.device("cpu")
     assert plan.pick_split_mode(lens, 64, 8, 4096, cpu, block_n=64) == plan.BALANCED
     assert plan.pick_split_mode(lens, 64, 8, 4096, cpu, block_n=256) == 0
     monkeypatch.setattr(plan, "decode_launch_settings", lambda: plan.DecodeLaunch(block_n=256))
@@ -224,7 +274,7 @@ def test_f16_is_an_fp8_launch_name_only():
 
 def test_pick_counts_the_fp8_launch_tiles(monkeypatch):
     """A decode graph over an fp8 cache picks its split mode with the fp8 launch's tiles."""
-    lens, cpu = [600] + [200] * 63, torch.device("cpu")
+    lens, cpu = [900] + [200] * 63, torch.device("cpu")
     monkeypatch.setattr(plan, "decode_launch_settings", lambda: plan.DecodeLaunch(block_n=64))
     monkeypatch.setattr(plan, "fp8_decode_launch_settings", lambda: plan.DecodeLaunch(block_n=256))
     assert plan.pick_split_mode(lens, 64, 8, 4096, cpu, kv_dtype=torch.bfloat16) == plan.BALANCED
