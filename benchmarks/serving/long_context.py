@@ -9,6 +9,8 @@ same GPU, one after the other (one device call each: a call lasts 10 minutes).
     python3 benchmarks/serving/long_context.py prefill --out F.json     # offline: start-up + long prefills
     python3 benchmarks/serving/long_context.py replay --prefill-lens 32768 100000 --cost-scales 2
                                                        # CPU: the scheduler's chunks beside decodes
+    python3 benchmarks/serving/long_context.py gaps --work DIR --scenario mix
+                                                       # the records' inter-token gaps, classed
 
 Each engine serves Llama-3.1-8B (benchmarks/models/llama-3.1-8b: llama3 RoPE to 131072) with dummy
 weights and the offline word-level tokenizer (peers/make_bench_model_dir.py) at max_model_len
@@ -606,9 +608,39 @@ def phase_replay(args) -> list[dict]:
     return rows
 
 
+def phase_gaps(args, work: Path) -> dict:
+    """gaps (no GPU): every inter-token gap of a scenario's records (lc_<engine>_<scenario>.json in
+    --work), outside the long prompts' prefills (send to first token of any request of 8,192+
+    tokens), classed by how many long and how many short requests (short by 4s, 12+ together)
+    were decoding at its middle: each engine's median and count per class. A decode step's time
+    by its mix, where TPOTs mix steps of every kind (docs/long-context.md, 41st session)."""
+    import statistics
+    classes = {}
+    for engine in ("pagedserve", "vllm"):
+        path = work / f"lc_{engine}_{args.scenario}.json"
+        if not path.exists():
+            continue
+        reqs = [r for r in json.loads(path.read_text())["requests"] if not r.get("error") and r.get("ttft") is not None]
+        spans = [(r["sent_at"], r["sent_at"] + r["ttft"], r["sent_at"] + r["latency"], r["prompt_len"] >= 8192)
+                 for r in reqs]
+        gaps: dict[str, list[float]] = {}
+        for r in reqs:
+            t = r["sent_at"] + r["ttft"]
+            for g in r["itl"]:
+                mid, t = t + g / 2, t + g
+                if any(long_ and sent <= mid < first for sent, first, _, long_ in spans):
+                    continue  # inside a long prompt's prefill
+                longs = sum(long_ and first <= mid < end for _, first, end, long_ in spans)
+                shorts = sum(not long_ and first <= mid < end for _, first, end, long_ in spans)
+                gaps.setdefault(f"long{longs}_short{min(shorts // 4 * 4, 12)}+", []).append(1e3 * g)
+        classes[engine] = {k: {"n": len(v), "median_ms": round(statistics.median(v), 2)} for k, v in sorted(gaps.items())}
+    print(json.dumps(classes, indent=1))
+    return classes
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phase", choices=["online", "collect", "client", "prefill", "replay"])
+    ap.add_argument("phase", choices=["online", "collect", "client", "prefill", "replay", "gaps"])
     ap.add_argument("--site", default=os.environ.get("SITE", os.path.join(tempfile.gettempdir(), "site")))
     ap.add_argument("--gpu", default="0")
     ap.add_argument("--work", default=os.environ.get("OUT") or tempfile.mkdtemp())
@@ -687,6 +719,9 @@ def main() -> None:
         phase_replay(args)
         return
     work = Path(args.work)
+    if args.phase == "gaps":
+        phase_gaps(args, work)
+        return
     work.mkdir(parents=True, exist_ok=True)
     if args.phase == "online":
         phase_online(args, work)

@@ -242,3 +242,19 @@ def test_replay_cuts_a_prompt_beside_decodes_as_the_scheduler_driven_step_by_ste
             chunks += [x.num_new_tokens for x in out_.scheduled if x.group is long_]
         assert row["chunks"] == chunks, row
     assert rows[0]["steps"] > rows[1]["steps"]  # costs on cut it finer than tokens alone
+
+
+def test_gaps_class_each_gap_by_the_requests_decoding_at_its_middle(tmp_path):
+    """`long_context.py gaps`: a gap inside a long prompt's prefill is left out; the others are
+    classed by the long and short requests decoding at their middle."""
+    long_ = {"prompt_len": 10000, "sent_at": 0.0, "ttft": 1.0, "latency": 1.3, "itl": [0.1, 0.2], "error": None}
+    # A short request: its first gap (0.5-0.6 s) is inside the long prompt's prefill, its second
+    # (0.6-1.1 s, middle 0.85) too; its third (1.1-1.2 s) beside the long one's decode, its last
+    # (1.2-1.5 s, middle 1.35) after the long one ended.
+    short = {"prompt_len": 100, "sent_at": 0.4, "ttft": 0.1, "latency": 1.1, "itl": [0.1, 0.5, 0.1, 0.3],
+             "error": None}
+    (tmp_path / "lc_pagedserve_mix.json").write_text(json.dumps({"requests": [long_, short]}))
+    got = lc.phase_gaps(argparse.Namespace(scenario="mix"), tmp_path)
+    # The long one's gaps (1.0-1.1, 1.1-1.3): itself and the short one decoding.
+    assert got == {"pagedserve": {"long1_short0+": {"n": 3, "median_ms": 100.0},
+                                  "long0_short0+": {"n": 1, "median_ms": 300.0}}}
