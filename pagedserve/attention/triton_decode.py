@@ -72,16 +72,18 @@ def paged_decode_kernel(
         chain, longest = balanced_load(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
         if takes_slots(longest, chain, base_splits, num_splits, max_parts, num_rows,
                        SLOT_MIN_GAIN_TILES, SLOT_ROWS_PER_TILE):
+            # (Both branches give each value one type: the compiled `if` joins them.)
             seq, split, split_len, active = slot_plan(cell, seq_lens_ptr, order_ptr, num_rows, chain,
                                                       base_splits, max_parts, BLOCK_N)
-            mid_row = cell
+            seq = seq.to(tl.int32)
+            mid_row = cell.to(tl.int64)
         else:
             # The rows' grid: num_splits a row, splits slowest (cell = split * rows + row).
             row = cell % num_rows
             split = cell // num_rows
-            seq = _row_seq(row, order_ptr)
+            seq = _row_seq(row, order_ptr).to(tl.int32)
             split_len, active = _balanced_cut(tl.load(seq_lens_ptr + seq), chain, base_splits, num_splits, BLOCK_N)
-            mid_row = split * num_rows + seq
+            mid_row = split.to(tl.int64) * num_rows + seq
         mid_split = 0
     else:
         split = tl.program_id(2)
@@ -323,15 +325,17 @@ def reduce_splits_kernel(
         chain, longest = balanced_load(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
         if takes_slots(longest, chain, base_splits, num_splits, max_parts, num_rows,
                        SLOT_MIN_GAIN_TILES, SLOT_ROWS_PER_TILE):
+            # (Both branches give each value one type: the compiled `if` joins them.)
             _, active = _balanced_cut(seq_len, chain, base_splits, max_parts, BLOCK_N)
-            mid_row = slot_offset(row, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max_parts, BLOCK_N)
-            step = stride_mt  # a split's next one is the next slot
-            lse_step = stride_lt
+            mid_row = slot_offset(row, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max_parts,
+                                  BLOCK_N).to(tl.int64)
+            step = stride_mt.to(tl.int64)  # a split's next one is the next slot
+            lse_step = stride_lt.to(tl.int64)
         else:
             _, active = _balanced_cut(seq_len, chain, base_splits, num_splits, BLOCK_N)
-            mid_row = seq
-            step = stride_mt * num_rows  # the next split is a grid's worth of rows on
-            lse_step = stride_lt * num_rows
+            mid_row = seq.to(tl.int64)
+            step = (stride_mt * num_rows).to(tl.int64)  # the next split is a grid's worth of rows on
+            lse_step = (stride_lt * num_rows).to(tl.int64)
     else:
         _, active = split_plan(seq_len, num_splits, base_splits, SPLIT_TOKENS, BLOCK_N)
         mid_row = seq

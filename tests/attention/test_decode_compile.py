@@ -1,0 +1,51 @@
+"""The decode kernels compile for the H200 without one: Triton builds them ahead of time for sm_90
+with its bundled ptxas, in every split mode and with and without the longest-first order. The
+interpreter (triton_interpret_cases.py) checks the arithmetic but not the compiler's rules: a
+balanced launch chooses its grid at run time (triton_decode.takes_slots), and a value the two
+branches give different types (int32 against an int64 from the order) compiles under the
+interpreter and fails here, as it did once in the 41st session."""
+import os
+
+import pytest
+import triton
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("compiles for the GPU: not under the interpreter", allow_module_level=True)
+
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from pagedserve.attention import decode_plan  # noqa: E402
+from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel  # noqa: E402
+
+POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
+            "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
+            "qk_scale": "fp32", "order_ptr": "*i64"}
+PLAN = dict(SHARE_PROGRAMS=792, MIN_CHAIN_TILES=2, SLOT_MIN_GAIN_TILES=decode_plan.SLOT_MIN_GAIN_TILES,
+            SLOT_ROWS_PER_TILE=decode_plan.SLOT_ROWS_PER_TILE)
+
+
+def _compile(fn, const: dict) -> str:
+    names = fn.arg_names
+    sig = {n: "constexpr" if n in const else POINTERS.get(n, "i32") for n in names}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
+    try:
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
+    except RuntimeError as e:  # no ptxas in this Triton build: nothing to check offline
+        if "ptxas" in str(e):
+            pytest.skip(str(e))
+        raise
+
+
+@pytest.mark.parametrize("split_tokens", [decode_plan.BALANCED, 0, 512])
+@pytest.mark.parametrize("ordered", [False, True])
+def test_decode_and_reduce_compile_for_sm90(split_tokens, ordered):
+    order = {} if ordered else {"order_ptr": None}
+    ptx = _compile(paged_decode_kernel, dict(
+        GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=128, SPLIT_TOKENS=split_tokens,
+        IEEE=False, HEADS_FASTEST=True, k_scale_ptr=None, v_scale_ptr=None, KV_FP8=False, KV_SCALE_PER_HEAD=False,
+        F16_DOT=False, **PLAN, **order))
+    assert "mma" in ptx  # the tiles' dots on the tensor cores
+    _compile(reduce_splits_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=128, SPLIT_TOKENS=split_tokens,
+                                        BLOCK_S=16, **PLAN, **order))
