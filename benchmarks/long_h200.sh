@@ -18,6 +18,9 @@
 #   bash benchmarks/long_h200.sh decode_long   # ~6 min: the decode kernel at 1/2/4 sequences of 100k and of 33k tokens, plan variants
 #   CONTEXTS=33000 bash benchmarks/long_h200.sh decode_long   # only those contexts (100000, 33000), no short rows
 #   bash benchmarks/long_h200.sh decode_launches  # ~5 min: decode launches x splits x shares, CUDA-graph timed
+#   bash benchmarks/long_h200.sh decode_mix    # ~1 min, kernel-only deps: the balanced decode's two grids (rows or
+#                                             # slots, 41st session) on one 32k context among serving's at 8-64
+#                                             # rows (decode_skew.py --long), then the decode GPU tests
 #   bash benchmarks/long_h200.sh prefill_ab    # ~4 min: offline long prefills, default (on Hopper: the gathered
 #                                             # path) vs PAGEDSERVE_LONG_PREFILL=off
 # vllm/ours/collect share $OUT/long_context/ (the work dir); run them in one $OUT, or copy it over.
@@ -111,6 +114,11 @@ case $MODE in
         $splits --shares 4 6 8 --launches $launches --skip sweep,flex,blocks,prefill \
         --output "$OUT/launches_${shape}.json"
     done ;;
-  *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect|sweep|split|prefill_ab|decode_long|decode_launches" >&2; exit 2 ;;
+  decode_mix)
+    step decode_skew_long 150 python3 benchmarks/kernels/decode_skew.py --num-seqs 8 16 32 64 \
+      --split-tokens 0 balanced auto --max-model-len 40960 --long 32768 --output "$OUT/decode_skew_long.json"
+    step gpu_decode_tests 150 python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_gpu.py \
+      -k "decode or split or balanced" ;;
+  *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect|sweep|split|prefill_ab|decode_long|decode_launches|decode_mix" >&2; exit 2 ;;
 esac
 echo "$(date +%T) done $MODE" >> "$OUT/progress.log"
