@@ -193,14 +193,8 @@ def slot_plan(slot, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max_p
     rank = tl.full([], 0, tl.int32) + num_rows
     first = tl.full([], 0, tl.int32)   # the slot of rank's first split
     for start in range(0, num_rows, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        in_rows = offs < num_rows
-        if order_ptr is None:
-            rows = offs
-        else:
-            rows = tl.load(order_ptr + offs, mask=in_rows, other=0)
-        lens = tl.load(seq_lens_ptr + rows, mask=in_rows, other=0)
-        counts = tl.where(in_rows, _balanced_parts(lens, chain, base_splits, max_parts, BLOCK_N), 0)
+        in_rows, counts = _ranked_parts(start, num_rows, seq_lens_ptr, order_ptr, chain, base_splits, max_parts,
+                                        BLOCK_N, CHUNK)
         ends = tl.cumsum(counts, 0) + done  # each row's slots end before this slot
         before = (ends <= slot) & in_rows
         total = tl.sum(counts, 0)
@@ -221,15 +215,24 @@ def slot_offset(rank, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max
     CHUNK: tl.constexpr = 256
     done = tl.full([], 0, tl.int32)
     for start in range(0, num_rows, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        before = offs < rank
-        if order_ptr is None:
-            rows = offs
-        else:
-            rows = tl.load(order_ptr + offs, mask=before, other=0)
-        lens = tl.load(seq_lens_ptr + rows, mask=before, other=0)
-        done += tl.sum(tl.where(before, _balanced_parts(lens, chain, base_splits, max_parts, BLOCK_N), 0), 0)
+        _, counts = _ranked_parts(start, rank, seq_lens_ptr, order_ptr, chain, base_splits, max_parts, BLOCK_N, CHUNK)
+        done += tl.sum(counts, 0)
     return done
+
+
+@triton.jit
+def _ranked_parts(start, limit, seq_lens_ptr, order_ptr, chain, base_splits, max_parts, BLOCK_N: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """(in range, parts) of the rows at ranks start .. start + CHUNK - 1 (in order_ptr's order, else
+    row order): _balanced_parts of those below `limit`, 0 for the rest."""
+    offs = start + tl.arange(0, CHUNK)
+    in_range = offs < limit
+    if order_ptr is None:
+        rows = offs
+    else:
+        rows = tl.load(order_ptr + offs, mask=in_range, other=0)
+    lens = tl.load(seq_lens_ptr + rows, mask=in_range, other=0)
+    return in_range, tl.where(in_range, _balanced_parts(lens, chain, base_splits, max_parts, BLOCK_N), 0)
 
 
 @triton.jit
