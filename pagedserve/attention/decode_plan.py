@@ -85,9 +85,9 @@ DECODE_PROGRAMS_PER_SM = 3
 # took a graph-launched decode over serving's uneven contexts from 70.3 to 52.7 us at 64
 # sequences, but over even contexts of the same total from 39.6 to 50.5 us: the grid was sized
 # for max_model_len, each program past a sequence's last split still costs a launch, and so does
-# the reduction. "balanced" cuts only what would outlast an even share of the step, its grid has
-# a slot for each split it makes (balanced_slots), and a decode graph replays it only for steps
-# whose lengths gain from it (pick_split_mode).
+# the reduction. "balanced" cuts only what would outlast an even share of the step, its grid's
+# cells hold the rows' grid or, for a skewed step, the slots' (balanced_cells, below), and a decode
+# graph replays it only for steps whose lengths gain from it (pick_split_mode).
 BALANCED = -1
 DECODE_SPLIT_TOKENS = BALANCED
 SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
@@ -106,12 +106,12 @@ DECODE_SHARE_ENV = "PAGEDSERVE_DECODE_SHARE"
 # (at least 2 splits a row), since each program past a sequence's last split still costs a launch.
 DECODE_GRID_PROGRAMS_PER_SM = 8
 # But then at 16 rows a sequence has at most 9 splits, and one 32k-token sequence decoding beside
-# short ones walked chains of 29 tiles where the share asked for 3 (on the H200 such decode steps
+# short ones walked chains of 29 tiles where the share asked for 3-4 (on the H200 such decode steps
 # took 7.8 ms against vLLM's 6.2; docs/long-context.md, 41st session). A step whose longest chain
 # the rows' grid lengthens that much runs in the slots' grid instead (triton_decode.slot_plan): the
 # rows' splits one after another, so the long one may take up to one wave (slot_parts) while each
-# short one takes its own few. Its scans over the rows cost each program a little (at 16-64 rows
-# about 0.3 us a row a launch, measured with the slots' grid for every balanced step: 5865b07), so
+# short one takes its own few. Its scans over the rows cost each program a little (at 8-64 rows
+# 0.3-0.5 us a row a launch, measured with the slots' grid for every balanced step: 5865b07), so
 # it is taken only where the chain it saves, in tiles, exceeds SLOT_MIN_GAIN_TILES + rows /
 # SLOT_ROWS_PER_TILE (a tile of one program ~1.7 us in the same run: 100 -> 61 us a launch at
 # 16 rows as chains went from 29 to 6 tiles).
