@@ -117,6 +117,9 @@ DECODE_GRID_PROGRAMS_PER_SM = 8
 # 16 rows as chains went from 29 to 6 tiles).
 SLOT_MIN_GAIN_TILES = 2
 SLOT_ROWS_PER_TILE = 6
+# Replaces SLOT_MIN_GAIN_TILES without a code change (read once per process), for an A/B: a large
+# negative value sends every balanced step to the slots' grid, a large one (1000000) none.
+SLOT_GAIN_ENV = "PAGEDSERVE_DECODE_SLOT_GAIN"
 #
 # Neither the base nor the balanced plan gives one sequence more programs than one wave (DECODE_PROGRAMS_PER_SM
 # per SM, wave_splits): on the H200 (runs/s29_long_context/decode_long_b*.json) one 100k sequence of
@@ -247,7 +250,20 @@ def takes_slots(longest_tiles: int, chain: int, base_splits: int, splits: int, m
     wanted = max(cdiv(longest_tiles, chain), base_splits)
     in_rows, in_slots = min(wanted, splits), min(wanted, max_parts)
     gain = cdiv(longest_tiles, in_rows) - cdiv(longest_tiles, in_slots)
-    return gain > SLOT_MIN_GAIN_TILES + num_rows // SLOT_ROWS_PER_TILE
+    return gain > slot_min_gain_tiles() + num_rows // SLOT_ROWS_PER_TILE
+
+
+@functools.lru_cache(maxsize=None)
+def slot_min_gain_tiles() -> int:
+    """SLOT_MIN_GAIN_TILES, or SLOT_GAIN_ENV's whole number of tiles."""
+    raw = os.environ.get(SLOT_GAIN_ENV, "").strip()
+    if not raw:
+        return SLOT_MIN_GAIN_TILES
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{SLOT_GAIN_ENV} must be a whole number of tiles (negative: every balanced step in "
+                         f"the slots' grid; 1000000: none), got {raw!r}") from None
 
 
 def wave_splits(num_kv_heads: int, sms: int) -> int:

@@ -114,8 +114,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_warps, num_stages, heads_fastest, f16_dot: None takes decode_launch_for(k_cache.dtype)'s.
     f16_dot (an fp8 cache read by fp16/bf16 queries; else ignored): the tiles become fp16 and q is
     cast to fp16, saturated to +-65504, so the dots run in fp16 (fp32 accumulation either way).
-    slot_min_gain_tiles: decode_plan.SLOT_MIN_GAIN_TILES in its place (tests: a large negative
-    value sends every balanced step to the slots' grid, a large one keeps it in the rows')."""
+    slot_min_gain_tiles: decode_plan.slot_min_gain_tiles() in its place (a large negative value
+    sends every balanced step to the slots' grid, a large one keeps it in the rows')."""
     launch = decode_plan.decode_launch_for(k_cache.dtype)
     block_n = launch.block_n if block_n is None else block_n
     num_warps = launch.num_warps if num_warps is None else num_warps
@@ -133,7 +133,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     share_programs = default_share if share_programs is None else share_programs
     min_chain_tiles = default_min_chain if min_chain_tiles is None else min_chain_tiles
     plan = dict(SPLIT_TOKENS=mode, SHARE_PROGRAMS=share_programs, MIN_CHAIN_TILES=min_chain_tiles,
-                SLOT_MIN_GAIN_TILES=(decode_plan.SLOT_MIN_GAIN_TILES if slot_min_gain_tiles is None
+                SLOT_MIN_GAIN_TILES=(decode_plan.slot_min_gain_tiles() if slot_min_gain_tiles is None
                                      else slot_min_gain_tiles),
                 SLOT_ROWS_PER_TILE=decode_plan.SLOT_ROWS_PER_TILE)
     # Only when on, so that the default launch stays the compiled variant it was before the switch.

@@ -316,3 +316,22 @@ def test_bad_share_switch_names_it(monkeypatch, raw):
             plan.decode_share_per_sm()
     finally:
         plan.decode_share_per_sm.cache_clear()
+
+
+@pytest.mark.parametrize("raw, slots", [("", True), ("2", True), ("1000000", False), ("-1000000", True)])
+def test_slot_gain_switch_decides_the_grid_of_a_skewed_step(monkeypatch, raw, slots):
+    """PAGEDSERVE_DECODE_SLOT_GAIN moves the threshold of takes_slots (and so the kernels' choice,
+    which triton_ops passes them): the measured mix's step (one 32k among 15 short ones, chains of
+    29 tiles in the rows' grid against 6) takes the slots' grid unless the switch asks for more."""
+    monkeypatch.setenv(plan.SLOT_GAIN_ENV, raw)
+    plan.slot_min_gain_tiles.cache_clear()
+    try:
+        assert plan.takes_slots(256, 4, 4, 9, 49, 16) == slots
+    finally:
+        plan.slot_min_gain_tiles.cache_clear()
+    monkeypatch.setenv(plan.SLOT_GAIN_ENV, "few")
+    try:
+        with pytest.raises(ValueError, match=plan.SLOT_GAIN_ENV):
+            plan.slot_min_gain_tiles()
+    finally:
+        plan.slot_min_gain_tiles.cache_clear()
