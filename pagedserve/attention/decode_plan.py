@@ -15,7 +15,7 @@ What it decides:
 - what a launch compiles per (decode_compile_key), so that the warm-up covers each variant.
 
 Why on the host: a decode graph is captured once per batch size, so its grid cannot follow a
-step's lengths; the kernels cut each sequence themselves (triton_decode.split_plan, from seq_lens
+step's lengths; the kernels cut each sequence themselves (triton_decode's plans, from seq_lens
 on the device) within the grid planned here, and pick_split_mode mirrors that cut from the
 host's copy of the same lengths.
 
@@ -78,7 +78,7 @@ DECODE_FP8_LAUNCH_ENV = "PAGEDSERVE_DECODE_LAUNCH_FP8"
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
 DECODE_PROGRAMS_PER_SM = 3
-# Length-aware splits (triton_decode.split_plan): a long sequence gets more splits than the batch
+# Length-aware splits (triton_decode.split_plan, balanced_load): a long sequence gets more splits than the batch
 # size asks for. PAGEDSERVE_DECODE_SPLIT_TOKENS sets how (read once per process): 0 off, N > 0
 # splits of about N positions, "balanced" (the default) splits no longer than an even share of the
 # step's work. Fixed sizes on the H200 (benchmarks/kernels/decode_skew.py, runs/2cf31a8_decode_skew/): 512

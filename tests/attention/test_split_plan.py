@@ -1,5 +1,5 @@
 """The decode grid's split count and the PAGEDSERVE_DECODE_SPLIT_TOKENS switch (host side of
-triton_decode.split_plan; the kernels themselves are checked in triton_interpret_cases.py)."""
+triton_decode's plans; the kernels themselves are checked in triton_interpret_cases.py)."""
 import pytest
 import torch
 
@@ -80,7 +80,7 @@ def test_a_long_sequence_beside_short_ones_takes_the_slots_grid():
     chain = -(-work // (plan.DECODE_SHARE_PROGRAMS_PER_SM * 132))
     assert chain == 4 and -(-256 // splits) == 29
     assert plan.takes_slots(256, chain, base, splits, most, 16)
-    parts = _slot_parts_of(lens, 16, 8, 40960, 128)
+    parts = _kernel_parts(lens, 16, 8, 40960, 128, slots=True)[1]
     assert parts[0] == 43 and -(-256 // 43) == 6
     share = plan.DECODE_SHARE_PROGRAMS_PER_SM * 132
     assert sum(parts) <= plan.balanced_cells(16, 8, base, splits, most, share)
@@ -97,22 +97,6 @@ def test_a_mildly_uneven_step_keeps_the_rows_grid():
     longest, chain = -(-1871 // 128), 2
     gain = -(-longest // 3) - -(-longest // min(-(-longest // chain), most))
     assert gain == 3 and not plan.takes_slots(longest, chain, base, splits, most, 64)
-
-
-def _slot_parts_of(lens, rows, kv, max_len, block_n, share=None, sms=132):
-    """Each sequence's non-empty splits in the slots' grid (triton_decode.slot_plan's cut)."""
-    base, _, _ = plan.decode_launch(rows, kv, max_len, torch.device("cpu"), split_tokens=plan.BALANCED)
-    most = plan.slot_parts(base, max_len, kv, sms)
-    padded = list(lens) + [1] * (rows - len(lens))
-    work = sum(-(-n // block_n) for n in padded) * kv
-    share = plan.DECODE_SHARE_PROGRAMS_PER_SM * sms if share is None else share
-    chain = max(-(-work // share), max(1, plan.MIN_TOKENS_PER_SPLIT // block_n))
-    out = []
-    for n in padded:
-        parts = min(max(-(-(-(-n // block_n)) // chain), base), most)
-        split_len = max(-(-(-(-n // parts)) // block_n) * block_n, block_n)
-        out.append(-(-n // split_len))
-    return out
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -157,16 +141,19 @@ def test_bad_switch_names_it(monkeypatch, raw):
         plan.decode_split_tokens.cache_clear()
 
 
-def _kernel_parts(lens, rows, kv, max_len, block_n, sms=132):
-    """The kernels' plan (triton_decode.split_plan, balanced) written out in Python: each
-    sequence's number of non-empty splits."""
-    base, grid_, mode = plan.decode_launch(rows, kv, max_len, torch.device("cpu"), split_tokens=plan.BALANCED)
+def _kernel_parts(lens, rows, kv, max_len, block_n, sms=132, slots=False):
+    """The kernels' balanced plan (triton_decode's balanced_load and _balanced_cut) written out in
+    Python: each sequence's number of non-empty splits in the rows' grid, or with slots=True in the
+    slots' (at most slot_parts a sequence)."""
+    base, most, mode = plan.decode_launch(rows, kv, max_len, torch.device("cpu"), split_tokens=plan.BALANCED)
+    if slots:
+        most = plan.slot_parts(base, max_len, kv, sms)
     padded = list(lens) + [1] * (rows - len(lens))
     work = sum(-(-n // block_n) for n in padded) * kv
     chain = max(-(-work // (plan.DECODE_SHARE_PROGRAMS_PER_SM * sms)), plan.MIN_TOKENS_PER_SPLIT // block_n)
     out = []
     for n in lens:
-        parts = min(max(-(-(-(-n // block_n)) // chain), base), grid_)
+        parts = min(max(-(-(-(-n // block_n)) // chain), base), most)
         split_len = max(-(-(-(-n // parts)) // block_n) * block_n, block_n)
         out.append(-(-n // split_len))
     return base, out
