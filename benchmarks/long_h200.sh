@@ -116,7 +116,7 @@ case $MODE in
     done ;;
   decode_mix)
     step decode_skew_long 150 python3 benchmarks/kernels/decode_skew.py --num-seqs 8 16 32 64 \
-      --split-tokens 0 balanced auto --max-model-len 40960 --long 32768 --output "$OUT/decode_skew_long.json"
+      --split-tokens 0 balanced slots auto --max-model-len 40960 --long 32768 --output "$OUT/decode_skew_long.json"
     step gpu_decode_tests 150 python3 -m pytest -q -p no:cacheprovider tests/attention/test_triton_gpu.py \
       -k "decode or split or balanced" ;;
   *) echo "usage: $0 quick|vllm|ours [pagedserve flags]|collect|sweep|split|prefill_ab|decode_long|decode_launches|decode_mix" >&2; exit 2 ;;

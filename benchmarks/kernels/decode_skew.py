@@ -6,8 +6,9 @@ times the kernel pair (decode + split reduction) the way a captured graph runs i
 max_model_len, 4096) for Llama-3.1-8B's attention (32 query heads, 8 KV heads, head_dim 128,
 bf16, 16-token blocks) at each --num-seqs, for each --split-tokens (0: the split count alone;
 N: length-aware splits of about N positions; "balanced", or "balanced@R" with an even share over R
-programs instead of the device's default: see triton_decode's balanced plan; "auto": balanced or 0 as
-decode_plan.pick_split_mode picks for the lengths, as a decode graph's replay does), over two sets of
+programs instead of the device's default: see triton_decode's balanced plan; "slots": the balanced
+cut in the slots' grid; "auto": slots, balanced or 0 as decode_plan.pick_split_mode picks for the
+lengths, as a decode graph's replay does), over two sets of
 contexts:
   serving  contexts of running sharegpt-like requests (max 2048 tokens): a request drawn with
            probability proportional to its output length, at a uniform point of its output
@@ -53,6 +54,8 @@ def split_mode(text: str) -> tuple[int, int | None]:
     -> (None, None)."""
     if text == "auto":
         return None, None
+    if text == "slots":
+        return decode_plan.SLOTS, None
     if text.startswith("balanced"):
         share = text.partition("@")[2]
         return decode_plan.BALANCED, (int(share) if share else None)

@@ -8,8 +8,8 @@ What it decides:
   PAGEDSERVE_DECODE_LAUNCH_FP8 in its place (decode_launch_for);
 - the splits: base splits per sequence so that the grid fills the GPU (choose_num_splits), the
   grid's splits, more for long sequences as PAGEDSERVE_DECODE_SPLIT_TOKENS says (grid_splits),
-  balanced, the slots' grid a skewed step takes instead (slot_parts, balanced_cells, takes_slots),
-  and the split mode the kernels get (decode_launch);
+  balanced, and the slots' grid a skewed step takes instead (slot_parts, balanced_slots), and the
+  split mode the kernels get (decode_launch);
 - for decode CUDA graphs: the split modes a graph is captured with (decode_graph_split_modes) and
   the one a step replays (pick_split_mode);
 - what a launch compiles per (decode_compile_key), so that the warm-up covers each variant.
@@ -27,10 +27,9 @@ Invariants:
 - The grid never has fewer splits than the base; the kernels get split mode 0 unless it has more.
 - Planned splits (base, the balanced rows' grid and its slots' grid) give one sequence at most one
   wave of programs (wave_splits).
-- A balanced launch's cells (balanced_cells) hold every split of either grid; the kernels choose
-  the grid per step from seq_lens (takes_slots, mirrored here).
+- A SLOTS launch's slots (balanced_slots) hold every split its plan can make.
 - A graph's split mode is fixed at its capture (AttentionMetadata.decode_split_tokens): one graph
-  per mode of decode_graph_split_modes, and pick_split_mode returns one of those (0 or BALANCED).
+  per mode of graph_split_modes, and pick_split_mode returns one of those (0, BALANCED, SLOTS).
 - pick_split_mode counts tiles of the BLOCK_N the launch over that cache walks (decode_launch_for).
 
 The backend module exposes this one as triton_ops.decode_plan: the runner (cuda_graph.py,
@@ -78,18 +77,21 @@ DECODE_FP8_LAUNCH_ENV = "PAGEDSERVE_DECODE_LAUNCH_FP8"
 MAX_SPLITS = 64
 MIN_TOKENS_PER_SPLIT = 256
 DECODE_PROGRAMS_PER_SM = 3
-# Length-aware splits (triton_decode.split_plan, balanced_load): a long sequence gets more splits than the batch
+# Length-aware splits (triton_decode.split_plan, balanced_chain_tiles): a long sequence gets more splits than the batch
 # size asks for. PAGEDSERVE_DECODE_SPLIT_TOKENS sets how (read once per process): 0 off, N > 0
 # splits of about N positions, "balanced" (the default) splits no longer than an even share of the
 # step's work. Fixed sizes on the H200 (benchmarks/kernels/decode_skew.py, runs/2cf31a8_decode_skew/): 512
 # took a graph-launched decode over serving's uneven contexts from 70.3 to 52.7 us at 64
 # sequences, but over even contexts of the same total from 39.6 to 50.5 us: the grid was sized
 # for max_model_len, each program past a sequence's last split still costs a launch, and so does
-# the reduction. "balanced" cuts only what would outlast an even share of the step, its grid's
-# cells hold the rows' grid or, for a skewed step, the slots' (balanced_cells, below), and a decode
-# graph replays it only for steps whose lengths gain from it (pick_split_mode).
+# the reduction. "balanced" cuts only what would outlast an even share of the step, and a decode
+# graph replays it only for steps whose lengths gain from it (pick_split_mode), in the rows' grid
+# or, for a skewed step, in the slots' (SLOTS, below).
 BALANCED = -1
 DECODE_SPLIT_TOKENS = BALANCED
+# The balanced cut in the slots' grid: a kernel mode that decode graphs (pick_split_mode) choose,
+# never the switch's value.
+SLOTS = -2
 SPLIT_TOKENS_ENV = "PAGEDSERVE_DECODE_SPLIT_TOKENS"
 # The balanced plan's even share: all of a step's tiles over this many programs per SM. An SM runs
 # about 2 decode programs at once at the launch defaults above (inferred from the even case's time
@@ -108,13 +110,16 @@ DECODE_GRID_PROGRAMS_PER_SM = 8
 # But then at 16 rows a sequence has at most 9 splits, and one 32k-token sequence decoding beside
 # short ones walked chains of 29 tiles where the share asked for 3-4 (on the H200 such decode steps
 # took 7.8 ms against vLLM's 6.2; docs/long-context.md, 41st session). A step whose longest chain
-# the rows' grid lengthens that much runs in the slots' grid instead (triton_decode.slot_plan): the
-# rows' splits one after another, so the long one may take up to one wave (slot_parts) while each
-# short one takes its own few. Its scans over the rows cost each program a little (at 8-64 rows
-# 0.3-0.5 us a row a launch, measured with the slots' grid for every balanced step: 5865b07), so
-# it is taken only where the chain it saves, in tiles, exceeds SLOT_MIN_GAIN_TILES + rows /
-# SLOT_ROWS_PER_TILE (a tile of one program ~1.7 us in the same run: 100 -> 61 us a launch at
-# 16 rows as chains went from 29 to 6 tiles).
+# the rows' grid lengthens that much runs in the slots' grid instead (SLOTS, triton_decode.slot_plan):
+# the rows' splits one after another, so the long one may take up to one wave (slot_parts) while
+# each short one takes its own few. Its scans over the rows cost each program a little (at 8-64
+# rows 0.3-0.5 us a row a launch, measured with the slots' grid for every balanced step: 5865b07),
+# so a graph replay takes it only where the chain it saves, in tiles, exceeds SLOT_MIN_GAIN_TILES
+# + rows / SLOT_ROWS_PER_TILE (takes_slots; a tile of one program ~1.7 us in the same run: 100 ->
+# 61 us a launch at 16 rows as chains went from 29 to 6 tiles). The choice is the host's, one graph
+# per mode: made inside the kernels (41st session) it cost the rows' grid 7-11% at 8-64 rows of
+# serving's and even contexts on the H200, where the step kept the rows (42nd session,
+# docs/long-context.md).
 SLOT_MIN_GAIN_TILES = 2
 SLOT_ROWS_PER_TILE = 6
 # Replaces SLOT_MIN_GAIN_TILES without a code change (read once per process), for an A/B: a large
@@ -238,15 +243,10 @@ def balanced_slots(num_rows: int, num_kv_heads: int, base_splits: int, max_parts
     return min(num_rows * max_parts, cdiv(share_programs, num_kv_heads) + num_rows * base_splits)
 
 
-def balanced_cells(num_rows: int, num_kv_heads: int, base_splits: int, splits: int, max_parts: int,
-                   share_programs: int) -> int:
-    """A balanced launch's grid cells per KV head: enough for the rows' grid (rows x splits) and
-    for the slots' (balanced_slots), whichever the step takes (takes_slots, on the device)."""
-    return max(num_rows * splits, balanced_slots(num_rows, num_kv_heads, base_splits, max_parts, share_programs))
-
-
 def takes_slots(longest_tiles: int, chain: int, base_splits: int, splits: int, max_parts: int, num_rows: int) -> bool:
-    """triton_decode.takes_slots on the host: whether a balanced step runs in the slots' grid."""
+    """Whether a balanced step runs in the slots' grid (SLOTS): when the rows' grid (`splits` a row)
+    leaves the longest sequence's chain longer than the slots' would (max_parts) by more than
+    slot_min_gain_tiles() + num_rows / SLOT_ROWS_PER_TILE tiles."""
     wanted = max(cdiv(longest_tiles, chain), base_splits)
     in_rows, in_slots = min(wanted, splits), min(wanted, max_parts)
     gain = cdiv(longest_tiles, in_rows) - cdiv(longest_tiles, in_slots)
@@ -293,29 +293,38 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device
 
 def decode_launch(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
                   num_splits: int | None = None, split_tokens: int | None = None) -> tuple[int, int, int]:
-    """(base splits, the rows' grid's splits (grid_splits), split mode passed to the kernels) of a
-    decode launch; balanced, slot_parts gives the slots' grid's most splits of one sequence."""
+    """(base splits, the grid's most splits of one sequence, split mode passed to the kernels) of a
+    decode launch: the rows' grid's (grid_splits), or for SLOTS the slots' (slot_parts)."""
     base = choose_num_splits(num_seqs, num_kv_heads, max_seq_len, device) if num_splits is None else num_splits
     tokens = decode_split_tokens() if split_tokens is None else split_tokens
-    splits = grid_splits(base, max_seq_len, tokens, num_seqs, num_kv_heads, device_sms(device))
+    if tokens == SLOTS:
+        splits = slot_parts(base, max_seq_len, num_kv_heads, device_sms(device))
+    else:
+        splits = grid_splits(base, max_seq_len, tokens, num_seqs, num_kv_heads, device_sms(device))
     return base, splits, (tokens if splits > base else 0)
 
 
-def decode_graph_split_modes() -> list[int]:
-    """The split modes a decode CUDA graph is captured with: the switch's, and with "balanced" also 0,
-    so that a step whose lengths need no cut replays a graph without the plan's extra programs."""
+def graph_split_modes(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> list[int]:
+    """The split modes a decode CUDA graph of num_rows rows is captured with: the switch's, and with
+    "balanced" also 0, so that a step whose lengths need no cut replays a graph without the plan's
+    extra programs, and SLOTS where the slots' grid can give a sequence more splits than the rows'
+    (elsewhere pick_split_mode never picks it)."""
     mode = decode_split_tokens()
-    return [0, BALANCED] if mode == BALANCED else [mode]
+    if mode != BALANCED:
+        return [mode]
+    base, splits, _ = _balanced_launch(num_rows, num_kv_heads, max_seq_len, device)
+    return [0, BALANCED] + ([SLOTS] if slot_parts(base, max_seq_len, num_kv_heads, device_sms(device)) > splits else [])
 
 
 def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, max_seq_len: int,
                     device: torch.device, block_n: int | None = None, kv_dtype: torch.dtype | None = None) -> int:
-    """BALANCED or 0 for a balanced launch over num_rows rows: the first len(seq_lens) hold these
-    lengths, the rest are padding of length 1. BALANCED where the plan the kernels derive
-    (triton_decode's balanced_load, takes_slots and _balanced_parts, mirrored here from the same
-    lengths) shortens the longest chain of tiles by more than BALANCED_MIN_GAIN_TILES, else 0: the
-    same cuts the batch size asks for, without the plan's extra programs and reduction. block_n:
-    default the launch's over a cache of kv_dtype (decode_launch_for)."""
+    """SLOTS, BALANCED or 0 for a balanced launch over num_rows rows: the first len(seq_lens) hold
+    these lengths, the rest are padding of length 1. SLOTS where the slots' grid shortens the
+    longest chain of tiles enough against the rows' (takes_slots); else BALANCED where the plan the
+    kernels derive (triton_decode's balanced_chain_tiles and _balanced_parts, mirrored here from the
+    same lengths) shortens it by more than BALANCED_MIN_GAIN_TILES; else 0: the same cuts the batch
+    size asks for, without the plan's extra programs and reduction. block_n: default the launch's
+    over a cache of kv_dtype (decode_launch_for)."""
     base, splits, mode = _balanced_launch(num_rows, num_kv_heads, max_seq_len, device)
     if mode != BALANCED or not len(seq_lens):
         return 0
@@ -327,7 +336,7 @@ def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, m
     longest = int(tiles.max())
     most = slot_parts(base, max_seq_len, num_kv_heads, device_sms(device))
     if takes_slots(longest, chain, base, splits, most, num_rows):
-        splits = most
+        return SLOTS  # its gain over the rows' grid is past 2 tiles, so past the base's too
     parts = min(max(-(-longest // chain), base), splits)
     return BALANCED if -(-longest // base) - -(-longest // parts) > BALANCED_MIN_GAIN_TILES else 0
 
@@ -354,18 +363,21 @@ def _balanced_launch(num_rows: int, num_kv_heads: int, max_seq_len: int, device:
     return decode_launch(num_rows, num_kv_heads, max_seq_len, device, split_tokens=BALANCED)
 
 
-# The split reduce's splits at a time (triton_decode.reduce_splits_kernel): more come in further
-# passes, so a reduce of a few splits reads only those while a balanced sequence may have a wave.
+# The SLOTS reduce's splits at a time (triton_decode.reduce_splits_kernel): more come in further
+# passes, so that a row of a few splits reads only those while a long one may have a wave. The
+# rows' grids reduce all of a row's splits in one block.
 REDUCE_BLOCK_S = 16
 
 
-def reduce_block(splits: int) -> int:
-    """The reduce's BLOCK_S for a launch whose sequences have at most `splits` splits."""
-    return min(next_power_of_2(splits), REDUCE_BLOCK_S)
+def reduce_block(splits: int, mode: int = 0) -> int:
+    """The reduce's BLOCK_S for a launch of split mode `mode` whose sequences have at most `splits`
+    splits."""
+    return min(next_power_of_2(splits), REDUCE_BLOCK_S) if mode == SLOTS else next_power_of_2(splits)
 
 
 def decode_compile_key(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> tuple[int, int]:
-    """What a decode launch compiles per (runner/warmup.py covers each): the reduction's split
-    block (1: no reduction, the kernel writes the output) and the split mode."""
+    """What a decode launch compiles per outside a decode graph (runner/warmup.py covers each; a
+    graph's capture compiles its own): the reduction's split block (1: no reduction, the kernel
+    writes the output) and the split mode."""
     _, splits, mode = decode_launch(num_seqs, num_kv_heads, max_seq_len, device)
-    return (reduce_block(splits) if splits > 1 else 1), mode
+    return (reduce_block(splits, mode) if splits > 1 else 1), mode

@@ -1,64 +1,70 @@
 """Paged decode attention in Triton: one query token per sequence, flash-decoding split-K.
 
-Grid (kv head, sequence, split), or balanced (kv head, cell): a sequence's KV heads, whose rows
-are adjacent in the pool, run side by side (HEADS_FASTEST; else the head second), and with
-order_ptr the sequences start longest first. A program loads each K/V tile once for all query
-heads of its KV head (the GQA group is the M dimension of tl.dot, padded to >= 16) and walks its
-split of the context with triton_tiles.attend_tiles, the loop the prefill kernel shares (tiles
+Grid (kv head, sequence, split), or in the slots' grid (kv head, slot): a sequence's KV heads,
+whose rows are adjacent in the pool, run side by side (HEADS_FASTEST; else the head second), and
+with order_ptr the sequences start longest first. A program loads each K/V tile once for all
+query heads of its KV head (the GQA group is the M dimension of tl.dot, padded to >= 16) and walks
+its split of the context with triton_tiles.attend_tiles, the loop the prefill kernel shares (tiles
 gathered through the block table, online softmax in fp32). A sequence with one non-empty split
 writes its output directly; one with several writes per-split results (normalised output,
-log2-sum-exp) and reduce_splits_kernel combines them, BLOCK_S splits at a time.
+log2-sum-exp) and reduce_splits_kernel combines them.
 
-How a sequence is split: into base_splits equal parts, the count the batch size asks for to fill
-the GPU, or into more when it is long:
+How a sequence is split (SPLIT_TOKENS, a compile-time mode): into base_splits equal parts, the
+count the batch size asks for to fill the GPU, or into more when it is long:
   SPLIT_TOKENS > 0  so that no split holds much more than SPLIT_TOKENS positions, up to the grid's
-                    splits (split_plan);
-  SPLIT_TOKENS < 0  ("balanced") so that no split's chain of tiles is longer than an even share
-                    of the step's work: every sequence's tiles times the KV heads, over
-                    SHARE_PROGRAMS (decode_plan.DECODE_SHARE_PROGRAMS_PER_SM per SM), read from
-                    seq_lens on the device (balanced_load). In the rows' grid (cell = split x
-                    rows + row) a sequence has at most num_splits, a program budget over all rows;
-                    a step whose longest chain that leaves much longer than the share asks
-                    (takes_slots) runs in the slots' grid instead (slot_plan): the rows' splits
-                    one after another, so a long sequence may take up to max_parts (one wave of
+                    num_splits (split_plan);
+  BALANCED          so that no split's chain of tiles is longer than an even share of the step's
+                    work: every sequence's tiles times the KV heads, over SHARE_PROGRAMS
+                    (decode_plan.DECODE_SHARE_PROGRAMS_PER_SM per SM), read from seq_lens on the
+                    device (balanced_chain_tiles), up to the grid's num_splits a row;
+  SLOTS             the same cut, but the rows' splits lie one after another in the grid's
+                    slots (slot_plan), so a long sequence may take up to max_parts (one wave of
                     programs) while the short ones beside it take their own few.
 Why: a decode graph is captured once per batch size, so base_splits cannot follow the step's
 lengths; at 64 sequences it is 1, and in a serving batch whose contexts run from a few tokens to
 2048 the one program of the longest sequence kept walking tiles long after the others had
-finished. And at 16 rows the rows' grid has 9 splits a sequence: a 32k-token sequence beside 15
-short ones walked chains of 29 tiles where the share asked for 4 (on the H200 such decode steps
-took 7.8 ms against vLLM's 6.2, docs/long-context.md; the slots' grid, 41st session, cuts it
-into chains of 6). Programs past the last split return at once and write nothing; the reduction
-derives the same plan (and grid) from the same lengths, so it reads only what was written.
+finished. And the rows' grid keeps within a program budget over all rows (at 16 rows 9 splits
+a sequence), so a 32k-token sequence beside 15 short ones walked chains of 29 tiles where the
+share asked for 4 (on the H200 such decode steps took 7.8 ms against vLLM's 6.2,
+docs/long-context.md); the slots' grid cuts it into chains of 6. The slots' scans over the rows
+cost every program a little, so the host picks the mode per step (decode_plan.pick_split_mode:
+one decode graph per mode); a run-time choice inside one kernel cost the rows' grid 4-10% on
+serving's steps (42nd session). Programs past the last split return at once and write nothing;
+the reduction derives the same plan from the same lengths, so it reads only what was written.
 base_splits and the split counts are runtime values, so one compile serves every batch size.
 """
 import triton
 import triton.language as tl
 
+from pagedserve.attention import decode_plan
 from pagedserve.attention.triton_tiles import IN_CONTEXT, attend_tiles
+
+# The split modes below 0 (decode_plan's names; 0 and above are split sizes).
+BALANCED: tl.constexpr = tl.constexpr(decode_plan.BALANCED)
+SLOTS: tl.constexpr = tl.constexpr(decode_plan.SLOTS)
 
 
 # The block-table width and the split counts change from launch to launch, and the query's row
 # stride with where q lives (the fused qkv projection eagerly, a piecewise graph's q buffer): one
 # compile serves all (see runner/warmup.py). stride_ms is 0 without splits and BLOCK_D with them.
+# max_parts: SLOTS only, the most splits of one sequence (the rows' grids have tl.num_programs(2)).
 @triton.jit(do_not_specialize=["stride_qt", "stride_ot", "stride_bt", "stride_mt", "stride_mh", "stride_ms",
-                               "stride_lt", "stride_lh", "base_splits", "num_splits", "max_parts", "num_rows"])
+                               "stride_lt", "stride_lh", "base_splits", "max_parts", "num_rows"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
     seq_lens_ptr, block_tables_ptr, qk_scale,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
-    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, base_splits, num_splits, max_parts, num_rows,
+    stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, base_splits, max_parts, num_rows,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
-    SLOT_MIN_GAIN_TILES: tl.constexpr, SLOT_ROWS_PER_TILE: tl.constexpr,
     IEEE: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, order_ptr=None,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
     F16_DOT: tl.constexpr = False,
 ):
     if HEADS_FASTEST:
-        # Grid (kv head, cell[, split]): a sequence's heads run side by side and read its tokens'
+        # Grid (kv head, row[, split]): a sequence's heads run side by side and read its tokens'
         # K/V rows (all heads of a token are adjacent) at about the same time.
         kv_head = tl.program_id(0)
         cell = tl.program_id(1)
@@ -67,31 +73,23 @@ def paged_decode_kernel(
         cell = tl.program_id(0)
         kv_head = tl.program_id(1)
         num_kv_heads = tl.num_programs(1)
-    if SPLIT_TOKENS < 0:
-        # Balanced, grid (kv head, cell): the cell is the program's place for its split's result too.
-        chain, longest = balanced_load(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
-        if takes_slots(longest, chain, base_splits, num_splits, max_parts, num_rows,
-                       SLOT_MIN_GAIN_TILES, SLOT_ROWS_PER_TILE):
-            # (Both branches give each value one type: the compiled `if` joins them.)
-            seq, split, split_len, active = slot_plan(cell, seq_lens_ptr, order_ptr, num_rows, chain,
-                                                      base_splits, max_parts, BLOCK_N)
-            seq = seq.to(tl.int32)
-            mid_row = cell.to(tl.int64)
-        else:
-            # The rows' grid: num_splits a row, splits slowest (cell = split * rows + row).
-            row = cell % num_rows
-            split = cell // num_rows
-            seq = _row_seq(row, order_ptr).to(tl.int32)
-            split_len, active = _balanced_cut(tl.load(seq_lens_ptr + seq), chain, base_splits, num_splits, BLOCK_N)
-            mid_row = split.to(tl.int64) * num_rows + seq
+    if SPLIT_TOKENS == SLOTS:
+        # Grid (kv head, slot): the slot is the program's place for its split's result too.
+        chain = balanced_chain_tiles(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
+        seq, split, split_len, active = slot_plan(cell, seq_lens_ptr, order_ptr, num_rows, chain, base_splits,
+                                                  max_parts, BLOCK_N)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        mid_row = cell
         mid_split = 0
     else:
+        # Grid (kv head, row, split).
         split = tl.program_id(2)
         seq = _row_seq(cell, order_ptr)
-        split_len, active = split_plan(tl.load(seq_lens_ptr + seq), num_splits, base_splits, SPLIT_TOKENS, BLOCK_N)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        split_len, active = split_plan(seq_len, seq_lens_ptr, num_rows, num_kv_heads, tl.num_programs(2),
+                                       base_splits, SPLIT_TOKENS, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
         mid_row = seq
         mid_split = split
-    seq_len = tl.load(seq_lens_ptr + seq)
     if split < active:
         _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
                       block_tables_ptr, qk_scale, seq, kv_head, mid_row, mid_split, split * split_len,
@@ -113,16 +111,22 @@ def _row_seq(row, order_ptr):
 
 
 @triton.jit
-def split_plan(seq_len, num_splits, base_splits, SPLIT_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(split_len, number of non-empty splits) of a sequence of seq_len positions when not balanced:
-    base_splits parts, or more by SPLIT_TOKENS > 0 (see the module docstring), at most num_splits;
-    split_len rounded up to whole tiles. The decode and the reduce kernel agree on it."""
+def split_plan(seq_len, seq_lens_ptr, num_rows, num_kv_heads, num_splits, base_splits,
+               SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """(split_len, number of non-empty splits) of a sequence of seq_len positions in a grid of
+    num_splits a row: base_splits parts, or more by SPLIT_TOKENS (> 0, or BALANCED: see the module
+    docstring), at most num_splits; split_len rounded up to whole tiles. The decode and the reduce
+    kernel agree on it."""
     # tl.cdiv is itself a @jit function, which the interpreter cannot call from our kernels.
     if SPLIT_TOKENS > 0:
         parts = tl.minimum(tl.maximum((seq_len + SPLIT_TOKENS - 1) // SPLIT_TOKENS, base_splits), num_splits)
-        return _cut(seq_len, parts, BLOCK_N)
+    elif SPLIT_TOKENS == BALANCED:
+        chain = balanced_chain_tiles(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
+        parts = _balanced_parts(seq_len, chain, base_splits, num_splits, BLOCK_N)
     else:
-        return _cut(seq_len, base_splits, BLOCK_N)
+        parts = base_splits
+    return _cut(seq_len, parts, BLOCK_N)
 
 
 @triton.jit
@@ -143,42 +147,19 @@ def _balanced_parts(seq_len, chain, base_splits, most, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _balanced_cut(seq_len, chain, base_splits, most, BLOCK_N: tl.constexpr):
-    """(split_len, non-empty splits) of seq_len under the balanced plan (_balanced_parts)."""
-    return _cut(seq_len, _balanced_parts(seq_len, chain, base_splits, most, BLOCK_N), BLOCK_N)
-
-
-@triton.jit
-def balanced_load(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS: tl.constexpr,
-                  MIN_CHAIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
-    """(chain, longest): the tiles one program may walk without outlasting an even share of the
-    step (all tiles of all sequences and KV heads over SHARE_PROGRAMS, at least MIN_CHAIN_TILES),
-    and the longest sequence's tiles. Every program computes them from seq_lens (a few hundred
-    int32 in L2), so no plan travels from the host."""
+def balanced_chain_tiles(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS: tl.constexpr,
+                         MIN_CHAIN_TILES: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tiles one program may walk without outlasting an even share of the step: all tiles of
+    all sequences and KV heads over SHARE_PROGRAMS, at least MIN_CHAIN_TILES. Every program computes it
+    from seq_lens (a few hundred int32 in L2), so no plan travels from the host."""
     CHUNK: tl.constexpr = 256
     total = tl.zeros([CHUNK], dtype=tl.int32)
-    most = tl.zeros([CHUNK], dtype=tl.int32)
     for start in range(0, num_rows, CHUNK):
         offs = start + tl.arange(0, CHUNK)
-        tiles = (tl.load(seq_lens_ptr + offs, mask=offs < num_rows, other=0) + BLOCK_N - 1) // BLOCK_N
-        total += tiles
-        most = tl.maximum(most, tiles)
+        lens = tl.load(seq_lens_ptr + offs, mask=offs < num_rows, other=0)
+        total += (lens + BLOCK_N - 1) // BLOCK_N
     work = tl.sum(total, 0) * num_kv_heads
-    return tl.maximum((work + SHARE_PROGRAMS - 1) // SHARE_PROGRAMS, MIN_CHAIN_TILES), tl.max(most, 0)
-
-
-@triton.jit
-def takes_slots(longest, chain, base_splits, num_splits, max_parts, num_rows,
-                SLOT_MIN_GAIN_TILES: tl.constexpr, SLOT_ROWS_PER_TILE: tl.constexpr):
-    """Whether a balanced step runs in the slots' grid: when the rows' grid (num_splits a row)
-    leaves the longest sequence's chain longer than the slots' would (max_parts) by more than
-    SLOT_MIN_GAIN_TILES + num_rows / SLOT_ROWS_PER_TILE tiles; the slots' scans cost every
-    program a little, about a tile per SLOT_ROWS_PER_TILE rows (decode_plan.takes_slots mirrors it)."""
-    wanted = tl.maximum((longest + chain - 1) // chain, base_splits)
-    in_rows = tl.minimum(wanted, num_splits)
-    in_slots = tl.minimum(wanted, max_parts)
-    gain = (longest + in_rows - 1) // in_rows - (longest + in_slots - 1) // in_slots
-    return gain > SLOT_MIN_GAIN_TILES + num_rows // SLOT_ROWS_PER_TILE
+    return tl.maximum((work + SHARE_PROGRAMS - 1) // SHARE_PROGRAMS, MIN_CHAIN_TILES)
 
 
 @triton.jit
@@ -204,7 +185,8 @@ def slot_plan(slot, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max_p
         done += total
     found = rank < num_rows
     seq = _row_seq(tl.minimum(rank, num_rows - 1), order_ptr)
-    split_len, active = _balanced_cut(tl.load(seq_lens_ptr + seq), chain, base_splits, max_parts, BLOCK_N)
+    split_len, active = _cut(tl.load(seq_lens_ptr + seq), _balanced_parts(tl.load(seq_lens_ptr + seq), chain,
+                                                                           base_splits, max_parts, BLOCK_N), BLOCK_N)
     return seq, tl.where(found, slot - first, max_parts), split_len, active
 
 
@@ -306,64 +288,68 @@ def _decode_split(
 
 
 @triton.jit(do_not_specialize=["stride_mt", "stride_mh", "stride_ms", "stride_lt", "stride_lh", "stride_ot",
-                                "num_kv_heads", "num_splits", "base_splits", "max_parts"])
+                                "num_kv_heads", "num_splits", "base_splits"])
 def reduce_splits_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, seq_lens_ptr,
     stride_mt, stride_mh, stride_ms, stride_lt, stride_lh, stride_ot, stride_oh,
-    num_kv_heads, num_splits, base_splits, max_parts,
+    num_kv_heads, num_splits, base_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
-    SLOT_MIN_GAIN_TILES: tl.constexpr, SLOT_ROWS_PER_TILE: tl.constexpr,
     BLOCK_S: tl.constexpr, order_ptr=None,
 ):
     """Program (row, head): out = sum_s 2^(lse_s - lse) * o_s over the row's sequence's non-empty
-    splits, where the decode kernel put them (split_plan; balanced: the rows' grid or the slots',
-    as takes_slots chose for the step); a sequence with one split already has its output."""
+    splits, where the decode kernel put them (split_plan's (sequence, split), or SLOTS: slot_plan's
+    slots); a sequence with one split already has its output. num_splits: the grid's most splits of
+    one sequence (SLOTS: max_parts). order_ptr: SLOTS only, the rows in the decode grid's order (a
+    row's rank places its slots)."""
     row = tl.program_id(0)
     head = tl.program_id(1)
     num_rows = tl.num_programs(0)
-    seq = _row_seq(row, order_ptr)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    if SPLIT_TOKENS < 0:
-        chain, longest = balanced_load(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
-        if takes_slots(longest, chain, base_splits, num_splits, max_parts, num_rows,
-                       SLOT_MIN_GAIN_TILES, SLOT_ROWS_PER_TILE):
-            # (Both branches give each value one type: the compiled `if` joins them.)
-            _, active = _balanced_cut(seq_len, chain, base_splits, max_parts, BLOCK_N)
-            mid_row = slot_offset(row, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, max_parts,
-                                  BLOCK_N).to(tl.int64)
-            step = stride_mt.to(tl.int64)  # a split's next one is the next slot
-            lse_step = stride_lt.to(tl.int64)
-        else:
-            _, active = _balanced_cut(seq_len, chain, base_splits, num_splits, BLOCK_N)
-            mid_row = seq.to(tl.int64)
-            step = (stride_mt * num_rows).to(tl.int64)  # the next split is a grid's worth of rows on
-            lse_step = (stride_lt * num_rows).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    s = tl.arange(0, BLOCK_S)
+    if SPLIT_TOKENS == SLOTS:
+        seq = _row_seq(row, order_ptr)
+        seq_len = tl.load(seq_lens_ptr + seq)
+        chain = balanced_chain_tiles(seq_lens_ptr, num_rows, num_kv_heads, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
+        _, active = _cut(seq_len, _balanced_parts(seq_len, chain, base_splits, num_splits, BLOCK_N), BLOCK_N)
+        if active > 1:
+            # BLOCK_S splits at a time: a row may have up to a wave of them (49 at 8 KV heads on 132
+            # SMs), in consecutive slots.
+            first = slot_offset(row, seq_lens_ptr, order_ptr, num_rows, chain, base_splits, num_splits,
+                                BLOCK_N).to(tl.int64)
+            base = first * stride_mt + head * stride_mh
+            lse_base = first * stride_lt + head * stride_lh
+            top = tl.full([], float("-inf"), tl.float32)
+            for s0 in range(0, active, BLOCK_S):
+                lse = tl.load(mid_lse_ptr + lse_base + (s0 + s) * stride_lt, mask=s0 + s < active,
+                              other=float("-inf"))
+                top = tl.maximum(top, tl.max(lse, 0))
+            acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+            total = tl.full([], 0.0, tl.float32)
+            for s0 in range(0, active, BLOCK_S):
+                live = s0 + s < active
+                w = tl.exp2(tl.load(mid_lse_ptr + lse_base + (s0 + s) * stride_lt, mask=live,
+                                    other=float("-inf")) - top)
+                o = tl.load(mid_o_ptr + base + (s0 + s)[:, None].to(tl.int64) * stride_mt + d[None, :],
+                            mask=live[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
+                acc += tl.sum(o * w[:, None], 0)
+                total += tl.sum(w, 0)
+            out = acc / total
+            tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d,
+                     out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)
     else:
-        _, active = split_plan(seq_len, num_splits, base_splits, SPLIT_TOKENS, BLOCK_N)
-        mid_row = seq
-        step = stride_ms
-        lse_step = 1
-    if active > 1:
-        # BLOCK_S splits at a time, so that a reduce of a few splits reads and sums only those
-        # (a balanced sequence may have up to a wave of them, 49 at 8 KV heads on 132 SMs).
-        s = tl.arange(0, BLOCK_S)
-        d = tl.arange(0, BLOCK_D)
-        base = mid_row.to(tl.int64) * stride_mt + head * stride_mh
-        lse_base = mid_row.to(tl.int64) * stride_lt + head * stride_lh
-        top = tl.full([], float("-inf"), tl.float32)
-        for s0 in range(0, active, BLOCK_S):
-            lse = tl.load(mid_lse_ptr + lse_base + (s0 + s) * lse_step, mask=s0 + s < active, other=float("-inf"))
-            top = tl.maximum(top, tl.max(lse, 0))
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
-        total = tl.full([], 0.0, tl.float32)
-        for s0 in range(0, active, BLOCK_S):
-            live = s0 + s < active
-            w = tl.exp2(tl.load(mid_lse_ptr + lse_base + (s0 + s) * lse_step, mask=live, other=float("-inf")) - top)
-            o = tl.load(mid_o_ptr + base + (s0 + s)[:, None].to(tl.int64) * step + d[None, :],
-                        mask=live[:, None] & (d[None, :] < HEAD_DIM), other=0.0)
-            acc += tl.sum(o * w[:, None], 0)
-            total += tl.sum(w, 0)
-        out = acc / total
-        tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-                 mask=d < HEAD_DIM)
+        # One block of BLOCK_S >= the grid's splits a row (next_power_of_2(num_splits)).
+        seq = row
+        _, active = split_plan(tl.load(seq_lens_ptr + seq), seq_lens_ptr, num_rows, num_kv_heads, num_splits,
+                               base_splits, SPLIT_TOKENS, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
+        if active > 1:
+            base = seq.to(tl.int64) * stride_mt + head * stride_mh
+            lse = tl.load(mid_lse_ptr + seq.to(tl.int64) * stride_lt + head * stride_lh + s, mask=s < active,
+                          other=float("-inf"))
+            w = tl.exp2(lse - tl.max(lse, 0))
+            w = w / tl.sum(w, 0)
+            o = tl.load(mid_o_ptr + base + s[:, None] * stride_ms + d[None, :],
+                        mask=(s[:, None] < active) & (d[None, :] < HEAD_DIM), other=0.0)
+            out = tl.sum(o * w[:, None], 0)
+            tl.store(out_ptr + seq.to(tl.int64) * stride_ot + head * stride_oh + d,
+                     out.to(out_ptr.dtype.element_ty), mask=d < HEAD_DIM)

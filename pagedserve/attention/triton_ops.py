@@ -100,12 +100,12 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  split_tokens: int | None = None, share_programs: int | None = None,
                  min_chain_tiles: int | None = None, heads_fastest: bool | None = None,
                  order: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, f16_dot: bool | None = None,
-                 slot_min_gain_tiles: int | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, f16_dot: bool | None = None) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
     The launch is decode_plan's: num_splits: each sequence's base split count (default:
     choose_num_splits); split_tokens: the length-aware splits (default: decode_split_tokens();
-    0: every sequence in num_splits; BALANCED); share_programs, min_chain_tiles: the balanced
+    0: every sequence in num_splits; BALANCED; SLOTS, the balanced cut in the slots' grid);
+    share_programs, min_chain_tiles: the balanced
     plan's even share (defaults: the device's DECODE_SHARE_PROGRAMS_PER_SM per SM,
     MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps.
     heads_fastest: the grid is (KV head, sequence, split), so a sequence's heads, whose K/V rows
@@ -113,9 +113,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     the order their programs should start (longest_first), or None for row order. block_n,
     num_warps, num_stages, heads_fastest, f16_dot: None takes decode_launch_for(k_cache.dtype)'s.
     f16_dot (an fp8 cache read by fp16/bf16 queries; else ignored): the tiles become fp16 and q is
-    cast to fp16, saturated to +-65504, so the dots run in fp16 (fp32 accumulation either way).
-    slot_min_gain_tiles: decode_plan.slot_min_gain_tiles() in its place (a large negative value
-    sends every balanced step to the slots' grid, a large one keeps it in the rows')."""
+    cast to fp16, saturated to +-65504, so the dots run in fp16 (fp32 accumulation either way)."""
     launch = decode_plan.decode_launch_for(k_cache.dtype)
     block_n = launch.block_n if block_n is None else block_n
     num_warps = launch.num_warps if num_warps is None else num_warps
@@ -132,24 +130,18 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     default_share, default_min_chain = decode_plan.balanced_share(query.device, block_n)
     share_programs = default_share if share_programs is None else share_programs
     min_chain_tiles = default_min_chain if min_chain_tiles is None else min_chain_tiles
-    plan = dict(SPLIT_TOKENS=mode, SHARE_PROGRAMS=share_programs, MIN_CHAIN_TILES=min_chain_tiles,
-                SLOT_MIN_GAIN_TILES=(decode_plan.slot_min_gain_tiles() if slot_min_gain_tiles is None
-                                     else slot_min_gain_tiles),
-                SLOT_ROWS_PER_TILE=decode_plan.SLOT_ROWS_PER_TILE)
+    plan = dict(SPLIT_TOKENS=mode, SHARE_PROGRAMS=share_programs, MIN_CHAIN_TILES=min_chain_tiles)
     # Only when on, so that the default launch stays the compiled variant it was before the switch.
     cast = dict(F16_DOT=True) if f16_dot and _fp8(k_cache) and not ieee else {}
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
                   IEEE=ieee, num_warps=num_warps, num_stages=num_stages, HEADS_FASTEST=heads_fastest,
                   order_ptr=order, **plan, **cast, **_scales(k_cache, k_scale, v_scale))
-    # Balanced: (KV head, cell), cells for the rows' grid and the slots' (the kernels pick per step,
-    # triton_decode.takes_slots); else (KV head, sequence, split).
-    if mode == decode_plan.BALANCED:
-        max_parts = decode_plan.slot_parts(base, max_seq_len, num_kv_heads, decode_plan.device_sms(query.device))
-        cells = decode_plan.balanced_cells(num_seqs, num_kv_heads, base, splits, max_parts, share_programs)
-        per_cell = 1
+    # SLOTS: (KV head, slot), as many slots as the plan can fill; else (KV head, sequence, split).
+    if mode == decode_plan.SLOTS:
+        cells, per_cell = decode_plan.balanced_slots(num_seqs, num_kv_heads, base, splits, share_programs), 1
     else:
-        max_parts, cells, per_cell = splits, num_seqs, splits
+        cells, per_cell = num_seqs, splits
     grid = (num_kv_heads, cells, per_cell) if heads_fastest else (cells, num_kv_heads, per_cell)
     if splits == 1:
         # No reduction: the split buffers are never written, but they are float32 pointers here
@@ -161,9 +153,9 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
             query, k_cache, v_cache, out, unused, unused, seq_lens, block_tables, scale * math.log2(math.e),
             query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-            0, 0, 0, 0, 0, base, splits, max_parts, num_seqs, **common)
+            0, 0, 0, 0, 0, base, splits, num_seqs, **common)
         return out
-    # Split results by (cell, head, split): (sequence, head, split), or balanced (cell, head).
+    # Split results by (cell, head, split): (sequence, head, split), or SLOTS (slot, head).
     mid_o = torch.empty(cells, num_heads, per_cell, block_d, dtype=torch.float32, device=query.device)
     mid_lse = torch.empty(cells, num_heads, per_cell, dtype=torch.float32, device=query.device)
     paged_decode_kernel[grid](
@@ -171,13 +163,13 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), base, splits,
-        max_parts, num_seqs, **common)
-    # Balanced, its rows in the decode grid's order (the slots follow it).
-    rows_order = dict(order_ptr=order) if mode == decode_plan.BALANCED else {}
+        num_seqs, **common)
+    # SLOTS: its rows in the decode grid's order (the slots follow it).
+    rows_order = dict(order_ptr=order) if mode == decode_plan.SLOTS else {}
     reduce_splits_kernel[(num_seqs, num_heads)](
         mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_kv_heads, splits, base, max_parts,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=decode_plan.reduce_block(splits),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_kv_heads, splits, base,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=decode_plan.reduce_block(splits, mode),
         num_warps=4, **plan, **rows_order)
     return out
 

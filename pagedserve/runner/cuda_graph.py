@@ -6,9 +6,9 @@ lives in a static buffer sized for the largest bucket; a step copies its inputs 
 the first B rows and pads the rest so that padding writes nothing (slot -1) and
 attends to one token of block 0. The attention backend is captured with max_seq_len
 fixed to max_model_len, so its launch grid does not depend on the step. A backend with a decode
-plan (triton_ops.decode_plan) may ask for one graph per decode split mode
-(decode_graph_split_modes; balanced splits, then also none) and pick one for each step from the
-host's lengths (pick_split_mode).
+plan (triton_ops.decode_plan) may ask for one graph per decode split mode (graph_split_modes:
+balanced splits, and also none, and in the slots' grid where it differs) and pick one for each
+step from the host's lengths (pick_split_mode).
 """
 from __future__ import annotations
 
@@ -46,7 +46,9 @@ class DecodeCUDAGraphs:
         self.buckets = buckets
         self.num_kv_heads, self.device = num_kv_heads, device
         plan = getattr(get_backend(device), "decode_plan", None)
-        self.split_modes: list[int | None] = plan.decode_graph_split_modes() if plan else [None]
+        # bucket -> the split modes captured for it, the first its default
+        self.split_modes: dict[int, list[int | None]] = {
+            b: plan.graph_split_modes(b, num_kv_heads, max_model_len, device) if plan else [None] for b in buckets}
         self.pick_split_mode = plan.pick_split_mode if plan else None
         max_blocks = (max_model_len + block_size - 1) // block_size
         n = self.buckets[-1]
@@ -72,7 +74,7 @@ class DecodeCUDAGraphs:
     def capture(self) -> None:
         stream = torch.cuda.Stream()
         # largest first, so smaller graphs reuse its memory pool
-        for b, mode in [(b, mode) for b in reversed(self.buckets) for mode in self.split_modes]:
+        for b, mode in [(b, mode) for b in reversed(self.buckets) for mode in self.split_modes[b]]:
             args = (self.input_ids[:b], self.positions[:b], self.kv_caches)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -113,8 +115,9 @@ class DecodeCUDAGraphs:
         g = self.bucket_for(b)
         self.slot_mapping[b:g].fill_(-1)
         self.seq_lens[b:g].fill_(1)
-        mode = self.split_modes[0]
-        if len(self.split_modes) > 1 and seq_lens_cpu is not None:
+        modes = self.split_modes[g]
+        mode = modes[0]
+        if len(modes) > 1 and seq_lens_cpu is not None:
             # The tiles are counted as the launch over this cache walks them (an fp8 cache has its own).
             mode = self.pick_split_mode(seq_lens_cpu, g, self.num_kv_heads, self.max_model_len, self.device,
                                         kv_dtype=self.kv_caches[0][0].dtype)

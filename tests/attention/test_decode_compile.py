@@ -1,9 +1,8 @@
 """The decode kernels compile for the H200 without one: Triton builds them ahead of time for sm_90
 with its bundled ptxas, in every split mode and with and without the longest-first order. The
 interpreter (triton_interpret_cases.py) checks the arithmetic but not the compiler's rules: a
-balanced launch chooses its grid at run time (triton_decode.takes_slots), and a value the two
-branches give different types (int32 against an int64 from the order) compiles under the
-interpreter and fails here, as it did once in the 41st session."""
+value two branches give different types (int32 against an int64 from the order) compiles under
+the interpreter and fails here, as it did once in the 41st session."""
 import os
 
 import pytest
@@ -21,8 +20,7 @@ from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_split
 POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
             "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
             "qk_scale": "fp32", "order_ptr": "*i64"}
-PLAN = dict(SHARE_PROGRAMS=792, MIN_CHAIN_TILES=2, SLOT_MIN_GAIN_TILES=decode_plan.SLOT_MIN_GAIN_TILES,
-            SLOT_ROWS_PER_TILE=decode_plan.SLOT_ROWS_PER_TILE)
+PLAN = dict(SHARE_PROGRAMS=792, MIN_CHAIN_TILES=2)
 
 
 def _compile(fn, const: dict) -> str:
@@ -38,7 +36,7 @@ def _compile(fn, const: dict) -> str:
         raise
 
 
-@pytest.mark.parametrize("split_tokens", [decode_plan.BALANCED, 0, 512])
+@pytest.mark.parametrize("split_tokens", [decode_plan.SLOTS, decode_plan.BALANCED, 0, 512])
 @pytest.mark.parametrize("ordered", [False, True])
 def test_decode_and_reduce_compile_for_sm90(split_tokens, ordered):
     order = {} if ordered else {"order_ptr": None}

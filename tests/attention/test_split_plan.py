@@ -69,8 +69,8 @@ def test_a_long_sequence_beside_short_ones_takes_the_slots_grid():
     """The mix the 41st session measured (docs/long-context.md): one 32k-token sequence decoding
     beside 15 short ones, a 16-row decode graph, 8 KV heads. The even share asks for chains of 4
     tiles; the rows' grid (9 splits a row at 16 rows) leaves the long one chains of 29, the slots'
-    grid cuts it in 49 parts of whole tiles, 6 each (43 non-empty): it takes the slots', and every
-    split has its cell."""
+    grid cuts it in 49 parts of whole tiles, 6 each (43 non-empty): a decode graph replays the
+    slots' (SLOTS), and every split has its slot."""
     cpu = torch.device("cpu")
     lens = [32768] + [300] * 15
     base, splits, mode = plan.decode_launch(16, 8, 40960, cpu, split_tokens=plan.BALANCED)
@@ -83,8 +83,10 @@ def test_a_long_sequence_beside_short_ones_takes_the_slots_grid():
     parts = _kernel_parts(lens, 16, 8, 40960, 128, slots=True)[1]
     assert parts[0] == 43 and -(-256 // 43) == 6
     share = plan.DECODE_SHARE_PROGRAMS_PER_SM * 132
-    assert sum(parts) <= plan.balanced_cells(16, 8, base, splits, most, share)
-    assert plan.pick_split_mode(lens, 16, 8, 40960, cpu) == plan.BALANCED
+    assert sum(parts) <= plan.balanced_slots(16, 8, base, most, share)
+    assert plan.pick_split_mode(lens, 16, 8, 40960, cpu) == plan.SLOTS
+    assert plan.decode_launch(16, 8, 40960, cpu, split_tokens=plan.SLOTS) == (base, most, plan.SLOTS)
+    assert plan.graph_split_modes(16, 8, 40960, cpu) == [0, plan.BALANCED, plan.SLOTS]
 
 
 def test_a_mildly_uneven_step_keeps_the_rows_grid():
@@ -97,26 +99,30 @@ def test_a_mildly_uneven_step_keeps_the_rows_grid():
     longest, chain = -(-1871 // 128), 2
     gain = -(-longest // 3) - -(-longest // min(-(-longest // chain), most))
     assert gain == 3 and not plan.takes_slots(longest, chain, base, splits, most, 64)
+    assert plan.pick_split_mode([1871] + [500] * 63, 64, 8, 4096, cpu) == plan.BALANCED
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_balanced_cells_hold_every_split_of_either_grid(seed):
-    """balanced_cells bounds the slots the kernels' plan takes (every row's parts, padding rows
-    included) and the rows' grid, for any lengths, padded rows, shares and tile sizes."""
+def test_balanced_slots_hold_every_split(seed):
+    """balanced_slots bounds the slots the kernels' plan takes (every row's parts, padding rows
+    included), for any lengths, padded rows, shares and tile sizes; and a graph replays SLOTS only
+    where it was captured with it (graph_split_modes)."""
     import random
     rng = random.Random(seed)
     rows = rng.choice([1, 2, 4, 8, 16, 33, 64, 256, 300])
     kv, block_n = rng.choice([1, 2, 8, 40]), rng.choice([16, 64, 128, 256])
     share = rng.choice([1, 4, 50, 792, 5000])
     lens = [rng.choice([1, 2, 200, 4000, rng.randrange(1, 131072)]) for _ in range(rng.randrange(1, rows + 1))]
-    base, splits, _ = plan.decode_launch(rows, kv, 131072, torch.device("cpu"), split_tokens=plan.BALANCED)
-    most = plan.slot_parts(base, 131072, kv, 132)
+    cpu = torch.device("cpu")
+    base, most, _ = plan.decode_launch(rows, kv, 131072, cpu, split_tokens=plan.SLOTS)
+    assert most == plan.slot_parts(base, 131072, kv, 132)
     padded = list(lens) + [1] * (rows - len(lens))
     work = sum(-(-n // block_n) for n in padded) * kv
     chain = max(-(-work // share), max(1, plan.MIN_TOKENS_PER_SPLIT // block_n))
     slots = sum(min(max(-(-(-(-n // block_n)) // chain), base), most) for n in padded)   # parts, as slot_plan counts
-    cells = plan.balanced_cells(rows, kv, base, splits, most, share)
-    assert slots <= cells and rows * splits <= cells
+    assert slots <= plan.balanced_slots(rows, kv, base, most, share)
+    picked = plan.pick_split_mode(lens, rows, kv, 131072, cpu, block_n=block_n)
+    assert picked in plan.graph_split_modes(rows, kv, 131072, cpu)
 
 
 @pytest.mark.parametrize("raw, want", [("", plan.DECODE_SPLIT_TOKENS), ("0", 0), ("1024", 1024),
@@ -142,7 +148,7 @@ def test_bad_switch_names_it(monkeypatch, raw):
 
 
 def _kernel_parts(lens, rows, kv, max_len, block_n, sms=132, slots=False):
-    """The kernels' balanced plan (triton_decode's balanced_load and _balanced_cut) written out in
+    """The kernels' balanced plan (triton_decode's balanced_chain_tiles and _balanced_parts) written out in
     Python: each sequence's number of non-empty splits in the rows' grid, or with slots=True in the
     slots' (at most slot_parts a sequence)."""
     base, most, mode = plan.decode_launch(rows, kv, max_len, torch.device("cpu"), split_tokens=plan.BALANCED)
@@ -179,10 +185,14 @@ def test_pick_split_mode(lens, rows, want):
 
 
 def test_graph_modes_follow_the_switch(monkeypatch):
+    """Balanced: 0 and BALANCED, and SLOTS where its grid gives a sequence more splits than the
+    rows' (not at one row, whose grid is already a wave); a split size: that alone."""
+    cpu = torch.device("cpu")
     monkeypatch.setattr(plan, "decode_split_tokens", lambda: plan.BALANCED)
-    assert plan.decode_graph_split_modes() == [0, plan.BALANCED]
+    assert plan.graph_split_modes(64, 8, 4096, cpu) == [0, plan.BALANCED, plan.SLOTS]   # 3 against 16
+    assert plan.graph_split_modes(1, 8, 131072, cpu) == [0, plan.BALANCED]               # 49 either way
     monkeypatch.setattr(plan, "decode_split_tokens", lambda: 512)
-    assert plan.decode_graph_split_modes() == [512]
+    assert plan.graph_split_modes(64, 8, 4096, cpu) == [512]
 
 
 @pytest.mark.parametrize("raw, want", [
@@ -307,8 +317,8 @@ def test_bad_share_switch_names_it(monkeypatch, raw):
 
 @pytest.mark.parametrize("raw, slots", [("", True), ("2", True), ("1000000", False), ("-1000000", True)])
 def test_slot_gain_switch_decides_the_grid_of_a_skewed_step(monkeypatch, raw, slots):
-    """PAGEDSERVE_DECODE_SLOT_GAIN moves the threshold of takes_slots (and so the kernels' choice,
-    which triton_ops passes them): the measured mix's step (one 32k among 15 short ones, chains of
+    """PAGEDSERVE_DECODE_SLOT_GAIN moves the threshold of takes_slots (and so the graph a step
+    replays): the measured mix's step (one 32k among 15 short ones, chains of
     29 tiles in the rows' grid against 6) takes the slots' grid unless the switch asks for more."""
     monkeypatch.setenv(plan.SLOT_GAIN_ENV, raw)
     plan.slot_min_gain_tiles.cache_clear()

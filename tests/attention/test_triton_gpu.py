@@ -6,7 +6,7 @@ Skipped without CUDA; CPU CI covers the same kernels through the interpreter.
 import pytest
 import torch
 
-from pagedserve.attention import reference
+from pagedserve.attention import decode_plan, reference
 from paged_batch import make_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -93,11 +93,13 @@ def test_length_aware_splits(ops, base, split_tokens):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("mode", [decode_plan.SLOTS, decode_plan.BALANCED])
 @pytest.mark.parametrize("longest_first", [False, True])
-def test_balanced_long_context_beside_short_ones(ops, longest_first):
+def test_balanced_long_context_beside_short_ones(ops, longest_first, mode):
     """The mix the balanced grid of slots is for: one 32k-token context decoding beside 15 short
     ones, launched as a 16-row decode graph launches it (max_model_len 40,960), the long one cut
-    into ~43 splits and every short one into its base: all of them in the grid's slots."""
+    into ~43 splits and every short one into its base: all of them in the grid's slots; and the
+    same cut in the rows' grid (9 splits a row)."""
     shapes = [(300 + 37 * i, 1) for i in range(16)]
     shapes[3] = (32767, 1)
     batch = make_batch(shapes, 16, H=32, Hkv=8, D=128, block_size=16, dtype=torch.bfloat16, device="cuda")
@@ -107,7 +109,7 @@ def test_balanced_long_context_beside_short_ones(ops, longest_first):
     out = torch.full_like(batch.query, float("nan"))
     order = ops.longest_first(m.seq_lens) if longest_first else None
     ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 40960, 128 ** -0.5, out,
-                     split_tokens=-1, order=order)
+                     split_tokens=mode, order=order)
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
 
 

@@ -125,7 +125,7 @@ def test_balanced_splits_match_reference(base, share, min_chain):
 
 
 def test_balanced_slots_give_one_long_row_many_splits_among_260():
-    """The slots' grid (slot_plan), forced: 260 rows, more than one 256-row chunk of the plan's
+    """The slots' grid (SLOTS, slot_plan): 260 rows, more than one 256-row chunk of the plan's
     scans, in longest-first order (the long row at rank 0 shifts every later row's slots, and the
     rows of the second chunk find theirs past the carry; row order is
     test_balanced_grids_agree_on_a_skewed_step's), one long row and 259 of 1-3 tokens. With the work (272 tiles) shared over 300 programs the long row takes 13
@@ -137,26 +137,24 @@ def test_balanced_slots_give_one_long_row_many_splits_among_260():
     kc, vc, ref = _reference_out(batch)
     out = torch.full_like(batch.query, float("nan"))
     m = batch.meta
-    base, splits, mode = decode_plan.decode_launch(260, 1, 4096, torch.device("cpu"), num_splits=1,
-                                                   split_tokens=decode_plan.BALANCED)
-    most = decode_plan.slot_parts(base, 4096, 1, 132)
-    assert (base, splits, most, mode) == (1, 5, 16, decode_plan.BALANCED)
-    assert decode_plan.balanced_cells(260, 1, base, splits, most, 300) == 1300   # rows x 5 >= 300 + 260 slots
+    cpu = torch.device("cpu")
+    assert decode_plan.decode_launch(260, 1, 4096, cpu, num_splits=1, split_tokens=decode_plan.BALANCED)[1] == 5
+    base, most, mode = decode_plan.decode_launch(260, 1, 4096, cpu, num_splits=1, split_tokens=decode_plan.SLOTS)
+    assert (base, most, mode) == (1, 16, decode_plan.SLOTS)
+    assert decode_plan.balanced_slots(260, 1, base, most, 300) == 560   # 300 + 260 slots
     ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 4096, 16 ** -0.5, out,
-                     num_splits=1, block_n=16, split_tokens=decode_plan.BALANCED, share_programs=300,
-                     min_chain_tiles=1, order=ops.longest_first(m.seq_lens), slot_min_gain_tiles=-10 ** 6)
+                     num_splits=1, block_n=16, split_tokens=decode_plan.SLOTS, share_programs=300,
+                     min_chain_tiles=1, order=ops.longest_first(m.seq_lens))
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
-@pytest.mark.parametrize("slot_min_gain_tiles", [-10 ** 6, None, 10 ** 6])
+@pytest.mark.parametrize("mode", [decode_plan.SLOTS, decode_plan.BALANCED])
 @pytest.mark.parametrize("longest_first", [False, True])
-def test_balanced_grids_agree_on_a_skewed_step(slot_min_gain_tiles, longest_first):
-    """One long row among short ones in a balanced launch, in the slots' grid (forced), as the
-    kernels choose (takes_slots at the defaults: the rows' grid, whose 16 splits a row are as
-    many as the slots' here), and in the rows' grid (forced): the same outputs, each the
-    reference's. (Shapes where the rows' grid binds need thousands of programs, too slow for the
-    interpreter: decode_plan.takes_slots is checked on them in test_split_plan.py, and
-    test_triton_gpu.py runs one on the GPU.)"""
+def test_balanced_grids_agree_on_a_skewed_step(mode, longest_first):
+    """One long row among short ones, the balanced cut in the slots' grid and in the rows': the
+    same outputs, each the reference's. (Shapes where the rows' grid binds need thousands of
+    programs, too slow for the interpreter: decode_plan.takes_slots is checked on them in
+    test_split_plan.py, and test_triton_gpu.py runs one on the GPU.)"""
     shapes = [(3 + 5 * i, 1) for i in range(9)]
     shapes[4] = (700, 1)
     batch = make_batch(shapes, 9, H=8, Hkv=2, D=16, block_size=8, seed=3)
@@ -165,12 +163,12 @@ def test_balanced_grids_agree_on_a_skewed_step(slot_min_gain_tiles, longest_firs
     out = torch.full_like(batch.query, float("nan"))
     order = ops.longest_first(m.seq_lens) if longest_first else None
     ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 4096, 16 ** -0.5, out,
-                     num_splits=1, block_n=16, split_tokens=decode_plan.BALANCED, share_programs=200,
-                     min_chain_tiles=1, order=order, slot_min_gain_tiles=slot_min_gain_tiles)
+                     num_splits=1, block_n=16, split_tokens=mode, share_programs=200, min_chain_tiles=1,
+                     order=order)
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
-@pytest.mark.parametrize("split_tokens", [0, 16, -1])
+@pytest.mark.parametrize("split_tokens", [0, 16, decode_plan.BALANCED, decode_plan.SLOTS])
 # (False, False), the plain order, is not repeated here: it is test_length_aware_splits_match_reference
 # (split_tokens 0 and 16) and test_balanced_splits_match_reference's (1, 4, 1) (BALANCED, 4 programs'
 # share, chains of 1): the same launch in the plain order, on (nearly) the same lengths.
