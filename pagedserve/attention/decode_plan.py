@@ -14,10 +14,10 @@ What it decides:
   the one a step replays (pick_split_mode);
 - what a launch compiles per (decode_compile_key), so that the warm-up covers each variant.
 
-Why on the host: a decode graph is captured once per batch size, so its grid cannot follow a
-step's lengths; the kernels cut each sequence themselves (triton_decode's plans, from seq_lens
-on the device) within the grid planned here, and pick_split_mode mirrors that cut from the
-host's copy of the same lengths.
+Why on the host: a decode graph is captured once per batch size and split mode, so its grid
+cannot follow a step's lengths; the kernels cut each sequence themselves (triton_decode's plans,
+from seq_lens on the device) within the grid planned here, and pick_split_mode mirrors that cut
+from the host's copy of the same lengths to pick the graph.
 
 Invariants:
 - Nothing here syncs the device: every input is a Python number, a host list of lengths, a dtype
