@@ -305,14 +305,16 @@ def decode_launch(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: to
 
 
 def graph_split_modes(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> list[int]:
-    """The split modes a decode CUDA graph of num_rows rows is captured with: the switch's, and with
-    "balanced" also 0, so that a step whose lengths need no cut replays a graph without the plan's
-    extra programs, and SLOTS where the slots' grid can give a sequence more splits than the rows'
-    (elsewhere pick_split_mode never picks it)."""
+    """The split modes a decode CUDA graph of num_rows rows is captured with: the switch's; with
+    "balanced" 0, so that a step whose lengths need no cut replays a graph without the plan's extra
+    programs, and BALANCED where the rows' grid has room for more splits than the base, and SLOTS
+    where the slots' grid has room for more than the rows' (pick_split_mode picks no other)."""
     mode = decode_split_tokens()
     if mode != BALANCED:
         return [mode]
-    base, splits, _ = _balanced_launch(num_rows, num_kv_heads, max_seq_len, device)
+    base, splits, mode = _balanced_launch(num_rows, num_kv_heads, max_seq_len, device)
+    if mode != BALANCED:
+        return [0]
     return [0, BALANCED] + ([SLOTS] if slot_parts(base, max_seq_len, num_kv_heads, device_sms(device)) > splits else [])
 
 

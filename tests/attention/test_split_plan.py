@@ -185,12 +185,15 @@ def test_pick_split_mode(lens, rows, want):
 
 
 def test_graph_modes_follow_the_switch(monkeypatch):
-    """Balanced: 0 and BALANCED, and SLOTS where its grid gives a sequence more splits than the
-    rows' (not at one row, whose grid is already a wave); a split size: that alone."""
+    """Balanced: 0, BALANCED where the rows' grid has more splits than the base, and SLOTS where
+    the slots' grid has more than the rows' (not at one row, whose base is already a wave); a split
+    size: that alone."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(plan, "decode_split_tokens", lambda: plan.BALANCED)
-    assert plan.graph_split_modes(64, 8, 4096, cpu) == [0, plan.BALANCED, plan.SLOTS]   # 3 against 16
-    assert plan.graph_split_modes(1, 8, 131072, cpu) == [0, plan.BALANCED]               # 49 either way
+    assert plan.graph_split_modes(64, 8, 4096, cpu) == [0, plan.BALANCED, plan.SLOTS]   # 1 < 3 < 16
+    assert plan.graph_split_modes(256, 8, 4096, cpu) == [0, plan.BALANCED, plan.SLOTS]  # 1 < 2 < 16
+    assert plan.graph_split_modes(1, 8, 131072, cpu) == [0]                             # 49 all three
+    assert plan.graph_split_modes(16, 8, 256, cpu) == [0]                               # no room to cut
     monkeypatch.setattr(plan, "decode_split_tokens", lambda: 512)
     assert plan.graph_split_modes(64, 8, 4096, cpu) == [512]
 

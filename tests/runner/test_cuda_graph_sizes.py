@@ -59,29 +59,36 @@ def test_padded_and_eager_batches_match_hf(tiny_model_dir):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_balanced_split_graphs_both_match_hf(tiny_model_dir, monkeypatch):
-    """With balanced decode splits each bucket has two graphs (the plan's and none); whichever a
-    step replays, greedy tokens equal HF's. The pick alternates so both run at every size."""
+def test_balanced_split_graphs_all_match_hf(tiny_model_dir, monkeypatch):
+    """With balanced decode splits each bucket has a graph per split mode (none, the plan's rows'
+    grid, and where it gives a sequence more splits its slots' grid); whichever a step replays,
+    greedy tokens equal HF's. The pick cycles so that every mode runs at every size."""
     from pagedserve.attention import decode_plan
 
     monkeypatch.setattr(decode_plan, "decode_split_tokens", lambda: decode_plan.BALANCED)
-    model_dir = tiny_model_dir("llama", max_position_embeddings=4096)
+    model_dir = tiny_model_dir("llama", max_position_embeddings=16384)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 100, (n,), generator=gen).tolist() for n in (700, 3, 90, 260, 1, 1500, 40)]
-    llm = make_llm(model_dir, device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 16], max_model_len=4096)
+    llm = make_llm(model_dir, device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 16], max_model_len=16384)
     graphs = llm.llm_engine.runner.graphs
-    assert set(graphs.graphs) == {(b, m) for b in (1, 16) for m in (0, decode_plan.BALANCED)}
-    # at 16 rows of the tiny model's 2 KV heads the balanced grid is wider than the base (13 of 16)
-    assert decode_plan.decode_launch(16, 2, 4096, torch.device("cuda"), split_tokens=decode_plan.BALANCED) == \
-        (13, 16, decode_plan.BALANCED)
+    # one row: the base is already the whole grid, so no cut to choose
+    assert set(graphs.graphs) == {(1, 0)} | {(16, m) for m in (0, decode_plan.BALANCED, decode_plan.SLOTS)}
+    # at 16 rows of the tiny model's 2 KV heads the rows' grid is wider than the base (13 of 33), and
+    # the slots' wider still (64)
+    cuda = torch.device("cuda")
+    assert decode_plan.decode_launch(16, 2, 16384, cuda, split_tokens=decode_plan.BALANCED) == \
+        (13, 33, decode_plan.BALANCED)
+    assert decode_plan.decode_launch(16, 2, 16384, cuda, split_tokens=decode_plan.SLOTS) == \
+        (13, 64, decode_plan.SLOTS)
     picked = []
 
-    def alternate(*args, **kwargs):
-        picked.append(decode_plan.BALANCED if len(picked) % 2 else 0)
+    def cycle(seq_lens, bucket, *args, **kwargs):
+        choices = graphs.split_modes[bucket]
+        picked.append(choices[len(picked) % len(choices)])
         return picked[-1]
-    graphs.pick_split_mode = alternate
+    graphs.pick_split_mode = cycle
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    assert len(set(picked)) == 2
+    assert set(picked) == {0, decode_plan.BALANCED, decode_plan.SLOTS}
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == hf_greedy(model_dir, p, 16, ignore_eos=True)
