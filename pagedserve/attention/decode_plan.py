@@ -117,7 +117,7 @@ DECODE_GRID_PROGRAMS_PER_SM = 8
 # so a graph replay takes it only where the chain it saves, in tiles, exceeds SLOT_MIN_GAIN_TILES
 # + rows / SLOT_ROWS_PER_TILE (takes_slots; a tile of one program ~1.7 us in the same run: 100 ->
 # 61 us a launch at 16 rows as chains went from 29 to 6 tiles). The choice is the host's, one graph
-# per mode: made inside the kernels (41st session) it cost the rows' grid 7-11% at 8-64 rows of
+# per mode: made inside the kernels (41st session) it cost the rows' grid 6-13% at 8-64 rows of
 # serving's and even contexts on the H200, where the step kept the rows (42nd session,
 # docs/long-context.md).
 SLOT_MIN_GAIN_TILES = 2

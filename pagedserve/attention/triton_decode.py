@@ -28,8 +28,8 @@ a sequence), so a 32k-token sequence beside 15 short ones walked chains of 29 ti
 share asked for 4 (on the H200 such decode steps took 7.8 ms against vLLM's 6.2,
 docs/long-context.md); the slots' grid cuts it into chains of 6. The slots' scans over the rows
 cost every program a little, so the host picks the mode per step (decode_plan.pick_split_mode:
-one decode graph per mode); a run-time choice inside one kernel cost the rows' grid 4-10% on
-serving's steps (42nd session). Programs past the last split return at once and write nothing;
+one decode graph per mode); a run-time choice inside one kernel cost the rows' grid 6-13% on
+serving's and even steps at 8-64 rows (42nd session). Programs past the last split return at once and write nothing;
 the reduction derives the same plan from the same lengths, so it reads only what was written.
 base_splits and the split counts are runtime values, so one compile serves every batch size.
 """
