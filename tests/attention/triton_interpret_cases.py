@@ -148,13 +148,16 @@ def test_balanced_slots_give_one_long_row_many_splits_among_260():
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
-@pytest.mark.parametrize("mode", [decode_plan.SLOTS, decode_plan.BALANCED])
+@pytest.mark.parametrize("mode, max_len", [(decode_plan.SLOTS, 4096), (decode_plan.SLOTS, 8192),
+                                           (decode_plan.BALANCED, 4096)])
 @pytest.mark.parametrize("longest_first", [False, True])
-def test_balanced_grids_agree_on_a_skewed_step(mode, longest_first):
+def test_balanced_grids_agree_on_a_skewed_step(mode, max_len, longest_first):
     """One long row among short ones, the balanced cut in the slots' grid and in the rows': the
-    same outputs, each the reference's. (Shapes where the rows' grid binds need thousands of
-    programs, too slow for the interpreter: decode_plan.takes_slots is checked on them in
-    test_split_plan.py, and test_triton_gpu.py runs one on the GPU.)"""
+    same outputs, each the reference's. At max_len 8192 the slots' grid allows 32 splits a row,
+    and the long row's 22 non-empty ones take the reduce two passes of REDUCE_BLOCK_S. (Shapes
+    where the rows' grid binds need thousands of programs, too slow for the interpreter:
+    decode_plan.takes_slots is checked on them in test_split_plan.py, and test_triton_gpu.py runs
+    one on the GPU.)"""
     shapes = [(3 + 5 * i, 1) for i in range(9)]
     shapes[4] = (700, 1)
     batch = make_batch(shapes, 9, H=8, Hkv=2, D=16, block_size=8, seed=3)
@@ -162,7 +165,10 @@ def test_balanced_grids_agree_on_a_skewed_step(mode, longest_first):
     m = batch.meta
     out = torch.full_like(batch.query, float("nan"))
     order = ops.longest_first(m.seq_lens) if longest_first else None
-    ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 4096, 16 ** -0.5, out,
+    if max_len == 8192:
+        assert decode_plan.decode_launch(9, 2, max_len, torch.device("cpu"), num_splits=1, split_tokens=mode)[1] == 32
+        assert decode_plan.reduce_block(32, mode) == decode_plan.REDUCE_BLOCK_S == 16
+    ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, max_len, 16 ** -0.5, out,
                      num_splits=1, block_n=16, split_tokens=mode, share_programs=200, min_chain_tiles=1,
                      order=order)
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
