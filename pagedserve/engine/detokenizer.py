@@ -61,3 +61,13 @@ def detokenize_incrementally(tokenizer: Any, prompt_ids: list[int], output_ids: 
     if full_text.endswith(_REPLACEMENT) and not final:
         return "", state
     return full_text[len(prefix_text):], (read, end)
+
+
+def find_stop_string(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
+    """Earliest stop string that ends at or after `search_from` (text before it was checked)."""
+    best: tuple[int, str] | None = None
+    for s in stops:
+        i = text.find(s, max(0, search_from - len(s) + 1))
+        if i != -1 and (best is None or i < best[0]):
+            best = (i, s)
+    return best

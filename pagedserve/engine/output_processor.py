@@ -15,20 +15,10 @@ import time
 from typing import Any
 
 from pagedserve.engine import prompt_logprobs
-from pagedserve.engine.detokenizer import detokenize_incrementally, initial_state
+from pagedserve.engine.detokenizer import detokenize_incrementally, find_stop_string, initial_state
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
-
-
-def find_stop_string(text: str, stops: list[str], search_from: int) -> tuple[int, str] | None:
-    """Earliest stop string that ends at or after `search_from` (text before it was checked)."""
-    best: tuple[int, str] | None = None
-    for s in stops:
-        i = text.find(s, max(0, search_from - len(s) + 1))
-        if i != -1 and (best is None or i < best[0]):
-            best = (i, s)
-    return best
 
 
 class OutputProcessor:

@@ -21,8 +21,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine.detokenizer import detokenize_incrementally, initial_state
-from pagedserve.engine.output_processor import find_stop_string
+from pagedserve.engine.detokenizer import detokenize_incrementally, find_stop_string, initial_state
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 

@@ -9,3 +9,13 @@ def test_core_and_sim_do_not_import_torch():
             "assert 'torch' not in sys.modules, 'torch was imported'")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_the_front_ends_text_path_does_not_import_the_runner():
+    """The API server's engine client and its text path (stop strings, detokenizing) need neither
+    the runner nor torch; only the tokenizer's own load (transformers) may bring torch in."""
+    code = ("import sys, pagedserve.engine.async_engine, pagedserve.engine.text_output; "
+            "assert 'pagedserve.runner' not in sys.modules, 'the runner was imported'; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr

@@ -2,7 +2,7 @@
 import pytest
 
 from pagedserve.engine.detokenizer import detokenize_incrementally, initial_state
-from pagedserve.engine.output_processor import find_stop_string
+from pagedserve.engine.detokenizer import find_stop_string
 
 TEXTS = [
     "Héllo wörld! Ünïcödé text, 日本語のテキスト, emoji 🚀🔥 and ΕΛΛΗΝΙΚΑ letters.",
