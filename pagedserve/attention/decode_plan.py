@@ -10,7 +10,7 @@ What it decides:
   grid's splits, more for long sequences as PAGEDSERVE_DECODE_SPLIT_TOKENS says (grid_splits),
   balanced, and the slots' grid a skewed step takes instead (slot_parts, balanced_slots), and the
   split mode the kernels get (decode_launch);
-- for decode CUDA graphs: the split modes a graph is captured with (decode_graph_split_modes) and
+- for decode CUDA graphs: the split modes a graph is captured with (graph_split_modes) and
   the one a step replays (pick_split_mode);
 - what a launch compiles per (decode_compile_key), so that the warm-up covers each variant.
 
