@@ -105,9 +105,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     The launch is decode_plan's: num_splits: each sequence's base split count (default:
     choose_num_splits); split_tokens: the length-aware splits (default: decode_split_tokens();
     0: every sequence in num_splits; BALANCED; SLOTS, the balanced cut in the slots' grid);
-    share_programs, min_chain_tiles: the balanced
-    plan's even share (defaults: the device's DECODE_SHARE_PROGRAMS_PER_SM per SM,
-    MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps.
+    share_programs, min_chain_tiles: the balanced plan's even share (defaults: the device's
+    DECODE_SHARE_PROGRAMS_PER_SM per SM, MIN_TOKENS_PER_SPLIT in tiles), for tests and sweeps.
     heads_fastest: the grid is (KV head, sequence, split), so a sequence's heads, whose K/V rows
     are adjacent in the pool, run side by side; else (sequence, KV head, split). order: the rows in
     the order their programs should start (longest_first), or None for row order. block_n,
