@@ -304,18 +304,35 @@ def decode_launch(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: to
     return base, splits, (tokens if splits > base else 0)
 
 
-def graph_split_modes(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> list[int]:
+def graph_split_modes(num_rows: int, num_kv_heads: int, max_seq_len: int, device: torch.device,
+                      block_n: int | None = None, kv_dtype: torch.dtype | None = None) -> list[int]:
     """The split modes a decode CUDA graph of num_rows rows is captured with: the switch's; with
     "balanced" 0, so that a step whose lengths need no cut replays a graph without the plan's extra
     programs, and BALANCED where the rows' grid has room for more splits than the base, and SLOTS
-    where the slots' grid has room for more than the rows' (pick_split_mode picks no other)."""
+    where some lengths up to max_seq_len can take it (pick_split_mode picks no other). block_n,
+    kv_dtype: as pick_split_mode's."""
     mode = decode_split_tokens()
     if mode != BALANCED:
         return [mode]
     base, splits, mode = _balanced_launch(num_rows, num_kv_heads, max_seq_len, device)
     if mode != BALANCED:
         return [0]
-    return [0, BALANCED] + ([SLOTS] if slot_parts(base, max_seq_len, num_kv_heads, device_sms(device)) > splits else [])
+    block_n = decode_launch_for(kv_dtype).block_n if block_n is None else block_n
+    most = slot_parts(base, max_seq_len, num_kv_heads, device_sms(device))
+    return [0, BALANCED] + ([SLOTS] if _slots_can_gain(cdiv(max_seq_len, block_n), splits, most, num_rows) else [])
+
+
+def _slots_can_gain(max_tiles: int, splits: int, max_parts: int, num_rows: int) -> bool:
+    """Whether takes_slots can hold for a step whose longest sequence has at most max_tiles tiles:
+    its gain is largest where the cut asks for max_parts or more (rows' chains cdiv(t, splits),
+    slots' cdiv(t, max_parts)), so no step gains more than the most of that over t. At
+    max_model_len 4,096 and 8 KV heads no size can (64 rows: 3 splits against 16, at most 9 tiles
+    against the 12 asked), so a short-context server captures no SLOTS graph."""
+    if max_parts <= splits:
+        return False
+    t = np.arange(1, max_tiles + 1)
+    best = int((-(-t // splits) - -(-t // max_parts)).max())
+    return best > slot_min_gain_tiles() + num_rows // SLOT_ROWS_PER_TILE
 
 
 def pick_split_mode(seq_lens: Sequence[int], num_rows: int, num_kv_heads: int, max_seq_len: int,

@@ -46,9 +46,12 @@ class DecodeCUDAGraphs:
         self.buckets = buckets
         self.num_kv_heads, self.device = num_kv_heads, device
         plan = getattr(get_backend(device), "decode_plan", None)
-        # bucket -> the split modes captured for it, the first its default
+        # bucket -> the split modes captured for it, the first its default (the tiles counted as the
+        # launch over this cache walks them, as the pick in replay counts them)
+        kv_dtype = kv_caches[0][0].dtype if plan and kv_caches else None
         self.split_modes: dict[int, list[int | None]] = {
-            b: plan.graph_split_modes(b, num_kv_heads, max_model_len, device) if plan else [None] for b in buckets}
+            b: plan.graph_split_modes(b, num_kv_heads, max_model_len, device, kv_dtype=kv_dtype) if plan else [None]
+            for b in buckets}
         self.pick_split_mode = plan.pick_split_mode if plan else None
         max_blocks = (max_model_len + block_size - 1) // block_size
         n = self.buckets[-1]

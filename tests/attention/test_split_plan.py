@@ -122,7 +122,7 @@ def test_balanced_slots_hold_every_split(seed):
     slots = sum(min(max(-(-(-(-n // block_n)) // chain), base), most) for n in padded)   # parts, as slot_plan counts
     assert slots <= plan.balanced_slots(rows, kv, base, most, share)
     picked = plan.pick_split_mode(lens, rows, kv, 131072, cpu, block_n=block_n)
-    assert picked in plan.graph_split_modes(rows, kv, 131072, cpu)
+    assert picked in plan.graph_split_modes(rows, kv, 131072, cpu, block_n=block_n)
 
 
 @pytest.mark.parametrize("raw, want", [("", plan.DECODE_SPLIT_TOKENS), ("0", 0), ("1024", 1024),
@@ -186,12 +186,21 @@ def test_pick_split_mode(lens, rows, want):
 
 def test_graph_modes_follow_the_switch(monkeypatch):
     """Balanced: 0, BALANCED where the rows' grid has more splits than the base, and SLOTS where
-    the slots' grid has more than the rows' (not at one row, whose base is already a wave); a split
-    size: that alone."""
+    some lengths up to max_model_len can take the slots' grid (takes_slots); a split size: that
+    alone."""
     cpu = torch.device("cpu")
     monkeypatch.setattr(plan, "decode_split_tokens", lambda: plan.BALANCED)
-    assert plan.graph_split_modes(64, 8, 4096, cpu) == [0, plan.BALANCED, plan.SLOTS]   # 1 < 3 < 16
-    assert plan.graph_split_modes(256, 8, 4096, cpu) == [0, plan.BALANCED, plan.SLOTS]  # 1 < 2 < 16
+    assert plan.graph_split_modes(64, 8, 40960, cpu) == [0, plan.BALANCED, plan.SLOTS]
+    assert plan.graph_split_modes(256, 8, 40960, cpu) == [0, plan.BALANCED, plan.SLOTS]
+    # 4,096 positions: 32 tiles; at 64 rows chains of 11 in the rows' grid (3 splits) against 2 in
+    # the slots' (16): a gain of 9, not the 12 takes_slots asks at 64 rows; at 256 rows 16 - 2 < 44
+    assert plan.graph_split_modes(64, 8, 4096, cpu) == [0, plan.BALANCED]
+    assert plan.graph_split_modes(256, 8, 4096, cpu) == [0, plan.BALANCED]
+    # ... unless the switch lowers the bar, or the tiles are smaller (more of them)
+    monkeypatch.setattr(plan, "slot_min_gain_tiles", lambda: -10 ** 6)
+    assert plan.graph_split_modes(64, 8, 4096, cpu) == [0, plan.BALANCED, plan.SLOTS]
+    monkeypatch.setattr(plan, "slot_min_gain_tiles", lambda: plan.SLOT_MIN_GAIN_TILES)
+    assert plan.graph_split_modes(64, 8, 4096, cpu, block_n=16) == [0, plan.BALANCED, plan.SLOTS]
     assert plan.graph_split_modes(1, 8, 131072, cpu) == [0]                             # 49 all three
     assert plan.graph_split_modes(16, 8, 256, cpu) == [0]                               # no room to cut
     monkeypatch.setattr(plan, "decode_split_tokens", lambda: 512)

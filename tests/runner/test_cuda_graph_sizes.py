@@ -66,19 +66,19 @@ def test_balanced_split_graphs_all_match_hf(tiny_model_dir, monkeypatch):
     from pagedserve.attention import decode_plan
 
     monkeypatch.setattr(decode_plan, "decode_split_tokens", lambda: decode_plan.BALANCED)
-    model_dir = tiny_model_dir("llama", max_position_embeddings=16384)
+    model_dir = tiny_model_dir("llama", max_position_embeddings=65536)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(5, 100, (n,), generator=gen).tolist() for n in (700, 3, 90, 260, 1, 1500, 40)]
-    llm = make_llm(model_dir, device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 16], max_model_len=16384)
+    llm = make_llm(model_dir, device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 16], max_model_len=65536)
     graphs = llm.llm_engine.runner.graphs
     # one row: the base is already the whole grid, so no cut to choose
     assert set(graphs.graphs) == {(1, 0)} | {(16, m) for m in (0, decode_plan.BALANCED, decode_plan.SLOTS)}
     # at 16 rows of the tiny model's 2 KV heads the rows' grid is wider than the base (13 of 33), and
-    # the slots' wider still (64)
+    # the slots' wider still (64); 65,536 positions are long enough for the slots' to gain (512 tiles)
     cuda = torch.device("cuda")
-    assert decode_plan.decode_launch(16, 2, 16384, cuda, split_tokens=decode_plan.BALANCED) == \
+    assert decode_plan.decode_launch(16, 2, 65536, cuda, split_tokens=decode_plan.BALANCED) == \
         (13, 33, decode_plan.BALANCED)
-    assert decode_plan.decode_launch(16, 2, 16384, cuda, split_tokens=decode_plan.SLOTS) == \
+    assert decode_plan.decode_launch(16, 2, 65536, cuda, split_tokens=decode_plan.SLOTS) == \
         (13, 64, decode_plan.SLOTS)
     picked = []
 
