@@ -18,9 +18,10 @@ from pagedserve.sequence import Sequence, SequenceGroup
 
 
 def make_runner(model_dir, block_size: int = 16, num_blocks: int = 256, num_cpu_blocks: int = 32,
-                quantization: str | None = None) -> ModelRunner:
+                quantization: str | None = None, **engine_args) -> ModelRunner:
+    """engine_args: further EngineConfig fields."""
     cfg = EngineConfig(model=str(model_dir), block_size=block_size, num_gpu_blocks_override=num_blocks,
-                       device="cpu", dtype="float32", swap_space=0, quantization=quantization)
+                       device="cpu", dtype="float32", swap_space=0, quantization=quantization, **engine_args)
     runner = ModelRunner(cfg, load_hf_config(model_dir), torch.device("cpu"), torch.float32)
     runner.load_model()
     runner.init_kv_cache(num_blocks, num_cpu_blocks)

@@ -96,6 +96,9 @@ def main() -> int:
     ap.add_argument("--bin-tokens", type=int, default=2048)
     ap.add_argument("--keep-trace", default=None, help="also copy the step trace (jsonl) here")
     ap.add_argument("--output", default=None)
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="FIELD=VALUE",
+                    help="an EngineConfig field for the engine (a JSON value, else a string), e.g. "
+                         "nano_batch_rows=512; repeatable")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("offline_steps.py needs CUDA", file=sys.stderr)
@@ -104,6 +107,12 @@ def main() -> int:
         git_commit()
     model = args.model or default_model(args.workload)
     kwargs = {"max_model_len": 4096}
+    for item in args.engine_arg:
+        field, _, value = item.partition("=")
+        try:
+            kwargs[field] = json.loads(value)
+        except json.JSONDecodeError:
+            kwargs[field] = value
     reqs = make_workload(args.workload, args.num_requests)
     llm = LLM(model, load_format="dummy", skip_tokenizer_init=True, **kwargs)
     timed_generate(llm, warm_up_requests(reqs))

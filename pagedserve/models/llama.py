@@ -28,6 +28,9 @@ def head_dim_of(config) -> int:
 
 
 class LlamaAttention(nn.Module):
+    """The block's projections and attention; LlamaDecoderLayer calls them in order (project,
+    attn, o_proj), so that models/nano_batches.py can put the attention on a stream of its own."""
+
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
                  quant_config=None, prefix: str = ""):
         super().__init__()
@@ -47,16 +50,15 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                               total_num_kv_heads=num_kv, kv_head_start=self.qkv_proj.kv_head_start)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv_cache: KVCache,
-                meta: AttentionMetadata) -> torch.Tensor:
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """(q, k, v) of x, q and k rotated: [T, heads, head_dim] each but v ([T, kv heads * head_dim])."""
         qkv = self.qkv_proj(x)  # x: [T, hidden], or the same quantized (an Fp8Activation)
         T = qkv.shape[0]
         q, k, v = self.qkv_proj.split(qkv)
         q = q.view(T, self.num_heads, self.head_dim)
         k = k.view(T, self.num_kv_heads, self.head_dim)
         q, k = rotate_qk(q, k, cos, sin, self.q_norm, self.k_norm)
-        out = self.attn(q, k, v, kv_cache[0], kv_cache[1], meta)
-        return self.o_proj(out)
+        return q, k, v
 
 
 def check_silu(config) -> None:
@@ -112,9 +114,20 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """Returns (mlp output, residual stream before it); the caller's next norm adds them."""
+        q, k, v, residual = self.before_attention(x, residual, cos, sin)
+        return self.after_attention(self.self_attn.attn(q, k, v, kv_cache[0], kv_cache[1], meta), residual)
+
+    # forward in two halves around the attention itself: models/nano_batches.py runs one
+    # nano-batch's attention on a second stream beside the other nano-batch's matmuls.
+    def before_attention(self, x, residual, cos, sin):
+        """(q, k, v, residual): the input norm (adding the residual stream) and the projections."""
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
+        return *self.self_attn.project(x, cos, sin), residual
+
+    def after_attention(self, attn_out, residual):
+        """(mlp output, residual) from the attention's output [T, heads * head_dim]: o_proj, the
+        post-attention norm (adding the residual stream) and the MLP."""
+        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
         return self.mlp(x), residual
 
 

@@ -8,7 +8,9 @@ attends to one token of block 0. The attention backend is captured with max_seq_
 fixed to max_model_len, so its launch grid does not depend on the step. A backend with a decode
 plan (triton_ops.decode_plan) may ask for one graph per decode split mode (graph_split_modes:
 balanced splits, and also none, and in the slots' grid where it differs) and pick one for each
-step from the host's lengths (pick_split_mode).
+step from the host's lengths (pick_split_mode). Buckets of at least nano_batch_rows rows are captured
+as two nano-batches of bucket // 2 rows (models/nano_batches.py: one's attention on a second stream
+beside the other's matmuls), their split modes those of a half.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 
 from pagedserve.attention.backend import get_backend
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.models.nano_batches import forward_nano_batches, matmul_sm_carveout, split_decode_meta
 
 
 def graph_capturable(model) -> bool:
@@ -39,18 +42,25 @@ def batch_buckets(max_batch: int, sizes: list[int] | None = None) -> list[int]:
 
 class DecodeCUDAGraphs:
     def __init__(self, model, kv_caches, buckets: list[int], max_model_len: int, block_size: int,
-                 device: torch.device, num_kv_heads: int = 1):
-        """buckets: the batch sizes to capture, ascending (batch_buckets), at least one."""
+                 device: torch.device, num_kv_heads: int = 1, nano_batch_rows: int = 0, sm_carveout: int = 0):
+        """buckets: the batch sizes to capture, ascending (batch_buckets), at least one.
+        nano_batch_rows: buckets of at least this many rows (and 2) run as two nano-batches (0: none),
+        their matmuls leaving sm_carveout SMs to the attention beside them (matmul_sm_carveout)."""
         self.model, self.kv_caches = model, kv_caches
         self.max_model_len, self.block_size = max_model_len, block_size
         self.buckets = buckets
         self.num_kv_heads, self.device = num_kv_heads, device
+        self.nano = {b for b in buckets if nano_batch_rows and b >= max(nano_batch_rows, 2)}
+        self.sm_carveout = sm_carveout
+        self.side_stream = torch.cuda.Stream(device, priority=-1) if self.nano and device.type == "cuda" else None
         plan = getattr(get_backend(device), "decode_plan", None)
         # bucket -> the split modes captured for it, the first its default (the tiles counted as the
-        # launch over this cache walks them, as the pick in replay counts them)
+        # launch over this cache walks them, as the pick in replay counts them); a nano-batched
+        # bucket's are its first half's (every launch is of bucket // 2 rows or one more)
         kv_dtype = kv_caches[0][0].dtype if plan and kv_caches else None
         self.split_modes: dict[int, list[int | None]] = {
-            b: plan.graph_split_modes(b, num_kv_heads, max_model_len, device, kv_dtype=kv_dtype) if plan else [None]
+            b: plan.graph_split_modes(self._rows_per_launch(b), num_kv_heads, max_model_len, device,
+                                      kv_dtype=kv_dtype) if plan else [None]
             for b in buckets}
         self.pick_split_mode = plan.pick_split_mode if plan else None
         max_blocks = (max_model_len + block_size - 1) // block_size
@@ -66,6 +76,17 @@ class DecodeCUDAGraphs:
         self.outputs: dict[tuple[int, int | None], torch.Tensor] = {}
         self.pool = None
 
+    def _rows_per_launch(self, b: int) -> int:
+        return b // 2 if b in self.nano else b
+
+    def _forward(self, b: int, split_mode: int | None) -> torch.Tensor:
+        args = (self.input_ids[:b], self.positions[:b], self.kv_caches)
+        if b not in self.nano:
+            return self.model(*args, self._meta(b, split_mode))
+        metas = split_decode_meta(self._meta(b, split_mode), b // 2)
+        with matmul_sm_carveout(self.sm_carveout):
+            return forward_nano_batches(self.model, *args, metas, self.side_stream)
+
     def _meta(self, b: int, split_mode: int | None) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:b], query_start_loc=self.query_start_loc[:b + 1],
@@ -78,15 +99,14 @@ class DecodeCUDAGraphs:
         stream = torch.cuda.Stream()
         # largest first, so smaller graphs reuse its memory pool
         for b, mode in [(b, mode) for b in reversed(self.buckets) for mode in self.split_modes[b]]:
-            args = (self.input_ids[:b], self.positions[:b], self.kv_caches)
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.model(*args, self._meta(b, mode))  # warm-up outside capture: autotuning and lazy init
+                self._forward(b, mode)  # warm-up outside capture: autotuning and lazy init
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             # A fresh metadata: what the backend derives per step (decode_order) is captured too.
             with torch.cuda.graph(graph, pool=self.pool):
-                self.outputs[b, mode] = self.model(*args, self._meta(b, mode))
+                self.outputs[b, mode] = self._forward(b, mode)
             self.pool = graph.pool()
             self.graphs[b, mode] = graph
         torch.cuda.synchronize()
@@ -122,7 +142,8 @@ class DecodeCUDAGraphs:
         mode = modes[0]
         if len(modes) > 1 and seq_lens_cpu is not None:
             # The tiles are counted as the launch over this cache walks them (an fp8 cache has its own).
-            mode = self.pick_split_mode(seq_lens_cpu, g, self.num_kv_heads, self.max_model_len, self.device,
-                                        kv_dtype=self.kv_caches[0][0].dtype)
+            rows = self._rows_per_launch(g)  # a nano-batched bucket's first half
+            mode = self.pick_split_mode(seq_lens_cpu[:rows], rows, self.num_kv_heads, self.max_model_len,
+                                        self.device, kv_dtype=self.kv_caches[0][0].dtype)
         self.graphs[g, mode].replay()
         return self.outputs[g, mode][:b]

@@ -31,6 +31,8 @@ from pagedserve.core.plan import SchedulerOutput
 from pagedserve.distributed import TPGroup, get_tp_group
 from pagedserve.layers.quant import get_quantization_config
 from pagedserve.models.loader import get_max_model_len, get_model
+from pagedserve.models.nano_batches import (forward_nano_batches, matmul_sm_carveout, split_decode_meta,
+                                            supports_nano_batches)
 from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets, graph_capturable
@@ -46,8 +48,9 @@ from pagedserve.runner.warmup import warm_up, warmup_enabled
 logger = logging.getLogger(__name__)
 # How a step's forward ran (ModelRunner.last_graph_path): the decode graph of its size, the same
 # graph over decode rows (a short prefill), the full graph of its token count (any mix), piecewise
-# graphs with eager attention, or eagerly.
-GRAPH_PATHS = ("decode_graph", "decode_rows", "full_graph", "piecewise", "eager")
+# graphs with eager attention, or eagerly (nano_batches: an eager decode-only step of at least
+# nano_batch_rows rows, as two nano-batches; a decode graph's bucket may be captured so too).
+GRAPH_PATHS = ("decode_graph", "decode_rows", "full_graph", "piecewise", "eager", "nano_batches")
 GiB = 1 << 30
 # "1": a CPU runner also runs the profile phase (the same forward as on CUDA, timed; the pool is
 # still sized from cpu_kv_cache_gib), so CPU runs take the GPU's start-up path and measure costs.
@@ -116,6 +119,7 @@ class ModelRunner:
         self.request_state: DeviceRequestState | None = None
         self.last_graph_path: str | None = None  # how the last step's forward ran; None: it had none
         self.last_prompt_logits: torch.Tensor | None = None  # the last step's prompt_rows logits
+        self.nano_side_stream = None  # eager nano-batched steps' attention stream (CUDA), made on first use
 
     @property
     def vocab_size(self) -> int:
@@ -127,6 +131,7 @@ class ModelRunner:
         self.model = get_model(self.hf_config, model_dir=self.config.model, device=self.device, dtype=self.dtype,
                                load_format=fmt, seed=self.config.seed, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                expert_parallel=self.config.enable_expert_parallel, quant_config=self.quant_config)
+        self._check_nano_batches()
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
@@ -136,6 +141,21 @@ class ModelRunner:
                                       self.kv_dtype) is not None:
             self.profile["long_prefill_bucket"] = gathered_prefill.PREFIX_BUCKET
         return self.model
+
+    def _check_nano_batches(self) -> None:
+        cfg = self.config
+        if not cfg.nano_batch_rows:
+            return
+        if not supports_nano_batches(self.model):
+            raise ValueError(f"nano_batch_rows needs a Llama-family model; {type(self.model).__name__} has no "
+                             "nano-batch forward")
+        if self.tp_size > 1:
+            raise ValueError("nano_batch_rows is not supported with tensor_parallel_size > 1 yet")
+        if self.device.type == "cuda" and cfg.nano_batch_sm_carveout:
+            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+            if cfg.nano_batch_sm_carveout >= sms:
+                raise ValueError(f"nano_batch_sm_carveout must be below the device's {sms} SMs, "
+                                 f"got {cfg.nano_batch_sm_carveout}")
 
     def _require(self, what: str):
         if what == "model" and self.model is None:
@@ -235,7 +255,8 @@ class ModelRunner:
             return  # every size given exceeds max_num_seqs: decode steps run eagerly
         self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, buckets, max_model_len=self.max_model_len,
                                        block_size=self.block_size, device=self.device,
-                                       num_kv_heads=self.num_kv_heads)
+                                       num_kv_heads=self.num_kv_heads, nano_batch_rows=self.config.nano_batch_rows,
+                                       sm_carveout=self.config.nano_batch_sm_carveout)
         self.graphs.capture()
 
     def warm_up(self) -> None:
@@ -409,6 +430,16 @@ class ModelRunner:
             hidden = self.piecewise.run(inp.input_ids, inp.positions, inp.attn_meta)
             if inp.num_sampling == 0:
                 return None
+            return self.model.compute_logits(hidden[inp.sample_indices])
+        rows = self.config.nano_batch_rows
+        if rows and step.batch.num_decodes == n >= rows:
+            self.last_graph_path = "nano_batches"
+            if self.device.type == "cuda" and self.nano_side_stream is None:
+                self.nano_side_stream = torch.cuda.Stream(self.device, priority=-1)
+            side = self.nano_side_stream
+            with matmul_sm_carveout(self.config.nano_batch_sm_carveout if side is not None else 0):
+                hidden = forward_nano_batches(self.model, inp.input_ids, inp.positions, self.kv_caches,
+                                              split_decode_meta(inp.attn_meta, n // 2), side)
             return self.model.compute_logits(hidden[inp.sample_indices])
         self.last_graph_path = "eager"
         if inp.num_sampling == 0:

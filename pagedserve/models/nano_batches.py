@@ -1,0 +1,136 @@
+"""A decode step as two nano-batches, each one's attention on a second stream beside the other's matmuls.
+
+At a thousand decodes of Llama-3.1-8B a step is ~60% GEMMs (compute-bound) and ~30% attention
+(memory-bound), one after the other in every layer, so neither the tensor cores nor HBM are busy
+the whole step (docs/benchmarks.md: the serial bound). NanoFlow (Zhu et al., OSDI 2025) splits the
+batch in two and overlaps one half's attention with the other half's matmuls. Here, per layer i,
+with halves A and B (rows [:h] and [h:]):
+
+    main stream:  A.before(i)  B.before(i)  A.after(i)  A.before(i+1)  B.after(i)  B.before(i+1) ...
+    side stream:        A.attn(i)     B.attn(i)              A.attn(i+1)               B.attn(i+1)
+
+so A's attention runs beside B's projections, B's beside A's o_proj and MLP, A's next beside B's
+o_proj and MLP. `before` is the input norm, qkv projection and rotary; `after` is o_proj, the
+post-attention norm and the MLP (LlamaDecoderLayer.before_attention / after_attention); `attn`
+writes the half's K/V and attends over its pages. The rows of one sequence never straddle a
+dependency the wrong way: a short prefill replayed as decode rows (runner/decode_rows.py) puts a
+sequence's rows in order, and A's attention of a layer precedes B's on the side stream.
+
+Memory across streams: q, k, v are made on the main stream and read on the side one, so they are
+held until the main stream has waited for that attention (then a later main allocation that
+reuses their memory is ordered after the read); the attention's output is made on the side
+stream and every side launch waits for the main stream first, so the side reuses it only after
+the main stream's o_proj read it. Within a CUDA graph capture the same events become edges.
+
+On a CPU (side is None) the same order runs on one stream: the tests check it against forward.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.models.llama import LlamaModel
+
+
+def supports_nano_batches(model) -> bool:
+    """Whether model's decoder is the Llama family's (LlamaModel: the layers have
+    before_attention / after_attention)."""
+    return isinstance(getattr(model, "model", None), LlamaModel)
+
+
+@contextmanager
+def matmul_sm_carveout(sms: int) -> Iterator[None]:
+    """Within the block cuBLAS(Lt) matmuls target all SMs but `sms` (torch's experimental SM
+    carveout; 0: unchanged), so the attention beside them finds SMs free; a CUDA graph captured
+    inside keeps the count."""
+    if not sms:
+        yield
+        return
+    before = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(sms)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(before)
+
+
+def split_decode_meta(meta: AttentionMetadata, h: int) -> tuple[AttentionMetadata, AttentionMetadata]:
+    """Two decode-only metadata for rows [:h] and [h:] of a decode-only step's (every row one query
+    token, so query_start_loc is 0, 1, ..., n and either half's is its first rows + 1)."""
+    n = meta.num_seqs
+    if meta.num_decodes != n or not 0 < h < n:
+        raise ValueError(f"split_decode_meta: a decode-only step of n >= 2 rows split at 0 < h < n "
+                         f"(n={n}, num_decodes={meta.num_decodes}, h={h})")
+    lens = meta.seq_lens_cpu
+
+    def half(rows: slice, count: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            slot_mapping=meta.slot_mapping[rows], query_start_loc=meta.query_start_loc[:count + 1],
+            seq_lens=meta.seq_lens[rows], block_tables=meta.block_tables[rows], num_decodes=count,
+            max_query_len=1, max_seq_len=meta.max_seq_len, block_size=meta.block_size,
+            query_lens_cpu=None if meta.query_lens_cpu is None else meta.query_lens_cpu[rows],
+            seq_lens_cpu=None if lens is None else lens[rows], decode_split_tokens=meta.decode_split_tokens)
+    return half(slice(0, h), h), half(slice(h, n), n - h)
+
+
+@dataclass
+class _Half:
+    """One nano-batch between layers: its hidden state and residual stream, and its attention in flight."""
+    x: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+    meta: AttentionMetadata
+    residual: torch.Tensor | None = None
+    held: tuple = ()  # q, k, v of the attention in flight on the side stream
+    done: object = None  # the side stream's event after that attention
+    out: torch.Tensor | None = None  # that attention's output
+
+
+def forward_nano_batches(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
+                         metas: tuple[AttentionMetadata, AttentionMetadata],
+                         side: "torch.cuda.Stream | None" = None) -> torch.Tensor:
+    """model.forward's hidden states [n, hidden] for a decode-only step, computed as two
+    nano-batches (metas: split_decode_meta's, rows [:h] then [h:]), attention on `side` (None: the
+    same order on the current stream)."""
+    body = model.model
+    h = metas[0].num_seqs
+    x = body.embed_tokens(input_ids)
+    cos, sin = body.rotary_emb(positions, x.dtype)
+    halves = [_Half(x[:h], cos[:h], sin[:h], metas[0]), _Half(x[h:], cos[h:], sin[h:], metas[1])]
+    main = torch.cuda.current_stream() if side is not None else None
+    layers = list(zip(body.layers, kv_caches))
+
+    def start(half: _Half, i: int) -> None:
+        layer, kv = layers[i]
+        q, k, v, half.residual = layer.before_attention(half.x, half.residual, half.cos, half.sin)
+        half.held = (q, k, v)
+        if side is None:
+            half.out = layer.self_attn.attn(q, k, v, kv[0], kv[1], half.meta)
+            return
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            half.out = layer.self_attn.attn(q, k, v, kv[0], kv[1], half.meta)
+            half.done = torch.cuda.Event()
+            half.done.record(side)
+
+    def finish(half: _Half, i: int) -> None:
+        if half.done is not None:
+            main.wait_event(half.done)
+        half.x, half.residual = layers[i][0].after_attention(half.out, half.residual)
+        half.held, half.out, half.done = (), None, None
+
+    a, b = halves
+    start(a, 0)
+    start(b, 0)
+    for i in range(len(layers)):
+        finish(a, i)
+        if i + 1 < len(layers):
+            start(a, i + 1)
+        finish(b, i)
+        if i + 1 < len(layers):
+            start(b, i + 1)
+    return torch.cat([body.norm(half.x, half.residual)[0] for half in halves])

@@ -1,0 +1,82 @@
+"""Nano-batched decode steps through the engine (config nano_batch_rows): greedy tokens equal HF's,
+eagerly on a CPU, and on CUDA in decode graphs captured as two nano-batches on two streams (with
+and without an SM carveout for the matmuls) and eagerly with the side stream."""
+import pytest
+import torch
+
+from pagedserve import SamplingParams
+from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
+
+from tests.engine.helpers import hf_greedy, make_llm, prompt_ids
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _greedy_matches_hf(model_dir, llm, max_tokens: int = 12):
+    prompts = prompt_ids(model_dir)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
+    assert len(prompts) >= 4  # so that the decode steps have rows for both halves
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(model_dir, p, max_tokens, ignore_eos=True)
+
+
+def test_engine_on_cpu(tiny_model_dir, monkeypatch):
+    from pagedserve.runner import model_runner
+    model_dir = tiny_model_dir("llama")
+    llm = make_llm(model_dir, nano_batch_rows=2)
+    halves = []
+    forward = model_runner.forward_nano_batches
+
+    def spy(model, input_ids, positions, kv_caches, metas, side):
+        halves.append(tuple(m.num_seqs for m in metas))
+        return forward(model, input_ids, positions, kv_caches, metas, side)
+    monkeypatch.setattr(model_runner, "forward_nano_batches", spy)
+    _greedy_matches_hf(model_dir, llm)
+    n = len(prompt_ids(model_dir))
+    assert (n // 2, n - n // 2) in halves
+
+
+def test_graph_buckets_forward_as_nano_batches(tiny_model_dir, monkeypatch):
+    """The graphs' forward of a nano-batched bucket (what capture records) on a CPU: the same hidden
+    states as the model's forward over the bucket's buffers, computed in halves of 3 rows."""
+    from pagedserve.runner import cuda_graph
+    halves = []
+    forward = cuda_graph.forward_nano_batches
+    monkeypatch.setattr(cuda_graph, "forward_nano_batches",
+                        lambda model, *args: halves.append([m.num_seqs for m in args[-2]]) or forward(model, *args))
+    llm = make_llm(tiny_model_dir("llama"))
+    runner = llm.llm_engine.runner
+    graphs = DecodeCUDAGraphs(runner.model, runner.kv_caches, [2, 6], max_model_len=64, block_size=16,
+                              device=torch.device("cpu"), nano_batch_rows=4)
+    assert graphs.nano == {6} and graphs.side_stream is None
+    gen = torch.Generator().manual_seed(0)
+    graphs.input_ids.copy_(torch.randint(3, 300, (6,), generator=gen))
+    graphs.seq_lens.copy_(torch.tensor([5, 17, 1, 30, 9, 2], dtype=torch.int32))
+    graphs.positions.copy_(graphs.seq_lens.long() - 1)
+    graphs.block_tables[:, :2].copy_(torch.arange(12, dtype=torch.int32).view(6, 2))
+    graphs.slot_mapping.copy_(graphs.block_tables[:, 0].long() * 16 + graphs.positions % 16)
+    with torch.inference_mode():
+        expected = runner.model(graphs.input_ids, graphs.positions, runner.kv_caches, graphs._meta(6, None))
+        got = graphs._forward(6, None)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert halves == [[3, 3]]
+
+
+@needs_cuda
+@pytest.mark.parametrize("carveout", [0, 16])
+def test_cuda_graphs_match_hf(tiny_model_dir, carveout):
+    model_dir = tiny_model_dir("llama")
+    llm = make_llm(model_dir, device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 4, 16], nano_batch_rows=4,
+                   nano_batch_sm_carveout=carveout)
+    graphs = llm.llm_engine.runner.graphs
+    assert graphs.nano == {4, 16} and graphs.side_stream is not None
+    _greedy_matches_hf(model_dir, llm)
+
+
+@needs_cuda
+def test_cuda_eager_with_side_stream_matches_hf(tiny_model_dir):
+    model_dir = tiny_model_dir("llama")
+    llm = make_llm(model_dir, device="cuda", enforce_eager=True, nano_batch_rows=2)
+    _greedy_matches_hf(model_dir, llm)
+    assert llm.llm_engine.runner.nano_side_stream is not None
