@@ -18,7 +18,7 @@ import torch
 
 from pagedserve.attention.backend import get_backend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.models.nano_batches import forward_nano_batches, matmul_sm_carveout, split_decode_meta
+from pagedserve.models.nano_batches import NanoStreams, forward_nano_batches, matmul_sm_carveout, split_decode_meta
 
 
 def graph_capturable(model) -> bool:
@@ -52,7 +52,7 @@ class DecodeCUDAGraphs:
         self.num_kv_heads, self.device = num_kv_heads, device
         self.nano = {b for b in buckets if nano_batch_rows and b >= max(nano_batch_rows, 2)}
         self.sm_carveout = sm_carveout
-        self.side_stream = torch.cuda.Stream(device, priority=-1) if self.nano and device.type == "cuda" else None
+        self.nano_streams = NanoStreams(device) if self.nano and device.type == "cuda" else None
         plan = getattr(get_backend(device), "decode_plan", None)
         # bucket -> the split modes captured for it, the first its default (the tiles counted as the
         # launch over this cache walks them, as the pick in replay counts them); a nano-batched
@@ -85,7 +85,7 @@ class DecodeCUDAGraphs:
             return self.model(*args, self._meta(b, split_mode))
         metas = split_decode_meta(self._meta(b, split_mode), b // 2)
         with matmul_sm_carveout(self.sm_carveout):
-            return forward_nano_batches(self.model, *args, metas, self.side_stream)
+            return forward_nano_batches(self.model, *args, metas, self.nano_streams)
 
     def _meta(self, b: int, split_mode: int | None) -> AttentionMetadata:
         return AttentionMetadata(

@@ -31,8 +31,8 @@ from pagedserve.core.plan import SchedulerOutput
 from pagedserve.distributed import TPGroup, get_tp_group
 from pagedserve.layers.quant import get_quantization_config
 from pagedserve.models.loader import get_max_model_len, get_model
-from pagedserve.models.nano_batches import (forward_nano_batches, matmul_sm_carveout, split_decode_meta,
-                                            supports_nano_batches)
+from pagedserve.models.nano_batches import (NanoStreams, forward_nano_batches, matmul_sm_carveout,
+                                            split_decode_meta, supports_nano_batches)
 from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets, graph_capturable
@@ -119,7 +119,7 @@ class ModelRunner:
         self.request_state: DeviceRequestState | None = None
         self.last_graph_path: str | None = None  # how the last step's forward ran; None: it had none
         self.last_prompt_logits: torch.Tensor | None = None  # the last step's prompt_rows logits
-        self.nano_side_stream = None  # eager nano-batched steps' attention stream (CUDA), made on first use
+        self.nano_streams: NanoStreams | None = None  # eager nano-batched steps' (CUDA), made on first use
 
     @property
     def vocab_size(self) -> int:
@@ -434,12 +434,12 @@ class ModelRunner:
         rows = self.config.nano_batch_rows
         if rows and step.batch.num_decodes == n >= rows:
             self.last_graph_path = "nano_batches"
-            if self.device.type == "cuda" and self.nano_side_stream is None:
-                self.nano_side_stream = torch.cuda.Stream(self.device, priority=-1)
-            side = self.nano_side_stream
-            with matmul_sm_carveout(self.config.nano_batch_sm_carveout if side is not None else 0):
+            if self.device.type == "cuda" and self.nano_streams is None:
+                self.nano_streams = NanoStreams(self.device)
+            streams = self.nano_streams
+            with matmul_sm_carveout(self.config.nano_batch_sm_carveout if streams is not None else 0):
                 hidden = forward_nano_batches(self.model, inp.input_ids, inp.positions, self.kv_caches,
-                                              split_decode_meta(inp.attn_meta, n // 2), side)
+                                              split_decode_meta(inp.attn_meta, n // 2), streams)
             return self.model.compute_logits(hidden[inp.sample_indices])
         self.last_graph_path = "eager"
         if inp.num_sampling == 0:

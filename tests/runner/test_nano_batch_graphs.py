@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
+from pagedserve.models.nano_batches import NANO_PRIORITY_ENV, nano_priority
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
 
 from tests.engine.helpers import hf_greedy, make_llm, prompt_ids
@@ -49,7 +50,7 @@ def test_graph_buckets_forward_as_nano_batches(tiny_model_dir, monkeypatch):
     runner = llm.llm_engine.runner
     graphs = DecodeCUDAGraphs(runner.model, runner.kv_caches, [2, 6], max_model_len=64, block_size=16,
                               device=torch.device("cpu"), nano_batch_rows=4)
-    assert graphs.nano == {6} and graphs.side_stream is None
+    assert graphs.nano == {6} and graphs.nano_streams is None
     gen = torch.Generator().manual_seed(0)
     graphs.input_ids.copy_(torch.randint(3, 300, (6,), generator=gen))
     graphs.seq_lens.copy_(torch.tensor([5, 17, 1, 30, 9, 2], dtype=torch.int32))
@@ -64,19 +65,32 @@ def test_graph_buckets_forward_as_nano_batches(tiny_model_dir, monkeypatch):
 
 
 @needs_cuda
-@pytest.mark.parametrize("carveout", [0, 16])
-def test_cuda_graphs_match_hf(tiny_model_dir, carveout):
+@pytest.mark.parametrize("carveout,priority", [(0, "side"), (16, "side"), (0, "main"), (0, "equal")])
+def test_cuda_graphs_match_hf(tiny_model_dir, monkeypatch, carveout, priority):
+    monkeypatch.setenv(NANO_PRIORITY_ENV, priority)
     model_dir = tiny_model_dir("llama")
     llm = make_llm(model_dir, device="cuda", max_num_seqs=16, cuda_graph_sizes=[1, 4, 16], nano_batch_rows=4,
                    nano_batch_sm_carveout=carveout)
     graphs = llm.llm_engine.runner.graphs
-    assert graphs.nano == {4, 16} and graphs.side_stream is not None
+    assert graphs.nano == {4, 16} and (graphs.nano_streams.main is not None) == (priority == "main")
     _greedy_matches_hf(model_dir, llm)
 
 
 @needs_cuda
-def test_cuda_eager_with_side_stream_matches_hf(tiny_model_dir):
+@pytest.mark.parametrize("priority", ["side", "main"])
+def test_cuda_eager_on_two_streams_matches_hf(tiny_model_dir, monkeypatch, priority):
+    monkeypatch.setenv(NANO_PRIORITY_ENV, priority)
     model_dir = tiny_model_dir("llama")
     llm = make_llm(model_dir, device="cuda", enforce_eager=True, nano_batch_rows=2)
     _greedy_matches_hf(model_dir, llm)
-    assert llm.llm_engine.runner.nano_side_stream is not None
+    assert llm.llm_engine.runner.nano_streams is not None
+
+
+def test_priority_switch(monkeypatch):
+    assert nano_priority() == "side"
+    for mode in ("main", "equal", "side"):
+        monkeypatch.setenv(NANO_PRIORITY_ENV, mode)
+        assert nano_priority() == mode
+    monkeypatch.setenv(NANO_PRIORITY_ENV, "attention")
+    with pytest.raises(ValueError, match=NANO_PRIORITY_ENV):
+        nano_priority()
