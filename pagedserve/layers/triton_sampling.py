@@ -18,8 +18,12 @@ x[token] - logsumexp(x), the distribution sampler.py reports (vLLM's "raw" logpr
 
 Gumbel-max is the exponential race of sampler.py in log space: argmax(x/T - log E) with
 E = -log U ~ Exp(1) is argmax(p / E) and draws token i with probability softmax(x/T)_i. U comes
-from Philox (tl.rand) keyed by (seed, row * vocab + index), so a row's draw depends on the step's
-seed, its row and the logits, never on how the vocabulary was split.
+from Philox keyed by the step's seed: one call (tl.randint4x, four outputs) per 4 tokens, counter
+row * ceil(vocab / 4) + index // 4, output index % 4; so a row's draw depends on the step's seed,
+its row and the logits, never on how the vocabulary was split. One call per token (tl.rand, until
+the 43rd session) made Philox's integer rounds the kernel's main work: 265 us a step at 256 rows
+of a 152k vocabulary on the H200 (836bf4b's nanovllm profile), about what one call per element
+costs; four tokens a call does a quarter of those rounds (not yet timed).
 
 Greedy is exact: argmax of the logits with ties to the lowest index, as torch.argmax, in any
 dtype (float32 holds bfloat16 and float16 exactly, and converting keeps the order).
@@ -61,6 +65,8 @@ def _span_kernel(logits_ptr, stride_row, vocab, span, temps_ptr, seed, part_ptr,
     s = tl.zeros((), tl.float32)
     best = tl.full((), float("-inf"), tl.float32)
     best_idx = lo
+    groups = (vocab + 3) // 4  # a row's Philox counters: one per 4 tokens
+    quads = tl.arange(0, BLOCK // 4)
     for start in range(lo, hi, BLOCK):
         idx = start + cols
         mask = idx < hi
@@ -71,7 +77,10 @@ def _span_kernel(logits_ptr, stride_row, vocab, span, temps_ptr, seed, part_ptr,
         if GREEDY:
             score = x
         else:
-            u = tl.rand(seed, row * vocab + idx)
+            # token 4g + k takes output k of counter g (start is a multiple of BLOCK, so of 4)
+            r0, r1, r2, r3 = tl.randint4x(seed, row * groups + start // 4 + quads)
+            bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK,))
+            u = tl.uint_to_uniform_float(bits)
             score = tl.where(mask, x * inv_t - tl.log(-tl.log(u)), float("-inf"))
         chunk_best = tl.max(score, axis=0)
         chunk_idx = start + tl.argmax(score, axis=0, tie_break_left=True)
@@ -115,8 +124,9 @@ def _num_sms(device: torch.device) -> int:
 
 
 def supports(logits: torch.Tensor) -> bool:
-    """Whether the kernels take these logits: 2-D, unit stride along the vocab, Philox offsets
-    (row * vocab + index) within int32, and indices exact in float32."""
+    """Whether the kernels take these logits: 2-D, unit stride along the vocab, Philox counters
+    (row * ceil(vocab / 4) + index // 4) within int32 (n * vocab < 2**31 bounds them), and
+    indices exact in float32."""
     n, vocab = logits.shape if logits.dim() == 2 else (0, 0)
     return (logits.dim() == 2 and logits.stride(1) == 1 and n >= 1 and vocab < (1 << 24)
             and n * vocab < (1 << 31))

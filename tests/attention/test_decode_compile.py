@@ -6,16 +6,13 @@ the interpreter and fails here, as it did once in the 41st session."""
 import os
 
 import pytest
-import triton
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     pytest.skip("compiles for the GPU: not under the interpreter", allow_module_level=True)
 
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
 from pagedserve.attention import decode_plan  # noqa: E402
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel  # noqa: E402
+from sm90_compile import compile_sm90  # noqa: E402
 
 POINTERS = {"q_ptr": "*bf16", "k_cache_ptr": "*bf16", "v_cache_ptr": "*bf16", "out_ptr": "*bf16",
             "mid_o_ptr": "*fp32", "mid_lse_ptr": "*fp32", "seq_lens_ptr": "*i32", "block_tables_ptr": "*i32",
@@ -24,16 +21,7 @@ PLAN = dict(SHARE_PROGRAMS=792, MIN_CHAIN_TILES=2)
 
 
 def _compile(fn, const: dict) -> str:
-    names = fn.arg_names
-    sig = {n: "constexpr" if n in const else POINTERS.get(n, "i32") for n in names}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()})
-    try:
-        return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": 4, "num_stages": 3}).asm["ptx"]
-    except RuntimeError as e:  # no ptxas in this Triton build: nothing to check offline
-        if "ptxas" in str(e):
-            pytest.skip(str(e))
-        raise
+    return compile_sm90(fn, const, POINTERS)
 
 
 @pytest.mark.parametrize("split_tokens", [decode_plan.SLOTS, decode_plan.BALANCED, 0, 512])
