@@ -22,7 +22,7 @@ reuses their memory is ordered after the read); the attention's output is made o
 stream and every side launch waits for the main stream first, so the side reuses it only after
 the main stream's o_proj read it. Within a CUDA graph capture the same events become edges.
 
-On a CPU (side is None) the same order runs on one stream: the tests check it against forward.
+On a CPU (no streams) the same order runs on one stream: the tests check it against forward.
 """
 from __future__ import annotations
 
