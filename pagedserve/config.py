@@ -145,12 +145,10 @@ class EngineConfig:
                                                       "to 256, every 16 above, up to max_num_seqs); "
                                                       "a batch pads to the next size, one above the "
                                                       "largest runs eagerly")
-    nano_batch_rows: int = option(0, "N >= 2: decode-only steps of at least N rows run as two nano-batches, "
-                                     "one's attention on a second CUDA stream beside the other's matmuls "
-                                     "(NanoFlow's overlap; Llama-family models, one GPU; experimental, not "
-                                     "timed yet; not vLLM's); 0: off")
-    nano_batch_sm_carveout: int = option(0, "with nano_batch_rows: the SMs the nano-batches' cuBLAS matmuls "
-                                            "leave free for the attention beside them (0: none)")
+    nano_batch_rows: int = option(0, "N >= 2: decode-only steps of >= N rows run as two nano-batches, one's "
+                                     "attention beside the other's matmuls (Llama family, one GPU; untimed; "
+                                     "not vLLM's); 0: off")
+    nano_batch_sm_carveout: int = option(0, "with nano_batch_rows: SMs the matmuls leave to the attention")
     load_format: str = option("auto", "dummy: random weights of the config's shapes (benchmarks, "
                                       "no *.safetensors needed)", LOAD_FORMATS)
     skip_tokenizer_init: bool = option(False, "load no tokenizer: prompts must be token ids and "
@@ -284,8 +282,7 @@ class EngineConfig:
             raise ValueError(f"structured_outputs_compile_timeout_s must be > 0, "
                              f"got {self.structured_outputs_compile_timeout_s}")
         if self.nano_batch_rows == 1 or self.nano_batch_rows < 0:
-            raise ValueError(f"nano_batch_rows must be 0 (off) or >= 2 (two nano-batches of a step's rows), "
-                             f"got {self.nano_batch_rows}")
+            raise ValueError(f"nano_batch_rows must be 0 (off) or >= 2, got {self.nano_batch_rows}")
         if self.nano_batch_sm_carveout < 0 or (self.nano_batch_sm_carveout and not self.nano_batch_rows):
             raise ValueError(f"nano_batch_sm_carveout must be >= 0 and needs nano_batch_rows, got "
                              f"{self.nano_batch_sm_carveout} with nano_batch_rows={self.nano_batch_rows}")

@@ -45,6 +45,23 @@ def supports_nano_batches(model) -> bool:
     return isinstance(getattr(model, "model", None), LlamaModel)
 
 
+def check_nano_batches(config, model, tp_size: int, device: torch.device) -> None:
+    """A one-line ValueError where config.nano_batch_rows cannot run: a model outside the Llama
+    family, tensor parallelism, or a carveout of every SM."""
+    if not config.nano_batch_rows:
+        return
+    if not supports_nano_batches(model):
+        raise ValueError(f"nano_batch_rows needs a Llama-family model; {type(model).__name__} has no "
+                         "nano-batch forward")
+    if tp_size > 1:
+        raise ValueError("nano_batch_rows is not supported with tensor_parallel_size > 1 yet")
+    if device.type == "cuda" and config.nano_batch_sm_carveout:
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        if config.nano_batch_sm_carveout >= sms:
+            raise ValueError(f"nano_batch_sm_carveout must be below the device's {sms} SMs, "
+                             f"got {config.nano_batch_sm_carveout}")
+
+
 @contextmanager
 def matmul_sm_carveout(sms: int) -> Iterator[None]:
     """Within the block cuBLAS(Lt) matmuls target all SMs but `sms` (torch's experimental SM
@@ -93,6 +110,15 @@ class _Half:
     out: torch.Tensor | None = None  # that attention's output
 
 
+def forward_in_halves(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata,
+                      streams: "NanoStreams | None" = None, sm_carveout: int = 0) -> torch.Tensor:
+    """forward_nano_batches over a decode-only step's rows split at n // 2, the matmuls leaving
+    sm_carveout SMs free where there are streams (CUDA): the runner's and the decode graphs' call."""
+    with matmul_sm_carveout(sm_carveout if streams is not None else 0):
+        return forward_nano_batches(model, input_ids, positions, kv_caches,
+                                    split_decode_meta(meta, meta.num_seqs // 2), streams)
+
+
 class NanoStreams:
     """The CUDA streams of nano-batched steps: `side` for the attention and, where the other work
     has the priority, `main` for that (else it runs on the caller's stream).
@@ -107,6 +133,11 @@ class NanoStreams:
         first = nano_priority()
         self.side = torch.cuda.Stream(device, priority=-1 if first == "side" else 0)
         self.main = torch.cuda.Stream(device, priority=-1) if first == "main" else None
+
+    @classmethod
+    def for_engine(cls, config, device: torch.device) -> "NanoStreams | None":
+        """The streams config.nano_batch_rows asks for on `device`; None when off or not CUDA."""
+        return cls(device) if config.nano_batch_rows and device.type == "cuda" else None
 
 
 def nano_priority() -> str:

@@ -18,7 +18,7 @@ import torch
 
 from pagedserve.attention.backend import get_backend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.models.nano_batches import NanoStreams, forward_nano_batches, matmul_sm_carveout, split_decode_meta
+from pagedserve.models.nano_batches import NanoStreams, forward_in_halves
 
 
 def graph_capturable(model) -> bool:
@@ -80,12 +80,10 @@ class DecodeCUDAGraphs:
         return b // 2 if b in self.nano else b
 
     def _forward(self, b: int, split_mode: int | None) -> torch.Tensor:
-        args = (self.input_ids[:b], self.positions[:b], self.kv_caches)
+        args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, split_mode))
         if b not in self.nano:
-            return self.model(*args, self._meta(b, split_mode))
-        metas = split_decode_meta(self._meta(b, split_mode), b // 2)
-        with matmul_sm_carveout(self.sm_carveout):
-            return forward_nano_batches(self.model, *args, metas, self.nano_streams)
+            return self.model(*args)
+        return forward_in_halves(self.model, *args, self.nano_streams, self.sm_carveout)
 
     def _meta(self, b: int, split_mode: int | None) -> AttentionMetadata:
         return AttentionMetadata(

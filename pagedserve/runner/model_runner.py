@@ -31,8 +31,7 @@ from pagedserve.core.plan import SchedulerOutput
 from pagedserve.distributed import TPGroup, get_tp_group
 from pagedserve.layers.quant import get_quantization_config
 from pagedserve.models.loader import get_max_model_len, get_model
-from pagedserve.models.nano_batches import (NanoStreams, forward_nano_batches, matmul_sm_carveout,
-                                            split_decode_meta, supports_nano_batches)
+from pagedserve.models.nano_batches import NanoStreams, check_nano_batches, forward_in_halves
 from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets, graph_capturable
@@ -41,35 +40,19 @@ from pagedserve.runner.full_graphs import FullCUDAGraphs
 from pagedserve.runner.kv_sizing import calibrate_kv_scales_at_startup, device_seconds, profile_num_gpu_blocks
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
 from pagedserve.runner.request_state import DeviceRequestState
-from pagedserve.runner.row_tracker import RowInputs, RowTracker
+from pagedserve.runner.row_tracker import RowInputs, RowTracker, incremental_inputs_enabled
 from pagedserve.runner.step_input import StepInput
 from pagedserve.runner.warmup import warm_up, warmup_enabled
 
 logger = logging.getLogger(__name__)
 # How a step's forward ran (ModelRunner.last_graph_path): the decode graph of its size, the same
 # graph over decode rows (a short prefill), the full graph of its token count (any mix), piecewise
-# graphs with eager attention, or eagerly (nano_batches: an eager decode-only step of at least
-# nano_batch_rows rows, as two nano-batches; a decode graph's bucket may be captured so too).
+# graphs with eager attention, eagerly, or eagerly as two nano-batches (models/nano_batches.py).
 GRAPH_PATHS = ("decode_graph", "decode_rows", "full_graph", "piecewise", "eager", "nano_batches")
 GiB = 1 << 30
 # "1": a CPU runner also runs the profile phase (the same forward as on CUDA, timed; the pool is
 # still sized from cpu_kv_cache_gib), so CPU runs take the GPU's start-up path and measure costs.
 PROFILE_ON_CPU_ENV = "PAGEDSERVE_PROFILE_ON_CPU"
-# "0": rebuild and upload every block table each step instead of keeping them on the device (A/B runs).
-INCREMENTAL_ENV = "PAGEDSERVE_INCREMENTAL_INPUTS"
-
-
-def incremental_inputs_enabled() -> bool:
-    """PAGEDSERVE_INCREMENTAL_INPUTS: "1" or "auto" (the default) on, "0" off (the full rebuild every
-    step, kept for A/B runs). On every device: the path has passed its CUDA tests with graphs on the H200
-    (tests/runner/test_incremental_inputs.py::test_state_on_cuda_with_graphs) and measured level
-    with the rebuild there (benchmarks/results/h200/host_overhead_incr*.json)."""
-    mode = os.environ.get(INCREMENTAL_ENV, "auto").strip().lower()
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"{INCREMENTAL_ENV} must be auto, 0 or 1, got {mode!r}")
-    return mode != "0"
-
-
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """"auto": the current CUDA device when there is one, else CPU."""
     if isinstance(device, torch.device):
@@ -119,7 +102,7 @@ class ModelRunner:
         self.request_state: DeviceRequestState | None = None
         self.last_graph_path: str | None = None  # how the last step's forward ran; None: it had none
         self.last_prompt_logits: torch.Tensor | None = None  # the last step's prompt_rows logits
-        self.nano_streams: NanoStreams | None = None  # eager nano-batched steps' (CUDA), made on first use
+        self.nano_streams = NanoStreams.for_engine(engine_config, self.device)  # eager nano-batched steps'
 
     @property
     def vocab_size(self) -> int:
@@ -131,7 +114,7 @@ class ModelRunner:
         self.model = get_model(self.hf_config, model_dir=self.config.model, device=self.device, dtype=self.dtype,
                                load_format=fmt, seed=self.config.seed, tp_rank=self.tp_rank, tp_size=self.tp_size,
                                expert_parallel=self.config.enable_expert_parallel, quant_config=self.quant_config)
-        self._check_nano_batches()
+        check_nano_batches(self.config, self.model, self.tp_size, self.device)
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
@@ -141,21 +124,6 @@ class ModelRunner:
                                       self.kv_dtype) is not None:
             self.profile["long_prefill_bucket"] = gathered_prefill.PREFIX_BUCKET
         return self.model
-
-    def _check_nano_batches(self) -> None:
-        cfg = self.config
-        if not cfg.nano_batch_rows:
-            return
-        if not supports_nano_batches(self.model):
-            raise ValueError(f"nano_batch_rows needs a Llama-family model; {type(self.model).__name__} has no "
-                             "nano-batch forward")
-        if self.tp_size > 1:
-            raise ValueError("nano_batch_rows is not supported with tensor_parallel_size > 1 yet")
-        if self.device.type == "cuda" and cfg.nano_batch_sm_carveout:
-            sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-            if cfg.nano_batch_sm_carveout >= sms:
-                raise ValueError(f"nano_batch_sm_carveout must be below the device's {sms} SMs, "
-                                 f"got {cfg.nano_batch_sm_carveout}")
 
     def _require(self, what: str):
         if what == "model" and self.model is None:
@@ -434,12 +402,8 @@ class ModelRunner:
         rows = self.config.nano_batch_rows
         if rows and step.batch.num_decodes == n >= rows:
             self.last_graph_path = "nano_batches"
-            if self.device.type == "cuda" and self.nano_streams is None:
-                self.nano_streams = NanoStreams(self.device)
-            streams = self.nano_streams
-            with matmul_sm_carveout(self.config.nano_batch_sm_carveout if streams is not None else 0):
-                hidden = forward_nano_batches(self.model, inp.input_ids, inp.positions, self.kv_caches,
-                                              split_decode_meta(inp.attn_meta, n // 2), streams)
+            hidden = forward_in_halves(self.model, inp.input_ids, inp.positions, self.kv_caches, inp.attn_meta,
+                                       self.nano_streams, self.config.nano_batch_sm_carveout)
             return self.model.compute_logits(hidden[inp.sample_indices])
         self.last_graph_path = "eager"
         if inp.num_sampling == 0:

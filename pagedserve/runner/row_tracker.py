@@ -19,6 +19,7 @@ the row's previous one ended) and must be sent instead.
 from __future__ import annotations
 
 import heapq
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +28,20 @@ from pagedserve.core.plan import SchedulerOutput
 from pagedserve.core.table_log import TableChanges
 
 _I64 = np.int64
+
+# "0": rebuild and upload every block table each step instead of keeping them on the device (A/B runs).
+INCREMENTAL_ENV = "PAGEDSERVE_INCREMENTAL_INPUTS"
+
+
+def incremental_inputs_enabled() -> bool:
+    """PAGEDSERVE_INCREMENTAL_INPUTS: "1" or "auto" (the default) on, "0" off (the full rebuild every
+    step, kept for A/B runs). On every device: the path has passed its CUDA tests with graphs on the H200
+    (tests/runner/test_incremental_inputs.py::test_state_on_cuda_with_graphs) and measured level
+    with the rebuild there (benchmarks/results/h200/host_overhead_incr*.json)."""
+    mode = os.environ.get(INCREMENTAL_ENV, "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"{INCREMENTAL_ENV} must be auto, 0 or 1, got {mode!r}")
+    return mode != "0"
 
 
 def _empty(dtype=_I64) -> np.ndarray:

@@ -18,7 +18,7 @@ import torch
 
 from pagedserve import SamplingParams
 from pagedserve.runner.batch import host_batch
-from pagedserve.runner.model_runner import INCREMENTAL_ENV
+from pagedserve.runner.row_tracker import INCREMENTAL_ENV
 from pagedserve.runner.request_state import DeviceRequestState
 
 from engine.helpers import add_fork_beam_mix, assert_no_leak, fork_is_forked, make_llm, prompt_ids

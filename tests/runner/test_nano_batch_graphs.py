@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
+from pagedserve.models import nano_batches
 from pagedserve.models.nano_batches import NANO_PRIORITY_ENV, nano_priority
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
 
@@ -22,17 +23,22 @@ def _greedy_matches_hf(model_dir, llm, max_tokens: int = 12):
         assert o.outputs[0].token_ids == hf_greedy(model_dir, p, max_tokens, ignore_eos=True)
 
 
+def _spy_on_halves(monkeypatch) -> list:
+    """The row counts of each nano-batched forward's two halves, as they run."""
+    halves = []
+    forward = nano_batches.forward_nano_batches
+
+    def spy(model, input_ids, positions, kv_caches, metas, streams):
+        halves.append(tuple(m.num_seqs for m in metas))
+        return forward(model, input_ids, positions, kv_caches, metas, streams)
+    monkeypatch.setattr(nano_batches, "forward_nano_batches", spy)
+    return halves
+
+
 def test_engine_on_cpu(tiny_model_dir, monkeypatch):
-    from pagedserve.runner import model_runner
     model_dir = tiny_model_dir("llama")
     llm = make_llm(model_dir, nano_batch_rows=2)
-    halves = []
-    forward = model_runner.forward_nano_batches
-
-    def spy(model, input_ids, positions, kv_caches, metas, side):
-        halves.append(tuple(m.num_seqs for m in metas))
-        return forward(model, input_ids, positions, kv_caches, metas, side)
-    monkeypatch.setattr(model_runner, "forward_nano_batches", spy)
+    halves = _spy_on_halves(monkeypatch)
     _greedy_matches_hf(model_dir, llm)
     n = len(prompt_ids(model_dir))
     assert (n // 2, n - n // 2) in halves
@@ -41,11 +47,7 @@ def test_engine_on_cpu(tiny_model_dir, monkeypatch):
 def test_graph_buckets_forward_as_nano_batches(tiny_model_dir, monkeypatch):
     """The graphs' forward of a nano-batched bucket (what capture records) on a CPU: the same hidden
     states as the model's forward over the bucket's buffers, computed in halves of 3 rows."""
-    from pagedserve.runner import cuda_graph
-    halves = []
-    forward = cuda_graph.forward_nano_batches
-    monkeypatch.setattr(cuda_graph, "forward_nano_batches",
-                        lambda model, *args: halves.append([m.num_seqs for m in args[-2]]) or forward(model, *args))
+    halves = _spy_on_halves(monkeypatch)
     llm = make_llm(tiny_model_dir("llama"))
     runner = llm.llm_engine.runner
     graphs = DecodeCUDAGraphs(runner.model, runner.kv_caches, [2, 6], max_model_len=64, block_size=16,
@@ -61,7 +63,7 @@ def test_graph_buckets_forward_as_nano_batches(tiny_model_dir, monkeypatch):
         expected = runner.model(graphs.input_ids, graphs.positions, runner.kv_caches, graphs._meta(6, None))
         got = graphs._forward(6, None)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert halves == [[3, 3]]
+    assert halves == [(3, 3)]
 
 
 @needs_cuda

@@ -81,7 +81,7 @@ def test_decode_positions_come_from_the_device_and_stale_rows_are_corrected(monk
 
 
 def test_incremental_inputs_switch(monkeypatch):
-    from pagedserve.runner.model_runner import INCREMENTAL_ENV, incremental_inputs_enabled
+    from pagedserve.runner.row_tracker import INCREMENTAL_ENV, incremental_inputs_enabled
     monkeypatch.delenv(INCREMENTAL_ENV, raising=False)
     assert incremental_inputs_enabled()
     monkeypatch.setenv(INCREMENTAL_ENV, "auto")
