@@ -6,7 +6,7 @@ import pytest
 
 from pagedserve import SamplingParams
 from pagedserve.runner.batch import host_batch
-from pagedserve.runner.model_runner import INCREMENTAL_ENV
+from pagedserve.runner.row_tracker import INCREMENTAL_ENV
 
 from .helpers import assert_no_leak, make_llm, prompt_ids
 
