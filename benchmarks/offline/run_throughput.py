@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from pagedserve.benchmark.results import git_commit, write_result  # noqa: E402
 
-# The bar, measured by the team on this same H200 (docs/benchmarks.md); not re-run here.
+# The bar, measured by the team on this same H200 (docs/benchmarks-history.md); not re-run here.
 VLLM_SAME_H200 = {"nanovllm": {"output_tokens_per_s": 22009, "first_run_output_tokens_per_s": 18131},
                   "fixed256": {"requests_per_s": 88.7, "total_tokens_per_s": 45413}}
 

@@ -128,7 +128,7 @@ def bench_serve(args, engine: str, port: int, rate: float, num: int, out: Path, 
            # vLLM's /v1/models reports no vocabulary size: both engines' ids come from the tokenizer
            "--tokenizer", str(model_dir), "--disable-tqdm", *(["--prompt-salt", str(salt)] if salt else []),
            # More than one: the client's own CPU off the measurement (one process is near a core at
-           # 40 req/s on the H200's hosts: docs/benchmarks.md, single engine).
+           # 40 req/s on the H200's hosts: docs/benchmarks-history.md, single engine).
            "--num-client-processes", str(args.client_processes)]
     r = subprocess.run(cmd, env={**os.environ, **ENV, "PYTHONPATH": f"{REPO}:{args.site}"},
                        capture_output=True, text=True, timeout=args.rate_limit)

@@ -121,7 +121,7 @@ async def _send_once_aiohttp(session: Any, base_url: str, model: str, req: Workl
                              headers: dict, temperature: float) -> tuple[RequestResult, bool]:
     """_send_once over aiohttp: its C parser costs the client about a third of httpx's CPU per
     streamed event (serving/relay_clients.py), and at 40 req/s on the H200's hosts one httpx
-    client process needed more than a core (docs/benchmarks.md)."""
+    client process needed more than a core (docs/benchmarks-history.md)."""
     st = _Stream(req)
     answered = unanswered = False
     try:

@@ -10,7 +10,7 @@ sync would end the overlap altogether. Hence:
   (cpp/grammar_matcher.cc), a cost paid every step, but its workers never take the GIL
   (PAGEDSERVE_GRAMMAR_FILL_POOL=1: fill_pool.py's threads, started once, instead). Python
   threads over slices of the rows (accept and fill per slice) measured worse on the H200: TPOT
-  p50 overhead 1.25 at 40 req/s against 1.069 with this fill (docs/benchmarks.md), the workers'
+  p50 overhead 1.25 at 40 req/s against 1.069 with this fill (docs/benchmarks-history.md), the workers'
   Python between the GIL-releasing calls contending with the step loop.
 - MaskBuffers: two pinned host bitmasks (and index vectors) take turns, and one persistent device
   bitmask (and index vector) receives them by non-blocking copies queued on the logits' stream, in
