@@ -104,6 +104,15 @@ def test_no_compile_after_start_with_an_fp8_decode_launch(tiny_model_dir, monkey
         decode_plan.fp8_decode_launch_settings.cache_clear()
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_no_compile_after_start_with_nano_batches(tiny_model_dir, monkeypatch, enforce_eager):
+    """Decode steps of >= 4 rows as two nano-batches (models/nano_batches.py): the graphs capture
+    their halves' launches, and eagerly the warm-up's decode steps take the same path."""
+    runner = _check_no_compile_or_capture(tiny_model_dir, monkeypatch, "llama", enforce_eager, True, "piecewise",
+                                          nano_batch_rows=4)
+    assert (runner.graphs is not None and bool(runner.graphs.nano)) != enforce_eager
+
+
 def _check_no_compile_or_capture(tiny_model_dir, monkeypatch, arch, enforce_eager, async_scheduling,
                                  cudagraph_mode, **llm_kw):
     """Builds the engine, runs the workload, and returns its runner."""
