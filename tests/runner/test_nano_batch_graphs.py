@@ -58,7 +58,9 @@ def test_graph_buckets_forward_as_nano_batches(tiny_model_dir, monkeypatch):
     graphs.seq_lens.copy_(torch.tensor([5, 17, 1, 30, 9, 2], dtype=torch.int32))
     graphs.positions.copy_(graphs.seq_lens.long() - 1)
     graphs.block_tables[:, :2].copy_(torch.arange(12, dtype=torch.int32).view(6, 2))
-    graphs.slot_mapping.copy_(graphs.block_tables[:, 0].long() * 16 + graphs.positions % 16)
+    pos = graphs.positions
+    block = graphs.block_tables.gather(1, (pos // 16)[:, None]).squeeze(1).long()
+    graphs.slot_mapping.copy_(block * 16 + pos % 16)  # each row's new token where its table puts it
     with torch.inference_mode():
         expected = runner.model(graphs.input_ids, graphs.positions, runner.kv_caches, graphs._meta(6, None))
         got = graphs._forward(6, None)
