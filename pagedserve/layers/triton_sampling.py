@@ -16,14 +16,16 @@ How: the vocabulary is cut into `splits` spans so that small batches still fill 
 A second launch merges a row's spans and writes the token and its raw logprob
 x[token] - logsumexp(x), the distribution sampler.py reports (vLLM's "raw" logprobs).
 
-Gumbel-max is the exponential race of sampler.py in log space: argmax(x/T - log E) with
-E = -log U ~ Exp(1) is argmax(p / E) and draws token i with probability softmax(x/T)_i. U comes
-from Philox keyed by the step's seed: one call (tl.randint4x, four outputs) per 4 tokens, counter
-row * ceil(vocab / 4) + index // 4, output index % 4; so a row's draw depends on the step's seed,
-its row and the logits, never on how the vocabulary was split. One call per token (tl.rand, until
-the 43rd session) made Philox's integer rounds the kernel's main work: 265 us a step at 256 rows
-of a 152k vocabulary on the H200 (836bf4b's nanovllm profile), about what one call per element
-costs; four tokens a call does a quarter of those rounds (not yet timed).
+The draw is the exponential race of sampler.py: argmin(E / p) with E = -log U ~ Exp(1) draws token
+i with probability softmax(x/T)_i; a span keeps its least E * exp((m - x) / T) (m the largest
+logit so far, rescaling the race as m grows) and reports the winner's Gumbel score x/T - log E,
+which the merge compares across spans. U comes from Philox keyed by the step's seed: one call
+(tl.randint4x, four outputs) per 4 tokens, counter row * ceil(vocab / 4) + index // 4, output
+index % 4; so a row's draw depends on the step's seed, its row and the logits, never on how the
+vocabulary was split. Until the 43rd session each token took a Philox call and two logs
+(argmax(x/T - log(-log U)), Gumbel-max): 265 us a step at 256 rows of a 152k vocabulary on the
+H200 (836bf4b's nanovllm profile), about one call's integer work per token. Now a quarter of those
+rounds and one log a token (not yet timed).
 
 Greedy is exact: argmax of the logits with ties to the lowest index, as torch.argmax, in any
 dtype (float32 holds bfloat16 and float16 exactly, and converting keeps the order).
@@ -42,6 +44,9 @@ import triton.language as tl
 BLOCK = 2048
 MAX_SPLITS = 64
 _FLOAT32_LOWEST = tl.constexpr(-3.0e38)  # a finite start for running maxima: exp(m - m_new) never sees inf - inf
+# The race's exponents are capped here: e^80 keeps E * e^80 finite, and a token 80 / T below the
+# largest logit (p < e^-80 of it) loses to that one, whose factor is 1, whatever the cap.
+_RACE_EXP_CAP = tl.constexpr(80.0)
 
 
 # Integer arguments that vary with the batch, the seed or the vocabulary are not specialised on
@@ -59,11 +64,15 @@ def _span_kernel(logits_ptr, stride_row, vocab, span, temps_ptr, seed, part_ptr,
     cols = tl.arange(0, BLOCK)
     if GREEDY:
         inv_t = 1.0
+        gap_cap = 0.0
     else:
-        inv_t = 1.0 / tl.load(temps_ptr + row)
+        t = tl.load(temps_ptr + row)
+        inv_t = 1.0 / t
+        gap_cap = _RACE_EXP_CAP * t  # logit gaps past this are capped before the division by T
     m = tl.full((), _FLOAT32_LOWEST, tl.float32)
     s = tl.zeros((), tl.float32)
-    best = tl.full((), float("-inf"), tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)  # greedy: the largest logit so far
+    race = tl.full((), float("inf"), tl.float32)  # temperature: the least E * exp((m - x) / T) so far
     best_idx = lo
     groups = (vocab + 3) // 4  # a row's Philox counters: one per 4 tokens
     quads = tl.arange(0, BLOCK // 4)
@@ -73,20 +82,28 @@ def _span_kernel(logits_ptr, stride_row, vocab, span, temps_ptr, seed, part_ptr,
         x = tl.load(row_ptr + idx, mask=mask, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, tl.max(x, axis=0))
         s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-        m = m_new
         if GREEDY:
-            score = x
+            chunk_best = tl.max(x, axis=0)
+            chunk_idx = start + tl.argmax(x, axis=0, tie_break_left=True)
+            take = chunk_best > best  # strict: an earlier chunk keeps a tie
+            best = tl.where(take, chunk_best, best)
         else:
             # token 4g + k takes output k of counter g (start is a multiple of BLOCK, so of 4)
             r0, r1, r2, r3 = tl.randint4x(seed, row * groups + start // 4 + quads)
             bits = tl.reshape(tl.join(tl.join(r0, r1), tl.join(r2, r3)), (BLOCK,))
-            u = tl.uint_to_uniform_float(bits)
-            score = tl.where(mask, x * inv_t - tl.log(-tl.log(u)), float("-inf"))
-        chunk_best = tl.max(score, axis=0)
-        chunk_idx = start + tl.argmax(score, axis=0, tie_break_left=True)
-        take = chunk_best > best  # strict: an earlier chunk keeps a tie
+            e = -tl.log(tl.uint_to_uniform_float(bits))  # Exp(1)
+            # argmax(x / T - log E) = argmin(E * exp((m_new - x) / T)): one log a token, not two; the
+            # factor is >= 1 (m_new is the largest logit so far), and the race so far is rescaled to it
+            r = tl.where(mask, e * tl.exp(tl.minimum(m_new - x, gap_cap) * inv_t), float("inf"))
+            race = race * tl.exp(tl.minimum(m_new - m, gap_cap) * inv_t)
+            chunk_race = tl.min(r, axis=0)
+            chunk_idx = start + tl.argmin(r, axis=0, tie_break_left=True)
+            take = chunk_race < race  # strict: an earlier chunk keeps a tie
+            race = tl.where(take, chunk_race, race)
         best_idx = tl.where(take, chunk_idx, best_idx)
-        best = tl.where(take, chunk_best, best)
+        m = m_new
+    if not GREEDY:
+        best = m * inv_t - tl.log(race)  # the winner's x / T - log E, the Gumbel score the merge compares
     part = row * num_splits + split
     tl.store(part_ptr + part, m)
     tl.store(part_ptr + num_parts + part, s)
