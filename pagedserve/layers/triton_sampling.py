@@ -44,8 +44,9 @@ import triton.language as tl
 BLOCK = 2048
 MAX_SPLITS = 64
 _FLOAT32_LOWEST = tl.constexpr(-3.0e38)  # a finite start for running maxima: exp(m - m_new) never sees inf - inf
-# The race's exponents are capped here: e^80 keeps E * e^80 finite, and a token 80 / T below the
-# largest logit (p < e^-80 of it) loses to that one, whose factor is 1, whatever the cap.
+# The race's exponents ((m - x) / T) are capped here: e^80 keeps E * e^80 finite, and a token more
+# than 80 T below the largest logit (p < e^-80 of its) loses to that one, whose factor is 1, whatever
+# the cap: E lies in [4.7e-10, 21.5] for a 32-bit U, a ratio of e^24.5 at most.
 _RACE_EXP_CAP = tl.constexpr(80.0)
 
 
