@@ -36,22 +36,25 @@ def core_params(params: SamplingParams) -> SamplingParams:
     return dataclasses.replace(params, n=n, best_of=n, stop=[], output_kind=DELTA)
 
 
-def _cut_cumulative(c: CompletionOutput, k: int) -> float:
+def _cut_cumulative(c: CompletionOutput, k: int) -> float | None:
     """The cumulative logprob of c's tokens up to its k-th, where a stop string cuts it: c's own
     counts the tokens the core ran on past it, whose logprobs (where c carries them) come off.
-    Without them c is exact only for its last token (one token a step: _catch_up keeps such
-    requests' outputs apart; a speculative step's accepted run is the exception)."""
-    total = c.cumulative_logprob or 0.0
-    if c.logprobs is not None and k < len(c.token_ids) - 1:
-        total -= sum(c.logprobs[j][c.token_ids[j]] for j in range(k + 1, len(c.token_ids)))
-    return total
+    Without them it is exact only at c's last token (one token a step: _catch_up keeps such
+    requests' outputs apart); a cut inside a speculative step's accepted run, which carries no
+    logprobs (speculating requests ask for none), reports None, as vLLM does for a request
+    without logprobs, rather than a sum that counts the run-on tokens."""
+    if k == len(c.token_ids) - 1 or c.cumulative_logprob is None:
+        return c.cumulative_logprob
+    if c.logprobs is None:
+        return None
+    return c.cumulative_logprob - sum(c.logprobs[j][c.token_ids[j]] for j in range(k + 1, len(c.token_ids)))
 
 
 @dataclass
 class _SeqText:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] | None = None
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = 0.0  # None: not known (_cut_cumulative)
     text: str = ""
     detok_state: tuple[int, int] | None = None
     finish_reason: str | None = None

@@ -149,3 +149,37 @@ def test_a_stop_string_inside_a_chunk_keeps_the_cumulative_logprob_of_the_kept_t
     assert one_by_one[3] == pytest.approx(sum(lps[:kept]))
     for sizes in ([len(ids)], [2] * len(ids), [kept - 1, len(ids)]):
         assert run(sizes) == pytest.approx(one_by_one), sizes
+
+
+def test_a_stop_string_inside_a_run_without_logprobs_reports_no_cumulative_logprob(tokenizer):
+    """A speculative step's accepted run carries no logprobs (speculating requests ask for none):
+    a stop string met inside it cannot take the run-on tokens' logprobs off the core's cumulative
+    value, so the request reports None (vLLM's value without logprobs), not that sum; a cut on a
+    run's last token, and every cut token by token, keep the exact value."""
+    from pagedserve.engine.text_output import RequestText
+    from pagedserve.outputs import CompletionOutput, RequestOutput
+    from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+    ids = tokenizer.encode("the cat sat on the mat and then it ran away")
+    prompt = tokenizer.encode("Q:")
+    lps = [-0.1 * (j + 1) for j in range(len(ids))]
+
+    def run(sizes):
+        params = SamplingParams(max_tokens=len(ids), stop=["mat"], output_kind=RequestOutputKind.DELTA)
+        rt, out, at = RequestText(tokenizer, params, "Q:", prompt), None, 0
+        for n in sizes:
+            chunk, at = ids[at:at + n], at + n
+            c = CompletionOutput(0, "", chunk, sum(lps[:at]), None)
+            out = rt.process(RequestOutput("r", "Q:", prompt, [c], False)) or out
+            if rt.finished:
+                break
+        o = out.outputs[0]
+        assert o.logprobs is None
+        return o.finish_reason, o.stop_reason, len(rt.seqs[0].token_ids), o.cumulative_logprob
+
+    one_by_one = run([1] * len(ids))
+    kept = one_by_one[2]
+    assert one_by_one[:2] == ("stop", "mat") and kept < len(ids) - 2
+    assert one_by_one[3] == pytest.approx(sum(lps[:kept]))
+    assert run([kept - 1, 1, len(ids)]) == pytest.approx(one_by_one)  # the cut on a run's last token
+    assert run([len(ids)]) == one_by_one[:3] + (None,)
+    assert run([kept - 1, len(ids)]) == one_by_one[:3] + (None,)
