@@ -104,6 +104,10 @@ class EngineConfig:
                                                       "chunked prefill off)")
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the "
                                              "model's own limit)")
+    hf_overrides: dict | None = option(None, "JSON object of HF config fields to override, as vLLM's: "
+                                             "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": "
+                                             "4.0, \"original_max_position_embeddings\": 32768}}' (a RoPE "
+                                             "dict merges into the model's own)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")
     preemption_mode: str = option("auto", "what to do with a sequence when KV blocks run out; auto: "
                                           "the cheaper of swap and recompute, measured",
@@ -250,6 +254,12 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.hf_overrides is not None:
+            if not isinstance(self.hf_overrides, dict) or not all(isinstance(k, str) for k in self.hf_overrides):
+                raise ValueError(f"hf_overrides must be a JSON object of config fields, got {self.hf_overrides!r}")
+            for key in ("rope_scaling", "rope_parameters"):
+                if key in self.hf_overrides and not isinstance(self.hf_overrides[key], dict):
+                    raise ValueError(f"hf_overrides: {key} must be an object, got {self.hf_overrides[key]!r}")
         # Validate the pieces early so a bad argument fails before any model is loaded.
         CacheConfig(block_size=self.block_size, kv_allocator=self.kv_allocator)
         if self.preemption_mode not in PREEMPTION_MODES:

@@ -50,7 +50,7 @@ ENGINE_SWITCH_FIELDS = ("async_scheduling", "enforce_eager", "cudagraph_mode", "
                         "enable_expert_parallel",
                         "max_num_seqs", "max_num_batched_tokens", "cuda_graph_sizes", "quantization",
                         "kv_cache_dtype", "calculate_kv_scales",
-                        "kv_cache_scale_strategy", "nano_batch_rows", "nano_batch_sm_carveout")
+                        "kv_cache_scale_strategy", "nano_batch_rows", "nano_batch_sm_carveout", "hf_overrides")
 
 
 class UnknownCommitError(RuntimeError):

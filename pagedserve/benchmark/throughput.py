@@ -203,7 +203,9 @@ def run_throughput_cli(args) -> int:
 
     model = args.model or default_model(args.workload)
     # 4096 (the published runs' setting), or the model's own limit when shorter (the demo model's 1024).
-    kwargs = {"max_model_len": min(4096, get_max_model_len(load_hf_config(model))), **changed_engine_kwargs(args)}
+    changed = changed_engine_kwargs(args)
+    kwargs = {"max_model_len": min(4096, get_max_model_len(load_hf_config(model, changed.get("hf_overrides")))),
+              **changed}
     if args.output:
         git_commit()  # refuse before the run, not after it
     out = run_throughput(args.workload, model, kwargs, args.num_requests, args.repeats,

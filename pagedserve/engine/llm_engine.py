@@ -57,7 +57,7 @@ class LLMEngine(StepPipeline, TokenApplication):
         engine runs behind the server, which picks its default step budget (config.batch_defaults)."""
         if config.model is None:
             raise ValueError("model must be a local HF model directory, got None")
-        self.hf_config = load_hf_config(config.model)
+        self.hf_config = load_hf_config(config.model, config.hf_overrides)
         self.device = resolve_device(config.device)
         # Unset batch limits follow the device, as vLLM's do; the executor and every rank get the result.
         if self.device.type == "cuda":

@@ -58,7 +58,7 @@ def check_engine_config(config: EngineConfig) -> None:
     no torch or transformers import unless a CUDA device is asked for."""
     from types import SimpleNamespace
 
-    from pagedserve.models.hf_dir import get_max_model_len, read_config_json, safetensors_files
+    from pagedserve.models.hf_dir import apply_hf_overrides, get_max_model_len, read_config_json, safetensors_files
 
     raw = read_config_json(config.model)  # a local directory holding a readable config.json
     if config.load_format != "dummy":
@@ -70,9 +70,10 @@ def check_engine_config(config: EngineConfig) -> None:
         # defaults, which the engine's own check (the same function over AutoConfig) then sees.
         positions = {k: v for k, v in raw.items() if k not in ("sliding_window", "use_sliding_window")}
         try:
-            model_max = get_max_model_len(SimpleNamespace(**positions))
-        except ValueError:
-            model_max = None  # no limit in config.json: the engine's check decides
+            model_max = get_max_model_len(apply_hf_overrides(SimpleNamespace(**positions), config.hf_overrides,
+                                                             strict=False))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            model_max = None  # no limit in config.json, or RoPE fields it lacks: the engine's check decides
         if model_max is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len: --max-model-len {config.max_model_len} is beyond the model's limit "
                              f"of {model_max} tokens ({os.path.join(config.model, 'config.json')})")

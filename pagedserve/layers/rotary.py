@@ -1,4 +1,4 @@
-"""Rotary position embeddings (NeoX / HF "rotate_half" layout), default, linear and llama3 scaling.
+"""Rotary position embeddings (NeoX / HF "rotate_half" layout), default, linear, llama3 and YaRN scaling.
 
 cos/sin are computed from positions on the fly in float32, once per forward at the model
 level, exactly as HF does (positions * inv_freq), so there is no max-position cache to size. On CUDA, rotate_qk runs q and k (and Qwen3's
@@ -14,23 +14,6 @@ from torch import nn
 from pagedserve.layers.fused import fused_ops
 
 
-def rope_parameters(config) -> dict:
-    """rope params from an HF config: transformers 5 `rope_parameters`, or 4.x rope_scaling + rope_theta."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        params = dict(params)
-        # Some configs hold one dict per layer type; all our families use a single one.
-        if "rope_type" not in params and "rope_theta" not in params and len(params) and \
-                all(isinstance(v, dict) for v in params.values()):
-            params = dict(next(iter(params.values())))
-    else:
-        params = dict(getattr(config, "rope_scaling", None) or {})
-    if "rope_theta" not in params:
-        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
-    params.setdefault("rope_type", params.get("type", "default"))
-    return params
-
-
 def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     factor, low, high = p["factor"], p["low_freq_factor"], p["high_freq_factor"]
     old_ctx = p["original_max_position_embeddings"]
@@ -43,7 +26,39 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+def _yarn(dim: int, base: float, p: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (Peng et al., 2023), as HF computes it: (inv_freq, attention factor).
+
+    Frequency i keeps its unscaled value where a wavelength fits many times into the original
+    context (fast rotations, beta_fast), is divided by `factor` where it fits less than beta_slow
+    times, with a linear ramp between; cos and sin are then multiplied by the attention factor
+    (0.1 ln(factor) + 1, or mscale / mscale_all_dim's ratio, or given), which HF folds into them."""
+    factor, old_ctx = p["factor"], p["original_max_position_embeddings"]
+    attention = p.get("attention_factor")
+    if attention is None:
+        def mscale(m: float = 1.0) -> float:
+            return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+        m, m_all = p.get("mscale"), p.get("mscale_all_dim")
+        attention = float(mscale(m) / mscale(m_all)) if m and m_all else mscale()
+    beta_fast, beta_slow = p.get("beta_fast") or 32, p.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension whose wavelength fits `rotations` times
+        return dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if p.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # HF's guard against a zero-width ramp
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the unscaled frequency, 0: divided by factor
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
+    return inv_freq, attention
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 class RotaryEmbedding(nn.Module):
@@ -56,17 +71,24 @@ class RotaryEmbedding(nn.Module):
         base = float(params["rope_theta"])
         inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float().cpu()
                                    / self.rotary_dim))
+        self.attention_scaling = 1.0  # YaRN's factor on cos and sin (so on q.k), as HF applies it
         if rope_type == "linear":
             inv_freq = inv_freq / params["factor"]
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif rope_type == "yarn":
+            inv_freq, self.attention_scaling = _yarn(self.rotary_dim, base, params)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, rotary_dim] (broadcast over heads), in `dtype` as HF casts them."""
+        """cos, sin of shape [T, 1, rotary_dim] (broadcast over heads), in `dtype` as HF casts them
+        (scaled in float32 first, where YaRN scales them)."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos().to(dtype)[:, None, :], emb.sin().to(dtype)[:, None, :]
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
-"""A local HF model directory, checked without torch or transformers: its config.json, its
-context limit and its safetensors files. `pagedserve serve` runs these before any process
-starts (engine/preflight.py); the loader (loader.py) runs them again and then builds the model.
+"""A local HF model directory, checked without torch or transformers: its config.json, the
+user's overrides of it (--hf-overrides), its RoPE parameters, its context limit and its
+safetensors files. `pagedserve serve` runs these before any process starts (engine/preflight.py);
+the loader (loader.py) runs them again and then builds the model.
 """
 from __future__ import annotations
 
@@ -31,9 +32,69 @@ def read_config_json(model_dir: str | os.PathLike) -> dict:
     return raw
 
 
+ROPE_KEYS = ("rope_scaling", "rope_parameters")  # transformers 4's name, and 5's
+
+
+def rope_parameters(config) -> dict:
+    """RoPE params from an HF config (or a namespace of config.json): transformers 5
+    `rope_parameters`, or 4.x rope_scaling + rope_theta. YaRN's original_max_position_embeddings
+    left out is max_position_embeddings, and its `factor` left out (None) the one over the other,
+    as HF derives them."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        # Some configs hold one dict per layer type; all our families use a single one.
+        if "rope_type" not in params and "rope_theta" not in params and len(params) and \
+                all(isinstance(v, dict) for v in params.values()):
+            params = dict(next(iter(params.values())))
+    else:
+        params = dict(getattr(config, "rope_scaling", None) or {})
+    if "rope_theta" not in params:
+        params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    params.setdefault("rope_type", params.get("type", "default"))
+    if params["rope_type"] == "yarn":
+        if not params.get("original_max_position_embeddings"):  # HF's default for it
+            params["original_max_position_embeddings"] = config.max_position_embeddings
+        if params.get("factor") is None:
+            params["factor"] = config.max_position_embeddings / params["original_max_position_embeddings"]
+    return params
+
+
+def apply_hf_overrides(config, overrides: dict | None, strict: bool = True):
+    """config with --hf-overrides applied, as vLLM applies them: each key's value replaces the
+    config's, except a RoPE dict (rope_scaling or rope_parameters, either name), which is merged
+    into the model's own RoPE parameters, so that {"rope_scaling": {"rope_type": "yarn", ...}}
+    keeps the checkpoint's rope_theta (transformers 5 takes a bare rope_scaling as the whole of
+    them and loses it). strict: a key the config lacks is a one-line ValueError (a typo would
+    otherwise change nothing, silently); the preflight's namespace of config.json is not strict,
+    as the file omits fields that take their class defaults. Sets attributes in place; returns
+    config."""
+    if not overrides:
+        return config
+    rope = {}
+    for key, value in overrides.items():
+        if key in ROPE_KEYS:
+            rope.update(value)
+            continue
+        if strict and not hasattr(config, key):
+            raise ValueError(f"hf_overrides: the model's config has no field {key!r}")
+        setattr(config, key, value)
+    if rope:
+        merged = {**rope_parameters(config), **rope}
+        if "type" in rope and "rope_type" not in rope:  # the old spelling of the key
+            merged["rope_type"] = rope["type"]
+        if hasattr(config, "rope_parameters"):  # transformers 5 (its configs always have it)
+            config.rope_parameters = merged
+        else:
+            config.rope_scaling, config.rope_theta = merged, merged["rope_theta"]
+    return config
+
+
 def get_max_model_len(hf_config) -> int:
-    """The longest context the model supports: its position limit (and Mistral's sliding window,
-    which our kernels do not implement, so longer contexts would be silently wrong)."""
+    """The longest context the model supports: its position limit, scaled as vLLM scales it for
+    RoPE scaling (YaRN: original_max_position_embeddings x factor; linear: the limit x factor;
+    llama3's configs state their scaled limit already), and Mistral's sliding window, which our
+    kernels do not implement, so longer contexts would be silently wrong."""
     limit = None
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length"):
         value = getattr(hf_config, key, None)
@@ -42,6 +103,12 @@ def get_max_model_len(hf_config) -> int:
             break
     if limit is None:
         raise ValueError("cannot find the model's maximum length in its config; pass max_model_len")
+    rope = rope_parameters(hf_config)
+    factor = rope.get("factor")
+    if rope["rope_type"] == "yarn":
+        limit = int(rope.get("original_max_position_embeddings", limit) * factor)
+    elif rope["rope_type"] == "linear" and factor:
+        limit = int(limit * factor)
     window = getattr(hf_config, "sliding_window", None)
     uses_window = getattr(hf_config, "use_sliding_window", True)
     if isinstance(window, int) and window > 0 and uses_window:

@@ -18,7 +18,8 @@ from pagedserve.layers.linear import (MergedColumnParallelLinear, ParallelLMHead
                                       RowParallelLinear, VocabParallelEmbedding)
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.quant.fusion import takes_fp8_activation
-from pagedserve.layers.rotary import RotaryEmbedding, rope_parameters, rotate_qk
+from pagedserve.layers.rotary import RotaryEmbedding, rotate_qk
+from pagedserve.models.hf_dir import rope_parameters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 

@@ -24,23 +24,25 @@ from pagedserve.layers.weights import default_weight_loader, materialize
 from pagedserve.models.registry import get_model_class
 
 # Re-exported: the torch-free checks of a model directory live in hf_dir.py (preflight uses them).
-from pagedserve.models.hf_dir import (PICKLE_PATTERNS, SAFETENSORS_INDEX, get_max_model_len,  # noqa: F401
-                                      read_config_json, safetensors_files)
+from pagedserve.models.hf_dir import (PICKLE_PATTERNS, SAFETENSORS_INDEX, apply_hf_overrides,  # noqa: F401
+                                      get_max_model_len, read_config_json, safetensors_files)
 
 logger = logging.getLogger(__name__)
 
 
-def load_hf_config(model_dir: str | os.PathLike):
-    """The model's PretrainedConfig, from a local directory only (no hub, no remote code)."""
+def load_hf_config(model_dir: str | os.PathLike, overrides: dict | None = None):
+    """The model's PretrainedConfig, from a local directory only (no hub, no remote code), with
+    EngineConfig.hf_overrides applied (hf_dir.apply_hf_overrides)."""
     from transformers import AutoConfig
 
     model_dir = os.fspath(model_dir)
     read_config_json(model_dir)  # one line naming the spot for a missing or broken file, not HF's traceback
     path = os.path.join(model_dir, "config.json")
     try:
-        return AutoConfig.from_pretrained(model_dir, trust_remote_code=False, local_files_only=True)
+        config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False, local_files_only=True)
     except (OSError, KeyError) as e:
         raise ValueError(f"model: {path} could not be read as a transformers config ({e})") from None
+    return apply_hf_overrides(config, overrides)
 
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,

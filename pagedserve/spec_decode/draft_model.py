@@ -122,7 +122,7 @@ class DraftModelProposer:
         if target_hf_config is None:
             if target.model is None:
                 raise ValueError("DraftModelProposer: pass target_hf_config when the engine config has no model")
-            target_hf_config = load_hf_config(target.model)
+            target_hf_config = load_hf_config(target.model, target.hf_overrides)
         check_vocab_compatible(self.hf_config, target_hf_config, self.draft_dir, target.tokenizer or target.model)
         check_draft_not_wider(self.hf_config, target_hf_config)
         self.vocab_size = self.hf_config.vocab_size

@@ -9,7 +9,8 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary, rope_parameters
+from pagedserve.layers.rotary import RotaryEmbedding, apply_rotary
+from pagedserve.models.hf_dir import rope_parameters
 
 LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 8192}
