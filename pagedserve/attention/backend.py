@@ -1,7 +1,8 @@
 """The one attention interface every model uses, and the choice of kernels behind it.
 
-Attention.forward writes this step's K/V into the paged pools through
-meta.slot_mapping, then attends each sequence's new queries over its whole context
+Attention.forward rotates this step's q and k by the layer's Rope (when it hands one over) and
+writes its K/V into the paged pools through meta.slot_mapping (on CUDA one Triton launch does
+both: triton_ops.rope_write_kv), then attends each sequence's new queries over its whole context
 read through meta.block_tables. On CUDA the Triton kernels are used
 (pagedserve.attention.triton_ops, imported lazily); on CPU, or when they are missing,
 the plain-torch reference. Both expose the same three functions:
@@ -25,6 +26,8 @@ from torch import nn
 from pagedserve.attention import reference
 from pagedserve.attention.kv_quant import calibration_scale
 from pagedserve.attention.metadata import AttentionMetadata
+from pagedserve.layers.fused import fused_ops
+from pagedserve.layers.rotary import Rope
 
 logger = logging.getLogger(__name__)
 _BACKENDS: dict[str, ModuleType] = {}
@@ -33,10 +36,14 @@ _BACKENDS: dict[str, ModuleType] = {}
 _BOUNDARY_HOOK: ContextVar[Callable | None] = ContextVar("attention_boundary_hook", default=None)
 
 
+# "0": rotate q/k and write K/V in two launches, as before the one-launch kernel (an A/B switch).
+ROPE_STORE_ENV = "PAGEDSERVE_ROPE_STORE"
+
+
 @contextmanager
 def attention_boundary(hook: Callable) -> Iterator[None]:
-    """Within the block, Attention.forward(q, k, v, k_cache, v_cache, meta) returns
-    hook(module, q, k, v, k_cache, v_cache, meta) and runs no attention itself."""
+    """Within the block, Attention.forward(q, k, v, k_cache, v_cache, meta, rope) returns
+    hook(module, q, k, v, k_cache, v_cache, meta, rope) and runs no attention itself."""
     token = _BOUNDARY_HOOK.set(hook)
     try:
         yield
@@ -116,29 +123,61 @@ class Attention(nn.Module):
         getattr(self, f"{kind}_scale").copy_(mine)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, num_heads * head_dim] (or [T, H, D]); k, v likewise with num_kv_heads.
+                v_cache: torch.Tensor, meta: AttentionMetadata, rope: Rope | None = None) -> torch.Tensor:
+        """q: [T, num_heads * head_dim] (or [T, H, D]); k, v likewise with num_kv_heads; rope: the
+        layer's rotary, still to be applied to q and k (None: none, or applied already).
 
         Returns [T, num_heads * head_dim].
         """
         hook = _BOUNDARY_HOOK.get()
         if hook is not None:
-            return hook(self, q, k, v, k_cache, v_cache, meta)
-        return self.attend(q, k, v, k_cache, v_cache, meta)
+            return hook(self, q, k, v, k_cache, v_cache, meta, rope)
+        return self.attend(q, k, v, k_cache, v_cache, meta, rope)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-               v_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """The attention itself (forward without the boundary hook): store_kv, then attend_stored."""
+               v_cache: torch.Tensor, meta: AttentionMetadata, rope: Rope | None = None) -> torch.Tensor:
+        """The attention itself (forward without the boundary hook): rotate_and_store, then attend_stored."""
         T = q.shape[0]
         if self.calibrating and T:
             k3 = k.view(T, self.num_kv_heads, self.head_dim)
             v3 = v.view(T, self.num_kv_heads, self.head_dim)
+            if rope is not None:  # the scales are the rotated K's
+                q, k3 = rope.apply(q.view(T, self.num_heads, self.head_dim), k3)
+                k, rope = k3, None
             # per head: the amax over tokens and head_dim, one per KV head; else over everything
             dims = (0, 2) if self.kv_scale_per_head else (0, 1, 2)
             self.k_scale.copy_(torch.maximum(self.k_scale, calibration_scale(k3.abs().amax(dim=dims))))
             self.v_scale.copy_(torch.maximum(self.v_scale, calibration_scale(v3.abs().amax(dim=dims))))
-        self.store_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        q = self.rotate_and_store(q, k, v, k_cache, v_cache, meta.slot_mapping, rope)
         return self.attend_stored(q, k_cache, v_cache, meta)
+
+    def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                         v_cache: torch.Tensor, slot_mapping: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
+        """Rotate q and k by rope (None: nothing to rotate), then store_kv; returns q [T, H, D].
+        On CUDA, for a pool of the activations' dtype, one launch does it all in place
+        (triton_ops.rope_write_kv: no second read of k and v, one kernel a layer less); else
+        rotate_qk, then store_kv (which quantizes for an fp8 pool). Its launch depends only on T."""
+        T = q.shape[0]
+        q3, k3 = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
+        if rope is not None:
+            one_launch = self._rope_write_kv(q3, k3, k_cache, rope)
+            if one_launch is not None:
+                one_launch(q3, k3, v.view(T, self.num_kv_heads, self.head_dim), rope.cos, rope.sin, k_cache, v_cache,
+                           slot_mapping, **rope.norm_weights())
+                return q3
+            q3, k3 = rope.apply(q3, k3)
+        self.store_kv(k3, v, k_cache, v_cache, slot_mapping)
+        return q3
+
+    @staticmethod
+    def _rope_write_kv(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, rope: Rope) -> Callable | None:
+        """The backend's one-launch rotary and K/V write where it applies: the Triton attention and
+        layer ops (CUDA), a pool of the activations' dtype, norm weights of it too, not switched off."""
+        if os.environ.get(ROPE_STORE_ENV, "1") == "0" or k_cache.dtype != k.dtype or fused_ops(q.device) is None:
+            return None
+        if rope.q_norm is not None and not rope.q_norm.weight.dtype == q.dtype == k.dtype:
+            return None
+        return getattr(get_backend(q.device), "rope_write_kv", None)
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  slot_mapping: torch.Tensor) -> None:

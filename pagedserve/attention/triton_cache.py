@@ -1,10 +1,13 @@
-"""Triton kernels that move K/V inside the block pools: slot writes and block copies.
+"""Triton kernels that move K/V inside the block pools: slot writes (alone, or with the rotary
+that makes K), and block copies.
 
 Pools are [num_blocks, block_size, num_kv_heads, head_dim]; a block is one contiguous
 run of block_size * num_kv_heads * head_dim elements, which is what copy_blocks relies on.
 """
 import triton
 import triton.language as tl
+
+from pagedserve.layers.triton_fused import norm_rope_heads
 
 
 @triton.jit
@@ -47,6 +50,50 @@ def write_kv_kernel(
         v = v.to(v_cache_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+# A one-token step may give cos/sin a size-1 leading dim with any stride: do not compile per value.
+@triton.jit(do_not_specialize=["cos_stride", "sin_stride"])
+def rope_write_kv_kernel(
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    q_stride_t, q_stride_h, k_stride_t, k_stride_h, v_stride_t, v_stride_h, cos_stride, sin_stride,
+    stride_cb, stride_cs, stride_ch, NUM_Q_HEADS, NUM_K_HEADS, eps,
+    HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, BLOCK_HALF: tl.constexpr,
+    BLOCK_REST: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    """Grid (tokens, q head blocks + 2 x k head blocks): triton_fused._qk_norm_rope_kernel's
+    programs for q and k (optional per-head RMSNorm, then rotary, in place), the k ones also
+    writing their result into the token's slot of the K pool, then programs copying HEADS v heads
+    each into the V pool; slot -1 writes nothing. One launch where there were two (the rotary's and
+    write_kv_kernel's) and no second read of k and v. Pools of the activations' dtype only."""
+    t = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    q_blocks = (NUM_Q_HEADS + HEADS - 1) // HEADS
+    k_blocks = (NUM_K_HEADS + HEADS - 1) // HEADS
+    h = tl.arange(0, HEADS)
+    cos = cos_ptr + t * cos_stride
+    sin = sin_ptr + t * sin_stride
+    if block < q_blocks:
+        heads = block * HEADS + h
+        norm_rope_heads(q_ptr + t * q_stride_t, heads, heads < NUM_Q_HEADS, q_stride_h, qw_ptr, cos, sin, eps,
+                         HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM)
+    else:
+        slot = tl.load(slot_ptr + t).to(tl.int64)
+        ok = slot >= 0
+        slot = tl.maximum(slot, 0)  # (an address computed for slot -1 is never written)
+        row = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
+        if block < q_blocks + k_blocks:
+            heads = (block - q_blocks) * HEADS + h
+            norm_rope_heads(k_ptr + t * k_stride_t, heads, heads < NUM_K_HEADS, k_stride_h, kw_ptr, cos, sin, eps,
+                             HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM,
+                             k_cache_ptr + row, stride_ch, ok, STORE_DST=True)
+        else:
+            heads = (block - q_blocks - k_blocks) * HEADS + h
+            d = tl.arange(0, BLOCK_D)[None, :]
+            m = (heads < NUM_K_HEADS)[:, None] & (d < HEAD_DIM)
+            x = tl.load(v_ptr + t * v_stride_t + heads[:, None] * v_stride_h + d, mask=m)
+            tl.store(v_cache_ptr + row + heads[:, None] * stride_ch + d, x, mask=m & ok)
 
 
 @triton.jit

@@ -19,11 +19,12 @@ import torch
 from pagedserve.attention import decode_plan, gathered_prefill
 from pagedserve.attention.kv_quant import FP8_KV_DTYPE
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.triton_cache import copy_blocks_kernel, write_kv_kernel
+from pagedserve.attention.triton_cache import copy_blocks_kernel, rope_write_kv_kernel, write_kv_kernel
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import prefill_attention, prefill_launch
 from pagedserve.attention import triton_unified as unified
 from pagedserve.host_math import cdiv, next_power_of_2
+from pagedserve.layers.triton_fused import QK_ROPE_HEADS
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,6 +92,39 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
         BLOCK_SIZE=k_cache.shape[1], **_scales(k_cache, k_scale, v_scale),
     )
+
+
+def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                  k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                  q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
+                  eps: float = 1e-6) -> None:
+    """layers/triton_fused.qk_norm_rotary_ on q [T, Hq, D] and k [T, Hk, D] (in place; optional
+    per-head RMSNorm weights [D]), then write_kv of the rotated k and of v [T, Hk, D], in one
+    launch (rope_write_kv_kernel). The pools must hold the activations' dtype (an fp8 pool takes
+    the rotary and write_kv apart, which quantizes)."""
+    T, num_q, D = q.shape
+    num_k = k.shape[1]
+    rd = cos.shape[-1]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or rd % 2 or rd > D or k.shape[-1] != D \
+            or tuple(v.shape) != tuple(k.shape):
+        raise ValueError(f"rope_write_kv: needs unit-stride head dims, v shaped as k and an even rotary_dim <= "
+                         f"head_dim, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, rotary_dim {rd}")
+    _check_cache(k_cache, D)
+    if k_cache.dtype != k.dtype or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"rope_write_kv: needs K/V pools of one layout in the activations' dtype ({k.dtype}), "
+                         f"got {k_cache.dtype}")
+    if T == 0:
+        return
+    has_norm = q_weight is not None
+    cos2, sin2 = cos.reshape(T, rd), sin.reshape(T, rd)
+    heads = min(QK_ROPE_HEADS, next_power_of_2(max(num_q, num_k)))
+    rope_write_kv_kernel[(T, cdiv(num_q, heads) + 2 * cdiv(num_k, heads))](
+        q, k, v, q_weight if has_norm else q, k_weight if has_norm else k, cos2, sin2, k_cache, v_cache,
+        slot_mapping, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos2.stride(0), sin2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_q, num_k, eps,
+        HEAD_DIM=D, HALF=rd // 2, REST=D - rd, BLOCK_HALF=next_power_of_2(max(rd // 2, 1)),
+        BLOCK_REST=next_power_of_2(max(D - rd, 1)), BLOCK_D=next_power_of_2(D), HAS_NORM=has_norm, HEADS=heads,
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4)
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -2,11 +2,14 @@
 
 cos/sin are computed from positions on the fly in float32, once per forward at the model
 level, exactly as HF does (positions * inv_freq), so there is no max-position cache to size. On CUDA, rotate_qk runs q and k (and Qwen3's
-per-head q/k RMSNorm before it) through one Triton kernel (triton_fused.qk_norm_rotary_).
+per-head q/k RMSNorm before it) through one Triton kernel (triton_fused.qk_norm_rotary_). A layer
+hands its Rope to the attention, which rotates where it stores K/V: on CUDA the same kernel then
+writes k and v into the pools too (Attention.rotate_and_store).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -113,3 +116,22 @@ def rotate_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Te
     if q_norm is not None:
         q, k = q_norm(q), k_norm(k)
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+@dataclass(frozen=True)
+class Rope:
+    """One layer's rotary for one step, applied by the attention where it stores K/V: cos/sin
+    [T, 1, rotary_dim] and Qwen3's per-head q/k RMSNorms (None elsewhere)."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_norm: nn.Module | None = None
+    k_norm: nn.Module | None = None
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotate_qk(q, k, self.cos, self.sin, self.q_norm, self.k_norm)
+
+    def norm_weights(self) -> dict:
+        """rope_write_kv's norm arguments (none without q/k norms)."""
+        if self.q_norm is None:
+            return {}
+        return dict(q_weight=self.q_norm.weight, k_weight=self.k_norm.weight, eps=self.q_norm.eps)

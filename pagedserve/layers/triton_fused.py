@@ -126,15 +126,21 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_stride, q_stride, N, FP8
 
 
 @triton.jit
-def _norm_rope_heads(ptr, heads, h_mask, stride_h, w_ptr, cos_ptr, sin_ptr, eps, HEAD_DIM: tl.constexpr,
+def norm_rope_heads(ptr, heads, h_mask, stride_h, w_ptr, cos_ptr, sin_ptr, eps, HEAD_DIM: tl.constexpr,
                      HALF: tl.constexpr, REST: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
-                     HAS_NORM: tl.constexpr):
+                     HAS_NORM: tl.constexpr, dst_ptr=None, dst_stride_h=0, dst_ok=False,
+                     STORE_DST: tl.constexpr = False):
     """Head vectors `heads` (h_mask: which are real) of one token in place: optional RMSNorm over
     HEAD_DIM = 2*HALF + REST, then NeoX rotary of the first 2*HALF features (the REST pass
-    through). Rounds where the torch path rounds."""
+    through). Rounds where the torch path rounds. STORE_DST: the whole result is also written to
+    the head vectors at dst_ptr (stride dst_stride_h; only where dst_ok: a KV-pool slot,
+    attention/triton_cache.rope_write_kv_kernel)."""
     i = tl.arange(0, BLOCK_HALF)
     m = h_mask[:, None] & (i < HALF)[None, :]
     rows = ptr + heads[:, None] * stride_h
+    if STORE_DST:
+        dst_rows = dst_ptr + heads[:, None] * dst_stride_h
+        dm = m & dst_ok
     x1 = tl.load(rows + i[None, :], mask=m, other=0.0).to(tl.float32)
     x2 = tl.load(rows + HALF + i[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_NORM:
@@ -151,7 +157,14 @@ def _norm_rope_heads(ptr, heads, h_mask, stride_h, w_ptr, cos_ptr, sin_ptr, eps,
         x2 = _round(_round(x2 * inv_rms, ptr) * w2, ptr)
         if REST > 0:
             wr = tl.load(w_ptr + 2 * HALF + j, mask=j < REST, other=0.0).to(tl.float32)[None, :]
-            tl.store(rows + 2 * HALF + j[None, :], (_round(xr * inv_rms, ptr) * wr).to(ptr.dtype.element_ty), mask=mr)
+            yr = (_round(xr * inv_rms, ptr) * wr).to(ptr.dtype.element_ty)
+            tl.store(rows + 2 * HALF + j[None, :], yr, mask=mr)
+            if STORE_DST:
+                tl.store(dst_rows + 2 * HALF + j[None, :], yr, mask=mr & dst_ok)
+    elif STORE_DST and REST > 0:  # the features past the rotary pass through: copied as they are
+        j = tl.arange(0, BLOCK_REST)
+        mr = h_mask[:, None] & (j < REST)[None, :]
+        tl.store(dst_rows + 2 * HALF + j[None, :], tl.load(rows + 2 * HALF + j[None, :], mask=mr), mask=mr & dst_ok)
     c1 = tl.load(cos_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(cos_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
@@ -161,6 +174,9 @@ def _norm_rope_heads(ptr, heads, h_mask, stride_h, w_ptr, cos_ptr, sin_ptr, eps,
     o2 = _round(x2 * c2, ptr) + _round(x1 * s2, ptr)
     tl.store(rows + i[None, :], o1.to(ptr.dtype.element_ty), mask=m)
     tl.store(rows + HALF + i[None, :], o2.to(ptr.dtype.element_ty), mask=m)
+    if STORE_DST:
+        tl.store(dst_rows + i[None, :], o1.to(ptr.dtype.element_ty), mask=dm)
+        tl.store(dst_rows + HALF + i[None, :], o2.to(ptr.dtype.element_ty), mask=dm)
 
 
 # A one-token step may give cos/sin a size-1 leading dim with any stride: do not compile per value.
@@ -181,11 +197,11 @@ def _qk_norm_rope_kernel(q_ptr, k_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr,
     h = tl.arange(0, HEADS)
     if block < q_blocks:
         heads = block * HEADS + h
-        _norm_rope_heads(q_ptr + t * q_stride_t, heads, heads < NUM_Q_HEADS, q_stride_h, qw_ptr, cos, sin, eps,
+        norm_rope_heads(q_ptr + t * q_stride_t, heads, heads < NUM_Q_HEADS, q_stride_h, qw_ptr, cos, sin, eps,
                          HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM)
     else:
         heads = (block - q_blocks) * HEADS + h
-        _norm_rope_heads(k_ptr + t * k_stride_t, heads, heads < NUM_K_HEADS, k_stride_h, kw_ptr, cos, sin, eps,
+        norm_rope_heads(k_ptr + t * k_stride_t, heads, heads < NUM_K_HEADS, k_stride_h, kw_ptr, cos, sin, eps,
                          HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM)
 
 

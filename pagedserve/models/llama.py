@@ -18,7 +18,7 @@ from pagedserve.layers.linear import (MergedColumnParallelLinear, ParallelLMHead
                                       RowParallelLinear, VocabParallelEmbedding)
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.quant.fusion import takes_fp8_activation
-from pagedserve.layers.rotary import RotaryEmbedding, rotate_qk
+from pagedserve.layers.rotary import Rope, RotaryEmbedding
 from pagedserve.models.hf_dir import rope_parameters
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -30,7 +30,9 @@ def head_dim_of(config) -> int:
 
 class LlamaAttention(nn.Module):
     """The block's projections and attention; LlamaDecoderLayer calls them in order (project,
-    attn, o_proj), so that models/nano_batches.py can put the attention on a stream of its own."""
+    attn with rope, o_proj), so that models/nano_batches.py can put the attention on a stream of
+    its own. The rotary (after Qwen3's q/k norms) is applied by the attention where it writes
+    K/V, in the same kernel on CUDA (Attention.rotate_and_store)."""
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
                  quant_config=None, prefix: str = ""):
@@ -51,15 +53,17 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
                               total_num_kv_heads=num_kv, kv_head_start=self.qkv_proj.kv_head_start)
 
-    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """(q, k, v) of x, q and k rotated: [T, heads, head_dim] each but v ([T, kv heads * head_dim])."""
+    def project(self, x: torch.Tensor):
+        """(q, k, v) of x, not yet rotated: [T, heads, head_dim] each but v ([T, kv heads * head_dim]),
+        views of one projection output (the rotary works in place on them)."""
         qkv = self.qkv_proj(x)  # x: [T, hidden], or the same quantized (an Fp8Activation)
         T = qkv.shape[0]
         q, k, v = self.qkv_proj.split(qkv)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        q, k = rotate_qk(q, k, cos, sin, self.q_norm, self.k_norm)
-        return q, k, v
+        return q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim), v
+
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> Rope:
+        """This layer's rotary at the step's positions (cos/sin), for attn."""
+        return Rope(cos, sin, self.q_norm, self.k_norm)
 
 
 def check_silu(config) -> None:
@@ -115,15 +119,17 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, residual, cos, sin, kv_cache, meta):
         """Returns (mlp output, residual stream before it); the caller's next norm adds them."""
-        q, k, v, residual = self.before_attention(x, residual, cos, sin)
-        return self.after_attention(self.self_attn.attn(q, k, v, kv_cache[0], kv_cache[1], meta), residual)
+        q, k, v, residual = self.before_attention(x, residual)
+        out = self.self_attn.attn(q, k, v, kv_cache[0], kv_cache[1], meta, self.self_attn.rope(cos, sin))
+        return self.after_attention(out, residual)
 
     # forward in two halves around the attention itself: models/nano_batches.py runs one
     # nano-batch's attention on a second stream beside the other nano-batch's matmuls.
-    def before_attention(self, x, residual, cos, sin):
-        """(q, k, v, residual): the input norm (adding the residual stream) and the projections."""
+    def before_attention(self, x, residual):
+        """(q, k, v, residual): the input norm (adding the residual stream) and the projections
+        (q and k not yet rotated: the attention applies self_attn.rope)."""
         x, residual = (self.input_layernorm(x), x) if residual is None else self.input_layernorm(x, residual)
-        return *self.self_attn.project(x, cos, sin), residual
+        return *self.self_attn.project(x), residual
 
     def after_attention(self, attn_out, residual):
         """(mlp output, residual) from the attention's output [T, heads * head_dim]: o_proj, the

@@ -10,14 +10,14 @@ with halves A and B (rows [:h] and [h:]):
     side stream:        A.attn(i)     B.attn(i)              A.attn(i+1)               B.attn(i+1)
 
 so A's attention runs beside B's projections, B's beside A's o_proj and MLP, A's next beside B's
-o_proj and MLP. `before` is the input norm, qkv projection and rotary; `after` is o_proj, the
+o_proj and MLP. `before` is the input norm and qkv projection; `after` is o_proj, the
 post-attention norm and the MLP (LlamaDecoderLayer.before_attention / after_attention); `attn`
-writes the half's K/V and attends over its pages. The rows of one sequence never straddle a
+rotates the half's q and k (in place), writes its K/V and attends over its pages. The rows of one sequence never straddle a
 dependency the wrong way: a short prefill replayed as decode rows (runner/decode_rows.py) puts a
 sequence's rows in order, and A's attention of a layer precedes B's on the side stream.
 
-Memory across streams: q, k, v are made on the main stream and read on the side one, so they are
-held until the main stream has waited for that attention (then a later main allocation that
+Memory across streams: q, k, v are made on the main stream and read (q and k rotated in place) on
+the side one, as are the step's cos/sin (held by the halves to the end), so they are held until the main stream has waited for that attention (then a later main allocation that
 reuses their memory is ordered after the read); the attention's output is made on the side
 stream and every side launch waits for the main stream first, so the side reuses it only after
 the main stream's o_proj read it. Within a CUDA graph capture the same events become edges.
@@ -176,14 +176,15 @@ def _pipeline(model, input_ids, positions, kv_caches, metas, side) -> torch.Tens
 
     def start(half: _Half, i: int) -> None:
         layer, kv = layers[i]
-        q, k, v, half.residual = layer.before_attention(half.x, half.residual, half.cos, half.sin)
+        q, k, v, half.residual = layer.before_attention(half.x, half.residual)
         half.held = (q, k, v)
+        rope = layer.self_attn.rope(half.cos, half.sin)
         if side is None:
-            half.out = layer.self_attn.attn(q, k, v, kv[0], kv[1], half.meta)
+            half.out = layer.self_attn.attn(q, k, v, kv[0], kv[1], half.meta, rope)
             return
         side.wait_stream(main)
         with torch.cuda.stream(side):
-            half.out = layer.self_attn.attn(q, k, v, kv[0], kv[1], half.meta)
+            half.out = layer.self_attn.attn(q, k, v, kv[0], kv[1], half.meta, rope)
             half.done = torch.cuda.Event()
             half.done.record(side)
 

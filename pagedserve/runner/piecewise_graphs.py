@@ -8,9 +8,9 @@ it is captured per bucket; attention runs eagerly between the pieces (vLLM's "pi
 
 How: the forward of bucket T is captured as num_layers + 1 graphs ("pieces") split at every
 attention call. While capturing, `attention_boundary` diverts Attention.forward to a hook that
- 1. copies the layer's q into a static buffer and writes its k, v into the KV pools at the slots
-    of a static slot-mapping buffer (Attention.store_kv: its launch depends only on the row count),
-    both inside the current piece, so every replay does them too,
+ 1. rotates the layer's q and k and writes its k, v into the KV pools at the slots of a static
+    slot-mapping buffer (Attention.rotate_and_store: its launch depends only on the row count),
+    then copies q into a static buffer, all inside the current piece, so every replay does them too,
  2. ends the current piece and begins the next one,
  3. returns the static attention-output buffer, which the next piece reads.
 The last piece copies the final hidden states into a static buffer. Replay of a step with n <= T
@@ -164,10 +164,10 @@ class PiecewiseCUDAGraphs:
             if self.pool is None:
                 self.pool = pieces[-1].pool()
 
-        def boundary(attn, q, k, v, k_cache, v_cache, meta) -> torch.Tensor:
-            self.q[:t].view(q.shape).copy_(q)
+        def boundary(attn, q, k, v, k_cache, v_cache, meta, rope=None) -> torch.Tensor:
             # Every slot is -1 while capturing (run() sets them per step): nothing is written now.
-            attn.store_kv(k, v, k_cache, v_cache, self.slot_mapping[:t])
+            q = attn.rotate_and_store(q, k, v, k_cache, v_cache, self.slot_mapping[:t], rope)
+            self.q[:t].view(q.shape).copy_(q)
             layers.append((attn, k_cache, v_cache))
             if capture:
                 end()

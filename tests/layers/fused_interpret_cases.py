@@ -271,3 +271,79 @@ def test_fp8_model_same_logits_with_activation_fusion_on_and_off(tiny_model_dir,
         monkeypatch.delenv("PAGEDSERVE_FUSED")
         fused.reset()
     assert torch.equal(on, off)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("T,Hq,Hk,D,rd,qk_norm,block_size", [
+    (1, 4, 2, 16, 16, False, 16), (37, 4, 2, 16, 16, False, 4), (37, 4, 2, 32, 32, True, 8),
+    (5, 6, 2, 24, 24, True, 1), (3, 2, 1, 40, 12, False, 2), (4, 4, 4, 32, 16, True, 16),
+    (3, 12, 4, 16, 16, True, 4), (2, 20, 4, 16, 16, False, 8),
+])
+def test_rope_write_kv_is_the_rotary_then_write_kv(dtype, T, Hq, Hk, D, rd, qk_norm, block_size):
+    """attention/triton_ops.rope_write_kv (one launch) leaves q and k exactly as qk_norm_rotary_
+    does and the pools exactly as the reference write_kv of that k and v does, slot -1 untouched."""
+    from pagedserve.attention import reference, triton_ops
+    g = torch.Generator().manual_seed(T * 7 + D + rd + block_size)
+    qkv = (2 * torch.randn(T, (Hq + 2 * Hk) * D, generator=g)).to(dtype)
+    cos, sin = RotaryEmbedding(D, {"rope_type": "default", "rope_theta": 1e6}, partial_rotary_factor=rd / D)(
+        torch.randint(0, 4000, (T,), generator=g), dtype)
+    norms = (_norm(D, dtype, seed=2), _norm(D, dtype, seed=3)) if qk_norm else None
+    weights = dict(q_weight=norms[0].weight, k_weight=norms[1].weight, eps=norms[0].eps) if qk_norm else {}
+    num_blocks = (T + 2) // block_size + 2
+    k_cache = torch.randn(num_blocks, block_size, Hk, D, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, Hk, D, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:T]
+    slots[T // 2] = -1  # a padded row: rotated, but nothing written
+
+    def views(t):
+        q, k, v = t.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        return q.view(T, Hq, D), k.view(T, Hk, D), v.view(T, Hk, D)
+
+    ref = qkv.clone()
+    rq, rk, rv = views(ref)
+    ops.qk_norm_rotary_(rq, rk, cos, sin, *weights.values())
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(rk, rv, ref_k, ref_v, slots)
+    q, k, v = views(qkv)
+    triton_ops.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, **weights)
+    assert torch.equal(qkv, ref)  # q and k rotated in place, v as it was
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    with pytest.raises(ValueError, match="activations' dtype"):
+        triton_ops.rope_write_kv(q, k, v, cos, sin, k_cache.to(torch.float16), v_cache.to(torch.float16), slots)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_whole_model_rope_write_kv_equals_two_launches(tiny_model_dir, arch, monkeypatch):
+    """A tiny model with the Triton attention and layer ops (interpreted): prompt logits with the
+    one-launch rotary + K/V write equal those with the rotary and write_kv apart, and the torch
+    path's; the launches each way are the ones claimed."""
+    from pagedserve.attention import backend, triton_ops
+    from pagedserve.core.plan import SchedulerOutput
+    from paged_harness import HandDriver, make_runner
+
+    prompts = [[5, 17, 33, 101, 7], [9], list(range(3, 30))]
+
+    def logits():
+        driver = HandDriver(make_runner(tiny_model_dir(arch), block_size=4), seed=0)
+        seqs = [driver.add(p) for p in prompts]
+        return driver.runner.execute(SchedulerOutput(scheduled=[driver.schedule(s) for s in seqs]))
+
+    expected = logits()
+    calls = {"rope_write_kv": 0, "write_kv": 0}
+    for name in calls:
+        real = getattr(triton_ops, name)
+        monkeypatch.setattr(triton_ops, name, lambda *a, _real=real, _name=name, **kw: (
+            calls.__setitem__(_name, calls[_name] + 1), _real(*a, **kw))[1])
+    monkeypatch.setenv("PAGEDSERVE_FUSED", "force")
+    monkeypatch.setitem(backend._BACKENDS, "cpu", triton_ops)
+    fused.reset()
+    try:
+        one = logits()
+        assert calls == {"rope_write_kv": 2, "write_kv": 0}  # one per layer of the two
+        monkeypatch.setenv(backend.ROPE_STORE_ENV, "0")
+        two = logits()
+        assert calls == {"rope_write_kv": 2, "write_kv": 2}
+    finally:
+        fused.reset()
+    torch.testing.assert_close(one, two, rtol=0, atol=0)
+    torch.testing.assert_close(one, expected, rtol=1e-4, atol=1e-4)

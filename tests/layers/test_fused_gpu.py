@@ -86,6 +86,35 @@ def test_qk_rotary_matches_torch_bf16(ops, qk_norm, rotary_dim):
     torch.testing.assert_close(out_k.float(), ref_k.float(), rtol=2 ** -7, atol=2 ** -6)
 
 
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_rope_write_kv_is_the_rotary_then_write_kv_bf16(ops, qk_norm):
+    """The one-launch rotary + K/V write (attention/triton_ops.rope_write_kv) on the GPU: q, k and
+    the pools bit-equal to qk_norm_rotary_ followed by write_kv (the same arithmetic, one kernel);
+    slot -1 writes nothing."""
+    from pagedserve.attention import triton_ops
+    from pagedserve.layers.rotary import RotaryEmbedding
+    T, block_size = T_DECODE, 16
+    g = torch.Generator(device="cuda").manual_seed(7)
+    qkv = (2 * torch.randn(T, (HQ + 2 * HK) * D, device="cuda", generator=g)).bfloat16()
+    cos, sin = RotaryEmbedding(D, {"rope_type": "default", "rope_theta": 1e6}).cuda()(
+        torch.randint(0, 40000, (T,), device="cuda", generator=g), torch.bfloat16)
+    norms = dict(q_weight=_norm(D, 1).weight, k_weight=_norm(D, 2).weight, eps=1e-6) if qk_norm else {}
+    k_cache = torch.randn(T // block_size + 4, block_size, HK, D, device="cuda", generator=g).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(k_cache.shape[0] * block_size, device="cuda", generator=g)[:T]
+    slots[5] = -1
+
+    def views(t):
+        q, k, v = t.split([HQ * D, HK * D, HK * D], dim=-1)
+        return q.view(T, HQ, D), k.view(T, HK, D), v.view(T, HK, D)
+    ref, ref_k, ref_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    rq, rk, rv = views(ref)
+    ops.qk_norm_rotary_(rq, rk, cos, sin, *norms.values())
+    triton_ops.write_kv(rk, rv, ref_k, ref_v, slots)
+    triton_ops.rope_write_kv(*views(qkv), cos, sin, k_cache, v_cache, slots, **norms)
+    assert torch.equal(qkv, ref) and torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+
+
 def test_fused_ops_capture_in_a_cuda_graph(ops):
     norm = _norm(HIDDEN, seed=0)
     x = torch.randn(T_DECODE, HIDDEN, device="cuda").bfloat16()
