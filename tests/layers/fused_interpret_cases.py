@@ -130,18 +130,20 @@ def test_qk_norm_rotary_rejects_odd_rotary_dim():
         ops.qk_norm_rotary_(q, k, torch.randn(2, 1, 7), torch.randn(2, 1, 7))
 
 
+def _prompt_logits(model_dir) -> torch.Tensor:
+    """The last-position logits of three prompts of a tiny model, one step through the runner."""
+    from pagedserve.core.plan import SchedulerOutput
+    from paged_harness import HandDriver, make_runner
+    driver = HandDriver(make_runner(model_dir, block_size=4), seed=0)
+    seqs = [driver.add(p) for p in ([5, 17, 33, 101, 7], [9], list(range(3, 30)))]
+    return driver.runner.execute(SchedulerOutput(scheduled=[driver.schedule(s) for s in seqs]))
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_whole_model_fused_equals_torch(tiny_model_dir, arch, monkeypatch):
     """A tiny model's prompt logits with every fused op forced on (interpreted) equal the torch path's."""
-    from pagedserve.core.plan import SchedulerOutput
-    from paged_harness import HandDriver, make_runner
-
-    prompts = [[5, 17, 33, 101, 7], [9], list(range(3, 30))]
-
     def logits():
-        driver = HandDriver(make_runner(tiny_model_dir(arch), block_size=4), seed=0)
-        seqs = [driver.add(p) for p in prompts]
-        return driver.runner.execute(SchedulerOutput(scheduled=[driver.schedule(s) for s in seqs]))
+        return _prompt_logits(tiny_model_dir(arch))
 
     expected = logits()
     monkeypatch.setenv("PAGEDSERVE_FUSED", "force")
@@ -318,15 +320,9 @@ def test_whole_model_rope_write_kv_equals_two_launches(tiny_model_dir, arch, mon
     one-launch rotary + K/V write equal those with the rotary and write_kv apart, and the torch
     path's; the launches each way are the ones claimed."""
     from pagedserve.attention import backend, triton_ops
-    from pagedserve.core.plan import SchedulerOutput
-    from paged_harness import HandDriver, make_runner
-
-    prompts = [[5, 17, 33, 101, 7], [9], list(range(3, 30))]
 
     def logits():
-        driver = HandDriver(make_runner(tiny_model_dir(arch), block_size=4), seed=0)
-        seqs = [driver.add(p) for p in prompts]
-        return driver.runner.execute(SchedulerOutput(scheduled=[driver.schedule(s) for s in seqs]))
+        return _prompt_logits(tiny_model_dir(arch))
 
     expected = logits()
     calls = {"rope_write_kv": 0, "write_kv": 0}
