@@ -157,9 +157,12 @@ def test_preflight_and_engine_limit_with_the_override(yarn_dirs):
     assert get_max_model_len(load_hf_config(plain, yarn)) == 256
 
 
-def test_engine_with_yarn_override_matches_hf_on_the_edited_checkpoint(yarn_dirs):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA"))])
+def test_engine_with_yarn_override_matches_hf_on_the_edited_checkpoint(yarn_dirs, device):
     """Greedy past the original 64 positions: ours with --hf-overrides on the plain checkpoint
-    equals HF on the checkpoint whose config.json says YaRN (and differs from HF without it)."""
+    equals HF on the checkpoint whose config.json says YaRN (and differs from HF without it); on
+    CUDA through the Triton kernels (the rotary and K/V write in one launch)."""
     from pagedserve import LLM, SamplingParams
     plain, edited = yarn_dirs
     gen = torch.Generator().manual_seed(3)
@@ -178,7 +181,7 @@ def test_engine_with_yarn_override_matches_hf_on_the_edited_checkpoint(yarn_dirs
     yarn = {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     for path, overrides in ((plain, yarn), (edited, None)):
-        llm = LLM(str(path), device="cpu", dtype="float32", num_gpu_blocks_override=64, swap_space=0.01,
+        llm = LLM(str(path), device=device, dtype="float32", num_gpu_blocks_override=64, swap_space=0.01,
                   hf_overrides=overrides, max_model_len=256, block_size=16)
         out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         assert out.outputs[0].token_ids == expected, path
