@@ -12,7 +12,8 @@ model's dtype, and writes nothing vocab-sized: that step took 10.23 ms instead o
 How: the vocabulary is cut into `splits` spans so that small batches still fill the GPU. Each
 (row, span) program streams its span once and keeps, online:
   - the running max m and sum s of exp(x - m): the span's part of logsumexp(x);
-  - the best score and its index: x itself (greedy) or x / T + Gumbel noise (temperature T).
+  - the best score and its index: x itself (greedy) or, with temperature T, the race's winner
+    and its Gumbel score x / T - log E (below).
 A second launch merges a row's spans and writes the token and its raw logprob
 x[token] - logsumexp(x), the distribution sampler.py reports (vLLM's "raw" logprobs).
 
