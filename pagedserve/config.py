@@ -103,7 +103,8 @@ class EngineConfig:
                                                       "8192 elsewhere; at least max_model_len with "
                                                       "chunked prefill off)")
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the "
-                                             "model's own limit)")
+                                             "model's own limit); on the command line also 128K "
+                                             "(131072) or 32k (32000)")
     hf_overrides: dict | None = option(None, "JSON object of HF config fields to override, as vLLM's: "
                                              "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": "
                                              "4.0, \"original_max_position_embeddings\": 32768}}' (a RoPE "

@@ -17,6 +17,8 @@ from pagedserve.config import EngineConfig
 
 # model is positional or per-command; extra is not a flag.
 SKIPPED_FIELDS = frozenset({"model", "extra"})
+# Token counts that take vLLM's human-readable integers on the command line (128K, 32k).
+HUMAN_READABLE_FIELDS = frozenset({"max_model_len", "max_num_batched_tokens"})
 
 
 def _value_type(annotation: Any) -> type:
@@ -34,6 +36,28 @@ def engine_fields() -> list[tuple[dataclasses.Field, type]]:
             if f.name not in SKIPPED_FIELDS]
 
 
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_readable_int(text: str) -> int:
+    """An integer as vLLM's token-count flags read it: 131072, or with a suffix: lower case
+    decimal (32k = 32,000, 25.6k = 25,600), upper case binary (128K = 131,072; whole numbers only)."""
+    text = text.strip()
+    number, suffix = (text[:-1], text[-1]) if text[-1:] in _DECIMAL.keys() | _BINARY.keys() else (text, "")
+    try:
+        if not suffix:
+            return int(number)
+        if suffix in _BINARY:
+            return int(number) * _BINARY[suffix]
+        value = float(number) * _DECIMAL[suffix]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid integer {text!r} (e.g. 131072, 32k, 128K)") from None
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
+    return int(value)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add every EngineConfig field to parser as --dashed-name (bools as --x / --no-x)."""
     group = parser.add_argument_group("engine", "the arguments of LLM(...), as flags")
@@ -49,7 +73,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=typing.get_args(kind)[0], nargs="+", default=f.default,
                                help=help_text)
         else:
-            group.add_argument(flag, type=kind, default=f.default, help=help_text,
+            parse = human_readable_int if f.name in HUMAN_READABLE_FIELDS else kind
+            group.add_argument(flag, type=parse, default=f.default, help=help_text,
                                choices=f.metadata.get("choices"))
 
 
