@@ -24,6 +24,8 @@ TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 
+# max_model_len -1 ("auto" on the command line): fit it to the KV cache once that is sized (LLMEngine).
+MAX_MODEL_LEN_AUTO = -1
 DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -103,8 +105,9 @@ class EngineConfig:
                                                       "8192 elsewhere; at least max_model_len with "
                                                       "chunked prefill off)")
     max_model_len: int | None = option(None, "longest prompt + output in tokens (default: the "
-                                             "model's own limit); on the command line also 128K "
-                                             "(131072) or 32k (32000)")
+                                             "model's own limit); -1 or auto: the longest one "
+                                             "request the KV cache holds, up to that limit (vLLM's); "
+                                             "on the command line also 128K (131072) or 32k (32000)")
     hf_overrides: dict | None = option(None, "JSON object of HF config fields to override, as vLLM's: "
                                              "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": "
                                              "4.0, \"original_max_position_embeddings\": 32768}}' (a RoPE "
@@ -253,8 +256,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.max_model_len is not None and self.max_model_len < 1 and self.max_model_len != MAX_MODEL_LEN_AUTO:
+            raise ValueError(f"max_model_len must be >= 1, or -1 (auto: what the KV cache holds), got {self.max_model_len}")
         if self.hf_overrides is not None:
             if not isinstance(self.hf_overrides, dict) or not all(isinstance(k, str) for k in self.hf_overrides):
                 raise ValueError(f"hf_overrides must be a JSON object of config fields, got {self.hf_overrides!r}")

@@ -13,12 +13,10 @@ import types
 import typing
 from typing import Any
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import MAX_MODEL_LEN_AUTO, EngineConfig
 
 # model is positional or per-command; extra is not a flag.
 SKIPPED_FIELDS = frozenset({"model", "extra"})
-# Token counts that take vLLM's human-readable integers on the command line (128K, 32k).
-HUMAN_READABLE_FIELDS = frozenset({"max_model_len", "max_num_batched_tokens"})
 
 
 def _value_type(annotation: Any) -> type:
@@ -58,6 +56,15 @@ def human_readable_int(text: str) -> int:
     return int(value)
 
 
+def human_readable_int_or_auto(text: str) -> int:
+    """human_readable_int, or "auto" / -1: MAX_MODEL_LEN_AUTO (vLLM's --max-model-len auto)."""
+    return MAX_MODEL_LEN_AUTO if text.strip().lower() in ("auto", "-1") else human_readable_int(text)
+
+
+# Token counts that take vLLM's human-readable integers on the command line (128K, 32k; auto).
+HUMAN_READABLE_FIELDS = {"max_model_len": human_readable_int_or_auto, "max_num_batched_tokens": human_readable_int}
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Add every EngineConfig field to parser as --dashed-name (bools as --x / --no-x)."""
     group = parser.add_argument_group("engine", "the arguments of LLM(...), as flags")
@@ -73,7 +80,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, type=typing.get_args(kind)[0], nargs="+", default=f.default,
                                help=help_text)
         else:
-            parse = human_readable_int if f.name in HUMAN_READABLE_FIELDS else kind
+            parse = HUMAN_READABLE_FIELDS.get(f.name, kind)
             group.add_argument(flag, type=parse, default=f.default, help=help_text,
                                choices=f.metadata.get("choices"))
 

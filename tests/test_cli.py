@@ -148,3 +148,14 @@ def test_token_counts_take_human_readable_integers(text, value):
 def test_bad_token_counts_are_one_line(text, words, capsys):
     err = _one_line_error(["serve", "--max-model-len", text], capsys)
     assert "--max-model-len" in err and words in err, err
+
+
+@pytest.mark.parametrize("text", ["auto", "AUTO", "-1"])
+def test_max_model_len_auto(text):
+    from pagedserve.config import MAX_MODEL_LEN_AUTO
+    from pagedserve.engine_args import engine_config_from_args
+    args = COMMANDS["serve"].parse_args(["--max-model-len", text])
+    assert engine_config_from_args(args, model=None).max_model_len == MAX_MODEL_LEN_AUTO
+    if text != "-1":
+        with pytest.raises(SystemExit):  # auto is max_model_len's alone
+            COMMANDS["serve"].parse_args(["--max-num-batched-tokens", text])

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import torch
 
 from pagedserve.attention.kv_quant import kv_cache_dtype_name
-from pagedserve.config import EngineConfig
+from pagedserve.config import MAX_MODEL_LEN_AUTO, EngineConfig
 from pagedserve.core.chunk_cost import COST_MIN_TOKENS
 from pagedserve.core.config import CacheConfig
 from pagedserve.core.kv_state import kv_cache_state
@@ -59,6 +59,11 @@ class LLMEngine(StepPipeline, TokenApplication):
             raise ValueError("model must be a local HF model directory, got None")
         self.hf_config = load_hf_config(config.model, config.hf_overrides)
         self.device = resolve_device(config.device)
+        # max_model_len auto: everything is built for the model's limit, then the length is cut to
+        # what the KV pool holds once it is sized (below); the runner's bounds only need to cover it.
+        fit_max_model_len = config.max_model_len == MAX_MODEL_LEN_AUTO
+        if fit_max_model_len:
+            config = dataclasses.replace(config, max_model_len=None)
         # Unset batch limits follow the device, as vLLM's do; the executor and every rank get the result.
         if self.device.type == "cuda":
             props = torch.cuda.get_device_properties(self.device)
@@ -88,6 +93,10 @@ class LLMEngine(StepPipeline, TokenApplication):
         num_gpu_blocks, num_cpu_blocks = self.runner.determine_num_blocks()
         if draft is not None:
             num_gpu_blocks = self._share_kv_with_draft(num_gpu_blocks, draft)
+        if fit_max_model_len:
+            max_model_len = self.max_model_len = min(model_max, num_gpu_blocks * config.block_size)
+            logger.info("max_model_len auto: %d tokens (what the KV cache holds: %d blocks of %d; the model's "
+                        "limit %d)", max_model_len, num_gpu_blocks, config.block_size, model_max)
         self.runner.init_kv_cache(num_gpu_blocks, num_cpu_blocks)
         self.cache_config = CacheConfig(block_size=config.block_size, num_gpu_blocks=num_gpu_blocks,
                                         num_cpu_blocks=num_cpu_blocks,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from pagedserve.config import EngineConfig
+from pagedserve.config import MAX_MODEL_LEN_AUTO, EngineConfig
 
 # Any of these makes a directory loadable by AutoTokenizer (fast tokenizer, sentencepiece, BPE vocab).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
@@ -65,7 +65,7 @@ def check_engine_config(config: EngineConfig) -> None:
         safetensors_files(config.model)
     if not config.skip_tokenizer_init:
         check_tokenizer_dir(config.tokenizer or config.model)
-    if config.max_model_len is not None:
+    if config.max_model_len is not None and config.max_model_len != MAX_MODEL_LEN_AUTO:
         # The position limit only: whether a sliding window applies depends on transformers' per-model
         # defaults, which the engine's own check (the same function over AutoConfig) then sees.
         positions = {k: v for k, v in raw.items() if k not in ("sliding_window", "use_sliding_window")}
