@@ -11,6 +11,7 @@ import dataclasses
 import json
 import types
 import typing
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from pagedserve.config import MAX_MODEL_LEN_AUTO, EngineConfig
@@ -48,10 +49,10 @@ def human_readable_int(text: str) -> int:
             return int(number)
         if suffix in _BINARY:
             return int(number) * _BINARY[suffix]
-        value = float(number) * _DECIMAL[suffix]
-    except ValueError:
+        value = Decimal(number) * _DECIMAL[suffix]  # exact: 16.1k is 16100, not 16100.000000000002
+    except (ValueError, InvalidOperation):
         raise argparse.ArgumentTypeError(f"invalid integer {text!r} (e.g. 131072, 32k, 128K)") from None
-    if value != int(value):
+    if not value.is_finite() or value != value.to_integral_value():
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens")
     return int(value)
 

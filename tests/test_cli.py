@@ -134,7 +134,8 @@ def test_taken_port_is_one_line_before_loading(tiny_model_dir, capsys):
 
 
 @pytest.mark.parametrize("text,value", [("131072", 131072), ("128K", 131072), ("32k", 32000), ("25.6k", 25600),
-                                        ("1M", 2**20), ("2m", 2_000_000), (" 4096 ", 4096)])
+                                        ("16.1k", 16100), ("8.2m", 8_200_000), ("1M", 2**20), ("2m", 2_000_000),
+                                        (" 4096 ", 4096)])
 def test_token_counts_take_human_readable_integers(text, value):
     """vLLM's --max-model-len 128K / 32k: upper case binary, lower case decimal."""
     from pagedserve.engine_args import engine_config_from_args
@@ -144,7 +145,7 @@ def test_token_counts_take_human_readable_integers(text, value):
 
 
 @pytest.mark.parametrize("text,words", [("12x", "invalid integer '12x'"), ("1.5K", "invalid integer '1.5K'"),
-                                        ("1.0001k", "not a whole number")])
+                                        ("1.0001k", "not a whole number"), ("infk", "not a whole number")])
 def test_bad_token_counts_are_one_line(text, words, capsys):
     err = _one_line_error(["serve", "--max-model-len", text], capsys)
     assert "--max-model-len" in err and words in err, err

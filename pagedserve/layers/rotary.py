@@ -54,9 +54,11 @@ def _yarn(dim: int, base: float, p: dict) -> tuple[torch.Tensor, float]:
     low, high = max(low, 0), min(high, dim - 1)
     if low == high:
         high += 0.001  # HF's guard against a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    # On the CPU, as HF computes them: the model is built under its device, and a GPU's pow may
+    # differ from the CPU's by an ulp, ~1e-2 rad at 128k positions.
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # 1: the unscaled frequency, 0: divided by factor
-    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
     inv_freq = (1.0 / (factor * pos_freqs)) * (1 - keep) + (1.0 / pos_freqs) * keep
     return inv_freq, attention
 
@@ -72,7 +74,7 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
         self.rotary_dim = int(head_dim * partial_rotary_factor)
         base = float(params["rope_theta"])
-        inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64).float().cpu()
+        inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float()
                                    / self.rotary_dim))
         self.attention_scaling = 1.0  # YaRN's factor on cos and sin (so on q.k), as HF applies it
         if rope_type == "linear":

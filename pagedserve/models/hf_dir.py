@@ -33,6 +33,7 @@ def read_config_json(model_dir: str | os.PathLike) -> dict:
 
 
 ROPE_KEYS = ("rope_scaling", "rope_parameters")  # transformers 4's name, and 5's
+ROPE_FIELDS = ("rope_theta",)  # a config field in transformers 4, inside rope_parameters in 5
 
 
 def rope_parameters(config) -> dict:
@@ -65,7 +66,7 @@ def apply_hf_overrides(config, overrides: dict | None, strict: bool = True):
     config's, except a RoPE dict (rope_scaling or rope_parameters, either name), which is merged
     into the model's own RoPE parameters, so that {"rope_scaling": {"rope_type": "yarn", ...}}
     keeps the checkpoint's rope_theta (transformers 5 takes a bare rope_scaling as the whole of
-    them and loses it). strict: a key the config lacks is a one-line ValueError (a typo would
+    them and loses it), and a top-level rope_theta joins them (a field in transformers 4 only). strict: a key the config lacks is a one-line ValueError (a typo would
     otherwise change nothing, silently); the preflight's namespace of config.json is not strict,
     as the file omits fields that take their class defaults. Sets attributes in place; returns
     config."""
@@ -75,6 +76,9 @@ def apply_hf_overrides(config, overrides: dict | None, strict: bool = True):
     for key, value in overrides.items():
         if key in ROPE_KEYS:
             rope.update(value)
+            continue
+        if key in ROPE_FIELDS:
+            rope[key] = value
             continue
         if strict and not hasattr(config, key):
             raise ValueError(f"hf_overrides: the model's config has no field {key!r}")

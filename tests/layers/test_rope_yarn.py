@@ -88,6 +88,16 @@ def test_yarn_variants_match_hf(rope, partial):
     assert ours.attention_scaling == pytest.approx(hf_scale, rel=1e-12)
 
 
+def test_yarn_frequencies_are_computed_on_the_cpu_whatever_the_build_device():
+    """The loader builds a model under its device (torch.device(...)): YaRN's frequencies are still
+    the CPU's, HF's bit for bit (a GPU's pow may differ by an ulp: ~1e-2 rad at 128k positions)."""
+    cfg = qwen3_8b(**QWEN3_YARN)
+    with torch.device("meta"):
+        ours = RotaryEmbedding(128, rope_parameters(cfg))
+    assert ours.inv_freq.device.type == "cpu"
+    torch.testing.assert_close(ours.inv_freq, Qwen3RotaryEmbedding(cfg).inv_freq.float(), rtol=0, atol=0)
+
+
 def test_yarn_defaults_as_hf_fills_them():
     """A config.json (transformers 4's names) that leaves out YaRN's original length gets
     max_position_embeddings, as transformers fills it in; the limit is then that x factor."""
@@ -116,6 +126,9 @@ def test_overrides_merge_rope_and_keep_the_checkpoint_theta():
     hf = Qwen3RotaryEmbedding(cfg)  # HF reads the overridden config as it would the file
     torch.testing.assert_close(RotaryEmbedding(128, rope_parameters(cfg)).inv_freq, hf.inv_freq.float(),
                                rtol=0, atol=0)
+    # rope_theta at the top (transformers 4's field) joins the RoPE parameters too.
+    cfg = apply_hf_overrides(qwen3_8b(), {"rope_theta": 5e5, "rope_scaling": dict(QWEN3_YARN)})
+    assert rope_parameters(cfg) == {**QWEN3_YARN, "rope_theta": 5e5}
     # Other fields replace the config's; a field the config does not have is refused, not ignored.
     assert apply_hf_overrides(qwen3_8b(), {"max_position_embeddings": 65536}).max_position_embeddings == 65536
     with pytest.raises(ValueError, match="no field 'max_postion_embeddings'"):
