@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from pagedserve.attention import reference
-from pagedserve.attention.kv_quant import calibration_scale
+from pagedserve.attention.kv_quant import FP8_KV_DTYPE, calibration_scale
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.layers.fused import fused_ops
 from pagedserve.layers.rotary import Rope
@@ -154,16 +154,16 @@ class Attention(nn.Module):
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         """Rotate q and k by rope (None: nothing to rotate), then store_kv; returns q [T, H, D].
-        On CUDA, for a pool of the activations' dtype, one launch does it all in place
-        (triton_ops.rope_write_kv: no second read of k and v, one kernel a layer less); else
-        rotate_qk, then store_kv (which quantizes for an fp8 pool). Its launch depends only on T."""
+        On CUDA one launch does it all in place (triton_ops.rope_write_kv: no second read of k and
+        v, one kernel a layer less; an fp8 pool quantized as store_kv does); else rotate_qk, then
+        store_kv. Its launch depends only on T."""
         T = q.shape[0]
         q3, k3 = q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim)
         if rope is not None:
             one_launch = self._rope_write_kv(q3, k3, k_cache, rope)
             if one_launch is not None:
                 one_launch(q3, k3, v.view(T, self.num_kv_heads, self.head_dim), rope.cos, rope.sin, k_cache, v_cache,
-                           slot_mapping, **rope.norm_weights())
+                           slot_mapping, **rope.norm_weights(), k_scale=self.k_scale, v_scale=self.v_scale)
                 return q3
             q3, k3 = rope.apply(q3, k3)
         self.store_kv(k3, v, k_cache, v_cache, slot_mapping)
@@ -172,8 +172,10 @@ class Attention(nn.Module):
     @staticmethod
     def _rope_write_kv(q: torch.Tensor, k: torch.Tensor, k_cache: torch.Tensor, rope: Rope) -> Callable | None:
         """The backend's one-launch rotary and K/V write where it applies: the Triton attention and
-        layer ops (CUDA), a pool of the activations' dtype, norm weights of it too, not switched off."""
-        if os.environ.get(ROPE_STORE_ENV, "1") == "0" or k_cache.dtype != k.dtype or fused_ops(q.device) is None:
+        layer ops (CUDA), a pool of the activations' dtype or fp8, norm weights of the activations'
+        dtype, not switched off (calibrating KV scales never gets here: attend rotates first)."""
+        if os.environ.get(ROPE_STORE_ENV, "1") == "0" or fused_ops(q.device) is None or \
+                k_cache.dtype not in (k.dtype, FP8_KV_DTYPE):
             return None
         if rope.q_norm is not None and not rope.q_norm.weight.dtype == q.dtype == k.dtype:
             return None

@@ -7,7 +7,7 @@ run of block_size * num_kv_heads * head_dim elements, which is what copy_blocks 
 import triton
 import triton.language as tl
 
-from pagedserve.layers.triton_fused import norm_rope_heads
+from pagedserve.layers.triton_fused import norm_rope_heads, pool_value
 
 
 @triton.jit
@@ -61,12 +61,14 @@ def rope_write_kv_kernel(
     HEAD_DIM: tl.constexpr, HALF: tl.constexpr, REST: tl.constexpr, BLOCK_HALF: tl.constexpr,
     BLOCK_REST: tl.constexpr, BLOCK_D: tl.constexpr, HAS_NORM: tl.constexpr, HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
+    k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
 ):
     """Grid (tokens, q head blocks + 2 x k head blocks): triton_fused._qk_norm_rope_kernel's
     programs for q and k (optional per-head RMSNorm, then rotary, in place), the k ones also
     writing their result into the token's slot of the K pool, then programs copying HEADS v heads
     each into the V pool; slot -1 writes nothing. One launch where there were two (the rotary's and
-    write_kv_kernel's) and no second read of k and v. Pools of the activations' dtype only."""
+    write_kv_kernel's) and no second read of k and v. An fp8 pool gets what write_kv_kernel writes:
+    the activations' values / scale (one, or one per KV head), saturated, rounded to nearest even."""
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     q_blocks = (NUM_Q_HEADS + HEADS - 1) // HEADS
@@ -86,13 +88,15 @@ def rope_write_kv_kernel(
         if block < q_blocks + k_blocks:
             heads = (block - q_blocks) * HEADS + h
             norm_rope_heads(k_ptr + t * k_stride_t, heads, heads < NUM_K_HEADS, k_stride_h, kw_ptr, cos, sin, eps,
-                             HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM,
-                             k_cache_ptr + row, stride_ch, ok, STORE_DST=True)
+                            HEAD_DIM, HALF, REST, BLOCK_HALF, BLOCK_REST, HAS_NORM,
+                            k_cache_ptr + row, stride_ch, ok, True, k_scale_ptr, KV_FP8, KV_SCALE_PER_HEAD)
         else:
             heads = (block - q_blocks - k_blocks) * HEADS + h
             d = tl.arange(0, BLOCK_D)[None, :]
             m = (heads < NUM_K_HEADS)[:, None] & (d < HEAD_DIM)
-            x = tl.load(v_ptr + t * v_stride_t + heads[:, None] * v_stride_h + d, mask=m)
+            x = tl.load(v_ptr + t * v_stride_t + heads[:, None] * v_stride_h + d, mask=m, other=0.0)
+            x = pool_value(x.to(tl.float32), v_ptr, v_cache_ptr, v_scale_ptr, heads, heads < NUM_K_HEADS, KV_FP8,
+                           KV_SCALE_PER_HEAD)
             tl.store(v_cache_ptr + row + heads[:, None] * stride_ch + d, x, mask=m & ok)
 
 

@@ -97,11 +97,11 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                   k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                   q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None,
-                  eps: float = 1e-6) -> None:
+                  eps: float = 1e-6, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> None:
     """layers/triton_fused.qk_norm_rotary_ on q [T, Hq, D] and k [T, Hk, D] (in place; optional
-    per-head RMSNorm weights [D]), then write_kv of the rotated k and of v [T, Hk, D], in one
-    launch (rope_write_kv_kernel). The pools must hold the activations' dtype (an fp8 pool takes
-    the rotary and write_kv apart, which quantizes)."""
+    per-head RMSNorm weights [D]), then write_kv of the rotated k and of v [T, Hk, D] (with its
+    scales for an fp8 pool), in one launch (rope_write_kv_kernel): the same bytes as the two."""
     T, num_q, D = q.shape
     num_k = k.shape[1]
     rd = cos.shape[-1]
@@ -110,9 +110,9 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         raise ValueError(f"rope_write_kv: needs unit-stride head dims, v shaped as k and an even rotary_dim <= "
                          f"head_dim, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, rotary_dim {rd}")
     _check_cache(k_cache, D)
-    if k_cache.dtype != k.dtype or k_cache.stride() != v_cache.stride():
-        raise ValueError(f"rope_write_kv: needs K/V pools of one layout in the activations' dtype ({k.dtype}), "
-                         f"got {k_cache.dtype}")
+    if (k_cache.dtype != k.dtype and not _fp8(k_cache)) or k_cache.stride() != v_cache.stride():
+        raise ValueError(f"rope_write_kv: needs K/V pools of one layout in the activations' dtype ({k.dtype}) or "
+                         f"fp8, got {k_cache.dtype}")
     if T == 0:
         return
     has_norm = q_weight is not None
@@ -124,7 +124,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         cos2.stride(0), sin2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_q, num_k, eps,
         HEAD_DIM=D, HALF=rd // 2, REST=D - rd, BLOCK_HALF=next_power_of_2(max(rd // 2, 1)),
         BLOCK_REST=next_power_of_2(max(D - rd, 1)), BLOCK_D=next_power_of_2(D), HAS_NORM=has_norm, HEADS=heads,
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4)
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4, **_scales(k_cache, k_scale, v_scale))
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

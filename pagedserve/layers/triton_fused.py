@@ -126,15 +126,33 @@ def _silu_and_mul_fp8_kernel(x_ptr, q_ptr, scale_ptr, x_stride, q_stride, N, FP8
 
 
 @triton.jit
+def pool_value(y, src_ptr, dst_ptr, scale_ptr, heads, h_mask, DST_FP8: tl.constexpr, PER_HEAD: tl.constexpr):
+    """K/V values y (float32, [heads, features]) as a pool stores them: rounded to the activations'
+    dtype (what a separate write would have read), and for an fp8 pool divided by the scale (one,
+    or one per head), saturated to +-448 and rounded to nearest even, as kv_quant.quantize_kv
+    (div_rn: IEEE division, as torch divides)."""
+    y = y.to(src_ptr.dtype.element_ty)
+    if DST_FP8:
+        if PER_HEAD:
+            scale = tl.broadcast_to(tl.load(scale_ptr + heads, mask=h_mask, other=1.0)[:, None], y.shape)
+        else:
+            scale = tl.broadcast_to(tl.load(scale_ptr), y.shape)
+        y = tl.clamp(tl.math.div_rn(y.to(tl.float32), scale), -448.0, 448.0)
+        return y.to(dst_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+    return y.to(dst_ptr.dtype.element_ty)
+
+
+@triton.jit
 def norm_rope_heads(ptr, heads, h_mask, stride_h, w_ptr, cos_ptr, sin_ptr, eps, HEAD_DIM: tl.constexpr,
                      HALF: tl.constexpr, REST: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_REST: tl.constexpr,
                      HAS_NORM: tl.constexpr, dst_ptr=None, dst_stride_h=0, dst_ok=False,
-                     STORE_DST: tl.constexpr = False):
+                     STORE_DST: tl.constexpr = False, dst_scale_ptr=None, DST_FP8: tl.constexpr = False,
+                     DST_PER_HEAD: tl.constexpr = False):
     """Head vectors `heads` (h_mask: which are real) of one token in place: optional RMSNorm over
     HEAD_DIM = 2*HALF + REST, then NeoX rotary of the first 2*HALF features (the REST pass
     through). Rounds where the torch path rounds. STORE_DST: the whole result is also written to
     the head vectors at dst_ptr (stride dst_stride_h; only where dst_ok: a KV-pool slot,
-    attention/triton_cache.rope_write_kv_kernel)."""
+    attention/triton_cache.rope_write_kv_kernel), quantized for an fp8 pool (pool_value)."""
     i = tl.arange(0, BLOCK_HALF)
     m = h_mask[:, None] & (i < HALF)[None, :]
     rows = ptr + heads[:, None] * stride_h
@@ -160,11 +178,15 @@ def norm_rope_heads(ptr, heads, h_mask, stride_h, w_ptr, cos_ptr, sin_ptr, eps, 
             yr = (_round(xr * inv_rms, ptr) * wr).to(ptr.dtype.element_ty)
             tl.store(rows + 2 * HALF + j[None, :], yr, mask=mr)
             if STORE_DST:
-                tl.store(dst_rows + 2 * HALF + j[None, :], yr, mask=mr & dst_ok)
+                tl.store(dst_rows + 2 * HALF + j[None, :], pool_value(yr.to(tl.float32), ptr, dst_ptr, dst_scale_ptr,
+                                                                      heads, h_mask, DST_FP8, DST_PER_HEAD),
+                         mask=mr & dst_ok)
     elif STORE_DST and REST > 0:  # the features past the rotary pass through: copied as they are
         j = tl.arange(0, BLOCK_REST)
         mr = h_mask[:, None] & (j < REST)[None, :]
-        tl.store(dst_rows + 2 * HALF + j[None, :], tl.load(rows + 2 * HALF + j[None, :], mask=mr), mask=mr & dst_ok)
+        xr = tl.load(rows + 2 * HALF + j[None, :], mask=mr, other=0.0).to(tl.float32)
+        tl.store(dst_rows + 2 * HALF + j[None, :],
+                 pool_value(xr, ptr, dst_ptr, dst_scale_ptr, heads, h_mask, DST_FP8, DST_PER_HEAD), mask=mr & dst_ok)
     c1 = tl.load(cos_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
     c2 = tl.load(cos_ptr + HALF + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
     s1 = tl.load(sin_ptr + i, mask=i < HALF, other=0.0).to(tl.float32)[None, :]
@@ -175,8 +197,10 @@ def norm_rope_heads(ptr, heads, h_mask, stride_h, w_ptr, cos_ptr, sin_ptr, eps, 
     tl.store(rows + i[None, :], o1.to(ptr.dtype.element_ty), mask=m)
     tl.store(rows + HALF + i[None, :], o2.to(ptr.dtype.element_ty), mask=m)
     if STORE_DST:
-        tl.store(dst_rows + i[None, :], o1.to(ptr.dtype.element_ty), mask=dm)
-        tl.store(dst_rows + HALF + i[None, :], o2.to(ptr.dtype.element_ty), mask=dm)
+        tl.store(dst_rows + i[None, :], pool_value(o1, ptr, dst_ptr, dst_scale_ptr, heads, h_mask, DST_FP8,
+                                                   DST_PER_HEAD), mask=dm)
+        tl.store(dst_rows + HALF + i[None, :], pool_value(o2, ptr, dst_ptr, dst_scale_ptr, heads, h_mask, DST_FP8,
+                                                          DST_PER_HEAD), mask=dm)
 
 
 # A one-token step may give cos/sin a size-1 leading dim with any stride: do not compile per value.

@@ -21,9 +21,19 @@ def test_rope_write_kv_kernel_compiles_for_sm90(has_norm, rest):
     half = (128 - rest) // 2
     ptx = compile_sm90(rope_write_kv_kernel, dict(HEAD_DIM=128, HALF=half, REST=rest, BLOCK_HALF=half,
                                                   BLOCK_REST=max(rest, 1), BLOCK_D=128, HAS_NORM=has_norm,
-                                                  HEADS=8, BLOCK_SIZE=16), POINTERS, num_warps=4)
+                                                  HEADS=8, BLOCK_SIZE=16, k_scale_ptr=None, v_scale_ptr=None,
+                                                  KV_FP8=False, KV_SCALE_PER_HEAD=False), POINTERS, num_warps=4)
     assert ptx.count("st.global") >= 3  # q/k in place, the K pool, the V pool
     assert ("rsqrt" in ptx) == has_norm
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_rope_write_kv_kernel_compiles_for_sm90_into_fp8_pools(per_head):
+    pointers = dict(POINTERS, k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", k_scale_ptr="*fp32", v_scale_ptr="*fp32")
+    ptx = compile_sm90(rope_write_kv_kernel, dict(HEAD_DIM=128, HALF=64, REST=0, BLOCK_HALF=64, BLOCK_REST=1,
+                                                  BLOCK_D=128, HAS_NORM=True, HEADS=8, BLOCK_SIZE=16, KV_FP8=True,
+                                                  KV_SCALE_PER_HEAD=per_head), pointers, num_warps=4)
+    assert "e4m3" in ptx  # the conversion to the pool's bytes
 
 
 @pytest.mark.parametrize("has_norm", [False, True])

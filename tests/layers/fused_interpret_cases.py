@@ -130,11 +130,11 @@ def test_qk_norm_rotary_rejects_odd_rotary_dim():
         ops.qk_norm_rotary_(q, k, torch.randn(2, 1, 7), torch.randn(2, 1, 7))
 
 
-def _prompt_logits(model_dir) -> torch.Tensor:
+def _prompt_logits(model_dir, **engine_args) -> torch.Tensor:
     """The last-position logits of three prompts of a tiny model, one step through the runner."""
     from pagedserve.core.plan import SchedulerOutput
     from paged_harness import HandDriver, make_runner
-    driver = HandDriver(make_runner(model_dir, block_size=4), seed=0)
+    driver = HandDriver(make_runner(model_dir, block_size=4, **engine_args), seed=0)
     seqs = [driver.add(p) for p in ([5, 17, 33, 101, 7], [9], list(range(3, 30)))]
     return driver.runner.execute(SchedulerOutput(scheduled=[driver.schedule(s) for s in seqs]))
 
@@ -314,15 +314,56 @@ def test_rope_write_kv_is_the_rotary_then_write_kv(dtype, T, Hq, Hk, D, rd, qk_n
         triton_ops.rope_write_kv(q, k, v, cos, sin, k_cache.to(torch.float16), v_cache.to(torch.float16), slots)
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_whole_model_rope_write_kv_equals_two_launches(tiny_model_dir, arch, monkeypatch):
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("D,rd,qk_norm", [(16, 16, False), (32, 32, True), (40, 12, False), (32, 16, True)])
+def test_rope_write_kv_into_fp8_pools_writes_write_kvs_bytes(dtype, per_head, D, rd, qk_norm):
+    """An fp8 pool (scales per tensor or per KV head): the one launch leaves q, k and the e4m3
+    bytes exactly as qk_norm_rotary_ then the Triton write_kv (itself torch's bytes, in
+    attention/triton_interpret_cases.py); scales that saturate some values and make others
+    subnormal."""
+    from pagedserve.attention import triton_ops
+    from pagedserve.attention.kv_quant import FP8_KV_DTYPE
+    T, Hq, Hk, block_size = 9, 4, 2, 4
+    g = torch.Generator().manual_seed(D + rd + per_head)
+    qkv = (4 * torch.randn(T, (Hq + 2 * Hk) * D, generator=g)).to(dtype)
+    cos, sin = RotaryEmbedding(D, {"rope_type": "default", "rope_theta": 1e6}, partial_rotary_factor=rd / D)(
+        torch.randint(0, 4000, (T,), generator=g), dtype)
+    norms = (_norm(D, dtype, seed=2), _norm(D, dtype, seed=3)) if qk_norm else None
+    weights = dict(q_weight=norms[0].weight, k_weight=norms[1].weight, eps=norms[0].eps) if qk_norm else {}
+    ks = torch.tensor([0.01, 0.002]) if per_head else torch.tensor([0.006])
+    vs = torch.tensor([0.004, 0.03]) if per_head else torch.tensor([0.002])
+    k_cache = torch.randn(6, block_size, Hk, D, generator=g).to(FP8_KV_DTYPE)
+    v_cache = torch.randn(6, block_size, Hk, D, generator=g).to(FP8_KV_DTYPE)
+    slots = torch.randperm(6 * block_size, generator=g)[:T]
+    slots[3] = -1
+
+    def views(t):
+        q, k, v = t.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        return q.view(T, Hq, D), k.view(T, Hk, D), v.view(T, Hk, D)
+
+    ref = qkv.clone()
+    rq, rk, rv = views(ref)
+    ops.qk_norm_rotary_(rq, rk, cos, sin, *weights.values())
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    triton_ops.write_kv(rk, rv, ref_k, ref_v, slots, ks, vs)
+    triton_ops.rope_write_kv(*views(qkv), cos, sin, k_cache, v_cache, slots, **weights, k_scale=ks, v_scale=vs)
+    assert torch.equal(qkv, ref)
+    assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
+    saturated = (ref_v.float().abs() == 448).sum() + (ref_k.float().abs() == 448).sum()
+    assert saturated > 0  # the scales reach the clamp, so a missing one would show
+
+
+@pytest.mark.parametrize("arch,kv_cache_dtype", [("qwen3", "auto"), ("llama", "auto"), ("qwen3", "fp8")])
+def test_whole_model_rope_write_kv_equals_two_launches(tiny_model_dir, arch, kv_cache_dtype, monkeypatch):
     """A tiny model with the Triton attention and layer ops (interpreted): prompt logits with the
-    one-launch rotary + K/V write equal those with the rotary and write_kv apart, and the torch
-    path's; the launches each way are the ones claimed."""
+    one-launch rotary + K/V write equal those with the rotary and write_kv apart (an fp8 pool too,
+    through the layers' scales), and the torch path's; the launches each way are the ones claimed."""
     from pagedserve.attention import backend, triton_ops
 
     def logits():
-        return _prompt_logits(tiny_model_dir(arch))
+        return _prompt_logits(tiny_model_dir(arch), kv_cache_dtype=kv_cache_dtype)
 
     expected = logits()
     calls = {"rope_write_kv": 0, "write_kv": 0}
@@ -342,4 +383,4 @@ def test_whole_model_rope_write_kv_equals_two_launches(tiny_model_dir, arch, mon
     finally:
         fused.reset()
     torch.testing.assert_close(one, two, rtol=0, atol=0)
-    torch.testing.assert_close(one, expected, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(one, expected, rtol=1e-4, atol=1e-4 if kv_cache_dtype == "auto" else 1e-3)
