@@ -86,11 +86,12 @@ def test_qk_rotary_matches_torch_bf16(ops, qk_norm, rotary_dim):
     torch.testing.assert_close(out_k.float(), ref_k.float(), rtol=2 ** -7, atol=2 ** -6)
 
 
+@pytest.mark.parametrize("pool", ["bf16", "fp8", "fp8_per_head"])
 @pytest.mark.parametrize("qk_norm", [False, True])
-def test_rope_write_kv_is_the_rotary_then_write_kv_bf16(ops, qk_norm):
+def test_rope_write_kv_is_the_rotary_then_write_kv_bf16(ops, qk_norm, pool):
     """The one-launch rotary + K/V write (attention/triton_ops.rope_write_kv) on the GPU: q, k and
-    the pools bit-equal to qk_norm_rotary_ followed by write_kv (the same arithmetic, one kernel);
-    slot -1 writes nothing."""
+    the pools bit-equal to qk_norm_rotary_ followed by write_kv (the same arithmetic, one kernel),
+    fp8 pools byte for byte; slot -1 writes nothing."""
     from pagedserve.attention import triton_ops
     from pagedserve.layers.rotary import RotaryEmbedding
     T, block_size = T_DECODE, 16
@@ -101,6 +102,12 @@ def test_rope_write_kv_is_the_rotary_then_write_kv_bf16(ops, qk_norm):
     norms = dict(q_weight=_norm(D, 1).weight, k_weight=_norm(D, 2).weight, eps=1e-6) if qk_norm else {}
     k_cache = torch.randn(T // block_size + 4, block_size, HK, D, device="cuda", generator=g).bfloat16()
     v_cache = torch.randn_like(k_cache)
+    scales = {}
+    if pool != "bf16":
+        k_cache, v_cache = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+        n = HK if pool == "fp8_per_head" else 1
+        scales = dict(k_scale=torch.linspace(0.004, 0.02, n, device="cuda"),
+                      v_scale=torch.linspace(0.003, 0.01, n, device="cuda"))
     slots = torch.randperm(k_cache.shape[0] * block_size, device="cuda", generator=g)[:T]
     slots[5] = -1
 
@@ -110,9 +117,11 @@ def test_rope_write_kv_is_the_rotary_then_write_kv_bf16(ops, qk_norm):
     ref, ref_k, ref_v = qkv.clone(), k_cache.clone(), v_cache.clone()
     rq, rk, rv = views(ref)
     ops.qk_norm_rotary_(rq, rk, cos, sin, *norms.values())
-    triton_ops.write_kv(rk, rv, ref_k, ref_v, slots)
-    triton_ops.rope_write_kv(*views(qkv), cos, sin, k_cache, v_cache, slots, **norms)
-    assert torch.equal(qkv, ref) and torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    triton_ops.write_kv(rk, rv, ref_k, ref_v, slots, *scales.values())
+    triton_ops.rope_write_kv(*views(qkv), cos, sin, k_cache, v_cache, slots, **norms, **scales)
+    assert torch.equal(qkv, ref)
+    assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
 
 
 def test_fused_ops_capture_in_a_cuda_graph(ops):
