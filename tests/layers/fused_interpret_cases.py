@@ -275,6 +275,28 @@ def test_fp8_model_same_logits_with_activation_fusion_on_and_off(tiny_model_dir,
     assert torch.equal(on, off)
 
 
+def _one_launch_and_two(dtype, T, Hq, Hk, D, rd, qk_norm, g, k_cache, v_cache, slots, write_kv, **scales):
+    """rope_write_kv on a random fused qkv and the pools, and qk_norm_rotary_ then write_kv on
+    copies: ((qkv, its reference), (K pool, reference), (V pool, reference))."""
+    from pagedserve.attention import triton_ops
+    qkv = (4 * torch.randn(T, (Hq + 2 * Hk) * D, generator=g)).to(dtype)
+    cos, sin = RotaryEmbedding(D, {"rope_type": "default", "rope_theta": 1e6}, partial_rotary_factor=rd / D)(
+        torch.randint(0, 4000, (T,), generator=g), dtype)
+    norms = (_norm(D, dtype, seed=2), _norm(D, dtype, seed=3)) if qk_norm else None
+    weights = dict(q_weight=norms[0].weight, k_weight=norms[1].weight, eps=norms[0].eps) if qk_norm else {}
+
+    def views(t):
+        q, k, v = t.split([Hq * D, Hk * D, Hk * D], dim=-1)
+        return q.view(T, Hq, D), k.view(T, Hk, D), v.view(T, Hk, D)
+
+    ref, ref_k, ref_v = qkv.clone(), k_cache.clone(), v_cache.clone()
+    rq, rk, rv = views(ref)
+    ops.qk_norm_rotary_(rq, rk, cos, sin, *weights.values())
+    write_kv(rk, rv, ref_k, ref_v, slots, *scales.values())
+    triton_ops.rope_write_kv(*views(qkv), cos, sin, k_cache, v_cache, slots, **weights, **scales)
+    return (qkv, ref), (k_cache, ref_k), (v_cache, ref_v)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("T,Hq,Hk,D,rd,qk_norm,block_size", [
     (1, 4, 2, 16, 16, False, 16), (37, 4, 2, 16, 16, False, 4), (37, 4, 2, 32, 32, True, 8),
@@ -286,32 +308,19 @@ def test_rope_write_kv_is_the_rotary_then_write_kv(dtype, T, Hq, Hk, D, rd, qk_n
     does and the pools exactly as the reference write_kv of that k and v does, slot -1 untouched."""
     from pagedserve.attention import reference, triton_ops
     g = torch.Generator().manual_seed(T * 7 + D + rd + block_size)
-    qkv = (2 * torch.randn(T, (Hq + 2 * Hk) * D, generator=g)).to(dtype)
-    cos, sin = RotaryEmbedding(D, {"rope_type": "default", "rope_theta": 1e6}, partial_rotary_factor=rd / D)(
-        torch.randint(0, 4000, (T,), generator=g), dtype)
-    norms = (_norm(D, dtype, seed=2), _norm(D, dtype, seed=3)) if qk_norm else None
-    weights = dict(q_weight=norms[0].weight, k_weight=norms[1].weight, eps=norms[0].eps) if qk_norm else {}
     num_blocks = (T + 2) // block_size + 2
     k_cache = torch.randn(num_blocks, block_size, Hk, D, generator=g).to(dtype)
     v_cache = torch.randn(num_blocks, block_size, Hk, D, generator=g).to(dtype)
     slots = torch.randperm(num_blocks * block_size, generator=g)[:T]
     slots[T // 2] = -1  # a padded row: rotated, but nothing written
-
-    def views(t):
-        q, k, v = t.split([Hq * D, Hk * D, Hk * D], dim=-1)
-        return q.view(T, Hq, D), k.view(T, Hk, D), v.view(T, Hk, D)
-
-    ref = qkv.clone()
-    rq, rk, rv = views(ref)
-    ops.qk_norm_rotary_(rq, rk, cos, sin, *weights.values())
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    reference.write_kv(rk, rv, ref_k, ref_v, slots)
-    q, k, v = views(qkv)
-    triton_ops.rope_write_kv(q, k, v, cos, sin, k_cache, v_cache, slots, **weights)
-    assert torch.equal(qkv, ref)  # q and k rotated in place, v as it was
-    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    for got, want in _one_launch_and_two(dtype, T, Hq, Hk, D, rd, qk_norm, g, k_cache, v_cache, slots,
+                                         reference.write_kv):
+        assert torch.equal(got, want)  # q and k rotated in place, v as it was; the pools' rows
+    q = torch.zeros(T, Hq, D, dtype=dtype)
     with pytest.raises(ValueError, match="activations' dtype"):
-        triton_ops.rope_write_kv(q, k, v, cos, sin, k_cache.to(torch.float16), v_cache.to(torch.float16), slots)
+        triton_ops.rope_write_kv(q, q[:, :Hk], q[:, :Hk], torch.zeros(T, 1, rd, dtype=dtype),
+                                 torch.zeros(T, 1, rd, dtype=dtype), k_cache.to(torch.float16),
+                                 v_cache.to(torch.float16), slots)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -326,33 +335,18 @@ def test_rope_write_kv_into_fp8_pools_writes_write_kvs_bytes(dtype, per_head, D,
     from pagedserve.attention.kv_quant import FP8_KV_DTYPE
     T, Hq, Hk, block_size = 9, 4, 2, 4
     g = torch.Generator().manual_seed(D + rd + per_head)
-    qkv = (4 * torch.randn(T, (Hq + 2 * Hk) * D, generator=g)).to(dtype)
-    cos, sin = RotaryEmbedding(D, {"rope_type": "default", "rope_theta": 1e6}, partial_rotary_factor=rd / D)(
-        torch.randint(0, 4000, (T,), generator=g), dtype)
-    norms = (_norm(D, dtype, seed=2), _norm(D, dtype, seed=3)) if qk_norm else None
-    weights = dict(q_weight=norms[0].weight, k_weight=norms[1].weight, eps=norms[0].eps) if qk_norm else {}
-    ks = torch.tensor([0.01, 0.002]) if per_head else torch.tensor([0.006])
-    vs = torch.tensor([0.004, 0.03]) if per_head else torch.tensor([0.002])
+    scales = dict(k_scale=torch.tensor([0.01, 0.002]) if per_head else torch.tensor([0.006]),
+                  v_scale=torch.tensor([0.004, 0.03]) if per_head else torch.tensor([0.002]))
     k_cache = torch.randn(6, block_size, Hk, D, generator=g).to(FP8_KV_DTYPE)
     v_cache = torch.randn(6, block_size, Hk, D, generator=g).to(FP8_KV_DTYPE)
     slots = torch.randperm(6 * block_size, generator=g)[:T]
     slots[3] = -1
-
-    def views(t):
-        q, k, v = t.split([Hq * D, Hk * D, Hk * D], dim=-1)
-        return q.view(T, Hq, D), k.view(T, Hk, D), v.view(T, Hk, D)
-
-    ref = qkv.clone()
-    rq, rk, rv = views(ref)
-    ops.qk_norm_rotary_(rq, rk, cos, sin, *weights.values())
-    ref_k, ref_v = k_cache.clone(), v_cache.clone()
-    triton_ops.write_kv(rk, rv, ref_k, ref_v, slots, ks, vs)
-    triton_ops.rope_write_kv(*views(qkv), cos, sin, k_cache, v_cache, slots, **weights, k_scale=ks, v_scale=vs)
+    (qkv, ref), *pools = _one_launch_and_two(dtype, T, Hq, Hk, D, rd, qk_norm, g, k_cache, v_cache, slots,
+                                             triton_ops.write_kv, **scales)
     assert torch.equal(qkv, ref)
-    assert torch.equal(k_cache.view(torch.uint8), ref_k.view(torch.uint8))
-    assert torch.equal(v_cache.view(torch.uint8), ref_v.view(torch.uint8))
-    saturated = (ref_v.float().abs() == 448).sum() + (ref_k.float().abs() == 448).sum()
-    assert saturated > 0  # the scales reach the clamp, so a missing one would show
+    for got, want in pools:
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert sum((want.float().abs() == 448).sum() for _, want in pools) > 0  # the scales reach the clamp
 
 
 @pytest.mark.parametrize("arch,kv_cache_dtype", [("qwen3", "auto"), ("llama", "auto"), ("qwen3", "fp8")])
