@@ -27,7 +27,7 @@ CHAT_TEMPLATE = (
 )
 
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "opt") + MOE_ARCHS
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "opt") + MOE_ARCHS
 
 
 def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320, corpus: list[str] | None = None):
@@ -49,8 +49,8 @@ def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320, corpus: list
 
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Qwen2Config, Qwen2MoeConfig,
-                              Qwen3Config, Qwen3MoeConfig)
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Phi3Config, Qwen2Config,
+                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -65,6 +65,9 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
         cfg = Qwen2Config(**{**common, "tie_word_embeddings": True})
     elif arch == "qwen3":
         cfg = Qwen3Config(**common, head_dim=32)
+    elif arch == "phi3":  # Phi-4-mini's shape of RoPE: LongRoPE on 3/4 of each head
+        cfg = Phi3Config(**common, partial_rotary_factor=0.75, rope_parameters=longrope_parameters(12, 512),
+                         original_max_position_embeddings=512)
     elif arch == "opt":
         cfg = OPTConfig(vocab_size=vocab_size, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                         num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
@@ -85,6 +88,17 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     for k, v in overrides.items():
         setattr(cfg, k, v)
     return cfg
+
+
+def longrope_parameters(rotary_dim: int, original: int, seed: int = 0) -> dict:
+    """LongRoPE parameters with factors of a Phi-3 checkpoint's kind (short near 1, long up to ~20),
+    random but fixed per seed."""
+    g = torch.Generator().manual_seed(seed)
+    n = rotary_dim // 2
+    short = (1 + 0.1 * torch.rand(n, generator=g)).tolist()
+    long = (1 + 19 * torch.linspace(0, 1, n) ** 2 + 0.1 * torch.rand(n, generator=g)).tolist()
+    return {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": short, "long_factor": long,
+            "original_max_position_embeddings": original}
 
 
 def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0, max_shard_size: str | None = None,

@@ -1,4 +1,4 @@
-"""Rotary position embeddings (NeoX / HF "rotate_half" layout), default, linear, llama3 and YaRN scaling.
+"""Rotary position embeddings (NeoX / HF "rotate_half" layout), default, linear, llama3, YaRN and LongRoPE scaling.
 
 cos/sin are computed from positions on the fly in float32, once per forward at the model
 level, exactly as HF does (positions * inv_freq), so there is no max-position cache to size. On CUDA, rotate_qk runs q and k (and Qwen3's
@@ -63,11 +63,37 @@ def _yarn(dim: int, base: float, p: dict) -> tuple[torch.Tensor, float]:
     return inv_freq, attention
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+def _longrope(dim: int, base: float, p: dict, max_positions: int) -> tuple[torch.Tensor, float]:
+    """LongRoPE (Phi-3, Phi-3.5, Phi-4-mini), as HF computes it: (inv_freq, attention factor).
+
+    Each frequency is divided by its own factor, from `short_factor` or `long_factor`; cos and sin
+    are multiplied by sqrt(1 + ln(factor) / ln(original length)) unless an attention_factor is given.
+    HF switches to the long factors for a whole forward pass once the sequence passes the original
+    length, and re-prefills its cache at the switch; a paged cache cannot re-rotate the keys it
+    holds, so one set serves the engine's every position, chosen as vLLM chooses it: the long
+    factors when max_positions (the engine's max_model_len) passes the original length."""
+    old_ctx = p["original_max_position_embeddings"]
+    factors = p["long_factor"] if max_positions > old_ctx else p["short_factor"]
+    if len(factors) != dim // 2:
+        raise ValueError(f"rope_parameters: longrope needs {dim // 2} factors (rotary dim {dim} / 2), "
+                         f"got {len(factors)}")
+    attention = p.get("attention_factor")
+    if attention is None:
+        factor = p["factor"]
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_ctx))
+    ext = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    inv_freq = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim))
+    return inv_freq, float(attention)
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 
 
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, params: dict, partial_rotary_factor: float = 1.0):
+    def __init__(self, head_dim: int, params: dict, partial_rotary_factor: float = 1.0,
+                 max_positions: int | None = None):
+        """max_positions: the longest sequence the engine runs (its max_model_len), which picks
+        LongRoPE's factors; other kinds ignore it."""
         super().__init__()
         rope_type = params.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -76,18 +102,22 @@ class RotaryEmbedding(nn.Module):
         base = float(params["rope_theta"])
         inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float()
                                    / self.rotary_dim))
-        self.attention_scaling = 1.0  # YaRN's factor on cos and sin (so on q.k), as HF applies it
+        self.attention_scaling = 1.0  # YaRN's and LongRoPE's factor on cos and sin (so on q.k), as HF applies it
         if rope_type == "linear":
             inv_freq = inv_freq / params["factor"]
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
         elif rope_type == "yarn":
             inv_freq, self.attention_scaling = _yarn(self.rotary_dim, base, params)
+        elif rope_type == "longrope":
+            if max_positions is None:
+                raise ValueError("longrope RoPE needs max_positions (the engine's max_model_len) to pick its factors")
+            inv_freq, self.attention_scaling = _longrope(self.rotary_dim, base, params, max_positions)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, rotary_dim] (broadcast over heads), in `dtype` as HF casts them
-        (scaled in float32 first, where YaRN scales them)."""
+        (scaled in float32 first, where YaRN and LongRoPE scale them)."""
         freqs = positions.float()[:, None] * self.inv_freq.float()[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos, sin = emb.cos(), emb.sin()

@@ -20,6 +20,33 @@ def narrow(w, dim: int, start: int, size: int) -> torch.Tensor:
     return w[index]
 
 
+class RowWindow:
+    """Rows [start, start + rows) of a safetensors slice, itself a lazy slice: indexing it reads
+    only what the index asks for (a tensor-parallel rank's part of one part of a fused tensor)."""
+
+    def __init__(self, inner, start: int, rows: int):
+        self.inner, self.start, self.rows = inner, start, rows
+
+    def get_shape(self) -> list[int]:
+        return [self.rows, *self.inner.get_shape()[1:]]
+
+    def get_dtype(self):
+        return self.inner.get_dtype()
+
+    def __getitem__(self, index):
+        index = index if isinstance(index, tuple) else (index,)
+        first = index[0] if index else slice(None)
+        if not isinstance(first, slice) or first.step not in (None, 1):
+            raise TypeError(f"RowWindow takes unit-step slices, got {first!r}")
+        a, b, _ = first.indices(self.rows)
+        return self.inner[(slice(self.start + a, self.start + b), *index[1:])]
+
+
+def rows_of(w, start: int, rows: int):
+    """w's rows [start, start + rows), read lazily where w is a safetensors slice."""
+    return w.narrow(0, start, rows) if isinstance(w, torch.Tensor) else RowWindow(w, start, rows)
+
+
 def materialize(w) -> torch.Tensor:
     if isinstance(w, torch.Tensor):
         return w

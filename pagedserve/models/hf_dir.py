@@ -40,7 +40,7 @@ def rope_parameters(config) -> dict:
     """RoPE params from an HF config (or a namespace of config.json): transformers 5
     `rope_parameters`, or 4.x rope_scaling + rope_theta. YaRN's original_max_position_embeddings
     left out is max_position_embeddings, and its `factor` left out (None) the one over the other,
-    as HF derives them."""
+    as HF derives them; LongRoPE's likewise."""
     params = getattr(config, "rope_parameters", None)
     if params:
         params = dict(params)
@@ -53,9 +53,14 @@ def rope_parameters(config) -> dict:
     if "rope_theta" not in params:
         params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
     params.setdefault("rope_type", params.get("type", "default"))
-    if params["rope_type"] == "yarn":
-        if not params.get("original_max_position_embeddings"):  # HF's default for it
-            params["original_max_position_embeddings"] = config.max_position_embeddings
+    if params["rope_type"] == "su":  # LongRoPE's first name (Phi-3's early configs)
+        params["rope_type"] = "longrope"
+    if params["rope_type"] in ("yarn", "longrope"):
+        # As HF standardizes it: a config field of that name first (Phi-3's), then the RoPE
+        # parameters' own, then max_position_embeddings.
+        params["original_max_position_embeddings"] = (getattr(config, "original_max_position_embeddings", None)
+                                                      or params.get("original_max_position_embeddings")
+                                                      or config.max_position_embeddings)
         if params.get("factor") is None:
             params["factor"] = config.max_position_embeddings / params["original_max_position_embeddings"]
     return params

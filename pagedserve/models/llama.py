@@ -1,4 +1,5 @@
-"""Llama-family decoders: Llama (incl. llama3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm).
+"""Llama-family decoders: Llama (incl. llama3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm),
+Phi-3 (q/k/v and gate/up fused in the checkpoint, LongRoPE).
 
 Pre-norm blocks: x += attn(norm(x)); x += mlp(norm(x)), SwiGLU MLP, rotary on q and k.
 The residual stream is carried beside the hidden state (x, residual = norm(x, residual)) so that
@@ -140,8 +141,9 @@ class LlamaDecoderLayer(nn.Module):
 
 class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
-                 quant_config=None, make_mlp=None):
-        """make_mlp(layer_index) -> the layer's MLP module (None: dense LlamaMLP)."""
+                 quant_config=None, make_mlp=None, max_model_len: int | None = None):
+        """make_mlp(layer_index) -> the layer's MLP module (None: dense LlamaMLP); max_model_len: the
+        engine's (None: the config's max_position_embeddings), which picks LongRoPE's factors."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.layers = nn.ModuleList(
@@ -149,8 +151,10 @@ class LlamaModel(nn.Module):
                               f"model.layers.{i}", make_mlp and make_mlp(i))
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope_parameters(config),
-                                          getattr(config, "partial_rotary_factor", 1.0) or 1.0)
+        rope = rope_parameters(config)  # transformers 5 keeps partial_rotary_factor there, 4 beside it
+        partial = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
+        self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope, partial,
+                                          max_model_len or config.max_position_embeddings)
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -168,13 +172,14 @@ class LlamaForCausalLM(nn.Module):
     qkv_bias: bool | None = None  # None: from config.attention_bias
     qk_norm = False
 
-    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, quant_config=None):
+    def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, quant_config=None,
+                 max_model_len: int | None = None):
         super().__init__()
         self.config = config
         attn_bias = bool(getattr(config, "attention_bias", False))
         qkv_bias = attn_bias if self.qkv_bias is None else self.qkv_bias
         self.model = LlamaModel(config, qkv_bias, attn_bias, self.qk_norm, tp_rank, tp_size, quant_config,
-                                lambda i: self.make_mlp(config, i, tp_rank, tp_size))
+                                lambda i: self.make_mlp(config, i, tp_rank, tp_size), max_model_len)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.tie(self.model.embed_tokens)
@@ -201,3 +206,19 @@ class Qwen2ForCausalLM(LlamaForCausalLM):
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
     qk_norm = True
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    """Phi-3, Phi-3.5-mini, Phi-4-mini: Llama's block. The checkpoint holds q/k/v and gate/up already
+    fused; the loader cuts each into the parts our fused linears load by name
+    (checkpoint_row_splits), so a tensor-parallel rank still reads only its own rows. Their long
+    contexts come from LongRoPE (layers/rotary.py)."""
+
+    def checkpoint_row_splits(self) -> dict[str, list[tuple[str, int]]]:
+        """fused checkpoint module -> its parts, in row order: (the name stacked_params knows, rows)."""
+        c = self.config
+        head_dim = head_dim_of(c)
+        q, kv = c.num_attention_heads * head_dim, (c.num_key_value_heads or c.num_attention_heads) * head_dim
+        inter = c.intermediate_size
+        return {"qkv_proj": [("q_proj", q), ("k_proj", kv), ("v_proj", kv)],
+                "gate_up_proj": [("gate_proj", inter), ("up_proj", inter)]}

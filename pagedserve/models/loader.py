@@ -20,7 +20,7 @@ from torch import nn
 
 from pagedserve.layers.quant.base import QuantizationConfig
 from pagedserve.layers.quant.fusion import fuse_activation_quant
-from pagedserve.layers.weights import default_weight_loader, materialize
+from pagedserve.layers.weights import default_weight_loader, loaded_shape, materialize, rows_of
 from pagedserve.models.registry import get_model_class
 
 # Re-exported: the torch-free checks of a model directory live in hf_dir.py (preflight uses them).
@@ -120,6 +120,30 @@ def _is_fp8(w) -> bool:
     return str(w.get_dtype()).startswith("F8")
 
 
+def split_fused_tensors(model: nn.Module, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+    """A checkpoint that fuses what our linears load by part (Phi-3's qkv_proj and gate_up_proj:
+    model.checkpoint_row_splits()) as those parts, each a lazy window of the fused tensor's rows.
+    A quantized fused tensor's scales are refused: they would not split by rows."""
+    splits = model.checkpoint_row_splits() if hasattr(model, "checkpoint_row_splits") else {}
+    for name, w in weights:
+        fused = next((f for f in splits if f".{f}." in name), None)
+        if fused is None:
+            yield name, w
+            continue
+        parts = splits[fused]
+        if not name.endswith((".weight", ".bias")):
+            raise ValueError(f"loading {name}: quantized checkpoints that fuse {fused} are not supported "
+                             f"({type(model).__name__}); load the unquantized one, with --quantization fp8 if wanted")
+        total = sum(rows for _, rows in parts)
+        if loaded_shape(w)[0] != total:
+            raise ValueError(f"loading {name}: {loaded_shape(w)[0]} rows, expected {total} "
+                             f"({' + '.join(f'{p} {r}' for p, r in parts)})")
+        start = 0
+        for part, rows in parts:
+            yield name.replace(f".{fused}.", f".{part}."), rows_of(w, start, rows)
+            start += rows
+
+
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> None:
     """Route each checkpoint tensor to its parameter's weight_loader (fusing q/k/v and gate/up,
     and each expert's tensors into its MoE layer's [E, ...] parameters).
@@ -134,7 +158,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> Non
     tied = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in params
     loaded: set[str] = set()
     expert_parts: dict[str, set[tuple[int, str]]] = {}
-    for name, w in weights:
+    for name, w in split_fused_tensors(model, weights):
         if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
             continue
         for old, new in renames:
@@ -217,10 +241,12 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
 
 def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.device, dtype: torch.dtype,
               load_format: str = "auto", seed: int = 0, tp_rank: int = 0, tp_size: int = 1,
-              expert_parallel: bool = False, quant_config: QuantizationConfig | None = None) -> nn.Module:
+              expert_parallel: bool = False, quant_config: QuantizationConfig | None = None,
+              max_model_len: int | None = None) -> nn.Module:
     """Instantiate config.architectures[0] on `device` in `dtype` and fill its weights.
     expert_parallel: whole experts per rank in mixture-of-experts layers (MoE models only); with a
-    quant_config, its linear layers are quantized (layers/quant) once every tensor is in."""
+    quant_config, its linear layers are quantized (layers/quant) once every tensor is in;
+    max_model_len: the engine's, for the families whose RoPE depends on it (LongRoPE's factors)."""
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"load_format must be auto, safetensors or dummy, got {load_format!r}")
     cls = get_model_class(hf_config)
@@ -241,6 +267,8 @@ def get_model(hf_config, *, model_dir: str | os.PathLike | None, device: torch.d
                              "pagedserve (the Llama family and its mixtures of experts have)")
         quant_config.check_device(device)
         kwargs["quant_config"] = quant_config
+    if max_model_len is not None and "max_model_len" in inspect.signature(cls.__init__).parameters:
+        kwargs["max_model_len"] = max_model_len
     with _building_on(device, dtype):
         model = cls(hf_config, tp_rank=tp_rank, tp_size=tp_size, **kwargs)
     model.to(device)  # buffers made on CPU (rotary inv_freq) follow the parameters

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedserve.models.llama import LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM
+from pagedserve.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
+                                     Qwen3ForCausalLM)
 from pagedserve.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
 
@@ -12,6 +13,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": MistralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,

@@ -113,7 +113,8 @@ class ModelRunner:
         fmt = self.config.load_format
         self.model = get_model(self.hf_config, model_dir=self.config.model, device=self.device, dtype=self.dtype,
                                load_format=fmt, seed=self.config.seed, tp_rank=self.tp_rank, tp_size=self.tp_size,
-                               expert_parallel=self.config.enable_expert_parallel, quant_config=self.quant_config)
+                               expert_parallel=self.config.enable_expert_parallel, quant_config=self.quant_config,
+                               max_model_len=self.max_model_len)
         check_nano_batches(self.config, self.model, self.tp_size, self.device)
         attn = [m for m in self.model.modules() if isinstance(m, Attention)]
         self.num_layers = len(attn)

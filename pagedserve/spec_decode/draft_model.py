@@ -135,7 +135,7 @@ class DraftModelProposer:
         self.max_num_seqs, self.max_num_batched_tokens = sched.max_num_seqs, sched.max_num_batched_tokens
         try:
             self.model = get_model(self.hf_config, model_dir=self.draft_dir, device=self.device, dtype=self.dtype,
-                                   load_format=target.load_format, seed=target.seed)
+                                   load_format=target.load_format, seed=target.seed, max_model_len=self.max_model_len)
         except torch.cuda.OutOfMemoryError:
             raise ValueError("speculative_config.model: the draft model's weights do not fit in the device memory "
                              "left beside the target's weights; pick a smaller draft model") from None

@@ -112,3 +112,45 @@ def test_max_model_len_and_dtype():
     assert resolve_dtype("auto", llama, "cuda") == torch.bfloat16
     assert resolve_dtype("auto", opt, "cuda") == torch.float16
     assert resolve_dtype("half", llama, "cpu") == torch.float16
+
+
+def test_fused_checkpoint_tensors_split_by_rows_and_scales_refused():
+    """Phi-3's fused q/k/v: cut into the parts stacked_params knows, each a lazy window of rows (a
+    safetensors slice reads only the rows asked for); a fused FP8 scale or a wrong row count refused."""
+    from pagedserve.layers.weights import RowWindow
+    from pagedserve.models.loader import split_fused_tensors
+
+    class Phi3Like:
+        def checkpoint_row_splits(self):
+            return {"qkv_proj": [("q_proj", 4), ("k_proj", 2), ("v_proj", 2)]}
+
+    class Lazy:  # a safetensors slice of an [8, 3] tensor that records what it reads
+        def __init__(self):
+            self.t, self.reads = torch.arange(24.0).view(8, 3), []
+
+        def get_shape(self):
+            return list(self.t.shape)
+
+        def get_dtype(self):
+            return "F32"
+
+        def __getitem__(self, index):
+            self.reads.append(index)
+            return self.t[index]
+
+    fused = Lazy()
+    parts = dict(split_fused_tensors(Phi3Like(), [("m.layers.0.self_attn.qkv_proj.weight", fused),
+                                                  ("m.layers.0.mlp.down_proj.weight", "untouched")]))
+    assert list(parts) == [f"m.layers.0.self_attn.{p}_proj.weight" for p in "qkv"] + ["m.layers.0.mlp.down_proj.weight"]
+    k = parts["m.layers.0.self_attn.k_proj.weight"]
+    assert isinstance(k, RowWindow) and k.get_shape() == [2, 3] and fused.reads == []
+    torch.testing.assert_close(k[1:2], fused.t[5:6])  # one row of the part: one row read
+    assert fused.reads == [(slice(5, 6), )]
+    torch.testing.assert_close(parts["m.layers.0.self_attn.v_proj.weight"][:], fused.t[6:8])
+    assert parts["m.layers.0.mlp.down_proj.weight"] == "untouched"
+    tensor_parts = dict(split_fused_tensors(Phi3Like(), [("a.qkv_proj.weight", torch.ones(8, 3))]))
+    assert tensor_parts["a.q_proj.weight"].shape == (4, 3)
+    with pytest.raises(ValueError, match=r"a\.qkv_proj\.weight_scale: quantized checkpoints that fuse qkv_proj"):
+        list(split_fused_tensors(Phi3Like(), [("a.qkv_proj.weight_scale", torch.ones(()))]))
+    with pytest.raises(ValueError, match=r"7 rows, expected 8 \(q_proj 4 \+ k_proj 2 \+ v_proj 2\)"):
+        list(split_fused_tensors(Phi3Like(), [("a.qkv_proj.weight", torch.ones(7, 3))]))
