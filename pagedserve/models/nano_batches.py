@@ -112,11 +112,20 @@ class _Half:
 
 def forward_in_halves(model, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata,
                       streams: "NanoStreams | None" = None, sm_carveout: int = 0) -> torch.Tensor:
-    """forward_nano_batches over a decode-only step's rows split at n // 2, the matmuls leaving
+    """forward_nano_batches over a decode-only step's rows split at half_rows(n), the matmuls leaving
     sm_carveout SMs free where there are streams (CUDA): the runner's and the decode graphs' call."""
     with matmul_sm_carveout(sm_carveout if streams is not None else 0):
         return forward_nano_batches(model, input_ids, positions, kv_caches,
-                                    split_decode_meta(meta, meta.num_seqs // 2), streams)
+                                    split_decode_meta(meta, half_rows(meta.num_seqs)), streams)
+
+
+def half_rows(n: int) -> int:
+    """Where a step of n >= 2 rows splits: n // 2 rounded down to even (one row below 4 rows). The
+    second half's int64 rows (its slot_mapping) then start 16-byte aligned, as the warm-up's halves
+    of its even bucket sizes do: Triton compiles a kernel again for a pointer of another alignment,
+    and eager steps of odd halves met one after start-up (the H200 warm-up test, rope_write_kv's).
+    A one-row half (n of 2 or 3) is the warm-up's two-row step's where nano_batch_rows is 2."""
+    return 1 if n < 4 else (n // 2) & ~1
 
 
 class NanoStreams:

@@ -6,7 +6,7 @@ import torch
 
 from pagedserve import SamplingParams
 from pagedserve.models import nano_batches
-from pagedserve.models.nano_batches import NANO_PRIORITY_ENV, nano_priority
+from pagedserve.models.nano_batches import NANO_PRIORITY_ENV, half_rows, nano_priority
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
 
 from tests.engine.helpers import hf_greedy, make_llm, prompt_ids
@@ -41,12 +41,13 @@ def test_engine_on_cpu(tiny_model_dir, monkeypatch):
     halves = _spy_on_halves(monkeypatch)
     _greedy_matches_hf(model_dir, llm)
     n = len(prompt_ids(model_dir))
-    assert (n // 2, n - n // 2) in halves
+    assert (half_rows(n), n - half_rows(n)) in halves
 
 
 def test_graph_buckets_forward_as_nano_batches(tiny_model_dir, monkeypatch):
     """The graphs' forward of a nano-batched bucket (what capture records) on a CPU: the same hidden
-    states as the model's forward over the bucket's buffers, computed in halves of 3 rows."""
+    states as the model's forward over the bucket's buffers, computed in halves of 2 and 4 rows
+    (models/nano_batches.half_rows: the second half 16-byte aligned)."""
     halves = _spy_on_halves(monkeypatch)
     llm = make_llm(tiny_model_dir("llama"))
     runner = llm.llm_engine.runner
@@ -65,7 +66,7 @@ def test_graph_buckets_forward_as_nano_batches(tiny_model_dir, monkeypatch):
         expected = runner.model(graphs.input_ids, graphs.positions, runner.kv_caches, graphs._meta(6, None))
         got = graphs._forward(6, None)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
-    assert halves == [(3, 3)]
+    assert halves == [(2, 4)]
 
 
 @needs_cuda
