@@ -129,15 +129,27 @@ def _prompt(n, seed):
     return torch.randint(3, 300, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="needs CUDA"))])
-def test_engine_matches_hf_past_the_original_length(phi3_dirs, device):
+@pytest.fixture(scope="module")
+def phi35_geometry_dir(tmp_path_factory):
+    """Phi-3.5-mini's head: 96 features (not a power of two), all of them rotated, LongRoPE from 64."""
+    return make_tiny_model("phi3", tmp_path_factory.mktemp("phi35"), hidden_size=192, num_attention_heads=2,
+                           num_key_value_heads=1, partial_rotary_factor=1.0,
+                           rope_parameters=longrope_parameters(96, 64), original_max_position_embeddings=64)
+
+
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"))
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("geometry", ["phi4_mini", "phi35_mini"])
+def test_engine_matches_hf_past_the_original_length(phi3_dirs, phi35_geometry_dir, device, geometry):
     """A 100-token prompt (past the 64 trained positions): HF's long factors from the first pass,
-    ours for max_model_len 256; chunked prefill cuts the prompt, so chunks within 64 use them too."""
-    stretched, _ = phi3_dirs
+    ours for max_model_len 256; chunked prefill cuts the prompt, so chunks within 64 use them too.
+    On CUDA through the Triton kernels, head_dim 96 among them."""
+    model = phi3_dirs[0] if geometry == "phi4_mini" else phi35_geometry_dir
     prompt = _prompt(100, 5)
-    expected = _hf_greedy(stretched, prompt, 16)
-    assert _ours_greedy(stretched, prompt, 16, 256, device) == expected
+    expected = _hf_greedy(model, prompt, 16)
+    assert _ours_greedy(model, prompt, 16, 256, device) == expected
 
 
 def test_engine_matches_hf_within_the_original_length(phi3_dirs):
