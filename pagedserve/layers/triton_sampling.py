@@ -151,35 +151,41 @@ def supports(logits: torch.Tensor) -> bool:
             and n * vocab < (1 << 31))
 
 
-def split_count(num_rows: int, vocab: int, device: torch.device) -> int:
-    """Spans per row: enough programs for two per SM, each span at least one BLOCK."""
-    want = -(-2 * _num_sms(device) // num_rows)
-    return max(1, min(want, MAX_SPLITS, -(-vocab // BLOCK)))
+def split_count(num_rows: int, vocab: int, device: torch.device, programs_per_sm: int = 2,
+                block: int = BLOCK) -> int:
+    """Spans per row: enough programs for programs_per_sm per SM, each span at least one block."""
+    want = -(-programs_per_sm * _num_sms(device) // num_rows)
+    return max(1, min(want, MAX_SPLITS, -(-vocab // block)))
 
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor | None, seed: int,
-                splits: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                splits: int | None = None, block: int = BLOCK,
+                num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """Row i: argmax (temperatures None) or a draw at temperatures[i] (> 0, float32 on the device).
     seed: in [0, 2**31) (one integer class: no recompile when it changes). Returns (tokens [n]
-    int64, packed [n, 2] float64: token, raw logprob), as DeviceSample.packed()."""
+    int64, packed [n, 2] float64: token, raw logprob), as DeviceSample.packed(). splits, block
+    (a power of two >= 4: tokens a loop iteration reads) and num_warps are the span kernel's launch,
+    for benchmarks/kernels/sampling_sweep.py; the draw never depends on them."""
     if not supports(logits):
         raise ValueError(f"logits must be 2-D with unit vocab stride and n * vocab < 2**31, "
                          f"got shape {tuple(logits.shape)} strides {logits.stride()}")
     if not 0 <= seed < (1 << 31):
         raise ValueError(f"seed must be in [0, 2**31), got {seed}")
     n, vocab = logits.shape
+    if block < 4 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 4, got {block}")
     if splits is None:
-        splits = split_count(n, vocab, logits.device)
+        splits = split_count(n, vocab, logits.device, block=block)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
     span = -(-vocab // splits)
-    span = -(-span // BLOCK) * BLOCK if splits > 1 else vocab
+    span = -(-span // block) * block if splits > 1 else vocab
     splits = -(-vocab // span)
     parts = torch.empty(4, n * splits, dtype=torch.float32, device=logits.device)
     greedy = temperatures is None
     temps = parts if greedy else temperatures  # any pointer when greedy: never read
     _span_kernel[(n, splits)](logits, logits.stride(0), vocab, span, temps, seed, parts, n * splits,
-                              GREEDY=greedy, BLOCK=BLOCK, num_warps=8)
+                              GREEDY=greedy, BLOCK=block, num_warps=num_warps)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     packed = torch.empty(n, 2, dtype=torch.float64, device=logits.device)
     _merge_kernel[(n,)](logits, logits.stride(0), parts, n * splits, splits, tokens, packed,

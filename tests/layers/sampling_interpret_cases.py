@@ -125,6 +125,14 @@ def test_draws_depend_on_seed_and_row_not_on_spans():
     c, _ = ts.sample_rows(x, temps, seed=8, splits=4)
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
+    # nor on the launch a sweep tries (benchmarks/kernels/sampling_sweep.py): tokens a loop reads, warps
+    for block, warps, splits in ((256, 4, 3), (4096, 16, 2), (64, 2, 1)):
+        d, packed = ts.sample_rows(x, temps, seed=7, splits=splits, block=block, num_warps=warps)
+        assert torch.equal(a, d), (block, warps, splits)
+        g, _ = ts.sample_rows(x, None, seed=0, splits=splits, block=block, num_warps=warps)
+        assert torch.equal(g, x.argmax(dim=-1))
+    with pytest.raises(ValueError, match="block must be a power of two"):
+        ts.sample_rows(x, temps, seed=7, block=100)
 
 
 def test_rejects_what_it_cannot_take():
