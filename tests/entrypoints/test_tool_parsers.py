@@ -47,6 +47,14 @@ TOOL_CASES = [
     ("mistral", f'Let me check.[TOOL_CALLS]get_weather[ARGS]{_args(W)}[TOOL_CALLS]get_time[ARGS]'
                 f'{_args(T)}', "Let me check.", [("get_weather", W), ("get_time", T)]),
     ("mistral", "Plain [TOOL answer.", "Plain [TOOL answer.", []),
+    ("phi4_mini_json", f'functools[{{"name": "get_weather", "arguments": {_args(W)}}}, '
+                       f'{{"name": "get_time", "arguments": {_args(T)}}}]', "", [("get_weather", W), ("get_time", T)]),
+    ("phi4_mini_json", f'I will look it up. functools[{{"name": "get_weather", "parameters": {_args(W)}}}]',
+     "I will look it up. ", [("get_weather", W)]),
+    ("phi4_mini_json", "import functools; functools.reduce(f, xs)", "import functools; functools.reduce(f, xs)", []),
+    ("phi4_mini_json", 'functools[oops, {"name": "f", "arguments": {"a": "]"}}]',
+     'functools[oops, {"name": "f", "arguments": {"a": "]"}}]', []),
+    ("phi4_mini_json", 'functools[{"name": "f", "arguments": {"a": "]"}}]', "", [("f", {"a": "]"})]),
 ]
 
 

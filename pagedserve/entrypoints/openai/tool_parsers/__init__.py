@@ -9,8 +9,9 @@ from pagedserve.entrypoints.openai.tool_parsers.base import CallText, Parsed, To
 from pagedserve.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedserve.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedserve.entrypoints.openai.tool_parsers.mistral import MistralToolParser
+from pagedserve.entrypoints.openai.tool_parsers.phi4_mini_json import Phi4MiniJsonToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser)}
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, Phi4MiniJsonToolParser)}
 
 __all__ = ["CallText", "Parsed", "ToolParser", "TOOL_PARSERS"]
