@@ -8,6 +8,7 @@ writes k and v into the pools too (Attention.rotate_and_store).
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ import torch
 from torch import nn
 
 from pagedserve.layers.fused import fused_ops
+
+logger = logging.getLogger(__name__)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, p: dict) -> torch.Tensor:
@@ -74,6 +77,10 @@ def _longrope(dim: int, base: float, p: dict, max_positions: int) -> tuple[torch
     factors when max_positions (the engine's max_model_len) passes the original length."""
     old_ctx = p["original_max_position_embeddings"]
     factors = p["long_factor"] if max_positions > old_ctx else p["short_factor"]
+    if max_positions > old_ctx:
+        logger.info("LongRoPE: max_model_len %d is past the %d trained positions, so every position takes the "
+                    "long factors, short prompts too (HF switches per pass); --max-model-len %d keeps the short "
+                    "ones", max_positions, old_ctx, old_ctx)
     if len(factors) != dim // 2:
         raise ValueError(f"rope_parameters: longrope needs {dim // 2} factors (rotary dim {dim} / 2), "
                          f"got {len(factors)}")

@@ -9,8 +9,8 @@ fixed to max_model_len, so its launch grid does not depend on the step. A backen
 plan (triton_ops.decode_plan) may ask for one graph per decode split mode (graph_split_modes:
 balanced splits, and also none, and in the slots' grid where it differs) and pick one for each
 step from the host's lengths (pick_split_mode). Buckets of at least nano_batch_rows rows are captured
-as two nano-batches of bucket // 2 rows (models/nano_batches.py: one's attention on a second stream
-beside the other's matmuls), their split modes those of a half.
+as two nano-batches of half_rows(bucket) rows and the rest (models/nano_batches.py: one's attention
+on a second stream beside the other's matmuls), their split modes those of the first half.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from pagedserve.attention.backend import get_backend
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.models.nano_batches import NanoStreams, forward_in_halves
+from pagedserve.models.nano_batches import NanoStreams, forward_in_halves, half_rows
 
 
 def graph_capturable(model) -> bool:
@@ -56,7 +56,7 @@ class DecodeCUDAGraphs:
         plan = getattr(get_backend(device), "decode_plan", None)
         # bucket -> the split modes captured for it, the first its default (the tiles counted as the
         # launch over this cache walks them, as the pick in replay counts them); a nano-batched
-        # bucket's are its first half's (every launch is of bucket // 2 rows or one more)
+        # bucket's are its first half's (half_rows(bucket) rows; the second has up to 3 more)
         kv_dtype = kv_caches[0][0].dtype if plan and kv_caches else None
         self.split_modes: dict[int, list[int | None]] = {
             b: plan.graph_split_modes(self._rows_per_launch(b), num_kv_heads, max_model_len, device,
@@ -77,7 +77,7 @@ class DecodeCUDAGraphs:
         self.pool = None
 
     def _rows_per_launch(self, b: int) -> int:
-        return b // 2 if b in self.nano else b
+        return half_rows(b) if b in self.nano else b
 
     def _forward(self, b: int, split_mode: int | None) -> torch.Tensor:
         args = (self.input_ids[:b], self.positions[:b], self.kv_caches, self._meta(b, split_mode))

@@ -17,6 +17,7 @@ CASES = {
     "qwen3-replicated-kv": ("qwen3", {"num_key_value_heads": 1}, 1),
     "qwen2-qkv-bias-tied": ("qwen2", {}, 1),
     "phi3-fused-checkpoint": ("phi3", {}, 1),
+    "phi3-fused-replicated-kv": ("phi3", {"num_key_value_heads": 1}, 1),
     "opt-biases": ("opt", {}, 2),
     # Mixture of experts: every expert's intermediate dim split, the shared expert's partial summed
     # with the experts' before the layer's one all-reduce; layer 0 dense.

@@ -6,12 +6,14 @@ positions and (with fewer KV heads than ranks) k/v are replicated, read whole by
 import itertools
 import re
 from collections import Counter
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 import pagedserve.models.loader as loader
 from pagedserve.models.loader import get_model, load_hf_config
+from pagedserve.models.registry import get_model_class
 
 REPLICATED = re.compile(r"(norm|layernorm|layer_norm)\.(weight|bias)$|embed_positions|"
                         r"(o_proj|out_proj|down_proj|fc2)\.bias$|"
@@ -67,6 +69,7 @@ def load_rank(monkeypatch, model_dir, rank, tp, expert_parallel=False):
     ("qwen3", {"num_key_value_heads": 1}, True),
     ("qwen2", {}, False),
     ("phi3", {}, False),  # q/k/v and gate/up fused in the checkpoint: read part by part
+    ("phi3", {"num_key_value_heads": 1}, True),  # ... and its k/v parts replicated
     ("opt", {}, False),
     ("qwen2_moe", {}, False),  # every expert's (and the shared expert's) intermediate dim split
     ("mixtral", {}, False),
@@ -83,8 +86,10 @@ def test_each_rank_reads_its_slices_once(tiny_model_dir, monkeypatch, arch, over
 
     tied = getattr(load_hf_config(model_dir), "tie_word_embeddings", False)
     expected = {n for n in shapes if not (tied and n == "lm_head.weight")}
-    fused_parts = {"qkv_proj": 3, "gate_up_proj": 2} if arch == "phi3" else {}
-    reads = {n: next((k for f, k in fused_parts.items() if f".{f}." in n), 1) for n in expected}
+    model_class = get_model_class(load_hf_config(model_dir))
+    splits = (model_class.checkpoint_row_splits(SimpleNamespace(config=load_hf_config(model_dir)))
+              if hasattr(model_class, "checkpoint_row_splits") else {})
+    reads = {n: next((len(p) for f, p in splits.items() if f".{f}." in n), 1) for n in expected}
     for rank, log in enumerate(logs):
         assert Counter(n for n, _ in log) == reads, f"rank {rank}: each tensor (each part of a fused one) read once"
     for name in expected:
@@ -98,12 +103,27 @@ def test_each_rank_reads_its_slices_once(tiny_model_dir, monkeypatch, arch, over
             assert sum(map(len, parts)) == len(set().union(*parts)), f"{name}: a rank's parts do not overlap"
             cells.append(set().union(*parts))
         assert set().union(*cells) == box_cells(tuple((0, s) for s in shape)), f"{name}: union covers the tensor"
-        replicated = bool(REPLICATED.search(name)) or (kv_replicated and re.search(r"\.(k|v)_proj\.", name))
-        for rank, c in enumerate(cells):
-            want = numel if replicated else numel // tp
-            assert len(c) == want, f"{name}: rank {rank} read {len(c)} of {numel} elements"
-        if not replicated:
-            assert not (cells[0] & cells[1]), f"{name}: ranks' slices are disjoint"
+        for part, rows in _row_segments(name, shape[0], splits):  # a fused tensor: each part on its own
+            part_cells = [{c for c in rank_cells if rows[0] <= c[0] < rows[1]} for rank_cells in cells]
+            part_numel = numel // shape[0] * (rows[1] - rows[0])
+            replicated = bool(REPLICATED.search(part)) or (kv_replicated and re.search(r"\.(k|v)_proj\.", part))
+            for rank, c in enumerate(part_cells):
+                want = part_numel if replicated else part_numel // tp
+                assert len(c) == want, f"{part}: rank {rank} read {len(c)} of {part_numel} elements"
+            if not replicated:
+                assert not (part_cells[0] & part_cells[1]), f"{part}: ranks' slices are disjoint"
+
+
+def _row_segments(name: str, rows: int, splits: dict) -> list[tuple[str, tuple[int, int]]]:
+    """(the part's unfused name, its rows) for each part of a fused checkpoint tensor; else the whole."""
+    fused = next((f for f in splits if f".{f}." in name), None)
+    if fused is None:
+        return [(name, (0, rows))]
+    out, start = [], 0
+    for part, n in splits[fused]:
+        out.append((name.replace(f".{fused}.", f".{part}."), (start, start + n)))
+        start += n
+    return out
 
 
 def test_expert_parallel_rank_reads_only_its_experts(tiny_model_dir, monkeypatch):

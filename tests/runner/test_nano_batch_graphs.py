@@ -67,6 +67,7 @@ def test_graph_buckets_forward_as_nano_batches(tiny_model_dir, monkeypatch):
         got = graphs._forward(6, None)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     assert halves == [(2, 4)]
+    assert graphs._rows_per_launch(6) == 2  # the split modes are sized for the first half's launch
 
 
 @needs_cuda
