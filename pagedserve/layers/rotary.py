@@ -1,4 +1,5 @@
-"""Rotary position embeddings (NeoX / HF "rotate_half" layout), default, linear, llama3, YaRN and LongRoPE scaling.
+"""Rotary position embeddings (NeoX / HF "rotate_half" layout), default, linear, dynamic NTK, llama3, YaRN and
+LongRoPE scaling.
 
 cos/sin are computed from positions on the fly in float32, once per forward at the model
 level, exactly as HF does (positions * inv_freq), so there is no max-position cache to size. On CUDA, rotate_qk runs q and k (and Qwen3's
@@ -93,7 +94,16 @@ def _longrope(dim: int, base: float, p: dict, max_positions: int) -> tuple[torch
     return inv_freq, float(attention)
 
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+def _dynamic_ntk_base(base: float, dim: int, p: dict) -> float:
+    """Dynamic NTK scaling as vLLM serves it: one base for every position, HF's dynamic base at the
+    longest length the scaling reaches (original x factor). HF recomputes the base from each
+    pass's length (unscaled within the original), which no KV cache of earlier positions can follow."""
+    old, factor = p["original_max_position_embeddings"], p["factor"]
+    longest = int(old * factor)
+    return base * ((factor * longest / old) - (factor - 1)) ** (dim / (dim - 2))
+
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 class RotaryEmbedding(nn.Module):
@@ -107,6 +117,8 @@ class RotaryEmbedding(nn.Module):
             raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {SUPPORTED_ROPE_TYPES}")
         self.rotary_dim = int(head_dim * partial_rotary_factor)
         base = float(params["rope_theta"])
+        if rope_type == "dynamic":
+            base = _dynamic_ntk_base(base, self.rotary_dim, params)
         inv_freq = 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.int64, device="cpu").float()
                                    / self.rotary_dim))
         self.attention_scaling = 1.0  # YaRN's and LongRoPE's factor on cos and sin (so on q.k), as HF applies it

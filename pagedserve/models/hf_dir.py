@@ -55,6 +55,8 @@ def rope_parameters(config) -> dict:
     params.setdefault("rope_type", params.get("type", "default"))
     if params["rope_type"] == "su":  # LongRoPE's first name (Phi-3's early configs)
         params["rope_type"] = "longrope"
+    if params["rope_type"] == "dynamic":  # the length its factor scales: the config's limit, as HF's
+        params["original_max_position_embeddings"] = config.max_position_embeddings
     if params["rope_type"] in ("yarn", "longrope"):
         # As HF standardizes it: a config field of that name first (Phi-3's), then the RoPE
         # parameters' own, then max_position_embeddings.
@@ -101,7 +103,7 @@ def apply_hf_overrides(config, overrides: dict | None, strict: bool = True):
 
 def get_max_model_len(hf_config) -> int:
     """The longest context the model supports: its position limit, scaled as vLLM scales it for
-    RoPE scaling (YaRN: original_max_position_embeddings x factor; linear: the limit x factor;
+    RoPE scaling (YaRN: original_max_position_embeddings x factor; linear and dynamic: the limit x factor;
     llama3's configs state their scaled limit already), and Mistral's sliding window, which our
     kernels do not implement, so longer contexts would be silently wrong."""
     limit = None
@@ -116,7 +118,7 @@ def get_max_model_len(hf_config) -> int:
     factor = rope.get("factor")
     if rope["rope_type"] == "yarn":
         limit = int(rope.get("original_max_position_embeddings", limit) * factor)
-    elif rope["rope_type"] == "linear" and factor:
+    elif rope["rope_type"] in ("linear", "dynamic") and factor:
         limit = int(limit * factor)
     window = getattr(hf_config, "sliding_window", None)
     uses_window = getattr(hf_config, "use_sliding_window", True)

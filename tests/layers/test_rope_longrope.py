@@ -173,3 +173,4 @@ def test_engine_keeps_one_factor_set_for_every_position(phi3_dirs):
     stretched, always_long = phi3_dirs
     prompt = _prompt(30, 7)
     assert _ours_greedy(stretched, prompt, 20, 256) == _hf_greedy(always_long, prompt, 20)
+
