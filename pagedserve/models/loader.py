@@ -133,7 +133,7 @@ def split_fused_tensors(model: nn.Module, weights: Iterable[tuple[str, object]])
         parts = splits[fused]
         if not name.endswith((".weight", ".bias")):
             raise ValueError(f"loading {name}: quantized checkpoints that fuse {fused} are not supported "
-                             f"({type(model).__name__}); load the unquantized one, with --quantization fp8 if wanted")
+                             f"({type(model).__name__}); load the unquantized checkpoint")
         total = sum(rows for _, rows in parts)
         if loaded_shape(w)[0] != total:
             raise ValueError(f"loading {name}: {loaded_shape(w)[0]} rows, expected {total} "
