@@ -6,7 +6,10 @@ each call's arguments are prefixes of what any longer text gives, and calls only
 appended. That is what lets one function serve both the whole-text response and the stream:
 the streamer (message_stream.py) sends the difference between consecutive results, so the
 streamed deltas concatenate to the whole-text result by construction. Arguments are the raw
-JSON slice the model wrote (not re-serialized), for the same reason.
+JSON slice the model wrote (not re-serialized), for the same reason. One exception: a call that
+never completes (the text cut off inside it, or a call array turning invalid after complete
+calls) has been streamed as it grew, while the whole text falls back to content, as vLLM's
+whole-text parsers do; a stream cannot take back what it sent.
 """
 from __future__ import annotations
 
