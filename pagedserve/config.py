@@ -194,6 +194,8 @@ class EngineConfig:
                                                 "(<tool_call> JSON, Qwen2.5/Qwen3/Hermes), "
                                                 "llama3_json (Llama 3.x), mistral ([TOOL_CALLS])",
                                           TOOL_CALL_PARSERS)
+    chat_template: str | None = option(None, "a Jinja chat template in place of the tokenizer's (chat "
+                                             "completions, LLM.chat): a file's path, or the template itself")
     reasoning_parser: str | None = option(None, "split the model's <think>...</think> text into "
                                                 "the chat message's reasoning_content",
                                           REASONING_PARSERS)
@@ -278,6 +280,9 @@ class EngineConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got "
                              f"{self.tool_call_parser!r}")
+        if self.chat_template is not None:  # a missing file fails here, before any model loads
+            from pagedserve.engine.chat_template import resolve_chat_template
+            resolve_chat_template(self.chat_template)
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
                              f"{self.reasoning_parser!r}")

@@ -125,3 +125,15 @@ def test_the_dp_routers_tokenizer_prints_no_length_warning_either(capfd):
     out = capfd.readouterr()
     assert len(ids) > 1024
     assert "Token indices sequence length" not in out.err + out.out, out.err
+
+
+def test_a_chat_template_that_cannot_be_used_fails_in_one_line(no_process_starts, capsys, tmp_path):
+    """--chat-template: a missing file, or a template that does not compile, is refused before
+    the engine starts, naming the flag's field (not at every chat request)."""
+    err = serve_error(["--chat-template", "templates/missing.jinja"], capsys)
+    assert "chat_template: 'templates/missing.jinja' looks like a file path" in err
+    broken = tmp_path / "broken.jinja"
+    broken.write_text("{% for m in messages %}{{ m['content'] }}\n")
+    err = serve_error(["--chat-template", str(broken)], capsys)
+    assert "chat_template: not a valid Jinja template: line" in err
+    assert no_process_starts == []

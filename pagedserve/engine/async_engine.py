@@ -89,7 +89,7 @@ class AsyncLLMEngine:
         """Load the tokenizer here, start the core process and wait until it is ready."""
         tokenizer = None
         if not config.skip_tokenizer_init:
-            tokenizer = load_tokenizer(config.tokenizer or config.model)
+            tokenizer = load_tokenizer(config.tokenizer or config.model, config.chat_template)
         client = MPCoreClient(config)
         logger.info("engine core ready (pid %d)", client.pid)
         engine = cls(client, tokenizer, metrics)

@@ -18,10 +18,11 @@ from pagedserve.sampling_params import SamplingParams
 NO_TOKENIZER_LIMIT = int(1e30)
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
     """The tokenizer of a local HF directory. Its own length limit (model_max_length) is lifted:
     the engine's max_model_len is the limit, refused with a message naming it, so transformers'
-    "Token indices sequence length is longer than..." warning would only repeat it, worse."""
+    "Token indices sequence length is longer than..." warning would only repeat it, worse.
+    chat_template: a --chat-template value (engine/chat_template.py) replacing the tokenizer's."""
     from transformers import AutoTokenizer
 
     from pagedserve.engine.preflight import check_tokenizer_dir
@@ -31,6 +32,8 @@ def load_tokenizer(path: str) -> Any:
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} (a local HF directory): {e}") from e
     tokenizer.model_max_length = NO_TOKENIZER_LIMIT
+    from pagedserve.engine.chat_template import apply_chat_template_override
+    apply_chat_template_override(tokenizer, chat_template)
     return tokenizer
 
 

@@ -81,7 +81,7 @@ class LLMEngine(StepPipeline, TokenApplication):
 
         self.tokenizer = None
         if not config.skip_tokenizer_init:
-            self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+            self.tokenizer = load_tokenizer(config.tokenizer or config.model, config.chat_template)
 
         spec = self._speculative_config(config)  # checked before any weights load
         # One process, or rank 0 of a tensor-parallel group: the engine cannot tell them apart.

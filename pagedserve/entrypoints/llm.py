@@ -1,4 +1,4 @@
-"""LLM: offline batched generation and beam search, in vLLM's shape.
+"""LLM: offline batched generation, chat and beam search, in vLLM's shape.
 
 The engine core lives in this process behind an InprocCoreClient: the same client interface
 the server uses over ZMQ, with no IPC and no encoding. `llm_engine` is the core's LLMEngine.
@@ -119,6 +119,65 @@ class LLM:
             core.abort_requests(list(order))
             raise
         return results  # type: ignore[return-value]
+
+    def chat(self, messages: Seq[dict] | Seq[Seq[dict]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """Generate a reply to one conversation (a list of OpenAI-style messages) or to each of a
+        list of them, as vLLM's LLM.chat: each is rendered by the chat template (chat_template: a
+        --chat-template value, path or text, for this call; else the engine's, else the
+        tokenizer's) exactly as /v1/chat/completions renders it, message text never becoming a
+        control token. tools go to the template as they are; nothing parses calls out of the
+        reply. ValueError names the conversation and field of a message that is not valid."""
+        many = bool(messages) and not isinstance(messages[0], dict)
+        conversations = list(messages) if many else [messages]
+        prompts = [{"prompt_token_ids": self._chat_ids(f"messages[{i}]" if many else "messages", conv,
+                                                       chat_template, add_generation_prompt,
+                                                       continue_final_message, tools, chat_template_kwargs)}
+                   for i, conv in enumerate(conversations)]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _chat_ids(self, where: str, conversation: Seq[dict], chat_template: str | None,
+                  add_generation_prompt: bool, continue_final_message: bool, tools: list[dict] | None,
+                  chat_template_kwargs: dict[str, Any] | None) -> list[int]:
+        """One conversation's prompt ids (where: how errors name it), as serving_chat renders them."""
+        import pydantic
+
+        from pagedserve.engine.chat_template import resolve_chat_template
+        from pagedserve.entrypoints.openai.chat_tokens import render_chat_ids
+        from pagedserve.entrypoints.openai.protocol import ChatMessage
+        from pagedserve.entrypoints.openai.serving_common import APIError
+        from pagedserve.entrypoints.openai.tools import check_history, history_message
+        tok = self.get_tokenizer()
+        if tok is None:
+            raise ValueError("chat needs a tokenizer (this LLM was made with skip_tokenizer_init)")
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt=False")
+        kwargs = dict(chat_template_kwargs or {})
+        template = resolve_chat_template(chat_template)
+        if template is not None:
+            kwargs["chat_template"] = template
+        elif not getattr(tok, "chat_template", None):
+            raise ValueError("this model's tokenizer has no chat template: pass chat_template= "
+                             "(to chat, or to LLM(...)), or use generate()")
+        if not conversation:
+            raise ValueError(f"{where}: a conversation needs at least one message")
+        parsed = []
+        for j, m in enumerate(conversation):
+            try:
+                parsed.append(ChatMessage.model_validate(m))
+            except pydantic.ValidationError as e:
+                err = e.errors()[0]
+                field = ".".join(str(x) for x in err["loc"])
+                raise ValueError(f"{where}[{j}]{'.' + field if field else ''}: {err['msg']}") from None
+        try:
+            check_history(parsed)
+        except APIError as e:  # its param is "messages.J.field"
+            raise ValueError(f"{where}[{e.param.split('.')[1]}].{e.param.split('.', 2)[2]}: {e.message}") from None
+        return render_chat_ids(tok, [history_message(m) for m in parsed], add_generation_prompt,
+                               tools=tools, continue_final_message=continue_final_message, **kwargs)
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

@@ -119,7 +119,7 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
         from pagedserve.serving.relay_worker import relay_worker_hooks
         hooks = relay_worker_hooks(pool, args.api_server_count, args.host, args.port, tokenizer_path(config),
                                    config.block_size, args.max_request_bytes, api_key, replica_key,
-                                   allowed, args.shutdown_timeout)
+                                   allowed, args.shutdown_timeout, config.chat_template)
     app = build_dp_app(pool, load_tokenizer(config), config.block_size, api_key=api_key,
                        max_request_bytes=args.max_request_bytes, allowed_hosts=allowed, **hooks)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request

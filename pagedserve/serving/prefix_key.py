@@ -74,16 +74,17 @@ def tokenizer_path(config: Any) -> str | None:
     return None if config.skip_tokenizer_init else (config.tokenizer or config.model)
 
 
-def load_tokenizer_path(path: str | None) -> Any:
+def load_tokenizer_path(path: str | None, chat_template: str | None = None) -> Any:
     """The replicas' tokenizer, for routing keys; None without one (skip_tokenizer_init: then
-    only token-id prompts have a key, text prompts are routed by load)."""
+    only token-id prompts have a key, text prompts are routed by load). chat_template: the
+    replicas' --chat-template, so chat prompts are keyed as they render them."""
     if path is None:
         return None
     # The engine's loader: the same tokenizer the replicas use, with transformers' own length
     # warning lifted (the replicas refuse an over-long prompt by max_model_len themselves).
     from pagedserve.engine.input_processor import load_tokenizer as load_engine_tokenizer
-    return load_engine_tokenizer(path)
+    return load_engine_tokenizer(path, chat_template)
 
 
 def load_tokenizer(config: Any) -> Any:
-    return load_tokenizer_path(tokenizer_path(config))
+    return load_tokenizer_path(tokenizer_path(config), config.chat_template)

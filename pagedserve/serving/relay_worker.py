@@ -232,12 +232,14 @@ class RelayWorkers:
     def __init__(self, count: int, host: str, port: int, route_address: str, tokenizer: str | None,
                  block_size: int, max_request_bytes: int, api_key: str | None = None,
                  replica_key: str | None = None, allowed_hosts: list[str] | None = None,
-                 shutdown_timeout: float = 10.0) -> None:
+                 shutdown_timeout: float = 10.0, chat_template: str | None = None) -> None:
         self.cmds = [[sys.executable, "-m", "pagedserve.serving.relay_worker", "--host", host, "--port", str(port),
                       "--route-address", route_address, "--name", str(k), "--block-size", str(block_size),
                       "--max-request-bytes", str(max_request_bytes), "--shutdown-timeout", str(shutdown_timeout),
                       *(["--allowed-hosts", *allowed_hosts] if allowed_hosts else []),
-                      *(["--tokenizer", tokenizer] if tokenizer else [])] for k in range(1, count + 1)]
+                      *(["--tokenizer", tokenizer] if tokenizer else []),
+                      *(["--chat-template", chat_template] if tokenizer and chat_template else [])]
+                     for k in range(1, count + 1)]
         # The workers check the API key too, and send the replicas' own: both go through their
         # environment, not their argv.
         self.env = dict(os.environ)
@@ -298,7 +300,8 @@ class RelayWorkers:
 def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: str, port: int,
                        tokenizer: str | None, block_size: int, max_request_bytes: int,
                        api_key: str | None, replica_key: str | None = None,
-                       allowed_hosts: list[str] | None = None, shutdown_timeout: float = 10.0) -> dict:
+                       allowed_hosts: list[str] | None = None, shutdown_timeout: float = 10.0,
+                       chat_template: str | None = None) -> dict:
     """build_dp_app's after_start / before_stop for api_server_count > 1: the route service and
     the relay workers start once the replicas are live, and stop before they do."""
     import shutil
@@ -309,7 +312,7 @@ def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: st
     folder = tempfile.mkdtemp(prefix="pagedserve-route-")
     address = f"ipc://{folder}/route"
     workers = RelayWorkers(api_server_count - 1, host, port, address, tokenizer, block_size, max_request_bytes,
-                           api_key, replica_key, allowed_hosts, shutdown_timeout)
+                           api_key, replica_key, allowed_hosts, shutdown_timeout, chat_template)
     state: dict = {}
 
     async def after_start() -> None:
@@ -326,28 +329,34 @@ def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: st
     return {"after_start": after_start, "before_stop": before_stop}
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from pagedserve.entrypoints.http_server import make_server
-    from pagedserve.serving.frontend import build_dp_app
-    from pagedserve.serving.prefix_key import load_tokenizer_path
-
+def parse_worker_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line RelayWorkers gives each worker."""
     p = argparse.ArgumentParser(description="a DP front end's relay worker (started by the front end)")
     p.add_argument("--host", required=True)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--route-address", required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--tokenizer", default=None, help="for routing keys; none: token-id prompts only")
+    p.add_argument("--chat-template", default=None, help="the replicas' --chat-template, for chat routing keys")
     p.add_argument("--block-size", type=int, required=True)
     p.add_argument("--max-request-bytes", type=int, required=True)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--allowed-hosts", nargs="+", default=None)
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from pagedserve.entrypoints.http_server import make_server
+    from pagedserve.serving.frontend import build_dp_app
+    from pagedserve.serving.prefix_key import load_tokenizer_path
+
+    args = parse_worker_args(argv)
     from pagedserve.log_setup import configure_logging
     configure_logging("relay")
     from pagedserve.entrypoints.fd_limit import raise_fd_limit
     raise_fd_limit()  # each connection is a descriptor: see fd_limit (the front end logs the limit)
     pool = RemoteRoutedPool(args.route_address, args.name, replica_key=os.environ.get(REPLICA_KEY_ENV))
-    app = build_dp_app(pool, load_tokenizer_path(args.tokenizer), args.block_size,
+    app = build_dp_app(pool, load_tokenizer_path(args.tokenizer, args.chat_template), args.block_size,
                        api_key=os.environ.get("PAGEDSERVE_API_KEY"), max_request_bytes=args.max_request_bytes,
                        allowed_hosts=args.allowed_hosts)
     sock = reuse_port_socket(args.host, args.port)

@@ -75,10 +75,15 @@ def tools_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tools_server(tools_model_dir, tmp_path_factory):
-    """The demo model with tool calling (hermes) and a reasoning parser (qwen3) switched on."""
-    log = tmp_path_factory.mktemp("tools-server") / "server.log"
-    s = start_server(tools_model_dir, log, "--max-model-len", "1024", "--block-size", "16",
+def tools_server(tmp_path_factory):
+    """The demo model with tool calling (hermes) and a reasoning parser (qwen3) switched on, and
+    TOOLS_CHAT_TEMPLATE given by --chat-template (tools_model_dir holds it in its tokenizer's
+    config: HF's rendering there is the reference for the server's)."""
+    from pagedserve.demo_model import DEMO_MODEL_DIR
+    folder = tmp_path_factory.mktemp("tools-server")
+    (folder / "tools.jinja").write_text(TOOLS_CHAT_TEMPLATE)
+    s = start_server(DEMO_MODEL_DIR, folder / "server.log", "--chat-template", str(folder / "tools.jinja"),
+                     "--max-model-len", "1024", "--block-size", "16",
                      "--num-gpu-blocks-override", "256", "--max-num-seqs", "32",
                      "--swap-space", "0.05", "--enable-auto-tool-choice",
                      "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+import sys
 
 import pytest
 
@@ -43,6 +44,32 @@ def test_request_token_ids_reads_completions_and_chat_bodies():
                        add_special_tokens=False).input_ids
     for bad in (b"not json", b"[1, 2]", b'{"prompt": 3}', b'{"messages": "x"}'):
         assert request_token_ids(tok, "/v1/chat/completions", bad) == []
+
+
+def test_chat_keys_follow_the_replicas_chat_template(tmp_path):
+    """With --chat-template the router (and each relay worker, on its command line) renders chat
+    prompts by that template, as the replicas do, not by the tokenizer's own."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.demo_model import DEMO_MODEL_DIR
+    from pagedserve.serving.prefix_key import load_tokenizer
+    from pagedserve.serving.relay_worker import RelayWorkers, parse_worker_args
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    (tmp_path / "t.jinja").write_text(template)
+    config = EngineConfig(model=str(DEMO_MODEL_DIR), chat_template=str(tmp_path / "t.jinja"))
+    msgs = [{"role": "user", "content": "In the beginning"}]
+    ref = AutoTokenizer.from_pretrained(str(DEMO_MODEL_DIR))
+    expected = ref(ref.apply_chat_template(msgs, chat_template=template, add_generation_prompt=True,
+                                           tokenize=False), add_special_tokens=False).input_ids
+    body = b'{"messages": [{"role": "user", "content": "In the beginning"}]}'
+    assert request_token_ids(load_tokenizer(config), "/v1/chat/completions", body) == expected
+    assert expected != request_token_ids(ref, "/v1/chat/completions", body)
+    cmd = RelayWorkers(1, "127.0.0.1", 1, "ipc://x", str(DEMO_MODEL_DIR), 16, 1024,
+                       chat_template=config.chat_template).cmds[0]
+    assert cmd[:3] == [sys.executable, "-m", "pagedserve.serving.relay_worker"]
+    args = parse_worker_args(cmd[3:])
+    assert (args.tokenizer, args.chat_template) == (str(DEMO_MODEL_DIR), str(tmp_path / "t.jinja"))
 
 
 def test_prefix_policy_keeps_a_prefix_on_its_replica_and_spreads_new_ones():

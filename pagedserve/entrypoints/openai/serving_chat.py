@@ -45,7 +45,8 @@ class OpenAIServingChat(OpenAIServing):
         """Runs on the API process's tokenizer thread (AsyncLLMEngine.run)."""
         tok = self.engine.tokenizer
         if not getattr(tok, "chat_template", None):
-            raise APIError("this model's tokenizer has no chat template; use /v1/completions",
+            raise APIError("this model's tokenizer has no chat template: start the server with "
+                           "--chat-template, or use /v1/completions",
                            param="messages")
         messages = [history_message(m) for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
