@@ -414,8 +414,8 @@ class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
         **_COMMON_UNSUPPORTED,
         "echo": ((False,), "echo is not supported for chat"),
-        "chat_template": ((), "a per-request chat_template is not supported: the model's own "
-                              "template renders every request"),
+        "chat_template": ((), "a per-request chat_template is not supported: the server's "
+                              "template (the model's, or --chat-template) renders every request"),
         "documents": (([],), "documents are not supported"),
         "audio": ((), "audio output is not supported (text models only)"),
         "modalities": ((["text"],), "only the text modality is supported"),
