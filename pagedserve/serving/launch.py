@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import secrets
@@ -40,6 +41,8 @@ def engine_flags(config: EngineConfig) -> list[str]:
             out.append(flag if value else "--no-" + flag[2:])
         elif isinstance(value, list):  # list[int] flags take their values one argument each
             out += [flag, *map(str, value)]
+        elif isinstance(value, dict):  # the flag reads JSON (engine_args), not a Python repr
+            out += [flag, json.dumps(value)]
         elif value is not None:
             out += [flag, str(value)]
     return out

@@ -54,12 +54,15 @@ def test_more_gpus_than_visible_is_refused(capsys, monkeypatch):
 
 def test_replica_flags_rebuild_the_config():
     """A replica is started with engine_flags(config); parsed back they must give the same config
-    (lists one argument per value, bools as --x / --no-x)."""
+    (lists one argument per value, bools as --x / --no-x, objects as JSON: a Python repr there
+    once kept every replica of `--hf-overrides` or `--speculative-config` from starting)."""
     from pagedserve.config import EngineConfig
     from pagedserve.engine_args import engine_config_from_args
     from pagedserve.entrypoints.cli import build_parser
     from pagedserve.serving.launch import engine_flags
     config = EngineConfig(model="m", cuda_graph_sizes=[1, 8, 24], enable_prefix_caching=False,
-                          max_num_seqs=48, gpu_memory_utilization=0.5, cudagraph_mode="decode")
+                          max_num_seqs=48, gpu_memory_utilization=0.5, cudagraph_mode="decode",
+                          hf_overrides={"rope_theta": 1e6, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     args = build_parser().parse_args(["serve", "--model", "m", *engine_flags(config)])
     assert engine_config_from_args(args, "m") == config
