@@ -196,6 +196,12 @@ class EngineConfig:
                                           TOOL_CALL_PARSERS)
     chat_template: str | None = option(None, "a Jinja chat template in place of the tokenizer's (chat "
                                              "completions, LLM.chat): a file's path, or the template itself")
+    generation_config: str = option("auto", "default sampling for requests that leave it unset (temperature, "
+                                            "top_p, top_k, min_p, repetition_penalty, max_tokens): auto: the "
+                                            "model's generation_config.json, as vLLM; vllm: pagedserve's own; or "
+                                            "a folder holding a generation_config.json")
+    override_generation_config: dict | None = option(None, "JSON of generation-config values that replace "
+                                                           "the file's, e.g. '{\"temperature\": 0.5}'")
     reasoning_parser: str | None = option(None, "split the model's <think>...</think> text into "
                                                 "the chat message's reasoning_content",
                                           REASONING_PARSERS)
@@ -283,6 +289,10 @@ class EngineConfig:
         if self.chat_template is not None:  # a missing file fails here, before any model loads
             from pagedserve.engine.chat_template import resolve_chat_template
             resolve_chat_template(self.chat_template)
+        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
+            raise ValueError(f"override_generation_config must be a JSON object, got {self.override_generation_config!r}")
+        from pagedserve.engine.generation_defaults import generation_defaults
+        generation_defaults(self.model, self.generation_config, self.override_generation_config)  # fails here
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
                              f"{self.reasoning_parser!r}")

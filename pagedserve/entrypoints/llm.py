@@ -46,6 +46,8 @@ class LLM:
         self._init_from_config(config)
 
     def _init_from_config(self, config: EngineConfig) -> None:
+        from pagedserve.engine.generation_defaults import config_generation_defaults
+        self._default_sampling = config_generation_defaults(config)
         self.engine_core = InprocCoreClient(config)
         self.llm_engine = self.engine_core.engine
         self._ids = itertools.count()
@@ -58,6 +60,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate and chat use without sampling_params: SamplingParams' defaults, with the
+        model's generation config on top (--generation-config, engine/generation_defaults.py)."""
+        return SamplingParams(**self._default_sampling)
 
     def shutdown(self) -> None:
         """Stop the engine's worker processes (tensor parallelism); the LLM is unusable afterwards."""
@@ -83,10 +90,11 @@ class LLM:
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order. Without sampling_params:
+        get_default_sampling_params() (the model's generation config, as vLLM)."""
         prompts = self._as_list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -90,3 +90,16 @@ def add_fork_beam_mix(engine, ids: list[list[int]], max_tokens: int, fork_seed: 
 
 def fork_is_forked(engine) -> bool:
     return engine.has_request("fork") and len(engine._groups["fork"].seqs) == 3
+
+
+def model_with_generation_config(folder, **values):
+    """The demo model's files linked into folder, with a generation_config.json of its own."""
+    import json
+
+    from pagedserve.demo_model import DEMO_MODEL_DIR
+    for f in DEMO_MODEL_DIR.iterdir():
+        if f.suffix in (".json", ".safetensors") and f.name != "generation_config.json":
+            (folder / f.name).symlink_to(f)
+    base = json.loads((DEMO_MODEL_DIR / "generation_config.json").read_text())
+    (folder / "generation_config.json").write_text(json.dumps({**base, **values}))
+    return folder

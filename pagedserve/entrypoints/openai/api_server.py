@@ -70,9 +70,14 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     """The OpenAI-compatible app around one AsyncLLMEngine. allowed_hosts: the Host headers
     answered (middleware.HostCheckMiddleware; None: any, for in-process callers such as the
     Ray replicas). max_waiting_requests: admission.Admission's queue (None: its default).
-    config (an EngineConfig) gives the tool-call and reasoning parsers."""
-    completion = OpenAIServingCompletion(engine, served_model_name)
-    chat = OpenAIServingChat(engine, served_model_name, **chat_parsers(config))
+    config (an EngineConfig) gives the tool-call and reasoning parsers and the generation
+    config's default sampling (engine/generation_defaults.py)."""
+    defaults = {}
+    if config is not None:
+        from pagedserve.engine.generation_defaults import config_generation_defaults
+        defaults = config_generation_defaults(config)
+    completion = OpenAIServingCompletion(engine, served_model_name, defaults)
+    chat = OpenAIServingChat(engine, served_model_name, defaults, **chat_parsers(config))
     admission = Admission(engine, max_waiting_requests)
 
     @asynccontextmanager

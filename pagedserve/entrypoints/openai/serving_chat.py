@@ -32,12 +32,12 @@ _TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "c
 
 class OpenAIServingChat(OpenAIServing):
 
-    def __init__(self, engine: Any, served_model_name: str,
+    def __init__(self, engine: Any, served_model_name: str, default_sampling: dict | None = None,
                  tool_parser: type[ToolParser] | None = None,
                  reasoning_parser: type[ReasoningParser] | None = None) -> None:
         """tool_parser: the --tool-call-parser when --enable-auto-tool-choice is on (else
         tool_choice=auto is a 400); reasoning_parser: the --reasoning-parser, if any."""
-        super().__init__(engine, served_model_name)
+        super().__init__(engine, served_model_name, default_sampling)
         self.auto_tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
 

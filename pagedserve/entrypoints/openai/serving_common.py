@@ -100,9 +100,13 @@ def error_event(err: APIError) -> str:
 class OpenAIServing:
     """Base of the completion and chat handlers: one engine, one served model name."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_name: str) -> None:
+    def __init__(self, engine: AsyncLLMEngine, served_model_name: str,
+                 default_sampling: dict | None = None) -> None:
+        """default_sampling: what a request that leaves a sampling field unset gets instead of
+        SamplingParams' default (engine/generation_defaults.py: the model's generation config)."""
         self.engine = engine
         self.served_model_name = served_model_name
+        self.default_sampling = dict(default_sampling or {})
         self._token_str_cache: dict[int, str] = {}
 
     def audit(self, req: Any) -> None:
@@ -176,7 +180,8 @@ class OpenAIServing:
         if max_tokens is None:
             num_blocks, bs = self.engine.kv_cache_shape
             room = (num_blocks // num_seqs) * bs - prompt_len
-            return max(1, min(limit - prompt_len, room))
+            default = self.default_sampling.get("max_tokens", limit)  # the generation config's max_new_tokens
+            return max(1, min(limit - prompt_len, room, default))
         if prompt_len + max_tokens > limit:
             raise APIError(f"This model's maximum context length is {limit} tokens. However, you "
                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the "
@@ -224,6 +229,8 @@ class OpenAIServing:
         for name in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                      "frequency_penalty", "repetition_penalty"):
             v = getattr(req, name)
+            if v is None:
+                v = self.default_sampling.get(name)
             if v is not None:
                 kw[name] = v
         if req.stop_token_ids:

@@ -87,8 +87,11 @@ class OpenAIServingCompletion(OpenAIServing):
         prompts = await self._prompts(req)
         structured = await resolve_structured_outputs(self.engine, req)
         params = []
+        asked = req.max_tokens
+        if "max_tokens" not in req.model_fields_set and "max_tokens" in self.default_sampling:
+            asked = None  # OpenAI's 16 gives way to the generation config's max_new_tokens, fitted to the context
         for p in prompts:
-            max_tokens = self.resolve_max_tokens(len(p.token_ids), 1 if scoring else req.max_tokens, "prompt",
+            max_tokens = self.resolve_max_tokens(len(p.token_ids), 1 if scoring else asked, "prompt",
                                                  num_seqs=req.best_of or req.n)
             sp = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
                                       best_of=req.best_of, structured_outputs=structured)
