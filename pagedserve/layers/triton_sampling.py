@@ -42,7 +42,15 @@ import torch
 import triton
 import triton.language as tl
 
+# The default launch, from benchmarks/kernels/sampling_sweep.py on the H200 (46th session,
+# runs/s46_gpu/ in benchmarks/results/h200/history.tar.gz): 16 programs per SM of 4 warps, a block
+# of 2,048 tokens for a draw and 4,096 for argmax. Against the launch before (2 per SM, 2,048,
+# 8 warps): greedy 71.7 -> 42.1 us at 256 x 151,936 (204.7 -> 123.4 at 1,000 x 128,256), a draw
+# at temperature 182.8 -> 151.8 (570.3 -> 477.0); none of the four shapes timed got slower.
 BLOCK = 2048
+GREEDY_BLOCK = 4096
+NUM_WARPS = 4
+PROGRAMS_PER_SM = 16
 MAX_SPLITS = 64
 _FLOAT32_LOWEST = tl.constexpr(-3.0e38)  # a finite start for running maxima: exp(m - m_new) never sees inf - inf
 # The race's exponents ((m - x) / T) are capped here: e^80 keeps E * e^80 finite, and a token more
@@ -151,7 +159,7 @@ def supports(logits: torch.Tensor) -> bool:
             and n * vocab < (1 << 31))
 
 
-def split_count(num_rows: int, vocab: int, device: torch.device, programs_per_sm: int = 2,
+def split_count(num_rows: int, vocab: int, device: torch.device, programs_per_sm: int = PROGRAMS_PER_SM,
                 block: int = BLOCK) -> int:
     """Spans per row: enough programs for programs_per_sm per SM, each span at least one block."""
     want = -(-programs_per_sm * _num_sms(device) // num_rows)
@@ -159,8 +167,8 @@ def split_count(num_rows: int, vocab: int, device: torch.device, programs_per_sm
 
 
 def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor | None, seed: int,
-                splits: int | None = None, block: int = BLOCK,
-                num_warps: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+                splits: int | None = None, block: int | None = None,
+                num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
     """Row i: argmax (temperatures None) or a draw at temperatures[i] (> 0, float32 on the device).
     seed: in [0, 2**31) (one integer class: no recompile when it changes). Returns (tokens [n]
     int64, packed [n, 2] float64: token, raw logprob), as DeviceSample.packed(). splits, block
@@ -172,6 +180,8 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor | None, seed: i
     if not 0 <= seed < (1 << 31):
         raise ValueError(f"seed must be in [0, 2**31), got {seed}")
     n, vocab = logits.shape
+    if block is None:
+        block = GREEDY_BLOCK if temperatures is None else BLOCK
     if block < 4 or block & (block - 1):
         raise ValueError(f"block must be a power of two >= 4, got {block}")
     if splits is None:
