@@ -137,3 +137,11 @@ def test_a_chat_template_that_cannot_be_used_fails_in_one_line(no_process_starts
     err = serve_error(["--chat-template", str(broken)], capsys)
     assert "chat_template: not a valid Jinja template: line" in err
     assert no_process_starts == []
+
+
+def test_a_generation_config_that_cannot_be_read_fails_in_one_line(no_process_starts, capsys, tmp_path):
+    err = serve_error(["--generation-config", str(tmp_path)], capsys)
+    assert f"generation_config: no generation_config.json in '{tmp_path}'" in err
+    err = serve_error(["--override-generation-config", '{"temperature": -1}'], capsys)
+    assert "generation_config: its sampling defaults {'temperature': -1} are not valid" in err
+    assert no_process_starts == []
