@@ -5,7 +5,8 @@
 #                                             # graphs vs eager, no compile after start-up) and the
 #                                             # mixed-step A/B (full graph vs piecewise vs eager)
 #   SITE=/path/to/vllm-site bash benchmarks/long_h200.sh vllm     # long_context.py online, vLLM 0.26 (~9 min)
-#   bash benchmarks/long_h200.sh ours [--cudagraph-mode full]     # long_context.py online, pagedserve (~9 min)
+#   bash benchmarks/long_h200.sh ours [--cudagraph-mode full]     # long_context.py online, pagedserve (~6 min;
+#                                             # SITE=$T/deps without vLLM: device_deps.sh's server part)
 #   SCENARIOS="len32k len100k" ... vllm|ours                      # only those scenarios (long_context.py --scenarios)
 #   bash benchmarks/long_h200.sh collect      # -> benchmarks/results/h200/long_context.json
 #   bash benchmarks/long_h200.sh sweep        # ~4 min: prefill_sweep.py, the long-chunk attention
