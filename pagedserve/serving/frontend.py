@@ -152,7 +152,7 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
     async def relay(path: str, request: Request) -> Response:
         body = await request.body()
         hashes: list[bytes] = []
-        if request.method == "POST":
+        if path in ("/v1/completions", "/v1/chat/completions"):  # /tokenize, /detokenize: any replica
             loop = asyncio.get_running_loop()
             hashes = await loop.run_in_executor(tokenize, routing_key, path, body)
         try:
@@ -188,6 +188,18 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await relay("/v1/chat/completions", request)
+
+    @app.post("/tokenize")
+    async def tokenize_route(request: Request) -> Response:
+        return await relay("/tokenize", request)
+
+    @app.post("/detokenize")
+    async def detokenize_route(request: Request) -> Response:
+        return await relay("/detokenize", request)
+
+    @app.get("/version")
+    async def version_route(request: Request) -> Response:
+        return await relay("/version", request)
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:

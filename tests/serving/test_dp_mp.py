@@ -167,6 +167,24 @@ def test_front_end_validates_before_routing_and_answers_openai_errors(mp_http):
         assert set(r.json()) == {"error"} and r.json()["error"]["message"], (path, r.text)
 
 
+def test_tokenize_detokenize_and_version_are_relayed(mp_http):
+    """vLLM's extras reach a replica (any: no routing key) and answer as the demo model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    from pagedserve import __version__
+    from pagedserve.demo_model import DEMO_MODEL_DIR
+    tok = AutoTokenizer.from_pretrained(str(DEMO_MODEL_DIR))
+    text = "In the beginning God created the heaven and the earth."
+    r = mp_http.post("/tokenize", json={"model": MODEL, "prompt": text})
+    assert r.status_code == 200 and r.json()["tokens"] == tok(text).input_ids, r.text
+    assert mp_http.post("/detokenize", json={"tokens": tok(text).input_ids}).json() == \
+        {"prompt": tok.decode(tok(text).input_ids)}
+    r = mp_http.post("/tokenize", json={"messages": [{"role": "user", "content": text}]})
+    assert r.json()["tokens"] == tok(tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                                             add_generation_prompt=True), add_special_tokens=False).input_ids
+    assert mp_http.get("/version").json() == {"version": __version__}
+
+
 def test_killing_a_replica_under_load(mp_server):
     check_kill_under_load(mp_server, mp_replica_recovered)
 

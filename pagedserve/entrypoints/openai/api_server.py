@@ -35,6 +35,9 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatC
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
 from pagedserve.entrypoints.openai.serving_common import APIError, ClientDisconnected
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from pagedserve.entrypoints.openai.serving_tokenize import (DetokenizeRequest, DetokenizeResponse,
+                                                            OpenAIServingTokenization, TokenizeRequest,
+                                                            TokenizeResponse)
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -78,6 +81,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         defaults = config_generation_defaults(config)
     completion = OpenAIServingCompletion(engine, served_model_name, defaults)
     chat = OpenAIServingChat(engine, served_model_name, defaults, **chat_parsers(config))
+    tokenization = OpenAIServingTokenization(engine, served_model_name, chat._render)
     admission = Admission(engine, max_waiting_requests)
 
     @asynccontextmanager
@@ -133,6 +137,20 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await respond(chat.create, body, request)
+
+    # vLLM's extras: no engine work, so no admission either.
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return await tokenization.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return await tokenization.detokenize(body)
+
+    @app.get("/version")
+    async def version() -> dict:
+        from pagedserve import __version__
+        return {"version": __version__}
 
     app.include_router(dashboard_router(engine, api_key))
     # The last one added runs first: the key is checked before any body is read.
