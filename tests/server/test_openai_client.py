@@ -1,6 +1,8 @@
 """The official openai client against a real server; outputs checked against HF transformers."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -72,6 +74,56 @@ def test_completion_logprobs_match_hf(client, server, hf_model):
     for s in lp.tokens[:-1]:
         offsets.append(offsets[-1] + len(s))
     assert lp.text_offset == offsets
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(http, server, hf_model, stream):
+    """vLLM's extra: logprobs name each token "token_id:N" (HF's greedy ids), chat and completions,
+    whole and streamed; the text and text_offset stay the tokens' text."""
+    _, tok = hf_model
+    ref, logps = hf_greedy(hf_model, tok(PROMPT).input_ids, 4)
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 2,
+            "ignore_eos": True, "return_tokens_as_token_ids": True, "stream": stream}
+    r = http.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+        lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+        lp = {k: [x for one in lps for x in one[k]] for k in ("tokens", "top_logprobs", "text_offset")}
+    else:
+        lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in ref]
+    for top, ref_lp in zip(lp["top_logprobs"], logps):
+        assert set(top) == {f"token_id:{int(t)}" for t in torch.topk(ref_lp, 2).indices}
+    assert lp["text_offset"] == [sum(len(tok.decode([t])) for t in ref[:i]) for i in range(4)]
+    chat = http.post("/v1/chat/completions", json={
+        "model": server.model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 3,
+        "temperature": 0, "logprobs": True, "top_logprobs": 1, "ignore_eos": True,
+        "return_tokens_as_token_ids": True}).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert all(c["token"].startswith("token_id:") and c["bytes"] == list(c["token"].encode()) and
+               c["top_logprobs"][0]["token"] == c["token"] for c in content), content
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_last_tokens(http, server, hf_model):
+    """vLLM's extra: the prompt's last k tokens are the prompt (HF's greedy on them), echoed as
+    their text; k -1 is max_model_len; 0 a 400 naming the field."""
+    _, tok = hf_model
+    ids = tok(PROMPT).input_ids
+    body = {"model": server.model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "truncate_prompt_tokens": 3, "echo": True}
+    r = http.post("/v1/completions", json=body).json()
+    ref, _ = hf_greedy(hf_model, ids[-3:], 4)
+    assert r["usage"]["prompt_tokens"] == 3
+    assert r["choices"][0]["text"] == tok.decode(ids[-3:]) + tok.decode(ref, skip_special_tokens=True)
+    assert http.post("/v1/completions", json={**body, "truncate_prompt_tokens": -1}).json()["usage"][
+        "prompt_tokens"] == len(ids)
+    msgs = [{"role": "user", "content": PROMPT}]
+    chat = http.post("/v1/chat/completions", json={"model": server.model, "messages": msgs, "max_tokens": 1,
+                                                   "truncate_prompt_tokens": 5}).json()
+    assert chat["usage"]["prompt_tokens"] == 5
+    bad = http.post("/v1/completions", json={**body, "truncate_prompt_tokens": 0})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "truncate_prompt_tokens", bad.text
 
 
 def test_chat_greedy_matches_hf_with_template(client, server, hf_model):

@@ -47,8 +47,8 @@ UNHONOURED = {
     "logit_bias": {"5": 1.0},
     # vLLM's extras
     "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "bad_words": ["Lord"],
-    "allowed_token_ids": [1, 2], "logits_processors": ["x"], "truncate_prompt_tokens": 8,
-    "priority": 1, "return_tokens_as_token_ids": True, "spaces_between_special_tokens": False,
+    "allowed_token_ids": [1, 2], "logits_processors": ["x"],
+    "priority": 1, "spaces_between_special_tokens": False,
     "cache_salt": "tenant-1", "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1},
     "echo": True, "chat_template": "{{ messages }}", "documents": [{"text": "x"}],
 }

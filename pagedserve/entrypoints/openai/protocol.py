@@ -326,9 +326,7 @@ _COMMON_UNSUPPORTED = {
     "bad_words": (([],), "bad_words is not supported"),
     "allowed_token_ids": ((), "allowed_token_ids is not supported"),
     "logits_processors": (([],), "logits_processors is not supported"),
-    "truncate_prompt_tokens": ((), "truncate_prompt_tokens is not supported"),
     "priority": ((0,), "priority scheduling is not supported (first come, first served)"),
-    "return_tokens_as_token_ids": ((False,), "return_tokens_as_token_ids is not supported"),
     "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not "
                                                "supported"),
     "cache_salt": ((), "cache_salt is not supported: the prefix cache is shared by all requests"),
@@ -345,9 +343,10 @@ class VLLMExtraFields(FieldAudit):
     bad_words: Optional[list[str]] = None
     allowed_token_ids: Optional[list[int]] = None
     logits_processors: Optional[list[Any]] = None
-    truncate_prompt_tokens: Optional[int] = None
+    # honoured: keep the prompt's last k tokens (-1: max_model_len's worth), as vLLM
+    truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID)]] = None
     priority: Optional[int] = None
-    return_tokens_as_token_ids: Optional[bool] = None
+    return_tokens_as_token_ids: Optional[bool] = None  # honoured: logprobs name tokens "token_id:N"
     spaces_between_special_tokens: Optional[bool] = None
     cache_salt: Optional[str] = None
     vllm_xargs: Optional[dict[str, Any]] = None

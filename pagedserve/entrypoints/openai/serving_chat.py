@@ -81,7 +81,8 @@ class OpenAIServingChat(OpenAIServing):
         # A grammar constrains the output from its first token: no <think> block to split off.
         reasoning = self.reasoning_parser() if self.reasoning_parser and structured is None else None
         parser = MessageParser(reasoning, plan.parser, plan.parallel)
-        prompt_ids = await self.engine.run(self._render, req, plan.tools)
+        prompt_ids = self.truncate_prompt(await self.engine.run(self._render, req, plan.tools),
+                                          req.truncate_prompt_tokens)
         if req.max_completion_tokens is not None:
             max_tokens, tokens_param = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -115,20 +116,21 @@ class OpenAIServingChat(OpenAIServing):
         return final
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]] | None,
-                  k: int) -> ChatLogprobs:
+                  k: int, as_ids: bool = False) -> ChatLogprobs:
         content = []
         for t, lp in zip(token_ids, lps or []):
-            s = self.token_str(t)
+            s = self.token_str(t, as_ids)
             content.append(TokenLogprob(token=s, logprob=finite_logprob(lp.get(t, float("-inf"))),
                                         bytes=list(s.encode("utf-8")),
-                                        top_logprobs=self.top_logprobs_chat(lp, k)))
+                                        top_logprobs=self.top_logprobs_chat(lp, k, as_ids)))
         return ChatLogprobs(content=content)
 
     def _response(self, req: ChatCompletionRequest, request_id: str, out: RequestOutput,
                   parser: MessageParser) -> ChatCompletionResponse:
         choices = []
         for c in out.outputs:
-            lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0) if req.logprobs else None
+            lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0,
+                                    bool(req.return_tokens_as_token_ids)) if req.logprobs else None
             message = parser.message(c.text) if parser.active else ChatResponseMessage(content=c.text)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
                                       finish_reason=finish_reason(c.finish_reason,
@@ -158,7 +160,8 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     lp = None
                     if req.logprobs:
-                        lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0)
+                        lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0,
+                                    bool(req.return_tokens_as_token_ids))
                     delta, finish = DeltaMessage(content=c.text), c.finish_reason
                     if parser.active:
                         st = streamers.setdefault(c.index, MessageStreamer(parser))

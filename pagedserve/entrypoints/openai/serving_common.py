@@ -190,6 +190,16 @@ class OpenAIServing:
                            param=tokens_param, code="context_length_exceeded")
         return max_tokens
 
+    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
+        """truncate_prompt_tokens (vLLM's): the last `keep` ids (-1: max_model_len of them)."""
+        if keep is None:
+            return ids
+        if keep == 0:
+            raise APIError("truncate_prompt_tokens must be >= 1, or -1 (max_model_len)",
+                           param="truncate_prompt_tokens")
+        keep = self.engine.max_model_len if keep == -1 else keep
+        return ids[-keep:] if len(ids) > keep else ids
+
     def check_kv_capacity(self, prompt_len: int, max_tokens: int, num_seqs: int,
                           prompt_param: str, tokens_param: str = "max_tokens") -> None:
         """Reject what can never fit in the whole KV cache, instead of letting it wait forever.
@@ -258,7 +268,10 @@ class OpenAIServing:
 
     # ---- logprobs ----------------------------------------------------------------------------
 
-    def token_str(self, token_id: int) -> str:
+    def token_str(self, token_id: int, as_id: bool = False) -> str:
+        """A token's text in logprobs; as_id (return_tokens_as_token_ids): "token_id:N", as vLLM."""
+        if as_id:
+            return f"token_id:{token_id}"
         s = self._token_str_cache.get(token_id)
         if s is None:
             tok = self.engine.tokenizer
@@ -271,10 +284,10 @@ class OpenAIServing:
     def top_entries(self, lp: dict[int, float], k: int) -> list[tuple[int, float]]:
         return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
 
-    def top_logprobs_chat(self, lp: dict[int, float], k: int) -> list[TopLogprob]:
+    def top_logprobs_chat(self, lp: dict[int, float], k: int, as_ids: bool = False) -> list[TopLogprob]:
         out = []
         for t, v in self.top_entries(lp, k):
-            s = self.token_str(t)
+            s = self.token_str(t, as_ids)
             out.append(TopLogprob(token=s, logprob=_finite(v), bytes=list(s.encode("utf-8"))))
         return out
 

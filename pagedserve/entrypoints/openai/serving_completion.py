@@ -85,6 +85,9 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError("max_tokens must be >= 1 unless echo is true (max_tokens 0 scores the prompt)",
                            param="max_tokens")
         prompts = await self._prompts(req)
+        if req.truncate_prompt_tokens is not None:  # echo returns a cut prompt as its tokens' text
+            cut = [self.truncate_prompt(p.token_ids, req.truncate_prompt_tokens) for p in prompts]
+            prompts = [p if len(ids) == len(p.token_ids) else _Prompt(None, ids) for p, ids in zip(prompts, cut)]
         structured = await resolve_structured_outputs(self.engine, req)
         params = []
         asked = req.max_tokens
@@ -128,32 +131,34 @@ class OpenAIServingCompletion(OpenAIServing):
         return p.text if p.text is not None else self.engine.tokenizer.decode(p.token_ids)
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, float] | None] | None, k: int,
-                  offset: int) -> tuple[CompletionLogProbs, int]:
+                  offset: int, as_ids: bool = False) -> tuple[CompletionLogProbs, int]:
+        """as_ids (return_tokens_as_token_ids): tokens named "token_id:N"; text_offset still
+        counts the tokens' text."""
         res = CompletionLogProbs()
         for t, lp in zip(token_ids, lps or []):
-            s = self.token_str(t)
-            res.tokens.append(s)
+            res.tokens.append(self.token_str(t, as_ids))
             chosen = None if lp is None else lp.get(t)  # None: the prompt's first token
             res.token_logprobs.append(None if chosen is None else finite_logprob(chosen))
-            res.top_logprobs.append(None if lp is None else {self.token_str(x): finite_logprob(v)
+            res.top_logprobs.append(None if lp is None else {self.token_str(x, as_ids): finite_logprob(v)
                                                              for x, v in self.top_entries(lp, k)})
             res.text_offset.append(offset)
-            offset += len(s)
+            offset += len(self.token_str(t))
         return res, offset
 
     def _with_prompt(self, p: _Prompt, prompt_lps: list | None, k: int,
-                     completion: CompletionLogProbs) -> CompletionLogProbs:
+                     completion: CompletionLogProbs, as_ids: bool = False) -> CompletionLogProbs:
         """echo + logprobs: the prompt's tokens and logprobs (the first one None), then the completion's."""
         if prompt_lps is None:
             raise APIError("prompt logprobs are missing from the engine's output", status=500,
                            type="InternalServerError")
-        res, _ = self._logprobs(p.token_ids, prompt_lps, k, 0)
+        res, _ = self._logprobs(p.token_ids, prompt_lps, k, 0, as_ids)
         for name in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
             getattr(res, name).extend(getattr(completion, name))
         return res
 
     def _response(self, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
                   finals: list[RequestOutput]) -> CompletionResponse:
+        as_ids = bool(req.return_tokens_as_token_ids)
         choices = []
         completion_tokens = 0
         for i, (p, out) in enumerate(zip(prompts, finals)):
@@ -163,9 +168,9 @@ class OpenAIServingCompletion(OpenAIServing):
                 completion_tokens += len(c.token_ids)
                 lp = None
                 if req.logprobs is not None:
-                    lp, _ = self._logprobs(c.token_ids, c.logprobs, req.logprobs, len(prefix))
+                    lp, _ = self._logprobs(c.token_ids, c.logprobs, req.logprobs, len(prefix), as_ids)
                     if req.echo:
-                        lp = self._with_prompt(p, out.prompt_logprobs, req.logprobs, lp)
+                        lp = self._with_prompt(p, out.prompt_logprobs, req.logprobs, lp, as_ids)
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
                                                 logprobs=lp, finish_reason=c.finish_reason))
         choices.sort(key=lambda ch: ch.index)
@@ -176,6 +181,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
                       streams: list[RequestStream]) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        as_ids = bool(req.return_tokens_as_token_ids)
         states: dict[tuple[int, int], StreamedChoice] = {}
         model = self.served_model_name
         # Without logprobs (the common case) chunks are encoded directly: same bytes.
@@ -202,9 +208,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         choices.append((i * req.n + c.index, prefix + c.text, c.finish_reason))
                         continue
                     lp, st.text_offset = self._logprobs(c.token_ids, c.logprobs, req.logprobs,
-                                                        st.text_offset + len(prefix))
+                                                        st.text_offset + len(prefix), as_ids)
                     if prefix and req.logprobs is not None:
-                        lp = self._with_prompt(prompts[i], prompt_lps.get(i), req.logprobs, lp)
+                        lp = self._with_prompt(prompts[i], prompt_lps.get(i), req.logprobs, lp, as_ids)
                     choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
                                                     logprobs=lp, finish_reason=c.finish_reason))
                 if choices:
