@@ -3,8 +3,8 @@
 The front end validates a request body's schema (the replica's own request models: a bad body
 is a 400 here, before routing) and tokenizes it only to compute its routing key; the
 cross-field checks, sampling and streaming stay in the replicas, whose answers (errors
-included) pass through as they are. Only /v1/models, /v1/completions and
-/v1/chat/completions are relayed. /health is 200 {"status": "ok"} with every replica live,
+included) pass through as they are. Only RELAYED_ROUTES are relayed (/v1/models, the
+completions, vLLM's /tokenize, /detokenize and /version). /health is 200 {"status": "ok"} with every replica live,
 200 {"status": "degraded"} (header X-Pagedserve-Health: degraded) while some are down or
 restarting, and 503 with none; the replicas' details come with it only for a caller holding
 the API key. /metrics merges every live replica's series under a `replica` label.
@@ -90,6 +90,11 @@ class Drain:
             await it.aclose()
 
 
+# What the front end relays to a replica; the first two are routed by their prompt's prefix.
+RELAYED_ROUTES = (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                  ("POST", "/tokenize"), ("POST", "/detokenize"), ("GET", "/version"))
+
+
 def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: str | None = None,
                  max_request_bytes: int = 1 << 20, manage_pool: bool = True,
                  after_start=None, before_stop=None, allowed_hosts: list[str] | None = None) -> FastAPI:
@@ -152,7 +157,7 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
     async def relay(path: str, request: Request) -> Response:
         body = await request.body()
         hashes: list[bytes] = []
-        if path in ("/v1/completions", "/v1/chat/completions"):  # /tokenize, /detokenize: any replica
+        if path in ("/v1/completions", "/v1/chat/completions"):  # the others: any replica
             loop = asyncio.get_running_loop()
             hashes = await loop.run_in_executor(tokenize, routing_key, path, body)
         try:
@@ -177,29 +182,13 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
 
     # Only the routes the front end serves are relayed: nothing else of a replica (its
     # dashboard, /kv_cache, /metrics, /openapi.json) is reachable through the front end.
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
-        return await relay("/v1/models", request)
+    def relayed(path: str):
+        async def route(request: Request) -> Response:
+            return await relay(path, request)
+        return route
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await relay("/v1/completions", request)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await relay("/v1/chat/completions", request)
-
-    @app.post("/tokenize")
-    async def tokenize_route(request: Request) -> Response:
-        return await relay("/tokenize", request)
-
-    @app.post("/detokenize")
-    async def detokenize_route(request: Request) -> Response:
-        return await relay("/detokenize", request)
-
-    @app.get("/version")
-    async def version_route(request: Request) -> Response:
-        return await relay("/version", request)
+    for method, path in RELAYED_ROUTES:
+        app.add_api_route(path, relayed(path), methods=[method])
 
     app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes)
     if api_key:

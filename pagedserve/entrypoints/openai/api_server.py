@@ -81,7 +81,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         defaults = config_generation_defaults(config)
     completion = OpenAIServingCompletion(engine, served_model_name, defaults)
     chat = OpenAIServingChat(engine, served_model_name, defaults, **chat_parsers(config))
-    tokenization = OpenAIServingTokenization(engine, served_model_name, chat._render)
+    tokenization = OpenAIServingTokenization(engine, served_model_name, chat)
     admission = Admission(engine, max_waiting_requests)
 
     @asynccontextmanager

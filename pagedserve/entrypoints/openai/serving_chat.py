@@ -63,12 +63,8 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError(f"messages could not be rendered by the chat template: {e}",
                            param="messages") from None
 
-    async def create(self, req: ChatCompletionRequest, raw_request: Any):
-        self.audit(req)
-        self.check_model(req.model)
-        if req.top_logprobs is not None and not req.logprobs:
-            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
-        self.check_choices(1, req.n)
+    def check_messages(self, req: Any) -> None:
+        """The conversation's own checks (chat completions and /tokenize): a 400 naming the field."""
         if req.continue_final_message and req.add_generation_prompt:
             raise APIError("continue_final_message needs add_generation_prompt=false",
                            param="continue_final_message")
@@ -76,6 +72,14 @@ class OpenAIServingChat(OpenAIServing):
         self.check_text_length(sum(len(m.content) if isinstance(m.content, str) else
                                    sum(len(p.text) + 1 for p in m.content or []) for m in req.messages),
                                "messages")
+
+    async def create(self, req: ChatCompletionRequest, raw_request: Any):
+        self.audit(req)
+        self.check_model(req.model)
+        if req.top_logprobs is not None and not req.logprobs:
+            raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        self.check_choices(1, req.n)
+        self.check_messages(req)
         plan = plan_tools(req, self.auto_tool_parser)
         structured = await resolve_structured_outputs(self.engine, req, plan.constraint)
         # A grammar constrains the output from its first token: no <think> block to split off.

@@ -14,7 +14,6 @@ from pydantic import Field
 from pagedserve.entrypoints.openai.protocol import (ChatMessage, ChatTool, OpenAIModel, Request, TokenId,
                                                     MAX_TOOLS)
 from pagedserve.entrypoints.openai.serving_common import APIError, OpenAIServing
-from pagedserve.entrypoints.openai.tools import check_history
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -51,10 +50,10 @@ class DetokenizeResponse(OpenAIModel):
 
 class OpenAIServingTokenization(OpenAIServing):
 
-    def __init__(self, engine: Any, served_model_name: str, render_chat: Any) -> None:
-        """render_chat: OpenAIServingChat._render (request, tools) -> prompt ids."""
+    def __init__(self, engine: Any, served_model_name: str, chat: Any) -> None:
+        """chat: the server's OpenAIServingChat, whose checks and rendering messages go through."""
         super().__init__(engine, served_model_name)
-        self.render_chat = render_chat
+        self.chat = chat
 
     def _tokenizer(self, param: str) -> Any:
         tok = self.engine.tokenizer
@@ -71,15 +70,9 @@ class OpenAIServingTokenization(OpenAIServing):
             if req.add_special_tokens:
                 raise APIError("add_special_tokens must be false for messages: the chat template "
                                "places the special tokens", param="add_special_tokens")
-            if req.continue_final_message and req.add_generation_prompt:
-                raise APIError("continue_final_message needs add_generation_prompt=false",
-                               param="continue_final_message")
-            check_history(req.messages)
-            self.check_text_length(sum(len(m.content) if isinstance(m.content, str) else
-                                       sum(len(p.text) + 1 for p in m.content or []) for m in req.messages),
-                                   "messages")
+            self.chat.check_messages(req)
             tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = await self.engine.run(self.render_chat, req, tools)
+            ids = await self.engine.run(self.chat._render, req, tools)
         else:
             for name in ("tools", "chat_template_kwargs", "continue_final_message"):
                 if getattr(req, name):
