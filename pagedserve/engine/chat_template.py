@@ -14,9 +14,10 @@ from typing import Any
 _TEMPLATE_CHARS = ("{", "}", "\n")
 
 
-def resolve_chat_template(value: str | None) -> str | None:
+def resolve_chat_template(value: str | None, read_escapes: bool = True) -> str | None:
     """The template text of a --chat-template value; ValueError naming the field when the value
-    looks like a path that cannot be read."""
+    looks like a path that cannot be read. read_escapes=False keeps a template given as text
+    exactly as it is (LLM.chat's argument: Python code writes its newlines itself)."""
     if value is None:
         return None
     try:
@@ -27,6 +28,8 @@ def resolve_chat_template(value: str | None) -> str | None:
             raise ValueError(f"chat_template: {value!r} looks like a file path, but it cannot be read "
                              f"({e.__class__.__name__}: {getattr(e, 'strerror', None) or e}); pass a "
                              "Jinja file's path or the template itself") from None
+    if not read_escapes:
+        return value
     # Escapes as Python reads them; characters past latin-1 survive as their own escapes first.
     return value.encode("latin-1", "backslashreplace").decode("unicode_escape")
 

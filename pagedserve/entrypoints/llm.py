@@ -135,25 +135,26 @@ class LLM:
              chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of OpenAI-style messages) or to each of a
         list of them, as vLLM's LLM.chat: each is rendered by the chat template (chat_template: a
-        --chat-template value, path or text, for this call; else the engine's, else the
-        tokenizer's) exactly as /v1/chat/completions renders it, message text never becoming a
+        Jinja file's path or the template's text as it is, for this call; else the engine's
+        --chat-template, else the tokenizer's) exactly as /v1/chat/completions renders it, message text never becoming a
         control token. tools go to the template as they are; nothing parses calls out of the
         reply. ValueError names the conversation and field of a message that is not valid."""
+        from pagedserve.engine.chat_template import resolve_chat_template
+        template = resolve_chat_template(chat_template, read_escapes=False)  # a path, or the text as it is
         many = bool(messages) and not isinstance(messages[0], dict)
         conversations = list(messages) if many else [messages]
         prompts = [{"prompt_token_ids": self._chat_ids(f"messages[{i}]" if many else "messages", conv,
-                                                       chat_template, add_generation_prompt,
+                                                       template, add_generation_prompt,
                                                        continue_final_message, tools, chat_template_kwargs)}
                    for i, conv in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _chat_ids(self, where: str, conversation: Seq[dict], chat_template: str | None,
+    def _chat_ids(self, where: str, conversation: Seq[dict], template: str | None,
                   add_generation_prompt: bool, continue_final_message: bool, tools: list[dict] | None,
                   chat_template_kwargs: dict[str, Any] | None) -> list[int]:
         """One conversation's prompt ids (where: how errors name it), as serving_chat renders them."""
         import pydantic
 
-        from pagedserve.engine.chat_template import resolve_chat_template
         from pagedserve.entrypoints.openai.chat_tokens import render_chat_ids
         from pagedserve.entrypoints.openai.protocol import ChatMessage
         from pagedserve.entrypoints.openai.serving_common import APIError
@@ -164,7 +165,6 @@ class LLM:
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
         kwargs = dict(chat_template_kwargs or {})
-        template = resolve_chat_template(chat_template)
         if template is not None:
             kwargs["chat_template"] = template
         elif not getattr(tok, "chat_template", None):

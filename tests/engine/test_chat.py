@@ -82,6 +82,11 @@ def test_chat_takes_many_conversations_and_a_template_per_call(llm, tok, tmp_pat
         expected = None if template is None else PLAIN
         assert [o.prompt_token_ids for o in out] == [hf_ids(tok, CONVERSATION, expected), hf_ids(tok, second, expected)]
     assert tok.decode(out[1].prompt_token_ids).endswith("USER: And the earth\nASSISTANT:")
+    # A template given as text is used as it is: a backslash and an n stay two characters.
+    raw = PLAIN.replace("\n", "\\n")
+    out = llm.chat(second, SamplingParams(max_tokens=1), use_tqdm=False, chat_template=raw)
+    assert out[0].prompt_token_ids == hf_ids(tok, second, raw)
+    assert "And the earth\\nASSISTANT:" in tok.decode(out[0].prompt_token_ids)
     # continue_final_message: the last message is left open for the model to go on.
     partial = [*second, {"role": "assistant", "content": "was without"}]
     out = llm.chat(partial, SamplingParams(max_tokens=1), use_tqdm=False, add_generation_prompt=False,
