@@ -54,6 +54,8 @@ def test_detokenize_is_hfs_decode(http, tok):
     ("/tokenize", {"model": "tiny"}, "prompt"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "messages"),
     ("/tokenize", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, "chat_template"),
+    ("/tokenize", {"prompt": "x", "mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs"),
     ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens.0"),
 ])

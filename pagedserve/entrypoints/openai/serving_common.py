@@ -115,7 +115,7 @@ class OpenAIServing:
         them) with one log line."""
         for name, why in req.unsupported_fields():
             raise APIError(f"{name}: {why}", param=name)
-        so = req.stream_options
+        so = getattr(req, "stream_options", None)  # (/tokenize has none)
         if so is not None:
             if so.continuous_usage_stats:
                 raise APIError("stream_options.continuous_usage_stats is not supported: usage "

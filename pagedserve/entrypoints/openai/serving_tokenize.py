@@ -7,19 +7,27 @@ tools and chat_template_kwargs, message text never a control token) and answers
 """
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, ClassVar, Optional
 
 from pydantic import Field
 
-from pagedserve.entrypoints.openai.protocol import (ChatMessage, ChatTool, OpenAIModel, Request, TokenId,
-                                                    MAX_TOOLS)
+from pagedserve.entrypoints.openai.protocol import (ChatMessage, ChatTool, FieldAudit, OpenAIModel,
+                                                    TokenId, MAX_TOOLS)
 from pagedserve.entrypoints.openai.serving_common import APIError, OpenAIServing
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
 
-class TokenizeRequest(Request):
-    """A completion's `prompt` or a chat's `messages` (exactly one); the rest as vLLM's two shapes."""
+class TokenizeRequest(FieldAudit):
+    """A completion's `prompt` or a chat's `messages` (exactly one); the rest as vLLM's two shapes.
+    vLLM's fields not honoured here are a 400 unless at their no-op value; unknown keys are logged."""
+    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
+        "chat_template": ((), "a per-request chat_template is not supported: the server's template "
+                              "(the model's, or --chat-template) renders every request"),
+        "mm_processor_kwargs": (({},), "mm_processor_kwargs is not supported (text models only)"),
+    }
+    chat_template: Optional[str] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
@@ -39,7 +47,7 @@ class TokenizeResponse(OpenAIModel):
     token_strs: Optional[list[str]] = None
 
 
-class DetokenizeRequest(Request):
+class DetokenizeRequest(FieldAudit):
     model: Optional[str] = None
     tokens: Annotated[list[TokenId], Field(max_length=MAX_DETOKENIZE_TOKENS)]
 
@@ -62,6 +70,7 @@ class OpenAIServingTokenization(OpenAIServing):
         return tok
 
     async def tokenize(self, req: TokenizeRequest) -> TokenizeResponse:
+        self.audit(req)
         self.check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise APIError("give either prompt or messages", param="prompt" if req.prompt is None else "messages")
@@ -85,6 +94,7 @@ class OpenAIServingTokenization(OpenAIServing):
         return TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len, tokens=ids, token_strs=strs)
 
     async def detokenize(self, req: DetokenizeRequest) -> DetokenizeResponse:
+        self.audit(req)
         self.check_model(req.model)
         tok = self._tokenizer("tokens")
         self.check_token_ids(req.tokens, "tokens")
