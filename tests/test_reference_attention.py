@@ -1,4 +1,5 @@
-"""The reference paged attention equals dense causal SDPA on the same tokens, whatever the paging."""
+"""The reference paged attention equals dense causal SDPA on the same tokens, whatever the paging,
+with a sliding window too (HF's mask: a token sees itself and the window - 1 positions before it)."""
 import random
 
 import pytest
@@ -6,11 +7,12 @@ import torch
 import torch.nn.functional as F
 
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.reference import paged_attention, write_kv
+from pagedserve.attention.reference import paged_attention, static_paged_attention, write_kv
 
 
+@pytest.mark.parametrize("window", [0, 1, 3, 8])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_reference_matches_dense_sdpa(block_size):
+def test_reference_matches_dense_sdpa(block_size, window):
     torch.manual_seed(0)
     rng = random.Random(0)
     H, Hkv, D = 4, 2, 8
@@ -39,11 +41,16 @@ def test_reference_matches_dense_sdpa(block_size):
         slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0] + list(torch.tensor(qlens).cumsum(0))),
         seq_lens=torch.tensor(slens), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         num_decodes=2, max_query_len=max(qlens), max_seq_len=max(slens), block_size=block_size)
-    out = paged_attention(torch.cat(q_all), kc, vc, meta, scale=D ** -0.5)
+    out = paged_attention(torch.cat(q_all), kc, vc, meta, scale=D ** -0.5, window=window)
+    static = static_paged_attention(torch.cat(q_all), kc, vc, meta, D ** -0.5, window=window)
+    torch.testing.assert_close(static, out, rtol=1e-5, atol=1e-5)
     lo = 0
     for (cached, new), k, v, q in zip(shapes, full_k, full_v, q_all):
         L = cached + new
-        mask = torch.arange(L)[None, :] <= torch.arange(cached, L)[:, None]
+        k_pos, q_pos = torch.arange(L)[None, :], torch.arange(cached, L)[:, None]
+        mask = k_pos <= q_pos
+        if window:
+            mask &= k_pos > q_pos - window
         ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
                                              v.repeat_interleave(2, 1).transpose(0, 1), attn_mask=mask)
         torch.testing.assert_close(out[lo:lo + new], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)

@@ -79,16 +79,21 @@ class Attention(nn.Module):
     total_num_kv_heads); read only when the pools are fp8. Device tensors, not Python floats, so a
     CUDA graph captured before they change still reads the new values (their shape is settled by
     loading and calibration, both before any capture). calibrating: while True, every forward
-    raises them to fit the K/V it sees (calibrate_kv_scales)."""
+    raises them to fit the K/V it sees (calibrate_kv_scales). sliding_window: each token attends to
+    its last sliding_window positions, itself included (HF's sliding-window mask); 0: all of them.
+    Every block stays in the pools (none is freed past the window)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 total_num_kv_heads: int | None = None, kv_head_start: int = 0):
+                 total_num_kv_heads: int | None = None, kv_head_start: int = 0, sliding_window: int = 0):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
         self.total_num_kv_heads = num_kv_heads if total_num_kv_heads is None else total_num_kv_heads
         self.kv_head_start = kv_head_start
+        if sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0 (0: none), got {sliding_window}")
+        self.sliding_window = sliding_window
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.calibrating = False
@@ -198,7 +203,8 @@ class Attention(nn.Module):
         T, H, D = q.shape[0], self.num_heads, self.head_dim
         o = get_backend(q.device).paged_attention(q.view(T, H, D), k_cache, v_cache, meta, self.scale,
                                                   k_scale=self.k_scale, v_scale=self.v_scale,
-                                                  out=None if out is None else out.view(T, H, D))
+                                                  out=None if out is None else out.view(T, H, D),
+                                                  window=self.sliding_window)
         return o.reshape(T, H * D)
 
 

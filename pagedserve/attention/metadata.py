@@ -7,7 +7,7 @@ has seq_lens[i] tokens of context, read only through block_tables[i].
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -35,9 +35,11 @@ class AttentionMetadata:
     # (max q tiles, items) capacity (work_capacity of the token-count bucket), so that its launch
     # shapes never depend on the step's lengths (a full CUDA graph captures it per bucket).
     unified_capacity: tuple[int, int] | None = None
-    # The work list and split buffers, built at the first layer from the lengths on the device and
-    # reused by every later layer of the step (as decode_order).
-    unified_work: object | None = None
+    # The work lists (one per sliding window, 0: none) and split buffers, built at the first layer
+    # from the lengths on the device and reused by every later layer of the step (as decode_order).
+    unified_work: dict | None = None
+    # The decode rows' lengths clamped to each sliding window (window -> tensor), likewise reused.
+    window_lens: dict = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

@@ -48,15 +48,17 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                    v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+                    v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
+                    window: int = 0) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     query: [num_tokens, num_heads, head_dim]; returns the same shape (in `out` when given). Query
     token j of a sequence with q new tokens and context L sits at position L - q + j and sees
-    positions <= its own. An fp8 pool is read as stored * k_scale (v_scale).
+    positions <= its own; window > 0 (a sliding window, HF's mask): only those > its own - window.
+    An fp8 pool is read as stored * k_scale (v_scale).
     """
     if meta.unified_capacity is not None:
-        result = static_paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale)
+        result = static_paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
         return result if out is None else out.copy_(result)
     out = torch.empty_like(query) if out is None else out
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -73,7 +75,10 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale        # [H, q, L]
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
-        scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        hidden = k_pos[None, :] > q_pos[:, None]
+        if window > 0:
+            hidden |= k_pos[None, :] <= q_pos[:, None] - window
+        scores.masked_fill_(hidden[None], float("-inf"))
         probs = scores.softmax(dim=-1)
         out[lo:hi] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out
@@ -81,11 +86,12 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def static_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """paged_attention with shapes fixed by the tensors' shapes alone, never by their values (no
     host copy, no per-sequence loop): the CPU stand-in for the unified kernel inside a full graph.
     Every token row reads its sequence's whole block-table width, masked to positions <= its own;
-    rows outside every sequence (a bucket's padding) attend to nothing and come out zero."""
+    rows outside every sequence (a bucket's padding) attend to nothing and come out zero. window > 0:
+    a sliding window, as paged_attention's."""
     T, num_heads, _ = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     qsl = meta.query_start_loc.long()
@@ -107,6 +113,8 @@ def static_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     v = v.repeat_interleave(group, dim=2)
     scores = torch.einsum("thd,tlhd->thl", query.float(), k) * scale
     seen = (kpos[None, :] <= pos[:, None]) & valid[:, None]
+    if window > 0:
+        seen &= kpos[None, :] > pos[:, None] - window
     scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
     probs = torch.nan_to_num(scores.softmax(dim=-1), nan=0.0)
     return torch.einsum("thl,tlhd->thd", probs, v).to(query.dtype)

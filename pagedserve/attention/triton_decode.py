@@ -32,6 +32,9 @@ one decode graph per mode); a run-time choice inside one kernel cost the rows' g
 serving's and even steps at 8-64 rows (42nd session). Programs past the last split return at once and write nothing;
 the reduction derives the same plan from the same lengths, so it reads only what was written.
 base_splits and the split counts are runtime values, so one compile serves every batch size.
+A layer with a sliding window (WINDOW > 0) is launched with seq_lens clamped to the window and the
+lengths themselves in full_lens_ptr: every plan then sees only the positions a row reads, its last
+min(length, WINDOW), and each split is shifted to them.
 """
 import triton
 import triton.language as tl
@@ -61,7 +64,7 @@ def paged_decode_kernel(
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
     IEEE: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, order_ptr=None,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
-    F16_DOT: tl.constexpr = False,
+    F16_DOT: tl.constexpr = False, full_lens_ptr=None, WINDOW: tl.constexpr = 0,
 ):
     if HEADS_FASTEST:
         # Grid (kv head, row[, split]): a sequence's heads run side by side and read its tokens'
@@ -90,10 +93,16 @@ def paged_decode_kernel(
                                        base_splits, SPLIT_TOKENS, SHARE_PROGRAMS, MIN_CHAIN_TILES, BLOCK_N)
         mid_row = seq
         mid_split = split
+    # A sliding window: seq_lens holds each row's window (min(length, WINDOW), so every plan above
+    # cuts and balances the positions read), full_lens_ptr its length; the window is its last positions.
+    if WINDOW > 0:
+        shift = tl.load(full_lens_ptr + seq) - seq_len
+    else:
+        shift = 0
     if split < active:
         _decode_split(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
-                      block_tables_ptr, qk_scale, seq, kv_head, mid_row, mid_split, split * split_len,
-                      tl.minimum(split * split_len + split_len, seq_len), active,
+                      block_tables_ptr, qk_scale, seq, kv_head, mid_row, mid_split, shift + split * split_len,
+                      shift + tl.minimum(split * split_len + split_len, seq_len), active,
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
                       stride_bt, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
                       GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE,

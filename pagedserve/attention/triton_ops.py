@@ -134,8 +134,11 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  split_tokens: int | None = None, share_programs: int | None = None,
                  min_chain_tiles: int | None = None, heads_fastest: bool | None = None,
                  order: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
-                 v_scale: torch.Tensor | None = None, f16_dot: bool | None = None) -> torch.Tensor:
+                 v_scale: torch.Tensor | None = None, f16_dot: bool | None = None, window: int = 0,
+                 window_lens: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
+    window > 0: a sliding window, each row reading its last `window` positions (window_lens: the
+    lengths clamped to it, when the caller has them already).
     The launch is decode_plan's: num_splits: each sequence's base split count (default:
     choose_num_splits); split_tokens: the length-aware splits (default: decode_split_tokens();
     0: every sequence in num_splits; BALANCED; SLOTS, the balanced cut in the slots' grid);
@@ -156,6 +159,11 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
+    windowed = {}
+    if window > 0:  # the kernels plan over the windows (triton_decode's docstring)
+        windowed = dict(full_lens_ptr=seq_lens, WINDOW=window)
+        seq_lens = seq_lens.clamp(max=window) if window_lens is None else window_lens
+        max_seq_len = min(max_seq_len, window)
     base, splits, mode = decode_plan.decode_launch(num_seqs, num_kv_heads, max_seq_len, query.device,
                                                    num_splits, split_tokens)
     block_d = _pow2_at_least_16(head_dim)
@@ -169,7 +177,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
                   IEEE=ieee, num_warps=num_warps, num_stages=num_stages, HEADS_FASTEST=heads_fastest,
-                  order_ptr=order, **plan, **cast, **_scales(k_cache, k_scale, v_scale))
+                  order_ptr=order, **plan, **cast, **_scales(k_cache, k_scale, v_scale), **windowed)
     # SLOTS: (KV head, slot), as many slots as the plan can fill; else (KV head, sequence, split).
     if mode == decode_plan.SLOTS:
         cells, per_cell = decode_plan.balanced_slots(num_seqs, num_kv_heads, base, splits, share_programs), 1
@@ -219,14 +227,15 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   block_m: int | None = None, block_n: int | None = None, num_warps: int | None = None,
                   num_stages: int | None = None, k_scale: torch.Tensor | None = None,
                   v_scale: torch.Tensor | None = None, gqa: bool | None = None,
-                  lpt: bool | None = None, tma: bool | None = None, ws: bool | None = None) -> torch.Tensor:
+                  lpt: bool | None = None, tma: bool | None = None, ws: bool | None = None,
+                  window: int = 0) -> torch.Tensor:
     """Causal varlen attention of sequences first_seq .. first_seq+num_seqs-1 over their paged context.
 
     query/out are the whole flat batch [num_tokens, num_heads, head_dim]; query_start_loc indexes it.
     block_m, block_n, num_warps, num_stages, gqa (the GQA-packed variant), lpt (longest tiles
     first), tma (K/V tiles by TMA, one page each), ws (its loop warp-specialised): None takes triton_prefill.prefill_launch()'s (Hopper's default at head_dim <= 128 and
     a 2-byte query: fp32's tiles take twice the shared memory, 262,656 bytes in 4 stages of 128 x 128
-    against the H200's 232,448; PAGEDSERVE_PREFILL_LAUNCH).
+    against the H200's 232,448; PAGEDSERVE_PREFILL_LAUNCH). window > 0: a sliding window.
     """
     launch = prefill_launch(_sm90(query.device) and query.shape[-1] <= 128 and query.element_size() <= 2)
     given = {k: v for k, v in dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
@@ -234,16 +243,19 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if given:  # (tests and sweeps; serving takes the default, and every layer of a step calls this)
         launch = dataclasses.replace(launch, **given)
     return prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq, num_seqs,
-                             max_query_len, scale, out, launch, _ieee(query, k_cache), _scales(k_cache, k_scale, v_scale))
+                             max_query_len, scale, out, launch, _ieee(query, k_cache), _scales(k_cache, k_scale, v_scale),
+                             window)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, num_splits: int | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context (see reference.py),
     into `out` when given (else a new tensor); an fp8 pool is read as stored * k_scale (v_scale),
-    dequantized in the kernels' registers."""
+    dequantized in the kernels' registers. window > 0: a sliding window (each token sees its last
+    `window` positions, itself included); such a layer never takes the gathered long-prefill path
+    (cuDNN's dense attention), its window keeps the Triton kernels' work short."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     _check_cache(k_cache, head_dim)
@@ -255,7 +267,8 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # Zeros: a graph bucket's padding rows belong to no sequence and are never written; they
         # must not carry NaNs from stale memory into the layers after (a MoE router reads them).
         out = torch.zeros_like(query) if out is None else out.zero_()
-        return unified_paged_attention(query, k_cache, v_cache, meta, scale, out, k_scale=k_scale, v_scale=v_scale)
+        return unified_paged_attention(query, k_cache, v_cache, meta, scale, out, k_scale=k_scale, v_scale=v_scale,
+                                       window=window)
     out = torch.empty_like(query) if out is None else out
     nd, ns = meta.num_decodes, meta.num_seqs
     seq_lens_cpu = meta.seq_lens_cpu
@@ -265,17 +278,21 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             meta.decode_order = longest_first(meta.seq_lens[:nd])  # once per step: later layers reuse it
         # Outside a decode graph the grid follows the step's longest sequence and the switch's mode
         # applies as it is (its compiles are the warm-up's decode_compile_key).
+        window_lens = None
+        if window > 0:  # once per step and window: later layers reuse it
+            window_lens = meta.window_lens.setdefault(window, meta.seq_lens[:nd].clamp(max=window))
         paged_decode(query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd],
                      max_len, scale, out[:nd], num_splits=num_splits, split_tokens=meta.decode_split_tokens,
-                     order=meta.decode_order, k_scale=k_scale, v_scale=v_scale)
+                     order=meta.decode_order, k_scale=k_scale, v_scale=v_scale, window=window,
+                     window_lens=window_lens)
     if nd < ns:
         q_lens = meta.query_lens_cpu
         gathered = gathered_prefill.active(k_cache.device)
-        long = gathered.chunks(meta, query, k_cache) if gathered is not None else []
+        long = gathered.chunks(meta, query, k_cache) if gathered is not None and window == 0 else []
         for first, count in gathered_prefill.other_ranges(nd, ns, long):
             max_q = max(q_lens[first:first + count]) if q_lens is not None else meta.max_query_len
             paged_prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                          first, count, max_q, scale, out, k_scale=k_scale, v_scale=v_scale)
+                          first, count, max_q, scale, out, k_scale=k_scale, v_scale=v_scale, window=window)
         for i in long:
             start, end = sum(q_lens[:i]), sum(q_lens[:i + 1])
             gathered.attend(query[start:end], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale,
@@ -299,11 +316,13 @@ def unified_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                             block_m: int | None = None, block_n: int | None = None,
                             share_programs: int | None = None, min_chain_tiles: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None) -> torch.Tensor:
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            window: int = 0) -> torch.Tensor:
     """Every sequence of the step (decodes and chunks alike) in one launch of the unified kernel
     (triton_unified.py), by a work list built on the device from the lengths, within
     meta.unified_capacity (default: sized for this step's tokens and sequences). The first layer of
-    a step builds the list, later layers reuse it (meta.unified_work). share_programs,
+    a step builds the list, later layers reuse it (meta.unified_work, one list per sliding window:
+    window > 0, the layer's; the split buffers are shared). share_programs,
     min_chain_tiles: the split plan's even share (defaults as the decode kernel's balanced plan);
     block_m, block_n, num_warps, num_stages: None takes unified_launch()'s."""
     launch = unified.unified_launch()
@@ -314,7 +333,8 @@ def unified_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     out = torch.empty_like(query) if out is None else out
-    if meta.unified_work is None:
+    works = meta.unified_work = meta.unified_work or {}
+    if window not in works:
         default_share, default_min_chain = decode_plan.balanced_share(query.device, block_n)
         share = default_share if share_programs is None else share_programs
         if meta.unified_capacity is not None and share > default_share:
@@ -325,14 +345,17 @@ def unified_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
         max_qtiles, capacity = meta.unified_capacity or unified.work_capacity(
             query.shape[0], meta.num_seqs, num_kv_heads, block_q, share)
         work = unified.build_work(meta.query_start_loc, meta.seq_lens, num_kv_heads, block_q, block_n,
-                                  max_qtiles, capacity, share, min_chain)
-        block_m_rows = block_q * next_power_of_2(num_heads // num_kv_heads)
-        mid = unified.mid_buffers(capacity, num_kv_heads, block_m_rows, _pow2_at_least_16(head_dim), query.device)
-        meta.unified_work = (work, mid)
-    work, mid = meta.unified_work
+                                  max_qtiles, capacity, share, min_chain, window=window)
+        if works:  # another window's list, same capacity: its split buffers serve this one too
+            mid = next(iter(works.values()))[1]
+        else:
+            block_m_rows = block_q * next_power_of_2(num_heads // num_kv_heads)
+            mid = unified.mid_buffers(capacity, num_kv_heads, block_m_rows, _pow2_at_least_16(head_dim), query.device)
+        works[window] = (work, mid)
+    work, mid = works[window]
     return unified.unified_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                      meta.block_tables, scale, out, work, _ieee(query, k_cache),
-                                     _scales(k_cache, k_scale, v_scale), num_warps, num_stages, mid)
+                                     _scales(k_cache, k_scale, v_scale), num_warps, num_stages, mid, window)
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

@@ -20,6 +20,9 @@ descriptor loads. Serving needs --block-size a multiple of bn (e.g. 128) for it.
 ~0.93x the gather launch's time at long chunks, ws adds nothing, and bn64+w4+gqa+tma+ws fails to
 compile (docs/long-context.md).
 
+WINDOW (a constexpr, 0: none): a sliding-window layer's rows see only their last WINDOW positions;
+its tiles start at the first row's earliest one and all take the windowed mask.
+
 LONGEST_FIRST (lpt, a constexpr): query tiles start in reverse, so a chunk's last tiles, the
 longest (causal), start first and the short ones fill the end of the grid instead of leaving one
 long program running alone (the unified kernel orders its items so too).
@@ -36,7 +39,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.tile_launch import TileLaunch, parse_tile_launch
-from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles, attend_tiles_tma
+from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, WINDOWED, attend_tiles, attend_tiles_tma
 from pagedserve.host_math import cdiv, next_power_of_2
 
 PREFILL_BLOCK_M = 64
@@ -89,7 +92,7 @@ def paged_prefill_kernel(
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
     GQA: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, LONGEST_FIRST: tl.constexpr = False,
-    k_desc=None, v_desc=None, TMA: tl.constexpr = False, WS: tl.constexpr = False,
+    k_desc=None, v_desc=None, TMA: tl.constexpr = False, WS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
 ):
     # BLOCK_Q query tokens per tile: all BLOCK_M rows, or with GQA BLOCK_M / BLOCK_G tokens x heads.
     BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
@@ -146,7 +149,15 @@ def paged_prefill_kernel(
     # Keys below the tile's first query position are visible to every row: no mask.
     unmasked_end = ((ctx_before + tile_m * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
     causal_end = tl.minimum(ctx_before + (tile_m + 1) * BLOCK_Q, seq_len)
-    if TMA:
+    if WINDOW > 0:
+        # A sliding window: the tiles from the one holding the first row's earliest visible position
+        # to the diagonal, every one masked (a row may see none of the first ones: EMPTY_ROWS).
+        lo = tl.maximum(ctx_before + tile_m * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, lo, causal_end,
+                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+                                     stride_cb, stride_cs, d,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, WINDOWED, IEEE, KV_FP8, True, WINDOW)
+    elif TMA:
         kv_col = kv_head * HEAD_DIM
         acc, l_i, m_i = attend_tiles_tma(acc, l_i, m_i, q, q_pos, 0, unmasked_end, k_desc, v_desc, table, kv_col,
                                          qk_scale, BLOCK_SIZE, BLOCK_N, NO_MASK, IEEE, WS)
@@ -195,9 +206,10 @@ def tma_descriptors(k_cache, v_cache, launch: TileLaunch, head_dim: int, scales:
 
 def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq: int,
                       num_seqs: int, max_query_len: int, scale: float, out, launch: TileLaunch, ieee: bool,
-                      scales: dict):
+                      scales: dict, window: int = 0):
     """paged_prefill_kernel's launch (triton_ops.paged_prefill's body): ieee and scales as
-    triton_ops computes them for every kernel."""
+    triton_ops computes them for every kernel; window > 0: the layer's sliding window (the gather
+    loop: tma is refused)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -206,6 +218,10 @@ def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_
     pack = dict(GQA=True, BLOCK_G=block_g) if packed else {}
     if launch.lpt:
         pack["LONGEST_FIRST"] = True
+    if window > 0:
+        if launch.tma:
+            raise ValueError(f"{PREFILL_LAUNCH_ENV}: tma: a sliding-window layer takes the gather loop")
+        pack["WINDOW"] = window
     if launch.tma:
         pack.update(tma_descriptors(k_cache, v_cache, launch, head_dim, scales), TMA=True, WS=launch.ws)
     elif launch.ws:

@@ -14,6 +14,9 @@ import triton.language as tl
 NO_MASK: tl.constexpr = tl.constexpr(0)
 IN_CONTEXT: tl.constexpr = tl.constexpr(1)   # positions < hi (decode: the whole split)
 CAUSAL: tl.constexpr = tl.constexpr(2)       # positions < hi and <= the query row's position
+# CAUSAL and within the row's sliding window: position > the row's position - WINDOW (HF's
+# sliding-window mask: a row sees itself and the WINDOW - 1 positions before it).
+WINDOWED: tl.constexpr = tl.constexpr(3)
 
 
 @triton.jit
@@ -43,11 +46,12 @@ def attend_tiles(
     stride_cb, stride_cs, d,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr = False,
-    EMPTY_ROWS: tl.constexpr = False,
+    EMPTY_ROWS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
 ):
     """Context positions [lo, hi) for query rows q ([rows, BLOCK_D], already in the dot's dtype:
     fp32 when IEEE, else the cache's, or for an fp8 cache the query's own or fp16 (the decode's
-    F16_DOT)) at positions q_pos (read only when MASK is CAUSAL). KV_FP8: the tiles are e4m3 and are cast to q's dtype here,
+    F16_DOT)) at positions q_pos (read only when MASK is CAUSAL or WINDOWED; WINDOW: the
+    sliding window of WINDOWED). KV_FP8: the tiles are e4m3 and are cast to q's dtype here,
     in registers; their scales are the caller's (folded into qk_scale and the output).
     EMPTY_ROWS: a row may see no position of a tile, nor of any before it (a KV split that
     starts after the row's position): its maximum stays -inf and must not make NaNs."""
@@ -75,6 +79,9 @@ def attend_tiles(
             s = tl.where(valid[None, :], s, float("-inf"))
         elif MASK == CAUSAL:
             s = tl.where(valid[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+        elif MASK == WINDOWED:
+            seen = (pos[None, :] <= q_pos[:, None]) & (pos[None, :] > q_pos[:, None] - WINDOW)
+            s = tl.where(valid[None, :] & seen, s, float("-inf"))
         acc, l_i, m_i = fold_tile(acc, l_i, m_i, s, v, IEEE, EMPTY_ROWS)
     return acc, l_i, m_i
 

@@ -28,6 +28,9 @@ vLLM's unified attention):
   split of a chunk): those rows see nothing there (EMPTY_ROWS in the tile loop) and carry
   lse = -inf into the reduction.
 
+A layer with a sliding window (WINDOW) gets work items that start at the tile holding their q
+tile's earliest visible position (build_work's window), so the splits balance what is read.
+
 Tokens outside every sequence (a graph bucket's padding) are not written.
 """
 from __future__ import annotations
@@ -42,7 +45,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.tile_launch import TileLaunch, parse_tile_launch
-from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_tiles
+from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, WINDOWED, attend_tiles
 from pagedserve.host_math import next_power_of_2
 
 # Fields of a work item and of a q tile (int32 rows of the work buffers).
@@ -95,9 +98,10 @@ def work_capacity(num_tokens: int, num_seqs: int, num_kv_heads: int, block_q: in
 
 def build_work(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_kv_heads: int, block_q: int,
                block_n: int, max_qtiles: int, capacity: int, share_programs: int, min_chain_tiles: int,
-               max_splits: int = MAX_SPLITS) -> UnifiedWork:
+               max_splits: int = MAX_SPLITS, window: int = 0) -> UnifiedWork:
     """The step's q tiles and work items, from its lengths on the device (no sync; every shape
-    depends only on the arguments' shapes and the host ints)."""
+    depends only on the arguments' shapes and the host ints). window > 0: a sliding window's
+    layers, whose tiles read from the tile holding their first row's earliest visible position."""
     device = seq_lens.device
     qsl = query_start_loc.long()
     q_lens = qsl[1:] - qsl[:-1]
@@ -112,7 +116,10 @@ def build_work(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_kv_hea
     tile = j - (cum[seq_c] - tiles[seq_c])
     q_len = q_lens[seq_c]
     kv_len = s_lens[seq_c] - q_len + torch.minimum((tile + 1) * block_q, q_len)
-    kv_tiles = torch.where(valid, (kv_len + block_n - 1) // block_n, 0)
+    kv_lo = torch.zeros_like(kv_len)
+    if window > 0:
+        kv_lo = (s_lens[seq_c] - q_len + tile * block_q - window + 1).clamp(min=0) // block_n * block_n
+    kv_tiles = torch.where(valid, (kv_len - kv_lo + block_n - 1) // block_n, 0)
     # The balanced plan: no chain longer than an even share of the step (at least min_chain_tiles).
     chain = ((kv_tiles.sum() * num_kv_heads + share_programs - 1) // share_programs).clamp(min=min_chain_tiles)
     parts = ((kv_tiles + chain - 1) // chain).clamp(1, max_splits)
@@ -123,7 +130,7 @@ def build_work(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_kv_hea
     qt = torch.searchsorted(cum2, i, right=True).clamp(max=max_qtiles - 1)
     item_valid = i < cum2[-1]
     split = i - (cum2[qt] - nsplits[qt])
-    start = split * split_tiles[qt] * block_n
+    start = kv_lo[qt] + split * split_tiles[qt] * block_n
     end = torch.minimum(start + split_tiles[qt] * block_n, kv_len[qt])
     items = torch.stack([torch.where(item_valid, seq_c[qt], -1), tile[qt], start, end, nsplits[qt]], 1)
     qtiles = torch.stack([torch.where(valid, seq_c, -1), tile, cum2 - nsplits, nsplits], 1)
@@ -138,6 +145,7 @@ def unified_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
+    WINDOW: tl.constexpr = 0,
 ):
     # Items in reverse: a chunk's last tiles (its longest chains: causal) and the step's last
     # sequences start first, the empty items past the step's last one return at once.
@@ -185,18 +193,25 @@ def unified_attention_kernel(
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
-    # Whole tiles below the tile's first query position are visible to every row: no mask.
-    first_pos = ctx_before + tile * BLOCK_Q
-    unmasked_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end // BLOCK_N * BLOCK_N)
-    unmasked_end = tl.maximum(unmasked_end, kv_start)
-    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, kv_start, unmasked_end,
-                                 k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                 stride_cb, stride_cs, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8)
-    acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, kv_end,
-                                 k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                 stride_cb, stride_cs, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8, True)
+    if WINDOW > 0:
+        # A sliding window (build_work started the items at it): every tile masked by it.
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, kv_start, kv_end,
+                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+                                     stride_cb, stride_cs, d,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, WINDOWED, IEEE, KV_FP8, True, WINDOW)
+    else:
+        # Whole tiles below the tile's first query position are visible to every row: no mask.
+        first_pos = ctx_before + tile * BLOCK_Q
+        unmasked_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end // BLOCK_N * BLOCK_N)
+        unmasked_end = tl.maximum(unmasked_end, kv_start)
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, kv_start, unmasked_end,
+                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+                                     stride_cb, stride_cs, d,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8)
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, kv_end,
+                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+                                     stride_cb, stride_cs, d,
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8, True)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     if KV_FP8:
@@ -270,9 +285,10 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float, out: torch.Tensor, work: UnifiedWork, ieee: bool,
                       scales: dict | None = None, num_warps: int = 4, num_stages: int = 2,
-                      mid: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                      mid: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0) -> torch.Tensor:
     """Attention of every sequence's new tokens (query/out [num_tokens, H, D], rows indexed by
-    query_start_loc) over its paged context, by the work list `work` (build_work)."""
+    query_start_loc) over its paged context, by the work list `work` (build_work, for the same
+    sliding window: window > 0)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -290,7 +306,7 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=work.block_n, IEEE=ieee, num_warps=num_warps,
-        num_stages=num_stages, **common, **(scales or {}))
+        num_stages=num_stages, **common, **(scales or {}), **(dict(WINDOW=window) if window > 0 else {}))
     reduce_tiles_kernel[(max_qtiles, num_kv_heads)](
         mid_o, mid_lse, out, work.qtiles, query_start_loc, out.stride(0), out.stride(1), num_warps=4, **common)
     return out

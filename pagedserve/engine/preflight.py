@@ -66,11 +66,8 @@ def check_engine_config(config: EngineConfig) -> None:
     if not config.skip_tokenizer_init:
         check_tokenizer_dir(config.tokenizer or config.model)
     if config.max_model_len is not None and config.max_model_len != MAX_MODEL_LEN_AUTO:
-        # The position limit only: whether a sliding window applies depends on transformers' per-model
-        # defaults, which the engine's own check (the same function over AutoConfig) then sees.
-        positions = {k: v for k, v in raw.items() if k not in ("sliding_window", "use_sliding_window")}
         try:
-            model_max = get_max_model_len(apply_hf_overrides(SimpleNamespace(**positions), config.hf_overrides,
+            model_max = get_max_model_len(apply_hf_overrides(SimpleNamespace(**raw), config.hf_overrides,
                                                              strict=False))
         except (ValueError, KeyError, TypeError, AttributeError):
             model_max = None  # no limit in config.json, or RoPE fields it lacks: the engine's check decides

@@ -104,8 +104,8 @@ def apply_hf_overrides(config, overrides: dict | None, strict: bool = True):
 def get_max_model_len(hf_config) -> int:
     """The longest context the model supports: its position limit, scaled as vLLM scales it for
     RoPE scaling (YaRN: original_max_position_embeddings x factor; linear and dynamic: the limit x factor;
-    llama3's configs state their scaled limit already), and Mistral's sliding window, which our
-    kernels do not implement, so longer contexts would be silently wrong."""
+    llama3's configs state their scaled limit already). A sliding window does not limit it: the
+    layers that have one attend to their last positions only (sliding_windows)."""
     limit = None
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length"):
         value = getattr(hf_config, key, None)
@@ -120,11 +120,29 @@ def get_max_model_len(hf_config) -> int:
         limit = int(rope.get("original_max_position_embeddings", limit) * factor)
     elif rope["rope_type"] in ("linear", "dynamic") and factor:
         limit = int(limit * factor)
-    window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", True)
-    if isinstance(window, int) and window > 0 and uses_window:
-        limit = min(limit, window)
     return limit
+
+
+def sliding_windows(hf_config, max_model_len: int) -> list[int]:
+    """Each layer's sliding window (0: full attention), as transformers builds the layers' masks:
+    config.layer_types where it has them ("sliding_attention" layers get config.sliding_window:
+    Qwen2's max_window_layers, alternating models), else config.sliding_window for every layer
+    (Mistral, Phi-3), unless use_sliding_window is false. A window of max_model_len or more never
+    binds: 0, so those layers run the full-attention kernels."""
+    window = getattr(hf_config, "sliding_window", None)
+    layers = hf_config.num_hidden_layers
+    if not isinstance(window, int) or window <= 0 or getattr(hf_config, "use_sliding_window", True) is False:
+        return [0] * layers
+    window = window if window < max_model_len else 0
+    types = getattr(hf_config, "layer_types", None)
+    if types is None:
+        return [window] * layers
+    if len(types) != layers:
+        raise ValueError(f"config.layer_types has {len(types)} entries for {layers} layers")
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"config.layer_types: {unknown} not supported (full_attention and sliding_attention are)")
+    return [window if t == "sliding_attention" else 0 for t in types]
 
 
 def safetensors_files(model_dir: str | os.PathLike) -> list[str]:

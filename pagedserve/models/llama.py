@@ -1,5 +1,6 @@
-"""Llama-family decoders: Llama (incl. llama3 rope scaling), Mistral, Qwen2 (qkv bias), Qwen3 (q/k RMSNorm),
-Phi-3 (q/k/v and gate/up fused in the checkpoint, LongRoPE).
+"""Llama-family decoders: Llama (incl. llama3 rope scaling), Mistral (sliding window), Qwen2 (qkv bias,
+sliding-window layers where configured), Qwen3 (q/k RMSNorm), Phi-3 (q/k/v and gate/up fused in the
+checkpoint, LongRoPE, Phi-3-mini-4k's sliding window).
 
 Pre-norm blocks: x += attn(norm(x)); x += mlp(norm(x)), SwiGLU MLP, rotary on q and k.
 The residual stream is carried beside the hidden state (x, residual = norm(x, residual)) so that
@@ -20,7 +21,7 @@ from pagedserve.layers.linear import (MergedColumnParallelLinear, ParallelLMHead
 from pagedserve.layers.norm import RMSNorm
 from pagedserve.layers.quant.fusion import takes_fp8_activation
 from pagedserve.layers.rotary import Rope, RotaryEmbedding
-from pagedserve.models.hf_dir import rope_parameters
+from pagedserve.models.hf_dir import rope_parameters, sliding_windows
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -36,7 +37,7 @@ class LlamaAttention(nn.Module):
     K/V, in the same kernel on CUDA (Attention.rotate_and_store)."""
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
-                 quant_config=None, prefix: str = ""):
+                 quant_config=None, prefix: str = "", sliding_window: int = 0):
         super().__init__()
         self.head_dim = head_dim_of(config)
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -52,7 +53,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = self.k_norm = None
         # The global KV heads this rank holds, so a checkpoint's per-head KV scales shard as k/v_proj do.
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
-                              total_num_kv_heads=num_kv, kv_head_start=self.qkv_proj.kv_head_start)
+                              total_num_kv_heads=num_kv, kv_head_start=self.qkv_proj.kv_head_start,
+                              sliding_window=sliding_window)
 
     def project(self, x: torch.Tensor):
         """(q, k, v) of x, not yet rotated: [T, heads, head_dim] each but v ([T, kv heads * head_dim]),
@@ -96,13 +98,13 @@ class LlamaMLP(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
-                 quant_config=None, prefix: str = "", mlp: nn.Module | None = None):
+                 quant_config=None, prefix: str = "", mlp: nn.Module | None = None, sliding_window: int = 0):
         """mlp: the block's MLP (any module mapping [T, hidden] to [T, hidden], e.g. a mixture of
-        experts); a dense LlamaMLP when None."""
+        experts); a dense LlamaMLP when None. sliding_window: the attention's (0: none)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size, quant_config,
-                                        f"{prefix}.self_attn")
+                                        f"{prefix}.self_attn", sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, tp_rank, tp_size, quant_config=quant_config,
                                                         prefix=f"{prefix}.mlp")
@@ -143,12 +145,14 @@ class LlamaModel(nn.Module):
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
                  quant_config=None, make_mlp=None, max_model_len: int | None = None):
         """make_mlp(layer_index) -> the layer's MLP module (None: dense LlamaMLP); max_model_len: the
-        engine's (None: the config's max_position_embeddings), which picks LongRoPE's factors."""
+        engine's (None: the config's max_position_embeddings), which picks LongRoPE's factors and
+        which layers' sliding windows can bind (hf_dir.sliding_windows)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
+        windows = sliding_windows(config, max_model_len or config.max_position_embeddings)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size, quant_config,
-                              f"model.layers.{i}", make_mlp and make_mlp(i))
+                              f"model.layers.{i}", make_mlp and make_mlp(i), windows[i])
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         rope = rope_parameters(config)  # transformers 5 keeps partial_rotary_factor there, 4 beside it

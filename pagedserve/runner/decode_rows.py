@@ -72,4 +72,4 @@ def as_decode_rows(meta: AttentionMetadata, positions: torch.Tensor,
         block_tables=meta.block_tables.index_select(0, seq_of_token),
         num_decodes=num_tokens, max_query_len=1, max_seq_len=max(row_lens),
         query_lens_cpu=[1] * num_tokens, seq_lens_cpu=row_lens,
-        decode_split_tokens=None, decode_order=None)
+        decode_split_tokens=None, decode_order=None, window_lens={}, unified_work=None)

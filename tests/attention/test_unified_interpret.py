@@ -19,12 +19,14 @@ def test_unified_kernel_matches_reference_under_interpreter(interpreter_run):
     assert_cases_passed(proc)
 
 
+@pytest.mark.parametrize("window", [0, 1, 100])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("share,kv_heads", [(4, 1), (528, 8), (32, 2)])
-def test_work_list_covers_every_tile_within_capacity(seed, share, kv_heads):
+def test_work_list_covers_every_tile_within_capacity(seed, share, kv_heads, window):
     """Random mixes of decodes and chunks (and padding sequences of no tokens) in a bucket of T
     tokens: the work list fits the capacity computed from T and the sequence count alone, and
-    each q tile's splits cover [0, its last token's context) once, in order, none empty."""
+    each q tile's splits cover [its first token's earliest visible position rounded down to a KV
+    tile (0 without a sliding window), its last token's context) once, in order, none empty."""
     rng = random.Random(seed)
     block_q, block_n = rng.choice([(1, 16), (8, 64), (32, 16)])
     T = rng.choice([16, 64, 512])
@@ -40,7 +42,7 @@ def test_work_list_covers_every_tile_within_capacity(seed, share, kv_heads):
     qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)) + [sum(q_lens)] * pad, dtype=torch.int32)
     lens = torch.tensor(seq_lens + [1] * pad, dtype=torch.int32)
     max_qtiles, capacity = unified.work_capacity(T, max_seqs, kv_heads, block_q, share)
-    work = unified.build_work(qsl, lens, kv_heads, block_q, block_n, max_qtiles, capacity, share, 1)
+    work = unified.build_work(qsl, lens, kv_heads, block_q, block_n, max_qtiles, capacity, share, 1, window=window)
     items = [tuple(r) for r in work.items.tolist() if r[0] >= 0]
     expect_tiles = [(s, t) for s, q in enumerate(q_lens) for t in range(-(-q // block_q))]
     assert [(r[0], r[1]) for r in work.qtiles.tolist() if r[0] >= 0] == expect_tiles
@@ -49,7 +51,8 @@ def test_work_list_covers_every_tile_within_capacity(seed, share, kv_heads):
     for seq, tile in expect_tiles:
         mine = [(a, b, n) for s, t, a, b, n in items if (s, t) == (seq, tile)]
         kv_len = seq_lens[seq] - q_lens[seq] + min((tile + 1) * block_q, q_lens[seq])
-        assert mine[0][0] == 0 and mine[-1][1] == kv_len and len(mine) == mine[0][2] <= unified.MAX_SPLITS
+        first_seen = max(0, seq_lens[seq] - q_lens[seq] + tile * block_q - window + 1) if window else 0
+        assert mine[0][0] == first_seen // block_n * block_n and mine[-1][1] == kv_len and len(mine) == mine[0][2] <= unified.MAX_SPLITS
         assert all(a < b and a % block_n == 0 for a, b, _ in mine)
         assert all(mine[i][1] == mine[i + 1][0] for i in range(len(mine) - 1))
 

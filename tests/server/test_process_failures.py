@@ -107,14 +107,15 @@ def test_sigterm_to_both_processes_stops_the_server(tiny_model_dir, tmp_path):
 
 
 def test_core_start_up_error_is_one_line_and_exit_2(tiny_model_dir, tmp_path):
-    """An error only the engine core finds (here a sliding window shorter than max_model_len,
-    which serve's preflight, reading positions only, lets through) is one line, printed once."""
+    """An error only the engine core finds (here a layer kind the model cannot build, which serve's
+    preflight, reading config.json's limits only, lets through) is one line, printed once."""
     import json
     import shutil
     model = tmp_path / "windowed"
     shutil.copytree(tiny_model_dir("llama"), model)
     cfg = json.loads((model / "config.json").read_text())
-    (model / "config.json").write_text(json.dumps(dict(cfg, sliding_window=128)))
+    (model / "config.json").write_text(json.dumps(dict(cfg, sliding_window=128,
+                                                       layer_types=["full_attention", "chunked_attention"])))
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(model),
            "--device", "cpu", "--max-model-len", "256", "--port", str(free_port())]
     env = dict(os.environ, PYTHONPATH=f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
@@ -122,5 +123,5 @@ def test_core_start_up_error_is_one_line_and_exit_2(tiny_model_dir, tmp_path):
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     last = r.stderr.strip().splitlines()[-1]
-    assert last.startswith("pagedserve serve: error: max_model_len must be <= 128") and "256" in last
-    assert (r.stdout + r.stderr).count("max_model_len must be <=") == 1, r.stderr[-2000:]
+    assert last.startswith("pagedserve serve: error: config.layer_types: ['chunked_attention'] not supported"), last
+    assert (r.stdout + r.stderr).count("not supported (full_attention") == 1, r.stderr[-2000:]
