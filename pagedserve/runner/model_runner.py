@@ -120,9 +120,11 @@ class ModelRunner:
         self.num_layers = len(attn)
         self.num_kv_heads, self.head_dim = attn[0].num_kv_heads, attn[0].head_dim
         # PAGEDSERVE_LONG_PREFILL: before the KV pool is sized, so that the profile counts its buffers;
-        # where it is on, the engine's long-prompt chunk rules follow its prefix bucket.
-        if gathered_prefill.configure(self.device, self.max_model_len, self.num_kv_heads, self.head_dim,
-                                      self.kv_dtype) is not None:
+        # where it is on, the engine's long-prompt chunk rules follow its prefix bucket. Off (length 0)
+        # when every layer has a sliding window: none would take the path, nor cost more at length.
+        full_layers = any(m.sliding_window == 0 for m in attn)
+        if gathered_prefill.configure(self.device, self.max_model_len if full_layers else 0, self.num_kv_heads,
+                                      self.head_dim, self.kv_dtype) is not None:
             self.profile["long_prefill_bucket"] = gathered_prefill.PREFIX_BUCKET
         return self.model
 

@@ -106,3 +106,15 @@ def test_layers_get_their_windows(windowed_dirs, arch):
     runner = make_runner(windowed_dirs[arch][0], block_size=4)
     windows = [m.sliding_window for m in runner.model.modules() if isinstance(m, Attention)]
     assert windows == ([0, WINDOW] if arch == "qwen2" else [WINDOW, WINDOW])
+
+
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_gathered_long_prefill_only_for_full_attention_layers(windowed_dirs, arch, monkeypatch):
+    """The runner asks for the cuDNN long-prefill path (and its buffers, plans and chunk rules) only
+    where some layer has no window: all-windowed Mistral gets length 0 (off), Qwen2's full layer
+    keeps it."""
+    from pagedserve.attention import gathered_prefill
+    asked = []
+    monkeypatch.setattr(gathered_prefill, "configure", lambda device, max_len, *a: asked.append(max_len))
+    make_runner(windowed_dirs[arch][0], block_size=4)
+    assert asked == ([0] if arch == "mistral" else [512])
