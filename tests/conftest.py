@@ -20,7 +20,7 @@ def tiny_model_dir(tmp_path_factory):
     cache = {}
 
     def get(arch: str = "llama", **overrides):
-        key = (arch, tuple(sorted(overrides.items())))
+        key = (arch, repr(sorted(overrides.items())))  # repr: values may be lists (layer_types)
         if key not in cache:
             cache[key] = make_tiny_model(arch, tmp_path_factory.mktemp(f"tiny-{arch}"), **overrides)
         return cache[key]

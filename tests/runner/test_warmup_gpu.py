@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
+from pagedserve.attention import Attention
 
 from engine.helpers import make_llm
 
@@ -113,10 +114,22 @@ def test_no_compile_after_start_with_nano_batches(tiny_model_dir, monkeypatch, e
     assert (runner.graphs is not None and bool(runner.graphs.nano)) != enforce_eager
 
 
+@pytest.mark.parametrize("enforce_eager,cudagraph_mode", [(False, "piecewise"), (False, "full"), (True, "piecewise")])
+def test_no_compile_after_start_with_sliding_windows(tiny_model_dir, monkeypatch, enforce_eager, cudagraph_mode):
+    """Qwen2 with a 48-token window on one layer of two: each window is a variant of every
+    attention kernel (WINDOW), which the warm-up's steps and direct variants must all reach."""
+    model = dict(use_sliding_window=True, sliding_window=48, max_window_layers=1,
+                 layer_types=["full_attention", "sliding_attention"])
+    runner = _check_no_compile_or_capture(tiny_model_dir, monkeypatch, "qwen2", enforce_eager, True, cudagraph_mode,
+                                          model=model)
+    assert sorted(m.sliding_window for m in runner.model.modules() if isinstance(m, Attention)) == [0, 48]
+
+
 def _check_no_compile_or_capture(tiny_model_dir, monkeypatch, arch, enforce_eager, async_scheduling,
-                                 cudagraph_mode, **llm_kw):
-    """Builds the engine, runs the workload, and returns its runner."""
-    model_dir = tiny_model_dir(arch)
+                                 cudagraph_mode, model: dict | None = None, **llm_kw):
+    """Builds the engine (a tiny model of arch with config fields `model`), runs the workload, and
+    returns its runner."""
+    model_dir = tiny_model_dir(arch, **(model or {}))
     llm = make_llm(model_dir, device="cuda", dtype="bfloat16", enforce_eager=enforce_eager,
                    async_scheduling=async_scheduling, block_size=16, num_gpu_blocks_override=34,
                    max_num_seqs=32, max_num_batched_tokens=128, enable_prefix_caching=True,
