@@ -1,4 +1,4 @@
-"""SwiGLU's activation on the merged gate/up projection."""
+"""The gated MLPs' activations on the merged gate/up projection: SwiGLU's, and GeGLU's (Gemma)."""
 from __future__ import annotations
 
 import torch
@@ -19,3 +19,10 @@ def silu_and_mul(gate_up: torch.Tensor, fp8_out: bool = False) -> torch.Tensor |
     gate, up = gate_up.chunk(2, dim=-1)
     y = F.silu(gate) * up
     return quantize_activation(y) if fp8_out else y
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gelu(gate, tanh approximation) * up for gate_up = [..., 2 * I], gate first: Gemma's GeGLU
+    (HF's gelu_pytorch_tanh), with HF's two roundings. Plain torch on every device."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

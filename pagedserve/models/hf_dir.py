@@ -36,18 +36,24 @@ ROPE_KEYS = ("rope_scaling", "rope_parameters")  # transformers 4's name, and 5'
 ROPE_FIELDS = ("rope_theta",)  # a config field in transformers 4, inside rope_parameters in 5
 
 
-def rope_parameters(config) -> dict:
+def per_layer_type(params: dict) -> bool:
+    """Whether RoPE parameters hold one dict per layer type (Gemma 3's) instead of one for all."""
+    return "rope_type" not in params and "rope_theta" not in params and len(params) > 0 and \
+        all(isinstance(v, dict) for v in params.values())
+
+
+def rope_parameters(config, layer_type: str | None = None) -> dict:
     """RoPE params from an HF config (or a namespace of config.json): transformers 5
     `rope_parameters`, or 4.x rope_scaling + rope_theta. YaRN's original_max_position_embeddings
     left out is max_position_embeddings, and its `factor` left out (None) the one over the other,
-    as HF derives them; LongRoPE's likewise."""
+    as HF derives them; LongRoPE's likewise. layer_type: which of a per-layer-type set (Gemma 3's)."""
     params = getattr(config, "rope_parameters", None)
     if params:
         params = dict(params)
-        # Some configs hold one dict per layer type; all our families use a single one.
-        if "rope_type" not in params and "rope_theta" not in params and len(params) and \
-                all(isinstance(v, dict) for v in params.values()):
-            params = dict(next(iter(params.values())))
+        # Some configs hold one dict per layer type (Gemma 3): that of layer_type, else the global
+        # one (full_attention's), else the first.
+        if per_layer_type(params):
+            params = dict(params.get(layer_type) or params.get("full_attention") or next(iter(params.values())))
     else:
         params = dict(getattr(config, "rope_scaling", None) or {})
     if "rope_theta" not in params:
@@ -115,6 +121,8 @@ def get_max_model_len(hf_config) -> int:
     if limit is None:
         raise ValueError("cannot find the model's maximum length in its config; pass max_model_len")
     rope = rope_parameters(hf_config)
+    if per_layer_type(getattr(hf_config, "rope_parameters", None) or {}):
+        return limit  # Gemma 3: its limit is already the scaled one (vLLM reads it so too)
     factor = rope.get("factor")
     if rope["rope_type"] == "yarn":
         limit = int(rope.get("original_max_position_embeddings", limit) * factor)

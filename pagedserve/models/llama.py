@@ -37,7 +37,9 @@ class LlamaAttention(nn.Module):
     K/V, in the same kernel on CUDA (Attention.rotate_and_store)."""
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
-                 quant_config=None, prefix: str = "", sliding_window: int = 0):
+                 quant_config=None, prefix: str = "", sliding_window: int = 0, scale: float | None = None,
+                 norm_cls: type[nn.Module] = RMSNorm):
+        """scale: the attention's (None: head_dim ** -0.5); norm_cls: the q/k norms' class."""
         super().__init__()
         self.head_dim = head_dim_of(config)
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -47,12 +49,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, o_bias,
                                         tp_rank, tp_size, quant_config=quant_config, prefix=f"{prefix}.o_proj")
         if qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
+            self.q_norm = norm_cls(self.head_dim, config.rms_norm_eps)
+            self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         # The global KV heads this rank holds, so a checkpoint's per-head KV scales shard as k/v_proj do.
-        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim ** -0.5,
+        self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
+                              self.head_dim ** -0.5 if scale is None else scale,
                               total_num_kv_heads=num_kv, kv_head_start=self.qkv_proj.kv_head_start,
                               sliding_window=sliding_window)
 
@@ -81,7 +84,7 @@ class LlamaMLP(nn.Module):
         """intermediate_size: config.intermediate_size unless given (MoE models' shared expert);
         reduce_results=False leaves the all-reduce of the down projection to the caller."""
         super().__init__()
-        check_silu(config)
+        self.check_activation(config)
         bias = bool(getattr(config, "mlp_bias", False))
         inter = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter] * 2, bias, tp_rank, tp_size,
@@ -91,6 +94,10 @@ class LlamaMLP(nn.Module):
                                            reduce_results=reduce_results, quant_config=quant_config,
                                            prefix=f"{prefix}.down_proj")
         self.fp8_act = False  # SiLU-and-mul quantizes for down_proj (LlamaDecoderLayer.set_fp8_activation_fusion)
+
+    @staticmethod
+    def check_activation(config) -> None:
+        check_silu(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), fp8_out=self.fp8_act))

@@ -1,7 +1,7 @@
 """TP=2 (two processes, gloo, float32) generates exactly what TP=1 does, for every sharding case:
 KV heads split across ranks (llama), one KV head replicated on both ranks with per-head q/k
 norms (qwen3), qkv bias with tied embeddings (qwen2), q/k/v and gate/up fused in the checkpoint
-and partial LongRoPE (phi3), and OPT's biases, learned positions and
+and partial LongRoPE (phi3), Gemma 3's layers (a sliding window), and OPT's biases, learned positions and
 tied LM head, a mixture of experts with a shared expert (qwen2_moe); and under preemption by swapping (every rank moves its own heads' blocks)
 with chunked prefill, with synchronous and with overlapped steps."""
 import os
@@ -19,6 +19,8 @@ CASES = {
     "phi3-fused-checkpoint": ("phi3", {}, 1),
     "phi3-fused-replicated-kv": ("phi3", {"num_key_value_heads": 1}, 1),
     "opt-biases": ("opt", {}, 2),
+    # Gemma 3: four norms a layer, q/k norms, a sliding layer and a global one with their own RoPEs.
+    "gemma3-windows": ("gemma3", {}, 1),
     # Mixture of experts: every expert's intermediate dim split, the shared expert's partial summed
     # with the experts' before the layer's one all-reduce; layer 0 dense.
     "qwen2-moe-shared-expert": ("qwen2_moe", {}, 1),
