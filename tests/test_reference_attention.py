@@ -1,5 +1,6 @@
 """The reference paged attention equals dense causal SDPA on the same tokens, whatever the paging,
-with a sliding window too (HF's mask: a token sees itself and the window - 1 positions before it)."""
+with a sliding window too (HF's mask: a token sees itself and the window - 1 positions before it),
+and with Gemma 2's soft-capped scores (HF's eager attention: cap * tanh(scores / cap) before the mask)."""
 import random
 
 import pytest
@@ -10,9 +11,9 @@ from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.reference import paged_attention, static_paged_attention, write_kv
 
 
-@pytest.mark.parametrize("window", [0, 1, 3, 8])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (1, 0.0), (3, 0.0), (8, 0.0), (0, 1.5), (3, 1.5)])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_reference_matches_dense_sdpa(block_size, window):
+def test_reference_matches_dense_sdpa(block_size, window, softcap):
     torch.manual_seed(0)
     rng = random.Random(0)
     H, Hkv, D = 4, 2, 8
@@ -41,8 +42,8 @@ def test_reference_matches_dense_sdpa(block_size, window):
         slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor([0] + list(torch.tensor(qlens).cumsum(0))),
         seq_lens=torch.tensor(slens), block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
         num_decodes=2, max_query_len=max(qlens), max_seq_len=max(slens), block_size=block_size)
-    out = paged_attention(torch.cat(q_all), kc, vc, meta, scale=D ** -0.5, window=window)
-    static = static_paged_attention(torch.cat(q_all), kc, vc, meta, D ** -0.5, window=window)
+    out = paged_attention(torch.cat(q_all), kc, vc, meta, scale=D ** -0.5, window=window, softcap=softcap)
+    static = static_paged_attention(torch.cat(q_all), kc, vc, meta, D ** -0.5, window=window, softcap=softcap)
     torch.testing.assert_close(static, out, rtol=1e-5, atol=1e-5)
     lo = 0
     for (cached, new), k, v, q in zip(shapes, full_k, full_v, q_all):
@@ -51,7 +52,11 @@ def test_reference_matches_dense_sdpa(block_size, window):
         mask = k_pos <= q_pos
         if window:
             mask &= k_pos > q_pos - window
-        ref = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
-                                             v.repeat_interleave(2, 1).transpose(0, 1), attn_mask=mask)
+        qh, kh, vh = q.transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1), v.repeat_interleave(2, 1).transpose(0, 1)
+        if softcap:  # HF's eager_attention_forward of Gemma 2, written out
+            scores = torch.tanh(qh @ kh.transpose(1, 2) * D ** -0.5 / softcap) * softcap
+            ref = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vh
+        else:
+            ref = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask)
         torch.testing.assert_close(out[lo:lo + new], ref.transpose(0, 1), rtol=1e-5, atol=1e-5)
         lo += new

@@ -27,7 +27,7 @@ CHAT_TEMPLATE = (
 )
 
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "opt") + MOE_ARCHS
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "opt") + MOE_ARCHS
 
 
 def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320, corpus: list[str] | None = None):
@@ -49,7 +49,7 @@ def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320, corpus: list
 
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
-    from transformers import (Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Phi3Config,
+    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -68,6 +68,9 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     elif arch == "phi3":  # Phi-4-mini's shape of RoPE: LongRoPE on 3/4 of each head
         cfg = Phi3Config(**common, partial_rotary_factor=0.75, rope_parameters=longrope_parameters(12, 512),
                          original_max_position_embeddings=512)
+    elif arch == "gemma2":  # soft caps small enough to bind at these scores (the real ones: 50 and 30)
+        cfg = Gemma2Config(**{**common, "tie_word_embeddings": True}, head_dim=32, query_pre_attn_scalar=24,
+                           sliding_window=16, attn_logit_softcapping=2.0, final_logit_softcapping=5.0)
     elif arch == "gemma3":  # a sliding layer (local RoPE) then a global one (linear-scaled RoPE), as in 1b's 5:1
         cfg = Gemma3TextConfig(**{**common, "tie_word_embeddings": True}, head_dim=32, query_pre_attn_scalar=24,
                                sliding_window=16, layer_types=["sliding_attention", "full_attention"],

@@ -81,10 +81,12 @@ class Attention(nn.Module):
     loading and calibration, both before any capture). calibrating: while True, every forward
     raises them to fit the K/V it sees (calibrate_kv_scales). sliding_window: each token attends to
     its last sliding_window positions, itself included (HF's sliding-window mask); 0: all of them.
-    Every block stays in the pools (none is freed past the window)."""
+    Every block stays in the pools (none is freed past the window). logit_softcap > 0: the scores
+    (after the scale) become logit_softcap * tanh(score / logit_softcap) (Gemma 2's)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float,
-                 total_num_kv_heads: int | None = None, kv_head_start: int = 0, sliding_window: int = 0):
+                 total_num_kv_heads: int | None = None, kv_head_start: int = 0, sliding_window: int = 0,
+                 logit_softcap: float = 0.0):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
@@ -94,6 +96,9 @@ class Attention(nn.Module):
         if sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0 (0: none), got {sliding_window}")
         self.sliding_window = sliding_window
+        if logit_softcap < 0:
+            raise ValueError(f"logit_softcap must be >= 0 (0: none), got {logit_softcap}")
+        self.logit_softcap = float(logit_softcap)
         self.register_buffer("k_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.ones(1, dtype=torch.float32), persistent=False)
         self.calibrating = False
@@ -204,7 +209,7 @@ class Attention(nn.Module):
         o = get_backend(q.device).paged_attention(q.view(T, H, D), k_cache, v_cache, meta, self.scale,
                                                   k_scale=self.k_scale, v_scale=self.v_scale,
                                                   out=None if out is None else out.view(T, H, D),
-                                                  window=self.sliding_window)
+                                                  window=self.sliding_window, softcap=self.logit_softcap)
         return o.reshape(T, H * D)
 
 

@@ -49,16 +49,17 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> t
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
                     v_scale: torch.Tensor | None = None, out: torch.Tensor | None = None,
-                    window: int = 0) -> torch.Tensor:
+                    window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context.
 
     query: [num_tokens, num_heads, head_dim]; returns the same shape (in `out` when given). Query
     token j of a sequence with q new tokens and context L sits at position L - q + j and sees
     positions <= its own; window > 0 (a sliding window, HF's mask): only those > its own - window.
+    softcap > 0: scores (after the scale) become softcap * tanh(score / softcap), Gemma 2's.
     An fp8 pool is read as stored * k_scale (v_scale).
     """
     if meta.unified_capacity is not None:
-        result = static_paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window)
+        result = static_paged_attention(query, k_cache, v_cache, meta, scale, k_scale, v_scale, window, softcap)
         return result if out is None else out.copy_(result)
     out = torch.empty_like(query) if out is None else out
     num_heads, num_kv_heads = query.shape[1], k_cache.shape[2]
@@ -72,7 +73,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         v = dequantize_kv(gather_kv(v_cache, meta.block_tables[i], seq_len), v_scale)
         k = k.repeat_interleave(group, dim=1)
         v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * scale        # [H, q, L]
+        scores = _softcap(torch.einsum("qhd,khd->hqk", q, k) * scale, softcap)  # [H, q, L]
         q_pos = torch.arange(seq_len - (hi - lo), seq_len, device=query.device)
         k_pos = torch.arange(seq_len, device=query.device)
         hidden = k_pos[None, :] > q_pos[:, None]
@@ -86,12 +87,13 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 
 def static_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            meta: AttentionMetadata, scale: float, k_scale: torch.Tensor | None = None,
-                           v_scale: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                           v_scale: torch.Tensor | None = None, window: int = 0,
+                           softcap: float = 0.0) -> torch.Tensor:
     """paged_attention with shapes fixed by the tensors' shapes alone, never by their values (no
     host copy, no per-sequence loop): the CPU stand-in for the unified kernel inside a full graph.
     Every token row reads its sequence's whole block-table width, masked to positions <= its own;
     rows outside every sequence (a bucket's padding) attend to nothing and come out zero. window > 0:
-    a sliding window, as paged_attention's."""
+    a sliding window, softcap > 0 soft-capped scores, as paged_attention's."""
     T, num_heads, _ = query.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     qsl = meta.query_start_loc.long()
@@ -111,13 +113,17 @@ def static_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                       v_cache.view(torch.uint8)[blocks, offsets].view(v_cache.dtype), v_scale)
     k = k.repeat_interleave(group, dim=2)                                  # [T, L, H, D]
     v = v.repeat_interleave(group, dim=2)
-    scores = torch.einsum("thd,tlhd->thl", query.float(), k) * scale
+    scores = _softcap(torch.einsum("thd,tlhd->thl", query.float(), k) * scale, softcap)
     seen = (kpos[None, :] <= pos[:, None]) & valid[:, None]
     if window > 0:
         seen &= kpos[None, :] > pos[:, None] - window
     scores = scores.masked_fill(~seen[:, None, :], float("-inf"))
     probs = torch.nan_to_num(scores.softmax(dim=-1), nan=0.0)
     return torch.einsum("thl,tlhd->thd", probs, v).to(query.dtype)
+
+
+def _softcap(scores: torch.Tensor, cap: float) -> torch.Tensor:
+    return torch.tanh(scores / cap) * cap if cap > 0 else scores
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

@@ -34,7 +34,7 @@ the reduction derives the same plan from the same lengths, so it reads only what
 base_splits and the split counts are runtime values, so one compile serves every batch size.
 A layer with a sliding window (WINDOW > 0) is launched with seq_lens clamped to the window and the
 lengths themselves in full_lens_ptr: every plan then sees only the positions a row reads, its last
-min(length, WINDOW), and each split is shifted to them.
+min(length, WINDOW), and each split is shifted to them. SOFTCAP > 0 (Gemma 2): scores soft-capped.
 """
 import triton
 import triton.language as tl
@@ -64,7 +64,7 @@ def paged_decode_kernel(
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
     IEEE: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, order_ptr=None,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
-    F16_DOT: tl.constexpr = False, full_lens_ptr=None, WINDOW: tl.constexpr = 0,
+    F16_DOT: tl.constexpr = False, full_lens_ptr=None, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     if HEADS_FASTEST:
         # Grid (kv head, row[, split]): a sequence's heads run side by side and read its tokens'
@@ -106,7 +106,7 @@ def paged_decode_kernel(
                       stride_qt, stride_qh, stride_ot, stride_oh, stride_cb, stride_cs, stride_ch,
                       stride_bt, stride_mt, stride_mh, stride_ms, stride_lt, stride_lh,
                       GROUP, HEAD_DIM, BLOCK_SIZE, BLOCK_G, BLOCK_D, BLOCK_N, IEEE,
-                      k_scale_ptr, v_scale_ptr, KV_FP8, KV_SCALE_PER_HEAD, F16_DOT)
+                      k_scale_ptr, v_scale_ptr, KV_FP8, KV_SCALE_PER_HEAD, F16_DOT, SOFTCAP)
 
 
 @triton.jit
@@ -235,7 +235,7 @@ def _decode_split(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr, k_scale_ptr, v_scale_ptr, KV_FP8: tl.constexpr, KV_SCALE_PER_HEAD: tl.constexpr,
-    F16_DOT: tl.constexpr,
+    F16_DOT: tl.constexpr, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Positions [start, end) of one sequence for the query heads of one KV head: the output
     itself when the sequence has one split (active), else this split's part for the reduce, at
@@ -277,7 +277,8 @@ def _decode_split(
     acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, heads, start, end,
                                  k_cache_ptr, v_cache_ptr, table, kv_head * stride_ch, qk_scale,
                                  stride_cb, stride_cs, d,
-                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, IN_CONTEXT, IEEE, KV_FP8)
+                                 HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, IN_CONTEXT, IEEE, KV_FP8,
+                                 SOFTCAP=SOFTCAP)
 
     # Every split that runs holds at least one position, so l_i > 0.
     out = acc / l_i[:, None]

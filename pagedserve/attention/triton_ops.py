@@ -135,10 +135,11 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                  min_chain_tiles: int | None = None, heads_fastest: bool | None = None,
                  order: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
                  v_scale: torch.Tensor | None = None, f16_dot: bool | None = None, window: int = 0,
-                 window_lens: torch.Tensor | None = None) -> torch.Tensor:
+                 window_lens: torch.Tensor | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Decode attention for query [num_seqs, num_heads, head_dim] (one token per sequence) into out.
     window > 0: a sliding window, each row reading its last `window` positions (window_lens: the
-    lengths clamped to it, when the caller has them already).
+    lengths clamped to it, when the caller has them already); softcap > 0: the scores soft-capped
+    (cap * tanh(score / cap), Gemma 2's).
     The launch is decode_plan's: num_splits: each sequence's base split count (default:
     choose_num_splits); split_tokens: the length-aware splits (default: decode_split_tokens();
     0: every sequence in num_splits; BALANCED; SLOTS, the balanced cut in the slots' grid);
@@ -159,9 +160,11 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     num_seqs, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    windowed = {}
+    layer_kw = {}
+    if softcap > 0:
+        layer_kw["SOFTCAP"] = float(softcap)
     if window > 0:  # the kernels plan over the windows (triton_decode's docstring)
-        windowed = dict(full_lens_ptr=seq_lens, WINDOW=window)
+        layer_kw.update(full_lens_ptr=seq_lens, WINDOW=window)
         seq_lens = seq_lens.clamp(max=window) if window_lens is None else window_lens
         max_seq_len = min(max_seq_len, window)
     base, splits, mode = decode_plan.decode_launch(num_seqs, num_kv_heads, max_seq_len, query.device,
@@ -177,7 +180,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
                   IEEE=ieee, num_warps=num_warps, num_stages=num_stages, HEADS_FASTEST=heads_fastest,
-                  order_ptr=order, **plan, **cast, **_scales(k_cache, k_scale, v_scale), **windowed)
+                  order_ptr=order, **plan, **cast, **_scales(k_cache, k_scale, v_scale), **layer_kw)
     # SLOTS: (KV head, slot), as many slots as the plan can fill; else (KV head, sequence, split).
     if mode == decode_plan.SLOTS:
         cells, per_cell = decode_plan.balanced_slots(num_seqs, num_kv_heads, base, splits, share_programs), 1
@@ -228,14 +231,15 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
                   num_stages: int | None = None, k_scale: torch.Tensor | None = None,
                   v_scale: torch.Tensor | None = None, gqa: bool | None = None,
                   lpt: bool | None = None, tma: bool | None = None, ws: bool | None = None,
-                  window: int = 0) -> torch.Tensor:
+                  window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal varlen attention of sequences first_seq .. first_seq+num_seqs-1 over their paged context.
 
     query/out are the whole flat batch [num_tokens, num_heads, head_dim]; query_start_loc indexes it.
     block_m, block_n, num_warps, num_stages, gqa (the GQA-packed variant), lpt (longest tiles
     first), tma (K/V tiles by TMA, one page each), ws (its loop warp-specialised): None takes triton_prefill.prefill_launch()'s (Hopper's default at head_dim <= 128 and
     a 2-byte query: fp32's tiles take twice the shared memory, 262,656 bytes in 4 stages of 128 x 128
-    against the H200's 232,448; PAGEDSERVE_PREFILL_LAUNCH). window > 0: a sliding window.
+    against the H200's 232,448; PAGEDSERVE_PREFILL_LAUNCH). window > 0: a sliding window; softcap > 0:
+    the scores soft-capped.
     """
     launch = prefill_launch(_sm90(query.device) and query.shape[-1] <= 128 and query.element_size() <= 2)
     given = {k: v for k, v in dict(block_m=block_m, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
@@ -244,18 +248,19 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         launch = dataclasses.replace(launch, **given)
     return prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq, num_seqs,
                              max_query_len, scale, out, launch, _ieee(query, k_cache), _scales(k_cache, k_scale, v_scale),
-                             window)
+                             window, softcap)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     meta: AttentionMetadata, scale: float, num_splits: int | None = None,
                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
+                    out: torch.Tensor | None = None, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context (see reference.py),
     into `out` when given (else a new tensor); an fp8 pool is read as stored * k_scale (v_scale),
     dequantized in the kernels' registers. window > 0: a sliding window (each token sees its last
-    `window` positions, itself included); such a layer never takes the gathered long-prefill path
-    (cuDNN's dense attention), its window keeps the Triton kernels' work short."""
+    `window` positions, itself included); softcap > 0: scores soft-capped, cap * tanh(score / cap)
+    (Gemma 2). Such layers never take the gathered long-prefill path (cuDNN's attention has
+    neither; a window keeps the Triton kernels' work short anyway)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     _check_cache(k_cache, head_dim)
@@ -268,7 +273,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         # must not carry NaNs from stale memory into the layers after (a MoE router reads them).
         out = torch.zeros_like(query) if out is None else out.zero_()
         return unified_paged_attention(query, k_cache, v_cache, meta, scale, out, k_scale=k_scale, v_scale=v_scale,
-                                       window=window)
+                                       window=window, softcap=softcap)
     out = torch.empty_like(query) if out is None else out
     nd, ns = meta.num_decodes, meta.num_seqs
     seq_lens_cpu = meta.seq_lens_cpu
@@ -284,15 +289,17 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         paged_decode(query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd],
                      max_len, scale, out[:nd], num_splits=num_splits, split_tokens=meta.decode_split_tokens,
                      order=meta.decode_order, k_scale=k_scale, v_scale=v_scale, window=window,
-                     window_lens=window_lens)
+                     window_lens=window_lens, softcap=softcap)
     if nd < ns:
         q_lens = meta.query_lens_cpu
         gathered = gathered_prefill.active(k_cache.device)
-        long = gathered.chunks(meta, query, k_cache) if gathered is not None and window == 0 else []
+        plain = window == 0 and softcap == 0
+        long = gathered.chunks(meta, query, k_cache) if gathered is not None and plain else []
         for first, count in gathered_prefill.other_ranges(nd, ns, long):
             max_q = max(q_lens[first:first + count]) if q_lens is not None else meta.max_query_len
             paged_prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
-                          first, count, max_q, scale, out, k_scale=k_scale, v_scale=v_scale, window=window)
+                          first, count, max_q, scale, out, k_scale=k_scale, v_scale=v_scale, window=window,
+                          softcap=softcap)
         for i in long:
             start, end = sum(q_lens[:i]), sum(q_lens[:i + 1])
             gathered.attend(query[start:end], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale,
@@ -317,7 +324,7 @@ def unified_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
                             block_m: int | None = None, block_n: int | None = None,
                             share_programs: int | None = None, min_chain_tiles: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
-                            window: int = 0) -> torch.Tensor:
+                            window: int = 0, softcap: float = 0.0) -> torch.Tensor:
     """Every sequence of the step (decodes and chunks alike) in one launch of the unified kernel
     (triton_unified.py), by a work list built on the device from the lengths, within
     meta.unified_capacity (default: sized for this step's tokens and sequences). The first layer of
@@ -355,7 +362,7 @@ def unified_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     work, mid = works[window]
     return unified.unified_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                      meta.block_tables, scale, out, work, _ieee(query, k_cache),
-                                     _scales(k_cache, k_scale, v_scale), num_warps, num_stages, mid, window)
+                                     _scales(k_cache, k_scale, v_scale), num_warps, num_stages, mid, window, softcap)
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],

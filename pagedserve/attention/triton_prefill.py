@@ -21,7 +21,8 @@ descriptor loads. Serving needs --block-size a multiple of bn (e.g. 128) for it.
 compile (docs/long-context.md).
 
 WINDOW (a constexpr, 0: none): a sliding-window layer's rows see only their last WINDOW positions;
-its tiles start at the first row's earliest one and all take the windowed mask.
+its tiles start at the first row's earliest one and all take the windowed mask. SOFTCAP (0: none):
+Gemma 2's soft-capped scores.
 
 LONGEST_FIRST (lpt, a constexpr): query tiles start in reverse, so a chunk's last tiles, the
 longest (causal), start first and the short ones fill the end of the grid instead of leaving one
@@ -93,6 +94,7 @@ def paged_prefill_kernel(
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
     GQA: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, LONGEST_FIRST: tl.constexpr = False,
     k_desc=None, v_desc=None, TMA: tl.constexpr = False, WS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
     # BLOCK_Q query tokens per tile: all BLOCK_M rows, or with GQA BLOCK_M / BLOCK_G tokens x heads.
     BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
@@ -156,7 +158,8 @@ def paged_prefill_kernel(
         acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, lo, causal_end,
                                      k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                      stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, WINDOWED, IEEE, KV_FP8, True, WINDOW)
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, WINDOWED, IEEE, KV_FP8, True, WINDOW,
+                                     SOFTCAP)
     elif TMA:
         kv_col = kv_head * HEAD_DIM
         acc, l_i, m_i = attend_tiles_tma(acc, l_i, m_i, q, q_pos, 0, unmasked_end, k_desc, v_desc, table, kv_col,
@@ -167,11 +170,13 @@ def paged_prefill_kernel(
         acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, 0, unmasked_end,
                                      k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                      stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8)
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8,
+                                     SOFTCAP=SOFTCAP)
         acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, causal_end,
                                      k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                      stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8)
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8,
+                                     SOFTCAP=SOFTCAP)
     # Padded group rows (g >= GROUP) saw every position with q = 0: l_i > 0, no NaN; not stored.
     out = acc / l_i[:, None]
     if KV_FP8:
@@ -206,10 +211,10 @@ def tma_descriptors(k_cache, v_cache, launch: TileLaunch, head_dim: int, scales:
 
 def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq: int,
                       num_seqs: int, max_query_len: int, scale: float, out, launch: TileLaunch, ieee: bool,
-                      scales: dict, window: int = 0):
+                      scales: dict, window: int = 0, softcap: float = 0.0):
     """paged_prefill_kernel's launch (triton_ops.paged_prefill's body): ieee and scales as
-    triton_ops computes them for every kernel; window > 0: the layer's sliding window (the gather
-    loop: tma is refused)."""
+    triton_ops computes them for every kernel; window > 0: the layer's sliding window, softcap > 0
+    its scores' soft cap (both the gather loop's: tma is refused)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -218,10 +223,10 @@ def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_
     pack = dict(GQA=True, BLOCK_G=block_g) if packed else {}
     if launch.lpt:
         pack["LONGEST_FIRST"] = True
-    if window > 0:
+    if window > 0 or softcap > 0:
         if launch.tma:
-            raise ValueError(f"{PREFILL_LAUNCH_ENV}: tma: a sliding-window layer takes the gather loop")
-        pack["WINDOW"] = window
+            raise ValueError(f"{PREFILL_LAUNCH_ENV}: tma: a sliding-window or soft-capped layer takes the gather loop")
+        pack.update({k: v for k, v in dict(WINDOW=window, SOFTCAP=float(softcap)).items() if v})
     if launch.tma:
         pack.update(tma_descriptors(k_cache, v_cache, launch, head_dim, scales), TMA=True, WS=launch.ws)
     elif launch.ws:

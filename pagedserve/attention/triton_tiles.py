@@ -17,6 +17,15 @@ CAUSAL: tl.constexpr = tl.constexpr(2)       # positions < hi and <= the query r
 # CAUSAL and within the row's sliding window: position > the row's position - WINDOW (HF's
 # sliding-window mask: a row sees itself and the WINDOW - 1 positions before it).
 WINDOWED: tl.constexpr = tl.constexpr(3)
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def softcap(s, SOFTCAP: tl.constexpr):
+    """Gemma 2's soft-capped scores, cap * tanh(x / cap), on scores s already scaled by log2(e)
+    (x = s / log2(e)); tanh(y) = 1 - 2 / (e^2y + 1), which saturates to +-1 without NaNs."""
+    y2 = s * (2.0 / SOFTCAP)  # 2y in log2 units: e^2y = 2^(2y log2 e) = 2^(s * 2 / cap)
+    return (1.0 - 2.0 / (tl.exp2(y2) + 1.0)) * (SOFTCAP * LOG2E)
 
 
 @triton.jit
@@ -46,12 +55,12 @@ def attend_tiles(
     stride_cb, stride_cs, d,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr = False,
-    EMPTY_ROWS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
+    EMPTY_ROWS: tl.constexpr = False, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Context positions [lo, hi) for query rows q ([rows, BLOCK_D], already in the dot's dtype:
     fp32 when IEEE, else the cache's, or for an fp8 cache the query's own or fp16 (the decode's
     F16_DOT)) at positions q_pos (read only when MASK is CAUSAL or WINDOWED; WINDOW: the
-    sliding window of WINDOWED). KV_FP8: the tiles are e4m3 and are cast to q's dtype here,
+    sliding window of WINDOWED; SOFTCAP > 0: scores soft-capped, Gemma 2's). KV_FP8: the tiles are e4m3 and are cast to q's dtype here,
     in registers; their scales are the caller's (folded into qk_scale and the output).
     EMPTY_ROWS: a row may see no position of a tile, nor of any before it (a KV split that
     starts after the row's position): its maximum stays -inf and must not make NaNs."""
@@ -75,6 +84,8 @@ def attend_tiles(
         else:
             s = tl.dot(q, tl.trans(k))
         s = s * qk_scale
+        if SOFTCAP > 0:
+            s = softcap(s, SOFTCAP)
         if MASK == IN_CONTEXT:
             s = tl.where(valid[None, :], s, float("-inf"))
         elif MASK == CAUSAL:

@@ -145,7 +145,7 @@ def unified_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
-    WINDOW: tl.constexpr = 0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     # Items in reverse: a chunk's last tiles (its longest chains: causal) and the step's last
     # sequences start first, the empty items past the step's last one return at once.
@@ -198,7 +198,8 @@ def unified_attention_kernel(
         acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, kv_start, kv_end,
                                      k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                      stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, WINDOWED, IEEE, KV_FP8, True, WINDOW)
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, WINDOWED, IEEE, KV_FP8, True, WINDOW,
+                                     SOFTCAP)
     else:
         # Whole tiles below the tile's first query position are visible to every row: no mask.
         first_pos = ctx_before + tile * BLOCK_Q
@@ -207,11 +208,13 @@ def unified_attention_kernel(
         acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, kv_start, unmasked_end,
                                      k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                      stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8)
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8,
+                                     SOFTCAP=SOFTCAP)
         acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, kv_end,
                                      k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
                                      stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8, True)
+                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8, True,
+                                     SOFTCAP=SOFTCAP)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     if KV_FP8:
@@ -285,10 +288,11 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
                       scale: float, out: torch.Tensor, work: UnifiedWork, ieee: bool,
                       scales: dict | None = None, num_warps: int = 4, num_stages: int = 2,
-                      mid: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0) -> torch.Tensor:
+                      mid: tuple[torch.Tensor, torch.Tensor] | None = None, window: int = 0,
+                      softcap: float = 0.0) -> torch.Tensor:
     """Attention of every sequence's new tokens (query/out [num_tokens, H, D], rows indexed by
     query_start_loc) over its paged context, by the work list `work` (build_work, for the same
-    sliding window: window > 0)."""
+    sliding window: window > 0); softcap > 0: the scores soft-capped (Gemma 2)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
@@ -306,7 +310,8 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=work.block_n, IEEE=ieee, num_warps=num_warps,
-        num_stages=num_stages, **common, **(scales or {}), **(dict(WINDOW=window) if window > 0 else {}))
+        num_stages=num_stages, **common, **(scales or {}),
+        **{k: v for k, v in dict(WINDOW=window, SOFTCAP=float(softcap)).items() if v})
     reduce_tiles_kernel[(max_qtiles, num_kv_heads)](
         mid_o, mid_lse, out, work.qtiles, query_start_loc, out.stride(0), out.stride(1), num_warps=4, **common)
     return out

@@ -38,8 +38,9 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config, qkv_bias: bool, o_bias: bool, qk_norm: bool, tp_rank: int, tp_size: int,
                  quant_config=None, prefix: str = "", sliding_window: int = 0, scale: float | None = None,
-                 norm_cls: type[nn.Module] = RMSNorm):
-        """scale: the attention's (None: head_dim ** -0.5); norm_cls: the q/k norms' class."""
+                 norm_cls: type[nn.Module] = RMSNorm, logit_softcap: float = 0.0):
+        """scale: the attention's (None: head_dim ** -0.5); norm_cls: the q/k norms' class;
+        sliding_window, logit_softcap: the Attention's."""
         super().__init__()
         self.head_dim = head_dim_of(config)
         num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -57,7 +58,7 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5 if scale is None else scale,
                               total_num_kv_heads=num_kv, kv_head_start=self.qkv_proj.kv_head_start,
-                              sliding_window=sliding_window)
+                              sliding_window=sliding_window, logit_softcap=logit_softcap)
 
     def project(self, x: torch.Tensor):
         """(q, k, v) of x, not yet rotated: [T, heads, head_dim] each but v ([T, kv heads * head_dim]),

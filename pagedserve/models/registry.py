@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedserve.models.gemma3 import Gemma3ForCausalLM
+from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
 from pagedserve.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                      Qwen3ForCausalLM)
 from pagedserve.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -15,6 +15,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,

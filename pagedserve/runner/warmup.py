@@ -15,7 +15,7 @@ match):
   one with its tokens fed from a previous step's sampled ids on the device (overlapped steps);
 - mixed batches (decodes + a prefill chunk), one for every decode split count the attention
   backend can choose; and the same variants once more straight through the backend's
-  paged_attention, for each sliding window the layers have: with CUDA graphs those warm-up steps replay a graph (decode rows), while
+  paged_attention, for each sliding window and soft cap the layers have: with CUDA graphs those warm-up steps replay a graph (decode rows), while
   serving meets the variants eagerly too (decodes beside a longer chunk, between piecewise
   graphs, or beyond the buckets), so routing must not decide what gets compiled;
 - every sampler path (greedy, temperature, top-k, top-p, both, min-p, seeds, logprobs,
@@ -157,11 +157,12 @@ def _split_variants(runner: RunnerView, max_seqs: int, max_len: int) -> dict:
 def _attention_variants(runner: RunnerView, steps: _Steps, variants: dict, chunk: tuple[int, int]) -> None:
     """Each decode split variant (n decodes of seq_len, beside the chunk (start, query_len)) through
     the backend directly, on layer 0's pools (nothing is written: every slot is -1), once for each
-    sliding window the layers have (a window is a compiled variant of its own: 0, none, included)."""
+    sliding window and score soft cap the layers have (each a compiled variant of its own: 0, none,
+    included)."""
     by_window = {}
     for m in runner.model.modules():
         if isinstance(m, Attention):
-            by_window.setdefault(m.sliding_window, m)
+            by_window.setdefault((m.sliding_window, m.logit_softcap), m)
     k_cache, v_cache = runner.cache_engine.kv_caches[0]
     ops = get_backend(runner.device)
     gen = torch.Generator(device=runner.device)
@@ -173,7 +174,7 @@ def _attention_variants(runner: RunnerView, steps: _Steps, variants: dict, chunk
             q = torch.randn(n + chunk[1], attn.num_heads, attn.head_dim, generator=gen, device=runner.device,
                             dtype=torch.float32).to(runner.dtype)
             ops.paged_attention(q, k_cache, v_cache, meta, attn.scale, k_scale=attn.k_scale, v_scale=attn.v_scale,
-                                window=attn.sliding_window)
+                                window=attn.sliding_window, softcap=attn.logit_softcap)
 
 
 def _sampler_paths(device: torch.device, vocab: int, max_seqs: int, dtype: torch.dtype) -> None:

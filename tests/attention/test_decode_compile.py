@@ -24,13 +24,14 @@ def _compile(fn, const: dict) -> str:
     return compile_sm90(fn, const, POINTERS)
 
 
-@pytest.mark.parametrize("window", [0, 4096])
+@pytest.mark.parametrize("window,softcap", [(0, 0.0), (4096, 50.0)])
 @pytest.mark.parametrize("split_tokens", [decode_plan.SLOTS, decode_plan.BALANCED, 0, 512])
 @pytest.mark.parametrize("ordered", [False, True])
-def test_decode_and_reduce_compile_for_sm90(split_tokens, ordered, window):
-    """window: a sliding window's variant (its full lengths read beside the clamped ones)."""
+def test_decode_and_reduce_compile_for_sm90(split_tokens, ordered, window, softcap):
+    """window: a sliding window's variant (its full lengths read beside the clamped ones), here
+    with Gemma 2's soft cap."""
     order = {} if ordered else {"order_ptr": None}
-    windowed = dict(WINDOW=window) if window else dict(WINDOW=0, full_lens_ptr=None)
+    windowed = dict(WINDOW=window, SOFTCAP=softcap) if window else dict(WINDOW=0, SOFTCAP=0.0, full_lens_ptr=None)
     ptx = _compile(paged_decode_kernel, dict(
         GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=128, SPLIT_TOKENS=split_tokens,
         IEEE=False, HEADS_FASTEST=True, k_scale_ptr=None, v_scale_ptr=None, KV_FP8=False, KV_SCALE_PER_HEAD=False,

@@ -1,6 +1,7 @@
-"""Sliding-window attention in the Triton kernels (decode in every split mode, prefill plain and
-GQA-packed, the unified kernel) under the Triton interpreter (CPU), against reference.py's window,
-which tests/test_reference_attention.py checks against dense SDPA with HF's mask. Run by
+"""Sliding-window attention and soft-capped scores (Gemma 2) in the Triton kernels (decode in every
+split mode, prefill plain and GQA-packed, the unified kernel) under the Triton interpreter (CPU),
+against reference.py's, which tests/test_reference_attention.py checks against dense SDPA with
+HF's mask and HF's soft-capped eager attention. Run by
 test_window_interpret.py in a subprocess with TRITON_INTERPRET=1 (see triton_interpret_cases.py)."""
 import os
 from dataclasses import replace
@@ -28,11 +29,13 @@ TOL32 = dict(rtol=1e-4, atol=1e-4)
 MIXED = [(70, 1), (2, 1), (37, 1), (0, 45), (29, 19), (5, 3)]
 
 
-def _written(batch, window):
-    """The pools with this step's K/V written, and the reference output over them."""
+def _written(batch, window, softcap=0.0):
+    """The pools with this step's K/V written, the reference output over them, and the same
+    without window or cap."""
     kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
     reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
-    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, batch.query.shape[-1] ** -0.5, window=window)
+    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, batch.query.shape[-1] ** -0.5, window=window,
+                                    softcap=softcap)
     full = reference.paged_attention(batch.query, kc, vc, batch.meta, batch.query.shape[-1] ** -0.5)
     return kc, vc, ref, full
 
@@ -130,4 +133,48 @@ def test_windowed_layers_skip_the_gathered_long_prefill(monkeypatch):
     batch = make_batch([(3, 1), (30, 40)], 1, H=4, Hkv=2, D=16, block_size=8, seed=2)
     kc, vc, ref, _ = _written(batch, 9)
     out = ops.paged_attention(batch.query, kc, vc, batch.meta, 0.25, window=9)
+    torch.testing.assert_close(out, ref, **TOL32)
+
+
+# Soft caps small enough to change the answer at these scores (|q.k| * scale ~ 1-3).
+@pytest.mark.parametrize("window,softcap", [(0, 1.5), (16, 1.5), (0, 50.0)])
+def test_softcap_mixed_batch_matches_reference(window, softcap):
+    batch = make_batch(MIXED, 3, H=8, Hkv=2, D=16, block_size=8, seed=11)
+    kc, vc, ref, full = _written(batch, window, softcap)
+    if softcap < 10:
+        assert not torch.allclose(ref, full, **TOL32)
+    out = ops.paged_attention(batch.query, kc, vc, batch.meta, 16 ** -0.5, window=window, softcap=softcap)
+    torch.testing.assert_close(out, ref, **TOL32)
+
+
+@pytest.mark.parametrize("split_tokens", [decode_plan.BALANCED, decode_plan.SLOTS])
+def test_softcap_decode_splits_match_reference(split_tokens):
+    shapes = [(299, 1), (0, 1), (12, 1), (130, 1)]
+    batch = make_batch(shapes, 4, H=8, Hkv=2, D=16, block_size=8, seed=4)
+    kc, vc, ref, _ = _written(batch, 0, 1.5)
+    m = batch.meta
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_decode(batch.query, kc, vc, m.seq_lens, m.block_tables, 4096, 16 ** -0.5, out, num_splits=1,
+                     block_n=16, split_tokens=split_tokens, share_programs=4, min_chain_tiles=1, softcap=1.5)
+    torch.testing.assert_close(out, ref, **TOL32)
+
+
+@pytest.mark.parametrize("gqa", [False, True])
+def test_softcap_prefill_matches_reference(gqa):
+    batch = make_batch([(40, 37), (0, 50)], 0, H=8, Hkv=2, D=16, block_size=8, seed=9)
+    kc, vc, ref, _ = _written(batch, 0, 1.5)
+    m = batch.meta
+    out = torch.full_like(batch.query, float("nan"))
+    ops.paged_prefill(batch.query, kc, vc, m.query_start_loc, m.seq_lens, m.block_tables, 0, 2, m.max_query_len,
+                      16 ** -0.5, out, block_m=32, block_n=16, num_warps=4, num_stages=1, gqa=gqa, softcap=1.5)
+    torch.testing.assert_close(out, ref, **TOL32)
+
+
+@pytest.mark.parametrize("window", [0, 12])
+def test_softcap_unified_kernel_matches_reference(window):
+    batch = make_batch(MIXED, 3, H=8, Hkv=2, D=16, block_size=8, seed=5)
+    kc, vc, ref, _ = _written(batch, window, 1.5)
+    meta = replace(batch.meta, unified_work=None)
+    out = ops.unified_paged_attention(batch.query, kc, vc, meta, 16 ** -0.5, block_m=16, block_n=16,
+                                      share_programs=3, min_chain_tiles=1, window=window, softcap=1.5)
     torch.testing.assert_close(out, ref, **TOL32)

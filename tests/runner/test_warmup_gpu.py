@@ -114,15 +114,22 @@ def test_no_compile_after_start_with_nano_batches(tiny_model_dir, monkeypatch, e
     assert (runner.graphs is not None and bool(runner.graphs.nano)) != enforce_eager
 
 
+QWEN2_WINDOW = dict(use_sliding_window=True, sliding_window=48, max_window_layers=1,
+                    layer_types=["full_attention", "sliding_attention"])
+
+
+@pytest.mark.parametrize("arch,model,layers", [("qwen2", QWEN2_WINDOW, [(0, 0.0), (48, 0.0)]),
+                                               ("gemma2", {}, [(0, 2.0), (16, 2.0)])])
 @pytest.mark.parametrize("enforce_eager,cudagraph_mode", [(False, "piecewise"), (False, "full"), (True, "piecewise")])
-def test_no_compile_after_start_with_sliding_windows(tiny_model_dir, monkeypatch, enforce_eager, cudagraph_mode):
-    """Qwen2 with a 48-token window on one layer of two: each window is a variant of every
-    attention kernel (WINDOW), which the warm-up's steps and direct variants must all reach."""
-    model = dict(use_sliding_window=True, sliding_window=48, max_window_layers=1,
-                 layer_types=["full_attention", "sliding_attention"])
-    runner = _check_no_compile_or_capture(tiny_model_dir, monkeypatch, "qwen2", enforce_eager, True, cudagraph_mode,
+def test_no_compile_after_start_with_sliding_windows(tiny_model_dir, monkeypatch, enforce_eager, cudagraph_mode,
+                                                     arch, model, layers):
+    """Qwen2 with a 48-token window on one layer of two, Gemma 2's soft-capped layers with and
+    without a window: each (window, cap) is a variant of every attention kernel (WINDOW, SOFTCAP),
+    which the warm-up's steps and direct variants must all reach."""
+    runner = _check_no_compile_or_capture(tiny_model_dir, monkeypatch, arch, enforce_eager, True, cudagraph_mode,
                                           model=model)
-    assert sorted(m.sliding_window for m in runner.model.modules() if isinstance(m, Attention)) == [0, 48]
+    assert sorted((m.sliding_window, m.logit_softcap) for m in runner.model.modules()
+                  if isinstance(m, Attention)) == layers
 
 
 def _check_no_compile_or_capture(tiny_model_dir, monkeypatch, arch, enforce_eager, async_scheduling,

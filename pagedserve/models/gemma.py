@@ -1,21 +1,24 @@
-"""Gemma 3's text decoder (Gemma3ForCausalLM: gemma-3-270m and gemma-3-1b; the larger Gemma 3
-checkpoints are multimodal, Gemma3ForConditionalGeneration, and not served here).
+"""Gemma 2 (Gemma2ForCausalLM: gemma-2-2b/9b/27b) and Gemma 3's text decoder (Gemma3ForCausalLM:
+gemma-3-270m and gemma-3-1b; the larger Gemma 3 checkpoints are multimodal,
+Gemma3ForConditionalGeneration, and not served here).
 
 Llama's block (models/llama.py: the same projections, attention and fused linears) with:
 - four norms a layer: the attention's and the MLP's outputs are normalised before they join the
   residual stream (post_attention_layernorm, post_feedforward_layernorm), beside the input and
   pre-feed-forward norms that take the residual add;
-- q/k RMSNorm before the rotary, and the query scaled by query_pre_attn_scalar ** -0.5;
+- the query scaled by query_pre_attn_scalar ** -0.5; Gemma 3 only: q/k RMSNorm before the rotary;
 - GeGLU (tanh GELU) in place of SwiGLU; embeddings multiplied by sqrt(hidden_size), rounded to
   the embedding's dtype as HF rounds it;
-- two kinds of layers (config.layer_types): "sliding_attention" layers (five in six) attend
-  through a sliding window and rotate by the local RoPE (rope_local_base_freq), the others attend
-  to the whole context with the global RoPE (linear scaling on the larger models);
+- two kinds of layers (config.layer_types): "sliding_attention" layers (one in two in Gemma 2,
+  five in six in Gemma 3) attend through a sliding window, the others to the whole context; in
+  Gemma 3 each kind has its own RoPE (the local rope_local_base_freq, the global one linear-scaled
+  on the larger models), in Gemma 2 they share one;
 - Gemma's RMSNorm multiplies by (1 + weight). The loader stores 1 + weight, so every norm kernel
   serves it unchanged: rounded once to the model's dtype, where HF adds 1 in float32 at every call
   (equal in float32; within one rounding in bf16);
-- optional final-logit soft-capping (cap * tanh(logits / cap); None on Gemma 3). Attention-score
-  soft-capping (Gemma 2) is refused: the kernels do not implement it.
+- soft-capped attention scores (attn_logit_softcapping: cap * tanh(score / cap), 50 on Gemma 2,
+  in the kernels: Attention's logit_softcap) and final logits (final_logit_softcapping, 30 on
+  Gemma 2); None on Gemma 3.
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ class GemmaRMSNorm(RMSNorm):
         return (F.rms_norm(x.float(), (self.dim,), eps=self.eps) * self.weight.float()).to(x.dtype)
 
 
-class Gemma3MLP(LlamaMLP):
+class GemmaMLP(LlamaMLP):
     @staticmethod
     def check_activation(config) -> None:
         act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "gelu_pytorch_tanh")
@@ -64,16 +67,16 @@ class Gemma3MLP(LlamaMLP):
         return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
 
 
-class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config, layer_type: str, window: int, tp_rank: int, tp_size: int, quant_config=None,
-                 prefix: str = ""):
+class GemmaDecoderLayer(nn.Module):
+    def __init__(self, config, window: int, qk_norm: bool, tp_rank: int, tp_size: int,
+                 quant_config=None, prefix: str = ""):
         super().__init__()
-        self.layer_type = layer_type
         h, eps = config.hidden_size, config.rms_norm_eps
-        self.self_attn = LlamaAttention(config, bool(config.attention_bias), bool(config.attention_bias), True,
-                                        tp_rank, tp_size, quant_config, f"{prefix}.self_attn", window,
-                                        config.query_pre_attn_scalar ** -0.5, GemmaRMSNorm)
-        self.mlp = Gemma3MLP(config, tp_rank, tp_size, quant_config=quant_config, prefix=f"{prefix}.mlp")
+        bias = bool(getattr(config, "attention_bias", False))
+        self.self_attn = LlamaAttention(config, bias, bias, qk_norm, tp_rank, tp_size, quant_config,
+                                        f"{prefix}.self_attn", window, config.query_pre_attn_scalar ** -0.5,
+                                        GemmaRMSNorm, getattr(config, "attn_logit_softcapping", None) or 0.0)
+        self.mlp = GemmaMLP(config, tp_rank, tp_size, quant_config=quant_config, prefix=f"{prefix}.mlp")
         self.input_layernorm = GemmaRMSNorm(h, eps)
         self.post_attention_layernorm = GemmaRMSNorm(h, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
@@ -89,8 +92,10 @@ class Gemma3DecoderLayer(nn.Module):
         return self.post_feedforward_layernorm(self.mlp(x)), residual
 
 
-class Gemma3Model(nn.Module):
-    def __init__(self, config, tp_rank: int, tp_size: int, quant_config=None, max_model_len: int | None = None):
+class GemmaModel(nn.Module):
+    def __init__(self, config, qk_norm: bool, rope_per_layer_type: bool, tp_rank: int, tp_size: int,
+                 quant_config=None, max_model_len: int | None = None):
+        """qk_norm, rope_per_layer_type: Gemma 3's (see the module docstring)."""
         super().__init__()
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
         unknown = sorted(set(types) - set(LAYER_TYPES))
@@ -101,25 +106,28 @@ class Gemma3Model(nn.Module):
         max_len = max_model_len or config.max_position_embeddings
         windows = sliding_windows(config, max_len)
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(config, types[i], windows[i], tp_rank, tp_size, quant_config, f"model.layers.{i}")
+            GemmaDecoderLayer(config, windows[i], qk_norm, tp_rank, tp_size, quant_config,
+                              f"model.layers.{i}")
             for i in range(config.num_hidden_layers))
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rope_of_layer = types if rope_per_layer_type else ["all"] * len(types)
         self.rotary = nn.ModuleDict({kind: RotaryEmbedding(head_dim_of(config), layer_rope(config, kind), 1.0, max_len)
-                                     for kind in sorted(set(types))})
+                                     for kind in sorted(set(self.rope_of_layer))})
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype)  # HF rounds the scale to the dtype first
+        x = x * float(torch.tensor(self.embed_scale, dtype=x.dtype))  # HF rounds the scale to the dtype first
         rope = {kind: emb(positions, x.dtype) for kind, emb in self.rotary.items()}
         residual = None
-        for layer, kv in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, *rope[layer.layer_type], kv, meta)
+        for layer, kind, kv in zip(self.layers, self.rope_of_layer, kv_caches):
+            x, residual = layer(x, residual, *rope[kind], kv, meta)
         return self.norm(x) if residual is None else self.norm(x, residual)[0]
 
 
 def layer_rope(config, layer_type: str) -> dict:
-    """The RoPE of a layer type: transformers 5 keeps one dict per type (rope_parameters), 4.x the
-    global one (rope_theta, rope_scaling) and the local base (rope_local_base_freq) beside it."""
+    """The RoPE of a layer type ("all": the one every layer shares): transformers 5 keeps one dict
+    per type (rope_parameters), 4.x the global one (rope_theta, rope_scaling) and Gemma 3's local
+    base (rope_local_base_freq) beside it."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and per_layer_type(params):
         return rope_parameters(config, layer_type)
@@ -128,19 +136,20 @@ def layer_rope(config, layer_type: str) -> dict:
     return rope_parameters(config)
 
 
-class Gemma3ForCausalLM(LlamaForCausalLM):
-    """Gemma3ForCausalLM (see the module docstring): LlamaForCausalLM's loading, fused q/k/v and
-    gate/up, and tied head; its own decoder."""
+class Gemma2ForCausalLM(LlamaForCausalLM):
+    """Gemma 2 (see the module docstring): LlamaForCausalLM's loading, fused q/k/v and gate/up,
+    and tied head; the Gemma decoder."""
+    qk_norm = False
+    rope_per_layer_type = False
 
     def __init__(self, config, tp_rank: int = 0, tp_size: int = 1, quant_config=None,
                  max_model_len: int | None = None):
         nn.Module.__init__(self)
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            raise ValueError("attn_logit_softcapping (Gemma 2's attention-score soft-capping) is not supported")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("use_bidirectional_attention is not supported (a causal decoder only)")
         self.config = config
-        self.model = Gemma3Model(config, tp_rank, tp_size, quant_config, max_model_len)
+        self.model = GemmaModel(config, self.qk_norm, self.rope_per_layer_type, tp_rank, tp_size, quant_config,
+                                max_model_len)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_rank=tp_rank, tp_size=tp_size)
         if getattr(config, "tie_word_embeddings", True):
             self.lm_head.tie(self.model.embed_tokens)
@@ -151,3 +160,9 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         if self.softcap:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+class Gemma3ForCausalLM(Gemma2ForCausalLM):
+    """Gemma 3's text decoder: Gemma 2's with q/k norms and a RoPE per layer type."""
+    qk_norm = True
+    rope_per_layer_type = True
