@@ -1,6 +1,6 @@
 """Gemma 2 (Gemma2ForCausalLM: gemma-2-2b/9b/27b) and Gemma 3's text decoder (Gemma3ForCausalLM:
-gemma-3-270m and gemma-3-1b; the larger Gemma 3 checkpoints are multimodal,
-Gemma3ForConditionalGeneration, and not served here).
+gemma-3-270m and gemma-3-1b; the larger Gemma 3 checkpoints, Gemma3ForConditionalGeneration, serve
+as their text decoder: Gemma3TextOfMultimodal).
 
 Llama's block (models/llama.py: the same projections, attention and fused linears) with:
 - four norms a layer: the attention's and the MLP's outputs are normalised before they join the
@@ -166,3 +166,13 @@ class Gemma3ForCausalLM(Gemma2ForCausalLM):
     """Gemma 3's text decoder: Gemma 2's with q/k norms and a RoPE per layer type."""
     qk_norm = True
     rope_per_layer_type = True
+
+
+class Gemma3TextOfMultimodal(Gemma3ForCausalLM):
+    """A Gemma3ForConditionalGeneration checkpoint (gemma-3-4b/12b/27b) served as its text decoder
+    (hf_dir.text_decoder_view: the config is its text_config): the decoder's tensors under their
+    released names (language_model.model.*) or transformers 5's (model.language_model.*); the
+    vision tower and projector are not loaded, so requests are text only."""
+    checkpoint_renames = (("language_model.model.", "model."), ("model.language_model.", "model."),
+                          ("language_model.lm_head.", "lm_head."))
+    checkpoint_skips = ("vision_tower.", "multi_modal_projector.")

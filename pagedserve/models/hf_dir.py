@@ -107,6 +107,25 @@ def apply_hf_overrides(config, overrides: dict | None, strict: bool = True):
     return config
 
 
+# Multimodal architectures served as their text decoder (text prompts only; their vision weights are
+# not loaded): the config becomes its text_config, under the multimodal architecture's name.
+TEXT_DECODER_VIEWS = ("Gemma3ForConditionalGeneration",)
+
+
+def text_decoder_view(config):
+    """config, or for a TEXT_DECODER_VIEWS architecture its text_config, named by that
+    architecture (models/registry.py maps it to the text decoder) and with the checkpoint's dtype."""
+    archs = getattr(config, "architectures", None) or []
+    if not archs or archs[0] not in TEXT_DECODER_VIEWS:
+        return config
+    text = config.text_config
+    text.architectures = [archs[0]]
+    for key in ("dtype", "torch_dtype"):
+        if getattr(text, key, None) is None and getattr(config, key, None) is not None:
+            setattr(text, key, getattr(config, key))
+    return text
+
+
 def get_max_model_len(hf_config) -> int:
     """The longest context the model supports: its position limit, scaled as vLLM scales it for
     RoPE scaling (YaRN: original_max_position_embeddings x factor; linear and dynamic: the limit x factor;

@@ -25,7 +25,7 @@ from pagedserve.models.registry import get_model_class
 
 # Re-exported: the torch-free checks of a model directory live in hf_dir.py (preflight uses them).
 from pagedserve.models.hf_dir import (PICKLE_PATTERNS, SAFETENSORS_INDEX, apply_hf_overrides,  # noqa: F401
-                                      get_max_model_len, read_config_json, safetensors_files)
+                                      get_max_model_len, read_config_json, safetensors_files, text_decoder_view)
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def load_hf_config(model_dir: str | os.PathLike, overrides: dict | None = None):
         config = AutoConfig.from_pretrained(model_dir, trust_remote_code=False, local_files_only=True)
     except (OSError, KeyError) as e:
         raise ValueError(f"model: {path} could not be read as a transformers config ({e})") from None
-    return apply_hf_overrides(config, overrides)
+    return apply_hf_overrides(text_decoder_view(config), overrides)
 
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
@@ -155,11 +155,12 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, object]]) -> Non
     modules = dict(model.named_modules())
     stacked = getattr(model, "stacked_params", [])
     renames = getattr(model, "checkpoint_renames", ())
+    skips = getattr(model, "checkpoint_skips", ())  # parts of the checkpoint the model does not serve
     tied = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" not in params
     loaded: set[str] = set()
     expert_parts: dict[str, set[tuple[int, str]]] = {}
     for name, w in split_fused_tensors(model, weights):
-        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight"):
+        if "rotary_emb.inv_freq" in name or (tied and name == "lm_head.weight") or any(s in name for s in skips):
             continue
         for old, new in renames:
             name = name.replace(old, new)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM
+from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextOfMultimodal
 from pagedserve.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
                                      Qwen3ForCausalLM)
 from pagedserve.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
@@ -17,6 +17,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,  # text prompts only (hf_dir.text_decoder_view)
     "OPTForCausalLM": OPTForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
