@@ -20,7 +20,7 @@ STRUCTURED_OUTPUTS_MAX_WHITESPACE = 0
 CUDAGRAPH_MODES = ("decode", "piecewise", "full")
 # The server's output parsers (entrypoints/openai/tool_parsers, reasoning_parsers; a test keeps
 # these lists equal to the registries there, which config must not import).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
 

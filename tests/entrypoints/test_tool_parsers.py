@@ -55,6 +55,18 @@ TOOL_CASES = [
     ("phi4_mini_json", 'functools[oops, {"name": "f", "arguments": {"a": "]"}}]',
      'functools[oops, {"name": "f", "arguments": {"a": "]"}}]', []),
     ("phi4_mini_json", 'functools[{"name": "f", "arguments": {"a": "]"}}]', "", [("f", {"a": "]"})]),
+    ("pythonic", '[get_weather(location="Paris, France", unit="celsius"), get_time(timezone=\'Europe/Paris\')]',
+     "", [("get_weather", W), ("get_time", T)]),
+    ("pythonic", '<|python_start|>[get_weather(location="Paris, France", unit="celsius")]<|python_end|>',
+     "", [("get_weather", W)]),
+    ("pythonic", ' [search(q="a (paren] \\"quoted\\"", limit=3, exact=True, tags=["x", None, (1, 2)]), now()]',
+     "", [("search", {"q": 'a (paren] "quoted"', "limit": 3, "exact": True, "tags": ["x", None, [1, 2]]}),
+          ("now", {})]),
+    ("pythonic", "[Note] the list is empty.", "[Note] the list is empty.", []),
+    ("pythonic", "It is sunny in Paris.", "It is sunny in Paris.", []),
+    ("pythonic", "[f(1, a=2)]", "[f(1, a=2)]", []),  # positional arguments: not a call of this format
+    ("pythonic", "[f(a=x)]", "[f(a=x)]", []),  # a name, not a literal
+    ("pythonic", "[]", "[]", []),
 ]
 
 
@@ -105,6 +117,13 @@ def test_tool_parser_whole_and_streamed(name, text, content, calls):
     assert [(n, json.loads(a)) for n, a in got["calls"]] == calls
     for chunks in chunkings(text):
         assert stream(parser, chunks) == got, chunks
+
+
+@pytest.mark.parametrize("text", ["[f(a=1)] and then some text", "[f(a=1), g(b=", "[f(a={1, 2})]"])
+def test_pythonic_whole_text_that_is_not_a_call_list_is_content(text):
+    """Text after the list, a list cut off, a set (no JSON for it): content, as vLLM's parser."""
+    assert whole(MessageParser(tools=TOOL_PARSERS["pythonic"]()), text) == {"content": text, "reasoning": "",
+                                                                           "calls": []}
 
 
 def test_parallel_tool_calls_false_keeps_the_first():

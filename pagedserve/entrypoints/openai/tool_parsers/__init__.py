@@ -10,8 +10,10 @@ from pagedserve.entrypoints.openai.tool_parsers.hermes import HermesToolParser
 from pagedserve.entrypoints.openai.tool_parsers.llama3_json import Llama3JsonToolParser
 from pagedserve.entrypoints.openai.tool_parsers.mistral import MistralToolParser
 from pagedserve.entrypoints.openai.tool_parsers.phi4_mini_json import Phi4MiniJsonToolParser
+from pagedserve.entrypoints.openai.tool_parsers.pythonic import PythonicToolParser
 
 TOOL_PARSERS: dict[str, type[ToolParser]] = {
-    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, Phi4MiniJsonToolParser)}
+    p.name: p for p in (HermesToolParser, Llama3JsonToolParser, MistralToolParser, Phi4MiniJsonToolParser,
+                        PythonicToolParser)}
 
 __all__ = ["CallText", "Parsed", "ToolParser", "TOOL_PARSERS"]
