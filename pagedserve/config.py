@@ -112,6 +112,8 @@ class EngineConfig:
                                              "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": "
                                              "4.0, \"original_max_position_embeddings\": 32768}}' (a RoPE "
                                              "dict merges into the model's own)")
+    disable_sliding_window: bool = option(False, "cap max_model_len at the model's sliding window, so that "
+                                                 "every layer attends to the whole context (vLLM's)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")
     preemption_mode: str = option("auto", "what to do with a sequence when KV blocks run out; auto: "
                                           "the cheaper of swap and recompute, measured",

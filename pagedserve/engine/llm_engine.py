@@ -73,7 +73,7 @@ class LLMEngine(StepPipeline, TokenApplication):
         self.config = config
         self.dtype = resolve_dtype(config.dtype, self.hf_config, self.device)
 
-        model_max = get_max_model_len(self.hf_config)
+        model_max = get_max_model_len(self.hf_config, config.disable_sliding_window)
         max_model_len = config.max_model_len or model_max
         if max_model_len > model_max:
             raise ValueError(f"max_model_len must be <= {model_max} (the model's limit), got {max_model_len}")

@@ -68,7 +68,7 @@ def check_engine_config(config: EngineConfig) -> None:
     if config.max_model_len is not None and config.max_model_len != MAX_MODEL_LEN_AUTO:
         try:
             model_max = get_max_model_len(apply_hf_overrides(SimpleNamespace(**raw), config.hf_overrides,
-                                                             strict=False))
+                                                             strict=False), config.disable_sliding_window)
         except (ValueError, KeyError, TypeError, AttributeError):
             model_max = None  # no limit in config.json, or RoPE fields it lacks: the engine's check decides
         if model_max is not None and config.max_model_len > model_max:

@@ -126,11 +126,19 @@ def text_decoder_view(config):
     return text
 
 
-def get_max_model_len(hf_config) -> int:
+def get_max_model_len(hf_config, disable_sliding_window: bool = False) -> int:
     """The longest context the model supports: its position limit, scaled as vLLM scales it for
     RoPE scaling (YaRN: original_max_position_embeddings x factor; linear and dynamic: the limit x factor;
     llama3's configs state their scaled limit already). A sliding window does not limit it: the
-    layers that have one attend to their last positions only (sliding_windows)."""
+    layers that have one attend to their last positions only (sliding_windows); unless
+    disable_sliding_window (vLLM's flag), which caps it at the smallest window, so none binds."""
+    limit = _position_limit(hf_config)
+    if disable_sliding_window:
+        limit = min([limit] + [w for w in sliding_windows(hf_config, limit) if w])
+    return limit
+
+
+def _position_limit(hf_config) -> int:
     limit = None
     for key in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "max_sequence_length"):
         value = getattr(hf_config, key, None)

@@ -88,7 +88,8 @@ class ModelRunner:
         self.model: nn.Module | None = None
         self.cache_engine: CacheEngine | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.max_model_len = engine_config.max_model_len or get_max_model_len(hf_config)
+        self.max_model_len = engine_config.max_model_len or get_max_model_len(hf_config,
+                                                                              engine_config.disable_sliding_window)
         self.profile: dict[str, float] = {}
         self.graphs: DecodeCUDAGraphs | None = None
         self.piecewise: PiecewiseCUDAGraphs | None = None

@@ -118,3 +118,19 @@ def test_gathered_long_prefill_only_for_full_attention_layers(windowed_dirs, arc
     monkeypatch.setattr(gathered_prefill, "configure", lambda device, max_len, *a: asked.append(max_len))
     make_runner(windowed_dirs[arch][0], block_size=4)
     assert asked == ([0] if arch == "mistral" else [512])
+
+
+def test_disable_sliding_window_caps_max_model_len(windowed_dirs):
+    """vLLM's --disable-sliding-window: max_model_len at most the smallest window, so no window
+    binds and every layer runs the full-attention kernels; asking for more is refused."""
+    assert get_max_model_len(MistralConfig(sliding_window=4096), disable_sliding_window=True) == 4096
+    qwen2 = Qwen2Config(num_hidden_layers=4, use_sliding_window=True, sliding_window=1024, max_window_layers=2)
+    assert get_max_model_len(qwen2, disable_sliding_window=True) == 1024
+    plain = MistralConfig(sliding_window=None)
+    assert get_max_model_len(plain, disable_sliding_window=True) == plain.max_position_embeddings
+    llm = _ours(windowed_dirs["mistral"][0], "cpu", disable_sliding_window=True)
+    assert llm.llm_engine.max_model_len == WINDOW
+    runner = llm.llm_engine.runner
+    assert [m.sliding_window for m in runner.model.modules() if isinstance(m, Attention)] == [0, 0]
+    with pytest.raises(ValueError, match="max_model_len"):
+        _ours(windowed_dirs["mistral"][0], "cpu", disable_sliding_window=True, max_model_len=WINDOW + 1)
