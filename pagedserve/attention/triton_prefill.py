@@ -40,7 +40,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.tile_launch import TileLaunch, parse_tile_launch
-from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, WINDOWED, attend_tiles, attend_tiles_tma
+from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_causal, attend_tiles_tma
 from pagedserve.host_math import cdiv, next_power_of_2
 
 PREFILL_BLOCK_M = 64
@@ -151,32 +151,18 @@ def paged_prefill_kernel(
     # Keys below the tile's first query position are visible to every row: no mask.
     unmasked_end = ((ctx_before + tile_m * BLOCK_Q + 1) // BLOCK_N) * BLOCK_N
     causal_end = tl.minimum(ctx_before + (tile_m + 1) * BLOCK_Q, seq_len)
-    if WINDOW > 0:
-        # A sliding window: the tiles from the one holding the first row's earliest visible position
-        # to the diagonal, every one masked (a row may see none of the first ones: EMPTY_ROWS).
-        lo = tl.maximum(ctx_before + tile_m * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N
-        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, lo, causal_end,
-                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                     stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, WINDOWED, IEEE, KV_FP8, True, WINDOW,
-                                     SOFTCAP)
-    elif TMA:
+    if TMA:
         kv_col = kv_head * HEAD_DIM
         acc, l_i, m_i = attend_tiles_tma(acc, l_i, m_i, q, q_pos, 0, unmasked_end, k_desc, v_desc, table, kv_col,
                                          qk_scale, BLOCK_SIZE, BLOCK_N, NO_MASK, IEEE, WS)
         acc, l_i, m_i = attend_tiles_tma(acc, l_i, m_i, q, q_pos, unmasked_end, causal_end, k_desc, v_desc, table,
                                          kv_col, qk_scale, BLOCK_SIZE, BLOCK_N, CAUSAL, IEEE, WS)
     else:
-        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, 0, unmasked_end,
-                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                     stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8,
-                                     SOFTCAP=SOFTCAP)
-        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, causal_end,
-                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                     stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8,
-                                     SOFTCAP=SOFTCAP)
+        # A sliding window: from the tile holding the first row's earliest visible position.
+        lo = tl.maximum(ctx_before + tile_m * BLOCK_Q - WINDOW + 1, 0) // BLOCK_N * BLOCK_N if WINDOW > 0 else 0
+        acc, l_i, m_i = attend_causal(acc, l_i, m_i, q, q_pos, lo, unmasked_end, causal_end,
+                                      k_cache_ptr, v_cache_ptr, table, head_off, qk_scale, stride_cb, stride_cs, d,
+                                      HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, IEEE, KV_FP8, False, WINDOW, SOFTCAP)
     # Padded group rows (g >= GROUP) saw every position with q = 0: l_i > 0, no NaN; not stored.
     out = acc / l_i[:, None]
     if KV_FP8:

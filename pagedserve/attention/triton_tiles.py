@@ -98,6 +98,33 @@ def attend_tiles(
 
 
 @triton.jit
+def attend_causal(
+    acc, l_i, m_i, q, q_pos, lo, unmasked_end, hi,
+    k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
+    stride_cb, stride_cs, d,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, IEEE: tl.constexpr, KV_FP8: tl.constexpr, EMPTY_ROWS: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+):
+    """Causal attention of query rows over positions [lo, hi), as the prefill and unified kernels
+    walk it: [lo, unmasked_end) (tiles below every row's position) without a mask, the rest
+    CAUSAL (EMPTY_ROWS: rows that may see none of it); with a sliding window (WINDOW > 0) every
+    tile WINDOWED, rows that see none of the first tiles included."""
+    if WINDOW > 0:
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, lo, hi, k_cache_ptr, v_cache_ptr, table, head_off,
+                                     qk_scale, stride_cb, stride_cs, d, HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N,
+                                     WINDOWED, IEEE, KV_FP8, True, WINDOW, SOFTCAP)
+    else:
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, lo, unmasked_end, k_cache_ptr, v_cache_ptr, table,
+                                     head_off, qk_scale, stride_cb, stride_cs, d, HEAD_DIM, BLOCK_SIZE, BLOCK_D,
+                                     BLOCK_N, NO_MASK, IEEE, KV_FP8, SOFTCAP=SOFTCAP)
+        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, hi, k_cache_ptr, v_cache_ptr, table,
+                                     head_off, qk_scale, stride_cb, stride_cs, d, HEAD_DIM, BLOCK_SIZE, BLOCK_D,
+                                     BLOCK_N, CAUSAL, IEEE, KV_FP8, EMPTY_ROWS, SOFTCAP=SOFTCAP)
+    return acc, l_i, m_i
+
+
+@triton.jit
 def attend_tiles_tma(
     acc, l_i, m_i, q, q_pos, lo, hi, k_desc, v_desc, table, kv_col, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, IEEE: tl.constexpr,

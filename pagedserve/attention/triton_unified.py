@@ -45,7 +45,7 @@ import triton
 import triton.language as tl
 
 from pagedserve.attention.tile_launch import TileLaunch, parse_tile_launch
-from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, WINDOWED, attend_tiles
+from pagedserve.attention.triton_tiles import attend_causal
 from pagedserve.host_math import next_power_of_2
 
 # Fields of a work item and of a q tile (int32 rows of the work buffers).
@@ -193,28 +193,14 @@ def unified_attention_kernel(
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     head_off = kv_head * stride_ch
-    if WINDOW > 0:
-        # A sliding window (build_work started the items at it): every tile masked by it.
-        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, kv_start, kv_end,
-                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                     stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, WINDOWED, IEEE, KV_FP8, True, WINDOW,
-                                     SOFTCAP)
-    else:
-        # Whole tiles below the tile's first query position are visible to every row: no mask.
-        first_pos = ctx_before + tile * BLOCK_Q
-        unmasked_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end // BLOCK_N * BLOCK_N)
-        unmasked_end = tl.maximum(unmasked_end, kv_start)
-        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, kv_start, unmasked_end,
-                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                     stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, NO_MASK, IEEE, KV_FP8,
-                                     SOFTCAP=SOFTCAP)
-        acc, l_i, m_i = attend_tiles(acc, l_i, m_i, q, q_pos, unmasked_end, kv_end,
-                                     k_cache_ptr, v_cache_ptr, table, head_off, qk_scale,
-                                     stride_cb, stride_cs, d,
-                                     HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, CAUSAL, IEEE, KV_FP8, True,
-                                     SOFTCAP=SOFTCAP)
+    # Whole tiles below the tile's first query position are visible to every row: no mask (with a
+    # sliding window, which build_work started the items at, every tile is masked by it).
+    first_pos = ctx_before + tile * BLOCK_Q
+    unmasked_end = tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, kv_end // BLOCK_N * BLOCK_N)
+    unmasked_end = tl.maximum(unmasked_end, kv_start)
+    acc, l_i, m_i = attend_causal(acc, l_i, m_i, q, q_pos, kv_start, unmasked_end, kv_end,
+                                  k_cache_ptr, v_cache_ptr, table, head_off, qk_scale, stride_cb, stride_cs, d,
+                                  HEAD_DIM, BLOCK_SIZE, BLOCK_D, BLOCK_N, IEEE, KV_FP8, True, WINDOW, SOFTCAP)
     seen = l_i > 0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     if KV_FP8:
