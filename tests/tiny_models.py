@@ -27,7 +27,7 @@ CHAT_TEMPLATE = (
 )
 
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "opt") + MOE_ARCHS
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "opt") + MOE_ARCHS
 
 
 def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320, corpus: list[str] | None = None):
@@ -49,7 +49,7 @@ def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320, corpus: list
 
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
-    from transformers import (Gemma2Config, Gemma3TextConfig, LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Phi3Config,
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -78,6 +78,9 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
                                                 "full_attention": {"rope_type": "linear", "factor": 2.0,
                                                                    "rope_theta": 1000000.0}},
                                final_logit_softcapping=30.0)
+    elif arch == "granite":  # multipliers of Granite 3's kind (3.1-8b: 12, 0.0078125, 0.22, 16)
+        cfg = GraniteConfig(**common, embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.3,
+                            logits_scaling=4.0)
     elif arch == "opt":
         cfg = OPTConfig(vocab_size=vocab_size, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                         num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,

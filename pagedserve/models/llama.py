@@ -1,6 +1,6 @@
 """Llama-family decoders: Llama (incl. llama3 rope scaling), Mistral (sliding window), Qwen2 (qkv bias,
 sliding-window layers where configured), Qwen3 (q/k RMSNorm), Phi-3 (q/k/v and gate/up fused in the
-checkpoint, LongRoPE, Phi-3-mini-4k's sliding window).
+checkpoint, LongRoPE, Phi-3-mini-4k's sliding window), Granite (four multipliers).
 
 Pre-norm blocks: x += attn(norm(x)); x += mlp(norm(x)), SwiGLU MLP, rotary on q and k.
 The residual stream is carried beside the hidden state (x, residual = norm(x, residual)) so that
@@ -112,10 +112,13 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size, quant_config,
-                                        f"{prefix}.self_attn", sliding_window)
+                                        f"{prefix}.self_attn", sliding_window,
+                                        getattr(config, "attention_multiplier", None))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = mlp if mlp is not None else LlamaMLP(config, tp_rank, tp_size, quant_config=quant_config,
                                                         prefix=f"{prefix}.mlp")
+        # Granite's: the attention's and the MLP's outputs are scaled before they join the residual stream.
+        self.residual_multiplier = float(getattr(config, "residual_multiplier", 1.0))
 
     def set_fp8_activation_fusion(self, enabled: bool) -> int:
         """Once, at load time: each op before an FP8 linear that takes quantized activations
@@ -145,8 +148,12 @@ class LlamaDecoderLayer(nn.Module):
     def after_attention(self, attn_out, residual):
         """(mlp output, residual) from the attention's output [T, heads * head_dim]: o_proj, the
         post-attention norm (adding the residual stream) and the MLP."""
-        x, residual = self.post_attention_layernorm(self.self_attn.o_proj(attn_out), residual)
-        return self.mlp(x), residual
+        out = self.self_attn.o_proj(attn_out)
+        if self.residual_multiplier != 1.0:
+            out = out * self.residual_multiplier
+        x, residual = self.post_attention_layernorm(out, residual)
+        x = self.mlp(x)
+        return (x if self.residual_multiplier == 1.0 else x * self.residual_multiplier), residual
 
 
 class LlamaModel(nn.Module):
@@ -167,9 +174,14 @@ class LlamaModel(nn.Module):
         partial = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
         self.rotary_emb = RotaryEmbedding(head_dim_of(config), rope, partial,
                                           max_model_len or config.max_position_embeddings)
+        self.embedding_multiplier = float(getattr(config, "embedding_multiplier", 1.0))  # Granite's
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x if self.embedding_multiplier == 1.0 else x * self.embedding_multiplier
 
     def forward(self, input_ids, positions, kv_caches: list[KVCache], meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         cos, sin = self.rotary_emb(positions, x.dtype)
         residual = None
         for layer, kv in zip(self.layers, kv_caches):
@@ -205,11 +217,20 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_meta)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        logits = self.lm_head(hidden)
+        scaling = getattr(self.config, "logits_scaling", 1.0)  # Granite's
+        return logits if scaling == 1.0 else logits / scaling
 
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class GraniteForCausalLM(LlamaForCausalLM):
+    """IBM Granite 3.x: Llama's block with four multipliers (config fields only Granite's configs
+    have): the embeddings' (embedding_multiplier), the attention's scale (attention_multiplier),
+    the attention's and MLP's outputs before the residual add (residual_multiplier), and the
+    logits divided by logits_scaling."""
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):

@@ -177,7 +177,7 @@ def forward_nano_batches(model, input_ids: torch.Tensor, positions: torch.Tensor
 def _pipeline(model, input_ids, positions, kv_caches, metas, side) -> torch.Tensor:
     body = model.model
     h = metas[0].num_seqs
-    x = body.embed_tokens(input_ids)
+    x = body.embed(input_ids)
     cos, sin = body.rotary_emb(positions, x.dtype)
     halves = [_Half(x[:h], cos[:h], sin[:h], metas[0]), _Half(x[h:], cos[h:], sin[h:], metas[1])]
     main = torch.cuda.current_stream() if side is not None else None

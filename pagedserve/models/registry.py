@@ -4,8 +4,8 @@ from __future__ import annotations
 from torch import nn
 
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextOfMultimodal
-from pagedserve.models.llama import (LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM, Qwen2ForCausalLM,
-                                     Qwen3ForCausalLM)
+from pagedserve.models.llama import (GraniteForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
+                                     Qwen2ForCausalLM, Qwen3ForCausalLM)
 from pagedserve.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
 
@@ -15,6 +15,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "GraniteForCausalLM": GraniteForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,  # text prompts only (hf_dir.text_decoder_view)

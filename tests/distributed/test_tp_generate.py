@@ -22,6 +22,7 @@ CASES = {
     # Gemma 3: four norms a layer, q/k norms, a sliding layer and a global one with their own RoPEs.
     "gemma3-windows": ("gemma3", {}, 1),
     "gemma2-soft-caps": ("gemma2", {}, 1),
+    "granite-multipliers": ("granite", {}, 1),
     # Mixture of experts: every expert's intermediate dim split, the shared expert's partial summed
     # with the experts' before the layer's one all-reduce; layer 0 dense.
     "qwen2-moe-shared-expert": ("qwen2_moe", {}, 1),
