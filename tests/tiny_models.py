@@ -27,7 +27,10 @@ CHAT_TEMPLATE = (
 )
 
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "opt") + MOE_ARCHS
+# Families whose norm weights are not Llama's plain multiply (Gemma's 1 + w, OLMo 2's whole-width
+# q/k norms): their tiny models get norm weights off their initial values, so loading them is checked.
+NORM_WEIGHTED = ("gemma2", "gemma3", "olmo2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2", "opt") + MOE_ARCHS
 
 
 def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320, corpus: list[str] | None = None):
@@ -49,7 +52,7 @@ def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320, corpus: list
 
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, OPTConfig, Phi3Config,
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Olmo2Config, MistralConfig, MixtralConfig, OPTConfig, Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -81,6 +84,8 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
     elif arch == "granite":  # multipliers of Granite 3's kind (3.1-8b: 12, 0.0078125, 0.22, 16)
         cfg = GraniteConfig(**common, embedding_multiplier=6.0, attention_multiplier=0.09, residual_multiplier=0.3,
                             logits_scaling=4.0)
+    elif arch == "olmo2":
+        cfg = Olmo2Config(**common)
     elif arch == "opt":
         cfg = OPTConfig(vocab_size=vocab_size, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                         num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,
@@ -128,9 +133,11 @@ def make_tiny_model(arch: str, path: str | os.PathLike, seed: int = 0, max_shard
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
     # Random init is small; scale weights up so logits are peaked and greedy ties are rare.
     with torch.no_grad():
-        for p in model.parameters():
+        for name, p in model.named_parameters():
             if p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+            elif arch in NORM_WEIGHTED and "norm" in name:  # their norms' weights are read their own way
+                p.add_(torch.randn_like(p) * 0.1)
     kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
     model.save_pretrained(path, safe_serialization=True, **kw)
     return path

@@ -49,6 +49,14 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x.float(), (self.dim,), eps=self.eps).to(x.dtype) * self.weight
 
 
+class Fp32WeightRMSNorm(RMSNorm):
+    """RMSNorm whose weight multiplies in float32, rounded once after (Gemma's and OLMo 2's HF norms;
+    Llama's rounds the normalised x first). On CUDA the same fused kernels as RMSNorm."""
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        return (F.rms_norm(x.float(), (self.dim,), eps=self.eps) * self.weight.float()).to(x.dtype)
+
+
 class LayerNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5, elementwise_affine: bool = True):
         super().__init__()

@@ -25,13 +25,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedserve.attention import AttentionMetadata
 from pagedserve.layers.activation import gelu_tanh_and_mul
 from pagedserve.layers.linear import ParallelLMHead, VocabParallelEmbedding
-from pagedserve.layers.norm import RMSNorm
+from pagedserve.layers.norm import Fp32WeightRMSNorm
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.layers.weights import default_weight_loader, materialize
 from pagedserve.models.hf_dir import per_layer_type, rope_parameters, sliding_windows
@@ -44,16 +43,12 @@ def _one_plus_weight_loader(param: torch.Tensor, loaded_weight, shard_id=None) -
     default_weight_loader(param, materialize(loaded_weight).float() + 1.0)
 
 
-class GemmaRMSNorm(RMSNorm):
+class GemmaRMSNorm(Fp32WeightRMSNorm):
     """x / rms(x) * (1 + w), its weight holding 1 + w (the module docstring says why)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__(dim, eps)
         self.weight.weight_loader = _one_plus_weight_loader
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        # HF multiplies in float32 and rounds once (Llama's norm rounds before the multiply).
-        return (F.rms_norm(x.float(), (self.dim,), eps=self.eps) * self.weight.float()).to(x.dtype)
 
 
 class GemmaMLP(LlamaMLP):

@@ -6,6 +6,7 @@ from torch import nn
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextOfMultimodal
 from pagedserve.models.llama import (GraniteForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
                                      Qwen2ForCausalLM, Qwen3ForCausalLM)
+from pagedserve.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
 
@@ -19,6 +20,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,  # text prompts only (hf_dir.text_decoder_view)
+    "Olmo2ForCausalLM": Olmo2ForCausalLM,
     "OPTForCausalLM": OPTForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
