@@ -283,9 +283,9 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
             meta.decode_order = longest_first(meta.seq_lens[:nd])  # once per step: later layers reuse it
         # Outside a decode graph the grid follows the step's longest sequence and the switch's mode
         # applies as it is (its compiles are the warm-up's decode_compile_key).
-        window_lens = None
-        if window > 0:  # once per step and window: later layers reuse it
-            window_lens = meta.window_lens.setdefault(window, meta.seq_lens[:nd].clamp(max=window))
+        window_lens = meta.window_lens.get(window)
+        if window > 0 and window_lens is None:  # once per step and window: later layers reuse it
+            window_lens = meta.window_lens[window] = meta.seq_lens[:nd].clamp(max=window)
         paged_decode(query[:nd], k_cache, v_cache, meta.seq_lens[:nd], meta.block_tables[:nd],
                      max_len, scale, out[:nd], num_splits=num_splits, split_tokens=meta.decode_split_tokens,
                      order=meta.decode_order, k_scale=k_scale, v_scale=v_scale, window=window,
