@@ -178,3 +178,16 @@ def test_softcap_unified_kernel_matches_reference(window):
     out = ops.unified_paged_attention(batch.query, kc, vc, meta, 16 ** -0.5, block_m=16, block_n=16,
                                       share_programs=3, min_chain_tiles=1, window=window, softcap=1.5)
     torch.testing.assert_close(out, ref, **TOL32)
+
+
+def test_window_lengths_are_clamped_once_per_step():
+    """Every layer of a window reuses the step's clamped decode lengths (as decode_order)."""
+    batch = make_batch(MIXED, 3, H=4, Hkv=2, D=16, block_size=8, seed=6)
+    kc, vc, ref, _ = _written(batch, 5)
+    meta = replace(batch.meta, window_lens={})
+    first = ops.paged_attention(batch.query, kc, vc, meta, 0.25, window=5)
+    lens = meta.window_lens[5]
+    again = ops.paged_attention(batch.query, kc, vc, meta, 0.25, window=5)
+    assert meta.window_lens[5] is lens and lens.tolist() == [5, 3, 5]
+    torch.testing.assert_close(first, ref, **TOL32)
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
