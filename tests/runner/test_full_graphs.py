@@ -7,6 +7,7 @@ eager runner: logits (the attention sums in another order: close, not equal), to
 import random
 from dataclasses import replace
 
+import pytest
 import torch
 
 from pagedserve.attention import reference
@@ -141,15 +142,17 @@ def test_steps_with_a_gathered_chunk_run_eagerly_in_full_mode(tiny_model_dir, mo
     assert both.seqs["d", 0].output_token_ids == both.seqs["d", 1].output_token_ids
 
 
-def test_engine_with_long_prompts_takes_the_full_graph(tiny_model_dir, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gemma2"])
+def test_engine_with_long_prompts_takes_the_full_graph(tiny_model_dir, monkeypatch, arch):
     """The whole engine (overlapped steps, chunked prefill): prompts of up to 300 tokens through a
     64-token budget, so most steps carry a chunk beside decodes; every step with prefill tokens
-    replays a full graph, and the outputs equal the eager engine's."""
+    replays a full graph, and the outputs equal the eager engine's. gemma2: layers with a 16-token
+    sliding window and soft-capped scores beside full ones, in the graphs' static attention too."""
     from pagedserve import SamplingParams
     from pagedserve.runner.model_runner import ModelRunner
     from engine.helpers import make_llm
 
-    model_dir = tiny_model_dir("llama")
+    model_dir = tiny_model_dir(arch)
     rng = random.Random(1)
     prompts = [[rng.randrange(3, 300) for _ in range(n)] for n in (300, 9, 200, 5)]
     params = [SamplingParams(temperature=0.0, max_tokens=rng.randrange(4, 8), ignore_eos=True) for _ in prompts]
