@@ -112,6 +112,9 @@ class EngineConfig:
                                              "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": "
                                              "4.0, \"original_max_position_embeddings\": 32768}}' (a RoPE "
                                              "dict merges into the model's own)")
+    trust_remote_code: bool = option(False, "vLLM's; pagedserve never runs a checkpoint's own code, it serves "
+                                            "the architectures it implements: accepted (with a warning) so "
+                                            "vLLM command lines and scripts run")
     disable_sliding_window: bool = option(False, "cap max_model_len at the model's sliding window, so that "
                                                  "every layer attends to the whole context (vLLM's)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")

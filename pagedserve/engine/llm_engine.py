@@ -57,6 +57,9 @@ class LLMEngine(StepPipeline, TokenApplication):
         engine runs behind the server, which picks its default step budget (config.batch_defaults)."""
         if config.model is None:
             raise ValueError("model must be a local HF model directory, got None")
+        if config.trust_remote_code:
+            logger.warning("trust_remote_code: pagedserve runs no code from the checkpoint; it serves the "
+                           "architectures it implements (models/registry.py)")
         self.hf_config = load_hf_config(config.model, config.hf_overrides)
         self.device = resolve_device(config.device)
         # max_model_len auto: everything is built for the model's limit, then the length is cut to

@@ -146,6 +146,19 @@ def register_serve(sub) -> None:
                         "exits at once")
     p.add_argument("--disable-uvicorn-access-log", action="store_true",
                    help="do not log a line per HTTP request")
+    p.add_argument("--uvicorn-log-level", default="info",
+                   choices=("critical", "error", "warning", "info", "debug", "trace"),
+                   help="the HTTP server's log level (vLLM's)")
+    p.add_argument("--enable-log-requests", action="store_true",
+                   help="log a line per request: its id, prompt length and sampling parameters (vLLM's)")
+    p.add_argument("--disable-log-requests", action="store_true",
+                   help="vLLM's older flag: requests are not logged, the default (kept so vLLM command lines run)")
+    p.add_argument("--disable-log-stats", action="store_true",
+                   help="no stats line every 10 s while the engine works (throughput, running and waiting "
+                        "requests, KV cache usage, prefix hit rate; vLLM's, on by default)")
+    p.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens \"token_id:N\" unless a request's return_tokens_as_token_ids "
+                        "says otherwise (vLLM's)")
     add_engine_args(p)
     from pagedserve.serving.dp_args import add_dp_args  # hook (issue #15)
     add_dp_args(p)

@@ -93,9 +93,12 @@ def replica_commands(config: EngineConfig, dp: int, served_name: str, max_reques
 
 def _server_flags(args: argparse.Namespace) -> list[str]:
     """The replica-side `serve` flags of the front end's command line."""
-    out = ["--shutdown-timeout", str(args.shutdown_timeout)]
+    out = ["--shutdown-timeout", str(args.shutdown_timeout), "--uvicorn-log-level", args.uvicorn_log_level]
     if args.max_waiting_requests is not None:
         out += ["--max-waiting-requests", str(args.max_waiting_requests)]
+    for flag in ("enable_log_requests", "disable_log_stats", "return_tokens_as_token_ids"):
+        if getattr(args, flag):
+            out.append("--" + flag.replace("_", "-"))
     return out
 
 
@@ -109,6 +112,10 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
     check_dp_args(args)
     policy = make_policy(args.routing_policy, args.routing_imbalance_threshold)
     if args.data_parallel_backend == "ray":
+        asked = [f for f in ("enable_log_requests", "return_tokens_as_token_ids") if getattr(args, f)]
+        if asked:
+            raise ValueError(f"--{asked[0].replace('_', '-')} is not supported with --data-parallel-backend ray yet "
+                             "(mp replicas take it)")
         from pagedserve.serving.ray_app import run_ray_server
         return run_ray_server(args, config, served_name, api_key, policy)
     from pagedserve.serving.mp_pool import ProcessReplicaPool
@@ -132,7 +139,7 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
                 args.api_server_count, describe(), args.host, args.port)
     server = make_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
                          on_drain_timeout=app.state.drain.expire,
-                         access_log=not args.disable_uvicorn_access_log)
+                         access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level)
     if args.api_server_count == 1:
         server.run()
         return 0
@@ -186,6 +193,8 @@ def run_server_cli(args: Any) -> int:
         model, default_name = str(DEMO_MODEL_DIR), DEMO_MODEL_NAME
     if args.max_request_bytes < 1:
         raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests contradict each other")
     api_key = resolve_api_key(args)
     config = engine_config_from_args(args, model)
     from pagedserve.engine.preflight import check_engine_config

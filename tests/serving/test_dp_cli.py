@@ -28,6 +28,10 @@ from pagedserve.entrypoints.cli import main
     (["--data-parallel-backend", "ray", "--api-server-count", "2"],
      "api_server_count > 1 is for --data-parallel-backend mp"),
     (["--api-server-count", "2"], "api_server_count > 1 needs --data-parallel-size > 1"),
+    (["--enable-log-requests", "--disable-log-requests"],
+     "--enable-log-requests and --disable-log-requests contradict each other"),
+    (["--data-parallel-backend", "ray", "--data-parallel-size", "2", "--return-tokens-as-token-ids"],
+     "--return-tokens-as-token-ids is not supported with --data-parallel-backend ray yet"),
 ])
 def test_bad_dp_flags(flags, message, capsys):
     assert main(["serve", "--device", "cpu", *flags]) == 2
@@ -66,3 +70,17 @@ def test_replica_flags_rebuild_the_config():
                           speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     args = build_parser().parse_args(["serve", "--model", "m", *engine_flags(config)])
     assert engine_config_from_args(args, "m") == config
+
+
+def test_serve_flags_reach_every_mp_replica():
+    """The replica-side `serve` flags of the front end's command line (launch._server_flags)."""
+    from pagedserve.entrypoints.cli import build_parser
+    from pagedserve.serving.launch import _server_flags
+    args = build_parser().parse_args(["serve", "--enable-log-requests", "--disable-log-stats",
+                                      "--return-tokens-as-token-ids", "--uvicorn-log-level", "warning"])
+    flags = _server_flags(args)
+    replica = build_parser().parse_args(["serve", *flags])
+    assert (replica.enable_log_requests, replica.disable_log_stats, replica.return_tokens_as_token_ids,
+            replica.uvicorn_log_level) == (True, True, True, "warning")
+    plain = build_parser().parse_args(["serve", *_server_flags(build_parser().parse_args(["serve"]))])
+    assert (plain.enable_log_requests, plain.disable_log_stats, plain.return_tokens_as_token_ids) == (False,) * 3

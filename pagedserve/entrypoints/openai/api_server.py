@@ -38,6 +38,7 @@ from pagedserve.entrypoints.openai.serving_completion import OpenAIServingComple
 from pagedserve.entrypoints.openai.serving_tokenize import (DetokenizeRequest, DetokenizeResponse,
                                                             OpenAIServingTokenization, TokenizeRequest,
                                                             TokenizeResponse)
+from pagedserve.entrypoints.openai.stats_log import log_stats_forever
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -69,12 +70,15 @@ class _AdmittedStream(StreamingResponse):
 
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20, allowed_hosts: list[str] | None = None,
-              max_waiting_requests: int | None = None, config: Any = None) -> FastAPI:
+              max_waiting_requests: int | None = None, config: Any = None, log_requests: bool = False,
+              log_stats: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The OpenAI-compatible app around one AsyncLLMEngine. allowed_hosts: the Host headers
     answered (middleware.HostCheckMiddleware; None: any, for in-process callers such as the
     Ray replicas). max_waiting_requests: admission.Admission's queue (None: its default).
     config (an EngineConfig) gives the tool-call and reasoning parsers and the generation
-    config's default sampling (engine/generation_defaults.py)."""
+    config's default sampling (engine/generation_defaults.py). log_requests, log_stats,
+    return_tokens_as_token_ids: the `serve` flags of those names (a line per request, the
+    periodic stats line of stats_log.py, logprob tokens as "token_id:N" unless a request says)."""
     defaults = {}
     if config is not None:
         from pagedserve.engine.generation_defaults import config_generation_defaults
@@ -82,14 +86,20 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     completion = OpenAIServingCompletion(engine, served_model_name, defaults)
     chat = OpenAIServingChat(engine, served_model_name, defaults, **chat_parsers(config))
     tokenization = OpenAIServingTokenization(engine, served_model_name, chat)
+    for handler in (completion, chat):
+        handler.log_requests, handler.tokens_as_ids_default = log_requests, return_tokens_as_token_ids
     admission = Admission(engine, max_waiting_requests)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
-        watcher = asyncio.get_running_loop().create_task(watch_event_loop("api server"))
+        loop = asyncio.get_running_loop()
+        tasks = [loop.create_task(watch_event_loop("api server"))]
+        if log_stats:
+            tasks.append(loop.create_task(log_stats_forever(engine.metrics)))
         yield
-        watcher.cancel()
+        for task in tasks:
+            task.cancel()
         await engine.shutdown()
 
     app = FastAPI(title="pagedserve", description="OpenAI-compatible server of pagedserve",
@@ -202,12 +212,14 @@ def run_single_server(args: Any, config: Any, name: str, api_key: str | None) ->
     engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
     allowed = args.allowed_hosts or default_allowed_hosts(args.host)
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
-                    allowed_hosts=allowed, max_waiting_requests=args.max_waiting_requests, config=config)
+                    allowed_hosts=allowed, max_waiting_requests=args.max_waiting_requests, config=config,
+                    log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
     # Past --shutdown-timeout, what still runs ends as a clean 503 (streams: error event, [DONE]).
     server = make_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
                          on_drain_timeout=lambda: engine.stop_requests(
                              "the server is shutting down", code="server_shutting_down"),
-                         access_log=not args.disable_uvicorn_access_log)
+                         access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level)
 
     def exit_soon(error: Exception) -> None:
         logger.error("%s: exiting in %.0f s", error, CORE_DEATH_EXIT_DELAY_S)

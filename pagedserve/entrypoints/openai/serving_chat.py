@@ -134,7 +134,7 @@ class OpenAIServingChat(OpenAIServing):
         choices = []
         for c in out.outputs:
             lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0,
-                                    bool(req.return_tokens_as_token_ids)) if req.logprobs else None
+                                    self.tokens_as_ids(req)) if req.logprobs else None
             message = parser.message(c.text) if parser.active else ChatResponseMessage(content=c.text)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
                                       finish_reason=finish_reason(c.finish_reason,
@@ -165,7 +165,7 @@ class OpenAIServingChat(OpenAIServing):
                     lp = None
                     if req.logprobs:
                         lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0,
-                                    bool(req.return_tokens_as_token_ids))
+                                    self.tokens_as_ids(req))
                     delta, finish = DeltaMessage(content=c.text), c.finish_reason
                     if parser.active:
                         st = streamers.setdefault(c.index, MessageStreamer(parser))

@@ -108,6 +108,14 @@ class OpenAIServing:
         self.served_model_name = served_model_name
         self.default_sampling = dict(default_sampling or {})
         self._token_str_cache: dict[int, str] = {}
+        # `serve` flags (build_app sets them): --enable-log-requests, --return-tokens-as-token-ids.
+        self.log_requests = False
+        self.tokens_as_ids_default = False
+
+    def tokens_as_ids(self, req: Any) -> bool:
+        """return_tokens_as_token_ids: the request's, else the server's --return-tokens-as-token-ids."""
+        value = getattr(req, "return_tokens_as_token_ids", None)
+        return self.tokens_as_ids_default if value is None else bool(value)
 
     def audit(self, req: Any) -> None:
         """No silent drops: an OpenAI field pagedserve does not honour, set to anything but its
@@ -259,6 +267,8 @@ class OpenAIServing:
     async def start(self, prompt_ids: list[int], params: SamplingParams,
                     request_id: str) -> RequestStream:
         """Hand one prompt to the engine; its ValueError becomes a 400."""
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", request_id, len(prompt_ids), params)
         try:
             return await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
         except ValueError as e:

@@ -158,7 +158,7 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _response(self, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
                   finals: list[RequestOutput]) -> CompletionResponse:
-        as_ids = bool(req.return_tokens_as_token_ids)
+        as_ids = self.tokens_as_ids(req)
         choices = []
         completion_tokens = 0
         for i, (p, out) in enumerate(zip(prompts, finals)):
@@ -181,7 +181,7 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
                       streams: list[RequestStream]) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        as_ids = bool(req.return_tokens_as_token_ids)
+        as_ids = self.tokens_as_ids(req)
         states: dict[tuple[int, int], StreamedChoice] = {}
         model = self.served_model_name
         # Without logprobs (the common case) chunks are encoded directly: same bytes.

@@ -1,0 +1,40 @@
+"""vLLM's logging and logprob `serve` flags on a real server: --enable-log-requests (a line per
+request), --return-tokens-as-token-ids (the default a request may override) and
+--uvicorn-log-level (warning: no access lines)."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from server_process import start_server, stop_server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    s = start_server(tiny_model_dir("llama"), tmp_path_factory.mktemp("flags") / "server.log", "--max-model-len", "256",
+                     "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--swap-space", "0.05",
+                     "--enable-log-requests", "--return-tokens-as-token-ids", "--uvicorn-log-level", "warning")
+    yield s
+    stop_server(s)
+
+
+def _tokens(server, **kw) -> list[str]:
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 17, 33], "max_tokens": 3, "logprobs": 1,
+                                            "temperature": 0, **kw})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["logprobs"]["tokens"]
+
+
+def test_tokens_as_ids_by_default_and_a_request_may_say_otherwise(server):
+    as_ids = _tokens(server)
+    assert len(as_ids) == 3 and all(t.startswith("token_id:") and t[9:].isdigit() for t in as_ids)
+    as_text = _tokens(server, return_tokens_as_token_ids=False)
+    assert len(as_text) == 3 and not any(t.startswith("token_id:") for t in as_text)
+
+
+def test_each_request_logged_and_no_access_lines(server):
+    _tokens(server)
+    log = server.log()
+    assert "3 prompt tokens, SamplingParams(" in log and "request cmpl-" in log
+    assert '"POST /v1/completions' not in log
