@@ -30,7 +30,8 @@ MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral")
 # Families whose norm weights are not Llama's plain multiply (Gemma's 1 + w, OLMo 2's whole-width
 # q/k norms): their tiny models get norm weights off their initial values, so loading them is checked.
 NORM_WEIGHTED = ("gemma2", "gemma3", "olmo2")
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2", "opt") + MOE_ARCHS
+ARCHS = ("llama", "mistral", "ministral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "granite", "olmo2", "smollm3",
+         "opt") + MOE_ARCHS
 
 
 def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320, corpus: list[str] | None = None):
@@ -52,7 +53,8 @@ def train_tokenizer(path: str | os.PathLike, vocab_size: int = 320, corpus: list
 
 
 def tiny_config(arch: str, vocab_size: int, **overrides):
-    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, Olmo2Config, MistralConfig, MixtralConfig, OPTConfig, Phi3Config,
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MinistralConfig,
+                              Olmo2Config, SmolLM3Config, MistralConfig, MixtralConfig, OPTConfig, Phi3Config,
                               Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig)
 
     common = dict(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -86,6 +88,11 @@ def tiny_config(arch: str, vocab_size: int, **overrides):
                             logits_scaling=4.0)
     elif arch == "olmo2":
         cfg = Olmo2Config(**common)
+    elif arch == "ministral":  # Ministral-8B's kind: sliding layers beside full ones, by layer_types
+        cfg = MinistralConfig(**common, head_dim=16, sliding_window=16,
+                              layer_types=["sliding_attention", "full_attention"])
+    elif arch == "smollm3":  # a NoPE layer (SmolLM3's every fourth) beside a RoPE one
+        cfg = SmolLM3Config(**{**common, "tie_word_embeddings": True}, no_rope_layers=[1, 0])
     elif arch == "opt":
         cfg = OPTConfig(vocab_size=vocab_size, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
                         num_attention_heads=4, max_position_embeddings=512, word_embed_proj_dim=64,

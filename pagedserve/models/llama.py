@@ -1,6 +1,7 @@
 """Llama-family decoders: Llama (incl. llama3 rope scaling), Mistral (sliding window), Qwen2 (qkv bias,
 sliding-window layers where configured), Qwen3 (q/k RMSNorm), Phi-3 (q/k/v and gate/up fused in the
-checkpoint, LongRoPE, Phi-3-mini-4k's sliding window), Granite (four multipliers).
+checkpoint, LongRoPE, Phi-3-mini-4k's sliding window), Granite (four multipliers), SmolLM3 (NoPE
+layers), Ministral (Mistral's block, sliding-window layers by config.layer_types).
 
 Pre-norm blocks: x += attn(norm(x)); x += mlp(norm(x)), SwiGLU MLP, rotary on q and k.
 The residual stream is carried beside the hidden state (x, residual = norm(x, residual)) so that
@@ -54,6 +55,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = norm_cls(self.head_dim, config.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.use_rope = True  # LlamaModel turns it off for config.no_rope_layers' NoPE layers
         # The global KV heads this rank holds, so a checkpoint's per-head KV scales shard as k/v_proj do.
         self.attn = Attention(self.num_heads, self.num_kv_heads, self.head_dim,
                               self.head_dim ** -0.5 if scale is None else scale,
@@ -68,8 +70,11 @@ class LlamaAttention(nn.Module):
         q, k, v = self.qkv_proj.split(qkv)
         return q.view(T, self.num_heads, self.head_dim), k.view(T, self.num_kv_heads, self.head_dim), v
 
-    def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> Rope:
-        """This layer's rotary at the step's positions (cos/sin), for attn."""
+    def rope(self, cos: torch.Tensor, sin: torch.Tensor) -> Rope | None:
+        """This layer's rotary at the step's positions (cos/sin), for attn; None in a NoPE layer
+        (use_rope False: SmolLM3's every fourth), whose q and k are not rotated."""
+        if not self.use_rope:
+            return None
         return Rope(cos, sin, self.q_norm, self.k_norm)
 
 
@@ -169,6 +174,11 @@ class LlamaModel(nn.Module):
             LlamaDecoderLayer(config, qkv_bias, o_bias, qk_norm, tp_rank, tp_size, quant_config,
                               f"model.layers.{i}", make_mlp and make_mlp(i), windows[i])
             for i in range(config.num_hidden_layers))
+        # SmolLM3's NoPE layers: no_rope_layers[i] is 0 where layer i rotates nothing (1: RoPE).
+        for layer, use in zip(self.layers, getattr(config, "no_rope_layers", None) or []):
+            if not use and layer.self_attn.q_norm is not None:
+                raise ValueError("no_rope_layers with q/k norms is not supported")
+            layer.self_attn.use_rope = bool(use)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         rope = rope_parameters(config)  # transformers 5 keeps partial_rotary_factor there, 4 beside it
         partial = getattr(config, "partial_rotary_factor", None) or rope.get("partial_rotary_factor") or 1.0
@@ -224,6 +234,10 @@ class LlamaForCausalLM(nn.Module):
 
 class MistralForCausalLM(LlamaForCausalLM):
     pass
+
+
+class SmolLM3ForCausalLM(LlamaForCausalLM):
+    """SmolLM3: Llama's block, every fourth layer without RoPE (config.no_rope_layers, LlamaModel)."""
 
 
 class GraniteForCausalLM(LlamaForCausalLM):

@@ -5,7 +5,7 @@ from torch import nn
 
 from pagedserve.models.gemma import Gemma2ForCausalLM, Gemma3ForCausalLM, Gemma3TextOfMultimodal
 from pagedserve.models.llama import (GraniteForCausalLM, LlamaForCausalLM, MistralForCausalLM, Phi3ForCausalLM,
-                                     Qwen2ForCausalLM, Qwen3ForCausalLM)
+                                     Qwen2ForCausalLM, Qwen3ForCausalLM, SmolLM3ForCausalLM)
 from pagedserve.models.olmo2 import Olmo2ForCausalLM
 from pagedserve.models.moe import MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM
 from pagedserve.models.opt import OPTForCausalLM
@@ -13,10 +13,12 @@ from pagedserve.models.opt import OPTForCausalLM
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": MistralForCausalLM,
+    "MinistralForCausalLM": MistralForCausalLM,  # Mistral's block; its sliding layers by config.layer_types
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "GraniteForCausalLM": GraniteForCausalLM,
+    "SmolLM3ForCausalLM": SmolLM3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Gemma3ForConditionalGeneration": Gemma3TextOfMultimodal,  # text prompts only (hf_dir.text_decoder_view)
