@@ -36,9 +36,6 @@ from pagedserve.layers.weights import default_weight_loader, materialize
 from pagedserve.models.hf_dir import per_layer_type, rope_parameters, sliding_windows
 from pagedserve.models.llama import KVCache, LlamaAttention, LlamaForCausalLM, LlamaMLP, head_dim_of
 
-LAYER_TYPES = ("sliding_attention", "full_attention")
-
-
 def _one_plus_weight_loader(param: torch.Tensor, loaded_weight, shard_id=None) -> None:
     default_weight_loader(param, materialize(loaded_weight).float() + 1.0)
 
@@ -93,9 +90,6 @@ class GemmaModel(nn.Module):
         """qk_norm, rope_per_layer_type: Gemma 3's (see the module docstring)."""
         super().__init__()
         types = list(getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers)
-        unknown = sorted(set(types) - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(f"config.layer_types: {unknown} not supported ({', '.join(LAYER_TYPES)} are)")
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_rank, tp_size)
         self.embed_scale = math.sqrt(config.hidden_size)
         max_len = max_model_len or config.max_position_embeddings

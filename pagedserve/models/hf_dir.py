@@ -163,20 +163,21 @@ def sliding_windows(hf_config, max_model_len: int) -> list[int]:
     config.layer_types where it has them ("sliding_attention" layers get config.sliding_window:
     Qwen2's max_window_layers, alternating models), else config.sliding_window for every layer
     (Mistral, Phi-3), unless use_sliding_window is false. A window of max_model_len or more never
-    binds: 0, so those layers run the full-attention kernels."""
-    window = getattr(hf_config, "sliding_window", None)
+    binds: 0, so those layers run the full-attention kernels. Layer kinds other than these two
+    (chunked or linear attention) are refused, window or not."""
     layers = hf_config.num_hidden_layers
+    types = getattr(hf_config, "layer_types", None)
+    unknown = sorted(set(types or ()) - {"sliding_attention", "full_attention"})
+    if unknown:
+        raise ValueError(f"config.layer_types: {unknown} not supported (full_attention and sliding_attention are)")
+    window = getattr(hf_config, "sliding_window", None)
     if not isinstance(window, int) or window <= 0 or getattr(hf_config, "use_sliding_window", True) is False:
         return [0] * layers
     window = window if window < max_model_len else 0
-    types = getattr(hf_config, "layer_types", None)
     if types is None:
         return [window] * layers
     if len(types) != layers:
         raise ValueError(f"config.layer_types has {len(types)} entries for {layers} layers")
-    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
-    if unknown:
-        raise ValueError(f"config.layer_types: {unknown} not supported (full_attention and sliding_attention are)")
     return [window if t == "sliding_attention" else 0 for t in types]
 
 

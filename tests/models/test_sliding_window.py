@@ -40,6 +40,9 @@ def test_windows_per_layer_follow_transformers():
     odd = SimpleNamespace(num_hidden_layers=2, sliding_window=64, layer_types=["full_attention", "chunked_attention"])
     with pytest.raises(ValueError, match="chunked_attention"):
         sliding_windows(odd, 4096)
+    odd.sliding_window = None  # a kind the kernels lack is refused with no window too
+    with pytest.raises(ValueError, match="chunked_attention"):
+        sliding_windows(odd, 4096)
 
 
 def test_max_model_len_is_not_capped_by_the_window():
