@@ -117,6 +117,8 @@ class EngineConfig:
                                             "vLLM command lines and scripts run")
     disable_sliding_window: bool = option(False, "cap max_model_len at the model's sliding window, so that "
                                                  "every layer attends to the whole context (vLLM's)")
+    max_logprobs: int = option(20, "most logprobs, top_logprobs or prompt_logprobs a request may ask for "
+                                   "(vLLM's; -1: the whole vocabulary)")
     enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")
     preemption_mode: str = option("auto", "what to do with a sequence when KV blocks run out; auto: "
                                           "the cheaper of swap and recompute, measured",
@@ -281,6 +283,8 @@ class EngineConfig:
         CacheConfig(block_size=self.block_size, kv_allocator=self.kv_allocator)
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        if self.max_logprobs < -1:
+            raise ValueError(f"max_logprobs must be >= 0, or -1 (the whole vocabulary), got {self.max_logprobs}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import Any
 
 MAX_N = 128
-_MAX_LOGPROBS = 20
 
 
 class RequestOutputKind(enum.Enum):
@@ -140,8 +139,8 @@ class SamplingParams:
             bad("repetition_penalty", "in (0, 2]")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and not 0 <= v <= _MAX_LOGPROBS:
-                bad(name, f"in [0, {_MAX_LOGPROBS}]")
+            if v is not None and v < 0:  # the upper bound is the engine's max_logprobs (input_processor)
+                bad(name, ">= 0")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", "in [0, 2**63)")
         if any(not s for s in self.stop):

@@ -39,6 +39,7 @@ class ModelLessEngine:
                                                 max_num_batched_tokens=max_num_batched_tokens)
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.max_model_len, self.vocab_size, self.eos_token_ids = max_model_len, vocab_size, {EOS}
+        self.max_logprobs = 20  # EngineConfig's default; this core computes no logprobs
         self.output_processor = OutputProcessor(None, self.eos_token_ids, max_model_len)
         self.step_s = step_s
         self._next_step = time.monotonic()

@@ -74,6 +74,7 @@ class AsyncLLMEngine:
         self.eos_token_ids = set(ready.eos_token_ids)
         self._kv_cache_shape = (ready.num_gpu_blocks, ready.block_size)
         self.max_num_seqs = ready.max_num_seqs
+        self.max_logprobs = ready.max_logprobs
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-tokenizer")
         self._requests: dict[str, _RequestState] = {}
         self._loop: asyncio.AbstractEventLoop | None = None

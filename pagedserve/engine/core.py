@@ -179,7 +179,8 @@ class EngineCore:
         return Ready(pid=os.getpid(), max_model_len=int(e.max_model_len), vocab_size=int(e.vocab_size),
                      num_gpu_blocks=int(cc.num_gpu_blocks), num_cpu_blocks=int(cc.num_cpu_blocks),
                      block_size=int(cc.block_size), max_num_seqs=int(e.scheduler_config.max_num_seqs),
-                     eos_token_ids=sorted(e.eos_token_ids))
+                     eos_token_ids=sorted(e.eos_token_ids),
+                     max_logprobs=int(e.max_logprobs))
 
     def shutdown(self) -> None:
         self.engine.shutdown()

@@ -128,6 +128,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True):
     block_size: int
     max_num_seqs: int
     eos_token_ids: list[int]
+    max_logprobs: int = 20  # resolved: -1 (the whole vocabulary) is the vocabulary size here
 
 
 class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):

@@ -81,11 +81,18 @@ def split_prompt(prompt: Any, can_tokenize: bool) -> tuple[str | None, list[int]
     return text, list(ids)
 
 
+def resolve_max_logprobs(max_logprobs: int, vocab_size: int) -> int:
+    """EngineConfig.max_logprobs as a number: -1 is the whole vocabulary, and no more than that
+    can be asked for whatever the flag says (the sampler's top-N is over the vocabulary)."""
+    return vocab_size if max_logprobs == -1 else min(max_logprobs, vocab_size)
+
+
 class InputProcessor:
     def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 cache_config: CacheConfig) -> None:
+                 cache_config: CacheConfig, max_logprobs: int = 20) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
         self.max_num_seqs, self.cache_config = max_num_seqs, cache_config
+        self.max_logprobs = resolve_max_logprobs(max_logprobs, vocab_size)
 
     def prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
         text, ids = split_prompt(prompt, can_tokenize=self.tokenizer is not None)
@@ -105,6 +112,11 @@ class InputProcessor:
         text, ids = self.prompt_ids(prompt)
         self.check_token_ids("prompt_token_ids", ids)
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(params, name)
+            if k is not None and k > self.max_logprobs:
+                raise ValueError(f"{name} ({k}) must be <= max_logprobs ({self.max_logprobs}, the engine's "
+                                 "--max-logprobs)")
         if params.best_of > self.max_num_seqs:
             raise ValueError(f"best_of ({params.best_of}) must be <= max_num_seqs ({self.max_num_seqs})")
         if len(ids) >= self.max_model_len:

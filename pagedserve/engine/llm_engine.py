@@ -143,7 +143,9 @@ class LLMEngine(StepPipeline, TokenApplication):
                                             max_whitespace=config.structured_outputs_max_whitespace)
         self._beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.structured.seqs)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
-                                              self.scheduler_config.max_num_seqs, self.cache_config)
+                                              self.scheduler_config.max_num_seqs, self.cache_config,
+                                              config.max_logprobs)
+        self.max_logprobs = self.input_processor.max_logprobs  # -1 resolved to the vocabulary
         # Phase clock (pagedserve.engine.step_timer.StepTimer); the null one does nothing.
         self.step_timer = NULL_STEP_TIMER
         # With tensor parallelism too: the executor hands the sampled ids to every rank's device

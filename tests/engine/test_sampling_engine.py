@@ -126,3 +126,33 @@ def test_n_greater_than_one_under_swap_preemption(tiny_model_dir):
     for a, b in zip(ref, got):
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
     assert_no_leak(tight)
+
+
+def test_max_logprobs_bounds_requests_and_minus_one_is_the_vocab(tiny_model_dir):
+    """--max-logprobs (vLLM's): a request asking for more is refused naming both numbers; -1 lets
+    one ask for the whole vocabulary, which then matches HF's log_softmax everywhere."""
+    model_dir = tiny_model_dir("llama")
+    p = prompt_ids(model_dir)[0]
+    llm = make_llm(model_dir, block_size=4, max_logprobs=3)
+    with pytest.raises(ValueError, match=r"logprobs \(4\) must be <= max_logprobs \(3"):
+        llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2, logprobs=4), use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompt_logprobs \(5\) must be <= max_logprobs \(3"):
+        llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2, prompt_logprobs=5), use_tqdm=False)
+    assert llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=2, logprobs=3),
+                        use_tqdm=False)[0].outputs[0].logprobs
+    vocab = llm.llm_engine.vocab_size
+    llm = make_llm(model_dir, block_size=4, max_logprobs=-1)
+    c = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=3, logprobs=vocab),
+                     use_tqdm=False)[0].outputs[0]
+    ref = _hf_logprobs(model_dir, p, c.token_ids)
+    for pos, lps in enumerate(c.logprobs):
+        assert sorted(lps) == list(range(vocab))
+        assert torch.allclose(torch.tensor([lps[t] for t in range(vocab)]), ref[pos], atol=1e-4)
+    with pytest.raises(ValueError, match=rf"max_logprobs \({vocab}"):
+        llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2, logprobs=vocab + 1), use_tqdm=False)
+
+
+def test_max_logprobs_below_minus_one_is_refused():
+    from pagedserve.config import EngineConfig
+    with pytest.raises(ValueError, match="max_logprobs must be >= 0, or -1"):
+        EngineConfig(max_logprobs=-2)

@@ -1,6 +1,6 @@
 """vLLM's logging and logprob `serve` flags on a real server: --enable-log-requests (a line per
 request), --return-tokens-as-token-ids (the default a request may override) and
---uvicorn-log-level (warning: no access lines)."""
+--uvicorn-log-level (warning: no access lines) and --max-logprobs (a request's bound)."""
 from __future__ import annotations
 
 import httpx
@@ -13,7 +13,8 @@ from server_process import start_server, stop_server
 def server(tiny_model_dir, tmp_path_factory):
     s = start_server(tiny_model_dir("llama"), tmp_path_factory.mktemp("flags") / "server.log", "--max-model-len", "256",
                      "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--swap-space", "0.05",
-                     "--enable-log-requests", "--return-tokens-as-token-ids", "--uvicorn-log-level", "warning")
+                     "--enable-log-requests", "--return-tokens-as-token-ids", "--uvicorn-log-level", "warning",
+                     "--max-logprobs", "2")
     yield s
     stop_server(s)
 
@@ -38,3 +39,20 @@ def test_each_request_logged_and_no_access_lines(server):
     log = server.log()
     assert "3 prompt tokens, SamplingParams(" in log and "request cmpl-" in log
     assert '"POST /v1/completions' not in log
+
+
+def test_max_logprobs_bounds_each_request_by_the_field_it_names(server):
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        ok = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 17], "max_tokens": 2, "logprobs": 2})
+        assert ok.status_code == 200, ok.text
+        assert all(len(top) >= 2 for top in ok.json()["choices"][0]["logprobs"]["top_logprobs"])
+        for path, body, param in (
+                ("/v1/completions", {"prompt": [5, 17], "logprobs": 3}, "logprobs"),
+                ("/v1/completions", {"prompt": [5, 17], "logprobs": 3, "echo": True}, "logprobs"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                          "top_logprobs": 3}, "top_logprobs")):
+            r = c.post(path, json={"model": "tiny", "max_tokens": 2, **body})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param and "<= 2 (the server's --max-logprobs), got 3" in err["message"], err
+        assert c.get("/health").status_code == 200

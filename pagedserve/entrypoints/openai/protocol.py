@@ -16,7 +16,6 @@ from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from pagedserve.sampling_params import MAX_N
 
-MAX_LOGPROBS = 20
 MAX_STOP = 16
 MAX_SEED = 2**63 - 1
 MAX_TOKEN_ID = 2**31 - 1
@@ -361,7 +360,7 @@ class CompletionRequest(SamplingFields, VLLMExtraFields):
     prompt: PromptType
     max_tokens: Optional[int] = Field(16, ge=0, le=MAX_TOKEN_ID)  # 0: with echo, score the prompt only
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOKEN_ID)  # <= --max-logprobs: serving_common
     echo: Optional[bool] = False
     suffix: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
@@ -460,7 +459,7 @@ class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
     max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKEN_ID)
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKEN_ID)
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOKEN_ID)  # <= --max-logprobs: serving_common
     logit_bias: Optional[dict[str, float]] = None
     add_generation_prompt: bool = True
 

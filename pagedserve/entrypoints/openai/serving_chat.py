@@ -78,6 +78,7 @@ class OpenAIServingChat(OpenAIServing):
         self.check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
+        self.check_logprobs(req.top_logprobs, "top_logprobs")
         self.check_choices(1, req.n)
         self.check_messages(req)
         plan = plan_tools(req, self.auto_tool_parser)

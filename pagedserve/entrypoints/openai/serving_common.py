@@ -258,6 +258,12 @@ class OpenAIServing:
         except ValueError as e:
             raise APIError.from_value_error(e) from None
 
+    def check_logprobs(self, k: int | None, param: str) -> None:
+        """The server's --max-logprobs (vLLM's, 20 by default), named as the request names it."""
+        limit = self.engine.max_logprobs
+        if k is not None and k > limit:
+            raise APIError(f"{param} must be <= {limit} (the server's --max-logprobs), got {k}", param=param)
+
     @staticmethod
     def check_choices(num_prompts: int, n: int) -> None:
         if num_prompts * n > MAX_CHOICES:

@@ -80,6 +80,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(f"best_of must be >= n ({req.n}), got {req.best_of}", param="best_of")
         if req.stream and req.best_of is not None and req.best_of > req.n:
             raise APIError("best_of > n cannot be streamed", param="best_of")
+        self.check_logprobs(req.logprobs, "logprobs")
         scoring = req.max_tokens == 0  # lm-evaluation-harness's loglikelihood: the prompt's logprobs only
         if scoring and not req.echo:
             raise APIError("max_tokens must be >= 1 unless echo is true (max_tokens 0 scores the prompt)",
