@@ -20,6 +20,7 @@ STRUCTURED_OUTPUTS_MAX_WHITESPACE = 0
 CUDAGRAPH_MODES = ("decode", "piecewise", "full")
 # The server's output parsers (entrypoints/openai/tool_parsers, reasoning_parsers; a test keeps
 # these lists equal to the registries there, which config must not import).
+CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
 TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic")
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 
@@ -203,6 +204,11 @@ class EngineConfig:
                                           TOOL_CALL_PARSERS)
     chat_template: str | None = option(None, "a Jinja chat template in place of the tokenizer's (chat "
                                              "completions, LLM.chat): a file's path, or the template itself")
+    chat_template_content_format: str = option("auto", "how a message's content reaches the chat template "
+                                                       "(vLLM's): string: its text parts joined by newlines; "
+                                                       "openai: a list of {type: text, text} parts; auto: "
+                                                       "openai where the template loops over a message's "
+                                                       "content, else string", CHAT_TEMPLATE_CONTENT_FORMATS)
     generation_config: str = option("auto", "default sampling for requests that leave it unset (temperature, "
                                             "top_p, top_k, min_p, repetition_penalty, max_tokens): auto: the "
                                             "model's generation_config.json, as vLLM; vllm: pagedserve's own; or "
@@ -295,6 +301,9 @@ class EngineConfig:
         if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got "
                              f"{self.tool_call_parser!r}")
+        if self.chat_template_content_format not in CHAT_TEMPLATE_CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {CHAT_TEMPLATE_CONTENT_FORMATS}, "
+                             f"got {self.chat_template_content_format!r}")
         if self.chat_template is not None:  # a missing file fails here, before any model loads
             from pagedserve.engine.chat_template import resolve_chat_template
             resolve_chat_template(self.chat_template)

@@ -132,30 +132,36 @@ class LLM:
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None, use_tqdm: bool = True,
              chat_template: str | None = None, add_generation_prompt: bool = True,
              continue_final_message: bool = False, tools: list[dict] | None = None,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict[str, Any] | None = None,
+             chat_template_content_format: str | None = None) -> list[RequestOutput]:
         """Generate a reply to one conversation (a list of OpenAI-style messages) or to each of a
         list of them, as vLLM's LLM.chat: each is rendered by the chat template (chat_template: a
         Jinja file's path or the template's text as it is, for this call; else the engine's
         --chat-template, else the tokenizer's) exactly as /v1/chat/completions renders it, message text never becoming a
         control token. tools go to the template as they are; nothing parses calls out of the
-        reply. ValueError names the conversation and field of a message that is not valid."""
+        reply. chat_template_content_format: as the engine's (auto, string, openai) for this call.
+        ValueError names the conversation and field of a message that is not valid."""
+        from pagedserve.config import CHAT_TEMPLATE_CONTENT_FORMATS
         from pagedserve.engine.chat_template import resolve_chat_template
+        fmt = chat_template_content_format or self.llm_engine.config.chat_template_content_format
+        if fmt not in CHAT_TEMPLATE_CONTENT_FORMATS:
+            raise ValueError(f"chat_template_content_format must be one of {CHAT_TEMPLATE_CONTENT_FORMATS}, got {fmt!r}")
         template = resolve_chat_template(chat_template, read_escapes=False)  # a path, or the text as it is
         many = bool(messages) and not isinstance(messages[0], dict)
         conversations = list(messages) if many else [messages]
         prompts = [{"prompt_token_ids": self._chat_ids(f"messages[{i}]" if many else "messages", conv,
                                                        template, add_generation_prompt,
-                                                       continue_final_message, tools, chat_template_kwargs)}
+                                                       continue_final_message, tools, chat_template_kwargs, fmt)}
                    for i, conv in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _chat_ids(self, where: str, conversation: Seq[dict], template: str | None,
                   add_generation_prompt: bool, continue_final_message: bool, tools: list[dict] | None,
-                  chat_template_kwargs: dict[str, Any] | None) -> list[int]:
+                  chat_template_kwargs: dict[str, Any] | None, content_format_setting: str = "auto") -> list[int]:
         """One conversation's prompt ids (where: how errors name it), as serving_chat renders them."""
         import pydantic
 
-        from pagedserve.entrypoints.openai.chat_tokens import render_chat_ids
+        from pagedserve.entrypoints.openai.chat_tokens import content_format, render_chat_ids
         from pagedserve.entrypoints.openai.protocol import ChatMessage
         from pagedserve.entrypoints.openai.serving_common import APIError
         from pagedserve.entrypoints.openai.tools import check_history, history_message
@@ -184,7 +190,8 @@ class LLM:
             check_history(parsed)
         except APIError as e:  # its param is "messages.J.field"
             raise ValueError(f"{where}[{e.param.split('.')[1]}].{e.param.split('.', 2)[2]}: {e.message}") from None
-        return render_chat_ids(tok, [history_message(m) for m in parsed], add_generation_prompt,
+        fmt = content_format(tok, content_format_setting, template)
+        return render_chat_ids(tok, [history_message(m, fmt) for m in parsed], add_generation_prompt,
                                tools=tools, continue_final_message=continue_final_message, **kwargs)
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,

@@ -120,3 +120,21 @@ def test_chat_names_the_field_of_a_bad_message(llm, messages, match):
 def test_chat_refuses_continue_final_message_with_a_generation_prompt(llm):
     with pytest.raises(ValueError, match="continue_final_message needs add_generation_prompt=False"):
         llm.chat(CONVERSATION, use_tqdm=False, continue_final_message=True)
+
+
+def test_chat_content_format_openai_passes_parts_to_the_template(llm, tok):
+    """LLM.chat(chat_template_content_format=...) as vLLM's: openai hands the template a list of
+    parts (here looped over), string joins them; auto picks openai for a template that loops."""
+    parts = ("{% for m in messages %}{{ m['role'] }}:{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}\n"
+             "{% endfor %}")
+    conv = [{"role": "user", "content": [{"type": "text", "text": "The LORD"}, {"type": "text", "text": "is"}]}]
+    sp = SamplingParams(temperature=0, max_tokens=1)
+    for fmt in ("openai", None):  # None: the engine's auto
+        out = llm.chat(conv, sp, use_tqdm=False, chat_template=parts, chat_template_content_format=fmt)[0]
+        assert out.prompt_token_ids == hf_ids(tok, conv, parts)
+    joined = llm.chat(conv, sp, use_tqdm=False, chat_template=PLAIN, chat_template_content_format="string")[0]
+    assert joined.prompt_token_ids == hf_ids(tok, [{"role": "user", "content": "The LORD\nis"}], PLAIN)
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        llm.chat(conv, sp, use_tqdm=False, chat_template_content_format="html")
+    with pytest.raises(ValueError, match="chat_template_content_format must be one of"):
+        EngineConfig(chat_template_content_format="html")

@@ -77,3 +77,44 @@ def test_special_token_text_outside_content_is_refused(tok, field, messages, too
     from pagedserve.entrypoints.openai.chat_tokens import SpecialTokenInContent
     with pytest.raises(SpecialTokenInContent, match=field.replace(".", r"\.")):
         render_chat_ids(tok, messages, add_generation_prompt=True, tools=tools)
+
+
+# A template written for OpenAI's content parts (as Gemma 3's and Llama 4's are): it loops over them.
+PARTS = ("{% for m in messages %}<|{{ m['role'] }}|>{% if m['content'] is string %}{{ m['content'] }}"
+         "{% else %}{% for p in m['content'] %}[{{ p['text'] }}]{% endfor %}{% endif %}</s>{% endfor %}"
+         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_content_format_auto_follows_the_template(tok):
+    from pagedserve.entrypoints.openai.chat_tokens import content_format
+    assert content_format(tok, "auto") == "string"  # the demo model's template prints the content
+    assert content_format(tok, "auto", PARTS) == "openai"
+    alias = "{% for m in messages %}{% set c = m.content %}{% for p in c %}{{ p.text }}{% endfor %}{% endfor %}"
+    assert content_format(tok, "auto", alias) == "openai"
+    assert content_format(tok, "string", PARTS) == "string" and content_format(tok, "openai") == "openai"
+
+
+def test_history_message_in_either_format():
+    from pagedserve.entrypoints.openai.protocol import ChatMessage
+    from pagedserve.entrypoints.openai.tools import history_message
+    parts = ChatMessage.model_validate({"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                   {"type": "text", "text": "b"}]})
+    plain = ChatMessage.model_validate({"role": "user", "content": "c"})
+    assert history_message(parts)["content"] == "a\nb"
+    assert history_message(parts, "openai")["content"] == [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]
+    assert history_message(plain, "openai")["content"] == [{"type": "text", "text": "c"}]
+    assert history_message(ChatMessage.model_validate({"role": "assistant"}), "openai")["content"] == []
+
+
+def test_openai_parts_render_as_hf_and_their_special_text_stays_text(tok):
+    msgs = [{"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+            {"role": "user", "content": [{"type": "text", "text": "one"}, {"type": "text", "text": "two"}]}]
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False, chat_template=PARTS)
+    assert "[one][two]" in text
+    assert render_chat_ids(tok, msgs, True, chat_template=PARTS) == tok(text, add_special_tokens=False).input_ids
+    bad = [msgs[0], {"role": "user", "content": [{"type": "text", "text": "ok"},
+                                                 {"type": "text", "text": INJECTIONS[0]}]}]
+    ids = render_chat_ids(tok, bad, True, chat_template=PARTS)
+    assert _control_ids(tok, ids) == _control_ids(tok, render_chat_ids(tok, msgs, True, chat_template=PARTS))
+    assert tok.decode(ids) == tok.apply_chat_template(bad, add_generation_prompt=True, tokenize=False,
+                                                      chat_template=PARTS)

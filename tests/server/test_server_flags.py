@@ -1,6 +1,7 @@
 """vLLM's logging and logprob `serve` flags on a real server: --enable-log-requests (a line per
 request), --return-tokens-as-token-ids (the default a request may override) and
---uvicorn-log-level (warning: no access lines) and --max-logprobs (a request's bound)."""
+--uvicorn-log-level (warning: no access lines), --max-logprobs (a request's bound) and
+--chat-template-content-format (openai: the template gets a message's list of parts)."""
 from __future__ import annotations
 
 import httpx
@@ -14,7 +15,7 @@ def server(tiny_model_dir, tmp_path_factory):
     s = start_server(tiny_model_dir("llama"), tmp_path_factory.mktemp("flags") / "server.log", "--max-model-len", "256",
                      "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--swap-space", "0.05",
                      "--enable-log-requests", "--return-tokens-as-token-ids", "--uvicorn-log-level", "warning",
-                     "--max-logprobs", "2")
+                     "--max-logprobs", "2", "--chat-template-content-format", "openai")
     yield s
     stop_server(s)
 
@@ -56,3 +57,17 @@ def test_max_logprobs_bounds_each_request_by_the_field_it_names(server):
             err = r.json()["error"]
             assert err["param"] == param and "<= 2 (the server's --max-logprobs), got 3" in err["message"], err
         assert c.get("/health").status_code == 200
+
+
+def test_content_format_openai_hands_the_template_the_parts(server):
+    """The tiny model's template prints m['content']: with --chat-template-content-format openai
+    that is the list of parts, exactly as HF renders the same list."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(server.model_dir)
+    msgs = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        r = c.post("/tokenize", json={"model": "tiny", "messages": msgs})
+    assert r.status_code == 200, r.text
+    text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    assert "'text': 'b'" in text
+    assert r.json()["tokens"] == tok(text, add_special_tokens=False).input_ids

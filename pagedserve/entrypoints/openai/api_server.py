@@ -84,7 +84,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
         from pagedserve.engine.generation_defaults import config_generation_defaults
         defaults = config_generation_defaults(config)
     completion = OpenAIServingCompletion(engine, served_model_name, defaults)
-    chat = OpenAIServingChat(engine, served_model_name, defaults, **chat_parsers(config))
+    chat = OpenAIServingChat(engine, served_model_name, defaults, **chat_options(config))
     tokenization = OpenAIServingTokenization(engine, served_model_name, chat)
     for handler in (completion, chat):
         handler.log_requests, handler.tokens_as_ids_default = log_requests, return_tokens_as_token_ids
@@ -172,9 +172,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     return app
 
 
-def chat_parsers(config: Any) -> dict:
+def chat_options(config: Any) -> dict:
     """OpenAIServingChat's parser classes from --enable-auto-tool-choice, --tool-call-parser and
-    --reasoning-parser."""
+    --reasoning-parser, and its --chat-template-content-format."""
     from pagedserve.entrypoints.openai.reasoning_parsers import REASONING_PARSERS
     from pagedserve.entrypoints.openai.tool_parsers import TOOL_PARSERS
 
@@ -183,7 +183,8 @@ def chat_parsers(config: Any) -> dict:
     tool = config.tool_call_parser if config.enable_auto_tool_choice else None
     return {"tool_parser": TOOL_PARSERS[tool] if tool else None,
             "reasoning_parser": REASONING_PARSERS[config.reasoning_parser]
-            if config.reasoning_parser else None}
+            if config.reasoning_parser else None,
+            "content_format": config.chat_template_content_format}
 
 
 def _usage_hint(name: str, host: str, port: int, keyed: bool) -> str:

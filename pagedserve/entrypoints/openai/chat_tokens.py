@@ -55,13 +55,27 @@ def _refuse_special_text(pattern: re.Pattern, messages: list[dict], tools: Any) 
         check("tools", tools)
 
 
+def _texts(content: Any) -> list[tuple[int | None, str]]:
+    """(part index or None for a plain string, text) of a message's content in either format."""
+    if isinstance(content, str):
+        return [(None, content)]
+    return [(j, p.get("text") or "") for j, p in enumerate(content or []) if isinstance(p, dict)]
+
+
+def _with_text(content: Any, j: int | None, text: str) -> Any:
+    if j is None:
+        return text
+    return [dict(p, text=text) if k == j else p for k, p in enumerate(content)]
+
+
 def render_chat_ids(tok: Any, messages: list[dict], add_generation_prompt: bool, **template_kwargs: Any) -> list[int]:
-    """Prompt ids of messages ({"role", "content", "name"?, ...}); ValueError from the template, or
-    SpecialTokenInContent where the safe path cannot apply. template_kwargs go to the chat
-    template as they are (tools, continue_final_message, chat_template_kwargs)."""
+    """Prompt ids of messages ({"role", "content", "name"?, ...}; content a string, or OpenAI's
+    list of text parts: content_format); ValueError from the template, or SpecialTokenInContent
+    where the safe path cannot apply. template_kwargs go to the chat template as they are (tools,
+    continue_final_message, chat_template_kwargs)."""
     pattern = _special_pattern(tok)
-    marked = [i for i, m in enumerate(messages)
-              if pattern is not None and pattern.search(m.get("content") or "")]
+    marked = [(i, j, text) for i, m in enumerate(messages) for j, text in _texts(m.get("content"))
+              if pattern is not None and pattern.search(text)]
     if pattern is not None:
         _refuse_special_text(pattern, messages, template_kwargs.get("tools"))
     if not marked:
@@ -70,21 +84,61 @@ def render_chat_ids(tok: Any, messages: list[dict], add_generation_prompt: bool,
         # The template already holds any special tokens it wants (BOS and all).
         return list(tok(text, add_special_tokens=False).input_ids)
     nonce = uuid.uuid4().hex
-    holders = {i: f"@@pagedserve-content-{nonce}-{i}@@" for i in marked}
-    shown = [dict(m, content=holders[i]) if i in holders else m for i, m in enumerate(messages)]
+    holders = [f"@@pagedserve-content-{nonce}-{n}@@" for n in range(len(marked))]
+    shown = [dict(m) for m in messages]
+    for (i, j, _), holder in zip(marked, holders):
+        shown[i]["content"] = _with_text(shown[i]["content"], j, holder)
     text = tok.apply_chat_template(shown, add_generation_prompt=add_generation_prompt, tokenize=False,
                                    **template_kwargs)
     ids: list[int] = []
     rest = text
-    for i in marked:
-        before, sep, after = rest.partition(holders[i])
-        if not sep or holders[i] in after:
+    for (i, j, content), holder in zip(marked, holders):
+        before, sep, after = rest.partition(holder)
+        if not sep or holder in after:
+            where = f"messages.{i}.content" + (f".{j}.text" if j is not None else "")
             raise SpecialTokenInContent(
-                f"messages.{i}.content: contains special-token text "
-                f"({pattern.search(messages[i]['content']).group()!r}) and this model's chat template "
-                "transforms message content, so it cannot be kept as plain text; remove it")
+                f"{where}: contains special-token text ({pattern.search(content).group()!r}) and this "
+                "model's chat template transforms message content, so it cannot be kept as plain text; remove it")
         ids += tok(before, add_special_tokens=False).input_ids
-        ids += tok(messages[i]["content"], add_special_tokens=False, split_special_tokens=True).input_ids
+        ids += tok(content, add_special_tokens=False, split_special_tokens=True).input_ids
         rest = after
     ids += tok(rest, add_special_tokens=False).input_ids
     return list(ids)
+
+
+_DETECTED: dict[str, str] = {}
+
+
+def content_format(tok: Any, setting: str, template: str | None = None) -> str:
+    """"string" (a message's text parts joined by newlines) or "openai" (its content as a list of
+    {"type": "text", "text"} parts) — vLLM's --chat-template-content-format. auto: "openai" where the
+    template loops over a message's content (it was written for lists of parts), else "string"."""
+    if setting != "auto":
+        return setting
+    source = template if template is not None else getattr(tok, "chat_template", None)
+    if isinstance(source, dict):  # named templates: the default one renders chat
+        source = source.get("default")
+    if not isinstance(source, str):
+        return "string"
+    if source not in _DETECTED:
+        _DETECTED[source] = "openai" if _loops_over_content(source) else "string"
+    return _DETECTED[source]
+
+
+def _loops_over_content(source: str) -> bool:
+    """Whether the template has `{% for x in <anything>['content'] %}` (or `.content`), directly
+    or through a variable set from one, found in jinja2's own parse tree."""
+    import jinja2
+    from jinja2 import nodes
+    try:
+        tree = jinja2.Environment().parse(source)
+    except jinja2.TemplateSyntaxError:
+        return False
+
+    def is_content(node: Any) -> bool:
+        return (isinstance(node, nodes.Getitem) and isinstance(node.arg, nodes.Const) and node.arg.value == "content") \
+            or (isinstance(node, nodes.Getattr) and node.attr == "content")
+    aliases = {a.target.name for a in tree.find_all(nodes.Assign)
+               if isinstance(a.target, nodes.Name) and is_content(a.node)}
+    return any(is_content(f.iter) or (isinstance(f.iter, nodes.Name) and f.iter.name in aliases)
+               for f in tree.find_all(nodes.For))

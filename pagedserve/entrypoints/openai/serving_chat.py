@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from pagedserve.engine.async_engine import EngineDeadError, RequestStream
-from pagedserve.entrypoints.openai.chat_tokens import SpecialTokenInContent, render_chat_ids
+from pagedserve.entrypoints.openai.chat_tokens import SpecialTokenInContent, content_format, render_chat_ids
 from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                     ChatCompletionRequest, ChatCompletionResponse,
                                                     ChatLogprobs, ChatResponseMessage,
@@ -34,12 +34,14 @@ class OpenAIServingChat(OpenAIServing):
 
     def __init__(self, engine: Any, served_model_name: str, default_sampling: dict | None = None,
                  tool_parser: type[ToolParser] | None = None,
-                 reasoning_parser: type[ReasoningParser] | None = None) -> None:
+                 reasoning_parser: type[ReasoningParser] | None = None, content_format: str = "auto") -> None:
         """tool_parser: the --tool-call-parser when --enable-auto-tool-choice is on (else
-        tool_choice=auto is a 400); reasoning_parser: the --reasoning-parser, if any."""
+        tool_choice=auto is a 400); reasoning_parser: the --reasoning-parser, if any;
+        content_format: --chat-template-content-format (chat_tokens.content_format)."""
         super().__init__(engine, served_model_name, default_sampling)
         self.auto_tool_parser = tool_parser
         self.reasoning_parser = reasoning_parser
+        self.content_format = content_format
 
     def _render(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
         """Runs on the API process's tokenizer thread (AsyncLLMEngine.run)."""
@@ -48,7 +50,8 @@ class OpenAIServingChat(OpenAIServing):
             raise APIError("this model's tokenizer has no chat template: start the server with "
                            "--chat-template, or use /v1/completions",
                            param="messages")
-        messages = [history_message(m) for m in req.messages]
+        fmt = content_format(tok, self.content_format)
+        messages = [history_message(m, fmt) for m in req.messages]
         kwargs = dict(req.chat_template_kwargs or {})
         clash = sorted(_TEMPLATE_ARGS & set(kwargs))
         if clash:

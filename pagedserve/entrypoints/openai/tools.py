@@ -129,13 +129,18 @@ def required_schema(names: list[str], params: list[dict], parallel: bool) -> dic
     return schema
 
 
-def history_message(m: Any) -> dict:
+def history_message(m: Any, content_format: str = "string") -> dict:
     """One request message as the chat template takes it (HF's shape for tool calls: the
-    arguments as an object where they parse as one, as vLLM passes them)."""
+    arguments as an object where they parse as one, as vLLM passes them). content_format
+    (chat_tokens.content_format): "string" joins text parts by newlines; "openai" passes a list of
+    {"type": "text", "text"} parts, a plain string as one part."""
     content = m.content
-    if isinstance(content, list):
+    if content_format == "openai":
+        texts = [content] if isinstance(content, str) else [part.text for part in content or []]
+        content = [{"type": "text", "text": t} for t in texts]
+    elif isinstance(content, list):
         content = "\n".join(part.text for part in content)
-    msg: dict[str, Any] = {"role": m.role, "content": content or ""}
+    msg: dict[str, Any] = {"role": m.role, "content": content or ([] if content_format == "openai" else "")}
     if m.name is not None:
         msg["name"] = m.name
     if m.tool_calls:
