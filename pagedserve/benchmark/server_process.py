@@ -12,7 +12,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import httpx
 
@@ -32,7 +32,7 @@ def _tail(log_path: Path | None, chars: int) -> str:
 
 def wait_until_ready(proc: subprocess.Popen, url: str, timeout: float, *, interval: float = 0.3,
                      request_timeout: float = 2.0, ready: Callable[[httpx.Response], bool] | None = None,
-                     log_path: Path | None = None, log_chars: int = 5000) -> None:
+                     log_path: Path | None = None, log_chars: int = 5000, verify: Any = True) -> None:
     """Poll `url` until it answers 200 (and `ready(response)` holds, when given).
 
     Raises RuntimeError if `proc` exits first or `timeout` seconds pass; the message ends with the
@@ -43,7 +43,7 @@ def wait_until_ready(proc: subprocess.Popen, url: str, timeout: float, *, interv
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}{_tail(log_path, log_chars)}")
         try:
-            r = httpx.get(url, timeout=request_timeout)
+            r = httpx.get(url, timeout=request_timeout, verify=verify)
             if r.status_code == 200 and (ready is None or ready(r)):
                 return
         except (httpx.HTTPError, ValueError):  # not listening yet; a body that is not JSON yet

@@ -159,6 +159,8 @@ def register_serve(sub) -> None:
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name tokens \"token_id:N\" unless a request's return_tokens_as_token_ids "
                         "says otherwise (vLLM's)")
+    from pagedserve.entrypoints.http_options import add_http_args
+    add_http_args(p)
     add_engine_args(p)
     from pagedserve.serving.dp_args import add_dp_args  # hook (issue #15)
     add_dp_args(p)

@@ -178,9 +178,10 @@ def make_server(app: Any, host: str | None = None, port: int | None = None, *,
                 log_level: str = "info", access_log: bool = True,
                 limit_concurrency: int | None = None,
                 max_header_bytes: int = MAX_HEADER_BYTES,
-                header_timeout_s: float = HEADER_TIMEOUT_S) -> GracefulServer:
-    """The hardened uvicorn server; run it with .run() or .run(sockets=[...])."""
-    kw: dict[str, Any] = {}
+                header_timeout_s: float = HEADER_TIMEOUT_S, **uvicorn_kw: Any) -> GracefulServer:
+    """The hardened uvicorn server; run it with .run() or .run(sockets=[...]). uvicorn_kw: more of
+    uvicorn.Config's keywords (TLS and root_path: http_options.uvicorn_options)."""
+    kw: dict[str, Any] = dict(uvicorn_kw)
     if http_stack()["http"] == "httptools":
         kw["http"] = guarded_httptools_protocol(max_header_bytes, header_timeout_s)
     else:

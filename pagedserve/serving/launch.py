@@ -105,6 +105,7 @@ def _server_flags(args: argparse.Namespace) -> list[str]:
 def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_name: str,
                       api_key: str | None) -> int:
     """Serve N replicas of config behind one endpoint until interrupted."""
+    from pagedserve.entrypoints.http_options import add_cors, scheme, uvicorn_options
     from pagedserve.entrypoints.http_server import make_server
     from pagedserve.entrypoints.openai.middleware import default_allowed_hosts
     from pagedserve.serving.frontend import build_dp_app
@@ -132,14 +133,16 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
                                    allowed, args.shutdown_timeout, config.chat_template)
     app = build_dp_app(pool, load_tokenizer(config), config.block_size, api_key=api_key,
                        max_request_bytes=args.max_request_bytes, allowed_hosts=allowed, **hooks)
+    add_cors(app, args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request
     from pagedserve.entrypoints.http_stack import describe
     logger.info("serving %s with %d replicas (mp, %s routing, relayed with %s by %d front-end process(es); %s) "
-                "on http://%s:%d/v1", served_name, args.data_parallel_size, policy.name, pool.relay_client,
-                args.api_server_count, describe(), args.host, args.port)
+                "on %s://%s:%d/v1", served_name, args.data_parallel_size, policy.name, pool.relay_client,
+                args.api_server_count, describe(), scheme(args), args.host, args.port)
     server = make_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
                          on_drain_timeout=app.state.drain.expire,
-                         access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level)
+                         access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level,
+                         **uvicorn_options(args))
     if args.api_server_count == 1:
         server.run()
         return 0
@@ -195,6 +198,13 @@ def run_server_cli(args: Any) -> int:
         raise ValueError(f"max_request_bytes must be >= 1, got {args.max_request_bytes}")
     if args.enable_log_requests and args.disable_log_requests:
         raise ValueError("--enable-log-requests and --disable-log-requests contradict each other")
+    from pagedserve.entrypoints.http_options import asks_http_options, check_http_args
+    check_http_args(args)
+    http_flags = asks_http_options(args)
+    if http_flags and (getattr(args, "api_server_count", 1) > 1 or
+                       (wants_dp(args) and args.data_parallel_backend == "ray")):
+        raise ValueError(f"{http_flags[0]} is served by the single server and the mp front end with "
+                         "--api-server-count 1, not yet by relay workers or Ray Serve")
     api_key = resolve_api_key(args)
     config = engine_config_from_args(args, model)
     from pagedserve.engine.preflight import check_engine_config

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -52,7 +53,8 @@ class Server:
 
 
 def start_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | None = None,
-                 timeout: float = 180.0, port: int | None = None) -> Server:
+                 timeout: float = 180.0, port: int | None = None, tls: Any = None) -> Server:
+    """tls: an ssl.SSLContext trusting the server's certificate, for a server given --ssl-* flags."""
     port = port or free_port()
     cmd = [sys.executable, "-m", "pagedserve.entrypoints.cli", "serve", str(model_dir),
            "--port", str(port), "--device", "cpu", "--dtype", "float32",
@@ -63,9 +65,11 @@ def start_server(model_dir: Path, log_path: Path, *extra: str, api_key: str | No
                TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
     log = open(log_path, "w")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO)
-    server = Server(f"http://127.0.0.1:{port}", "tiny", Path(model_dir), api_key, proc, log_path)
+    scheme = "https" if tls is not None else "http"
+    server = Server(f"{scheme}://127.0.0.1:{port}", "tiny", Path(model_dir), api_key, proc, log_path)
     try:
-        wait_until_ready(proc, server.base_url + "/health", timeout, log_path=log_path)
+        wait_until_ready(proc, server.base_url + "/health", timeout, log_path=log_path,
+                         verify=tls if tls is not None else True)
     except RuntimeError:
         stop_server(server)
         raise

@@ -187,10 +187,10 @@ def chat_options(config: Any) -> dict:
             "content_format": config.chat_template_content_format}
 
 
-def _usage_hint(name: str, host: str, port: int, keyed: bool) -> str:
+def _usage_hint(name: str, host: str, port: int, keyed: bool, scheme: str = "http") -> str:
     """Commands that work as printed; with a key they read it from $PAGEDSERVE_API_KEY, so the
     key itself never lands in the log."""
-    base = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}/v1"
+    base = f"{scheme}://{'127.0.0.1' if host in ('0.0.0.0', '::', '') else host}:{port}/v1"
     auth = ' -H "Authorization: Bearer $PAGEDSERVE_API_KEY"' if keyed else ""
     key = "os.environ['PAGEDSERVE_API_KEY']" if keyed else "'x'"
     first = "  # with PAGEDSERVE_API_KEY set to the server's key:\n" if keyed else ""
@@ -205,6 +205,7 @@ def _usage_hint(name: str, host: str, port: int, keyed: bool) -> str:
 
 def run_single_server(args: Any, config: Any, name: str, api_key: str | None) -> int:
     """`pagedserve serve` with one engine (serving/launch.py picks this, mp or Ray)."""
+    from pagedserve.entrypoints.http_options import add_cors, scheme, uvicorn_options
     from pagedserve.entrypoints.http_server import make_server
     from pagedserve.entrypoints.http_stack import describe
     from pagedserve.entrypoints.openai.middleware import default_allowed_hosts
@@ -216,11 +217,13 @@ def run_single_server(args: Any, config: Any, name: str, api_key: str | None) ->
                     allowed_hosts=allowed, max_waiting_requests=args.max_waiting_requests, config=config,
                     log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
                     return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+    add_cors(app, args)
     # Past --shutdown-timeout, what still runs ends as a clean 503 (streams: error event, [DONE]).
     server = make_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
                          on_drain_timeout=lambda: engine.stop_requests(
                              "the server is shutting down", code="server_shutting_down"),
-                         access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level)
+                         access_log=not args.disable_uvicorn_access_log, log_level=args.uvicorn_log_level,
+                         **uvicorn_options(args))
 
     def exit_soon(error: Exception) -> None:
         logger.error("%s: exiting in %.0f s", error, CORE_DEATH_EXIT_DELAY_S)
@@ -231,9 +234,9 @@ def run_single_server(args: Any, config: Any, name: str, api_key: str | None) ->
     freeze_startup_heap()  # see engine/pauses.py: no full collection walks the start-up heap mid-serving
     set_serving_gc_thresholds()  # and young collections come rarely enough not to promote every stream
     install_gc_pause_log("api server")
-    logger.info("serving %s on http://%s:%d/v1%s (hosts allowed: %s)", name, args.host, args.port,
+    logger.info("serving %s on %s://%s:%d/v1%s (hosts allowed: %s)", name, scheme(args), args.host, args.port,
                 " (API key required)" if api_key else "", ", ".join(allowed))
-    print(_usage_hint(name, args.host, args.port, api_key is not None), flush=True)
+    print(_usage_hint(name, args.host, args.port, api_key is not None, scheme(args)), flush=True)
     try:
         server.run()
     finally:

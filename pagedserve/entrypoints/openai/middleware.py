@@ -81,6 +81,15 @@ class BodyLimitMiddleware:
         await self.app(scope, replay, send)
 
 
+def route_path(scope: dict) -> str:
+    """The path routes match: without the --root-path prefix uvicorn puts in front of it (so
+    /llm/v1/models under --root-path /llm is /v1/models, and needs the key as /v1/models does)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):  # as Starlette's routing
+        return path[len(root):]
+    return path
+
+
 class APIKeyMiddleware:
     """With an API key set, /v1/* needs `Authorization: Bearer <key>`; health and metrics stay open."""
 
@@ -89,7 +98,7 @@ class APIKeyMiddleware:
         self.expected = f"Bearer {api_key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(_V1):
+        if scope["type"] == "http" and route_path(scope).startswith(_V1):
             got = dict(scope.get("headers", [])).get(b"authorization", b"")
             if not hmac.compare_digest(got, self.expected):
                 return await error_response(401, "Incorrect or missing API key: send it as "
