@@ -8,8 +8,9 @@ user opens could read this server's answers through the browser, which the Host 
 (middleware.HostCheckMiddleware, against DNS rebinding) exists to prevent. A vLLM command line
 that passes the flags gets what it asks for.
 
-Served by the single server and the data-parallel front end; the relay workers of
---api-server-count > 1 and Ray Serve's proxy do not take them yet (refused in one line).
+Served by the single server and the data-parallel front end with its relay workers
+(--api-server-count > 1: each worker gets them back as flags, http_argv); Ray Serve's proxy does
+not take them yet (refused in one line).
 """
 from __future__ import annotations
 
@@ -45,12 +46,26 @@ def add_http_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-headers", type=_json_list, default=["*"], help="CORS: JSON list of headers")
 
 
+_DEFAULTS = (("ssl_keyfile", None), ("ssl_certfile", None), ("ssl_ca_certs", None), ("ssl_cert_reqs", 0),
+             ("root_path", ""), ("allowed_origins", []), ("allow_credentials", False),
+             ("allowed_methods", ["*"]), ("allowed_headers", ["*"]))
+
+
 def asks_http_options(args: Any) -> list[str]:
     """The flags of this module that differ from their defaults, as typed."""
-    return [f"--{k.replace('_', '-')}" for k, default in (
-        ("ssl_keyfile", None), ("ssl_certfile", None), ("ssl_ca_certs", None), ("ssl_cert_reqs", 0),
-        ("root_path", ""), ("allowed_origins", []), ("allow_credentials", False))
-        if getattr(args, k, default) != default]
+    return [f"--{k.replace('_', '-')}" for k, default in _DEFAULTS if getattr(args, k, default) != default]
+
+
+def http_argv(args: Any) -> list[str]:
+    """The same flags again, for a process that serves the same port (a relay worker)."""
+    out: list[str] = []
+    for k, default in _DEFAULTS:
+        v = getattr(args, k, default)
+        if v == default:
+            continue
+        flag = f"--{k.replace('_', '-')}"
+        out += [flag] if v is True else [flag, json.dumps(v) if isinstance(v, list) else str(v)]
+    return out
 
 
 def check_http_args(args: Any) -> None:

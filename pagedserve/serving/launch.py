@@ -105,7 +105,7 @@ def _server_flags(args: argparse.Namespace) -> list[str]:
 def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_name: str,
                       api_key: str | None) -> int:
     """Serve N replicas of config behind one endpoint until interrupted."""
-    from pagedserve.entrypoints.http_options import add_cors, scheme, uvicorn_options
+    from pagedserve.entrypoints.http_options import add_cors, http_argv, scheme, uvicorn_options
     from pagedserve.entrypoints.http_server import make_server
     from pagedserve.entrypoints.openai.middleware import default_allowed_hosts
     from pagedserve.serving.frontend import build_dp_app
@@ -130,7 +130,7 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
         from pagedserve.serving.relay_worker import relay_worker_hooks
         hooks = relay_worker_hooks(pool, args.api_server_count, args.host, args.port, tokenizer_path(config),
                                    config.block_size, args.max_request_bytes, api_key, replica_key,
-                                   allowed, args.shutdown_timeout, config.chat_template)
+                                   allowed, args.shutdown_timeout, config.chat_template, http_argv(args))
     app = build_dp_app(pool, load_tokenizer(config), config.block_size, api_key=api_key,
                        max_request_bytes=args.max_request_bytes, allowed_hosts=allowed, **hooks)
     add_cors(app, args)
@@ -201,10 +201,8 @@ def run_server_cli(args: Any) -> int:
     from pagedserve.entrypoints.http_options import asks_http_options, check_http_args
     check_http_args(args)
     http_flags = asks_http_options(args)
-    if http_flags and (getattr(args, "api_server_count", 1) > 1 or
-                       (wants_dp(args) and args.data_parallel_backend == "ray")):
-        raise ValueError(f"{http_flags[0]} is served by the single server and the mp front end with "
-                         "--api-server-count 1, not yet by relay workers or Ray Serve")
+    if http_flags and wants_dp(args) and args.data_parallel_backend == "ray":
+        raise ValueError(f"{http_flags[0]} is not supported with --data-parallel-backend ray yet (mp takes it)")
     api_key = resolve_api_key(args)
     config = engine_config_from_args(args, model)
     from pagedserve.engine.preflight import check_engine_config

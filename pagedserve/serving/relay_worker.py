@@ -232,13 +232,16 @@ class RelayWorkers:
     def __init__(self, count: int, host: str, port: int, route_address: str, tokenizer: str | None,
                  block_size: int, max_request_bytes: int, api_key: str | None = None,
                  replica_key: str | None = None, allowed_hosts: list[str] | None = None,
-                 shutdown_timeout: float = 10.0, chat_template: str | None = None) -> None:
+                 shutdown_timeout: float = 10.0, chat_template: str | None = None,
+                 http_flags: Sequence[str] = ()) -> None:
+        """http_flags: the front end's TLS, root-path and CORS flags (http_options.http_argv)."""
         self.cmds = [[sys.executable, "-m", "pagedserve.serving.relay_worker", "--host", host, "--port", str(port),
                       "--route-address", route_address, "--name", str(k), "--block-size", str(block_size),
                       "--max-request-bytes", str(max_request_bytes), "--shutdown-timeout", str(shutdown_timeout),
                       *(["--allowed-hosts", *allowed_hosts] if allowed_hosts else []),
                       *(["--tokenizer", tokenizer] if tokenizer else []),
-                      *(["--chat-template", chat_template] if tokenizer and chat_template else [])]
+                      *(["--chat-template", chat_template] if tokenizer and chat_template else []),
+                      *http_flags]
                      for k in range(1, count + 1)]
         # The workers check the API key too, and send the replicas' own: both go through their
         # environment, not their argv.
@@ -301,7 +304,7 @@ def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: st
                        tokenizer: str | None, block_size: int, max_request_bytes: int,
                        api_key: str | None, replica_key: str | None = None,
                        allowed_hosts: list[str] | None = None, shutdown_timeout: float = 10.0,
-                       chat_template: str | None = None) -> dict:
+                       chat_template: str | None = None, http_flags: Sequence[str] = ()) -> dict:
     """build_dp_app's after_start / before_stop for api_server_count > 1: the route service and
     the relay workers start once the replicas are live, and stop before they do."""
     import shutil
@@ -312,7 +315,7 @@ def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: st
     folder = tempfile.mkdtemp(prefix="pagedserve-route-")
     address = f"ipc://{folder}/route"
     workers = RelayWorkers(api_server_count - 1, host, port, address, tokenizer, block_size, max_request_bytes,
-                           api_key, replica_key, allowed_hosts, shutdown_timeout, chat_template)
+                           api_key, replica_key, allowed_hosts, shutdown_timeout, chat_template, http_flags)
     state: dict = {}
 
     async def after_start() -> None:
@@ -342,6 +345,8 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-request-bytes", type=int, required=True)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
     p.add_argument("--allowed-hosts", nargs="+", default=None)
+    from pagedserve.entrypoints.http_options import add_http_args
+    add_http_args(p)
     return p.parse_args(argv)
 
 
@@ -359,9 +364,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = build_dp_app(pool, load_tokenizer_path(args.tokenizer, args.chat_template), args.block_size,
                        api_key=os.environ.get("PAGEDSERVE_API_KEY"), max_request_bytes=args.max_request_bytes,
                        allowed_hosts=args.allowed_hosts)
+    from pagedserve.entrypoints.http_options import add_cors, uvicorn_options
+    add_cors(app, args)
     sock = reuse_port_socket(args.host, args.port)
     server = make_server(app, shutdown_timeout=args.shutdown_timeout, on_drain_timeout=app.state.drain.expire,
-                         log_level="warning")
+                         log_level="warning", **uvicorn_options(args))
     server.run(sockets=[sock])
     return 0
 

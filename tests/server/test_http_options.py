@@ -98,3 +98,19 @@ def test_bad_combinations_are_one_line(argv, match):
 def test_origins_must_be_a_json_list():
     with pytest.raises(argparse.ArgumentError, match="JSON list of strings"):
         _parse("--allowed-origins", "*")
+
+
+def test_relay_workers_get_the_same_flags_back():
+    """--api-server-count > 1: every relay worker serves the port as the front end does."""
+    from pagedserve.entrypoints.http_options import http_argv
+    from pagedserve.serving.relay_worker import parse_worker_args
+    argv = ["--ssl-keyfile", "k.pem", "--ssl-certfile", "c.pem", "--root-path", "/llm",
+            "--allowed-origins", '["https://a.example", "https://b.example"]', "--allow-credentials",
+            "--allowed-methods", '["POST"]']
+    front = _parse(*argv)
+    worker = parse_worker_args(["--host", "h", "--port", "1", "--route-address", "ipc://x", "--name", "1",
+                                "--block-size", "16", "--max-request-bytes", "10", *http_argv(front)])
+    for k in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs", "root_path", "allowed_origins",
+              "allow_credentials", "allowed_methods", "allowed_headers"):
+        assert getattr(worker, k) == getattr(front, k), k
+    assert http_argv(_parse()) == []
