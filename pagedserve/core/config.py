@@ -16,6 +16,9 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_allocator: str = "paged"
     cache_dtype: str = "auto"        # the pools' element type by name (bfloat16, fp8_e4m3, ...), for stats
+    # Every layer's sliding window when all layers share one (0: some layer sees everything):
+    # blocks wholly before a sequence's window go back to the pool (kv_cache_manager.py).
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:

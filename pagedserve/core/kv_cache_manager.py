@@ -1,7 +1,7 @@
 """KVCacheManager: per-sequence block tables over a device BlockPool (and a CPU pool for swap).
 
 Invariants kept here (and checked by tests/core):
-- sum of ref counts of device blocks == number of device block-table entries;
+- sum of ref counts of device blocks == number of device block-table entries that hold a block;
 - a sequence's table covers exactly ceil(slots / block_size) blocks, where slots is the
   number of tokens allocated for it (all known tokens at admission, then one per decode);
 - a block written this step has ref_cnt 1: a shared block in the write range is first
@@ -14,6 +14,12 @@ Invariants kept here (and checked by tests/core):
   min(computed, known) tokens, and a proposed token is neither known (it is not in the
   sequence's token ids) nor counted computed after the rollback. What a lookahead cannot undo:
   a cached-free block it took was evicted (as any allocation evicts).
+- sliding_window w > 0 (every layer attends to its last w positions only): before a sequence's
+  slots are appended, the blocks wholly before its window, index < (computed - w + 1) // block_size,
+  go back to the pool (cached-free where hashed, so a later prompt can still reuse them) and their
+  entries become None. Its block ids (block_table_view) keep the old ids there: the kernels read
+  those positions only under the window's mask, and every block holds finite values (the device
+  pool starts zeroed, every write is finite), so p = 0 times whatever is there adds nothing.
 """
 from __future__ import annotations
 
@@ -25,6 +31,11 @@ from pagedserve.core.free_queue import KVCacheBlock
 from pagedserve.core.stats import MemoryBreakdown, SeqKVLayout, breakdown_from_tables
 from pagedserve.core.table_log import TableChangeLog
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def _ids(table: list[KVCacheBlock | None]) -> list[int]:
+    """Block ids of a table; an entry freed past the window reads block 0 (never unmasked)."""
+    return [0 if b is None else b.block_id for b in table]
 
 
 class AllocStatus(enum.Enum):
@@ -42,15 +53,18 @@ class KVCacheManager:
     supports_fork = True
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int = 0,
-                 enable_prefix_caching: bool = True, watermark: float = 0.01) -> None:
+                 enable_prefix_caching: bool = True, watermark: float = 0.01, sliding_window: int = 0) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window
+        # seq_id -> how many leading entries of its table the window has freed (None entries)
+        self._window_freed: dict[int, int] = {}
         self.num_gpu_blocks = num_gpu_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_gpu_blocks, enable_caching=enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False)
         # Admission keeps this many blocks spare so running sequences can grow a little first.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.block_tables: dict[int, list[KVCacheBlock]] = {}
+        self.block_tables: dict[int, list[KVCacheBlock | None]] = {}
         # The same device tables as block ids, kept in step with block_tables so the scheduler
         # hands the runner a table without rebuilding it (O(1) per sequence per step).
         self._block_ids: dict[int, list[int]] = {}
@@ -68,7 +82,10 @@ class KVCacheManager:
 
     # ---- queries -------------------------------------------------------------------
     def get_block_table(self, seq: Sequence) -> list[int]:
-        """A copy of the seq's device block ids."""
+        """A copy of the seq's device block ids: the blocks it holds (entries a sliding window freed
+        are left out; block_table_view, what the kernels read, keeps them)."""
+        if self._window_freed.get(seq.seq_id):
+            return [b.block_id for b in self.block_tables[seq.seq_id] if b is not None]
         return list(self._block_ids[seq.seq_id])
 
     def block_table_view(self, seq: Sequence) -> list[int]:
@@ -78,7 +95,7 @@ class KVCacheManager:
 
     def _set_table(self, sid: int, table: list[KVCacheBlock]) -> None:
         self.block_tables[sid] = table
-        self._block_ids[sid] = [b.block_id for b in table]
+        self._block_ids[sid] = _ids(table)
         if self.table_log is not None:
             self.table_log.replaced(sid)
 
@@ -224,6 +241,9 @@ class KVCacheManager:
         bs = self.block_size
         tables = self.block_tables
         cap = self.num_gpu_blocks
+        if self.sliding_window:
+            for s in seqs:
+                self.free_past_window(s)
         grow: list[Sequence] = []
         for s in seqs:
             table = tables[s.seq_id]
@@ -246,6 +266,8 @@ class KVCacheManager:
         """Make slots [num_computed, num_computed + n + lookahead) writable; returns COW (src, dst)
         pairs. The last num_lookahead_tokens slots hold proposed, unverified tokens: after the
         step, free_rejected_slots gives back what they needed beyond the verified ones."""
+        if self.sliding_window:
+            self.free_past_window(seq)
         if num_lookahead_tokens:
             self._lookahead_from[seq.seq_id] = len(self.block_tables[seq.seq_id])
             num_new_tokens += num_lookahead_tokens
@@ -286,6 +308,20 @@ class KVCacheManager:
             self._note_usage()
         return copies
 
+    def free_past_window(self, seq: Sequence) -> None:
+        """Give back the blocks wholly before the seq's window (see the module docstring): the
+        positions its next computed token can see start at num_computed - sliding_window + 1."""
+        sid = seq.seq_id
+        start = max(0, seq.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        done = self._window_freed.get(sid, 0)
+        if start <= done:
+            return
+        table = self.block_tables[sid]
+        gone = [b for b in table[done:start] if b is not None]
+        table[done:start] = [None] * (start - done)
+        self._window_freed[sid] = start
+        self.pool.free_blocks(reversed(gone))  # the prefix last into the queue: evicted last
+
     def free_rejected_slots(self, seq: Sequence) -> None:
         """After a lookahead step, with seq.num_computed_tokens already counting only the verified
         tokens: the blocks the lookahead added past those go back to the pool (head of the free
@@ -305,8 +341,10 @@ class KVCacheManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child shares every block of the parent; writes are copied on demand."""
         table = self.block_tables[parent.seq_id]
-        self.pool.incr_ref(table)
+        self.pool.incr_ref(b for b in table if b is not None)
         self._set_table(child.seq_id, list(table))
+        if parent.seq_id in self._window_freed:
+            self._window_freed[child.seq_id] = self._window_freed[parent.seq_id]
         self._seqs[child.seq_id] = child
         self._block_hashes[child.seq_id] = list(self._block_hashes.get(parent.seq_id, []))
         self._num_cached_blocks[child.seq_id] = self._num_cached_blocks.get(parent.seq_id, 0)
@@ -325,7 +363,8 @@ class KVCacheManager:
             return
         hashes = self._hashes(seq, full)
         for i in range(done, full):
-            self.pool.cache_full_block(table[i], hashes[i])
+            if table[i] is not None:  # None: freed past the window before it was cached
+                self.pool.cache_full_block(table[i], hashes[i])
         self._num_cached_blocks[seq.seq_id] = full
 
     # ---- release -------------------------------------------------------------------
@@ -333,7 +372,7 @@ class KVCacheManager:
         """Release the seq's device or CPU blocks; the tail goes first into the eviction queue."""
         sid = seq.seq_id
         if sid in self.block_tables:
-            self.pool.free_blocks(reversed(self.block_tables.pop(sid)))
+            self.pool.free_blocks(b for b in reversed(self.block_tables.pop(sid)) if b is not None)
             del self._block_ids[sid]
             if self.table_log is not None:
                 self.table_log.removed(sid)
@@ -341,6 +380,7 @@ class KVCacheManager:
             self.cpu_pool.free_blocks(reversed(self.cpu_block_tables.pop(sid)))
         self._seqs.pop(sid, None)
         self._lookahead_from.pop(sid, None)
+        self._window_freed.pop(sid, None)
         self._block_hashes.pop(sid, None)
         self._num_cached_blocks.pop(sid, None)
 
@@ -352,7 +392,8 @@ class KVCacheManager:
         out: dict[int, KVCacheBlock] = {}
         for t in tables:
             for b in t:
-                out.setdefault(b.block_id, b)
+                if b is not None:
+                    out.setdefault(b.block_id, b)
         return out
 
     def _group_seqs(self, group: SequenceGroup, tables: dict) -> list[Sequence]:
@@ -382,7 +423,7 @@ class KVCacheManager:
     def swap_in(self, group: SequenceGroup) -> list[tuple[int, int]]:
         mapping = self._move(group, self.cpu_block_tables, self.block_tables, self.cpu_pool, self.pool)
         for seq in self._group_seqs(group, self.block_tables):
-            self._block_ids[seq.seq_id] = [b.block_id for b in self.block_tables[seq.seq_id]]
+            self._block_ids[seq.seq_id] = _ids(self.block_tables[seq.seq_id])
             if self.table_log is not None:
                 self.table_log.replaced(seq.seq_id)
             self._num_cached_blocks[seq.seq_id] = 0
@@ -397,6 +438,9 @@ class KVCacheManager:
         for seq in seqs:
             new_table = []
             for b in src_tables[seq.seq_id]:
+                if b is None:  # freed past the window: nothing to move
+                    new_table.append(None)
+                    continue
                 if b.block_id in mapping:
                     dst_pool.incr_ref([mapping[b.block_id]])
                 else:
@@ -404,7 +448,7 @@ class KVCacheManager:
                 new_table.append(mapping[b.block_id])
             dst_tables[seq.seq_id] = new_table
         for seq in seqs:
-            src_pool.free_blocks(reversed(src_tables.pop(seq.seq_id)))
+            src_pool.free_blocks(b for b in reversed(src_tables.pop(seq.seq_id)) if b is not None)
         return [(src, dst.block_id) for src, dst in mapping.items()]
 
     # ---- statistics -------------------------------------------------------------------
@@ -435,18 +479,21 @@ class KVCacheManager:
     def cpu_block_table(self, seq: Sequence) -> list[int] | None:
         """The seq's CPU block ids while it is swapped out, else None."""
         table = self.cpu_block_tables.get(seq.seq_id)
-        return None if table is None else [b.block_id for b in table]
+        return None if table is None else _ids(table)
 
     def seq_layouts(self) -> list[SeqKVLayout]:
         """A snapshot of every device block table (for figures and sharing counts)."""
-        return [SeqKVLayout(sid, [b.block_id for b in t], self._seqs[sid].num_computed_tokens,
-                            self._seqs[sid].num_tokens)
-                for sid, t in self.block_tables.items()]
+        out = []
+        for sid, t in self.block_tables.items():
+            gone = self._window_freed.get(sid, 0) * self.block_size  # tokens whose blocks went back
+            out.append(SeqKVLayout(sid, [b.block_id for b in t if b is not None],
+                                   self._seqs[sid].num_computed_tokens - gone, self._seqs[sid].num_tokens - gone))
+        return out
 
     def memory_breakdown(self, waiting_head: SequenceGroup | None = None) -> MemoryBreakdown:
         """Paged: slots of known-but-uncomputed tokens are reserved, the rest of a block is
         internal fragmentation; free blocks are always usable, so no external fragmentation."""
-        entries = [([b.block_id for b in t], self._seqs[sid].num_computed_tokens, self._seqs[sid].num_tokens,
-                    any(b.ref_cnt > 1 for b in t))
-                   for sid, t in self.block_tables.items()]
+        entries = [(layout.block_ids, layout.num_computed_tokens, layout.horizon,
+                    any(b is not None and b.ref_cnt > 1 for b in self.block_tables[layout.seq_id]))
+                   for layout in self.seq_layouts()]
         return breakdown_from_tables(entries, self.block_size)

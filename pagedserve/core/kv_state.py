@@ -74,8 +74,9 @@ def kv_cache_state(scheduler: Any) -> dict[str, Any]:
                 requests.append({"request_id": g.request_id, "status": status,
                                  "prompt_len": len(g.prompt_token_ids),
                                  "max_tokens": g.sampling_params.max_tokens, "seqs": seqs})
-    if STATE_CODES["shared"] in states:
-        stats.num_live_tokens = mgr.memory_breakdown().token_states  # shared blocks count once
+    if STATE_CODES["shared"] in states or getattr(mgr, "sliding_window", 0):
+        # shared blocks count once; a sliding window's freed blocks not at all
+        stats.num_live_tokens = mgr.memory_breakdown().token_states
     else:  # the same number without walking every table: no block is counted twice
         stats.num_live_tokens = sum(s["num_computed_tokens"] for r in requests for s in r["seqs"]
                                     if s["where"] == "gpu")

@@ -55,7 +55,8 @@ def make_kv_cache_manager(cache_config: CacheConfig, max_model_len: int):
     """The KV manager named by cache_config.kv_allocator."""
     if cache_config.kv_allocator == "paged":
         return KVCacheManager(cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks,
-                              enable_prefix_caching=cache_config.enable_prefix_caching)
+                              enable_prefix_caching=cache_config.enable_prefix_caching,
+                              sliding_window=cache_config.sliding_window)
     mode = cache_config.kv_allocator.split("-", 1)[1]
     return ContiguousKVCacheManager(cache_config.block_size, cache_config.num_gpu_blocks, max_model_len, mode)
 

@@ -105,7 +105,10 @@ class LLMEngine(StepPipeline, TokenApplication):
                                         num_cpu_blocks=num_cpu_blocks,
                                         enable_prefix_caching=config.enable_prefix_caching,
                                         kv_allocator=config.kv_allocator,
-                                        cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype, self.dtype))
+                                        cache_dtype=kv_cache_dtype_name(config.kv_cache_dtype, self.dtype),
+                                        # a draft model attends to the whole context through the same tables
+                                        sliding_window=0 if draft is not None else
+                                        int(self.runner.profile.get("sliding_window_all_layers", 0)))
         self.scheduler_config = config.scheduler_config(max_model_len)
         # Unset (None), the two long-prompt chunk rules follow the Hopper long-prefill path: on where
         # the runner turned it on (it reports the path's prefix bucket), where they were measured.

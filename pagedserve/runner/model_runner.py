@@ -124,6 +124,9 @@ class ModelRunner:
         # where it is on, the engine's long-prompt chunk rules follow its prefix bucket. Off (length 0)
         # when every layer has a sliding window: none would take the path, nor cost more at length.
         full_layers = any(m.sliding_window == 0 for m in attn)
+        if not full_layers and len({m.sliding_window for m in attn}) == 1:
+            # One window for every layer: the KV manager can free the blocks before it (CacheConfig).
+            self.profile["sliding_window_all_layers"] = attn[0].sliding_window
         if gathered_prefill.configure(self.device, self.max_model_len if full_layers else 0, self.num_kv_heads,
                                       self.head_dim, self.kv_dtype) is not None:
             self.profile["long_prefill_bucket"] = gathered_prefill.PREFIX_BUCKET

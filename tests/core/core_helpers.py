@@ -23,9 +23,11 @@ def make_scheduler(num_gpu_blocks: int, block_size: int = 4, num_cpu_blocks: int
                    enable_prefix_caching: bool = True, kv_allocator: str = "paged",
                    watermark: float = 0.0, long_prefill_token_threshold: int = 0,
                    attention_cost_context: int = 0, long_prefill_chunk_align: int = 0,
-                   attention_cost_min_tokens: int = 0, long_prefill_drain: int = 0) -> Scheduler:
+                   attention_cost_min_tokens: int = 0, long_prefill_drain: int = 0,
+                   sliding_window: int = 0) -> Scheduler:
     cache = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
-                        enable_prefix_caching=enable_prefix_caching, kv_allocator=kv_allocator)
+                        enable_prefix_caching=enable_prefix_caching, kv_allocator=kv_allocator,
+                        sliding_window=sliding_window)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
                             preemption_mode=preemption_mode,
@@ -44,11 +46,13 @@ class ShadowKV:
     """What the runner's memory would hold: per physical block, the token id written in each slot.
 
     Applies a SchedulerOutput in the runner's order (swap out, swap in, copy, then writes) and
-    checks that every scheduled sequence then sees exactly its own tokens through its table.
+    checks that every scheduled sequence then sees exactly its own tokens through its table; with
+    a sliding window w, the positions its rows see: from its first row's position - w + 1 on.
     """
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, window: int = 0) -> None:
         self.bs = block_size
+        self.window = window
         self.gpu: dict[int, list] = {}
         self.cpu: dict[int, list] = {}
 
@@ -66,8 +70,9 @@ class ShadowKV:
                 blk[pos % self.bs] = toks[pos]
         for ss in out.scheduled:
             toks = ss.seq.token_ids
-            seen = [self.gpu[ss.block_table[p // self.bs]][p % self.bs] for p in range(ss.context_len)]
-            assert seen == toks[:ss.context_len], f"seq {ss.seq.seq_id} attends to the wrong KV"
+            first = max(0, ss.start - self.window + 1) if self.window else 0
+            seen = [self.gpu[ss.block_table[p // self.bs]][p % self.bs] for p in range(first, ss.context_len)]
+            assert seen == toks[first:ss.context_len], f"seq {ss.seq.seq_id} attends to the wrong KV"
 
 
 def check_write_targets(sched: Scheduler, out: SchedulerOutput) -> None:
@@ -121,11 +126,18 @@ def check_invariants(sched: Scheduler) -> None:
         refs = {}
         for t in tables.values():
             for b in t:
-                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+                if b is not None:  # freed past the sliding window
+                    refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in pool.blocks:
             assert b.ref_cnt == refs.get(b.block_id, 0), f"block {b.block_id} ref {b.ref_cnt} != entries"
     # The block-id mirror the scheduler hands the runner matches the block objects.
-    assert {sid: [b.block_id for b in t] for sid, t in mgr.block_tables.items()} == mgr._block_ids
+    # (entries freed past a sliding window keep whatever id they had: read only under the mask)
+    assert {sid: [b.block_id for b in t if b is not None] for sid, t in mgr.block_tables.items()} == \
+        {sid: [i for b, i in zip(mgr.block_tables[sid], ids) if b is not None] for sid, ids in mgr._block_ids.items()}
+    for sid, t in mgr.block_tables.items():  # freed entries lead the table, and only where the window passed
+        freed = mgr._window_freed.get(sid, 0)
+        assert all(b is None for b in t[:freed]) and all(b is not None for b in t[freed:])
+        assert not freed or mgr.sliding_window
     live_ids = set()
     for g in groups:
         for s in g.seqs:
@@ -155,7 +167,7 @@ class Driver:
     def __init__(self, sched: Scheduler, seed: int = 0) -> None:
         import random
         self.sched = sched
-        self.shadow = ShadowKV(sched.block_size)
+        self.shadow = ShadowKV(sched.block_size, getattr(sched.kv_cache_manager, "sliding_window", 0))
         self.rng = random.Random(seed)
         self.finished: list[SequenceGroup] = []
         self.ignored: list[SequenceGroup] = []

@@ -24,17 +24,20 @@ class SchedulerMachine(RuleBasedStateMachine):
         max_num_seqs=st.sampled_from([2, 8]),
         prefix_caching=st.booleans(),
         chunked=st.booleans(),
+        window=st.sampled_from([0, 0, 1, 3, 8]),
     )
     def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, mode, allocator, budget, max_num_seqs,
-              prefix_caching, chunked):
+              prefix_caching, chunked, window):
         self.max_model_len = 48
         if not chunked:
             budget = max(budget, self.max_model_len)
         self.paged = allocator == "paged"
+        window = window if self.paged else 0  # (the engine sets one only for the paged allocator)
         sched = make_scheduler(num_gpu_blocks, block_size, num_cpu_blocks, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=budget, max_model_len=self.max_model_len,
                                preemption_mode=mode, enable_chunked_prefill=chunked,
-                               enable_prefix_caching=prefix_caching, kv_allocator=allocator, watermark=0.0)
+                               enable_prefix_caching=prefix_caching, kv_allocator=allocator, watermark=0.0,
+                               sliding_window=window)
         self.driver = Driver(sched)
         self.next_id = 0
 

@@ -276,3 +276,65 @@ def test_block_hashes_chain_over_prompt_and_output_tokens():
             prev = hash_block_tokens(prev, toks[4 * i:4 * i + 4])
             want.append(prev)
         assert got == want
+
+
+def test_sliding_window_frees_the_blocks_before_it():
+    """Window 6, blocks of 4: before a step whose first position is p, the blocks wholly before
+    p - 5 go back (cached-free: a later prompt still hits them); the kernels' view keeps their ids."""
+    m = KVCacheManager(block_size=4, num_gpu_blocks=8, enable_prefix_caching=True, watermark=0.0, sliding_window=6)
+    g = make_group("a", list(range(10)))
+    seq = g.seqs[0]
+    m.allocate(g)
+    compute(m, seq)                      # 10 computed: the next row (position 10) sees 5..10
+    seq.append_token(99)
+    m.append_slots(seq, 1)
+    assert m.block_tables[seq.seq_id][0] is None and m.get_block_table(seq) == [1, 2]
+    assert m.block_table_view(seq) == [0, 1, 2]          # what the kernels read: masked there
+    assert m.block_states()[:3] == "cuu" and refs(m, [1, 2]) == [1, 1]
+    for _ in range(3):                   # positions 11..13: 13 sees 8..13, so block 1 (4..7) goes
+        compute(m, seq)
+        seq.append_token(98)
+        m.append_slots(seq, 1)
+    assert m.get_block_table(seq) == [2, 3] and m.block_table_view(seq) == [0, 1, 2, 3]
+    assert m.memory_breakdown().token_states == 13 - 8  # the live blocks' computed tokens
+    check_pool(m.pool)
+    # A new prompt with the same first 8 tokens revives the freed, cached blocks.
+    h = make_group("b", list(range(8)) + [5, 5, 5])
+    assert m.can_allocate(h) is AllocStatus.OK
+    m.allocate(h)
+    assert m.get_block_table(h.seqs[0])[:2] == [0, 1] and h.seqs[0].num_computed_tokens == 8
+    m.free(seq)
+    m.free(h.seqs[0])
+    assert m.pool.get_num_used_blocks() == 0
+    check_pool(m.pool)
+
+
+def test_sliding_window_fork_and_swap_carry_the_freed_entries():
+    m = KVCacheManager(block_size=2, num_gpu_blocks=8, num_cpu_blocks=8, enable_prefix_caching=False,
+                       watermark=0.0, sliding_window=2)
+    g = make_group("a", list(range(6)), n=2)
+    p = g.seqs[0]
+    m.allocate(g)
+    compute(m, p)                        # position 6 sees 5..6: blocks 0 and 1 go
+    p.append_token(1)
+    m.append_slots(p, 1)
+    assert m.get_block_table(p) == [2, 3]
+    c = p.fork()
+    m.fork(p, c)
+    g.seqs.append(c)
+    assert refs(m, [2, 3]) == [2, 2] and m.block_tables[c.seq_id][:2] == [None, None]
+    for s in g.seqs:
+        s.status = SequenceStatus.RUNNING
+    mapping = m.swap_out(g)
+    assert sorted(src for src, _ in mapping) == [2, 3]   # only the live blocks move
+    assert m.cpu_block_tables[p.seq_id][:2] == [None, None]
+    for s in g.seqs:
+        s.status = SequenceStatus.SWAPPED
+    m.swap_in(g)
+    assert len(m.get_block_table(p)) == 2 and m.pool.get_num_used_blocks() == 2
+    assert m.block_table_view(p)[:2] == [0, 0]           # swapped in: freed entries read block 0
+    for s in g.seqs:
+        m.free(s)
+    assert m.pool.get_num_used_blocks() == 0 and m.cpu_pool.get_num_used_blocks() == 0
+    check_pool(m.pool)
+    check_pool(m.cpu_pool)

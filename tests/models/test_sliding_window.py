@@ -80,8 +80,9 @@ def _hf_greedy(path, prompt, n):
 
 
 def _ours(path, device, **kw):
-    return LLM(str(path), device=device, dtype="float32", num_gpu_blocks_override=64, swap_space=0.01,
-               block_size=4, max_num_batched_tokens=16, max_num_seqs=4, **kw)
+    kw = dict(dict(num_gpu_blocks_override=64, swap_space=0.01, block_size=4, max_num_batched_tokens=16,
+                   max_num_seqs=4), **kw)
+    return LLM(str(path), device=device, dtype="float32", **kw)
 
 
 def _prompt(n, seed):
@@ -102,6 +103,47 @@ def test_engine_matches_hf_past_the_window(windowed_dirs, arch, device):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == expected
+
+
+def _poison_freed_blocks(llm):
+    """Overwrite each block the window frees at once, as if another sequence had taken it: a block
+    freed while some position the kernels do not mask still lived in it changes the tokens. (A
+    large finite value: every block always holds finite values, which masked reads rely on.)"""
+    mgr = llm.llm_engine.scheduler.kv_cache_manager
+    pool = llm.llm_engine.runner.cache_engine.gpu_pool
+    free_past_window = mgr.free_past_window
+
+    def poisoning(seq):
+        before = list(mgr.block_tables[seq.seq_id])
+        free_past_window(seq)
+        gone = [b.block_id for b, now in zip(before, mgr.block_tables[seq.seq_id]) if b is not None and now is None]
+        pool[:, :, gone] = 1e4
+    mgr.free_past_window = poisoning
+
+
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("arch", ["mistral", "qwen2"])
+def test_blocks_before_the_window_go_back_to_the_pool(windowed_dirs, arch, device):
+    """Every layer windowed (Mistral): a sequence holds only the blocks its window reaches, so three
+    requests of 9 + 40 tokens (13 blocks each) run side by side in 13 blocks, greedy-equal to HF
+    with no preemption; each freed block is overwritten at once (_poison_freed_blocks). Qwen2's full-attention layer
+    needs every block: none is freed, and the same requests take turns."""
+    windowed, _ = windowed_dirs[arch]
+    prompts = [_prompt(9, 5), _prompt(9, 6), _prompt(9, 7)]
+    llm = _ours(windowed, device, num_gpu_blocks_override=13, enable_prefix_caching=False, async_scheduling=False)
+    _poison_freed_blocks(llm)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == [_hf_greedy(windowed, p, 40) for p in prompts]
+    stats = llm.get_kv_cache_stats()
+    assert stats.num_blocks_used == 0
+    if arch == "mistral":
+        assert llm.llm_engine.cache_config.sliding_window == WINDOW
+        # each: its window's 2-3 blocks (8 positions, 4 a block) and the one being written
+        assert stats.peak_blocks_used <= 3 * 4 and stats.num_preemptions == 0
+    else:
+        assert llm.llm_engine.cache_config.sliding_window == 0
+        assert stats.peak_blocks_used > 12 and stats.num_preemptions > 0
 
 
 @pytest.mark.parametrize("arch", list(WINDOWED))
