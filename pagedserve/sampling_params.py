@@ -90,6 +90,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    # Added to the logits before any filter (OpenAI's: token id -> bias in [-100, 100]); logprobs
+    # stay the model's raw ones, as for every other processing.
+    logit_bias: dict[int, float] | None = None
+    # Only these tokens may be drawn (vLLM's).
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -143,6 +148,17 @@ class SamplingParams:
                 bad(name, ">= 0")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", "in [0, 2**63)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or not all(
+                    isinstance(t, int) and not isinstance(t, bool) for t in self.logit_bias):
+                raise ValueError(f"logit_bias must map token ids (integers) to biases, got {self.logit_bias!r}")
+            bad_bias = [b for b in self.logit_bias.values() if not -100.0 <= b <= 100.0]
+            if bad_bias:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bad_bias[0]!r}")
+        if self.allowed_token_ids is not None and (
+                not self.allowed_token_ids or
+                not all(isinstance(t, int) and not isinstance(t, bool) for t in self.allowed_token_ids)):
+            raise ValueError("allowed_token_ids must be a non-empty list of token ids")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
         if self.best_of > 1 and self.temperature == 0.0 and self.n > 1:

@@ -112,6 +112,8 @@ class InputProcessor:
         text, ids = self.prompt_ids(prompt)
         self.check_token_ids("prompt_token_ids", ids)
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
+        self.check_token_ids("logit_bias", params.logit_bias or ())
+        self.check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:

@@ -1,4 +1,5 @@
-"""Batched token sampling: penalties, temperature, top-k / top-p / min-p, seeds, logprobs.
+"""Batched token sampling: penalties, logit bias, allowed tokens, temperature, top-k / top-p /
+min-p, seeds, logprobs.
 
 Everything runs on the logits' device as whole-batch tensor ops; the only Python loop is
 over seeded rows (one noise draw each from the row's own generator), never over the vocab.
@@ -128,7 +129,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 def needs_only_temperature(p: SamplingParams) -> bool:
     """Whether sample_plain can draw for these params (given no seed generator and no suppression)."""
     return (p.seed is None and p.logprobs is None and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
-            and not penalised(p))
+            and not penalised(p) and not p.logit_bias and p.allowed_token_ids is None)
 
 
 def _chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
@@ -175,6 +176,27 @@ def apply_penalties(logits: torch.Tensor, rows: list[SampleRow],
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=logits.dtype))
         counts = counts[:, :vocab]
         logits = logits - freq[:, None] * counts - pres[:, None] * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def apply_bias_and_allowed(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """logit_bias added (a sparse add over the rows that have one), then -inf outside each row's
+    allowed_token_ids. A new tensor: the raw logits still give the logprobs."""
+    dev = logits.device
+    logits = logits.clone()
+    bias = [(i, t, b) for i, p in enumerate(params) if p.logit_bias for t, b in p.logit_bias.items()]
+    if bias:
+        ri, ti, bv = zip(*bias)
+        logits.index_put_((to_device(list(ri), torch.long, dev), to_device(list(ti), torch.long, dev)),
+                          to_device(list(bv), logits.dtype, dev), accumulate=True)
+    limited = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+    if limited:
+        keep = torch.ones_like(logits, dtype=torch.bool)
+        keep[to_device(limited, torch.long, dev)] = False
+        pairs = [(i, t) for i in limited for t in params[i].allowed_token_ids]
+        ri, ti = zip(*pairs)
+        keep[to_device(list(ri), torch.long, dev), to_device(list(ti), torch.long, dev)] = True
+        logits.masked_fill_(~keep, _MASK)
     return logits
 
 
@@ -258,6 +280,8 @@ class Sampler:
         params = [r.params for r in rows]
         if any(penalised(p) for p in params):
             logits = apply_penalties(logits, rows, pending)
+        if any(p.logit_bias or p.allowed_token_ids is not None for p in params):
+            logits = apply_bias_and_allowed(logits, params)
         suppress = [(i, t) for i, r in enumerate(rows) for t in r.suppress_token_ids]
         if suppress:
             ri, ti = zip(*suppress)

@@ -156,3 +156,48 @@ def test_max_logprobs_below_minus_one_is_refused():
     from pagedserve.config import EngineConfig
     with pytest.raises(ValueError, match="max_logprobs must be >= 0, or -1"):
         EngineConfig(max_logprobs=-2)
+
+
+def _hf_greedy_processed(model_dir, prompt, n, bias=None, allowed=None):
+    """HF's greedy tokens with the logits biased / limited at each step (full forward, no cache)."""
+    model = hf_model(str(model_dir))
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            for t, b in (bias or {}).items():
+                logits[t] += b
+            if allowed is not None:
+                keep = torch.full_like(logits, float("-inf"))
+                keep[allowed] = logits[allowed]
+                logits = keep
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]
+
+
+def test_logit_bias_and_allowed_token_ids_match_hf(tiny_model_dir):
+    """OpenAI's logit_bias and vLLM's allowed_token_ids change the draw, not the logprobs: greedy
+    tokens equal HF's argmax of the biased (or limited) logits, each chosen token's logprob is the
+    raw one; sampled tokens stay inside allowed_token_ids."""
+    model_dir = tiny_model_dir("llama")
+    p = prompt_ids(model_dir)[1]
+    llm = make_llm(model_dir, block_size=4)
+    plain = hf_greedy(model_dir, p, 6)
+    bias = {plain[0]: -5.0, 17: 4.0, 33: 3.5}
+    allowed = [5, 17, 33, 101]
+    params = [SamplingParams(temperature=0, max_tokens=6, logit_bias=bias, logprobs=0),
+              SamplingParams(temperature=0, max_tokens=6, allowed_token_ids=allowed),
+              SamplingParams(temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=allowed[:2])]
+    outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p}] * 3, params, use_tqdm=False)]
+    biased = _hf_greedy_processed(model_dir, p, 6, bias=bias)
+    assert outs[0].token_ids == biased != plain
+    ref = _hf_logprobs(model_dir, p, biased)
+    assert [lp[t] for t, lp in zip(biased, outs[0].logprobs)] == pytest.approx(
+        [float(ref[i, t]) for i, t in enumerate(biased)], abs=1e-4)
+    assert outs[1].token_ids == _hf_greedy_processed(model_dir, p, 6, allowed=allowed)
+    assert set(outs[2].token_ids) <= set(allowed[:2]) and len(set(outs[2].token_ids)) == 2
+    with pytest.raises(ValueError, match=r"logit_bias values must be in \[-100, 100\]"):
+        SamplingParams(logit_bias={5: 101.0})
+    with pytest.raises(ValueError, match=r"allowed_token_ids must be in \[0, "):
+        llm.generate([{"prompt_token_ids": p}], SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
+    assert_no_leak(llm)

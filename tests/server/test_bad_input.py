@@ -73,7 +73,11 @@ CASES = [
     ("bad-role", CHAT, ch(messages=[{"role": "wizard", "content": "x"}]), 400, "messages.0.role"),
     ("bad-content-part", CHAT, ch(messages=[{"role": "user", "content": [{"type": "image_url"}]}]),
      400, "messages.0.content"),
-    ("logit-bias", CMPL, c(logit_bias={"5": 10}), 400, "logit_bias"),
+    ("logit-bias-not-a-token", CMPL, c(logit_bias={"five": 10}), 400, "logit_bias"),
+    ("logit-bias-outside-vocab", CMPL, c(logit_bias={"1000000": 10}), 400, "logit_bias"),
+    ("logit-bias-too-large", CHAT, ch(logit_bias={"5": 150}), 400, "logit_bias"),
+    ("allowed-token-ids-empty", CMPL, c(allowed_token_ids=[]), 400, "allowed_token_ids"),
+    ("allowed-token-ids-outside-vocab", CHAT, ch(allowed_token_ids=[10**6]), 400, "allowed_token_ids"),
     ("suffix", CMPL, c(suffix="tail"), 400, "suffix"),
 ]
 

@@ -44,10 +44,9 @@ UNHONOURED = {
     "store": True, "metadata": {"k": "v"}, "service_tier": "flex", "reasoning_effort": "low",
     "functions": [{"name": "f"}], "function_call": "auto", "moderation": {"model": "m"},
     "verbosity": "low", "prompt_cache_retention": "24h", "prompt_cache_options": {"x": 1},
-    "logit_bias": {"5": 1.0},
     # vLLM's extras
     "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "bad_words": ["Lord"],
-    "allowed_token_ids": [1, 2], "logits_processors": ["x"],
+    "logits_processors": ["x"],
     "priority": 1, "spaces_between_special_tokens": False,
     "cache_salt": "tenant-1", "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1},
     "echo": True, "chat_template": "{{ messages }}", "documents": [{"text": "x"}],

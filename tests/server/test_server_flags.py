@@ -71,3 +71,18 @@ def test_content_format_openai_hands_the_template_the_parts(server):
     text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     assert "'text': 'b'" in text
     assert r.json()["tokens"] == tok(text, add_special_tokens=False).input_ids
+
+
+def test_logit_bias_and_allowed_token_ids_are_honoured(server):
+    """(They were a 400 before.) A +100 bias takes every draw; allowed_token_ids bounds them."""
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 17], "max_tokens": 4, "temperature": 1.0,
+                                            "logit_bias": {"7": 100}, "logprobs": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["logprobs"]["tokens"] == ["token_id:7"] * 4
+        r = c.post("/v1/chat/completions", json={
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "temperature": 1.0,
+            "seed": 1, "allowed_token_ids": [11, 12], "logprobs": True, "top_logprobs": 0})
+        assert r.status_code == 200, r.text
+        tokens = [t["token"] for t in r.json()["choices"][0]["logprobs"]["content"]]
+        assert len(tokens) == 6 and set(tokens) <= {"token_id:11", "token_id:12"}

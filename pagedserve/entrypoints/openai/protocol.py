@@ -317,13 +317,11 @@ PromptType = Union[
 _NOT_STORED = "pagedserve stores no completions"
 # Fields of both APIs accepted only at a no-op value: {field: (no-op values besides None, why)}.
 _COMMON_UNSUPPORTED = {
-    "logit_bias": (({},), "logit_bias is not supported"),
     # vLLM's extras that change the output, which a vLLM user may send.
     "use_beam_search": ((False,), "beam search is offline only here (LLM.beam_search)"),
     "length_penalty": ((1.0,), "length_penalty belongs to beam search, offline only here"),
     "prompt_logprobs": ((), "prompt_logprobs is not supported by the server"),
     "bad_words": (([],), "bad_words is not supported"),
-    "allowed_token_ids": ((), "allowed_token_ids is not supported"),
     "logits_processors": (([],), "logits_processors is not supported"),
     "priority": ((0,), "priority scheduling is not supported (first come, first served)"),
     "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not "
@@ -340,7 +338,7 @@ class VLLMExtraFields(FieldAudit):
     length_penalty: Optional[float] = None
     prompt_logprobs: Optional[int] = None
     bad_words: Optional[list[str]] = None
-    allowed_token_ids: Optional[list[int]] = None
+    allowed_token_ids: Optional[list[int]] = None  # honoured: only these may be drawn
     logits_processors: Optional[list[Any]] = None
     # honoured: keep the prompt's last k tokens (-1: max_model_len's worth), as vLLM
     truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID)]] = None
@@ -363,7 +361,7 @@ class CompletionRequest(SamplingFields, VLLMExtraFields):
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOKEN_ID)  # <= --max-logprobs: serving_common
     echo: Optional[bool] = False
     suffix: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None  # honoured: token id (as a string) -> [-100, 100]
 
 
 class CompletionLogProbs(OpenAIModel):
@@ -460,7 +458,7 @@ class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKEN_ID)
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOKEN_ID)  # <= --max-logprobs: serving_common
-    logit_bias: Optional[dict[str, float]] = None
+    logit_bias: Optional[dict[str, float]] = None  # honoured: token id (as a string) -> [-100, 100]
     add_generation_prompt: bool = True
 
 

@@ -20,7 +20,8 @@ MAX_CHOICES = 256  # prompts x n in one request; each one is a sequence in the b
 
 _SAMPLING_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
-                    "presence_penalty", "frequency_penalty", "repetition_penalty")
+                    "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
+                    "allowed_token_ids")
 
 
 class APIError(Exception):
@@ -253,10 +254,24 @@ class OpenAIServing:
                 kw[name] = v
         if req.stop_token_ids:
             self.check_token_ids(req.stop_token_ids, "stop_token_ids")
+        if req.logit_bias:
+            kw["logit_bias"] = self.logit_bias(req.logit_bias)
+        if req.allowed_token_ids is not None:
+            self.check_token_ids(req.allowed_token_ids, "allowed_token_ids")
+            kw["allowed_token_ids"] = req.allowed_token_ids
         try:
             return SamplingParams(**kw)
         except ValueError as e:
             raise APIError.from_value_error(e) from None
+
+    def logit_bias(self, bias: dict[str, float]) -> dict[int, float]:
+        """OpenAI's logit_bias: token ids as strings, biases in [-100, 100]."""
+        try:
+            out = {int(k): float(v) for k, v in bias.items()}
+        except ValueError:
+            raise APIError(f"logit_bias keys must be token ids, got {list(bias)[:5]}", param="logit_bias") from None
+        self.check_token_ids(list(out), "logit_bias")
+        return out
 
     def check_logprobs(self, k: int | None, param: str) -> None:
         """The server's --max-logprobs (vLLM's, 20 by default), named as the request names it."""
