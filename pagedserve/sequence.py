@@ -62,6 +62,8 @@ class Sequence:
     # False for a request with prompt_logprobs: every prompt position must be computed, so it reads
     # no cached prefix (its own blocks are still offered to the cache).
     reads_prefix_cache: bool = True
+    # vLLM's cache_salt: this sequence's blocks hash in a chain of their own (block_pool.cache_salt_root).
+    cache_salt: str | None = None
     # Speculative decoding: tokens a proposer suggests after the last one, set by the engine just
     # before a step is scheduled and cleared after it. Never part of token_ids or num_tokens (they
     # are unverified): the scheduler may give the sequence lookahead slots for them, the runner
@@ -125,6 +127,7 @@ class Sequence:
             output_logprobs=list(self.output_logprobs),
             output_text=self.output_text,
             detok_state=self.detok_state,
+            cache_salt=self.cache_salt,
         )
 
 

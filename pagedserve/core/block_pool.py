@@ -35,6 +35,12 @@ def hash_block_tokens(parent_hash: bytes | None, token_ids: Seq[int]) -> bytes:
     return h.digest()
 
 
+def cache_salt_root(salt: str | None) -> bytes | None:
+    """The parent hash of a request's first block under vLLM's cache_salt: requests share cached
+    blocks only with requests of the same salt (None: the unsalted chain everyone shares)."""
+    return None if salt is None else hashlib.sha256(b"pagedserve-cache-salt\0" + salt.encode()).digest()
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         if num_blocks < 0:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 from typing import Iterable
 
-from pagedserve.core.block_pool import BlockPool, hash_block_tokens
+from pagedserve.core.block_pool import BlockPool, cache_salt_root, hash_block_tokens
 from pagedserve.core.free_queue import KVCacheBlock
 from pagedserve.core.stats import MemoryBreakdown, SeqKVLayout, breakdown_from_tables
 from pagedserve.core.table_log import TableChangeLog
@@ -121,7 +121,7 @@ class KVCacheManager:
             bs = self.block_size
             for i in range(len(hashes), num_blocks):
                 block = seq.token_slice(i * bs, (i + 1) * bs)
-                hashes.append(hash_block_tokens(hashes[-1] if hashes else None, block))
+                hashes.append(hash_block_tokens(hashes[-1] if hashes else cache_salt_root(seq.cache_salt), block))
         return hashes
 
     def _find_cached_prefix(self, seq: Sequence) -> list[KVCacheBlock]:

@@ -331,7 +331,8 @@ class AsyncLLMEngine:
             wire_params = core_params(sampling_params)
         self._requests[request_id] = st
         try:
-            await self.client.add_request_async(request_id, ids, wire_params, time.time(), text)
+            salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+            await self.client.add_request_async(request_id, ids, wire_params, time.time(), text, salt)
         except BaseException as e:
             self._requests.pop(request_id, None)
             if not isinstance(e, (ValueError, EngineDeadError)):

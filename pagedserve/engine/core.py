@@ -193,7 +193,7 @@ class EngineCore:
             if isinstance(op, AddRequest):
                 try:
                     self.add_request(op.request_id, {"prompt_token_ids": op.prompt_token_ids,
-                                                     "prompt": op.prompt},
+                                                     "prompt": op.prompt, "cache_salt": op.cache_salt},
                                      op.params, op.arrival_time)
                     out.added.append(op.request_id)
                 except ValueError as e:

@@ -78,7 +78,7 @@ class EngineCoreClient:
         raise NotImplementedError
 
     async def add_request_async(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                                arrival_time: float, prompt: str | None = None) -> None:
+                                arrival_time: float, prompt: str | None = None, cache_salt: str | None = None) -> None:
         raise NotImplementedError
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -259,14 +259,14 @@ class MPCoreClient(EngineCoreClient):
             self._flush_handle = loop.call_later(UNSENT_RETRY_S, self._flush)
 
     async def add_request_async(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                                arrival_time: float, prompt: str | None = None) -> None:
+                                arrival_time: float, prompt: str | None = None, cache_salt: str | None = None) -> None:
         """Raises the engine's ValueError if the core rejects it, EngineDeadError if it is gone."""
         if self.dead is not None:
             raise self.dead
         fut = asyncio.get_running_loop().create_future()
         self._adds[request_id] = fut
         self._prompts[request_id] = (prompt, prompt_token_ids)
-        self._queue(AddRequest(request_id, prompt_token_ids, params, arrival_time, prompt))
+        self._queue(AddRequest(request_id, prompt_token_ids, params, arrival_time, prompt, cache_salt))
         try:
             await fut
         except BaseException:

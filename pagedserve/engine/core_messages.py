@@ -28,6 +28,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     params: SamplingParams
     arrival_time: float
     prompt: str | None = None
+    cache_salt: str | None = None
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

@@ -226,7 +226,10 @@ class LLMEngine(StepPipeline, TokenApplication):
         text, ids, params = self.input_processor.process(prompt, params)
         now = time.time()
         arrival = now if arrival_time is None else arrival_time
-        group = SequenceGroup(request_id=request_id, seqs=[Sequence(prompt_token_ids=ids)],
+        salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r}")
+        group = SequenceGroup(request_id=request_id, seqs=[Sequence(prompt_token_ids=ids, cache_salt=salt)],
                               sampling_params=params, arrival_time=arrival, prompt=text)
         group.metrics.update(arrival_time=arrival, num_prompt_tokens=len(ids))
         prompt_logprobs.start(group)

@@ -135,10 +135,10 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
         single server names it, before any routing), then hashes its prompt."""
         model = CompletionRequest if path == "/v1/completions" else ChatCompletionRequest
         try:
-            model.model_validate_json(body)
+            req = model.model_validate_json(body)
         except ValidationError as e:
             raise RequestValidationError(e.errors(include_url=False)) from None
-        return prefix_block_hashes(request_token_ids(tokenizer, path, body), block_size)
+        return prefix_block_hashes(request_token_ids(tokenizer, path, body), block_size, cache_salt=req.cache_salt)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from pagedserve.core.block_pool import hash_block_tokens
+from pagedserve.core.block_pool import cache_salt_root, hash_block_tokens
 
 # Hashing more blocks than this adds cost and no routing information: groups that share
 # 64 blocks already share their placement.
@@ -18,10 +18,11 @@ MAX_ROUTING_BLOCKS = 64
 
 
 def prefix_block_hashes(token_ids: list[int], block_size: int,
-                        max_blocks: int = MAX_ROUTING_BLOCKS) -> list[bytes]:
-    """Hashes of the first min(len // block_size, max_blocks) full blocks, chained."""
+                        max_blocks: int = MAX_ROUTING_BLOCKS, cache_salt: str | None = None) -> list[bytes]:
+    """Hashes of the first min(len // block_size, max_blocks) full blocks, chained (from the
+    request's cache_salt, as the engine chains them)."""
     hashes: list[bytes] = []
-    parent = None
+    parent = cache_salt_root(cache_salt)
     for i in range(min(len(token_ids) // block_size, max_blocks)):
         parent = hash_block_tokens(parent, token_ids[i * block_size:(i + 1) * block_size])
         hashes.append(parent)

@@ -92,3 +92,26 @@ def test_shared_prefix_is_stored_once(runs):
     own_blocks = sum(-(-(len(p) - PREFIX_LEN + MAX_NEW) // BLOCK) for p in prompts)
     assert peak_on <= prefix_blocks + own_blocks + USERS
     assert peak_off > peak_on
+
+
+def test_cache_salt_shares_cached_blocks_only_within_a_salt(tiny_model_dir):
+    """vLLM's cache_salt (a prompt dict's key): a prompt hits the blocks another cached only when
+    both carry the same salt (or none); the tokens never depend on it."""
+    from .helpers import prompt_ids
+    llm = make_llm(tiny_model_dir("llama"), block_size=4)
+    p = (prompt_ids(tiny_model_dir("llama"))[0] * 4)[:21]
+    sp = SamplingParams(temperature=0, max_tokens=3)
+
+    def hits(**salt):
+        before = llm.get_kv_cache_stats().prefix_cache_hits
+        out = llm.generate([{"prompt_token_ids": p, **salt}], sp, use_tqdm=False)[0].outputs[0].token_ids
+        return llm.get_kv_cache_stats().prefix_cache_hits - before, out
+
+    first, tokens = hits(cache_salt="a")
+    assert first == 0
+    assert hits(cache_salt="b") == (0, tokens)     # another tenant: nothing shared
+    assert hits() == (0, tokens)                   # unsalted: nothing shared either
+    assert hits(cache_salt="a") == (20, tokens)    # the same salt: every full block but the last token's
+    assert hits() == (20, tokens)
+    with pytest.raises(ValueError, match="cache_salt must be a non-empty string"):
+        llm.generate([{"prompt_token_ids": p, "cache_salt": ""}], sp, use_tqdm=False)

@@ -76,6 +76,7 @@ CASES = [
     ("logit-bias-not-a-token", CMPL, c(logit_bias={"five": 10}), 400, "logit_bias"),
     ("logit-bias-outside-vocab", CMPL, c(logit_bias={"1000000": 10}), 400, "logit_bias"),
     ("logit-bias-too-large", CHAT, ch(logit_bias={"5": 150}), 400, "logit_bias"),
+    ("cache-salt-empty", CMPL, c(cache_salt=""), 400, "cache_salt"),
     ("allowed-token-ids-empty", CMPL, c(allowed_token_ids=[]), 400, "allowed_token_ids"),
     ("allowed-token-ids-outside-vocab", CHAT, ch(allowed_token_ids=[10**6]), 400, "allowed_token_ids"),
     ("suffix", CMPL, c(suffix="tail"), 400, "suffix"),

@@ -86,3 +86,18 @@ def test_logit_bias_and_allowed_token_ids_are_honoured(server):
         assert r.status_code == 200, r.text
         tokens = [t["token"] for t in r.json()["choices"][0]["logprobs"]["content"]]
         assert len(tokens) == 6 and set(tokens) <= {"token_id:11", "token_id:12"}
+
+
+def test_cache_salt_keeps_tenants_apart(server):
+    """A request's cache_salt (vLLM's): the same prompt under another salt reuses nothing."""
+    prompt = list(range(5, 5 + 33))
+
+    def cached(**kw) -> int:
+        before = server.metrics()["vllm:prefix_cache_hits_total"]
+        with httpx.Client(base_url=server.base_url, timeout=120) as c:
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 1, **kw})
+        assert r.status_code == 200, r.text
+        return server.metrics()["vllm:prefix_cache_hits_total"] - before
+    assert cached(cache_salt="t1") == 0
+    assert cached(cache_salt="t2") == 0
+    assert cached(cache_salt="t1") == 32

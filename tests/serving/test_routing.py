@@ -26,6 +26,11 @@ def test_routing_key_is_the_engines_own_block_hash_chain():
     assert len(ours) == 3 and set(ours) <= cached
     assert prefix_block_hashes(prompt, 16, max_blocks=2) == ours[:2]
     assert prefix_block_hashes(prompt[:15], 16) == []
+    # vLLM's cache_salt: the engine chains a salted prompt's blocks from the salt; so does the router.
+    llm.generate([{"prompt_token_ids": prompt, "cache_salt": "tenant-a"}], SamplingParams(max_tokens=1, temperature=0))
+    salted = prefix_block_hashes(prompt, 16, cache_salt="tenant-a")
+    cached = set(llm.llm_engine.scheduler.kv_cache_manager.pool.cached_block_hash_to_block)
+    assert set(salted) <= cached and not set(salted) & set(ours)
 
 
 def test_request_token_ids_reads_completions_and_chat_bodies():

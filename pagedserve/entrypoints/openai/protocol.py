@@ -326,7 +326,6 @@ _COMMON_UNSUPPORTED = {
     "priority": ((0,), "priority scheduling is not supported (first come, first served)"),
     "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not "
                                                "supported"),
-    "cache_salt": ((), "cache_salt is not supported: the prefix cache is shared by all requests"),
     "vllm_xargs": (({},), "vllm_xargs is not supported"),
     "kv_transfer_params": ((), "KV transfer (disaggregated serving) is not supported"),
 }
@@ -345,7 +344,7 @@ class VLLMExtraFields(FieldAudit):
     priority: Optional[int] = None
     return_tokens_as_token_ids: Optional[bool] = None  # honoured: logprobs name tokens "token_id:N"
     spaces_between_special_tokens: Optional[bool] = None
-    cache_salt: Optional[str] = None
+    cache_salt: Optional[str] = Field(None, min_length=1)  # honoured: prefix cache shared only within a salt
     vllm_xargs: Optional[dict[str, Any]] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
 

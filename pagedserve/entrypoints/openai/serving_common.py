@@ -286,12 +286,16 @@ class OpenAIServing:
                            f"{n} * {num_prompts}", param="n")
 
     async def start(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str) -> RequestStream:
-        """Hand one prompt to the engine; its ValueError becomes a 400."""
+                    request_id: str, cache_salt: str | None = None) -> RequestStream:
+        """Hand one prompt to the engine; its ValueError becomes a 400. cache_salt (vLLM's): the
+        prompt shares cached KV blocks only with requests of the same salt."""
         if self.log_requests:
             logger.info("request %s: %d prompt tokens, %s", request_id, len(prompt_ids), params)
         try:
-            return await self.engine.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+            prompt = {"prompt_token_ids": prompt_ids}
+            if cache_salt is not None:
+                prompt["cache_salt"] = cache_salt
+            return await self.engine.add_request(request_id, prompt, params)
         except ValueError as e:
             raise APIError.from_value_error(e) from None
         except EngineDeadError as e:
