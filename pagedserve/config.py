@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from pagedserve.core.chunk_cost import COST_MIN_TOKENS, COST_SCALE as LONG_PREFILL_COST_SCALE
-from pagedserve.core.config import KV_ALLOCATORS, PREEMPTION_MODES, CacheConfig, SchedulerConfig
+from pagedserve.core.config import KV_ALLOCATORS, PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
 
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 # Whitespace characters a JSON grammar allows in one gap (engine/structured/compiler.parse_spec);
@@ -125,6 +125,8 @@ class EngineConfig:
                                           "the cheaper of swap and recompute, measured",
                                   PREEMPTION_MODES)
     enable_chunked_prefill: bool = option(True, "split long prompts across steps, decodes first")
+    scheduling_policy: str = option("fcfs", "fcfs: first come, first served; priority: by each request's "
+                                            "priority (lower first), then arrival (vLLM's)", SCHEDULING_POLICIES)
     long_prefill_token_threshold: int = option(0, "a prompt with more tokens left than this prefills at "
                                                   "most this many a step, so decodes beside a very long "
                                                   "prompt wait less per step (vLLM's; 0: off)")
@@ -287,6 +289,8 @@ class EngineConfig:
                     raise ValueError(f"hf_overrides: {key} must be an object, got {self.hf_overrides[key]!r}")
         # Validate the pieces early so a bad argument fails before any model is loaded.
         CacheConfig(block_size=self.block_size, kv_allocator=self.kv_allocator)
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
         if self.preemption_mode not in PREEMPTION_MODES:
             raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
         if self.max_logprobs < -1:
@@ -360,6 +364,7 @@ class EngineConfig:
             max_model_len=max_model_len,
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
+            scheduling_policy=self.scheduling_policy,
             long_prefill_token_threshold=self.long_prefill_token_threshold,
             long_prefill_chunk_align=self.long_prefill_chunk_align or 0,  # None: the engine's pick
             long_prefill_drain=self.long_prefill_drain,

@@ -141,6 +141,10 @@ class SequenceGroup:
     prompt: str | None = None
     # Set by the scheduler when blocks are first reserved (admission order decides preemption victims).
     admitted_at: int | None = None
+    # vLLM's request priority (lower first) under scheduling_policy "priority"; its arrival number
+    # there (the scheduler's) breaks ties in waiting.
+    priority: int = 0
+    arrived_at: int = 0
     first_token_time: float | None = None
     # Used by the simulator and the contiguous-oracle baseline: the true output length, if known.
     oracle_output_len: int | None = None

@@ -48,7 +48,9 @@ class ModelLessEngine:
         self.config = SimpleNamespace(model="(no model)")  # EngineCore.describe() names the model
 
     def add_request(self, request_id: str, prompt: dict, params: SamplingParams,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        if priority:
+            raise ValueError("priority: this core serves first come, first served")
         if request_id in self._groups:
             raise ValueError(f"request_id must be unique: {request_id!r} is already running")
         ids = list(prompt["prompt_token_ids"])

@@ -31,6 +31,8 @@ from pagedserve.sequence import SequenceGroup, SequenceStatus
 RUNNING, WAITING, SWAPPED = SequenceStatus.RUNNING, SequenceStatus.WAITING, SequenceStatus.SWAPPED
 
 ADMISSION_ORDER = attrgetter("admitted_at")  # running and swapped are kept in admission order
+PRIORITY_ORDER = attrgetter("priority", "admitted_at")  # ... or, under the priority policy, in this one
+WAITING_ORDER = attrgetter("priority", "arrived_at")  # waiting, under the priority policy
 
 
 class Admission:
@@ -141,4 +143,5 @@ class Admission:
 
     def _insert_running(self, group: SequenceGroup) -> None:
         # A search, not a list of every key per insert (admitting a thousand groups was quadratic).
-        self.running.insert(bisect.bisect_right(self.running, group.admitted_at, key=ADMISSION_ORDER), group)
+        key = self.order_key
+        self.running.insert(bisect.bisect_right(self.running, key(group), key=key), group)

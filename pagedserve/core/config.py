@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 KV_ALLOCATORS = ("paged", "contiguous-max", "contiguous-pow2", "contiguous-oracle")
 PREEMPTION_MODES = ("auto", "recompute", "swap")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 @dataclass
@@ -34,6 +35,9 @@ class SchedulerConfig:
     max_model_len: int = 4096
     enable_chunked_prefill: bool = True
     preemption_mode: str = "auto"
+    # vLLM's: fcfs, or priority (a request's priority, lower first, then arrival: the order of
+    # waiting, running and swapped, so also which running request a preemption takes last).
+    scheduling_policy: str = "fcfs"
     # vLLM's: a prefill with more tokens left than this takes at most this many a step (0: off).
     long_prefill_token_threshold: int = 0
     # K > 0: in a step with a decode, a prefill token after P earlier tokens of its sequence costs

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 
-from pagedserve.core.admission import ADMISSION_ORDER
 from pagedserve.core.plan import SchedulerOutput
 from pagedserve.sequence import SequenceGroup, SequenceStatus
 
@@ -52,12 +51,16 @@ class Preemption:
             self.num_swap_outs += 1
             for s in group.seqs_with_status(RUNNING):
                 s.status = SWAPPED
-            self.swapped.insert(bisect.bisect_right(self.swapped, group.admitted_at, key=ADMISSION_ORDER), group)
+            key = self.order_key
+            self.swapped.insert(bisect.bisect_right(self.swapped, key(group), key=key), group)
         else:
             for s in group.unfinished_seqs():
                 self.kv_cache_manager.free(s)
                 s.num_computed_tokens = 0
                 s.status = WAITING
-            self.waiting.appendleft(group)
+            if self.scheduler_config.scheduling_policy == "priority":
+                self._insert_waiting(group)
+            else:
+                self.waiting.appendleft(group)
         out.preempted.append(group)
         self.num_preemptions += 1

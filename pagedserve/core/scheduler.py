@@ -7,7 +7,10 @@ Each schedule() builds one step, in this order:
   2. running groups still in prefill get the next chunk of their prompt;
   3. if nothing was preempted this step: swapped groups come back (FCFS by admission);
   4. if nothing was preempted and nothing is left swapped: waiting groups are admitted FCFS.
-Steps 3 and 4 live in core/admission.py.
+Steps 3 and 4 live in core/admission.py. Under scheduling_policy "priority" (vLLM's) every "oldest
+admission" and "FCFS" above reads "lowest priority value, then oldest": running and swapped are
+ordered by (priority, admission), waiting by (priority, arrival), so a preemption takes the least
+urgent running group; a waiting group never preempts a running one (as vLLM's).
 All within max_num_batched_tokens tokens and max_num_seqs sequences. Decodes are listed first.
 
 Overlapped steps (async scheduling): the engine may call schedule() for step N+1 while step N
@@ -34,11 +37,12 @@ blocks back through the KV manager (free_rejected_slots).
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 from collections import deque
 from typing import Iterable
 
-from pagedserve.core.admission import Admission
+from pagedserve.core.admission import ADMISSION_ORDER, PRIORITY_ORDER, WAITING_ORDER, Admission
 from pagedserve.core.chunk_cost import CHUNK_ALIGN, chunk_cost, longest_chunk
 from pagedserve.core.config import CacheConfig, SchedulerConfig
 from pagedserve.core.contiguous import ContiguousKVCacheManager
@@ -78,8 +82,12 @@ class Scheduler(Admission, Preemption):
         self.block_size = cache_config.block_size
         self.kv_cache_manager = make_kv_cache_manager(cache_config, scheduler_config.max_model_len)
         self.waiting: deque[SequenceGroup] = deque()
-        self.running: list[SequenceGroup] = []   # ascending admitted_at
-        self.swapped: list[SequenceGroup] = []   # ascending admitted_at
+        self.running: list[SequenceGroup] = []   # ascending order_key
+        self.swapped: list[SequenceGroup] = []   # ascending order_key
+        # fcfs: admission order; priority: (priority, admission) (vLLM's scheduling_policy).
+        by_priority = scheduler_config.scheduling_policy == "priority"
+        self.order_key = PRIORITY_ORDER if by_priority else ADMISSION_ORDER
+        self._arrivals = itertools.count()
         # Finished groups that schedule() found still running (the engine processed a step in flight
         # just before it): freed there, handed back by the next free_finished_seq_groups().
         self._dropped_finished: list[SequenceGroup] = []
@@ -113,7 +121,15 @@ class Scheduler(Admission, Preemption):
     def add_seq_group(self, group: SequenceGroup) -> None:
         for seq in group.seqs:
             seq.status = WAITING
-        self.waiting.append(group)
+        group.arrived_at = next(self._arrivals)
+        if self.scheduler_config.scheduling_policy == "priority":
+            self._insert_waiting(group)
+        else:
+            self.waiting.append(group)
+
+    def _insert_waiting(self, group: SequenceGroup) -> None:
+        """Priority policy: waiting in (priority, arrival) order, a preempted group among them too."""
+        self.waiting.insert(bisect.bisect_right(self.waiting, WAITING_ORDER(group), key=WAITING_ORDER), group)
 
     def abort_seq_group(self, request_id: str | Iterable[str]) -> None:
         ids = {request_id} if isinstance(request_id, str) else set(request_id)
@@ -259,7 +275,7 @@ class Scheduler(Admission, Preemption):
                     break
             if not cands:
                 return None
-            best = max(cands, key=lambda c: (remaining[-1] if c[0] == "r" else pending[c[1]][0]).admitted_at)
+            best = max(cands, key=lambda c: self.order_key(remaining[-1] if c[0] == "r" else pending[c[1]][0]))
             if best[0] == "r":
                 return remaining.pop()
             return pending.pop(best[1])[0]

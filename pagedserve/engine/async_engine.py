@@ -309,7 +309,7 @@ class AsyncLLMEngine:
         return text, ids
 
     async def add_request(self, request_id: str, prompt: Any,
-                          sampling_params: SamplingParams) -> "RequestStream":
+                          sampling_params: SamplingParams, priority: int = 0) -> "RequestStream":
         """Add a request to the engine; its outputs arrive on the returned stream.
 
         Raises ValueError (from the core) for bad input, EngineDeadError once the core is gone.
@@ -332,7 +332,7 @@ class AsyncLLMEngine:
         self._requests[request_id] = st
         try:
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            await self.client.add_request_async(request_id, ids, wire_params, time.time(), text, salt)
+            await self.client.add_request_async(request_id, ids, wire_params, time.time(), text, salt, priority)
         except BaseException as e:
             self._requests.pop(request_id, None)
             if not isinstance(e, (ValueError, EngineDeadError)):

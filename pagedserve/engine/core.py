@@ -70,9 +70,9 @@ class EngineCore:
     # ---- inputs ---------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Any, params: Any,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         """LLMEngine.add_request; raises its ValueError for bad input."""
-        self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time)
+        self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time, priority=priority)
         self._live.add(request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -194,7 +194,7 @@ class EngineCore:
                 try:
                     self.add_request(op.request_id, {"prompt_token_ids": op.prompt_token_ids,
                                                      "prompt": op.prompt, "cache_salt": op.cache_salt},
-                                     op.params, op.arrival_time)
+                                     op.params, op.arrival_time, op.priority)
                     out.added.append(op.request_id)
                 except ValueError as e:
                     out.rejected.append((op.request_id, str(e)))

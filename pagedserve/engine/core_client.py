@@ -74,11 +74,12 @@ class EngineCoreClient:
     A transport implements the side its front end uses; abort_requests never blocks."""
 
     def add_request(self, request_id: str, prompt: Any, params: Any,
-                    arrival_time: float | None = None) -> None:
+                    arrival_time: float | None = None, priority: int = 0) -> None:
         raise NotImplementedError
 
     async def add_request_async(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                                arrival_time: float, prompt: str | None = None, cache_salt: str | None = None) -> None:
+                                arrival_time: float, prompt: str | None = None, cache_salt: str | None = None,
+                                priority: int = 0) -> None:
         raise NotImplementedError
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -117,8 +118,8 @@ class InprocCoreClient(EngineCoreClient):
         return self.core.engine
 
     def add_request(self, request_id: str, prompt: Any, params: Any,
-                    arrival_time: float | None = None) -> None:
-        self.core.add_request(request_id, prompt, params, arrival_time)
+                    arrival_time: float | None = None, priority: int = 0) -> None:
+        self.core.add_request(request_id, prompt, params, arrival_time, priority)
 
     def abort_requests(self, request_ids: list[str]) -> None:
         self.core.abort_requests(list(request_ids))
@@ -259,14 +260,15 @@ class MPCoreClient(EngineCoreClient):
             self._flush_handle = loop.call_later(UNSENT_RETRY_S, self._flush)
 
     async def add_request_async(self, request_id: str, prompt_token_ids: list[int], params: Any,
-                                arrival_time: float, prompt: str | None = None, cache_salt: str | None = None) -> None:
+                                arrival_time: float, prompt: str | None = None, cache_salt: str | None = None,
+                                priority: int = 0) -> None:
         """Raises the engine's ValueError if the core rejects it, EngineDeadError if it is gone."""
         if self.dead is not None:
             raise self.dead
         fut = asyncio.get_running_loop().create_future()
         self._adds[request_id] = fut
         self._prompts[request_id] = (prompt, prompt_token_ids)
-        self._queue(AddRequest(request_id, prompt_token_ids, params, arrival_time, prompt, cache_salt))
+        self._queue(AddRequest(request_id, prompt_token_ids, params, arrival_time, prompt, cache_salt, priority))
         try:
             await fut
         except BaseException:

@@ -29,6 +29,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     arrival_time: float
     prompt: str | None = None
     cache_salt: str | None = None
+    priority: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True):

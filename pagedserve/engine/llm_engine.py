@@ -236,13 +236,21 @@ class LLMEngine(StepPipeline, TokenApplication):
         return group
 
     def add_request(self, request_id: str, prompt: str | list[int] | dict,
-                    sampling_params: SamplingParams | None = None, arrival_time: float | None = None) -> None:
-        """Validate, tokenize and queue a request. Raises ValueError naming the bad field."""
+                    sampling_params: SamplingParams | None = None, arrival_time: float | None = None,
+                    priority: int = 0) -> None:
+        """Validate, tokenize and queue a request. Raises ValueError naming the bad field.
+        priority (vLLM's): lower runs first, under scheduling_policy "priority" only."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.scheduler_config.scheduling_policy != "priority":
+            raise ValueError(f"priority ({priority}) needs scheduling_policy 'priority' (--scheduling-policy "
+                             "priority); this engine serves first come, first served")
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         group = self._new_group(request_id, prompt, sampling_params, arrival_time)
+        group.priority = priority
         spec = sampling_params.structured_outputs
         grammar = None if spec is None else self.structured.check(spec)  # ValueError: a bad spec
         seq = group.seqs[0]

@@ -89,10 +89,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | Seq[PromptType],
                  sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Seq[int] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in input order. Without sampling_params:
-        get_default_sampling_params() (the model's generation config, as vLLM)."""
+        get_default_sampling_params() (the model's generation config, as vLLM). priority: one per
+        prompt (vLLM's; lower first), with scheduling_policy="priority"."""
         prompts = self._as_list(prompts)
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority must be one per prompt: got {len(priorities)} for {len(prompts)} prompts")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -107,7 +111,7 @@ class LLM:
         try:
             for i, (prompt, sp) in enumerate(zip(prompts, params)):
                 rid = str(next(self._ids))
-                core.add_request(rid, prompt, sp)
+                core.add_request(rid, prompt, sp, priority=priorities[i])
                 order[rid] = i
         except Exception:
             core.abort_requests(list(order))

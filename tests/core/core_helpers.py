@@ -24,13 +24,13 @@ def make_scheduler(num_gpu_blocks: int, block_size: int = 4, num_cpu_blocks: int
                    watermark: float = 0.0, long_prefill_token_threshold: int = 0,
                    attention_cost_context: int = 0, long_prefill_chunk_align: int = 0,
                    attention_cost_min_tokens: int = 0, long_prefill_drain: int = 0,
-                   sliding_window: int = 0) -> Scheduler:
+                   sliding_window: int = 0, scheduling_policy: str = "fcfs") -> Scheduler:
     cache = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                         enable_prefix_caching=enable_prefix_caching, kv_allocator=kv_allocator,
                         sliding_window=sliding_window)
     sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                             max_model_len=max_model_len, enable_chunked_prefill=enable_chunked_prefill,
-                            preemption_mode=preemption_mode,
+                            preemption_mode=preemption_mode, scheduling_policy=scheduling_policy,
                             long_prefill_token_threshold=long_prefill_token_threshold,
                             attention_cost_context=attention_cost_context,
                             attention_cost_min_tokens=attention_cost_min_tokens,
@@ -120,6 +120,13 @@ def check_invariants(sched: Scheduler) -> None:
         for g in sched.waiting:
             assert all(not mgr.has_table(s) for s in g.seqs)
         return
+    # running and swapped in the scheduler's order (admission; or priority, then admission)
+    for queue in (sched.running, sched.swapped):
+        keys = [sched.order_key(g) for g in queue]
+        assert keys == sorted(keys), "running or swapped out of order"
+    if sched.scheduler_config.scheduling_policy == "priority":
+        keys = [(g.priority, g.arrived_at) for g in sched.waiting]
+        assert keys == sorted(keys), "waiting out of priority order"
     bs = mgr.block_size
     for pool, tables in ((mgr.pool, mgr.block_tables), (mgr.cpu_pool, mgr.cpu_block_tables)):
         check_pool(pool)

@@ -25,9 +25,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         prefix_caching=st.booleans(),
         chunked=st.booleans(),
         window=st.sampled_from([0, 0, 1, 3, 8]),
+        policy=st.sampled_from(["fcfs", "priority"]),
     )
     def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, mode, allocator, budget, max_num_seqs,
-              prefix_caching, chunked, window):
+              prefix_caching, chunked, window, policy):
         self.max_model_len = 48
         if not chunked:
             budget = max(budget, self.max_model_len)
@@ -37,7 +38,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                                max_num_batched_tokens=budget, max_model_len=self.max_model_len,
                                preemption_mode=mode, enable_chunked_prefill=chunked,
                                enable_prefix_caching=prefix_caching, kv_allocator=allocator, watermark=0.0,
-                               sliding_window=window)
+                               sliding_window=window, scheduling_policy=policy)
         self.driver = Driver(sched)
         self.next_id = 0
 
@@ -46,14 +47,17 @@ class SchedulerMachine(RuleBasedStateMachine):
         return self.driver.sched
 
     @rule(data=st.data(), prefix=st.sampled_from([None, 0, 1, 2]), own=st.integers(1, 30),
-          max_tokens=st.integers(1, 20), n=st.sampled_from([1, 1, 2, 3]))
-    def add(self, data, prefix, own, max_tokens, n):
+          max_tokens=st.integers(1, 20), n=st.sampled_from([1, 1, 2, 3]), priority=st.integers(-2, 2))
+    def add(self, data, prefix, own, max_tokens, n, priority):
         tokens = (PREFIXES[prefix] if prefix is not None else []) + \
             data.draw(st.lists(st.integers(0, 49), min_size=own, max_size=own))
         if not self.paged:
             n = 1
         max_tokens = min(max_tokens, max(1, self.max_model_len - len(tokens)))
-        self.sched.add_seq_group(make_group(str(self.next_id), tokens, max_tokens=max_tokens, n=n))
+        group = make_group(str(self.next_id), tokens, max_tokens=max_tokens, n=n)
+        if self.sched.scheduler_config.scheduling_policy == "priority":
+            group.priority = priority
+        self.sched.add_seq_group(group)
         self.next_id += 1
 
     @rule(k=st.integers(1, 12))

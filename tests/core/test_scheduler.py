@@ -217,6 +217,30 @@ def test_recompute_preempts_most_recent_and_requeues_it_first():
     assert s.get_kv_cache_stats().num_preemptions >= 1
 
 
+def test_priority_policy_orders_admission_and_preempts_the_least_urgent():
+    """vLLM's scheduling_policy "priority": waiting by (priority, arrival), and when blocks run out
+    the running group with the largest (priority, admission) goes, though admitted first."""
+    s = make_scheduler(4, block_size=4, preemption_mode="recompute", max_num_seqs=3, scheduling_policy="priority")
+    groups = [make_group(str(i), prompt(4, 10 * i), max_tokens=6) for i in range(3)]
+    for g, pr in zip(groups, (2, 0, 1)):
+        g.priority = pr
+        s.add_seq_group(g)
+    assert list(s.waiting) == [groups[1], groups[2], groups[0]]
+    d = Driver(s)
+    d.step()
+    assert s.running == [groups[1], groups[2], groups[0]] and groups[0].admitted_at == 2
+    out = d.step()  # each needs a second block, one is free: the priority-2 group is the victim
+    assert out.preempted == [groups[0]] and s.waiting[0] is groups[0]
+    late = make_group("late", prompt(3, 900), max_tokens=2)
+    late.priority = 1
+    s.add_seq_group(late)
+    assert list(s.waiting) == [late, groups[0]]  # priority 1 ahead of the preempted priority 2
+    d.run()
+    assert all(len(g.seqs[0].output_token_ids) == 6 for g in groups)
+    fcfs = make_scheduler(4, block_size=4)
+    assert fcfs.order_key(groups[0]) == groups[0].admitted_at
+
+
 def test_swap_round_trip_resumes_before_new_requests():
     s = make_scheduler(4, block_size=4, num_cpu_blocks=8, preemption_mode="swap")
     g0, g1, g2 = _three_one_block_requests(s)

@@ -49,3 +49,26 @@ def test_unset_limits_are_not_errors_and_bad_ones_are():
         EngineConfig(model="m", max_num_seqs=0)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         EngineConfig(model="m", max_num_batched_tokens=0)
+
+
+def test_priority_policy_runs_lower_priority_values_first(tiny_model_dir):
+    """LLM.generate(priority=...) under scheduling_policy="priority" (vLLM's): one sequence at a
+    time, so requests start in priority order, not submission order; tokens do not change.
+    Under fcfs a priority other than 0 is refused naming the flag."""
+    from pagedserve import SamplingParams
+
+    from .helpers import make_llm, prompt_ids
+    model_dir = tiny_model_dir("llama")
+    prompts = [{"prompt_token_ids": p} for p in prompt_ids(model_dir)[:3]]
+    sp = SamplingParams(temperature=0, max_tokens=4)
+    llm = make_llm(model_dir, max_num_seqs=1, scheduling_policy="priority")
+    outs = llm.generate(prompts, sp, use_tqdm=False, priority=[2, 0, 1])
+    started = [o.metrics["first_scheduled_time"] for o in outs]
+    assert sorted(range(3), key=started.__getitem__) == [1, 2, 0]
+    fcfs = make_llm(model_dir, max_num_seqs=1)
+    assert [o.outputs[0].token_ids for o in fcfs.generate(prompts, sp, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in outs]
+    with pytest.raises(ValueError, match="priority \\(1\\) needs scheduling_policy 'priority'"):
+        fcfs.generate(prompts[:1], sp, use_tqdm=False, priority=[1])
+    with pytest.raises(ValueError, match="priority must be one per prompt"):
+        llm.generate(prompts, sp, use_tqdm=False, priority=[0])

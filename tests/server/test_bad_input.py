@@ -77,6 +77,7 @@ CASES = [
     ("logit-bias-outside-vocab", CMPL, c(logit_bias={"1000000": 10}), 400, "logit_bias"),
     ("logit-bias-too-large", CHAT, ch(logit_bias={"5": 150}), 400, "logit_bias"),
     ("cache-salt-empty", CMPL, c(cache_salt=""), 400, "cache_salt"),
+    ("priority-under-fcfs", CHAT, ch(priority=1), 400, "priority"),
     ("allowed-token-ids-empty", CMPL, c(allowed_token_ids=[]), 400, "allowed_token_ids"),
     ("allowed-token-ids-outside-vocab", CHAT, ch(allowed_token_ids=[10**6]), 400, "allowed_token_ids"),
     ("suffix", CMPL, c(suffix="tail"), 400, "suffix"),

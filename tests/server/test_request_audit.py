@@ -47,7 +47,7 @@ UNHONOURED = {
     # vLLM's extras
     "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1, "bad_words": ["Lord"],
     "logits_processors": ["x"],
-    "priority": 1, "spaces_between_special_tokens": False,
+    "spaces_between_special_tokens": False,
     "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1},
     "echo": True, "chat_template": "{{ messages }}", "documents": [{"text": "x"}],
 }

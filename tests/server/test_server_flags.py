@@ -15,7 +15,8 @@ def server(tiny_model_dir, tmp_path_factory):
     s = start_server(tiny_model_dir("llama"), tmp_path_factory.mktemp("flags") / "server.log", "--max-model-len", "256",
                      "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--swap-space", "0.05",
                      "--enable-log-requests", "--return-tokens-as-token-ids", "--uvicorn-log-level", "warning",
-                     "--max-logprobs", "2", "--chat-template-content-format", "openai")
+                     "--max-logprobs", "2", "--chat-template-content-format", "openai",
+                     "--scheduling-policy", "priority")
     yield s
     stop_server(s)
 
@@ -101,3 +102,13 @@ def test_cache_salt_keeps_tenants_apart(server):
     assert cached(cache_salt="t1") == 0
     assert cached(cache_salt="t2") == 0
     assert cached(cache_salt="t1") == 32
+
+
+def test_priority_reaches_the_priority_scheduler(server):
+    """Under --scheduling-policy priority a request's priority is taken (under fcfs: a 400,
+    tests/server/test_bad_input.py); the order it gives is tests/engine/test_batch_defaults.py's."""
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        for priority in (-3, 5):
+            r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                                     "max_tokens": 2, "priority": priority})
+            assert r.status_code == 200, r.text

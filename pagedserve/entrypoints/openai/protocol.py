@@ -323,7 +323,6 @@ _COMMON_UNSUPPORTED = {
     "prompt_logprobs": ((), "prompt_logprobs is not supported by the server"),
     "bad_words": (([],), "bad_words is not supported"),
     "logits_processors": (([],), "logits_processors is not supported"),
-    "priority": ((0,), "priority scheduling is not supported (first come, first served)"),
     "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not "
                                                "supported"),
     "vllm_xargs": (({},), "vllm_xargs is not supported"),
@@ -341,7 +340,7 @@ class VLLMExtraFields(FieldAudit):
     logits_processors: Optional[list[Any]] = None
     # honoured: keep the prompt's last k tokens (-1: max_model_len's worth), as vLLM
     truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID)]] = None
-    priority: Optional[int] = None
+    priority: Optional[int] = Field(None, ge=-(2**31), le=2**31 - 1)  # honoured with --scheduling-policy priority
     return_tokens_as_token_ids: Optional[bool] = None  # honoured: logprobs name tokens "token_id:N"
     spaces_between_special_tokens: Optional[bool] = None
     cache_salt: Optional[str] = Field(None, min_length=1)  # honoured: prefix cache shared only within a salt

@@ -104,7 +104,7 @@ class OpenAIServingChat(OpenAIServing):
                                       skip_special_tokens=False if keep_special else None)
         self.check_kv_capacity(len(prompt_ids), max_tokens, params.best_of, "messages", tokens_param)
         request_id = random_id("chatcmpl")
-        stream = await self.start(prompt_ids, params, request_id, req.cache_salt)
+        stream = await self.start(prompt_ids, params, request_id, req.cache_salt, req.priority)
         if req.stream:
             return self._stream(req, request_id, len(prompt_ids), stream, parser)
         final = await until_disconnected(raw_request, self._collect(stream))

@@ -21,7 +21,7 @@ MAX_CHOICES = 256  # prompts x n in one request; each one is a sequence in the b
 _SAMPLING_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                    "allowed_token_ids")
+                    "allowed_token_ids", "priority", "cache_salt")
 
 
 class APIError(Exception):
@@ -286,7 +286,7 @@ class OpenAIServing:
                            f"{n} * {num_prompts}", param="n")
 
     async def start(self, prompt_ids: list[int], params: SamplingParams,
-                    request_id: str, cache_salt: str | None = None) -> RequestStream:
+                    request_id: str, cache_salt: str | None = None, priority: int | None = None) -> RequestStream:
         """Hand one prompt to the engine; its ValueError becomes a 400. cache_salt (vLLM's): the
         prompt shares cached KV blocks only with requests of the same salt."""
         if self.log_requests:
@@ -295,7 +295,7 @@ class OpenAIServing:
             prompt = {"prompt_token_ids": prompt_ids}
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
-            return await self.engine.add_request(request_id, prompt, params)
+            return await self.engine.add_request(request_id, prompt, params, priority or 0)
         except ValueError as e:
             raise APIError.from_value_error(e) from None
         except EngineDeadError as e:

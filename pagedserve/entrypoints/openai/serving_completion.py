@@ -107,7 +107,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams: list[RequestStream] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                streams.append(await self.start(p.token_ids, sp, f"{request_id}-{i}", req.cache_salt))
+                streams.append(await self.start(p.token_ids, sp, f"{request_id}-{i}", req.cache_salt, req.priority))
         except BaseException:
             for s in streams:
                 s.close()
