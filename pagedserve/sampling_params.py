@@ -95,6 +95,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     # Only these tokens may be drawn (vLLM's).
     allowed_token_ids: list[int] | None = None
+    # Words never generated (vLLM's; engine/bad_words.py); their token ids, filled where the
+    # tokenizer is (left None, the engine fills them).
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -159,6 +163,8 @@ class SamplingParams:
                 not self.allowed_token_ids or
                 not all(isinstance(t, int) and not isinstance(t, bool) for t in self.allowed_token_ids)):
             raise ValueError("allowed_token_ids must be a non-empty list of token ids")
+        if self.bad_words is not None and not all(isinstance(w, str) and w.strip() for w in self.bad_words):
+            raise ValueError("bad_words must be a list of non-blank strings")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
         if self.best_of > 1 and self.temperature == 0.0 and self.n > 1:

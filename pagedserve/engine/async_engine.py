@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+from pagedserve.engine.bad_words import with_bad_word_ids
 from pagedserve.engine.core_client import EngineDeadError, MPCoreClient
 from pagedserve.engine.input_processor import load_tokenizer, split_prompt
 from pagedserve.engine.text_output import RequestText, core_params
@@ -325,6 +326,7 @@ class AsyncLLMEngine:
         text, ids = await self._prompt_ids(prompt)
         st = _RequestState(queue=asyncio.Queue(), arrival=time.monotonic(),
                            kind=sampling_params.output_kind)
+        sampling_params = with_bad_word_ids(sampling_params, self.tokenizer)
         wire_params = sampling_params
         if self.tokenizer is not None:  # the core then runs without detokenizing
             st.text = RequestText(self.tokenizer, sampling_params, text, ids)

@@ -114,6 +114,7 @@ class InputProcessor:
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
         self.check_token_ids("logit_bias", params.logit_bias or ())
         self.check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
+        self.check_token_ids("bad_words", [t for w in params.bad_words_token_ids or () for t in w])
         for name in ("logprobs", "prompt_logprobs"):
             k = getattr(params, name)
             if k is not None and k > self.max_logprobs:

@@ -28,6 +28,7 @@ from pagedserve.engine import prompt_logprobs
 from pagedserve.engine.beam_driver import BeamSearchDriver
 from pagedserve.engine.beam_search import BeamSearchState
 from pagedserve.engine.inflight import InflightStep
+from pagedserve.engine.bad_words import with_bad_word_ids
 from pagedserve.engine.input_processor import InputProcessor, eos_token_ids, load_tokenizer
 from pagedserve.engine.output_processor import OutputProcessor
 from pagedserve.engine.step_pipeline import StepPipeline, overlaps
@@ -249,6 +250,7 @@ class LLMEngine(StepPipeline, TokenApplication):
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        sampling_params = with_bad_word_ids(sampling_params, self.tokenizer)
         group = self._new_group(request_id, prompt, sampling_params, arrival_time)
         group.priority = priority
         spec = sampling_params.structured_outputs

@@ -25,7 +25,7 @@ One step with speculation, synchronous (see LLMEngine.step):
 
 Which requests speculate: single sequences (n = best_of = 1) whose tokens depend only on the
 logits at each position: temperature, top-k, top-p, min-p, seeds and structured outputs; not
-those with penalties, min_tokens, logprobs, prompt_logprobs or beam search, which decode as
+those with penalties, min_tokens, bad_words, logprobs, prompt_logprobs or beam search, which decode as
 before beside speculating ones in the same batch.
 
 Structured outputs: the grammar checks proposals before they are verified (a copy of the
@@ -62,7 +62,7 @@ SHADOW_SLACK_STEPS = 3
 def can_speculate(p: SamplingParams) -> bool:
     """Whether a request's sampling lets it verify proposals (see the module docstring)."""
     return (p.n == 1 and p.best_of == 1 and p.logprobs is None and p.prompt_logprobs is None
-            and p.min_tokens == 0 and not penalised(p))
+            and p.min_tokens == 0 and not penalised(p) and not p.bad_words_token_ids)
 
 
 class Speculator:

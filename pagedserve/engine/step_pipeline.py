@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 
 from pagedserve.engine import prompt_logprobs
+from pagedserve.engine.bad_words import needs_host_tail
 from pagedserve.engine.inflight import InflightStep
 from pagedserve.outputs import RequestOutput
 from pagedserve.runner.async_output import AsyncHostCopy
@@ -36,7 +37,7 @@ def overlaps(p: SamplingParams, forked: bool = False) -> bool:
     penalties take the token in flight from the device (TokenApplication._sample_device). n /
     best_of > 1 forks at its first sample, a synchronous step; forked, its sequences decode as any
     others (forked=True)."""
-    return p.prompt_logprobs is None and (p.best_of == 1 or forked)
+    return p.prompt_logprobs is None and (p.best_of == 1 or forked) and not needs_host_tail(p)
 
 
 class StepPipeline:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.engine.bad_words import banned_tokens
 from pagedserve.engine.inflight import InflightStep
 from pagedserve.engine.structured.matchers import SeqGrammars
 from pagedserve.layers.sampler import DeviceSample, SampleRow, derive_seed, penalised, to_device
@@ -104,9 +105,11 @@ class TokenApplication:
         constrained output's grammar decides when it may end (masking its stop token too could
         leave no token at all)."""
         p, seq = s.group.sampling_params, s.seq
+        # Overlapped requests have one-token bad words only (bad_words.needs_host_tail): a fixed ban.
+        banned = banned_tokens(p, []) if p.bad_words_token_ids else []
         if len(seq.output_token_ids) + seq.num_inflight_tokens >= p.min_tokens or seq.seq_id in self.structured.seqs:
-            return []
-        return self.output_processor.stop_token_ids(s.group)
+            return banned
+        return banned + list(self.output_processor.stop_token_ids(s.group))
 
     def _process_inflight(self, step: InflightStep, touched: dict, final_only: bool) -> None:
         """Wait for a launched step's tokens and append them: placeholders become tokens. Rows of
@@ -179,6 +182,8 @@ class TokenApplication:
             # the stop token it allows (masking it too could leave no token at all).
             suppress = self.output_processor.stop_token_ids(s.group) \
                 if len(seq.output_token_ids) < p.min_tokens and seq.seq_id not in self.structured.seqs else []
+            if p.bad_words_token_ids:
+                suppress = list(suppress) + banned_tokens(p, seq.output_token_ids)
             first_fork = p.best_of > 1 and len(s.group.seqs) == 1 and not seq.output_token_ids
             for j in range(p.best_of if first_fork else 1):
                 if j == 0:

@@ -129,7 +129,7 @@ def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.T
 def needs_only_temperature(p: SamplingParams) -> bool:
     """Whether sample_plain can draw for these params (given no seed generator and no suppression)."""
     return (p.seed is None and p.logprobs is None and p.top_k <= 0 and p.top_p >= 1.0 and p.min_p <= 0.0
-            and not penalised(p) and not p.logit_bias and p.allowed_token_ids is None)
+            and not penalised(p) and not p.logit_bias and p.allowed_token_ids is None and not p.bad_words_token_ids)
 
 
 def _chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

@@ -201,3 +201,42 @@ def test_logit_bias_and_allowed_token_ids_match_hf(tiny_model_dir):
     with pytest.raises(ValueError, match=r"allowed_token_ids must be in \[0, "):
         llm.generate([{"prompt_token_ids": p}], SamplingParams(allowed_token_ids=[10**7]), use_tqdm=False)
     assert_no_leak(llm)
+
+
+def test_bad_words_are_never_generated(tmp_path):
+    """vLLM's bad_words on the demo model (a GPT-2-style tokenizer): "a man" is banned as it
+    would start the text ([70, 407]) and after a space ([265, 407]): 407 is not drawn right after
+    70 or 265 (synchronous steps: the rule reads the newest token); "a" alone is one token either
+    way, never drawn (a fixed ban, overlapped steps). Greedy equals HF's argmax with the same bans."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from pagedserve import LLM
+    from pagedserve.demo_model import DEMO_MODEL_DIR
+    from pagedserve.engine.bad_words import tokenize_bad_words
+    tok = AutoTokenizer.from_pretrained(str(DEMO_MODEL_DIR))
+    assert tokenize_bad_words(["a man"], tok) == [[70, 407], [265, 407]]
+    assert tokenize_bad_words([" a"], tok) == [[70], [265]]
+    model = AutoModelForCausalLM.from_pretrained(str(DEMO_MODEL_DIR), dtype=torch.float32).eval()
+    prompt = tok("And God said,").input_ids
+
+    def hf(banned_after: dict, always: set, n: int = 24) -> list[int]:
+        ids = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                logits = model(torch.tensor([ids])).logits[0, -1]
+                out = ids[len(prompt):]
+                for t in always | (banned_after.get(out[-1], set()) if out else set()):
+                    logits[t] = float("-inf")
+                ids.append(int(logits.argmax()))
+        return ids[len(prompt):]
+
+    llm = LLM(str(DEMO_MODEL_DIR), device="cpu", dtype="float32", num_gpu_blocks_override=128, swap_space=0.01)
+    plain = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0]
+    assert " a man" in plain.text
+    for words, after, always in ((["a man"], {70: {407}, 265: {407}}, set()), (["a"], {}, {70, 265})):
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=24, bad_words=words),
+                           use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == hf(after, always) != plain.token_ids
+        assert " a man" not in out.text
+    with pytest.raises(ValueError, match="bad_words must be a list of non-blank strings"):
+        SamplingParams(bad_words=[" "])

@@ -112,3 +112,20 @@ def test_priority_reaches_the_priority_scheduler(server):
             r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                                                      "max_tokens": 2, "priority": priority})
             assert r.status_code == 200, r.text
+
+
+def test_bad_words_hold_against_a_bias_toward_them(server):
+    """bad_words (vLLM's), tokenized in the API process: "a" banned in both its forms, though a
+    +100 logit_bias would otherwise pick them every time."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.engine.bad_words import tokenize_bad_words
+    banned = {w[-1] for w in tokenize_bad_words(["a"], AutoTokenizer.from_pretrained(server.model_dir))}
+    bias = {str(t): 100 for t in banned}
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        for extra in ({}, {"bad_words": ["a"]}):
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": [5, 17], "max_tokens": 6, "temperature": 1.0,
+                                                "logit_bias": bias, "logprobs": 0, **extra})
+            assert r.status_code == 200, r.text
+            tokens = {int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]}
+            assert (tokens <= banned) if not extra else not (tokens & banned), (extra, tokens)

@@ -321,7 +321,6 @@ _COMMON_UNSUPPORTED = {
     "use_beam_search": ((False,), "beam search is offline only here (LLM.beam_search)"),
     "length_penalty": ((1.0,), "length_penalty belongs to beam search, offline only here"),
     "prompt_logprobs": ((), "prompt_logprobs is not supported by the server"),
-    "bad_words": (([],), "bad_words is not supported"),
     "logits_processors": (([],), "logits_processors is not supported"),
     "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not "
                                                "supported"),
@@ -335,7 +334,7 @@ class VLLMExtraFields(FieldAudit):
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     prompt_logprobs: Optional[int] = None
-    bad_words: Optional[list[str]] = None
+    bad_words: Optional[Annotated[list[str], Field(max_length=MAX_STOP)]] = None  # honoured (engine/bad_words.py)
     allowed_token_ids: Optional[list[int]] = None  # honoured: only these may be drawn
     logits_processors: Optional[list[Any]] = None
     # honoured: keep the prompt's last k tokens (-1: max_model_len's worth), as vLLM

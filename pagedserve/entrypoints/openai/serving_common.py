@@ -21,7 +21,7 @@ MAX_CHOICES = 256  # prompts x n in one request; each one is a sequence in the b
 _SAMPLING_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                    "allowed_token_ids", "priority", "cache_salt")
+                    "allowed_token_ids", "priority", "cache_salt", "bad_words")
 
 
 class APIError(Exception):
@@ -256,6 +256,8 @@ class OpenAIServing:
             self.check_token_ids(req.stop_token_ids, "stop_token_ids")
         if req.logit_bias:
             kw["logit_bias"] = self.logit_bias(req.logit_bias)
+        if req.bad_words:
+            kw["bad_words"] = req.bad_words
         if req.allowed_token_ids is not None:
             self.check_token_ids(req.allowed_token_ids, "allowed_token_ids")
             kw["allowed_token_ids"] = req.allowed_token_ids
