@@ -34,6 +34,10 @@ class RequestOutput:
     # token plus the top-k), None at position 0 (nothing predicts it); set once the prompt is computed.
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
+    @property
+    def num_cached_tokens(self) -> int | None:
+        """vLLM's: prompt tokens found in the prefix cache when the request was first scheduled."""
+        return (self.metrics or {}).get("num_cached_tokens")
 
 
 def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:

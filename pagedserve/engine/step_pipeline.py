@@ -158,6 +158,7 @@ class StepPipeline:
             if "first_scheduled_time" not in s.group.metrics:
                 now = now or time.time()
                 s.group.metrics["first_scheduled_time"] = now
+                s.group.metrics["num_cached_tokens"] = s.start  # its prompt's prefix-cache hit
 
     def _run_sync(self, out, touched: dict, final_only: bool) -> None:
         """The synchronous step: execute, sample, and append before returning."""

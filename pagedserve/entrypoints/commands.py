@@ -156,6 +156,9 @@ def register_serve(sub) -> None:
     p.add_argument("--disable-log-stats", action="store_true",
                    help="no stats line every 10 s while the engine works (throughput, running and waiting "
                         "requests, KV cache usage, prefix hit rate; vLLM's, on by default)")
+    p.add_argument("--enable-prompt-tokens-details", action="store_true",
+                   help="usage.prompt_tokens_details.cached_tokens: the prompt tokens read from the prefix "
+                        "cache (vLLM's)")
     p.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name tokens \"token_id:N\" unless a request's return_tokens_as_token_ids "
                         "says otherwise (vLLM's)")

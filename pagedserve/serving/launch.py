@@ -96,7 +96,8 @@ def _server_flags(args: argparse.Namespace) -> list[str]:
     out = ["--shutdown-timeout", str(args.shutdown_timeout), "--uvicorn-log-level", args.uvicorn_log_level]
     if args.max_waiting_requests is not None:
         out += ["--max-waiting-requests", str(args.max_waiting_requests)]
-    for flag in ("enable_log_requests", "disable_log_stats", "return_tokens_as_token_ids"):
+    for flag in ("enable_log_requests", "disable_log_stats", "return_tokens_as_token_ids",
+                 "enable_prompt_tokens_details"):
         if getattr(args, flag):
             out.append("--" + flag.replace("_", "-"))
     return out
@@ -113,7 +114,8 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
     check_dp_args(args)
     policy = make_policy(args.routing_policy, args.routing_imbalance_threshold)
     if args.data_parallel_backend == "ray":
-        asked = [f for f in ("enable_log_requests", "return_tokens_as_token_ids") if getattr(args, f)]
+        asked = [f for f in ("enable_log_requests", "return_tokens_as_token_ids", "enable_prompt_tokens_details")
+                 if getattr(args, f)]
         if asked:
             raise ValueError(f"--{asked[0].replace('_', '-')} is not supported with --data-parallel-backend ray yet "
                              "(mp replicas take it)")

@@ -104,8 +104,10 @@ def test_cache_salt_shares_cached_blocks_only_within_a_salt(tiny_model_dir):
 
     def hits(**salt):
         before = llm.get_kv_cache_stats().prefix_cache_hits
-        out = llm.generate([{"prompt_token_ids": p, **salt}], sp, use_tqdm=False)[0].outputs[0].token_ids
-        return llm.get_kv_cache_stats().prefix_cache_hits - before, out
+        out = llm.generate([{"prompt_token_ids": p, **salt}], sp, use_tqdm=False)[0]
+        hit = llm.get_kv_cache_stats().prefix_cache_hits - before
+        assert out.num_cached_tokens == hit  # RequestOutput.num_cached_tokens (vLLM's)
+        return hit, out.outputs[0].token_ids
 
     first, tokens = hits(cache_salt="a")
     assert first == 0

@@ -4,6 +4,8 @@ request), --return-tokens-as-token-ids (the default a request may override) and
 --chat-template-content-format (openai: the template gets a message's list of parts)."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -16,7 +18,7 @@ def server(tiny_model_dir, tmp_path_factory):
                      "--num-gpu-blocks-override", "64", "--max-num-seqs", "8", "--swap-space", "0.05",
                      "--enable-log-requests", "--return-tokens-as-token-ids", "--uvicorn-log-level", "warning",
                      "--max-logprobs", "2", "--chat-template-content-format", "openai",
-                     "--scheduling-policy", "priority")
+                     "--scheduling-policy", "priority", "--enable-prompt-tokens-details")
     yield s
     stop_server(s)
 
@@ -129,3 +131,26 @@ def test_bad_words_hold_against_a_bias_toward_them(server):
             assert r.status_code == 200, r.text
             tokens = {int(t.split(":")[1]) for t in r.json()["choices"][0]["logprobs"]["tokens"]}
             assert (tokens <= banned) if not extra else not (tokens & banned), (extra, tokens)
+
+
+def test_usage_counts_cached_prompt_tokens(server):
+    """--enable-prompt-tokens-details: usage.prompt_tokens_details.cached_tokens is the prompt's
+    prefix-cache hit (its full blocks of 16 but the last token's), streamed or not, both endpoints."""
+    prompt = list(range(300, 300 + 40))
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+        def cmpl(**kw):
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": prompt, "max_tokens": 2, **kw})
+            assert r.status_code == 200, r.text
+            return r
+        assert cmpl().json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+        assert cmpl().json()["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+        events = [line[6:] for line in cmpl(stream=True, stream_options={"include_usage": True}).text.splitlines()
+                  if line.startswith("data: {")]
+        assert json.loads(events[-1])["usage"]["prompt_tokens_details"] == {"cached_tokens": 32}
+        msgs = [{"role": "user", "content": "the same conversation twice " * 4}]
+        first = c.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 1}).json()
+        again = c.post("/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 1}).json()
+        n = again["usage"]["prompt_tokens"]
+        # (this server's template starts every chat alike: the first may hit its opening blocks)
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] < \
+            again["usage"]["prompt_tokens_details"]["cached_tokens"] == (n - 1) // 16 * 16

@@ -71,14 +71,16 @@ class _AdmittedStream(StreamingResponse):
 def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | None = None,
               max_request_bytes: int = 1 << 20, allowed_hosts: list[str] | None = None,
               max_waiting_requests: int | None = None, config: Any = None, log_requests: bool = False,
-              log_stats: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
+              log_stats: bool = False, return_tokens_as_token_ids: bool = False,
+              enable_prompt_tokens_details: bool = False) -> FastAPI:
     """The OpenAI-compatible app around one AsyncLLMEngine. allowed_hosts: the Host headers
     answered (middleware.HostCheckMiddleware; None: any, for in-process callers such as the
     Ray replicas). max_waiting_requests: admission.Admission's queue (None: its default).
     config (an EngineConfig) gives the tool-call and reasoning parsers and the generation
     config's default sampling (engine/generation_defaults.py). log_requests, log_stats,
-    return_tokens_as_token_ids: the `serve` flags of those names (a line per request, the
-    periodic stats line of stats_log.py, logprob tokens as "token_id:N" unless a request says)."""
+    return_tokens_as_token_ids, enable_prompt_tokens_details: the `serve` flags of those names (a
+    line per request, the periodic stats line of stats_log.py, logprob tokens as "token_id:N"
+    unless a request says, usage's cached prompt tokens)."""
     defaults = {}
     if config is not None:
         from pagedserve.engine.generation_defaults import config_generation_defaults
@@ -88,6 +90,7 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     tokenization = OpenAIServingTokenization(engine, served_model_name, chat)
     for handler in (completion, chat):
         handler.log_requests, handler.tokens_as_ids_default = log_requests, return_tokens_as_token_ids
+        handler.prompt_tokens_details = enable_prompt_tokens_details
     admission = Admission(engine, max_waiting_requests)
 
     @asynccontextmanager
@@ -216,7 +219,8 @@ def run_single_server(args: Any, config: Any, name: str, api_key: str | None) ->
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
                     allowed_hosts=allowed, max_waiting_requests=args.max_waiting_requests, config=config,
                     log_requests=args.enable_log_requests, log_stats=not args.disable_log_stats,
-                    return_tokens_as_token_ids=args.return_tokens_as_token_ids)
+                    return_tokens_as_token_ids=args.return_tokens_as_token_ids,
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     add_cors(app, args)
     # Past --shutdown-timeout, what still runs ends as a clean 503 (streams: error event, [DONE]).
     server = make_server(app, args.host, args.port, shutdown_timeout=args.shutdown_timeout,

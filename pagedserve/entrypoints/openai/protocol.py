@@ -375,10 +375,16 @@ class CompletionChoice(OpenAIModel):
     finish_reason: Optional[str] = None
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0
+
+
 class Usage(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # With --enable-prompt-tokens-details (vLLM's): prompt tokens read from the prefix cache.
+    prompt_tokens_details: Optional[PromptTokensDetails] = Field(None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(OpenAIModel):

@@ -146,7 +146,8 @@ class OpenAIServingChat(OpenAIServing):
         choices.sort(key=lambda ch: ch.index)
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                      usage=usage(len(out.prompt_token_ids), completion_tokens))
+                                      usage=usage(len(out.prompt_token_ids), completion_tokens,
+                                                  self.cached_tokens([out])))
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_len: int,
                       stream: RequestStream, parser: MessageParser) -> AsyncIterator[str]:
@@ -159,7 +160,9 @@ class OpenAIServingChat(OpenAIServing):
             yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
                 ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
                 for i in range(req.n)]))
+            last = None
             async for out in stream:
+                last = out
                 check_not_ignored(out, "messages")
                 choices = []
                 # DELTA outputs: each choice carries only its new tokens, text and logprobs.
@@ -185,7 +188,8 @@ class OpenAIServingChat(OpenAIServing):
             if include_usage:
                 completion_tokens = sum(st.num_tokens for st in states.values())
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],
-                                              usage=usage(prompt_len, completion_tokens)))
+                                              usage=usage(prompt_len, completion_tokens,
+                                                          self.cached_tokens([last] if last else []))))
         except APIError as e:
             yield error_event(e)
         except EngineDeadError as e:

@@ -6,11 +6,11 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Iterable
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, SamplingFields,
-                                                    TopLogprob, Usage)
+from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails,
+                                                    SamplingFields, TopLogprob, Usage)
 from pagedserve.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 
@@ -112,11 +112,19 @@ class OpenAIServing:
         # `serve` flags (build_app sets them): --enable-log-requests, --return-tokens-as-token-ids.
         self.log_requests = False
         self.tokens_as_ids_default = False
+        self.prompt_tokens_details = False  # --enable-prompt-tokens-details
 
     def tokens_as_ids(self, req: Any) -> bool:
         """return_tokens_as_token_ids: the request's, else the server's --return-tokens-as-token-ids."""
         value = getattr(req, "return_tokens_as_token_ids", None)
         return self.tokens_as_ids_default if value is None else bool(value)
+
+    def cached_tokens(self, outs: Iterable[Any]) -> int | None:
+        """usage.prompt_tokens_details.cached_tokens of these outputs (one per prompt), under
+        --enable-prompt-tokens-details; else None (the field is left out)."""
+        if not self.prompt_tokens_details:
+            return None
+        return sum(o.num_cached_tokens or 0 for o in outs)
 
     def audit(self, req: Any) -> None:
         """No silent drops: an OpenAI field pagedserve does not honour, set to anything but its
@@ -337,9 +345,11 @@ def _finite(x: float) -> float:
 finite_logprob = _finite
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> Usage:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:
+    """cached_tokens: given (--enable-prompt-tokens-details), usage.prompt_tokens_details carries it."""
+    details = None if cached_tokens is None else PromptTokensDetails(cached_tokens=cached_tokens)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                 total_tokens=prompt_tokens + completion_tokens)
+                 total_tokens=prompt_tokens + completion_tokens, prompt_tokens_details=details)
 
 
 async def merge_streams(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Any]]:

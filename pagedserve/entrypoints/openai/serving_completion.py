@@ -177,7 +177,7 @@ class OpenAIServingCompletion(OpenAIServing):
         choices.sort(key=lambda ch: ch.index)
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
-                                  usage=usage(prompt_tokens, completion_tokens))
+                                  usage=usage(prompt_tokens, completion_tokens, self.cached_tokens(finals)))
 
     async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
                       streams: list[RequestStream]) -> AsyncIterator[str]:
@@ -188,8 +188,10 @@ class OpenAIServingCompletion(OpenAIServing):
         # Without logprobs (the common case) chunks are encoded directly: same bytes.
         fast = CompletionChunkEncoder(request_id, model) if req.logprobs is None else None
         prompt_lps: dict[int, list] = {}  # prompt_logprobs arrive in one output per prompt (DELTA)
+        last: dict[int, Any] = {}  # each prompt's latest output (its metrics: cached tokens)
         try:
             async for i, out in merge_streams(streams):
+                last[i] = out
                 check_not_ignored(out, "prompt")
                 if out.prompt_logprobs is not None:
                     prompt_lps[i] = out.prompt_logprobs
@@ -221,7 +223,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
                 completion_tokens = sum(st.num_tokens for st in states.values())
                 yield sse(CompletionResponse(id=request_id, model=model, choices=[],
-                                             usage=usage(prompt_tokens, completion_tokens)))
+                                             usage=usage(prompt_tokens, completion_tokens,
+                                                         self.cached_tokens(last.values()))))
         except APIError as e:
             yield error_event(e)
         except EngineDeadError as e:
