@@ -36,7 +36,8 @@ case "${1:-}" in
       httpx==0.29.0 httpcore==1.0.9 anyio==4.16.0 h11==0.16.0 sniffio==1.3.1 idna==3.20 certifi==2026.10.19.post1 \
       prometheus-client==0.26.0 aiohttp==3.14.5 aiosignal==1.4.0 frozenlist==1.8.0 multidict==7.2.1 \
       yarl==1.25.1 propcache==0.5.4 attrs==26.1.0 aiohappyeyeballs==2.7.1 jsonschema==4.26.0 \
-      referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 typing-extensions==4.16.0
+      referencing==0.37.0 rpds-py==2026.9.1 jsonschema-specifications==2025.9.1 typing-extensions==4.16.0 \
+      opentelemetry-api==1.45.3  # fastapi 0.165 imports it
     du -sh .device-deps/* ;;
   install)
     mkdir -p "$T/deps-wheels"
