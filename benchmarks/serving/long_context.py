@@ -30,7 +30,11 @@ Prompts are fresh random ids, each scenario's its own (no prefix-cache hits). co
 benchmarks/results/h200/long_context.json with ratios <metric>_over_vllm_<scenario> for tpot_p50,
 tpot_p99, ttft_p50, ttft_p99 and throughput (total tokens/s) at 8k, 32k, 100k and mix_short, and
 decode_itl_p50/p99_during_100k_prefill_over_vllm; below 1 is better except for throughput; start-up
-seconds of both servers (launch to /v1/models answering) are recorded beside them.
+seconds of both servers (launch to /v1/models answering) are recorded beside them. Beside the
+targets' ratios, two that a stream's chunking does not move: decode_gap_matched_over_vllm_<scenario>
+(decode gaps outside long prefills, class for class by what was decoding) and
+first_token_ready_p50_over_vllm_<scenario> (TTFT less the coalesced tokens at the request's median
+gap: an estimate).
 """
 from __future__ import annotations
 
@@ -201,23 +205,72 @@ def _tpot_ms(r: dict) -> float | None:
     return 1000 * (r["latency"] - r["ttft"]) / (r["output_len"] - 1)
 
 
+def _coalesced(r: dict) -> int:
+    """Output tokens that came in a streamed chunk with another one (tokens past one a chunk)."""
+    return r["output_len"] - 1 - len(r.get("itl") or [])
+
+
+def gap_classes(summary: dict, kept: list[dict]) -> dict[str, list[float]]:
+    """The kept requests' inter-token gaps (ms) outside every long prompt's prefill (send to first
+    token of a request of 8,192+ tokens), classed by how many long and how many short requests
+    (short by 4s, 12+ together) were decoding at the gap's middle: a decode step's time by its mix,
+    where a TPOT mixes steps of every kind and a coalescing stream drops its first gaps."""
+    spans = [(r["sent_at"], r["sent_at"] + r["ttft"], r["sent_at"] + r["latency"], r["prompt_len"] >= 8192)
+             for r in summary["requests"] if not r.get("error") and r.get("ttft") is not None]
+    classes: dict[str, list[float]] = {}
+    for r in kept:
+        t = r["sent_at"] + r["ttft"]
+        for g in r.get("itl") or []:
+            mid, t = t + g / 2, t + g
+            if any(long_ and sent <= mid < first for sent, first, _, long_ in spans):
+                continue  # inside a long prompt's prefill
+            longs = sum(long_ and first <= mid < end for _, first, end, long_ in spans)
+            shorts = sum(not long_ and first <= mid < end for _, first, end, long_ in spans)
+            classes.setdefault(f"long{longs}_short{min(shorts // 4 * 4, 12)}+", []).append(1e3 * g)
+    return classes
+
+
+def matched_gap_ratio(ours: dict, theirs: dict, min_gaps: int = 20) -> float | None:
+    """One engine's decode gaps against the other's, step mix for step mix: the geometric mean of the
+    per-class median ratios (classes with min_gaps+ gaps in both), each weighted by the smaller count."""
+    import math
+    pairs = [(min(a["n"], b["n"]), a["median_ms"] / b["median_ms"]) for k, a in ours.items()
+             if (b := theirs.get(k)) and min(a["n"], b["n"]) >= min_gaps]
+    if not pairs:
+        return None
+    return round(math.exp(sum(n * math.log(x) for n, x in pairs) / sum(n for n, _ in pairs)), 3)
+
+
 def stats(summary: dict, keep=lambda r: True) -> dict:
-    """TPOT/TTFT percentiles (ms) and throughput of the kept requests of one run."""
+    """TPOT/TTFT percentiles (ms) and throughput of the kept requests of one run; beside them, what
+    separates a stream's pacing from the engine's: the coalesced tokens, the decode gaps outside
+    long prefills, and each first token's estimated ready time."""
     reqs = [r for r in summary["requests"] if keep(r)]
     ok = [r for r in reqs if not r.get("error")]
     tpot = [t for t in map(_tpot_ms, ok) if t is not None]
     ttft = [1000 * r["ttft"] for r in ok if r.get("ttft") is not None]
     tokens = sum(r["prompt_len"] + r["output_len"] for r in ok)
     dur = summary["duration_s"]
-    # Tokens that came in a streamed chunk with another one (output tokens past one a chunk): a
-    # server whose first chunk carries several tokens has counted their decode steps into its TTFT
-    # and out of its TPOT (vLLM 0.26 at long prompts: docs/long-context.md).
-    coalesced = [r["output_len"] - 1 - len(r.get("itl") or []) for r in ok if r.get("ttft") is not None]
+    # A server whose first chunk carries several tokens has counted their decode steps into its TTFT
+    # and out of its TPOT (vLLM 0.26 at long prompts: docs/long-context.md). first_token_ready takes
+    # them back out, each at the request's own median gap: an estimate, not a measurement.
+    streamed = [r for r in ok if r.get("ttft") is not None]
+    coalesced = [_coalesced(r) for r in streamed]
+    ready = [1000 * (r["ttft"] - _coalesced(r) * _median(r["itl"])) for r in streamed if r.get("itl")]
+    gaps = {k: {"n": len(v), "median_ms": round(_median(v), 2)}
+            for k, v in sorted(gap_classes(summary, streamed).items())}
     return {"requests": len(reqs), "completed": len(ok), "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
             "ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99),
             "throughput": round(tokens / dur, 1) if dur > 0 else None,
             "output_not_at_max": sum(1 for r in ok if r["output_len"] != r["expected_output_len"]),
-            "coalesced_tokens_p50": _pct(coalesced, 50)}
+            "coalesced_tokens_p50": _pct(coalesced, 50),
+            "decode_gaps_by_mix": gaps,
+            "first_token_ready_p50_estimate": _pct(ready, 50)}
+
+
+def _median(values: list[float]) -> float:
+    import statistics
+    return statistics.median(values)
 
 
 def token_times(r: dict) -> list[float]:
@@ -297,6 +350,15 @@ def ratios_over_vllm(ours_result: dict, vllm_result: dict) -> dict:
         for metric in ("tpot_p50", "tpot_p99", "ttft_p50", "ttft_p99", "throughput"):
             a, b = (p or {}).get(metric), (v or {}).get(metric)
             ratios[f"{metric}_over_vllm_{key}"] = round(a / b, 3) if a and b else None
+    # Beside the targets' ratios, not in place of them: the decode steps' own pace and the first
+    # tokens' estimated ready times, which a coalescing stream moves between TTFT and TPOT.
+    for key in ("8k", "32k", "100k", "mix_short", "mix_long"):
+        p, v = ours.get(key) or {}, theirs.get(key) or {}
+        ratios[f"decode_gap_matched_over_vllm_{key}"] = (
+            matched_gap_ratio(p["decode_gaps_by_mix"], v["decode_gaps_by_mix"])
+            if "decode_gaps_by_mix" in p and "decode_gaps_by_mix" in v else None)
+        a, b = p.get("first_token_ready_p50_estimate"), v.get("first_token_ready_p50_estimate")
+        ratios[f"first_token_ready_p50_over_vllm_{key}"] = round(a / b, 3) if a and b else None
     p, v = ours.get("prefill100k") or {}, theirs.get("prefill100k") or {}
     for q in ("p50", "p99"):
         a, b = p.get(f"itl_{q}_during"), v.get(f"itl_{q}_during")
@@ -610,30 +672,17 @@ def phase_replay(args) -> list[dict]:
 
 def phase_gaps(args, work: Path) -> dict:
     """gaps (no GPU): every inter-token gap of a scenario's records (lc_<engine>_<scenario>.json in
-    --work), outside the long prompts' prefills (send to first token of any request of 8,192+
-    tokens), classed by how many long and how many short requests (short by 4s, 12+ together)
-    were decoding at its middle: each engine's median and count per class. A decode step's time
-    by its mix, where TPOTs mix steps of every kind (docs/long-context.md, 41st session)."""
-    import statistics
+    --work), classed as gap_classes does: each engine's median and count per class. A decode step's
+    time by its mix, where TPOTs mix steps of every kind (docs/long-context.md, 41st session)."""
     classes = {}
     for engine in ("pagedserve", "vllm"):
         path = work / f"lc_{engine}_{args.scenario}.json"
         if not path.exists():
             continue
-        reqs = [r for r in json.loads(path.read_text())["requests"] if not r.get("error") and r.get("ttft") is not None]
-        spans = [(r["sent_at"], r["sent_at"] + r["ttft"], r["sent_at"] + r["latency"], r["prompt_len"] >= 8192)
-                 for r in reqs]
-        gaps: dict[str, list[float]] = {}
-        for r in reqs:
-            t = r["sent_at"] + r["ttft"]
-            for g in r["itl"]:
-                mid, t = t + g / 2, t + g
-                if any(long_ and sent <= mid < first for sent, first, _, long_ in spans):
-                    continue  # inside a long prompt's prefill
-                longs = sum(long_ and first <= mid < end for _, first, end, long_ in spans)
-                shorts = sum(not long_ and first <= mid < end for _, first, end, long_ in spans)
-                gaps.setdefault(f"long{longs}_short{min(shorts // 4 * 4, 12)}+", []).append(1e3 * g)
-        classes[engine] = {k: {"n": len(v), "median_ms": round(statistics.median(v), 2)} for k, v in sorted(gaps.items())}
+        summary = json.loads(path.read_text())
+        kept = [r for r in summary["requests"] if not r.get("error") and r.get("ttft") is not None]
+        classes[engine] = {k: {"n": len(v), "median_ms": round(_median(v), 2)}
+                           for k, v in sorted(gap_classes(summary, kept).items())}
     print(json.dumps(classes, indent=1))
     return classes
 

@@ -63,6 +63,28 @@ def test_prefill_window_counts_the_gaps_that_end_inside_it():
     assert s["itl_p50_before"] == pytest.approx(100.0)
 
 
+def test_gap_classes_exclude_long_prefills_and_class_by_what_decodes():
+    """A short request's gaps: those inside the long prompt's prefill are left out, the rest classed
+    by how many long and short requests were decoding at their middle."""
+    short = _req(128, 0.1, [0.1] * 30)                # gaps' middles at 0.15, 0.25, ..., 3.05 s
+    others = [_req(128, 0.1, [0.1] * 5)] * 3          # three more decoding until 0.6 s
+    long = _req(32768, 1.0, [0.1] * 10, sent_at=1.0)  # prefills 1.0-2.0, decodes 2.0-3.0
+    classes = lc.gap_classes({"requests": [short, *others, long]}, [short])
+    # 0.15-0.55: four shorts decoding; 0.65-0.95 and 3.05: one; 1.05-1.95 left out; 2.05-2.95: the long one
+    assert {k: len(v) for k, v in classes.items()} == {"long0_short4+": 5, "long0_short0+": 5, "long1_short0+": 10}
+    assert all(g == pytest.approx(100.0) for v in classes.values() for g in v)
+
+
+def test_matched_gap_ratio_compares_like_steps_with_like():
+    """Pooled, these medians would be 5 against 10 ms; class for class the engines are level."""
+    ours = {"long1": {"n": 100, "median_ms": 5.0}, "long2": {"n": 30, "median_ms": 10.0}}
+    theirs = {"long1": {"n": 30, "median_ms": 5.0}, "long2": {"n": 100, "median_ms": 10.0}}
+    assert lc.matched_gap_ratio(ours, theirs) == 1.0
+    theirs["long1"]["median_ms"] = 4.0  # ours 1.25x on long1, level on long2, equal weights
+    assert lc.matched_gap_ratio(ours, theirs) == pytest.approx(1.25 ** 0.5, abs=1e-3)
+    assert lc.matched_gap_ratio(ours, {"long2": {"n": 19, "median_ms": 1.0}}) is None  # too few gaps
+
+
 def test_collect_writes_the_ratios(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
@@ -110,6 +132,14 @@ def test_collect_writes_the_ratios(tmp_path):
     assert ratios["startup_seconds_over_vllm"] == pytest.approx(0.8)
     runs = {e: result["results"][e]["runs"] for e in ("vllm", "pagedserve")}
     assert runs["vllm"]["32k"]["coalesced_tokens_p50"] == 10 and runs["pagedserve"]["32k"]["coalesced_tokens_p50"] == 0
+    # Beside them: decode gaps step mix for step mix (every gap 0.016 s against 0.02), and the first
+    # tokens' ready times with vLLM's 10 coalesced tokens taken back out of its TTFT at 20 ms each.
+    for key in ("8k", "32k", "100k", "mix_short"):
+        assert ratios[f"decode_gap_matched_over_vllm_{key}"] == pytest.approx(0.8, abs=1e-3)
+    ready = {e: sorted(1000 * (0.5 * s * (i + 1)) - c for i in range(4))
+             for e, s, c in (("vllm", 1.0, 200.0), ("pagedserve", 0.8, 0.0))}
+    assert runs["vllm"]["32k"]["first_token_ready_p50_estimate"] == pytest.approx((ready["vllm"][1] + ready["vllm"][2]) / 2)
+    assert ratios["first_token_ready_p50_over_vllm_32k"] == pytest.approx(1000 / 1050, abs=1e-3)
     # The switches recorded are the measured server's, not the collecting process's.
     assert result["switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn"
     assert "PAGEDSERVE_LONG_PREFILL=cudnn" in out.with_suffix(".md").read_text()
