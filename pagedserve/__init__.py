@@ -17,6 +17,7 @@ _LAZY = {
     "RequestOutput": "pagedserve.outputs",
     "CompletionOutput": "pagedserve.outputs",
     "BeamSearchOutput": "pagedserve.outputs",
+    "Logprob": "pagedserve.logprobs",
     "EngineConfig": "pagedserve.config",
 }
 

@@ -3,6 +3,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pagedserve.logprobs import Logprob
+
+__all__ = ["BeamSearchOutput", "BeamSearchSequence", "CompletionOutput", "Logprob", "RequestOutput",
+           "merge_deltas"]
+
 
 @dataclass
 class CompletionOutput:
@@ -10,8 +15,10 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    # One dict per generated token: token id -> logprob (top-N plus the chosen token).
-    logprobs: list[dict[int, float]] | None
+    # One dict per generated token: token id -> Logprob (pagedserve/logprobs.py), the chosen token
+    # first, then the top-N (SamplingParams.logprobs). An engine core's outputs to the API server
+    # carry the plain PositionLogprobs instead; the server makes them into these.
+    logprobs: list[dict[int, Logprob]] | None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
 
@@ -30,9 +37,10 @@ class RequestOutput:
     # Set when the engine ended this request alone (finish_reason "abort"), saying why: e.g. its
     # structured_outputs grammar failed to compile or ran past structured_outputs_compile_timeout_s.
     error: str | None = None
-    # SamplingParams.prompt_logprobs: per prompt position, token id -> logprob (the prompt's own
-    # token plus the top-k), None at position 0 (nothing predicts it); set once the prompt is computed.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # SamplingParams.prompt_logprobs: per prompt position, token id -> Logprob (the prompt's own
+    # token first, then the top-k), None at position 0 (nothing predicts it); set once the prompt
+    # is computed. PositionLogprobs in an engine core's outputs, as CompletionOutput.logprobs.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def num_cached_tokens(self) -> int | None:

@@ -15,7 +15,10 @@ import enum
 import itertools
 from dataclasses import dataclass, field
 
+from pagedserve.logprobs import Logprob, PositionLogprobs  # Logprob: vLLM's older vllm.sequence.Logprob
 from pagedserve.sampling_params import SamplingParams
+
+__all__ = ["Logprob", "Sequence", "SequenceGroup", "SequenceStatus"]
 
 _seq_ids = itertools.count()
 
@@ -43,7 +46,9 @@ class Sequence:
     num_computed_tokens: int = 0
     status: SequenceStatus = SequenceStatus.WAITING
     cumulative_logprob: float = 0.0
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # Per output token of a request with logprobs: its Logprob dict, or in an engine core that
+    # serves the API server, its PositionLogprobs (OutputProcessor.logprob_objects).
+    output_logprobs: list = field(default_factory=list)
     stop_reason: int | str | None = None
     # Detokenizer state lives here so a fork carries it along.
     output_text: str = ""
@@ -109,7 +114,7 @@ class Sequence:
         return (len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_inflight_tokens
                 - self.num_computed_tokens == 1) and bool(self.output_token_ids or self.num_inflight_tokens)
 
-    def append_token(self, token_id: int, logprob: float = 0.0, top: dict[int, float] | None = None) -> None:
+    def append_token(self, token_id: int, logprob: float = 0.0, top: object | None = None) -> None:
         self.output_token_ids.append(token_id)
         self.cumulative_logprob += logprob
         if top is not None:
@@ -152,9 +157,11 @@ class SequenceGroup:
     # Why the engine ended this request alone (its grammar failed to compile, or timed out).
     error: str | None = None
     # SamplingParams.prompt_logprobs, filled position by position as prompt chunks are computed
-    # (engine/prompt_logprobs.py); whether a DELTA output has carried it.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # (engine/prompt_logprobs.py: PositionLogprobs); whether a DELTA output has carried it; the
+    # Logprob dicts made of it once, for outputs that carry them (OutputProcessor).
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
     sent_prompt_logprobs: bool = False
+    prompt_logprob_dicts: list | None = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

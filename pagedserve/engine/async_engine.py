@@ -26,7 +26,8 @@ from typing import Any, AsyncIterator, Callable
 from pagedserve.engine.bad_words import with_bad_word_ids
 from pagedserve.engine.core_client import EngineDeadError, MPCoreClient
 from pagedserve.engine.input_processor import load_tokenizer, split_prompt
-from pagedserve.engine.text_output import RequestText, core_params
+from pagedserve.engine.logprob_tokens import LogprobTokens
+from pagedserve.engine.text_output import RequestText, core_params, unnamed_logprobs
 from pagedserve.metrics import ServerMetrics
 from pagedserve.outputs import RequestOutput, merge_deltas
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -67,6 +68,8 @@ class AsyncLLMEngine:
                  on_core_death: Callable[[EngineDeadError], None] | None = None) -> None:
         self.client = client
         self.tokenizer = tokenizer
+        # Names logprob tokens for every request (it caches each id's text).
+        self._logprob_tokens = LogprobTokens(tokenizer) if tokenizer is not None else None
         self.metrics = metrics or ServerMetrics()
         self.on_core_death = on_core_death
         ready = client.ready
@@ -170,6 +173,8 @@ class AsyncLLMEngine:
                             client.abort_requests([core_out.request_id])
                         if o is None:
                             continue
+                    else:
+                        o = unnamed_logprobs(core_out)
                     self._deliver(st, o, now)
         except asyncio.CancelledError:
             raise
@@ -329,7 +334,7 @@ class AsyncLLMEngine:
         sampling_params = with_bad_word_ids(sampling_params, self.tokenizer)
         wire_params = sampling_params
         if self.tokenizer is not None:  # the core then runs without detokenizing
-            st.text = RequestText(self.tokenizer, sampling_params, text, ids)
+            st.text = RequestText(self.tokenizer, sampling_params, text, ids, self._logprob_tokens)
             wire_params = core_params(sampling_params)
         self._requests[request_id] = st
         try:

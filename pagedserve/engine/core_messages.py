@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from pagedserve.logprobs import PositionLogprobs
 from pagedserve.metrics import EngineSnapshot
 from pagedserve.outputs import CompletionOutput
 from pagedserve.sampling_params import SamplingParams
@@ -58,12 +59,13 @@ class CoreInputs(msgspec.Struct, array_like=True):
 # ---- core -> client ---------------------------------------------------------------------------
 
 class CompletionDelta(msgspec.Struct, array_like=True):
-    """CompletionOutput on the wire (same fields, same meaning per output_kind)."""
+    """CompletionOutput on the wire (same fields, same meaning per output_kind); logprobs as the
+    engine computed them, plain numbers (the server makes vLLM's Logprob objects)."""
     index: int
     text: str
     token_ids: list[int]
     cumulative_logprob: float | None
-    logprobs: list[dict[int, float]] | None
+    logprobs: list[PositionLogprobs] | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
 
@@ -83,7 +85,7 @@ class RequestDelta(msgspec.Struct, array_like=True):
     finished: bool
     metrics: dict[str, float] | None = None
     error: str | None = None      # RequestOutput.error: why the engine ended this request alone
-    prompt_logprobs: list[dict[int, float] | None] | None = None  # in one delta only (DELTA to the client)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # in one delta only (DELTA to the client)
 
 
 class UtilityResult(msgspec.Struct, array_like=True):

@@ -131,8 +131,9 @@ class LLMEngine(StepPipeline, TokenApplication):
         self.generator.manual_seed(config.seed)
         self.sampler = Sampler(self.generator)
         self.eos_token_ids = eos_token_ids(config.model, self.hf_config, self.tokenizer)
+        # Without detokenizing, the API server also makes the Logprob objects (pagedserve/logprobs.py).
         self.output_processor = OutputProcessor(self.tokenizer if detokenize else None,
-                                                self.eos_token_ids, max_model_len)
+                                                self.eos_token_ids, max_model_len, logprob_objects=detokenize)
 
         self._groups: dict[str, SequenceGroup] = {}
         # request id -> temperature, for requests whose rows need nothing but it (decided once, at add):

@@ -16,16 +16,24 @@ from typing import Any
 
 from pagedserve.engine import prompt_logprobs
 from pagedserve.engine.detokenizer import detokenize_incrementally, find_stop_string, initial_state
+from pagedserve.engine.logprob_tokens import LogprobTokens, output_position, prompt_positions
+from pagedserve.logprobs import PositionLogprobs
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Any | None, eos_token_ids: set[int], max_model_len: int):
+    def __init__(self, tokenizer: Any | None, eos_token_ids: set[int], max_model_len: int,
+                 logprob_objects: bool = True):
+        """logprob_objects: outputs carry vLLM's Logprob dicts, their tokens named by `tokenizer`
+        (None: decoded_token None); False in an engine core that serves the API server, whose
+        outputs keep the plain PositionLogprobs (the server makes the dicts)."""
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.logprob_objects = logprob_objects
+        self.logprob_tokens = LogprobTokens(tokenizer) if tokenizer is not None and logprob_objects else None
 
     def stop_token_ids(self, group: SequenceGroup) -> list[int]:
         """Tokens that end the sequence (what min_tokens must suppress)."""
@@ -36,10 +44,16 @@ class OutputProcessor:
         return ids
 
     def append_token(self, seq: Sequence, group: SequenceGroup, token: int, logprob: float,
-                     top: dict[int, float] | None) -> SequenceStatus | None:
-        """Append one sampled token; returns the FINISHED_* status if the sequence is done."""
+                     top: PositionLogprobs | None) -> SequenceStatus | None:
+        """Append one sampled token; returns the FINISHED_* status if the sequence is done.
+        top: the token's logprobs, for a request that asked for them."""
         p = group.sampling_params
-        seq.append_token(token, logprob, top if p.logprobs is not None else None)
+        if top is not None and p.logprobs is not None:
+            if self.logprob_objects:
+                top = output_position(top, seq.output_token_ids, self.logprob_tokens)
+        else:
+            top = None
+        seq.append_token(token, logprob, top)
         n_out = len(seq.output_token_ids)
         past_min = n_out > p.min_tokens
         token_stop = past_min and (token in p.stop_token_ids
@@ -126,10 +140,15 @@ class OutputProcessor:
         finished = group.finished
         if finished and "finished_time" not in group.metrics:
             group.metrics["finished_time"] = time.time()
+        plp = prompt_logprobs.for_output(group)
+        if plp is not None and self.logprob_objects:
+            if group.prompt_logprob_dicts is None:  # made once: a CUMULATIVE request carries it every step
+                group.prompt_logprob_dicts = prompt_positions(plp, group.prompt_token_ids, self.logprob_tokens)
+            plp = group.prompt_logprob_dicts
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outs,
                              finished=finished, metrics=dict(group.metrics), error=group.error,
-                             prompt_logprobs=prompt_logprobs.for_output(group))
+                             prompt_logprobs=plp)
 
     @staticmethod
     def _visible_len(seq: Sequence, hold: int) -> int:

@@ -13,7 +13,9 @@ in its order):
     caller aborts the request in the core once every sequence is done;
   - while running, text that could be the start of a stop string is held back;
   - outputs take the request's output_kind shape (DELTA, CUMULATIVE, FINAL_ONLY), and with
-    best_of > n the best n sequences by cumulative logprob, ranked.
+    best_of > n the best n sequences by cumulative logprob, ranked;
+  - the core's logprobs (PositionLogprobs, plain numbers) become vLLM's Logprob dicts here, their
+    tokens named by this tokenizer (engine/logprob_tokens.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pagedserve.engine.detokenizer import detokenize_incrementally, find_stop_string, initial_state
+from pagedserve.engine.logprob_tokens import LogprobTokens, output_position, prompt_positions
+from pagedserve.logprobs import Logprob
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
@@ -47,13 +51,26 @@ def _cut_cumulative(c: CompletionOutput, k: int) -> float | None:
         return c.cumulative_logprob
     if c.logprobs is None:
         return None
-    return c.cumulative_logprob - sum(c.logprobs[j][c.token_ids[j]] for j in range(k + 1, len(c.token_ids)))
+    # c is a core output: its logprobs are PositionLogprobs, the chosen token's value first.
+    return c.cumulative_logprob - sum(c.logprobs[j].logprobs[0] for j in range(k + 1, len(c.token_ids)))
+
+
+def unnamed_logprobs(out: RequestOutput) -> RequestOutput:
+    """A core output as it is (no tokenizer here: no text), but for its logprobs: vLLM's Logprob
+    dicts, decoded_token None, in place of the core's PositionLogprobs."""
+    if out.prompt_logprobs is None and all(c.logprobs is None for c in out.outputs):
+        return out
+    outs = [c if c.logprobs is None else dataclasses.replace(c, logprobs=[output_position(p, [], None)
+                                                                          for p in c.logprobs])
+            for c in out.outputs]
+    plp = None if out.prompt_logprobs is None else prompt_positions(out.prompt_logprobs, out.prompt_token_ids, None)
+    return dataclasses.replace(out, outputs=outs, prompt_logprobs=plp)
 
 
 @dataclass
 class _SeqText:
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float | None = 0.0  # None: not known (_cut_cumulative)
     text: str = ""
     detok_state: tuple[int, int] | None = None
@@ -68,8 +85,10 @@ class RequestText:
     """One request's text state in the API server."""
 
     def __init__(self, tokenizer: Any, params: SamplingParams, prompt: str | None,
-                 prompt_token_ids: list[int]) -> None:
+                 prompt_token_ids: list[int], logprob_tokens: LogprobTokens | None = None) -> None:
+        """logprob_tokens: names logprob tokens with this tokenizer (shared: it caches each id's text)."""
         self.tokenizer = tokenizer
+        self.logprob_tokens = logprob_tokens or LogprobTokens(tokenizer)
         self.params = params
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -85,7 +104,8 @@ class RequestText:
         """Fold in one core output; returns the request's output to deliver now (None: nothing
         to say yet). Afterwards `finished` tells whether the request is done here."""
         if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
+            self.prompt_logprobs = prompt_positions(out.prompt_logprobs, self.prompt_token_ids,
+                                                    self.logprob_tokens)
         for c in out.outputs:
             seq = self.seqs.get(c.index)
             if seq is None:
@@ -134,9 +154,9 @@ class RequestText:
             return
         last = len(c.token_ids) - 1
         for k, token in enumerate(c.token_ids):
-            seq.token_ids.append(token)
             if seq.logprobs is not None and c.logprobs is not None:
-                seq.logprobs.append(c.logprobs[k])
+                seq.logprobs.append(output_position(c.logprobs[k], seq.token_ids, self.logprob_tokens))
+            seq.token_ids.append(token)
             core_finish = c.finish_reason if k == last else None
             # The core finishes with "stop" only for EOS / stop_token_ids: this token.
             token_stop = core_finish == "stop"
@@ -165,9 +185,12 @@ class RequestText:
         """_append without stop strings: nothing is decided between the chunk's tokens, so its
         text is decoded once (the same text as token by token: both emit the difference of two
         decodes of one window, engine/detokenizer.py)."""
+        base = len(seq.token_ids)
         seq.token_ids.extend(c.token_ids)
         if seq.logprobs is not None and c.logprobs is not None:
-            seq.logprobs.extend(c.logprobs)
+            ids = seq.token_ids
+            for k, p in enumerate(c.logprobs):  # each position named after the tokens before it
+                seq.logprobs.append(output_position(p, ids[max(0, base + k - 4):base + k], self.logprob_tokens))
         if c.finish_reason is None:
             self._detokenize(seq, seq.token_ids, final=False)
         else:

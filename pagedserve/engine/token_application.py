@@ -118,7 +118,7 @@ class TokenApplication:
         self.step_timer.mark("wait")
         now = time.time()
         live, tokens, logprobs, tops = [], [], [], []
-        for s, token, logprob, top in zip(step.sampled, result.token_ids, result.logprobs, result.top_logprobs):
+        for s, token, logprob, top in zip(step.sampled, result.token_ids, result.logprobs, result.position_logprobs):
             seq = s.seq
             seq.num_inflight_tokens -= 1
             if seq.status.finished:
@@ -208,7 +208,7 @@ class TokenApplication:
             for r, (s, j) in enumerate(targets):
                 seq = forks.get(r, s.seq)
                 status = self.output_processor.append_token(
-                    seq, s.group, result.token_ids[r], result.logprobs[r], result.top_logprobs[r])
+                    seq, s.group, result.token_ids[r], result.logprobs[r], result.position_logprobs[r])
                 if status is None and self.structured.seqs:
                     status = next((st for _, st in self._grammar_ended([seq])), None)
                 if status is not None:

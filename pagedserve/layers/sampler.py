@@ -12,7 +12,10 @@ Logprobs (the chosen token's, the top-N, and the cumulative sum) come from the m
 distribution, log_softmax of the unprocessed logits (vLLM's default "raw_logprobs"), so they
 are comparable across sampling settings and equal to HF's log_softmax of the same logits.
 The chosen token's is computed as logit - logsumexp (no vocab-sized output); the full
-log_softmax is only formed when some row asks for top-N logprobs.
+log_softmax is only formed when some row asks for top-N logprobs. A row that asks for logprobs
+also gets its chosen token's rank (token_ranks: vLLM's count of tokens at least as likely),
+counted over that row only. Such a row's result is a PositionLogprobs (pagedserve/logprobs.py):
+plain numbers, made into vLLM's Logprob objects by the front end.
 
 sample_plain is the fast path for a batch whose rows need nothing but a temperature: a few
 batched ops and one device-to-host copy. In torch (CPU, or PAGEDSERVE_FUSED_SAMPLING=0) it draws
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pagedserve.layers.fused import fused_sampling
+from pagedserve.logprobs import PositionLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 _MASK = float("-inf")
@@ -71,26 +75,35 @@ class SampleRow:
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[float]                           # raw logprob of each chosen token
-    top_logprobs: list[dict[int, float] | None]     # top-N raw logprobs + the chosen one, if asked
+    # Per row that asked for logprobs (SamplingParams.logprobs = N): the chosen token, its rank
+    # and the top N, as plain numbers; None for the others.
+    position_logprobs: list[PositionLogprobs | None]
 
     @classmethod
     def from_packed(cls, host: torch.Tensor, want: list[int | None]) -> "SamplerOutput":
-        """From DeviceSample.packed() copied to the host."""
+        """From DeviceSample.packed() copied to the host: columns token, logprob, then (when a row
+        asked for logprobs) rank, then (when one asked for N > 0) N top ids and N top values."""
         token_list = host[:, 0].long().tolist()
         chosen_list = host[:, 1].tolist()
-        max_n = max((w for w in want if w is not None), default=None)
+        if all(w is None for w in want):
+            return cls(token_list, chosen_list, [None] * len(want))
+        ranks = host[:, 2].long().tolist()
+        max_n = max(w for w in want if w is not None)
         if max_n:
-            top_ids = host[:, 2:2 + max_n].long().tolist()
-            top_vals = host[:, 2 + max_n:].tolist()
-        tops: list[dict[int, float] | None] = []
+            top_ids = host[:, 3:3 + max_n].long().tolist()
+            top_vals = host[:, 3 + max_n:].tolist()
+        positions: list[PositionLogprobs | None] = []
         for i, w in enumerate(want):
             if w is None:
-                tops.append(None)
+                positions.append(None)
                 continue
-            d = {} if not w else dict(zip(top_ids[i][:w], top_vals[i][:w]))
-            d[token_list[i]] = chosen_list[i]
-            tops.append(d)
-        return cls(token_list, chosen_list, tops)
+            tok, lp = token_list[i], chosen_list[i]
+            ids = top_ids[i][:w] if w else []
+            # The chosen token's own value wherever it appears: every Logprob of it then agrees
+            # with what cumulative_logprob sums (log_softmax and logit - logsumexp may differ by an ulp).
+            vals = [lp if t == tok else v for t, v in zip(ids, top_vals[i])] if w else []
+            positions.append(PositionLogprobs([tok] + ids, [lp] + vals, ranks[i]))
+        return cls(token_list, chosen_list, positions)
 
 
 @dataclass
@@ -99,6 +112,7 @@ class DeviceSample:
     tokens: torch.Tensor                  # [n] int64 sampled ids
     logprobs: torch.Tensor                # [n] raw logprob of each
     want: list[int | None]                # per row: how many top logprobs (None: not asked)
+    ranks: torch.Tensor | None = None     # [n] chosen tokens' ranks (0 in rows that did not ask), if any asked
     top_ids: torch.Tensor | None = None   # [n, max_n]
     top_vals: torch.Tensor | None = None
     packed_ready: torch.Tensor | None = None  # packed() already built (the fused kernel writes it)
@@ -108,6 +122,8 @@ class DeviceSample:
         if self.packed_ready is not None:
             return self.packed_ready
         parts = [self.tokens.double()[:, None], self.logprobs.double()[:, None]]
+        if self.ranks is not None:
+            parts.append(self.ranks.double()[:, None])
         if self.top_ids is not None:
             parts += [self.top_ids.double(), self.top_vals.double()]
         return torch.cat(parts, dim=1)
@@ -135,6 +151,23 @@ def needs_only_temperature(p: SamplingParams) -> bool:
 def _chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """log_softmax(logits)[i, tokens[i]] without forming the whole log_softmax."""
     return logits.gather(1, tokens[:, None]).squeeze(1) - logits.logsumexp(dim=-1)
+
+
+def token_ranks(logits: torch.Tensor, tokens: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+    """vLLM's rank of each row's token: how many tokens of the row have a logit >= its own (1: the
+    most likely; tied tokens all count, vLLM's batched_count_greater_than). Counted on the raw
+    logits, as vLLM's GPU model runner (the default since 0.25) counts; its older sampler counts
+    on their log_softmax, the same order up to rounding. rows: count only these rows (the others
+    get 0), so rows that asked for no logprobs cost nothing."""
+    if rows is not None and len(rows) < logits.shape[0]:
+        idx = to_device(rows, torch.long, logits.device)
+        counts = _count_at_least(logits.index_select(0, idx), tokens.index_select(0, idx))
+        return torch.zeros(logits.shape[0], dtype=counts.dtype, device=logits.device).index_copy_(0, idx, counts)
+    return _count_at_least(logits, tokens)
+
+
+def _count_at_least(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return (x >= x.gather(1, tokens[:, None])).sum(dim=-1)
 
 
 def penalised(p: SamplingParams) -> bool:
@@ -374,6 +407,8 @@ class Sampler:
         want = [r.params.logprobs for r in rows]
         max_n = max((w for w in want if w is not None), default=None)
         result = DeviceSample(tokens, _chosen_logprobs(logits, tokens), want)
+        if max_n is not None:
+            result.ranks = token_ranks(logits, tokens, [i for i, w in enumerate(want) if w is not None])
         if max_n:
             result.top_vals, result.top_ids = torch.log_softmax(logits, dim=-1).topk(max_n, dim=-1)
         return result

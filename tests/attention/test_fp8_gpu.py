@@ -158,7 +158,7 @@ def _perplexity(llm_kwargs) -> float:
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=1, prompt_logprobs=0))
     llm.shutdown()
-    nll = [-lp[t] for o, p in zip(outs, prompts) for lp, t in zip(o.prompt_logprobs[1:], p[1:])]
+    nll = [-lp[t].logprob for o, p in zip(outs, prompts) for lp, t in zip(o.prompt_logprobs[1:], p[1:])]
     return math.exp(sum(nll) / len(nll))
 
 

@@ -315,4 +315,5 @@ def test_logprobs_min_tokens_penalties_and_forks_overlap_and_equal_synchronous_s
         want = {"greedy_top3": 3, "sampled_top2": 2, "chosen_only": 0, "best_of3": 1}[rid]
         for tok, da, db in zip(a.token_ids, a.logprobs, b.logprobs):
             assert da.keys() == db.keys() and tok in da and len(da) in (want, want + 1)
-            assert [da[t] for t in sorted(da)] == pytest.approx([db[t] for t in sorted(db)], abs=1e-5)
+            assert [da[t].logprob for t in sorted(da)] == pytest.approx([db[t].logprob for t in sorted(db)], abs=1e-5)
+            assert [da[t].rank for t in sorted(da)] == [db[t].rank for t in sorted(db)]

@@ -9,6 +9,7 @@ import pytest
 from pagedserve.engine.core_messages import (AbortRequests, AddRequest, Codec, CompletionDelta,
                                              CoreInputs, Ready, RequestDelta, Shutdown,
                                              StartupFailed, StepOutputs, UtilityCall, UtilityResult)
+from pagedserve.logprobs import PositionLogprobs
 from pagedserve.metrics import EngineSnapshot
 from pagedserve.outputs import CompletionOutput
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
@@ -33,7 +34,8 @@ def test_batched_inputs_round_trip_in_order():
 def test_step_message_round_trip():
     codec = Codec()
     c = CompletionOutput(index=1, text="ab", token_ids=[5, 6], cumulative_logprob=-1.5,
-                         logprobs=[{5: -0.5, 9: -math.inf}, {6: -1.0}], finish_reason="stop", stop_reason=6)
+                         logprobs=[PositionLogprobs([5, 9], [-0.5, -math.inf], 1), PositionLogprobs([6], [-1.0], 3)],
+                         finish_reason="stop", stop_reason=6)
     msg = StepOutputs(
         outputs=[RequestDelta("r1", [CompletionDelta.of(c)], True, {"arrival_time": 1.0, "first_token_time": 2.0}),
                  RequestDelta("r2", [CompletionDelta(0, "", [8], None, None)], False)],
@@ -44,7 +46,7 @@ def test_step_message_round_trip():
     back = codec.step.decode(codec.encode(msg))
     assert back == msg
     assert back.outputs[0].outputs[0].to_output() == c
-    assert back.outputs[0].outputs[0].logprobs[0][9] == -math.inf
+    assert back.outputs[0].outputs[0].logprobs[0] == PositionLogprobs([5, 9], [-0.5, -math.inf], 1)
 
 
 def test_handshake_and_malformed_input():

@@ -3,6 +3,7 @@ import pytest
 
 from pagedserve.engine.detokenizer import detokenize_incrementally, initial_state
 from pagedserve.engine.detokenizer import find_stop_string
+from pagedserve.logprobs import PositionLogprobs
 
 TEXTS = [
     "Héllo wörld! Ünïcödé text, 日本語のテキスト, emoji 🚀🔥 and ΕΛΛΗΝΙΚΑ letters.",
@@ -97,18 +98,20 @@ def test_request_text_gives_the_same_text_for_any_chunking_of_the_tokens(tokeniz
         for n in sizes:
             chunk, at = ids[at:at + n], at + n
             end = at == len(ids)
-            c = CompletionOutput(0, "", chunk, -0.5 * at, [{t: -0.5} for t in chunk],
+            c = CompletionOutput(0, "", chunk, -0.5 * at, [PositionLogprobs([t], [-0.5], 1) for t in chunk],
                                  finish if end else None, tokenizer.eos_token_id if end and finish == "stop" else None)
             o = rt.process(RequestOutput("r", "Q:", prompt, [c], end))
             if o is not None:
                 pieces.append(o.outputs[0])
+        # each token's decoded_token too: a chunk names its tokens after the same earlier ones
         return ("".join(p.text for p in pieces), [t for p in pieces for t in p.token_ids],
-                sum(len(p.logprobs) for p in pieces), pieces[-1].finish_reason, pieces[-1].cumulative_logprob)
+                [lp[t].decoded_token for p in pieces for t, lp in zip(p.token_ids, p.logprobs)],
+                pieces[-1].finish_reason, pieces[-1].cumulative_logprob)
 
     one_by_one = run([1] * len(ids))
     visible = ids[:-1] if finish == "stop" else ids
-    assert one_by_one[0] == tokenizer.decode(visible, skip_special_tokens=False) and one_by_one[1:] == \
-        (ids, len(ids), finish, -0.5 * len(ids))
+    assert one_by_one[0] == tokenizer.decode(visible, skip_special_tokens=False) and one_by_one[1] == ids \
+        and one_by_one[3:] == (finish, -0.5 * len(ids)) and len(one_by_one[2]) == len(ids)
     rng = random.Random(len(text))
     for _ in range(5):
         sizes, left = [], len(ids)
@@ -136,7 +139,8 @@ def test_a_stop_string_inside_a_chunk_keeps_the_cumulative_logprob_of_the_kept_t
         rt, out, at = RequestText(tokenizer, params, "Q:", prompt), None, 0
         for n in sizes:
             chunk, at = ids[at:at + n], at + n
-            c = CompletionOutput(0, "", chunk, sum(lps[:at]), [{t: lps[at - n + j]} for j, t in enumerate(chunk)])
+            c = CompletionOutput(0, "", chunk, sum(lps[:at]),
+                                 [PositionLogprobs([t], [lps[at - n + j]], 1) for j, t in enumerate(chunk)])
             out = rt.process(RequestOutput("r", "Q:", prompt, [c], False)) or out
             if rt.finished:
                 break

@@ -32,7 +32,7 @@ def test_prompt_logprobs_match_hf_across_chunks_and_a_shared_prefix(tiny_model_d
         assert len(lps) == len(ids) and lps[0] is None
         for pos in range(1, len(ids)):
             entry, want = lps[pos], ref[pos - 1]
-            assert abs(entry[ids[pos]] - want[ids[pos]].item()) < 1e-4, (pos, entry, want[ids[pos]])
+            assert abs(entry[ids[pos]].logprob - want[ids[pos]].item()) < 1e-4, (pos, entry, want[ids[pos]])
             top = set(want.topk(k).indices.tolist()) if k else set()
             assert set(entry) == top | {ids[pos]}, (pos, entry)
     llm.shutdown()

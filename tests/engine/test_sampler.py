@@ -101,11 +101,12 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
         if p.greedy:
             assert tok == int(logits[i].argmax())
         assert out.logprobs[i] == pytest.approx(float(ref[i, tok]), abs=1e-6)
-        top = out.top_logprobs[i]
-        want = set(ref[i].topk(p.logprobs).indices.tolist()) | {tok}
-        assert set(top) == want
-        for t, lp in top.items():
+        pos = out.position_logprobs[i]  # the chosen token first, then the top N in order
+        assert pos.token_ids == [tok] + ref[i].topk(p.logprobs).indices.tolist()
+        assert pos.logprobs[0] == out.logprobs[i]
+        for t, lp in zip(pos.token_ids, pos.logprobs):
             assert lp == pytest.approx(float(ref[i, t]), abs=1e-6)
+        assert pos.rank == int((ref[i] > ref[i, tok]).sum()) + 1  # no ties in randn logits
 
 
 def test_seeded_rows_do_not_depend_on_the_batch():

@@ -30,11 +30,11 @@ def test_logprobs_match_hf(tiny_model_dir, arch):
         assert len(c.logprobs) == len(c.token_ids)
         total = 0.0
         for pos, (tok, lps) in enumerate(zip(c.token_ids, c.logprobs)):
-            assert lps[tok] == pytest.approx(float(ref[pos, tok]), abs=1e-4)
+            assert lps[tok].logprob == pytest.approx(float(ref[pos, tok]), abs=1e-4)
             top = set(ref[pos].topk(sp.logprobs).indices.tolist())
             assert set(lps) == top | {tok}
             for t, lp in lps.items():
-                assert lp == pytest.approx(float(ref[pos, t]), abs=1e-4)
+                assert lp.logprob == pytest.approx(float(ref[pos, t]), abs=1e-4)
             total += float(ref[pos, tok])
         assert c.cumulative_logprob == pytest.approx(total, abs=1e-3)
     assert_no_leak(llm)
@@ -147,7 +147,7 @@ def test_max_logprobs_bounds_requests_and_minus_one_is_the_vocab(tiny_model_dir)
     ref = _hf_logprobs(model_dir, p, c.token_ids)
     for pos, lps in enumerate(c.logprobs):
         assert sorted(lps) == list(range(vocab))
-        assert torch.allclose(torch.tensor([lps[t] for t in range(vocab)]), ref[pos], atol=1e-4)
+        assert torch.allclose(torch.tensor([lps[t].logprob for t in range(vocab)]), ref[pos], atol=1e-4)
     with pytest.raises(ValueError, match=rf"max_logprobs \({vocab}"):
         llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2, logprobs=vocab + 1), use_tqdm=False)
 
@@ -192,7 +192,7 @@ def test_logit_bias_and_allowed_token_ids_match_hf(tiny_model_dir):
     biased = _hf_greedy_processed(model_dir, p, 6, bias=bias)
     assert outs[0].token_ids == biased != plain
     ref = _hf_logprobs(model_dir, p, biased)
-    assert [lp[t] for t, lp in zip(biased, outs[0].logprobs)] == pytest.approx(
+    assert [lp[t].logprob for t, lp in zip(biased, outs[0].logprobs)] == pytest.approx(
         [float(ref[i, t]) for i, t in enumerate(biased)], abs=1e-4)
     assert outs[1].token_ids == _hf_greedy_processed(model_dir, p, 6, allowed=allowed)
     assert set(outs[2].token_ids) <= set(allowed[:2]) and len(set(outs[2].token_ids)) == 2

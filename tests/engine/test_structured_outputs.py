@@ -205,7 +205,7 @@ def test_every_sampling_option_sees_the_mask(llm):
     _assert_mostly_stop(outs, [lambda t: bool(re.fullmatch(regex, t))] * 3)
     for o in outs:
         c = o.outputs[0]
-        assert all(lp[t] > float("-inf") for t, lp in zip(c.token_ids, c.logprobs))
+        assert all(lp[t].logprob > float("-inf") for t, lp in zip(c.token_ids, c.logprobs))
 
 
 def test_structural_tag(llm):

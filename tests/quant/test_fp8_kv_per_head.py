@@ -119,8 +119,7 @@ def _run(model_dir, **kw):
               max_model_len=64, **kw)  # 64: a 256-token calibration forward (kv_sizing), quick
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                         SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, prompt_logprobs=0))
-    lps = torch.tensor([lp[t].logprob if hasattr(lp[t], "logprob") else lp[t]
-                        for o, p in zip(outs, PROMPTS) for lp, t in zip(o.prompt_logprobs[1:], p[1:])])
+    lps = torch.tensor([lp[t].logprob for o, p in zip(outs, PROMPTS) for lp, t in zip(o.prompt_logprobs[1:], p[1:])])
     tokens = [list(o.outputs[0].token_ids) for o in outs]
     scales = [(m.k_scale.clone(), m.v_scale.clone()) for m in _attn(llm.llm_engine.runner.model)]
     llm.shutdown()

@@ -22,7 +22,7 @@ def test_logprobs_without_a_tokenizer_name_tokens_by_id(tiny_model_dir, tmp_path
         assert r.status_code == 200, r.text
         lp = r.json()["choices"][0]["logprobs"]
         assert lp["tokens"] == [f"token_id:{t}" for t in ref.token_ids]
-        want = [step[t] for step, t in zip(ref.logprobs, ref.token_ids)]
+        want = [step[t].logprob for step, t in zip(ref.logprobs, ref.token_ids)]
         assert all(abs(g - w) < 1e-4 for g, w in zip(lp["token_logprobs"], want))
         for top, step in zip(lp["top_logprobs"], ref.logprobs):
             assert {f"token_id:{t}" for t in step} <= set(top)

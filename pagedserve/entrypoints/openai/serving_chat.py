@@ -21,6 +21,7 @@ from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.entrypoints.openai.structured_outputs import resolve_structured_outputs
 from pagedserve.entrypoints.openai.tool_parsers import ToolParser
 from pagedserve.entrypoints.openai.tools import check_history, history_message, plan_tools
+from pagedserve.logprobs import Logprob
 from pagedserve.outputs import RequestOutput
 
 # apply_chat_template's own arguments: chat_template_kwargs may not replace them.
@@ -123,12 +124,14 @@ class OpenAIServingChat(OpenAIServing):
             stream.close()
         return final
 
-    def _logprobs(self, token_ids: list[int], lps: list[dict[int, float]] | None,
+    def _logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob]] | None,
                   k: int, as_ids: bool = False) -> ChatLogprobs:
         content = []
         for t, lp in zip(token_ids, lps or []):
             s = self.token_str(t, as_ids)
-            content.append(TokenLogprob(token=s, logprob=finite_logprob(lp.get(t, float("-inf"))),
+            chosen = lp.get(t)
+            content.append(TokenLogprob(token=s, logprob=finite_logprob(float("-inf") if chosen is None
+                                                                        else chosen.logprob),
                                         bytes=list(s.encode("utf-8")),
                                         top_logprobs=self.top_logprobs_chat(lp, k, as_ids)))
         return ChatLogprobs(content=content)

@@ -11,6 +11,7 @@ from typing import Any, AsyncIterator, Iterable
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails,
                                                     SamplingFields, TopLogprob, Usage)
+from pagedserve.logprobs import Logprob
 from pagedserve.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 
@@ -326,10 +327,14 @@ class OpenAIServing:
                 self._token_str_cache[token_id] = s
         return s
 
-    def top_entries(self, lp: dict[int, float], k: int) -> list[tuple[int, float]]:
-        return sorted(lp.items(), key=lambda kv: -kv[1])[:k]
+    @staticmethod
+    def top_entries(lp: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
+        """The k most likely of a position's entries, as (token id, logprob). Ties go by rank:
+        the top-N in their order, then a chosen token from outside them (rank > N)."""
+        ranked = sorted(lp.items(), key=lambda kv: (-kv[1].logprob, kv[1].rank or 0))
+        return [(t, v.logprob) for t, v in ranked[:k]]
 
-    def top_logprobs_chat(self, lp: dict[int, float], k: int, as_ids: bool = False) -> list[TopLogprob]:
+    def top_logprobs_chat(self, lp: dict[int, Logprob], k: int, as_ids: bool = False) -> list[TopLogprob]:
         out = []
         for t, v in self.top_entries(lp, k):
             s = self.token_str(t, as_ids)

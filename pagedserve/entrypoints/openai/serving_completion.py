@@ -16,6 +16,7 @@ from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, ch
                                                           merge_streams, OpenAIServing, sse,
                                                           StreamedChoice, until_disconnected, usage)
 from pagedserve.entrypoints.openai.structured_outputs import resolve_structured_outputs
+from pagedserve.logprobs import Logprob
 from pagedserve.outputs import CompletionOutput, RequestOutput
 
 
@@ -131,7 +132,7 @@ class OpenAIServingCompletion(OpenAIServing):
     def _echo_text(self, p: _Prompt) -> str:
         return p.text if p.text is not None else self.engine.tokenizer.decode(p.token_ids)
 
-    def _logprobs(self, token_ids: list[int], lps: list[dict[int, float] | None] | None, k: int,
+    def _logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob] | None] | None, k: int,
                   offset: int, as_ids: bool = False) -> tuple[CompletionLogProbs, int]:
         """as_ids (return_tokens_as_token_ids): tokens named "token_id:N"; text_offset still
         counts the tokens' text."""
@@ -139,7 +140,7 @@ class OpenAIServingCompletion(OpenAIServing):
         for t, lp in zip(token_ids, lps or []):
             res.tokens.append(self.token_str(t, as_ids))
             chosen = None if lp is None else lp.get(t)  # None: the prompt's first token
-            res.token_logprobs.append(None if chosen is None else finite_logprob(chosen))
+            res.token_logprobs.append(None if chosen is None else finite_logprob(chosen.logprob))
             res.top_logprobs.append(None if lp is None else {self.token_str(x, as_ids): finite_logprob(v)
                                                              for x, v in self.top_entries(lp, k)})
             res.text_offset.append(offset)
