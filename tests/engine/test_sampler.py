@@ -109,6 +109,31 @@ def test_greedy_is_argmax_and_logprobs_are_raw_log_softmax():
         assert pos.rank == int((ref[i] > ref[i, tok]).sum()) + 1  # no ties in randn logits
 
 
+def test_rank_counts_ties_and_only_the_rows_that_ask(monkeypatch):
+    """vLLM's rank of the chosen token: how many tokens have a logit >= its own, every tied one
+    included; a chosen token among the top N takes its place there. Only rows that ask for
+    logprobs are counted (the others cost nothing)."""
+    import pagedserve.layers.sampler as sampler_module
+    from pagedserve.logprobs import logprob_dict
+    logits = torch.zeros(3, V)
+    logits[:, [3, 7, 9]] = 2.0  # a three-way tie below token 5
+    logits[:, 5] = 3.0
+    logits[2, 9] = torch.nextafter(torch.tensor(2.0), torch.tensor(0.0))  # one ulp below: no tie
+    counted = []
+    real = sampler_module._count_at_least
+    monkeypatch.setattr(sampler_module, "_count_at_least", lambda x, t: counted.append(x.shape[0]) or real(x, t))
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=[7], logprobs=2),
+              SamplingParams(temperature=0.0),  # asks for no logprobs
+              SamplingParams(temperature=0.0, allowed_token_ids=[7], logprobs=0)]
+    out = Sampler(torch.Generator().manual_seed(0)).sample(logits, _rows(params))
+    assert out.token_ids == [7, 5, 7] and counted == [2] and out.position_logprobs[1] is None
+    assert out.position_logprobs[0].rank == 4 and out.position_logprobs[2].rank == 3
+    ids = out.position_logprobs[0].token_ids
+    assert ids[0] == 7 and ids[1] == 5 and ids[2] in (3, 7, 9)
+    d = logprob_dict(out.position_logprobs[0])
+    assert d[5].rank == 1 and d[ids[2]].rank == 2 and d[7].rank == (2 if ids[2] == 7 else 4)
+
+
 def test_seeded_rows_do_not_depend_on_the_batch():
     torch.manual_seed(0)
     row = torch.randn(V)
