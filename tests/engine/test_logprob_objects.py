@@ -6,6 +6,7 @@ import torch
 from pagedserve import Logprob, SamplingParams
 from pagedserve.logprobs import PositionLogprobs, logprob_dict
 
+from logprob_reference import rank_band, vllm_name
 from .helpers import PROMPT_TEXTS, hf_model, make_llm, tokenizer
 
 TOL = 1e-4  # ours and HF's float32 logits differ by reduction order
@@ -14,28 +15,6 @@ TOL = 1e-4  # ours and HF's float32 logits differ by reduction order
 def _hf_logp(model_dir, ids):
     with torch.no_grad():
         return torch.log_softmax(hf_model(str(model_dir))(torch.tensor([ids])).logits[0].float(), -1)
-
-
-def _vllm_name(tok, token_id, context):
-    """vLLM 0.26's decoded_token for a byte-level tokenizer, transcribed from its
-    convert_ids_list_to_tokens and LogprobsProcessor._correct_decoded_token: the id decoded
-    alone; if that ends in U+FFFD, the text it adds after the shortest of the last 1..4 context
-    tokens that completes it (context pieces that are themselves partial count as its own)."""
-    alone = tok.decode([token_id])
-    if not alone.endswith("\ufffd"):
-        return alone
-    for n in range(1, min(len(context), 4) + 1):
-        ctx = context[-n:]
-        full = tok.decode(ctx + [token_id])
-        if full.endswith("\ufffd"):
-            continue
-        clean = len(ctx)
-        while clean and tok.decode([ctx[clean - 1]]).endswith("\ufffd"):
-            clean -= 1
-        prefix = tok.decode(ctx[:clean]) if clean else ""
-        assert full.startswith(prefix)  # no normalization in this tokenizer
-        return full[len(prefix):]
-    return ""
 
 
 def _check_position(d, chosen, ref, n_top, tok, context):
@@ -47,12 +26,12 @@ def _check_position(d, chosen, ref, n_top, tok, context):
     for t, lp in d.items():
         assert lp.logprob == pytest.approx(float(ref[t]), abs=TOL)
         # vLLM's rank: tokens with a logprob >= this one's (all of a tie), within our float noise
-        lo, hi = int((ref > ref[t] + TOL).sum()) + 1, int((ref >= ref[t] - TOL).sum())
+        lo, hi = rank_band(ref, t, TOL)
         assert lo <= lp.rank <= hi, (t, lp, lo, hi)
         exact &= lo == hi
         if t != chosen or lp.rank <= n_top:  # a top-N entry's rank is its place among them
             assert float(values[lp.rank - 1]) == pytest.approx(lp.logprob, abs=TOL)
-        assert lp.decoded_token == (None if tok is None else _vllm_name(tok, t, context))
+        assert lp.decoded_token == (None if tok is None else vllm_name(tok, t, context))
     return exact
 
 

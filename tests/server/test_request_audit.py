@@ -45,7 +45,7 @@ UNHONOURED = {
     "functions": [{"name": "f"}], "function_call": "auto", "moderation": {"model": "m"},
     "verbosity": "low", "prompt_cache_retention": "24h", "prompt_cache_options": {"x": 1},
     # vLLM's extras
-    "use_beam_search": True, "length_penalty": 0.5, "prompt_logprobs": 1,
+    "use_beam_search": True, "length_penalty": 0.5,
     "logits_processors": ["x"],
     "spaces_between_special_tokens": False,
     "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1},

@@ -320,7 +320,6 @@ _COMMON_UNSUPPORTED = {
     # vLLM's extras that change the output, which a vLLM user may send.
     "use_beam_search": ((False,), "beam search is offline only here (LLM.beam_search)"),
     "length_penalty": ((1.0,), "length_penalty belongs to beam search, offline only here"),
-    "prompt_logprobs": ((), "prompt_logprobs is not supported by the server"),
     "logits_processors": (([],), "logits_processors is not supported"),
     "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not "
                                                "supported"),
@@ -333,7 +332,9 @@ class VLLMExtraFields(FieldAudit):
     """vLLM's request extras pagedserve accepts only at their no-op value (_COMMON_UNSUPPORTED)."""
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
-    prompt_logprobs: Optional[int] = None
+    # honoured: the prompt's logprobs with this many alternatives, <= --max-logprobs
+    # (serving_common.check_prompt_logprobs); refused with stream, as vLLM refuses it
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOKEN_ID)
     bad_words: Optional[Annotated[list[str], Field(max_length=MAX_STOP)]] = None  # honoured (engine/bad_words.py)
     allowed_token_ids: Optional[list[int]] = None  # honoured: only these may be drawn
     logits_processors: Optional[list[Any]] = None
@@ -368,11 +369,24 @@ class CompletionLogProbs(OpenAIModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIModel):
+    """vLLM's Logprob as its server writes it in prompt_logprobs."""
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# vLLM's prompt_logprobs: per prompt token, token id -> PromptLogprob (the prompt's own token
+# first, then the top k), null at the first token; only in a response to a request that asked.
+PromptLogprobs = Optional[list[Optional[dict[int, PromptLogprob]]]]
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
+    prompt_logprobs: PromptLogprobs = Field(None, exclude_if=lambda v: v is None)
 
 
 class PromptTokensDetails(OpenAIModel):
@@ -500,6 +514,7 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
+    prompt_logprobs: PromptLogprobs = Field(None, exclude_if=lambda v: v is None)  # vLLM's, at the top
 
 
 class DeltaMessage(OpenAIModel):

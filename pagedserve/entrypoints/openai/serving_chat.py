@@ -13,7 +13,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
                                                     random_id)
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
                                                           engine_error, error_event, finite_logprob,
-                                                          OpenAIServing, sse, StreamedChoice,
+                                                          OpenAIServing, prompt_logprobs_json, sse, StreamedChoice,
                                                           until_disconnected, usage)
 from pagedserve.entrypoints.openai.message_stream import (MessageParser, MessageStreamer,
                                                           finish_reason)
@@ -83,6 +83,7 @@ class OpenAIServingChat(OpenAIServing):
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_logprobs(req.top_logprobs, "top_logprobs")
+        prompt_k = self.check_prompt_logprobs(req)
         self.check_choices(1, req.n)
         self.check_messages(req)
         plan = plan_tools(req, self.auto_tool_parser)
@@ -102,7 +103,8 @@ class OpenAIServingChat(OpenAIServing):
         keep_special = plan.parser is not None and plan.parser.keeps_special_tokens
         params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k,
                                       structured_outputs=structured,
-                                      skip_special_tokens=False if keep_special else None)
+                                      skip_special_tokens=False if keep_special else None,
+                                      prompt_logprobs=prompt_k)
         self.check_kv_capacity(len(prompt_ids), max_tokens, params.best_of, "messages", tokens_param)
         request_id = random_id("chatcmpl")
         stream = await self.start(prompt_ids, params, request_id, req.cache_salt, req.priority)
@@ -150,7 +152,9 @@ class OpenAIServingChat(OpenAIServing):
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                       usage=usage(len(out.prompt_token_ids), completion_tokens,
-                                                  self.cached_tokens([out])))
+                                                  self.cached_tokens([out])),
+                                      prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)
+                                      if req.prompt_logprobs is not None else None)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_len: int,
                       stream: RequestStream, parser: MessageParser) -> AsyncIterator[str]:

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
-from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails,
-                                                    SamplingFields, TopLogprob, Usage)
+from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptLogprob,
+                                                    PromptTokensDetails, SamplingFields, TopLogprob, Usage)
 from pagedserve.logprobs import Logprob
 from pagedserve.sampling_params import (RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
@@ -20,7 +20,7 @@ logger = logging.getLogger("pagedserve.server")
 MAX_CHOICES = 256  # prompts x n in one request; each one is a sequence in the batch
 
 _SAMPLING_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
-                    "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs",
+                    "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
                     "allowed_token_ids", "priority", "cache_salt", "bad_words")
 
@@ -243,11 +243,13 @@ class OpenAIServing:
     def sampling_params(self, req: SamplingFields, *, max_tokens: int, logprobs: int | None,
                         best_of: int | None = None,
                         structured_outputs: StructuredOutputsParams | None = None,
-                        skip_special_tokens: bool | None = None) -> SamplingParams:
+                        skip_special_tokens: bool | None = None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
         """Streams take DELTA outputs (O(new) per step); a plain response needs only the end."""
         kind = RequestOutputKind.DELTA if req.stream else RequestOutputKind.FINAL_ONLY
         kw: dict[str, Any] = dict(
             output_kind=kind, n=req.n, best_of=best_of, max_tokens=max_tokens, logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             min_tokens=req.min_tokens, stop=req.stop, stop_token_ids=req.stop_token_ids,
             ignore_eos=req.ignore_eos, seed=req.seed,
             skip_special_tokens=(req.skip_special_tokens if skip_special_tokens is None
@@ -289,6 +291,15 @@ class OpenAIServing:
         limit = self.engine.max_logprobs
         if k is not None and k > limit:
             raise APIError(f"{param} must be <= {limit} (the server's --max-logprobs), got {k}", param=param)
+
+    def check_prompt_logprobs(self, req: Any) -> int | None:
+        """vLLM's prompt_logprobs field: <= --max-logprobs, and no prompt logprobs in a stream
+        (vLLM's words; 0 streams, with nothing to return). Returns what the engine is asked for."""
+        k = req.prompt_logprobs
+        self.check_logprobs(k, "prompt_logprobs")
+        if req.stream and k:
+            raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        return None if req.stream else k
 
     @staticmethod
     def check_choices(num_prompts: int, n: int) -> None:
@@ -340,6 +351,16 @@ class OpenAIServing:
             s = self.token_str(t, as_ids)
             out.append(TopLogprob(token=s, logprob=_finite(v), bytes=list(s.encode("utf-8"))))
         return out
+
+
+def prompt_logprobs_json(lps: list | None) -> list | None:
+    """RequestOutput.prompt_logprobs as vLLM's server writes them: each Logprob's fields, -inf
+    as -9999.0 (vLLM's clamp_prompt_logprobs)."""
+    if lps is None:
+        return None
+    return [None if d is None else {t: PromptLogprob(logprob=_finite(v.logprob), rank=v.rank,
+                                                     decoded_token=v.decoded_token) for t, v in d.items()}
+            for d in lps]
 
 
 def _finite(x: float) -> float:

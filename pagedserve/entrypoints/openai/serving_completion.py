@@ -13,7 +13,7 @@ from pagedserve.entrypoints.openai.protocol import (CompletionChoice, Completion
                                                     random_id)
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
                                                           engine_error, error_event, finite_logprob,
-                                                          merge_streams, OpenAIServing, sse,
+                                                          merge_streams, OpenAIServing, prompt_logprobs_json, sse,
                                                           StreamedChoice, until_disconnected, usage)
 from pagedserve.entrypoints.openai.structured_outputs import resolve_structured_outputs
 from pagedserve.logprobs import Logprob
@@ -82,6 +82,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if req.stream and req.best_of is not None and req.best_of > req.n:
             raise APIError("best_of > n cannot be streamed", param="best_of")
         self.check_logprobs(req.logprobs, "logprobs")
+        prompt_k = self.check_prompt_logprobs(req)
+        if prompt_k is None and req.echo and req.logprobs is not None:
+            prompt_k = req.logprobs  # the echoed prompt carries its logprobs too (vLLM's default)
         scoring = req.max_tokens == 0  # lm-evaluation-harness's loglikelihood: the prompt's logprobs only
         if scoring and not req.echo:
             raise APIError("max_tokens must be >= 1 unless echo is true (max_tokens 0 scores the prompt)",
@@ -99,9 +102,8 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.resolve_max_tokens(len(p.token_ids), 1 if scoring else asked, "prompt",
                                                  num_seqs=req.best_of or req.n)
             sp = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                      best_of=req.best_of, structured_outputs=structured)
-            if req.echo and req.logprobs is not None:  # the echoed prompt carries its logprobs too
-                sp = dataclasses.replace(sp, prompt_logprobs=req.logprobs)
+                                      best_of=req.best_of, structured_outputs=structured,
+                                      prompt_logprobs=prompt_k)
             self.check_kv_capacity(len(p.token_ids), max_tokens, sp.best_of, "prompt")
             params.append(sp)
         request_id = random_id("cmpl")
@@ -173,8 +175,10 @@ class OpenAIServingCompletion(OpenAIServing):
                     lp, _ = self._logprobs(c.token_ids, c.logprobs, req.logprobs, len(prefix), as_ids)
                     if req.echo:
                         lp = self._with_prompt(p, out.prompt_logprobs, req.logprobs, lp, as_ids)
+                # vLLM's prompt_logprobs, each choice its prompt's (asked for, not implied by echo)
+                plp = prompt_logprobs_json(out.prompt_logprobs) if req.prompt_logprobs is not None else None
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
-                                                logprobs=lp, finish_reason=c.finish_reason))
+                                                logprobs=lp, finish_reason=c.finish_reason, prompt_logprobs=plp))
         choices.sort(key=lambda ch: ch.index)
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
