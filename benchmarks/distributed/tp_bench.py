@@ -65,7 +65,8 @@ def child_agreement(args) -> dict:
     sp = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=TOP_K)
     outs = llm.generate(prompts, sp, use_tqdm=False)
     result = {"tokens": [o.outputs[0].token_ids for o in outs],
-              "top": [[sorted(lp, key=lp.get, reverse=True)[:TOP_K] for lp in o.outputs[0].logprobs] for o in outs]}
+              "top": [[sorted(lp, key=lambda t: lp[t].logprob, reverse=True)[:TOP_K] for lp in o.outputs[0].logprobs]
+                      for o in outs]}
     return result, llm
 
 
