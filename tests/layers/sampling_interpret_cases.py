@@ -163,7 +163,7 @@ def test_sampler_plain_path_uses_the_kernels(forced):
     assert torch.equal(greedy.tokens, x.float().argmax(dim=-1))
     out = greedy.to_host()
     assert out.token_ids == x.float().argmax(dim=-1).tolist()
-    assert out.top_logprobs == [None] * 6
+    assert out.position_logprobs == [None] * 6
     assert max(abs(a - b) for a, b in zip(out.logprobs, _ref_logprobs(x, greedy.tokens).tolist())) < 1e-5
     # Temperature: a new seed each step, reproducible from the generator's seed.
     first = [sampler.sample_plain_device(x, [0.9] * 6).tokens for _ in range(3)]
