@@ -2,16 +2,19 @@
 
 beam_search.py decides which continuations live (pure bookkeeping); this driver turns each
 step's logits into that bookkeeping's input and its answer into scheduler operations (forks
-that share blocks, frees), and assembles the finished request's BeamSearchOutput.
+that share blocks, frees), and assembles the finished request's result: a BeamSearchOutput kept
+for LLM.beam_search to take, or, for a search the engine core runs for the API server, a
+RequestOutput that step() returns like any other (token ids only: the server names them).
 """
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
 
 from pagedserve.engine.beam_search import BeamSearchState, LiveBeam
-from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence
+from pagedserve.outputs import BeamSearchOutput, BeamSearchSequence, CompletionOutput, RequestOutput
 from pagedserve.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
@@ -24,15 +27,20 @@ class BeamSearchDriver:
         self.scheduler, self.tokenizer, self.grammars = scheduler, tokenizer, grammars
         self.states: dict[str, BeamSearchState] = {}
         self.results: dict[str, BeamSearchOutput] = {}
+        # Searches whose result step() returns as a RequestOutput instead of keeping it in results.
+        self.emitting: set[str] = set()
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self.states
 
-    def add(self, request_id: str, state: BeamSearchState) -> None:
+    def add(self, request_id: str, state: BeamSearchState, emit_output: bool = False) -> None:
         self.states[request_id] = state
+        if emit_output:
+            self.emitting.add(request_id)
 
     def discard(self, request_id: str) -> None:
         self.states.pop(request_id, None)
+        self.emitting.discard(request_id)
 
     def step(self, logits: torch.Tensor, beam_rows: list) -> None:
         idx = torch.tensor([i for _, i in beam_rows], device=logits.device)
@@ -95,7 +103,9 @@ class BeamSearchDriver:
         # Dead beams leave the group once freed, so the group never grows past beam_width.
         group.seqs[:] = new_seqs or [beams[0][0]]
 
-    def finish(self, group: SequenceGroup) -> None:
+    def finish(self, group: SequenceGroup) -> RequestOutput | None:
+        """The search of this finished group: its RequestOutput if step() is to return it,
+        else None (its BeamSearchOutput waits in results)."""
         rid = group.request_id
         state = self.states.pop(rid)
         prompt = group.prompt_token_ids
@@ -104,6 +114,9 @@ class BeamSearchDriver:
             # count as length-finished hypotheses.
             state.finish_live([(s.output_token_ids, s.cumulative_logprob) for s in group.seqs
                                if s.output_token_ids])
+        if rid in self.emitting:
+            self.emitting.discard(rid)
+            return self._request_output(group, state)
         seqs = []
         for h in state.best():
             out_text = full_text = None
@@ -114,3 +127,20 @@ class BeamSearchDriver:
                                            score=h.score, output_tokens=h.output_tokens, text=full_text,
                                            output_text=out_text, finish_reason=h.finish_reason))
         self.results[rid] = BeamSearchOutput(sequences=seqs)
+        return None
+
+    @staticmethod
+    def _request_output(group: SequenceGroup, state: BeamSearchState) -> RequestOutput:
+        """One CompletionOutput per hypothesis, best first; an EOS-ended one keeps its EOS in
+        token_ids, and names it as stop_reason (as vLLM's server does). A search that never ran
+        (the scheduler ignored the group, its grammar failed) reports the group's own finish
+        reason and error, as any other request would."""
+        outs = [CompletionOutput(index=i, text="", token_ids=list(h.output_tokens), cumulative_logprob=h.cum_logprob,
+                                 logprobs=None, finish_reason=h.finish_reason,
+                                 stop_reason=h.output_tokens[-1] if h.finish_reason == "stop" else None)
+                for i, h in enumerate(state.best())]
+        if not outs:
+            outs = [CompletionOutput(0, "", [], None, None, group.seqs[0].status.finish_reason or "abort")]
+        group.metrics.setdefault("finished_time", time.time())
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, outs, finished=True,
+                             metrics=dict(group.metrics), error=group.error)

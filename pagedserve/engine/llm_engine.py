@@ -242,11 +242,7 @@ class LLMEngine(StepPipeline, TokenApplication):
                     priority: int = 0) -> None:
         """Validate, tokenize and queue a request. Raises ValueError naming the bad field.
         priority (vLLM's): lower runs first, under scheduling_policy "priority" only."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority and self.scheduler_config.scheduling_policy != "priority":
-            raise ValueError(f"priority ({priority}) needs scheduling_policy 'priority' (--scheduling-policy "
-                             "priority); this engine serves first come, first served")
+        self._check_priority(priority)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if not isinstance(sampling_params, SamplingParams):
@@ -276,9 +272,20 @@ class LLMEngine(StepPipeline, TokenApplication):
         if spec is None or self.structured.submit(group, spec, grammar):
             self.scheduler.add_seq_group(group)
 
+    def _check_priority(self, priority: Any) -> None:
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority and self.scheduler_config.scheduling_policy != "priority":
+            raise ValueError(f"priority ({priority}) needs scheduling_policy 'priority' (--scheduling-policy "
+                             "priority); this engine serves first come, first served")
+
     def add_beam_search_request(self, request_id: str, prompt: str | list[int] | dict,
-                                params: BeamSearchParams) -> None:
-        """Queue a beam search; its result is taken with pop_beam_search_output once finished."""
+                                params: BeamSearchParams, arrival_time: float | None = None,
+                                priority: int = 0, emit_output: bool = False) -> None:
+        """Queue a beam search; its result is taken with pop_beam_search_output once finished,
+        or, with emit_output (the engine core serving the API server), step() returns it as a
+        RequestOutput: one CompletionOutput per hypothesis, best first, token ids only."""
+        self._check_priority(priority)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if params.beam_width > self.scheduler_config.max_num_seqs:
@@ -288,8 +295,9 @@ class LLMEngine(StepPipeline, TokenApplication):
         grammar = None if spec is None else self.structured.check(spec)
         sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,
                             structured_outputs=spec)
-        group = self._new_group(request_id, prompt, sp, None)
-        self._beams.add(request_id, BeamSearchState(params, self.eos_token_ids, params.max_tokens))
+        group = self._new_group(request_id, prompt, sp, arrival_time)
+        group.priority = priority
+        self._beams.add(request_id, BeamSearchState(params, self.eos_token_ids, params.max_tokens), emit_output)
         self._sync_requests.add(request_id)
         self._admit(group, grammar)
 

@@ -112,7 +112,9 @@ class StepPipeline:
                 if finished:
                     self._groups.pop(rid, None)
                     self._forget(group)
-                    self._beams.finish(group)
+                    out = self._beams.finish(group)
+                    if out is not None:  # a search served to the API server (add_beam_search_request)
+                        outputs.append(out)
                 continue
             if finished or not final_only:
                 outputs.append(self.output_processor.make_output(group))

@@ -98,3 +98,36 @@ def test_beam_search_unchanged_by_swaps_and_split_steps(tiny_model_dir):
         assert_no_leak(llm)
     assert tight.get_kv_cache_stats().num_preemptions > 0
     assert partial
+
+
+def test_emitted_output_equals_the_kept_result(tiny_model_dir):
+    """emit_output (the engine core serving the API server): step() returns the finished search
+    as a RequestOutput, hypotheses best first, the same beams LLM.beam_search takes."""
+    model_dir = tiny_model_dir("llama")
+    ids = prompt_ids(model_dir)[:2]
+    eos = hf_greedy(model_dir, ids[0], 3)[2]
+    llm = make_llm(model_dir, block_size=4)
+    engine = llm.llm_engine
+    engine.eos_token_ids.clear()
+    engine.eos_token_ids.add(eos)
+    params = BeamSearchParams(beam_width=K, max_tokens=MAX_NEW, length_penalty=0.5)
+    kept = llm.beam_search([{"prompt_token_ids": p} for p in ids], params)
+    for i, p in enumerate(ids):
+        engine.add_beam_search_request(f"e{i}", {"prompt_token_ids": p}, params, emit_output=True)
+    got = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert out.finished and out.request_id not in got
+            got[out.request_id] = out
+    assert not engine._beams.results and not engine._beams.emitting
+    for i, p in enumerate(ids):
+        out, ref = got[f"e{i}"], kept[i].sequences
+        assert out.prompt_token_ids == p and out.error is None
+        assert [c.index for c in out.outputs] == list(range(len(ref)))
+        assert [c.token_ids for c in out.outputs] == [s.output_tokens for s in ref]
+        assert [c.cumulative_logprob for c in out.outputs] == pytest.approx([s.cum_logprob for s in ref])
+        assert [c.finish_reason for c in out.outputs] == [s.finish_reason for s in ref]
+        assert [c.stop_reason for c in out.outputs] == [eos if s.finish_reason == "stop" else None for s in ref]
+        assert "first_token_time" in out.metrics and "finished_time" in out.metrics
+    assert any(s.finish_reason == "stop" for o in kept for s in o.sequences)
+    assert_no_leak(llm)
