@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -27,10 +28,10 @@ from pagedserve.engine.bad_words import with_bad_word_ids
 from pagedserve.engine.core_client import EngineDeadError, MPCoreClient
 from pagedserve.engine.input_processor import load_tokenizer, split_prompt
 from pagedserve.engine.logprob_tokens import LogprobTokens
-from pagedserve.engine.text_output import RequestText, core_params, unnamed_logprobs
+from pagedserve.engine.text_output import RequestText, beam_search_output, core_params, unnamed_logprobs
 from pagedserve.metrics import ServerMetrics
 from pagedserve.outputs import RequestOutput, merge_deltas
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, RequestOutputKind, SamplingParams
 
 __all__ = ["AsyncLLMEngine", "EngineDeadError", "RequestStream", "load_tokenizer"]
 
@@ -58,6 +59,8 @@ class _RequestState:
     finish_reasons: dict[int, str | None] = field(default_factory=dict)  # per output index, once finished
     # Text, stop strings, output shape; None when the server has no tokenizer (tokens only).
     text: RequestText | None = None
+    # A beam search: makes its one core output (token ids) into the server's (text_output.beam_search_output).
+    beam: Callable[[RequestOutput], RequestOutput] | None = None
 
 
 class AsyncLLMEngine:
@@ -163,6 +166,9 @@ class AsyncLLMEngine:
                     if st is None or st.finished:
                         continue
                     o = core_out
+                    if st.beam is not None:  # its only output, at its end: the engine's clock times it
+                        self._deliver(st, st.beam(core_out), now)
+                        continue
                     if st.first_token_time is None and any(c.token_ids for c in core_out.outputs):
                         # The core streams tokens as they come, whatever shape the caller takes.
                         self._first_token(st, core_out, now, now - st.arrival)
@@ -321,14 +327,9 @@ class AsyncLLMEngine:
         Raises ValueError (from the core) for bad input, EngineDeadError once the core is gone.
         Closing the stream before the request finished aborts it.
         """
-        if self.errored is not None:
-            raise self.errored
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        self.start()
-        if request_id in self._requests:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        text, ids = await self._prompt_ids(prompt)
+        text, ids = await self._admit(request_id, prompt)
         st = _RequestState(queue=asyncio.Queue(), arrival=time.monotonic(),
                            kind=sampling_params.output_kind)
         sampling_params = with_bad_word_ids(sampling_params, self.tokenizer)
@@ -336,10 +337,39 @@ class AsyncLLMEngine:
         if self.tokenizer is not None:  # the core then runs without detokenizing
             st.text = RequestText(self.tokenizer, sampling_params, text, ids, self._logprob_tokens)
             wire_params = core_params(sampling_params)
+        return await self._send(request_id, prompt, st, self.client.add_request_async,
+                                ids, wire_params, text, priority)
+
+    async def add_beam_search_request(self, request_id: str, prompt: Any, params: BeamSearchParams,
+                                      priority: int = 0, skip_special_tokens: bool = True,
+                                      include_stop_str_in_output: bool = False) -> "RequestStream":
+        """A beam search (LLM.beam_search's, run in the core beside every other request); its
+        stream yields one RequestOutput when it ends: each hypothesis a CompletionOutput, best
+        first, in the shape of vLLM's server (text_output.beam_search_output)."""
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        text, ids = await self._admit(request_id, prompt)
+        st = _RequestState(queue=asyncio.Queue(), arrival=time.monotonic(), kind=RequestOutputKind.FINAL_ONLY,
+                           beam=functools.partial(beam_search_output, tokenizer=self.tokenizer,
+                                                  skip_special_tokens=skip_special_tokens,
+                                                  include_stop_str_in_output=include_stop_str_in_output))
+        return await self._send(request_id, prompt, st, self.client.add_beam_search_async, ids, params, text, priority)
+
+    async def _admit(self, request_id: str, prompt: Any) -> tuple[str | None, list[int]]:
+        if self.errored is not None:
+            raise self.errored
+        self.start()
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        return await self._prompt_ids(prompt)
+
+    async def _send(self, request_id: str, prompt: Any, st: _RequestState, add: Callable,
+                    ids: list[int], params: Any, text: str | None, priority: int) -> "RequestStream":
+        """Register the request and hand it to the core (add: one of the client's add calls)."""
         self._requests[request_id] = st
         try:
             salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
-            await self.client.add_request_async(request_id, ids, wire_params, time.time(), text, salt, priority)
+            await add(request_id, ids, params, time.time(), text, salt, priority)
         except BaseException as e:
             self._requests.pop(request_id, None)
             if not isinstance(e, (ValueError, EngineDeadError)):

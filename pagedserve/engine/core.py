@@ -27,7 +27,7 @@ from typing import Any, Callable
 import msgspec
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core_messages import (AbortRequests, AddRequest, Codec, CompletionDelta,
+from pagedserve.engine.core_messages import (AbortRequests, AddBeamSearch, AddRequest, Codec, CompletionDelta,
                                              CoreInputs, Ready, RequestDelta, Shutdown,
                                              StartupFailed, StepOutputs, UtilityCall, UtilityResult)
 from pagedserve.engine.pauses import freeze_startup_heap, install_gc_pause_log, pause_threshold_s
@@ -73,6 +73,13 @@ class EngineCore:
                     arrival_time: float | None = None, priority: int = 0) -> None:
         """LLMEngine.add_request; raises its ValueError for bad input."""
         self.engine.add_request(request_id, prompt, params, arrival_time=arrival_time, priority=priority)
+        self._live.add(request_id)
+
+    def add_beam_search_request(self, request_id: str, prompt: Any, params: Any,
+                                arrival_time: float | None = None, priority: int = 0) -> None:
+        """LLMEngine.add_beam_search_request; its result leaves with the step that ends it."""
+        self.engine.add_beam_search_request(request_id, prompt, params, arrival_time=arrival_time,
+                                            priority=priority, emit_output=True)
         self._live.add(request_id)
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -190,11 +197,12 @@ class EngineCore:
     def handle_inputs(self, inputs: CoreInputs, out: StepOutputs) -> bool:
         """Apply the ops in order, recording their results in `out`; False on Shutdown."""
         for op in inputs.ops:
-            if isinstance(op, AddRequest):
+            if isinstance(op, (AddRequest, AddBeamSearch)):
+                add = self.add_request if isinstance(op, AddRequest) else self.add_beam_search_request
                 try:
-                    self.add_request(op.request_id, {"prompt_token_ids": op.prompt_token_ids,
-                                                     "prompt": op.prompt, "cache_salt": op.cache_salt},
-                                     op.params, op.arrival_time, op.priority)
+                    add(op.request_id, {"prompt_token_ids": op.prompt_token_ids, "prompt": op.prompt,
+                                        "cache_salt": op.cache_salt},
+                        op.params, op.arrival_time, op.priority)
                     out.added.append(op.request_id)
                 except ValueError as e:
                     out.rejected.append((op.request_id, str(e)))

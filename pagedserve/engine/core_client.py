@@ -33,7 +33,7 @@ from typing import Any
 import msgspec
 
 from pagedserve.config import EngineConfig
-from pagedserve.engine.core_messages import (AbortRequests, AddRequest, Codec, CoreInputs, Ready,
+from pagedserve.engine.core_messages import (AbortRequests, AddBeamSearch, AddRequest, Codec, CoreInputs, Ready,
                                              Shutdown, StartupFailed, StepOutputsHead,
                                              UtilityCall)
 from pagedserve.metrics import EngineSnapshot
@@ -80,6 +80,11 @@ class EngineCoreClient:
     async def add_request_async(self, request_id: str, prompt_token_ids: list[int], params: Any,
                                 arrival_time: float, prompt: str | None = None, cache_salt: str | None = None,
                                 priority: int = 0) -> None:
+        raise NotImplementedError
+
+    async def add_beam_search_async(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                                    arrival_time: float, prompt: str | None = None,
+                                    cache_salt: str | None = None, priority: int = 0) -> None:
         raise NotImplementedError
 
     def abort_requests(self, request_ids: list[str]) -> None:
@@ -263,12 +268,23 @@ class MPCoreClient(EngineCoreClient):
                                 arrival_time: float, prompt: str | None = None, cache_salt: str | None = None,
                                 priority: int = 0) -> None:
         """Raises the engine's ValueError if the core rejects it, EngineDeadError if it is gone."""
+        await self._add(AddRequest(request_id, prompt_token_ids, params, arrival_time, prompt, cache_salt, priority))
+
+    async def add_beam_search_async(self, request_id: str, prompt_token_ids: list[int], params: Any,
+                                    arrival_time: float, prompt: str | None = None,
+                                    cache_salt: str | None = None, priority: int = 0) -> None:
+        """add_request_async for a beam search (BeamSearchParams): one output, when it ends."""
+        await self._add(AddBeamSearch(request_id, prompt_token_ids, params, arrival_time, prompt, cache_salt,
+                                      priority))
+
+    async def _add(self, op: AddRequest | AddBeamSearch) -> None:
         if self.dead is not None:
             raise self.dead
+        request_id = op.request_id
         fut = asyncio.get_running_loop().create_future()
         self._adds[request_id] = fut
-        self._prompts[request_id] = (prompt, prompt_token_ids)
-        self._queue(AddRequest(request_id, prompt_token_ids, params, arrival_time, prompt, cache_salt, priority))
+        self._prompts[request_id] = (op.prompt, op.prompt_token_ids)
+        self._queue(op)
         try:
             await fut
         except BaseException:

@@ -18,7 +18,7 @@ import msgspec
 from pagedserve.logprobs import PositionLogprobs
 from pagedserve.metrics import EngineSnapshot
 from pagedserve.outputs import CompletionOutput
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 
 # ---- client -> core ---------------------------------------------------------------------------
@@ -27,6 +27,18 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    arrival_time: float
+    prompt: str | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+
+
+class AddBeamSearch(msgspec.Struct, tag="beam", array_like=True):
+    """A beam search (LLMEngine.add_beam_search_request): its one output comes when it ends,
+    every hypothesis in it, best first."""
+    request_id: str
+    prompt_token_ids: list[int]
+    params: BeamSearchParams
     arrival_time: float
     prompt: str | None = None
     cache_salt: str | None = None
@@ -48,7 +60,7 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
-CoreOp = AddRequest | AbortRequests | UtilityCall | Shutdown
+CoreOp = AddRequest | AddBeamSearch | AbortRequests | UtilityCall | Shutdown
 
 
 class CoreInputs(msgspec.Struct, array_like=True):

@@ -239,3 +239,18 @@ class RequestText:
             seq.sent_text_len = max(c0, end)
             seq.sent_finish = finished
         return outs
+
+
+def beam_search_output(out: RequestOutput, tokenizer: Any | None, skip_special_tokens: bool = True,
+                       include_stop_str_in_output: bool = False) -> RequestOutput:
+    """A finished beam search from the core (token ids only, best first) as vLLM's server makes
+    it: each text decoded in one piece, never with the EOS that ended a "stop" hypothesis, and
+    that EOS kept in token_ids (so counted in usage) only with include_stop_str_in_output.
+    Without a tokenizer here (skip_tokenizer_init) the texts stay empty."""
+    outs = []
+    for c in out.outputs:
+        ids = c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids else c.token_ids
+        text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
+        outs.append(dataclasses.replace(c, text=text, token_ids=list(c.token_ids if include_stop_str_in_output
+                                                                     else ids)))
+    return dataclasses.replace(out, outputs=outs)
