@@ -318,8 +318,6 @@ _NOT_STORED = "pagedserve stores no completions"
 # Fields of both APIs accepted only at a no-op value: {field: (no-op values besides None, why)}.
 _COMMON_UNSUPPORTED = {
     # vLLM's extras that change the output, which a vLLM user may send.
-    "use_beam_search": ((False,), "beam search is offline only here (LLM.beam_search)"),
-    "length_penalty": ((1.0,), "length_penalty belongs to beam search, offline only here"),
     "logits_processors": (([],), "logits_processors is not supported"),
     "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not "
                                                "supported"),
@@ -330,6 +328,7 @@ _COMMON_UNSUPPORTED = {
 
 class VLLMExtraFields(FieldAudit):
     """vLLM's request extras pagedserve accepts only at their no-op value (_COMMON_UNSUPPORTED)."""
+    # honoured: a beam search of width n (entrypoints/openai/beam_search.py, its own 400s)
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     # honoured: the prompt's logprobs with this many alternatives, <= --max-logprobs

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from pagedserve.engine.async_engine import EngineDeadError, RequestStream
+from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
 from pagedserve.entrypoints.openai.chat_tokens import SpecialTokenInContent, content_format, render_chat_ids
 from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                     ChatCompletionRequest, ChatCompletionResponse,
@@ -80,6 +81,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create(self, req: ChatCompletionRequest, raw_request: Any):
         self.audit(req)
         self.check_model(req.model)
+        beam = check_beam_search(req, self.engine.max_num_seqs, chat=True)
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", param="top_logprobs")
         self.check_logprobs(req.top_logprobs, "top_logprobs")
@@ -101,13 +103,18 @@ class OpenAIServingChat(OpenAIServing):
                                              num_seqs=req.n)
         k = (req.top_logprobs or 0) if req.logprobs else None
         keep_special = plan.parser is not None and plan.parser.keeps_special_tokens
-        params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k,
-                                      structured_outputs=structured,
-                                      skip_special_tokens=False if keep_special else None,
-                                      prompt_logprobs=prompt_k)
-        self.check_kv_capacity(len(prompt_ids), max_tokens, params.best_of, "messages", tokens_param)
         request_id = random_id("chatcmpl")
-        stream = await self.start(prompt_ids, params, request_id, req.cache_salt, req.priority)
+        if beam:
+            bp = beam_search_params(req, max_tokens, self.default_sampling, structured)
+            self.check_kv_capacity(len(prompt_ids), max_tokens, req.n, "messages", tokens_param)
+            stream = await self.start_beam(prompt_ids, bp, request_id, req, False if keep_special else None)
+        else:
+            params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k,
+                                          structured_outputs=structured,
+                                          skip_special_tokens=False if keep_special else None,
+                                          prompt_logprobs=prompt_k)
+            self.check_kv_capacity(len(prompt_ids), max_tokens, params.best_of, "messages", tokens_param)
+            stream = await self.start(prompt_ids, params, request_id, req.cache_salt, req.priority)
         if req.stream:
             return self._stream(req, request_id, len(prompt_ids), stream, parser)
         final = await until_disconnected(raw_request, self._collect(stream))

@@ -12,7 +12,7 @@ from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, Requ
 from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptLogprob,
                                                     PromptTokensDetails, SamplingFields, TopLogprob, Usage)
 from pagedserve.logprobs import Logprob
-from pagedserve.sampling_params import (RequestOutputKind, SamplingParams,
+from pagedserve.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 
 logger = logging.getLogger("pagedserve.server")
@@ -318,6 +318,25 @@ class OpenAIServing:
             if cache_salt is not None:
                 prompt["cache_salt"] = cache_salt
             return await self.engine.add_request(request_id, prompt, params, priority or 0)
+        except ValueError as e:
+            raise APIError.from_value_error(e) from None
+        except EngineDeadError as e:
+            raise engine_error(e) from None
+
+    async def start_beam(self, prompt_ids: list[int], params: BeamSearchParams, request_id: str,
+                         req: Any, skip_special_tokens: bool | None = None) -> RequestStream:
+        """start() for a beam search (entrypoints/openai/beam_search.py): one output, at its end.
+        skip_special_tokens: overrides the request's (a tool parser reads special tokens)."""
+        if self.log_requests:
+            logger.info("request %s: %d prompt tokens, %s", request_id, len(prompt_ids), params)
+        prompt = {"prompt_token_ids": prompt_ids}
+        if req.cache_salt is not None:
+            prompt["cache_salt"] = req.cache_salt
+        try:
+            return await self.engine.add_beam_search_request(
+                request_id, prompt, params, req.priority or 0,
+                skip_special_tokens=req.skip_special_tokens if skip_special_tokens is None else skip_special_tokens,
+                include_stop_str_in_output=req.include_stop_str_in_output)
         except ValueError as e:
             raise APIError.from_value_error(e) from None
         except EngineDeadError as e:

@@ -8,6 +8,7 @@ from typing import Any, AsyncIterator
 from pagedserve.engine.async_engine import EngineDeadError, RequestStream
 from pydantic_core import to_json
 
+from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
 from pagedserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
                                                     CompletionRequest, CompletionResponse, now,
                                                     random_id)
@@ -77,6 +78,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """Returns a CompletionResponse, or an async iterator of SSE lines when streaming."""
         self.audit(req)
         self.check_model(req.model)
+        beam = check_beam_search(req, self.engine.max_num_seqs, chat=False)
         if req.best_of is not None and req.best_of < req.n:
             raise APIError(f"best_of must be >= n ({req.n}), got {req.best_of}", param="best_of")
         if req.stream and req.best_of is not None and req.best_of > req.n:
@@ -101,16 +103,22 @@ class OpenAIServingCompletion(OpenAIServing):
         for p in prompts:
             max_tokens = self.resolve_max_tokens(len(p.token_ids), 1 if scoring else asked, "prompt",
                                                  num_seqs=req.best_of or req.n)
-            sp = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
-                                      best_of=req.best_of, structured_outputs=structured,
-                                      prompt_logprobs=prompt_k)
-            self.check_kv_capacity(len(p.token_ids), max_tokens, sp.best_of, "prompt")
+            if beam:
+                sp = beam_search_params(req, max_tokens, self.default_sampling, structured)
+                self.check_kv_capacity(len(p.token_ids), max_tokens, req.n, "prompt")
+            else:
+                sp = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
+                                          best_of=req.best_of, structured_outputs=structured,
+                                          prompt_logprobs=prompt_k)
+                self.check_kv_capacity(len(p.token_ids), max_tokens, sp.best_of, "prompt")
             params.append(sp)
         request_id = random_id("cmpl")
         streams: list[RequestStream] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                streams.append(await self.start(p.token_ids, sp, f"{request_id}-{i}", req.cache_salt, req.priority))
+                rid = f"{request_id}-{i}"
+                streams.append(await (self.start_beam(p.token_ids, sp, rid, req) if beam else
+                                      self.start(p.token_ids, sp, rid, req.cache_salt, req.priority)))
         except BaseException:
             for s in streams:
                 s.close()

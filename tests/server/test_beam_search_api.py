@@ -1,0 +1,270 @@
+"""vLLM's use_beam_search on the server: the choices are LLM.beam_search's hypotheses, best first,
+which are HF transformers' generate(num_beams=n, early_stopping=True); completions (several
+prompts), chat (streamed too), length_penalty, include_stop_str_in_output, a grammar; the
+combinations a beam search cannot serve are 400s naming the field; a plain request beside a
+running search gets its own, correct result."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from engine.helpers import hf_greedy, hf_model, make_llm, prompt_ids, tokenizer
+from pagedserve import BeamSearchParams
+from pagedserve.sampling_params import StructuredOutputsParams
+from server_process import start_server, stop_server
+
+MAX_NUM_SEQS = 16
+CMPL, CHAT = "/v1/completions", "/v1/chat/completions"
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir, tmp_path_factory):
+    """The tiny llama with a second EOS, a token its greedy run emits early on (as the engine's
+    beam test does): hypotheses end at different lengths, so the length penalty matters."""
+    base = tiny_model_dir("llama")
+    eos = hf_greedy(base, prompt_ids(base)[0], 3)[2]
+    d = tmp_path_factory.mktemp("beam-model")
+    for f in base.iterdir():
+        if f.name != "generation_config.json":
+            (d / f.name).symlink_to(f)
+    gen = json.loads((base / "generation_config.json").read_text())
+    (d / "generation_config.json").write_text(json.dumps({**gen, "eos_token_id": [gen["eos_token_id"], eos]}))
+    return d, [gen["eos_token_id"], eos]
+
+
+@pytest.fixture(scope="module")
+def server(model, tmp_path_factory):
+    s = start_server(model[0], tmp_path_factory.mktemp("beam-server") / "server.log", "--max-model-len", "256",
+                     "--block-size", "4", "--num-gpu-blocks-override", "512",
+                     "--max-num-seqs", str(MAX_NUM_SEQS), "--swap-space", "0.05")
+    yield s
+    stop_server(s)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=300) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def llm(model):
+    return make_llm(model[0], block_size=4)
+
+
+def hf_beams(model_dir, prompt, eos_ids, k, max_new, length_penalty):
+    """HF generate(num_beams=k, early_stopping=True): each hypothesis' tokens up to its EOS, best first."""
+    with torch.no_grad():
+        out = hf_model(str(model_dir)).generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long), do_sample=False,
+            num_beams=k, early_stopping=True, length_penalty=length_penalty, num_return_sequences=k,
+            max_new_tokens=max_new, pad_token_id=2, eos_token_id=eos_ids)
+    beams = []
+    for seq in out:
+        toks = seq[len(prompt):].tolist()
+        end = next((i for i, t in enumerate(toks) if t in eos_ids), None)
+        beams.append(toks if end is None else toks[:end + 1])
+    return beams
+
+
+def expected(model, llm, prompt, n, max_tokens, length_penalty=1.0, include_stop=False, **kw):
+    """The choices vLLM's server makes of LLM.beam_search's hypotheses: (text, finish_reason,
+    token count), the EOS in neither text nor count unless include_stop_str_in_output."""
+    out = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(
+        beam_width=n, max_tokens=max_tokens, length_penalty=length_penalty, temperature=1.0, **kw))[0]
+    tok = tokenizer(str(model[0]))
+    res = []
+    for s in out.sequences:
+        ids = s.output_tokens[:-1] if s.finish_reason == "stop" else s.output_tokens
+        res.append((tok.decode(ids, skip_special_tokens=True), s.finish_reason,
+                    len(s.output_tokens) if include_stop else len(ids)))
+    return out, res
+
+
+def post(http, path, **body):
+    r = http.post(path, json={"model": "tiny", **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0, 2.0])
+def test_completions_equal_offline_and_hf(http, model, llm, length_penalty):
+    """Several prompts in one request: n choices each, in prompt order, best first."""
+    prompts = prompt_ids(model[0])[:3]
+    n, max_tokens = 3, 8
+    body = post(http, CMPL, prompt=prompts, n=n, max_tokens=max_tokens, use_beam_search=True,
+                length_penalty=length_penalty)
+    choices = body["choices"]
+    assert [c["index"] for c in choices] == list(range(n * len(prompts)))
+    completion_tokens = 0
+    ended_by_eos = 0
+    for i, p in enumerate(prompts):
+        out, want = expected(model, llm, p, n, max_tokens, length_penalty)
+        assert [s.output_tokens for s in out.sequences] == hf_beams(model[0], p, model[1], n, max_tokens,
+                                                                    length_penalty)
+        got = [(c["text"], c["finish_reason"]) for c in choices[i * n:(i + 1) * n]]
+        assert got == [(t, f) for t, f, _ in want]
+        assert all(c["logprobs"] is None for c in choices)
+        completion_tokens += sum(k for _, _, k in want)
+        ended_by_eos += sum(f == "stop" for _, f, _ in want)
+    assert ended_by_eos > 0
+    assert body["usage"] == {"prompt_tokens": sum(map(len, prompts)), "completion_tokens": completion_tokens,
+                             "total_tokens": sum(map(len, prompts)) + completion_tokens}
+
+
+def test_completions_text_prompt_echo_and_stop_token_kept(http, model, llm):
+    """A text prompt, echo (the prompt before each choice's text), include_stop_str_in_output:
+    the EOS counts in usage, its text stays out (as vLLM's server does); ignore_eos: all "length"."""
+    text = "The quick brown fox"
+    ids = tokenizer(str(model[0]))(text).input_ids
+    body = post(http, CMPL, prompt=text, n=2, max_tokens=8, use_beam_search=True, echo=True,
+                include_stop_str_in_output=True)
+    _, want = expected(model, llm, ids, 2, 8, include_stop=True)
+    assert [(c["text"], c["finish_reason"]) for c in body["choices"]] == [(text + t, f) for t, f, _ in want]
+    assert body["usage"]["completion_tokens"] == sum(k for _, _, k in want)
+    assert any(f == "stop" for _, f, _ in want)
+    body = post(http, CMPL, prompt=ids, n=2, max_tokens=5, use_beam_search=True, ignore_eos=True)
+    _, want = expected(model, llm, ids, 2, 5, ignore_eos=True)
+    assert [(c["text"], c["finish_reason"]) for c in body["choices"]] == [(t, f) for t, f, _ in want]
+    assert body["usage"]["completion_tokens"] == 10
+
+
+def chat_prompt(http, messages):
+    return http.post("/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+
+
+def test_chat_equals_offline_streamed_or_not(http, model, llm):
+    messages = [{"role": "user", "content": "Paged attention stores the KV cache"}]
+    ids = chat_prompt(http, messages)
+    out, want = expected(model, llm, ids, 3, 7, 0.5)
+    assert [s.output_tokens for s in out.sequences] == hf_beams(model[0], ids, model[1], 3, 7, 0.5)
+    req = dict(messages=messages, n=3, max_completion_tokens=7, use_beam_search=True, length_penalty=0.5)
+    body = post(http, CHAT, **req)
+    assert [(c["index"], c["message"]["content"], c["finish_reason"]) for c in body["choices"]] == \
+        [(i, t, f) for i, (t, f, _) in enumerate(want)]
+    assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": sum(k for _, _, k in want),
+                             "total_tokens": len(ids) + sum(k for _, _, k in want)}
+    # Streamed (vLLM streams a chat beam search): the role first, then each choice whole, then usage.
+    with http.stream("POST", CHAT, json={"model": "tiny", **req, "stream": True,
+                                         "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert [c["delta"] for c in chunks[0]["choices"]] == [{"role": "assistant", "content": ""}] * 3
+    text, finish = {}, {}
+    for ch in chunks[1:-1]:
+        for c in ch["choices"]:
+            text[c["index"]] = text.get(c["index"], "") + c["delta"].get("content", "")
+            finish[c["index"]] = c["finish_reason"] or finish.get(c["index"])
+    assert [(text[i], finish[i]) for i in range(3)] == [(t, f) for t, f, _ in want]
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == body["usage"]
+
+
+def test_a_grammar_constrains_every_beam(http, model, llm):
+    """structured_outputs (pagedserve's BeamSearchParams carries it; vLLM drops it): every beam
+    follows the grammar, the same beams as offline."""
+    choice = ["yes", "no", "maybe so"]
+    ids = prompt_ids(model[0])[1]
+    body = post(http, CMPL, prompt=ids, n=2, max_tokens=8, use_beam_search=True,
+                structured_outputs={"choice": choice})
+    _, want = expected(model, llm, ids, 2, 8, structured_outputs=StructuredOutputsParams(choice=choice))
+    assert [(c["text"], c["finish_reason"]) for c in body["choices"]] == [(t, f) for t, f, _ in want]
+    assert all(c["text"] in choice for c in body["choices"])
+
+
+BEAM = {"use_beam_search": True, "n": 2}
+P = {"prompt": "hello", "max_tokens": 3}
+M = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+REFUSED = [  # (path, body, param)
+    *[(path, {**base, **BEAM, name: value}, name) for path, base in ((CMPL, P), (CHAT, M))
+      for name, value in [("top_p", 0.5), ("top_k", 5), ("min_p", 0.1), ("presence_penalty", 0.5),
+                          ("frequency_penalty", 0.5), ("repetition_penalty", 1.2), ("min_tokens", 1),
+                          ("stop", ["x"]), ("stop", "x"), ("stop_token_ids", [5]), ("logit_bias", {"5": 1.0}),
+                          ("bad_words", ["x"]), ("allowed_token_ids", [5]), ("prompt_logprobs", 1)]],
+    (CMPL, {**P, **BEAM, "logprobs": 1}, "logprobs"),
+    (CMPL, {**P, **BEAM, "logprobs": 0}, "logprobs"),
+    (CHAT, {**M, **BEAM, "logprobs": True}, "logprobs"),
+    (CMPL, {**P, **BEAM, "best_of": 3}, "best_of"),
+    (CMPL, {**P, **BEAM, "max_tokens": 0, "echo": True}, "max_tokens"),
+    (CMPL, {**P, **BEAM, "n": MAX_NUM_SEQS + 1}, "n"),
+    (CHAT, {**M, **BEAM, "n": MAX_NUM_SEQS + 1}, "n"),
+    (CMPL, {**P, "length_penalty": 0.5}, "length_penalty"),
+    (CHAT, {**M, "length_penalty": 2.0}, "length_penalty"),
+]
+
+
+@pytest.mark.parametrize("path,body,param", REFUSED, ids=[f"{p[4:8]}-{k}" for p, _, k in REFUSED])
+def test_what_a_beam_search_cannot_serve_is_a_400_naming_it(http, path, body, param):
+    r = http.post(path, json={"model": "tiny", **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+    assert param in r.json()["error"]["message"]
+
+
+def test_priority_reaches_the_engine(http):
+    """priority is the request's, as for sampling: this first-come-first-served server refuses
+    any other than 0, naming it (a search that dropped it would run)."""
+    for path, base in ((CMPL, P), (CHAT, M)):
+        r = http.post(path, json={"model": "tiny", **base, **BEAM, "priority": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+        post(http, path, **base, **BEAM, priority=0)
+
+
+def test_streamed_completions_are_refused_in_vllms_words(http):
+    r = http.post(CMPL, json={"model": "tiny", **P, **BEAM, "stream": True})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["message"] == "Streaming is not currently supported with beam search"
+    assert err["param"] == "use_beam_search"
+
+
+def test_no_op_values_are_accepted(http):
+    """Values that change nothing pass: best_of = n, the sampling knobs' neutral values, a seed
+    (a beam search draws nothing), length_penalty 1 without a beam search."""
+    noop = dict(best_of=2, top_p=1.0, top_k=-1, min_p=0.0, presence_penalty=0.0, frequency_penalty=0.0,
+                repetition_penalty=1.0, min_tokens=0, stop=[], stop_token_ids=[], logit_bias={}, bad_words=[],
+                seed=7, use_beam_search=True, n=2)
+    a = post(http, CMPL, **P, **noop)
+    b = post(http, CMPL, **P, use_beam_search=True, n=2)
+    assert [c["text"] for c in a["choices"]] == [c["text"] for c in b["choices"]]
+    post(http, CMPL, **P, length_penalty=1.0)
+    post(http, CHAT, **M, use_beam_search=False, length_penalty=1.0)
+
+
+def test_a_plain_request_beside_a_running_search(server, http, model, llm):
+    """The core steps the search and a plain request together: the plain one (short) ends first,
+    with its HF greedy tokens; the search ends with LLM.beam_search's beams."""
+    prompts = prompt_ids(model[0])
+    beam_prompt, plain_prompt = prompts[5], prompts[0]
+    beam_body = dict(prompt=beam_prompt, n=4, max_tokens=60, ignore_eos=True, use_beam_search=True)
+    done: dict[str, tuple[float, dict]] = {}
+
+    def run_beam():
+        with httpx.Client(base_url=server.base_url, timeout=300) as c:
+            r = c.post(CMPL, json={"model": "tiny", **beam_body})
+            done["beam"] = (time.monotonic(), r.json())
+
+    t = threading.Thread(target=run_beam)
+    t.start()
+    try:
+        deadline = time.monotonic() + 60
+        while server.metrics().get("vllm:num_requests_running", 0) < 1:  # the search is running
+            assert time.monotonic() < deadline and t.is_alive()
+            time.sleep(0.02)
+        plain = post(http, CMPL, prompt=plain_prompt, max_tokens=4, temperature=0.0, ignore_eos=True)
+        done["plain"] = (time.monotonic(), plain)
+    finally:
+        t.join()
+    tok = tokenizer(str(model[0]))
+    assert plain["choices"][0]["text"] == tok.decode(hf_greedy(model[0], plain_prompt, 4, ignore_eos=True),
+                                                     skip_special_tokens=True)
+    assert done["plain"][0] < done["beam"][0]
+    _, want = expected(model, llm, beam_prompt, 4, 60, ignore_eos=True)
+    assert [(c["text"], c["finish_reason"]) for c in done["beam"][1]["choices"]] == [(t, f) for t, f, _ in want]
+
