@@ -48,7 +48,7 @@ def server(model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=300) as c:
+    with httpx.Client(base_url=server.base_url, timeout=120) as c:
         yield c
 
 
@@ -75,8 +75,9 @@ def hf_beams(model_dir, prompt, eos_ids, k, max_new, length_penalty):
 def expected(model, llm, prompt, n, max_tokens, length_penalty=1.0, include_stop=False, **kw):
     """The choices vLLM's server makes of LLM.beam_search's hypotheses: (text, finish_reason,
     token count), the EOS in neither text nor count unless include_stop_str_in_output."""
+    kw.setdefault("temperature", 1.0)  # a request's unset temperature (the tiny model's config has none)
     out = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(
-        beam_width=n, max_tokens=max_tokens, length_penalty=length_penalty, temperature=1.0, **kw))[0]
+        beam_width=n, max_tokens=max_tokens, length_penalty=length_penalty, **kw))[0]
     tok = tokenizer(str(model[0]))
     res = []
     for s in out.sequences:
@@ -132,6 +133,20 @@ def test_completions_text_prompt_echo_and_stop_token_kept(http, model, llm):
     _, want = expected(model, llm, ids, 2, 5, ignore_eos=True)
     assert [(c["text"], c["finish_reason"]) for c in body["choices"]] == [(t, f) for t, f, _ in want]
     assert body["usage"]["completion_tokens"] == 10
+
+
+def test_temperature_scales_the_search(http, model, llm):
+    """temperature (unset: 1.0, vLLM's default) reaches BeamSearchParams: the logits are divided
+    by it before log_softmax, as LLM.beam_search does; on this prompt 2.0 changes the beams."""
+    ids = prompt_ids(model[0])[3]
+    got = {}
+    for t in (None, 2.0):
+        body = post(http, CMPL, prompt=ids, n=3, max_tokens=8, use_beam_search=True,
+                    **({} if t is None else {"temperature": t}))
+        got[t] = [(c["text"], c["finish_reason"]) for c in body["choices"]]
+        _, want = expected(model, llm, ids, 3, 8, temperature=1.0 if t is None else t)
+        assert got[t] == [(x, f) for x, f, _ in want]
+    assert got[None] != got[2.0]
 
 
 def chat_prompt(http, messages):
@@ -246,7 +261,7 @@ def test_a_plain_request_beside_a_running_search(server, http, model, llm):
     done: dict[str, tuple[float, dict]] = {}
 
     def run_beam():
-        with httpx.Client(base_url=server.base_url, timeout=300) as c:
+        with httpx.Client(base_url=server.base_url, timeout=120) as c:
             r = c.post(CMPL, json={"model": "tiny", **beam_body})
             done["beam"] = (time.monotonic(), r.json())
 
@@ -268,3 +283,84 @@ def test_a_plain_request_beside_a_running_search(server, http, model, llm):
     _, want = expected(model, llm, beam_prompt, 4, 60, ignore_eos=True)
     assert [(c["text"], c["finish_reason"]) for c in done["beam"][1]["choices"]] == [(t, f) for t, f, _ in want]
 
+
+
+def test_unset_temperature_takes_the_generation_config():
+    """As vLLM: the request's temperature, else the model's generation config's, else 1.0."""
+    from pagedserve.entrypoints.openai.beam_search import beam_search_params
+    from pagedserve.entrypoints.openai.protocol import CompletionRequest
+    req = CompletionRequest(prompt="x", use_beam_search=True, n=3, length_penalty=0.5)
+    assert beam_search_params(req, 9, {"temperature": 0.7}, None) == BeamSearchParams(
+        beam_width=3, max_tokens=9, temperature=0.7, length_penalty=0.5)
+    assert beam_search_params(req, 9, {}, None).temperature == 1.0
+    req = CompletionRequest(prompt="x", use_beam_search=True, temperature=0.0, ignore_eos=True)
+    assert beam_search_params(req, 9, {"temperature": 0.7}, None) == BeamSearchParams(
+        beam_width=1, max_tokens=9, temperature=0.0, ignore_eos=True)
+
+
+def test_output_text_and_tokens(model):
+    """text_output.beam_search_output: skip_special_tokens as asked, the EOS of a "stop"
+    hypothesis never in the text, in token_ids only with include_stop_str_in_output."""
+    from pagedserve.engine.text_output import beam_search_output
+    from pagedserve.outputs import CompletionOutput, RequestOutput
+    tok = tokenizer(str(model[0]))
+    body = tok("Hello there").input_ids[1:]  # without its BOS
+    core = RequestOutput("r", None, [5], [CompletionOutput(0, "", [*body, 0, *body, 1], -1.0, None, "stop", 1),
+                                          CompletionOutput(1, "", [*body, 0], -2.0, None, "length")], True)
+    skip, keep = beam_search_output(core, tok), beam_search_output(core, tok, skip_special_tokens=False)
+    assert [c.text for c in skip.outputs] == [tok.decode(body + body, skip_special_tokens=True),
+                                              tok.decode(body, skip_special_tokens=True)]
+    assert [c.text for c in keep.outputs] == [tok.decode([*body, 0, *body]), tok.decode([*body, 0])]
+    assert "<s>" in keep.outputs[0].text and "</s>" not in keep.outputs[0].text
+    assert [c.token_ids for c in skip.outputs] == [[*body, 0, *body], [*body, 0]]
+    kept = beam_search_output(core, tok, include_stop_str_in_output=True)
+    assert [c.token_ids for c in kept.outputs] == [[*body, 0, *body, 1], [*body, 0]]
+    assert [c.text for c in kept.outputs] == [c.text for c in skip.outputs]
+    assert [(c.finish_reason, c.stop_reason, c.cumulative_logprob) for c in kept.outputs] == \
+        [("stop", 1, -1.0), ("length", None, -2.0)]
+
+
+def test_start_beam_passes_the_output_fields():
+    """The request's skip_special_tokens (or the tool parser's override), include_stop_str_in_output,
+    priority and cache_salt reach AsyncLLMEngine.add_beam_search_request."""
+    import asyncio
+
+    from pagedserve.entrypoints.openai.protocol import CompletionRequest
+    from pagedserve.entrypoints.openai.serving_common import OpenAIServing
+
+    class Engine:
+        async def add_beam_search_request(self, *args, **kw):
+            self.call = (args, kw)
+    engine = Engine()
+    serving = OpenAIServing(engine, "tiny")
+    params = BeamSearchParams(beam_width=2, max_tokens=3)
+    req = CompletionRequest(prompt="x", use_beam_search=True, skip_special_tokens=False,
+                            include_stop_str_in_output=True, priority=3, cache_salt="s")
+    asyncio.run(serving.start_beam([7, 8], params, "r", req))
+    assert engine.call == (("r", {"prompt_token_ids": [7, 8], "cache_salt": "s"}, params, 3),
+                           {"skip_special_tokens": False, "include_stop_str_in_output": True})
+    req = CompletionRequest(prompt="x", use_beam_search=True)
+    asyncio.run(serving.start_beam([7], params, "r", req, skip_special_tokens=False))
+    assert engine.call == (("r", {"prompt_token_ids": [7]}, params, 0),
+                           {"skip_special_tokens": False, "include_stop_str_in_output": False})
+
+
+def test_forced_tool_calls_are_beams_too(tools_http):
+    """tools with a named tool_choice: its grammar constrains every beam and each choice's text
+    is parsed into tool_calls, as for sampling (the demo model, hermes parser)."""
+    import jsonschema
+    schema = {"type": "object", "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]{2,8}/[A-Z][a-z]{2,8}$"}},
+              "required": ["timezone"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_time", "parameters": schema}}]
+    r = tools_http.post(CHAT, json={
+        "messages": [{"role": "user", "content": "What time is it in Paris?"}], "tools": tools, "n": 2,
+        "tool_choice": {"type": "function", "function": {"name": "get_time"}}, "max_tokens": 96,
+        "use_beam_search": True, "structured_outputs": {"disable_any_whitespace": True}})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert len(choices) == 2 and choices[0]["message"] != choices[1]["message"]
+    for c in choices:
+        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None, c
+        (call,) = c["message"]["tool_calls"]
+        assert call["function"]["name"] == "get_time"
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
