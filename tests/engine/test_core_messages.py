@@ -6,13 +6,14 @@ import math
 import msgspec
 import pytest
 
-from pagedserve.engine.core_messages import (AbortRequests, AddRequest, Codec, CompletionDelta,
+from pagedserve.engine.core_messages import (AbortRequests, AddBeamSearch, AddRequest, Codec, CompletionDelta,
                                              CoreInputs, Ready, RequestDelta, Shutdown,
                                              StartupFailed, StepOutputs, UtilityCall, UtilityResult)
 from pagedserve.logprobs import PositionLogprobs
 from pagedserve.metrics import EngineSnapshot
 from pagedserve.outputs import CompletionOutput
-from pagedserve.sampling_params import RequestOutputKind, SamplingParams
+from pagedserve.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
+                                         StructuredOutputsParams)
 
 
 def test_batched_inputs_round_trip_in_order():
@@ -29,6 +30,17 @@ def test_batched_inputs_round_trip_in_order():
     assert back == msg
     assert [type(op) for op in back.ops] == [AddRequest, AbortRequests, AddRequest, UtilityCall, Shutdown]
     assert back.ops[0].params == params and back.ops[0].params.output_kind is RequestOutputKind.DELTA
+
+
+def test_beam_search_add_round_trips_beside_sampling_adds():
+    codec = Codec()
+    beam = BeamSearchParams(beam_width=4, max_tokens=7, ignore_eos=True, temperature=0.5, length_penalty=-0.5,
+                            structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    msg = CoreInputs([AddBeamSearch("b", [5, 6], beam, 3.5, "hi", "salt", -2),
+                      AddRequest("a", [7], SamplingParams(), 2.5)])
+    back = codec.inputs.decode(codec.encode(msg))
+    assert back == msg and [type(op) for op in back.ops] == [AddBeamSearch, AddRequest]
+    assert back.ops[0].params.structured_outputs == StructuredOutputsParams(choice=["yes", "no"])
 
 
 def test_step_message_round_trip():
