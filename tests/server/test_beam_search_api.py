@@ -364,3 +364,21 @@ def test_forced_tool_calls_are_beams_too(tools_http):
         (call,) = c["message"]["tool_calls"]
         assert call["function"]["name"] == "get_time"
         jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+
+
+def test_a_client_that_leaves_frees_the_search(server, model):
+    """A client that disconnects mid-search aborts it in the core: its beams' blocks come back,
+    long before the search could have run its 250 steps of 8 beams (2,000 tokens)."""
+    body = {"model": "tiny", "prompt": prompt_ids(model[0])[2], "n": 8, "max_tokens": 250, "ignore_eos": True,
+            "use_beam_search": True}
+    ran = server.metrics().get("vllm:iteration_tokens_total_sum", 0)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + CMPL, json=body, timeout=httpx.Timeout(120, read=0.05))
+    deadline = time.monotonic() + 60
+    while True:
+        m = server.metrics()
+        if m.get("vllm:num_requests_running") == 0 and m.get("vllm:kv_cache_usage_perc") == 0:
+            break
+        assert time.monotonic() < deadline, m
+        time.sleep(0.05)
+    assert 0 < m["vllm:iteration_tokens_total_sum"] - ran < 1000
