@@ -1,7 +1,6 @@
 """vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions.
 
-The request becomes one BeamSearchParams per prompt, as vLLM 0.26's to_beam_search_params makes
-it: n is the beam width; max_tokens (chat: max_completion_tokens, else max_tokens) as for
+The request becomes one BeamSearchParams per prompt, as vLLM's to_beam_search_params makes it: n is the beam width; max_tokens (chat: max_completion_tokens, else max_tokens) as for
 sampling; temperature the request's, else the generation config's, else 1.0; ignore_eos and
 length_penalty as given. include_stop_str_in_output and skip_special_tokens shape the output
 (text_output.beam_search_output). The search runs in the engine core like any other request
@@ -12,8 +11,8 @@ The response holds n choices per prompt, best first, each with finish_reason "st
 "length"; usage counts every choice's tokens, EOS only with include_stop_str_in_output.
 
 Refused, each a 400 naming its field:
-- stream on /v1/completions, in vLLM's words (vLLM refuses it there; chat streams the finished
-  search as one chunk, as vLLM does);
+- stream on /v1/completions, in vLLM's words (vLLM refuses it there; on chat, as in vLLM, the
+  stream carries the finished search at once: the role, then every choice whole);
 - a field a beam search cannot honour, set to anything but its no-op value (vLLM drops these
   without a word; pagedserve drops nothing silently): the sampling knobs, stop strings and
   ids, token biases and bans, logprobs, prompt_logprobs, best_of other than n, max_tokens 0;
