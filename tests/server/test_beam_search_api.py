@@ -349,8 +349,9 @@ def test_forced_tool_calls_are_beams_too(tools_http):
     """tools with a named tool_choice: its grammar constrains every beam and each choice's text
     is parsed into tool_calls, as for sampling (the demo model, hermes parser)."""
     import jsonschema
-    schema = {"type": "object", "properties": {"timezone": {"type": "string", "pattern": "^[A-Z][a-z]{2,8}/[A-Z][a-z]{2,8}$"}},
-              "required": ["timezone"], "additionalProperties": False}
+    zone = {"type": "string", "pattern": "^[A-Z][a-z]{2,8}/[A-Z][a-z]{2,8}$"}
+    schema = {"type": "object", "properties": {"timezone": zone}, "required": ["timezone"],
+              "additionalProperties": False}
     tools = [{"type": "function", "function": {"name": "get_time", "parameters": schema}}]
     r = tools_http.post(CHAT, json={
         "messages": [{"role": "user", "content": "What time is it in Paris?"}], "tools": tools, "n": 2,

@@ -1,6 +1,7 @@
 """vLLM's `use_beam_search` on /v1/completions and /v1/chat/completions.
 
-The request becomes one BeamSearchParams per prompt, as vLLM's to_beam_search_params makes it: n is the beam width; max_tokens (chat: max_completion_tokens, else max_tokens) as for
+The request becomes one BeamSearchParams per prompt, as vLLM's to_beam_search_params makes it:
+n is the beam width; max_tokens (chat: max_completion_tokens, else max_tokens) as for
 sampling; temperature the request's, else the generation config's, else 1.0; ignore_eos and
 length_penalty as given. include_stop_str_in_output and skip_special_tokens shape the output
 (text_output.beam_search_output). The search runs in the engine core like any other request
