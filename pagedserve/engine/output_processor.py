@@ -35,6 +35,11 @@ class OutputProcessor:
         self.logprob_objects = logprob_objects
         self.logprob_tokens = LogprobTokens(tokenizer) if tokenizer is not None and logprob_objects else None
 
+    def _names(self, p: Any) -> LogprobTokens | None:
+        """Who names a request's logprob tokens: nobody under detokenize=False (decoded_token
+        None, as vLLM's output processor drops the tokenizer for such a request)."""
+        return self.logprob_tokens if p.detokenize else None
+
     def stop_token_ids(self, group: SequenceGroup) -> list[int]:
         """Tokens that end the sequence (what min_tokens must suppress)."""
         p = group.sampling_params
@@ -50,7 +55,7 @@ class OutputProcessor:
         p = group.sampling_params
         if top is not None and p.logprobs is not None:
             if self.logprob_objects:
-                top = output_position(top, seq.output_token_ids, self.logprob_tokens)
+                top = output_position(top, seq.output_token_ids, self._names(p))
         else:
             top = None
         seq.append_token(token, logprob, top)
@@ -64,7 +69,8 @@ class OutputProcessor:
             seq.stop_reason = token if token in p.stop_token_ids else None
         hide_token = token_stop and not p.include_stop_str_in_output
         stop_hit = None
-        if self.tokenizer is not None and not hide_token:
+        detok = self.tokenizer is not None and p.detokenize
+        if detok and not hide_token:
             old_len = len(seq.output_text)
             new_text = self._detokenize(seq, group, seq.output_token_ids, final=False)
             if new_text and p.stop and past_min and not token_stop:
@@ -77,7 +83,7 @@ class OutputProcessor:
         if status is None and (n_out >= (p.max_tokens or self.max_model_len)
                                or len(seq.prompt_token_ids) + n_out >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
-        if status is not None and self.tokenizer is not None and stop_hit is None:
+        if status is not None and detok and stop_hit is None:
             visible = seq.output_token_ids[:-1] if hide_token else seq.output_token_ids
             self._detokenize(seq, group, visible, final=True)
         return status
@@ -143,7 +149,8 @@ class OutputProcessor:
         plp = prompt_logprobs.for_output(group)
         if plp is not None and self.logprob_objects:
             if group.prompt_logprob_dicts is None:  # made once: a CUMULATIVE request carries it every step
-                group.prompt_logprob_dicts = prompt_positions(plp, group.prompt_token_ids, self.logprob_tokens)
+                group.prompt_logprob_dicts = prompt_positions(plp, group.prompt_token_ids,
+                                                              self._names(group.sampling_params))
             plp = group.prompt_logprob_dicts
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outs,

@@ -88,7 +88,8 @@ class RequestText:
                  prompt_token_ids: list[int], logprob_tokens: LogprobTokens | None = None) -> None:
         """logprob_tokens: names logprob tokens with this tokenizer (shared: it caches each id's text)."""
         self.tokenizer = tokenizer
-        self.logprob_tokens = logprob_tokens or LogprobTokens(tokenizer)
+        # detokenize=False: no text and logprobs unnamed (decoded_token None), as vLLM's
+        self.logprob_tokens = (logprob_tokens or LogprobTokens(tokenizer)) if params.detokenize else None
         self.params = params
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
@@ -140,6 +141,8 @@ class RequestText:
     # ---- one sequence -------------------------------------------------------------------------
 
     def _detokenize(self, seq: _SeqText, ids: list[int], final: bool) -> str:
+        if not self.params.detokenize:
+            return ""
         state = seq.detok_state or initial_state(len(self.prompt_token_ids))
         new_text, seq.detok_state = detokenize_incrementally(
             self.tokenizer, self.prompt_token_ids, ids, state, self.params.skip_special_tokens,
