@@ -87,6 +87,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # False (with skip_special_tokens=False): no spaces between added tokens in the text, as vLLM
+    # honours it (engine/detokenizer.py: a fast tokenizer's added tokens after one another bare).
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None

@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 from pagedserve.engine import prompt_logprobs
-from pagedserve.engine.detokenizer import detokenize_incrementally, find_stop_string, initial_state
+from pagedserve.engine.detokenizer import (added_token_contents, detokenize_incrementally, find_stop_string,
+                                           initial_state)
 from pagedserve.engine.logprob_tokens import LogprobTokens, output_position, prompt_positions
 from pagedserve.logprobs import PositionLogprobs
 from pagedserve.outputs import CompletionOutput, RequestOutput
@@ -34,6 +35,7 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.logprob_objects = logprob_objects
         self.logprob_tokens = LogprobTokens(tokenizer) if tokenizer is not None and logprob_objects else None
+        self.added_tokens = added_token_contents(tokenizer) if tokenizer is not None else None
 
     def _names(self, p: Any) -> LogprobTokens | None:
         """Who names a request's logprob tokens: nobody under detokenize=False (decoded_token
@@ -121,9 +123,11 @@ class OutputProcessor:
 
     def _detokenize(self, seq: Sequence, group: SequenceGroup, output_ids: list[int], final: bool) -> str:
         state = seq.detok_state or initial_state(seq.num_prompt_tokens)
+        p = group.sampling_params
         new_text, seq.detok_state = detokenize_incrementally(
-            self.tokenizer, seq.prompt_token_ids, output_ids, state,
-            group.sampling_params.skip_special_tokens, final=final)
+            self.tokenizer, seq.prompt_token_ids, output_ids, state, p.skip_special_tokens,
+            final=final, spaces_between_special_tokens=p.spaces_between_special_tokens,
+            added=self.added_tokens)
         seq.output_text += new_text
         return new_text
 

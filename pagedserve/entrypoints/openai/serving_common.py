@@ -272,6 +272,8 @@ class OpenAIServing:
         if req.allowed_token_ids is not None:
             self.check_token_ids(req.allowed_token_ids, "allowed_token_ids")
             kw["allowed_token_ids"] = req.allowed_token_ids
+        if req.spaces_between_special_tokens is not None:
+            kw["spaces_between_special_tokens"] = req.spaces_between_special_tokens
         try:
             return SamplingParams(**kw)
         except ValueError as e:
