@@ -39,13 +39,35 @@ def wordpiece_tokenizer():
 
 
 def wordpiece_model(src: Path, d: Path) -> Path:
-    """The tiny model's weights at `src` with wordpiece_tokenizer() (its 9 ids within the
+    """The tiny model's weights at `src` with wordpiece_tokenizer() in `d`."""
+    tok = wordpiece_tokenizer()
+    tok.chat_template = CHAT_TEMPLATE
+    return model_with_tokenizer(src, d, tok)
+
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # for chat requests
+
+
+def model_with_tokenizer(src: Path, d: Path, tok) -> Path:
+    """The tiny model's weights at `src` with the small tokenizer `tok` (its ids within the
     model's vocab), in `d`."""
     for f in src.iterdir():
         if f.suffix == ".safetensors" or f.name in ("config.json", "generation_config.json"):
             (d / f.name).symlink_to(f)
-    tok = wordpiece_tokenizer()
-    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"  # for chat requests
     tok.save_pretrained(d)
-    assert json.loads((d / "config.json").read_text())["vocab_size"] > 9
+    assert json.loads((d / "config.json").read_text())["vocab_size"] > len(tok)
     return d
+
+
+def metaspace_tokenizer():
+    """SentencePiece-style pieces: decode([id]) drops the leading "▁" of "▁true", which vLLM's
+    decoded_token puts back as a space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "▁true": 1, "true": 2, "▁▁x": 3, "x": 4, "</s>": 5}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok

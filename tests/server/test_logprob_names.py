@@ -95,3 +95,48 @@ def test_chat_tokens_and_bytes_are_vllms_decoded_tokens(http, server, tok, strea
                                                           for t in by_id["top_logprobs"]]
         assert all(t["bytes"] == list(t["token"].encode("utf-8")) for t in e["top_logprobs"])
     assert "".join(e["token"] for e in named) == TEXT  # per-id decode would give a run of U+FFFD
+
+
+# vLLM's decoded_token of each piece (convert_ids_list_to_tokens: decode([id]), then the spaces
+# of the leading "▁"s that decode drops put back); decode([id]) alone gives "true" for both.
+METASPACE_NAMES = {1: " true", 2: "true", 3: "  x", 4: "x"}
+
+
+@pytest.fixture(scope="module")
+def ms_server(tiny_model_dir, tmp_path_factory):
+    from detok_reference import metaspace_tokenizer, model_with_tokenizer
+    from server_process import start_server, stop_server
+    d = model_with_tokenizer(tiny_model_dir("llama"), tmp_path_factory.mktemp("metaspace-model"),
+                             metaspace_tokenizer())
+    s = start_server(d, tmp_path_factory.mktemp("ms-server") / "server.log", "--max-model-len", "256")
+    yield s
+    stop_server(s)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_sentencepiece_leading_spaces_in_server_names(ms_server, stream):
+    import httpx
+    tok = AutoTokenizer.from_pretrained(ms_server.model_dir)
+    assert tok.decode([1]) == tok.decode([2]) == "true"
+    forced = {"model": "tiny", "max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+              "allowed_token_ids": list(METASPACE_NAMES)}
+    with httpx.Client(base_url=ms_server.base_url, timeout=120) as http:
+        cmpl = {**forced, "prompt": [1, 4], "logprobs": 0}
+        ids = [_id(t) for t in _completion_tokens(http, {**cmpl, "return_tokens_as_token_ids": True}, stream)]
+        assert {1, 2} & set(ids), ids  # the seed draws the pieces decode([id]) cannot tell apart
+        assert _completion_tokens(http, cmpl, stream) == [METASPACE_NAMES[t] for t in ids]
+        chat = {**forced, "messages": [{"role": "user", "content": "x"}], "logprobs": True}
+        by_id = _chat_entries(http, {**chat, "return_tokens_as_token_ids": True}, stream)
+        named = _chat_entries(http, chat, stream)
+        assert [e["token"] for e in named] == [METASPACE_NAMES[_id(e["token"])] for e in by_id]
+        assert all(e["bytes"] == list(e["token"].encode()) for e in named)
+
+
+def _completion_tokens(http, body, stream):
+    return [t for c in _post(http, "/v1/completions", body, stream) for ch in c["choices"]
+            for t in (ch["logprobs"] or {}).get("tokens", [])]
+
+
+def _chat_entries(http, body, stream):
+    return [e for c in _post(http, "/v1/chat/completions", body, stream) for ch in c["choices"]
+            for e in (ch.get("logprobs") or {}).get("content") or []]
