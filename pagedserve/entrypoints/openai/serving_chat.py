@@ -14,8 +14,8 @@ from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
                                                     random_id)
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
                                                           engine_error, error_event, finite_logprob,
-                                                          OpenAIServing, prompt_logprobs_json, sse, StreamedChoice, token_bytes,
-                                                          until_disconnected, usage)
+                                                          OpenAIServing, prompt_logprobs_json, sse, StreamedChoice,
+                                                          token_bytes, until_disconnected, usage)
 from pagedserve.entrypoints.openai.message_stream import (MessageParser, MessageStreamer,
                                                           finish_reason)
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
