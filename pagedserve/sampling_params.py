@@ -87,6 +87,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # False (with skip_special_tokens=False): no spaces between added tokens in the text, as vLLM
+    # honours it (engine/detokenizer.py: a fast tokenizer's added tokens after one another bare).
+    spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
@@ -99,6 +102,9 @@ class SamplingParams:
     # tokenizer is (left None, the engine fills them).
     bad_words: list[str] | None = None
     bad_words_token_ids: list[list[int]] | None = None
+    # False: outputs carry token ids only, text "" and Logprob.decoded_token None (vLLM's); no
+    # stop strings then, which need the text.
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -167,6 +173,9 @@ class SamplingParams:
             raise ValueError("bad_words must be a list of non-blank strings")
         if any(not s for s in self.stop):
             raise ValueError("stop must not contain empty strings")
+        if self.stop and not self.detokenize:  # vLLM's words
+            raise ValueError("stop strings are only supported when detokenize is True. "
+                             "Set detokenize=True to use stop.")
         if self.best_of > 1 and self.temperature == 0.0 and self.n > 1:
             raise ValueError("n > 1 needs temperature > 0: greedy samples would all be identical")
         if self.output_kind is RequestOutputKind.DELTA and self.best_of != self.n:

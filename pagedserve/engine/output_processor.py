@@ -15,7 +15,8 @@ import time
 from typing import Any
 
 from pagedserve.engine import prompt_logprobs
-from pagedserve.engine.detokenizer import detokenize_incrementally, find_stop_string, initial_state
+from pagedserve.engine.detokenizer import (added_token_contents, detokenize_incrementally, find_stop_string,
+                                           initial_state)
 from pagedserve.engine.logprob_tokens import LogprobTokens, output_position, prompt_positions
 from pagedserve.logprobs import PositionLogprobs
 from pagedserve.outputs import CompletionOutput, RequestOutput
@@ -34,6 +35,12 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.logprob_objects = logprob_objects
         self.logprob_tokens = LogprobTokens(tokenizer) if tokenizer is not None and logprob_objects else None
+        self.added_tokens = added_token_contents(tokenizer) if tokenizer is not None else None
+
+    def _names(self, p: Any) -> LogprobTokens | None:
+        """Who names a request's logprob tokens: nobody under detokenize=False (decoded_token
+        None, as vLLM's output processor drops the tokenizer for such a request)."""
+        return self.logprob_tokens if p.detokenize else None
 
     def stop_token_ids(self, group: SequenceGroup) -> list[int]:
         """Tokens that end the sequence (what min_tokens must suppress)."""
@@ -50,7 +57,7 @@ class OutputProcessor:
         p = group.sampling_params
         if top is not None and p.logprobs is not None:
             if self.logprob_objects:
-                top = output_position(top, seq.output_token_ids, self.logprob_tokens)
+                top = output_position(top, seq.output_token_ids, self._names(p))
         else:
             top = None
         seq.append_token(token, logprob, top)
@@ -64,7 +71,8 @@ class OutputProcessor:
             seq.stop_reason = token if token in p.stop_token_ids else None
         hide_token = token_stop and not p.include_stop_str_in_output
         stop_hit = None
-        if self.tokenizer is not None and not hide_token:
+        detok = self.tokenizer is not None and p.detokenize
+        if detok and not hide_token:
             old_len = len(seq.output_text)
             new_text = self._detokenize(seq, group, seq.output_token_ids, final=False)
             if new_text and p.stop and past_min and not token_stop:
@@ -77,7 +85,7 @@ class OutputProcessor:
         if status is None and (n_out >= (p.max_tokens or self.max_model_len)
                                or len(seq.prompt_token_ids) + n_out >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
-        if status is not None and self.tokenizer is not None and stop_hit is None:
+        if status is not None and detok and stop_hit is None:
             visible = seq.output_token_ids[:-1] if hide_token else seq.output_token_ids
             self._detokenize(seq, group, visible, final=True)
         return status
@@ -115,9 +123,11 @@ class OutputProcessor:
 
     def _detokenize(self, seq: Sequence, group: SequenceGroup, output_ids: list[int], final: bool) -> str:
         state = seq.detok_state or initial_state(seq.num_prompt_tokens)
+        p = group.sampling_params
         new_text, seq.detok_state = detokenize_incrementally(
-            self.tokenizer, seq.prompt_token_ids, output_ids, state,
-            group.sampling_params.skip_special_tokens, final=final)
+            self.tokenizer, seq.prompt_token_ids, output_ids, state, p.skip_special_tokens,
+            final=final, spaces_between_special_tokens=p.spaces_between_special_tokens,
+            added=self.added_tokens)
         seq.output_text += new_text
         return new_text
 
@@ -143,7 +153,8 @@ class OutputProcessor:
         plp = prompt_logprobs.for_output(group)
         if plp is not None and self.logprob_objects:
             if group.prompt_logprob_dicts is None:  # made once: a CUMULATIVE request carries it every step
-                group.prompt_logprob_dicts = prompt_positions(plp, group.prompt_token_ids, self.logprob_tokens)
+                group.prompt_logprob_dicts = prompt_positions(plp, group.prompt_token_ids,
+                                                              self._names(group.sampling_params))
             plp = group.prompt_logprob_dicts
         return RequestOutput(request_id=group.request_id, prompt=group.prompt,
                              prompt_token_ids=group.prompt_token_ids, outputs=outs,

@@ -23,7 +23,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from pagedserve.engine.detokenizer import detokenize_incrementally, find_stop_string, initial_state
+from pagedserve.engine.detokenizer import (added_token_contents, detokenize_incrementally, find_stop_string,
+                                           initial_state)
 from pagedserve.engine.logprob_tokens import LogprobTokens, output_position, prompt_positions
 from pagedserve.logprobs import Logprob
 from pagedserve.outputs import CompletionOutput, RequestOutput
@@ -88,8 +89,12 @@ class RequestText:
                  prompt_token_ids: list[int], logprob_tokens: LogprobTokens | None = None) -> None:
         """logprob_tokens: names logprob tokens with this tokenizer (shared: it caches each id's text)."""
         self.tokenizer = tokenizer
-        self.logprob_tokens = logprob_tokens or LogprobTokens(tokenizer)
+        # detokenize=False: no text and logprobs unnamed (decoded_token None), as vLLM's
+        self.logprob_tokens = (logprob_tokens or LogprobTokens(tokenizer)) if params.detokenize else None
         self.params = params
+        # Only spaces_between_special_tokens=False reads them (engine/detokenizer.py).
+        self.added_tokens = None if params.spaces_between_special_tokens or params.skip_special_tokens \
+            else added_token_contents(tokenizer)
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.num_seqs = core_params(params).n
@@ -140,10 +145,13 @@ class RequestText:
     # ---- one sequence -------------------------------------------------------------------------
 
     def _detokenize(self, seq: _SeqText, ids: list[int], final: bool) -> str:
+        if not self.params.detokenize:
+            return ""
         state = seq.detok_state or initial_state(len(self.prompt_token_ids))
+        p = self.params
         new_text, seq.detok_state = detokenize_incrementally(
-            self.tokenizer, self.prompt_token_ids, ids, state, self.params.skip_special_tokens,
-            final=final)
+            self.tokenizer, self.prompt_token_ids, ids, state, p.skip_special_tokens, final=final,
+            spaces_between_special_tokens=p.spaces_between_special_tokens, added=self.added_tokens)
         seq.text += new_text
         return new_text
 

@@ -46,7 +46,6 @@ UNHONOURED = {
     "verbosity": "low", "prompt_cache_retention": "24h", "prompt_cache_options": {"x": 1},
     # vLLM's extras (use_beam_search and length_penalty are honoured: test_beam_search_api.py)
     "logits_processors": ["x"],
-    "spaces_between_special_tokens": False,
     "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1},
     "echo": True, "chat_template": "{{ messages }}", "documents": [{"text": "x"}],
 }

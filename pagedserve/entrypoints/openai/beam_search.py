@@ -36,6 +36,8 @@ _NOT_FOR_BEAMS: dict[str, tuple] = {
     "min_tokens": (0,), "stop": ([], ""), "stop_token_ids": ([],),
     "logit_bias": ({},), "bad_words": ([],), "allowed_token_ids": (),
     "prompt_logprobs": (),
+    # vLLM's beam search decodes each text whole, without it: refused rather than dropped
+    "spaces_between_special_tokens": (True,),
 }
 
 STREAM_REFUSED = "Streaming is not currently supported with beam search"  # vLLM's words

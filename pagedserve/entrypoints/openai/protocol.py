@@ -319,8 +319,6 @@ _NOT_STORED = "pagedserve stores no completions"
 _COMMON_UNSUPPORTED = {
     # vLLM's extras that change the output, which a vLLM user may send.
     "logits_processors": (([],), "logits_processors is not supported"),
-    "spaces_between_special_tokens": ((True,), "spaces_between_special_tokens=false is not "
-                                               "supported"),
     "vllm_xargs": (({},), "vllm_xargs is not supported"),
     "kv_transfer_params": ((), "KV transfer (disaggregated serving) is not supported"),
 }
@@ -341,6 +339,7 @@ class VLLMExtraFields(FieldAudit):
     truncate_prompt_tokens: Optional[Annotated[int, Field(ge=-1, le=MAX_TOKEN_ID)]] = None
     priority: Optional[int] = Field(None, ge=-(2**31), le=2**31 - 1)  # honoured with --scheduling-policy priority
     return_tokens_as_token_ids: Optional[bool] = None  # honoured: logprobs name tokens "token_id:N"
+    # honoured as vLLM honours it (engine/detokenizer.py); only with skip_special_tokens=false
     spaces_between_special_tokens: Optional[bool] = None
     cache_salt: Optional[str] = Field(None, min_length=1)  # honoured: prefix cache shared only within a salt
     vllm_xargs: Optional[dict[str, Any]] = None

@@ -15,7 +15,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
                                                           engine_error, error_event, finite_logprob,
                                                           OpenAIServing, prompt_logprobs_json, sse, StreamedChoice,
-                                                          until_disconnected, usage)
+                                                          token_bytes, until_disconnected, usage)
 from pagedserve.entrypoints.openai.message_stream import (MessageParser, MessageStreamer,
                                                           finish_reason)
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
@@ -137,11 +137,11 @@ class OpenAIServingChat(OpenAIServing):
                   k: int, as_ids: bool = False) -> ChatLogprobs:
         content = []
         for t, lp in zip(token_ids, lps or []):
-            s = self.token_str(t, as_ids)
             chosen = lp.get(t)
+            s = self.token_name(t, chosen, as_ids)
             content.append(TokenLogprob(token=s, logprob=finite_logprob(float("-inf") if chosen is None
                                                                         else chosen.logprob),
-                                        bytes=list(s.encode("utf-8")),
+                                        bytes=token_bytes(s),
                                         top_logprobs=self.top_logprobs_chat(lp, k, as_ids)))
         return ChatLogprobs(content=content)
 

@@ -272,6 +272,8 @@ class OpenAIServing:
         if req.allowed_token_ids is not None:
             self.check_token_ids(req.allowed_token_ids, "allowed_token_ids")
             kw["allowed_token_ids"] = req.allowed_token_ids
+        if req.spaces_between_special_tokens is not None:
+            kw["spaces_between_special_tokens"] = req.spaces_between_special_tokens
         try:
             return SamplingParams(**kw)
         except ValueError as e:
@@ -345,7 +347,8 @@ class OpenAIServing:
     # ---- logprobs ----------------------------------------------------------------------------
 
     def token_str(self, token_id: int, as_id: bool = False) -> str:
-        """A token's text in logprobs; as_id (return_tokens_as_token_ids): "token_id:N", as vLLM."""
+        """A token's text decoded by itself; as_id (return_tokens_as_token_ids): "token_id:N", as
+        vLLM. What vLLM names a token with where its Logprob carries no decoded_token."""
         if as_id:
             return f"token_id:{token_id}"
         s = self._token_str_cache.get(token_id)
@@ -357,19 +360,35 @@ class OpenAIServing:
                 self._token_str_cache[token_id] = s
         return s
 
+    def token_name(self, token_id: int, entry: Logprob | None, as_id: bool = False) -> str:
+        """A logprob token's name as vLLM's server writes it (_get_decoded_token): its Logprob's
+        decoded_token where set (engine/logprob_tokens.py: SentencePiece leading spaces kept, a
+        split character's bytes given to the token that completes it), else the id decoded alone."""
+        if not as_id and entry is not None and entry.decoded_token is not None:
+            return entry.decoded_token
+        return self.token_str(token_id, as_id)
+
     @staticmethod
-    def top_entries(lp: dict[int, Logprob], k: int) -> list[tuple[int, float]]:
-        """The k most likely of a position's entries, as (token id, logprob). Ties go by rank:
-        the top-N in their order, then a chosen token from outside them (rank > N)."""
+    def top_entries(lp: dict[int, Logprob], k: int) -> list[tuple[int, Logprob]]:
+        """The k most likely of a position's entries. Ties go by rank: the top-N in their order,
+        then a chosen token from outside them (rank > N)."""
         ranked = sorted(lp.items(), key=lambda kv: (-kv[1].logprob, kv[1].rank or 0))
-        return [(t, v.logprob) for t, v in ranked[:k]]
+        return ranked[:k]
 
     def top_logprobs_chat(self, lp: dict[int, Logprob], k: int, as_ids: bool = False) -> list[TopLogprob]:
         out = []
         for t, v in self.top_entries(lp, k):
-            s = self.token_str(t, as_ids)
-            out.append(TopLogprob(token=s, logprob=_finite(v), bytes=list(s.encode("utf-8"))))
+            s = self.token_name(t, v, as_ids)
+            out.append(TopLogprob(token=s, logprob=_finite(v.logprob), bytes=_utf8(s)))
         return out
+
+
+def _utf8(s: str) -> list[int]:
+    """A name's bytes, as vLLM's (errors="replace": a name is text, never raises)."""
+    return list(s.encode("utf-8", errors="replace"))
+
+
+token_bytes = _utf8
 
 
 def prompt_logprobs_json(lps: list | None) -> list | None:

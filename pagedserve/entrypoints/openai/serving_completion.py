@@ -144,17 +144,18 @@ class OpenAIServingCompletion(OpenAIServing):
 
     def _logprobs(self, token_ids: list[int], lps: list[dict[int, Logprob] | None] | None, k: int,
                   offset: int, as_ids: bool = False) -> tuple[CompletionLogProbs, int]:
-        """as_ids (return_tokens_as_token_ids): tokens named "token_id:N"; text_offset still
-        counts the tokens' text."""
+        """Tokens named as vLLM names them (token_name: decoded_token where the Logprob has it).
+        as_ids (return_tokens_as_token_ids): "token_id:N"; text_offset still counts the tokens'
+        text, each token's length being its name's without as_ids."""
         res = CompletionLogProbs()
         for t, lp in zip(token_ids, lps or []):
-            res.tokens.append(self.token_str(t, as_ids))
             chosen = None if lp is None else lp.get(t)  # None: the prompt's first token
+            res.tokens.append(self.token_name(t, chosen, as_ids))
             res.token_logprobs.append(None if chosen is None else finite_logprob(chosen.logprob))
-            res.top_logprobs.append(None if lp is None else {self.token_str(x, as_ids): finite_logprob(v)
+            res.top_logprobs.append(None if lp is None else {self.token_name(x, v, as_ids): finite_logprob(v.logprob)
                                                              for x, v in self.top_entries(lp, k)})
             res.text_offset.append(offset)
-            offset += len(self.token_str(t))
+            offset += len(self.token_name(t, chosen))
         return res, offset
 
     def _with_prompt(self, p: _Prompt, prompt_lps: list | None, k: int,
