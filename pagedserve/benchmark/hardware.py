@@ -16,8 +16,17 @@ def _time_cuda(fn, iters: int) -> float:
     return start.elapsed_time(end) / 1e3 / iters
 
 
-def measure_copy_bandwidth(nbytes: int = 4 << 30) -> float:
+def copy_buffer_bytes(free_bytes: int, most: int = 4 << 30, least: int = 256 << 20) -> int:
+    """The copy test's buffer size: 4 GiB, or a third of what the device has free beside an
+    engine that took its share (an 80 GB card at --gpu-memory-utilization 0.9 has ~4 GiB left,
+    not the 8 GiB two buffers need); copies of 256 MiB and more run at the same rate."""
+    return max(least, min(most, free_bytes // 3)) // 4096 * 4096
+
+
+def measure_copy_bandwidth(nbytes: int | None = None) -> float:
     """Device-to-device copy, counting bytes read plus written (bytes/s)."""
+    if nbytes is None:
+        nbytes = copy_buffer_bytes(torch.cuda.mem_get_info()[0])
     a = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     b = torch.empty_like(a)
     t = _time_cuda(lambda: b.copy_(a), 10)
