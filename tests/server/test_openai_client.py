@@ -81,6 +81,29 @@ def test_completion_logprobs_match_hf(client, server, hf_model):
     assert lp.text_offset == offsets
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_completion_top_logprobs_hold_the_chosen_token_beside_the_top_k(http, server, hf_model, k):
+    """OpenAI's completions and vLLM's give up to logprobs + 1 entries: the chosen token first,
+    then the top k. allowed_token_ids forces the least likely token (logprobs stay the raw
+    model's, as vLLM's), so it is outside the top k and must still be there."""
+    _, tok = hf_model
+    ids = tok(PROMPT).input_ids
+    _, (lp0,) = hf_greedy(hf_model, ids, 1)
+    least = int(lp0.argmin())
+    r = http.post("/v1/completions", json={"model": server.model, "prompt": ids, "max_tokens": 1, "logprobs": k,
+                                           "allowed_token_ids": [least], "temperature": 1.0, "seed": 0})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert lp["tokens"] == [vllm_name(tok, least, [])]
+    assert lp["token_logprobs"][0] == pytest.approx(float(lp0[least]), abs=1e-3)
+    top = torch.topk(lp0, k)
+    want = {vllm_name(tok, least, []): float(lp0[least]),
+            **{vllm_name(tok, int(j), []): v for j, v in zip(top.indices.tolist(), top.values.tolist())}}
+    got = lp["top_logprobs"][0]
+    assert list(got) == list(want) and list(got.values()) == pytest.approx(list(want.values()), abs=1e-3)
+    assert len(got) == k + 1
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(http, server, hf_model, stream):
     """vLLM's extra: logprobs name each token "token_id:N" (HF's greedy ids), chat and completions,

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any, AsyncIterator
 
 from pagedserve.engine.async_engine import EngineDeadError, RequestStream
@@ -146,14 +147,17 @@ class OpenAIServingCompletion(OpenAIServing):
                   offset: int, as_ids: bool = False) -> tuple[CompletionLogProbs, int]:
         """Tokens named as vLLM names them (token_name: decoded_token where the Logprob has it).
         as_ids (return_tokens_as_token_ids): "token_id:N"; text_offset still counts the tokens'
-        text, each token's length being its name's without as_ids."""
+        text, each token's length being its name's without as_ids. top_logprobs holds up to k + 1
+        entries, as OpenAI's completions and vLLM's do: the chosen token first, then the top k
+        (the Logprob dict's own order, logprobs.logprob_dict), so a sampled token outside the
+        top k is there too."""
         res = CompletionLogProbs()
         for t, lp in zip(token_ids, lps or []):
             chosen = None if lp is None else lp.get(t)  # None: the prompt's first token
             res.tokens.append(self.token_name(t, chosen, as_ids))
             res.token_logprobs.append(None if chosen is None else finite_logprob(chosen.logprob))
             res.top_logprobs.append(None if lp is None else {self.token_name(x, v, as_ids): finite_logprob(v.logprob)
-                                                             for x, v in self.top_entries(lp, k)})
+                                                             for x, v in islice(lp.items(), k + 1)})
             res.text_offset.append(offset)
             offset += len(self.token_name(t, chosen))
         return res, offset
