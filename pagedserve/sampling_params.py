@@ -154,8 +154,8 @@ class SamplingParams:
             bad("repetition_penalty", "in (0, 2]")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
-            if v is not None and v < 0:  # the upper bound is the engine's max_logprobs (input_processor)
-                bad(name, ">= 0")
+            if v is not None and v < -1:  # the upper bound is the engine's max_logprobs (input_processor)
+                bad(name, ">= 0, or -1 (the whole vocabulary)")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", "in [0, 2**63)")
         if self.logit_bias is not None:

@@ -116,10 +116,14 @@ class InputProcessor:
         self.check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
         self.check_token_ids("bad_words", [t for w in params.bad_words_token_ids or () for t in w])
         for name in ("logprobs", "prompt_logprobs"):
-            k = getattr(params, name)
+            asked = getattr(params, name)
+            k = self.vocab_size if asked == -1 else asked  # vLLM's -1: the whole vocabulary
             if k is not None and k > self.max_logprobs:
-                raise ValueError(f"{name} ({k}) must be <= max_logprobs ({self.max_logprobs}, the engine's "
+                shown = f"-1: the whole vocabulary, {k}" if asked == -1 else k
+                raise ValueError(f"{name} ({shown}) must be <= max_logprobs ({self.max_logprobs}, the engine's "
                                  "--max-logprobs)")
+            if asked == -1:
+                params = dataclasses.replace(params, **{name: k})
         if params.best_of > self.max_num_seqs:
             raise ValueError(f"best_of ({params.best_of}) must be <= max_num_seqs ({self.max_num_seqs})")
         if len(ids) >= self.max_model_len:

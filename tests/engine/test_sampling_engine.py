@@ -150,6 +150,22 @@ def test_max_logprobs_bounds_requests_and_minus_one_is_the_vocab(tiny_model_dir)
         assert torch.allclose(torch.tensor([lps[t].logprob for t in range(vocab)]), ref[pos], atol=1e-4)
     with pytest.raises(ValueError, match=rf"max_logprobs \({vocab}"):
         llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2, logprobs=vocab + 1), use_tqdm=False)
+    # vLLM's -1: the whole vocabulary, for sampled and prompt positions alike
+    o = llm.generate([{"prompt_token_ids": p}], SamplingParams(temperature=0, max_tokens=2, logprobs=-1,
+                                                               prompt_logprobs=-1), use_tqdm=False)[0]
+    assert [sorted(lps) for lps in o.outputs[0].logprobs] == [list(range(vocab))] * 2
+    assert o.outputs[0].logprobs == c.logprobs[:2] and o.outputs[0].token_ids == c.token_ids[:2]
+    assert o.prompt_logprobs[0] is None and all(sorted(d) == list(range(vocab)) for d in o.prompt_logprobs[1:])
+    ref_prompt = _hf_logprobs(model_dir, p[:1], p[1:])
+    for j, d in enumerate(o.prompt_logprobs[1:]):
+        assert next(iter(d)) == p[j + 1]  # the prompt's own token first, as vLLM's dict
+        assert torch.allclose(torch.tensor([d[t].logprob for t in range(vocab)]), ref_prompt[j], atol=1e-4)
+    llm = make_llm(model_dir, block_size=4, max_logprobs=3)
+    for name in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(ValueError, match=rf"{name} \(-1: the whole vocabulary, {vocab}\) must be <= max_logprobs \(3"):
+            llm.generate([{"prompt_token_ids": p}], SamplingParams(max_tokens=2, **{name: -1}), use_tqdm=False)
+        with pytest.raises(ValueError, match=rf"{name} must be >= 0, or -1"):
+            SamplingParams(**{name: -2})
 
 
 def test_max_logprobs_below_minus_one_is_refused():

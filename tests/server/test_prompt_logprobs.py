@@ -1,10 +1,12 @@
 """vLLM's prompt_logprobs request field on the server: /v1/completions answers it in each choice,
 /v1/chat/completions at the top of the response, as vLLM 0.26 does; values, ranks and token
 names against HF transformers; at most --max-logprobs; refused with stream."""
+import httpx
 import pytest
 import torch
 
 from logprob_reference import rank_band, vllm_name
+from server_process import start_server, stop_server
 
 TEXT = "Hi 🚀 there, Привет"
 TOL = 1e-4
@@ -72,3 +74,33 @@ def test_prompt_logprobs_limit_and_stream(http, server, path, extra):
     assert "`prompt_logprobs` are not available when `stream=True`." in r.json()["error"]["message"]
     with http.stream("POST", path, json={**body, "prompt_logprobs": 0, "stream": True}) as r:
         assert r.status_code == 200 and "prompt_logprobs" not in r.read().decode()
+
+
+def test_minus_one_is_the_whole_vocabulary_under_max_logprobs_minus_one(tiny_model_dir, tmp_path, hf_model):
+    """vLLM's -1 for prompt_logprobs (both endpoints) and chat's top_logprobs: every token of the
+    vocabulary, once the server allows it (--max-logprobs -1; under a bound it is a 400 naming
+    the field, tests/server/test_server_flags.py)."""
+    model, tok = hf_model
+    server = start_server(tiny_model_dir("llama"), tmp_path / "server.log", "--max-model-len", "256",
+                          "--num-gpu-blocks-override", "64", "--max-logprobs", "-1")
+    try:
+        with httpx.Client(base_url=server.base_url, timeout=120) as c:
+            ids = tok.encode(TEXT)
+            r = c.post("/v1/completions", json={"model": "tiny", "prompt": ids, "max_tokens": 1,
+                                                "prompt_logprobs": -1})
+            assert r.status_code == 200, r.text
+            vocab = model.config.vocab_size
+            _check(r.json()["choices"][0]["prompt_logprobs"], ids, vocab, hf_model)
+            messages = [{"role": "user", "content": TEXT}]
+            r = c.post("/v1/chat/completions", json={"model": "tiny", "messages": messages, "max_tokens": 2,
+                                                     "temperature": 0, "logprobs": True, "top_logprobs": -1})
+            assert r.status_code == 200, r.text
+            content = r.json()["choices"][0]["logprobs"]["content"]
+            prompt = c.post("/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+            with torch.no_grad():
+                logp = torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), -1)
+            assert len(content) == 2 and all(len(step["top_logprobs"]) == vocab for step in content)
+            got = [e["logprob"] for e in content[0]["top_logprobs"]]  # the most likely first, as OpenAI's
+            assert got == pytest.approx(sorted(logp.tolist(), reverse=True), abs=TOL)
+    finally:
+        stop_server(server)

@@ -59,6 +59,21 @@ def test_max_logprobs_bounds_each_request_by_the_field_it_names(server):
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["param"] == param and "<= 2 (the server's --max-logprobs), got 3" in err["message"], err
+        # vLLM's -1 (the whole vocabulary) is bounded like any number; completions' logprobs take no -1
+        for path, body, param in (
+                ("/v1/completions", {"prompt": [5, 17], "prompt_logprobs": -1}, "prompt_logprobs"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": -1},
+                 "prompt_logprobs"),
+                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                                          "top_logprobs": -1}, "top_logprobs")):
+            r = c.post(path, json={"model": "tiny", "max_tokens": 2, **body})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["param"] == param, err
+            assert "<= 2 (the server's --max-logprobs), got -1 (the whole vocabulary, " in err["message"], err
+        for body, param in (({"logprobs": -1}, "logprobs"), ({"prompt_logprobs": -2}, "prompt_logprobs")):
+            r = c.post("/v1/completions", json={"model": "tiny", "max_tokens": 2, "prompt": [5, 17], **body})
+            assert r.status_code == 400 and param in r.text, r.text
         assert c.get("/health").status_code == 200
 
 

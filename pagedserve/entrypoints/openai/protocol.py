@@ -331,7 +331,7 @@ class VLLMExtraFields(FieldAudit):
     length_penalty: Optional[float] = None
     # honoured: the prompt's logprobs with this many alternatives, <= --max-logprobs
     # (serving_common.check_prompt_logprobs); refused with stream, as vLLM refuses it
-    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOKEN_ID)
+    prompt_logprobs: Optional[int] = Field(None, ge=-1, le=MAX_TOKEN_ID)  # -1: the whole vocabulary (vLLM's)
     bad_words: Optional[Annotated[list[str], Field(max_length=MAX_STOP)]] = None  # honoured (engine/bad_words.py)
     allowed_token_ids: Optional[list[int]] = None  # honoured: only these may be drawn
     logits_processors: Optional[list[Any]] = None
@@ -472,7 +472,7 @@ class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
     max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKEN_ID)
     max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKEN_ID)
     logprobs: Optional[bool] = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOKEN_ID)  # <= --max-logprobs: serving_common
+    top_logprobs: Optional[int] = Field(None, ge=-1, le=MAX_TOKEN_ID)  # <= --max-logprobs, -1 the vocabulary: serving_common
     logit_bias: Optional[dict[str, float]] = None  # honoured: token id (as a string) -> [-100, 100]
     add_generation_prompt: bool = True
 

@@ -78,6 +78,10 @@ class OpenAIServingChat(OpenAIServing):
                                    sum(len(p.text) + 1 for p in m.content or []) for m in req.messages),
                                "messages")
 
+    def _top_k(self, req: ChatCompletionRequest) -> int:
+        """top_logprobs as a count (checked in create): vLLM's -1 is the whole vocabulary."""
+        return self.engine.vocab_size if req.top_logprobs == -1 else (req.top_logprobs or 0)
+
     async def create(self, req: ChatCompletionRequest, raw_request: Any):
         self.audit(req)
         self.check_model(req.model)
@@ -101,7 +105,7 @@ class OpenAIServingChat(OpenAIServing):
             max_tokens, tokens_param = req.max_tokens, "max_tokens"
         max_tokens = self.resolve_max_tokens(len(prompt_ids), max_tokens, "messages", tokens_param,
                                              num_seqs=req.n)
-        k = (req.top_logprobs or 0) if req.logprobs else None
+        k = self._top_k(req) if req.logprobs else None
         keep_special = plan.parser is not None and plan.parser.keeps_special_tokens
         request_id = random_id("chatcmpl")
         if beam:
@@ -149,7 +153,7 @@ class OpenAIServingChat(OpenAIServing):
                   parser: MessageParser) -> ChatCompletionResponse:
         choices = []
         for c in out.outputs:
-            lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0,
+            lp = self._logprobs(c.token_ids, c.logprobs, self._top_k(req),
                                     self.tokens_as_ids(req)) if req.logprobs else None
             message = parser.message(c.text) if parser.active else ChatResponseMessage(content=c.text)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
@@ -185,7 +189,7 @@ class OpenAIServingChat(OpenAIServing):
                         continue
                     lp = None
                     if req.logprobs:
-                        lp = self._logprobs(c.token_ids, c.logprobs, req.top_logprobs or 0,
+                        lp = self._logprobs(c.token_ids, c.logprobs, self._top_k(req),
                                     self.tokens_as_ids(req))
                     delta, finish = DeltaMessage(content=c.text), c.finish_reason
                     if parser.active:

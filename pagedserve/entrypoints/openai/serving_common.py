@@ -288,17 +288,21 @@ class OpenAIServing:
         self.check_token_ids(list(out), "logit_bias")
         return out
 
-    def check_logprobs(self, k: int | None, param: str) -> None:
-        """The server's --max-logprobs (vLLM's, 20 by default), named as the request names it."""
-        limit = self.engine.max_logprobs
+    def check_logprobs(self, k: int | None, param: str) -> int | None:
+        """The server's --max-logprobs (vLLM's, 20 by default), named as the request names it.
+        Returns k, with vLLM's -1 (the whole vocabulary) as the vocabulary's size."""
+        limit, asked = self.engine.max_logprobs, k
+        if k == -1:
+            k = self.engine.vocab_size
         if k is not None and k > limit:
-            raise APIError(f"{param} must be <= {limit} (the server's --max-logprobs), got {k}", param=param)
+            shown = f"-1 (the whole vocabulary, {k})" if asked == -1 else k
+            raise APIError(f"{param} must be <= {limit} (the server's --max-logprobs), got {shown}", param=param)
+        return k
 
     def check_prompt_logprobs(self, req: Any) -> int | None:
         """vLLM's prompt_logprobs field: <= --max-logprobs, and no prompt logprobs in a stream
         (vLLM's words; 0 streams, with nothing to return). Returns what the engine is asked for."""
-        k = req.prompt_logprobs
-        self.check_logprobs(k, "prompt_logprobs")
+        k = self.check_logprobs(req.prompt_logprobs, "prompt_logprobs")
         if req.stream and k:
             raise APIError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
         return None if req.stream else k
