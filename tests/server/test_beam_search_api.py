@@ -164,16 +164,19 @@ def test_chat_equals_offline_streamed_or_not(http, model, llm):
         [(i, t, f) for i, (t, f, _) in enumerate(want)]
     assert body["usage"] == {"prompt_tokens": len(ids), "completion_tokens": sum(k for _, _, k in want),
                              "total_tokens": len(ids) + sum(k for _, _, k in want)}
-    # Streamed (vLLM streams a chat beam search): the role first, then each choice whole, then usage.
+    # Streamed (vLLM streams a chat beam search): each choice's role first, then each choice whole,
+    # then usage; one choice a chunk, as vLLM's and OpenAI's.
     with http.stream("POST", CHAT, json={"model": "tiny", **req, "stream": True,
                                          "stream_options": {"include_usage": True}}) as r:
         assert r.status_code == 200
         events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
-    assert [c["delta"] for c in chunks[0]["choices"]] == [{"role": "assistant", "content": ""}] * 3
+    assert [c["choices"] for c in chunks[:3]] == [[{"index": i, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}] for i in range(3)]
+    assert all(len(c["choices"]) == 1 for c in chunks[:-1])
     text, finish = {}, {}
-    for ch in chunks[1:-1]:
+    for ch in chunks[3:-1]:
         for c in ch["choices"]:
             text[c["index"]] = text.get(c["index"], "") + c["delta"].get("content", "")
             finish[c["index"]] = c["finish_reason"] or finish.get(c["index"])

@@ -1,6 +1,7 @@
 """Streams are built from the engine's DELTA outputs: joined back together they equal the
 non-streaming answer (which comes from FINAL_ONLY outputs) — text, logprobs, finish reasons and
-usage — with n > 1, several prompts, stop strings, echo and multi-byte text."""
+usage — with n > 1 (one choice a chunk, as OpenAI's and vLLM's), several prompts, stop strings,
+echo and multi-byte text."""
 from __future__ import annotations
 
 import pytest
@@ -24,6 +25,7 @@ def _join_completion_stream(chunks):
     for chunk in chunks:
         if chunk.usage is not None:
             usage = chunk.usage
+        assert len(chunk.choices) <= 1, "one choice a chunk, as OpenAI's and vLLM's streams"
         for c in chunk.choices:
             j = joined.setdefault(c.index, {"text": "", "tokens": [], "token_logprobs": [], "finish": []})
             assert not j["finish"], "a choice streamed on after its finish_reason"
@@ -81,6 +83,7 @@ def test_chat_stream_joins_to_the_response(client, server):
     usage = None
     for chunk in client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
         usage = chunk.usage or usage
+        assert len(chunk.choices) <= 1, "one choice a chunk, as OpenAI's and vLLM's streams"
         for c in chunk.choices:
             j = joined.setdefault(c.index, {"text": "", "logprobs": [], "finish": []})
             assert not j["finish"]

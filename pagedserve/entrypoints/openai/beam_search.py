@@ -13,7 +13,8 @@ The response holds n choices per prompt, best first, each with finish_reason "st
 
 Refused, each a 400 naming its field:
 - stream on /v1/completions, in vLLM's words (vLLM refuses it there; on chat, as in vLLM, the
-  stream carries the finished search at once: the role, then every choice whole);
+  stream carries the finished search at once: each choice's role, then each choice whole, one
+  choice a chunk);
 - a field a beam search cannot honour, set to anything but its no-op value (vLLM drops these
   without a word; pagedserve drops nothing silently): the sampling knobs, stop strings and
   ids, token biases and bans, logprobs, prompt_logprobs, best_of other than n, max_tokens 0;

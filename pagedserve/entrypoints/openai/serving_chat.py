@@ -174,10 +174,11 @@ class OpenAIServingChat(OpenAIServing):
         states: dict[int, StreamedChoice] = {}
         streamers: dict[int, MessageStreamer] = {}
         try:
-            # The role comes first, on its own, as OpenAI sends it.
-            yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
-                ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))
-                for i in range(req.n)]))
+            # The role comes first, on its own, as OpenAI sends it. Every chunk carries one choice,
+            # as OpenAI's and vLLM's do with n > 1 (a client may read choices[0] and its index).
+            for i in range(req.n):
+                yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
+                    ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
             last = None
             async for out in stream:
                 last = out
@@ -201,8 +202,8 @@ class OpenAIServingChat(OpenAIServing):
                         finish = finish_reason(finish, st.called_tools)
                     choices.append(ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
                                                     finish_reason=finish))
-                if choices:
-                    yield sse(ChatCompletionChunk(id=request_id, model=model, choices=choices))
+                for choice in choices:
+                    yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
             if include_usage:
                 completion_tokens = sum(st.num_tokens for st in states.values())
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],

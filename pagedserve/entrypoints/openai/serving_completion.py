@@ -234,9 +234,9 @@ class OpenAIServingCompletion(OpenAIServing):
                         lp = self._with_prompt(prompts[i], prompt_lps.get(i), req.logprobs, lp, as_ids)
                     choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
                                                     logprobs=lp, finish_reason=c.finish_reason))
-                if choices:
-                    yield fast.encode(choices) if fast is not None else \
-                        sse(CompletionResponse(id=request_id, model=model, choices=choices))
+                for choice in choices:  # one a chunk, as OpenAI's and vLLM's streams with n > 1
+                    yield fast.encode([choice]) if fast is not None else \
+                        sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
             if include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
                 completion_tokens = sum(st.num_tokens for st in states.values())
