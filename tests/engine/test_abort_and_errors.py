@@ -81,7 +81,7 @@ def test_duplicate_request_id_and_param_checks(llm):
     for kw, field in [(dict(top_p=0.0), "top_p"), (dict(temperature=-1), "temperature"), (dict(n=0), "n"),
                       (dict(n=3, best_of=2), "best_of"), (dict(max_tokens=0), "max_tokens"),
                       (dict(min_tokens=5, max_tokens=2), "min_tokens"), (dict(top_k=-5), "top_k"),
-                      (dict(logprobs=-1), "logprobs"), (dict(repetition_penalty=0), "repetition_penalty")]:
+                      (dict(logprobs=-2), "logprobs"), (dict(repetition_penalty=0), "repetition_penalty")]:
         with pytest.raises(ValueError, match=field):
             SamplingParams(**kw)
     # the upper bound is the engine's max_logprobs (20 by default, vLLM's)
