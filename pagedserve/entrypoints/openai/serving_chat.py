@@ -7,15 +7,15 @@ from typing import Any, AsyncIterator
 from pagedserve.engine.async_engine import EngineDeadError, RequestStream
 from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
 from pagedserve.entrypoints.openai.chat_tokens import SpecialTokenInContent, content_format, render_chat_ids
+from pagedserve.entrypoints.openai.logprob_names import finite_logprob, prompt_logprobs_json, token_bytes
 from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                     ChatCompletionRequest, ChatCompletionResponse,
                                                     ChatLogprobs, ChatResponseMessage,
                                                     ChatStreamChoice, DeltaMessage, TokenLogprob,
                                                     random_id)
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
-                                                          engine_error, error_event, finite_logprob,
-                                                          OpenAIServing, prompt_logprobs_json, sse, StreamedChoice,
-                                                          token_bytes, until_disconnected, usage)
+                                                          engine_error, error_event,
+                                                          OpenAIServing, sse, StreamedChoice, until_disconnected, usage)
 from pagedserve.entrypoints.openai.message_stream import (MessageParser, MessageStreamer,
                                                           finish_reason)
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser

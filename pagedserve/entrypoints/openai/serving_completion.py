@@ -10,13 +10,14 @@ from pagedserve.engine.async_engine import EngineDeadError, RequestStream
 from pydantic_core import to_json
 
 from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
+from pagedserve.entrypoints.openai.logprob_names import finite_logprob, prompt_logprobs_json
 from pagedserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
                                                     CompletionRequest, CompletionResponse, now,
                                                     random_id)
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
-                                                          engine_error, error_event, finite_logprob,
-                                                          merge_streams, OpenAIServing, prompt_logprobs_json, sse,
-                                                          StreamedChoice, until_disconnected, usage)
+                                                          engine_error, error_event,
+                                                          merge_streams, OpenAIServing, sse, StreamedChoice,
+                                                          until_disconnected, usage)
 from pagedserve.entrypoints.openai.structured_outputs import resolve_structured_outputs
 from pagedserve.logprobs import Logprob
 from pagedserve.outputs import CompletionOutput, RequestOutput
