@@ -192,7 +192,12 @@ class BeamSearchParams:
     """LLM.beam_search settings, in vLLM's shape; scoring follows HF's BeamSearch with early_stopping=True.
 
     A finished hypothesis scores cum_logprob / generated_len ** length_penalty (generated_len counts
-    the EOS token). temperature > 0 rescales logits before log_softmax; 0 uses the raw distribution.
+    the EOS token). temperature is accepted and checked, but the scores are the raw log-probabilities
+    whatever it is: vLLM's LLM.beam_search scores with the logprobs of a one-token request, which V1
+    takes before temperature (its default logprobs_mode, raw_logprobs), and HF's num_beams ignores
+    temperature without do_sample. (vLLM's one-token request may also draw a token outside the top
+    2 * beam_width at temperature > 0; such a candidate is beaten by 2 * beam_width of its own beam's,
+    so it never survives.)
     """
     beam_width: int
     max_tokens: int

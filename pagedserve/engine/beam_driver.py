@@ -44,11 +44,8 @@ class BeamSearchDriver:
 
     def step(self, logits: torch.Tensor, beam_rows: list) -> None:
         idx = torch.tensor([i for _, i in beam_rows], device=logits.device)
+        # Raw log-probabilities, whatever the temperature (BeamSearchParams says why).
         x = logits.index_select(0, idx).float()
-        temps = [self.states[s.group.request_id].params.temperature for s, _ in beam_rows]
-        if any(t > 0 for t in temps):
-            t = torch.tensor([t if t > 0 else 1.0 for t in temps], device=x.device)
-            x = x / t[:, None]
         k = max(self.states[s.group.request_id].num_candidates for s, _ in beam_rows)
         vals, ids = torch.log_softmax(x, dim=-1).topk(min(k, x.shape[-1]), dim=-1)
         vals, ids = vals.tolist(), ids.tolist()

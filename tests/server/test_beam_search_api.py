@@ -135,18 +135,18 @@ def test_completions_text_prompt_echo_and_stop_token_kept(http, model, llm):
     assert body["usage"]["completion_tokens"] == 10
 
 
-def test_temperature_scales_the_search(http, model, llm):
-    """temperature (unset: 1.0, vLLM's default) reaches BeamSearchParams: the logits are divided
-    by it before log_softmax, as LLM.beam_search does; on this prompt 2.0 changes the beams."""
+def test_temperature_leaves_the_scores_raw(http, model, llm):
+    """temperature (unset: 1.0, vLLM's default) reaches BeamSearchParams but not the scores: vLLM's
+    LLM.beam_search ranks by the raw logprobs of its one-token requests (V1's raw_logprobs mode), as
+    HF's num_beams ranks without do_sample. At 0.25 and 4.0 the beams are HF's, and offline's."""
     ids = prompt_ids(model[0])[3]
-    got = {}
-    for t in (None, 2.0):
+    hf = hf_beams(model[0], ids, model[1], 3, 8, 1.0)
+    for t in (None, 0.25, 4.0):
         body = post(http, CMPL, prompt=ids, n=3, max_tokens=8, use_beam_search=True,
                     **({} if t is None else {"temperature": t}))
-        got[t] = [(c["text"], c["finish_reason"]) for c in body["choices"]]
-        _, want = expected(model, llm, ids, 3, 8, temperature=1.0 if t is None else t)
-        assert got[t] == [(x, f) for x, f, _ in want]
-    assert got[None] != got[2.0]
+        out, want = expected(model, llm, ids, 3, 8, temperature=1.0 if t is None else t)
+        assert [s.output_tokens for s in out.sequences] == hf
+        assert [(c["text"], c["finish_reason"]) for c in body["choices"]] == [(x, f) for x, f, _ in want]
 
 
 def chat_prompt(http, messages):
