@@ -71,7 +71,16 @@ def merge_deltas(earlier: RequestOutput, later: RequestOutput) -> RequestOutput:
 
 @dataclass
 class BeamSearchSequence:
-    """One finished beam. As in vLLM, `tokens` and `text` cover prompt + generated tokens."""
+    """One finished beam. As in vLLM, `tokens` and `text` cover prompt + generated tokens.
+
+    logprobs (vLLM's field): one dict per generated token (the EOS that ended a "stop" beam
+    included), the step that produced it: token id -> Logprob of the top max(2 * beam_width,
+    BeamSearchParams.logprobs) tokens of that step's raw log_softmax, in rank order (rank 1..N,
+    decoded_token named as for sampled logprobs). The generated token is among them (it was a
+    candidate) with the value cum_logprob sums. vLLM's dict, taken from a sampled one-token
+    request, may hold one more token, drawn at random at temperature > 0; this one holds the
+    top tokens only. A grammar's forbidden tokens (-inf) are left out.
+    """
     tokens: list[int]
     cum_logprob: float
     score: float               # cum_logprob / generated_len ** length_penalty (HF's ranking)
@@ -79,6 +88,7 @@ class BeamSearchSequence:
     text: str | None = None
     output_text: str | None = None
     finish_reason: str | None = None  # "stop" (EOS) or "length"
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
 
 
 @dataclass

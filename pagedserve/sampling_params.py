@@ -198,6 +198,10 @@ class BeamSearchParams:
     temperature without do_sample. (vLLM's one-token request may also draw a token outside the top
     2 * beam_width at temperature > 0; such a candidate is beaten by 2 * beam_width of its own beam's,
     so it never survives.)
+
+    Every hypothesis carries the logprobs of each step that produced its tokens
+    (BeamSearchSequence.logprobs): the top max(2 * beam_width, logprobs) tokens of that step's
+    distribution, the 2 * beam_width its candidates came from at least.
     """
     beam_width: int
     max_tokens: int
@@ -206,6 +210,11 @@ class BeamSearchParams:
     length_penalty: float = 1.0
     # Every beam follows this grammar (its forbidden tokens are no candidates); pagedserve's addition.
     structured_outputs: StructuredOutputsParams | None = None
+    # pagedserve's addition: top tokens each step records beyond the 2 * beam_width candidates
+    # (-1: the whole vocabulary; at most the engine's max_logprobs). The server sets it to the
+    # request's logprobs / top_logprobs; set (0 too), a search served to the server carries
+    # each position's chosen token and top `logprobs` back to it, as a sampled request does.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -216,3 +225,5 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if self.logprobs is not None and self.logprobs < -1:
+            raise ValueError(f"logprobs must be >= 0, or -1 (the whole vocabulary), got {self.logprobs!r}")

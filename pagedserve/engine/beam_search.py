@@ -12,10 +12,14 @@ One step, as HF's vectorised BeamSearch does it:
     cum_logprob / generated_len ** length_penalty (generated_len counts the EOS token);
     the pool keeps its best k;
   - search ends once the pool holds k hypotheses, or no candidate is left to continue.
+
+Each beam also carries one record per token it generated (the engine's top tokens of the step
+that produced it; opaque here): a hypothesis takes its beam's records plus the step it ended in.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from pagedserve.sampling_params import BeamSearchParams
 
@@ -26,6 +30,7 @@ class Hypothesis:
     cum_logprob: float
     score: float
     finish_reason: str
+    steps: list = field(default_factory=list)  # one record per output token (LiveBeam.steps)
 
 
 @dataclass
@@ -35,6 +40,8 @@ class LiveBeam:
     cum_logprob: float
     top_token_ids: list[int]    # its best 2k next tokens, best first
     top_logprobs: list[float]
+    steps: list = field(default_factory=list)  # a record per output token so far, oldest first
+    step: Any = None                            # this step's record, for a hypothesis ending here
 
 
 @dataclass
@@ -58,6 +65,12 @@ class BeamSearchState:
     def num_candidates(self) -> int:
         return 2 * self.params.beam_width
 
+    @property
+    def num_logprobs(self) -> int:
+        """Top tokens a step records: the candidates, or the asked-for logprobs if more (the
+        engine resolves -1 to the vocabulary before this state is made)."""
+        return max(self.num_candidates, self.params.logprobs or 0)
+
     def step(self, beams: list[LiveBeam]) -> list[Continuation]:
         """Advance one token; returns the continuations (best first) that stay live."""
         k = self.params.beam_width
@@ -79,7 +92,8 @@ class BeamSearchState:
             elif rank < k:
                 reason = "stop" if tok in self.eos_token_ids else "length"
                 self.finished.append(Hypothesis(beams[b].output_tokens + [tok], total,
-                                                total / gen_len ** self.params.length_penalty, reason))
+                                                total / gen_len ** self.params.length_penalty, reason,
+                                                beams[b].steps + [beams[b].step]))
         self.finished.sort(key=lambda h: -h.score)
         del self.finished[k:]
         if len(self.finished) >= k or not live:
@@ -87,11 +101,12 @@ class BeamSearchState:
             return []
         return live
 
-    def finish_live(self, beams: list[tuple[list[int], float]]) -> None:
-        """Close the search early: live beams become "length" hypotheses."""
-        for tokens, cum in beams:
+    def finish_live(self, beams: list[tuple[list[int], float, list]]) -> None:
+        """Close the search early: live beams (tokens, cum_logprob, step records) become "length"
+        hypotheses."""
+        for tokens, cum, steps in beams:
             self.finished.append(Hypothesis(list(tokens), cum, cum / len(tokens) ** self.params.length_penalty,
-                                            "length"))
+                                            "length", list(steps)))
         self.finished.sort(key=lambda h: -h.score)
         del self.finished[self.params.beam_width:]
         self.done = True

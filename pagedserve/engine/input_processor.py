@@ -107,6 +107,16 @@ class InputProcessor:
         if bad:
             raise ValueError(f"{name} must be in [0, {self.vocab_size}) (the model's vocab), got {bad[:5]}")
 
+    def logprob_count(self, name: str, asked: int | None) -> int | None:
+        """A request's logprobs count (named `name`) as a number, vLLM's -1 being the whole
+        vocabulary; more than max_logprobs is a ValueError."""
+        k = self.vocab_size if asked == -1 else asked
+        if k is not None and k > self.max_logprobs:
+            shown = f"-1: the whole vocabulary, {k}" if asked == -1 else k
+            raise ValueError(f"{name} ({shown}) must be <= max_logprobs ({self.max_logprobs}, the engine's "
+                             "--max-logprobs)")
+        return k
+
     def process(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
         """(prompt text or None, prompt token ids, params with max_tokens resolved)."""
         text, ids = self.prompt_ids(prompt)
@@ -117,13 +127,10 @@ class InputProcessor:
         self.check_token_ids("bad_words", [t for w in params.bad_words_token_ids or () for t in w])
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
-            k = self.vocab_size if asked == -1 else asked  # vLLM's -1: the whole vocabulary
-            if k is not None and k > self.max_logprobs:
-                shown = f"-1: the whole vocabulary, {k}" if asked == -1 else k
-                raise ValueError(f"{name} ({shown}) must be <= max_logprobs ({self.max_logprobs}, the engine's "
-                                 "--max-logprobs)")
             if asked == -1:
-                params = dataclasses.replace(params, **{name: k})
+                params = dataclasses.replace(params, **{name: self.logprob_count(name, asked)})
+            else:
+                self.logprob_count(name, asked)
         if params.best_of > self.max_num_seqs:
             raise ValueError(f"best_of ({params.best_of}) must be <= max_num_seqs ({self.max_num_seqs})")
         if len(ids) >= self.max_model_len:

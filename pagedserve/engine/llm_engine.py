@@ -284,13 +284,17 @@ class LLMEngine(StepPipeline, TokenApplication):
                                 priority: int = 0, emit_output: bool = False) -> None:
         """Queue a beam search; its result is taken with pop_beam_search_output once finished,
         or, with emit_output (the engine core serving the API server), step() returns it as a
-        RequestOutput: one CompletionOutput per hypothesis, best first, token ids only."""
+        RequestOutput: one CompletionOutput per hypothesis, best first, token ids (and, with
+        params.logprobs set, each token's PositionLogprobs), no text."""
         self._check_priority(priority)
         if not isinstance(params, BeamSearchParams):
             raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
         if params.beam_width > self.scheduler_config.max_num_seqs:
             raise ValueError(f"beam_width ({params.beam_width}) must be <= max_num_seqs "
                              f"({self.scheduler_config.max_num_seqs})")
+        k = self.input_processor.logprob_count("logprobs", params.logprobs)
+        if k != params.logprobs:  # -1 as the vocabulary's size
+            params = dataclasses.replace(params, logprobs=k)
         spec = params.structured_outputs
         grammar = None if spec is None else self.structured.check(spec)
         sp = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=True,

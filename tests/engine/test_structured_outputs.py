@@ -240,9 +240,16 @@ def test_n_best_of_and_beam_search(llm):
     beams = llm.beam_search([PROMPTS[2]], BeamSearchParams(
         beam_width=2, max_tokens=40, structured_outputs=SO(json=schema, disable_any_whitespace=True)))[0]
     assert len(beams.sequences) == 2
+    narrowed = False
     for b in beams.sequences:
         assert b.finish_reason == "stop", b
         valid(b.output_text)
+        # Each step's logprobs leave out what the grammar forbids (-inf); the chosen token is there.
+        assert len(b.logprobs) == len(b.output_tokens)
+        assert all(v.logprob > float("-inf") for d in b.logprobs for v in d.values())
+        assert sum(d[t].logprob for t, d in zip(b.output_tokens, b.logprobs)) == pytest.approx(b.cum_logprob)
+        narrowed |= any(len(d) < 4 for d in b.logprobs)  # fewer allowed tokens than 2 * beam_width
+    assert narrowed
     assert_no_leak(llm)
     assert not llm.llm_engine.structured.seqs.by_seq  # every matcher freed
 
