@@ -352,7 +352,8 @@ class AsyncLLMEngine:
         st = _RequestState(queue=asyncio.Queue(), arrival=time.monotonic(), kind=RequestOutputKind.FINAL_ONLY,
                            beam=functools.partial(beam_search_output, tokenizer=self.tokenizer,
                                                   skip_special_tokens=skip_special_tokens,
-                                                  include_stop_str_in_output=include_stop_str_in_output))
+                                                  include_stop_str_in_output=include_stop_str_in_output,
+                                                  logprob_tokens=self._logprob_tokens))
         return await self._send(request_id, prompt, st, self.client.add_beam_search_async, ids, params, text, priority)
 
     async def _admit(self, request_id: str, prompt: Any) -> tuple[str | None, list[int]]:

@@ -250,15 +250,21 @@ class RequestText:
 
 
 def beam_search_output(out: RequestOutput, tokenizer: Any | None, skip_special_tokens: bool = True,
-                       include_stop_str_in_output: bool = False) -> RequestOutput:
+                       include_stop_str_in_output: bool = False,
+                       logprob_tokens: LogprobTokens | None = None) -> RequestOutput:
     """A finished beam search from the core (token ids only, best first) as vLLM's server makes
     it: each text decoded in one piece, never with the EOS that ended a "stop" hypothesis, and
     that EOS kept in token_ids (so counted in usage) only with include_stop_str_in_output.
-    Without a tokenizer here (skip_tokenizer_init) the texts stay empty."""
+    Without a tokenizer here (skip_tokenizer_init) the texts stay empty. Logprobs, where the
+    search asked for them, become vLLM's dicts as a sampled request's do (named by
+    logprob_tokens; None: unnamed), one per token left in token_ids."""
     outs = []
     for c in out.outputs:
         ids = c.token_ids[:-1] if c.finish_reason == "stop" and c.token_ids else c.token_ids
         text = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens) if tokenizer is not None else ""
-        outs.append(dataclasses.replace(c, text=text, token_ids=list(c.token_ids if include_stop_str_in_output
-                                                                     else ids)))
+        token_ids = list(c.token_ids if include_stop_str_in_output else ids)
+        logprobs = None if c.logprobs is None else \
+            [output_position(p, token_ids[max(0, i - 4):i], logprob_tokens)
+             for i, p in enumerate(c.logprobs[:len(token_ids)])]
+        outs.append(dataclasses.replace(c, text=text, token_ids=token_ids, logprobs=logprobs))
     return dataclasses.replace(out, outputs=outs)

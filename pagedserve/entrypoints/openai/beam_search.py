@@ -10,6 +10,10 @@ num_beams=n, early_stopping=True (engine/beam_search.py), not vLLM's own front-e
 
 The response holds n choices per prompt, best first, each with finish_reason "stop" (EOS) or
 "length"; usage counts every choice's tokens, EOS only with include_stop_str_in_output.
+logprobs (completions) and logprobs / top_logprobs (chat) are honoured as vLLM's server honours
+them, and written as for a sampled request: each token's raw logprob (the value its beam's score
+summed) and the top k of the step that produced it (BeamSearchParams.logprobs carries k, bounded
+by --max-logprobs as for sampling).
 
 Refused, each a 400 naming its field:
 - stream on /v1/completions, in vLLM's words (vLLM refuses it there; on chat, as in vLLM, the
@@ -17,7 +21,9 @@ Refused, each a 400 naming its field:
   choice a chunk);
 - a field a beam search cannot honour, set to anything but its no-op value (vLLM drops these
   without a word; pagedserve drops nothing silently): the sampling knobs, stop strings and
-  ids, token biases and bans, logprobs, prompt_logprobs, best_of other than n, max_tokens 0;
+  ids, token biases and bans, prompt_logprobs, best_of other than n, max_tokens 0;
+- echo with logprobs on /v1/completions: it needs the prompt's logprobs, which a search does
+  not compute (nor does vLLM's, which returns none);
 - length_penalty other than 1 without use_beam_search (it means nothing to sampling).
 structured_outputs / response_format / tools constrain every beam (BeamSearchParams'
 structured_outputs); seed is accepted: a beam search draws nothing, its result is the same
@@ -53,8 +59,7 @@ def check_beam_search(req: Any, max_num_seqs: int, chat: bool) -> bool:
         return False
     if req.stream and not chat:
         raise APIError(STREAM_REFUSED, param="use_beam_search")
-    refused = dict(_NOT_FOR_BEAMS, logprobs=(False,) if chat else ())
-    for name, noops in refused.items():
+    for name, noops in _NOT_FOR_BEAMS.items():
         value = getattr(req, name, None)
         if value is not None and not any(value == ok for ok in noops):
             raise APIError(f"{name} is not supported with use_beam_search", param=name)
@@ -62,6 +67,9 @@ def check_beam_search(req: Any, max_num_seqs: int, chat: bool) -> bool:
     if best_of is not None and best_of != req.n:
         raise APIError(f"best_of is not supported with use_beam_search: n ({req.n}) is the beam width, "
                        f"got best_of {best_of}", param="best_of")
+    if not chat and req.echo and req.logprobs is not None:
+        raise APIError("echo with logprobs is not supported with use_beam_search: the search computes "
+                       "no prompt logprobs", param="echo")
     if getattr(req, "max_tokens", None) == 0:
         raise APIError("max_tokens must be >= 1 with use_beam_search", param="max_tokens")
     if req.n > max_num_seqs:
@@ -71,12 +79,14 @@ def check_beam_search(req: Any, max_num_seqs: int, chat: bool) -> bool:
 
 
 def beam_search_params(req: Any, max_tokens: int, default_sampling: dict,
-                       structured: StructuredOutputsParams | None) -> BeamSearchParams:
+                       structured: StructuredOutputsParams | None, logprobs: int | None = None) -> BeamSearchParams:
+    """logprobs: the top tokens the response shows per position (checked against --max-logprobs,
+    -1 resolved); None: no logprobs cross from the engine core."""
     temperature = req.temperature if req.temperature is not None else default_sampling.get("temperature", 1.0)
     try:
         return BeamSearchParams(beam_width=req.n, max_tokens=max_tokens, ignore_eos=req.ignore_eos,
                                 temperature=temperature,
                                 length_penalty=1.0 if req.length_penalty is None else req.length_penalty,
-                                structured_outputs=structured)
+                                structured_outputs=structured, logprobs=logprobs)
     except ValueError as e:
         raise APIError.from_value_error(e, fields=("temperature", "length_penalty", "max_tokens")) from None

@@ -109,7 +109,7 @@ class OpenAIServingChat(OpenAIServing):
         keep_special = plan.parser is not None and plan.parser.keeps_special_tokens
         request_id = random_id("chatcmpl")
         if beam:
-            bp = beam_search_params(req, max_tokens, self.default_sampling, structured)
+            bp = beam_search_params(req, max_tokens, self.default_sampling, structured, k)
             self.check_kv_capacity(len(prompt_ids), max_tokens, req.n, "messages", tokens_param)
             stream = await self.start_beam(prompt_ids, bp, request_id, req, False if keep_special else None)
         else:

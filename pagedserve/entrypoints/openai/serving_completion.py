@@ -85,7 +85,7 @@ class OpenAIServingCompletion(OpenAIServing):
             raise APIError(f"best_of must be >= n ({req.n}), got {req.best_of}", param="best_of")
         if req.stream and req.best_of is not None and req.best_of > req.n:
             raise APIError("best_of > n cannot be streamed", param="best_of")
-        self.check_logprobs(req.logprobs, "logprobs")
+        logprobs_k = self.check_logprobs(req.logprobs, "logprobs")
         prompt_k = self.check_prompt_logprobs(req)
         if prompt_k is None and req.echo and req.logprobs is not None:
             prompt_k = req.logprobs  # the echoed prompt carries its logprobs too (vLLM's default)
@@ -106,7 +106,7 @@ class OpenAIServingCompletion(OpenAIServing):
             max_tokens = self.resolve_max_tokens(len(p.token_ids), 1 if scoring else asked, "prompt",
                                                  num_seqs=req.best_of or req.n)
             if beam:
-                sp = beam_search_params(req, max_tokens, self.default_sampling, structured)
+                sp = beam_search_params(req, max_tokens, self.default_sampling, structured, logprobs_k)
                 self.check_kv_capacity(len(p.token_ids), max_tokens, req.n, "prompt")
             else:
                 sp = self.sampling_params(req, max_tokens=max_tokens, logprobs=req.logprobs,
