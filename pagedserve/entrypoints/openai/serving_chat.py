@@ -6,7 +6,7 @@ from typing import Any, AsyncIterator
 
 from pagedserve.engine.async_engine import EngineDeadError, RequestStream
 from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
-from pagedserve.entrypoints.openai.chat_tokens import SpecialTokenInContent, content_format, render_chat_ids
+from pagedserve.entrypoints.openai.chat_render import render_request_ids
 from pagedserve.entrypoints.openai.logprob_names import finite_logprob, prompt_logprobs_json, token_bytes
 from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                     ChatCompletionRequest, ChatCompletionResponse,
@@ -21,15 +21,9 @@ from pagedserve.entrypoints.openai.message_stream import (MessageParser, Message
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
 from pagedserve.entrypoints.openai.structured_outputs import resolve_structured_outputs
 from pagedserve.entrypoints.openai.tool_parsers import ToolParser
-from pagedserve.entrypoints.openai.tools import check_history, history_message, plan_tools
+from pagedserve.entrypoints.openai.tools import check_history, plan_tools
 from pagedserve.logprobs import Logprob
 from pagedserve.outputs import RequestOutput
-
-# apply_chat_template's own arguments: chat_template_kwargs may not replace them.
-_TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
-                            "add_generation_prompt", "continue_final_message", "tokenize",
-                            "padding", "truncation", "max_length", "return_tensors",
-                            "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -46,27 +40,9 @@ class OpenAIServingChat(OpenAIServing):
         self.content_format = content_format
 
     def _render(self, req: ChatCompletionRequest, tools: list[dict] | None = None) -> list[int]:
-        """Runs on the API process's tokenizer thread (AsyncLLMEngine.run)."""
-        tok = self.engine.tokenizer
-        if not getattr(tok, "chat_template", None):
-            raise APIError("this model's tokenizer has no chat template: start the server with "
-                           "--chat-template, or use /v1/completions",
-                           param="messages")
-        fmt = content_format(tok, self.content_format)
-        messages = [history_message(m, fmt) for m in req.messages]
-        kwargs = dict(req.chat_template_kwargs or {})
-        clash = sorted(_TEMPLATE_ARGS & set(kwargs))
-        if clash:
-            raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}",
-                           param="chat_template_kwargs")
-        try:
-            return render_chat_ids(tok, messages, req.add_generation_prompt, tools=tools,
-                                   continue_final_message=req.continue_final_message, **kwargs)
-        except SpecialTokenInContent as e:
-            raise APIError(str(e), param=str(e).split(":", 1)[0]) from None
-        except Exception as e:  # jinja raises for conversations its template refuses
-            raise APIError(f"messages could not be rendered by the chat template: {e}",
-                           param="messages") from None
+        """Runs on the API process's tokenizer thread (AsyncLLMEngine.run). The rendering itself
+        is chat_render's, which the DP router's routing key shares."""
+        return render_request_ids(self.engine.tokenizer, req, self.content_format, tools)
 
     def check_messages(self, req: Any) -> None:
         """The conversation's own checks (chat completions and /tokenize): a 400 naming the field."""
