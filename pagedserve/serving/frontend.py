@@ -32,7 +32,7 @@ from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, Cl
                                                           until_disconnected)
 from pagedserve.serving.metrics_merge import merge_replica_metrics
 from pagedserve.serving.pool import NoReplicaAvailable, ReplicaFailed, ReplicaPool
-from pagedserve.serving.prefix_key import prefix_block_hashes, request_token_ids
+from pagedserve.serving.prefix_key import chat_token_ids, prefix_block_hashes, request_token_ids
 
 logger = logging.getLogger("pagedserve.dp")
 
@@ -97,11 +97,13 @@ RELAYED_ROUTES = (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
 
 def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: str | None = None,
                  max_request_bytes: int = 1 << 20, manage_pool: bool = True,
-                 after_start=None, before_stop=None, allowed_hosts: list[str] | None = None) -> FastAPI:
+                 after_start=None, before_stop=None, allowed_hosts: list[str] | None = None,
+                 chat_template_content_format: str = "auto") -> FastAPI:
     """manage_pool: start the pool with the app and stop it with the app. after_start /
     before_stop: async callables run once the pool is up / before it stops (relay workers).
     allowed_hosts: see middleware.HostCheckMiddleware (None: any Host). app.state.drain: the
-    Drain to expire when the shutdown timeout passes."""
+    Drain to expire when the shutdown timeout passes. chat_template_content_format: the
+    replicas' --chat-template-content-format, so chat keys are the ids they render."""
     # Tokenizing a long prompt takes milliseconds: off the event loop, one at a time.
     tokenize = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="pagedserve-route")
 
@@ -138,7 +140,11 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
             req = model.model_validate_json(body)
         except ValidationError as e:
             raise RequestValidationError(e.errors(include_url=False)) from None
-        return prefix_block_hashes(request_token_ids(tokenizer, path, body), block_size, cache_salt=req.cache_salt)
+        if path == "/v1/chat/completions":  # rendered from the validated request, as the replica does
+            ids = chat_token_ids(tokenizer, req, chat_template_content_format)
+        else:
+            ids = request_token_ids(tokenizer, path, body)
+        return prefix_block_hashes(ids, block_size, cache_salt=req.cache_salt)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

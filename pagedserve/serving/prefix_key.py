@@ -3,7 +3,8 @@
 The chain is the engine's own (core.block_pool.hash_block_tokens), so equal keys mean the
 replica that served the first request holds exactly those blocks in its prefix cache.
 The prompt is tokenized the way the replica's server will tokenize it (plain completions:
-the tokenizer with special tokens; chat: the chat template, then no special tokens).
+the tokenizer with special tokens; chat: the replica's own rendering, chat_render.py, with the
+replicas' chat template, content format and the tools it would render).
 """
 from __future__ import annotations
 
@@ -29,28 +30,39 @@ def prefix_block_hashes(token_ids: list[int], block_size: int,
     return hashes
 
 
-def _chat_ids(tokenizer: Any, body: dict) -> list[int]:
-    """As the replica's serving_chat renders them (chat_tokens.render_chat_ids)."""
-    from pagedserve.entrypoints.openai.chat_tokens import render_chat_ids
-    if not getattr(tokenizer, "chat_template", None):
+def _chat_tools(req: Any) -> list[dict] | None:
+    """The tools a replica renders into req's prompt: plan_tools' own, as create() computes
+    them. The router does not know the replicas' --tool-call-parser, without which plan_tools
+    refuses tool_choice=auto (the default with tools); a replica that has one renders exactly
+    rendered_tools(req), and one that has none answers 400 whatever the key."""
+    from pagedserve.entrypoints.openai.serving_common import APIError
+    from pagedserve.entrypoints.openai.tools import AUTO_NEEDS_FLAGS, plan_tools, rendered_tools
+    try:
+        return plan_tools(req, None).tools
+    except APIError as e:
+        if e.message != AUTO_NEEDS_FLAGS:
+            raise
+        return rendered_tools(req)
+
+
+def chat_token_ids(tokenizer: Any, req: Any, content_format_setting: str = "auto") -> list[int]:
+    """Prompt ids of a validated ChatCompletionRequest exactly as a replica renders them
+    (chat_render.render_request_ids, the replica's own function, with the replicas'
+    --chat-template-content-format and the tools it would render); [] without a tokenizer or
+    when the request cannot be rendered: the router never rejects, the replica answers it."""
+    if tokenizer is None:
         return []
-    messages = []
-    for m in body.get("messages") or []:
-        if not isinstance(m, dict):
-            return []
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
-        msg = {"role": m.get("role", "user"), "content": content or ""}
-        if m.get("name") is not None:
-            msg["name"] = m["name"]
-        messages.append(msg)
-    return render_chat_ids(tokenizer, messages, body.get("add_generation_prompt", True))
+    try:
+        from pagedserve.entrypoints.openai.chat_render import render_request_ids
+        return render_request_ids(tokenizer, req, content_format_setting, _chat_tools(req))
+    except Exception:  # a body the replica will refuse (its 400) is routed by load
+        return []
 
 
-def request_token_ids(tokenizer: Any, path: str, raw_body: bytes) -> list[int]:
+def request_token_ids(tokenizer: Any, path: str, raw_body: bytes, content_format_setting: str = "auto") -> list[int]:
     """Prompt token ids of an OpenAI request body (the first prompt of a batch); [] when the
-    body is not one the router can read: the replica then answers it (with a 4xx if bad)."""
+    body is not one the router can read: the replica then answers it (with a 4xx if bad).
+    content_format_setting: the replicas' --chat-template-content-format (chat bodies)."""
     try:
         body = json.loads(raw_body)
         if not isinstance(body, dict):
@@ -58,7 +70,8 @@ def request_token_ids(tokenizer: Any, path: str, raw_body: bytes) -> list[int]:
         if path.endswith("/chat/completions"):
             if tokenizer is None:
                 return []
-            return _chat_ids(tokenizer, body)
+            from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+            return chat_token_ids(tokenizer, ChatCompletionRequest.model_validate(body), content_format_setting)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]

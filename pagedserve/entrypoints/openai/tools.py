@@ -55,7 +55,7 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolParser] | None)
         p = t.function.parameters
         params.append(EMPTY_PARAMETERS if not p else
                       check_json_schema(p, f"tools.{i}.function.parameters"))
-    rendered = [t.model_dump(exclude_none=True) for t in req.tools]
+    rendered = rendered_tools(req)
     parallel = req.parallel_tool_calls is not False
     if choice is None:
         choice = "auto"
@@ -82,6 +82,11 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolParser] | None)
     schema = required_schema(names, params, parallel)
     return ToolPlan(tools=rendered, constraint=("tool_choice", {"json": schema}),
                     parser=RequiredToolsParser(), parallel=parallel)
+
+
+def rendered_tools(req: ChatCompletionRequest) -> list[dict] | None:
+    """req's tools as the chat template takes them (every plan that has tools shows these)."""
+    return [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
 
 
 def _strict_tag(parser: type[ToolParser], req: ChatCompletionRequest, first_strict: int,

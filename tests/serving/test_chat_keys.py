@@ -1,0 +1,179 @@
+"""The DP router's chat routing keys are the ids the replicas render (no servers).
+
+The replica's side is the real thing: OpenAIServingChat._render on the tools plan_tools gives it,
+as create() calls them. A router key that differs from those ids never finds the replica that
+cached the prompt, silently (answers stay right, placement does not).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
+from pagedserve.serving.prefix_key import chat_token_ids, prefix_block_hashes, request_token_ids
+
+# Shows a message's parts one by one when its content is a list of them (so "auto" means "openai").
+PARTS = ("{% for m in messages %}[{{ m['role'] }}]"
+         "{% if m['content'] is string %}{{ m['content'] }}"
+         "{% else %}{% for p in m['content'] %}<{{ p['text'] }}>{% endfor %}{% endif %}\n{% endfor %}"
+         "{% if add_generation_prompt %}[assistant]{% endif %}")
+# Everything a chat request may carry besides its messages' text.
+FULL = ("{% if greeting %}{{ greeting }}\n{% endif %}"
+        "{% if tools %}TOOLS {{ tools | tojson }}\n{% endif %}"
+        "{% for m in messages %}[{{ m['role'] }}]"
+        "{% if m.tool_calls %}{% for c in m.tool_calls %}CALL {{ c.id }} {{ c.function.name }}"
+        "{{ c.function.arguments | tojson }}{% endfor %}{% endif %}"
+        "{% if m.tool_call_id %}(answers {{ m.tool_call_id }}){% endif %}"
+        "{{ m['content'] }}<end>\n{% endfor %}"
+        "{% if add_generation_prompt %}[assistant]{% endif %}")
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "today's weather",
+                                         "parameters": {"type": "object",
+                                                        "properties": {"city": {"type": "string"}}}}}
+HISTORY = [{"role": "user", "content": "What is the weather in Paris?"},
+           {"role": "assistant", "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function",
+                            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+           {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    """The router's tokenizer of the demo model under a --chat-template (the replicas load the
+    same one: both go through engine.input_processor.load_tokenizer)."""
+    from pagedserve.demo_model import DEMO_MODEL_DIR
+    from pagedserve.serving.prefix_key import load_tokenizer_path
+    folder = tmp_path_factory.mktemp("templates")
+    cache = {}
+
+    def get(template: str):
+        if template not in cache:
+            path = folder / f"t{len(cache)}.jinja"
+            path.write_text(template)
+            cache[template] = load_tokenizer_path(str(DEMO_MODEL_DIR), str(path))
+        return cache[template]
+    return get
+
+
+def replica_ids(tok, body: dict, fmt: str) -> list[int]:
+    """What a replica started with --chat-template-content-format fmt (and
+    --enable-auto-tool-choice --tool-call-parser hermes) renders for body, as create() does."""
+    from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
+    from pagedserve.entrypoints.openai.tool_parsers import HermesToolParser
+    from pagedserve.entrypoints.openai.tools import plan_tools
+    chat = OpenAIServingChat(SimpleNamespace(tokenizer=tok), "m", tool_parser=HermesToolParser,
+                             content_format=fmt)
+    req = ChatCompletionRequest.model_validate(body)
+    return chat._render(req, plan_tools(req, chat.auto_tool_parser).tools)
+
+
+def router_ids(tok, body: dict, fmt: str) -> list[int]:
+    ids = chat_token_ids(tok, ChatCompletionRequest.model_validate(body), fmt)
+    # The body-level entry agrees (its tests: test_routing.py).
+    assert request_token_ids(tok, "/v1/chat/completions", json.dumps(body).encode(), fmt) == ids
+    return ids
+
+
+@pytest.mark.parametrize("fmt", ["openai", "auto", "string"])
+def test_list_content_is_keyed_in_the_replicas_content_format(tokenizer, fmt):
+    """(Under "openai"/"auto" the old router joined the parts by newlines all the same.)"""
+    tok = tokenizer(PARTS)
+    body = {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "text", "text": "first part"},
+                                                      {"type": "text", "text": "second part"}]}]}
+    ids = replica_ids(tok, body, fmt)
+    assert router_ids(tok, body, fmt) == ids
+    # The formats do render differently here: a router using the wrong one would miss.
+    other = "string" if fmt != "string" else "openai"
+    assert replica_ids(tok, body, other) != ids
+
+
+@pytest.mark.parametrize("fmt", ["string", "openai"])
+def test_history_tool_calls_and_tool_messages_are_keyed(tokenizer, fmt):
+    tok = tokenizer(FULL)
+    body = {"messages": HISTORY}
+    ids = replica_ids(tok, body, fmt)
+    assert "CALL call_1 get_weather" in tok.decode(ids) and "(answers call_1)" in tok.decode(ids)
+    assert router_ids(tok, body, fmt) == ids
+
+
+@pytest.mark.parametrize("choice", [None, "auto", "none", "required",
+                                    {"type": "function", "function": {"name": "get_weather"}}])
+def test_tools_are_keyed_as_the_replica_renders_them(tokenizer, choice):
+    """The tools are part of the prompt whatever tool_choice says; with auto (the default) the
+    router lacks the replicas' --tool-call-parser and still keys what they render."""
+    tok = tokenizer(FULL)
+    body = {"messages": HISTORY[:1], "tools": [TOOL], **({} if choice is None else {"tool_choice": choice})}
+    ids = replica_ids(tok, body, "auto")
+    assert "TOOLS" in tok.decode(ids) and "get_weather" in tok.decode(ids)
+    assert router_ids(tok, body, "auto") == ids
+
+
+@pytest.mark.parametrize("extra", [{"chat_template_kwargs": {"greeting": "Hello there"}},
+                                   {"continue_final_message": True, "add_generation_prompt": False}])
+def test_template_kwargs_and_continue_final_message_are_keyed(tokenizer, extra):
+    tok = tokenizer(FULL)
+    body = {"messages": [{"role": "user", "content": "Write a poem"},
+                         {"role": "assistant", "content": "Roses are"}], **extra}
+    ids = replica_ids(tok, body, "auto")
+    assert router_ids(tok, body, "auto") == ids
+    assert ids != replica_ids(tok, {k: v for k, v in body.items() if k == "messages" or k == "add_generation_prompt"},
+                              "auto")
+
+
+def test_a_body_the_replica_cannot_render_has_no_key(tokenizer):
+    """The replica answers these with its own 400; the router keys them [] (routed by load)
+    and never raises. (The old router keyed the kwargs clash as if the kwargs were absent.)"""
+    from pagedserve.entrypoints.openai.serving_common import APIError
+    from pagedserve.demo_model import DEMO_MODEL_DIR
+    from pagedserve.serving.prefix_key import load_tokenizer_path
+    demo = load_tokenizer_path(str(DEMO_MODEL_DIR))  # its template refuses the role "tool"
+    user = [{"role": "user", "content": "hi"}]
+    cases = [(tokenizer(FULL), {"messages": user, "chat_template_kwargs": {"tools": [TOOL]}}),
+             (demo, {"messages": HISTORY}),
+             (tokenizer(FULL), {"messages": user, "tools": [TOOL, TOOL]}),  # plan_tools: two functions named alike
+             (tokenizer(FULL), {"messages": user, "tool_choice": "required"})]  # tool_choice needs tools
+    for tok, body in cases:
+        with pytest.raises(APIError):
+            replica_ids(tok, body, "auto")
+        assert router_ids(tok, body, "auto") == []
+    plain = SimpleNamespace(chat_template=None)  # a tokenizer without a chat template
+    assert chat_token_ids(plain, ChatCompletionRequest.model_validate({"messages": user})) == []
+
+
+def test_the_front_end_keys_chat_in_the_content_format_it_is_given(tokenizer):
+    """build_dp_app's routing key (what launch.py, ray_app.py and the relay workers build) hashes
+    the ids the replicas render under their --chat-template-content-format."""
+    import httpx
+
+    from pagedserve.serving.frontend import build_dp_app
+    from pagedserve.serving.pool import ReplicaResponse, one_chunk
+    tok = tokenizer(PARTS)
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "first part"},
+                                                      {"type": "text", "text": "second part"}]}]}
+
+    class Pool:
+        backend = "test"
+
+        def __init__(self):
+            self.seen = []
+
+        async def forward(self, method, path, raw, hashes):
+            self.seen.append(list(hashes))
+            return ReplicaResponse(200, "application/json", one_chunk(b"{}"))
+
+    async def key(fmt: str) -> list[bytes]:
+        pool = Pool()
+        app = build_dp_app(pool, tok, 4, manage_pool=False, chat_template_content_format=fmt)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://dp") as c:
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+        return pool.seen[-1]
+
+    for fmt in ("openai", "string"):
+        got = asyncio.run(key(fmt))
+        assert got and got == prefix_block_hashes(replica_ids(tok, body, fmt), 4)
+    assert asyncio.run(key("openai")) != asyncio.run(key("string"))
+
