@@ -132,9 +132,11 @@ def run_dp_server_cli(args: argparse.Namespace, config: EngineConfig, served_nam
         from pagedserve.serving.relay_worker import relay_worker_hooks
         hooks = relay_worker_hooks(pool, args.api_server_count, args.host, args.port, tokenizer_path(config),
                                    config.block_size, args.max_request_bytes, api_key, replica_key,
-                                   allowed, args.shutdown_timeout, config.chat_template, http_argv(args))
+                                   allowed, args.shutdown_timeout, config.chat_template, http_argv(args),
+                                   config.chat_template_content_format)
     app = build_dp_app(pool, load_tokenizer(config), config.block_size, api_key=api_key,
-                       max_request_bytes=args.max_request_bytes, allowed_hosts=allowed, **hooks)
+                       max_request_bytes=args.max_request_bytes, allowed_hosts=allowed,
+                       chat_template_content_format=config.chat_template_content_format, **hooks)
     add_cors(app, args)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per forwarded request
     from pagedserve.entrypoints.http_stack import describe

@@ -197,9 +197,11 @@ def _ingress_deployment(frontend: dict):
         from pagedserve.serving.prefix_key import load_tokenizer
         app_name = serve.get_replica_context().app_name
         handle = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name=app_name)
-        return build_dp_app(RayReplicaPool(handle, app_name), load_tokenizer(EngineConfig(**frontend["config"])),
-                            frontend["config"]["block_size"], api_key=frontend["api_key"],
-                            max_request_bytes=frontend["max_request_bytes"], manage_pool=False)
+        config = EngineConfig(**frontend["config"])
+        return build_dp_app(RayReplicaPool(handle, app_name), load_tokenizer(config),
+                            config.block_size, api_key=frontend["api_key"],
+                            max_request_bytes=frontend["max_request_bytes"], manage_pool=False,
+                            chat_template_content_format=config.chat_template_content_format)
 
     @serve.deployment(name="PagedServeIngress", num_replicas=1, ray_actor_options={"num_cpus": 0},
                       max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,

@@ -233,14 +233,17 @@ class RelayWorkers:
                  block_size: int, max_request_bytes: int, api_key: str | None = None,
                  replica_key: str | None = None, allowed_hosts: list[str] | None = None,
                  shutdown_timeout: float = 10.0, chat_template: str | None = None,
-                 http_flags: Sequence[str] = ()) -> None:
-        """http_flags: the front end's TLS, root-path and CORS flags (http_options.http_argv)."""
+                 http_flags: Sequence[str] = (), chat_template_content_format: str = "auto") -> None:
+        """http_flags: the front end's TLS, root-path and CORS flags (http_options.http_argv).
+        chat_template / chat_template_content_format: the replicas', so that the workers key
+        chat requests by the ids the replicas render."""
         self.cmds = [[sys.executable, "-m", "pagedserve.serving.relay_worker", "--host", host, "--port", str(port),
                       "--route-address", route_address, "--name", str(k), "--block-size", str(block_size),
                       "--max-request-bytes", str(max_request_bytes), "--shutdown-timeout", str(shutdown_timeout),
                       *(["--allowed-hosts", *allowed_hosts] if allowed_hosts else []),
                       *(["--tokenizer", tokenizer] if tokenizer else []),
                       *(["--chat-template", chat_template] if tokenizer and chat_template else []),
+                      *(["--chat-template-content-format", chat_template_content_format] if tokenizer else []),
                       *http_flags]
                      for k in range(1, count + 1)]
         # The workers check the API key too, and send the replicas' own: both go through their
@@ -304,7 +307,8 @@ def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: st
                        tokenizer: str | None, block_size: int, max_request_bytes: int,
                        api_key: str | None, replica_key: str | None = None,
                        allowed_hosts: list[str] | None = None, shutdown_timeout: float = 10.0,
-                       chat_template: str | None = None, http_flags: Sequence[str] = ()) -> dict:
+                       chat_template: str | None = None, http_flags: Sequence[str] = (),
+                       chat_template_content_format: str = "auto") -> dict:
     """build_dp_app's after_start / before_stop for api_server_count > 1: the route service and
     the relay workers start once the replicas are live, and stop before they do."""
     import shutil
@@ -315,7 +319,8 @@ def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: st
     folder = tempfile.mkdtemp(prefix="pagedserve-route-")
     address = f"ipc://{folder}/route"
     workers = RelayWorkers(api_server_count - 1, host, port, address, tokenizer, block_size, max_request_bytes,
-                           api_key, replica_key, allowed_hosts, shutdown_timeout, chat_template, http_flags)
+                           api_key, replica_key, allowed_hosts, shutdown_timeout, chat_template, http_flags,
+                           chat_template_content_format)
     state: dict = {}
 
     async def after_start() -> None:
@@ -334,6 +339,7 @@ def relay_worker_hooks(pool: ProcessReplicaPool, api_server_count: int, host: st
 
 def parse_worker_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """The command line RelayWorkers gives each worker."""
+    from pagedserve.config import CHAT_TEMPLATE_CONTENT_FORMATS
     p = argparse.ArgumentParser(description="a DP front end's relay worker (started by the front end)")
     p.add_argument("--host", required=True)
     p.add_argument("--port", type=int, required=True)
@@ -341,6 +347,8 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", required=True)
     p.add_argument("--tokenizer", default=None, help="for routing keys; none: token-id prompts only")
     p.add_argument("--chat-template", default=None, help="the replicas' --chat-template, for chat routing keys")
+    p.add_argument("--chat-template-content-format", default="auto", choices=CHAT_TEMPLATE_CONTENT_FORMATS,
+                   help="the replicas' --chat-template-content-format, for chat routing keys")
     p.add_argument("--block-size", type=int, required=True)
     p.add_argument("--max-request-bytes", type=int, required=True)
     p.add_argument("--shutdown-timeout", type=float, default=10.0)
@@ -363,7 +371,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     pool = RemoteRoutedPool(args.route_address, args.name, replica_key=os.environ.get(REPLICA_KEY_ENV))
     app = build_dp_app(pool, load_tokenizer_path(args.tokenizer, args.chat_template), args.block_size,
                        api_key=os.environ.get("PAGEDSERVE_API_KEY"), max_request_bytes=args.max_request_bytes,
-                       allowed_hosts=args.allowed_hosts)
+                       allowed_hosts=args.allowed_hosts,
+                       chat_template_content_format=args.chat_template_content_format)
     from pagedserve.entrypoints.http_options import add_cors, uvicorn_options
     add_cors(app, args)
     sock = reuse_port_socket(args.host, args.port)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -177,3 +178,16 @@ def test_the_front_end_keys_chat_in_the_content_format_it_is_given(tokenizer):
         assert got and got == prefix_block_hashes(replica_ids(tok, body, fmt), 4)
     assert asyncio.run(key("openai")) != asyncio.run(key("string"))
 
+
+def test_relay_workers_carry_the_content_format():
+    """Each relay worker is a router too: the front end passes the replicas' content format
+    on its command line, as it passes --chat-template."""
+    from pagedserve.serving.relay_worker import RelayWorkers, parse_worker_args
+    for fmt in ("openai", "string", "auto"):
+        cmd = RelayWorkers(1, "127.0.0.1", 1, "ipc://x", "/tok", 16, 1024, chat_template="t.jinja",
+                           chat_template_content_format=fmt).cmds[0]
+        assert cmd[:3] == [sys.executable, "-m", "pagedserve.serving.relay_worker"]
+        args = parse_worker_args(cmd[3:])
+        assert (args.tokenizer, args.chat_template, args.chat_template_content_format) == ("/tok", "t.jinja", fmt)
+    bare = parse_worker_args(RelayWorkers(1, "127.0.0.1", 1, "ipc://x", None, 16, 1024).cmds[0][3:])
+    assert bare.chat_template_content_format == "auto"  # no tokenizer: no chat keys at all
