@@ -14,6 +14,7 @@ from pydantic import Field
 from pagedserve.entrypoints.openai.protocol import (ChatMessage, ChatTool, FieldAudit, OpenAIModel,
                                                     TokenId, MAX_TOOLS)
 from pagedserve.entrypoints.openai.serving_common import APIError, OpenAIServing
+from pagedserve.entrypoints.openai.tools import rendered_tools
 
 MAX_DETOKENIZE_TOKENS = 1 << 20
 
@@ -80,8 +81,7 @@ class OpenAIServingTokenization(OpenAIServing):
                 raise APIError("add_special_tokens must be false for messages: the chat template "
                                "places the special tokens", param="add_special_tokens")
             self.chat.check_messages(req)
-            tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
-            ids = await self.engine.run(self.chat._render, req, tools)
+            ids = await self.engine.run(self.chat._render, req, rendered_tools(req))
         else:
             for name in ("tools", "chat_template_kwargs", "continue_final_message"):
                 if getattr(req, name):

@@ -84,8 +84,9 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolParser] | None)
                     parser=RequiredToolsParser(), parallel=parallel)
 
 
-def rendered_tools(req: ChatCompletionRequest) -> list[dict] | None:
-    """req's tools as the chat template takes them (every plan that has tools shows these)."""
+def rendered_tools(req: Any) -> list[dict] | None:
+    """req's tools (a chat or /tokenize request's) as the chat template takes them (every plan
+    that has tools shows these)."""
     return [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
 
 
