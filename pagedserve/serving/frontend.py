@@ -32,7 +32,7 @@ from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, Cl
                                                           until_disconnected)
 from pagedserve.serving.metrics_merge import merge_replica_metrics
 from pagedserve.serving.pool import NoReplicaAvailable, ReplicaFailed, ReplicaPool
-from pagedserve.serving.prefix_key import chat_token_ids, prefix_block_hashes, request_token_ids
+from pagedserve.serving.prefix_key import chat_token_ids, kept_prompt_ids, prefix_block_hashes, request_token_ids
 
 logger = logging.getLogger("pagedserve.dp")
 
@@ -144,7 +144,8 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
             ids = chat_token_ids(tokenizer, req, chat_template_content_format)
         else:
             ids = request_token_ids(tokenizer, path, body)
-        return prefix_block_hashes(ids, block_size, cache_salt=req.cache_salt)
+        return prefix_block_hashes(kept_prompt_ids(ids, req.truncate_prompt_tokens), block_size,
+                                   cache_salt=req.cache_salt)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -30,6 +30,16 @@ def prefix_block_hashes(token_ids: list[int], block_size: int,
     return hashes
 
 
+def kept_prompt_ids(ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+    """The ids a replica keeps of a prompt under truncate_prompt_tokens (its last N: what it
+    caches, so what the key hashes). -1 means max_model_len, which the router does not know: it
+    keys the whole prompt, the same ids whenever the prompt fits the model (a longer one the
+    replica truncates or refuses, its answer either way)."""
+    if truncate_prompt_tokens is not None and truncate_prompt_tokens > 0 and len(ids) > truncate_prompt_tokens:
+        return ids[-truncate_prompt_tokens:]
+    return ids
+
+
 def _chat_tools(req: Any) -> list[dict] | None:
     """The tools a replica renders into req's prompt: plan_tools' own, as create() computes
     them. The router does not know the replicas' --tool-call-parser, without which plan_tools

@@ -41,6 +41,36 @@ HISTORY = [{"role": "user", "content": "What is the weather in Paris?"},
            {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
 
 
+class RecordingPool:
+    """A replica pool that answers {} and records each request's routing key."""
+    backend = "test"
+
+    def __init__(self):
+        self.seen = []
+
+    async def forward(self, method, path, raw, hashes):
+        from pagedserve.serving.pool import ReplicaResponse, one_chunk
+        self.seen.append(list(hashes))
+        return ReplicaResponse(200, "application/json", one_chunk(b"{}"))
+
+
+def front_end_keys(tok, requests: list[tuple[str, dict]], **app_kwargs) -> list[list[bytes]]:
+    """The routing keys build_dp_app's front end (what launch.py, ray_app.py and the relay workers
+    build) computes for each (path, body), in order."""
+    import httpx
+
+    from pagedserve.serving.frontend import build_dp_app
+
+    async def run():
+        pool = RecordingPool()
+        app = build_dp_app(pool, tok, 4, manage_pool=False, **app_kwargs)
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://dp") as c:
+            for path, body in requests:
+                assert (await c.post(path, json=body)).status_code == 200
+        return pool.seen
+    return asyncio.run(run())
+
+
 @pytest.fixture(scope="module")
 def tokenizer(tmp_path_factory):
     """The router's tokenizer of the demo model under a --chat-template (the replicas load the
@@ -146,37 +176,19 @@ def test_a_body_the_replica_cannot_render_has_no_key(tokenizer):
 
 
 def test_the_front_end_keys_chat_in_the_content_format_it_is_given(tokenizer):
-    """build_dp_app's routing key (what launch.py, ray_app.py and the relay workers build) hashes
-    the ids the replicas render under their --chat-template-content-format."""
-    import httpx
-
-    from pagedserve.serving.frontend import build_dp_app
-    from pagedserve.serving.pool import ReplicaResponse, one_chunk
+    """build_dp_app's routing key hashes the ids the replicas render under their
+    --chat-template-content-format."""
     tok = tokenizer(PARTS)
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "first part"},
                                                       {"type": "text", "text": "second part"}]}]}
 
-    class Pool:
-        backend = "test"
-
-        def __init__(self):
-            self.seen = []
-
-        async def forward(self, method, path, raw, hashes):
-            self.seen.append(list(hashes))
-            return ReplicaResponse(200, "application/json", one_chunk(b"{}"))
-
-    async def key(fmt: str) -> list[bytes]:
-        pool = Pool()
-        app = build_dp_app(pool, tok, 4, manage_pool=False, chat_template_content_format=fmt)
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://dp") as c:
-            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
-        return pool.seen[-1]
+    def key(fmt: str) -> list[bytes]:
+        return front_end_keys(tok, [("/v1/chat/completions", body)], chat_template_content_format=fmt)[0]
 
     for fmt in ("openai", "string"):
-        got = asyncio.run(key(fmt))
+        got = key(fmt)
         assert got and got == prefix_block_hashes(replica_ids(tok, body, fmt), 4)
-    assert asyncio.run(key("openai")) != asyncio.run(key("string"))
+    assert key("openai") != key("string")
 
 
 def test_relay_workers_carry_the_content_format():
@@ -191,3 +203,23 @@ def test_relay_workers_carry_the_content_format():
         assert (args.tokenizer, args.chat_template, args.chat_template_content_format) == ("/tok", "t.jinja", fmt)
     bare = parse_worker_args(RelayWorkers(1, "127.0.0.1", 1, "ipc://x", None, 16, 1024).cmds[0][3:])
     assert bare.chat_template_content_format == "auto"  # no tokenizer: no chat keys at all
+
+
+def test_the_front_end_keys_only_what_truncate_prompt_tokens_keeps(tokenizer):
+    """A replica keeps (and caches) a prompt's last truncate_prompt_tokens ids: the key hashes
+    those, for chat and completions, so two prompts that differ only before the kept tail share a
+    key and a replica; -1 (max_model_len, which the router does not know) keys the whole prompt."""
+    tok = tokenizer(PARTS)
+    tail = "and the earth was without form, and void; and darkness was upon the face of the deep"
+    chat = [{"messages": [{"role": "user", "content": head + tail}]} for head in ("In the beginning ", "Lo, ")]
+    ids = [replica_ids(tok, b, "auto") for b in chat]
+    keep = len(ids[0]) - 6  # cuts inside the differing head of the first, at most the second's whole
+    got = front_end_keys(tok, [("/v1/chat/completions", {**b, "truncate_prompt_tokens": keep}) for b in chat])
+    assert got[0] == prefix_block_hashes(ids[0][-keep:], 4) and got[0]
+    assert got[1] == prefix_block_hashes(ids[1][-keep:], 4)
+    whole = front_end_keys(tok, [("/v1/chat/completions", {**chat[0], "truncate_prompt_tokens": -1})])
+    assert whole[0] == prefix_block_hashes(ids[0], 4) != got[0]
+    prompt = list(range(5, 45))
+    got = front_end_keys(tok, [("/v1/completions", {"prompt": prompt, "truncate_prompt_tokens": 17}),
+                               ("/v1/completions", {"prompt": [9, 9, 9] + prompt[-17:], "truncate_prompt_tokens": 17})])
+    assert got[0] == got[1] == prefix_block_hashes(prompt[-17:], 4)
