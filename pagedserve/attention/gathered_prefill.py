@@ -40,6 +40,13 @@ runs/s34_long_context/ in benchmarks/results/h200/history.tar.gz.
 The queries are folded for cuDNN by one Triton pass (triton_fold.fold_into; FOLD_ENV=torch: a
 permuted copy and a fill, as until the 39th session).
 
+Where a sequence's pages through the chunk lie in one run of ascending block ids (page_run_start:
+the runner's host check, AttentionMetadata.page_runs), the pool itself is laid out as a gather
+buffer would be, so the prefix parts read it in place and nothing is gathered (GATHER_ENV=always:
+gather anyway). The allocator hands a prompt all its blocks at admission, in free-queue order, so
+a fresh pool's long prompts get such runs; a pool that has cycled rarely does. On the H100 the
+gathers took 69.5 ms of a 100k prefill's 6.8 s (docs/long-context.md).
+
 The parts go through `prefix_attention(q [1, Hkv, R, D], k [1, Hkv, S, D], v, scale)` and
 `square_attention(q [1, H, R, D], k, v, scale)` (cuDNN) and `flash_attention(q, k, v, causal,
 scale)` -> (out, lse [.., R]); CPU tests pass their own.
@@ -69,6 +76,9 @@ SQUARE_ENV = "PAGEDSERVE_LONG_PREFILL_SQUARE"
 # tokens: 'cudnn' (the default since the 38th session: chunks sized by cost beside decodes leave
 # such tails on most chunks) or 'flash' (as before: torch's flash kernel, no plans).
 TAIL_ENV = "PAGEDSERVE_LONG_PREFILL_TAIL"
+# 'runs' (the default): a chunk whose pages lie in one run of the pool reads them in place;
+# 'always': every chunk's context is gathered first, as until the 52nd session.
+GATHER_ENV = "PAGEDSERVE_LONG_PREFILL_GATHER"
 PREFIX_BUCKET = 8192
 QUERY_BUCKET = 1024
 TAIL_STEP = 1024  # core/chunk_cost.CHUNK_ALIGN: aligned chunks leave tails of whole steps
@@ -103,7 +113,8 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
         _ACTIVE[key] = GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, key,
                                        merge_into=merge_kernel(), fold_into=fold_kernel(),
                                        first_chunk_tokens=first,
-                                       square_gqa=square_gqa(), tail_on_cudnn=tail_on_cudnn())
+                                       square_gqa=square_gqa(), tail_on_cudnn=tail_on_cudnn(),
+                                       pages_in_place=pages_in_place())
     return _ACTIVE.get(key)
 
 
@@ -131,6 +142,39 @@ def tail_on_cudnn() -> bool:
     if value not in ("cudnn", "flash"):
         raise ValueError(f"{TAIL_ENV}={value!r}: expected 'cudnn' (the default) or 'flash'")
     return value == "cudnn"
+
+
+def pages_in_place() -> bool:
+    """GATHER_ENV's choice: True for 'runs' (the default), False for 'always'."""
+    value = os.environ.get(GATHER_ENV, "").strip() or "runs"
+    if value not in ("runs", "always"):
+        raise ValueError(f"{GATHER_ENV}={value!r}: expected 'runs' (the default) or 'always'")
+    return value == "runs"
+
+
+def page_run_start(table: list[int], num_pages: int) -> int | None:
+    """The first block id of table[:num_pages] where those pages are one run of ascending ids
+    (first, first + 1, ...), else None."""
+    if num_pages <= 0 or len(table) < num_pages:
+        return None
+    first = table[0]
+    if table[num_pages - 1] - first != num_pages - 1:
+        return None
+    return first if table[:num_pages] == list(range(first, first + num_pages)) else None
+
+
+def page_runs(block_tables: list[list[int]], query_lens: list[int], seq_lens: list[int], num_decodes: int,
+              block_size: int) -> dict[int, int] | None:
+    """AttentionMetadata.page_runs from the step's host tables: for each prefill sequence with a
+    chunk long enough for this path (MIN_CHUNK tokens), the first block of its pages through the
+    chunk where they lie in one run; None where there is none (a list compare a long chunk)."""
+    runs = {}
+    for i in range(num_decodes, len(block_tables)):
+        if query_lens[i] >= MIN_CHUNK:
+            first = page_run_start(block_tables[i], -(-seq_lens[i] // block_size))
+            if first is not None:
+                runs[i] = first
+    return runs or None
 
 
 def _triton_kernel(env: str, module: str, name: str):
@@ -229,7 +273,8 @@ def heads_first(buf: torch.Tensor, start: int, end: int) -> torch.Tensor:
 
 
 def square_kv(buf: torch.Tensor, start: int, rows: int, group: int) -> torch.Tensor:
-    """Positions [start, start + rows) for the square's query heads: with group 1 the strided view
+    """Positions [start, start + rows) of buf ([positions, Hkv, D]: a gather buffer or a pool's run
+    of pages) for the square's query heads: with group 1 the strided view
     [1, Hkv, rows, D] (GatheredPrefill.square_keys passes 1 under SQUARE_ENV's 'gqa': cuDNN serves
     it as grouped-query attention, query head h reading KV head h // (H / Hkv)); else a copy
     repeated over each KV head's group of query heads, [1, Hkv * group, rows, D]."""
@@ -248,7 +293,7 @@ class GatheredPrefill:
                  device: torch.device, prefix_attention=cudnn_prefix, flash_attention=flash,
                  square_attention=cudnn_causal, merge_into=None, fold_into=None,
                  first_chunk_tokens: int = 0,
-                 square_gqa: bool = False, tail_on_cudnn: bool = False):
+                 square_gqa: bool = False, tail_on_cudnn: bool = False, pages_in_place: bool = False):
         # Past max_model_len: the square's padding (< a query bucket) and the last page's spare slots.
         length = bucket(max_model_len, QUERY_BUCKET) + QUERY_BUCKET + MAX_PAGE
         self.k = torch.empty(length, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -260,17 +305,19 @@ class GatheredPrefill:
         self.first_chunk_tokens = first_chunk_tokens  # takes()'s first_chunk
         self.square_gqa = square_gqa  # the square's K/V as Hkv heads (SQUARE_ENV), not repeated to H
         self.tail_on_cudnn = tail_on_cudnn  # whole-step prefix tails to cuDNN (TAIL_ENV), not flash
+        self.pages_in_place = pages_in_place  # a run of pages read in the pool (GATHER_ENV), not gathered
         self.max_model_len = max_model_len
         self.num_heads: int | None = None  # the query heads warm_up_plans built plans for
         # The query row strides (queries are views of the step's qkv) whose first-chunk square plans
         # on the queries in place warm_up_plans built; a first chunk with another takes the copy.
         self.first_q_row_strides: set[int] = set()
 
-    def square_keys(self, start: int, rows: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The square's K and V (square_kv): the KV heads as they are under square_gqa, else repeated
-        over each one's group of query heads."""
+    def square_keys(self, k: torch.Tensor, v: torch.Tensor, start: int, rows: int,
+                    group: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The square's K and V (square_kv) out of k and v ([positions, Hkv, D]): the KV heads as
+        they are under square_gqa, else repeated over each one's group of query heads."""
         sq = 1 if self.square_gqa else group
-        return square_kv(self.k, start, rows, sq), square_kv(self.v, start, rows, sq)
+        return square_kv(k, start, rows, sq), square_kv(v, start, rows, sq)
 
     def chunks(self, meta, query: torch.Tensor, k_cache: torch.Tensor) -> list[int]:
         """long_chunks of a step, for a pool of the layout these buffers and plans are for: another
@@ -281,22 +328,44 @@ class GatheredPrefill:
             return []
         return long_chunks(meta, k_cache, self.first_chunk_tokens)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
-               seq_len: int, scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
-        """q [c, H, D], the chunk's last token at position seq_len - 1, its K/V already in the pool
-        (table: its block table row); its causal attention over its context, [c, H, D] (written
-        into out where given, and returned)."""
-        c, H, D = q.shape
-        prefix, bs, kv_heads = seq_len - c, k_cache.shape[1], k_cache.shape[2]
-        group, rows, n_pages = H // kv_heads, bucket(c, QUERY_BUCKET), -(-seq_len // bs)
-        if bs > MAX_PAGE:
-            raise ValueError(f"gathered long prefill: pages of {bs} tokens, at most {MAX_PAGE}")
+    def context(self, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
+                c: int, rows: int, first_page: int | None) -> tuple[torch.Tensor, ...]:
+        """(K, V, square K, square V, square start): the context's K and V as [positions, Hkv, D]
+        (positions [0, seq_len) its tokens), and the [positions, Hkv, D] the square's rows x rows
+        keys start in at square start, zeros past the chunk. The pool's own run of pages from
+        first_page (pages_in_place; a padded square's keys copied to the buffers' start), or the
+        pages gathered into the buffers."""
+        bs, kv_heads, D = k_cache.shape[1:]
+        n_pages, prefix = -(-seq_len // bs), seq_len - c
+        if first_page is not None and self.pages_in_place:
+            k, v = (pool[first_page:first_page + n_pages].flatten(0, 1) for pool in (k_cache, v_cache))
+            if c == rows:  # the square's keys are the chunk's own rows, in place
+                return k, v, k, v, prefix
+            for src, buf in ((k, self.k), (v, self.v)):
+                buf[:c].copy_(src[prefix:seq_len])
+                buf[c:rows].zero_()  # the square's padded keys: zeros, not stale (NaN) rows
+            return k, v, self.k, self.v, 0
         pages = table[:n_pages].long()
         for pool, buf in ((k_cache, self.k), (v_cache, self.v)):
             torch.index_select(pool, 0, pages, out=buf[: n_pages * bs].view(n_pages, bs, kv_heads, D))
             buf[seq_len: prefix + rows].zero_()  # the square's padded keys: zeros, not stale (NaN) rows
+        return self.k, self.v, self.k, self.v, prefix
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+               seq_len: int, scale: float, out: torch.Tensor | None = None,
+               first_page: int | None = None) -> torch.Tensor:
+        """q [c, H, D], the chunk's last token at position seq_len - 1, its K/V already in the pool
+        (table: its block table row; first_page: where its pages through seq_len lie in one run of
+        the pool, page_run_start's); its causal attention over its context, [c, H, D] (written into
+        out where given, and returned)."""
+        c, H, D = q.shape
+        prefix, bs, kv_heads = seq_len - c, k_cache.shape[1], k_cache.shape[2]
+        group, rows = H // kv_heads, bucket(c, QUERY_BUCKET)
+        if bs > MAX_PAGE:
+            raise ValueError(f"gathered long prefill: pages of {bs} tokens, at most {MAX_PAGE}")
+        ctx_k, ctx_v, sq_k, sq_v, square_at = self.context(k_cache, v_cache, table, seq_len, c, rows, first_page)
         head = prefix // PREFIX_BUCKET * PREFIX_BUCKET
-        square_keys = self.square_keys(prefix, rows, group)
+        square_keys = self.square_keys(sq_k, sq_v, square_at, rows, group)
         if prefix == 0 and c == rows and q.stride()[1:] == (D, 1) and q.stride(0) in self.first_q_row_strides:
             # A first chunk filling its bucket: the square alone, its queries read where they are
             # ([1, H, c, D] strided; cuDNN lays its output out alike, so the copy below is the only one).
@@ -314,11 +383,11 @@ class GatheredPrefill:
         parts = []
         # (1) the bucketed head of the prefix: cuDNN, at a shape the warm-up built.
         if head:
-            parts.append(self.prefix_attention(qf, heads_first(self.k, 0, head), heads_first(self.v, 0, head), scale))
+            parts.append(self.prefix_attention(qf, heads_first(ctx_k, 0, head), heads_first(ctx_v, 0, head), scale))
         # (2) the prefix's tail past the bucket, folded likewise: cuDNN at a built shape where it is
         # whole TAIL_STEPs, else flash (no plans).
         if prefix > head:
-            kt, vt = heads_first(self.k, head, prefix), heads_first(self.v, head, prefix)
+            kt, vt = heads_first(ctx_k, head, prefix), heads_first(ctx_v, head, prefix)
             if self.tail_on_cudnn and (prefix - head) % TAIL_STEP == 0:
                 parts.append(self.prefix_attention(qf, kt, vt, scale))
             else:
@@ -368,12 +437,12 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
     squares = query_rows(max_tokens)
     for rows in squares:
         q = g.k.new_zeros(1, num_heads, rows, head_dim)
-        g.square_attention(q, *g.square_keys(0, rows, group), scale)
+        g.square_attention(q, *g.square_keys(g.k, g.v, 0, rows, group), scale)
     # A first chunk filling its bucket hands cuDNN its queries as a strided view: other strides, other plans.
     firsts = [r for r in squares if q_row_stride and g.first_chunk_tokens and r >= g.first_chunk_tokens]
     for rows in firsts:
         q = g.k.new_zeros(rows, q_row_stride)[:, :num_heads * head_dim].view(rows, num_heads, head_dim)
-        g.square_attention(q.permute(1, 0, 2).unsqueeze(0), *g.square_keys(0, rows, group), scale)
+        g.square_attention(q.permute(1, 0, 2).unsqueeze(0), *g.square_keys(g.k, g.v, 0, rows, group), scale)
     if firsts:
         g.first_q_row_strides.add(q_row_stride)
     q = g.k.new_zeros(1, kv_heads, group * QUERY_BUCKET, head_dim)

@@ -25,6 +25,10 @@ class AttentionMetadata:
     # Host copies, so backends never sync the device to learn shapes.
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
+    # Prefill sequences (index -> first block id) whose long chunk's pages lie in one run of the
+    # pool (gathered_prefill.page_runs, from the host's tables): the long-prefill path reads them
+    # in place instead of gathering them. None: none.
+    page_runs: dict[int, int] | None = None
     # The decode kernels' split mode (decode_plan.decode_split_tokens' values), fixed by a decode
     # CUDA graph at capture; None: the backend's own choice.
     decode_split_tokens: int | None = None

@@ -303,7 +303,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         for i in long:
             start, end = sum(q_lens[:i]), sum(q_lens[:i + 1])
             gathered.attend(query[start:end], k_cache, v_cache, meta.block_tables[i], meta.seq_lens_cpu[i], scale,
-                            out=out[start:end])
+                            out=out[start:end], first_page=meta.page_runs.get(i) if meta.page_runs else None)
     return out
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve.attention.gathered_prefill import page_runs
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.plan import ScheduledSequence
 
@@ -126,6 +127,7 @@ def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.
         sample_indices = cu[:-1] if sample_mask.all() else cu[1:][sample_mask] - 1
         query_lens_l, seq_lens_l = [1] * num_seqs, seq_lens.tolist()
         max_query_len, max_seq_len = (1 if num_seqs else 0), int(seq_lens.max(initial=0))
+        runs = None
     else:
         num_tokens = int(cu[-1])
         seq_of_token = np.repeat(np.arange(num_seqs), query_lens)
@@ -134,6 +136,7 @@ def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.
         sample_indices = sample_rows(cu, sample_mask, logit_counts)
         query_lens_l, seq_lens_l = query_lens.tolist(), seq_lens.tolist()
         max_query_len, max_seq_len = int(max(query_lens_l, default=0)), int(max(seq_lens_l, default=0))
+        runs = page_runs(block_tables, query_lens_l, seq_lens_l, num_decodes, block_size)
     arrays = [np.asarray(input_ids, dtype=np.int64), positions, slots, cu.astype(np.int32),
               seq_lens.astype(np.int32), tables, sample_indices]
     if placeholders is not None and len(placeholders[0]):
@@ -150,6 +153,7 @@ def build_model_input(input_ids: np.ndarray, starts: np.ndarray, query_lens: np.
         block_size=block_size,
         query_lens_cpu=query_lens_l,
         seq_lens_cpu=seq_lens_l,
+        page_runs=runs,
     )
     return ModelInput(input_ids=ids_t, positions=pos_t, attn_meta=meta,
                       sample_indices=sample_t, num_sampling=int(sample_indices.shape[0]),
@@ -178,6 +182,9 @@ class HostBatch:
     prompt_rows: np.ndarray | None = None
     # Speculative steps: logits rows per sequence (sample_rows); None when no row verifies proposals.
     logit_counts: np.ndarray | None = None
+    # AttentionMetadata.page_runs, for the incremental path, which drops block_tables (the runner
+    # sets it first: ModelRunner.prepare_inputs); build_model_input derives its own from the tables.
+    page_runs: dict[int, int] | None = None
 
     def to_model_input(self, block_size: int, device: torch.device, pad_blocks_to: int | None = None) -> ModelInput:
         ph = None if self.placeholder_dst is None else (self.placeholder_dst, self.placeholder_src)

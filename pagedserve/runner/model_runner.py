@@ -334,6 +334,10 @@ class ModelRunner:
         if self.row_tracker is None:
             sched = self.config.scheduler_config(self.max_model_len)
             self.row_tracker = RowTracker(sched.max_num_seqs, -(-self.max_model_len // self.block_size))
+        if batch is not None and batch.num_decodes < len(batch.starts):  # before the tables leave the batch
+            batch.page_runs = gathered_prefill.page_runs(batch.block_tables, batch.query_lens.tolist(),
+                                                         (batch.starts + batch.query_lens).tolist(), batch.num_decodes,
+                                                         self.block_size)
         rows = self.row_tracker.step_inputs(out, batch)
         return StepInput(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, batch, rows)
 

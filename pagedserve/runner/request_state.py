@@ -114,7 +114,8 @@ class DeviceRequestState:
         meta = AttentionMetadata(
             slot_mapping=slots, query_start_loc=cu, seq_lens=seq_lens, block_tables=tables,
             num_decodes=batch.num_decodes, max_query_len=host["max_query_len"], max_seq_len=host["max_seq_len"],
-            block_size=block_size, query_lens_cpu=host["query_lens"], seq_lens_cpu=host["seq_lens_list"])
+            block_size=block_size, query_lens_cpu=host["query_lens"], seq_lens_cpu=host["seq_lens_list"],
+            page_runs=batch.page_runs)
         return ModelInput(input_ids=dev["input_ids"], positions=positions, attn_meta=meta, sample_indices=sample,
                           num_sampling=num_sampling, placeholder_dst=dev.get("placeholder_dst"),
                           placeholder_src=dev.get("placeholder_src"))

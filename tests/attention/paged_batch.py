@@ -21,15 +21,20 @@ class PagedBatch:
 
 
 def make_batch(shapes: list[tuple[int, int]], num_decodes: int, H: int, Hkv: int, D: int, block_size: int,
-               dtype=torch.float32, device="cpu", seed: int = 0, spare_blocks: int = 3) -> PagedBatch:
-    """shapes: (cached tokens, new tokens) per sequence; the first num_decodes must have 1 new token."""
+               dtype=torch.float32, device="cpu", seed: int = 0, spare_blocks: int = 3,
+               in_runs: bool = False) -> PagedBatch:
+    """shapes: (cached tokens, new tokens) per sequence; the first num_decodes must have 1 new token.
+    in_runs: each sequence's blocks one run of ascending ids (as a fresh pool hands them out)."""
     assert all(new == 1 for _, new in shapes[:num_decodes])
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
     need = sum(-(-(c + n) // block_size) for c, n in shapes)
     num_blocks = need + spare_blocks
     free = list(range(num_blocks))
-    rng.shuffle(free)
+    if in_runs:
+        free.reverse()  # popped from the end: ascending ids
+    else:
+        rng.shuffle(free)
     kc = torch.randn(num_blocks, block_size, Hkv, D, generator=gen).to(dtype)  # garbage outside live slots
     vc = torch.randn(num_blocks, block_size, Hkv, D, generator=gen).to(dtype)
     tables, slots, qlens, slens, queries, new_ks, new_vs = [], [], [], [], [], [], []

@@ -2,6 +2,8 @@
 padded context equals reference.py's over the pages. On CPU the cuDNN and flash ops are stood in
 for by plain softmax attention with the same signatures (bias, scale, log-sum-exp); the CUDA ops
 themselves are checked in tests/attention/test_triton_gpu.py and timed by prefill_sweep.py."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -77,6 +79,69 @@ def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_si
     assert heads == [(3 * rows, n) for n in (head, tail if on_cudnn else 0) if n]
     assert flashes == ([tail] if tail and not on_cudnn else [])
     assert squares == [((6, rows), (2 if square_gqa else 6, rows))]
+
+
+def in_one_run(batch, seq: int, first: int, spare: int = 2):
+    """The batch's pools with sequence seq's pages moved to one run of ascending ids from `first`
+    (random garbage everywhere else, as a pool's other blocks hold), and that run's table."""
+    table = batch.meta.block_tables[seq][: -(-batch.meta.seq_lens_cpu[seq] // batch.meta.block_size)].long()
+    run = torch.arange(first, first + len(table))
+    pools = []
+    for pool in (batch.k_cache, batch.v_cache):
+        moved = torch.randn(first + len(table) + spare, *pool.shape[1:]).to(pool.dtype)
+        moved[run] = pool[table]
+        pools.append(moved)
+    return (*pools, run.to(torch.int32))
+
+
+@pytest.mark.parametrize("square_gqa", [True, False])
+@pytest.mark.parametrize("cached,new,block_size", [(40, 8, 16), (77, 13, 8), (96, 32, 16), (100, 9, 1),
+                                                   (0, 16, 8), (0, 20, 8), (16, 12, 8), (56, 8, 8)])
+def test_pages_in_one_run_are_read_in_place(small_buckets, cached, new, block_size, square_gqa):
+    """A chunk whose pages lie in one run of the pool (first_page, the runner's page_runs) reads
+    them where they are: its attention equals the reference's, and nothing is gathered (the
+    buffers keep their NaNs, but for a padded square's own keys, copied to their start: 20 and 13
+    and 12 and 9 new tokens pad to 24 / 16 / 16 / 16). With GATHER_ENV's 'always' (pages_in_place
+    False) the same chunk is gathered, to the same result."""
+    dtype = torch.float32
+    batch = make_batch([(3, 1), (cached, new)], 1, H=6, Hkv=2, D=16, block_size=block_size, dtype=dtype)
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
+    scale = 16 ** -0.5
+    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale)[1:]
+    moved = dataclasses.replace(batch, k_cache=kc, v_cache=vc)
+    k_run, v_run, run = in_one_run(moved, 1, first=5)
+    rows = gp.bucket(new, 8)
+    for in_place in (True, False):
+        g = gp.GatheredPrefill(160, 2, 16, dtype, torch.device("cpu"), math_prefix, math_flash, math_causal,
+                               square_gqa=square_gqa, tail_on_cudnn=True, pages_in_place=in_place)
+        g.k.fill_(float("nan")), g.v.fill_(float("nan"))
+        got = g.attend(batch.query[1:], k_run, v_run, run, cached + new, scale, first_page=5)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        written = (~g.k.isnan().all(-1).all(-1)).nonzero().flatten().tolist()
+        if in_place:
+            assert written == (list(range(rows)) if rows > new else [])
+        else:
+            assert written[:cached + new] == list(range(cached + new))
+
+
+def test_page_run_start():
+    assert gp.page_run_start([7, 8, 9, 10, 3], 4) == 7 == gp.page_run_start([7, 8, 9, 10], 4)
+    assert gp.page_run_start([7, 8, 9, 10], 1) == 7
+    assert gp.page_run_start([7, 9, 8, 10], 4) is None  # first and last in place, the middle not
+    assert gp.page_run_start([10, 9, 8, 7], 4) is None  # descending
+    assert gp.page_run_start([7, 8, 9], 4) is None  # too short
+    assert gp.page_run_start([7, 8], 0) is None
+
+
+def test_page_runs_names_long_chunks_in_one_run(small_buckets):
+    """Only prefill sequences with chunks of MIN_CHUNK tokens or more are looked at, over the
+    pages through their chunk (later pages may lie anywhere)."""
+    tables = [[50], [3, 4, 5, 6], [20, 21, 30], [8, 9, 10, 11, 40], [60, 61]]
+    query_lens = [1, 4, 8, 9, 3]
+    seq_lens = [5, 30, 20, 32, 16]
+    assert gp.page_runs(tables, query_lens, seq_lens, 1, 8) == {1: 3, 3: 8}
+    assert gp.page_runs(tables[:3], query_lens[:3], seq_lens[:3], 2, 8) is None
 
 
 @pytest.mark.parametrize("registered", [True, False])
@@ -178,11 +243,13 @@ def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets_any_min, square_g
     kc = torch.randn(30, 8, 2, 8)  # 30 pages of 8 tokens
     table = torch.randperm(30)
     tails = set()
+    g.pages_in_place = True
     for seq_len in [*range(16, 25), *range(41, 201, 7), 48, 64, 120, 200]:
         for new in (4, 8, 11, 16, 24):
             if new <= seq_len and gp.takes(new, seq_len, g.first_chunk_tokens):
                 q = torch.randn(new, 80)[:, :48].view(new, 6, 8)
                 g.attend(q, kc, kc, table, seq_len, 0.3)
+                g.attend(q, kc, kc, torch.arange(30), seq_len, 0.3, first_page=0)  # read in place
                 tails.add((seq_len - new) % gp.PREFIX_BUCKET)
     assert seen["prefix"] and seen["square"] and 8 in tails and 16 in tails and 0 in tails
     assert seen["prefix"] <= built["prefix"] and seen["square"] <= built["square"]
@@ -294,7 +361,10 @@ def _fold_into():
     (gp.SQUARE_ENV, "square_gqa", ((None, lambda: True), ("gqa", lambda: True), ("repeat", lambda: False)), "flash"),
     # PAGEDSERVE_LONG_PREFILL_TAIL: unset or 'cudnn', whole-step prefix tails to cuDNN; 'flash', to flash
     (gp.TAIL_ENV, "tail_on_cudnn", ((None, lambda: True), ("cudnn", lambda: True), ("flash", lambda: False)), "off"),
-], ids=["merge", "fold", "square", "tail"])
+    # PAGEDSERVE_LONG_PREFILL_GATHER: unset or 'runs', pages in one run read in place; 'always', gathered
+    (gp.GATHER_ENV, "pages_in_place", ((None, lambda: True), ("runs", lambda: True), ("always", lambda: False)),
+     "never"),
+], ids=["merge", "fold", "square", "tail", "gather"])
 def test_switch_choices(monkeypatch, gpu_of, env, attr, cases, bad):
     """Each value of a two-way switch picks its way at start-up (configure); anything else is an
     error naming the switch."""

@@ -198,6 +198,53 @@ def test_prefill_launches(ops, launch, H, Hkv, D):
     torch.testing.assert_close(out.float(), ref.float(), **TOL[torch.bfloat16])
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("buckets", ["small", "serving"])
+def test_gathered_prefill_reads_runs_in_place(ops, monkeypatch, dtype, buckets):
+    """Pages in one run of the pool (a fresh pool's prompts; AttentionMetadata.page_runs) are read
+    in place by cuDNN (PAGEDSERVE_LONG_PREFILL_GATHER=runs): the same chunks as the test below,
+    equal to the reference, within float rounding of the gathered path, and nothing gathered (the
+    buffers past the largest padded square stay NaN)."""
+    from pagedserve.attention import gathered_prefill as gp
+    from pagedserve.attention.triton_fold import fold_into
+    from pagedserve.attention.triton_merge import merge_into
+    if buckets == "small":
+        for name, value in (("PREFIX_BUCKET", 256), ("QUERY_BUCKET", 128), ("MIN_PREFIX", 512), ("MIN_CHUNK", 64),
+                            ("TAIL_STEP", 128)):
+            monkeypatch.setattr(gp, name, value)
+        shapes = [(900, 1), (5, 1), (700, 300), (40, 30), (2048, 1024), (513, 64), (640, 128), (0, 200), (0, 256)]
+        long, first_min = [300, 1024, 64, 128, 200, 256], 64
+    else:
+        shapes = [(3000, 1), (0, 1), (16384, 1024), (20000, 1500), (9000, 1100), (11264, 1024), (0, 4096)]
+        long, first_min = [1024, 1500, 1100, 1024, 4096], 2048
+    batch = make_batch(shapes, 2, H=32, Hkv=8, D=128, block_size=16, dtype=dtype, device="cuda", seed=2,
+                       in_runs=True)
+    kc, vc = _written(batch)
+    m = batch.meta
+    tables = [row[: -(-n // 16)] for row, n in zip(m.block_tables.tolist(), m.seq_lens_cpu)]
+    m.page_runs = gp.page_runs(tables, m.query_lens_cpu, m.seq_lens_cpu, 2, 16)
+    assert sorted(m.page_runs) == [i for i, (_, n) in enumerate(shapes) if n >= gp.MIN_CHUNK]
+    ref = reference.paged_attention(batch.query, kc, vc, m, scale=128 ** -0.5)
+    _poison_dead_slots(kc, vc, m)
+    outs = []
+    for in_place in (True, False):
+        g = gp.GatheredPrefill(max(m.seq_lens_cpu) + 1, 8, 128, dtype, torch.device("cuda"), merge_into=merge_into,
+                               fold_into=fold_into, first_chunk_tokens=first_min, square_gqa=True, tail_on_cudnn=True,
+                               pages_in_place=in_place)
+        g.first_q_row_strides.add(batch.query.stride(0))
+        g.k.fill_(float("nan")), g.v.fill_(float("nan"))
+        monkeypatch.setitem(gp._ACTIVE, kc.device, g)
+        used = []
+        attend = g.attend
+        monkeypatch.setattr(g, "attend", lambda q, *a, **kw: used.append(q.shape[0]) or attend(q, *a, **kw))
+        outs.append(ops.paged_attention(batch.query, kc, vc, m, scale=128 ** -0.5))
+        assert used == long
+        torch.testing.assert_close(outs[-1].float(), ref.float(), **TOL[dtype])
+        if in_place:
+            assert g.k[gp.bucket(max(long), gp.QUERY_BUCKET):].isnan().all()
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-2, atol=1e-3)
+
+
 @pytest.mark.parametrize("merge,first", [("torch", False), ("triton", False), ("torch", True), ("triton", True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("buckets", ["small", "serving"])

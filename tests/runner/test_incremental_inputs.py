@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
+from pagedserve.attention import gathered_prefill
 from pagedserve.runner.batch import host_batch
 from pagedserve.runner.row_tracker import INCREMENTAL_ENV
 from pagedserve.runner.request_state import DeviceRequestState
@@ -31,7 +32,7 @@ class StateChecker:
         self.engine = llm.llm_engine
         self.runner = self.engine.runner.runner
         self.mgr = self.engine.scheduler.kv_cache_manager
-        self.steps = self.decode_steps = 0
+        self.steps = self.decode_steps = self.page_runs_seen = 0
         self._full = None
         runner, prepare, execute = self.runner, self.runner.prepare_inputs, self.runner.execute_model
 
@@ -75,8 +76,10 @@ class StateChecker:
         for name in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables"):
             a, b = getattr(m, name), getattr(r, name)
             assert a.dtype == b.dtype and torch.equal(a, b), name
-        for name in ("num_decodes", "max_query_len", "max_seq_len", "block_size", "query_lens_cpu", "seq_lens_cpu"):
+        for name in ("num_decodes", "max_query_len", "max_seq_len", "block_size", "query_lens_cpu", "seq_lens_cpu",
+                     "page_runs"):
             assert getattr(m, name) == getattr(r, name), name
+        self.page_runs_seen += bool(m.page_runs)
 
     def _check_state(self) -> None:
         state, tracker = self.runner.request_state, self.runner.row_tracker
@@ -130,6 +133,9 @@ def test_state_under_preemption(model_dir, monkeypatch, mode, async_scheduling):
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
 def test_state_with_prefix_hits_and_chunked_prefill(model_dir, monkeypatch, async_scheduling):
+    """Also AttentionMetadata.page_runs (chunks of 4+ tokens here, whose pages a fresh pool lays in
+    one run) from the host's tables, alike on both paths."""
+    monkeypatch.setattr(gathered_prefill, "MIN_CHUNK", 4)
     llm = make_llm(model_dir, block_size=4, max_num_batched_tokens=7, async_scheduling=async_scheduling)
     checker = StateChecker(llm, monkeypatch)
     ids = prompt_ids(model_dir)
@@ -137,6 +143,7 @@ def test_state_with_prefix_hits_and_chunked_prefill(model_dir, monkeypatch, asyn
     _generate(llm, checker, [{"prompt_token_ids": p} for p in ids], params)
     _generate(llm, checker, [{"prompt_token_ids": p} for p in ids[:4]], params)  # hits the cached prompts
     assert llm.get_kv_cache_stats().prefix_cache_hits > 0
+    assert checker.page_runs_seen > 0
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])
