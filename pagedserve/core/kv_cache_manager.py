@@ -24,6 +24,7 @@ Invariants kept here (and checked by tests/core):
 from __future__ import annotations
 
 import enum
+from operator import attrgetter
 from typing import Iterable
 
 from pagedserve.core.block_pool import BlockPool, cache_salt_root, hash_block_tokens
@@ -38,6 +39,9 @@ class AllocStatus(enum.Enum):
     OK = "ok"
     LATER = "later"   # not now: wait for blocks to be freed
     NEVER = "never"   # larger than the whole device cache
+
+
+_block_id = attrgetter("block_id")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -172,6 +176,10 @@ class KVCacheManager(KVSwap):
             hits = self._find_cached_prefix(seq)
             self.pool.touch(hits)
             new = self.pool.get_new_blocks(cdiv(seq.num_tokens, self.block_size) - len(hits))
+            # In id order: blocks freed together come back as a reversed table, and a prompt that
+            # takes them then holds one run of the pool again, which long prefills read in place
+            # (attention/gathered_prefill.py). Which blocks are taken (the LRU's) is unchanged.
+            new.sort(key=_block_id)
             self._set_table(seq.seq_id, hits + new)
             self._seqs[seq.seq_id] = seq
             self._num_cached_blocks[seq.seq_id] = len(hits)

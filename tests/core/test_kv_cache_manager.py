@@ -153,6 +153,26 @@ def test_generated_tokens_become_cacheable():
     assert b.seqs[0].num_computed_tokens == 4
 
 
+def test_a_prompt_taking_a_freed_table_holds_it_in_id_order():
+    """A freed table goes back to the queue reversed (tail evicted first); the prompt that takes
+    those blocks holds them in id order, so a prompt that got one run of the pool leaves one run
+    (a long prefill reads such pages in place: attention/gathered_prefill.py)."""
+    m = mgr(num_blocks=8)
+    a = make_group("a", list(range(16)))
+    m.allocate(a)
+    assert m.get_block_table(a.seqs[0]) == [0, 1, 2, 3]
+    compute(m, a.seqs[0])
+    m.free(a.seqs[0])
+    b = make_group("b", [7] * 16)
+    m.allocate(b)  # the never-used blocks first
+    assert m.get_block_table(b.seqs[0]) == [4, 5, 6, 7]
+    assert m.pool.free_block_queue.block_ids() == [3, 2, 1, 0]
+    c = make_group("c", [9] * 15)
+    m.allocate(c)  # a's blocks, its cached content evicted
+    assert m.get_block_table(c.seqs[0]) == [0, 1, 2, 3] and m.pool.num_cached_free == 0
+    check_pool(m.pool)
+
+
 def test_eviction_is_lru_and_tail_first():
     m = mgr(num_blocks=4)
     a = make_group("a", list(range(12)) + [100])
@@ -160,18 +180,19 @@ def test_eviction_is_lru_and_tail_first():
     compute(m, a.seqs[0])  # blocks 0, 1, 2 cached, 3 partial
     m.free(a.seqs[0])
     assert m.pool.free_block_queue.block_ids() == [3, 2, 1, 0]
-    # A new unrelated prompt of two blocks takes block 3 then evicts block 2 (the prefix's tail).
+    # A new unrelated prompt of two blocks takes block 3 then evicts block 2 (the prefix's tail),
+    # and holds them in id order (one run of the pool, as a[2:4] was).
     b = make_group("b", [7] * 8)
     m.allocate(b)
-    assert m.get_block_table(b.seqs[0]) == [3, 2]
+    assert m.get_block_table(b.seqs[0]) == [2, 3]
     assert m.pool.blocks[2].block_hash is None and m.pool.num_cached_free == 2
     # The first two blocks of a's prefix still hit; reviving them takes free blocks too.
     c = make_group("c", list(range(8)) + [5])
     assert m.can_allocate(c) is AllocStatus.LATER
     m.free(b.seqs[0])
-    assert m.pool.free_block_queue.block_ids() == [1, 0, 2, 3]
+    assert m.pool.free_block_queue.block_ids() == [1, 0, 3, 2]
     m.allocate(c)
-    assert c.seqs[0].num_computed_tokens == 8 and m.get_block_table(c.seqs[0]) == [0, 1, 2]
+    assert c.seqs[0].num_computed_tokens == 8 and m.get_block_table(c.seqs[0]) == [0, 1, 3]
     check_pool(m.pool)
 
 
