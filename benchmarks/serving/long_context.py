@@ -448,9 +448,9 @@ def phase_prefill(args) -> None:
     from pagedserve.attention import gathered_prefill
     from pagedserve.benchmark.results import ENV_SWITCHES
     if args.engine == "vllm":
-        if args.beside_decodes or args.near_end or args.step_times:
-            raise SystemExit("--beside-decodes, --near-end and --step-times drive pagedserve's engine; "
-                             "not with --engine vllm")
+        if args.beside_decodes or args.near_end or args.step_times or args.gather_modes:
+            raise SystemExit("--beside-decodes, --near-end, --step-times and --gather-modes drive pagedserve's "
+                             "engine; not with --engine vllm")
         # Its server's environment (vs_vllm.ENV), and its engine core in this process, so that the
         # profiler sees its kernels too.
         os.environ.update({**vv.ENV, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
@@ -475,9 +475,16 @@ def phase_prefill(args) -> None:
            "env_switches": {k: os.environ.get(k) for k in ENV_SWITCHES if os.environ.get(k)}, **_measured_code()}
     rng = random.Random(7)
     vocab = min(VOCAB_DRAW, json.loads((Path(args.model) / "config.json").read_text())["vocab_size"])
-    for i, n in enumerate(args.prefill_lens):
+    if args.gather_modes:
+        rec["gather_modes"] = args.gather_modes
+    modes = args.gather_modes or [None]
+    runs = [(n, mode) for i, n in enumerate(args.prefill_lens) for mode in (modes if i % 2 == 0 else modes[::-1])]
+    for j, (n, mode) in enumerate(runs):
+        if mode is not None:
+            _set_gather(mode)
         prompt = [rng.randrange(vocab) for _ in range(n)]
-        profile = args.profile and i == len(args.prefill_lens) - 1
+        profile = args.profile and j == len(runs) - 1
+        before = _path_counts() if args.engine == "pagedserve" else None
         prof = _kernel_profiler() if profile else contextlib.nullcontext()
         t = time.perf_counter()
         with prof:
@@ -492,13 +499,37 @@ def phase_prefill(args) -> None:
                               "device_timeline": _device_idle(prof)}
             if args.trace:
                 prof.export_chrome_trace(args.trace)
-        rec["prefill_seconds"].setdefault(str(n), []).append(seconds)  # a length given twice: both runs
-        print(f"prefill {n}: {seconds} s", flush=True)
+        key = str(n) if mode is None else f"{n}-{mode}"
+        rec["prefill_seconds"].setdefault(key, []).append(seconds)  # a length given twice: both runs
+        after = _path_counts() if args.engine == "pagedserve" else None
+        if after is not None:  # how its long chunks' context was read: [in place, gathered] layer-chunks
+            rec.setdefault("long_chunks_read", {}).setdefault(key, []).append([a - b for a, b in zip(after, before)])
+        print(f"prefill {key}: {seconds} s", flush=True)
     if args.beside_decodes:
         rec["beside_decodes"] = prefill_beside_decodes(llm, args, rng, vocab)
     Path(args.out).write_text(json.dumps(rec, indent=1))
     if args.near_end:
         rec["near_end"] = prefill_near_end(llm, args, rng, vocab, Path(args.out), rec)
+
+
+def _path_counts() -> tuple[int, int] | None:
+    """The long-prefill path's (layer-chunks read in place, gathered) so far, None without it."""
+    import torch
+    from pagedserve.attention import gathered_prefill
+    g = gathered_prefill.active(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+    return None if g is None else (g.chunks_in_place, g.chunks_gathered)
+
+
+def _set_gather(mode: str) -> None:
+    """--gather-modes: PAGEDSERVE_LONG_PREFILL_GATHER's choice set on the running engine's path
+    ('runs': pages in one run of the pool read in place; 'always': gathered). After the A/B the
+    last mode stays set (the engine is done)."""
+    import torch
+    from pagedserve.attention import gathered_prefill
+    g = gathered_prefill.active(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+    if g is None:
+        raise SystemExit("--gather-modes: the engine has no long-prefill path on this device")
+    g.pages_in_place = mode == "runs"
 
 
 def _timed_steps(llm, request_id: str, prompt: list[int]) -> list[float]:
@@ -570,13 +601,19 @@ def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
         for align in args.beside_aligns or [align_engine]:
             for decodes in args.beside_decodes:
                 for f in args.cost_scales:
-                    cfg.attention_cost_context, cfg.long_prefill_chunk_align = round(k0 * f), align
-                    row = {"decodes": decodes, "cost_scale": f, "attention_cost_context": round(k0 * f),
-                           "chunk_align": align, "prompt_len": n,
-                           **_beside_run(llm.llm_engine, rng, vocab, n, decodes, f"{n}-{align}-{decodes}-{f}",
-                                         args.decode_output_len)}
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    for mode in args.gather_modes or [None]:
+                        if mode is not None:
+                            _set_gather(mode)
+                        cfg.attention_cost_context, cfg.long_prefill_chunk_align = round(k0 * f), align
+                        tag = f"{n}-{align}-{decodes}-{f}" + (f"-{mode}" if mode else "")
+                        before = _path_counts()
+                        row = {"decodes": decodes, "cost_scale": f, "attention_cost_context": round(k0 * f),
+                               "chunk_align": align, "prompt_len": n, **({"gather": mode} if mode else {}),
+                               **_beside_run(llm.llm_engine, rng, vocab, n, decodes, tag, args.decode_output_len)}
+                        if before is not None:
+                            row["long_chunks_read"] = [a - b for a, b in zip(_path_counts(), before)]
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
     cfg.attention_cost_context, cfg.long_prefill_chunk_align = k_engine, align_engine
     return rows
 
@@ -746,6 +783,10 @@ def main() -> None:
                     help="prefill --beside-decodes: each long_prefill_chunk_align in turn (default: the engine's)")
     ap.add_argument("--cost-scales", type=float, nargs="+", default=[1.0],
                     help="prefill --beside-decodes: K = the model's compute balance times each (0: chunks by tokens alone)")
+    ap.add_argument("--gather-modes", nargs="*", default=[], choices=["runs", "always"],
+                    help="prefill: each prompt (and --beside-decodes run) once per mode of "
+                         "PAGEDSERVE_LONG_PREFILL_GATHER, set on the running engine in turn, the order "
+                         "alternating by prompt (one start-up serves the A/B); keys '<len>-<mode>'")
     ap.add_argument("--trace", help="prefill with --profile: also write the profiled prompt's chrome trace here")
     ap.add_argument("--near-end", type=int, default=0, metavar="T",
                     help="prefill: then the last --prefill-lens length arriving while a request has T of its 64 "

@@ -306,6 +306,8 @@ class GatheredPrefill:
         self.square_gqa = square_gqa  # the square's K/V as Hkv heads (SQUARE_ENV), not repeated to H
         self.tail_on_cudnn = tail_on_cudnn  # whole-step prefix tails to cuDNN (TAIL_ENV), not flash
         self.pages_in_place = pages_in_place  # a run of pages read in the pool (GATHER_ENV), not gathered
+        # Layer-chunks whose context was read in place / gathered since start-up (benchmarks read them).
+        self.chunks_in_place = self.chunks_gathered = 0
         self.max_model_len = max_model_len
         self.num_heads: int | None = None  # the query heads warm_up_plans built plans for
         # The query row strides (queries are views of the step's qkv) whose first-chunk square plans
@@ -338,6 +340,7 @@ class GatheredPrefill:
         bs, kv_heads, D = k_cache.shape[1:]
         n_pages, prefix = -(-seq_len // bs), seq_len - c
         if first_page is not None and self.pages_in_place:
+            self.chunks_in_place += 1
             k, v = (pool[first_page:first_page + n_pages].flatten(0, 1) for pool in (k_cache, v_cache))
             if c == rows:  # the square's keys are the chunk's own rows, in place
                 return k, v, k, v, prefix
@@ -345,6 +348,7 @@ class GatheredPrefill:
                 buf[:c].copy_(src[prefix:seq_len])
                 buf[c:rows].zero_()  # the square's padded keys: zeros, not stale (NaN) rows
             return k, v, self.k, self.v, 0
+        self.chunks_gathered += 1
         pages = table[:n_pages].long()
         for pool, buf in ((k_cache, self.k), (v_cache, self.v)):
             torch.index_select(pool, 0, pages, out=buf[: n_pages * bs].view(n_pages, bs, kv_heads, D))

@@ -119,6 +119,7 @@ def test_pages_in_one_run_are_read_in_place(small_buckets, cached, new, block_si
         got = g.attend(batch.query[1:], k_run, v_run, run, cached + new, scale, first_page=5)
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         written = (~g.k.isnan().all(-1).all(-1)).nonzero().flatten().tolist()
+        assert (g.chunks_in_place, g.chunks_gathered) == ((1, 0) if in_place else (0, 1))
         if in_place:
             assert written == (list(range(rows)) if rows > new else [])
         else:
