@@ -489,7 +489,7 @@ def phase_prefill(args) -> None:
         t = time.perf_counter()
         with prof:
             if args.step_times:  # the engine's own loop, each step timed (a first run's slow step shows)
-                rec.setdefault("step_ms", {}).setdefault(str(n), []).append(_timed_steps(llm, f"p{i}", prompt))
+                rec.setdefault("step_ms", {}).setdefault(str(n), []).append(_timed_steps(llm, f"p{j}", prompt))
             else:
                 llm.generate([{"prompt_token_ids": prompt} if args.engine == "vllm" else prompt],
                              SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)

@@ -187,7 +187,7 @@ def test_prefill_beside_decodes_runs_each_length_and_alignment_in_one_engine(tin
                                         gathered_min_prefix=None, beside_decodes=[1], cost_scales=[0.0],
                                         decode_output_len=64, beside_lens=[100, 60], beside_aligns=[16, 8],
                                         trace=None, engine="pagedserve", near_end=0, drains=[0], chunk_align=0,
-                                        step_times=False))
+                                        step_times=False, gather_modes=[]))
     rec = json.loads(out.read_text())
     rows = rec["beside_decodes"]
     assert [(r["prompt_len"], r["chunk_align"]) for r in rows] == [(100, 16), (100, 8), (60, 16), (60, 8)]
@@ -197,6 +197,41 @@ def test_prefill_beside_decodes_runs_each_length_and_alignment_in_one_engine(tin
         # budget 32 less the decode's token: 31, cut to its alignment (the last chunk is all that is left)
         assert all(e % r["chunk_align"] == 0 for e in ends[:-1]) and ends[0] > r["chunk_align"] // 2, r["chunks"]
     assert rec["long_prefill_chunk_align"] == 0
+
+
+def test_prefill_gather_modes_alternate_in_one_engine(tiny_model_dir, tmp_path, monkeypatch):
+    """`prefill --gather-modes runs always`: each prompt (and beside-decodes run) once per mode, set
+    on the running engine before it, the order alternating by prompt; results keyed '<len>-<mode>'
+    with the layer-chunks each run read in place and gathered (the path's counters; stood in for
+    here, as a CPU engine has no long-prefill path, where the option is an error)."""
+    args = dict(model=tiny_model_dir("llama"), max_model_len=256, block_size=8, prefill_lens=[40, 30],
+                profile=False, max_num_batched_tokens=64, gathered_min_prefix=None, beside_decodes=[],
+                cost_scales=[1.0], decode_output_len=64, beside_lens=[], beside_aligns=[], trace=None,
+                engine="pagedserve", near_end=0, drains=[0], chunk_align=None, step_times=False,
+                gather_modes=["runs", "always"])
+    with pytest.raises(SystemExit, match="--gather-modes"):
+        lc.phase_prefill(argparse.Namespace(**args, out=str(tmp_path / "cpu.json")))
+    modes, counts = [], {"runs": (0, 0)}
+
+    def set_gather(mode):
+        modes.append(mode)
+        counts["mode"] = mode
+
+    def path_counts():  # each call after a run adds 3 layer-chunks to the mode's column
+        a, b = counts["runs"]
+        counts["runs"] = (a + 3, b) if counts.get("mode") == "runs" else (a, b + 3)
+        return counts["runs"]
+    monkeypatch.setattr(lc, "_set_gather", set_gather)
+    monkeypatch.setattr(lc, "_path_counts", path_counts)
+    out = tmp_path / "p.json"
+    lc.phase_prefill(argparse.Namespace(**{**args, "beside_decodes": [1]}, out=str(out)))
+    rec = json.loads(out.read_text())
+    assert modes == ["runs", "always", "always", "runs", "runs", "always"]  # 40, 30, then beside 30
+    assert set(rec["prefill_seconds"]) == {"40-runs", "40-always", "30-runs", "30-always"}
+    assert rec["long_chunks_read"] == {"40-runs": [[3, 0]], "40-always": [[0, 3]], "30-always": [[0, 3]],
+                                       "30-runs": [[3, 0]]}
+    assert [(r["gather"], r["long_chunks_read"]) for r in rec["beside_decodes"]] == [("runs", [3, 0]),
+                                                                                      ("always", [0, 3])]
 
 
 def test_prefill_near_end_times_a_drain_against_none(tiny_model_dir, tmp_path, monkeypatch):
@@ -210,7 +245,7 @@ def test_prefill_near_end_times_a_drain_against_none(tiny_model_dir, tmp_path, m
                                         prefill_lens=[40], out=str(out), profile=False, max_num_batched_tokens=64,
                                         gathered_min_prefix=None, beside_decodes=[], cost_scales=[1.0],
                                         decode_output_len=64, trace=None, engine="pagedserve", near_end=3,
-                                        drains=[0, 4], chunk_align=None, step_times=True))
+                                        drains=[0, 4], chunk_align=None, step_times=True, gather_modes=[]))
     rec = json.loads(out.read_text())
     # --step-times: the 40-token prompt in the engine's own loop, each step timed: a 64-token
     # budget prefills it in one step, its one token ends the request in that step or the next.
