@@ -167,7 +167,7 @@ def page_runs(block_tables: list[list[int]], query_lens: list[int], seq_lens: li
               block_size: int) -> dict[int, int] | None:
     """AttentionMetadata.page_runs from the step's host tables: for each prefill sequence with a
     chunk long enough for this path (MIN_CHUNK tokens), the first block of its pages through the
-    chunk where they lie in one run; None where there is none (a list compare a long chunk)."""
+    chunk where they lie in one run; None where there is none (one list compare per long chunk)."""
     runs = {}
     for i in range(num_decodes, len(block_tables)):
         if query_lens[i] >= MIN_CHUNK:

@@ -4,6 +4,7 @@ Invariants kept here (and checked by tests/core):
 - sum of ref counts of device blocks == number of device block-table entries that hold a block;
 - a sequence's table covers exactly ceil(slots / block_size) blocks, where slots is the
   number of tokens allocated for it (all known tokens at admission, then one per decode);
+  the blocks admission takes past a prefix hit are the free queue's first, in ascending id order;
 - a block written this step has ref_cnt 1: a shared block in the write range is first
   copied (copy-on-write) and the (src, dst) pair is returned for the runner;
 - only full blocks of computed tokens carry a content hash, so a hashed block is never written;
