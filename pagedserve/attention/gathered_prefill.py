@@ -339,7 +339,9 @@ class GatheredPrefill:
         pages gathered into the buffers."""
         bs, kv_heads, D = k_cache.shape[1:]
         n_pages, prefix = -(-seq_len // bs), seq_len - c
-        if first_page is not None and self.pages_in_place:
+        # A pool whose pages are not laid end to end (another model's layout) is gathered: its
+        # run would flatten into a copy.
+        if first_page is not None and self.pages_in_place and k_cache.is_contiguous() and v_cache.is_contiguous():
             self.chunks_in_place += 1
             k, v = (pool[first_page:first_page + n_pages].flatten(0, 1) for pool in (k_cache, v_cache))
             if c == rows:  # the square's keys are the chunk's own rows, in place

@@ -126,6 +126,22 @@ def test_pages_in_one_run_are_read_in_place(small_buckets, cached, new, block_si
             assert written[:cached + new] == list(range(cached + new))
 
 
+def test_a_pool_not_laid_end_to_end_is_gathered(small_buckets):
+    """A run of pages in a pool whose blocks are not contiguous in memory (K and V interleaved by
+    block) is gathered, not read through a flattened copy, and equals the reference."""
+    batch = make_batch([(3, 1), (40, 8)], 1, H=6, Hkv=2, D=16, block_size=8)
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
+    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, 0.25)[1:]
+    k_run, v_run, run = in_one_run(dataclasses.replace(batch, k_cache=kc, v_cache=vc), 1, first=2)
+    both = torch.stack([k_run, v_run], dim=1)  # [blocks, 2, bs, Hkv, D]: each pool strided
+    g = gp.GatheredPrefill(160, 2, 16, torch.float32, torch.device("cpu"), math_prefix, math_flash, math_causal,
+                           square_gqa=True, tail_on_cudnn=True, pages_in_place=True)
+    got = g.attend(batch.query[1:], both[:, 0], both[:, 1], run, 48, 0.25, first_page=2)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert (g.chunks_in_place, g.chunks_gathered) == (0, 1)
+
+
 def test_page_run_start():
     assert gp.page_run_start([7, 8, 9, 10, 3], 4) == 7 == gp.page_run_start([7, 8, 9, 10], 4)
     assert gp.page_run_start([7, 8, 9, 10], 1) == 7
