@@ -512,11 +512,16 @@ def phase_prefill(args) -> None:
         rec["near_end"] = prefill_near_end(llm, args, rng, vocab, Path(args.out), rec)
 
 
-def _path_counts() -> tuple[int, int] | None:
-    """The long-prefill path's (layer-chunks read in place, gathered) so far, None without it."""
+def _long_path():
+    """The running engine's long-prefill path (gathered_prefill.GatheredPrefill) on this GPU, or None."""
     import torch
     from pagedserve.attention import gathered_prefill
-    g = gathered_prefill.active(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+    return gathered_prefill.active(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+
+
+def _path_counts() -> tuple[int, int] | None:
+    """The long-prefill path's (layer-chunks read in place, gathered) so far, None without it."""
+    g = _long_path()
     return None if g is None else (g.chunks_in_place, g.chunks_gathered)
 
 
@@ -524,9 +529,7 @@ def _set_gather(mode: str) -> None:
     """--gather-modes: PAGEDSERVE_LONG_PREFILL_GATHER's choice set on the running engine's path
     ('runs': pages in one run of the pool read in place; 'always': gathered). After the A/B the
     last mode stays set (the engine is done)."""
-    import torch
-    from pagedserve.attention import gathered_prefill
-    g = gathered_prefill.active(torch.device("cuda", torch.cuda.current_device())) if torch.cuda.is_available() else None
+    g = _long_path()
     if g is None:
         raise SystemExit("--gather-modes: the engine has no long-prefill path on this device")
     g.pages_in_place = mode == "runs"
