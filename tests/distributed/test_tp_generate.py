@@ -1,7 +1,8 @@
 """TP=2 (two processes, gloo, float32) generates exactly what TP=1 does, for every sharding case:
 KV heads split across ranks (llama), one KV head replicated on both ranks with per-head q/k
 norms (qwen3), qkv bias with tied embeddings (qwen2), q/k/v and gate/up fused in the checkpoint
-and partial LongRoPE (phi3), Gemma 3's layers (a sliding window), and OPT's biases, learned positions and
+and partial LongRoPE (phi3), Gemma 3's layers (a sliding window), OLMo 2's q/k norms over every
+head (split and replicated KV heads), and OPT's biases, learned positions and
 tied LM head, a mixture of experts with a shared expert (qwen2_moe); and under preemption by swapping (every rank moves its own heads' blocks)
 with chunked prefill, with synchronous and with overlapped steps."""
 import os
@@ -23,6 +24,10 @@ CASES = {
     "gemma3-windows": ("gemma3", {}, 1),
     "gemma2-soft-caps": ("gemma2", {}, 1),
     "granite-multipliers": ("granite", {}, 1),
+    # OLMo 2: q/k norms over every head, their sums of squares all-reduced; with one KV head on
+    # both ranks, k's squares are counted once.
+    "olmo2-split-kv": ("olmo2", {}, 1),
+    "olmo2-replicated-kv": ("olmo2", {"num_key_value_heads": 1}, 1),
     # Mixture of experts: every expert's intermediate dim split, the shared expert's partial summed
     # with the experts' before the layer's one all-reduce; layer 0 dense.
     "qwen2-moe-shared-expert": ("qwen2_moe", {}, 1),

@@ -2,14 +2,7 @@
 import pytest
 
 from pagedserve.models.gemma import Gemma3ForCausalLM
-from pagedserve.models.olmo2 import Olmo2ForCausalLM
 from tiny_models import tiny_config
-
-
-def test_olmo2_refuses_tensor_parallelism():
-    """Its q/k norms span every head; a rank holds some."""
-    with pytest.raises(ValueError, match="tensor_parallel_size: OLMo 2's q/k norms span every head"):
-        Olmo2ForCausalLM(tiny_config("olmo2", 384), tp_rank=0, tp_size=2)
 
 
 @pytest.mark.parametrize("field,value,match", [("use_bidirectional_attention", True, "use_bidirectional_attention"),
