@@ -81,6 +81,10 @@ CASES = [
     ("allowed-token-ids-empty", CMPL, c(allowed_token_ids=[]), 400, "allowed_token_ids"),
     ("allowed-token-ids-outside-vocab", CHAT, ch(allowed_token_ids=[10**6]), 400, "allowed_token_ids"),
     ("suffix", CMPL, c(suffix="tail"), 400, "suffix"),
+    ("stream-options-without-stream", CMPL, c(stream_options={"include_usage": True}), 400,
+     "stream_options"),
+    ("stream-options-without-stream-chat", CHAT, ch(stream=False, stream_options={"include_usage": False}),
+     400, "stream_options"),
 ]
 
 

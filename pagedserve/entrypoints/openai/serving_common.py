@@ -135,6 +135,11 @@ class OpenAIServing(LogprobNames):
         for name, why in req.unsupported_fields():
             raise APIError(f"{name}: {why}", param=name)
         so = getattr(req, "stream_options", None)  # (/tokenize has none)
+        if so is not None and so.model_fields_set and not req.stream:
+            # vLLM's check and words: without a stream they would be dropped (an empty object
+            # passes, as it does in vLLM)
+            raise APIError("Stream options can only be defined when `stream=True`.",
+                           param="stream_options")
         if so is not None:
             if so.continuous_usage_stats:
                 raise APIError("stream_options.continuous_usage_stats is not supported: usage "
