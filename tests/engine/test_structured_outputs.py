@@ -420,6 +420,51 @@ def test_bad_specs_are_value_errors(llm):
     assert_no_leak(llm)
 
 
+# (schema, a JSON text that breaks it, the keyword the refusal names): xgrammar 0.2.9 takes each
+# schema and accepts the text.
+LOOSE_SCHEMAS = [
+    ({"not": {"type": "integer"}}, "4", "`not`"),
+    ({"type": "object", "if": {"required": ["a"]}, "then": {"required": ["b"]},
+      "additionalProperties": {"type": "integer"}}, '{"a": 1}', "`if`"),
+    ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 5}}, "[1]", "`contains`"),
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "[1, 1]", "`uniqueItems`"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}, "additionalProperties": {"type": "integer"}},
+     '{"a": 1}', "`dependentRequired`"),
+    ({"type": "number", "multipleOf": 0.5}, "0.3", "`multipleOf`"),
+    ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "1", "`allOf`"),
+    ({"type": "integer", "anyOf": [{"minimum": 3}, {"maximum": -3}]}, "0", "`type` beside `anyOf`"),
+    ({"type": "object", "properties": {"a": {"$ref": "http://example.com/int.json"}}, "required": ["a"]},
+     '{"a": "x"}', "http://example.com/int.json"),  # followed by no one: anything goes
+]
+
+
+@pytest.mark.parametrize("schema,breaks,words", LOOSE_SCHEMAS, ids=[w for _, _, w in LOOSE_SCHEMAS])
+def test_schema_keywords_xgrammar_does_not_enforce_are_refused(schema, breaks, words):
+    """A schema the grammar would only loosely follow is a ValueError naming the keyword and
+    where it is, not a grammar that lets the output break it. Each case is checked to be loose
+    in xgrammar itself: once a newer xgrammar enforces one, this says to stop refusing it."""
+    import xgrammar as xgr
+    from xgrammar.testing import _is_grammar_accept_string
+    from pagedserve.engine.structured.compiler import parse_spec
+    if not words.startswith("http"):  # (a remote reference is not fetched: no reference verdict)
+        assert not jsonschema.Draft202012Validator(schema).is_valid(json.loads(breaks))
+    grammar = xgr.Grammar.from_json_schema(json.dumps(schema), strict_mode=True)
+    assert _is_grammar_accept_string(grammar, breaks), "xgrammar enforces this now: stop refusing it"
+    with pytest.raises(ValueError, match=re.escape(words)) as e:
+        parse_spec(SO(json=schema))
+    assert str(e.value).startswith("structured_outputs.json uses ")
+
+
+def test_schemas_xgrammar_enforces_whole_are_not_refused():
+    from pagedserve.engine.structured.compiler import parse_spec
+    for schema in ({"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},
+                   {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "X"},
+                   {"$ref": "#/$defs/C", "description": "d", "$defs": {"C": {"enum": ["a", "b"]}}},
+                   {"type": "integer", "multipleOf": 3}, {"allOf": [{"type": "integer"}]},
+                   {"enum": [{"not": 1}]}, {"type": "array", "items": {"type": "integer"}, "uniqueItems": False}):
+        parse_spec(SO(json=schema))
+
+
 def test_skip_tokenizer_init_refuses_structured_outputs():
     llm = make_llm(DEMO_MODEL_DIR, skip_tokenizer_init=True, num_gpu_blocks_override=32)
     try:

@@ -157,6 +157,18 @@ CASES = [
      "messages.1.function_call", "tool_calls"),
     ("template-kwargs-clash", CHAT, ch(chat_template_kwargs={"tokenize": True}),
      "chat_template_kwargs", "tokenize"),
+    # keywords the grammar would not enforce (engine/structured/compiler.unenforced_keyword)
+    ("schema-keyword-not-enforced", CHAT, ch(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"n": {"not": {"type": "integer"}}}}}}),
+     "response_format.json_schema.schema", "`not` at $.properties.n"),
+    ("guided-json-remote-ref", CMPL, c(guided_json={"$ref": "http://10.0.0.1/x.json"}), "guided_json",
+     "http://10.0.0.1/x.json"),
+    ("tool-forced-loose-parameters", CHAT, ch(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "number", "multipleOf": 0.5}}}}}],
+        tool_choice="required"), "tools.0.function.parameters", "`multipleOf`"),
+    ("tool-strict-loose-parameters", CHAT, ch(tools=[TOOL, {"type": "function", "function": {
+        "name": "f", "strict": True, "parameters": {"type": "object", "properties": {"a": {
+            "allOf": [{"type": "integer"}, {"minimum": 1}]}}}}}]), "tools.1.function.parameters", "`allOf`"),
 ]
 
 
@@ -168,6 +180,16 @@ def test_bad_constraint_or_tool_is_a_400(tools_http, name, path, body, param, wo
     assert err["type"] == "invalid_request_error"
     assert err["param"] == param, err
     assert word in err["message"], err
+
+
+def test_a_tool_schema_only_shown_to_the_model_may_use_any_keyword(tools_http):
+    """Under tool_choice auto (no strict) or none, parameters are rendered, not enforced: a keyword
+    the grammar could not enforce is no reason to refuse them."""
+    loose = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"not": {"type": "integer"}}}}}}
+    for choice in ("auto", "none"):
+        r = tools_http.post(CHAT, json=ch(tools=[loose], tool_choice=choice))
+        assert r.status_code == 200, r.text
 
 
 def test_auto_tool_choice_needs_the_flags(http):

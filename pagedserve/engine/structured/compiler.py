@@ -83,6 +83,9 @@ def parse_spec(spec: StructuredOutputsParams, max_whitespace: int = 0) -> xgr.Gr
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(schema).__name__}")
             _check_schema(schema)
+            loose = unenforced_keyword(schema)
+            if loose is not None:
+                raise ValueError(f"structured_outputs.json {loose}")
             return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=any_ws, strict_mode=True,
                                                 max_whitespace_cnt=ws_cap)
         if kind == "json_object":
@@ -112,6 +115,80 @@ def _check_schema(schema: Any) -> None:
     except jsonschema.SchemaError as e:
         path = "/".join(str(p) for p in e.path) or "(root)"
         raise ValueError(f"structured_outputs.json is not a valid JSON Schema at {path}: {e.message}") from None
+
+
+# JSON Schema keywords that xgrammar (0.2.9) accepts but does not enforce: its grammar is looser
+# than the schema, and the output may break it while the response looks like an honoured request.
+# vLLM falls back to another grammar backend for some of these; pagedserve has only xgrammar, so
+# parse_spec refuses them by name (tests/engine/test_structured_outputs.py checks each one is
+# still loose, so that a newer xgrammar that enforces one shows up there).
+UNENFORCED_KEYWORDS = ("not", "if", "then", "else", "contains", "minContains", "maxContains",
+                       "dependentRequired", "dependentSchemas", "dependencies", "$dynamicRef")
+# Next to one of these xgrammar reads that keyword alone: {"type": "integer", "anyOf": [...]}
+# drops the type. Annotations beside them (title, description, default, $defs...) are fine.
+_COMBINATORS = ("$ref", "allOf", "anyOf", "oneOf")
+_ASSERTIONS = frozenset({
+    "type", "enum", "const", "multipleOf", "maximum", "exclusiveMaximum", "minimum", "exclusiveMinimum",
+    "maxLength", "minLength", "pattern", "format", "maxItems", "minItems", "uniqueItems", "prefixItems",
+    "items", "additionalItems", "unevaluatedItems", "maxProperties", "minProperties", "required",
+    "properties", "patternProperties", "additionalProperties", "propertyNames", "unevaluatedProperties",
+    *_COMBINATORS, *UNENFORCED_KEYWORDS})
+
+
+def unenforced_keyword(schema: Any) -> str | None:
+    """Why the grammar of this JSON schema would not enforce all of it ("uses `not` at
+    $.properties.a, ..."), or None. Walks the subschemas where the schema's draft puts them
+    (the referencing library's knowledge), so a property merely named "not" is no match."""
+    from referencing.jsonschema import DRAFT202012, specification_with
+
+    if not isinstance(schema, dict):
+        return None
+    spec = specification_with(schema.get("$schema", ""), default=DRAFT202012)
+    todo = [(schema, "$")]
+    while todo:
+        node, path = todo.pop()
+        why = _loose_here(node)
+        if why is not None:
+            return f"uses {why} at {path}, which the grammar backend (xgrammar) does not enforce: " \
+                   "the output could break the schema; leave it out, or express it with other keywords"
+        subs = [s for s in spec.subresources_of(node) if isinstance(s, dict)]
+        todo.extend((v, where) for where, v in _places(node, path) if any(v is s for s in subs))
+    return None
+
+
+def _places(node: dict, path: str):
+    """(path, value) of every value one or two levels under node: where its subschemas sit
+    ("not": {...}, "anyOf": [{...}], "properties": {"a": {...}})."""
+    for key, value in node.items():
+        here = f"{path}.{key}"
+        yield here, value
+        if isinstance(value, list):
+            yield from ((f"{here}[{i}]", v) for i, v in enumerate(value))
+        elif isinstance(value, dict):
+            yield from ((f"{here}.{k}", v) for k, v in value.items())
+
+
+def _loose_here(node: dict) -> str | None:
+    """The first keyword of this one schema object xgrammar would not enforce, as `keyword`."""
+    for kw in UNENFORCED_KEYWORDS:
+        if kw in node:
+            return f"`{kw}`"
+    if node.get("uniqueItems") is True:
+        return "`uniqueItems`"
+    if "multipleOf" in node and node.get("type") != "integer":
+        return "`multipleOf` (enforced for type integer only)"
+    ref = node.get("$ref")
+    if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
+        return f"`$ref` {ref[:100]!r} (only references inside the schema, '#/...', are followed)"
+    allof = node.get("allOf")
+    if isinstance(allof, list) and len(allof) > 1:
+        return "`allOf` with more than one subschema"
+    combinator = next((kw for kw in _COMBINATORS if kw in node), None)
+    if combinator is not None:
+        beside = sorted(k for k in node if k in _ASSERTIONS and k != combinator)
+        if beside:
+            return f"`{beside[0]}` beside `{combinator}` (which xgrammar reads alone)"
+    return None
 
 
 def _short(e: BaseException) -> str:

@@ -159,6 +159,19 @@ def check_json_schema(schema: Any, param: str) -> dict:
     return schema
 
 
+def check_enforceable(schema: dict, param: str) -> None:
+    """400 for a JSON schema with keywords the grammar backend would not enforce
+    (compiler.unenforced_keyword): for tool parameters that a grammar forces, which do not pass
+    through check_compiles as a schema of their own."""
+    try:
+        from pagedserve.engine.structured.compiler import unenforced_keyword
+    except ImportError:  # no xgrammar: the engine reports it
+        return
+    loose = unenforced_keyword(schema)
+    if loose is not None:
+        raise APIError(f"{param} {loose}", param=param)
+
+
 def check_compiles(params: StructuredOutputsParams, param: str) -> None:
     """400 when the grammar library cannot turn the constraint into a grammar: the engine's own
     tokenizer-free check (engine/structured/compiler.parse_spec, milliseconds), run here on the

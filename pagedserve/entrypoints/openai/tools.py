@@ -19,7 +19,7 @@ from typing import Any
 
 from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest, NamedToolChoice
 from pagedserve.entrypoints.openai.serving_common import APIError
-from pagedserve.entrypoints.openai.structured_outputs import check_json_schema
+from pagedserve.entrypoints.openai.structured_outputs import check_enforceable, check_json_schema
 from pagedserve.entrypoints.openai.tool_parsers import ToolParser
 from pagedserve.entrypoints.openai.tool_parsers.forced import (NamedFunctionParser,
                                                                RequiredToolsParser)
@@ -61,6 +61,13 @@ def plan_tools(req: ChatCompletionRequest, auto_parser: type[ToolParser] | None)
         choice = "auto"
     if choice == "none":
         return ToolPlan(tools=rendered, parallel=parallel)
+    # The functions whose arguments a grammar will force (the others' schemas are only shown
+    # to the model): each schema must be one the grammar enforces whole.
+    forced = [i for i, t in enumerate(req.tools) if choice == "required" or
+              (t.function.name == choice.function.name if isinstance(choice, NamedToolChoice)
+               else t.function.strict)]
+    for i in forced:
+        check_enforceable(params[i], f"tools.{i}.function.parameters")
     if choice == "auto":
         if auto_parser is None:
             raise APIError(AUTO_NEEDS_FLAGS, param="tool_choice")
