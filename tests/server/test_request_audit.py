@@ -157,6 +157,10 @@ CASES = [
      "messages.1.function_call", "tool_calls"),
     ("template-kwargs-clash", CHAT, ch(chat_template_kwargs={"tokenize": True}),
      "chat_template_kwargs", "tokenize"),
+    ("grammar-matches-nothing", CMPL, c(structured_outputs={"grammar": "root ::= root"}),
+     "structured_outputs.grammar", "matches no text"),
+    ("guided-regex-matches-nothing", CHAT, ch(guided_regex="[^\\x00-\\U0010FFFF]"), "guided_regex",
+     "matches no text"),
     # keywords the grammar would not enforce (engine/structured/compiler.unenforced_keyword)
     ("schema-keyword-not-enforced", CHAT, ch(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"n": {"not": {"type": "integer"}}}}}}),
