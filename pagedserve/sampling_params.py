@@ -187,6 +187,11 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# |length_penalty| bound: for any generated length below 2**31, len ** length_penalty stays a
+# finite, non-zero float (2**(31 * 32) = 2**992 < 2**1024, the float range).
+MAX_LENGTH_PENALTY = 32
+
+
 @dataclass
 class BeamSearchParams:
     """LLM.beam_search settings, in vLLM's shape; scoring follows HF's BeamSearch with early_stopping=True.
@@ -225,5 +230,10 @@ class BeamSearchParams:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens!r}")
         if not 0.0 <= self.temperature <= 100.0:
             raise ValueError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if not -MAX_LENGTH_PENALTY <= self.length_penalty <= MAX_LENGTH_PENALTY:
+            # Past it, generated_len ** length_penalty overflows (or underflows to 0 and the score
+            # divides by it) in the engine's step, which fails every request in flight.
+            raise ValueError(f"length_penalty must be in [-{MAX_LENGTH_PENALTY}, {MAX_LENGTH_PENALTY}], "
+                             f"got {self.length_penalty!r}")
         if self.logprobs is not None and self.logprobs < -1:
             raise ValueError(f"logprobs must be >= 0, or -1 (the whole vocabulary), got {self.logprobs!r}")

@@ -138,6 +138,10 @@ REFUSED = [  # (path, body, param)
     (CHAT, {**M, **BEAM, "n": MAX_NUM_SEQS + 1}, "n"),
     (CMPL, {**P, "length_penalty": 0.5}, "length_penalty"),
     (CHAT, {**M, "length_penalty": 2.0}, "length_penalty"),
+    # len ** length_penalty would overflow (or reach 0 and divide) in the engine's step, failing
+    # every request in flight with a 500
+    (CMPL, {**P, **BEAM, "length_penalty": 1e308}, "length_penalty"),
+    (CHAT, {**M, **BEAM, "length_penalty": -1e308}, "length_penalty"),
 ]
 
 
@@ -147,6 +151,13 @@ def test_what_a_beam_search_cannot_serve_is_a_400_naming_it(http, path, body, pa
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
     assert param in r.json()["error"]["message"]
+
+
+def test_length_penalty_at_its_bounds_is_served(http):
+    from pagedserve.sampling_params import MAX_LENGTH_PENALTY
+    for lp in (-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY):
+        body = post(http, CMPL, **P, **BEAM, length_penalty=lp)
+        assert len(body["choices"]) == 2
 
 
 def test_priority_reaches_the_engine(http):
