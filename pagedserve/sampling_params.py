@@ -3,10 +3,17 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 from dataclasses import dataclass
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 MAX_N = 128
+# vLLM's floor (its _MAX_TEMP): a temperature in (0, 0.01) is raised to 0.01, with a warning.
+# Below it, in float32, the temperature rounds to 0 (under ~1e-45) or the logits divided by it
+# overflow: the softmax is NaN, and the draw returned token 0 every step, whatever the model said.
+MIN_TEMPERATURE = 1e-2
 
 
 class RequestOutputKind(enum.Enum):
@@ -124,6 +131,11 @@ class SamplingParams:
             self.best_of = self.n
         if self.top_k == 0:
             self.top_k = -1
+        if 0.0 < self.temperature < MIN_TEMPERATURE:
+            logger.warning("temperature %s is less than %s, which may cause numerical errors nan or inf "
+                           "in tensors. We have maxed it out to %s.", self.temperature, MIN_TEMPERATURE,
+                           MIN_TEMPERATURE)  # vLLM's words
+            self.temperature = MIN_TEMPERATURE
         self._validate()
 
     def _validate(self) -> None:

@@ -143,3 +143,16 @@ def test_extreme_but_valid_values_are_served(http):
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
     _assert_still_serving(http)
+
+
+def test_a_tiny_temperature_is_raised_to_vllms_floor(http):
+    """vLLM raises a temperature in (0, 0.01) to 0.01. 1e-300 was 0 in float32 (1e-30 overflowed
+    the logits divided by it): a NaN softmax, and token 0 drawn at every step."""
+    def tokens(**kw):
+        r = http.post(CMPL, json=c(max_tokens=6, seed=7, logprobs=0, **kw))
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+    for extra in ({}, {"top_p": 0.9}):
+        floor = tokens(temperature=0.01, **extra)
+        assert tokens(temperature=1e-300, **extra) == floor
+        assert tokens(temperature=1e-30, **extra) == floor
