@@ -62,23 +62,35 @@ class TokenApplication:
         self.structured.apply(logits, mask)
 
     def _grammar_ended(self, seqs) -> list[tuple[Sequence, SequenceStatus]]:
-        """Constrained sequences (just appended, not finished by the stop rules) whose grammar has
-        closed: "stop" (its stop token accepted, also under ignore_eos), or "abort" if it refused a
-        token (never expected: the mask allows only what it accepts). With overlapped steps the
-        matchers took these tokens already (to fill the next mask), so a row costs a look-up."""
+        """Constrained sequences (just appended, not finished by the stop rules; (seq, group)
+        pairs) whose grammar has closed: "stop" (its stop token accepted, also under ignore_eos),
+        or "abort" if it refused a token. The mask allows only what it accepts, so that happens
+        only when the mask allowed nothing the draw could take: the request's other settings
+        (allowed_token_ids, bad_words, min_tokens) exclude every token the grammar accepts there,
+        or the grammar has a dead end. The group's error says so (the server answers 400, not
+        an empty "abort"). With overlapped steps the matchers took these tokens already (to fill
+        the next mask), so a row costs a look-up."""
         grammar_of = self.structured.seqs.get
         rows, behind = [], []
-        for seq in seqs:
+        for seq, group in seqs:
             g = grammar_of(seq.seq_id)
             if g is None:
                 continue
-            rows.append((seq, g))
+            rows.append((seq, group, g))
             if g.num_accepted != len(seq.output_token_ids):
                 behind.append((g, seq.output_token_ids, None))
         if behind:
             SeqGrammars.advance(behind)
-        return [(seq, SequenceStatus.FINISHED_ABORTED if g.rejected else SequenceStatus.FINISHED_STOPPED)
-                for seq, g in rows if g.done and not seq.status.finished]
+        ended = []
+        for seq, group, g in rows:
+            if not g.done or seq.status.finished:
+                continue
+            if g.rejected and group.error is None:
+                group.error = (f"structured_outputs: after {g.num_accepted - 1} output tokens the grammar accepts "
+                               "no token the request may draw: allowed_token_ids, bad_words or min_tokens "
+                               "exclude all it accepts there, or the grammar has a dead end")
+            ended.append((seq, SequenceStatus.FINISHED_ABORTED if g.rejected else SequenceStatus.FINISHED_STOPPED))
+        return ended
 
     def _sample_device(self, logits: torch.Tensor, sampled: list, prev_tokens: torch.Tensor | None = None
                        ) -> DeviceSample:
@@ -141,7 +153,7 @@ class TokenApplication:
                     done.append((s.seq, status))
         if self.structured.seqs:
             ending = {id(seq) for seq, _ in done}
-            done += self._grammar_ended(s.seq for s in live if id(s.seq) not in ending)
+            done += self._grammar_ended((s.seq, s.group) for s in live if id(s.seq) not in ending)
         if done:
             group_of = {s.seq.seq_id: s.group for s in live}
             for seq, status in done:
@@ -210,7 +222,7 @@ class TokenApplication:
                 status = self.output_processor.append_token(
                     seq, s.group, result.token_ids[r], result.logprobs[r], result.position_logprobs[r])
                 if status is None and self.structured.seqs:
-                    status = next((st for _, st in self._grammar_ended([seq])), None)
+                    status = next((st for _, st in self._grammar_ended([(seq, s.group)])), None)
                 if status is not None:
                     seq.status = status
                     self.scheduler.free_seq(seq)
@@ -235,7 +247,7 @@ class TokenApplication:
                     break
             if status is None and self.structured.seqs:
                 # Only the last token can close a grammar (proposals never include a closing one).
-                status = next((st for _, st in self._grammar_ended([seq])), None)
+                status = next((st for _, st in self._grammar_ended([(seq, s.group)])), None)
             if status is not None:
                 seq.status = status
                 self.scheduler.free_seq(seq)
@@ -261,7 +273,7 @@ class TokenApplication:
             done = self.output_processor.append_plain_tokens(sampled, result.token_ids, result.logprobs)
             if self.structured.seqs:
                 ending = {id(seq) for seq, _ in done}
-                done += self._grammar_ended(s.seq for s in sampled if id(s.seq) not in ending)
+                done += self._grammar_ended((s.seq, s.group) for s in sampled if id(s.seq) not in ending)
             for seq, status in done:
                 seq.status = status
                 free(seq)
@@ -271,7 +283,7 @@ class TokenApplication:
             seq = s.seq
             status = append(seq, s.group, token, logprob, None)
             if status is None and self.structured.seqs:
-                status = next((st for _, st in self._grammar_ended([seq])), None)
+                status = next((st for _, st in self._grammar_ended([(seq, s.group)])), None)
             if status is not None:
                 seq.status = status
                 self.scheduler.free_seq(seq)

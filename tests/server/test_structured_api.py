@@ -136,6 +136,28 @@ def test_openai_client_parse_with_a_pydantic_model(tools_client):
     assert Verse.model_validate_json(choice.message.content) == choice.message.parsed
 
 
+def test_a_grammar_left_no_token_to_draw_is_a_400(tools_http):
+    """allowed_token_ids that hold none of the tokens the grammar accepts (or a grammar with a dead
+    end) leave the draw nothing: the grammar refuses the token drawn anyway. That ended as an
+    empty "abort" under a 200; now a 400 saying why (streamed: an error event), and the server
+    goes on serving."""
+    q = tools_http.post("/tokenize", json={"prompt": "q", "add_special_tokens": False}).json()["tokens"]
+    cases = [{"prompt": "And", "allowed_token_ids": q, "structured_outputs": {"choice": ["yes", "no"]}},
+             {"prompt": "And", "temperature": 0, "structured_outputs": {"grammar": 'root ::= "a" x\nx ::= x'}}]
+    for body in cases:
+        r = tools_http.post(CMPL, json={"max_tokens": 8, **body})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["code"] == "structured_outputs_failed" and "accepts no token" in err["message"], err
+        with tools_http.stream("POST", CMPL, json={"max_tokens": 8, "stream": True, **body}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert events[-1]["error"]["code"] == "structured_outputs_failed", events
+    # Tokens both allow: served (one token: the end of "q" is EOS, which allowed_token_ids leaves out)
+    r = tools_http.post(CMPL, json={"prompt": "And", "max_tokens": len(q), "allowed_token_ids": q,
+                                    "structured_outputs": {"choice": ["q", "qq"]}})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "q", r.text
+
+
 @pytest.fixture(scope="module")
 def impatient_server(tools_model_dir, tmp_path_factory):
     """A server whose grammars can never compile in time (a 1 microsecond limit)."""

@@ -29,7 +29,9 @@ class SeqGrammar:
     matcher: xgr.GrammarMatcher
     stop_token_ids: frozenset[int]  # the tokens whose acceptance can terminate the matcher
     num_accepted: int = 0
-    rejected: bool = False      # a token the grammar refused reached it (never expected: the mask forbids it)
+    # a token the grammar refused reached it: only when its mask left the draw no token (the
+    # request's allowed_token_ids / bad_words / min_tokens exclude all it accepts, or a dead end)
+    rejected: bool = False
     done: bool = False          # the grammar has closed (its stop token accepted), or it cannot go on
 
     def catch_up(self, output_token_ids: list[int], pending: int | None = None) -> None:
@@ -51,7 +53,7 @@ class SeqGrammar:
         """The matcher's answer to `token` (num_accepted already counts it)."""
         if not ok:
             self.rejected = self.done = True
-            logger.error("grammar matcher rejected token %d after %d tokens", token, self.num_accepted - 1)
+            logger.warning("grammar matcher rejected token %d after %d tokens", token, self.num_accepted - 1)
         elif token in self.stop_token_ids:
             self.done = self.matcher.is_terminated()
 
