@@ -125,6 +125,12 @@ class InputProcessor:
         self.check_token_ids("logit_bias", params.logit_bias or ())
         self.check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
         self.check_token_ids("bad_words", [t for w in params.bad_words_token_ids or () for t in w])
+        if params.allowed_token_ids is not None:
+            # A one-token bad word is banned at every step: if it bans every allowed token, every
+            # logit is -inf, the softmax NaN, and each draw took token 0.
+            banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+            if not set(params.allowed_token_ids) - banned:
+                raise ValueError("allowed_token_ids: bad_words bans every one of them, leaving no token to draw")
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
             if asked == -1:

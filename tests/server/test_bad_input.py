@@ -156,3 +156,17 @@ def test_a_tiny_temperature_is_raised_to_vllms_floor(http):
         floor = tokens(temperature=0.01, **extra)
         assert tokens(temperature=1e-300, **extra) == floor
         assert tokens(temperature=1e-30, **extra) == floor
+
+
+def test_allowed_token_ids_all_banned_by_bad_words_is_a_400(http):
+    """Nothing left to draw: every logit -inf, a NaN softmax, and token 0 drawn at each step
+    (a 200 of "<s><s>...") before this was refused."""
+    ids = http.post("/tokenize", json={"prompt": "Z", "add_special_tokens": False}).json()["tokens"]
+    assert len(ids) == 1
+    r = http.post(CMPL, json=c(allowed_token_ids=ids, bad_words=["Z"]))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "allowed_token_ids" and "bad_words" in err["message"], err
+    other = http.post("/tokenize", json={"prompt": "q", "add_special_tokens": False}).json()["tokens"]
+    r = http.post(CMPL, json=c(allowed_token_ids=ids + other, bad_words=["Z"], max_tokens=3))
+    assert r.status_code == 200 and set(r.json()["choices"][0]["text"]) <= {"q"}, r.text
