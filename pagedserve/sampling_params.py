@@ -14,6 +14,9 @@ MAX_N = 128
 # Below it, in float32, the temperature rounds to 0 (under ~1e-45) or the logits divided by it
 # overflow: the softmax is NaN, and the draw returned token 0 every step, whatever the model said.
 MIN_TEMPERATURE = 1e-2
+# repetition_penalty divides the positive logits of seen tokens: below this, the same float32
+# trouble as a tiny temperature (1e-300 is 0: inf logits, a NaN softmax, token 0 drawn).
+MIN_REPETITION_PENALTY = 1e-2
 
 
 class RequestOutputKind(enum.Enum):
@@ -162,8 +165,8 @@ class SamplingParams:
             bad("presence_penalty", "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             bad("frequency_penalty", "in [-2, 2]")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            bad("repetition_penalty", "in (0, 2]")
+        if not MIN_REPETITION_PENALTY <= self.repetition_penalty <= 2.0:
+            bad("repetition_penalty", f"in [{MIN_REPETITION_PENALTY}, 2]")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and v < -1:  # the upper bound is the engine's max_logprobs (input_processor)

@@ -54,6 +54,7 @@ CASES = [
     ("presence-penalty", CMPL, c(presence_penalty=5), 400, "presence_penalty"),
     ("frequency-penalty", CHAT, ch(frequency_penalty=-3), 400, "frequency_penalty"),
     ("repetition-penalty-zero", CMPL, c(repetition_penalty=0), 400, "repetition_penalty"),
+    ("repetition-penalty-tiny", CMPL, c(repetition_penalty=1e-300), 400, "repetition_penalty"),
     ("seed-negative", CMPL, c(seed=-1), 400, "seed"),
     ("seed-huge", CMPL, c(seed=2**70), 400, "seed"),
     ("n-zero", CMPL, c(n=0), 400, "n"),

@@ -14,7 +14,7 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_serializer,
                       model_validator)
 
-from pagedserve.sampling_params import MAX_N
+from pagedserve.sampling_params import MAX_N, MIN_REPETITION_PENALTY
 
 MAX_STOP = 16
 MAX_SEED = 2**63 - 1
@@ -296,7 +296,7 @@ class SamplingFields(StructuredOutputFields):
     # vLLM extras
     top_k: Optional[int] = Field(None, ge=-1, le=MAX_TOKEN_ID)
     min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: Optional[float] = Field(None, gt=0.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(None, ge=MIN_REPETITION_PENALTY, le=2.0)
     min_tokens: int = Field(0, ge=0, le=MAX_TOKEN_ID)
     ignore_eos: bool = False
     stop_token_ids: Optional[Annotated[list[TokenId], Field(max_length=MAX_STOP)]] = None
