@@ -89,8 +89,9 @@ def resolve_max_logprobs(max_logprobs: int, vocab_size: int) -> int:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any | None, vocab_size: int, max_model_len: int, max_num_seqs: int,
-                 cache_config: CacheConfig, max_logprobs: int = 20) -> None:
+                 cache_config: CacheConfig, max_logprobs: int = 20, eos_token_ids: Iterable[int] = ()) -> None:
         self.tokenizer, self.vocab_size, self.max_model_len = tokenizer, vocab_size, max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)  # what min_tokens holds back, with stop_token_ids
         self.max_num_seqs, self.cache_config = max_num_seqs, cache_config
         self.max_logprobs = resolve_max_logprobs(max_logprobs, vocab_size)
 
@@ -106,6 +107,18 @@ class InputProcessor:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"{name} must be in [0, {self.vocab_size}) (the model's vocab), got {bad[:5]}")
+
+    def check_something_to_draw(self, params: SamplingParams) -> None:
+        """allowed_token_ids must leave a token to draw. A one-token bad word is banned at every
+        step, and min_tokens holds back the stop tokens for its first tokens: with nothing left,
+        every logit is -inf, the softmax NaN, and each draw took token 0."""
+        left = set(params.allowed_token_ids) - {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
+        if not left:
+            raise ValueError("allowed_token_ids: bad_words bans every one of them, leaving no token to draw")
+        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        if params.min_tokens and not left - stops:
+            raise ValueError(f"allowed_token_ids: all of them end the output (EOS or stop_token_ids), which "
+                             f"min_tokens ({params.min_tokens}) holds back: no token is left to draw")
 
     def logprob_count(self, name: str, asked: int | None) -> int | None:
         """A request's logprobs count (named `name`) as a number, vLLM's -1 being the whole
@@ -126,11 +139,7 @@ class InputProcessor:
         self.check_token_ids("allowed_token_ids", params.allowed_token_ids or ())
         self.check_token_ids("bad_words", [t for w in params.bad_words_token_ids or () for t in w])
         if params.allowed_token_ids is not None:
-            # A one-token bad word is banned at every step: if it bans every allowed token, every
-            # logit is -inf, the softmax NaN, and each draw took token 0.
-            banned = {w[0] for w in params.bad_words_token_ids or () if len(w) == 1}
-            if not set(params.allowed_token_ids) - banned:
-                raise ValueError("allowed_token_ids: bad_words bans every one of them, leaving no token to draw")
+            self.check_something_to_draw(params)
         for name in ("logprobs", "prompt_logprobs"):
             asked = getattr(params, name)
             if asked == -1:

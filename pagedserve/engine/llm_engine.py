@@ -149,7 +149,7 @@ class LLMEngine(StepPipeline, TokenApplication):
         self._beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.structured.seqs)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
                                               self.scheduler_config.max_num_seqs, self.cache_config,
-                                              config.max_logprobs)
+                                              config.max_logprobs, eos_token_ids=self.eos_token_ids)
         self.max_logprobs = self.input_processor.max_logprobs  # -1 resolved to the vocabulary
         # Phase clock (pagedserve.engine.step_timer.StepTimer); the null one does nothing.
         self.step_timer = NULL_STEP_TIMER

@@ -159,8 +159,9 @@ def test_a_tiny_temperature_is_raised_to_vllms_floor(http):
         assert tokens(temperature=1e-30, **extra) == floor
 
 
-def test_allowed_token_ids_all_banned_by_bad_words_is_a_400(http):
-    """Nothing left to draw: every logit -inf, a NaN softmax, and token 0 drawn at each step
+def test_allowed_token_ids_that_leave_nothing_to_draw_is_a_400(http):
+    """Nothing left to draw (bad_words ban every allowed token, or min_tokens holds back all of
+    them, each a stop token): every logit -inf, a NaN softmax, and token 0 drawn at each step
     (a 200 of "<s><s>...") before this was refused."""
     ids = http.post("/tokenize", json={"prompt": "Z", "add_special_tokens": False}).json()["tokens"]
     assert len(ids) == 1
@@ -171,3 +172,9 @@ def test_allowed_token_ids_all_banned_by_bad_words_is_a_400(http):
     other = http.post("/tokenize", json={"prompt": "q", "add_special_tokens": False}).json()["tokens"]
     r = http.post(CMPL, json=c(allowed_token_ids=ids + other, bad_words=["Z"], max_tokens=3))
     assert r.status_code == 200 and set(r.json()["choices"][0]["text"]) <= {"q"}, r.text
+    r = http.post(CMPL, json=c(allowed_token_ids=ids, stop_token_ids=ids, min_tokens=2))
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "allowed_token_ids" and "min_tokens (2)" in err["message"], err
+    r = http.post(CMPL, json=c(allowed_token_ids=ids, stop_token_ids=ids))  # no min_tokens: it stops
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
