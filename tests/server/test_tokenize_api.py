@@ -56,6 +56,7 @@ def test_detokenize_is_hfs_decode(http, tok):
     ("/tokenize", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, "chat_template"),
     ("/tokenize", {"prompt": "x", "mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs"),
+    ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, "add_generation_prompt"),
     ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens.0"),
 ])

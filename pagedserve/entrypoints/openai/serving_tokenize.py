@@ -86,6 +86,9 @@ class OpenAIServingTokenization(OpenAIServing):
             for name in ("tools", "chat_template_kwargs", "continue_final_message"):
                 if getattr(req, name):
                     raise APIError(f"{name} applies to messages, not to a prompt", param=name)
+            if not req.add_generation_prompt:  # (its default, true, is no request of anything)
+                raise APIError("add_generation_prompt applies to messages, not to a prompt",
+                               param="add_generation_prompt")
             tok = self._tokenizer("prompt")
             self.check_text_length(len(req.prompt), "prompt")
             special = req.add_special_tokens is not False
