@@ -32,6 +32,27 @@ class RequestOutputKind(enum.Enum):
     FINAL_ONLY = "final_only"
 
 
+# The deepest nesting of lists and objects accepted in a JSON Schema. jsonschema's meta-schema
+# check recurses several Python frames a level and reached the interpreter's limit near 100 levels
+# of subschemas (a RecursionError: the server answered 500); real schemas nest a few levels.
+MAX_SCHEMA_DEPTH = 64
+
+
+def json_depth(value: Any) -> int:
+    """How deeply lists and dicts nest in value (0 for a scalar). Iterative: it runs before
+    whatever would recurse too deep."""
+    depth, todo = 0, [(value, 1)]
+    while todo:
+        v, d = todo.pop()
+        if isinstance(v, dict):
+            v = v.values()
+        elif not isinstance(v, list):
+            continue
+        depth = max(depth, d)
+        todo.extend((x, d + 1) for x in v)
+    return depth
+
+
 @dataclass
 class StructuredOutputsParams:
     """Constrains a request's output to a grammar; exactly one kind is set (vLLM's names).

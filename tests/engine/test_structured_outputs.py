@@ -467,6 +467,22 @@ def test_a_grammar_that_matches_no_text_is_refused():
         parse_spec(spec)
 
 
+def test_a_schema_nested_too_deep_is_refused_before_it_recurses():
+    from pagedserve.engine.structured.compiler import parse_spec
+    from pagedserve.sampling_params import MAX_SCHEMA_DEPTH
+    deep = {"type": "string"}
+    for _ in range(100):
+        deep = {"anyOf": [deep, {"type": "null"}]}
+    with pytest.raises(ValueError, match=f"at most {MAX_SCHEMA_DEPTH} levels"):
+        parse_spec(SO(json=deep))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_spec(SO(json="[" * 3000 + "]" * 3000))
+    ok = {"type": "string"}
+    for _ in range(MAX_SCHEMA_DEPTH // 2 - 1):  # two levels of nesting each
+        ok = {"anyOf": [ok, {"type": "null"}]}
+    parse_spec(SO(json=ok))
+
+
 def test_schemas_xgrammar_enforces_whole_are_not_refused():
     from pagedserve.engine.structured.compiler import parse_spec
     for schema in ({"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},

@@ -178,3 +178,12 @@ def test_allowed_token_ids_that_leave_nothing_to_draw_is_a_400(http):
     assert err["param"] == "allowed_token_ids" and "min_tokens (2)" in err["message"], err
     r = http.post(CMPL, json=c(allowed_token_ids=ids, stop_token_ids=ids))  # no min_tokens: it stops
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "stop", r.text
+
+
+def test_tool_call_arguments_nested_past_jsons_recursion_are_text(http):
+    """The history's arguments are passed to the template as an object where they parse as one:
+    json.loads of "[[[[..." ran out of recursion, a 500. Now they are text, as any non-JSON is."""
+    r = http.post(CHAT, json=ch(messages=[*MSG, {"role": "assistant", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 3000 + "]" * 3000}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "x"}]))
+    assert r.status_code == 200, r.text

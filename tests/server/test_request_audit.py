@@ -107,6 +107,16 @@ def test_unknown_keys_are_ignored_with_a_log_line(tools_http, tools_server):
 
 
 BAD_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": "zero"}}}
+
+
+def _deep_schema(levels: int) -> dict:
+    """anyOf nested `levels` deep: jsonschema's meta-schema check ran out of recursion (a 500)."""
+    s = {"type": "string"}
+    for _ in range(levels):
+        s = {"anyOf": [s, {"type": "null"}]}
+    return s
+
+
 JS = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
 
 # (id, path, body, param, a word the message must hold)
@@ -161,6 +171,11 @@ CASES = [
      "structured_outputs.grammar", "matches no text"),
     ("guided-regex-matches-nothing", CHAT, ch(guided_regex="[^\\x00-\\U0010FFFF]"), "guided_regex",
      "matches no text"),
+    ("schema-too-deep", CMPL, c(guided_json=_deep_schema(100)), "guided_json", "at most 64"),
+    ("schema-text-too-deep", CMPL, c(guided_json="[" * 3000 + "]" * 3000), "guided_json", "not JSON"),
+    ("tool-parameters-too-deep", CHAT, ch(tools=[{"type": "function", "function": {
+        "name": "f", "parameters": _deep_schema(100)}}], tool_choice="none"), "tools.0.function.parameters",
+     "at most 64"),
     # keywords the grammar would not enforce (engine/structured/compiler.unenforced_keyword)
     ("schema-keyword-not-enforced", CHAT, ch(response_format={"type": "json_schema", "json_schema": {
         "name": "x", "schema": {"type": "object", "properties": {"n": {"not": {"type": "integer"}}}}}}),

@@ -27,7 +27,7 @@ from typing import Any
 import xgrammar as xgr
 
 from pagedserve.metrics import COMPILE_BUCKETS
-from pagedserve.sampling_params import StructuredOutputsParams
+from pagedserve.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, json_depth
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def parse_spec(spec: StructuredOutputsParams, max_whitespace: int = 0) -> xgr.Gr
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except json.JSONDecodeError as e:
+                except (json.JSONDecodeError, RecursionError) as e:  # (json's decoder recurses)
                     raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise ValueError(f"structured_outputs.json must be a JSON Schema object, got {type(schema).__name__}")
@@ -130,6 +130,10 @@ def _not_empty(grammar: xgr.Grammar, kind: str) -> xgr.Grammar:
 def _check_schema(schema: Any) -> None:
     """A schema that is not valid JSON Schema (draft 2020-12 meta-schema) is refused by name."""
     import jsonschema
+    depth = json_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"structured_outputs.json nests lists and objects {depth} deep; at most "
+                         f"{MAX_SCHEMA_DEPTH} levels are accepted")
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:

@@ -161,7 +161,7 @@ def history_message(m: Any, content_format: str = "string") -> dict:
         for c in m.tool_calls:
             try:
                 args: Any = json.loads(c.function.arguments)
-            except ValueError:
+            except (ValueError, RecursionError):  # not JSON (or nested past json's recursion): as text
                 args = c.function.arguments
             calls.append({"id": c.id, "type": "function",
                           "function": {"name": c.function.name, "arguments": args}})
