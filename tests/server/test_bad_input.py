@@ -187,3 +187,18 @@ def test_tool_call_arguments_nested_past_jsons_recursion_are_text(http):
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "[" * 3000 + "]" * 3000}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "x"}]))
     assert r.status_code == 200, r.text
+
+
+def test_values_nested_as_deep_as_the_parser_goes_are_no_500(http):
+    """Nested objects as deep as the body's JSON parser accepts (about 960: deeper is its own
+    400): the check of every string for lone surrogates walked them recursively and ran out of
+    Python's recursion limit, a 500, at the depths just below the parser's."""
+    for depth in range(900, 1001, 4):
+        nested = "1"
+        for _ in range(depth):
+            nested = '{"a":' + nested + "}"
+        for path, body in ((CHAT, ch(max_tokens=1)), (CMPL, c(max_tokens=1))):
+            raw = json.dumps(body)[:-1] + ', "chat_template_kwargs": ' + nested + "}"
+            r = _post(http, path, raw.encode())
+            assert r.status_code < 500, (depth, path, r.text)
+    _assert_still_serving(http)

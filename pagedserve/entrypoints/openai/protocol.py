@@ -39,21 +39,25 @@ _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 def _check_text(value: Any) -> None:
     """Raise ValueError for a string (anywhere in lists and dict keys/values) holding a lone
     UTF-16 surrogate: JSON can escape one ("\\ud800", a JavaScript string cut inside an emoji),
-    but it is no Unicode text, so no tokenizer or UTF-8 encoder downstream can take it."""
-    if isinstance(value, str):
-        m = _LONE_SURROGATE.search(value)
-        if m:
-            raise ValueError(f"contains a lone UTF-16 surrogate (U+{ord(m.group()):04X}) at "
-                             f"character {m.start()}, which is not valid Unicode text")
-    elif isinstance(value, list):
-        # Runs after type validation, so a list is all of one type: token ids need no look.
-        if value and not isinstance(value[0], (int, float)):
-            for v in value:
-                _check_text(v)
-    elif isinstance(value, dict):
-        for k, v in value.items():
-            _check_text(k)
-            _check_text(v)
+    but it is no Unicode text, so no tokenizer or UTF-8 encoder downstream can take it.
+    Iterative: a value nested about 960 deep (as deep as the body's JSON parser goes) ran a
+    recursive walk out of Python's recursion limit, a 500."""
+    todo = [value]
+    while todo:
+        value = todo.pop()
+        if isinstance(value, str):
+            m = _LONE_SURROGATE.search(value)
+            if m:
+                raise ValueError(f"contains a lone UTF-16 surrogate (U+{ord(m.group()):04X}) at "
+                                 f"character {m.start()}, which is not valid Unicode text")
+        elif isinstance(value, list):
+            # Runs after type validation, so a list is all of one type: token ids need no look.
+            if value and not isinstance(value[0], (int, float)):
+                todo.extend(value)
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                todo.append(k)
+                todo.append(v)
 
 
 class Request(OpenAIModel):
