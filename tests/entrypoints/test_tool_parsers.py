@@ -126,6 +126,24 @@ def test_pythonic_whole_text_that_is_not_a_call_list_is_content(text):
                                                                            "calls": []}
 
 
+DEEP = "[" * 3000 + "]" * 3000  # nested past json's (and Python's parser's) recursion
+DEEP_CASES = [("hermes", f'<tool_call>{{"name": "f", "arguments": {DEEP}}}</tool_call>'),
+              ("hermes", f'<tool_call>{{"name": "f", "arguments": {DEEP[:3000]}'),
+              ("llama3_json", f'{{"name": "f", "parameters": {DEEP}}}'),
+              ("mistral", f'[TOOL_CALLS][{{"name": "f", "arguments": {DEEP}}}]'),
+              ("pythonic", "[f(a=" + "-" * 3000 + "1)]")]
+
+
+@pytest.mark.parametrize("name,text", DEEP_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(DEEP_CASES)])
+def test_output_nested_too_deep_to_parse_is_no_exception(name, text):
+    """A grammar (or a model) can make the output nest thousands deep: the parsers' JSON decoder
+    and ast.parse ran out of recursion, and the response failed. Now such text is no call."""
+    parser = MessageParser(tools=TOOL_PARSERS[name]())
+    got = whole(parser, text)
+    assert got["calls"] == [] and got["content"] == text, got
+    stream(parser, [text[:100], text[100:4000], text[4000:]])  # (what it sent of an open call stays sent)
+
+
 def test_parallel_tool_calls_false_keeps_the_first():
     text = TOOL_CASES[1][1]
     parser = MessageParser(tools=TOOL_PARSERS["hermes"](), parallel_tool_calls=False)

@@ -64,10 +64,12 @@ def skip_ws(text: str, pos: int) -> int:
 
 
 def _decode(text: str, pos: int):
-    """(value, end) of the JSON value at pos, or (None, None) while incomplete or invalid."""
+    """(value, end) of the JSON value at pos, or (None, None) while incomplete or invalid (or
+    nested past json's recursion: a model can be led to write "[[[[...", and the response
+    failed with a RecursionError)."""
     try:
         return _DECODER.raw_decode(text, pos)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None, None
 
 

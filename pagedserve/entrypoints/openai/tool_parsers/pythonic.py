@@ -50,7 +50,7 @@ def _read(source: str) -> CallText | None:
     """A call `name(key=literal, ...)` as name and JSON arguments, or None if it is not one."""
     try:
         node = ast.parse(source, mode="eval").body
-    except SyntaxError:
+    except (SyntaxError, RecursionError, MemoryError):  # (the last two: nested past the parser's limits)
         return None
     if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Name) or node.args:
         return None
