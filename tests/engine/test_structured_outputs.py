@@ -455,18 +455,6 @@ def test_schema_keywords_xgrammar_does_not_enforce_are_refused(schema, breaks, w
     assert str(e.value).startswith("structured_outputs.json uses ")
 
 
-def test_a_grammar_that_matches_no_text_is_refused():
-    """xgrammar builds "root ::= root" (and a regex of an empty class) without a word; its mask
-    then allows no token, and the request ended at once as "abort" with no output."""
-    from pagedserve.engine.structured.compiler import parse_spec
-    for spec in (SO(grammar="root ::= root"), SO(grammar="root ::= x\nx ::= x"),
-                 SO(regex="[^\\x00-\\U0010FFFF]")):
-        with pytest.raises(ValueError, match="matches no text"):
-            parse_spec(spec)
-    for spec in (SO(grammar='root ::= ""'), SO(grammar='root ::= root "a" | "b"'), SO(regex="a*")):
-        parse_spec(spec)
-
-
 def test_a_schema_nested_too_deep_is_refused_before_it_recurses():
     from pagedserve.engine.structured.compiler import parse_spec
     from pagedserve.sampling_params import MAX_SCHEMA_DEPTH

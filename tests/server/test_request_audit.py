@@ -167,10 +167,6 @@ CASES = [
      "messages.1.function_call", "tool_calls"),
     ("template-kwargs-clash", CHAT, ch(chat_template_kwargs={"tokenize": True}),
      "chat_template_kwargs", "tokenize"),
-    ("grammar-matches-nothing", CMPL, c(structured_outputs={"grammar": "root ::= root"}),
-     "structured_outputs.grammar", "matches no text"),
-    ("guided-regex-matches-nothing", CHAT, ch(guided_regex="[^\\x00-\\U0010FFFF]"), "guided_regex",
-     "matches no text"),
     ("schema-too-deep", CMPL, c(guided_json=_deep_schema(100)), "guided_json", "at most 64"),
     ("schema-text-too-deep", CMPL, c(guided_json="[" * 3000 + "]" * 3000), "guided_json", "not JSON"),
     ("tool-parameters-too-deep", CHAT, ch(tools=[{"type": "function", "function": {

@@ -4,8 +4,9 @@ Two halves, as vLLM splits them:
   - parse_spec (synchronous, cheap: microseconds for ordinary schemas): the spec becomes an
     xgrammar Grammar (JSON Schema / regex / EBNF -> its EBNF form). This is where a bad schema,
     regex or grammar is found, so add_request can refuse it with a ValueError naming the problem
-    (the server answers 400); also a schema keyword xgrammar would ignore (unenforced_keyword)
-    and an EBNF grammar or regex that matches no text (_not_empty: a compile for single bytes).
+    (the server answers 400); also a schema keyword xgrammar would ignore (unenforced_keyword).
+    (A grammar that matches no text, "root ::= root", is found when its mask first allows no
+    token: token_application's _grammar_ended gives the request an error then.)
   - GrammarCompilerPool.submit (asynchronous): the tokenizer-dependent compile (the per-state
     token-mask cache, milliseconds to seconds) on a thread pool, cached by the spec's key. A
     compile in progress is shared by every request that asks for the same spec; a finished one is
@@ -93,11 +94,11 @@ def parse_spec(spec: StructuredOutputsParams, max_whitespace: int = 0) -> xgr.Gr
             return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=any_ws, strict_mode=False,
                                                 max_whitespace_cnt=ws_cap)
         if kind == "regex":
-            return _not_empty(xgr.Grammar.from_regex(spec.regex), kind)
+            return xgr.Grammar.from_regex(spec.regex)
         if kind == "choice":
             return xgr.Grammar.from_ebnf(choice_grammar(spec.choice))
         if kind == "grammar":
-            return _not_empty(xgr.Grammar.from_ebnf(spec.grammar), kind)
+            return xgr.Grammar.from_ebnf(spec.grammar)
         if kind == "structural_tag":
             tag = spec.structural_tag
             return xgr.Grammar.from_structural_tag(tag if isinstance(tag, str) else json.dumps(tag))
@@ -106,25 +107,6 @@ def parse_spec(spec: StructuredOutputsParams, max_whitespace: int = 0) -> xgr.Gr
     except Exception as e:  # xgrammar raises RuntimeError (and its own errors) with a parser message
         raise ValueError(f"structured_outputs.{kind} cannot be compiled: {_short(e)}") from None
     raise ValueError(f"structured_outputs kind {kind!r} is not supported")
-
-
-_BYTES_COMPILER: list = []  # xgrammar's compiler for a vocabulary of the 256 bytes and a stop token
-
-
-def _not_empty(grammar: xgr.Grammar, kind: str) -> xgr.Grammar:
-    """The grammar, unless it matches no text at all ("root ::= root"): xgrammar builds such a
-    grammar, whose mask then allows no token, and the request would end at once as "abort" with
-    no output. Found by compiling it for single bytes (milliseconds, no tokenizer needed): with
-    no byte and no end allowed at the start, nothing can be written."""
-    if not _BYTES_COMPILER:
-        info = xgr.TokenizerInfo([bytes([i]) for i in range(256)] + [b""], stop_token_ids=[256])
-        _BYTES_COMPILER.append(xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False))
-    matcher = xgr.GrammarMatcher(_BYTES_COMPILER[0].compile_grammar(grammar))
-    mask = xgr.allocate_token_bitmask(1, 257)
-    matcher.fill_next_token_bitmask(mask)
-    if not mask.any():
-        raise ValueError(f"structured_outputs.{kind} matches no text: no output can satisfy it")
-    return grammar
 
 
 def _check_schema(schema: Any) -> None:
