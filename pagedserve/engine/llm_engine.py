@@ -145,7 +145,8 @@ class LLMEngine(StepPipeline, TokenApplication):
                                             config.structured_outputs_backend,
                                             config.structured_outputs_compile_timeout_s,
                                             fill_threads=config.structured_outputs_fill_threads,
-                                            max_whitespace=config.structured_outputs_max_whitespace)
+                                            max_whitespace=config.structured_outputs_max_whitespace,
+                                            schemas_checked=serving)
         self._beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.structured.seqs)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
                                               self.scheduler_config.max_num_seqs, self.cache_config,

@@ -471,6 +471,27 @@ def test_a_schema_nested_too_deep_is_refused_before_it_recurses():
     parse_spec(SO(json=ok))
 
 
+def test_an_engine_behind_the_server_does_not_check_schemas_again(monkeypatch):
+    """The API server has run jsonschema's meta-schema check (~7 ms per KB) off its event loop;
+    the engine core ran it again on its step thread, stalling every request in flight. With
+    schemas_checked (LLMEngine(serving=True)) it does not; offline it still does."""
+    import torch
+    from transformers import AutoTokenizer
+    from pagedserve.engine.structured import compiler
+    from pagedserve.engine.structured.manager import StructuredOutputs
+
+    def meta_check(schema):
+        raise AssertionError("jsonschema's meta-schema check ran")
+    monkeypatch.setattr(compiler, "_check_schema", meta_check)
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    spec = SO(json={"type": "object", "properties": {"a": {"type": "integer"}}})
+    served = StructuredOutputs(tok, len(tok), {tok.eos_token_id}, torch.device("cpu"), schemas_checked=True)
+    assert served.check(spec) is not None
+    offline = StructuredOutputs(tok, len(tok), {tok.eos_token_id}, torch.device("cpu"))
+    with pytest.raises(ValueError, match="meta-schema check ran"):  # (parse_spec wraps what it raises)
+        offline.check(spec)
+
+
 def test_schemas_xgrammar_enforces_whole_are_not_refused():
     from pagedserve.engine.structured.compiler import parse_spec
     for schema in ({"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},

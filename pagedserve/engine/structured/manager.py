@@ -86,7 +86,11 @@ class StructuredOutputs:
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: set[int], device: torch.device,
                  backend: str = "auto", compile_timeout_s: float = 30.0, compile_threads: int = 2,
                  fill_threads: int | None = None,
-                 max_whitespace: int = STRUCTURED_OUTPUTS_MAX_WHITESPACE) -> None:
+                 max_whitespace: int = STRUCTURED_OUTPUTS_MAX_WHITESPACE, schemas_checked: bool = False) -> None:
+        """schemas_checked: the engine serves the API server, which has run jsonschema's
+        meta-schema check on every JSON schema (entrypoints/openai/structured_outputs.py) off its
+        event loop; here it would run again on the step thread, ~7 ms per KB of schema, stalling
+        every request in flight (xgrammar's own conversion still refuses a malformed schema)."""
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {BACKENDS}, got {backend!r}")
         self.tokenizer = tokenizer
@@ -96,6 +100,7 @@ class StructuredOutputs:
         self.compile_timeout_s = compile_timeout_s
         self.compile_threads = compile_threads
         self.max_whitespace = max_whitespace  # parse_spec's bound on JSON whitespace runs (0: none)
+        self.schemas_checked = schemas_checked
         self._pool: GrammarCompilerPool | None = None   # built on first use (TokenizerInfo takes a moment)
         self.pending: dict[str, PendingCompile] = {}    # request id -> waiting for its grammar
         self.compiled: dict[str, xgr.CompiledGrammar] = {}  # request id -> its grammar (admitted)
@@ -138,14 +143,14 @@ class StructuredOutputs:
                              "skip_tokenizer_init=True")
         if self._pool is not None and self._pool.has(spec.key()):
             return None  # compiled (or compiling) already: parsed and checked then
-        return parse_spec(spec, self.max_whitespace)
+        return parse_spec(spec, self.max_whitespace, self.schemas_checked)
 
     def submit(self, group: Any, spec: StructuredOutputsParams, grammar: xgr.Grammar | None) -> bool:
         """Start (or reuse) the compile. True: the grammar is ready and the group may be scheduled
         now (start() done); False: the group waits here until poll() hands it over."""
         key = spec.key()
         if grammar is None and not self.pool.has(key):
-            grammar = parse_spec(spec, self.max_whitespace)  # evicted since check(): parse after all
+            grammar = parse_spec(spec, self.max_whitespace, self.schemas_checked)  # evicted since check(): parse after all
         fut = self.pool.submit(key, grammar)
         if fut.done() and fut.exception() is None:
             self.start(group, fut.result())
