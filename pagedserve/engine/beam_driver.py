@@ -65,8 +65,9 @@ class BeamSearchDriver:
             state = self.states[s.group.request_id]
             if len(ids[r]) > state.num_logprobs:  # another search in the batch asked for more
                 ids[r], vals[r] = ids[r][:state.num_logprobs], vals[r][:state.num_logprobs]
-            # A grammar's mask leaves -inf for forbidden tokens: they are no candidates at all.
-            keep = [j for j, v in enumerate(vals[r]) if v != float("-inf")]
+            # A grammar's mask leaves -inf for forbidden tokens: they are no candidates at all. A
+            # mask that forbids every token leaves NaN (log_softmax of all -inf): none either.
+            keep = [j for j, v in enumerate(vals[r]) if v > float("-inf")]
             if len(keep) < len(vals[r]):
                 ids[r], vals[r] = [ids[r][j] for j in keep], [vals[r][j] for j in keep]
             state.pending[s.seq.seq_id] = (ids[r], vals[r])
@@ -83,6 +84,11 @@ class BeamSearchDriver:
 
     def _advance(self, group: SequenceGroup, state: BeamSearchState, beams: list) -> None:
         n = state.num_candidates
+        if not any(tid for _, tid, _ in beams) and not state.finished and group.error is None:
+            # Every beam's grammar allows nothing here and no hypothesis has finished: the search
+            # ends with no result; the group's error says why (the server answers 400).
+            group.error = (f"structured_outputs: after {len(beams[0][0].output_token_ids)} output tokens the "
+                           "grammar accepts no token on any beam: it has a dead end, or matches no text")
         # A beam's records: this step's whole top list, shared by every child it forks.
         records = [(tid, lps) for _, tid, lps in beams]
         conts = state.step([LiveBeam(seq.output_token_ids, seq.cumulative_logprob, tid[:n], lps[:n],

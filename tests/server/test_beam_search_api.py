@@ -118,6 +118,19 @@ def test_a_grammar_constrains_every_beam(http, model, llm):
     assert all(c["text"] in choice for c in body["choices"])
 
 
+def test_a_grammar_that_leaves_every_beam_no_token_is_a_400(http):
+    """A mask that forbids every token gave NaN logprobs, which were kept as candidates: the beams
+    went on with tokens the grammar refused (a 200 of text breaking it). Now such tokens are no
+    candidates, and a search left with none and no finished hypothesis is a 400 saying why."""
+    for grammar, after in (("root ::= root", 0), ('root ::= "a" x\nx ::= x', 1)):
+        for path, base in ((CMPL, {"prompt": "hello"}), (CHAT, {"messages": [{"role": "user", "content": "hi"}]})):
+            r = http.post(path, json={"model": "tiny", **base, "max_tokens": 6, "use_beam_search": True, "n": 2,
+                                      "structured_outputs": {"grammar": grammar}})
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+            assert err["code"] == "structured_outputs_failed" and f"after {after} output tokens" in err["message"], err
+
+
 BEAM = {"use_beam_search": True, "n": 2}
 P = {"prompt": "hello", "max_tokens": 3}
 M = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
