@@ -95,7 +95,8 @@ def test_chat_equals_offline_streamed_or_not(http, model, llm):
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert [c["choices"] for c in chunks[:3]] == [[{"index": i, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}] for i in range(3)]
+                                                   "logprobs": None, "finish_reason": None, "stop_reason": None}]
+                                                 for i in range(3)]
     assert all(len(c["choices"]) == 1 for c in chunks[:-1])
     text, finish = {}, {}
     for ch in chunks[3:-1]:

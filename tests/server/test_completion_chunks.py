@@ -25,14 +25,15 @@ def fixed_clock(monkeypatch):
 
 def _reference(rid, model, choices):
     return sse(CompletionResponse(id=rid, model=model, created=CREATED, choices=[
-        CompletionChoice(index=i, text=t, logprobs=None, finish_reason=f) for i, t, f in choices]))
+        CompletionChoice(index=i, text=t, logprobs=None, finish_reason=f, stop_reason=s) for i, t, f, s in choices]))
 
 
 @pytest.mark.parametrize("text", TEXTS)
-@pytest.mark.parametrize("finish", [None, "length", "stop", "abort"])
-def test_one_choice_matches_the_model(text, finish):
+@pytest.mark.parametrize("finish,stop", [(None, None), ("length", None), ("stop", None), ("stop", 7),
+                                         ("stop", 'a "stop"\n'), ("abort", None)])
+def test_one_choice_matches_the_model(text, finish, stop):
     enc = CompletionChunkEncoder("cmpl-0123abcd", "bench")
-    assert enc.encode([(0, text, finish)]) == _reference("cmpl-0123abcd", "bench", [(0, text, finish)])
+    assert enc.encode([(0, text, finish, stop)]) == _reference("cmpl-0123abcd", "bench", [(0, text, finish, stop)])
 
 
 def test_many_choices_odd_names_and_random_text_match_the_model():
@@ -42,5 +43,6 @@ def test_many_choices_odd_names_and_random_text_match_the_model():
         enc = CompletionChunkEncoder("cmpl-x", model)
         for _ in range(200):
             choices = [(rng.randrange(8), "".join(rng.choices(alphabet, k=rng.randrange(12))),
-                        rng.choice([None, "length", "stop"])) for _ in range(rng.randrange(1, 4))]
+                        rng.choice([None, "length", "stop"]), rng.choice([None, 2, "\n"]))
+                       for _ in range(rng.randrange(1, 4))]
             assert enc.encode(choices) == _reference("cmpl-x", model, choices)

@@ -120,3 +120,35 @@ def test_stream_metrics_count_delta_tokens_once(client, server):
     assert delta("prompt_tokens_total") == usage.prompt_tokens
     for h in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
         assert delta(h + "_count") == 1 and delta(h + "_sum") > 0
+
+
+def test_stop_reason_names_what_stopped_each_choice(http):
+    """vLLM's stop_reason beside finish_reason in every choice (completions and chat, streamed
+    and not): the stop token id or stop string that ended it, null for EOS or the length."""
+    import json
+
+    def last_choice(path, body):
+        r = http.post(path, json={"model": "tiny", "temperature": 0, **body})
+        assert r.status_code == 200, r.text
+        whole = r.json()["choices"][0]
+        with http.stream("POST", path, json={"model": "tiny", "temperature": 0, "stream": True, **body}) as s:
+            chunks = [json.loads(line[6:]) for line in s.iter_lines()
+                      if line.startswith("data: {")]
+        streamed = [c["choices"][0] for c in chunks if c["choices"]]
+        assert all("stop_reason" in c for c in streamed)
+        return whole, streamed[-1]
+
+    for path, base in (("/v1/completions", {"prompt": PROMPTS[1]}),
+                       ("/v1/chat/completions", {"messages": [{"role": "user", "content": PROMPTS[1]}]})):
+        free, _ = last_choice(path, {**base, "max_tokens": 8, "return_tokens_as_token_ids": True,
+                                     "logprobs": 1 if "prompt" in base else True})
+        assert free["finish_reason"] == "length" and free["stop_reason"] is None
+        names = free["logprobs"]["tokens"] if "prompt" in base else [t["token"] for t in free["logprobs"]["content"]]
+        first = int(names[0].removeprefix("token_id:"))
+        whole, streamed = last_choice(path, {**base, "max_tokens": 8, "stop_token_ids": [first]})
+        assert (whole["finish_reason"], whole["stop_reason"]) == ("stop", first)
+        assert (streamed["finish_reason"], streamed["stop_reason"]) == ("stop", first)
+        text = free["text"] if "prompt" in base else free["message"]["content"]
+        stop = _stop_from(text)
+        whole, streamed = last_choice(path, {**base, "max_tokens": 8, "stop": [stop]})
+        assert whole["stop_reason"] == streamed["stop_reason"] == stop and whole["finish_reason"] == "stop"

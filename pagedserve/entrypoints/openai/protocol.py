@@ -383,11 +383,17 @@ class PromptLogprob(OpenAIModel):
 PromptLogprobs = Optional[list[Optional[dict[int, PromptLogprob]]]]
 
 
+# vLLM's stop_reason beside finish_reason (choices of completions and chat, streamed or not): the
+# stop string or stop token id that ended the choice; null for EOS, the length limit, or none yet.
+StopReason = Optional[Union[int, str]]
+
+
 class CompletionChoice(OpenAIModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
     finish_reason: Optional[str] = None
+    stop_reason: StopReason = None
     prompt_logprobs: PromptLogprobs = Field(None, exclude_if=lambda v: v is None)
 
 
@@ -507,6 +513,7 @@ class ChatChoice(OpenAIModel):
     message: ChatResponseMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -536,6 +543,7 @@ class ChatStreamChoice(OpenAIModel):
     delta: DeltaMessage
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
+    stop_reason: StopReason = None
 
 
 class ChatCompletionChunk(OpenAIModel):

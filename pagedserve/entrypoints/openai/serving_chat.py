@@ -134,7 +134,8 @@ class OpenAIServingChat(OpenAIServing):
             message = parser.message(c.text) if parser.active else ChatResponseMessage(content=c.text)
             choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
                                       finish_reason=finish_reason(c.finish_reason,
-                                                                  bool(message.tool_calls))))
+                                                                  bool(message.tool_calls)),
+                                      stop_reason=c.stop_reason))
         choices.sort(key=lambda ch: ch.index)
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
@@ -177,7 +178,7 @@ class OpenAIServingChat(OpenAIServing):
                         delta = delta or DeltaMessage()
                         finish = finish_reason(finish, st.called_tools)
                     choices.append(ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
-                                                    finish_reason=finish))
+                                                    finish_reason=finish, stop_reason=c.stop_reason))
                 for choice in choices:
                     yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
             if include_usage:

@@ -39,11 +39,12 @@ class CompletionChunkEncoder:
             ',"object":"text_completion","created":'
         self.mid = ',"model":' + to_json(model).decode() + ',"choices":['
 
-    def encode(self, choices: list[tuple[int, str, str | None]]) -> str:
-        """choices: (index, text, finish_reason) of each choice in the chunk."""
+    def encode(self, choices: list[tuple[int, str, str | None, int | str | None]]) -> str:
+        """choices: (index, text, finish_reason, stop_reason) of each choice in the chunk."""
         parts = [f'{{"index":{index},"text":{to_json(text).decode()},"logprobs":null,'
-                 f'"finish_reason":{"null" if finish is None else to_json(finish).decode()}}}'
-                 for index, text, finish in choices]
+                 f'"finish_reason":{"null" if finish is None else to_json(finish).decode()},'
+                 f'"stop_reason":{"null" if stop is None else to_json(stop).decode()}}}'
+                 for index, text, finish, stop in choices]
         return f'{self.head}{now()}{self.mid}{",".join(parts)}],"usage":null}}\n\n'
 
 
@@ -192,7 +193,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 # vLLM's prompt_logprobs, each choice its prompt's (asked for, not implied by echo)
                 plp = prompt_logprobs_json(out.prompt_logprobs) if req.prompt_logprobs is not None else None
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
-                                                logprobs=lp, finish_reason=c.finish_reason, prompt_logprobs=plp))
+                                                logprobs=lp, finish_reason=c.finish_reason,
+                                                stop_reason=c.stop_reason, prompt_logprobs=plp))
         choices.sort(key=lambda ch: ch.index)
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
@@ -227,14 +229,15 @@ class OpenAIServingCompletion(OpenAIServing):
                     if not st.take(c, prefix):
                         continue
                     if fast is not None:
-                        choices.append((i * req.n + c.index, prefix + c.text, c.finish_reason))
+                        choices.append((i * req.n + c.index, prefix + c.text, c.finish_reason, c.stop_reason))
                         continue
                     lp, st.text_offset = self._logprobs(c.token_ids, c.logprobs, req.logprobs,
                                                         st.text_offset + len(prefix), as_ids)
                     if prefix and req.logprobs is not None:
                         lp = self._with_prompt(prompts[i], prompt_lps.get(i), req.logprobs, lp, as_ids)
                     choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
-                                                    logprobs=lp, finish_reason=c.finish_reason))
+                                                    logprobs=lp, finish_reason=c.finish_reason,
+                                                    stop_reason=c.stop_reason))
                 for choice in choices:  # one a chunk, as OpenAI's and vLLM's streams with n > 1
                     yield fast.encode([choice]) if fast is not None else \
                         sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
@@ -257,4 +260,4 @@ class OpenAIServingCompletion(OpenAIServing):
 def _scored_only(c: CompletionOutput) -> CompletionOutput:
     """max_tokens 0 runs one token (the prompt's logprobs need a step) and reports none of it."""
     return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
-                               finish_reason="length" if c.finish_reason is not None else None)
+                               finish_reason="length" if c.finish_reason is not None else None, stop_reason=None)
