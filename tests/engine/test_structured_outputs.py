@@ -497,7 +497,8 @@ def test_schemas_xgrammar_enforces_whole_are_not_refused():
     for schema in ({"type": "object", "properties": {"not": {"type": "string"}, "if": {"type": "integer"}}},
                    {"anyOf": [{"type": "string"}, {"type": "null"}], "default": None, "title": "X"},
                    {"$ref": "#/$defs/C", "description": "d", "$defs": {"C": {"enum": ["a", "b"]}}},
-                   {"type": "integer", "multipleOf": 3}, {"allOf": [{"type": "integer"}]},
+                   {"type": "integer", "multipleOf": 3}, {"type": ["integer", "null"], "multipleOf": 2},
+                   {"allOf": [{"type": "integer"}]},
                    {"enum": [{"not": 1}]}, {"type": "array", "items": {"type": "integer"}, "uniqueItems": False}):
         parse_spec(SO(json=schema))
 

@@ -183,7 +183,9 @@ def _loose_here(node: dict) -> str | None:
             return f"`{kw}`"
     if node.get("uniqueItems") is True:
         return "`uniqueItems`"
-    if "multipleOf" in node and node.get("type") != "integer":
+    types = node.get("type")
+    types = types if isinstance(types, list) else [types]
+    if "multipleOf" in node and not ("integer" in types and "number" not in types):
         return "`multipleOf` (enforced for type integer only)"
     ref = node.get("$ref")
     if isinstance(ref, str) and not (ref == "#" or ref.startswith("#/")):
