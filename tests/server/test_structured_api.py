@@ -138,9 +138,9 @@ def test_openai_client_parse_with_a_pydantic_model(tools_client):
 
 def test_a_grammar_left_no_token_to_draw_is_a_400(tools_http):
     """allowed_token_ids that hold none of the tokens the grammar accepts (or a grammar with a dead
-    end, or one that matches no text) leave the draw nothing: the grammar refuses the token drawn anyway. That ended as an
-    empty "abort" under a 200; now a 400 saying why (streamed: an error event), and the server
-    goes on serving."""
+    end, or one that matches no text) leave the draw nothing: the grammar refuses the token drawn
+    anyway. That ended as an empty "abort" under a 200; now a 400 saying why (streamed: an error
+    event), and the server goes on serving."""
     q = tools_http.post("/tokenize", json={"prompt": "q", "add_special_tokens": False}).json()["tokens"]
     cases = [{"prompt": "And", "allowed_token_ids": q, "structured_outputs": {"choice": ["yes", "no"]}},
              {"prompt": "And", "temperature": 0, "structured_outputs": {"grammar": 'root ::= "a" x\nx ::= x'}},

@@ -150,7 +150,8 @@ class StructuredOutputs:
         now (start() done); False: the group waits here until poll() hands it over."""
         key = spec.key()
         if grammar is None and not self.pool.has(key):
-            grammar = parse_spec(spec, self.max_whitespace, self.schemas_checked)  # evicted since check(): parse after all
+            # evicted since check(): parse after all
+            grammar = parse_spec(spec, self.max_whitespace, self.schemas_checked)
         fut = self.pool.submit(key, grammar)
         if fut.done() and fut.exception() is None:
             self.start(group, fut.result())
