@@ -63,3 +63,29 @@ def test_tool_schemas_are_checked_off_the_loop(monkeypatch):
         return threading.get_ident()
     loop_thread = asyncio.run(main())
     assert threads and loop_thread not in threads
+
+
+class CountingEngine(WorkerEngine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hops = 0
+
+    async def run(self, fn, *args, **kwargs):
+        self.hops += 1
+        return await super().run(fn, *args, **kwargs)
+
+
+def test_a_request_without_a_constraint_takes_no_hop_and_keeps_its_field_checks():
+    """Most requests ask for no constraint: they wait on no worker-thread round trip (queued
+    behind other requests' tokenization), and a field that needs a constraint is still a 400."""
+    engine = CountingEngine()
+    plain = CompletionRequest(prompt="a")
+    assert asyncio.run(structured_outputs.resolve_structured_outputs(engine, plain)) is None
+    assert engine.hops == 0
+    alone = CompletionRequest(prompt="a", guided_whitespace_pattern=" ")
+    with pytest.raises(APIError) as e:
+        asyncio.run(structured_outputs.resolve_structured_outputs(engine, alone))
+    assert e.value.param == "guided_whitespace_pattern" and engine.hops == 0
+    constrained = CompletionRequest(prompt="a", guided_json=SCHEMA)
+    assert asyncio.run(structured_outputs.resolve_structured_outputs(engine, constrained)).json == SCHEMA
+    assert engine.hops == 1

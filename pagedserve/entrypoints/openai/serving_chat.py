@@ -68,7 +68,9 @@ class OpenAIServingChat(OpenAIServing):
         prompt_k = self.check_prompt_logprobs(req)
         self.check_choices(1, req.n)
         self.check_messages(req)
-        plan = await self.engine.run(plan_tools, req, self.auto_tool_parser)  # (schema checks: off the loop)
+        # tools' schema checks off the loop; without tools the plan is a look at two fields
+        plan = (await self.engine.run(plan_tools, req, self.auto_tool_parser) if req.tools
+                else plan_tools(req, self.auto_tool_parser))
         structured = await resolve_structured_outputs(self.engine, req, plan.constraint)
         # A grammar constrains the output from its first token: no <think> block to split off.
         reasoning = self.reasoning_parser() if self.reasoning_parser and structured is None else None

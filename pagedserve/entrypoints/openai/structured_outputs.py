@@ -71,7 +71,11 @@ async def resolve_structured_outputs(engine: Any, req: StructuredOutputFields,
                                      ) -> StructuredOutputsParams | None:
     """The request's checked output constraint, or None. The checks run on the engine's
     tokenizer thread, off the event loop: jsonschema's meta-schema check of a 47 KB schema takes
-    ~300 ms, and on the loop it stalled every stream that long."""
+    ~300 ms, and on the loop it stalled every stream that long. A request that asks for no
+    constraint (most) takes no hop: its field checks alone run here."""
+    if constraint is None and not _sources(req):
+        return structured_outputs_of(req)  # None, or a 400 for a field that needs a constraint
+
     def check() -> StructuredOutputsParams | None:
         found = structured_outputs_of(req, constraint)
         if found is None:
