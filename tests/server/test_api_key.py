@@ -23,6 +23,17 @@ def test_right_key_is_200(server):
     assert r.json()["data"][0]["id"] == server.model
 
 
+def test_model_card_has_vllms_fields(server):
+    """vLLM's card: root (the model as given to serve), parent (a LoRA's base: none), and one
+    permission entry in OpenAI's older shape, which some clients read."""
+    card = httpx.get(server.v1 + "/models", headers=server.headers).json()["data"][0]
+    assert card["root"] == str(server.model_dir) and card["parent"] is None
+    perm, = card["permission"]
+    assert perm["object"] == "model_permission" and perm["id"].startswith("modelperm-")
+    assert perm["allow_sampling"] and perm["allow_logprobs"] and not perm["allow_fine_tuning"]
+    assert perm["organization"] == "*" and perm["group"] is None
+
+
 def test_openai_client_with_wrong_key(server):
     bad = openai.OpenAI(base_url=server.v1, api_key="nope", max_retries=0)
     with pytest.raises(openai.AuthenticationError):

@@ -123,7 +123,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models() -> ModelList:
-        return ModelList(data=[ModelCard(id=served_model_name, max_model_len=engine.max_model_len,
+        root = getattr(config, "model", None) or served_model_name  # vLLM's: the model as given to serve
+        return ModelList(data=[ModelCard(id=served_model_name, root=root, max_model_len=engine.max_model_len,
                                          vocab_size=engine.vocab_size)])
 
     async def respond(create: Any, body: Any, request: Request) -> Response:

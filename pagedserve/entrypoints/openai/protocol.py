@@ -557,12 +557,32 @@ class ChatCompletionChunk(OpenAIModel):
 
 # ---- models ---------------------------------------------------------------------------------
 
+class ModelPermission(OpenAIModel):
+    """vLLM's one permission entry of a model card (OpenAI's older shape, which some clients read)."""
+    id: str = Field(default_factory=lambda: random_id("modelperm"))
+    object: Literal["model_permission"] = "model_permission"
+    created: int = Field(default_factory=now)
+    allow_create_engine: bool = False
+    allow_sampling: bool = True
+    allow_logprobs: bool = True
+    allow_search_indices: bool = False
+    allow_view: bool = True
+    allow_fine_tuning: bool = False
+    organization: str = "*"
+    group: Optional[str] = None
+    is_blocking: bool = False
+
+
 class ModelCard(OpenAIModel):
     id: str
     object: Literal["model"] = "model"
     created: int = Field(default_factory=now)
     owned_by: str = "pagedserve"
+    # vLLM's: root is the model as given to serve (its path), parent a LoRA's base (none here)
+    root: Optional[str] = None
+    parent: Optional[str] = None
     max_model_len: Optional[int] = None
+    permission: list[ModelPermission] = Field(default_factory=lambda: [ModelPermission()])
     # Not OpenAI's: lets clients (`pagedserve bench serve`) send valid token-id prompts.
     vocab_size: Optional[int] = None
 
