@@ -551,6 +551,35 @@ def test_slow_compile_fails_alone_and_metrics_count():
         core.shutdown()
 
 
+def test_a_new_compile_meets_its_deadline_whichever_thread_ran_first():
+    """A new compile waits for poll(), which weighs it against its deadline first, even when the
+    compile thread has finished before submit() looks (here: a compile run inline): past a 1 us
+    limit it fails, as it does when the step thread looks first. A spec compiled already starts
+    at once (no deadline: nothing is compiled)."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+    import torch
+    from transformers import AutoTokenizer
+    from pagedserve.engine.structured.manager import StructuredOutputs
+
+    class Inline:  # an executor whose futures are done before submit() returns
+        def submit(self, fn, *args):
+            fut = Future()
+            fut.set_result(fn(*args))
+            return fut
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    so = StructuredOutputs(tok, len(tok), {tok.eos_token_id}, torch.device("cpu"), compile_timeout_s=1e-6)
+    so.pool._pool = Inline()
+    spec = SO(regex="[a-z]+")
+    late = SimpleNamespace(request_id="late", seqs=[])
+    assert so.submit(late, spec, so.check(spec)) is False
+    ready, failed = so.poll()
+    assert ready == [] and [g for g, _ in failed] == [late]
+    assert "structured_outputs_compile_timeout_s" in failed[0][1]
+    again = SimpleNamespace(request_id="again", seqs=[])
+    assert so.submit(again, spec, so.check(spec)) is True and "again" in so.compiled
+
+
 def test_two_process_engine_serves_grammars_and_reports_them():
     """Behind the server (core in its own process): the spec crosses the process boundary (a dict
     schema, streamed DELTA outputs concatenate to a valid document), a bad spec is the core's

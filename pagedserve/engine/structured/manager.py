@@ -146,14 +146,19 @@ class StructuredOutputs:
         return parse_spec(spec, self.max_whitespace, self.schemas_checked)
 
     def submit(self, group: Any, spec: StructuredOutputsParams, grammar: xgr.Grammar | None) -> bool:
-        """Start (or reuse) the compile. True: the grammar is ready and the group may be scheduled
-        now (start() done); False: the group waits here until poll() hands it over."""
+        """Start (or reuse) the compile. True: the grammar was compiled already and the group may
+        be scheduled now (start() done); False: the group waits here until poll() hands it over.
+        A new compile always waits for poll(), even one whose thread has finished by now: poll
+        weighs it against its deadline first, so whether it meets compile_timeout_s does not
+        depend on which thread ran first (with a 1 us limit such a compile was served now and
+        then, on a loaded machine)."""
         key = spec.key()
-        if grammar is None and not self.pool.has(key):
+        compiled_already = self.pool.has(key)
+        if grammar is None and not compiled_already:
             # evicted since check(): parse after all
             grammar = parse_spec(spec, self.max_whitespace, self.schemas_checked)
         fut = self.pool.submit(key, grammar)
-        if fut.done() and fut.exception() is None:
+        if compiled_already and fut.done() and fut.exception() is None:
             self.start(group, fut.result())
             return True
         self.pending[group.request_id] = PendingCompile(group, fut, time.monotonic() + self.compile_timeout_s)
