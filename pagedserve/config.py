@@ -260,6 +260,13 @@ class EngineConfig:
                              "(long_prefill_budget_by_cost=False turns the costs off)")
         if self.long_prefill_budget_by_cost and not self.enable_chunked_prefill:
             raise ValueError("long_prefill_budget_by_cost needs enable_chunked_prefill (it sizes prefill chunks)")
+        # Without chunked prefill a prompt is never cut, so these would be ignored without a word.
+        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
+            raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) needs "
+                             "enable_chunked_prefill (it caps prefill chunks; 0: off)")
+        if self.long_prefill_chunk_align and not self.enable_chunked_prefill:
+            raise ValueError(f"long_prefill_chunk_align ({self.long_prefill_chunk_align}) needs "
+                             "enable_chunked_prefill (it aligns prefill chunks; 0: off)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:

@@ -144,3 +144,13 @@ def test_config_checks():
         EngineConfig(long_prefill_cost_scale=0)
     with pytest.raises(ValueError, match="long_prefill_budget_by_cost needs enable_chunked_prefill"):
         EngineConfig(long_prefill_budget_by_cost=True, enable_chunked_prefill=False)
+
+
+@pytest.mark.parametrize("option", ["long_prefill_token_threshold", "long_prefill_chunk_align"])
+def test_chunk_options_without_chunked_prefill_are_refused(option):
+    """Both size prefill chunks, and with chunked prefill off the scheduler never cuts a prompt: set,
+    they would be ignored without a word (as long_prefill_budget_by_cost would, refused above)."""
+    with pytest.raises(ValueError, match=f"^{option} .*needs enable_chunked_prefill"):
+        EngineConfig(**{option: 16}, enable_chunked_prefill=False)
+    EngineConfig(**{option: 0}, enable_chunked_prefill=False)  # 0 is off: nothing to ignore
+    assert getattr(EngineConfig(**{option: 16}), option) == 16
