@@ -60,6 +60,18 @@ def test_max_model_len_beyond_the_model_fails_once_before_the_engine(no_process_
     assert no_process_starts == []
 
 
+@pytest.mark.parametrize("length", [[], ["--max-model-len", "512"]])
+def test_a_step_budget_below_max_model_len_without_chunking_fails_before_the_engine(no_process_starts, capsys,
+                                                                                    length):
+    """Without chunked prefill a prompt runs in one step, so the budget must hold the longest: known
+    from the flags (or the model's limit, 1024) without loading anything, so refused before the engine
+    process starts, not after it has loaded the model."""
+    err = serve_error(["--no-enable-chunked-prefill", "--max-num-batched-tokens", "64", *length], capsys)
+    want = length[-1] if length else "1024"
+    assert f"max_num_batched_tokens (64) must be >= max_model_len ({want}) when chunked prefill is off" in err
+    assert no_process_starts == []
+
+
 def test_a_negative_long_prefill_token_threshold_is_named(no_process_starts, capsys):
     err = serve_error(["--long-prefill-token-threshold", "-1"], capsys)
     assert "long_prefill_token_threshold must be >= 0 (0: off), got -1" in err

@@ -65,13 +65,19 @@ def check_engine_config(config: EngineConfig) -> None:
         safetensors_files(config.model)
     if not config.skip_tokenizer_init:
         check_tokenizer_dir(config.tokenizer or config.model)
-    if config.max_model_len is not None and config.max_model_len != MAX_MODEL_LEN_AUTO:
+    if config.max_model_len != MAX_MODEL_LEN_AUTO:
         try:
             model_max = get_max_model_len(apply_hf_overrides(SimpleNamespace(**raw), config.hf_overrides,
                                                              strict=False), config.disable_sliding_window)
         except (ValueError, KeyError, TypeError, AttributeError):
             model_max = None  # no limit in config.json, or RoPE fields it lacks: the engine's check decides
-        if model_max is not None and config.max_model_len > model_max:
+        if config.max_model_len is not None and model_max is not None and config.max_model_len > model_max:
             raise ValueError(f"max_model_len: --max-model-len {config.max_model_len} is beyond the model's limit "
                              f"of {model_max} tokens ({os.path.join(config.model, 'config.json')})")
+        max_model_len = config.max_model_len or model_max
+        budget = config.max_num_batched_tokens
+        # SchedulerConfig's own check, made here so that it fails before the engine loads the model.
+        if not config.enable_chunked_prefill and budget is not None and max_model_len and budget < max_model_len:
+            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "
+                             "when chunked prefill is off")
     check_device(config.device)
