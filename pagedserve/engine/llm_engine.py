@@ -82,6 +82,10 @@ class LLMEngine(StepPipeline, TokenApplication):
         if max_model_len > model_max:
             raise ValueError(f"max_model_len must be <= {model_max} (the model's limit), got {max_model_len}")
         self.max_model_len = max_model_len
+        if not fit_max_model_len:
+            # Validated now (e.g. a step budget below max_model_len without chunked prefill), not
+            # only once the weights are loaded and the KV cache sized (the one kept is built below).
+            config.scheduler_config(max_model_len)
 
         self.tokenizer = None
         if not config.skip_tokenizer_init:

@@ -108,6 +108,21 @@ def test_llm_argument_errors(model_dir):
         LLM("/nonexistent/dir")
 
 
+@pytest.mark.parametrize("length", [{}, {"max_model_len": 128}])
+def test_a_step_budget_below_max_model_len_without_chunking_fails_before_the_weights_load(model_dir, monkeypatch,
+                                                                                        length):
+    """Without chunked prefill a prompt runs in one step, so the budget must hold max_model_len (here
+    the model's 512 or the 128 asked): refused before the executor is built, not after the weights load."""
+    from pagedserve.engine import llm_engine
+
+    def no_executor(*a, **kw):
+        raise AssertionError("the executor was built")
+    monkeypatch.setattr(llm_engine, "build_executor", no_executor)
+    want = length.get("max_model_len", 512)
+    with pytest.raises(ValueError, match=rf"max_num_batched_tokens \(64\) must be >= max_model_len \({want}\)"):
+        LLM(str(model_dir), device="cpu", enable_chunked_prefill=False, max_num_batched_tokens=64, **length)
+
+
 def test_bad_tokenizer_path_names_the_field(model_dir, tmp_path):
     with pytest.raises(ValueError, match="tokenizer"):
         LLM(str(model_dir), device="cpu", tokenizer=str(tmp_path / "missing"))
