@@ -129,7 +129,8 @@ class EngineConfig:
                                             "priority (lower first), then arrival (vLLM's)", SCHEDULING_POLICIES)
     long_prefill_token_threshold: int = option(0, "a prompt with more tokens left than this prefills at "
                                                   "most this many a step, so decodes beside a very long "
-                                                  "prompt wait less per step (vLLM's; 0: off)")
+                                                  "prompt wait less per step (vLLM's; 0: off; needs "
+                                                  "enable_chunked_prefill)")
     long_prefill_budget_by_cost: bool | None = option(
         None, "in steps with decodes, count a prefill token's attention over the context before it against "
         "max_num_batched_tokens (a token after P earlier ones counts 1 + P/K, K from the model's shape: ~27k "
@@ -144,7 +145,7 @@ class EngineConfig:
         None, "a prefill chunk cut short by the token budget ends on a multiple of this many tokens where "
         "that leaves it half its tokens or 1,024 (the rest follows in the next step, beside the decodes), "
         "so a long prompt's chunks start on the Hopper long-prefill path's prefix buckets (default: 8,192 "
-        "where that path is on, else 0: off; not vLLM's)")
+        "where that path is on, else 0: off; set, it needs enable_chunked_prefill; not vLLM's)")
     long_prefill_drain: int = option(
         2048, "N > 0: a new prompt of at least 8,192 tokens (and N) waits, up to one decode step per N of "
         "its tokens, while running requests are that close to their max_tokens, so they finish instead of "
