@@ -103,6 +103,7 @@ class LLMEngine(StepPipeline, TokenApplication):
             num_gpu_blocks = self._share_kv_with_draft(num_gpu_blocks, draft)
         if fit_max_model_len:
             max_model_len = self.max_model_len = min(model_max, num_gpu_blocks * config.block_size)
+            self.runner.fit_max_model_len(max_model_len)  # LongRoPE's factors depend on it
             logger.info("max_model_len auto: %d tokens (what the KV cache holds: %d blocks of %d; the model's "
                         "limit %d)", max_model_len, num_gpu_blocks, config.block_size, model_max)
         self.runner.init_kv_cache(num_gpu_blocks, num_cpu_blocks)

@@ -132,7 +132,23 @@ class RotaryEmbedding(nn.Module):
             if max_positions is None:
                 raise ValueError("longrope RoPE needs max_positions (the engine's max_model_len) to pick its factors")
             inv_freq, self.attention_scaling = _longrope(self.rotary_dim, base, params, max_positions)
+        # LongRoPE's (base, params, max_positions): what fit_max_positions needs to pick its factors again.
+        self._longrope = (base, params, max_positions) if rope_type == "longrope" else None
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def fit_max_positions(self, max_positions: int) -> None:
+        """The engine's max_model_len once fitted to the KV cache (max_model_len auto: the model is
+        built for its own limit, the length cut after the cache is sized): LongRoPE's factors follow
+        it, so a fitted length within the trained positions takes the short ones, as that length
+        given outright does. In place (the buffer keeps its shape and device); other kinds ignore it."""
+        if self._longrope is None:
+            return
+        base, params, built_for = self._longrope
+        old_ctx = params["original_max_position_embeddings"]
+        if (max_positions > old_ctx) != (built_for > old_ctx):  # the other factor set
+            inv_freq, _ = _longrope(self.rotary_dim, base, params, max_positions)  # same attention factor
+            self.inv_freq.copy_(inv_freq)
+        self._longrope = (base, params, max_positions)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape [T, 1, rotary_dim] (broadcast over heads), in `dtype` as HF casts them

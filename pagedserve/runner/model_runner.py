@@ -30,6 +30,7 @@ from pagedserve.config import EngineConfig
 from pagedserve.core.plan import SchedulerOutput
 from pagedserve.distributed import TPGroup, get_tp_group
 from pagedserve.layers.quant import get_quantization_config
+from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.models.nano_batches import NanoStreams, check_nano_batches, forward_in_halves
 from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
@@ -131,6 +132,15 @@ class ModelRunner:
                                       self.head_dim, self.kv_dtype) is not None:
             self.profile["long_prefill_bucket"] = gathered_prefill.PREFIX_BUCKET
         return self.model
+
+    def fit_max_model_len(self, max_model_len: int) -> None:
+        """max_model_len auto, fitted to the KV cache before any graph is captured: the RoPE that
+        depends on the length (LongRoPE's factors) follows the fitted one. The runner's own bounds
+        stay those of the model's limit it was built for, which cover it."""
+        self._require("model")
+        for m in self.model.modules():
+            if isinstance(m, RotaryEmbedding):
+                m.fit_max_positions(max_model_len)
 
     def _require(self, what: str):
         if what == "model" and self.model is None:
