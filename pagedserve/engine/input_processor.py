@@ -163,4 +163,19 @@ class InputProcessor:
                 f"prompt length ({len(ids)} tokens) + max_tokens ({params.max_tokens}) must fit in the KV "
                 f"cache ({capacity} token slots = num_gpu_blocks {self.cache_config.num_gpu_blocks} x "
                 f"block_size {self.cache_config.block_size})")
+        if self.cache_config.kv_allocator == "paged" and params.best_of > 1:
+            self.check_forks_fit(len(ids), params)
         return text, ids, params
+
+    def check_forks_fit(self, prompt_len: int, params: SamplingParams) -> None:
+        """best_of sequences fork from the prompt and share its full blocks; past them each needs
+        its own blocks for the rest of its tokens. A group whose peak outgrows the whole cache would
+        have every sequence cut short ("length", core/scheduler.py _finish_full): refused now."""
+        bs, num_blocks = self.cache_config.block_size, self.cache_config.num_gpu_blocks
+        shared = prompt_len // bs
+        need = shared + params.best_of * (-(-(prompt_len + params.max_tokens) // bs) - shared)
+        if need > num_blocks:
+            raise ValueError(
+                f"best_of ({params.best_of}) sequences of prompt length ({prompt_len} tokens) + max_tokens "
+                f"({params.max_tokens}) need up to {need} KV-cache blocks (the prompt's {shared} full blocks "
+                f"shared), more than the cache's {num_blocks} (block_size {bs}): lower n / best_of or max_tokens")

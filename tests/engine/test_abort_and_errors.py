@@ -16,7 +16,7 @@ def test_abort_mid_flight_forked_beam_and_swapped(model_dir):
     # Small cache: the mix below is forced into swap preemption while it runs.
     llm = make_llm(model_dir, block_size=4, num_gpu_blocks_override=48, swap_space=0.05, preemption_mode="swap")
     engine = llm.llm_engine
-    add_fork_beam_mix(engine, ids, max_tokens=60)
+    add_fork_beam_mix(engine, ids, max_tokens=40)  # the fork (n=3) fits the cache alone
     saw_swapped = saw_forked = False
     for _ in range(40):
         engine.step()
@@ -94,6 +94,23 @@ def test_cache_too_small_for_request(model_dir):
     llm = make_llm(model_dir, num_gpu_blocks_override=2, block_size=4)
     with pytest.raises(ValueError, match="KV cache"):
         llm.generate({"prompt_token_ids": [1] * 6}, SamplingParams(max_tokens=4), use_tqdm=False)
+    assert_no_leak(llm)
+
+
+def test_best_of_that_cannot_fit_the_cache_is_refused_not_cut_short(model_dir):
+    """n = best_of = 4 of a 180-token prompt, 60 tokens each, in 36 blocks of 8: the prompt's 22 full
+    blocks are shared, but each sequence needs 8 of its own (30 - 22), 54 blocks in all. The group
+    alone outgrows the cache, so the scheduler would end every sequence at 20 tokens ("length", as if
+    max_model_len): refused instead, naming n / best_of, as the server refuses it. With 8 tokens
+    each (22 + 4 x 2 = 30 blocks) it fits and runs to the end."""
+    llm = make_llm(model_dir, block_size=8, num_gpu_blocks_override=36, max_num_batched_tokens=24)
+    prompt = {"prompt_token_ids": [5 + i % 250 for i in range(180)]}
+    with pytest.raises(ValueError, match=r"best_of \(4\).*54 KV-cache blocks.*36"):
+        llm.generate(prompt, SamplingParams(n=4, temperature=0.8, seed=1, max_tokens=60, ignore_eos=True),
+                     use_tqdm=False)
+    out = llm.generate(prompt, SamplingParams(n=4, temperature=0.8, seed=1, max_tokens=8, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert [(len(c.token_ids), c.finish_reason) for c in out.outputs] == [(8, "length")] * 4
     assert_no_leak(llm)
 
 
