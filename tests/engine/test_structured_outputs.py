@@ -472,9 +472,10 @@ def test_a_schema_nested_too_deep_is_refused_before_it_recurses():
 
 
 def test_an_engine_behind_the_server_does_not_check_schemas_again(monkeypatch):
-    """The API server has run jsonschema's meta-schema check (~7 ms per KB) off its event loop;
-    the engine core ran it again on its step thread, stalling every request in flight. With
-    schemas_checked (LLMEngine(serving=True)) it does not; offline it still does."""
+    """The API server has run jsonschema's meta-schema check (~7 ms per KB) and the
+    unenforced-keyword walk off its event loop; the engine core ran them again on its step
+    thread, stalling every request in flight. With schemas_checked (LLMEngine(serving=True)) it
+    does not; offline it still does."""
     import torch
     from transformers import AutoTokenizer
     from pagedserve.engine.structured import compiler
@@ -482,13 +483,20 @@ def test_an_engine_behind_the_server_does_not_check_schemas_again(monkeypatch):
 
     def meta_check(schema):
         raise AssertionError("jsonschema's meta-schema check ran")
+
+    def keyword_walk(schema):
+        raise AssertionError("the unenforced-keyword walk ran")
     monkeypatch.setattr(compiler, "_check_schema", meta_check)
+    monkeypatch.setattr(compiler, "unenforced_keyword", keyword_walk)
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     spec = SO(json={"type": "object", "properties": {"a": {"type": "integer"}}})
     served = StructuredOutputs(tok, len(tok), {tok.eos_token_id}, torch.device("cpu"), schemas_checked=True)
     assert served.check(spec) is not None
     offline = StructuredOutputs(tok, len(tok), {tok.eos_token_id}, torch.device("cpu"))
     with pytest.raises(ValueError, match="meta-schema check ran"):  # (parse_spec wraps what it raises)
+        offline.check(spec)
+    monkeypatch.setattr(compiler, "_check_schema", lambda schema: None)
+    with pytest.raises(ValueError, match="keyword walk ran"):
         offline.check(spec)
 
 

@@ -88,9 +88,10 @@ class StructuredOutputs:
                  fill_threads: int | None = None,
                  max_whitespace: int = STRUCTURED_OUTPUTS_MAX_WHITESPACE, schemas_checked: bool = False) -> None:
         """schemas_checked: the engine serves the API server, which has run jsonschema's
-        meta-schema check on every JSON schema (entrypoints/openai/structured_outputs.py) off its
-        event loop; here it would run again on the step thread, ~7 ms per KB of schema, stalling
-        every request in flight (xgrammar's own conversion still refuses a malformed schema)."""
+        meta-schema check and the unenforced-keyword walk on every JSON schema
+        (entrypoints/openai/structured_outputs.py) off its event loop; here they would run again
+        on the step thread, ~7 ms per KB of schema, stalling every request in flight (xgrammar's
+        own conversion still refuses a malformed schema)."""
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {BACKENDS}, got {backend!r}")
         self.tokenizer = tokenizer
@@ -143,7 +144,7 @@ class StructuredOutputs:
                              "skip_tokenizer_init=True")
         if self._pool is not None and self._pool.has(spec.key()):
             return None  # compiled (or compiling) already: parsed and checked then
-        return parse_spec(spec, self.max_whitespace, self.schemas_checked)
+        return parse_spec(spec, self.max_whitespace, self.schemas_checked, self.schemas_checked)
 
     def submit(self, group: Any, spec: StructuredOutputsParams, grammar: xgr.Grammar | None) -> bool:
         """Start (or reuse) the compile. True: the grammar was compiled already and the group may
@@ -156,7 +157,7 @@ class StructuredOutputs:
         compiled_already = self.pool.has(key)
         if grammar is None and not compiled_already:
             # evicted since check(): parse after all
-            grammar = parse_spec(spec, self.max_whitespace, self.schemas_checked)
+            grammar = parse_spec(spec, self.max_whitespace, self.schemas_checked, self.schemas_checked)
         fut = self.pool.submit(key, grammar)
         if compiled_already and fut.done() and fut.exception() is None:
             self.start(group, fut.result())
