@@ -75,9 +75,8 @@ def check_engine_config(config: EngineConfig) -> None:
             raise ValueError(f"max_model_len: --max-model-len {config.max_model_len} is beyond the model's limit "
                              f"of {model_max} tokens ({os.path.join(config.model, 'config.json')})")
         max_model_len = config.max_model_len or model_max
-        budget = config.max_num_batched_tokens
-        # SchedulerConfig's own check, made here so that it fails before the engine loads the model.
-        if not config.enable_chunked_prefill and budget is not None and max_model_len and budget < max_model_len:
-            raise ValueError(f"max_num_batched_tokens ({budget}) must be >= max_model_len ({max_model_len}) "
-                             "when chunked prefill is off")
+        if max_model_len:
+            # SchedulerConfig's own checks (a step budget below max_model_len without chunked
+            # prefill...), made here so that they fail before the engine loads the model.
+            config.scheduler_config(max_model_len)
     check_device(config.device)
