@@ -171,22 +171,22 @@ def test_engine_keeps_one_factor_set_for_every_position(phi3_dirs):
     prompt = _prompt(30, 7)
     assert _ours_greedy(stretched, prompt, 20, 256) == _hf_greedy(always_long, prompt, 20)
 
-
-
-def test_max_model_len_auto_picks_the_factors_of_the_length_it_fits(phi3_dirs):
+@pytest.mark.parametrize("device", ["cpu", CUDA])
+def test_max_model_len_auto_picks_the_factors_of_the_length_it_fits(phi3_dirs, device):
     """max_model_len auto: the model is built for its own limit (512, the long factors), then the length
     is fitted to the KV cache, here 4 blocks of 16 = 64 positions, within the trained ones: the short
     factors, as --max-model-len 64 picks them and HF uses them (not the long ones of the 512 it was
-    built for)."""
+    built for). On CUDA the graphs are captured after the fit, with the short factors' tables."""
     stretched, always_long = phi3_dirs
     prompt = _prompt(30, 6)
     expected = _hf_greedy(stretched, prompt, 20)
     assert expected != _hf_greedy(always_long, prompt, 20)
-    llm = LLM(str(stretched), device="cpu", dtype="float32", num_gpu_blocks_override=4, swap_space=0.01,
+    llm = LLM(str(stretched), device=device, dtype="float32", num_gpu_blocks_override=4, swap_space=0.01,
               max_model_len=-1, block_size=16)
     assert llm.llm_engine.max_model_len == 64
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
                        use_tqdm=False)[0]
     assert out.outputs[0].token_ids == expected
     # Fitted past the trained positions (64 blocks hold the model's 512), the long factors stay.
-    assert _ours_greedy(stretched, prompt, 20, -1) == _hf_greedy(always_long, prompt, 20)
+    del llm
+    assert _ours_greedy(stretched, prompt, 20, -1, device) == _hf_greedy(always_long, prompt, 20)
