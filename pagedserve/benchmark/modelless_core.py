@@ -142,6 +142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input", required=True)
     p.add_argument("--output", required=True)
     p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--specs-checked", action="store_true")  # (MPCoreClient's; no grammars here)
     return p.parse_args(argv)
 
 

@@ -93,12 +93,17 @@ class AsyncLLMEngine:
                                          num_cpu_blocks=str(ready.num_cpu_blocks))
 
     @classmethod
-    def from_engine_config(cls, config: Any, metrics: ServerMetrics | None = None) -> "AsyncLLMEngine":
-        """Load the tokenizer here, start the core process and wait until it is ready."""
+    def from_engine_config(cls, config: Any, metrics: ServerMetrics | None = None,
+                           specs_checked: bool = False) -> "AsyncLLMEngine":
+        """Load the tokenizer here, start the core process and wait until it is ready.
+        specs_checked: only for the OpenAI API server, which parses every structured-output spec
+        itself (entrypoints/openai/structured_outputs.py): the core then leaves the parse to its
+        grammar compile thread, and a spec that fails there fails its request alone instead of
+        add_request raising the ValueError a direct user gets."""
         tokenizer = None
         if not config.skip_tokenizer_init:
             tokenizer = load_tokenizer(config.tokenizer or config.model, config.chat_template)
-        client = MPCoreClient(config)
+        client = MPCoreClient(config, specs_checked=specs_checked)
         logger.info("engine core ready (pid %d)", client.pid)
         engine = cls(client, tokenizer, metrics)
         engine.metrics.cache_config.update(enable_prefix_caching=str(config.enable_prefix_caching),

@@ -59,10 +59,11 @@ class EngineCore:
     """Owns one LLMEngine. Not thread-safe: one loop (or one in-process client) drives it."""
 
     def __init__(self, config: EngineConfig | None, engine: Any | None = None,
-                 detokenize: bool = True, serving: bool = False) -> None:
+                 detokenize: bool = True, serving: bool = False, specs_checked: bool = False) -> None:
+        """specs_checked: the API server is in front (LLMEngine's specs_checked)."""
         if engine is None:
             from pagedserve.engine.llm_engine import LLMEngine
-            engine = LLMEngine(config, detokenize=detokenize, serving=serving)
+            engine = LLMEngine(config, detokenize=detokenize, serving=serving, specs_checked=specs_checked)
         self.engine = engine
         # Requests the engine holds (added, not yet finished or aborted): a failed step fails these.
         self._live: set[str] = set()
@@ -292,11 +293,12 @@ def _exit_when_orphaned(parent_pid: int) -> None:
 
 def run_engine_core(config: EngineConfig | None, input_address: str, output_address: str,
                     parent_pid: int, engine: Any | None = None,
-                    wrap_output: Callable[[Any], Any] | None = None) -> int:
+                    wrap_output: Callable[[Any], Any] | None = None, specs_checked: bool = False) -> int:
     """Process entry point: start up, send Ready (or StartupFailed), serve until Shutdown.
     engine: an engine already built instead of an LLMEngine from config (a benchmark's model-less
     one, pagedserve/benchmark/modelless_core.py); wrap_output: wraps the output socket the busy
-    loop sends on (a benchmark's instrumentation)."""
+    loop sends on (a benchmark's instrumentation). specs_checked: --specs-checked, the API server
+    is in front (LLMEngine's specs_checked)."""
     import zmq
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True,
                      name="pagedserve-parent-watch").start()
@@ -312,7 +314,7 @@ def run_engine_core(config: EngineConfig | None, input_address: str, output_addr
     codec = Codec()
     try:
         # Text, stop strings and output shapes are the API server's (engine/text_output.py).
-        core = EngineCore(config, engine=engine, detokenize=False, serving=True)
+        core = EngineCore(config, engine=engine, detokenize=False, serving=True, specs_checked=specs_checked)
     except BaseException as e:
         # Bad settings are the user's to fix: the API server prints them, once, as one line.
         # Anything else needs the traceback, which only this process has.
@@ -356,11 +358,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--input", required=True, help="ZMQ address to pull inputs from")
     p.add_argument("--output", required=True, help="ZMQ address to push outputs to")
     p.add_argument("--parent-pid", type=int, required=True)
+    p.add_argument("--specs-checked", action="store_true",
+                   help="the API server has parsed every structured-output spec (MPCoreClient's specs_checked)")
     args = p.parse_args(argv)
     from pagedserve.log_setup import configure_logging
     configure_logging("engine-core")
     config = msgspec.json.decode(args.config, type=EngineConfig)
-    return run_engine_core(config, args.input, args.output, args.parent_pid)
+    return run_engine_core(config, args.input, args.output, args.parent_pid, specs_checked=args.specs_checked)
 
 
 if __name__ == "__main__":

@@ -165,9 +165,10 @@ class MPCoreClient(EngineCoreClient):
     """
 
     def __init__(self, config: EngineConfig, ready_timeout_s: float = 3600.0,
-                 core_cmd: list[str] | None = None) -> None:
+                 core_cmd: list[str] | None = None, specs_checked: bool = False) -> None:
         """core_cmd: the program to start instead of `python -m pagedserve.engine.core`, given
-        the same flags (a benchmark's model-less core behind this very transport)."""
+        the same flags (a benchmark's model-less core behind this very transport).
+        specs_checked: the API server is in front (--specs-checked; LLMEngine's specs_checked)."""
         import zmq
         self._codec = Codec()
         self._dir = tempfile.mkdtemp(prefix="pagedserve-core-")
@@ -182,7 +183,7 @@ class MPCoreClient(EngineCoreClient):
         self._async_output: Any = None
         cmd = [*(core_cmd or [sys.executable, "-m", "pagedserve.engine.core"]), "--config",
                msgspec.json.encode(config).decode(), "--input", in_addr, "--output", out_addr,
-               "--parent-pid", str(os.getpid())]
+               "--parent-pid", str(os.getpid()), *(["--specs-checked"] if specs_checked else [])]
         # Our stdout/stderr: the core's log lines land beside the server's.
         self.proc = subprocess.Popen(cmd)
         self._closed = False

@@ -52,10 +52,16 @@ logger = logging.getLogger(__name__)
 
 
 class LLMEngine(StepPipeline, TokenApplication):
-    def __init__(self, config: EngineConfig, detokenize: bool = True, serving: bool = False):
+    def __init__(self, config: EngineConfig, detokenize: bool = True, serving: bool = False,
+                 specs_checked: bool = False):
         """detokenize=False: outputs carry token ids only and stop strings are not applied
         (the API server does both); the tokenizer is still loaded for its EOS ids. serving: the
-        engine runs behind the server, which picks its default step budget (config.batch_defaults)."""
+        engine runs in a core process (the server's, or a direct AsyncLLMEngine's), which picks
+        its default step budget (config.batch_defaults). specs_checked: the OpenAI API server is in
+        front and has parsed every structured-output spec (a 400 for a bad one), so the engine
+        does not check it again on its step thread (StructuredOutputs' schemas_checked). Not
+        `serving`: a direct AsyncLLMEngine user's core serves too, and that user's bad spec must
+        still be add_request's ValueError."""
         if config.model is None:
             raise ValueError("model must be a local HF model directory, got None")
         if config.trust_remote_code:
@@ -151,7 +157,7 @@ class LLMEngine(StepPipeline, TokenApplication):
                                             config.structured_outputs_compile_timeout_s,
                                             fill_threads=config.structured_outputs_fill_threads,
                                             max_whitespace=config.structured_outputs_max_whitespace,
-                                            schemas_checked=serving)
+                                            schemas_checked=specs_checked)
         self._beams = BeamSearchDriver(self.scheduler, self.tokenizer, self.structured.seqs)
         self.input_processor = InputProcessor(self.tokenizer, self.vocab_size, max_model_len,
                                               self.scheduler_config.max_num_seqs, self.cache_config,

@@ -77,7 +77,8 @@ class EngineReplica:
         from pagedserve.engine.async_engine import AsyncLLMEngine
         from pagedserve.entrypoints.openai.api_server import build_app
         engine_config = EngineConfig(**config)
-        self.engine = AsyncLLMEngine.from_engine_config(engine_config)
+        # specs_checked: build_app's handlers parse every structured-output spec (check_compiles).
+        self.engine = AsyncLLMEngine.from_engine_config(engine_config, specs_checked=True)
         self.app = build_app(self.engine, served_name, max_request_bytes=max_request_bytes,
                              config=engine_config)
         ctx = serve.get_replica_context()

@@ -474,8 +474,8 @@ def test_a_schema_nested_too_deep_is_refused_before_it_recurses():
 def test_an_engine_behind_the_server_does_not_check_schemas_again(monkeypatch):
     """The API server has run jsonschema's meta-schema check (~7 ms per KB) and the
     unenforced-keyword walk off its event loop; the engine core ran them again on its step
-    thread, stalling every request in flight. With schemas_checked (LLMEngine(serving=True)) it
-    does not; offline it still does."""
+    thread, stalling every request in flight. With schemas_checked (LLMEngine(specs_checked=True))
+    it does not; offline it still does."""
     import torch
     from transformers import AutoTokenizer
     from pagedserve.engine.structured import compiler
@@ -612,6 +612,10 @@ def test_two_process_engine_serves_grammars_and_reports_them():
             with pytest.raises(ValueError, match="structured_outputs.regex"):
                 await engine.add_request("bad", PROMPTS[0], SamplingParams(
                     max_tokens=4, structured_outputs=SO(regex="(unclosed")))
+            # No server in front checked it: the core walks the schema for unenforced keywords.
+            with pytest.raises(ValueError, match="uses `not`"):
+                await engine.add_request("loose", PROMPTS[0], SamplingParams(
+                    max_tokens=4, structured_outputs=SO(json={"not": {"type": "string"}})))
             streamed, slow = await asyncio.gather(
                 collect("json", _json_params(schema, 5, output_kind=RequestOutputKind.DELTA)),
                 collect("slow", SamplingParams(max_tokens=4, structured_outputs=SO(

@@ -215,7 +215,8 @@ def run_single_server(args: Any, config: Any, name: str, api_key: str | None) ->
     from pagedserve.entrypoints.openai.middleware import default_allowed_hosts
 
     logger.debug("%s", describe())
-    engine = AsyncLLMEngine.from_engine_config(config)  # starts the core process, waits for READY
+    # Starts the core process, waits for READY. specs_checked: this app parses every spec (check_compiles).
+    engine = AsyncLLMEngine.from_engine_config(config, specs_checked=True)
     allowed = args.allowed_hosts or default_allowed_hosts(args.host)
     app = build_app(engine, name, api_key=api_key, max_request_bytes=args.max_request_bytes,
                     allowed_hosts=allowed, max_waiting_requests=args.max_waiting_requests, config=config,
