@@ -59,7 +59,7 @@ class LLMEngine(StepPipeline, TokenApplication):
         engine runs in a core process (the server's, or a direct AsyncLLMEngine's), which picks
         its default step budget (config.batch_defaults). specs_checked: the OpenAI API server is in
         front and has parsed every structured-output spec (a 400 for a bad one), so the engine
-        does not check it again on its step thread (StructuredOutputs' schemas_checked). Not
+        does not parse it again on its step thread (StructuredOutputs' schemas_checked). Not
         `serving`: a direct AsyncLLMEngine user's core serves too, and that user's bad spec must
         still be add_request's ValueError."""
         if config.model is None:

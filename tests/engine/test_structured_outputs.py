@@ -475,7 +475,8 @@ def test_an_engine_behind_the_server_does_not_check_schemas_again(monkeypatch):
     """The API server has run jsonschema's meta-schema check (~7 ms per KB) and the
     unenforced-keyword walk off its event loop; the engine core ran them again on its step
     thread, stalling every request in flight. With schemas_checked (LLMEngine(specs_checked=True))
-    it does not; offline it still does."""
+    it does not (its compile thread converts the schema without them); offline it still does."""
+    from types import SimpleNamespace
     import torch
     from transformers import AutoTokenizer
     from pagedserve.engine.structured import compiler
@@ -491,13 +492,92 @@ def test_an_engine_behind_the_server_does_not_check_schemas_again(monkeypatch):
     tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
     spec = SO(json={"type": "object", "properties": {"a": {"type": "integer"}}})
     served = StructuredOutputs(tok, len(tok), {tok.eos_token_id}, torch.device("cpu"), schemas_checked=True)
-    assert served.check(spec) is not None
+    try:
+        group = SimpleNamespace(request_id="r", seqs=[])
+        assert served.check(spec) is None
+        assert served.submit(group, spec, None) is False
+        served.pending["r"].future.result(timeout=60)  # (an AssertionError above would be raised here)
+        assert served.poll() == ([group], [])
+    finally:
+        served.shutdown()
     offline = StructuredOutputs(tok, len(tok), {tok.eos_token_id}, torch.device("cpu"))
     with pytest.raises(ValueError, match="meta-schema check ran"):  # (parse_spec wraps what it raises)
         offline.check(spec)
     monkeypatch.setattr(compiler, "_check_schema", lambda schema: None)
     with pytest.raises(ValueError, match="keyword walk ran"):
         offline.check(spec)
+
+
+def test_behind_the_server_the_spec_is_parsed_on_the_compile_thread(monkeypatch):
+    """xgrammar's conversion of a new JSON schema takes ~6.5 ms at 33 KB; on the step thread it
+    stalled every request in flight, though the server had parsed the spec already. With
+    schemas_checked, check() parses nothing and the pool parses on its compile thread, once per
+    spec key (a second request for the spec is a cache hit: not parsed again); without, check()
+    parses on the caller's thread as before."""
+    import threading
+    from types import SimpleNamespace
+    import torch
+    from transformers import AutoTokenizer
+    from pagedserve.engine.structured import manager
+    from pagedserve.engine.structured.manager import StructuredOutputs
+
+    threads = []
+    real = manager.parse_spec
+
+    def counting(*args, **kw):
+        threads.append(threading.get_ident())
+        return real(*args, **kw)
+    monkeypatch.setattr(manager, "parse_spec", counting)
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    spec = SO(json={"type": "object", "properties": {"b": {"type": "string", "maxLength": 4}}})
+    served = StructuredOutputs(tok, len(tok), {tok.eos_token_id}, torch.device("cpu"), schemas_checked=True)
+    try:
+        first, second = SimpleNamespace(request_id="1", seqs=[]), SimpleNamespace(request_id="2", seqs=[])
+        assert served.check(spec) is None and threads == []
+        assert served.submit(first, spec, None) is False
+        served.pending["1"].future.result(timeout=60)
+        assert served.poll() == ([first], [])
+        assert len(threads) == 1 and threads[0] != threading.get_ident()
+        assert served.check(spec) is None and served.submit(second, spec, None) is True  # cached
+        assert len(threads) == 1 and served.pool.stats.cache_hits == 1 and served.pool.stats.compiles == 1
+    finally:
+        served.shutdown()
+    offline = StructuredOutputs(tok, len(tok), {tok.eos_token_id}, torch.device("cpu"))
+    assert offline.check(spec) is not None and threads[1:] == [threading.get_ident()]
+
+
+def test_behind_the_server_a_spec_that_fails_to_parse_fails_its_request_alone():
+    """The server parsed every spec, but should one still fail in the core (it parses with the
+    engine's whitespace bound, or a cache raced), that request ends as a failed compile does
+    ("abort", an error naming the spec's problem) while the others complete; add_request does
+    not raise and the step loop goes on."""
+    from pagedserve.config import EngineConfig
+    config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32", swap_space=0.01,
+                          num_gpu_blocks_override=64)
+    core = EngineCore(config, serving=True, specs_checked=True)
+    engine = core.engine
+    try:
+        core.add_request("bad", PROMPTS[0], SamplingParams(max_tokens=4,
+                                                           structured_outputs=SO(regex="(unclosed")))
+        core.add_request("good", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=8,
+                                                            structured_outputs=SO(regex="[a-c]{3}")))
+        core.add_request("free", PROMPTS[2], SamplingParams(temperature=0.0, max_tokens=4))
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update((o.request_id, o) for o in core.step() if o.finished)
+        assert finals["bad"].outputs[0].finish_reason == "abort"
+        assert "structured_outputs.regex" in finals["bad"].error, finals["bad"].error
+        assert re.fullmatch("[a-c]{3}", finals["good"].outputs[0].text), finals["good"]
+        assert finals["good"].error is None and finals["free"].error is None
+        assert finals["free"].outputs[0].finish_reason == "length"
+        # Parsed on the compile thread, the failure is not cached: the spec is tried again.
+        core.add_request("bad2", PROMPTS[3], SamplingParams(max_tokens=4,
+                                                           structured_outputs=SO(regex="(unclosed")))
+        while engine.has_unfinished_requests():
+            finals.update((o.request_id, o) for o in core.step() if o.finished)
+        assert "structured_outputs.regex" in finals["bad2"].error
+    finally:
+        core.shutdown()
 
 
 def test_schemas_xgrammar_enforces_whole_are_not_refused():
@@ -634,6 +714,36 @@ def test_two_process_engine_serves_grammars_and_reports_them():
             assert value("structured_output_compiles_total") in (1.0, 2.0)
             assert value("structured_output_cache_hits_total") == 1.0  # "again"
             assert value("structured_output_compile_seconds_count") == value("structured_output_compiles_total")
+        finally:
+            await engine.shutdown()
+    asyncio.run(go())
+
+
+def test_two_process_engine_for_the_server_fails_a_bad_spec_in_its_request():
+    """AsyncLLMEngine.from_engine_config(specs_checked=True), as the API server starts it: the
+    core leaves the parse to its compile thread, so a spec that still fails there is no
+    ValueError from add_request but that request's error output, beside a request that completes."""
+    import asyncio
+
+    from pagedserve.config import EngineConfig
+    from pagedserve.engine.async_engine import AsyncLLMEngine
+
+    config = EngineConfig(model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32", swap_space=0.01,
+                          num_gpu_blocks_override=64)
+    engine = AsyncLLMEngine.from_engine_config(config, specs_checked=True)
+
+    async def collect(rid, params):
+        return [o async for o in engine.generate(PROMPTS[0], params, rid)]
+
+    async def go():
+        try:
+            bad, good = await asyncio.gather(
+                collect("bad", SamplingParams(max_tokens=4, structured_outputs=SO(regex="(unclosed"))),
+                collect("good", SamplingParams(temperature=0.0, max_tokens=8,
+                                               structured_outputs=SO(regex="[a-c]{3}"))))
+            assert bad[-1].finished and bad[-1].outputs[0].finish_reason == "abort"
+            assert "structured_outputs.regex" in bad[-1].error
+            assert good[-1].error is None and re.fullmatch("[a-c]{3}", good[-1].outputs[0].text)
         finally:
             await engine.shutdown()
     asyncio.run(go())

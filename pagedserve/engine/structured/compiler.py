@@ -1,10 +1,11 @@
 """Grammars from StructuredOutputsParams, compiled off the step loop and cached (xgrammar).
 
 Two halves, as vLLM splits them:
-  - parse_spec (synchronous, cheap: microseconds for ordinary schemas): the spec becomes an
-    xgrammar Grammar (JSON Schema / regex / EBNF -> its EBNF form). This is where a bad schema,
-    regex or grammar is found, so add_request can refuse it with a ValueError naming the problem
-    (the server answers 400); also a schema keyword xgrammar would ignore (unenforced_keyword).
+  - parse_spec (microseconds for ordinary specs, milliseconds for large JSON schemas): the spec
+    becomes an xgrammar Grammar (JSON Schema / regex / EBNF -> its EBNF form). This is where a
+    bad schema, regex or grammar is found, so add_request can refuse it with a ValueError naming
+    the problem (the server answers 400); also a schema keyword xgrammar would ignore
+    (unenforced_keyword).
     (A grammar that matches no text, "root ::= root", is found when its mask first allows no
     token: token_application's _grammar_ended gives the request an error then.)
   - GrammarCompilerPool.submit (asynchronous): the tokenizer-dependent compile (the per-state
@@ -12,6 +13,11 @@ Two halves, as vLLM splits them:
     compile in progress is shared by every request that asks for the same spec; a finished one is
     a cache hit. The cache belongs to one tokenizer (one engine has one), so (spec, tokenizer) is
     the key in effect.
+The engine core behind the API server hands submit the parse itself, to run on the compile
+thread before the compile: the server has parsed the spec already (to answer 400), and for a
+large JSON schema the conversion takes milliseconds (~6.5 ms at 33 KB), which on the step
+thread would stall every request in flight (xgrammar gives up the GIL while it converts).
+Elsewhere the parse stays synchronous, so that add_request's ValueError names a bad spec.
 The pool counts compiles, cache hits and compile seconds for /metrics (CompileStats).
 """
 from __future__ import annotations
@@ -23,7 +29,7 @@ import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import xgrammar as xgr
 
@@ -219,7 +225,7 @@ class CompileStats:
     """Counters since start (the metrics are cumulative)."""
     compiles: int = 0                 # grammars compiled (cache misses that ran)
     cache_hits: int = 0               # requests served by a cached or in-progress compile
-    failures: int = 0                 # compiles that raised
+    failures: int = 0                 # compiles that raised (behind the server: or their parse)
     seconds_sum: float = 0.0
     bucket_counts: list[int] = field(default_factory=lambda: [0] * (len(COMPILE_BUCKETS) + 1))
 
@@ -232,7 +238,7 @@ class GrammarCompilerPool:
     """xgrammar's compiler for one tokenizer, on `threads` worker threads, with a spec-keyed cache.
 
     Thread-safety: submit() is called from the engine thread only; the worker threads only run
-    the compile and record its stats under the lock.
+    the compile (and, behind the server, the parse before it) and record its stats under the lock.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: list[int], threads: int = 2,
@@ -258,8 +264,11 @@ class GrammarCompilerPool:
         fut = self._cache.get(key)
         return fut is not None and not (fut.done() and fut.exception() is not None)
 
-    def submit(self, key: tuple[str, str], grammar: xgr.Grammar) -> Future:
-        """A future of the CompiledGrammar for `key` (grammar: parse_spec's result for it)."""
+    def submit(self, key: tuple[str, str], grammar: xgr.Grammar | Callable[[], xgr.Grammar]) -> Future:
+        """A future of the CompiledGrammar for `key`. grammar: parse_spec's result for it, or a
+        callable that returns it, run on the compile thread before the compile (the engine behind
+        the server: the parse off the step thread); what that callable raises (a ValueError for a
+        bad spec) is the future's exception, as a failed compile's is, and is not cached."""
         fut = self._cache.get(key)
         if self.has(key):
             with self._lock:
@@ -285,9 +294,11 @@ class GrammarCompilerPool:
                 total -= self._bytes.pop(k)
                 del self._cache[k]
 
-    def _compile(self, grammar: xgr.Grammar) -> xgr.CompiledGrammar:
-        t0 = time.perf_counter()
+    def _compile(self, grammar: xgr.Grammar | Callable[[], xgr.Grammar]) -> xgr.CompiledGrammar:
+        t0 = time.perf_counter()  # a parse run here counts in the compile seconds: it is this thread's work
         try:
+            if not isinstance(grammar, xgr.Grammar):
+                grammar = grammar()
             compiled = self._compiler.compile_grammar(grammar)
         except Exception:
             with self._lock:

@@ -3,6 +3,10 @@
 Lifecycle of a constrained request:
   1. add_request: check() parses the spec synchronously (a bad schema / regex / grammar is a
      ValueError now) and submit() starts the compile on the pool (a cache hit is done at once).
+     Behind the API server (schemas_checked), which has parsed the spec already, check() does not
+     parse: submit() hands the parse to the pool, which runs it on the compile thread before the
+     compile, off the step thread; a spec that fails there fails its request alone in poll(), as
+     a failed compile does, and the parse counts inside compile_timeout_s.
   2. Until its compile is done the request waits here, outside the scheduler, while every other
      request keeps running; poll() at the start of each step hands over the ready ones and fails
      the ones whose compile raised or ran past structured_outputs_compile_timeout_s (that request
@@ -21,6 +25,7 @@ Lifecycle of a constrained request:
 """
 from __future__ import annotations
 
+import functools
 import os
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
@@ -87,11 +92,13 @@ class StructuredOutputs:
                  backend: str = "auto", compile_timeout_s: float = 30.0, compile_threads: int = 2,
                  fill_threads: int | None = None,
                  max_whitespace: int = STRUCTURED_OUTPUTS_MAX_WHITESPACE, schemas_checked: bool = False) -> None:
-        """schemas_checked: the engine serves the API server, which has run jsonschema's
-        meta-schema check and the unenforced-keyword walk on every JSON schema
-        (entrypoints/openai/structured_outputs.py) off its event loop; here they would run again
-        on the step thread, ~7 ms per KB of schema, stalling every request in flight (xgrammar's
-        own conversion still refuses a malformed schema)."""
+        """schemas_checked: the engine serves the API server, which has parsed every spec
+        (jsonschema's meta-schema check, the unenforced-keyword walk and xgrammar's conversion:
+        entrypoints/openai/structured_outputs.py) off its event loop; here they would run again
+        on the step thread, ~7 ms per KB of schema for the checks and ~6.5 ms for a 33 KB
+        schema's conversion, stalling every request in flight. So check() skips the parse and the
+        pool converts the spec on its compile thread (skipping the two checks); xgrammar's
+        conversion there still refuses a malformed spec, failing that request alone."""
         if backend not in BACKENDS:
             raise ValueError(f"structured_outputs_backend must be one of {BACKENDS}, got {backend!r}")
         self.tokenizer = tokenizer
@@ -138,13 +145,16 @@ class StructuredOutputs:
     def check(self, spec: StructuredOutputsParams) -> xgr.Grammar | None:
         """Parse the spec now (ValueError naming the problem); what submit() compiles. None: the
         same spec is in the compile cache, so parsing it again (~1 ms, most of it the JSON Schema
-        meta-schema check) is skipped."""
+        meta-schema check) is skipped; or, behind the server (schemas_checked), the spec is not
+        parsed here at all: submit() has the pool parse it on its compile thread."""
         if self.tokenizer is None:
             raise ValueError("structured_outputs needs the tokenizer: this engine was started with "
                              "skip_tokenizer_init=True")
+        if self.schemas_checked:
+            return None  # the server parsed it (a 400 for a bad one); the pool converts it again
         if self._pool is not None and self._pool.has(spec.key()):
             return None  # compiled (or compiling) already: parsed and checked then
-        return parse_spec(spec, self.max_whitespace, self.schemas_checked, self.schemas_checked)
+        return parse_spec(spec, self.max_whitespace)
 
     def submit(self, group: Any, spec: StructuredOutputsParams, grammar: xgr.Grammar | None) -> bool:
         """Start (or reuse) the compile. True: the grammar was compiled already and the group may
@@ -156,8 +166,12 @@ class StructuredOutputs:
         key = spec.key()
         compiled_already = self.pool.has(key)
         if grammar is None and not compiled_already:
-            # evicted since check(): parse after all
-            grammar = parse_spec(spec, self.max_whitespace, self.schemas_checked, self.schemas_checked)
+            if self.schemas_checked:
+                # On the compile thread, inside this request's deadline; a ValueError there fails
+                # this request alone (poll), not add_request nor the step loop.
+                grammar = functools.partial(parse_spec, spec, self.max_whitespace, True, True)
+            else:  # evicted since check(): parse after all
+                grammar = parse_spec(spec, self.max_whitespace)
         fut = self.pool.submit(key, grammar)
         if compiled_already and fut.done() and fut.exception() is None:
             self.start(group, fut.result())
