@@ -136,6 +136,9 @@ class SamplingParams:
     # False: outputs carry token ids only, text "" and Logprob.decoded_token None (vLLM's); no
     # stop strings then, which need the text.
     detokenize: bool = True
+    # Keep only the prompt's last N tokens (vLLM's left truncation); -1: max_model_len of them.
+    # The engine's InputProcessor applies it before the length checks (truncate_prompt_ids).
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_outputs, dict):
@@ -192,6 +195,9 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and v < -1:  # the upper bound is the engine's max_logprobs (input_processor)
                 bad(name, ">= 0, or -1 (the whole vocabulary)")
+        t = self.truncate_prompt_tokens
+        if t is not None and (not isinstance(t, int) or isinstance(t, bool) or t == 0 or t < -1):
+            bad("truncate_prompt_tokens", ">= 1, or -1 (max_model_len)")  # its upper bound: the engine's
         if self.seed is not None and not 0 <= self.seed < 2**63:
             bad("seed", "in [0, 2**63)")
         if self.logit_bias is not None:

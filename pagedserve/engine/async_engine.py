@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable
 
 from pagedserve.engine.bad_words import with_bad_word_ids
 from pagedserve.engine.core_client import EngineDeadError, MPCoreClient
-from pagedserve.engine.input_processor import load_tokenizer, split_prompt
+from pagedserve.engine.input_processor import load_tokenizer, split_prompt, truncate_prompt_ids
 from pagedserve.engine.logprob_tokens import LogprobTokens
 from pagedserve.engine.text_output import RequestText, beam_search_output, core_params, unnamed_logprobs
 from pagedserve.metrics import ServerMetrics
@@ -335,6 +335,9 @@ class AsyncLLMEngine:
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
         text, ids = await self._admit(request_id, prompt)
+        # Cut here too, not only in the core: the outputs' prompt_token_ids and prompt logprobs
+        # come from these ids (the core's cut of them is then a no-op).
+        ids = truncate_prompt_ids(ids, sampling_params.truncate_prompt_tokens, self.max_model_len)
         st = _RequestState(queue=asyncio.Queue(), arrival=time.monotonic(),
                            kind=sampling_params.output_kind)
         sampling_params = with_bad_word_ids(sampling_params, self.tokenizer)

@@ -81,6 +81,20 @@ def split_prompt(prompt: Any, can_tokenize: bool) -> tuple[str | None, list[int]
     return text, list(ids)
 
 
+def truncate_prompt_ids(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """truncate_prompt_tokens (vLLM's): the prompt's last `keep` ids; -1 keeps max_model_len of
+    them, None keeps them all. More than max_model_len is a ValueError, as vLLM's
+    _validate_truncation_size raises: such a prompt could never run. Idempotent, so a prompt the
+    async engine cut before sending it to the core comes out of the core's check the same."""
+    if keep is None:
+        return ids
+    if keep == -1:
+        keep = max_model_len
+    if keep > max_model_len:
+        raise ValueError(f"truncate_prompt_tokens ({keep}) must be <= max_model_len ({max_model_len})")
+    return ids[-keep:] if len(ids) > keep else ids
+
+
 def resolve_max_logprobs(max_logprobs: int, vocab_size: int) -> int:
     """EngineConfig.max_logprobs as a number: -1 is the whole vocabulary, and no more than that
     can be asked for whatever the flag says (the sampler's top-N is over the vocabulary)."""
@@ -133,6 +147,8 @@ class InputProcessor:
     def process(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
         """(prompt text or None, prompt token ids, params with max_tokens resolved)."""
         text, ids = self.prompt_ids(prompt)
+        # Before every check: the length limits and the vocabulary apply to what runs (vLLM's).
+        ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
         self.check_token_ids("prompt_token_ids", ids)
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
         self.check_token_ids("logit_bias", params.logit_bias or ())

@@ -215,7 +215,10 @@ class OpenAIServing(LogprobNames):
         return max_tokens
 
     def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
-        """truncate_prompt_tokens (vLLM's): the last `keep` ids (-1: max_model_len of them)."""
+        """truncate_prompt_tokens (vLLM's): the last `keep` ids (-1: max_model_len of them).
+        The server cuts here and never sets SamplingParams.truncate_prompt_tokens, so the engine
+        (input_processor.truncate_prompt_ids, stricter about keep > max_model_len) leaves these ids
+        alone: a keep past max_model_len answers context_length_exceeded, as it did."""
         if keep is None:
             return ids
         if keep == 0:
