@@ -24,6 +24,7 @@ def make_scheduler(num_gpu_blocks: int, block_size: int = 4, num_cpu_blocks: int
                    watermark: float = 0.0, long_prefill_token_threshold: int = 0,
                    attention_cost_context: int = 0, long_prefill_chunk_align: int = 0,
                    attention_cost_min_tokens: int = 0, long_prefill_drain: int = 0,
+                   long_prefill_drain_min_tokens: int = 32,
                    sliding_window: int = 0, scheduling_policy: str = "fcfs") -> Scheduler:
     cache = CacheConfig(block_size=block_size, num_gpu_blocks=num_gpu_blocks, num_cpu_blocks=num_cpu_blocks,
                         enable_prefix_caching=enable_prefix_caching, kv_allocator=kv_allocator,
@@ -35,7 +36,8 @@ def make_scheduler(num_gpu_blocks: int, block_size: int = 4, num_cpu_blocks: int
                             attention_cost_context=attention_cost_context,
                             attention_cost_min_tokens=attention_cost_min_tokens,
                             long_prefill_chunk_align=long_prefill_chunk_align,
-                            long_prefill_drain=long_prefill_drain, long_prefill_drain_min_tokens=32)
+                            long_prefill_drain=long_prefill_drain,
+                            long_prefill_drain_min_tokens=long_prefill_drain_min_tokens)
     s = Scheduler(sched, cache)
     if isinstance(s.kv_cache_manager, KVCacheManager):
         s.kv_cache_manager.watermark_blocks = int(watermark * num_gpu_blocks)

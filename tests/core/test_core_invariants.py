@@ -26,19 +26,33 @@ class SchedulerMachine(RuleBasedStateMachine):
         chunked=st.booleans(),
         window=st.sampled_from([0, 0, 1, 3, 8]),
         policy=st.sampled_from(["fcfs", "priority"]),
+        # The long-prefill options (core/scheduler.py _schedule_prefill, core/admission.py), at
+        # sizes this machine's prompts (up to 42 tokens) and budgets reach.
+        threshold=st.sampled_from([0, 0, 3, 8]),
+        align=st.sampled_from([0, 0, 2, 4, 8]),
+        cost_context=st.sampled_from([0, 0, 8, 32]),
+        cost_min_tokens=st.sampled_from([0, 20]),
+        drain=st.sampled_from([0, 0, 4, 12]),
+        drain_min_tokens=st.sampled_from([8, 32]),
     )
     def setup(self, block_size, num_gpu_blocks, num_cpu_blocks, mode, allocator, budget, max_num_seqs,
-              prefix_caching, chunked, window, policy):
+              prefix_caching, chunked, window, policy, threshold, align, cost_context, cost_min_tokens,
+              drain, drain_min_tokens):
         self.max_model_len = 48
         if not chunked:
             budget = max(budget, self.max_model_len)
+            # EngineConfig refuses these without chunked prefill (each sizes prefill chunks).
+            threshold = align = cost_context = 0
         self.paged = allocator == "paged"
         window = window if self.paged else 0  # (the engine sets one only for the paged allocator)
         sched = make_scheduler(num_gpu_blocks, block_size, num_cpu_blocks, max_num_seqs=max_num_seqs,
                                max_num_batched_tokens=budget, max_model_len=self.max_model_len,
                                preemption_mode=mode, enable_chunked_prefill=chunked,
                                enable_prefix_caching=prefix_caching, kv_allocator=allocator, watermark=0.0,
-                               sliding_window=window, scheduling_policy=policy)
+                               sliding_window=window, scheduling_policy=policy,
+                               long_prefill_token_threshold=threshold, long_prefill_chunk_align=align,
+                               attention_cost_context=cost_context, attention_cost_min_tokens=cost_min_tokens,
+                               long_prefill_drain=drain, long_prefill_drain_min_tokens=drain_min_tokens)
         self.driver = Driver(sched)
         self.next_id = 0
 
