@@ -136,8 +136,10 @@ class SamplingParams:
     # False: outputs carry token ids only, text "" and Logprob.decoded_token None (vLLM's); no
     # stop strings then, which need the text.
     detokenize: bool = True
-    # Keep only the prompt's last N tokens (vLLM's left truncation); -1: max_model_len of them.
-    # The engine's InputProcessor applies it before the length checks (truncate_prompt_ids).
+    # Keep N of the prompt's tokens, as vLLM does: the last N ids of token ids; a text prompt is
+    # tokenized with the tokenizer's left truncation to N, keeping the special tokens it adds (a
+    # BOS). -1: max_model_len. The engine's InputProcessor applies it before the length checks
+    # (input_processor.truncated_prompt).
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:

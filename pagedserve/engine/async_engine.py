@@ -26,7 +26,7 @@ from typing import Any, AsyncIterator, Callable
 
 from pagedserve.engine.bad_words import with_bad_word_ids
 from pagedserve.engine.core_client import EngineDeadError, MPCoreClient
-from pagedserve.engine.input_processor import load_tokenizer, split_prompt, truncate_prompt_ids
+from pagedserve.engine.input_processor import load_tokenizer, split_prompt, truncated_prompt
 from pagedserve.engine.logprob_tokens import LogprobTokens
 from pagedserve.engine.text_output import RequestText, beam_search_output, core_params, unnamed_logprobs
 from pagedserve.metrics import ServerMetrics
@@ -317,12 +317,16 @@ class AsyncLLMEngine:
 
     # ---- the public API ----------------------------------------------------------------------
 
-    async def _prompt_ids(self, prompt: Any) -> tuple[str | None, list[int]]:
-        """Tokenize here (the core gets ids); the core checks lengths and the vocabulary."""
+    async def _prompt_ids(self, prompt: Any, truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+        """Tokenize here (the core gets ids); the core checks lengths and the vocabulary. Cut
+        here too, not only in the core: the outputs' prompt_token_ids and prompt logprobs come
+        from these ids (the core's cut of them is then a no-op)."""
         text, ids = split_prompt(prompt, can_tokenize=self.tokenizer is not None)
         if ids is None:
-            tok = self.tokenizer
-            ids = list(await self.run(lambda: tok.encode(text)))
+            ids, _ = await self.run(truncated_prompt, self.tokenizer, text, truncate_prompt_tokens,
+                                    self.max_model_len)
+        else:
+            ids, _ = truncated_prompt(None, ids, truncate_prompt_tokens, self.max_model_len)
         return text, ids
 
     async def add_request(self, request_id: str, prompt: Any,
@@ -334,10 +338,7 @@ class AsyncLLMEngine:
         """
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        text, ids = await self._admit(request_id, prompt)
-        # Cut here too, not only in the core: the outputs' prompt_token_ids and prompt logprobs
-        # come from these ids (the core's cut of them is then a no-op).
-        ids = truncate_prompt_ids(ids, sampling_params.truncate_prompt_tokens, self.max_model_len)
+        text, ids = await self._admit(request_id, prompt, sampling_params.truncate_prompt_tokens)
         st = _RequestState(queue=asyncio.Queue(), arrival=time.monotonic(),
                            kind=sampling_params.output_kind)
         sampling_params = with_bad_word_ids(sampling_params, self.tokenizer)
@@ -364,13 +365,14 @@ class AsyncLLMEngine:
                                                   logprob_tokens=self._logprob_tokens))
         return await self._send(request_id, prompt, st, self.client.add_beam_search_async, ids, params, text, priority)
 
-    async def _admit(self, request_id: str, prompt: Any) -> tuple[str | None, list[int]]:
+    async def _admit(self, request_id: str, prompt: Any,
+                     truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
         if self.errored is not None:
             raise self.errored
         self.start()
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        return await self._prompt_ids(prompt)
+        return await self._prompt_ids(prompt, truncate_prompt_tokens)
 
     async def _send(self, request_id: str, prompt: Any, st: _RequestState, add: Callable,
                     ids: list[int], params: Any, text: str | None, priority: int) -> "RequestStream":

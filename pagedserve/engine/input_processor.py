@@ -32,6 +32,9 @@ def load_tokenizer(path: str, chat_template: str | None = None) -> Any:
     except (OSError, ValueError) as e:
         raise ValueError(f"tokenizer: cannot load a tokenizer from {path!r} (a local HF directory): {e}") from e
     tokenizer.model_max_length = NO_TOKENIZER_LIMIT
+    # truncate_prompt_tokens cuts a text prompt with the tokenizer's own truncation, which must
+    # keep the prompt's end: vLLM loads generative models' tokenizers with this side too.
+    tokenizer.truncation_side = "left"
     from pagedserve.engine.chat_template import apply_chat_template_override
     apply_chat_template_override(tokenizer, chat_template)
     return tokenizer
@@ -81,18 +84,58 @@ def split_prompt(prompt: Any, can_tokenize: bool) -> tuple[str | None, list[int]
     return text, list(ids)
 
 
-def truncate_prompt_ids(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
-    """truncate_prompt_tokens (vLLM's): the prompt's last `keep` ids; -1 keeps max_model_len of
-    them, None keeps them all. More than max_model_len is a ValueError, as vLLM's
-    _validate_truncation_size raises: such a prompt could never run. Idempotent, so a prompt the
-    async engine cut before sending it to the core comes out of the core's check the same."""
+def truncation_size(keep: int | None, max_input_tokens: int | None,
+                    limit_name: str = "max_model_len") -> int | None:
+    """truncate_prompt_tokens as the number of ids to keep, as vLLM's TokenizeParams reads it.
+    None keeps them all. -1 keeps max_input_tokens (max_model_len offline; max_model_len -
+    max_tokens in the server), or all of them where that is unknown (None: the DP router). More
+    than max_input_tokens is a ValueError whatever the prompt's length, as vLLM refuses it: such
+    a prompt could never run. 0 and below -1 are ValueErrors too (SamplingParams' own check).
+    limit_name: how the messages name max_input_tokens."""
     if keep is None:
-        return ids
+        return None
+    if keep == 0 or keep < -1:
+        raise ValueError(f"truncate_prompt_tokens must be >= 1, or -1 ({limit_name}), got {keep}")
     if keep == -1:
-        keep = max_model_len
-    if keep > max_model_len:
-        raise ValueError(f"truncate_prompt_tokens ({keep}) must be <= max_model_len ({max_model_len})")
-    return ids[-keep:] if len(ids) > keep else ids
+        if max_input_tokens is not None and max_input_tokens < 1:
+            raise ValueError(f"truncate_prompt_tokens -1 keeps {limit_name} ({max_input_tokens}) tokens: none")
+        return max_input_tokens
+    if max_input_tokens is not None and keep > max_input_tokens:
+        raise ValueError(f"truncate_prompt_tokens ({keep}) must be <= {limit_name} ({max_input_tokens})")
+    return keep
+
+
+def truncated_prompt(tokenizer: Any, prompt: str | list[int], keep: int | None,
+                     max_input_tokens: int | None = None,
+                     limit_name: str = "max_model_len") -> tuple[list[int], bool]:
+    """(the prompt's token ids under truncate_prompt_tokens=keep, whether any were cut): the one
+    place that decides it, for the engine (LLM.generate, LLM.chat, AsyncLLMEngine), the server
+    (completions, chat) and the DP router's keys, so all three keep the same ids.
+
+    As vLLM's renderer does: text is tokenized with the tokenizer's own truncation (truncation
+    True, max_length keep, side left, the side vLLM loads generative models' tokenizers with), so
+    the special tokens the tokenizer adds (a BOS) stay and the text keeps its last keep - (their
+    number) tokens. Token ids (a chat's rendered prompt among them: its BOS is text of the
+    template, tokenized without added special tokens) keep their last keep ids. keep: as
+    truncation_size reads it, with max_input_tokens and limit_name."""
+    keep = truncation_size(keep, max_input_tokens, limit_name)
+    if not isinstance(prompt, str):
+        ids = list(prompt)
+        return (ids[-keep:], True) if keep is not None and len(ids) > keep else (ids, False)
+    ids = list(tokenizer.encode(prompt))
+    if keep is None or len(ids) <= keep:  # the tokenizer's truncation would change nothing
+        return ids, False
+    # A tokenizer not loaded by load_tokenizer may cut on the right (transformers' default):
+    # switched for this call only. Tokenizer calls run on one thread (the engine's tokenizer
+    # worker, the router's), so no other call sees the switch.
+    side = getattr(tokenizer, "truncation_side", "left")
+    if side != "left":
+        tokenizer.truncation_side = "left"
+    try:
+        return list(tokenizer.encode(prompt, truncation=True, max_length=keep)), True
+    finally:
+        if side != "left":
+            tokenizer.truncation_side = side
 
 
 def resolve_max_logprobs(max_logprobs: int, vocab_size: int) -> int:
@@ -109,12 +152,14 @@ class InputProcessor:
         self.max_num_seqs, self.cache_config = max_num_seqs, cache_config
         self.max_logprobs = resolve_max_logprobs(max_logprobs, vocab_size)
 
-    def prompt_ids(self, prompt: str | list[int] | dict) -> tuple[str | None, list[int]]:
+    def prompt_ids(self, prompt: str | list[int] | dict,
+                   truncate_prompt_tokens: int | None = None) -> tuple[str | None, list[int]]:
+        """(text or None, the ids that run: cut to truncate_prompt_tokens, see truncated_prompt)."""
         text, ids = split_prompt(prompt, can_tokenize=self.tokenizer is not None)
-        if ids is None:
-            return text, list(self.tokenizer.encode(text))
-        if not ids:
+        if ids is not None and not ids:
             raise ValueError("prompt must not be empty (prompt_token_ids is [])")
+        ids, _ = truncated_prompt(self.tokenizer, text if ids is None else ids, truncate_prompt_tokens,
+                                  self.max_model_len)
         return text, ids
 
     def check_token_ids(self, name: str, ids: Iterable[int]) -> None:
@@ -146,9 +191,8 @@ class InputProcessor:
 
     def process(self, prompt: Any, params: SamplingParams) -> tuple[str | None, list[int], SamplingParams]:
         """(prompt text or None, prompt token ids, params with max_tokens resolved)."""
-        text, ids = self.prompt_ids(prompt)
-        # Before every check: the length limits and the vocabulary apply to what runs (vLLM's).
-        ids = truncate_prompt_ids(ids, params.truncate_prompt_tokens, self.max_model_len)
+        # Cut before every check: the length limits and the vocabulary apply to what runs (vLLM's).
+        text, ids = self.prompt_ids(prompt, params.truncate_prompt_tokens)
         self.check_token_ids("prompt_token_ids", ids)
         self.check_token_ids("stop_token_ids", params.stop_token_ids)
         self.check_token_ids("logit_bias", params.logit_bias or ())

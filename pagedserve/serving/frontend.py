@@ -141,11 +141,11 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
         except ValidationError as e:
             raise RequestValidationError(e.errors(include_url=False)) from None
         if path == "/v1/chat/completions":  # rendered from the validated request, as the replica does
-            ids = chat_token_ids(tokenizer, req, chat_template_content_format)
-        else:
+            ids = kept_prompt_ids(None, chat_token_ids(tokenizer, req, chat_template_content_format),
+                                  req.truncate_prompt_tokens)
+        else:  # the ids truncate_prompt_tokens keeps, a text prompt cut as the replica's tokenizer cuts it
             ids = request_token_ids(tokenizer, path, body)
-        return prefix_block_hashes(kept_prompt_ids(ids, req.truncate_prompt_tokens), block_size,
-                                   cache_salt=req.cache_salt)
+        return prefix_block_hashes(ids, block_size, cache_salt=req.cache_salt)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -30,14 +30,17 @@ def prefix_block_hashes(token_ids: list[int], block_size: int,
     return hashes
 
 
-def kept_prompt_ids(ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
-    """The ids a replica keeps of a prompt under truncate_prompt_tokens (its last N: what it
-    caches, so what the key hashes). -1 means max_model_len, which the router does not know: it
-    keys the whole prompt, the same ids whenever the prompt fits the model (a longer one the
-    replica truncates or refuses, its answer either way)."""
-    if truncate_prompt_tokens is not None and truncate_prompt_tokens > 0 and len(ids) > truncate_prompt_tokens:
-        return ids[-truncate_prompt_tokens:]
-    return ids
+def kept_prompt_ids(tokenizer: Any, prompt: str | list[int], truncate_prompt_tokens: int | None) -> list[int]:
+    """The ids a replica keeps of a prompt (text, or token ids: a chat's rendered ones among
+    them) under truncate_prompt_tokens: what it caches, so what the key hashes. The replica's own
+    function decides (input_processor.truncated_prompt): a text prompt keeps the BOS its tokenizer
+    adds. -1 means max_model_len - max_tokens, which the router does not know: it keys the whole
+    prompt, the same ids whenever the prompt fits (a longer one the replica cuts or refuses, its
+    answer either way). 0 keys the whole prompt too, and a value past the replica's bound keys
+    that many ids: the replica answers both with a 400 whatever the key."""
+    from pagedserve.engine.input_processor import truncated_prompt
+    keep = truncate_prompt_tokens if isinstance(truncate_prompt_tokens, int) and truncate_prompt_tokens > 0 else None
+    return truncated_prompt(tokenizer, prompt, keep)[0]
 
 
 def _chat_tools(req: Any) -> list[dict] | None:
@@ -70,8 +73,9 @@ def chat_token_ids(tokenizer: Any, req: Any, content_format_setting: str = "auto
 
 
 def request_token_ids(tokenizer: Any, path: str, raw_body: bytes, content_format_setting: str = "auto") -> list[int]:
-    """Prompt token ids of an OpenAI request body (the first prompt of a batch); [] when the
-    body is not one the router can read: the replica then answers it (with a 4xx if bad).
+    """Prompt token ids of an OpenAI request body (the first prompt of a batch): those its
+    truncate_prompt_tokens keeps (kept_prompt_ids); [] when the body is not one the router can
+    read: the replica then answers it (with a 4xx if bad).
     content_format_setting: the replicas' --chat-template-content-format (chat bodies)."""
     try:
         body = json.loads(raw_body)
@@ -81,14 +85,18 @@ def request_token_ids(tokenizer: Any, path: str, raw_body: bytes, content_format
             if tokenizer is None:
                 return []
             from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
-            return chat_token_ids(tokenizer, ChatCompletionRequest.model_validate(body), content_format_setting)
+            req = ChatCompletionRequest.model_validate(body)
+            return kept_prompt_ids(None, chat_token_ids(tokenizer, req, content_format_setting),
+                                   req.truncate_prompt_tokens)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]
+        keep = body.get("truncate_prompt_tokens")
         if isinstance(prompt, str):
-            return [] if tokenizer is None else list(tokenizer(prompt).input_ids)
+            return [] if tokenizer is None or not prompt else kept_prompt_ids(tokenizer, prompt, keep)
         if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**31 for t in prompt):
-            return prompt  # (ids outside int32 are the replica's 400 to answer, not a hash error)
+            # (ids outside int32 are the replica's 400 to answer, not a hash error)
+            return kept_prompt_ids(None, prompt, keep)
     except Exception:  # the router never rejects: a body it cannot read is routed by load
         return []
     return []

@@ -1,7 +1,10 @@
-"""SamplingParams.truncate_prompt_tokens (vLLM's): the engine keeps the prompt's last N tokens
+"""SamplingParams.truncate_prompt_tokens (vLLM's): the engine keeps N of the prompt's tokens
 (-1: max_model_len of them) before its length checks, offline (LLM.generate, LLM.chat) and through
-AsyncLLMEngine; outputs report the cut prompt as their prompt_token_ids, as vLLM's do. The server
-cuts in its own front end and leaves the field unset (tests/server cover it)."""
+AsyncLLMEngine; outputs report the cut prompt as their prompt_token_ids, as vLLM's do. Token ids
+keep their last N; text is cut by the tokenizer's own left truncation, which keeps the special
+tokens it adds (a BOS: the demo model's tokenizer adds one, HF's tokenizer is the reference). The
+server cuts in its own front end with the same function and leaves the field unset (tests/server
+cover it)."""
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +12,9 @@ import asyncio
 import pytest
 
 from pagedserve.config import EngineConfig
+from pagedserve.demo_model import DEMO_MODEL_DIR
 from pagedserve.engine.async_engine import AsyncLLMEngine
-from pagedserve.engine.input_processor import truncate_prompt_ids
+from pagedserve.engine.input_processor import truncated_prompt, truncation_size
 from pagedserve.sampling_params import SamplingParams
 
 from .helpers import PROMPT_TEXTS, make_llm, tokenizer
@@ -35,16 +39,30 @@ def test_bad_values_are_refused_naming_the_field(bad):
         SamplingParams(truncate_prompt_tokens=bad)
 
 
-def test_cut_keeps_the_last_tokens():
+def test_cut_keeps_the_last_ids():
     ids = list(range(10))
-    assert truncate_prompt_ids(ids, None, 64) == ids
-    assert truncate_prompt_ids(ids, 3, 64) == [7, 8, 9]
-    assert truncate_prompt_ids(ids, 10, 64) == ids
-    assert truncate_prompt_ids(ids, 64, 64) == ids
-    assert truncate_prompt_ids(ids, -1, 4) == [6, 7, 8, 9]
-    assert truncate_prompt_ids(truncate_prompt_ids(ids, 3, 64), 3, 64) == [7, 8, 9]  # idempotent
+    assert truncated_prompt(None, ids, None, 64) == (ids, False)
+    assert truncated_prompt(None, ids, 3, 64) == ([7, 8, 9], True)
+    assert truncated_prompt(None, ids, 10, 64) == (ids, False)
+    assert truncated_prompt(None, ids, 64, 64) == (ids, False)
+    assert truncated_prompt(None, ids, -1, 4) == ([6, 7, 8, 9], True)
+    assert truncated_prompt(None, truncated_prompt(None, ids, 3, 64)[0], 3, 64) == ([7, 8, 9], False)  # idempotent
     with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(65\) must be <= max_model_len \(64\)"):
-        truncate_prompt_ids(ids, 65, 64)
+        truncated_prompt(None, ids, 65, 64)
+
+
+def test_truncation_size_reads_vllms_values():
+    assert truncation_size(None, 64) is None
+    assert truncation_size(5, 64) == 5 and truncation_size(64, 64) == 64
+    assert truncation_size(-1, 48) == 48
+    assert truncation_size(-1, None) is None and truncation_size(10**6, None) == 10**6  # the router: no bound known
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(49\) must be <= max_model_len - max_tokens \(48\)"):
+        truncation_size(49, 48, "max_model_len - max_tokens")
+    for bad in (0, -2):
+        with pytest.raises(ValueError, match="truncate_prompt_tokens must be >= 1, or -1"):
+            truncation_size(bad, 64)
+    with pytest.raises(ValueError, match="keeps max_model_len - max_tokens \\(0\\) tokens: none"):
+        truncation_size(-1, 0, "max_model_len - max_tokens")
 
 
 def test_generate_equals_generation_on_the_cut_prompt(llm, model_dir):
@@ -117,3 +135,80 @@ def test_async_engine_cuts_and_reports_the_cut_prompt(llm, model_dir):
     assert got.prompt_token_ids == ids[-keep:]
     assert len(got.prompt_logprobs) == keep  # the prompt that ran, position by position
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
+
+
+# ---- a tokenizer that adds a BOS: the demo model's --------------------------------------------
+
+@pytest.fixture(scope="module")
+def demo_llm():
+    return make_llm(DEMO_MODEL_DIR, max_model_len=MAX_MODEL_LEN, block_size=8)
+
+
+def hf_left(text: str, keep: int, add_special_tokens: bool = True) -> list[int]:
+    """HF's own left truncation: what vLLM's renderer keeps of a text prompt."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR, truncation_side="left")
+    return tok(text, truncation=True, max_length=keep, add_special_tokens=add_special_tokens).input_ids
+
+
+def test_text_keeps_the_bos_the_tokenizer_adds():
+    """A tokenizer loaded elsewhere cuts on the right (transformers' default): the cut is still
+    the left one, and the tokenizer is left as it was."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR)
+    text = PROMPT_TEXTS[7]
+    full = tok(text).input_ids
+    assert full[0] == tok.bos_token_id and tok.truncation_side == "right"
+    for keep in (1, 2, 7, len(full) - 1):
+        want = hf_left(text, keep)
+        assert want[0] == tok.bos_token_id and len(want) == keep
+        assert truncated_prompt(tok, text, keep, MAX_MODEL_LEN) == (want, True)
+    assert hf_left(text, 7) != full[-7:]  # not the last 7 ids: the BOS stays
+    assert truncated_prompt(tok, text, len(full), MAX_MODEL_LEN) == (full, False)
+    assert truncated_prompt(tok, full, 7, MAX_MODEL_LEN) == (full[-7:], True)  # ids: their last 7
+    assert tok.truncation_side == "right"
+
+
+def test_generate_keeps_the_bos_of_a_text_prompt(demo_llm):
+    text = PROMPT_TEXTS[7]
+    keep = 7
+    want_ids = hf_left(text, keep)
+    want = demo_llm.generate([want_ids], SamplingParams(**GREEDY), use_tqdm=False)[0]
+    got = demo_llm.generate([text], SamplingParams(truncate_prompt_tokens=keep, **GREEDY), use_tqdm=False)[0]
+    assert got.prompt_token_ids == want_ids
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    # The same prompt as token ids keeps its last 7 ids, BOS or not (vLLM's tokens prompt).
+    full = demo_llm.get_tokenizer()(text).input_ids
+    out = demo_llm.generate([full], SamplingParams(truncate_prompt_tokens=keep, **GREEDY), use_tqdm=False)[0]
+    assert out.prompt_token_ids == full[-keep:] != want_ids
+
+
+def test_chat_keeps_the_last_ids_of_the_rendered_prompt(demo_llm):
+    """The demo template writes the BOS as text; vLLM tokenizes the rendering without added
+    special tokens and cuts that on the left: the last N ids, the BOS gone."""
+    from transformers import AutoTokenizer
+    conversation = [{"role": "user", "content": PROMPT_TEXTS[4]}]
+    rendered = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR).apply_chat_template(
+        conversation, add_generation_prompt=True, tokenize=False)
+    keep = 9
+    want = hf_left(rendered, keep, add_special_tokens=False)
+    got = demo_llm.chat(conversation, SamplingParams(truncate_prompt_tokens=keep, **GREEDY), use_tqdm=False)[0]
+    assert got.prompt_token_ids == want and want[0] != demo_llm.get_tokenizer().bos_token_id
+
+
+def test_async_engine_keeps_the_bos_of_a_text_prompt(demo_llm):
+    text = PROMPT_TEXTS[7]
+    keep = 7
+    want_ids = hf_left(text, keep)
+    engine = AsyncLLMEngine.from_engine_config(EngineConfig(
+        model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32", swap_space=0.01, num_gpu_blocks_override=512,
+        block_size=8, max_model_len=MAX_MODEL_LEN))
+
+    async def go():
+        try:
+            params = SamplingParams(truncate_prompt_tokens=keep, prompt_logprobs=0, **GREEDY)
+            return [o async for o in engine.generate(text, params, "cut")][-1]
+        finally:
+            await engine.shutdown()
+    got = asyncio.run(go())
+    assert got.prompt_token_ids == want_ids and len(got.prompt_logprobs) == keep

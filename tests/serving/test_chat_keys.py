@@ -208,7 +208,8 @@ def test_relay_workers_carry_the_content_format():
 def test_the_front_end_keys_only_what_truncate_prompt_tokens_keeps(tokenizer):
     """A replica keeps (and caches) a prompt's last truncate_prompt_tokens ids: the key hashes
     those, for chat and completions, so two prompts that differ only before the kept tail share a
-    key and a replica; -1 (max_model_len, which the router does not know) keys the whole prompt."""
+    key and a replica; -1 (max_model_len - max_tokens, which the router does not know) keys the
+    whole prompt."""
     tok = tokenizer(PARTS)
     tail = "and the earth was without form, and void; and darkness was upon the face of the deep"
     chat = [{"messages": [{"role": "user", "content": head + tail}]} for head in ("In the beginning ", "Lo, ")]
@@ -223,3 +224,32 @@ def test_the_front_end_keys_only_what_truncate_prompt_tokens_keeps(tokenizer):
     got = front_end_keys(tok, [("/v1/completions", {"prompt": prompt, "truncate_prompt_tokens": 17}),
                                ("/v1/completions", {"prompt": [9, 9, 9] + prompt[-17:], "truncate_prompt_tokens": 17})])
     assert got[0] == got[1] == prefix_block_hashes(prompt[-17:], 4)
+
+
+def test_a_text_prompts_key_keeps_the_bos_as_the_replica_does(tokenizer):
+    """The demo tokenizer adds a BOS: a replica cuts a text prompt with the tokenizer's own left
+    truncation (vLLM's), keeping the BOS and the text's last tokens, not the last ids of the
+    whole tokenization; the router's key hashes those same ids. HF's tokenizer is the reference,
+    the replica's side its completions front end (OpenAIServingCompletion._prompts)."""
+    from transformers import AutoTokenizer
+
+    from pagedserve.demo_model import DEMO_MODEL_DIR
+    from pagedserve.entrypoints.openai.protocol import CompletionRequest
+    from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    tok = tokenizer(PARTS)
+    text = "and the earth was without form, and void; and darkness was upon the face of the deep " * 2
+    keep = 13
+    ref = AutoTokenizer.from_pretrained(DEMO_MODEL_DIR, truncation_side="left")
+    want = ref(text, truncation=True, max_length=keep).input_ids
+    assert want[0] == ref.bos_token_id and want != ref(text).input_ids[-keep:]
+
+    async def run(fn, *args):
+        return fn(*args)
+    replica = OpenAIServingCompletion(SimpleNamespace(tokenizer=tok, run=run, max_model_len=1024, vocab_size=10**6), "m")
+    req = CompletionRequest.model_validate({"prompt": text, "truncate_prompt_tokens": keep})
+    kept = asyncio.run(replica._prompts(req, replica.truncation_size(keep, req.max_tokens, "max_tokens")))[0].token_ids
+    assert kept == want
+    got = front_end_keys(tok, [("/v1/completions", {"prompt": text, "truncate_prompt_tokens": keep})])[0]
+    assert got == prefix_block_hashes(want, 4) and got
+    assert request_token_ids(tok, "/v1/completions",
+                             json.dumps({"prompt": text, "truncate_prompt_tokens": keep}).encode()) == want

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from pagedserve.engine.async_engine import EngineDeadError, RequestStream
+from pagedserve.engine.input_processor import truncated_prompt
 from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
 from pagedserve.entrypoints.openai.chat_render import render_request_ids
 from pagedserve.entrypoints.openai.logprob_names import finite_logprob, prompt_logprobs_json, token_bytes
@@ -75,12 +76,14 @@ class OpenAIServingChat(OpenAIServing):
         # A grammar constrains the output from its first token: no <think> block to split off.
         reasoning = self.reasoning_parser() if self.reasoning_parser and structured is None else None
         parser = MessageParser(reasoning, plan.parser, plan.parallel)
-        prompt_ids = self.truncate_prompt(await self.engine.run(self._render, req, plan.tools),
-                                          req.truncate_prompt_tokens)
         if req.max_completion_tokens is not None:
             max_tokens, tokens_param = req.max_completion_tokens, "max_completion_tokens"
         else:
             max_tokens, tokens_param = req.max_tokens, "max_tokens"
+        keep = self.truncation_size(req.truncate_prompt_tokens, max_tokens, tokens_param)
+        # The rendered ids keep their last `keep` (vLLM tokenizes the rendered text without added
+        # special tokens, its BOS being the template's text, and cuts that on the left).
+        prompt_ids, _ = truncated_prompt(None, await self.engine.run(self._render, req, plan.tools), keep)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), max_tokens, "messages", tokens_param,
                                              num_seqs=req.n)
         k = self._top_k(req) if req.logprobs else None

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable
 
 from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from pagedserve.engine.input_processor import truncation_size
 from pagedserve.entrypoints.openai.logprob_names import LogprobNames
 from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingFields,
                                                     Usage)
@@ -214,18 +215,16 @@ class OpenAIServing(LogprobNames):
                            param=tokens_param, code="context_length_exceeded")
         return max_tokens
 
-    def truncate_prompt(self, ids: list[int], keep: int | None) -> list[int]:
-        """truncate_prompt_tokens (vLLM's): the last `keep` ids (-1: max_model_len of them).
-        The server cuts here and never sets SamplingParams.truncate_prompt_tokens, so the engine
-        (input_processor.truncate_prompt_ids, stricter about keep > max_model_len) leaves these ids
-        alone: a keep past max_model_len answers context_length_exceeded, as it did."""
-        if keep is None:
-            return ids
-        if keep == 0:
-            raise APIError("truncate_prompt_tokens must be >= 1, or -1 (max_model_len)",
-                           param="truncate_prompt_tokens")
-        keep = self.engine.max_model_len if keep == -1 else keep
-        return ids[-keep:] if len(ids) > keep else ids
+    def truncation_size(self, keep: int | None, max_tokens: int | None, tokens_param: str) -> int | None:
+        """truncate_prompt_tokens as the number of ids to keep (input_processor.truncated_prompt
+        keeps them). vLLM's server bounds it by max_model_len - max_tokens (its TokenizeParams'
+        max_input_tokens, an unset max_tokens counting 0): -1 keeps that many, more is a 400,
+        whatever the prompt's length. tokens_param: the field max_tokens came from."""
+        try:
+            return truncation_size(keep, self.engine.max_model_len - (max_tokens or 0),
+                                   f"max_model_len - {tokens_param}")
+        except ValueError as e:
+            raise APIError(str(e), param="truncate_prompt_tokens") from None
 
     def check_kv_capacity(self, prompt_len: int, max_tokens: int, num_seqs: int,
                           prompt_param: str, tokens_param: str = "max_tokens") -> None:

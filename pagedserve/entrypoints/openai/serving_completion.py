@@ -7,6 +7,7 @@ from itertools import islice
 from typing import Any, AsyncIterator
 
 from pagedserve.engine.async_engine import EngineDeadError, RequestStream
+from pagedserve.engine.input_processor import truncated_prompt
 from pydantic_core import to_json
 
 from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
@@ -50,7 +51,8 @@ class CompletionChunkEncoder:
 
 class OpenAIServingCompletion(OpenAIServing):
 
-    async def _prompts(self, req: CompletionRequest) -> list[_Prompt]:
+    async def _prompts(self, req: CompletionRequest, keep: int | None) -> list[_Prompt]:
+        """The prompts as they run: cut to keep ids (truncated_prompt, the engine's own cut)."""
         p = req.prompt
         if isinstance(p, str):
             items: list[Any] = [p]
@@ -68,13 +70,14 @@ class OpenAIServingCompletion(OpenAIServing):
                 if not item:
                     raise APIError("prompt must not be empty", param="prompt")
                 self.check_text_length(len(item), "prompt")
-                ids = await self.engine.run(lambda t=item: tok(t).input_ids)
-                out.append(_Prompt(item, list(ids)))
+                ids, cut = await self.engine.run(truncated_prompt, tok, item, keep)
             else:
                 if not item:
                     raise APIError("prompt must not be empty", param="prompt")
                 self.check_token_ids(item, "prompt")
-                out.append(_Prompt(None, list(item)))
+                ids, cut = truncated_prompt(None, item, keep)
+            # echo returns a cut text prompt as its kept tokens' text, an uncut one verbatim
+            out.append(_Prompt(None if cut or not isinstance(item, str) else item, ids))
         return out
 
     async def create(self, req: CompletionRequest, raw_request: Any):
@@ -94,10 +97,10 @@ class OpenAIServingCompletion(OpenAIServing):
         if scoring and not req.echo:
             raise APIError("max_tokens must be >= 1 unless echo is true (max_tokens 0 scores the prompt)",
                            param="max_tokens")
-        prompts = await self._prompts(req)
-        if req.truncate_prompt_tokens is not None:  # echo returns a cut prompt as its tokens' text
-            cut = [self.truncate_prompt(p.token_ids, req.truncate_prompt_tokens) for p in prompts]
-            prompts = [p if len(ids) == len(p.token_ids) else _Prompt(None, ids) for p, ids in zip(prompts, cut)]
+        # vLLM bounds the cut by the request's max_tokens as given (16 unless set), not the
+        # generation config's default that may replace it below.
+        keep = self.truncation_size(req.truncate_prompt_tokens, req.max_tokens, "max_tokens")
+        prompts = await self._prompts(req, keep)
         structured = await resolve_structured_outputs(self.engine, req)
         params = []
         asked = req.max_tokens
