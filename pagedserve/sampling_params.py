@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 import json
 import logging
+import numbers
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +40,10 @@ class RequestOutputKind(enum.Enum):
 MAX_SCHEMA_DEPTH = 64
 
 
+def _type_names(types: type | tuple) -> str:
+    return " or ".join(t.__name__ for t in (types if isinstance(types, tuple) else (types,)))
+
+
 def json_depth(value: Any) -> int:
     """How deeply lists and dicts nest in value (0 for a scalar). Iterative: it runs before
     whatever would recurse too deep."""
@@ -51,6 +57,45 @@ def json_depth(value: Any) -> int:
         depth = max(depth, d)
         todo.extend((x, d + 1) for x in v)
     return depth
+
+
+def is_int(v: Any) -> bool:
+    """An integer, numpy's too; not a bool (True as n or a token id is a slip, not a count) and
+    not a float (2.5 tokens, or 2.0 of them: vLLM's "must be an int")."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def is_real(v: Any) -> bool:
+    """A number for a float field (an int is one); not a bool, not a numeric string."""
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def check_types(obj: Any, ints: tuple = (), opt_ints: tuple = (), reals: tuple = (), bools: tuple = ()) -> None:
+    """TypeError naming the field, before any range check compares it: without it a string or
+    None failed with Python's "'<' not supported between 'float' and 'str'", naming nothing,
+    and a float count (max_tokens=2.5, n=1.5, seed=1.5) either ran as something else or failed
+    inside the engine's step."""
+    for names, ok, what in ((ints, is_int, "an integer"), (reals, is_real, "a number"),
+                            (bools, lambda v: isinstance(v, bool), "a bool")):
+        for name in names:
+            if not ok(getattr(obj, name)):
+                raise TypeError(f"{name} must be {what}, got {getattr(obj, name)!r}")
+    for name in opt_ints:
+        v = getattr(obj, name)
+        if v is not None and not is_int(v):
+            raise TypeError(f"{name} must be an integer or None, got {v!r}")
+    for name in ints + opt_ints:  # numpy integers become Python ones (tensors, JSON, hashing)
+        v = getattr(obj, name)
+        if v is not None and type(v) is not int:
+            setattr(obj, name, int(v))
+
+
+def token_id_list(name: str, v: Any) -> list[int]:
+    """A list (or tuple) of integer token ids, as a list; TypeError naming the field otherwise
+    (a string iterated to characters, a float never matching any token, None failing a step)."""
+    if not isinstance(v, (list, tuple)) or not all(is_int(t) for t in v):
+        raise TypeError(f"{name} must be a list of integer token ids, got {v!r}")
+    return [int(t) for t in v]
 
 
 @dataclass
@@ -76,6 +121,16 @@ class StructuredOutputsParams:
     KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
     def __post_init__(self) -> None:
+        for name, types in (("json", (str, dict)), ("regex", str), ("choice", list), ("grammar", str),
+                            ("json_object", bool), ("structural_tag", (str, dict)),
+                            ("whitespace_pattern", str)):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, types):
+                # A string choice passed the element check character by character ("abc": a, b or c).
+                raise TypeError(f"structured_outputs.{name} must be {_type_names(types)} or None, got {v!r}")
+        for name in ("disable_any_whitespace", "disable_additional_properties"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"structured_outputs.{name} must be a bool, got {getattr(self, name)!r}")
         set_kinds = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
         if len(set_kinds) != 1:
             raise ValueError("structured_outputs must set exactly one of "
@@ -83,6 +138,22 @@ class StructuredOutputsParams:
         if self.choice is not None and (not self.choice or
                                         not all(isinstance(c, str) for c in self.choice)):
             raise ValueError("structured_outputs.choice must be a non-empty list of strings")
+
+    @classmethod
+    def coerce(cls, value: Any) -> "StructuredOutputsParams | None":
+        """A structured_outputs argument as the dataclass: a dict of its fields is built into one;
+        anything else but the dataclass or None is a TypeError naming the field (a bare string
+        failed in the engine with "'str' object has no attribute 'kind'")."""
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)}, key=str)
+            if unknown:
+                raise TypeError(f"structured_outputs has no field {unknown[0]!r}; its fields: "
+                                f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+            return cls(**value)
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
+                            f"got {value!r}")
+        return value
 
     @property
     def kind(self) -> str:
@@ -143,8 +214,8 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        self._check_types()
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)
@@ -155,7 +226,7 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        self.stop_token_ids = token_id_list("stop_token_ids", self.stop_token_ids or [])
         if self.best_of is None:
             self.best_of = self.n
         if self.top_k == 0:
@@ -166,6 +237,34 @@ class SamplingParams:
                            MIN_TEMPERATURE)  # vLLM's words
             self.temperature = MIN_TEMPERATURE
         self._validate()
+
+    def _check_types(self) -> None:
+        """Each field's type, before __post_init__'s normalising and _validate's ranges read it."""
+        check_types(self, ints=("n", "top_k", "min_tokens"),
+                    opt_ints=("best_of", "seed", "max_tokens", "logprobs", "prompt_logprobs"),
+                    reals=("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                           "repetition_penalty"),
+                    bools=("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
+                           "include_stop_str_in_output", "detokenize"))
+        if self.stop is not None and not isinstance(self.stop, str) and not (
+                isinstance(self.stop, (list, tuple)) and all(isinstance(x, str) for x in self.stop)):
+            raise TypeError(f"stop must be a string or a list of strings, got {self.stop!r}")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = token_id_list("allowed_token_ids", self.allowed_token_ids)
+        if self.bad_words is not None and not isinstance(self.bad_words, (list, tuple)):
+            # A bare string was taken as a list of one-character words.
+            raise TypeError(f"bad_words must be a list of strings, got {self.bad_words!r}")
+        if self.bad_words_token_ids is not None:
+            if not isinstance(self.bad_words_token_ids, (list, tuple)):
+                raise TypeError(f"bad_words_token_ids must be a list of token id lists, got {self.bad_words_token_ids!r}")
+            self.bad_words_token_ids = [token_id_list("bad_words_token_ids", w) for w in self.bad_words_token_ids]
+            if not all(self.bad_words_token_ids):
+                # An empty word failed the engine's step (IndexError) with every request in it.
+                raise ValueError("bad_words_token_ids must not contain an empty list")
+        if self.logit_bias is not None and isinstance(self.logit_bias, dict):
+            bad_bias = [b for b in self.logit_bias.values() if not is_real(b)]
+            if bad_bias:
+                raise TypeError(f"logit_bias values must be numbers, got {bad_bias[0]!r}")
 
     def _validate(self) -> None:
         def bad(name: str, limit: str) -> None:
@@ -266,8 +365,9 @@ class BeamSearchParams:
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.structured_outputs, dict):
-            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        check_types(self, ints=("beam_width", "max_tokens"), opt_ints=("logprobs",),
+                    reals=("temperature", "length_penalty"), bools=("ignore_eos",))
+        self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
         if not 1 <= self.beam_width <= MAX_N:
             raise ValueError(f"beam_width must be in [1, {MAX_N}], got {self.beam_width!r}")
         if self.max_tokens < 1:

@@ -143,3 +143,57 @@ def test_a_step_budget_below_max_model_len_without_chunking_fails_before_the_wei
 def test_bad_tokenizer_path_names_the_field(model_dir, tmp_path):
     with pytest.raises(ValueError, match="tokenizer"):
         LLM(str(model_dir), device="cpu", tokenizer=str(tmp_path / "missing"))
+
+
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("kw,field", [
+    # wrong types: each once failed as "'<' not supported between ...", naming nothing, or ran as
+    # something else (max_tokens=2.5 gave 3 tokens, NaN max_tokens no limit, a float stop token id
+    # never matched, "abc" as bad_words banned a, b and c) or failed inside the engine's step.
+    (dict(temperature="0.5"), "temperature"), (dict(top_p=None), "top_p"), (dict(min_p="0"), "min_p"),
+    (dict(presence_penalty=None), "presence_penalty"), (dict(repetition_penalty="1"), "repetition_penalty"),
+    (dict(temperature=True), "temperature"), (dict(top_k=1.5), "top_k"), (dict(top_k=NAN), "top_k"),
+    (dict(n=1.5), "n"), (dict(n=2.0), "n"), (dict(best_of="2"), "best_of"), (dict(seed=1.5), "seed"),
+    (dict(max_tokens=2.5), "max_tokens"), (dict(max_tokens=NAN), "max_tokens"),
+    (dict(max_tokens=float("inf")), "max_tokens"), (dict(min_tokens=NAN), "min_tokens"),
+    (dict(min_tokens=None), "min_tokens"), (dict(logprobs=1.5), "logprobs"), (dict(prompt_logprobs="3"), "prompt_logprobs"),
+    (dict(stop=5), "stop"), (dict(stop=[5]), "stop"), (dict(stop={"a": 1}), "stop"),
+    (dict(stop_token_ids=[1.5]), "stop_token_ids"), (dict(stop_token_ids="ab"), "stop_token_ids"),
+    (dict(stop_token_ids=[None]), "stop_token_ids"), (dict(stop_token_ids=[True]), "stop_token_ids"),
+    (dict(logit_bias={1: "x"}), "logit_bias"), (dict(logit_bias={1: None}), "logit_bias"),
+    (dict(allowed_token_ids=5), "allowed_token_ids"), (dict(bad_words="abc"), "bad_words"),
+    (dict(bad_words_token_ids=[[]]), "bad_words_token_ids"), (dict(bad_words_token_ids=[1, 2]), "bad_words_token_ids"),
+    (dict(bad_words_token_ids=[[1.5]]), "bad_words_token_ids"),
+    (dict(detokenize="no"), "detokenize"), (dict(ignore_eos="no"), "ignore_eos"),
+    (dict(skip_special_tokens=None), "skip_special_tokens"),
+    (dict(include_stop_str_in_output=1), "include_stop_str_in_output"),
+    (dict(structured_outputs="regex"), "structured_outputs"), (dict(structured_outputs={"nosuch": 1}), "structured_outputs"),
+    (dict(structured_outputs={"choice": "abc"}), "structured_outputs.choice"),
+    (dict(structured_outputs={"regex": 5}), "structured_outputs.regex"),
+    (dict(structured_outputs={"json_object": "yes"}), "structured_outputs.json_object"),
+])
+def test_sampling_params_of_the_wrong_type_name_the_field(kw, field):
+    with pytest.raises((TypeError, ValueError), match=rf"^{field} "):
+        SamplingParams(**kw)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(beam_width=1.5), "beam_width"), (dict(beam_width="2"), "beam_width"), (dict(beam_width=True), "beam_width"),
+    (dict(max_tokens=None), "max_tokens"), (dict(max_tokens=2.5), "max_tokens"), (dict(logprobs=1.5), "logprobs"),
+    (dict(length_penalty="1"), "length_penalty"), (dict(ignore_eos="x"), "ignore_eos"),
+    (dict(structured_outputs="regex"), "structured_outputs"),
+])
+def test_beam_search_params_of_the_wrong_type_name_the_field(kw, field):
+    with pytest.raises((TypeError, ValueError), match=rf"^{field} "):
+        BeamSearchParams(**{"beam_width": 2, "max_tokens": 3, **kw})
+
+
+def test_numpy_integers_are_integers():
+    np = pytest.importorskip("numpy")
+    sp = SamplingParams(n=np.int64(2), temperature=0.5, max_tokens=np.int32(3), seed=np.int64(7),
+                        stop_token_ids=[np.int64(5)])
+    assert (sp.n, sp.max_tokens, sp.seed, sp.stop_token_ids) == (2, 3, 7, [5])
+    assert all(type(v) is int for v in (sp.n, sp.best_of, sp.max_tokens, sp.seed, sp.stop_token_ids[0]))
+
