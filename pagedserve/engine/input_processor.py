@@ -59,14 +59,35 @@ def eos_token_ids(model_dir: str, hf_config: Any, tokenizer: Any | None) -> set[
     return ids
 
 
+# The dict keys a prompt may carry: vLLM's TextPrompt / TokensPrompt keys that this engine serves.
+PROMPT_KEYS = ("prompt", "prompt_token_ids", "cache_salt")
+# vLLM's keys for what this engine has no way to serve (multimodal inputs, embeddings as input).
+UNSERVED_PROMPT_KEYS = ("multi_modal_data", "mm_processor_kwargs", "multi_modal_uuids", "prompt_embeds",
+                        "token_type_ids")
+
+
+def check_prompt_keys(prompt: dict) -> None:
+    """ValueError for a key that would be dropped: multimodal data or a misspelt cache_salt
+    was ignored and the prompt ran as if plain text."""
+    for key in prompt:
+        if key in UNSERVED_PROMPT_KEYS:
+            raise ValueError(f"prompt dict key {key!r} is not supported: this engine serves text prompts only "
+                             f"({', '.join(PROMPT_KEYS)})")
+        if key not in PROMPT_KEYS:
+            raise ValueError(f"prompt dict has an unknown key {key!r}; its keys: {', '.join(PROMPT_KEYS)}")
+
+
 def split_prompt(prompt: Any, can_tokenize: bool) -> tuple[str | None, list[int] | None]:
     """(text, token ids) of a prompt: text, token ids, or a dict of either. The ids are None when
     the text still needs tokenizing (the caller tokenizes where it should: the API process does it
     off its event loop). Raises ValueError for an ill-formed prompt, or for text that cannot be
     tokenized (`can_tokenize` False: skip_tokenizer_init)."""
     if isinstance(prompt, dict):
+        check_prompt_keys(prompt)
         if "prompt_token_ids" in prompt:
             ids, text = prompt["prompt_token_ids"], prompt.get("prompt")
+            if text is not None and not isinstance(text, str):  # beside the ids it is only the outputs' prompt text
+                raise ValueError(f"prompt (beside prompt_token_ids) must be a string, got {type(text).__name__}")
         elif "prompt" in prompt:
             return split_prompt(prompt["prompt"], can_tokenize)
         else:
@@ -77,9 +98,14 @@ def split_prompt(prompt: Any, can_tokenize: bool) -> tuple[str | None, list[int]
         if not can_tokenize:
             raise ValueError("prompt must be token ids (prompt_token_ids) when skip_tokenizer_init=True")
         return prompt, None
-    else:
+    elif isinstance(prompt, (list, tuple)):
         ids, text = prompt, None
-    if isinstance(ids, (str, bytes)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    else:
+        # None, a number, bytes...: iterating them failed as "'NoneType' object is not iterable",
+        # naming nothing (bytes iterated to their byte values, taken for token ids).
+        raise ValueError(f"prompt must be a string, a list of integers (token ids) or a dict (prompt / "
+                         f"prompt_token_ids), got {type(prompt).__name__}")
+    if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
         raise ValueError("prompt_token_ids must be a list of integers")
     return text, list(ids)
 

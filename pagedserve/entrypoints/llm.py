@@ -11,6 +11,7 @@ model, benchmarks/offline/offline_host.py), and one most likely landed in the mi
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterable
 from typing import Any, Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -79,7 +80,10 @@ class LLM:
 
     @staticmethod
     def _as_list(prompts: PromptType | Seq[PromptType]) -> list[PromptType]:
-        if isinstance(prompts, (str, dict)):
+        # bytes and non-iterables (None, a number) are one prompt, which the InputProcessor refuses
+        # naming the prompt: list(None) failed as "'NoneType' object is not iterable", and list(b"hi")
+        # ran the byte values as token ids.
+        if isinstance(prompts, (str, dict, bytes)) or not isinstance(prompts, Iterable):
             return [prompts]
         prompts = list(prompts)
         # A flat list of ints is one tokenized prompt, not many.
@@ -101,6 +105,10 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
+        elif isinstance(sampling_params, dict) or not isinstance(sampling_params, Iterable):
+            # A dict was iterated to its keys, and then refused as "got str".
+            raise ValueError(f"sampling_params must be a SamplingParams or a list of them (one per prompt), "
+                             f"got {type(sampling_params).__name__}")
         else:
             params = list(sampling_params)
             if len(params) != len(prompts):

@@ -197,3 +197,28 @@ def test_numpy_integers_are_integers():
     assert (sp.n, sp.max_tokens, sp.seed, sp.stop_token_ids) == (2, 3, 7, [5])
     assert all(type(v) is int for v in (sp.n, sp.best_of, sp.max_tokens, sp.seed, sp.stop_token_ids[0]))
 
+
+@pytest.mark.parametrize("prompts,sampling,message", [
+    (None, None, "prompt must be a string"),
+    ([None], None, "prompt must be a string"),
+    (b"hello", None, "prompt must be a string"),  # was run as its byte values, taken for token ids
+    ([5, "hi"], None, "prompt must be a string"),
+    ({"prompt": None}, None, "prompt must be a string"),
+    ({"prompt_token_ids": None}, None, "prompt_token_ids"),
+    ({"prompt_token_ids": [5], "prompt": 5}, None, "prompt"),
+    # vLLM's prompt keys this engine cannot serve, and a misspelt one: once dropped without a word
+    ({"prompt": "hi", "multi_modal_data": {"image": 1}}, None, "multi_modal_data"),
+    ({"prompt": "hi", "cache_sal": "x"}, None, "cache_sal"),
+    (["hi"], {"max_tokens": 3}, "sampling_params must be a SamplingParams or a list"),  # was "got str"
+])
+def test_malformed_prompts_are_refused_and_the_batch_and_engine_are_unharmed(llm, prompts, sampling, message):
+    good = {"prompt_token_ids": [5, 6, 7]}
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    before = llm.generate([good], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match=message):
+        if isinstance(prompts, list) and sampling is None:
+            llm.generate([good] + prompts, greedy, use_tqdm=False)  # the good one first: taken back
+        else:
+            llm.generate(prompts, sampling, use_tqdm=False)
+    assert_no_leak(llm)
+    assert llm.generate([good], greedy, use_tqdm=False)[0].outputs[0].token_ids == before

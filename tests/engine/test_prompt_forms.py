@@ -17,6 +17,7 @@ def test_forms():
     assert split_prompt({"prompt_token_ids": [5], "prompt": "x"}, can_tokenize=False) == ("x", [5])
     assert split_prompt({"prompt": "hi"}, can_tokenize=True) == ("hi", None)
     assert split_prompt({"prompt": [7]}, can_tokenize=False) == (None, [7])
+    assert split_prompt({"prompt": "hi", "cache_salt": "s"}, can_tokenize=True) == ("hi", None)
 
 
 @pytest.mark.parametrize("prompt, can_tokenize, message", [
@@ -28,6 +29,11 @@ def test_forms():
     ([1, 2.0], True, "list of integers"),
     ([True, 1], True, "list of integers"),
     ({"prompt_token_ids": "12"}, True, "list of integers"),
+    (None, True, "prompt must be a string, a list of integers"),
+    (5, True, "prompt must be a string, a list of integers"),
+    ({"prompt_token_ids": [5], "prompt": 5}, True, "prompt .beside prompt_token_ids. must be a string"),
+    ({"prompt": "hi", "multi_modal_data": {}}, True, "'multi_modal_data' is not supported"),
+    ({"prompt_token_ids": [5], "cache_sal": "x"}, True, "unknown key 'cache_sal'"),
 ])
 def test_refusals(prompt, can_tokenize, message):
     with pytest.raises(ValueError, match=message):
