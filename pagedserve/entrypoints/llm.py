@@ -24,6 +24,8 @@ from pagedserve.outputs import BeamSearchOutput, RequestOutput
 from pagedserve.sampling_params import BeamSearchParams, SamplingParams
 
 PromptType = str | list[int] | dict
+# pydantic's names of a union's branches in an error's location (content: str | list[TextPart]).
+_UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
 class LLM:
@@ -159,6 +161,9 @@ class LLM:
         if fmt not in CHAT_TEMPLATE_CONTENT_FORMATS:
             raise ValueError(f"chat_template_content_format must be one of {CHAT_TEMPLATE_CONTENT_FORMATS}, got {fmt!r}")
         template = resolve_chat_template(chat_template, read_escapes=False)  # a path, or the text as it is
+        if not isinstance(messages, (list, tuple)):  # a string was read as a list of one-letter messages
+            raise TypeError(f"messages must be a list of message dicts, or a list of such lists, "
+                            f"got {type(messages).__name__}")
         many = bool(messages) and not isinstance(messages[0], dict)
         conversations = list(messages) if many else [messages]
         prompts = [{"prompt_token_ids": self._chat_ids(f"messages[{i}]" if many else "messages", conv,
@@ -173,6 +178,7 @@ class LLM:
         """One conversation's prompt ids (where: how errors name it), as serving_chat renders them."""
         import pydantic
 
+        from pagedserve.entrypoints.openai.chat_render import TEMPLATE_ARGS
         from pagedserve.entrypoints.openai.chat_tokens import content_format, render_chat_ids
         from pagedserve.entrypoints.openai.protocol import ChatMessage
         from pagedserve.entrypoints.openai.serving_common import APIError
@@ -180,9 +186,22 @@ class LLM:
         tok = self.get_tokenizer()
         if tok is None:
             raise ValueError("chat needs a tokenizer (this LLM was made with skip_tokenizer_init)")
+        for name, v in (("add_generation_prompt", add_generation_prompt),
+                        ("continue_final_message", continue_final_message)):
+            if not isinstance(v, bool):  # "no" was taken as True
+                raise TypeError(f"{name} must be a bool, got {v!r}")
         if continue_final_message and add_generation_prompt:
             raise ValueError("continue_final_message needs add_generation_prompt=False")
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, dict):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {type(chat_template_kwargs).__name__}")
         kwargs = dict(chat_template_kwargs or {})
+        # As the server refuses them (chat_render.TEMPLATE_ARGS): chat's own arguments, which
+        # clashed with it in "got multiple values for argument" TypeErrors.
+        clash = sorted(TEMPLATE_ARGS & set(kwargs))
+        if clash:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(clash)} (chat's own arguments)")
+        if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+            raise TypeError(f"tools must be a list of dicts (OpenAI tool definitions), got {tools!r}"[:200])
         if template is not None:
             kwargs["chat_template"] = template
         elif not getattr(tok, "chat_template", None):
@@ -195,16 +214,25 @@ class LLM:
             try:
                 parsed.append(ChatMessage.model_validate(m))
             except pydantic.ValidationError as e:
-                err = e.errors()[0]
-                field = ".".join(str(x) for x in err["loc"])
+                # The deepest error, without pydantic's union-branch names: the first was content's
+                # "str" branch, so a content part of an unknown type read "content.str: Input
+                # should be a valid string".
+                err = max(e.errors(), key=lambda x: len(x["loc"]))
+                field = ".".join(str(x) for x in err["loc"] if not (isinstance(x, str) and x in _UNION_TAGS)
+                                 and not (isinstance(x, str) and x.startswith(("list[", "dict["))))
                 raise ValueError(f"{where}[{j}]{'.' + field if field else ''}: {err['msg']}") from None
         try:
             check_history(parsed)
         except APIError as e:  # its param is "messages.J.field"
             raise ValueError(f"{where}[{e.param.split('.')[1]}].{e.param.split('.', 2)[2]}: {e.message}") from None
         fmt = content_format(tok, content_format_setting, template)
-        return render_chat_ids(tok, [history_message(m, fmt) for m in parsed], add_generation_prompt,
-                               tools=tools, continue_final_message=continue_final_message, **kwargs)
+        try:
+            return render_chat_ids(tok, [history_message(m, fmt) for m in parsed], add_generation_prompt,
+                                   tools=tools, continue_final_message=continue_final_message, **kwargs)
+        except ValueError:
+            raise
+        except Exception as e:  # jinja's TemplateSyntaxError, or raise_exception of a template refusing them
+            raise ValueError(f"{where} could not be rendered by the chat template: {type(e).__name__}: {e}") from None
 
     def beam_search(self, prompts: PromptType | Seq[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:

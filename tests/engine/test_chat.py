@@ -110,11 +110,44 @@ def test_chat_uses_the_engines_chat_template():
      r"messages\[1\]\.tool_call_id: a tool message needs the tool_call_id"),
     ([[{"role": "user", "content": "x"}], [{"role": "user"}, {"role": "user", "content": 3}]],
      r"messages\[1\]\[1\]\.content"),
+    # the deepest error, not the union's first branch ("content.str: Input should be a valid string")
+    ([{"role": "user", "content": [{"type": "video", "video": "x"}]}], r"messages\[0\]\.content\.0\.type: Input should be 'text'"),
+    ([{"role": "user", "content": [{"type": "text"}]}], r"messages\[0\]\.content\.0\.text: Field required"),
 ])
 def test_chat_names_the_field_of_a_bad_message(llm, messages, match):
     with pytest.raises(ValueError, match=match):
         llm.chat(messages, use_tqdm=False)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("kw, error, match", [
+    # each once failed in a TypeError naming nothing (dict([1, 2]), "got multiple values for
+    # argument"), a jinja exception, or ran with "no" taken as True
+    (dict(chat_template_kwargs=[1, 2]), TypeError, "chat_template_kwargs must be a dict"),
+    (dict(chat_template_kwargs={"add_generation_prompt": False}), ValueError,
+     "chat_template_kwargs may not set add_generation_prompt"),
+    (dict(chat_template_kwargs={"tokenize": True, "tools": []}), ValueError, "chat_template_kwargs may not set tokenize, tools"),
+    (dict(add_generation_prompt="no"), TypeError, "add_generation_prompt must be a bool"),
+    (dict(add_generation_prompt=False, continue_final_message="yes"), TypeError, "continue_final_message must be a bool"),
+    (dict(tools="x"), TypeError, "tools must be a list of dicts"),
+    (dict(chat_template="{% if %}"), ValueError, "messages could not be rendered by the chat template: TemplateSyntax"),
+    (dict(chat_template="{{ raise_exception('no system') }}"), ValueError, "rendered by the chat template.*no system"),
+])
+def test_chat_argument_errors_name_the_argument(llm, kw, error, match):
+    sp = SamplingParams(temperature=0, max_tokens=3)
+    before = llm.chat(CONVERSATION, sp, use_tqdm=False)[0].outputs[0].token_ids
+    with pytest.raises(error, match=match):
+        llm.chat(CONVERSATION, sp, use_tqdm=False, **kw)
+    assert llm.chat(CONVERSATION, sp, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+@pytest.mark.parametrize("messages, match", [
+    ("hello", "messages must be a list of message dicts"),  # was read as five one-letter messages
+    (None, "messages must be a list of message dicts"),
+])
+def test_chat_refuses_messages_that_are_no_list(llm, messages, match):
+    with pytest.raises(TypeError, match=match):
+        llm.chat(messages, use_tqdm=False)
 
 
 def test_chat_refuses_continue_final_message_with_a_generation_prompt(llm):
