@@ -6,6 +6,8 @@ small torch-free pieces it needs, CacheConfig and SchedulerConfig (core/config.p
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import os
 from dataclasses import dataclass, field
 
 from pagedserve.core.chunk_cost import COST_MIN_TOKENS, COST_SCALE as LONG_PREFILL_COST_SCALE
@@ -54,6 +56,16 @@ def batch_defaults(device_memory_bytes: int, device_name: str, serving: bool) ->
     if device_memory_bytes >= LARGE_DEVICE_BYTES and "a100" not in device_name.lower():
         return LARGE_DEVICE_MAX_NUM_SEQS, LARGE_DEVICE_BATCHED_TOKENS["serving" if serving else "offline"]
     return SMALL_DEVICE_MAX_NUM_SEQS, SMALL_DEVICE_BATCHED_TOKENS
+
+
+# A field's annotation -> (its check, how an error names the type). Not bools for numbers (True
+# blocks is a slip), not floats for integers.
+_TYPE_CHECKS = {
+    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
+    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
+    "bool": (lambda v: isinstance(v, bool), "a bool"),
+    "str": (lambda v: isinstance(v, str), "a string"),
+}
 
 
 def option(default, help: str, choices: tuple | None = None):
@@ -241,6 +253,9 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self._check_types()
+        if not -2**63 <= self.seed < 2**64:  # torch's manual_seed range; past it "Overflow when unpacking long long"
+            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
         if self.speculative_config is not None:
             from pagedserve.spec_decode.config import SpeculativeConfig  # no torch: config stays light
             self.speculative_config = SpeculativeConfig.from_json(self.speculative_config).to_dict()
@@ -248,8 +263,10 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        if self.swap_space < 0:
-            raise ValueError(f"swap_space must be >= 0 GiB, got {self.swap_space}")
+        # Finite: NaN passed "< 0" and failed later as "cannot convert float NaN to integer".
+        for name in ("swap_space", "cpu_kv_cache_gib"):
+            if not 0 <= getattr(self, name) < float("inf"):
+                raise ValueError(f"{name} must be a finite number >= 0 GiB, got {getattr(self, name)}")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
         if self.long_prefill_chunk_align is not None and self.long_prefill_chunk_align < 0:
@@ -349,6 +366,25 @@ class EngineConfig:
             if not self.cuda_graph_sizes or any(not isinstance(b, int) or b < 1 for b in self.cuda_graph_sizes):
                 raise ValueError(f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, "
                                  f"got {self.cuda_graph_sizes!r}")
+
+    def _check_types(self) -> None:
+        """TypeError naming the argument whose value is not of its field's type (the plain int,
+        float, bool and str fields): a string failed as "'<' not supported between 'str' and 'int'",
+        seed=None or 1.5 as torch's "manual_seed expected a long", max_model_len=1.5 and
+        max_num_seqs=1.5 were taken, and "no" for a bool field was True."""
+        for f in dataclasses.fields(self):
+            base, _, none = f.type.partition(" | ")
+            v = getattr(self, f.name)
+            if base not in _TYPE_CHECKS or (v is None and none == "None"):
+                continue
+            if base == "str" and isinstance(v, os.PathLike):  # a pathlib.Path model directory, say
+                v = os.fspath(v)
+                setattr(self, f.name, v)
+            ok, what = _TYPE_CHECKS[base]
+            if not ok(v):
+                raise TypeError(f"{f.name} must be {what}{' or None' if none else ''}, got {v!r}")
+            if base == "int" and type(v) is not int:
+                setattr(self, f.name, int(v))  # numpy's integers
 
     def with_batch_defaults(self, device_memory_bytes: int = 0, device_name: str = "",
                             serving: bool = False) -> "EngineConfig":

@@ -222,3 +222,28 @@ def test_malformed_prompts_are_refused_and_the_batch_and_engine_are_unharmed(llm
             llm.generate(prompts, sampling, use_tqdm=False)
     assert_no_leak(llm)
     assert llm.generate([good], greedy, use_tqdm=False)[0].outputs[0].token_ids == before
+
+
+@pytest.mark.parametrize("kw,error,match", [
+    # each once failed as "'<' not supported between 'str' and 'int'", torch's "manual_seed
+    # expected a long" (a RuntimeError), "cannot convert float NaN to integer", or was taken:
+    # max_model_len=1.5, max_num_seqs=1.5, and "no" for a bool as True
+    (dict(block_size=1.5), TypeError, "block_size must be an integer"),
+    (dict(block_size="16"), TypeError, "block_size must be an integer"),
+    (dict(gpu_memory_utilization="x"), TypeError, "gpu_memory_utilization must be a number"),
+    (dict(max_model_len=1.5), TypeError, "max_model_len must be an integer or None"),
+    (dict(max_num_seqs=1.5), TypeError, "max_num_seqs must be an integer or None"),
+    (dict(swap_space=float("nan")), ValueError, "swap_space must be a finite number"),
+    (dict(swap_space=float("inf")), ValueError, "swap_space must be a finite number"),
+    (dict(seed=None), TypeError, "seed must be an integer"),
+    (dict(seed=1.5), TypeError, "seed must be an integer"),
+    (dict(seed=2**70), ValueError, "seed must be in"),
+    (dict(enable_prefix_caching="no"), TypeError, "enable_prefix_caching must be a bool"),
+    (dict(max_logprobs=1.5), TypeError, "max_logprobs must be an integer"),
+])
+def test_engine_arguments_of_the_wrong_type_name_the_argument(model_dir, kw, error, match):
+    from pagedserve.config import EngineConfig
+    with pytest.raises(error, match=match):
+        EngineConfig(model=str(model_dir), device="cpu", **kw)
+    with pytest.raises(error, match=match):
+        LLM(str(model_dir), device="cpu", **kw)
