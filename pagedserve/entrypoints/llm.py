@@ -29,7 +29,7 @@ _UNION_TAGS = frozenset({"str", "int", "float", "bool", "none"})
 
 
 class LLM:
-    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto",
+    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: Any = "auto",
                  device: str = "auto", seed: int = 0, block_size: int = 16,
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks_override: int | None = None,
                  swap_space: float = 4, max_num_seqs: int | None = None,
@@ -38,6 +38,10 @@ class LLM:
                  enable_chunked_prefill: bool = True, enforce_eager: bool = False,
                  load_format: str = "auto", skip_tokenizer_init: bool = False,
                  tensor_parallel_size: int = 1, kv_allocator: str = "paged", **kwargs: Any):
+        if type(dtype).__module__ == "torch" and type(dtype).__name__ == "dtype":
+            # vLLM takes a torch.dtype too (LLM(dtype=torch.float16)); the config keeps its name
+            # (config.py stays torch-free). A dtype outside DTYPES is still the config's ValueError.
+            dtype = str(dtype).removeprefix("torch.")
         config = make_engine_config(
             model, tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, block_size=block_size,
             gpu_memory_utilization=gpu_memory_utilization, num_gpu_blocks_override=num_gpu_blocks_override,

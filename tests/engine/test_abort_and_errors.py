@@ -247,3 +247,14 @@ def test_engine_arguments_of_the_wrong_type_name_the_argument(model_dir, kw, err
         EngineConfig(model=str(model_dir), device="cpu", **kw)
     with pytest.raises(error, match=match):
         LLM(str(model_dir), device="cpu", **kw)
+
+
+def test_a_torch_dtype_is_taken_by_its_name(model_dir):
+    """LLM(dtype=torch.float16) as vLLM takes it: the same engine as dtype="float16" (the config
+    keeps names; a torch.dtype there was "dtype must be a string")."""
+    import torch
+    by_dtype = LLM(str(model_dir), device="cpu", dtype=torch.bfloat16, num_gpu_blocks_override=8)
+    assert by_dtype.llm_engine.config.dtype == "bfloat16"
+    assert next(by_dtype.llm_engine.runner.model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="dtype must be auto"):
+        LLM(str(model_dir), device="cpu", dtype=torch.int8)
