@@ -46,8 +46,8 @@ def test_a_completions_schema_is_checked_off_the_loop(monkeypatch):
 
     async def main():
         return threading.get_ident(), await structured_outputs.resolve_structured_outputs(WorkerEngine(), req)
-    loop_thread, params = asyncio.run(main())
-    assert params.json == SCHEMA
+    loop_thread, (params, param) = asyncio.run(main())
+    assert params.json == SCHEMA and param == "guided_json"
     assert threads and loop_thread not in threads
 
 
@@ -87,5 +87,6 @@ def test_a_request_without_a_constraint_takes_no_hop_and_keeps_its_field_checks(
         asyncio.run(structured_outputs.resolve_structured_outputs(engine, alone))
     assert e.value.param == "guided_whitespace_pattern" and engine.hops == 0
     constrained = CompletionRequest(prompt="a", guided_json=SCHEMA)
-    assert asyncio.run(structured_outputs.resolve_structured_outputs(engine, constrained)).json == SCHEMA
+    params, param = asyncio.run(structured_outputs.resolve_structured_outputs(engine, constrained))
+    assert params.json == SCHEMA and param == "guided_json"
     assert engine.hops == 1

@@ -130,6 +130,14 @@ def test_a_grammar_that_leaves_every_beam_no_token_is_a_400(http):
             assert r.status_code == 400, r.text
             err = r.json()["error"]
             assert err["code"] == "structured_outputs_failed" and f"after {after} output tokens" in err["message"], err
+            assert err["param"] == "structured_outputs.grammar", err  # the field that set the grammar
+        # streamed (chat; completions refuse a streamed beam search): the error event names it too
+        with http.stream("POST", CHAT, json={"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                                             "max_tokens": 6, "use_beam_search": True, "n": 2, "stream": True,
+                                             "structured_outputs": {"grammar": grammar}}) as s:
+            events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        err = events[-1]["error"]
+        assert err["code"] == "structured_outputs_failed" and err["param"] == "structured_outputs.grammar", events
 
 
 BEAM = {"use_beam_search": True, "n": 2}

@@ -142,18 +142,34 @@ def test_a_grammar_left_no_token_to_draw_is_a_400(tools_http):
     anyway. That ended as an empty "abort" under a 200; now a 400 saying why (streamed: an error
     event), and the server goes on serving."""
     q = tools_http.post("/tokenize", json={"prompt": "q", "add_special_tokens": False}).json()["tokens"]
-    cases = [{"prompt": "And", "allowed_token_ids": q, "structured_outputs": {"choice": ["yes", "no"]}},
-             {"prompt": "And", "temperature": 0, "structured_outputs": {"grammar": 'root ::= "a" x\nx ::= x'}},
-             {"prompt": "And", "structured_outputs": {"grammar": "root ::= root"}},  # matches no text
-             {"prompt": "And", "guided_regex": "[^\\x00-\\U0010FFFF]"}]
-    for body in cases:
-        r = tools_http.post(CMPL, json={"max_tokens": 8, **body})
+    cases = [  # (body, the field the error names: the one that set the grammar)
+        ({"prompt": "And", "allowed_token_ids": q, "structured_outputs": {"choice": ["yes", "no"]}},
+         "structured_outputs.choice"),
+        ({"prompt": "And", "temperature": 0, "structured_outputs": {"grammar": 'root ::= "a" x\nx ::= x'}},
+         "structured_outputs.grammar"),
+        ({"prompt": "And", "structured_outputs": {"grammar": "root ::= root"}},  # matches no text
+         "structured_outputs.grammar"),
+        ({"prompt": "And", "guided_regex": "[^\\x00-\\U0010FFFF]"}, "guided_regex"),
+        # chat: the field is response_format's schema; q alone cannot open a JSON object
+        ({"messages": MSG, "allowed_token_ids": q, "response_format": {
+            "type": "json_schema", "json_schema": {"name": "n", "schema": {"type": "object"}}}},
+         "response_format.json_schema.schema"),
+        # a forced tool call: its grammar comes from tool_choice
+        ({"messages": MSG, "allowed_token_ids": q, "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+         "tool_choice"),
+    ]
+    for body, param in cases:
+        path = CHAT if "messages" in body else CMPL
+        r = tools_http.post(path, json={"max_tokens": 8, **body})
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "structured_outputs_failed" and "accepts no token" in err["message"], err
-        with tools_http.stream("POST", CMPL, json={"max_tokens": 8, "stream": True, **body}) as s:
+        assert err["param"] == param, err
+        with tools_http.stream("POST", path, json={"max_tokens": 8, "stream": True, **body}) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
         assert events[-1]["error"]["code"] == "structured_outputs_failed", events
+        assert events[-1]["error"]["param"] == param, events
     # Tokens both allow: served (one token: the end of "q" is EOS, which allowed_token_ids leaves out)
     r = tools_http.post(CMPL, json={"prompt": "And", "max_tokens": len(q), "allowed_token_ids": q,
                                     "structured_outputs": {"choice": ["q", "qq"]}})
@@ -182,10 +198,12 @@ def test_a_grammar_that_compiles_too_slowly_fails_alone(impatient_server):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["code"] == "structured_outputs_failed" and "compile" in err["message"]
+        assert err["param"] == "guided_json", err  # the field whose grammar failed
         with http.stream("POST", CMPL, json={"prompt": "And", "max_tokens": 8, "stream": True,
                                              "guided_regex": "[a-z]+"}) as s:
             events = [json.loads(line[6:]) for line in s.iter_lines()
                       if line.startswith("data: {")]
         assert events[-1]["error"]["code"] == "structured_outputs_failed"
+        assert events[-1]["error"]["param"] == "guided_regex", events
         r = http.post(CHAT, json={"messages": MSG, "max_tokens": 4})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"]

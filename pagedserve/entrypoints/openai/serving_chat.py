@@ -72,7 +72,9 @@ class OpenAIServingChat(OpenAIServing):
         # tools' schema checks off the loop; without tools the plan is a look at two fields
         plan = (await self.engine.run(plan_tools, req, self.auto_tool_parser) if req.tools
                 else plan_tools(req, self.auto_tool_parser))
-        structured = await resolve_structured_outputs(self.engine, req, plan.constraint)
+        # constraint_param: the field that set the grammar, named if it fails at run time
+        structured, constraint_param = (await resolve_structured_outputs(self.engine, req, plan.constraint)
+                                        or (None, None))
         # A grammar constrains the output from its first token: no <think> block to split off.
         reasoning = self.reasoning_parser() if self.reasoning_parser and structured is None else None
         parser = MessageParser(reasoning, plan.parser, plan.parallel)
@@ -101,16 +103,16 @@ class OpenAIServingChat(OpenAIServing):
             self.check_kv_capacity(len(prompt_ids), max_tokens, params.best_of, "messages", tokens_param)
             stream = await self.start(prompt_ids, params, request_id, req.cache_salt, req.priority)
         if req.stream:
-            return self._stream(req, request_id, len(prompt_ids), stream, parser)
-        final = await until_disconnected(raw_request, self._collect(stream))
+            return self._stream(req, request_id, len(prompt_ids), stream, parser, constraint_param)
+        final = await until_disconnected(raw_request, self._collect(stream, constraint_param))
         return self._response(req, request_id, final, parser)
 
     @staticmethod
-    async def _collect(stream: RequestStream) -> RequestOutput:
+    async def _collect(stream: RequestStream, constraint_param: str | None = None) -> RequestOutput:
         final = None
         try:
             async for out in stream:
-                check_not_ignored(out, "messages")
+                check_not_ignored(out, "messages", constraint_param)
                 final = out
         except EngineDeadError as e:
             raise engine_error(e) from None
@@ -150,7 +152,8 @@ class OpenAIServingChat(OpenAIServing):
                                       if req.prompt_logprobs is not None else None)
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_len: int,
-                      stream: RequestStream, parser: MessageParser) -> AsyncIterator[str]:
+                      stream: RequestStream, parser: MessageParser,
+                      constraint_param: str | None = None) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model = self.served_model_name
         states: dict[int, StreamedChoice] = {}
@@ -164,7 +167,7 @@ class OpenAIServingChat(OpenAIServing):
             last = None
             async for out in stream:
                 last = out
-                check_not_ignored(out, "messages")
+                check_not_ignored(out, "messages", constraint_param)
                 choices = []
                 # DELTA outputs: each choice carries only its new tokens, text and logprobs.
                 for c in out.outputs:

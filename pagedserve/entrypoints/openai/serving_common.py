@@ -61,12 +61,13 @@ class APIError(Exception):
         return cls(msg, 400, param=param)
 
 
-def check_not_ignored(out: Any, prompt_param: str) -> None:
+def check_not_ignored(out: Any, prompt_param: str, constraint_param: str | None = None) -> None:
     """The scheduler drops ("ignored") a request that can never be scheduled: a 400, not text.
-    A request the core ended alone with an error (its grammar failed to compile, or compiled
-    too slowly) is a 400 saying so, not an empty "abort"."""
+    A request the core ended alone with an error (its grammar failed to compile, compiled too
+    slowly, or accepted no token) is a 400 saying so, not an empty "abort", naming the field that
+    set the constraint (constraint_param: resolve_structured_outputs' second item)."""
     if getattr(out, "error", None):
-        raise APIError(out.error, code="structured_outputs_failed")
+        raise APIError(out.error, param=constraint_param, code="structured_outputs_failed")
     if any(c.finish_reason == "ignored" for c in out.outputs):
         raise APIError(f"the {prompt_param} can never be scheduled: it does not fit in the KV cache",
                        param=prompt_param, code="kv_cache_capacity_exceeded")

@@ -101,7 +101,8 @@ class OpenAIServingCompletion(OpenAIServing):
         # generation config's default that may replace it below.
         keep = self.truncation_size(req.truncate_prompt_tokens, req.max_tokens, "max_tokens")
         prompts = await self._prompts(req, keep)
-        structured = await resolve_structured_outputs(self.engine, req)
+        # constraint_param: the field that set the grammar, named if it fails at run time
+        structured, constraint_param = await resolve_structured_outputs(self.engine, req) or (None, None)
         params = []
         asked = req.max_tokens
         if "max_tokens" not in req.model_fields_set and "max_tokens" in self.default_sampling:
@@ -130,16 +131,17 @@ class OpenAIServingCompletion(OpenAIServing):
                 s.close()
             raise
         if req.stream:
-            return self._stream(req, request_id, prompts, streams)
-        finals = await until_disconnected(raw_request, self._collect(streams))
+            return self._stream(req, request_id, prompts, streams, constraint_param)
+        finals = await until_disconnected(raw_request, self._collect(streams, constraint_param))
         return self._response(req, request_id, prompts, finals)
 
     @staticmethod
-    async def _collect(streams: list[RequestStream]) -> list[RequestOutput]:
+    async def _collect(streams: list[RequestStream], constraint_param: str | None = None
+                       ) -> list[RequestOutput]:
         finals: list[Any] = [None] * len(streams)
         try:
             async for i, out in merge_streams(streams):
-                check_not_ignored(out, "prompt")
+                check_not_ignored(out, "prompt", constraint_param)
                 finals[i] = out
         except EngineDeadError as e:
             raise engine_error(e) from None
@@ -204,7 +206,8 @@ class OpenAIServingCompletion(OpenAIServing):
                                   usage=usage(prompt_tokens, completion_tokens, self.cached_tokens(finals)))
 
     async def _stream(self, req: CompletionRequest, request_id: str, prompts: list[_Prompt],
-                      streams: list[RequestStream]) -> AsyncIterator[str]:
+                      streams: list[RequestStream], constraint_param: str | None = None
+                      ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         as_ids = self.tokens_as_ids(req)
         states: dict[tuple[int, int], StreamedChoice] = {}
@@ -216,7 +219,7 @@ class OpenAIServingCompletion(OpenAIServing):
         try:
             async for i, out in merge_streams(streams):
                 last[i] = out
-                check_not_ignored(out, "prompt")
+                check_not_ignored(out, "prompt", constraint_param)
                 if out.prompt_logprobs is not None:
                     prompt_lps[i] = out.prompt_logprobs
                 choices = []

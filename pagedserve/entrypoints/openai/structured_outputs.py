@@ -68,21 +68,20 @@ def _sources(req: StructuredOutputFields) -> list[tuple[str, dict[str, Any]]]:
 
 async def resolve_structured_outputs(engine: Any, req: StructuredOutputFields,
                                      constraint: tuple[str, dict] | None = None
-                                     ) -> StructuredOutputsParams | None:
-    """The request's checked output constraint, or None. The checks run on the engine's
+                                     ) -> tuple[StructuredOutputsParams, str] | None:
+    """The request's checked output constraint and the field that set it (a grammar that fails
+    at run time names it in its error), or None. The checks run on the engine's
     tokenizer thread, off the event loop: jsonschema's meta-schema check of a 47 KB schema takes
     ~300 ms, and on the loop it stalled every stream that long. A request that asks for no
     constraint (most) takes no hop: its field checks alone run here."""
     if constraint is None and not _sources(req):
         return structured_outputs_of(req)  # None, or a 400 for a field that needs a constraint
 
-    def check() -> StructuredOutputsParams | None:
+    def check() -> tuple[StructuredOutputsParams, str] | None:
         found = structured_outputs_of(req, constraint)
-        if found is None:
-            return None
-        params, param = found
-        check_compiles(params, param)
-        return params
+        if found is not None:
+            check_compiles(*found)
+        return found
     return await engine.run(check)
 
 
