@@ -59,6 +59,16 @@ def json_depth(value: Any) -> int:
     return depth
 
 
+def check_json_depth(schema: Any, param: str = "structured_outputs.json") -> None:
+    """ValueError naming param when schema nests deeper than MAX_SCHEMA_DEPTH. The one owner of
+    this check and its words: the engine's compiler (offline) and the API server (its 400, before
+    the meta-schema check that would recurse) both call it."""
+    depth = json_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise ValueError(f"{param} nests lists and objects {depth} deep; at most {MAX_SCHEMA_DEPTH} "
+                         "levels are accepted")
+
+
 def is_int(v: Any) -> bool:
     """An integer, numpy's too; not a bool (True as n or a token id is a slip, not a count) and
     not a float (2.5 tokens, or 2.0 of them: vLLM's "must be an int")."""

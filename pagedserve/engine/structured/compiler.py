@@ -34,7 +34,7 @@ from typing import Any, Callable
 import xgrammar as xgr
 
 from pagedserve.metrics import COMPILE_BUCKETS
-from pagedserve.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, json_depth
+from pagedserve.sampling_params import StructuredOutputsParams, check_json_depth
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +123,7 @@ def parse_spec(spec: StructuredOutputsParams, max_whitespace: int = 0, schema_ch
 def _check_schema(schema: Any) -> None:
     """A schema that is not valid JSON Schema (draft 2020-12 meta-schema) is refused by name."""
     import jsonschema
-    depth = json_depth(schema)
-    if depth > MAX_SCHEMA_DEPTH:
-        raise ValueError(f"structured_outputs.json nests lists and objects {depth} deep; at most "
-                         f"{MAX_SCHEMA_DEPTH} levels are accepted")
+    check_json_depth(schema)
     try:
         jsonschema.Draft202012Validator.check_schema(schema)
     except jsonschema.SchemaError as e:

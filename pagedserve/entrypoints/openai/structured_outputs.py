@@ -13,7 +13,7 @@ from typing import Any
 
 from pagedserve.entrypoints.openai.protocol import StructuredOutputFields
 from pagedserve.entrypoints.openai.serving_common import APIError
-from pagedserve.sampling_params import MAX_SCHEMA_DEPTH, StructuredOutputsParams, json_depth
+from pagedserve.sampling_params import StructuredOutputsParams, check_json_depth
 
 GRAMMAR_BACKENDS = ("auto", "xgrammar")
 # Constraints already checked (a benchmark or an agent sends the same few again and again): the
@@ -146,10 +146,10 @@ def check_json_schema(schema: Any, param: str) -> dict:
             schema = json.loads(schema)
         except (ValueError, RecursionError) as e:  # (json's decoder recurses: "[[[[...")
             raise APIError(f"{param} is not JSON: {e}", param=param) from None
-    depth = json_depth(schema)
-    if depth > MAX_SCHEMA_DEPTH:
-        raise APIError(f"{param} nests lists and objects {depth} deep; at most {MAX_SCHEMA_DEPTH} "
-                       "levels are accepted", param=param)
+    try:
+        check_json_depth(schema, param)
+    except ValueError as e:
+        raise APIError(str(e), param=param) from None
     text = json.dumps(schema, sort_keys=True) if isinstance(schema, dict) else None
     if text is not None and text in _checked_schemas:
         return _checked_schemas[text]
