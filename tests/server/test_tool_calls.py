@@ -197,3 +197,29 @@ def test_forced_calls_with_n_choices(tools_client):
     for choice in r.choices:
         _validate_calls(choice.message, choice.finish_reason)
     assert len({c.message.tool_calls[0].function.arguments for c in r.choices}) > 1  # really sampled
+
+
+def test_required_cut_before_a_function_name_is_no_call_and_no_text(tools_http):
+    """tool_choice=required cut by max_tokens before the first function name is complete: no
+    tool call, no content (the grammar's partial JSON is not the model's prose) and
+    finish_reason "length", streamed or not. vLLM 0.26 answers the same: its required parse
+    drops a list that fails to validate and clears the content (content "" and tool_calls [] in
+    its encoding, null here as for every forced call), and relabels only a "stop" as
+    "tool_calls"; neither the raw text nor an error."""
+    prefix = tools_http.post("/tokenize", json={"prompt": '[{"name":"get_time"',
+                                                "add_special_tokens": False}).json()["count"]
+    assert prefix > 2  # (so two tokens cannot hold a whole name)
+    body = {"messages": MSG, "tools": TOOLS, "tool_choice": "required", "max_tokens": 2,
+            "temperature": 0, **COMPACT}
+    r = tools_http.post(CHAT, json=body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert r.json()["usage"]["completion_tokens"] == 2
+    assert choice["finish_reason"] == "length", choice
+    assert choice["message"]["content"] is None and choice["message"]["tool_calls"] is None, choice
+    with tools_http.stream("POST", CHAT, json={**body, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines()
+                  if line.startswith("data: {")]
+    deltas = [c["choices"][0] for c in chunks if c["choices"]]
+    assert not any(d["delta"].get("content") or d["delta"].get("tool_calls") for d in deltas), deltas
+    assert deltas[-1]["finish_reason"] == "length"
