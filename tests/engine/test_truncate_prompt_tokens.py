@@ -112,12 +112,9 @@ def test_chat_cuts_the_rendered_prompt(llm):
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
 
 
-def test_async_engine_cuts_and_reports_the_cut_prompt(llm, model_dir):
-    tok = tokenizer(str(model_dir))
-    text = PROMPT_TEXTS[7]
-    ids = tok.encode(text)
-    keep = 7
-    want = llm.generate([ids[-keep:]], SamplingParams(**GREEDY), use_tqdm=False)[0]
+def async_generate(model_dir, text: str, keep: int, then=None):
+    """The last output of `text` under truncate_prompt_tokens=keep from an AsyncLLMEngine (a
+    core process of its own), with prompt logprobs; then(engine) runs before it shuts down."""
     engine = AsyncLLMEngine.from_engine_config(EngineConfig(
         model=str(model_dir), device="cpu", dtype="float32", swap_space=0.01, num_gpu_blocks_override=512,
         block_size=8, max_model_len=MAX_MODEL_LEN))
@@ -125,13 +122,26 @@ def test_async_engine_cuts_and_reports_the_cut_prompt(llm, model_dir):
     async def go():
         try:
             params = SamplingParams(truncate_prompt_tokens=keep, prompt_logprobs=0, **GREEDY)
-            outs = [o async for o in engine.generate(text, params, "cut")]
-            with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(65\) must be <= max_model_len"):
-                await engine.add_request("too-many", text, SamplingParams(truncate_prompt_tokens=65))
-            return outs[-1]
+            last = [o async for o in engine.generate(text, params, "cut")][-1]
+            if then is not None:
+                await then(engine)
+            return last
         finally:
             await engine.shutdown()
-    got = asyncio.run(go())
+    return asyncio.run(go())
+
+
+def test_async_engine_cuts_and_reports_the_cut_prompt(llm, model_dir):
+    tok = tokenizer(str(model_dir))
+    text = PROMPT_TEXTS[7]
+    ids = tok.encode(text)
+    keep = 7
+    want = llm.generate([ids[-keep:]], SamplingParams(**GREEDY), use_tqdm=False)[0]
+
+    async def too_many(engine):
+        with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(65\) must be <= max_model_len"):
+            await engine.add_request("too-many", text, SamplingParams(truncate_prompt_tokens=65))
+    got = async_generate(model_dir, text, keep, then=too_many)
     assert got.prompt_token_ids == ids[-keep:]
     assert len(got.prompt_logprobs) == keep  # the prompt that ran, position by position
     assert got.outputs[0].token_ids == want.outputs[0].token_ids
@@ -200,15 +210,5 @@ def test_async_engine_keeps_the_bos_of_a_text_prompt(demo_llm):
     text = PROMPT_TEXTS[7]
     keep = 7
     want_ids = hf_left(text, keep)
-    engine = AsyncLLMEngine.from_engine_config(EngineConfig(
-        model=str(DEMO_MODEL_DIR), device="cpu", dtype="float32", swap_space=0.01, num_gpu_blocks_override=512,
-        block_size=8, max_model_len=MAX_MODEL_LEN))
-
-    async def go():
-        try:
-            params = SamplingParams(truncate_prompt_tokens=keep, prompt_logprobs=0, **GREEDY)
-            return [o async for o in engine.generate(text, params, "cut")][-1]
-        finally:
-            await engine.shutdown()
-    got = asyncio.run(go())
+    got = async_generate(DEMO_MODEL_DIR, text, keep)
     assert got.prompt_token_ids == want_ids and len(got.prompt_logprobs) == keep
