@@ -3,7 +3,7 @@ nothing of them is lost: DELTA outputs are joined (outputs.merge_deltas), CUMULA
 superseded, an error after them still raised."""
 import asyncio
 
-from pagedserve.engine.async_engine import RequestStream, _RequestState
+from pagedserve.engine.request_stream import RequestStream, _RequestState
 from pagedserve.outputs import CompletionOutput, RequestOutput, merge_deltas
 from pagedserve.sampling_params import RequestOutputKind
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, AsyncIterator
 
-from pagedserve.engine.async_engine import EngineDeadError, RequestStream
+from pagedserve.engine.async_engine import EngineDeadError
+from pagedserve.engine.request_stream import RequestStream
 from pagedserve.engine.input_processor import truncated_prompt
 from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
 from pagedserve.entrypoints.openai.chat_render import render_request_ids

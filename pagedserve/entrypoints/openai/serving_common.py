@@ -9,7 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Iterable
 
-from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from pagedserve.engine.async_engine import AsyncLLMEngine, EngineDeadError
+from pagedserve.engine.request_stream import RequestStream
 from pagedserve.engine.input_processor import truncation_size
 from pagedserve.entrypoints.openai.logprob_names import LogprobNames
 from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingFields,

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any, AsyncIterator
 
-from pagedserve.engine.async_engine import EngineDeadError, RequestStream
+from pagedserve.engine.async_engine import EngineDeadError
+from pagedserve.engine.request_stream import RequestStream
 from pagedserve.engine.input_processor import truncated_prompt
 from pydantic_core import to_json
 
