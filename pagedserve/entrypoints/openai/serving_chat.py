@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any, AsyncIterator
 
 from pagedserve.engine.async_engine import EngineDeadError
-from pagedserve.engine.request_stream import RequestStream
 from pagedserve.engine.input_processor import truncated_prompt
+from pagedserve.engine.request_stream import RequestStream
 from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
 from pagedserve.entrypoints.openai.chat_render import render_request_ids
 from pagedserve.entrypoints.openai.logprob_names import finite_logprob, prompt_logprobs_json, token_bytes

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from itertools import islice
 from typing import Any, AsyncIterator
 
-from pagedserve.engine.async_engine import EngineDeadError
-from pagedserve.engine.request_stream import RequestStream
-from pagedserve.engine.input_processor import truncated_prompt
 from pydantic_core import to_json
 
+from pagedserve.engine.async_engine import EngineDeadError
+from pagedserve.engine.input_processor import truncated_prompt
+from pagedserve.engine.request_stream import RequestStream
 from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
 from pagedserve.entrypoints.openai.logprob_names import finite_logprob, prompt_logprobs_json
 from pagedserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
