@@ -200,6 +200,8 @@ class StructuredOutputs:
                 if err is None:
                     self.start(p.group, p.future.result())
                     ready.append(p.group)
+                elif isinstance(err, ValueError) and str(err).startswith("structured_outputs"):
+                    failed.append((p.group, str(err)))  # parse_spec's own words, run on the pool
                 else:
                     failed.append((p.group, f"structured_outputs: the grammar failed to compile: {err}"))
         return ready, failed
