@@ -2,40 +2,28 @@
 
 EngineConfig holds every `LLM(...)` argument; the core only ever sees the two
 small torch-free pieces it needs, CacheConfig and SchedulerConfig (core/config.py).
+Its checks are config_checks.py; the values its options may take, config_choices.py (each
+re-exported here, where callers import them).
 """
 from __future__ import annotations
 
 import dataclasses
-import numbers
-import os
 from dataclasses import dataclass, field
 
+from pagedserve.config_checks import check_engine_config
+from pagedserve.config_choices import (CHAT_TEMPLATE_CONTENT_FORMATS, CUDAGRAPH_MODES, DEVICES, DTYPES, KV_CACHE_DTYPES,
+                                       KV_CACHE_SCALE_STRATEGIES, LOAD_FORMATS, QUANTIZATION_METHODS, REASONING_PARSERS,
+                                       STRUCTURED_OUTPUTS_BACKENDS, TOOL_CALL_PARSERS)
+from pagedserve.config_choices import MAX_MODEL_LEN_AUTO  # noqa: F401 (re-exported: the engine and the CLI's)
 from pagedserve.core.chunk_cost import COST_MIN_TOKENS, COST_SCALE as LONG_PREFILL_COST_SCALE
-from pagedserve.core.config import KV_ALLOCATORS, PREEMPTION_MODES, SCHEDULING_POLICIES, CacheConfig, SchedulerConfig
+from pagedserve.core.config import KV_ALLOCATORS, PREEMPTION_MODES, SCHEDULING_POLICIES, SchedulerConfig
+from pagedserve.core.config import CacheConfig  # noqa: F401 (re-exported, as before the checks moved)
 
-STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar")
 # Whitespace characters a JSON grammar allows in one gap (engine/structured/compiler.parse_spec);
 # 0: unbounded, as vLLM. Not bounded by default: on the H200 at 3333762 a bound of 20 took the
 # constrained TPOT p50 at 10 req/s from 6.0 to 22.3 ms (the bounded grammar's mask fills cost more
 # and the host step outran the device's; structured_runs/whitespace_bound_3333762.tar.gz).
 STRUCTURED_OUTPUTS_MAX_WHITESPACE = 0
-CUDAGRAPH_MODES = ("decode", "piecewise", "full")
-# The server's output parsers (entrypoints/openai/tool_parsers, reasoning_parsers; a test keeps
-# these lists equal to the registries there, which config must not import).
-CHAT_TEMPLATE_CONTENT_FORMATS = ("auto", "string", "openai")
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral", "phi4_mini_json", "pythonic")
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
-
-
-# max_model_len -1 ("auto" on the command line): fit it to the KV cache once that is sized (LLMEngine).
-MAX_MODEL_LEN_AUTO = -1
-DTYPES = ("auto", "float32", "float16", "bfloat16", "half", "float", "bf16", "fp16", "fp32")
-DEVICES = ("auto", "cpu", "cuda")
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
-QUANTIZATION_METHODS = ("fp8",)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
-# calculate_kv_scales' granularity, by compressed-tensors' kv_cache_scheme strategy names.
-KV_CACHE_SCALE_STRATEGIES = ("tensor", "attn_head")
 
 
 # Batch limits when the user sets none: vLLM's defaults (its EngineArgs.get_batch_defaults), which an
@@ -56,16 +44,6 @@ def batch_defaults(device_memory_bytes: int, device_name: str, serving: bool) ->
     if device_memory_bytes >= LARGE_DEVICE_BYTES and "a100" not in device_name.lower():
         return LARGE_DEVICE_MAX_NUM_SEQS, LARGE_DEVICE_BATCHED_TOKENS["serving" if serving else "offline"]
     return SMALL_DEVICE_MAX_NUM_SEQS, SMALL_DEVICE_BATCHED_TOKENS
-
-
-# A field's annotation -> (its check, how an error names the type). Not bools for numbers (True
-# blocks is a slip), not floats for integers.
-_TYPE_CHECKS = {
-    "int": (lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool), "an integer"),
-    "float": (lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool), "a number"),
-    "bool": (lambda v: isinstance(v, bool), "a bool"),
-    "str": (lambda v: isinstance(v, str), "a string"),
-}
 
 
 def option(default, help: str, choices: tuple | None = None):
@@ -253,138 +231,7 @@ class EngineConfig:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._check_types()
-        if not -2**63 <= self.seed < 2**64:  # torch's manual_seed range; past it "Overflow when unpacking long long"
-            raise ValueError(f"seed must be in [-2**63, 2**64), got {self.seed}")
-        if self.speculative_config is not None:
-            from pagedserve.spec_decode.config import SpeculativeConfig  # no torch: config stays light
-            self.speculative_config = SpeculativeConfig.from_json(self.speculative_config).to_dict()
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
-            raise ValueError(f"num_gpu_blocks_override must be >= 1, got {self.num_gpu_blocks_override}")
-        # Finite: NaN passed "< 0" and failed later as "cannot convert float NaN to integer".
-        for name in ("swap_space", "cpu_kv_cache_gib"):
-            if not 0 <= getattr(self, name) < float("inf"):
-                raise ValueError(f"{name} must be a finite number >= 0 GiB, got {getattr(self, name)}")
-        if self.long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be >= 0 (0: off), got {self.long_prefill_token_threshold}")
-        if self.long_prefill_chunk_align is not None and self.long_prefill_chunk_align < 0:
-            raise ValueError(f"long_prefill_chunk_align must be >= 0 (0: off), got {self.long_prefill_chunk_align}")
-        if self.long_prefill_drain < 0:
-            raise ValueError(f"long_prefill_drain must be >= 0 (0: off), got {self.long_prefill_drain}")
-        if not self.long_prefill_cost_scale > 0:
-            raise ValueError(f"long_prefill_cost_scale must be > 0, got {self.long_prefill_cost_scale} "
-                             "(long_prefill_budget_by_cost=False turns the costs off)")
-        if self.long_prefill_budget_by_cost and not self.enable_chunked_prefill:
-            raise ValueError("long_prefill_budget_by_cost needs enable_chunked_prefill (it sizes prefill chunks)")
-        # Without chunked prefill a prompt is never cut, so these would be ignored without a word.
-        if self.long_prefill_token_threshold and not self.enable_chunked_prefill:
-            raise ValueError(f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) needs "
-                             "enable_chunked_prefill (it caps prefill chunks; 0: off)")
-        if self.long_prefill_chunk_align and not self.enable_chunked_prefill:
-            raise ValueError(f"long_prefill_chunk_align ({self.long_prefill_chunk_align}) needs "
-                             "enable_chunked_prefill (it aligns prefill chunks; 0: off)")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, got {self.dtype!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization method {self.quantization!r} is not supported (supported: "
-                             f"{', '.join(QUANTIZATION_METHODS)})")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
-        if self.calculate_kv_scales and self.kv_cache_dtype == "auto":
-            raise ValueError("calculate_kv_scales needs kv_cache_dtype fp8")
-        if self.kv_cache_scale_strategy not in KV_CACHE_SCALE_STRATEGIES:
-            raise ValueError(f"kv_cache_scale_strategy must be one of {KV_CACHE_SCALE_STRATEGIES}, "
-                             f"got {self.kv_cache_scale_strategy!r}")
-        if self.kv_cache_scale_strategy != "tensor" and not self.calculate_kv_scales:
-            raise ValueError(f"kv_cache_scale_strategy {self.kv_cache_scale_strategy!r} needs calculate_kv_scales "
-                             "(it says how they are calculated; a checkpoint's per-head scales load without it)")
-        if self.load_format not in LOAD_FORMATS:
-            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
-        if self.max_model_len is not None and self.max_model_len < 1 and self.max_model_len != MAX_MODEL_LEN_AUTO:
-            raise ValueError(f"max_model_len must be >= 1, or -1 (auto: what the KV cache holds), got {self.max_model_len}")
-        if self.hf_overrides is not None:
-            if not isinstance(self.hf_overrides, dict) or not all(isinstance(k, str) for k in self.hf_overrides):
-                raise ValueError(f"hf_overrides must be a JSON object of config fields, got {self.hf_overrides!r}")
-            for key in ("rope_scaling", "rope_parameters"):
-                if key in self.hf_overrides and not isinstance(self.hf_overrides[key], dict):
-                    raise ValueError(f"hf_overrides: {key} must be an object, got {self.hf_overrides[key]!r}")
-        # Validate the pieces early so a bad argument fails before any model is loaded.
-        CacheConfig(block_size=self.block_size, kv_allocator=self.kv_allocator)
-        if self.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {SCHEDULING_POLICIES}, got {self.scheduling_policy!r}")
-        if self.preemption_mode not in PREEMPTION_MODES:
-            raise ValueError(f"preemption_mode must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
-        if self.max_logprobs < -1:
-            raise ValueError(f"max_logprobs must be >= 0, or -1 (the whole vocabulary), got {self.max_logprobs}")
-        if self.max_num_seqs is not None and self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
-            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
-        if self.enable_auto_tool_choice and self.tool_call_parser is None:
-            raise ValueError("enable_auto_tool_choice needs tool_call_parser (one of "
-                             f"{', '.join(TOOL_CALL_PARSERS)})")
-        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got "
-                             f"{self.tool_call_parser!r}")
-        if self.chat_template_content_format not in CHAT_TEMPLATE_CONTENT_FORMATS:
-            raise ValueError(f"chat_template_content_format must be one of {CHAT_TEMPLATE_CONTENT_FORMATS}, "
-                             f"got {self.chat_template_content_format!r}")
-        if self.chat_template is not None:  # a missing file fails here, before any model loads
-            from pagedserve.engine.chat_template import resolve_chat_template
-            resolve_chat_template(self.chat_template)
-        if self.override_generation_config is not None and not isinstance(self.override_generation_config, dict):
-            raise ValueError(f"override_generation_config must be a JSON object, got {self.override_generation_config!r}")
-        from pagedserve.engine.generation_defaults import generation_defaults
-        generation_defaults(self.model, self.generation_config, self.override_generation_config)  # fails here
-        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
-            raise ValueError(f"reasoning_parser must be one of {REASONING_PARSERS}, got "
-                             f"{self.reasoning_parser!r}")
-        if self.cudagraph_mode not in CUDAGRAPH_MODES:
-            raise ValueError(f"cudagraph_mode must be one of {CUDAGRAPH_MODES}, got {self.cudagraph_mode!r}")
-        if self.structured_outputs_backend not in STRUCTURED_OUTPUTS_BACKENDS:
-            raise ValueError(f"structured_outputs_backend must be one of {STRUCTURED_OUTPUTS_BACKENDS}, "
-                             f"got {self.structured_outputs_backend!r}")
-        if self.structured_outputs_fill_threads is not None and self.structured_outputs_fill_threads < 1:
-            raise ValueError(f"structured_outputs_fill_threads must be >= 1, "
-                             f"got {self.structured_outputs_fill_threads}")
-        if self.structured_outputs_max_whitespace < 0:
-            raise ValueError(f"structured_outputs_max_whitespace must be >= 0 (0: unbounded), "
-                             f"got {self.structured_outputs_max_whitespace}")
-        if not self.structured_outputs_compile_timeout_s > 0:
-            raise ValueError(f"structured_outputs_compile_timeout_s must be > 0, "
-                             f"got {self.structured_outputs_compile_timeout_s}")
-        if self.nano_batch_rows == 1 or self.nano_batch_rows < 0:
-            raise ValueError(f"nano_batch_rows must be 0 (off) or >= 2, got {self.nano_batch_rows}")
-        if self.nano_batch_sm_carveout < 0 or (self.nano_batch_sm_carveout and not self.nano_batch_rows):
-            raise ValueError(f"nano_batch_sm_carveout must be >= 0 and needs nano_batch_rows, got "
-                             f"{self.nano_batch_sm_carveout} with nano_batch_rows={self.nano_batch_rows}")
-        if self.cuda_graph_sizes is not None:
-            if not self.cuda_graph_sizes or any(not isinstance(b, int) or b < 1 for b in self.cuda_graph_sizes):
-                raise ValueError(f"cuda_graph_sizes must be a non-empty list of batch sizes >= 1, "
-                                 f"got {self.cuda_graph_sizes!r}")
-
-    def _check_types(self) -> None:
-        """TypeError naming the argument whose value is not of its field's type (the plain int,
-        float, bool and str fields): a string failed as "'<' not supported between 'str' and 'int'",
-        seed=None or 1.5 as torch's "manual_seed expected a long", max_model_len=1.5 and
-        max_num_seqs=1.5 were taken, and "no" for a bool field was True."""
-        for f in dataclasses.fields(self):
-            base, _, none = f.type.partition(" | ")
-            v = getattr(self, f.name)
-            if base not in _TYPE_CHECKS or (v is None and none == "None"):
-                continue
-            if base == "str" and isinstance(v, os.PathLike):  # a pathlib.Path model directory, say
-                v = os.fspath(v)
-                setattr(self, f.name, v)
-            ok, what = _TYPE_CHECKS[base]
-            if not ok(v):
-                raise TypeError(f"{f.name} must be {what}{' or None' if none else ''}, got {v!r}")
-            if base == "int" and type(v) is not int:
-                setattr(self, f.name, int(v))  # numpy's integers
+        check_engine_config(self)  # config_checks.py: every argument's check, and the values it settles
 
     def with_batch_defaults(self, device_memory_bytes: int = 0, device_name: str = "",
                             serving: bool = False) -> "EngineConfig":
