@@ -291,7 +291,7 @@ class MultiProcExecutor(FailureHandling):
         if graceful:
             # Every rank is past the shutdown barrier. Each first destroys its CUDA graphs: NCCL's
             # destroy (and abort) waits until no graph that captured one of its collectives is
-            # left, which was the 2xH200 "TP=2 hang" (ModelRunner.release_cuda_graphs). Then all
+            # left, which was the 2xH200 "TP=2 hang" (graph_capture.release_cuda_graphs). Then all
             # tear their groups down at the same time: rank 0 does not wait for the workers first.
             worker = getattr(self, "worker", None)
             if worker is not None:

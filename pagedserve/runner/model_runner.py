@@ -12,7 +12,8 @@ On CUDA the forward replays graphs where it can: a decode-only step, or one whos
 prefill, with cudagraph_mode="full" the full graph of its token count (runner/full_graphs.py,
 attention by the unified kernel), else with "piecewise" piecewise graphs with attention between
 them; anything larger runs eagerly. Which of these the last step took is `last_graph_path` (one
-of GRAPH_PATHS; the step trace records it).
+of GRAPH_PATHS; the step trace records it). The graphs are captured at start-up, and released, by
+runner/graph_capture.py.
 """
 from __future__ import annotations
 
@@ -33,13 +34,14 @@ from pagedserve.layers.quant import get_quantization_config
 from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.models.nano_batches import NanoStreams, check_nano_batches, forward_in_halves
+from pagedserve.runner import graph_capture
 from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
-from pagedserve.runner.cuda_graph import DecodeCUDAGraphs, batch_buckets, graph_capturable
+from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
 from pagedserve.runner.decode_rows import as_decode_rows, short_prefill_graphs_enabled
 from pagedserve.runner.full_graphs import FullCUDAGraphs
 from pagedserve.runner.kv_sizing import calibrate_kv_scales_at_startup, device_seconds, profile_num_gpu_blocks
-from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs, supports_piecewise
+from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs
 from pagedserve.runner.request_state import DeviceRequestState
 from pagedserve.runner.row_tracker import RowInputs, RowTracker, incremental_inputs_enabled
 from pagedserve.runner.step_input import StepInput
@@ -226,23 +228,8 @@ class ModelRunner:
         self.profile["swap_seconds_per_block"] = device_seconds(self.device, round_trip) / n
 
     def capture_decode_graphs(self) -> None:
-        """One CUDA graph per decode batch-size bucket, up to max_num_seqs (CUDA, unless enforce_eager)."""
-        self._require("cache")
-        if self.device.type != "cuda" or self.config.enforce_eager:
-            return
-        if not graph_capturable(self.model):
-            logger.warning("%s has a layer that cannot be captured (PAGEDSERVE_FUSED_MOE=0?): no CUDA graphs",
-                           type(self.model).__name__)
-            return
-        max_batch = self.config.scheduler_config(self.max_model_len).max_num_seqs
-        buckets = batch_buckets(max_batch, self.config.cuda_graph_sizes)
-        if not buckets:
-            return  # every size given exceeds max_num_seqs: decode steps run eagerly
-        self.graphs = DecodeCUDAGraphs(self.model, self.kv_caches, buckets, max_model_len=self.max_model_len,
-                                       block_size=self.block_size, device=self.device,
-                                       num_kv_heads=self.num_kv_heads, nano_batch_rows=self.config.nano_batch_rows,
-                                       sm_carveout=self.config.nano_batch_sm_carveout)
-        self.graphs.capture()
+        """One CUDA graph per decode batch-size bucket (runner/graph_capture.py)."""
+        graph_capture.capture_decode_graphs(self)
 
     def warm_up(self) -> None:
         """Run every kernel variant serving can meet once, leaving the pools as they were
@@ -252,74 +239,18 @@ class ModelRunner:
             self.profile["warmup_seconds"] = warm_up(self)
 
     def release_cuda_graphs(self, synchronize: bool = True) -> int:
-        """Destroy every captured CUDA graph now; returns how many. Tensor parallelism needs this before
-        its NCCL groups go: a graph that captured an all-reduce holds a reference on the communicator,
-        and NCCL's destroy (and abort) spins until every such graph is gone: with the graphs still
-        alive, the teardown never returned (2xH200). Eager steps still work afterwards.
-        synchronize=False after a failure: a graph stuck in a collective must not block here."""
-        graphs = []
-        if self.graphs is not None:
-            graphs += list(self.graphs.graphs.values())
-        if self.piecewise is not None:
-            graphs += [g for pieces in self.piecewise.pieces.values() for g in pieces]
-        full = getattr(self, "full_graphs", None)
-        if full is not None:
-            graphs += list(full.graphs.values())
-        self.graphs = self.piecewise = self.full_graphs = None
-        for g in graphs:
-            reset = getattr(g, "reset", None)
-            if reset is not None:
-                reset()
-        if graphs and synchronize and self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return len(graphs)
+        """Destroy every captured CUDA graph now; returns how many (graph_capture.release_cuda_graphs
+        says why tensor parallelism needs this before its NCCL groups go)."""
+        return graph_capture.release_cuda_graphs(self, synchronize)
 
     def capture_piecewise_graphs(self) -> None:
-        """Piecewise graphs (runner/piecewise_graphs.py) for steps with prefill tokens, per token-count
-        bucket up to min(max_num_batched_tokens, 1024; PAGEDSERVE_PIECEWISE_MAX_TOKENS). Only with cudagraph_mode="piecewise", on CUDA,
-        unless enforce_eager, for Llama-family models and a single rank (tensor parallelism keeps
-        those steps eager: its executor runs the start-up phases one by one and has no such phase)."""
-        self._require("cache")
-        cfg = self.config
-        if self.device.type != "cuda" or cfg.enforce_eager or cfg.cudagraph_mode != "piecewise":
-            return
-        if self.tp_size > 1 or not supports_piecewise(self.model) or not graph_capturable(self.model):
-            logger.info("no piecewise CUDA graphs for %s with tensor_parallel_size=%d: steps with prefill "
-                        "tokens run eagerly", type(self.model).__name__, self.tp_size)
-            return
-        max_tokens = cfg.scheduler_config(self.max_model_len).max_num_batched_tokens
-        t0 = time.perf_counter()
-        self.piecewise = PiecewiseCUDAGraphs(self.model, self.kv_caches, max_tokens, self.device,
-                                             pool=self.graphs.pool if self.graphs is not None else None)
-        self.piecewise.capture()
-        logger.info("captured %d piecewise CUDA graphs (%d token buckets up to %d) in %.1f s",
-                    self.piecewise.num_graphs, len(self.piecewise.buckets), self.piecewise.buckets[-1],
-                    time.perf_counter() - t0)
+        """Piecewise graphs for steps with prefill tokens (runner/graph_capture.py)."""
+        graph_capture.capture_piecewise_graphs(self)
 
     def capture_full_graphs(self, graph_factory=None) -> None:
-        """Full graphs (runner/full_graphs.py) for steps with prefill tokens, per token-count bucket up
-        to min(max_num_batched_tokens, 8192). Only with cudagraph_mode="full", on CUDA (graph_factory:
-        a CPU stand-in for tests), unless enforce_eager, for graph-capturable models on one rank."""
-        self._require("cache")
-        cfg = self.config
-        if cfg.enforce_eager or cfg.cudagraph_mode != "full":
-            return
-        if graph_factory is None and self.device.type != "cuda":
-            return
-        if self.tp_size > 1 or not graph_capturable(self.model):
-            logger.info("no full CUDA graphs for %s with tensor_parallel_size=%d: steps with prefill tokens "
-                        "run eagerly", type(self.model).__name__, self.tp_size)
-            return
-        sched = cfg.scheduler_config(self.max_model_len)
-        attn = next(m for m in self.model.modules() if isinstance(m, Attention))
-        t0 = time.perf_counter()
-        self.full_graphs = FullCUDAGraphs(self.model, self.kv_caches, sched.max_num_batched_tokens, sched.max_num_seqs,
-                                          self.max_model_len, self.block_size, attn.num_heads, attn.num_kv_heads,
-                                          self.device, pool=self.graphs.pool if self.graphs is not None else None,
-                                          graph_factory=graph_factory)
-        self.full_graphs.capture()
-        logger.info("captured %d full CUDA graphs (token buckets up to %d) in %.1f s", self.full_graphs.num_graphs,
-                    self.full_graphs.buckets[-1], time.perf_counter() - t0)
+        """Full graphs for steps with prefill tokens (runner/graph_capture.py; graph_factory: a CPU
+        stand-in for tests)."""
+        graph_capture.capture_full_graphs(self, graph_factory)
 
     # --- one step ---
     @torch.inference_mode()

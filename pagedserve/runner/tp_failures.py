@@ -85,7 +85,7 @@ class FailureHandling:
         """NCCL waits for a dead or silent peer until its timeout: abort them. (Gloo waits fail
         as soon as the peer's process is gone.) On a thread of its own, waited for at most
         wait_s: NCCL's abort also waits for every CUDA graph that captured its collectives to
-        be destroyed, which only the main thread can do (see ModelRunner.release_cuda_graphs),
+        be destroyed, which only the main thread can do (see graph_capture.release_cuda_graphs),
         and the caller must go on to its own bound either way."""
         groups = getattr(self, "groups", None)
         if (groups is not None and groups.compute is not None and groups.device is not None

@@ -105,7 +105,7 @@ class Worker:
         return getattr(self.runner, method)(*args, **kwargs)
 
     def release_cuda_graphs(self, synchronize: bool = True) -> None:
-        """Before the groups are destroyed (ModelRunner.release_cuda_graphs says why)."""
+        """Before the groups are destroyed (graph_capture.release_cuda_graphs says why)."""
         runner = getattr(self, "runner", None)
         if runner is not None and hasattr(runner, "release_cuda_graphs"):
             runner.release_cuda_graphs(synchronize=synchronize)
