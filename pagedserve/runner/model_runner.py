@@ -35,7 +35,7 @@ from pagedserve.layers.rotary import RotaryEmbedding
 from pagedserve.models.loader import get_max_model_len, get_model
 from pagedserve.models.nano_batches import NanoStreams, check_nano_batches, forward_in_halves
 from pagedserve.runner import graph_capture
-from pagedserve.runner.batch import HostBatch, ModelInput, host_batch
+from pagedserve.runner.batch import ModelInput, host_batch
 from pagedserve.runner.cache_engine import CacheEngine, cache_block_bytes
 from pagedserve.runner.cuda_graph import DecodeCUDAGraphs
 from pagedserve.runner.decode_rows import as_decode_rows, short_prefill_graphs_enabled
@@ -43,7 +43,7 @@ from pagedserve.runner.full_graphs import FullCUDAGraphs
 from pagedserve.runner.kv_sizing import calibrate_kv_scales_at_startup, device_seconds, profile_num_gpu_blocks
 from pagedserve.runner.piecewise_graphs import PiecewiseCUDAGraphs
 from pagedserve.runner.request_state import DeviceRequestState
-from pagedserve.runner.row_tracker import RowInputs, RowTracker, incremental_inputs_enabled
+from pagedserve.runner.row_tracker import RowTracker, incremental_inputs_enabled
 from pagedserve.runner.step_input import StepInput
 from pagedserve.runner.warmup import warm_up, warmup_enabled
 
