@@ -142,13 +142,13 @@ def attention_layer_us(write_kv: bool = True, reps: int = 3000, num_decodes: int
     write_kv False: paged_attention alone."""
     import itertools
 
-    from pagedserve.attention import triton_ops, triton_prefill
+    from pagedserve.attention import triton_cache, triton_ops, triton_prefill
     from pagedserve.attention.metadata import AttentionMetadata
 
     class NoLaunch:
         def __getitem__(self, grid):
             return lambda *args, **kwargs: None
-    for mod in (triton_ops, triton_prefill):
+    for mod in (triton_ops, triton_cache, triton_prefill):  # write_kv launches triton_cache's kernel
         for name in dir(mod):
             if name.endswith("_kernel"):
                 setattr(mod, name, NoLaunch())

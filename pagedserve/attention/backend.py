@@ -2,7 +2,7 @@
 
 Attention.forward rotates this step's q and k by the layer's Rope (when it hands one over) and
 writes its K/V into the paged pools through meta.slot_mapping (on CUDA one Triton launch does
-both: triton_ops.rope_write_kv), then attends each sequence's new queries over its whole context
+both: triton_cache.rope_write_kv), then attends each sequence's new queries over its whole context
 read through meta.block_tables. On CUDA the Triton kernels are used
 (pagedserve.attention.triton_ops, imported lazily); on CPU, or when they are missing,
 the plain-torch reference. Both expose the same three functions:
@@ -164,7 +164,7 @@ class Attention(nn.Module):
     def rotate_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                          v_cache: torch.Tensor, slot_mapping: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
         """Rotate q and k by rope (None: nothing to rotate), then store_kv; returns q [T, H, D].
-        On CUDA one launch does it all in place (triton_ops.rope_write_kv: no second read of k and
+        On CUDA one launch does it all in place (triton_cache.rope_write_kv: no second read of k and
         v, one kernel a layer less; an fp8 pool quantized as store_kv does); else rotate_qk, then
         store_kv. Its launch depends only on T."""
         T = q.shape[0]

@@ -304,7 +304,7 @@ def _one_launch_and_two(dtype, T, Hq, Hk, D, rd, qk_norm, g, k_cache, v_cache, s
     (3, 12, 4, 16, 16, True, 4), (2, 20, 4, 16, 16, False, 8),
 ])
 def test_rope_write_kv_is_the_rotary_then_write_kv(dtype, T, Hq, Hk, D, rd, qk_norm, block_size):
-    """attention/triton_ops.rope_write_kv (one launch) leaves q and k exactly as qk_norm_rotary_
+    """attention/triton_cache.rope_write_kv (one launch) leaves q and k exactly as qk_norm_rotary_
     does and the pools exactly as the reference write_kv of that k and v does, slot -1 untouched."""
     from pagedserve.attention import reference, triton_ops
     g = torch.Generator().manual_seed(T * 7 + D + rd + block_size)

@@ -89,7 +89,7 @@ def test_qk_rotary_matches_torch_bf16(ops, qk_norm, rotary_dim):
 @pytest.mark.parametrize("pool", ["bf16", "fp8", "fp8_per_head"])
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_rope_write_kv_is_the_rotary_then_write_kv_bf16(ops, qk_norm, pool):
-    """The one-launch rotary + K/V write (attention/triton_ops.rope_write_kv) on the GPU: q, k and
+    """The one-launch rotary + K/V write (attention/triton_cache.rope_write_kv) on the GPU: q, k and
     the pools bit-equal to qk_norm_rotary_ followed by write_kv (the same arithmetic, one kernel),
     fp8 pools byte for byte; slot -1 writes nothing."""
     from pagedserve.attention import triton_ops
