@@ -240,7 +240,8 @@ def time_gathered(shape: Shape, ref: torch.Tensor, args, sync) -> dict:
     """attention/gathered_prefill.py over the shape's pages as the engine calls it (gather, fold,
     cuDNN's bucketed prefix head + flash's tail and square, merge); first_call_ms builds cuDNN's
     plan at this shape (the engine's warm-up builds them all). The merge as PAGEDSERVE_LONG_PREFILL_MERGE says."""
-    from pagedserve.attention.gathered_prefill import GatheredPrefill, merge_kernel
+    from pagedserve.attention.gathered_prefill import GatheredPrefill
+    from pagedserve.attention.gathered_prefill_switches import merge_kernel
     c, L = shape.c, shape.L
     try:
         g = GatheredPrefill(L, shape.k_cache.shape[2], shape.query.shape[2], shape.query.dtype, shape.query.device,

@@ -445,7 +445,7 @@ def phase_prefill(args) -> None:
     of --prefill-lens as one fresh prompt with 1 output token, one at a time: that request's
     seconds are its prefill's (an A/B of long-prefill paths, e.g. PAGEDSERVE_LONG_PREFILL=cudnn).
     --engine vllm runs vLLM's offline LLM the same way (same model, budget and block size)."""
-    from pagedserve.attention import gathered_prefill
+    from pagedserve.attention import gathered_prefill_plan
     from pagedserve.benchmark.results import ENV_SWITCHES
     if args.engine == "vllm":
         if args.beside_decodes or args.near_end or args.step_times or args.gather_modes:
@@ -460,14 +460,15 @@ def phase_prefill(args) -> None:
         from pagedserve import LLM, SamplingParams
     ours = {} if args.engine == "vllm" or args.chunk_align is None else {"long_prefill_chunk_align": args.chunk_align}
     if args.gathered_min_prefix is not None:  # an A/B of the constant; the engine runs in this process
-        gathered_prefill.MIN_PREFIX = args.gathered_min_prefix
+        gathered_prefill_plan.MIN_PREFIX = args.gathered_min_prefix
     t0 = time.perf_counter()
     llm = LLM(str(args.model), load_format="dummy", max_model_len=args.max_model_len, block_size=args.block_size,
               skip_tokenizer_init=True, max_num_batched_tokens=args.max_num_batched_tokens, **ours)
     rec = {"engine": args.engine if args.engine == "pagedserve" else f"vllm {vllm.__version__}",
            "command": getattr(args, "command", None), "date": time.strftime("%Y-%m-%d", time.gmtime()),
            "startup_seconds": time.perf_counter() - t0, "block_size": args.block_size,
-           "max_num_batched_tokens": args.max_num_batched_tokens, "gathered_min_prefix": gathered_prefill.MIN_PREFIX,
+           "max_num_batched_tokens": args.max_num_batched_tokens,
+           "gathered_min_prefix": gathered_prefill_plan.MIN_PREFIX,
            # The engine's own value (--chunk-align or its default); vLLM has none.
            "long_prefill_chunk_align": (None if args.engine == "vllm"
                                         else llm.llm_engine.scheduler_config.long_prefill_chunk_align),
@@ -770,7 +771,7 @@ def main() -> None:
                     help="prefill: the step budget (default 8192, the server's on the H200, so the chunks are "
                          "serving's; the offline engine's own default there is 16384, as until the 36th session)")
     ap.add_argument("--gathered-min-prefix", type=int, default=None,
-                    help="prefill: gathered_prefill.MIN_PREFIX for this run (an A/B; default the module's)")
+                    help="prefill: gathered_prefill_plan.MIN_PREFIX for this run (an A/B; default the module's)")
     ap.add_argument("--chunk-align", type=int, default=None,
                     help="prefill: pagedserve's long_prefill_chunk_align (default: the engine's, 8,192 on Hopper)")
     ap.add_argument("--step-times", action="store_true",

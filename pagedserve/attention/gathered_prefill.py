@@ -50,45 +50,19 @@ gathers took 69.5 ms of a 100k prefill's 6.8 s (docs/long-context.md).
 The parts go through `prefix_attention(q [1, Hkv, R, D], k [1, Hkv, S, D], v, scale)` and
 `square_attention(q [1, H, R, D], k, v, scale)` (cuDNN) and `flash_attention(q, k, v, causal,
 scale)` -> (out, lse [.., R]); CPU tests pass their own.
+
+The path's host-side plan (its thresholds and buckets, which chunks take it, their page runs) is
+gathered_prefill_plan.py, read here as plan.X at every use, so that what a test or a benchmark sets
+there holds here too; its switches (the PAGEDSERVE_LONG_PREFILL* variables, enabled() among them)
+are gathered_prefill_switches.py.
 """
 from __future__ import annotations
 
-import importlib
-import os
-
 import torch
 
-LONG_PREFILL_ENV = "PAGEDSERVE_LONG_PREFILL"
-MERGE_ENV = "PAGEDSERVE_LONG_PREFILL_MERGE"  # 'triton' (default) or 'torch': how the parts are merged
-FOLD_ENV = "PAGEDSERVE_LONG_PREFILL_FOLD"  # 'triton' (default) or 'torch': how the queries are folded
-# N > 0: a chunk of at least N tokens after fewer than PREFIX_BUCKET (a prompt's first chunk, or one
-# after a short cached prefix) takes the path too: its square on cuDNN's causal kernel (on the H200
-# 0.88 against our prefill kernel's 1.42 ms a layer at 8192 x 8192, runs/s27_long_prefill/), the few
-# earlier tokens on flash. 0: off.
-FIRST_CHUNK_ENV = "PAGEDSERVE_LONG_PREFILL_FIRST"
-FIRST_CHUNK_DEFAULT = 4096
-# How the chunk's square meets cuDNN: 'gqa' (the default) hands it the KV heads as they are (cuDNN
-# reads a KV head for each of its group's query heads); 'repeat' copies them once per query head
-# first, as until the 36th session (two [c, H, D] copies a layer: ~118 ms of a 100k prefill's
-# 7.3 s in runs/s33_prefill_profile/).
-SQUARE_ENV = "PAGEDSERVE_LONG_PREFILL_SQUARE"
-# Where the prefix's tail past its bucketed head goes when it is a whole number of TAIL_STEP
-# tokens: 'cudnn' (the default since the 38th session: chunks sized by cost beside decodes leave
-# such tails on most chunks) or 'flash' (as before: torch's flash kernel, no plans).
-TAIL_ENV = "PAGEDSERVE_LONG_PREFILL_TAIL"
-# 'runs' (the default): a chunk whose pages lie in one run of the pool reads them in place;
-# 'always': every chunk's context is gathered first, as until the 52nd session.
-GATHER_ENV = "PAGEDSERVE_LONG_PREFILL_GATHER"
-PREFIX_BUCKET = 8192
-QUERY_BUCKET = 1024
-TAIL_STEP = 1024  # core/chunk_cost.CHUNK_ALIGN: aligned chunks leave tails of whole steps
-# A chunk after fewer earlier tokens stays on the Triton kernel (or, as a first chunk, takes the
-# square alone). 16,384 until the 36th session: the H200's serving budget cuts a 32k prompt into
-# 8,192-token chunks, and the second (8,192 earlier) then ran on our kernel (~400 TFLOPS against
-# cuDNN's ~600, ~1.6 TFLOP a layer), about 3% of the prompt's prefill (docs/long-context.md).
-MIN_PREFIX = 8192
-MIN_CHUNK = 1024
-MAX_PAGE = 1024  # config.CacheConfig's largest block_size
+from pagedserve.attention import gathered_prefill_plan as plan
+from pagedserve.attention.gathered_prefill_switches import (enabled, first_chunk_tokens, fold_kernel, merge_kernel,
+                                                            pages_in_place, square_gqa, tail_on_cudnn)
 
 
 # device -> GatheredPrefill: the pools long chunks on that device are routed for (configure).
@@ -108,7 +82,7 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
     on = enabled(key)  # first: a bad switch value is an error whatever the pool
     # Only where a chunk can ever take the path (else its buffers and plans would be dead weight).
     first = first_chunk_tokens()
-    long_fits = max_model_len >= MIN_PREFIX + MIN_CHUNK or (first > 0 and max_model_len >= first)
+    long_fits = max_model_len >= plan.MIN_PREFIX + plan.MIN_CHUNK or (first > 0 and max_model_len >= first)
     if on and dtype in (torch.bfloat16, torch.float16) and long_fits:
         _ACTIVE[key] = GatheredPrefill(max_model_len, num_kv_heads, head_dim, dtype, key,
                                        merge_into=merge_kernel(), fold_into=fold_kernel(),
@@ -118,140 +92,16 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
     return _ACTIVE.get(key)
 
 
-def first_chunk_tokens() -> int:
-    """FIRST_CHUNK_ENV's value (FIRST_CHUNK_DEFAULT unset): 0 (off) or the fewest tokens a first
-    chunk needs."""
-    value = os.environ.get(FIRST_CHUNK_ENV, "").strip() or str(FIRST_CHUNK_DEFAULT)
-    # Below MIN_CHUNK a short chunk would be padded to a whole query bucket for cuDNN.
-    if not value.isdigit() or 0 < int(value) < MIN_CHUNK:
-        raise ValueError(f"{FIRST_CHUNK_ENV}={value!r}: expected 0 (off) or a whole number of tokens >= {MIN_CHUNK}")
-    return int(value)
-
-
-def square_gqa() -> bool:
-    """SQUARE_ENV's choice: True for 'gqa' (the default), False for 'repeat'."""
-    value = os.environ.get(SQUARE_ENV, "").strip() or "gqa"
-    if value not in ("gqa", "repeat"):
-        raise ValueError(f"{SQUARE_ENV}={value!r}: expected 'gqa' (the default) or 'repeat'")
-    return value == "gqa"
-
-
-def tail_on_cudnn() -> bool:
-    """TAIL_ENV's choice: True for 'cudnn' (the default), False for 'flash'."""
-    value = os.environ.get(TAIL_ENV, "").strip() or "cudnn"
-    if value not in ("cudnn", "flash"):
-        raise ValueError(f"{TAIL_ENV}={value!r}: expected 'cudnn' (the default) or 'flash'")
-    return value == "cudnn"
-
-
-def pages_in_place() -> bool:
-    """GATHER_ENV's choice: True for 'runs' (the default), False for 'always'."""
-    value = os.environ.get(GATHER_ENV, "").strip() or "runs"
-    if value not in ("runs", "always"):
-        raise ValueError(f"{GATHER_ENV}={value!r}: expected 'runs' (the default) or 'always'")
-    return value == "runs"
-
-
-def page_run_start(table: list[int], num_pages: int) -> int | None:
-    """The first block id of table[:num_pages] where those pages are one run of ascending ids
-    (first, first + 1, ...), else None."""
-    if num_pages <= 0 or len(table) < num_pages:
-        return None
-    first = table[0]
-    if table[num_pages - 1] - first != num_pages - 1:
-        return None
-    return first if table[:num_pages] == list(range(first, first + num_pages)) else None
-
-
-def page_runs(block_tables: list[list[int]], query_lens: list[int], seq_lens: list[int], num_decodes: int,
-              block_size: int) -> dict[int, int] | None:
-    """AttentionMetadata.page_runs from the step's host tables: for each prefill sequence with a
-    chunk long enough for this path (MIN_CHUNK tokens), the first block of its pages through the
-    chunk where they lie in one run; None where there is none (one list compare per long chunk)."""
-    runs = {}
-    for i in range(num_decodes, len(block_tables)):
-        if query_lens[i] >= MIN_CHUNK:
-            first = page_run_start(block_tables[i], -(-seq_lens[i] // block_size))
-            if first is not None:
-                runs[i] = first
-    return runs or None
-
-
-def _triton_kernel(env: str, module: str, name: str):
-    """A two-way switch between one of this path's Triton kernels and torch ops: 'triton' (or
-    unset) gives the kernel, pagedserve.attention.<module>.<name>; 'torch' gives None."""
-    value = os.environ.get(env, "").strip() or "triton"
-    if value not in ("torch", "triton"):
-        raise ValueError(f"{env}={value!r}: expected 'triton' (the default) or 'torch'")
-    return getattr(importlib.import_module(f"pagedserve.attention.{module}"), name) if value == "triton" else None
-
-
-def merge_kernel():
-    """MERGE_ENV's merge: triton_merge.merge_into (the default) or None (torch ops)."""
-    return _triton_kernel(MERGE_ENV, "triton_merge", "merge_into")
-
-
-def fold_kernel():
-    """FOLD_ENV's fold: triton_fold.fold_into (the default) or None (a permuted copy and a fill)."""
-    return _triton_kernel(FOLD_ENV, "triton_fold", "fold_into")
-
-
 def active(device: torch.device) -> GatheredPrefill | None:
     """The path's buffers for pools on `device` (a pool's own device, 'cuda:N'), or None."""
     return _ACTIVE.get(device)
-
-
-def enabled(device: torch.device) -> bool:
-    """The switch on `device`: unset (or 'auto'): on for Hopper GPUs (sm90), where it was measured
-    (a 100k prefill 8.59 -> 7.64 s on the H200, docs/long-context.md), off elsewhere; 'cudnn': on
-    for any CUDA GPU; 'off' or '0': off."""
-    value = os.environ.get(LONG_PREFILL_ENV, "").strip()
-    if value not in ("", "auto", "off", "0", "cudnn"):
-        raise ValueError(f"{LONG_PREFILL_ENV}={value!r}: expected 'cudnn', 'off' (or '0'), or unset "
-                         "('auto': on for Hopper GPUs)")
-    if value in ("", "auto"):
-        return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
-    return value == "cudnn" and device.type == "cuda"
-
-
-def takes(query_len: int, seq_len: int, first_chunk: int = 0) -> bool:
-    """Whether a prefill chunk of query_len new tokens ending at seq_len takes this path: after at
-    least MIN_PREFIX tokens; with first_chunk > 0 (FIRST_CHUNK_ENV) also a chunk of at least that
-    many tokens after fewer than PREFIX_BUCKET (no prefix head, so no plan but the square's)."""
-    prefix = seq_len - query_len
-    if query_len >= MIN_CHUNK and prefix >= MIN_PREFIX:
-        return True
-    return 0 < first_chunk <= query_len and prefix < PREFIX_BUCKET
-
-
-def long_chunks(meta, k_cache: torch.Tensor, first_chunk: int = 0) -> list[int]:
-    """The step's prefill sequences (indices) that take this path: from the host lengths, never a
-    sync; none from an fp8 pool (its scales are the Triton kernels')."""
-    if meta.query_lens_cpu is None or meta.seq_lens_cpu is None or k_cache.element_size() == 1:
-        return []
-    return [i for i in range(meta.num_decodes, meta.num_seqs)
-            if takes(meta.query_lens_cpu[i], meta.seq_lens_cpu[i], first_chunk)]
 
 
 def step_takes(meta, k_cache: torch.Tensor) -> bool:
     """Whether any sequence of this step takes the path on k_cache's device (the runner then runs
     the step eagerly, not as a full graph, whose unified kernel would attend the long chunk)."""
     g = active(k_cache.device)
-    return g is not None and bool(long_chunks(meta, k_cache, g.first_chunk_tokens))
-
-
-def other_ranges(first: int, end: int, skip: list[int]) -> list[tuple[int, int]]:
-    """[first, end) less the sequences in skip, as (first, count) runs of consecutive sequences."""
-    runs, start = [], first
-    for i in sorted(skip) + [end]:
-        if i > start:
-            runs.append((start, i - start))
-        start = i + 1
-    return runs
-
-
-def bucket(n: int, step: int) -> int:
-    return -(-n // step) * step
+    return g is not None and bool(plan.long_chunks(meta, k_cache, g.first_chunk_tokens))
 
 
 def cudnn_prefix(q, k, v, scale):
@@ -295,7 +145,7 @@ class GatheredPrefill:
                  first_chunk_tokens: int = 0,
                  square_gqa: bool = False, tail_on_cudnn: bool = False, pages_in_place: bool = False):
         # Past max_model_len: the square's padding (< a query bucket) and the last page's spare slots.
-        length = bucket(max_model_len, QUERY_BUCKET) + QUERY_BUCKET + MAX_PAGE
+        length = plan.bucket(max_model_len, plan.QUERY_BUCKET) + plan.QUERY_BUCKET + plan.MAX_PAGE
         self.k = torch.empty(length, num_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.empty_like(self.k)
         self.prefix_attention, self.flash_attention = prefix_attention, flash_attention
@@ -328,7 +178,7 @@ class GatheredPrefill:
         if (k_cache.shape[2:] != self.k.shape[1:] or k_cache.dtype != self.k.dtype
                 or self.num_heads not in (None, query.shape[1])):
             return []
-        return long_chunks(meta, k_cache, self.first_chunk_tokens)
+        return plan.long_chunks(meta, k_cache, self.first_chunk_tokens)
 
     def context(self, k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor, seq_len: int,
                 c: int, rows: int, first_page: int | None) -> tuple[torch.Tensor, ...]:
@@ -366,11 +216,11 @@ class GatheredPrefill:
         out where given, and returned)."""
         c, H, D = q.shape
         prefix, bs, kv_heads = seq_len - c, k_cache.shape[1], k_cache.shape[2]
-        group, rows = H // kv_heads, bucket(c, QUERY_BUCKET)
-        if bs > MAX_PAGE:
-            raise ValueError(f"gathered long prefill: pages of {bs} tokens, at most {MAX_PAGE}")
+        group, rows = H // kv_heads, plan.bucket(c, plan.QUERY_BUCKET)
+        if bs > plan.MAX_PAGE:
+            raise ValueError(f"gathered long prefill: pages of {bs} tokens, at most {plan.MAX_PAGE}")
         ctx_k, ctx_v, sq_k, sq_v, square_at = self.context(k_cache, v_cache, table, seq_len, c, rows, first_page)
-        head = prefix // PREFIX_BUCKET * PREFIX_BUCKET
+        head = prefix // plan.PREFIX_BUCKET * plan.PREFIX_BUCKET
         square_keys = self.square_keys(sq_k, sq_v, square_at, rows, group)
         if prefix == 0 and c == rows and q.stride()[1:] == (D, 1) and q.stride(0) in self.first_q_row_strides:
             # A first chunk filling its bucket: the square alone, its queries read where they are
@@ -394,7 +244,7 @@ class GatheredPrefill:
         # whole TAIL_STEPs, else flash (no plans).
         if prefix > head:
             kt, vt = heads_first(ctx_k, head, prefix), heads_first(ctx_v, head, prefix)
-            if self.tail_on_cudnn and (prefix - head) % TAIL_STEP == 0:
+            if self.tail_on_cudnn and (prefix - head) % plan.TAIL_STEP == 0:
                 parts.append(self.prefix_attention(qf, kt, vt, scale))
             else:
                 parts.append(self.flash_attention(qf, kt, vt, False, scale))
@@ -413,17 +263,14 @@ class GatheredPrefill:
     def shapes(self, max_tokens: int) -> list[tuple[int, int]]:
         """Every (query rows, keys) a chunk's prefix parts can meet on cuDNN: its bucketed head and,
         under tail_on_cudnn, a tail of whole TAIL_STEPs: the prefix plans warm_up_plans builds."""
-        heads = range(MIN_PREFIX // PREFIX_BUCKET * PREFIX_BUCKET,
-                      (self.max_model_len - MIN_CHUNK) // PREFIX_BUCKET * PREFIX_BUCKET + 1, PREFIX_BUCKET)
+        heads = range(plan.MIN_PREFIX // plan.PREFIX_BUCKET * plan.PREFIX_BUCKET,
+                      (self.max_model_len - plan.MIN_CHUNK) // plan.PREFIX_BUCKET * plan.PREFIX_BUCKET + 1,
+                      plan.PREFIX_BUCKET)
         keys = [h for h in heads if h > 0]
         if self.tail_on_cudnn:
-            keys += [t for t in range(TAIL_STEP, min(PREFIX_BUCKET, self.max_model_len), TAIL_STEP) if t not in keys]
-        return [(r, n) for r in query_rows(max_tokens) for n in keys]
-
-
-def query_rows(max_tokens: int) -> range:
-    """The query buckets a chunk of at most max_tokens tokens can meet (each a square plan)."""
-    return range(QUERY_BUCKET, bucket(max_tokens, QUERY_BUCKET) + 1, QUERY_BUCKET)
+            keys += [t for t in range(plan.TAIL_STEP, min(plan.PREFIX_BUCKET, self.max_model_len), plan.TAIL_STEP)
+                     if t not in keys]
+        return [(r, n) for r in plan.query_rows(max_tokens) for n in keys]
 
 
 def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: float,
@@ -440,7 +287,7 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
     for rows, head in shapes:
         q = g.k.new_zeros(1, kv_heads, group * rows, head_dim)
         g.prefix_attention(q, heads_first(g.k, 0, head), heads_first(g.v, 0, head), scale)
-    squares = query_rows(max_tokens)
+    squares = plan.query_rows(max_tokens)
     for rows in squares:
         q = g.k.new_zeros(1, num_heads, rows, head_dim)
         g.square_attention(q, *g.square_keys(g.k, g.v, 0, rows, group), scale)
@@ -451,15 +298,16 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
         g.square_attention(q.permute(1, 0, 2).unsqueeze(0), *g.square_keys(g.k, g.v, 0, rows, group), scale)
     if firsts:
         g.first_q_row_strides.add(q_row_stride)
-    q = g.k.new_zeros(1, kv_heads, group * QUERY_BUCKET, head_dim)
-    g.flash_attention(q, heads_first(g.k, 0, QUERY_BUCKET), heads_first(g.v, 0, QUERY_BUCKET), False, scale)
+    q = g.k.new_zeros(1, kv_heads, group * plan.QUERY_BUCKET, head_dim)
+    g.flash_attention(q, heads_first(g.k, 0, plan.QUERY_BUCKET), heads_first(g.v, 0, plan.QUERY_BUCKET), False, scale)
     if g.fold_into is not None:  # its kernel compiles once (per dtype and head size): here, not while serving
-        g.fold_into(g.k.new_zeros(QUERY_BUCKET // 2, num_heads, head_dim),
-                    g.k.new_empty(num_heads, QUERY_BUCKET, head_dim))
+        g.fold_into(g.k.new_zeros(plan.QUERY_BUCKET // 2, num_heads, head_dim),
+                    g.k.new_empty(num_heads, plan.QUERY_BUCKET, head_dim))
     if g.merge_into is not None:  # its kernel compiles once per part count: here, not while serving
-        part = (g.k.new_zeros(num_heads, QUERY_BUCKET, head_dim), g.k.new_zeros(num_heads, QUERY_BUCKET).float())
+        part = (g.k.new_zeros(num_heads, plan.QUERY_BUCKET, head_dim),
+                g.k.new_zeros(num_heads, plan.QUERY_BUCKET).float())
         for n in (2, 3):
-            g.merge_into([part] * n, g.k.new_empty(QUERY_BUCKET, num_heads, head_dim))
+            g.merge_into([part] * n, g.k.new_empty(plan.QUERY_BUCKET, num_heads, head_dim))
     return len(shapes) + len(squares) + len(firsts)
 
 

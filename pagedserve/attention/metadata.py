@@ -26,7 +26,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int] | None = None
     seq_lens_cpu: list[int] | None = None
     # Prefill sequences (index -> first block id) whose long chunk's pages lie in one run of the
-    # pool (gathered_prefill.page_runs, from the host's tables): the long-prefill path reads them
+    # pool (gathered_prefill_plan.page_runs, from the host's tables): the long-prefill path reads them
     # in place instead of gathering them. None: none.
     page_runs: dict[int, int] | None = None
     # The decode kernels' split mode (decode_plan.decode_split_tokens' values), fixed by a decode

@@ -7,7 +7,7 @@ cast back, each a full pass over [heads, rows, head_dim]: ~3 GB of traffic for a
 of Llama-3.1-8B per layer (in a 100k prefill on the H200, 7.3 s, float elementwise kernels took
 0.17 s and copies 0.2 s, some of them this merge's: runs/s33_prefill_profile/). This kernel reads
 each part once and writes the chunk's rows straight into the layer's output ([tokens, heads,
-head_dim]), skipping the rows that only pad the query bucket. The default (gathered_prefill.MERGE_ENV):
+head_dim]), skipping the rows that only pad the query bucket. The default (gathered_prefill_switches.MERGE_ENV):
 a 100k prefill 7.23-7.28 s with the torch merge, 7.01-7.06 s with this one on the H200.
 
 Grid (row tiles, heads). Each program loads its rows' log-sum-exps of every part, weights each

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from pagedserve.attention import decode_plan, gathered_prefill
+from pagedserve.attention import decode_plan, gathered_prefill, gathered_prefill_plan
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.attention.triton_cache import _check_cache, _fp8, _scales, copy_blocks, rope_write_kv, write_kv
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
@@ -214,7 +214,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
         gathered = gathered_prefill.active(k_cache.device)
         plain = window == 0 and softcap == 0
         long = gathered.chunks(meta, query, k_cache) if gathered is not None and plain else []
-        for first, count in gathered_prefill.other_ranges(nd, ns, long):
+        for first, count in gathered_prefill_plan.other_ranges(nd, ns, long):
             max_q = max(q_lens[first:first + count]) if q_lens is not None else meta.max_query_len
             paged_prefill(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
                           first, count, max_q, scale, out, k_scale=k_scale, v_scale=v_scale, window=window,

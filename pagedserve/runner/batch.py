@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve.attention.gathered_prefill import page_runs
+from pagedserve.attention.gathered_prefill_plan import page_runs
 from pagedserve.attention.metadata import AttentionMetadata
 from pagedserve.core.plan import ScheduledSequence
 

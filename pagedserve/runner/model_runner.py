@@ -24,7 +24,7 @@ import time
 import torch
 from torch import nn
 
-from pagedserve.attention import gathered_prefill
+from pagedserve.attention import gathered_prefill, gathered_prefill_plan
 from pagedserve.attention.backend import Attention
 from pagedserve.attention.kv_quant import resolve_kv_cache_dtype
 from pagedserve.config import EngineConfig
@@ -132,7 +132,7 @@ class ModelRunner:
             self.profile["sliding_window_all_layers"] = attn[0].sliding_window
         if gathered_prefill.configure(self.device, self.max_model_len if full_layers else 0, self.num_kv_heads,
                                       self.head_dim, self.kv_dtype) is not None:
-            self.profile["long_prefill_bucket"] = gathered_prefill.PREFIX_BUCKET
+            self.profile["long_prefill_bucket"] = gathered_prefill_plan.PREFIX_BUCKET
         return self.model
 
     def fit_max_model_len(self, max_model_len: int) -> None:
@@ -276,9 +276,9 @@ class ModelRunner:
             sched = self.config.scheduler_config(self.max_model_len)
             self.row_tracker = RowTracker(sched.max_num_seqs, -(-self.max_model_len // self.block_size))
         if batch is not None and batch.num_decodes < len(batch.starts):  # before the tables leave the batch
-            batch.page_runs = gathered_prefill.page_runs(batch.block_tables, batch.query_lens.tolist(),
-                                                         (batch.starts + batch.query_lens).tolist(), batch.num_decodes,
-                                                         self.block_size)
+            batch.page_runs = gathered_prefill_plan.page_runs(batch.block_tables, batch.query_lens.tolist(),
+                                                              (batch.starts + batch.query_lens).tolist(),
+                                                              batch.num_decodes, self.block_size)
         rows = self.row_tracker.step_inputs(out, batch)
         return StepInput(out.blocks_to_swap_out, out.blocks_to_swap_in, out.blocks_to_copy, batch, rows)
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pagedserve.attention import gathered_prefill as gp, reference
+from pagedserve.attention import gathered_prefill_plan as plan, gathered_prefill_switches as switches
 from paged_batch import make_batch
 
 
@@ -31,18 +32,18 @@ def math_causal(q, k, v, scale):
 
 @pytest.fixture
 def small_buckets(monkeypatch):
-    monkeypatch.setattr(gp, "PREFIX_BUCKET", 32)
-    monkeypatch.setattr(gp, "QUERY_BUCKET", 8)
-    monkeypatch.setattr(gp, "TAIL_STEP", 8)
-    monkeypatch.setattr(gp, "MIN_PREFIX", 40)
-    monkeypatch.setattr(gp, "MIN_CHUNK", 4)
+    monkeypatch.setattr(plan, "PREFIX_BUCKET", 32)
+    monkeypatch.setattr(plan, "QUERY_BUCKET", 8)
+    monkeypatch.setattr(plan, "TAIL_STEP", 8)
+    monkeypatch.setattr(plan, "MIN_PREFIX", 40)
+    monkeypatch.setattr(plan, "MIN_CHUNK", 4)
 
 
 @pytest.fixture(params=[40, 32], ids=["min_prefix_past_bucket", "min_prefix_one_bucket"])
 def small_buckets_any_min(request, small_buckets, monkeypatch):
     """small_buckets, with MIN_PREFIX past the prefix bucket (40) or at it (32, as the defaults are
     since the 36th session: a chunk after exactly one bucket takes the path)."""
-    monkeypatch.setattr(gp, "MIN_PREFIX", request.param)
+    monkeypatch.setattr(plan, "MIN_PREFIX", request.param)
 
 
 @pytest.mark.parametrize("square_gqa,tail_on_cudnn", [(True, True), (True, False), (False, False)])
@@ -74,7 +75,7 @@ def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_si
     torch.testing.assert_close(got, ref, **tol)
     # cuDNN only ever sees bucketed shapes: queries (folded, 3 heads a group) and the prefix's head;
     # the square, 6 query heads over 2 KV heads (or 6 repeated), padded to the query bucket
-    rows, head, tail = gp.bucket(new, 8), cached // 32 * 32, cached % 32
+    rows, head, tail = plan.bucket(new, 8), cached // 32 * 32, cached % 32
     on_cudnn = tail_on_cudnn and tail % 8 == 0
     assert heads == [(3 * rows, n) for n in (head, tail if on_cudnn else 0) if n]
     assert flashes == ([tail] if tail and not on_cudnn else [])
@@ -111,7 +112,7 @@ def test_pages_in_one_run_are_read_in_place(small_buckets, cached, new, block_si
     ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale)[1:]
     moved = dataclasses.replace(batch, k_cache=kc, v_cache=vc)
     k_run, v_run, run = in_one_run(moved, 1, first=5)
-    rows = gp.bucket(new, 8)
+    rows = plan.bucket(new, 8)
     for in_place in (True, False):
         g = gp.GatheredPrefill(160, 2, 16, dtype, torch.device("cpu"), math_prefix, math_flash, math_causal,
                                square_gqa=square_gqa, tail_on_cudnn=True, pages_in_place=in_place)
@@ -143,12 +144,12 @@ def test_a_pool_not_laid_end_to_end_is_gathered(small_buckets):
 
 
 def test_page_run_start():
-    assert gp.page_run_start([7, 8, 9, 10, 3], 4) == 7 == gp.page_run_start([7, 8, 9, 10], 4)
-    assert gp.page_run_start([7, 8, 9, 10], 1) == 7
-    assert gp.page_run_start([7, 9, 8, 10], 4) is None  # first and last in place, the middle not
-    assert gp.page_run_start([10, 9, 8, 7], 4) is None  # descending
-    assert gp.page_run_start([7, 8, 9], 4) is None  # too short
-    assert gp.page_run_start([7, 8], 0) is None
+    assert plan.page_run_start([7, 8, 9, 10, 3], 4) == 7 == plan.page_run_start([7, 8, 9, 10], 4)
+    assert plan.page_run_start([7, 8, 9, 10], 1) == 7
+    assert plan.page_run_start([7, 9, 8, 10], 4) is None  # first and last in place, the middle not
+    assert plan.page_run_start([10, 9, 8, 7], 4) is None  # descending
+    assert plan.page_run_start([7, 8, 9], 4) is None  # too short
+    assert plan.page_run_start([7, 8], 0) is None
 
 
 def test_page_runs_names_long_chunks_in_one_run(small_buckets):
@@ -157,8 +158,8 @@ def test_page_runs_names_long_chunks_in_one_run(small_buckets):
     tables = [[50], [3, 4, 5, 6], [20, 21, 30], [8, 9, 10, 11, 40], [60, 61]]
     query_lens = [1, 4, 8, 9, 3]
     seq_lens = [5, 30, 20, 32, 16]
-    assert gp.page_runs(tables, query_lens, seq_lens, 1, 8) == {1: 3, 3: 8}
-    assert gp.page_runs(tables[:3], query_lens[:3], seq_lens[:3], 2, 8) is None
+    assert plan.page_runs(tables, query_lens, seq_lens, 1, 8) == {1: 3, 3: 8}
+    assert plan.page_runs(tables[:3], query_lens[:3], seq_lens[:3], 2, 8) is None
 
 
 @pytest.mark.parametrize("registered", [True, False])
@@ -191,14 +192,14 @@ def test_first_chunk_square_reads_the_queries_in_place(small_buckets, new, regis
 
 def test_which_chunks_take_the_path(small_buckets):
     batch = make_batch([(3, 1), (50, 2), (39, 8), (40, 4), (0, 60), (45, 5)], 1, H=2, Hkv=1, D=8, block_size=8)
-    assert gp.long_chunks(batch.meta, batch.k_cache) == [3, 5]  # >= 4 new tokens after >= 40
+    assert plan.long_chunks(batch.meta, batch.k_cache) == [3, 5]  # >= 4 new tokens after >= 40
     # PAGEDSERVE_LONG_PREFILL_FIRST=N: also >= N new tokens after < 32 (the prefix bucket)
-    assert gp.long_chunks(batch.meta, batch.k_cache, first_chunk=20) == [3, 4, 5]
-    assert gp.long_chunks(batch.meta, batch.k_cache, first_chunk=61) == [3, 5]
-    assert gp.takes(20, 51, 20) and not gp.takes(20, 52, 20)  # 31 before: flash; 32: a prefix plan not built
-    assert gp.long_chunks(batch.meta, batch.k_cache.to(torch.float8_e4m3fn)) == []
-    assert gp.other_ranges(1, 6, [3, 5]) == [(1, 2), (4, 1)]
-    assert gp.other_ranges(1, 6, []) == [(1, 5)]
+    assert plan.long_chunks(batch.meta, batch.k_cache, first_chunk=20) == [3, 4, 5]
+    assert plan.long_chunks(batch.meta, batch.k_cache, first_chunk=61) == [3, 5]
+    assert plan.takes(20, 51, 20) and not plan.takes(20, 52, 20)  # 31 before: flash; 32: a prefix plan not built
+    assert plan.long_chunks(batch.meta, batch.k_cache.to(torch.float8_e4m3fn)) == []
+    assert plan.other_ranges(1, 6, [3, 5]) == [(1, 2), (4, 1)]
+    assert plan.other_ranges(1, 6, []) == [(1, 5)]
 
 
 def test_only_the_pool_layout_and_heads_it_was_built_for_take_the_path(small_buckets):
@@ -226,14 +227,14 @@ def test_plan_shapes_cover_every_chunk(small_buckets_any_min):
         for seq_len in range(1, 201):
             for new in range(1, min(24, seq_len) + 1):
                 for first in (0, 5):
-                    if gp.takes(new, seq_len, first):
-                        head = (seq_len - new) // gp.PREFIX_BUCKET * gp.PREFIX_BUCKET
+                    if plan.takes(new, seq_len, first):
+                        head = (seq_len - new) // plan.PREFIX_BUCKET * plan.PREFIX_BUCKET
                         tail = seq_len - new - head
-                        rows = gp.bucket(new, gp.QUERY_BUCKET)
-                        assert rows in gp.query_rows(24)  # its square's plan
+                        rows = plan.bucket(new, plan.QUERY_BUCKET)
+                        assert rows in plan.query_rows(24)  # its square's plan
                         assert head == 0 or (rows, head) in shapes
                         # a whole-step tail on cuDNN, at a built shape
-                        assert not (tail_on_cudnn and tail and tail % gp.TAIL_STEP == 0) or (rows, tail) in shapes
+                        assert not (tail_on_cudnn and tail and tail % plan.TAIL_STEP == 0) or (rows, tail) in shapes
 
 
 @pytest.mark.parametrize("square_gqa,tail_on_cudnn", [(True, True), (True, False), (False, True)])
@@ -263,11 +264,11 @@ def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets_any_min, square_g
     g.pages_in_place = True
     for seq_len in [*range(16, 25), *range(41, 201, 7), 48, 64, 120, 200]:
         for new in (4, 8, 11, 16, 24):
-            if new <= seq_len and gp.takes(new, seq_len, g.first_chunk_tokens):
+            if new <= seq_len and plan.takes(new, seq_len, g.first_chunk_tokens):
                 q = torch.randn(new, 80)[:, :48].view(new, 6, 8)
                 g.attend(q, kc, kc, table, seq_len, 0.3)
                 g.attend(q, kc, kc, torch.arange(30), seq_len, 0.3, first_page=0)  # read in place
-                tails.add((seq_len - new) % gp.PREFIX_BUCKET)
+                tails.add((seq_len - new) % plan.PREFIX_BUCKET)
     assert seen["prefix"] and seen["square"] and 8 in tails and 16 in tails and 0 in tails
     assert seen["prefix"] <= built["prefix"] and seen["square"] <= built["square"]
 
@@ -291,8 +292,8 @@ def test_warm_up_runs_the_merge_and_fold_kernels(small_buckets):
                                merge_into=merge, fold_into=fold)
         gp.warm_up_plans(g, max_tokens=24, num_heads=6, scale=0.3)
         assert [n for n, *_ in calls] == want
-        assert all(c[1:] == (torch.bfloat16, torch.float32, torch.bfloat16, (gp.QUERY_BUCKET, 6, 8)) for c in calls)
-        assert folds == ([(torch.bfloat16, True, (6, gp.QUERY_BUCKET, 8))] if fold else [])
+        assert all(c[1:] == (torch.bfloat16, torch.float32, torch.bfloat16, (plan.QUERY_BUCKET, 6, 8)) for c in calls)
+        assert folds == ([(torch.bfloat16, True, (6, plan.QUERY_BUCKET, 8))] if fold else [])
 
 
 @pytest.fixture
@@ -314,20 +315,20 @@ def test_switch_values(monkeypatch, gpu_of, value, major, on):
     """Unset: on for Hopper only (where it was measured); 'cudnn' forces it on any CUDA GPU; never on CPU."""
     gpu_of(major)
     if value is None:
-        monkeypatch.delenv(gp.LONG_PREFILL_ENV, raising=False)
+        monkeypatch.delenv(switches.LONG_PREFILL_ENV, raising=False)
     else:
-        monkeypatch.setenv(gp.LONG_PREFILL_ENV, value)
-    assert gp.enabled(torch.device("cuda", 0)) is on
-    assert not gp.enabled(torch.device("cpu"))
+        monkeypatch.setenv(switches.LONG_PREFILL_ENV, value)
+    assert switches.enabled(torch.device("cuda", 0)) is on
+    assert not switches.enabled(torch.device("cpu"))
 
 
 def test_bad_switch_value_names_it(monkeypatch, gpu_of):
     """Named at start-up even where the path could not run (a max_model_len no long chunk fits)."""
     gpu_of(9)
-    monkeypatch.setenv(gp.LONG_PREFILL_ENV, "flash")
-    with pytest.raises(ValueError, match=gp.LONG_PREFILL_ENV):
-        gp.enabled(torch.device("cpu"))
-    with pytest.raises(ValueError, match=gp.LONG_PREFILL_ENV):
+    monkeypatch.setenv(switches.LONG_PREFILL_ENV, "flash")
+    with pytest.raises(ValueError, match=switches.LONG_PREFILL_ENV):
+        switches.enabled(torch.device("cpu"))
+    with pytest.raises(ValueError, match=switches.LONG_PREFILL_ENV):
         gp.configure(torch.device("cuda", 0), 4096, 8, 128, torch.bfloat16)
 
 
@@ -338,19 +339,19 @@ def test_configure_routes_only_where_on(monkeypatch, gpu_of):
     cuda0 = torch.device("cuda", 0)
     gpu_of(9)
     monkeypatch.setitem(gp._ACTIVE, cuda0, "an earlier engine's")
-    monkeypatch.setenv(gp.LONG_PREFILL_ENV, "off")
+    monkeypatch.setenv(switches.LONG_PREFILL_ENV, "off")
     assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None
-    monkeypatch.delenv(gp.LONG_PREFILL_ENV)
+    monkeypatch.delenv(switches.LONG_PREFILL_ENV)
     assert gp.configure(torch.device("cpu"), 32768, 8, 128, torch.bfloat16) is None
     assert gp.configure(cuda0, 32768, 8, 128, torch.float8_e4m3fn) is None  # fp8 pools: the Triton kernels
     # No chunk fits: under the default first chunk, or, with first chunks off, under a long chunk
     # after MIN_PREFIX.
-    assert gp.configure(cuda0, gp.FIRST_CHUNK_DEFAULT - 1, 8, 128, torch.bfloat16) is None
+    assert gp.configure(cuda0, switches.FIRST_CHUNK_DEFAULT - 1, 8, 128, torch.bfloat16) is None
     assert gp.active(cuda0) is None
-    monkeypatch.setenv(gp.FIRST_CHUNK_ENV, "0")
-    too_short = gp.MIN_PREFIX + gp.MIN_CHUNK - 1
+    monkeypatch.setenv(switches.FIRST_CHUNK_ENV, "0")
+    too_short = plan.MIN_PREFIX + plan.MIN_CHUNK - 1
     assert gp.configure(cuda0, too_short, 8, 128, torch.bfloat16) is None and gp.active(cuda0) is None
-    monkeypatch.delenv(gp.FIRST_CHUNK_ENV)
+    monkeypatch.delenv(switches.FIRST_CHUNK_ENV)
     g = gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)
     assert g is not None and gp.active(cuda0) is g and tuple(g.k.shape[1:]) == (8, 128) and len(g.k) >= 32768
     gpu_of(8)
@@ -370,16 +371,19 @@ def _fold_into():
 @pytest.mark.parametrize("env,attr,cases,bad", [
     # PAGEDSERVE_LONG_PREFILL_MERGE: unset or 'triton', the one-pass kernel; 'torch', the torch merge
     # (the kernel is checked against it under the interpreter, triton_interpret_cases.py)
-    (gp.MERGE_ENV, "merge_into", ((None, _merge_into), ("torch", lambda: None), ("triton", _merge_into)), "fused"),
+    (switches.MERGE_ENV, "merge_into", ((None, _merge_into), ("torch", lambda: None), ("triton", _merge_into)),
+     "fused"),
     # PAGEDSERVE_LONG_PREFILL_FOLD: unset or 'triton', the one-pass fold; 'torch', a permuted copy
-    (gp.FOLD_ENV, "fold_into", ((None, _fold_into), ("torch", lambda: None), ("triton", _fold_into)), "copy"),
+    (switches.FOLD_ENV, "fold_into", ((None, _fold_into), ("torch", lambda: None), ("triton", _fold_into)), "copy"),
     # PAGEDSERVE_LONG_PREFILL_SQUARE: unset or 'gqa', the square's K/V go to cuDNN as the KV heads;
     # 'repeat', repeated to the query heads
-    (gp.SQUARE_ENV, "square_gqa", ((None, lambda: True), ("gqa", lambda: True), ("repeat", lambda: False)), "flash"),
+    (switches.SQUARE_ENV, "square_gqa", ((None, lambda: True), ("gqa", lambda: True), ("repeat", lambda: False)),
+     "flash"),
     # PAGEDSERVE_LONG_PREFILL_TAIL: unset or 'cudnn', whole-step prefix tails to cuDNN; 'flash', to flash
-    (gp.TAIL_ENV, "tail_on_cudnn", ((None, lambda: True), ("cudnn", lambda: True), ("flash", lambda: False)), "off"),
+    (switches.TAIL_ENV, "tail_on_cudnn", ((None, lambda: True), ("cudnn", lambda: True), ("flash", lambda: False)),
+     "off"),
     # PAGEDSERVE_LONG_PREFILL_GATHER: unset or 'runs', pages in one run read in place; 'always', gathered
-    (gp.GATHER_ENV, "pages_in_place", ((None, lambda: True), ("runs", lambda: True), ("always", lambda: False)),
+    (switches.GATHER_ENV, "pages_in_place", ((None, lambda: True), ("runs", lambda: True), ("always", lambda: False)),
      "never"),
 ], ids=["merge", "fold", "square", "tail", "gather"])
 def test_switch_choices(monkeypatch, gpu_of, env, attr, cases, bad):
@@ -405,15 +409,15 @@ def test_first_chunk_switch(monkeypatch, gpu_of):
     but 0 or a whole number >= MIN_CHUNK is an error naming the switch and the limit."""
     cuda0 = torch.device("cuda", 0)
     gpu_of(9)
-    monkeypatch.delenv(gp.FIRST_CHUNK_ENV, raising=False)
-    assert gp.configure(cuda0, 8192, 8, 128, torch.bfloat16).first_chunk_tokens == gp.FIRST_CHUNK_DEFAULT == 4096
-    monkeypatch.setenv(gp.FIRST_CHUNK_ENV, "0")
+    monkeypatch.delenv(switches.FIRST_CHUNK_ENV, raising=False)
+    assert gp.configure(cuda0, 8192, 8, 128, torch.bfloat16).first_chunk_tokens == switches.FIRST_CHUNK_DEFAULT == 4096
+    monkeypatch.setenv(switches.FIRST_CHUNK_ENV, "0")
     assert gp.configure(cuda0, 8192, 8, 128, torch.bfloat16) is None
     assert gp.configure(cuda0, 32768, 8, 128, torch.bfloat16).first_chunk_tokens == 0
-    monkeypatch.setenv(gp.FIRST_CHUNK_ENV, "4096")
+    monkeypatch.setenv(switches.FIRST_CHUNK_ENV, "4096")
     assert gp.configure(cuda0, 8192, 8, 128, torch.bfloat16).first_chunk_tokens == 4096
     assert gp.configure(cuda0, 4095, 8, 128, torch.bfloat16) is None
     for bad in ("4k", "512"):  # not a number; under MIN_CHUNK (1024), padded to a whole query bucket
-        monkeypatch.setenv(gp.FIRST_CHUNK_ENV, bad)
-        with pytest.raises(ValueError, match=f"{gp.FIRST_CHUNK_ENV}.*>= 1024"):
+        monkeypatch.setenv(switches.FIRST_CHUNK_ENV, bad)
+        with pytest.raises(ValueError, match=f"{switches.FIRST_CHUNK_ENV}.*>= 1024"):
             gp.configure(cuda0, 32768, 8, 128, torch.bfloat16)

@@ -205,13 +205,13 @@ def test_gathered_prefill_reads_runs_in_place(ops, monkeypatch, dtype, buckets):
     in place by cuDNN (PAGEDSERVE_LONG_PREFILL_GATHER=runs): the same chunks as the test below,
     equal to the reference, within float rounding of the gathered path, and nothing gathered (the
     buffers past the largest padded square stay NaN)."""
-    from pagedserve.attention import gathered_prefill as gp
+    from pagedserve.attention import gathered_prefill as gp, gathered_prefill_plan as plan
     from pagedserve.attention.triton_fold import fold_into
     from pagedserve.attention.triton_merge import merge_into
     if buckets == "small":
         for name, value in (("PREFIX_BUCKET", 256), ("QUERY_BUCKET", 128), ("MIN_PREFIX", 512), ("MIN_CHUNK", 64),
                             ("TAIL_STEP", 128)):
-            monkeypatch.setattr(gp, name, value)
+            monkeypatch.setattr(plan, name, value)
         shapes = [(900, 1), (5, 1), (700, 300), (40, 30), (2048, 1024), (513, 64), (640, 128), (0, 200), (0, 256)]
         long, first_min = [300, 1024, 64, 128, 200, 256], 64
     else:
@@ -222,8 +222,8 @@ def test_gathered_prefill_reads_runs_in_place(ops, monkeypatch, dtype, buckets):
     kc, vc = _written(batch)
     m = batch.meta
     tables = [row[: -(-n // 16)] for row, n in zip(m.block_tables.tolist(), m.seq_lens_cpu)]
-    m.page_runs = gp.page_runs(tables, m.query_lens_cpu, m.seq_lens_cpu, 2, 16)
-    assert sorted(m.page_runs) == [i for i, (_, n) in enumerate(shapes) if n >= gp.MIN_CHUNK]
+    m.page_runs = plan.page_runs(tables, m.query_lens_cpu, m.seq_lens_cpu, 2, 16)
+    assert sorted(m.page_runs) == [i for i, (_, n) in enumerate(shapes) if n >= plan.MIN_CHUNK]
     ref = reference.paged_attention(batch.query, kc, vc, m, scale=128 ** -0.5)
     _poison_dead_slots(kc, vc, m)
     outs = []
@@ -241,7 +241,7 @@ def test_gathered_prefill_reads_runs_in_place(ops, monkeypatch, dtype, buckets):
         assert used == long
         torch.testing.assert_close(outs[-1].float(), ref.float(), **TOL[dtype])
         if in_place:
-            assert g.k[gp.bucket(max(long), gp.QUERY_BUCKET):].isnan().all()
+            assert g.k[plan.bucket(max(long), plan.QUERY_BUCKET):].isnan().all()
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-2, atol=1e-3)
 
 
@@ -260,13 +260,13 @@ def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first, 
     tail: prefix tails of whole TAIL_STEPs on cuDNN (PAGEDSERVE_LONG_PREFILL_TAIL), (640, 128) and
     (11264, 1024) have one; first chunks filling their bucket, (0, 256) and (0, 4096), read their
     queries in place."""
-    from pagedserve.attention import gathered_prefill as gp
+    from pagedserve.attention import gathered_prefill as gp, gathered_prefill_plan as plan
     from pagedserve.attention.triton_fold import fold_into
     from pagedserve.attention.triton_merge import merge_into
     if buckets == "small":
         for name, value in (("PREFIX_BUCKET", 256), ("QUERY_BUCKET", 128), ("MIN_PREFIX", 512), ("MIN_CHUNK", 64),
                             ("TAIL_STEP", 128)):
-            monkeypatch.setattr(gp, name, value)
+            monkeypatch.setattr(plan, name, value)
         shapes = [(900, 1), (5, 1), (700, 300), (40, 30), (2048, 1024), (513, 64), (640, 128)]
         long = [300, 1024, 64, 128]
         first_min, firsts = 64, [(0, 200), (100, 150), (0, 256)]

@@ -417,12 +417,12 @@ def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch, merg
     by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE) straight into the layer's output, the
     queries folded likewise by torch ops or triton_fold's kernel (PAGEDSERVE_LONG_PREFILL_FOLD);
     with PAGEDSERVE_LONG_PREFILL_FIRST=9, the chunks of 9+ tokens after fewer than 32 too."""
-    from pagedserve.attention import gathered_prefill as gp
+    from pagedserve.attention import gathered_prefill as gp, gathered_prefill_plan as plan
     from pagedserve.attention.triton_fold import fold_into
     from pagedserve.attention.triton_merge import merge_into
     from test_gathered_prefill import math_causal, math_flash, math_prefix
     for name, value in (("PREFIX_BUCKET", 32), ("QUERY_BUCKET", 8), ("MIN_PREFIX", 40), ("MIN_CHUNK", 4)):
-        monkeypatch.setattr(gp, name, value)
+        monkeypatch.setattr(plan, name, value)
     shapes = [(20, 1), (37, 1), (50, 6), (3, 5), (77, 13), (45, 2), (41, 4), (0, 12), (20, 9), (33, 10)]
     batch = make_batch(shapes, 2, H=8, Hkv=2, D=16, block_size=8, seed=3)
     kc, vc, ref = _reference_out(batch)

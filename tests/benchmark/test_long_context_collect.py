@@ -16,7 +16,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks/serving"))
 import long_context as lc  # noqa: E402
-from pagedserve.attention import gathered_prefill as gp  # noqa: E402
+from pagedserve.attention import gathered_prefill_plan as plan  # noqa: E402
 
 
 def _args(**kw):
@@ -166,7 +166,7 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
     assert all(s > 0 for runs in secs.values() for s in runs)
     assert rec["env_switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn" and rec["block_size"] == 8
     assert rec["startup_seconds"] > 0 and rec["commit"] and rec["engine"] == "pagedserve"
-    assert rec["max_num_batched_tokens"] == 64 and rec["gathered_min_prefix"] == gp.MIN_PREFIX
+    assert rec["max_num_batched_tokens"] == 64 and rec["gathered_min_prefix"] == plan.MIN_PREFIX
     assert rec["long_prefill_chunk_align"] == 16  # --chunk-align, as the engine's scheduler took it
     # Then the last length again beside 2 decoding requests, once per cost scale: its steps are the
     # decodes' gaps, at least one a chunk of the 64-token budget less the decodes' tokens.

@@ -132,7 +132,7 @@ def test_long_prompt_chunk_rules_follow_the_long_prefill_path(tiny_model_dir, mo
     """Unset, chunk alignment and chunks by cost are on where the runner turned the Hopper
     long-prefill path on (align = its prefix bucket; costs for prompts of COST_MIN_TOKENS+), off
     where it did not (here on CPU); set, they are what was asked."""
-    from pagedserve.attention import gathered_prefill
+    from pagedserve.attention import gathered_prefill, gathered_prefill_plan
     from pagedserve.core.chunk_cost import COST_MIN_TOKENS, COST_SCALE
     from pagedserve.model_cost import ModelCost
     model_dir = tiny_model_dir("llama")
@@ -144,7 +144,7 @@ def test_long_prompt_chunk_rules_follow_the_long_prefill_path(tiny_model_dir, mo
     assert rules(long_prefill_chunk_align=16)[0] == 16
     monkeypatch.setattr(gathered_prefill, "configure", lambda *a, **kw: object())  # as on an H200
     k = ModelCost.from_hf_config(make_llm(model_dir, block_size=4).llm_engine.hf_config).attention_cost_context()
-    assert rules() == (gathered_prefill.PREFIX_BUCKET, round(k * COST_SCALE), COST_MIN_TOKENS)
+    assert rules() == (gathered_prefill_plan.PREFIX_BUCKET, round(k * COST_SCALE), COST_MIN_TOKENS)
     assert rules(long_prefill_chunk_align=0, long_prefill_budget_by_cost=False) == (0, 0, 0)
     assert rules(enable_chunked_prefill=False)[1] == 0
 

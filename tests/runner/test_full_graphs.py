@@ -117,9 +117,9 @@ def test_steps_with_a_gathered_chunk_run_eagerly_in_full_mode(tiny_model_dir, mo
     carrying a chunk it takes runs eagerly, as in piecewise mode, not as a full graph (whose
     unified kernel would attend the chunk); the steps around it still replay full graphs, and the
     outputs equal the eager runner's."""
-    from pagedserve.attention import gathered_prefill as gp
+    from pagedserve.attention import gathered_prefill as gp, gathered_prefill_plan as plan
     for name, value in (("PREFIX_BUCKET", 16), ("QUERY_BUCKET", 8), ("MIN_PREFIX", 32), ("MIN_CHUNK", 16)):
-        monkeypatch.setattr(gp, name, value)
+        monkeypatch.setattr(plan, name, value)
     model_dir = tiny_model_dir("llama")
     plain, full = make_runner(model_dir), full_runner(model_dir)
     device = full.kv_caches[0][0].device

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
-from pagedserve.attention import gathered_prefill
+from pagedserve.attention import gathered_prefill_plan
 from pagedserve.runner.batch import host_batch
 from pagedserve.runner.row_tracker import INCREMENTAL_ENV
 from pagedserve.runner.request_state import DeviceRequestState
@@ -135,7 +135,7 @@ def test_state_under_preemption(model_dir, monkeypatch, mode, async_scheduling):
 def test_state_with_prefix_hits_and_chunked_prefill(model_dir, monkeypatch, async_scheduling):
     """Also AttentionMetadata.page_runs (chunks of 4+ tokens here, whose pages a fresh pool lays in
     one run) from the host's tables, alike on both paths."""
-    monkeypatch.setattr(gathered_prefill, "MIN_CHUNK", 4)
+    monkeypatch.setattr(gathered_prefill_plan, "MIN_CHUNK", 4)
     llm = make_llm(model_dir, block_size=4, max_num_batched_tokens=7, async_scheduling=async_scheduling)
     checker = StateChecker(llm, monkeypatch)
     ids = prompt_ids(model_dir)
