@@ -12,7 +12,9 @@
 # -> .device-deps/small (every wheel but xgrammar's, ~6 MiB) and .device-deps/x1, .device-deps/x2
 # (xgrammar's 43 MiB wheel in two halves: a call's carry plus the tree must stay under 64 MiB),
 # .device-deps/server (~9 MiB: a call of its own).
-# On the device, one call per folder, carrying it, then in every later call of the same machine:
+# On the device, one call per folder, carrying it, then in every later call of the same machine
+# (small, x1 and x2 together are ~51 MB: one call carries all three where the tree it travels with
+# is under ~16 MB, e.g. with history.tar.gz and the demo model's weights moved out for the call):
 #   source benchmarks/device_deps.sh install     # gathers what this call carried into $T/deps-wheels,
 #                                                 # installs once all parts are there, sets PYTHONPATH
 set -u
