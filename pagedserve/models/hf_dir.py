@@ -48,6 +48,8 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     left out is max_position_embeddings, and its `factor` left out (None) the one over the other,
     as HF derives them; LongRoPE's likewise. layer_type: which of a per-layer-type set (Gemma 3's)."""
     params = getattr(config, "rope_parameters", None)
+    # A transformers config object's rope_parameters were standardized by the installed transformers.
+    standardized = bool(params) and any(c.__module__.startswith("transformers.") for c in type(config).__mro__)
     if params:
         params = dict(params)
         # Some configs hold one dict per layer type (Gemma 3): that of layer_type, else the global
@@ -64,11 +66,14 @@ def rope_parameters(config, layer_type: str | None = None) -> dict:
     if params["rope_type"] == "dynamic":  # the length its factor scales: the config's limit, as HF's
         params["original_max_position_embeddings"] = config.max_position_embeddings
     if params["rope_type"] in ("yarn", "longrope"):
-        # As HF standardizes it: a config field of that name first (Phi-3's), then the RoPE
-        # parameters' own, then max_position_embeddings.
-        params["original_max_position_embeddings"] = (getattr(config, "original_max_position_embeddings", None)
-                                                      or params.get("original_max_position_embeddings")
-                                                      or config.max_position_embeddings)
+        # Where a config has both lengths, which wins changed between transformers versions (5.17:
+        # the RoPE dict's; 5.25: the config field, Phi-3's): a standardized object keeps what the
+        # installed one chose; config.json read raw (preflight) takes 5.25's order. Then
+        # max_position_embeddings.
+        own = params.get("original_max_position_embeddings")
+        field = getattr(config, "original_max_position_embeddings", None)
+        params["original_max_position_embeddings"] = ((own or field) if standardized else (field or own)) \
+            or config.max_position_embeddings
         if params.get("factor") is None:
             params["factor"] = config.max_position_embeddings / params["original_max_position_embeddings"]
     return params

@@ -93,9 +93,22 @@ def test_config_json_forms_and_limits():
     assert params["factor"] == 32 and params["rope_theta"] == 10000.0
     assert get_max_model_len(raw) == 131072
     raw.rope_scaling["original_max_position_embeddings"] = 8192
-    assert rope_parameters(raw)["original_max_position_embeddings"] == 4096 == Phi3Config(
-        max_position_embeddings=131072, original_max_position_embeddings=4096, hidden_size=3072,
-        num_attention_heads=32, rope_scaling=dict(raw.rope_scaling)).rope_parameters["original_max_position_embeddings"]
+    assert rope_parameters(raw)["original_max_position_embeddings"] == 4096
+
+
+def test_both_original_lengths_follow_the_installed_transformers():
+    """A config with the original length both beside the RoPE dict and in it: which wins changed
+    between transformers versions (5.17 on the GPU machine: the dict's 8192; 5.25: the field's 4096).
+    A transformers config object keeps what the installed version chose, so the model's RoPE is
+    HF's; config.json read raw (preflight, above) takes 5.25's order."""
+    scaling = {"type": "su", "short_factor": [1.0] * 48, "long_factor": [2.0] * 48,
+               "original_max_position_embeddings": 8192}
+    hf = Phi3Config(max_position_embeddings=131072, original_max_position_embeddings=4096, hidden_size=3072,
+                    num_attention_heads=32, rope_scaling=dict(scaling))
+    ours = rope_parameters(hf)
+    assert ours["rope_type"] == "longrope"
+    assert ours["original_max_position_embeddings"] == hf.rope_parameters["original_max_position_embeddings"]
+    assert ours["factor"] == 131072 / ours["original_max_position_embeddings"]  # as HF derives it, unset
 
 
 @pytest.fixture(scope="module")
