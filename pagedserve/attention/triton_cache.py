@@ -1,7 +1,7 @@
 """Triton kernels that move K/V inside the block pools: slot writes (alone, or with the rotary
 that makes K), and block copies; and their launches (write_kv, rope_write_kv, copy_blocks: the
 Triton backend's, which triton_ops exports), with the pool checks and FP8 scale arguments that
-triton_ops' attention launches share (_check_cache, _fp8, _scales).
+triton_ops' attention launches share (check_pool_layout, is_fp8_pool, fp8_scale_args).
 
 Pools are [num_blocks, block_size, num_kv_heads, head_dim]; a block is one contiguous
 run of block_size * num_kv_heads * head_dim elements, which is what copy_blocks relies on.
@@ -123,21 +123,21 @@ def copy_blocks_kernel(
     tl.store(v_cache_ptr + dst * stride_cb + offs, v, mask=mask)
 
 
-def _check_cache(cache: torch.Tensor, head_dim: int) -> None:
+def check_pool_layout(cache: torch.Tensor, head_dim: int) -> None:
     if cache.dim() != 4 or cache.shape[3] != head_dim or cache.stride(3) != 1:
         raise ValueError(f"KV cache must be [num_blocks, block_size, num_kv_heads, {head_dim}] with "
                          f"contiguous head_dim, got shape {tuple(cache.shape)} strides {cache.stride()}")
 
 
-def _fp8(cache: torch.Tensor) -> bool:
+def is_fp8_pool(cache: torch.Tensor) -> bool:
     return cache.dtype == FP8_KV_DTYPE
 
 
-def _scales(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
+def fp8_scale_args(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
     """The kernels' FP8 arguments: the scale pointers (1.0 where none is given) for an fp8 pool, and
     KV_SCALE_PER_HEAD when they are [num_kv_heads] (per tensor: the argument is left out, so those
     launches are the same compiled variant, with the same instructions, as before per-head scales)."""
-    if not _fp8(cache):
+    if not is_fp8_pool(cache):
         return {}
     one = None
     if k_scale is None or v_scale is None:
@@ -162,7 +162,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
-    _check_cache(k_cache, head_dim)
+    check_pool_layout(k_cache, head_dim)
     if key.stride(2) != 1 or value.stride(2) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("write_kv needs contiguous head_dim in key/value and K/V pools of one layout")
     write_kv_kernel[(num_tokens,)](
@@ -171,7 +171,7 @@ def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim,
         BLOCK_H=next_power_of_2(num_kv_heads), BLOCK_D=next_power_of_2(head_dim),
-        BLOCK_SIZE=k_cache.shape[1], **_scales(k_cache, k_scale, v_scale),
+        BLOCK_SIZE=k_cache.shape[1], **fp8_scale_args(k_cache, k_scale, v_scale),
     )
 
 
@@ -190,8 +190,8 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
             or tuple(v.shape) != tuple(k.shape):
         raise ValueError(f"rope_write_kv: needs unit-stride head dims, v shaped as k and an even rotary_dim <= "
                          f"head_dim, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, rotary_dim {rd}")
-    _check_cache(k_cache, D)
-    if (k_cache.dtype != k.dtype and not _fp8(k_cache)) or k_cache.stride() != v_cache.stride():
+    check_pool_layout(k_cache, D)
+    if (k_cache.dtype != k.dtype and not is_fp8_pool(k_cache)) or k_cache.stride() != v_cache.stride():
         raise ValueError(f"rope_write_kv: needs K/V pools of one layout in the activations' dtype ({k.dtype}) or "
                          f"fp8, got {k_cache.dtype}")
     if T == 0:
@@ -205,7 +205,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         cos2.stride(0), sin2.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), num_q, num_k, eps,
         HEAD_DIM=D, HALF=rd // 2, REST=D - rd, BLOCK_HALF=next_power_of_2(max(rd // 2, 1)),
         BLOCK_REST=next_power_of_2(max(D - rd, 1)), BLOCK_D=next_power_of_2(D), HAS_NORM=has_norm, HEADS=heads,
-        BLOCK_SIZE=k_cache.shape[1], num_warps=4, **_scales(k_cache, k_scale, v_scale))
+        BLOCK_SIZE=k_cache.shape[1], num_warps=4, **fp8_scale_args(k_cache, k_scale, v_scale))
 
 
 def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
@@ -215,7 +215,7 @@ def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
         return
     pair_t = torch.tensor(pairs, dtype=torch.int64).to(k_caches[0].device, non_blocking=True)
     for k, v in zip(k_caches, v_caches):
-        if _fp8(k):  # bytes are bytes: an fp8 block moves as uint8, scales and all (they are per layer)
+        if is_fp8_pool(k):  # bytes are bytes: an fp8 block moves as uint8, scales and all (they are per layer)
             k, v = k.view(torch.uint8), v.view(torch.uint8)
         if k.stride() != v.stride() or not k[0].is_contiguous():
             raise ValueError("copy_blocks needs K/V pools of one layout with contiguous blocks")

@@ -20,7 +20,8 @@ import torch
 
 from pagedserve.attention import decode_plan, gathered_prefill, gathered_prefill_plan
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.triton_cache import _check_cache, _fp8, _scales, copy_blocks, rope_write_kv, write_kv
+from pagedserve.attention.triton_cache import (check_pool_layout, copy_blocks, fp8_scale_args, is_fp8_pool, rope_write_kv,
+                                               write_kv)
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import prefill_attention, prefill_launch
 from pagedserve.attention import triton_unified as unified
@@ -43,7 +44,7 @@ def _pow2_at_least_16(n: int) -> int:
 
 def _ieee(query: torch.Tensor, cache: torch.Tensor) -> bool:
     """fp32 dots: a float32 cache, or an fp8 cache read by float32 queries (its tiles become q's dtype)."""
-    return (query.dtype if _fp8(cache) else cache.dtype) == torch.float32
+    return (query.dtype if is_fp8_pool(cache) else cache.dtype) == torch.float32
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -95,11 +96,11 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     min_chain_tiles = default_min_chain if min_chain_tiles is None else min_chain_tiles
     plan = dict(SPLIT_TOKENS=mode, SHARE_PROGRAMS=share_programs, MIN_CHAIN_TILES=min_chain_tiles)
     # Only when on, so that the default launch stays the compiled variant it was before the switch.
-    cast = dict(F16_DOT=True) if f16_dot and _fp8(k_cache) and not ieee else {}
+    cast = dict(F16_DOT=True) if f16_dot and is_fp8_pool(k_cache) and not ieee else {}
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
                   IEEE=ieee, num_warps=num_warps, num_stages=num_stages, HEADS_FASTEST=heads_fastest,
-                  order_ptr=order, **plan, **cast, **_scales(k_cache, k_scale, v_scale), **layer_kw)
+                  order_ptr=order, **plan, **cast, **fp8_scale_args(k_cache, k_scale, v_scale), **layer_kw)
     # SLOTS: (KV head, slot), as many slots as the plan can fill; else (KV head, sequence, split).
     if mode == decode_plan.SLOTS:
         cells, per_cell = decode_plan.balanced_slots(num_seqs, num_kv_heads, base, splits, share_programs), 1
@@ -166,8 +167,8 @@ def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     if given:  # (tests and sweeps; serving takes the default, and every layer of a step calls this)
         launch = dataclasses.replace(launch, **given)
     return prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_tables, first_seq, num_seqs,
-                             max_query_len, scale, out, launch, _ieee(query, k_cache), _scales(k_cache, k_scale, v_scale),
-                             window, softcap)
+                             max_query_len, scale, out, launch, _ieee(query, k_cache),
+                             fp8_scale_args(k_cache, k_scale, v_scale), window, softcap)
 
 
 def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -182,7 +183,7 @@ def paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     neither; a window keeps the Triton kernels' work short anyway)."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
-    _check_cache(k_cache, head_dim)
+    check_pool_layout(k_cache, head_dim)
     if v_cache.stride() != k_cache.stride() or query.stride(2) != 1:
         raise ValueError("paged_attention needs K/V pools of one layout and contiguous head_dim in query")
     if num_heads % num_kv_heads:
@@ -281,4 +282,5 @@ def unified_paged_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache:
     work, mid = works[window]
     return unified.unified_attention(query, k_cache, v_cache, meta.query_start_loc, meta.seq_lens,
                                      meta.block_tables, scale, out, work, _ieee(query, k_cache),
-                                     _scales(k_cache, k_scale, v_scale), num_warps, num_stages, mid, window, softcap)
+                                     fp8_scale_args(k_cache, k_scale, v_scale), num_warps, num_stages, mid, window,
+                                     softcap)
