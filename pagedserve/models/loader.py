@@ -6,9 +6,7 @@ checkpoints are never loaded; remote code is never run; nothing is fetched from 
 """
 from __future__ import annotations
 
-import glob
 import inspect
-import json
 import logging
 import os
 import re

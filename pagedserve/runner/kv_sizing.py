@@ -54,7 +54,7 @@ def profile_num_gpu_blocks(runner: RunnerView) -> int:
     return int(max(0, budget) // runner.block_bytes)
 
 
-def _prompt_batch(runner: "ModelRunner", num_tokens: int, num_seqs: int) -> tuple:
+def _prompt_batch(runner: RunnerView, num_tokens: int, num_seqs: int) -> tuple:
     """(model input, scratch pool) of num_seqs fresh prompts of random ids, num_tokens in all."""
     query_lens = np.full(num_seqs, num_tokens // num_seqs, dtype=np.int64)
     query_lens[: num_tokens % num_seqs] += 1
@@ -75,7 +75,7 @@ def _prompt_batch(runner: "ModelRunner", num_tokens: int, num_seqs: int) -> tupl
 CALIBRATION_TOKENS = 1024
 
 
-def calibrate_kv_scales_at_startup(runner: "ModelRunner") -> None:
+def calibrate_kv_scales_at_startup(runner: RunnerView) -> None:
     """calculate_kv_scales: one forward of random prompts (before the profile, the pools and any CUDA
     graph, so all of them see the final scales) sets every layer's K/V scales (backend.calibrate_kv_scales),
     per KV head with kv_cache_scale_strategy "attn_head": the warm-up and the graphs then compile and

@@ -23,6 +23,7 @@ class RunnerView(Protocol):
     config: EngineConfig
     device: torch.device
     dtype: torch.dtype
+    kv_dtype: torch.dtype
     block_size: int
     max_model_len: int
     num_layers: int

@@ -33,7 +33,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatCompletionRequest, ChatC
                                                     CompletionRequest, CompletionResponse,
                                                     ErrorResponse, ModelCard, ModelList)
 from pagedserve.entrypoints.openai.serving_chat import OpenAIServingChat
-from pagedserve.entrypoints.openai.serving_common import APIError, ClientDisconnected
+from pagedserve.entrypoints.openai.serving_common import ClientDisconnected
 from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from pagedserve.entrypoints.openai.serving_tokenize import (DetokenizeRequest, DetokenizeResponse,
                                                             OpenAIServingTokenization, TokenizeRequest,
