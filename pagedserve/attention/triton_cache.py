@@ -1,7 +1,7 @@
 """Triton kernels that move K/V inside the block pools: slot writes (alone, or with the rotary
 that makes K), and block copies; and their launches (write_kv, rope_write_kv, copy_blocks: the
 Triton backend's, which triton_ops exports), with the pool checks and FP8 scale arguments that
-triton_ops' attention launches share (check_pool_layout, is_fp8_pool, fp8_scale_args).
+triton_ops' attention launches share (check_pool_layout, fp8_scale_args).
 
 Pools are [num_blocks, block_size, num_kv_heads, head_dim]; a block is one contiguous
 run of block_size * num_kv_heads * head_dim elements, which is what copy_blocks relies on.
@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.attention.kv_quant import FP8_KV_DTYPE
+from pagedserve.attention.kv_quant import is_fp8
 from pagedserve.host_math import cdiv, next_power_of_2
 from pagedserve.layers.triton_fused import QK_ROPE_HEADS, norm_rope_heads, pool_value
 
@@ -129,15 +129,11 @@ def check_pool_layout(cache: torch.Tensor, head_dim: int) -> None:
                          f"contiguous head_dim, got shape {tuple(cache.shape)} strides {cache.stride()}")
 
 
-def is_fp8_pool(cache: torch.Tensor) -> bool:
-    return cache.dtype == FP8_KV_DTYPE
-
-
 def fp8_scale_args(cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> dict:
     """The kernels' FP8 arguments: the scale pointers (1.0 where none is given) for an fp8 pool, and
     KV_SCALE_PER_HEAD when they are [num_kv_heads] (per tensor: the argument is left out, so those
     launches are the same compiled variant, with the same instructions, as before per-head scales)."""
-    if not is_fp8_pool(cache):
+    if not is_fp8(cache):
         return {}
     one = None
     if k_scale is None or v_scale is None:
@@ -191,7 +187,7 @@ def rope_write_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
         raise ValueError(f"rope_write_kv: needs unit-stride head dims, v shaped as k and an even rotary_dim <= "
                          f"head_dim, got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, rotary_dim {rd}")
     check_pool_layout(k_cache, D)
-    if (k_cache.dtype != k.dtype and not is_fp8_pool(k_cache)) or k_cache.stride() != v_cache.stride():
+    if (k_cache.dtype != k.dtype and not is_fp8(k_cache)) or k_cache.stride() != v_cache.stride():
         raise ValueError(f"rope_write_kv: needs K/V pools of one layout in the activations' dtype ({k.dtype}) or "
                          f"fp8, got {k_cache.dtype}")
     if T == 0:
@@ -215,7 +211,7 @@ def copy_blocks(k_caches: list[torch.Tensor], v_caches: list[torch.Tensor],
         return
     pair_t = torch.tensor(pairs, dtype=torch.int64).to(k_caches[0].device, non_blocking=True)
     for k, v in zip(k_caches, v_caches):
-        if is_fp8_pool(k):  # bytes are bytes: an fp8 block moves as uint8, scales and all (they are per layer)
+        if is_fp8(k):  # bytes are bytes: an fp8 block moves as uint8, scales and all (they are per layer)
             k, v = k.view(torch.uint8), v.view(torch.uint8)
         if k.stride() != v.stride() or not k[0].is_contiguous():
             raise ValueError("copy_blocks needs K/V pools of one layout with contiguous blocks")

@@ -20,8 +20,8 @@ import torch
 
 from pagedserve.attention import decode_plan, gathered_prefill, gathered_prefill_plan
 from pagedserve.attention.metadata import AttentionMetadata
-from pagedserve.attention.triton_cache import (check_pool_layout, copy_blocks, fp8_scale_args, is_fp8_pool, rope_write_kv,
-                                               write_kv)
+from pagedserve.attention.kv_quant import is_fp8
+from pagedserve.attention.triton_cache import check_pool_layout, copy_blocks, fp8_scale_args, rope_write_kv, write_kv
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import prefill_attention, prefill_launch
 from pagedserve.attention import triton_unified as unified
@@ -44,7 +44,7 @@ def _pow2_at_least_16(n: int) -> int:
 
 def _ieee(query: torch.Tensor, cache: torch.Tensor) -> bool:
     """fp32 dots: a float32 cache, or an fp8 cache read by float32 queries (its tiles become q's dtype)."""
-    return (query.dtype if is_fp8_pool(cache) else cache.dtype) == torch.float32
+    return (query.dtype if is_fp8(cache) else cache.dtype) == torch.float32
 
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -96,7 +96,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     min_chain_tiles = default_min_chain if min_chain_tiles is None else min_chain_tiles
     plan = dict(SPLIT_TOKENS=mode, SHARE_PROGRAMS=share_programs, MIN_CHAIN_TILES=min_chain_tiles)
     # Only when on, so that the default launch stays the compiled variant it was before the switch.
-    cast = dict(F16_DOT=True) if f16_dot and is_fp8_pool(k_cache) and not ieee else {}
+    cast = dict(F16_DOT=True) if f16_dot and is_fp8(k_cache) and not ieee else {}
     common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
                   BLOCK_G=_pow2_at_least_16(group), BLOCK_D=block_d, BLOCK_N=block_n,
                   IEEE=ieee, num_warps=num_warps, num_stages=num_stages, HEADS_FASTEST=heads_fastest,
