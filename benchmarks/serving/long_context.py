@@ -601,23 +601,25 @@ def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
     k_engine, align_engine = cfg.attention_cost_context, cfg.long_prefill_chunk_align
     k0 = ModelCost.from_hf_config(llm.llm_engine.hf_config).attention_cost_context()
     rows = []
-    for n in args.beside_lens or [args.prefill_lens[-1]]:
-        for align in args.beside_aligns or [align_engine]:
-            for decodes in args.beside_decodes:
-                for f in args.cost_scales:
-                    for mode in args.gather_modes or [None]:
-                        if mode is not None:
-                            _set_gather(mode)
-                        cfg.attention_cost_context, cfg.long_prefill_chunk_align = round(k0 * f), align
-                        tag = f"{n}-{align}-{decodes}-{f}" + (f"-{mode}" if mode else "")
-                        before = _path_counts()
-                        row = {"decodes": decodes, "cost_scale": f, "attention_cost_context": round(k0 * f),
-                               "chunk_align": align, "prompt_len": n, **({"gather": mode} if mode else {}),
-                               **_beside_run(llm.llm_engine, rng, vocab, n, decodes, tag, args.decode_output_len)}
-                        if before is not None:
-                            row["long_chunks_read"] = [a - b for a, b in zip(_path_counts(), before)]
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
+    configs = [(n, align, decodes, f, mode) for n in args.beside_lens or [args.prefill_lens[-1]]
+               for align in args.beside_aligns or [align_engine] for decodes in args.beside_decodes
+               for f in args.cost_scales for mode in args.gather_modes or [None]]
+    # Repeats go round the whole list, so that an A/B's arms alternate in time (a drifting clock or
+    # a neighbour's load falls on both).
+    for rep in range(getattr(args, "beside_repeats", 1)):
+        for n, align, decodes, f, mode in configs:
+            if mode is not None:
+                _set_gather(mode)
+            cfg.attention_cost_context, cfg.long_prefill_chunk_align = round(k0 * f), align
+            tag = f"{n}-{align}-{decodes}-{f}" + (f"-{mode}" if mode else "") + f"-r{rep}"
+            before = _path_counts()
+            row = {"decodes": decodes, "cost_scale": f, "attention_cost_context": round(k0 * f),
+                   "chunk_align": align, "prompt_len": n, "repeat": rep, **({"gather": mode} if mode else {}),
+                   **_beside_run(llm.llm_engine, rng, vocab, n, decodes, tag, args.decode_output_len)}
+            if before is not None:
+                row["long_chunks_read"] = [a - b for a, b in zip(_path_counts(), before)]
+            rows.append(row)
+            print(json.dumps(row), flush=True)
     cfg.attention_cost_context, cfg.long_prefill_chunk_align = k_engine, align_engine
     return rows
 
@@ -785,6 +787,8 @@ def main() -> None:
                     help="prefill --beside-decodes: these prompt lengths (default: the last --prefill-lens)")
     ap.add_argument("--beside-aligns", type=int, nargs="*", default=[],
                     help="prefill --beside-decodes: each long_prefill_chunk_align in turn (default: the engine's)")
+    ap.add_argument("--beside-repeats", type=int, default=1,
+                    help="prefill --beside-decodes: run the whole list of configurations this many times over")
     ap.add_argument("--cost-scales", type=float, nargs="+", default=[1.0],
                     help="prefill --beside-decodes: K = the model's compute balance times each (0: chunks by tokens alone)")
     ap.add_argument("--gather-modes", nargs="*", default=[], choices=["runs", "always"],

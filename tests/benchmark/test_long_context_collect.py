@@ -178,8 +178,8 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
 
 
 def test_prefill_beside_decodes_runs_each_length_and_alignment_in_one_engine(tiny_model_dir, tmp_path):
-    """--beside-lens and --beside-aligns: every (length, alignment, decodes, scale) row from one
-    start-up, each prompt's chunks those of its alignment (a chunk the budget cut short ends on a
+    """--beside-lens, --beside-aligns and --beside-repeats: every (length, alignment, decodes, scale)
+    row from one start-up, each prompt's chunks those of its alignment (a chunk the budget cut short ends on a
     multiple of it), and the engine's own alignment back afterwards."""
     out = tmp_path / "p.json"
     lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=256, block_size=8,
@@ -187,10 +187,12 @@ def test_prefill_beside_decodes_runs_each_length_and_alignment_in_one_engine(tin
                                         gathered_min_prefix=None, beside_decodes=[1], cost_scales=[0.0],
                                         decode_output_len=64, beside_lens=[100, 60], beside_aligns=[16, 8],
                                         trace=None, engine="pagedserve", near_end=0, drains=[0], chunk_align=0,
-                                        step_times=False, gather_modes=[]))
+                                        step_times=False, gather_modes=[], beside_repeats=2))
     rec = json.loads(out.read_text())
     rows = rec["beside_decodes"]
-    assert [(r["prompt_len"], r["chunk_align"]) for r in rows] == [(100, 16), (100, 8), (60, 16), (60, 8)]
+    # --beside-repeats 2: the whole list twice over, so the arms alternate in time
+    assert [(r["repeat"], r["prompt_len"], r["chunk_align"]) for r in rows] == [
+        (rep, n, a) for rep in (0, 1) for n, a in [(100, 16), (100, 8), (60, 16), (60, 8)]]
     for r in rows:
         ends = list(itertools.accumulate(c for c in r["chunks"] if c))  # 0: a step without it
         assert ends[-1] == r["prompt_len"]
