@@ -121,12 +121,12 @@ class EngineConfig:
                                                   "most this many a step, so decodes beside a very long "
                                                   "prompt wait less per step (vLLM's; 0: off; needs "
                                                   "enable_chunked_prefill)")
-    long_prefill_budget_by_cost: bool | None = option(
-        None, "in steps with decodes, count a prefill token's attention over the context before it against "
+    long_prefill_budget_by_cost: bool = option(
+        False, "in steps with decodes, count a prefill token's attention over the context before it against "
         "max_num_batched_tokens (a token after P earlier ones counts 1 + P/K, K from the model's shape: ~27k "
         "tokens for Llama-3.1-8B; prompts of 8,192+ tokens), so chunks deep in a long prompt are shorter and "
-        "the decodes beside it wait less per step (default: on where the Hopper long-prefill path is on; "
-        "not vLLM's)")
+        "the decodes beside it wait less per step (about 0.4-0.6x the gaps), at the price of more steps: a "
+        "100k prompt's first token ~3% later beside long-context decodes (off by default; not vLLM's)")
     long_prefill_cost_scale: float = option(
         LONG_PREFILL_COST_SCALE, "with long_prefill_budget_by_cost: K (the context at which a token's "
         "attention costs as much as its matmuls) times this, so a step beside decodes may cost more (> 1: "
@@ -134,7 +134,7 @@ class EngineConfig:
     long_prefill_chunk_align: int | None = option(
         None, "a prefill chunk cut short by the token budget ends on a multiple of this many tokens where "
         "that leaves it half its tokens or 1,024 (the rest follows in the next step, beside the decodes), "
-        "so a long prompt's chunks start on the Hopper long-prefill path's prefix buckets (default: 8,192 "
+        "so a long prompt's chunks stay on the Hopper long-prefill path's whole query steps (default: 1,024 "
         "where that path is on, else 0: off; set, it needs enable_chunked_prefill; not vLLM's)")
     long_prefill_drain: int = option(
         2048, "N > 0: a new prompt of at least 8,192 tokens (and N) waits, up to one decode step per N of "

@@ -659,19 +659,20 @@ def _beside_run(eng, rng, vocab, n: int, decodes: int, tag: str, decode_output_l
 def phase_replay(args) -> list[dict]:
     """replay (no GPU, no model): pagedserve's scheduler alone at serving's settings on the H200
     (--max-num-batched-tokens, --block-size, the long-prefill path's rules: K = the model's compute
-    balance times each --cost-scales factor, --chunk-align, default 8,192), per --beside-decodes
-    count and --prefill-lens length: one fresh prompt beside that many decoding requests, and the
+    balance times each --cost-scales factor, 0: off, the engine's default; --chunk-align, default the
+    engine's there, 1,024), per --beside-decodes count and --prefill-lens length: one fresh prompt
+    beside that many decoding requests, and the
     chunks it is cut into, step by step (what `prefill --beside-decodes` measures the time of)."""
     from transformers import AutoConfig
 
-    from pagedserve.core.chunk_cost import COST_MIN_TOKENS
+    from pagedserve.core.chunk_cost import CHUNK_ALIGN, COST_MIN_TOKENS
     from pagedserve.core.config import CacheConfig, SchedulerConfig
     from pagedserve.core.scheduler import Scheduler
     from pagedserve.model_cost import ModelCost
     from pagedserve.sampling_params import SamplingParams
     from pagedserve.sequence import Sequence, SequenceGroup
     k0 = ModelCost.from_hf_config(AutoConfig.from_pretrained(args.model)).attention_cost_context()
-    align = 8192 if args.chunk_align is None else args.chunk_align
+    align = CHUNK_ALIGN if args.chunk_align is None else args.chunk_align
     rows = []
     for n in args.prefill_lens:
         for decodes in args.beside_decodes or [1]:
@@ -775,7 +776,7 @@ def main() -> None:
     ap.add_argument("--gathered-min-prefix", type=int, default=None,
                     help="prefill: gathered_prefill_plan.MIN_PREFIX for this run (an A/B; default the module's)")
     ap.add_argument("--chunk-align", type=int, default=None,
-                    help="prefill: pagedserve's long_prefill_chunk_align (default: the engine's, 8,192 on Hopper)")
+                    help="prefill: pagedserve's long_prefill_chunk_align (default: the engine's, 1,024 on Hopper)")
     ap.add_argument("--step-times", action="store_true",
                     help="prefill: run each prompt through pagedserve's engine loop and record every step's ms")
     ap.add_argument("--profile", action="store_true",
@@ -789,8 +790,9 @@ def main() -> None:
                     help="prefill --beside-decodes: each long_prefill_chunk_align in turn (default: the engine's)")
     ap.add_argument("--beside-repeats", type=int, default=1,
                     help="prefill --beside-decodes: run the whole list of configurations this many times over")
-    ap.add_argument("--cost-scales", type=float, nargs="+", default=[1.0],
-                    help="prefill --beside-decodes: K = the model's compute balance times each (0: chunks by tokens alone)")
+    ap.add_argument("--cost-scales", type=float, nargs="+", default=[0.0],
+                    help="prefill --beside-decodes, replay: K = the model's compute balance times each (0: chunks by "
+                         "tokens alone, the engine's default; its long_prefill_budget_by_cost uses 2)")
     ap.add_argument("--gather-modes", nargs="*", default=[], choices=["runs", "always"],
                     help="prefill: each prompt (and --beside-decodes run) once per mode of "
                          "PAGEDSERVE_LONG_PREFILL_GATHER, set on the running engine in turn, the order "

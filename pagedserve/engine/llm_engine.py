@@ -20,7 +20,7 @@ import torch
 
 from pagedserve.attention.kv_quant import kv_cache_dtype_name
 from pagedserve.config import MAX_MODEL_LEN_AUTO, EngineConfig
-from pagedserve.core.chunk_cost import COST_MIN_TOKENS
+from pagedserve.core.chunk_cost import CHUNK_ALIGN, COST_MIN_TOKENS
 from pagedserve.core.config import CacheConfig
 from pagedserve.core.kv_state import kv_cache_state
 from pagedserve.core.scheduler import Scheduler
@@ -122,16 +122,18 @@ class LLMEngine(StepPipeline, TokenApplication):
                                         sliding_window=0 if draft is not None else
                                         int(self.runner.profile.get("sliding_window_all_layers", 0)))
         self.scheduler_config = config.scheduler_config(max_model_len)
-        # Unset (None), the two long-prompt chunk rules follow the Hopper long-prefill path: on where
-        # the runner turned it on (it reports the path's prefix bucket), where they were measured.
-        bucket = int(self.runner.profile.get("long_prefill_bucket", 0))
-        by_cost = config.long_prefill_budget_by_cost
-        if by_cost or (by_cost is None and bucket and config.enable_chunked_prefill):
+        if config.long_prefill_budget_by_cost:
             self.scheduler_config.attention_cost_context = round(ModelCost.from_hf_config(
                 self.hf_config).attention_cost_context() * config.long_prefill_cost_scale)
             self.scheduler_config.attention_cost_min_tokens = COST_MIN_TOKENS
+        # Unset (None), the chunk alignment follows the Hopper long-prefill path: where the runner
+        # turned it on (it reports the path's prefix bucket), whole query steps of 1,024. Not the
+        # bucket (8,192, paired with chunks by cost until the 57th session): beside a decode the
+        # budget less its token never fills a bucket, and chunks by tokens alone then drift off the
+        # buckets (a 100k prompt beside one decode, H100: 7.37 s at 8,192, 6.87 at 1,024; 6.74 alone).
         if config.long_prefill_chunk_align is None:
-            self.scheduler_config.long_prefill_chunk_align = bucket
+            bucket = int(self.runner.profile.get("long_prefill_bucket", 0))
+            self.scheduler_config.long_prefill_chunk_align = CHUNK_ALIGN if bucket else 0
         for measured in ("recompute_seconds_per_token", "swap_seconds_per_block"):
             if measured in self.runner.profile:  # see ModelRunner.measures_costs for when they are absent
                 setattr(self.scheduler_config, measured, self.runner.profile[measured])

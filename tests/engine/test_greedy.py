@@ -129,24 +129,27 @@ def test_greedy_with_long_prefill_budget_by_cost(tiny_model_dir):
 
 
 def test_long_prompt_chunk_rules_follow_the_long_prefill_path(tiny_model_dir, monkeypatch):
-    """Unset, chunk alignment and chunks by cost are on where the runner turned the Hopper
-    long-prefill path on (align = its prefix bucket; costs for prompts of COST_MIN_TOKENS+), off
-    where it did not (here on CPU); set, they are what was asked."""
-    from pagedserve.attention import gathered_prefill, gathered_prefill_plan
-    from pagedserve.core.chunk_cost import COST_MIN_TOKENS, COST_SCALE
+    """Unset, chunk alignment is on where the runner turned the Hopper long-prefill path on (whole
+    query steps, CHUNK_ALIGN), off where it did not (here on CPU); chunks by cost are off unless asked
+    (then for prompts of COST_MIN_TOKENS+, K the model's balance times COST_SCALE); set, each is
+    what was asked."""
+    from pagedserve.attention import gathered_prefill
+    from pagedserve.core.chunk_cost import CHUNK_ALIGN, COST_MIN_TOKENS, COST_SCALE
     from pagedserve.model_cost import ModelCost
     model_dir = tiny_model_dir("llama")
 
     def rules(**kw):
         c = make_llm(model_dir, block_size=4, **kw).llm_engine.scheduler_config
         return c.long_prefill_chunk_align, c.attention_cost_context, c.attention_cost_min_tokens
+    k = ModelCost.from_hf_config(make_llm(model_dir, block_size=4).llm_engine.hf_config).attention_cost_context()
     assert rules() == (0, 0, 0)
     assert rules(long_prefill_chunk_align=16)[0] == 16
+    assert rules(long_prefill_budget_by_cost=True) == (0, round(k * COST_SCALE), COST_MIN_TOKENS)
     monkeypatch.setattr(gathered_prefill, "configure", lambda *a, **kw: object())  # as on an H200
-    k = ModelCost.from_hf_config(make_llm(model_dir, block_size=4).llm_engine.hf_config).attention_cost_context()
-    assert rules() == (gathered_prefill_plan.PREFIX_BUCKET, round(k * COST_SCALE), COST_MIN_TOKENS)
-    assert rules(long_prefill_chunk_align=0, long_prefill_budget_by_cost=False) == (0, 0, 0)
-    assert rules(enable_chunked_prefill=False)[1] == 0
+    assert rules() == (CHUNK_ALIGN, 0, 0)
+    assert rules(long_prefill_budget_by_cost=True, long_prefill_chunk_align=8192) == (
+        8192, round(k * COST_SCALE), COST_MIN_TOKENS)  # the schedule before the 57th session
+    assert rules(long_prefill_chunk_align=0) == (0, 0, 0)
 
 
 def test_long_prefill_drain_reaches_the_scheduler(tiny_model_dir, monkeypatch):
