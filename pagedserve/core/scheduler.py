@@ -373,11 +373,11 @@ class Scheduler(Admission, Preemption):
             n = longest_chunk(start, n, self._budget, k)
         align = cfg.long_prefill_chunk_align
         if align and 0 < n < todo and (start + n) // align * align - start >= max(1, min(n // 2, CHUNK_ALIGN)):
-            # Cut short by the budget: end on a bucket, the rest in the next step. Decodes take a
+            # Cut short by the budget: end on the grid, the rest in the next step. Decodes take a
             # few tokens of every step's budget, so unaligned chunks would drift off the long-prefill
-            # path's prefix buckets and leave up to a bucket of each prefix to a slower kernel. Never
-            # to a sliver (at least half the chunk or CHUNK_ALIGN): a chunk of 8,191 (the budget less
-            # a decode, costs off) after 8,191 would be cut to 1 token, a step spent on it every other step.
+            # path's grid (whole query steps; prefix buckets) and leave part of each prefix to a
+            # slower kernel. Never to a sliver (at least half the chunk or CHUNK_ALIGN): at N = 8,192
+            # a chunk of 8,191 (the budget less a decode, costs off) after 8,191 would be cut to 1 token.
             n = (start + n) // align * align - start
         if k and n > 0:
             cost = chunk_cost(start, n, k)
