@@ -615,7 +615,8 @@ def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
             before = _path_counts()
             row = {"decodes": decodes, "cost_scale": f, "attention_cost_context": round(k0 * f),
                    "chunk_align": align, "prompt_len": n, "repeat": rep, **({"gather": mode} if mode else {}),
-                   **_beside_run(llm.llm_engine, rng, vocab, n, decodes, tag, args.decode_output_len)}
+                   **_beside_run(llm.llm_engine, rng, vocab, n, decodes, tag, args.decode_output_len,
+                                 getattr(args, "beside_decode_prompt_len", 128))}
             if before is not None:
                 row["long_chunks_read"] = [a - b for a, b in zip(_path_counts(), before)]
             rows.append(row)
@@ -624,14 +625,19 @@ def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
     return rows
 
 
-def _beside_run(eng, rng, vocab, n: int, decodes: int, tag: str, decode_output_len: int) -> dict:
-    """One prompt of n tokens beside `decodes` decoding requests (prefill_beside_decodes)."""
+def _beside_run(eng, rng, vocab, n: int, decodes: int, tag: str, decode_output_len: int,
+                decode_prompt_len: int = 128) -> dict:
+    """One prompt of n tokens beside `decodes` decoding requests of decode_prompt_len-token prompts
+    (prefill_beside_decodes)."""
     from pagedserve import SamplingParams
     short = [f"d{tag}-{i}" for i in range(decodes)]
     for rid in short:
-        eng.add_request(rid, [rng.randrange(vocab) for _ in range(128)],
+        eng.add_request(rid, [rng.randrange(vocab) for _ in range(decode_prompt_len)],
                         SamplingParams(max_tokens=decode_output_len, ignore_eos=True))
-    for _ in range(4):  # their prefill, then decodes only
+    started: set[str] = set()
+    while len(started) < decodes:  # their prefill (long prompts take many steps) up to a first token each
+        started |= {o.request_id for o in eng.step() if o.outputs[0].token_ids}
+    for _ in range(3):  # then decodes only
         eng.step()
     long_id = f"long{tag}"
     t0 = last = time.perf_counter()
@@ -788,6 +794,9 @@ def main() -> None:
                     help="prefill --beside-decodes: these prompt lengths (default: the last --prefill-lens)")
     ap.add_argument("--beside-aligns", type=int, nargs="*", default=[],
                     help="prefill --beside-decodes: each long_prefill_chunk_align in turn (default: the engine's)")
+    ap.add_argument("--beside-decode-prompt-len", type=int, default=128,
+                    help="prefill --beside-decodes: the decoding requests' prompt length (their context: each step "
+                         "beside them reads it; online, the 100k scenario's decodes are 100k contexts themselves)")
     ap.add_argument("--beside-repeats", type=int, default=1,
                     help="prefill --beside-decodes: run the whole list of configurations this many times over")
     ap.add_argument("--cost-scales", type=float, nargs="+", default=[0.0],

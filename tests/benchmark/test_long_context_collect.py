@@ -201,6 +201,22 @@ def test_prefill_beside_decodes_runs_each_length_and_alignment_in_one_engine(tin
     assert rec["long_prefill_chunk_align"] == 0
 
 
+def test_prefill_beside_long_decodes_starts_once_their_prompts_are_in(tiny_model_dir, tmp_path):
+    """--beside-decode-prompt-len far past the step budget: the decoding request's prompt takes
+    seven steps; the long prompt arrives only after each has its first token, so every step of its
+    prefill is the budget less the one decode, cut to the alignment (31 -> 24), its last chunk the rest."""
+    out = tmp_path / "p.json"
+    lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=512, block_size=8,
+                                        prefill_lens=[40], out=str(out), profile=False, max_num_batched_tokens=32,
+                                        gathered_min_prefix=None, beside_decodes=[1], cost_scales=[0.0],
+                                        decode_output_len=64, beside_lens=[100], beside_aligns=[8],
+                                        trace=None, engine="pagedserve", near_end=0, drains=[0], chunk_align=0,
+                                        step_times=False, gather_modes=[], beside_decode_prompt_len=200))
+    (row,) = json.loads(out.read_text())["beside_decodes"]
+    # from its first step on (a step with the decode's prompt still going in would give it less)
+    assert row["chunks"][:4] == [24, 24, 24, 28] and not any(row["chunks"][4:]), row["chunks"]
+
+
 def test_prefill_gather_modes_alternate_in_one_engine(tiny_model_dir, tmp_path, monkeypatch):
     """`prefill --gather-modes runs always`: each prompt (and beside-decodes run) once per mode, set
     on the running engine before it, the order alternating by prompt; results keyed '<len>-<mode>'
