@@ -125,8 +125,8 @@ class EngineConfig:
         False, "in steps with decodes, count a prefill token's attention over the context before it against "
         "max_num_batched_tokens (a token after P earlier ones counts 1 + P/K, K from the model's shape: ~27k "
         "tokens for Llama-3.1-8B; prompts of 8,192+ tokens), so chunks deep in a long prompt are shorter and "
-        "the decodes beside it wait less per step (about 0.4-0.6x the gaps), at the price of more steps: a "
-        "100k prompt's first token ~3% later beside long-context decodes (off by default; not vLLM's)")
+        "the decodes beside it wait less per step (0.45-0.67x the gaps beside a 100k prefill), at the price of "
+        "more steps: its first token ~3% later beside long-context decodes (off by default; not vLLM's)")
     long_prefill_cost_scale: float = option(
         LONG_PREFILL_COST_SCALE, "with long_prefill_budget_by_cost: K (the context at which a token's "
         "attention costs as much as its matmuls) times this, so a step beside decodes may cost more (> 1: "

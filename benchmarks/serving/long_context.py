@@ -667,8 +667,8 @@ def phase_replay(args) -> list[dict]:
     (--max-num-batched-tokens, --block-size, the long-prefill path's rules: K = the model's compute
     balance times each --cost-scales factor, 0: off, the engine's default; --chunk-align, default the
     engine's there, 1,024), per --beside-decodes count and --prefill-lens length: one fresh prompt
-    beside that many decoding requests, and the
-    chunks it is cut into, step by step (what `prefill --beside-decodes` measures the time of)."""
+    beside that many decoding requests, and the chunks it is cut into, step by step (what `prefill
+    --beside-decodes` measures the time of)."""
     from transformers import AutoConfig
 
     from pagedserve.core.chunk_cost import CHUNK_ALIGN, COST_MIN_TOKENS

@@ -179,8 +179,8 @@ def test_prefill_phase_times_each_length_under_the_environments_switches(tiny_mo
 
 def test_prefill_beside_decodes_runs_each_length_and_alignment_in_one_engine(tiny_model_dir, tmp_path):
     """--beside-lens, --beside-aligns and --beside-repeats: every (length, alignment, decodes, scale)
-    row from one start-up, each prompt's chunks those of its alignment (a chunk the budget cut short ends on a
-    multiple of it), and the engine's own alignment back afterwards."""
+    row from one start-up, each prompt's chunks those of its alignment (a chunk the budget cut short
+    ends on a multiple of it), and the engine's own alignment back afterwards."""
     out = tmp_path / "p.json"
     lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=256, block_size=8,
                                         prefill_lens=[40], out=str(out), profile=False, max_num_batched_tokens=32,
@@ -204,7 +204,8 @@ def test_prefill_beside_decodes_runs_each_length_and_alignment_in_one_engine(tin
 def test_prefill_beside_long_decodes_starts_once_their_prompts_are_in(tiny_model_dir, tmp_path):
     """--beside-decode-prompt-len far past the step budget: the decoding request's prompt takes
     seven steps; the long prompt arrives only after each has its first token, so every step of its
-    prefill is the budget less the one decode, cut to the alignment (31 -> 24), its last chunk the rest."""
+    prefill is the budget less the one decode, cut to the alignment (31 -> 24), its last chunk the
+    rest."""
     out = tmp_path / "p.json"
     lc.phase_prefill(argparse.Namespace(model=tiny_model_dir("llama"), max_model_len=512, block_size=8,
                                         prefill_lens=[40], out=str(out), profile=False, max_num_batched_tokens=32,
