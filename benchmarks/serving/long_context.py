@@ -606,7 +606,7 @@ def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
                for f in args.cost_scales for mode in args.gather_modes or [None]]
     # Repeats go round the whole list, so that an A/B's arms alternate in time (a drifting clock or
     # a neighbour's load falls on both).
-    for rep in range(getattr(args, "beside_repeats", 1)):
+    for rep in range(args.beside_repeats):
         for n, align, decodes, f, mode in configs:
             if mode is not None:
                 _set_gather(mode)
@@ -616,7 +616,7 @@ def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
             row = {"decodes": decodes, "cost_scale": f, "attention_cost_context": round(k0 * f),
                    "chunk_align": align, "prompt_len": n, "repeat": rep, **({"gather": mode} if mode else {}),
                    **_beside_run(llm.llm_engine, rng, vocab, n, decodes, tag, args.decode_output_len,
-                                 getattr(args, "beside_decode_prompt_len", 128))}
+                                 args.beside_decode_prompt_len)}
             if before is not None:
                 row["long_chunks_read"] = [a - b for a, b in zip(_path_counts(), before)]
             rows.append(row)
@@ -626,7 +626,7 @@ def prefill_beside_decodes(llm, args, rng, vocab) -> list[dict]:
 
 
 def _beside_run(eng, rng, vocab, n: int, decodes: int, tag: str, decode_output_len: int,
-                decode_prompt_len: int = 128) -> dict:
+                decode_prompt_len: int) -> dict:
     """One prompt of n tokens beside `decodes` decoding requests of decode_prompt_len-token prompts
     (prefill_beside_decodes)."""
     from pagedserve import SamplingParams

@@ -187,7 +187,8 @@ def test_prefill_beside_decodes_runs_each_length_and_alignment_in_one_engine(tin
                                         gathered_min_prefix=None, beside_decodes=[1], cost_scales=[0.0],
                                         decode_output_len=64, beside_lens=[100, 60], beside_aligns=[16, 8],
                                         trace=None, engine="pagedserve", near_end=0, drains=[0], chunk_align=0,
-                                        step_times=False, gather_modes=[], beside_repeats=2))
+                                        step_times=False, gather_modes=[], beside_repeats=2,
+                                        beside_decode_prompt_len=128))
     rec = json.loads(out.read_text())
     rows = rec["beside_decodes"]
     # --beside-repeats 2: the whole list twice over, so the arms alternate in time
@@ -212,7 +213,8 @@ def test_prefill_beside_long_decodes_starts_once_their_prompts_are_in(tiny_model
                                         gathered_min_prefix=None, beside_decodes=[1], cost_scales=[0.0],
                                         decode_output_len=64, beside_lens=[100], beside_aligns=[8],
                                         trace=None, engine="pagedserve", near_end=0, drains=[0], chunk_align=0,
-                                        step_times=False, gather_modes=[], beside_decode_prompt_len=200))
+                                        step_times=False, gather_modes=[], beside_decode_prompt_len=200,
+                                        beside_repeats=1))
     (row,) = json.loads(out.read_text())["beside_decodes"]
     # from its first step on (a step with the decode's prompt still going in would give it less)
     assert row["chunks"][:4] == [24, 24, 24, 28] and not any(row["chunks"][4:]), row["chunks"]
@@ -227,7 +229,7 @@ def test_prefill_gather_modes_alternate_in_one_engine(tiny_model_dir, tmp_path, 
                 profile=False, max_num_batched_tokens=64, gathered_min_prefix=None, beside_decodes=[],
                 cost_scales=[1.0], decode_output_len=64, beside_lens=[], beside_aligns=[], trace=None,
                 engine="pagedserve", near_end=0, drains=[0], chunk_align=None, step_times=False,
-                gather_modes=["runs", "always"])
+                gather_modes=["runs", "always"], beside_repeats=1, beside_decode_prompt_len=128)
     with pytest.raises(SystemExit, match="--gather-modes"):
         lc.phase_prefill(argparse.Namespace(**args, out=str(tmp_path / "cpu.json")))
     modes, counts = [], {"runs": (0, 0)}
