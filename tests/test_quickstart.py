@@ -109,3 +109,32 @@ def test_docs_link_only_inside_the_repo():
             if not path.exists() or REPO not in path.parents:
                 broken.append(f"{page.relative_to(REPO)}: {target}")
     assert not broken, broken
+
+
+def _heading_anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a page's headings: lower case, punctuation but '-' and '_' dropped,
+    spaces to '-', a repeat suffixed -1, -2, ... (headings inside fenced code are not headings)."""
+    anchors, seen = set(), {}
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+    for title in re.findall(r"^#{1,6} (.+)$", text, flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+        anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+        seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_docs_anchors_name_a_heading():
+    """A link into a page's section (page.md#anchor, or #anchor on the same page) names a heading
+    that page has: moving a section between pages must move its links too."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target) or "#" not in target:
+                continue
+            path, anchor = target.split("#", 1)
+            linked = page if not path else (page.parent / path).resolve()
+            if linked.suffix == ".md" and linked.exists() and anchor not in _heading_anchors(linked):
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert not broken, broken

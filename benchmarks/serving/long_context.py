@@ -723,7 +723,7 @@ def phase_replay(args) -> list[dict]:
 def phase_gaps(args, work: Path) -> dict:
     """gaps (no GPU): every inter-token gap of a scenario's records (lc_<engine>_<scenario>.json in
     --work), classed as gap_classes does: each engine's median and count per class. A decode step's
-    time by its mix, where TPOTs mix steps of every kind (docs/long-context.md, 41st session)."""
+    time by its mix, where TPOTs mix steps of every kind (docs/long-context-history.md, 41st session)."""
     classes = {}
     for engine in ("pagedserve", "vllm"):
         path = work / f"lc_{engine}_{args.scenario}.json"

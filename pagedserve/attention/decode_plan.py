@@ -109,7 +109,7 @@ DECODE_SHARE_ENV = "PAGEDSERVE_DECODE_SHARE"
 DECODE_GRID_PROGRAMS_PER_SM = 8
 # But then at 16 rows a sequence has at most 9 splits, and one 32k-token sequence decoding beside
 # short ones walked chains of 29 tiles where the share asked for 3-4 (on the H200 such decode steps
-# took 7.8 ms against vLLM's 6.2; docs/long-context.md, 41st session). A step whose longest chain
+# took 7.8 ms against vLLM's 6.2; docs/long-context-history.md, 41st session). A step whose longest chain
 # the rows' grid lengthens that much runs in the slots' grid instead (SLOTS, triton_decode.slot_plan):
 # the rows' splits one after another, so the long one may take up to one wave (slot_parts) while
 # each short one takes its own few. Its scans over the rows cost each program a little (at 8-64

@@ -45,7 +45,7 @@ the runner's host check, AttentionMetadata.page_runs), the pool itself is laid o
 buffer would be, so the prefix parts read it in place and nothing is gathered (GATHER_ENV=always:
 gather anyway). The allocator hands a prompt all its blocks at admission, in free-queue order, so
 a fresh pool's long prompts get such runs; a pool that has cycled rarely does. On the H100 the
-gathers took 69.5 ms of a 100k prefill's 6.8 s (docs/long-context.md).
+gathers took 69.5 ms of a 100k prefill's 6.8 s (docs/long-context-history.md, 50th session).
 
 The parts go through `prefix_attention(q [1, Hkv, R, D], k [1, Hkv, S, D], v, scale)` and
 `square_attention(q [1, H, R, D], k, v, scale)` (cuDNN) and `flash_attention(q, k, v, causal,

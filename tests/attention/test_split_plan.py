@@ -66,7 +66,7 @@ def test_slots_give_one_sequence_up_to_a_wave_of_splits():
 
 
 def test_a_long_sequence_beside_short_ones_takes_the_slots_grid():
-    """The mix the 41st session measured (docs/long-context.md): one 32k-token sequence decoding
+    """The mix the 41st session measured (docs/long-context-history.md): one 32k-token sequence decoding
     beside 15 short ones, a 16-row decode graph, 8 KV heads. The even share asks for chains of 4
     tiles; the rows' grid (9 splits a row at 16 rows) leaves the long one chains of 29, the slots'
     grid cuts it in 49 parts of whole tiles, 6 each (43 non-empty): a decode graph replays the
