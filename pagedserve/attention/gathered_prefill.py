@@ -38,7 +38,10 @@ defaults took a whole 100k prefill from 7.23-7.28 s to 7.00-7.01 s (the merge al
 runs/s34_long_context/ in benchmarks/results/h200/history.tar.gz.
 
 The queries are folded for cuDNN by one Triton pass (triton_fold.fold_into; FOLD_ENV=torch: a
-permuted copy and a fill, as until the 39th session).
+permuted copy and a fill, as until the 39th session). PREFIX_ENV=gqa folds none for cuDNN: every
+part takes them as rows of the model's qkv ([H, rows, D] at the qkv's row stride; a padded copy at
+the same strides for a chunk short of its bucket) and cuDNN serves the KV groups, as for the square;
+the warm-up builds every plan at that stride instead of the folded ones (only a flash tail folds).
 
 Where a sequence's pages through the chunk lie in one run of ascending block ids (page_run_start:
 the runner's host check, AttentionMetadata.page_runs), the pool itself is laid out as a gather
@@ -62,7 +65,7 @@ import torch
 
 from pagedserve.attention import gathered_prefill_plan as plan
 from pagedserve.attention.gathered_prefill_switches import (enabled, first_chunk_tokens, fold_kernel, merge_kernel,
-                                                            pages_in_place, square_gqa, tail_on_cudnn)
+                                                            pages_in_place, prefix_gqa, square_gqa, tail_on_cudnn)
 
 
 # device -> GatheredPrefill: the pools long chunks on that device are routed for (configure).
@@ -88,7 +91,7 @@ def configure(device: torch.device, max_model_len: int, num_kv_heads: int, head_
                                        merge_into=merge_kernel(), fold_into=fold_kernel(),
                                        first_chunk_tokens=first,
                                        square_gqa=square_gqa(), tail_on_cudnn=tail_on_cudnn(),
-                                       pages_in_place=pages_in_place())
+                                       pages_in_place=pages_in_place(), prefix_gqa=prefix_gqa())
     return _ACTIVE.get(key)
 
 
@@ -143,7 +146,8 @@ class GatheredPrefill:
                  device: torch.device, prefix_attention=cudnn_prefix, flash_attention=flash,
                  square_attention=cudnn_causal, merge_into=None, fold_into=None,
                  first_chunk_tokens: int = 0,
-                 square_gqa: bool = False, tail_on_cudnn: bool = False, pages_in_place: bool = False):
+                 square_gqa: bool = False, tail_on_cudnn: bool = False, pages_in_place: bool = False,
+                 prefix_gqa: bool = False):
         # Past max_model_len: the square's padding (< a query bucket) and the last page's spare slots.
         length = plan.bucket(max_model_len, plan.QUERY_BUCKET) + plan.QUERY_BUCKET + plan.MAX_PAGE
         self.k = torch.empty(length, num_kv_heads, head_dim, dtype=dtype, device=device)
@@ -156,6 +160,7 @@ class GatheredPrefill:
         self.square_gqa = square_gqa  # the square's K/V as Hkv heads (SQUARE_ENV), not repeated to H
         self.tail_on_cudnn = tail_on_cudnn  # whole-step prefix tails to cuDNN (TAIL_ENV), not flash
         self.pages_in_place = pages_in_place  # a run of pages read in the pool (GATHER_ENV), not gathered
+        self.prefix_gqa = prefix_gqa  # the queries unfolded for the prefix parts too (PREFIX_ENV)
         # Layer-chunks whose context was read in place / gathered since start-up (benchmarks read them).
         self.chunks_in_place = self.chunks_gathered = 0
         self.max_model_len = max_model_len
@@ -163,6 +168,9 @@ class GatheredPrefill:
         # The query row strides (queries are views of the step's qkv) whose first-chunk square plans
         # on the queries in place warm_up_plans built; a first chunk with another takes the copy.
         self.first_q_row_strides: set[int] = set()
+        # Under prefix_gqa, the query row stride every chunk's plans were built at (warm_up_plans:
+        # the model's qkv width); None, no plans of that kind: the folded path.
+        self.gqa_q_row_stride: int | None = None
 
     def square_keys(self, k: torch.Tensor, v: torch.Tensor, start: int, rows: int,
                     group: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -227,30 +235,30 @@ class GatheredPrefill:
             # ([1, H, c, D] strided; cuDNN lays its output out alike, so the copy below is the only one).
             o, _ = self.square_attention(q.permute(1, 0, 2).unsqueeze(0), *square_keys, scale)
             return o[0].transpose(0, 1) if out is None else out.copy_(o[0].transpose(0, 1))
-        # Query head h = KV head h // group: [Hkv, group, rows, D] is the square's [H, rows, D] and,
-        # viewed [1, Hkv, group * rows, D], the prefix parts' queries with each group folded in.
-        folded = q.new_empty(kv_heads, group, rows, D)
-        if self.fold_into is not None:
-            self.fold_into(q, folded.view(H, rows, D))
-        else:
-            folded[:, :, :c] = q.view(c, kv_heads, group, D).permute(1, 2, 0, 3)
-            folded[:, :, c:].zero_()  # the padding rows (their outputs are dropped): zeros, not stale NaNs
-        qf = folded.view(1, kv_heads, group * rows, D)
+        # Query head h = KV head h // group. unfolded: [1, H, rows, D] strided as the qkv lays them
+        # (prefix_gqa; cuDNN serves the groups). folded: [Hkv, group, rows, D], which viewed
+        # [1, H, rows, D] is the square's queries and [1, Hkv, group * rows, D] the prefix parts',
+        # each group folded into the query length; made where some part takes it.
+        flash_tail = prefix > head and not (self.tail_on_cudnn and (prefix - head) % plan.TAIL_STEP == 0)
+        unfolded = self.unfolded_queries(q, rows)
+        folded = self.fold_queries(q, kv_heads, rows) if unfolded is None or flash_tail else None
+        qf = None if folded is None else folded.view(1, kv_heads, group * rows, D)
+        prefix_q = qf if unfolded is None else unfolded
         parts = []
         # (1) the bucketed head of the prefix: cuDNN, at a shape the warm-up built.
         if head:
-            parts.append(self.prefix_attention(qf, heads_first(ctx_k, 0, head), heads_first(ctx_v, 0, head), scale))
-        # (2) the prefix's tail past the bucket, folded likewise: cuDNN at a built shape where it is
-        # whole TAIL_STEPs, else flash (no plans).
+            parts.append(self.prefix_attention(prefix_q, heads_first(ctx_k, 0, head), heads_first(ctx_v, 0, head),
+                                               scale))
+        # (2) the prefix's tail past the bucket: cuDNN at a built shape where it is whole TAIL_STEPs,
+        # else flash (no plans; its queries folded).
         if prefix > head:
             kt, vt = heads_first(ctx_k, head, prefix), heads_first(ctx_v, head, prefix)
-            if self.tail_on_cudnn and (prefix - head) % plan.TAIL_STEP == 0:
-                parts.append(self.prefix_attention(qf, kt, vt, scale))
-            else:
-                parts.append(self.flash_attention(qf, kt, vt, False, scale))
+            parts.append(self.flash_attention(qf, kt, vt, False, scale) if flash_tail
+                         else self.prefix_attention(prefix_q, kt, vt, scale))
         # (3) the chunk's own square padded to rows x rows, causal (top-left; a real row never sees
         # a padded key): cuDNN, one plan per query bucket.
-        parts.append(self.square_attention(folded.view(1, H, rows, D), *square_keys, scale))
+        square_q = folded.view(1, H, rows, D) if unfolded is None else unfolded
+        parts.append(self.square_attention(square_q, *square_keys, scale))
         parts = [(o.reshape(H, rows, D), lse.reshape(H, rows)) for o, lse in parts]
         if len(parts) == 1:  # a first chunk: its square alone
             merged = parts[0][0][:, :c].transpose(0, 1)
@@ -259,6 +267,34 @@ class GatheredPrefill:
         else:
             merged = merge(parts)[:, :c].transpose(0, 1)
         return merged if out is None else out.copy_(merged)
+
+    def fold_queries(self, q: torch.Tensor, kv_heads: int, rows: int) -> torch.Tensor:
+        """q [c, H, D] as [Hkv, group, rows, D], contiguous, zero rows past c (fold_into's one pass,
+        or a permuted copy and a fill)."""
+        c, H, D = q.shape
+        folded = q.new_empty(kv_heads, H // kv_heads, rows, D)
+        if self.fold_into is not None:
+            self.fold_into(q, folded.view(H, rows, D))
+        else:
+            folded[:, :, :c] = q.view(c, kv_heads, H // kv_heads, D).permute(1, 2, 0, 3)
+            folded[:, :, c:].zero_()  # the padding rows (their outputs are dropped): zeros, not stale NaNs
+        return folded
+
+    def unfolded_queries(self, q: torch.Tensor, rows: int) -> torch.Tensor | None:
+        """Under prefix_gqa, q ([c, H, D]) as [1, H, rows, D] with its rows gqa_q_row_stride apart,
+        the strides the warm-up built every plan at: q itself where it is rows of the model's qkv
+        and fills its query bucket, else a copy at those strides padded with zero rows (a chunk
+        short of its bucket; queries laid out otherwise). None without such plans (the folded path)."""
+        c, H, D = q.shape
+        stride = self.gqa_q_row_stride
+        if not self.prefix_gqa or stride is None:
+            return None
+        if c < rows or q.stride() != (stride, D, 1):
+            padded = q.new_empty(rows, stride)[:, :H * D].view(rows, H, D)
+            padded[:c].copy_(q)
+            padded[c:].zero_()  # the padding rows (their outputs are dropped): zeros, not stale NaNs
+            q = padded
+        return q.permute(1, 0, 2).unsqueeze(0)
 
     def shapes(self, max_tokens: int) -> list[tuple[int, int]]:
         """Every (query rows, keys) a chunk's prefix parts can meet on cuDNN: its bucketed head and,
@@ -284,15 +320,28 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
     g.num_heads = num_heads
     shapes = g.shapes(max_tokens)
     g.k.zero_(), g.v.zero_()
+    # prefix_gqa: every chunk's queries reach cuDNN unfolded, at the qkv's row stride (attend).
+    unfolded = g.prefix_gqa and q_row_stride is not None
+
+    def strided_queries(rows: int) -> torch.Tensor:  # [1, H, rows, D], rows q_row_stride apart
+        return g.k.new_zeros(rows, q_row_stride)[:, :num_heads * head_dim].view(
+            rows, num_heads, head_dim).permute(1, 0, 2).unsqueeze(0)
     for rows, head in shapes:
-        q = g.k.new_zeros(1, kv_heads, group * rows, head_dim)
+        q = strided_queries(rows) if unfolded else g.k.new_zeros(1, kv_heads, group * rows, head_dim)
         g.prefix_attention(q, heads_first(g.k, 0, head), heads_first(g.v, 0, head), scale)
     squares = plan.query_rows(max_tokens)
     for rows in squares:
-        q = g.k.new_zeros(1, num_heads, rows, head_dim)
+        q = strided_queries(rows) if unfolded else g.k.new_zeros(1, num_heads, rows, head_dim)
         g.square_attention(q, *g.square_keys(g.k, g.v, 0, rows, group), scale)
-    # A first chunk filling its bucket hands cuDNN its queries as a strided view: other strides, other plans.
+    if unfolded:
+        g.gqa_q_row_stride = q_row_stride
+    # A first chunk filling its bucket hands cuDNN its queries as a strided view: other strides, other
+    # plans (under prefix_gqa, the squares' just built).
     firsts = [r for r in squares if q_row_stride and g.first_chunk_tokens and r >= g.first_chunk_tokens]
+    if unfolded:
+        if firsts:
+            g.first_q_row_strides.add(q_row_stride)
+        firsts = []
     for rows in firsts:
         q = g.k.new_zeros(rows, q_row_stride)[:, :num_heads * head_dim].view(rows, num_heads, head_dim)
         g.square_attention(q.permute(1, 0, 2).unsqueeze(0), *g.square_keys(g.k, g.v, 0, rows, group), scale)

@@ -1,8 +1,8 @@
 """The gathered long-prefill path's switches: the environment variables gathered_prefill.configure
 reads at start-up, and what each value selects. LONG_PREFILL_ENV turns the path on or off
-(enabled: unset, on for Hopper GPUs); FIRST_CHUNK_ENV, SQUARE_ENV, TAIL_ENV and GATHER_ENV choose
-how it runs; MERGE_ENV and FOLD_ENV choose a Triton kernel or torch ops for two of its steps. A value
-a switch does not know is an error that names the switch.
+(enabled: unset, on for Hopper GPUs); FIRST_CHUNK_ENV, SQUARE_ENV, PREFIX_ENV, TAIL_ENV and
+GATHER_ENV choose how it runs; MERGE_ENV and FOLD_ENV choose a Triton kernel or torch ops for two
+of its steps. A value a switch does not know is an error that names the switch.
 """
 from __future__ import annotations
 
@@ -31,6 +31,13 @@ SQUARE_ENV = "PAGEDSERVE_LONG_PREFILL_SQUARE"
 # tokens: 'cudnn' (the default since the 38th session: chunks sized by cost beside decodes leave
 # such tails on most chunks) or 'flash' (as before: torch's flash kernel, no plans).
 TAIL_ENV = "PAGEDSERVE_LONG_PREFILL_TAIL"
+# How the prefix parts meet cuDNN: 'folded' (the default) folds each KV group's query heads into the
+# query length (one Triton pass, triton_fold: ~17.5 ms of a 100k prefill's 6.8 s on the H100); 'gqa'
+# hands cuDNN the queries as they lie in the model's qkv, [H, rows, D] at its row stride (a padded
+# copy for a chunk short of its bucket), and cuDNN serves the KV groups itself, as for the square.
+# The 51st session timed cuDNN's prefix call alike either way (674-679 TFLOPS at 8,192 x 98,304,
+# docs/long-context-history.md); not yet timed in the engine: hence not the default.
+PREFIX_ENV = "PAGEDSERVE_LONG_PREFILL_PREFIX"
 # 'runs' (the default): a chunk whose pages lie in one run of the pool reads them in place;
 # 'always': every chunk's context is gathered first, as until the 52nd session.
 GATHER_ENV = "PAGEDSERVE_LONG_PREFILL_GATHER"
@@ -52,6 +59,14 @@ def square_gqa() -> bool:
     value = os.environ.get(SQUARE_ENV, "").strip() or "gqa"
     if value not in ("gqa", "repeat"):
         raise ValueError(f"{SQUARE_ENV}={value!r}: expected 'gqa' (the default) or 'repeat'")
+    return value == "gqa"
+
+
+def prefix_gqa() -> bool:
+    """PREFIX_ENV's choice: True for 'gqa', False for 'folded' (the default)."""
+    value = os.environ.get(PREFIX_ENV, "").strip() or "folded"
+    if value not in ("folded", "gqa"):
+        raise ValueError(f"{PREFIX_ENV}={value!r}: expected 'folded' (the default) or 'gqa'")
     return value == "gqa"
 
 

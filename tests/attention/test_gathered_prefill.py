@@ -82,6 +82,62 @@ def test_long_chunk_equals_reference(small_buckets, dtype, cached, new, block_si
     assert squares == [((6, rows), (2 if square_gqa else 6, rows))]
 
 
+@pytest.mark.parametrize("tail_on_cudnn", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cached,new,block_size", [(40, 4, 16), (77, 13, 8), (96, 32, 16), (100, 9, 1),
+                                                   (0, 20, 8), (13, 12, 16), (56, 8, 8), (64, 16, 8)])
+def test_prefix_gqa_hands_cudnn_the_queries_unfolded(small_buckets, dtype, cached, new, block_size, tail_on_cudnn):
+    """PAGEDSERVE_LONG_PREFILL_PREFIX=gqa: the queries reach every cuDNN part as [1, 6, rows, D]
+    at the row stride the warm-up built the plans at (a qkv 10 heads wide): in place where they are
+    rows of such a qkv and fill their 8-row bucket (32 and 16 and 8 new tokens); else (padded, or
+    contiguous queries, 6 heads wide) a copy at those strides padded with zero rows. Folded only for
+    a tail on flash (a tail that is not whole 8-token steps, or any with tail_on_cudnn off). With no
+    such plans (a warm-up without the qkv's stride) the folded path. Equal to the reference always."""
+    H, Hkv, D = 6, 2, 16
+    batch = make_batch([(3, 1), (cached, new)], 1, H=H, Hkv=Hkv, D=D, block_size=block_size, dtype=dtype)
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    reference.write_kv(batch.new_k, batch.new_v, kc, vc, batch.meta.slot_mapping)
+    scale = D ** -0.5
+    ref = reference.paged_attention(batch.query, kc, vc, batch.meta, scale)[1:]
+    width = (H + 2 * Hkv) * D
+    qkv = torch.randn(new, width).to(dtype)
+    q = qkv[:, :H * D].view(new, H, D)
+    q.copy_(batch.query[1:])
+    rows, head, tail = plan.bucket(new, 8), cached // 32 * 32, cached % 32
+    on_cudnn = tail_on_cudnn and tail % 8 == 0
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for queries, registered in ((q, True), (q.contiguous(), True), (q, False)):
+        seen, folds = {"prefix": [], "square": []}, []
+
+        def recorder(kind, fn):
+            return lambda q, k, *a: seen[kind].append((tuple(q.shape), q.stride()[1:], q.data_ptr())) or fn(q, k, *a)
+
+        def fold_into(q, out):
+            folds.append(q.shape[0])
+            out[:, :q.shape[0]] = q.permute(1, 0, 2)
+            out[:, q.shape[0]:] = 0
+            return out
+        g = gp.GatheredPrefill(160, Hkv, D, dtype, torch.device("cpu"), recorder("prefix", math_prefix), math_flash,
+                               recorder("square", math_causal), fold_into=fold_into, square_gqa=True,
+                               tail_on_cudnn=tail_on_cudnn, prefix_gqa=True)
+        if registered:
+            g.gqa_q_row_stride = width
+        g.k.fill_(float("nan")), g.v.fill_(float("nan"))
+        got = g.attend(queries, kc, vc, batch.meta.block_tables[1], cached + new, scale)
+        torch.testing.assert_close(got, ref, **tol)
+        n_prefix = len([n for n in (head, tail if on_cudnn else 0) if n])
+        if registered:
+            unfolded = ((1, H, rows, D), (D, width, 1))
+            assert [call[:2] for call in seen["prefix"]] == [unfolded] * n_prefix
+            assert [call[:2] for call in seen["square"]] == [unfolded]
+            in_place = new == rows and queries is q  # the qkv's own rows, not a padded copy
+            assert all((ptr == queries.data_ptr()) is in_place for *_, ptr in seen["prefix"] + seen["square"])
+            assert folds == ([new] if tail and not on_cudnn else [])
+        else:
+            assert [call[0] for call in seen["prefix"]] == [(1, Hkv, 3 * rows, D)] * n_prefix
+            assert folds == [new]
+
+
 def in_one_run(batch, seq: int, first: int, spare: int = 2):
     """The batch's pools with sequence seq's pages moved to one run of ascending ids from `first`
     (random garbage everywhere else, as a pool's other blocks hold), and that run's table."""
@@ -237,12 +293,15 @@ def test_plan_shapes_cover_every_chunk(small_buckets_any_min):
                         assert not (tail_on_cudnn and tail and tail % plan.TAIL_STEP == 0) or (rows, tail) in shapes
 
 
-@pytest.mark.parametrize("square_gqa,tail_on_cudnn", [(True, True), (True, False), (False, True)])
-def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets_any_min, square_gqa, tail_on_cudnn):
+@pytest.mark.parametrize("square_gqa,tail_on_cudnn,prefix_gqa", [(True, True, False), (True, False, False),
+                                                                  (False, True, False), (True, True, True),
+                                                                  (False, False, True)])
+def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets_any_min, square_gqa, tail_on_cudnn, prefix_gqa):
     """cuDNN keys its plans by shapes and strides: the warm-up calls it with both as attend does, for
     every chunk a step of up to max_tokens tokens can bring (nothing is built after start-up):
     whole-step tails under tail_on_cudnn, and first chunks filling their bucket, their queries
-    views of a qkv rows 10 * 8 wide (6 query heads, 2 KV heads)."""
+    views of a qkv rows 10 * 8 wide (6 query heads, 2 KV heads). prefix_gqa: every part's queries
+    at that stride, unfolded (the first chunks' squares among the squares' plans)."""
     seen = {"prefix": set(), "square": set()}
     key = lambda *ts: tuple((tuple(t.shape), t.stride()) for t in ts)  # noqa: E731
 
@@ -250,12 +309,13 @@ def test_warm_up_builds_every_plan_a_chunk_meets(small_buckets_any_min, square_g
         return lambda q, k, v, *a: seen[kind].add(key(q, k, v)) or fn(q, k, v, *a)
     g = gp.GatheredPrefill(200, 2, 8, torch.float32, torch.device("cpu"), recorder("prefix", math_prefix),
                            math_flash, recorder("square", math_causal), square_gqa=square_gqa,
-                           tail_on_cudnn=tail_on_cudnn, first_chunk_tokens=16)
+                           tail_on_cudnn=tail_on_cudnn, first_chunk_tokens=16, prefix_gqa=prefix_gqa)
     n = gp.warm_up_plans(g, max_tokens=24, num_heads=6, scale=0.3, q_row_stride=80)
     built = {kind: set(keys) for kind, keys in seen.items()}
-    # squares: 8, 16 and 24 rows; first chunks in place: 16 and 24
-    assert n == len(built["prefix"]) + len(built["square"]) == len(g.shapes(24)) + 3 + 2
+    # squares: 8, 16 and 24 rows; first chunks in place: 16 and 24 (under prefix_gqa, the squares')
+    assert n == len(built["prefix"]) + len(built["square"]) == len(g.shapes(24)) + 3 + (0 if prefix_gqa else 2)
     assert g.first_q_row_strides == {80}
+    assert g.gqa_q_row_stride == (80 if prefix_gqa else None)
     for kind in seen:
         seen[kind].clear()
     kc = torch.randn(30, 8, 2, 8)  # 30 pages of 8 tokens
@@ -385,7 +445,10 @@ def _fold_into():
     # PAGEDSERVE_LONG_PREFILL_GATHER: unset or 'runs', pages in one run read in place; 'always', gathered
     (switches.GATHER_ENV, "pages_in_place", ((None, lambda: True), ("runs", lambda: True), ("always", lambda: False)),
      "never"),
-], ids=["merge", "fold", "square", "tail", "gather"])
+    # PAGEDSERVE_LONG_PREFILL_PREFIX: unset or 'folded', the prefix parts' queries folded; 'gqa', unfolded
+    (switches.PREFIX_ENV, "prefix_gqa", ((None, lambda: False), ("folded", lambda: False), ("gqa", lambda: True)),
+     "fold"),
+], ids=["merge", "fold", "square", "tail", "gather", "prefix"])
 def test_switch_choices(monkeypatch, gpu_of, env, attr, cases, bad):
     """Each value of a two-way switch picks its way at start-up (configure); anything else is an
     error naming the switch."""

@@ -294,3 +294,55 @@ def test_gathered_prefill_cudnn(ops, monkeypatch, dtype, buckets, merge, first, 
     out = ops.paged_attention(batch.query, kc, vc, m, scale=128 ** -0.5)
     assert used == long
     torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("buckets", ["small", "serving"])
+@pytest.mark.parametrize("in_runs", [True, False])
+def test_gathered_prefill_prefix_gqa(ops, monkeypatch, dtype, buckets, in_runs):
+    """PAGEDSERVE_LONG_PREFILL_PREFIX=gqa with cuDNN's real ops: the queries are rows of a qkv
+    (32 query heads, 8 KV heads: 48 heads wide) and reach every cuDNN part unfolded at that row
+    stride, as the warm-up builds its plans (here built by warm_up_plans itself), cuDNN serving the
+    KV groups; chunks filling their bucket read their queries in place, the others ((700, 300),
+    (20000, 1500), ...) a padded copy; whole-step tails on cuDNN, the rest on flash (folded). Pages
+    in one run (read in place) or scattered (gathered). Equal to the reference through
+    paged_attention, beside decodes whose queries are rows of the same qkv."""
+    from pagedserve.attention import gathered_prefill as gp, gathered_prefill_plan as plan
+    from pagedserve.attention.triton_fold import fold_into
+    from pagedserve.attention.triton_merge import merge_into
+    if buckets == "small":
+        for name, value in (("PREFIX_BUCKET", 256), ("QUERY_BUCKET", 128), ("MIN_PREFIX", 512), ("MIN_CHUNK", 64),
+                            ("TAIL_STEP", 128)):
+            monkeypatch.setattr(plan, name, value)
+        shapes = [(900, 1), (5, 1), (700, 300), (40, 30), (2048, 1024), (513, 64), (640, 128), (0, 256), (0, 200)]
+        long, first_min, max_tokens = [300, 1024, 64, 128, 256, 200], 64, 1024
+    else:
+        shapes = [(3000, 1), (0, 1), (16384, 1024), (20000, 1500), (9000, 1100), (11264, 1024), (0, 4096)]
+        long, first_min, max_tokens = [1024, 1500, 1100, 1024, 4096], 2048, 4096
+    H, Hkv, D = 32, 8, 128
+    batch = make_batch(shapes, 2, H=H, Hkv=Hkv, D=D, block_size=16, dtype=dtype, device="cuda", seed=2,
+                       in_runs=in_runs)
+    kc, vc = _written(batch)
+    m = batch.meta
+    if in_runs:
+        tables = [row[: -(-n // 16)] for row, n in zip(m.block_tables.tolist(), m.seq_lens_cpu)]
+        m.page_runs = plan.page_runs(tables, m.query_lens_cpu, m.seq_lens_cpu, 2, 16)
+    ref = reference.paged_attention(batch.query, kc, vc, m, scale=D ** -0.5)
+    _poison_dead_slots(kc, vc, m)
+    width = (H + 2 * Hkv) * D
+    qkv = torch.full((batch.query.shape[0], width), float("nan"), dtype=dtype, device="cuda")
+    query = qkv[:, :H * D].view(-1, H, D)
+    query.copy_(batch.query)
+    g = gp.GatheredPrefill(max(m.seq_lens_cpu) + 1, Hkv, D, dtype, torch.device("cuda"), merge_into=merge_into,
+                           fold_into=fold_into, first_chunk_tokens=first_min, square_gqa=True, tail_on_cudnn=True,
+                           pages_in_place=in_runs, prefix_gqa=True)
+    gp.warm_up_plans(g, max_tokens, H, D ** -0.5, q_row_stride=width)
+    assert g.gqa_q_row_stride == width
+    g.k.fill_(float("nan")), g.v.fill_(float("nan"))
+    monkeypatch.setitem(gp._ACTIVE, kc.device, g)
+    used = []
+    attend = g.attend
+    monkeypatch.setattr(g, "attend", lambda q, *a, **kw: used.append(q.shape[0]) or attend(q, *a, **kw))
+    out = ops.paged_attention(query, kc, vc, m, scale=D ** -0.5)
+    assert used == long
+    torch.testing.assert_close(out.float(), ref.float(), **TOL[dtype])

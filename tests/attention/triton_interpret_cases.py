@@ -408,15 +408,18 @@ def test_tma_prefill_refuses_what_it_cannot_serve(block_size, kw, match):
                           0, 1, 5, 0.25, torch.empty_like(batch.query), block_m=16, **{"tma": True, **kw})
 
 
-@pytest.mark.parametrize("merge,first", [("torch", 0), ("triton", 0), ("torch", 9), ("triton", 9)])
-def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch, merge, first):
+@pytest.mark.parametrize("merge,first,prefix_gqa", [("torch", 0, False), ("triton", 0, False), ("torch", 9, False),
+                                                    ("triton", 9, False), ("triton", 9, True)])
+def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch, merge, first, prefix_gqa):
     """PAGEDSERVE_LONG_PREFILL=cudnn's routing: a step of decodes, short chunks and two long ones
     (not adjacent) gives reference.py's output, the long chunks through gathered_prefill (its CUDA
     ops stood in for by plain attention: tests/attention/test_gathered_prefill.py) and every other
     sequence through the Triton kernels, in the ranges between; the parts merged by torch ops or
     by triton_merge's kernel (PAGEDSERVE_LONG_PREFILL_MERGE) straight into the layer's output, the
     queries folded likewise by torch ops or triton_fold's kernel (PAGEDSERVE_LONG_PREFILL_FOLD);
-    with PAGEDSERVE_LONG_PREFILL_FIRST=9, the chunks of 9+ tokens after fewer than 32 too."""
+    with PAGEDSERVE_LONG_PREFILL_FIRST=9, the chunks of 9+ tokens after fewer than 32 too.
+    prefix_gqa (PAGEDSERVE_LONG_PREFILL_PREFIX=gqa): cuDNN's parts take the queries unfolded, the
+    flash tails folded, so the merge kernel meets parts of both layouts."""
     from pagedserve.attention import gathered_prefill as gp, gathered_prefill_plan as plan
     from pagedserve.attention.triton_fold import fold_into
     from pagedserve.attention.triton_merge import merge_into
@@ -428,7 +431,10 @@ def test_long_chunks_take_the_gathered_path_beside_the_kernels(monkeypatch, merg
     kc, vc, ref = _reference_out(batch)
     g = gp.GatheredPrefill(128, 2, 16, torch.float32, torch.device("cpu"), math_prefix, math_flash,
                            math_causal, merge_into=merge_into if merge == "triton" else None,
-                           fold_into=fold_into if merge == "triton" else None, first_chunk_tokens=first)
+                           fold_into=fold_into if merge == "triton" else None, first_chunk_tokens=first,
+                           prefix_gqa=prefix_gqa)
+    if prefix_gqa:
+        g.gqa_q_row_stride = batch.query.stride(0)  # as the warm-up registers the model's
     monkeypatch.setitem(gp._ACTIVE, kc.device, g)
     used = []
     attend = g.attend
