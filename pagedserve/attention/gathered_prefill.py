@@ -50,9 +50,9 @@ gather anyway). The allocator hands a prompt all its blocks at admission, in fre
 a fresh pool's long prompts get such runs; a pool that has cycled rarely does. On the H100 the
 gathers took 69.5 ms of a 100k prefill's 6.8 s (docs/long-context-history.md, 50th session).
 
-The parts go through `prefix_attention(q [1, Hkv, R, D], k [1, Hkv, S, D], v, scale)` and
-`square_attention(q [1, H, R, D], k, v, scale)` (cuDNN) and `flash_attention(q, k, v, causal,
-scale)` -> (out, lse [.., R]); CPU tests pass their own.
+The parts go through `prefix_attention(q [1, Hkv, R, D] folded ([1, H, R, D] under PREFIX_ENV=gqa),
+k [1, Hkv, S, D], v, scale)` and `square_attention(q [1, H, R, D], k, v, scale)` (cuDNN) and
+`flash_attention(q, k, v, causal, scale)` -> (out, lse [.., R]); CPU tests pass their own.
 
 The path's host-side plan (its thresholds and buckets, which chunks take it, their page runs) is
 gathered_prefill_plan.py, read here as plan.X at every use, so that what a test or a benchmark sets
