@@ -23,19 +23,16 @@ context length every step, so the prefix is cut at its last multiple of PREFIX_B
     plans but runs at about half cuDNN's speed (TAIL_ENV);
 (3) the chunk's own square, causal, padded to its query bucket (zero keys past the chunk, which a
     real row never sees under the top-left mask) to cuDNN as grouped-query attention (SQUARE_ENV):
-    one plan per query bucket. It ran on
-    flash in the second version (1.25 s of a 100k prefill, with (2): docs/long-context.md).
-The parts are merged by their log-sum-exps. A first version padded the prefix to the bucket and
-masked the pad with a broadcast bias row instead of (2): cuDNN's biased kernel ran at 256-377
-TFLOPS, slower than ours (docs/long-context.md). Chunks shorter than MIN_CHUNK or after fewer than
+    one plan per query bucket.
+The parts are merged by their log-sum-exps (the versions before this one, a bias-masked prefix and
+a square on flash, are in docs/long-context.md). Chunks shorter than MIN_CHUNK or after fewer than
 MIN_PREFIX tokens stay on the Triton kernel, except first chunks of FIRST_CHUNK_DEFAULT+ tokens
 (FIRST_CHUNK_ENV): their square alone, on cuDNN's causal kernel, which then reads the queries
 where they are (a strided view, as long as the chunk fills its query bucket) instead of a copy.
 
-The parts are merged in one Triton pass straight into the layer's output (triton_merge.merge_into),
-or with PAGEDSERVE_LONG_PREFILL_MERGE=torch by torch ops in float32 (merge). On the H200 the two
-defaults took a whole 100k prefill from 7.23-7.28 s to 7.00-7.01 s (the merge alone: 7.01-7.06 s),
-runs/s34_long_context/ in benchmarks/results/h200/history.tar.gz.
+The parts are merged in one Triton pass straight into the layer's output (triton_merge.merge_into,
+whose docstring has its figures), or with PAGEDSERVE_LONG_PREFILL_MERGE=torch by torch ops in
+float32 (merge).
 
 The queries are folded for cuDNN by one Triton pass (triton_fold.fold_into; FOLD_ENV=torch: a
 permuted copy and a fill, as until the 39th session). PREFIX_ENV=gqa folds none for cuDNN: every
