@@ -34,11 +34,12 @@ The parts are merged in one Triton pass straight into the layer's output (triton
 whose docstring has its figures), or with PAGEDSERVE_LONG_PREFILL_MERGE=torch by torch ops in
 float32 (merge).
 
-The queries are folded for cuDNN by one Triton pass (triton_fold.fold_into; FOLD_ENV=torch: a
-permuted copy and a fill, as until the 39th session). PREFIX_ENV=gqa folds none for cuDNN: every
-part takes them as rows of the model's qkv ([H, rows, D] at the qkv's row stride; a padded copy at
-the same strides for a chunk short of its bucket) and cuDNN serves the KV groups, as for the square;
-the warm-up builds every plan at that stride instead of the folded ones (only a flash tail folds).
+The queries reach every cuDNN part as rows of the model's qkv ([H, rows, D] at the qkv's row
+stride; a padded copy at the same strides for a chunk short of its bucket) and cuDNN serves the KV
+groups, as for the square; the warm-up builds every plan at that stride. Only a tail on flash has
+them folded, each KV group's heads into the query length, by one Triton pass (triton_fold.fold_into;
+FOLD_ENV=torch: a permuted copy and a fill); PREFIX_ENV=folded folds them for the prefix parts too,
+as until the 59th session.
 
 Where a sequence's pages through the chunk lie in one run of ascending block ids (page_run_start:
 the runner's host check, AttentionMetadata.page_runs), the pool itself is laid out as a gather
@@ -47,7 +48,7 @@ gather anyway). The allocator hands a prompt all its blocks at admission, in fre
 a fresh pool's long prompts get such runs; a pool that has cycled rarely does. On the H100 the
 gathers took 69.5 ms of a 100k prefill's 6.8 s (docs/long-context-history.md, 50th session).
 
-The parts go through `prefix_attention(q [1, Hkv, R, D] folded ([1, H, R, D] under PREFIX_ENV=gqa),
+The parts go through `prefix_attention(q [1, H, R, D] (folded [1, Hkv, R, D] under PREFIX_ENV=folded),
 k [1, Hkv, S, D], v, scale)` and `square_attention(q [1, H, R, D], k, v, scale)` (cuDNN) and
 `flash_attention(q, k, v, causal, scale)` -> (out, lse [.., R]); CPU tests pass their own.
 

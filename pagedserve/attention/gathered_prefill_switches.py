@@ -31,12 +31,12 @@ SQUARE_ENV = "PAGEDSERVE_LONG_PREFILL_SQUARE"
 # tokens: 'cudnn' (the default since the 38th session: chunks sized by cost beside decodes leave
 # such tails on most chunks) or 'flash' (as before: torch's flash kernel, no plans).
 TAIL_ENV = "PAGEDSERVE_LONG_PREFILL_TAIL"
-# How the prefix parts meet cuDNN: 'folded' (the default) folds each KV group's query heads into the
-# query length (one Triton pass, triton_fold: ~17.5 ms of a 100k prefill's 6.8 s on the H100); 'gqa'
-# hands cuDNN the queries as they lie in the model's qkv, [H, rows, D] at its row stride (a padded
-# copy for a chunk short of its bucket), and cuDNN serves the KV groups itself, as for the square.
-# The 51st session timed cuDNN's prefix call alike either way (674-679 TFLOPS at 8,192 x 98,304,
-# docs/long-context-history.md); not yet timed in the engine: hence not the default.
+# How the prefix parts meet cuDNN: 'gqa' (the default since the 59th session) hands cuDNN the queries
+# as they lie in the model's qkv, [H, rows, D] at its row stride (a padded copy for a chunk short of
+# its bucket), and cuDNN serves the KV groups itself, as for the square; 'folded' folds each KV
+# group's query heads into the query length first (one Triton pass, triton_fold: ~17.5 ms of a 100k
+# prefill's 6.8 s on the H100), as until then. Offline on the H100 (runs/s59_h100/), two rounds each:
+# 32k prefills 1.224 / 1.222 s against 1.233 / 1.246 folded, 100k within 0.2% either way.
 PREFIX_ENV = "PAGEDSERVE_LONG_PREFILL_PREFIX"
 # 'runs' (the default): a chunk whose pages lie in one run of the pool reads them in place;
 # 'always': every chunk's context is gathered first, as until the 52nd session.
@@ -63,10 +63,10 @@ def square_gqa() -> bool:
 
 
 def prefix_gqa() -> bool:
-    """PREFIX_ENV's choice: True for 'gqa', False for 'folded' (the default)."""
-    value = os.environ.get(PREFIX_ENV, "").strip() or "folded"
-    if value not in ("folded", "gqa"):
-        raise ValueError(f"{PREFIX_ENV}={value!r}: expected 'folded' (the default) or 'gqa'")
+    """PREFIX_ENV's choice: True for 'gqa' (the default), False for 'folded'."""
+    value = os.environ.get(PREFIX_ENV, "").strip() or "gqa"
+    if value not in ("gqa", "folded"):
+        raise ValueError(f"{PREFIX_ENV}={value!r}: expected 'gqa' (the default) or 'folded'")
     return value == "gqa"
 
 

@@ -445,8 +445,8 @@ def _fold_into():
     # PAGEDSERVE_LONG_PREFILL_GATHER: unset or 'runs', pages in one run read in place; 'always', gathered
     (switches.GATHER_ENV, "pages_in_place", ((None, lambda: True), ("runs", lambda: True), ("always", lambda: False)),
      "never"),
-    # PAGEDSERVE_LONG_PREFILL_PREFIX: unset or 'folded', the prefix parts' queries folded; 'gqa', unfolded
-    (switches.PREFIX_ENV, "prefix_gqa", ((None, lambda: False), ("folded", lambda: False), ("gqa", lambda: True)),
+    # PAGEDSERVE_LONG_PREFILL_PREFIX: unset or 'gqa', the prefix parts' queries unfolded; 'folded', folded
+    (switches.PREFIX_ENV, "prefix_gqa", ((None, lambda: True), ("gqa", lambda: True), ("folded", lambda: False)),
      "fold"),
 ], ids=["merge", "fold", "square", "tail", "gather", "prefix"])
 def test_switch_choices(monkeypatch, gpu_of, env, attr, cases, bad):
