@@ -32,22 +32,53 @@ def pytest_configure(config):
                             "result of this Triton-interpreter case file (fixture interpreter_run)")
 
 
-@pytest.fixture(scope="session")
-def interpreter_run(request):
-    """interpreter_run(path) -> the CompletedProcess of that case file under TRITON_INTERPRET=1. The
-    first call runs every marked case file of the session, in one pytest process per core (interpreter_runs.py)."""
+_INTERPRETER_RUNS = pytest.StashKey()
+
+
+def pytest_collection_modifyitems(config, items):
+    # The checks of the interpreter case files go last (a stable sort): their processes start at the
+    # end of collection and run beside every other test (tests/interpreter_runs.py).
+    items.sort(key=lambda item: item.get_closest_marker("interpreter_cases") is not None)
+
+
+def pytest_collection_finish(session):
+    """Starts every marked case file of the session now, one process per spare core (all the cores
+    when no other test is collected), so that they are done when the run reaches their checks."""
+    if session.config.option.collectonly:
+        return
     from pathlib import Path
 
     from interpreter_runs import CaseRun, InterpreterRuns
     runs = {}
-    for item in request.session.items:
+    for item in session.items:
         mark = item.get_closest_marker("interpreter_cases")
         if mark is not None:
             path = Path(mark.args[0]).resolve()
             runs[path] = CaseRun(path, **mark.kwargs)
-    pool = InterpreterRuns(list(runs.values()), jobs=len(os.sched_getaffinity(0)))
-    yield pool
-    pool.close()
+    if not runs:
+        return
+    cores = len(os.sched_getaffinity(0))
+    others = any(item.get_closest_marker("interpreter_cases") is None for item in session.items)
+    pool = InterpreterRuns(list(runs.values()), jobs=cores - 1 if others else cores)
+    pool.start()
+    session.config.stash[_INTERPRETER_RUNS] = pool
+
+
+def pytest_sessionfinish(session):
+    pool = session.config.stash.get(_INTERPRETER_RUNS, None)
+    if pool is not None:
+        pool.close()
+
+
+@pytest.fixture(scope="session")
+def interpreter_run(request):
+    """interpreter_run(path) -> the CompletedProcess of that case file under TRITON_INTERPRET=1 (the
+    processes started at the end of collection; one started here for a file not collected)."""
+    from interpreter_runs import InterpreterRuns
+    pool = request.config.stash.get(_INTERPRETER_RUNS, None)
+    if pool is None:
+        pool = request.config.stash[_INTERPRETER_RUNS] = InterpreterRuns([], jobs=len(os.sched_getaffinity(0)))
+    return pool
 
 
 @pytest.fixture(autouse=True)

@@ -1,14 +1,17 @@
-"""Run the Triton-interpreter case files side by side, a few pytest processes for all of them.
+"""Run the Triton-interpreter case files beside the rest of the suite, a few pytest processes for all of them.
 
 Each case file (tests/{attention,layers,quant}/*_interpret_cases.py) runs in a
 subprocess with TRITON_INTERPRET=1, because Triton picks interpreter-or-compiler when @triton.jit
 decorates a function (at import): setting it in this process would leak into every later test.
-Those subprocesses are single-threaded Python (the interpreter walks every program of the grid),
-so on an N-core machine N of them run in the time of one. The first test that needs a case file
-splits every case file this session will need (read from the collected tests' markers) into one
-pytest process per core, balanced by their expected times, and waits until all of them are done:
-nothing runs beside the other tests. One process per core, not per file: each process spends ~5 s
-importing torch, triton and pagedserve and collecting, and a file run alone paid that every time.
+Those subprocesses are single-threaded Python (the interpreter walks every program of the grid).
+At the end of collection (tests/conftest.py) every case file the session will need (read from the
+collected tests' markers) is split into processes balanced by their expected times and started,
+at a lower priority, and the tests that check them are moved to the end of the run: the rest of
+the suite runs meanwhile. On average it keeps about one core busy (its servers, engines and clients
+mostly wait on each other), so on a 2-core machine the interpreter's ~4 minutes of work fit beside
+it in one process instead of holding up everything else for ~2 minutes in two. One process per
+spare core (all cores when nothing else runs), not per file: each process spends ~5 s importing
+torch, triton and pagedserve and collecting, and a file run alone paid that every time.
 Each test then checks its own file's result, read from the process's JUnit XML: the file's own
 test cases, passed, failed or skipped, whatever the other files in its process did.
 
@@ -178,29 +181,39 @@ def split_by_expected_time(runs: list[CaseRun], jobs: int) -> list[list[CaseRun]
 
 
 class InterpreterRuns:
-    """The case files of this session, in at most `jobs` processes at once, on the first request."""
+    """The case files of this session, in at most `jobs` processes, started by start() (or by the
+    first request for a result)."""
 
     def __init__(self, runs: list[CaseRun], jobs: int) -> None:
         self.runs = {r.path.resolve(): r for r in runs}
         self.jobs = max(1, jobs)
         self.groups: list[GroupRun] = []
 
-    def run_all(self) -> None:
-        pending = [r for r in self.runs.values() if r.result is None]
-        groups = [GroupRun(g) for g in split_by_expected_time(pending, self.jobs)]
-        self.groups += groups
-        for g in groups:
-            g.start()
-        while not all([g.poll() for g in groups]):  # a list: poll every group, each checks its own timeout
-            time.sleep(0.2)
+    def start(self) -> None:
+        """Starts every file without a result or a process yet, at nice 10: beside the other tests,
+        the interpreter takes the cores they leave idle, not the ones they use."""
+        started = {id(m) for g in self.groups for m in g.members}
+        pending = [r for r in self.runs.values() if r.result is None and id(r) not in started]
+        for members in split_by_expected_time(pending, self.jobs):
+            group = GroupRun(members)
+            group.start()
+            try:
+                os.setpriority(os.PRIO_PROCESS, group.proc.pid, 10)
+            except OSError:  # already gone, or not allowed: it only runs at the usual priority
+                pass
+            self.groups.append(group)
 
     def __call__(self, path: Path | str) -> subprocess.CompletedProcess:
         key = Path(path).resolve()
         if key not in self.runs:  # a test not seen at collection (e.g. called by name): run it alone
             self.runs[key] = CaseRun(key)
-        if self.runs[key].result is None:
-            self.run_all()
-        return self.runs[key].result
+        run = self.runs[key]
+        if run.result is None:
+            self.start()
+            group = next(g for g in self.groups if run in g.members)
+            while not group.poll():  # the group checks its own timeout
+                time.sleep(0.2)
+        return run.result
 
     def close(self) -> None:
         for g in self.groups:
