@@ -36,7 +36,7 @@ TAIL_ENV = "PAGEDSERVE_LONG_PREFILL_TAIL"
 # its bucket), and cuDNN serves the KV groups itself, as for the square; 'folded' folds each KV
 # group's query heads into the query length first (one Triton pass, triton_fold: ~17.5 ms of a 100k
 # prefill's 6.8 s on the H100), as until then. Offline on the H100 (runs/s59_h100/), two rounds each:
-# 32k prefills 1.224 / 1.222 s against 1.233 / 1.246 folded, 100k within 0.2% either way.
+# 32k prefills 1.224 / 1.222 s against 1.233 / 1.246 folded, 100k within 0.7% either way.
 PREFIX_ENV = "PAGEDSERVE_LONG_PREFILL_PREFIX"
 # 'runs' (the default): a chunk whose pages lie in one run of the pool reads them in place;
 # 'always': every chunk's context is gathered first, as until the 52nd session.
