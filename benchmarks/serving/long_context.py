@@ -419,9 +419,11 @@ def _top_kernels(prof, top: int = 30) -> list[dict]:
 
 
 def _device_idle(prof, top: int = 12) -> dict:
-    """The profiled window's device timeline: kernels' busy time (their union), the span from the
-    first kernel's start to the last one's end, and the idle gaps between kernels over 0.2 ms (the
-    host keeping the GPU waiting: step boundaries, syncs), the longest with the kernel before them."""
+    """The profiled window's device timeline: when the first kernel started (from the profiler's
+    start: the host's lead, e.g. a request's admission and its first step's inputs), kernels' busy
+    time (their union), the span from the first kernel's start to the last one's end, and the idle
+    gaps between kernels over 0.2 ms (the host keeping the GPU waiting: step boundaries, syncs), the
+    longest with the kernel before them."""
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                    if str(e.device_type).endswith("CUDA") and e.time_range.end > e.time_range.start)
     if not spans:
@@ -435,7 +437,8 @@ def _device_idle(prof, top: int = 12) -> dict:
         if e > end:
             end, before = e, name
     gaps.sort(reverse=True)
-    return {"span_ms": round((end - spans[0][0]) / 1e3, 2), "busy_ms": round(busy / 1e3, 2),
+    return {"first_kernel_at_ms": round(spans[0][0] / 1e3, 2),
+            "span_ms": round((end - spans[0][0]) / 1e3, 2), "busy_ms": round(busy / 1e3, 2),
             "gaps_over_0.2ms": len(gaps), "gaps_over_0.2ms_ms": round(sum(g for g, _ in gaps) / 1e3, 2),
             "longest_gaps": [{"ms": round(g / 1e3, 2), "after": n[:80]} for g, n in gaps[:top]]}
 
@@ -490,14 +493,20 @@ def phase_prefill(args) -> None:
         t = time.perf_counter()
         with prof:
             if args.step_times:  # the engine's own loop, each step timed (a first run's slow step shows)
-                rec.setdefault("step_ms", {}).setdefault(str(n), []).append(_timed_steps(llm, f"p{j}", prompt))
+                admit_ms, steps = _timed_steps(llm, f"p{j}", prompt)
+                rec.setdefault("add_request_ms", {}).setdefault(str(n), []).append(admit_ms)
+                rec.setdefault("step_ms", {}).setdefault(str(n), []).append(steps)
             else:
                 llm.generate([{"prompt_token_ids": prompt} if args.engine == "vllm" else prompt],
                              SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
         seconds = round(time.perf_counter() - t, 3)
         if profile:  # the last prompt's kernels, by total device time (the profiler slows the host)
+            timeline = _device_idle(prof)
+            if timeline:  # what the window held after the last kernel: the output's host work
+                timeline["after_last_kernel_ms"] = round(1e3 * seconds - timeline["first_kernel_at_ms"]
+                                                         - timeline["span_ms"], 2)
             rec["profile"] = {"prompt_len": n, "seconds_profiled": seconds, "kernels": _top_kernels(prof),
-                              "device_timeline": _device_idle(prof)}
+                              "device_timeline": timeline}
             if args.trace:
                 prof.export_chrome_trace(args.trace)
         key = str(n) if mode is None else f"{n}-{mode}"
@@ -536,18 +545,21 @@ def _set_gather(mode: str) -> None:
     g.pages_in_place = mode == "runs"
 
 
-def _timed_steps(llm, request_id: str, prompt: list[int]) -> list[float]:
-    """pagedserve's engine steps for one fresh prompt (1 output token), each step's milliseconds."""
+def _timed_steps(llm, request_id: str, prompt: list[int]) -> tuple[float, list[float]]:
+    """pagedserve's engine steps for one fresh prompt (1 output token): the milliseconds of its
+    add_request, and of each step."""
     from pagedserve import SamplingParams
     eng, steps = llm.llm_engine, []
+    t = time.perf_counter()
     eng.add_request(request_id, prompt, SamplingParams(max_tokens=1, ignore_eos=True))
     last = time.perf_counter()
+    admit_ms = round(1e3 * (last - t), 2)
     while eng.has_unfinished_requests():
         eng.step()
         now = time.perf_counter()
         steps.append(round(1e3 * (now - last), 2))
         last = now
-    return steps
+    return admit_ms, steps
 
 
 def prefill_near_end(llm, args, rng, vocab, out: Path, rec: dict) -> list[dict]:

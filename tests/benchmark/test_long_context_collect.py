@@ -272,6 +272,9 @@ def test_prefill_near_end_times_a_drain_against_none(tiny_model_dir, tmp_path, m
     # budget prefills it in one step, its one token ends the request in that step or the next.
     assert list(rec["step_ms"]) == ["40"] and 1 <= len(rec["step_ms"]["40"][0]) <= 2
     assert all(ms > 0 for ms in rec["step_ms"]["40"][0]) and rec["prefill_seconds"]["40"][0] > 0
+    # add_request's own milliseconds beside them: with the steps, no more than the prompt's seconds
+    admit = rec["add_request_ms"]["40"][0]
+    assert 0 < admit and admit + sum(rec["step_ms"]["40"][0]) <= 1e3 * rec["prefill_seconds"]["40"][0] + 1
     rows = rec["near_end"]
     assert [(r["drain"], r["tokens_left"], r["prompt_len"]) for r in rows] == [(0, 3, 40), (4, 3, 40)]
     off, drained = rows
@@ -346,3 +349,18 @@ def test_gaps_class_each_gap_by_the_requests_decoding_at_its_middle(tmp_path):
     # The long one's gaps (1.0-1.1, 1.1-1.3): itself and the short one decoding.
     assert got == {"pagedserve": {"long1_short0+": {"n": 3, "median_ms": 100.0},
                                   "long0_short0+": {"n": 1, "median_ms": 300.0}}}
+
+
+def test_device_timeline_places_the_kernels_in_the_profiled_window():
+    """_device_idle on a made-up profile (times in us from the profiler's start): the first kernel's
+    start, the kernels' union as busy time (overlaps counted once), the span, and the idle gaps over
+    0.2 ms with the kernel before each; host events are not kernels."""
+    from types import SimpleNamespace as NS
+    def event(kind, start, end, name):
+        return NS(device_type=f"DeviceType.{kind}", time_range=NS(start=start, end=end), name=name)
+    events = [event("CUDA", 5000, 6000, "gemm"), event("CUDA", 5500, 6500, "attn"),  # overlap: busy 1.5 ms
+              event("CPU", 0, 9000, "aten::mm"), event("CUDA", 6600, 7000, "norm"),   # 0.1 ms gap: not counted
+              event("CUDA", 7500, 8000, "merge")]                                      # 0.5 ms gap after norm
+    timeline = lc._device_idle(NS(events=lambda: events))
+    assert timeline["first_kernel_at_ms"] == 5.0 and timeline["span_ms"] == 3.0 and timeline["busy_ms"] == 2.4
+    assert timeline["gaps_over_0.2ms"] == 1 and timeline["longest_gaps"] == [{"ms": 0.5, "after": "norm"}]
