@@ -490,8 +490,8 @@ def phase_prefill(args) -> None:
         profile = args.profile and j == len(runs) - 1
         before = _path_counts() if args.engine == "pagedserve" else None
         prof = _kernel_profiler() if profile else contextlib.nullcontext()
-        t = time.perf_counter()
-        with prof:
+        with prof:  # the clock inside: the profiler's start and its trace's collection are not the prefill's
+            t = time.perf_counter()
             if args.step_times:  # the engine's own loop, each step timed (a first run's slow step shows)
                 admit_ms, steps = _timed_steps(llm, f"p{j}", prompt)
                 rec.setdefault("add_request_ms", {}).setdefault(str(n), []).append(admit_ms)
@@ -499,10 +499,11 @@ def phase_prefill(args) -> None:
             else:
                 llm.generate([{"prompt_token_ids": prompt} if args.engine == "vllm" else prompt],
                              SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
-        seconds = round(time.perf_counter() - t, 3)
+            seconds = round(time.perf_counter() - t, 3)
         if profile:  # the last prompt's kernels, by total device time (the profiler slows the host)
             timeline = _device_idle(prof)
-            if timeline:  # what the window held after the last kernel: the output's host work
+            if timeline:  # the prompt's time after the last kernel (the output's host work), ~ to the
+                # profiler's start-up (first_kernel_at_ms counts from the profiler's start, just before t)
                 timeline["after_last_kernel_ms"] = round(1e3 * seconds - timeline["first_kernel_at_ms"]
                                                          - timeline["span_ms"], 2)
             rec["profile"] = {"prompt_len": n, "seconds_profiled": seconds, "kernels": _top_kernels(prof),
