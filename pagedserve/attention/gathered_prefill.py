@@ -336,15 +336,12 @@ def warm_up_plans(g: GatheredPrefill, max_tokens: int, num_heads: int, scale: fl
     # A first chunk filling its bucket hands cuDNN its queries as a strided view: other strides, other
     # plans (under prefix_gqa, the squares' just built).
     firsts = [r for r in squares if q_row_stride and g.first_chunk_tokens and r >= g.first_chunk_tokens]
-    if unfolded:
-        if firsts:
-            g.first_q_row_strides.add(q_row_stride)
-        firsts = []
-    for rows in firsts:
-        q = g.k.new_zeros(rows, q_row_stride)[:, :num_heads * head_dim].view(rows, num_heads, head_dim)
-        g.square_attention(q.permute(1, 0, 2).unsqueeze(0), *g.square_keys(g.k, g.v, 0, rows, group), scale)
     if firsts:
         g.first_q_row_strides.add(q_row_stride)
+    if unfolded:
+        firsts = []
+    for rows in firsts:
+        g.square_attention(strided_queries(rows), *g.square_keys(g.k, g.v, 0, rows, group), scale)
     q = g.k.new_zeros(1, kv_heads, group * plan.QUERY_BUCKET, head_dim)
     g.flash_attention(q, heads_first(g.k, 0, plan.QUERY_BUCKET), heads_first(g.v, 0, plan.QUERY_BUCKET), False, scale)
     if g.fold_into is not None:  # its kernel compiles once (per dtype and head size): here, not while serving
