@@ -356,6 +356,37 @@ def test_warm_up_runs_the_merge_and_fold_kernels(small_buckets):
         assert folds == ([(torch.bfloat16, True, (6, plan.QUERY_BUCKET, 8))] if fold else [])
 
 
+def test_merge_kernel_is_told_its_strides_are_aligned_only_when_they_are(monkeypatch, small_buckets):
+    """triton_merge.merge_into hints the kernel that every row starts 16 elements aligned (so the GPU
+    moves 16 bytes an access) only where every part's and the output's strides are multiples of 16,
+    and the warm-up meets the same variant as serving's parts (cuDNN's [H, rows, D] views of
+    [rows, H, D] memory), so that nothing compiles after start-up. (The kernel's arithmetic either
+    way: triton_interpret_cases.test_merge_kernel_matches_the_torch_merge.)"""
+    from pagedserve.attention import triton_merge
+    seen = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append(kw["STRIDES_16"])
+    monkeypatch.setattr(triton_merge, "merge_parts_kernel", Launch())
+
+    def merged(D, rows=24, c=20, H=6, out_pad=0, layout="heads_first"):
+        if layout == "heads_first":
+            o = torch.zeros(H, rows, D)
+        else:  # as SDPA returns it: [H, rows, D] over [rows, H, D] memory
+            o = torch.zeros(rows, H, D).transpose(0, 1)
+        out = torch.zeros(c + 2, H * D + out_pad)[1:c + 1, :H * D].view(c, H, D)
+        triton_merge.merge_into([(o, torch.zeros(H, rows))] * 2, out)
+        return seen.pop()
+    assert merged(16) and merged(32, layout="rows_first") and merged(128, c=7)
+    assert not merged(8) and not merged(12, layout="rows_first")
+    assert not merged(16, out_pad=8)  # the output's rows 8 elements apart from aligned
+    g = gp.GatheredPrefill(200, 2, 16, torch.float32, torch.device("cpu"), math_prefix, math_flash, math_causal,
+                           merge_into=triton_merge.merge_into)
+    gp.warm_up_plans(g, max_tokens=24, num_heads=6, scale=0.3)
+    assert seen == [True, True]  # 2 and 3 parts, as serving's at head_dim 16
+
+
 @pytest.fixture
 def gpu_of(monkeypatch):
     """Pretend cuda devices of a given compute capability major (no GPU needed: enabled() only asks
