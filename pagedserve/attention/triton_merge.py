@@ -34,12 +34,9 @@ def merge_parts_kernel(o0, o1, o2, l0, l1, l2, out_ptr, rows,
                        so0h, so0r, so1h, so1r, so2h, so2r,
                        sl0h, sl1h, sl2h, sout_r, sout_h,
                        NUM_PARTS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_R: tl.constexpr, STRIDES_16: tl.constexpr):
-    if STRIDES_16:  # see merge_into: rows that start 16-byte aligned move 16 bytes an access
-        so0h, so0r = tl.multiple_of(so0h, 16), tl.multiple_of(so0r, 16)
-        so1h, so1r = tl.multiple_of(so1h, 16), tl.multiple_of(so1r, 16)
-        so2h, so2r = tl.multiple_of(so2h, 16), tl.multiple_of(so2r, 16)
-        sout_r, sout_h = tl.multiple_of(sout_r, 16), tl.multiple_of(sout_h, 16)
+                       BLOCK_R: tl.constexpr, STRIDE_UNIT: tl.constexpr):
+    # The parts' and the output's head and row strides come in units of STRIDE_UNIT elements (see
+    # merge_into): multiplied back here by a constant, which tells the compiler how rows align.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -54,16 +51,19 @@ def merge_parts_kernel(o0, o1, o2, l0, l1, l2, out_ptr, rows,
         top = tl.maximum(top, lse2)
     w0 = tl.exp(lse0 - top)
     w1 = tl.exp(lse1 - top)
-    acc = w0[:, None] * tl.load(o0 + h * so0h + r[:, None] * so0r + d[None, :], mask=m2, other=0.0).to(tl.float32)
-    acc += w1[:, None] * tl.load(o1 + h * so1h + r[:, None] * so1r + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    at0 = o0 + (h * so0h + r[:, None] * so0r) * STRIDE_UNIT + d[None, :]
+    at1 = o1 + (h * so1h + r[:, None] * so1r) * STRIDE_UNIT + d[None, :]
+    acc = w0[:, None] * tl.load(at0, mask=m2, other=0.0).to(tl.float32)
+    acc += w1[:, None] * tl.load(at1, mask=m2, other=0.0).to(tl.float32)
     total = w0 + w1
     if NUM_PARTS == 3:
         w2 = tl.exp(lse2 - top)
-        acc += w2[:, None] * tl.load(o2 + h * so2h + r[:, None] * so2r + d[None, :], mask=m2,
-                                     other=0.0).to(tl.float32)
+        at2 = o2 + (h * so2h + r[:, None] * so2r) * STRIDE_UNIT + d[None, :]
+        acc += w2[:, None] * tl.load(at2, mask=m2, other=0.0).to(tl.float32)
         total += w2
     acc = acc / total[:, None]
-    tl.store(out_ptr + r[:, None] * sout_r + h * sout_h + d[None, :], acc.to(out_ptr.dtype.element_ty), mask=m2)
+    at = out_ptr + (r[:, None] * sout_r + h * sout_h) * STRIDE_UNIT + d[None, :]
+    tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=m2)
 
 
 def merge_into(parts: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> torch.Tensor:
@@ -85,16 +85,16 @@ def merge_into(parts: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor
     (o0, l0), (o1, l1) = parts[:2]
     o2, l2 = parts[2] if len(parts) == 3 else parts[0]
     # Strides left unspecialized (one compile serves every chunk) tell the compiler nothing of the
-    # rows' alignment, so it loads and stores them an element at a time (~40% of the H200's
-    # bandwidth, 38th session); where every stride is a multiple of 16 (head_dim a multiple of 16: the
-    # parts' strides and the output's are multiples of it) the kernel is told so. One variant per
-    # model: the warm-up's parts have the strides of serving's.
+    # rows' alignment, so it loads and stores them 2 bytes at a time (~40% of the H200's bandwidth,
+    # 38th session). Where every head and row stride is a multiple of 16 (head_dim a multiple of 16:
+    # the parts' and the output's strides are multiples of it) they go in units of 16 elements, and
+    # the kernel moves 16 bytes an access. One variant per model: the warm-up's parts have serving's.
     strides = [o.stride(i) for o in (o0, o1, o2, out) for i in (0, 1)]
+    unit = 16 if all(s % 16 == 0 for s in strides) else 1
+    so0h, so0r, so1h, so1r, so2h, so2r, sout_r, sout_h = (s // unit for s in strides)
     grid = (triton.cdiv(c, MERGE_BLOCK_R), H)
-    merge_parts_kernel[grid](o0, o1, o2, l0, l1, l2, out, c,
-                             o0.stride(0), o0.stride(1), o1.stride(0), o1.stride(1), o2.stride(0), o2.stride(1),
-                             l0.stride(0), l1.stride(0), l2.stride(0), out.stride(0), out.stride(1),
+    merge_parts_kernel[grid](o0, o1, o2, l0, l1, l2, out, c, so0h, so0r, so1h, so1r, so2h, so2r,
+                             l0.stride(0), l1.stride(0), l2.stride(0), sout_r, sout_h,
                              NUM_PARTS=len(parts), HEAD_DIM=D, BLOCK_D=triton.next_power_of_2(D),
-                             BLOCK_R=MERGE_BLOCK_R, STRIDES_16=all(s % 16 == 0 for s in strides),
-                             num_warps=MERGE_NUM_WARPS[len(parts)])
+                             BLOCK_R=MERGE_BLOCK_R, STRIDE_UNIT=unit, num_warps=MERGE_NUM_WARPS[len(parts)])
     return out

@@ -357,17 +357,17 @@ def test_warm_up_runs_the_merge_and_fold_kernels(small_buckets):
 
 
 def test_merge_kernel_is_told_its_strides_are_aligned_only_when_they_are(monkeypatch, small_buckets):
-    """triton_merge.merge_into hints the kernel that every row starts 16 elements aligned (so the GPU
-    moves 16 bytes an access) only where every part's and the output's strides are multiples of 16,
-    and the warm-up meets the same variant as serving's parts (cuDNN's [H, rows, D] views of
-    [rows, H, D] memory), so that nothing compiles after start-up. (The kernel's arithmetic either
-    way: triton_interpret_cases.test_merge_kernel_matches_the_torch_merge.)"""
+    """triton_merge.merge_into hands the kernel its parts' and output's strides in units of 16
+    elements (so that it moves 16 bytes an access: test_merge_compile.py) only where every one of
+    them is a multiple of 16, and the warm-up meets the same variant as serving's parts (cuDNN's
+    [H, rows, D] views of [rows, H, D] memory), so that nothing compiles after start-up. (The
+    kernel's arithmetic either way: triton_interpret_cases.test_merge_kernel_matches_the_torch_merge.)"""
     from pagedserve.attention import triton_merge
     seen = []
 
     class Launch:
         def __getitem__(self, grid):
-            return lambda *args, **kw: seen.append(kw["STRIDES_16"])
+            return lambda *args, **kw: seen.append((kw["STRIDE_UNIT"], args[8:14] + args[17:19]))
     monkeypatch.setattr(triton_merge, "merge_parts_kernel", Launch())
 
     def merged(D, rows=24, c=20, H=6, out_pad=0, layout="heads_first"):
@@ -377,14 +377,17 @@ def test_merge_kernel_is_told_its_strides_are_aligned_only_when_they_are(monkeyp
             o = torch.zeros(rows, H, D).transpose(0, 1)
         out = torch.zeros(c + 2, H * D + out_pad)[1:c + 1, :H * D].view(c, H, D)
         triton_merge.merge_into([(o, torch.zeros(H, rows))] * 2, out)
-        return seen.pop()
-    assert merged(16) and merged(32, layout="rows_first") and merged(128, c=7)
-    assert not merged(8) and not merged(12, layout="rows_first")
-    assert not merged(16, out_pad=8)  # the output's rows 8 elements apart from aligned
+        unit, strides = seen.pop()
+        want = [o.stride(0), o.stride(1)] * 3 + [out.stride(0), out.stride(1)]
+        assert [s * unit for s in strides] == want  # the kernel's offsets are the tensors'
+        return unit
+    assert merged(16) == merged(32, layout="rows_first") == merged(128, c=7) == 16
+    assert merged(8) == merged(12, layout="rows_first") == 1
+    assert merged(16, out_pad=8) == 1  # the output's rows 8 elements off alignment
     g = gp.GatheredPrefill(200, 2, 16, torch.float32, torch.device("cpu"), math_prefix, math_flash, math_causal,
                            merge_into=triton_merge.merge_into)
     gp.warm_up_plans(g, max_tokens=24, num_heads=6, scale=0.3)
-    assert seen == [True, True]  # 2 and 3 parts, as serving's at head_dim 16
+    assert [unit for unit, _ in seen] == [16, 16]  # 2 and 3 parts, as serving's at head_dim 16
 
 
 @pytest.fixture
