@@ -23,6 +23,8 @@ MERGE_BLOCK_R = 32
 # rows of 32: 2 parts 108 us at 4 warps (123 at 8), 3 parts 146 us at 8 (208 at 4); rows of 64 or
 # 128 slower at either (runs/s38_long_context/merge_bench.json in history.tar.gz). A grid with heads
 # fastest (programs running together writing whole output rows) timed the same (runs/s39_long_context/).
+# Those ran 2 bytes an access; at 16 (strides in units of 16, below; one H100, runs/s60_h100/): 2 parts
+# 73.7 us at 4 warps (73.6 at 8; 107.3 before), 3 parts 94.3 at 8 (95.5 at 4; 152.4 before).
 MERGE_NUM_WARPS = {2: 4, 3: 8}
 
 
