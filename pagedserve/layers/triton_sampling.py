@@ -60,17 +60,22 @@ _RACE_EXP_CAP = tl.constexpr(80.0)
 
 
 # Integer arguments that vary with the batch, the seed or the vocabulary are not specialised on
-# (Triton would otherwise compile again for a value of 1 or a multiple of 16 met mid-serving).
-@triton.jit(do_not_specialize=["stride_row", "vocab", "span", "seed", "num_parts"])
-def _span_kernel(logits_ptr, stride_row, vocab, span, temps_ptr, seed, part_ptr, num_parts,
-                 GREEDY: tl.constexpr, BLOCK: tl.constexpr):
+# (Triton would otherwise compile again for a value of 1 or a multiple of 16 met mid-serving). So
+# that the compiler may still read 16 bytes an access, the row stride and the vocabulary come in
+# units of UNIT (16 where both are multiples of 16, else 1) and the span in whole blocks: without
+# that it cannot prove a row's span aligned and read the logits 2 bytes at a time (PTX
+# ld.global.b16; the 46th session's argmax ran at 1.85 TB/s at 256 rows).
+@triton.jit(do_not_specialize=["stride_units", "vocab_units", "span_blocks", "seed", "num_parts"])
+def _span_kernel(logits_ptr, stride_units, vocab_units, span_blocks, temps_ptr, seed, part_ptr, num_parts,
+                 GREEDY: tl.constexpr, BLOCK: tl.constexpr, UNIT: tl.constexpr = 1):
     """Program (row, split): its span's logsumexp parts and best score, into part_ptr[4, rows * splits]."""
     row = tl.program_id(0)
     split = tl.program_id(1)
     num_splits = tl.num_programs(1)
-    lo = split * span
-    hi = tl.minimum(lo + span, vocab)
-    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    vocab = vocab_units * UNIT
+    lo = split * span_blocks * BLOCK
+    hi = tl.minimum(lo + span_blocks * BLOCK, vocab)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_units * UNIT
     cols = tl.arange(0, BLOCK)
     if GREEDY:
         inv_t = 1.0
@@ -150,6 +155,13 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: any value; a few, so the tests split the vocabulary
 
 
+def stride_unit(logits: torch.Tensor) -> int:
+    """The span kernel's UNIT: 16 where the row stride and the vocabulary are multiples of 16 (with
+    the 16-byte aligned pointer Triton specializes on, every span then starts 16-byte aligned),
+    else 1. One model's logits always take the same, so serving meets the warm-up's variant."""
+    return 16 if logits.stride(0) % 16 == 0 and logits.shape[1] % 16 == 0 else 1
+
+
 def supports(logits: torch.Tensor) -> bool:
     """Whether the kernels take these logits: 2-D, unit stride along the vocab, Philox counters
     (row * ceil(vocab / 4) + index // 4) within int32 (n * vocab < 2**31 bounds them), and
@@ -188,14 +200,14 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor | None, seed: i
         splits = split_count(n, vocab, logits.device, block=block)
     if not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be in [1, {MAX_SPLITS}], got {splits}")
-    span = -(-vocab // splits)
-    span = -(-span // block) * block if splits > 1 else vocab
-    splits = -(-vocab // span)
+    span_blocks = -(-vocab // (splits * block))  # whole blocks a span (one span: the vocabulary)
+    splits = -(-vocab // (span_blocks * block))
     parts = torch.empty(4, n * splits, dtype=torch.float32, device=logits.device)
     greedy = temperatures is None
     temps = parts if greedy else temperatures  # any pointer when greedy: never read
-    _span_kernel[(n, splits)](logits, logits.stride(0), vocab, span, temps, seed, parts, n * splits,
-                              GREEDY=greedy, BLOCK=block, num_warps=num_warps)
+    unit = stride_unit(logits)
+    _span_kernel[(n, splits)](logits, logits.stride(0) // unit, vocab // unit, span_blocks, temps, seed, parts,
+                              n * splits, GREEDY=greedy, BLOCK=block, UNIT=unit, num_warps=num_warps)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
     packed = torch.empty(n, 2, dtype=torch.float64, device=logits.device)
     _merge_kernel[(n,)](logits, logits.stride(0), parts, n * splits, splits, tokens, packed,

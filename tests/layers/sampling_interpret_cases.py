@@ -38,9 +38,10 @@ def _ref_logprobs(x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n,vocab", [(1, 300), (3, BLOCK + 7), (5, 3 * BLOCK + 1)])
+@pytest.mark.parametrize("n,vocab", [(1, 300), (3, BLOCK + 7), (5, 3 * BLOCK + 1), (2, 2 * BLOCK + 48)])
 @pytest.mark.parametrize("splits", [1, 2, 3, None])
 def test_greedy_is_torch_argmax(dtype, n, vocab, splits):
+    """The last shape's vocabulary is a multiple of 16: the kernel reads it in units of 16."""
     g = torch.Generator().manual_seed(n * vocab)
     x = torch.randn(n, vocab, generator=g).to(dtype)
     top = x.float().max() + 1
@@ -65,6 +66,25 @@ def test_greedy_ignores_minus_inf_and_reads_row_strides():
     tokens, packed = ts.sample_rows(view, None, seed=0, splits=3)
     assert torch.equal(tokens, x.argmax(dim=-1))
     torch.testing.assert_close(packed[:, 1].float(), _ref_logprobs(x, tokens), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("pad", [16, 8])
+def test_row_strides_in_units_of_16_or_not(pad):
+    """Rows padded by 16 (stride and vocabulary multiples of 16: UNIT 16, the stride handed over in
+    sixteens) or by 8 (UNIT 1): the same argmax, and a draw the same as from the unpadded logits
+    (it depends on the logits and the seed, not on the layout or the unit)."""
+    n, vocab = 3, 2 * BLOCK + 32
+    g = torch.Generator().manual_seed(pad)
+    x = torch.randn(n, vocab, generator=g).to(torch.bfloat16)
+    wide = torch.randn(n, vocab + pad, generator=g).to(torch.bfloat16)
+    wide[:, :vocab] = x
+    view = wide[:, :vocab]
+    assert (ts.stride_unit(x), ts.stride_unit(view)) == (16, 16 if pad == 16 else 1)
+    tokens, packed = ts.sample_rows(view, None, seed=0, splits=2)
+    assert torch.equal(tokens, x.float().argmax(dim=-1))
+    torch.testing.assert_close(packed[:, 1].float(), _ref_logprobs(x, tokens), rtol=0, atol=1e-5)
+    temps = torch.full((n,), 0.8)
+    assert torch.equal(ts.sample_rows(view, temps, seed=4, splits=2)[0], ts.sample_rows(x, temps, seed=4, splits=3)[0])
 
 
 def _chi_square(counts: torch.Tensor, probs: torch.Tensor) -> float:

@@ -22,5 +22,17 @@ def test_span_kernel_compiles_for_sm90(greedy):
     assert ("mul.hi.u32" in ptx) != greedy
 
 
+@pytest.mark.parametrize("greedy", [True, False])
+def test_span_kernel_reads_16_bytes_an_access_at_unit_16(greedy):
+    """With the row stride and the vocabulary in units of 16 (stride_unit's choice for Llama's,
+    Qwen's, Mistral's vocabularies) and the aligned pointer a launch specializes on, the logits are
+    read 16 bytes an access; in units of 1 the compiler cannot prove a span aligned: 2 bytes."""
+    ptx = {unit: compile_sm90(ts._span_kernel, dict(GREEDY=greedy, BLOCK=ts.GREEDY_BLOCK if greedy else ts.BLOCK,
+                                                    UNIT=unit), POINTERS, num_warps=ts.NUM_WARPS, aligned=True)
+           for unit in (16, 1)}
+    assert "ld.global.v4.b32" in ptx[16] and "ld.global.b16" not in ptx[16]
+    assert "ld.global.b16" in ptx[1] and "ld.global.v4.b32" not in ptx[1]
+
+
 def test_merge_kernel_compiles_for_sm90():
     compile_sm90(ts._merge_kernel, dict(SPLITS=ts.MAX_SPLITS), POINTERS, num_warps=1)
