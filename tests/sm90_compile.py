@@ -11,19 +11,22 @@ SM90_MAX_SHARED = 232448
 
 
 def compile_sm90(fn, const: dict, pointers: dict, num_warps: int = 4, num_stages: int = 3,
-                 aligned: bool = False) -> str:
+                 aligned: bool = False, divisible: tuple = ()) -> str:
     """The PTX of fn with `const` as its constexprs (a pointer given None is one too), every other
     argument typed by `pointers` (name -> Triton type) or else i32; with `aligned`, every pointer
-    16-byte aligned, as a launch with fresh tensors specializes them. Skips where this Triton has no ptxas."""
-    return compile_sm90_kernel(fn, const, pointers, num_warps, num_stages, aligned).asm["ptx"]
+    16-byte aligned, as a launch with fresh tensors specializes them; the integer args named in
+    `divisible` known multiples of 16, as a launch specializes those it may. Skips where this
+    Triton has no ptxas."""
+    return compile_sm90_kernel(fn, const, pointers, num_warps, num_stages, aligned, divisible).asm["ptx"]
 
 
 def compile_sm90_kernel(fn, const: dict, pointers: dict, num_warps: int = 4, num_stages: int = 3,
-                        aligned: bool = False):
+                        aligned: bool = False, divisible: tuple = ()):
     """compile_sm90's compiled kernel itself (its metadata: .shared, the bytes of shared memory)."""
     names = fn.arg_names
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if aligned and t.startswith("*")}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
+             if (aligned and t.startswith("*")) or n in divisible}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     try:
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),
