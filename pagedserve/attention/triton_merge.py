@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.host_math import stride_unit
+
 MERGE_BLOCK_R = 32
 # Warps a program by part count: on the H200, one 8,192-token chunk of Llama-3.1-8B (32 heads),
 # rows of 32: 2 parts 108 us at 4 warps (123 at 8), 3 parts 146 us at 8 (208 at 4); rows of 64 or
@@ -90,9 +92,9 @@ def merge_into(parts: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor
     # rows' alignment, so it loads and stores them 2 bytes at a time (~40% of the H200's bandwidth,
     # 38th session). Where every head and row stride is a multiple of 16 (head_dim a multiple of 16:
     # the parts' and the output's strides are multiples of it) they go in units of 16 elements, and
-    # the kernel moves 16 bytes an access. One variant per model: the warm-up's parts have serving's.
+    # the kernel moves 16 bytes an access (host_math.stride_unit).
     strides = [o.stride(i) for o in (o0, o1, o2, out) for i in (0, 1)]
-    unit = 16 if all(s % 16 == 0 for s in strides) else 1
+    unit = stride_unit(*strides)
     so0h, so0r, so1h, so1r, so2h, so2r, sout_r, sout_h = (s // unit for s in strides)
     grid = (triton.cdiv(c, MERGE_BLOCK_R), H)
     merge_parts_kernel[grid](o0, o1, o2, l0, l1, l2, out, c, so0h, so0r, so1h, so1r, so2h, so2r,

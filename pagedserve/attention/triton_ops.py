@@ -25,7 +25,7 @@ from pagedserve.attention.triton_cache import check_pool_layout, copy_blocks, fp
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import prefill_attention, prefill_launch
 from pagedserve.attention import triton_unified as unified
-from pagedserve.host_math import next_power_of_2
+from pagedserve.host_math import next_power_of_2, stride_unit
 
 # The backend (backend.py): the pool writes are triton_cache's, exported here beside the attention.
 __all__ = ["copy_blocks", "decode_stride_unit", "longest_first", "paged_attention", "paged_decode", "paged_prefill",
@@ -107,7 +107,6 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         cells, per_cell = num_seqs, splits
     grid = (num_kv_heads, cells, per_cell) if heads_fastest else (cells, num_kv_heads, per_cell)
-    # The split buffers' strides are multiples of block_d (>= 16): only q's and out's can deny the unit.
     unit = decode_stride_unit(query, out)
     common["STRIDE_UNIT"] = unit
     if splits == 1:
@@ -142,11 +141,10 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
 
 
 def decode_stride_unit(query: torch.Tensor, out: torch.Tensor) -> int:
-    """The decode kernels' STRIDE_UNIT: 16 where the query's and the output's row and head strides
-    are multiples of 16 (any head_dim that is: a fused qkv row, a graph's q buffer), else 1. One
-    model's steps all take the same, so serving meets the warm-up's variant."""
-    strides = (query.stride(0), query.stride(1), out.stride(0), out.stride(1))
-    return 16 if all(s % 16 == 0 for s in strides) else 1
+    """The decode kernels' STRIDE_UNIT (host_math.stride_unit): 16 where the query's and the
+    output's row and head strides are multiples of 16 (any head_dim that is: a fused qkv row, a
+    graph's q buffer), else 1. The split buffers' strides are multiples of block_d (>= 16)."""
+    return stride_unit(query.stride(0), query.stride(1), out.stride(0), out.stride(1))
 
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:

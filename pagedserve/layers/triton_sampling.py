@@ -42,6 +42,8 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedserve.host_math import stride_unit as host_stride_unit
+
 # The default launch, from benchmarks/kernels/sampling_sweep.py on the H200 (46th session,
 # runs/s46_gpu/ in benchmarks/results/h200/history.tar.gz): 16 programs per SM of 4 warps, a block
 # of 2,048 tokens for a draw and 4,096 for argmax. Against the launch before (2 per SM, 2,048,
@@ -159,7 +161,7 @@ def stride_unit(logits: torch.Tensor) -> int:
     """The span kernel's UNIT: 16 where the row stride and the vocabulary are multiples of 16 (with
     the 16-byte aligned pointer Triton specializes on, every span then starts 16-byte aligned),
     else 1. One model's logits always take the same, so serving meets the warm-up's variant."""
-    return 16 if logits.stride(0) % 16 == 0 and logits.shape[1] % 16 == 0 else 1
+    return host_stride_unit(logits.stride(0), logits.shape[1])
 
 
 def supports(logits: torch.Tensor) -> bool:

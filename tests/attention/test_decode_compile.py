@@ -40,22 +40,3 @@ def test_decode_and_reduce_compile_for_sm90(split_tokens, ordered, window, softc
     _compile(reduce_splits_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=128, SPLIT_TOKENS=split_tokens,
                                         BLOCK_S=16, **PLAN, **order))
 
-
-@pytest.mark.parametrize("split_tokens", [decode_plan.SLOTS, decode_plan.BALANCED])
-def test_decode_moves_q_out_and_splits_16_bytes_an_access_at_unit_16(split_tokens):
-    """In units of 16 (triton_ops.decode_stride_unit's choice for any head_dim a multiple of 16) the
-    query, the output and the split results move 16 bytes an access, as the K/V tiles (cp.async)
-    always did; in elements the compiler cannot prove a row aligned: 2 bytes (bf16), 4 (fp32)."""
-    ptx = {unit: compile_sm90(paged_decode_kernel, dict(
-        GROUP=4, HEAD_DIM=128, BLOCK_SIZE=16, BLOCK_G=16, BLOCK_D=128, BLOCK_N=128, SPLIT_TOKENS=split_tokens,
-        IEEE=False, HEADS_FASTEST=True, k_scale_ptr=None, v_scale_ptr=None, KV_FP8=False, KV_SCALE_PER_HEAD=False,
-        F16_DOT=False, WINDOW=0, SOFTCAP=0.0, full_lens_ptr=None, STRIDE_UNIT=unit, **PLAN),
-        POINTERS, aligned=True, divisible=("stride_qh", "stride_oh", "stride_cb", "stride_cs", "stride_ch"))
-        for unit in (16, 1)}
-    assert "ld.global.b16" not in ptx[16] and "st.global.b16" not in ptx[16]
-    assert "ld.global.v4.b32" in ptx[16] and "st.global.v4.b32" in ptx[16]
-    assert "ld.global.b16" in ptx[1] and "st.global.b16" in ptx[1] and "st.global.v4.b32" not in ptx[1]
-    reduce = {unit: compile_sm90(reduce_splits_kernel, dict(
-        HEAD_DIM=128, BLOCK_D=128, BLOCK_N=128, SPLIT_TOKENS=split_tokens, BLOCK_S=16, STRIDE_UNIT=unit, **PLAN),
-        POINTERS, aligned=True, divisible=("stride_oh",)) for unit in (16, 1)}
-    assert "ld.global.v4.b32" in reduce[16] and "ld.global.v4.b32" not in reduce[1]
