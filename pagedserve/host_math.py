@@ -24,8 +24,10 @@ def stride_unit(*strides: int) -> int:
     """The unit a kernel's unspecialized strides go in: 16 where every one is a multiple of 16,
     else 1. Triton specializes no argument listed in do_not_specialize (so one compile serves every
     batch), and then cannot prove a row aligned: it moves bf16 rows 2 bytes an access (PTX
-    ld.global.b16), fp32 4. Strides handed over in sixteens and multiplied back by a constexpr
-    carry the alignment, and the rows move 16 bytes an access (ld.global.v4.b32; the long-prefill
-    merge went from 1.8 to 2.8 TB/s on an H100, 60th session). Given one model's tensors every call
-    picks the same unit, so serving meets the warm-up's compiled variant."""
+    ld.global.b16). Strides handed over in sixteens and multiplied back by a constexpr carry the
+    alignment, and the rows move 16 bytes an access (ld.global.v4.b32). Where that pays (one H100):
+    the long-prefill merge (1.8 -> 2.8 TB/s, 60th session) and the sampling span kernel (0.75-0.83x
+    the time, 61st); not for the attention kernels' query tiles and outputs, which ran 1.00-1.10x
+    slower so (61st, docs/benchmarks-history.md). Given one model's tensors every call picks the
+    same unit, so serving meets the warm-up's compiled variant."""
     return 16 if all(s % 16 == 0 for s in strides) else 1

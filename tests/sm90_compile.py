@@ -11,22 +11,19 @@ SM90_MAX_SHARED = 232448
 
 
 def compile_sm90(fn, const: dict, pointers: dict, num_warps: int = 4, num_stages: int = 3,
-                 aligned: bool = False, divisible: tuple = ()) -> str:
+                 aligned: bool = False) -> str:
     """The PTX of fn with `const` as its constexprs (a pointer given None is one too), every other
     argument typed by `pointers` (name -> Triton type) or else i32; with `aligned`, every pointer
-    16-byte aligned, as a launch with fresh tensors specializes them; the integer args named in
-    `divisible` known multiples of 16, as a launch specializes those it may. Skips where this
-    Triton has no ptxas."""
-    return compile_sm90_kernel(fn, const, pointers, num_warps, num_stages, aligned, divisible).asm["ptx"]
+    16-byte aligned, as a launch with fresh tensors specializes them. Skips where this Triton has no ptxas."""
+    return compile_sm90_kernel(fn, const, pointers, num_warps, num_stages, aligned).asm["ptx"]
 
 
 def compile_sm90_kernel(fn, const: dict, pointers: dict, num_warps: int = 4, num_stages: int = 3,
-                        aligned: bool = False, divisible: tuple = ()):
+                        aligned: bool = False):
     """compile_sm90's compiled kernel itself (its metadata: .shared, the bytes of shared memory)."""
     names = fn.arg_names
     sig = {n: "constexpr" if n in const else pointers.get(n, "i32") for n in names}
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items()
-             if (aligned and t.startswith("*")) or n in divisible}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n, t in sig.items() if aligned and t.startswith("*")}
     src = ASTSource(fn=fn, signature=sig, constexprs={(names.index(k),): v for k, v in const.items()}, attrs=attrs)
     try:
         return triton.compile(src, target=GPUTarget("cuda", 90, 32),

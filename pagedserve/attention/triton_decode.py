@@ -51,10 +51,6 @@ SLOTS: tl.constexpr = tl.constexpr(decode_plan.SLOTS)
 # stride with where q lives (the fused qkv projection eagerly, a piecewise graph's q buffer): one
 # compile serves all (see runner/warmup.py). stride_ms is 0 without splits and BLOCK_D with them.
 # max_parts: SLOTS only, the most splits of one sequence (the rows' grids have tl.num_programs(2)).
-# Unspecialized strides tell the compiler nothing of the rows' alignment, so it would move q, the
-# output and the split results an element an access: the query's, the output's and the split
-# buffer's row strides come in units of STRIDE_UNIT (16 where all are multiples of 16, see
-# triton_ops.decode_stride_unit), multiplied back here, and q / out / mid move 16 bytes an access.
 @triton.jit(do_not_specialize=["stride_qt", "stride_ot", "stride_bt", "stride_mt", "stride_mh", "stride_ms",
                                "stride_lt", "stride_lh", "base_splits", "max_parts", "num_rows"])
 def paged_decode_kernel(
@@ -69,13 +65,7 @@ def paged_decode_kernel(
     IEEE: tl.constexpr, HEADS_FASTEST: tl.constexpr = False, order_ptr=None,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
     F16_DOT: tl.constexpr = False, full_lens_ptr=None, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
-    STRIDE_UNIT: tl.constexpr = 1,
 ):
-    stride_qt = stride_qt * STRIDE_UNIT
-    stride_ot = stride_ot * STRIDE_UNIT
-    stride_mt = stride_mt * STRIDE_UNIT
-    stride_mh = stride_mh * STRIDE_UNIT
-    stride_ms = stride_ms * STRIDE_UNIT
     if HEADS_FASTEST:
         # Grid (kv head, row[, split]): a sequence's heads run side by side and read its tokens'
         # K/V rows (all heads of a token are adjacent) at about the same time.
@@ -315,17 +305,13 @@ def reduce_splits_kernel(
     num_kv_heads, num_splits, base_splits,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
     SPLIT_TOKENS: tl.constexpr, SHARE_PROGRAMS: tl.constexpr, MIN_CHAIN_TILES: tl.constexpr,
-    BLOCK_S: tl.constexpr, order_ptr=None, STRIDE_UNIT: tl.constexpr = 1,
+    BLOCK_S: tl.constexpr, order_ptr=None,
 ):
     """Program (row, head): out = sum_s 2^(lse_s - lse) * o_s over the row's sequence's non-empty
     splits, where the decode kernel put them (split_plan's (sequence, split), or SLOTS: slot_plan's
     slots); a sequence with one split already has its output. num_splits: the grid's most splits of
     one sequence (SLOTS: max_parts). order_ptr: SLOTS only, the rows in the decode grid's order (a
     row's rank places its slots)."""
-    stride_mt = stride_mt * STRIDE_UNIT  # the decode kernel's units
-    stride_mh = stride_mh * STRIDE_UNIT
-    stride_ms = stride_ms * STRIDE_UNIT
-    stride_ot = stride_ot * STRIDE_UNIT
     row = tl.program_id(0)
     head = tl.program_id(1)
     num_rows = tl.num_programs(0)

@@ -25,11 +25,11 @@ from pagedserve.attention.triton_cache import check_pool_layout, copy_blocks, fp
 from pagedserve.attention.triton_decode import paged_decode_kernel, reduce_splits_kernel
 from pagedserve.attention.triton_prefill import prefill_attention, prefill_launch
 from pagedserve.attention import triton_unified as unified
-from pagedserve.host_math import next_power_of_2, stride_unit
+from pagedserve.host_math import next_power_of_2
 
 # The backend (backend.py): the pool writes are triton_cache's, exported here beside the attention.
-__all__ = ["copy_blocks", "decode_stride_unit", "longest_first", "paged_attention", "paged_decode", "paged_prefill",
-           "rope_write_kv", "unified_capacity", "unified_paged_attention", "write_kv"]
+__all__ = ["copy_blocks", "longest_first", "paged_attention", "paged_decode", "paged_prefill", "rope_write_kv",
+           "unified_capacity", "unified_paged_attention", "write_kv"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -107,8 +107,6 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     else:
         cells, per_cell = num_seqs, splits
     grid = (num_kv_heads, cells, per_cell) if heads_fastest else (cells, num_kv_heads, per_cell)
-    unit = decode_stride_unit(query, out)
-    common["STRIDE_UNIT"] = unit
     if splits == 1:
         # No reduction: the split buffers are never written, but they are float32 pointers here
         # too, so that this launch is the same compiled variant as a split one (a bf16 `out` in
@@ -117,7 +115,7 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         unused = torch.empty(1, dtype=torch.float32, device=query.device)
         paged_decode_kernel[grid](
             query, k_cache, v_cache, out, unused, unused, seq_lens, block_tables, scale * math.log2(math.e),
-            query.stride(0) // unit, query.stride(1), out.stride(0) // unit, out.stride(1),
+            query.stride(0), query.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
             0, 0, 0, 0, 0, base, splits, num_seqs, **common)
         return out
@@ -126,25 +124,18 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     mid_lse = torch.empty(cells, num_heads, per_cell, dtype=torch.float32, device=query.device)
     paged_decode_kernel[grid](
         query, k_cache, v_cache, out, mid_o, mid_lse, seq_lens, block_tables, scale * math.log2(math.e),
-        query.stride(0) // unit, query.stride(1), out.stride(0) // unit, out.stride(1),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
-        mid_o.stride(0) // unit, mid_o.stride(1) // unit, mid_o.stride(2) // unit, mid_lse.stride(0),
-        mid_lse.stride(1), base, splits, num_seqs, **common)
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1), base, splits,
+        num_seqs, **common)
     # SLOTS: its rows in the decode grid's order (the slots follow it).
     rows_order = dict(order_ptr=order) if mode == decode_plan.SLOTS else {}
     reduce_splits_kernel[(num_seqs, num_heads)](
-        mid_o, mid_lse, out, seq_lens, mid_o.stride(0) // unit, mid_o.stride(1) // unit, mid_o.stride(2) // unit,
-        mid_lse.stride(0), mid_lse.stride(1), out.stride(0) // unit, out.stride(1), num_kv_heads, splits, base,
+        mid_o, mid_lse, out, seq_lens, mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1), out.stride(0), out.stride(1), num_kv_heads, splits, base,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, BLOCK_S=decode_plan.reduce_block(splits, mode),
-        num_warps=4, STRIDE_UNIT=unit, **plan, **rows_order)
+        num_warps=4, **plan, **rows_order)
     return out
-
-
-def decode_stride_unit(query: torch.Tensor, out: torch.Tensor) -> int:
-    """The decode kernels' STRIDE_UNIT (host_math.stride_unit): 16 where the query's and the
-    output's row and head strides are multiples of 16 (any head_dim that is: a fused qkv row, a
-    graph's q buffer), else 1. The split buffers' strides are multiples of block_d (>= 16)."""
-    return stride_unit(query.stride(0), query.stride(1), out.stride(0), out.stride(1))
 
 
 def longest_first(seq_lens: torch.Tensor) -> torch.Tensor:

@@ -41,7 +41,7 @@ import triton.language as tl
 
 from pagedserve.attention.tile_launch import TileLaunch, parse_tile_launch
 from pagedserve.attention.triton_tiles import CAUSAL, NO_MASK, attend_causal, attend_tiles_tma
-from pagedserve.host_math import cdiv, next_power_of_2, stride_unit
+from pagedserve.host_math import cdiv, next_power_of_2
 
 PREFILL_BLOCK_M = 64
 PREFILL_BLOCK_N = 64
@@ -82,9 +82,7 @@ def prefill_rows(group: int, launch: TileLaunch) -> tuple[int, int, bool]:
 
 
 # The decode count (first_seq), the block-table width and the query's row stride (eager qkv view or
-# a piecewise graph's buffer) change: one compile serves all. stride_qt / stride_ot come in units of
-# STRIDE_UNIT (host_math.stride_unit), multiplied back here: the query tiles and the output then
-# move 16 bytes an access.
+# a piecewise graph's buffer) change: one compile serves all.
 @triton.jit(do_not_specialize=["first_seq", "stride_bt", "stride_qt", "stride_ot"])
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
@@ -96,10 +94,8 @@ def paged_prefill_kernel(
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
     GQA: tl.constexpr = False, BLOCK_G: tl.constexpr = 1, LONGEST_FIRST: tl.constexpr = False,
     k_desc=None, v_desc=None, TMA: tl.constexpr = False, WS: tl.constexpr = False, WINDOW: tl.constexpr = 0,
-    SOFTCAP: tl.constexpr = 0.0, STRIDE_UNIT: tl.constexpr = 1,
+    SOFTCAP: tl.constexpr = 0.0,
 ):
-    stride_qt = stride_qt * STRIDE_UNIT
-    stride_ot = stride_ot * STRIDE_UNIT
     # BLOCK_Q query tokens per tile: all BLOCK_M rows, or with GQA BLOCK_M / BLOCK_G tokens x heads.
     BLOCK_Q: tl.constexpr = BLOCK_M // BLOCK_G
     if LONGEST_FIRST:
@@ -222,13 +218,12 @@ def prefill_attention(query, k_cache, v_cache, query_start_loc, seq_lens, block_
     elif launch.ws:
         raise ValueError(f"{PREFILL_LAUNCH_ENV}: ws warp-specialises the tma loop; add tma")
     grid = (cdiv(max_query_len, block_q), num_seqs, num_kv_heads if packed else num_heads)
-    unit = stride_unit(query.stride(0), query.stride(1), out.stride(0), out.stride(1))
     paged_prefill_kernel[grid](
         query, k_cache, v_cache, out, query_start_loc, seq_lens, block_tables, first_seq,
         scale * math.log2(math.e),
-        query.stride(0) // unit, query.stride(1), out.stride(0) // unit, out.stride(1),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1], BLOCK_M=launch.block_m,
-        BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_N=launch.block_n, IEEE=ieee, STRIDE_UNIT=unit,
+        BLOCK_D=max(16, next_power_of_2(head_dim)), BLOCK_N=launch.block_n, IEEE=ieee,
         num_warps=launch.num_warps, num_stages=launch.num_stages, **pack, **scales)
     return out

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from pagedserve.attention.tile_launch import TileLaunch, parse_tile_launch
 from pagedserve.attention.triton_tiles import attend_causal
-from pagedserve.host_math import next_power_of_2, stride_unit
+from pagedserve.host_math import next_power_of_2
 
 # Fields of a work item and of a q tile (int32 rows of the work buffers).
 ITEM_FIELDS = 5      # seq (-1: no work), q tile of the sequence, KV start, KV end, splits of the tile
@@ -137,8 +137,6 @@ def build_work(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, num_kv_hea
     return UnifiedWork(items.to(torch.int32), qtiles.to(torch.int32), block_q, block_n)
 
 
-# stride_qt / stride_ot come in units of STRIDE_UNIT (host_math.stride_unit), multiplied back here,
-# so that the query tile and the output move 16 bytes an access.
 @triton.jit(do_not_specialize=["stride_qt", "stride_ot", "stride_bt"])
 def unified_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, mid_o_ptr, mid_lse_ptr,
@@ -147,10 +145,8 @@ def unified_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr,
     k_scale_ptr=None, v_scale_ptr=None, KV_FP8: tl.constexpr = False, KV_SCALE_PER_HEAD: tl.constexpr = False,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, STRIDE_UNIT: tl.constexpr = 1,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
-    stride_qt = stride_qt * STRIDE_UNIT
-    stride_ot = stride_ot * STRIDE_UNIT
     # Items in reverse: a chunk's last tiles (its longest chains: causal) and the step's last
     # sequences start first, the empty items past the step's last one return at once.
     item = tl.num_programs(0) - 1 - tl.program_id(0)
@@ -225,10 +221,9 @@ def unified_attention_kernel(
 def reduce_tiles_kernel(
     mid_o_ptr, mid_lse_ptr, out_ptr, qtiles_ptr, query_start_loc_ptr, stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_G: tl.constexpr,
-    BLOCK_D: tl.constexpr, STRIDE_UNIT: tl.constexpr = 1,
+    BLOCK_D: tl.constexpr,
 ):
     """Program (q tile, KV head): out = sum_s 2^(lse_s - lse) o_s over the tile's splits."""
-    stride_ot = stride_ot * STRIDE_UNIT
     qtile = tl.program_id(0)
     kv_head = tl.program_id(1)
     num_kv_heads = tl.num_programs(1)
@@ -294,18 +289,15 @@ def unified_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     if mid is None:
         mid = mid_buffers(capacity, num_kv_heads, block_m, block_d, query.device)
     mid_o, mid_lse = mid
-    unit = stride_unit(query.stride(0), query.stride(1), out.stride(0), out.stride(1))
-    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=work.block_q, BLOCK_G=block_g, BLOCK_D=block_d,
-                  STRIDE_UNIT=unit)
+    common = dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=work.block_q, BLOCK_G=block_g, BLOCK_D=block_d)
     unified_attention_kernel[(capacity, num_kv_heads)](
         query, k_cache, v_cache, out, mid_o, mid_lse, work.items, query_start_loc, seq_lens, block_tables,
         scale * math.log2(math.e),
-        query.stride(0) // unit, query.stride(1), out.stride(0) // unit, out.stride(1),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         BLOCK_SIZE=k_cache.shape[1], BLOCK_N=work.block_n, IEEE=ieee, num_warps=num_warps,
         num_stages=num_stages, **common, **(scales or {}),
         **{k: v for k, v in dict(WINDOW=window, SOFTCAP=float(softcap)).items() if v})
     reduce_tiles_kernel[(max_qtiles, num_kv_heads)](
-        mid_o, mid_lse, out, work.qtiles, query_start_loc, out.stride(0) // unit, out.stride(1), num_warps=4,
-        **common)
+        mid_o, mid_lse, out, work.qtiles, query_start_loc, out.stride(0), out.stride(1), num_warps=4, **common)
     return out

@@ -66,7 +66,8 @@ _RACE_EXP_CAP = tl.constexpr(80.0)
 # that the compiler may still read 16 bytes an access, the row stride and the vocabulary come in
 # units of UNIT (16 where both are multiples of 16, else 1) and the span in whole blocks: without
 # that it cannot prove a row's span aligned and read the logits 2 bytes at a time (PTX
-# ld.global.b16; the 46th session's argmax ran at 1.85 TB/s at 256 rows).
+# ld.global.b16). On one H100 (61st session, docs/benchmarks-history.md): greedy 47.3 -> 37.0 us at
+# 256 x 151,936, 145.2 -> 108.4 at 1,000 x 128,256; a draw at T=0.6 161.7 -> 131.7, 508.0 -> 413.0.
 @triton.jit(do_not_specialize=["stride_units", "vocab_units", "span_blocks", "seed", "num_parts"])
 def _span_kernel(logits_ptr, stride_units, vocab_units, span_blocks, temps_ptr, seed, part_ptr, num_parts,
                  GREEDY: tl.constexpr, BLOCK: tl.constexpr, UNIT: tl.constexpr = 1):

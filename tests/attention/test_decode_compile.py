@@ -39,4 +39,3 @@ def test_decode_and_reduce_compile_for_sm90(split_tokens, ordered, window, softc
     assert "mma" in ptx  # the tiles' dots on the tensor cores
     _compile(reduce_splits_kernel, dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=128, SPLIT_TOKENS=split_tokens,
                                         BLOCK_S=16, **PLAN, **order))
-

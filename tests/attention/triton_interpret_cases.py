@@ -93,28 +93,6 @@ def test_split_k_decode_matches_reference(num_splits):
     torch.testing.assert_close(out, ref, **_tol(torch.float32))
 
 
-@pytest.mark.parametrize("pad,unit", [(16, 16), (8, 1)])
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_split_k_decode_reads_strided_rows_in_units_of_16_or_not(pad, unit, num_splits):
-    """q and out as rows of wider buffers (as a fused qkv projection's q is): padded by 16, their
-    row strides go to the kernels in units of 16 (triton_ops.decode_stride_unit), by 8 in elements;
-    either way the reference's output, written into the view and nowhere past it."""
-    shapes = [(70, 1), (3, 1), (47, 1)]
-    batch = make_batch(shapes, 3, H=8, Hkv=2, D=16, block_size=8, seed=pad + num_splits)
-    kc, vc, ref = _reference_out(batch)
-    n, H, D = batch.query.shape
-    q_rows = torch.zeros(n, H * D + pad, dtype=batch.query.dtype)
-    q_rows[:, :H * D] = batch.query.reshape(n, H * D)
-    out_rows = torch.full((n, H * D + pad), float("nan"), dtype=batch.query.dtype)
-    query, out = q_rows[:, :H * D].view(n, H, D), out_rows[:, :H * D].view(n, H, D)
-    assert ops.decode_stride_unit(query, out) == unit
-    m = batch.meta
-    ops.paged_decode(query, kc, vc, m.seq_lens, m.block_tables, m.max_seq_len, 16 ** -0.5, out,
-                     num_splits=num_splits, block_n=16)
-    torch.testing.assert_close(out, ref, **_tol(torch.float32))
-    assert out_rows[:, H * D:].isnan().all()
-
-
 @pytest.mark.parametrize("base,split_tokens", [(1, 0), (1, 16), (2, 16), (1, 40), (3, 64)])
 def test_length_aware_splits_match_reference(base, split_tokens):
     """A decode graph's launch: the grid sized for max_model_len (4096, so up to MAX_SPLITS splits),
