@@ -404,18 +404,28 @@ def phase_collect(args, work: Path) -> None:
     print(json.dumps(ratios, indent=1))
 
 
-def _kernel_profiler():
+def _kernel_profiler(host: bool = False):
+    """The device's kernels; with host, the host's torch ops too (for --trace: where a step's host time goes)."""
     import torch
-    return torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+    acts = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if host else [])
+    return torch.profiler.profile(activities=acts)
 
 
 def _top_kernels(prof, top: int = 30) -> list[dict]:
     """The profiled window's device kernels by total time: name, calls, total ms, share of all."""
-    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0 and str(e.device_type).endswith("CUDA")]
     total = sum(e.self_device_time_total for e in rows) or 1.0
     rows.sort(key=lambda e: e.self_device_time_total, reverse=True)
     return [{"kernel": e.key[:120], "calls": e.count, "ms": round(e.self_device_time_total / 1e3, 2),
              "share": round(e.self_device_time_total / total, 4)} for e in rows[:top]]
+
+
+def _top_host_ops(prof, top: int = 25) -> list[dict]:
+    """With --profile-host: the host's torch ops by their own (self) CPU time."""
+    rows = [e for e in prof.key_averages() if str(e.device_type).endswith("CPU") and e.self_cpu_time_total > 0]
+    rows.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"op": e.key[:120], "calls": e.count, "self_ms": round(e.self_cpu_time_total / 1e3, 2),
+             "total_ms": round(e.cpu_time_total / 1e3, 2)} for e in rows[:top]]
 
 
 def _device_idle(prof, top: int = 12) -> dict:
@@ -487,9 +497,9 @@ def phase_prefill(args) -> None:
         if mode is not None:
             _set_gather(mode)
         prompt = [rng.randrange(vocab) for _ in range(n)]
-        profile = args.profile and j == len(runs) - 1
+        profile = args.profile and j == (0 if args.profile_prompt == "first" else len(runs) - 1)
         before = _path_counts() if args.engine == "pagedserve" else None
-        prof = _kernel_profiler() if profile else contextlib.nullcontext()
+        prof = _kernel_profiler(args.profile_host) if profile else contextlib.nullcontext()
         with prof:  # the clock inside: the profiler's start and its trace's collection are not the prefill's
             t = time.perf_counter()
             if args.step_times:  # the engine's own loop, each step timed (a first run's slow step shows)
@@ -500,14 +510,16 @@ def phase_prefill(args) -> None:
                 llm.generate([{"prompt_token_ids": prompt} if args.engine == "vllm" else prompt],
                              SamplingParams(max_tokens=1, ignore_eos=True), use_tqdm=False)
             seconds = round(time.perf_counter() - t, 3)
-        if profile:  # the last prompt's kernels, by total device time (the profiler slows the host)
+        if profile:  # the prompt's kernels, by total device time (the profiler slows the host)
             timeline = _device_idle(prof)
             if timeline:  # the prompt's time after the last kernel (the output's host work), ~ to the
                 # profiler's start-up (first_kernel_at_ms counts from the profiler's start, just before t)
                 timeline["after_last_kernel_ms"] = round(1e3 * seconds - timeline["first_kernel_at_ms"]
                                                          - timeline["span_ms"], 2)
-            rec["profile"] = {"prompt_len": n, "seconds_profiled": seconds, "kernels": _top_kernels(prof),
-                              "device_timeline": timeline}
+            rec["profile"] = {"prompt_len": n, "prompt": args.profile_prompt, "seconds_profiled": seconds,
+                              "kernels": _top_kernels(prof), "device_timeline": timeline}
+            if args.profile_host:
+                rec["profile"]["host_ops"] = _top_host_ops(prof)
             if args.trace:
                 prof.export_chrome_trace(args.trace)
         key = str(n) if mode is None else f"{n}-{mode}"
@@ -799,7 +811,12 @@ def main() -> None:
     ap.add_argument("--step-times", action="store_true",
                     help="prefill: run each prompt through pagedserve's engine loop and record every step's ms")
     ap.add_argument("--profile", action="store_true",
-                    help="prefill: the last prompt under torch.profiler; its top kernels and the device's idle gaps go in the JSON")
+                    help="prefill: the last prompt (--profile-prompt) under torch.profiler; its top kernels and the device's "
+                         "idle gaps go in the JSON")
+    ap.add_argument("--profile-prompt", choices=["first", "last"], default="last",
+                    help="prefill --profile: which prompt (the first after start-up pays once-per-engine costs)")
+    ap.add_argument("--profile-host", action="store_true",
+                    help="prefill --profile: the host's torch ops too (see them in --trace's chrome trace)")
     ap.add_argument("--beside-decodes", type=int, nargs="*", default=[],
                     help="prefill: then the last --prefill-lens length again beside this many decoding requests "
                          "(each count in turn), per --cost-scales factor")

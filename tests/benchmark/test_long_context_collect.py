@@ -364,3 +364,20 @@ def test_device_timeline_places_the_kernels_in_the_profiled_window():
     timeline = lc._device_idle(NS(events=lambda: events))
     assert timeline["first_kernel_at_ms"] == 5.0 and timeline["span_ms"] == 3.0 and timeline["busy_ms"] == 2.4
     assert timeline["gaps_over_0.2ms"] == 1 and timeline["longest_gaps"] == [{"ms": 0.5, "after": "norm"}]
+
+
+def test_top_kernels_and_host_ops_keep_apart_under_a_host_profile():
+    """--profile-host records the host's torch ops beside the kernels: the kernel table counts only
+    device kernels (a host op's device time is its kernels', counted there once), the host table
+    only host ops, by self time."""
+    from types import SimpleNamespace as NS
+    def avg(kind, key, device_us=0.0, self_cpu_us=0.0, count=1):
+        return NS(device_type=f"DeviceType.{kind}", key=key, count=count, device_time_total=device_us,
+                  self_device_time_total=device_us, self_cpu_time_total=self_cpu_us, cpu_time_total=2 * self_cpu_us)
+    rows = [avg("CPU", "aten::mm", device_us=3000, self_cpu_us=500), avg("CUDA", "nvjet_gemm", device_us=3000, count=4),
+            avg("CUDA", "merge_parts_kernel", device_us=1000, count=2), avg("CPU", "aten::index_select", self_cpu_us=900)]
+    prof = NS(key_averages=lambda: rows)
+    assert lc._top_kernels(prof) == [{"kernel": "nvjet_gemm", "calls": 4, "ms": 3.0, "share": 0.75},
+                                     {"kernel": "merge_parts_kernel", "calls": 2, "ms": 1.0, "share": 0.25}]
+    assert [(r["op"], r["self_ms"], r["total_ms"]) for r in lc._top_host_ops(prof)] == [
+        ("aten::index_select", 0.9, 1.8), ("aten::mm", 0.5, 1.0)]
