@@ -23,7 +23,11 @@ match):
   dtype (the fused plain-path kernels compile per dtype), and the host copy;
 - where the gathered long-prefill path is on (Hopper by default; PAGEDSERVE_LONG_PREFILL), every
   bucketed shape a long chunk's cuDNN call can meet (attention/gathered_prefill.py: a plan per shape);
-- a swap out, a swap in and a block copy.
+- a swap out, a swap in and a block copy;
+- the incremental path's input preparation (request_state.py) on a throwaway device state, a
+  prefill step and a decode-only one: the steps above take the host-built path, and torch loads
+  each of its index and integer kernels on first use (the slots' floor division and remainder
+  took 21 and 30 ms on an H100: the first request after start-up paid them, 61st session).
 
 FP8 KV scales: every forward and _attention_variants pass the layers' own k_scale / v_scale,
 whose shape ([1] or [num_kv_heads]) loading and calculate_kv_scales settle before the warm-up,
@@ -53,7 +57,9 @@ from pagedserve.layers.fused_moe.warmup import warm_up_moe
 from pagedserve.layers.quant.fp8_gemm_warmup import warm_up_fp8_gemm
 from pagedserve.layers.sampler import Sampler, SampleRow
 from pagedserve.runner.async_output import AsyncHostCopy
-from pagedserve.runner.batch import HostBatch
+from pagedserve.runner.batch import HostBatch, ModelInput
+from pagedserve.runner.request_state import DeviceRequestState
+from pagedserve.runner.row_tracker import RowInputs
 from pagedserve.runner.cuda_graph import batch_buckets
 from pagedserve.runner.runner_view import RunnerView
 from pagedserve.runner.step_input import StepInput
@@ -211,6 +217,29 @@ def _sampler_paths(device: torch.device, vocab: int, max_seqs: int, dtype: torch
 
 
 @torch.inference_mode()
+def _device_state_inputs(steps: _Steps, device: torch.device) -> list[ModelInput]:
+    """A prefill step (a row cleared, table entries written, one sequence not sampling) and then
+    a decode-only step (a row's computed count set) through DeviceRequestState.prepare, on a state
+    of its own: the runner's request_state is untouched. Returns their ModelInputs (for tests)."""
+    bs = steps.block_size
+    prefill = steps.step([(0, 3, True), (bs + 1, 2, False)], 0).batch
+    decode = steps.step([(3, 1, True), (bs + 3, 1, True)], 2).batch
+    # Both steps' tables (steps.table's blocks, as steps.step lays them), written before the first.
+    tables = decode.block_tables
+    i64 = dict(dtype=np.int64)
+    e_rows = np.array([r for r, t in enumerate(tables) for _ in t], **i64)
+    e_cols = np.array([c for t in tables for c in range(len(t))], **i64)
+    e_vals = np.array([b for t in tables for b in t], dtype=np.int32)
+    rows, none, cols = np.array([0, 1], **i64), np.zeros(0, **i64), max(len(t) for t in tables)
+    state = DeviceRequestState(2, 1, device)
+    first = state.prepare(RowInputs(2, cols, np.array([1], **i64), e_rows, e_cols, e_vals, rows,
+                                    np.array([len(t) for t in prefill.block_tables], **i64), none, none), prefill, bs)
+    second = state.prepare(RowInputs(2, cols, none, none, none, np.zeros(0, dtype=np.int32), rows,
+                                     np.array([len(t) for t in tables], **i64), np.array([1], **i64),
+                                     np.array([bs + 3], **i64)), decode, bs)
+    return [first, second]
+
+
 def warm_up(runner: RunnerView) -> float:
     """Run every variant once (see the module docstring); returns the seconds it took."""
     t0 = time.perf_counter()
@@ -267,6 +296,7 @@ def warm_up(runner: RunnerView) -> float:
             ce.swap_out([(0, 0)])
             ce.swap_in([(0, 0)])
         _sampler_paths(dev, runner.vocab_size, max_seqs, runner.dtype)
+        _device_state_inputs(steps, dev)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         ce.gpu_pool.zero_()

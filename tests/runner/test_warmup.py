@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from pagedserve import SamplingParams
+from pagedserve.runner import warmup
 from pagedserve.runner.model_runner import ModelRunner
+from pagedserve.runner.request_state import DeviceRequestState
 from pagedserve.runner.warmup import WARMUP_ENV, warmup_enabled
 
 from engine.helpers import make_llm, prompt_ids
@@ -93,6 +95,35 @@ def test_warmup_leaves_engine_clean_and_outputs_identical(monkeypatch, tiny_mode
     # Seeded, unseeded, greedy and logprob outputs are the same with and without the warm-up.
     assert _generate(warm, model_dir) == _generate(cold, model_dir)
     assert warm.get_kv_cache_stats() == cold.get_kv_cache_stats()
+
+
+@pytest.mark.parametrize("block_size", [8, 1])
+def test_warmup_prepares_the_incremental_inputs_on_a_state_of_its_own(monkeypatch, tiny_model_dir, block_size):
+    """The warm-up's steps take the host-built input path; serving's take request_state.py's (its
+    integer kernels load on first use on CUDA), so the warm-up runs that too: a prefill and a
+    decode-only step, on a state of its own (the runner's stays unset), giving the slots,
+    positions and lengths the host path gives for the same steps."""
+    prepared = []
+    original = DeviceRequestState.prepare
+
+    def spy(self, rows, batch, block_size):
+        prepared.append((self, batch))
+        return original(self, rows, batch, block_size)
+    monkeypatch.setattr(DeviceRequestState, "prepare", spy)
+    monkeypatch.setenv(WARMUP_ENV, "1")
+    llm = make_llm(tiny_model_dir("llama"), **{**ENGINE_KW, "block_size": block_size})
+    runner = llm.llm_engine.runner
+    assert [(b.num_decodes, len(b.query_lens)) for _, b in prepared] == [(0, 2), (2, 2)]
+    assert prepared[0][0] is prepared[1][0] and runner.request_state is None
+    steps = warmup._Steps(runner, runner.max_model_len)
+    got = warmup._device_state_inputs(steps, torch.device("cpu"))
+    for inp, (_, batch) in zip(got, prepared[2:]):
+        want = batch.to_model_input(block_size, torch.device("cpu"))
+        assert torch.equal(inp.attn_meta.slot_mapping, want.attn_meta.slot_mapping)
+        assert torch.equal(inp.positions, want.positions)
+        assert torch.equal(inp.attn_meta.seq_lens, want.attn_meta.seq_lens)
+        assert torch.equal(inp.sample_indices, want.sample_indices)
+    assert len(prepared) == 4
 
 
 def test_warmup_fits_a_tiny_pool_and_short_context(monkeypatch, tiny_model_dir):
