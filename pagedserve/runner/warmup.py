@@ -58,9 +58,9 @@ from pagedserve.layers.quant.fp8_gemm_warmup import warm_up_fp8_gemm
 from pagedserve.layers.sampler import Sampler, SampleRow
 from pagedserve.runner.async_output import AsyncHostCopy
 from pagedserve.runner.batch import HostBatch, ModelInput
+from pagedserve.runner.cuda_graph import batch_buckets
 from pagedserve.runner.request_state import DeviceRequestState
 from pagedserve.runner.row_tracker import RowInputs
-from pagedserve.runner.cuda_graph import batch_buckets
 from pagedserve.runner.runner_view import RunnerView
 from pagedserve.runner.step_input import StepInput
 from pagedserve.sampling_params import SamplingParams
@@ -216,7 +216,6 @@ def _sampler_paths(device: torch.device, vocab: int, max_seqs: int, dtype: torch
             sampler.sample_device(logits, sample_rows).to_host()
 
 
-@torch.inference_mode()
 def _device_state_inputs(steps: _Steps, device: torch.device) -> list[ModelInput]:
     """A prefill step (a row cleared, table entries written, one sequence not sampling) and then
     a decode-only step (a row's computed count set) through DeviceRequestState.prepare, on a state
@@ -240,6 +239,7 @@ def _device_state_inputs(steps: _Steps, device: torch.device) -> list[ModelInput
     return [first, second]
 
 
+@torch.inference_mode()
 def warm_up(runner: RunnerView) -> float:
     """Run every variant once (see the module docstring); returns the seconds it took."""
     t0 = time.perf_counter()

@@ -107,17 +107,18 @@ def test_warmup_prepares_the_incremental_inputs_on_a_state_of_its_own(monkeypatc
     original = DeviceRequestState.prepare
 
     def spy(self, rows, batch, block_size):
-        prepared.append((self, batch))
+        prepared.append((self, batch, torch.is_inference_mode_enabled()))
         return original(self, rows, batch, block_size)
     monkeypatch.setattr(DeviceRequestState, "prepare", spy)
     monkeypatch.setenv(WARMUP_ENV, "1")
     llm = make_llm(tiny_model_dir("llama"), **{**ENGINE_KW, "block_size": block_size})
     runner = llm.llm_engine.runner
-    assert [(b.num_decodes, len(b.query_lens)) for _, b in prepared] == [(0, 2), (2, 2)]
+    # as the rest of the warm-up, under inference mode
+    assert [(b.num_decodes, len(b.query_lens), inference) for _, b, inference in prepared] == [(0, 2, True), (2, 2, True)]
     assert prepared[0][0] is prepared[1][0] and runner.request_state is None
     steps = warmup._Steps(runner, runner.max_model_len)
     got = warmup._device_state_inputs(steps, torch.device("cpu"))
-    for inp, (_, batch) in zip(got, prepared[2:]):
+    for inp, (_, batch, _) in zip(got, prepared[2:]):
         want = batch.to_model_input(block_size, torch.device("cpu"))
         assert torch.equal(inp.attn_meta.slot_mapping, want.attn_meta.slot_mapping)
         assert torch.equal(inp.positions, want.positions)
