@@ -34,7 +34,8 @@ seconds of both servers (launch to /v1/models answering) are recorded beside the
 targets' ratios, two that a stream's chunking does not move: decode_gap_matched_over_vllm_<scenario>
 (decode gaps outside long prefills, class for class by what was decoding) and
 first_token_ready_p50_over_vllm_<scenario> (TTFT less the coalesced tokens at the request's median
-gap: an estimate).
+gap: an estimate), and tpot_from_ready_p50/p99_over_vllm_<scenario> (the TPOT counted from that
+estimated ready time).
 """
 from __future__ import annotations
 
@@ -254,9 +255,13 @@ def stats(summary: dict, keep=lambda r: True) -> dict:
     # A server whose first chunk carries several tokens has counted their decode steps into its TTFT
     # and out of its TPOT (vLLM 0.26 at long prompts: docs/long-context.md). first_token_ready takes
     # them back out, each at the request's own median gap: an estimate, not a measurement.
+    # tpot_from_ready counts each request's decode from that estimated time: what its TPOT would be
+    # had the stream sent every token as it came.
     streamed = [r for r in ok if r.get("ttft") is not None]
     coalesced = [_coalesced(r) for r in streamed]
-    ready = [1000 * (r["ttft"] - _coalesced(r) * _median(r["itl"])) for r in streamed if r.get("itl")]
+    paced = [r for r in streamed if r.get("itl")]
+    ready = [1000 * _ready_s(r) for r in paced]
+    tpot_ready = [1000 * (r["latency"] - _ready_s(r)) / (r["output_len"] - 1) for r in paced]
     gaps = {k: {"n": len(v), "median_ms": round(_median(v), 2)}
             for k, v in sorted(gap_classes(summary, streamed).items())}
     return {"requests": len(reqs), "completed": len(ok), "tpot_p50": _pct(tpot, 50), "tpot_p99": _pct(tpot, 99),
@@ -265,7 +270,15 @@ def stats(summary: dict, keep=lambda r: True) -> dict:
             "output_not_at_max": sum(1 for r in ok if r["output_len"] != r["expected_output_len"]),
             "coalesced_tokens_p50": _pct(coalesced, 50),
             "decode_gaps_by_mix": gaps,
-            "first_token_ready_p50_estimate": _pct(ready, 50)}
+            "first_token_ready_p50_estimate": _pct(ready, 50),
+            "tpot_from_ready_p50_estimate": _pct(tpot_ready, 50),
+            "tpot_from_ready_p99_estimate": _pct(tpot_ready, 99)}
+
+
+def _ready_s(r: dict) -> float:
+    """A streamed request's first token's estimated ready time (s after its send): its TTFT less
+    its coalesced tokens at its own median gap."""
+    return r["ttft"] - _coalesced(r) * _median(r["itl"])
 
 
 def _median(values: list[float]) -> float:
@@ -357,8 +370,9 @@ def ratios_over_vllm(ours_result: dict, vllm_result: dict) -> dict:
         ratios[f"decode_gap_matched_over_vllm_{key}"] = (
             matched_gap_ratio(p["decode_gaps_by_mix"], v["decode_gaps_by_mix"])
             if "decode_gaps_by_mix" in p and "decode_gaps_by_mix" in v else None)
-        a, b = p.get("first_token_ready_p50_estimate"), v.get("first_token_ready_p50_estimate")
-        ratios[f"first_token_ready_p50_over_vllm_{key}"] = round(a / b, 3) if a and b else None
+        for metric in ("first_token_ready_p50", "tpot_from_ready_p50", "tpot_from_ready_p99"):
+            a, b = p.get(f"{metric}_estimate"), v.get(f"{metric}_estimate")
+            ratios[f"{metric}_over_vllm_{key}"] = round(a / b, 3) if a and b else None
     p, v = ours.get("prefill100k") or {}, theirs.get("prefill100k") or {}
     for q in ("p50", "p99"):
         a, b = p.get(f"itl_{q}_during"), v.get(f"itl_{q}_during")

@@ -140,6 +140,13 @@ def test_collect_writes_the_ratios(tmp_path):
              for e, s, c in (("vllm", 1.0, 200.0), ("pagedserve", 0.8, 0.0))}
     assert runs["vllm"]["32k"]["first_token_ready_p50_estimate"] == pytest.approx((ready["vllm"][1] + ready["vllm"][2]) / 2)
     assert ratios["first_token_ready_p50_over_vllm_32k"] == pytest.approx(1000 / 1050, abs=1e-3)
+    # ... and the TPOT counted from there: vLLM's 255 tokens then took its 5.1 s of gaps plus the 0.2 s
+    # its coalesced tokens were moved out of, where its measured TPOT leaves those 0.2 s out.
+    assert runs["vllm"]["32k"]["tpot_p50"] == pytest.approx(20.0)
+    assert runs["vllm"]["32k"]["tpot_from_ready_p50_estimate"] == pytest.approx(1000 * 5.3 / 255, abs=0.01)  # (rounded to 0.01 ms)
+    assert runs["pagedserve"]["32k"]["tpot_from_ready_p50_estimate"] == pytest.approx(16.0, abs=1e-3)
+    assert ratios["tpot_from_ready_p50_over_vllm_32k"] == pytest.approx(16.0 * 255 / 5300, abs=1e-3)
+    assert ratios["tpot_from_ready_p99_over_vllm_100k"] == pytest.approx(16.0 * 255 / 5300, abs=1e-3)
     # The switches recorded are the measured server's, not the collecting process's.
     assert result["switches"]["PAGEDSERVE_LONG_PREFILL"] == "cudnn"
     assert "PAGEDSERVE_LONG_PREFILL=cudnn" in out.with_suffix(".md").read_text()
