@@ -281,6 +281,12 @@ def _ready_s(r: dict) -> float:
     return r["ttft"] - _coalesced(r) * _median(r["itl"])
 
 
+def _day(text: str) -> str:
+    """argparse type of --date: a YYYY-MM-DD day (argparse names the option when it is not)."""
+    import datetime
+    return datetime.date.fromisoformat(text).isoformat()
+
+
 def _median(values: list[float]) -> float:
     import statistics
     return statistics.median(values)
@@ -413,7 +419,7 @@ def phase_collect(args, work: Path) -> None:
     write_result(Path(args.output), "long_context_vs_vllm",
                  "python benchmarks/serving/long_context.py " + shlex.join(sys.argv[1:]), config, results,
                  {"vllm": "0.26.0"}, ratios, device=args.device, measured_commit=ours_info.get("commit"),
-                 switches=ours_info.get("env_switches"), host=ours_info.get("host"),
+                 switches=ours_info.get("env_switches"), host=ours_info.get("host"), date=args.date,
                  extra={"note": args.note} if args.note else None)
     print(json.dumps(ratios, indent=1))
 
@@ -807,6 +813,7 @@ def main() -> None:
     ap.add_argument("--output", default=str(REPO / "benchmarks/results/h200/long_context.json"))
     ap.add_argument("--device", default=None)
     ap.add_argument("--note", default=None)
+    ap.add_argument("--date", default=None, type=_day, help="collect: the day the runs were made (YYYY-MM-DD; default today)")
     ap.add_argument("--alt-work", action="append", metavar="LABEL=DIR",
                     help="collect: another pagedserve run's work dir (e.g. piecewise=DIR), kept as results['pagedserve_LABEL']")
     ap.add_argument("--prefill-lens", type=int, nargs="+", default=[32768, 100_000, 100_000],

@@ -205,14 +205,15 @@ def write_result(path: str | Path, name: str, command: str | None, config: dict,
                  baselines: dict | None = None, ratios: dict | None = None,
                  table_md: str | Callable[[dict], str] | None = None, *, device: str | None = None,
                  switches: dict | None = None, extra: dict | None = None, measured_commit: str | None = None,
-                 host: dict | None = None) -> dict:
+                 host: dict | None = None, date: str | None = None) -> dict:
     """Write `path` (JSON, RESULT_KEYS first, then `extra`) and a markdown table beside it.
 
     command: how to re-run it (default: this process's argv). device: default the CUDA device's
     name, or "cpu". switches: merged over engine_switches() (pass engine_switches(cfg) to record
     an engine's settings). measured_commit: the code a result assembled from earlier runs measured
     (this checkout's commit is then kept as collected_at_commit); host: the machine those runs were
-    on (default: this process's, host_info()). table_md: the markdown, or a
+    on (default: this process's, host_info()); date: the day those runs were made (default:
+    today, UTC; a result re-collected later from old records keeps its lease's). table_md: the markdown, or a
     function of the document. Raises
     UnknownCommitError before writing anything if the commit cannot be named.
     """
@@ -220,7 +221,7 @@ def write_result(path: str | Path, name: str, command: str | None, config: dict,
     # Assembled from runs made elsewhere: `commit` is the code those runs were, this one collected them.
     commit_fields = {"commit": measured_commit, "collected_at_commit": here} if measured_commit else {"commit": here}
     doc = {"benchmark": name, "device": device or device_name(), **commit_fields,
-           "date": datetime.datetime.now(datetime.timezone.utc).date().isoformat(),
+           "date": (datetime.date.fromisoformat(date) if date else datetime.datetime.now(datetime.timezone.utc).date()).isoformat(),
            "command": command or default_command(), "switches": {**engine_switches(), **(switches or {})},
            "versions": _versions(), "host": host or host_info(), "config": config, "results": results, "baselines": baselines or {},
            "ratios": ratios or {}, **(extra or {})}

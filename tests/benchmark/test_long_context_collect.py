@@ -111,10 +111,12 @@ def test_collect_writes_the_ratios(tmp_path):
     out = tmp_path / "long_context.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
     r = subprocess.run([sys.executable, str(ROOT / "benchmarks/serving/long_context.py"), "collect", "--work",
-                        str(work), "--device", "NVIDIA H200", "--output", str(out), "--alt-work", f"pw={alt}"],
+                        str(work), "--device", "NVIDIA H200", "--output", str(out), "--alt-work", f"pw={alt}",
+                        "--date", "2026-12-04"],
                        capture_output=True, text=True, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     result = json.loads(out.read_text())
+    assert result["date"] == "2026-12-04"  # the runs' day, not the collection's
     ratios = result["ratios"]
     alt_runs = result["results"]["pagedserve_pw"]
     assert alt_runs["server_args"] == "--x" and list(alt_runs["runs"]) == ["8k"]

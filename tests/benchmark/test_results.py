@@ -142,6 +142,17 @@ def test_write_result_records_the_kernels_this_process_picked(tmp_path):
     assert doc["command"].startswith("python ")
 
 
+def test_write_result_dates_a_result_by_its_runs_when_told(tmp_path):
+    import datetime
+    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    assert results.write_result(tmp_path / "a.json", "a", "cmd", {}, {}, device="cpu")["date"] == today
+    doc = results.write_result(tmp_path / "b.json", "b", "cmd", {}, {}, device="cpu", date="2026-12-04")
+    assert doc["date"] == json.loads((tmp_path / "b.json").read_text())["date"] == "2026-12-04"
+    with pytest.raises(ValueError):  # not a day: refused before anything is written
+        results.write_result(tmp_path / "c.json", "c", "cmd", {}, {}, device="cpu", date="12/04/2026")
+    assert not (tmp_path / "c.json").exists()
+
+
 def test_write_result_refuses_without_a_commit(tmp_path, monkeypatch):
     copy = _copy_package(tmp_path / "plain")
     monkeypatch.setattr(results, "PACKAGE_DIR", copy)
