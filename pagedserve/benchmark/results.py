@@ -220,8 +220,8 @@ def write_result(path: str | Path, name: str, command: str | None, config: dict,
     here = git_commit()
     # Assembled from runs made elsewhere: `commit` is the code those runs were, this one collected them.
     commit_fields = {"commit": measured_commit, "collected_at_commit": here} if measured_commit else {"commit": here}
-    doc = {"benchmark": name, "device": device or device_name(), **commit_fields,
-           "date": (datetime.date.fromisoformat(date) if date else datetime.datetime.now(datetime.timezone.utc).date()).isoformat(),
+    day = datetime.date.fromisoformat(date) if date else datetime.datetime.now(datetime.timezone.utc).date()
+    doc = {"benchmark": name, "device": device or device_name(), **commit_fields, "date": day.isoformat(),
            "command": command or default_command(), "switches": {**engine_switches(), **(switches or {})},
            "versions": _versions(), "host": host or host_info(), "config": config, "results": results, "baselines": baselines or {},
            "ratios": ratios or {}, **(extra or {})}

@@ -144,8 +144,10 @@ def test_write_result_records_the_kernels_this_process_picked(tmp_path):
 
 def test_write_result_dates_a_result_by_its_runs_when_told(tmp_path):
     import datetime
-    today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    assert results.write_result(tmp_path / "a.json", "a", "cmd", {}, {}, device="cpu")["date"] == today
+    def today():
+        return datetime.datetime.now(datetime.timezone.utc).date().isoformat()
+    before = today()  # (either side of a midnight that falls inside the call)
+    assert results.write_result(tmp_path / "a.json", "a", "cmd", {}, {}, device="cpu")["date"] in {before, today()}
     doc = results.write_result(tmp_path / "b.json", "b", "cmd", {}, {}, device="cpu", date="2026-12-04")
     assert doc["date"] == json.loads((tmp_path / "b.json").read_text())["date"] == "2026-12-04"
     with pytest.raises(ValueError):  # not a day: refused before anything is written
