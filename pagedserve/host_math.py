@@ -27,7 +27,7 @@ def stride_unit(*strides: int) -> int:
     ld.global.b16). Strides handed over in sixteens and multiplied back by a constexpr carry the
     alignment, and the rows move 16 bytes an access (ld.global.v4.b32). Where that pays (one H100):
     the long-prefill merge (1.8 -> 2.8 TB/s, 60th session) and the sampling span kernel (0.75-0.83x
-    the time, 61st); not for the attention kernels' query tiles and outputs, which ran 1.00-1.10x
-    slower so (61st, docs/benchmarks-history.md). Given one model's tensors every call picks the
+    the time, 61st); not for the attention kernels' query tiles and outputs, which took 0.99-1.10x
+    their time so (61st, docs/benchmarks-history.md). Given one model's tensors every call picks the
     same unit, so serving meets the warm-up's compiled variant."""
     return 16 if all(s % 16 == 0 for s in strides) else 1

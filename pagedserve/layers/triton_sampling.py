@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from pagedserve.host_math import stride_unit as host_stride_unit
+from pagedserve.host_math import stride_unit
 
 # The default launch, from benchmarks/kernels/sampling_sweep.py on the H200 (46th session,
 # runs/s46_gpu/ in benchmarks/results/h200/history.tar.gz): 16 programs per SM of 4 warps, a block
@@ -158,11 +158,11 @@ def _num_sms(device: torch.device) -> int:
     return 4  # the interpreter: any value; a few, so the tests split the vocabulary
 
 
-def stride_unit(logits: torch.Tensor) -> int:
+def logits_unit(logits: torch.Tensor) -> int:
     """The span kernel's UNIT: 16 where the row stride and the vocabulary are multiples of 16 (with
     the 16-byte aligned pointer Triton specializes on, every span then starts 16-byte aligned),
     else 1. One model's logits always take the same, so serving meets the warm-up's variant."""
-    return host_stride_unit(logits.stride(0), logits.shape[1])
+    return stride_unit(logits.stride(0), logits.shape[1])
 
 
 def supports(logits: torch.Tensor) -> bool:
@@ -208,7 +208,7 @@ def sample_rows(logits: torch.Tensor, temperatures: torch.Tensor | None, seed: i
     parts = torch.empty(4, n * splits, dtype=torch.float32, device=logits.device)
     greedy = temperatures is None
     temps = parts if greedy else temperatures  # any pointer when greedy: never read
-    unit = stride_unit(logits)
+    unit = logits_unit(logits)
     _span_kernel[(n, splits)](logits, logits.stride(0) // unit, vocab // unit, span_blocks, temps, seed, parts,
                               n * splits, GREEDY=greedy, BLOCK=block, UNIT=unit, num_warps=num_warps)
     tokens = torch.empty(n, dtype=torch.int64, device=logits.device)

@@ -79,7 +79,7 @@ def test_row_strides_in_units_of_16_or_not(pad):
     wide = torch.randn(n, vocab + pad, generator=g).to(torch.bfloat16)
     wide[:, :vocab] = x
     view = wide[:, :vocab]
-    assert (ts.stride_unit(x), ts.stride_unit(view)) == (16, 16 if pad == 16 else 1)
+    assert (ts.logits_unit(x), ts.logits_unit(view)) == (16, 16 if pad == 16 else 1)
     tokens, packed = ts.sample_rows(view, None, seed=0, splits=2)
     assert torch.equal(tokens, x.float().argmax(dim=-1))
     torch.testing.assert_close(packed[:, 1].float(), _ref_logprobs(x, tokens), rtol=0, atol=1e-5)

@@ -24,7 +24,7 @@ def test_span_kernel_compiles_for_sm90(greedy):
 
 @pytest.mark.parametrize("greedy", [True, False])
 def test_span_kernel_reads_16_bytes_an_access_at_unit_16(greedy):
-    """With the row stride and the vocabulary in units of 16 (stride_unit's choice for Llama's,
+    """With the row stride and the vocabulary in units of 16 (logits_unit's choice for Llama's,
     Qwen's, Mistral's vocabularies) and the aligned pointer a launch specializes on, the logits are
     read 16 bytes an access; in units of 1 the compiler cannot prove a span aligned: 2 bytes."""
     ptx = {unit: compile_sm90(ts._span_kernel, dict(GREEDY=greedy, BLOCK=ts.GREEDY_BLOCK if greedy else ts.BLOCK,
