@@ -338,9 +338,12 @@ def phase_collect(args, work: Path) -> None:
     # The GPU machine's host, as the phases' own result files recorded it (not this machine's).
     hosts = [(_load(f) or {}).get("host") for f in sorted(work.glob("o*_pagedserve_*.json"))]
     host = next((h for h in hosts if h), {"note": "not recorded by the phases (result files before host info)"})
+    # The lease's day, as its phase files have it (the first, should the runs cross a midnight), not collect's.
+    days = sorted({(_load(f) or {}).get("date") for f in work.glob("o*_*.json")} - {None})
     write_result(out, "serving_vs_vllm", "python benchmarks/serving/vs_vllm.py " + shlex.join(sys.argv[1:]), config,
                  results, {"vllm": "0.26.0"}, ratios, device=args.device, switches=switches,
-                 measured_commit=measured.pop() if len(measured) == 1 else None, host=host)
+                 measured_commit=measured.pop() if len(measured) == 1 else None, host=host,
+                 date=days[0] if days else None)
     print(json.dumps(ratios, indent=1))
 
 

@@ -35,6 +35,7 @@ def test_collect_computes_ratios_from_the_phase_files(tmp_path):
     r10 = json.loads((LEASE / "online_pagedserve_r10.json").read_text())
     assert got["commit"] == r10["commit"]  # the code the phases ran
     committed = json.loads(COMMITTED.read_text())
+    assert got["date"] == r10["date"] == committed["date"]  # the lease's day, not the collecting one's
     assert got["host"] == committed["host"] and got["host"]["cpu"] in {  # the GPU machine's, from its phases
         json.loads(f.read_text()).get("host", {}).get("cpu") for f in LEASE.glob("o*.json")}
     assert got["ratios"] == committed["ratios"] and got["results"] == committed["results"]
