@@ -75,15 +75,20 @@ class AsyncLLMEngine:
     @classmethod
     def from_engine_config(cls, config: Any, metrics: ServerMetrics | None = None,
                            specs_checked: bool = False) -> "AsyncLLMEngine":
-        """Load the tokenizer here, start the core process and wait until it is ready.
+        """Start the core process, load the tokenizer here while it starts (both import torch and
+        transformers: seconds each), then wait until the core is ready.
         specs_checked: only for the OpenAI API server, which parses every structured-output spec
         itself (entrypoints/openai/structured_outputs.py): the core then leaves the parse to its
         grammar compile thread, and a spec that fails there fails its request alone instead of
         add_request raising the ValueError a direct user gets."""
-        tokenizer = None
-        if not config.skip_tokenizer_init:
-            tokenizer = load_tokenizer(config.tokenizer or config.model, config.chat_template)
-        client = MPCoreClient(config, specs_checked=specs_checked)
+        loaded: list[Any] = []
+
+        def load() -> None:
+            loaded.append(load_tokenizer(config.tokenizer or config.model, config.chat_template))
+
+        client = MPCoreClient(config, specs_checked=specs_checked,
+                              while_starting=None if config.skip_tokenizer_init else load)
+        tokenizer = loaded[0] if loaded else None
         logger.info("engine core ready (pid %d)", client.pid)
         engine = cls(client, tokenizer, metrics)
         engine.metrics.cache_config.update(enable_prefix_caching=str(config.enable_prefix_caching),

@@ -28,7 +28,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 
@@ -165,10 +165,14 @@ class MPCoreClient(EngineCoreClient):
     """
 
     def __init__(self, config: EngineConfig, ready_timeout_s: float = 3600.0,
-                 core_cmd: list[str] | None = None, specs_checked: bool = False) -> None:
+                 core_cmd: list[str] | None = None, specs_checked: bool = False,
+                 while_starting: Callable[[], None] | None = None) -> None:
         """core_cmd: the program to start instead of `python -m pagedserve.engine.core`, given
         the same flags (a benchmark's model-less core behind this very transport).
-        specs_checked: the API server is in front (--specs-checked; LLMEngine's specs_checked)."""
+        specs_checked: the API server is in front (--specs-checked; LLMEngine's specs_checked).
+        while_starting: this process's own start-up work (the tokenizer's load), run once the core
+        process is launched and before waiting for its Ready, so the two overlap; if it raises, the
+        core is stopped at once (it has nothing to finish) and the error goes to the caller."""
         import zmq
         self._codec = Codec()
         self._dir = tempfile.mkdtemp(prefix="pagedserve-core-")
@@ -187,10 +191,14 @@ class MPCoreClient(EngineCoreClient):
         # Our stdout/stderr: the core's log lines land beside the server's.
         self.proc = subprocess.Popen(cmd)
         self._closed = False
+        launched_only = True
         try:
+            if while_starting is not None:
+                while_starting()
+            launched_only = False
             self.ready = self._wait_ready(ready_timeout_s)
         except BaseException:
-            self.shutdown()
+            self.shutdown(timeout_s=0.0 if launched_only else 10.0)
             raise
         self._ops: list[Any] = []
         self._flush_handle: asyncio.Handle | None = None
