@@ -76,7 +76,8 @@ class AsyncLLMEngine:
     def from_engine_config(cls, config: Any, metrics: ServerMetrics | None = None,
                            specs_checked: bool = False) -> "AsyncLLMEngine":
         """Start the core process, load the tokenizer here while it starts (both import torch and
-        transformers: seconds each), then wait until the core is ready.
+        transformers: seconds each), then wait until the core is ready. With a --chat-template the
+        tokenizer comes first: a template that does not compile is refused before any process starts.
         specs_checked: only for the OpenAI API server, which parses every structured-output spec
         itself (entrypoints/openai/structured_outputs.py): the core then leaves the parse to its
         grammar compile thread, and a spec that fails there fails its request alone instead of
@@ -86,8 +87,10 @@ class AsyncLLMEngine:
         def load() -> None:
             loaded.append(load_tokenizer(config.tokenizer or config.model, config.chat_template))
 
+        if config.chat_template is not None and not config.skip_tokenizer_init:
+            load()
         client = MPCoreClient(config, specs_checked=specs_checked,
-                              while_starting=None if config.skip_tokenizer_init else load)
+                              while_starting=None if loaded or config.skip_tokenizer_init else load)
         tokenizer = loaded[0] if loaded else None
         logger.info("engine core ready (pid %d)", client.pid)
         engine = cls(client, tokenizer, metrics)

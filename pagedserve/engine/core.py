@@ -315,6 +315,13 @@ def run_engine_core(config: EngineConfig | None, input_address: str, output_addr
     try:
         # Text, stop strings and output shapes are the API server's (engine/text_output.py).
         core = EngineCore(config, engine=engine, detokenize=False, serving=True, specs_checked=specs_checked)
+    except SystemExit:
+        # SIGTERM mid start-up: the API server stopped this core (its own start-up failed, e.g. its
+        # tokenizer) or the process group is stopping. Nobody waits for a StartupFailed.
+        inp.close(linger=0)
+        out.close(linger=0)
+        ctx.term()
+        raise
     except BaseException as e:
         # Bad settings are the user's to fix: the API server prints them, once, as one line.
         # Anything else needs the traceback, which only this process has.
