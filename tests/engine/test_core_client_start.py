@@ -1,5 +1,6 @@
 """MPCoreClient's start-up: the front end's own start-up work (the tokenizer's load) runs while the
-core process starts, not before it, and a failure there stops the core at once.
+core process starts, not before it, and a failure there stops the core at once (and `pagedserve
+serve` prints it as one line); a core stopped so, mid start-up, exits without reporting a failure.
 
 A puppet core (real sockets, no model) writes a file when it is running and sends Ready only once
 the front end's work has written another: a client that ran that work before launching the core,
@@ -7,7 +8,11 @@ or after waiting for Ready, never gets there.
 """
 from __future__ import annotations
 
+import logging
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -84,3 +89,89 @@ def test_a_failure_of_the_front_ends_work_stops_the_core_and_is_raised(files):
     pid = int(running.read_text())
     with pytest.raises(ProcessLookupError):  # stopped and reaped before the error came back
         os.kill(pid, 0)
+
+
+def test_serve_with_a_tokenizer_that_fails_is_one_line_and_leaves_no_core(tiny_model_dir, tmp_path, monkeypatch,
+                                                                            capfd):
+    """A tokenizer.json that is not JSON fails in the API server while the core starts beside it:
+    `pagedserve serve` prints one line and exits 2, and the core it launched has exited without a
+    traceback of its own (capfd: the core writes to this process's stderr)."""
+    from pagedserve.entrypoints.cli import main
+    model = tmp_path / "bad-tokenizer"
+    shutil.copytree(tiny_model_dir("llama"), model)
+    (model / "tokenizer.json").write_text("{ not json")
+    launched = []
+
+    class Recorded(subprocess.Popen):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            launched.append(self)
+    monkeypatch.setattr(subprocess, "Popen", Recorded)
+    monkeypatch.setenv("PYTHONPATH", ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    capfd.readouterr()
+    try:
+        rc = main(["serve", str(model), "--device", "cpu", "--max-model-len", "256"])
+    except SystemExit as e:
+        rc = e.code
+    err = capfd.readouterr().err
+    assert rc == 2, err
+    assert err.strip().splitlines()[-1].startswith(
+        f"pagedserve serve: error: tokenizer: cannot load a tokenizer from '{model}'"), err
+    assert "Traceback" not in err and err.count("pagedserve serve: error") == 1, err
+    assert len(launched) == 1 and "pagedserve.engine.core" in launched[0].args
+    assert launched[0].poll() is not None  # stopped and reaped before serve returned
+
+
+def test_a_core_stopped_mid_start_up_exits_quietly(tmp_path, monkeypatch, caplog):
+    """SIGTERM while the engine builds (the API server stopped the core: its own start-up failed) is
+    the handler's SystemExit there: the core re-raises it, logs no failure, sends no StartupFailed."""
+    import zmq
+
+    from pagedserve.engine import core as core_mod
+
+    def stopped(*a, **kw):
+        raise SystemExit(0)  # what the core's SIGTERM handler raises wherever start-up is
+    monkeypatch.setattr(core_mod, "EngineCore", stopped)
+    monkeypatch.setattr(core_mod, "_exit_when_orphaned", lambda parent_pid: None)  # no watcher in pytest
+    ctx = zmq.Context()
+    reader = ctx.socket(zmq.PULL)
+    reader.bind(f"ipc://{tmp_path}/out")
+    writer = ctx.socket(zmq.PUSH)
+    writer.bind(f"ipc://{tmp_path}/in")
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit), caplog.at_level(logging.ERROR):
+            core_mod.run_engine_core(EngineConfig(), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", os.getppid())
+        assert not reader.poll(500)  # no StartupFailed (a real failure sends one: the test below)
+        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+        ctx.destroy(linger=0)
+
+
+def test_a_core_that_fails_to_start_still_reports_it(tmp_path, monkeypatch):
+    import zmq
+
+    from pagedserve.engine import core as core_mod
+    from pagedserve.engine.core_messages import Codec, StartupFailed
+
+    def broken(*a, **kw):
+        raise RuntimeError("no such layer kind")
+    monkeypatch.setattr(core_mod, "EngineCore", broken)
+    monkeypatch.setattr(core_mod, "_exit_when_orphaned", lambda parent_pid: None)
+    ctx = zmq.Context()
+    reader = ctx.socket(zmq.PULL)
+    reader.bind(f"ipc://{tmp_path}/out")
+    writer = ctx.socket(zmq.PUSH)
+    writer.bind(f"ipc://{tmp_path}/in")
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        assert core_mod.run_engine_core(EngineConfig(), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out",
+                                        os.getppid()) == 1
+        assert reader.poll(5000)
+        assert Codec().handshake.decode(reader.recv()) == StartupFailed("RuntimeError: no such layer kind")
+    finally:
+        signal.signal(signal.SIGINT, handlers[0])
+        signal.signal(signal.SIGTERM, handlers[1])
+        ctx.destroy(linger=0)
