@@ -103,3 +103,23 @@ def model_with_generation_config(folder, **values):
     base = json.loads((DEMO_MODEL_DIR / "generation_config.json").read_text())
     (folder / "generation_config.json").write_text(json.dumps({**base, **values}))
     return folder
+
+
+def puppet_core(before_ready: str = "") -> str:
+    """`python -c` source of a puppet engine core for MPCoreClient's tests: its real sockets, no
+    model. It runs `before_ready` (a test's hold, Python at top level), sends Ready and then only
+    waits for Shutdown. PYTHONPATH must reach pagedserve."""
+    return f"""
+import os, sys, time, zmq
+from pagedserve.engine.core_messages import Codec, Ready, Shutdown
+{before_ready}
+a = sys.argv[1:]
+ctx = zmq.Context()
+inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
+inp.connect(a[a.index("--input") + 1])
+out.connect(a[a.index("--output") + 1])
+codec = Codec()
+out.send(codec.encode(Ready(0, 64, 100, 8, 0, 16, 8, [2])))
+while not any(isinstance(op, Shutdown) for op in codec.inputs.decode(inp.recv()).ops):
+    pass
+"""

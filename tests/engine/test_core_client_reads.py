@@ -24,19 +24,9 @@ from pagedserve.engine.core_messages import (Codec, CompletionDelta, RequestDelt
                                              StepOutputsHead, UtilityResult)
 from pagedserve.sampling_params import RequestOutputKind, SamplingParams
 
-PUPPET = """
-import sys, zmq
-from pagedserve.engine.core_messages import Codec, Ready, Shutdown
-a = sys.argv[1:]
-ctx = zmq.Context()
-inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-inp.connect(a[a.index("--input") + 1])
-out.connect(a[a.index("--output") + 1])
-codec = Codec()
-out.send(codec.encode(Ready(0, 64, 100, 8, 0, 16, 8, [2])))
-while not any(isinstance(op, Shutdown) for op in codec.inputs.decode(inp.recv()).ops):
-    pass
-"""
+from engine.helpers import puppet_core
+
+PUPPET = puppet_core()
 CODEC = Codec()
 DELTA = SamplingParams(max_tokens=8, output_kind=RequestOutputKind.DELTA)
 

@@ -22,23 +22,14 @@ import pytest
 from pagedserve.config import EngineConfig
 from pagedserve.engine.core_client import MPCoreClient
 
+from engine.helpers import puppet_core
+
 ROOT = str(Path(__file__).resolve().parents[2])
-PUPPET = """
-import os, sys, time, zmq
-from pagedserve.engine.core_messages import Codec, Ready, Shutdown
-a = sys.argv[1:]
+PUPPET = puppet_core(before_ready="""
 open(os.environ["PUPPET_RUNNING"], "w").write(str(os.getpid()))
 while not os.path.exists(os.environ["PUPPET_GO"]):
     time.sleep(0.01)
-ctx = zmq.Context()
-inp, out = ctx.socket(zmq.PULL), ctx.socket(zmq.PUSH)
-inp.connect(a[a.index("--input") + 1])
-out.connect(a[a.index("--output") + 1])
-codec = Codec()
-out.send(codec.encode(Ready(0, 64, 100, 8, 0, 16, 8, [2])))
-while not any(isinstance(op, Shutdown) for op in codec.inputs.decode(inp.recv()).ops):
-    pass
-"""
+""")
 
 
 @pytest.fixture
@@ -122,56 +113,49 @@ def test_serve_with_a_tokenizer_that_fails_is_one_line_and_leaves_no_core(tiny_m
     assert launched[0].poll() is not None  # stopped and reaped before serve returned
 
 
-def test_a_core_stopped_mid_start_up_exits_quietly(tmp_path, monkeypatch, caplog):
-    """SIGTERM while the engine builds (the API server stopped the core: its own start-up failed) is
-    the handler's SystemExit there: the core re-raises it, logs no failure, sends no StartupFailed."""
+@pytest.fixture
+def core_entry(tmp_path, monkeypatch):
+    """run_engine_core in this process with its engine build replaced: yields (run, reader), where
+    run(build) calls it with EngineCore = build and reader is the API server's end of its outputs."""
     import zmq
 
     from pagedserve.engine import core as core_mod
-
-    def stopped(*a, **kw):
-        raise SystemExit(0)  # what the core's SIGTERM handler raises wherever start-up is
-    monkeypatch.setattr(core_mod, "EngineCore", stopped)
     monkeypatch.setattr(core_mod, "_exit_when_orphaned", lambda parent_pid: None)  # no watcher in pytest
     ctx = zmq.Context()
     reader = ctx.socket(zmq.PULL)
     reader.bind(f"ipc://{tmp_path}/out")
-    writer = ctx.socket(zmq.PUSH)
-    writer.bind(f"ipc://{tmp_path}/in")
-    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    try:
-        with pytest.raises(SystemExit), caplog.at_level(logging.ERROR):
-            core_mod.run_engine_core(EngineConfig(), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out", os.getppid())
-        assert not reader.poll(500)  # no StartupFailed (a real failure sends one: the test below)
-        assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
-    finally:
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
-        ctx.destroy(linger=0)
+    ctx.socket(zmq.PUSH).bind(f"ipc://{tmp_path}/in")
+    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)  # it sets both
+
+    def run(build):
+        monkeypatch.setattr(core_mod, "EngineCore", build)
+        return core_mod.run_engine_core(EngineConfig(), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out",
+                                        os.getppid())
+    yield run, reader
+    signal.signal(signal.SIGINT, handlers[0])
+    signal.signal(signal.SIGTERM, handlers[1])
+    ctx.destroy(linger=0)
 
 
-def test_a_core_that_fails_to_start_still_reports_it(tmp_path, monkeypatch):
-    import zmq
+def test_a_core_stopped_mid_start_up_exits_quietly(core_entry, caplog):
+    """SIGTERM while the engine builds (the API server stopped the core: its own start-up failed) is
+    the handler's SystemExit there: the core re-raises it, logs no failure, sends no StartupFailed."""
+    run, reader = core_entry
 
-    from pagedserve.engine import core as core_mod
+    def stopped(*a, **kw):
+        raise SystemExit(0)  # what the core's SIGTERM handler raises wherever start-up is
+    with pytest.raises(SystemExit), caplog.at_level(logging.ERROR):
+        run(stopped)
+    assert not reader.poll(500)  # no StartupFailed (a real failure sends one: the test below)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR] == []
+
+
+def test_a_core_that_fails_to_start_still_reports_it(core_entry):
     from pagedserve.engine.core_messages import Codec, StartupFailed
+    run, reader = core_entry
 
     def broken(*a, **kw):
         raise RuntimeError("no such layer kind")
-    monkeypatch.setattr(core_mod, "EngineCore", broken)
-    monkeypatch.setattr(core_mod, "_exit_when_orphaned", lambda parent_pid: None)
-    ctx = zmq.Context()
-    reader = ctx.socket(zmq.PULL)
-    reader.bind(f"ipc://{tmp_path}/out")
-    writer = ctx.socket(zmq.PUSH)
-    writer.bind(f"ipc://{tmp_path}/in")
-    handlers = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
-    try:
-        assert core_mod.run_engine_core(EngineConfig(), f"ipc://{tmp_path}/in", f"ipc://{tmp_path}/out",
-                                        os.getppid()) == 1
-        assert reader.poll(5000)
-        assert Codec().handshake.decode(reader.recv()) == StartupFailed("RuntimeError: no such layer kind")
-    finally:
-        signal.signal(signal.SIGINT, handlers[0])
-        signal.signal(signal.SIGTERM, handlers[1])
-        ctx.destroy(linger=0)
+    assert run(broken) == 1
+    assert reader.poll(5000)
+    assert Codec().handshake.decode(reader.recv()) == StartupFailed("RuntimeError: no such layer kind")
