@@ -82,16 +82,16 @@ class AsyncLLMEngine:
         itself (entrypoints/openai/structured_outputs.py): the core then leaves the parse to its
         grammar compile thread, and a spec that fails there fails its request alone instead of
         add_request raising the ValueError a direct user gets."""
-        loaded: list[Any] = []
+        tokenizer = None
 
         def load() -> None:
-            loaded.append(load_tokenizer(config.tokenizer or config.model, config.chat_template))
+            nonlocal tokenizer
+            if not config.skip_tokenizer_init:
+                tokenizer = load_tokenizer(config.tokenizer or config.model, config.chat_template)
 
-        if config.chat_template is not None and not config.skip_tokenizer_init:
+        if config.chat_template is not None:
             load()
-        client = MPCoreClient(config, specs_checked=specs_checked,
-                              while_starting=None if loaded or config.skip_tokenizer_init else load)
-        tokenizer = loaded[0] if loaded else None
+        client = MPCoreClient(config, specs_checked=specs_checked, while_starting=load if tokenizer is None else None)
         logger.info("engine core ready (pid %d)", client.pid)
         engine = cls(client, tokenizer, metrics)
         engine.metrics.cache_config.update(enable_prefix_caching=str(config.enable_prefix_caching),
