@@ -14,7 +14,7 @@ def test_every_section_runs_and_writes_consistent_json(tmp_path, tiny_model_dir)
     out = tmp_path / "h200"
     cmd = [sys.executable, str(ROOT / "benchmarks" / "paper" / "paper_gpu.py"), "--device", "cpu", "--dtype", "float32",
            "--out-dir", str(out), "--max-output", "6",
-           "--model", str(model), "--kv-budget-gb", "0.002", "--rates", "2,50", "--window-s", "0.1",
+           "--model", str(model), "--kv-budget-gb", "0.002", "--rates", "8,50", "--window-s", "0.1",
            "--min-requests", "3",
            "--bs-model", str(model), "--block-sizes", "8,16", "--bs-requests", "4", "--bs-max-model-len", "512",
            "--svr-tokens", "100",
@@ -43,9 +43,9 @@ def test_every_section_runs_and_writes_consistent_json(tmp_path, tiny_model_dir)
         # it at the lowest rate gets one more point at half that rate).
         over = [p["normalized_latency_s_per_token"] > cfg["latency_threshold_s_per_token"] for p in pts]
         assert over == sorted(over), alloc
-        assert sum(over) <= 1 or [p["rate"] for p in pts] == [1, 2], alloc
-        assert len(pts) == 2 or over[-1] or pts[0]["rate"] == 1, alloc
-        assert [p["num_requests"] for p in pts if p["rate"] == 2] == [3], alloc  # min_requests > 2 req/s x 0.1 s
+        assert sum(over) <= 1 or [p["rate"] for p in pts] == [4, 8], alloc
+        assert len(pts) == 2 or over[-1] or pts[0]["rate"] == 4, alloc
+        assert [p["num_requests"] for p in pts if p["rate"] == 8] == [3], alloc  # min_requests > 8 req/s x 0.1 s
     sustained = load["results"]["sustained_rate"]
     for key, alloc in (("rate_vs_contiguous_oracle", "contiguous-oracle"), ("rate_vs_contiguous_max", "contiguous-max")):
         assert load["ratios"][key] == round(sustained["paged"] / sustained[alloc], 2)

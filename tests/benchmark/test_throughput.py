@@ -28,7 +28,8 @@ def test_warm_up_has_the_shapes_but_not_the_prompts():
 
 
 def test_bench_throughput_counts_the_whole_workload(tmp_path, tiny_model_dir):
-    model = tiny_model_dir("llama", vocab_size=10240, max_position_embeddings=4096)
+    # 512 positions: the workload is drawn to fit (fitted_workload), ~a third of its decode steps.
+    model = tiny_model_dir("llama", vocab_size=10240, max_position_embeddings=512)
     out = tmp_path / "ours.json"
     proc = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "throughput",
                            "--workload", "nanovllm", "--model", str(model), "--num-requests", "3",
@@ -39,7 +40,7 @@ def test_bench_throughput_counts_the_whole_workload(tmp_path, tiny_model_dir):
     # tqdm's bar over each run's requests, with elapsed<remaining (the ETA).
     assert re.search(r"Processed prompts: +\d+%\|.*\| \d+/3 \[\d\d:\d\d<\d\d:\d\d", proc.stderr), proc.stderr[-2000:]
     res = json.loads(out.read_text())["results"]
-    reqs = make_workload("nanovllm", 3)
+    reqs = fitted_workload("nanovllm", 3, load_hf_config(model), 512)
     assert res["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in reqs)
     assert res["output_tokens"] == sum(r.output_len for r in reqs)
     first, second = res["runs"]

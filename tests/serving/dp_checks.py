@@ -83,6 +83,7 @@ def check_metrics_aggregate(server, http: httpx.Client) -> None:
 # Enough requests that both replicas stay busy for seconds at once (each takes its max-num-seqs of
 # 32), so that the merged /metrics (ray: replica reports every 0.5 s) shows them running on both.
 N_LOAD = 32
+KILL_LOAD_TOKENS = 240  # long enough to be in flight at the kill; the survivor then serves them all
 
 
 def check_kill_under_load(server, recovered) -> None:
@@ -92,7 +93,7 @@ def check_kill_under_load(server, recovered) -> None:
     results: list[tuple[str, int, object]] = []
 
     def one(i: int) -> None:
-        body = {"model": MODEL, "prompt": [7 + i] * 24, "max_tokens": 480, "ignore_eos": True,
+        body = {"model": MODEL, "prompt": [7 + i] * 24, "max_tokens": KILL_LOAD_TOKENS, "ignore_eos": True,
                 "temperature": 0, "stream": i % 2 == 0}
         with httpx.Client(base_url=server.base_url, headers=server.headers, timeout=120) as c:
             with c.stream("POST", "/v1/completions", json=body) as r:
@@ -132,7 +133,7 @@ def check_kill_under_load(server, recovered) -> None:
     ok = failed = 0
     for kind, status, payload in results:
         if kind == "json" and status == 200:
-            ok += payload["usage"]["completion_tokens"] == 480
+            ok += payload["usage"]["completion_tokens"] == KILL_LOAD_TOKENS
         elif kind == "json":
             assert status == 503 and payload["error"]["code"] == "replica_failed", payload
             failed += 1
