@@ -149,14 +149,18 @@ def phase_collect(args, work: Path) -> None:
     hosts = [(vv._load(f) or {}).get("host") for f in sorted(work.glob("structured_pagedserve_r*.json"))]
     # The environment switches as the measured server saw them, not as this (collecting) process does.
     ran_with = (vv._load(work / "structured_pagedserve_info.json") or {}).get("env_switches")
+    # The day our runs were made (as their files say), not the collecting one's.
+    days = sorted({(vv._load(f) or {}).get("date") for f in work.glob("structured_pagedserve_r*.json")} - {None})
     if earlier is not None:
         measured, hosts, ran_with = {earlier["commit"]}, [earlier.get("host")], earlier.get("switches")
+        days = [earlier["date"]] if earlier.get("date") else []
         config["tokenizer"] = config["tokenizer"] or earlier["config"].get("tokenizer")
     write_result(Path(args.output), "structured_vs_vllm",
                  "python benchmarks/serving/structured_vs_vllm.py " + shlex.join(sys.argv[1:]), config, results,
                  {"vllm": "0.26.0"}, ratios, device=args.device,
                  measured_commit=measured.pop() if len(measured) == 1 else None, switches=ran_with,
-                 host=next((h for h in hosts if h), None), extra={"note": args.note} if args.note else None)
+                 host=next((h for h in hosts if h), None), date=days[0] if days else None,
+                 extra={"note": args.note} if args.note else None)
     print(json.dumps(ratios, indent=1))
 
 

@@ -6,6 +6,7 @@ import itertools
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -305,6 +306,23 @@ def test_structured_collect_records_the_measured_servers_switches(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, env=env)
     assert r.returncode == 0, r.stderr[-2000:]
     assert json.loads(out.read_text())["switches"]["PAGEDSERVE_GRAMMAR_FILL"] == "0"
+
+
+def test_structured_collect_dates_the_result_by_our_runs(tmp_path):
+    """The committed lease's phase files collected today: the result's date is the day our runs were
+    made (their files'), as vs_vllm.py's collect keeps the lease's, not the collecting day."""
+    runs = ROOT / "benchmarks/results/h200/structured_runs"
+    work = tmp_path / "work"
+    work.mkdir()
+    for f in runs.glob("structured_*.json"):
+        shutil.copy(f, work / f.name)
+    out = tmp_path / "structured.json"
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks/serving/structured_vs_vllm.py"), "collect", "--work",
+                        str(work), "--device", "NVIDIA H200", "--output", str(out)],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-2000:]
+    ours = {json.loads(f.read_text())["date"] for f in runs.glob("structured_pagedserve_r*.json")}
+    assert len(ours) == 1 and json.loads(out.read_text())["date"] == ours.pop()
 
 
 def test_replay_cuts_a_prompt_beside_decodes_as_the_scheduler_driven_step_by_step(tmp_path):
