@@ -17,8 +17,8 @@ from pagedserve.models.loader import load_hf_config  # noqa: E402
 
 
 def test_one_engine_runs_every_workload_whole(tmp_path, tiny_model_dir):
-    # 512 positions: the workloads are drawn to fit (fitted_workload), with fewer decode steps.
-    model = tiny_model_dir("qwen3_moe", vocab_size=10240, max_position_embeddings=512)
+    # 1,024 positions: the workloads are drawn to fit (fitted_workload), half the decode steps.
+    model = tiny_model_dir("qwen3_moe", vocab_size=10240, max_position_embeddings=1024)
     out = tmp_path / "moe.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks/offline/moe_offline.py"), "--one-engine",
                            "--models", str(model), "--workloads", "fixed256", "nanovllm", "--repeats", "1",
@@ -28,7 +28,7 @@ def test_one_engine_runs_every_workload_whole(tmp_path, tiny_model_dir):
     doc = json.loads(out.read_text())
     name = Path(model).name
     for wl in ("fixed256", "nanovllm"):
-        res, reqs = doc["results"][f"{name}_{wl}"], fitted_workload(wl, 2, load_hf_config(model), 512)
+        res, reqs = doc["results"][f"{name}_{wl}"], fitted_workload(wl, 2, load_hf_config(model), 1024)
         assert res["prompt_tokens"] == sum(len(r.prompt_token_ids) for r in reqs)
         assert res["output_tokens"] == sum(r.output_len for r in reqs)
         assert [r["prefix_cache_hit_tokens"] for r in res["runs"]] == [0]  # cold, after the other workload
