@@ -28,7 +28,7 @@ def test_warm_up_has_the_shapes_but_not_the_prompts():
 
 
 def test_bench_throughput_counts_the_whole_workload(tmp_path, tiny_model_dir):
-    # 512 positions: the workload is drawn to fit (fitted_workload), ~a third of its decode steps.
+    # 512 positions: the workload is drawn to fit (fitted_workload), two fifths of its output tokens.
     model = tiny_model_dir("llama", vocab_size=10240, max_position_embeddings=512)
     out = tmp_path / "ours.json"
     proc = subprocess.run([sys.executable, "-m", "pagedserve.entrypoints.cli", "bench", "throughput",
