@@ -24,7 +24,10 @@ SHAPES = {  # E, H, I (per rank), top_k
 # Relative to the output's largest magnitude. The kernel and the torch path multiply the same fp8
 # values with float32 sums in another order, then round to bf16 (2^-8); a 1-ulp bf16 difference in
 # silu(gate) * up can flip one element's fp8 rounding before the down GEMM (2^-4 of one of I terms).
-TOL = 2e-2
+# More tokens, more such flips: over 40 seeded routings on an H100 (67th session, runs/s67_h100/ in
+# benchmarks/results/h200/history.tar.gz) the largest err/scale was 0.031 at 256 tokens (medians
+# 0.011-0.015), 0.018 at 64, 0.011 at 1 and 7. A wrong expert, weight or scale errs by O(1).
+TOL = 4e-2
 # FP8 vs the bf16 experts it came from: two e4m3 roundings per product (measured on CPU: 2-7%).
 QUANT_TOL = 0.1
 
