@@ -83,7 +83,7 @@ def check_metrics_aggregate(server, http: httpx.Client) -> None:
 # Enough requests that both replicas stay busy for seconds at once (each takes its max-num-seqs of
 # 32), so that the merged /metrics (ray: replica reports every 0.5 s) shows them running on both.
 N_LOAD = 32
-KILL_LOAD_TOKENS = 240  # still running at the kill, with half the tokens of 480 left for the survivor
+KILL_LOAD_TOKENS = 240  # each load request's length: long enough to be mid-stream at the kill (was 480)
 
 
 def check_kill_under_load(server, recovered) -> None:
