@@ -133,7 +133,8 @@ def truncation_size(keep: int | None, max_input_tokens: int | None,
 
 def truncated_prompt(tokenizer: Any, prompt: str | list[int], keep: int | None,
                      max_input_tokens: int | None = None,
-                     limit_name: str = "max_model_len") -> tuple[list[int], bool]:
+                     limit_name: str = "max_model_len", side: str | None = None,
+                     add_special_tokens: bool = True) -> tuple[list[int], bool]:
     """(the prompt's token ids under truncate_prompt_tokens=keep, whether any were cut): the one
     place that decides it, for the engine (LLM.generate, LLM.chat, AsyncLLMEngine), the server
     (completions, chat) and the DP router's keys, so all three keep the same ids.
@@ -143,25 +144,33 @@ def truncated_prompt(tokenizer: Any, prompt: str | list[int], keep: int | None,
     the special tokens the tokenizer adds (a BOS) stay and the text keeps its last keep - (their
     number) tokens. Token ids (a chat's rendered prompt among them: its BOS is text of the
     template, tokenized without added special tokens) keep their last keep ids. keep: as
-    truncation_size reads it, with max_input_tokens and limit_name."""
+    truncation_size reads it, with max_input_tokens and limit_name. side: vLLM's
+    truncation_side, "right" keeping the first ids instead (None: left). add_special_tokens:
+    whether a text prompt gets the tokenizer's special tokens (vLLM's completions field)."""
     keep = truncation_size(keep, max_input_tokens, limit_name)
+    side = side or "left"
+    if side not in ("left", "right"):
+        raise ValueError(f"truncation_side must be 'left' or 'right', got {side!r}")
     if not isinstance(prompt, str):
         ids = list(prompt)
-        return (ids[-keep:], True) if keep is not None and len(ids) > keep else (ids, False)
-    ids = list(tokenizer.encode(prompt))
+        if keep is None or len(ids) <= keep:
+            return ids, False
+        return (ids[-keep:] if side == "left" else ids[:keep]), True
+    special = {} if add_special_tokens else {"add_special_tokens": False}
+    ids = list(tokenizer.encode(prompt, **special))
     if keep is None or len(ids) <= keep:  # the tokenizer's truncation would change nothing
         return ids, False
-    # A tokenizer not loaded by load_tokenizer may cut on the right (transformers' default):
-    # switched for this call only. Tokenizer calls run on one thread (the engine's tokenizer
-    # worker, the router's), so no other call sees the switch.
-    side = getattr(tokenizer, "truncation_side", "left")
-    if side != "left":
-        tokenizer.truncation_side = "left"
+    # The tokenizer's own side may differ (transformers' default is right, load_tokenizer's
+    # left): switched for this call only. Tokenizer calls run on one thread (the engine's
+    # tokenizer worker, the router's), so no other call sees the switch.
+    own = getattr(tokenizer, "truncation_side", "left")
+    if own != side:
+        tokenizer.truncation_side = side
     try:
-        return list(tokenizer.encode(prompt, truncation=True, max_length=keep)), True
+        return list(tokenizer.encode(prompt, truncation=True, max_length=keep, **special)), True
     finally:
-        if side != "left":
-            tokenizer.truncation_side = side
+        if own != side:
+            tokenizer.truncation_side = own
 
 
 def resolve_max_logprobs(max_logprobs: int, vocab_size: int) -> int:

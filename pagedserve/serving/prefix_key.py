@@ -3,7 +3,7 @@
 The chain is the engine's own (core.block_pool.hash_block_tokens), so equal keys mean the
 replica that served the first request holds exactly those blocks in its prefix cache.
 The prompt is tokenized the way the replica's server will tokenize it (plain completions:
-the tokenizer with special tokens; chat: the replica's own rendering, chat_render.py, with the
+the tokenizer with special tokens unless add_special_tokens is false; chat: the replica's own rendering, chat_render.py, with the
 replicas' chat template, content format and the tools it would render).
 """
 from __future__ import annotations
@@ -30,17 +30,21 @@ def prefix_block_hashes(token_ids: list[int], block_size: int,
     return hashes
 
 
-def kept_prompt_ids(tokenizer: Any, prompt: str | list[int], truncate_prompt_tokens: int | None) -> list[int]:
+def kept_prompt_ids(tokenizer: Any, prompt: str | list[int], truncate_prompt_tokens: int | None,
+                    side: Any = None, add_special_tokens: Any = True) -> list[int]:
     """The ids a replica keeps of a prompt (text, or token ids: a chat's rendered ones among
     them) under truncate_prompt_tokens: what it caches, so what the key hashes. The replica's own
     function decides (input_processor.truncated_prompt): a text prompt keeps the BOS its tokenizer
     adds. -1 means max_model_len - max_tokens, which the router does not know: it keys the whole
     prompt, the same ids whenever the prompt fits (a longer one the replica cuts or refuses, its
     answer either way). 0 keys the whole prompt too, and a value past the replica's bound keys
-    that many ids: the replica answers both with a 400 whatever the key."""
+    that many ids: the replica answers both with a 400 whatever the key. side and
+    add_special_tokens: the request's truncation_side and (a completion's) add_special_tokens;
+    values the replica refuses key as their defaults."""
     from pagedserve.engine.input_processor import truncated_prompt
     keep = truncate_prompt_tokens if isinstance(truncate_prompt_tokens, int) and truncate_prompt_tokens > 0 else None
-    return truncated_prompt(tokenizer, prompt, keep)[0]
+    side = side if side in ("left", "right") else None
+    return truncated_prompt(tokenizer, prompt, keep, side=side, add_special_tokens=add_special_tokens is not False)[0]
 
 
 def _chat_tools(req: Any) -> list[dict] | None:
@@ -87,16 +91,17 @@ def request_token_ids(tokenizer: Any, path: str, raw_body: bytes, content_format
             from pagedserve.entrypoints.openai.protocol import ChatCompletionRequest
             req = ChatCompletionRequest.model_validate(body)
             return kept_prompt_ids(None, chat_token_ids(tokenizer, req, content_format_setting),
-                                   req.truncate_prompt_tokens)
+                                   req.truncate_prompt_tokens, req.truncation_side)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
             prompt = prompt[0]
-        keep = body.get("truncate_prompt_tokens")
+        keep, side = body.get("truncate_prompt_tokens"), body.get("truncation_side")
         if isinstance(prompt, str):
-            return [] if tokenizer is None or not prompt else kept_prompt_ids(tokenizer, prompt, keep)
+            return [] if tokenizer is None or not prompt else kept_prompt_ids(
+                tokenizer, prompt, keep, side, body.get("add_special_tokens", True))
         if isinstance(prompt, list) and all(type(t) is int and 0 <= t < 2**31 for t in prompt):
             # (ids outside int32 are the replica's 400 to answer, not a hash error)
-            return kept_prompt_ids(None, prompt, keep)
+            return kept_prompt_ids(None, prompt, keep, side)
     except Exception:  # the router never rejects: a body it cannot read is routed by load
         return []
     return []

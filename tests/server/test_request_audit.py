@@ -46,8 +46,12 @@ UNHONOURED = {
     "verbosity": "low", "prompt_cache_retention": "24h", "prompt_cache_options": {"x": 1},
     # vLLM's extras (use_beam_search and length_penalty are honoured: test_beam_search_api.py)
     "logits_processors": ["x"],
-    "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1},
+    "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1}, "ec_transfer_params": {"a": 1},
+    "logprob_token_ids": [3, 4], "repetition_detection": {"max_pattern_size": 4},
+    "thinking_token_budget": 64, "return_token_offsets": True,
     "echo": True, "chat_template": "{{ messages }}", "documents": [{"text": "x"}],
+    "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"fps": 1}, "return_prompt_text": True,
+    "return_assistant_tokens_mask": True,
 }
 
 
@@ -65,7 +69,7 @@ def test_unhonoured_chat_field_is_a_400_naming_it(tools_http, field):
 
 @pytest.mark.parametrize("field", sorted(CompletionRequest.UNSUPPORTED))
 def test_unhonoured_completion_field_is_a_400_naming_it(tools_http, field):
-    r = tools_http.post(CMPL, json=c(**{field: {**UNHONOURED, "suffix": "tail"}[field]}))
+    r = tools_http.post(CMPL, json=c(**{field: {**UNHONOURED, "suffix": "tail", "prompt_embeds": "AAAA"}[field]}))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == field
 

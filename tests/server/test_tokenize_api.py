@@ -48,7 +48,6 @@ def test_detokenize_is_hfs_decode(http, tok):
 
 @pytest.mark.parametrize("path, body, param", [
     ("/tokenize", {"prompt": TEXT, "model": "other"}, "model"),
-    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "add_special_tokens": True}, "add_special_tokens"),
     ("/tokenize", {"messages": [{"role": "tool", "content": "42"}]}, "messages.0.tool_call_id"),
     ("/tokenize", {"messages": []}, "messages"),
     ("/tokenize", {"model": "tiny"}, "prompt"),

@@ -253,3 +253,33 @@ def test_a_text_prompts_key_keeps_the_bos_as_the_replica_does(tokenizer):
     assert got == prefix_block_hashes(want, 4) and got
     assert request_token_ids(tok, "/v1/completions",
                              json.dumps({"prompt": text, "truncate_prompt_tokens": keep}).encode()) == want
+
+
+@pytest.mark.parametrize("special", [True, False])
+@pytest.mark.parametrize("side", [None, "left", "right"])
+def test_keys_follow_add_special_tokens_and_truncation_side(tokenizer, special, side):
+    """vLLM's add_special_tokens and truncation_side change the ids a replica runs: the router's
+    key follows them, for a text prompt, token ids and a chat's rendered prompt (with the chat's
+    add_special_tokens, its BOS on top of the template's)."""
+    from pagedserve.entrypoints.openai.protocol import CompletionRequest
+    from pagedserve.entrypoints.openai.serving_completion import OpenAIServingCompletion
+    tok = tokenizer(PARTS)
+    text = "and the earth was without form, and void; and darkness was upon the face of the deep " * 2
+
+    async def run(fn, *args):
+        return fn(*args)
+    replica = OpenAIServingCompletion(SimpleNamespace(tokenizer=tok, run=run, max_model_len=1024, vocab_size=10**6), "m")
+    for prompt in (text, list(range(40, 80))):
+        body = {"prompt": prompt, "truncate_prompt_tokens": 13, "add_special_tokens": special,
+                **({"truncation_side": side} if side else {})}
+        req = CompletionRequest.model_validate(body)
+        kept = asyncio.run(replica._prompts(req, replica.truncation_size(13, req.max_tokens, "max_tokens")))[0].token_ids
+        assert len(kept) == 13
+        assert request_token_ids(tok, "/v1/completions", json.dumps(body).encode()) == kept
+    msgs = [{"role": "user", "content": text}]
+    body = {"messages": msgs, "add_special_tokens": special, "truncate_prompt_tokens": 9,
+            **({"truncation_side": side} if side else {})}
+    whole = replica_ids(tok, {"messages": msgs, "add_special_tokens": special}, "string")
+    want = whole[:9] if side == "right" else whole[-9:]
+    assert request_token_ids(tok, "/v1/chat/completions", json.dumps(body).encode(), "string") == want
+    assert (whole[0] == tok.bos_token_id) == special  # (PARTS writes no BOS of its own)

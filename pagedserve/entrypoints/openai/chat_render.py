@@ -23,8 +23,8 @@ TEMPLATE_ARGS = frozenset({"conversation", "messages", "tools", "documents", "ch
 def render_request_ids(tokenizer: Any, req: Any, content_format_setting: str,
                        tools: list[dict] | None = None) -> list[int]:
     """Prompt ids of req (a ChatCompletionRequest, or /tokenize's messages request: messages,
-    add_generation_prompt, continue_final_message, chat_template_kwargs) by the tokenizer's chat
-    template. content_format_setting: --chat-template-content-format (chat_tokens.content_format);
+    add_generation_prompt, continue_final_message, chat_template_kwargs, add_special_tokens) by
+    the tokenizer's chat template. content_format_setting: --chat-template-content-format (chat_tokens.content_format);
     tools: as the template takes them (tools.plan_tools' ToolPlan.tools). APIError (400) where
     the request cannot be rendered."""
     if not getattr(tokenizer, "chat_template", None):
@@ -39,7 +39,8 @@ def render_request_ids(tokenizer: Any, req: Any, content_format_setting: str,
         raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}",
                        param="chat_template_kwargs")
     try:
-        return render_chat_ids(tokenizer, messages, req.add_generation_prompt, tools=tools,
+        return render_chat_ids(tokenizer, messages, req.add_generation_prompt,
+                               bool(getattr(req, "add_special_tokens", False)), tools=tools,
                                continue_final_message=req.continue_final_message, **kwargs)
     except SpecialTokenInContent as e:
         raise APIError(str(e), param=str(e).split(":", 1)[0]) from None

@@ -68,11 +68,13 @@ def _with_text(content: Any, j: int | None, text: str) -> Any:
     return [dict(p, text=text) if k == j else p for k, p in enumerate(content)]
 
 
-def render_chat_ids(tok: Any, messages: list[dict], add_generation_prompt: bool, **template_kwargs: Any) -> list[int]:
+def render_chat_ids(tok: Any, messages: list[dict], add_generation_prompt: bool,
+                    add_special_tokens: bool = False, **template_kwargs: Any) -> list[int]:
     """Prompt ids of messages ({"role", "content", "name"?, ...}; content a string, or OpenAI's
     list of text parts: content_format); ValueError from the template, or SpecialTokenInContent
-    where the safe path cannot apply. template_kwargs go to the chat template as they are (tools,
-    continue_final_message, chat_template_kwargs)."""
+    where the safe path cannot apply. add_special_tokens: vLLM's chat field, the tokenizer's own
+    special tokens (a BOS) added to the rendered text's. template_kwargs go to the chat template
+    as they are (tools, continue_final_message, chat_template_kwargs)."""
     pattern = _special_pattern(tok)
     marked = [(i, j, text) for i, m in enumerate(messages) for j, text in _texts(m.get("content"))
               if pattern is not None and pattern.search(text)]
@@ -82,7 +84,7 @@ def render_chat_ids(tok: Any, messages: list[dict], add_generation_prompt: bool,
         text = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False,
                                        **template_kwargs)
         # The template already holds any special tokens it wants (BOS and all).
-        return list(tok(text, add_special_tokens=False).input_ids)
+        return list(tok(text, add_special_tokens=add_special_tokens).input_ids)
     nonce = uuid.uuid4().hex
     holders = [f"@@pagedserve-content-{nonce}-{n}@@" for n in range(len(marked))]
     shown = [dict(m) for m in messages]
@@ -103,6 +105,18 @@ def render_chat_ids(tok: Any, messages: list[dict], add_generation_prompt: bool,
         ids += tok(content, add_special_tokens=False, split_special_tokens=True).input_ids
         rest = after
     ids += tok(rest, add_special_tokens=False).input_ids
+    return with_special_tokens(tok, ids) if add_special_tokens else list(ids)
+
+
+def with_special_tokens(tok: Any, ids: list[int]) -> list[int]:
+    """ids inside the special tokens tok adds around a text (a BOS before it, ...), found by
+    tokenizing one word with and without them: what tokenizing the whole text with
+    add_special_tokens=True adds, for the piecewise rendering above."""
+    plain = tok("a", add_special_tokens=False).input_ids
+    full = tok("a", add_special_tokens=True).input_ids
+    for start in range(len(full) - len(plain) + 1):
+        if full[start:start + len(plain)] == plain:
+            return list(full[:start]) + list(ids) + list(full[start + len(plain):])
     return list(ids)
 
 

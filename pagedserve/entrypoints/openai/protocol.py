@@ -2,142 +2,22 @@
 
 Bounds live here, in the schema, so that /openapi.json tells clients (and schemathesis)
 what is valid and a violation becomes a 400 that names the field. Cross-field limits
-(prompt + max_tokens <= max_model_len, ...) are checked by the serving layer.
+(prompt + max_tokens <= max_model_len, ...) are checked by the serving layer. The base
+classes (strict requests, the field audit) are in protocol_base.py.
 """
 from __future__ import annotations
 
-import re
-import time
-import uuid
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_serializer,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
+from pagedserve.entrypoints.openai.protocol_base import (  # noqa: F401 (re-exported)
+    MAX_SEED, MAX_STOP, MAX_TOKEN_ID, ErrorInfo, ErrorResponse, FieldAudit, OpenAIModel, Request,
+    Stop, StreamOptions, TokenId, now, random_id)
 from pagedserve.sampling_params import MAX_N, MIN_REPETITION_PENALTY
-
-MAX_STOP = 16
-MAX_SEED = 2**63 - 1
-MAX_TOKEN_ID = 2**31 - 1
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
-class OpenAIModel(BaseModel):
-    model_config = ConfigDict(extra="ignore", ser_json_inf_nan="null")
-
-
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _check_text(value: Any) -> None:
-    """Raise ValueError for a string (anywhere in lists and dict keys/values) holding a lone
-    UTF-16 surrogate: JSON can escape one ("\\ud800", a JavaScript string cut inside an emoji),
-    but it is no Unicode text, so no tokenizer or UTF-8 encoder downstream can take it.
-    Iterative: a value nested about 960 deep (as deep as the body's JSON parser goes) ran a
-    recursive walk out of Python's recursion limit, a 500."""
-    todo = [value]
-    while todo:
-        value = todo.pop()
-        if isinstance(value, str):
-            m = _LONE_SURROGATE.search(value)
-            if m:
-                raise ValueError(f"contains a lone UTF-16 surrogate (U+{ord(m.group()):04X}) at "
-                                 f"character {m.start()}, which is not valid Unicode text")
-        elif isinstance(value, list):
-            # Runs after type validation, so a list is all of one type: token ids need no look.
-            if value and not isinstance(value[0], (int, float)):
-                todo.extend(value)
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                todo.append(k)
-                todo.append(v)
-
-
-class Request(OpenAIModel):
-    """Base of every request body: also refuses lone surrogates in any of its text fields.
-
-    Strict, as OpenAI's schema is: no "16" for an integer, "yes" or 1 for a boolean, true for a
-    token id (a 400 naming the field); a float field still takes a JSON integer."""
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False, strict=True)
-
-    @field_validator("*", mode="after")
-    @classmethod
-    def _valid_unicode(cls, value: Any) -> Any:
-        _check_text(value)
-        return value
-
-
-# ---- errors --------------------------------------------------------------------------------
-
-class ErrorInfo(OpenAIModel):
-    message: str
-    type: str
-    param: Optional[str] = None
-    code: Optional[Union[str, int]] = None
-
-
-class ErrorResponse(OpenAIModel):
-    error: ErrorInfo
-
-
-# ---- shared request pieces ------------------------------------------------------------------
-
-class StreamOptions(Request):
-    include_usage: Optional[bool] = False
-    continuous_usage_stats: Optional[bool] = False
-    include_obfuscation: Optional[bool] = None
-
-
-Stop = Union[Annotated[str, Field(min_length=1)],
-             Annotated[list[Annotated[str, Field(min_length=1)]], Field(max_length=MAX_STOP)], None]
-TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
-
-
-
-# ---- structured outputs and tools (issue #32) ------------------------------------------------
-# FieldAudit.UNSUPPORTED lists the OpenAI fields pagedserve accepts only at their no-op value;
-# serving_common.OpenAIServing.audit turns any other value into a 400 naming the field and logs
-# the keys outside the API (ignored, as vLLM ignores them).
 
 MAX_TOOLS = 128  # OpenAI's limit on `tools`
 FUNCTION_NAME = r"^[a-zA-Z0-9_.\-]{1,64}$"
-
-
-class FieldAudit(Request):
-    """Remembers the request keys outside the model (ignored, as vLLM ignores them) and lists the
-    OpenAI fields accepted only at a no-op value: {field: (accepted values besides None, why)}."""
-    UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {}
-    # A plain default, not default_factory=list: pydantic 2.13 calls inspect.signature on a private
-    # attribute's factory for every instance, and a builtin's signature (from its text, through
-    # ast and a copy of sys.modules) leaves ~26 objects of cyclic garbage: on the H200, after ~850
-    # requests, a young collection of 33,488 such objects stalled the API server for 174 ms.
-    _unknown_keys: tuple[str, ...] = PrivateAttr(default=())
-
-    @model_validator(mode="wrap")
-    @classmethod
-    def _remember_unknown(cls, data: Any, handler: Any) -> Any:
-        obj = handler(data)
-        if isinstance(data, dict) and isinstance(obj, FieldAudit):
-            obj._unknown_keys = tuple(sorted(k for k in data if k not in cls.model_fields))
-        return obj
-
-    def unsupported_fields(self) -> list[tuple[str, str]]:
-        """(field, why) of each UNSUPPORTED field set to something other than its no-op value."""
-        out = []
-        for name, (noops, why) in self.UNSUPPORTED.items():
-            value = getattr(self, name, None)
-            if value is None or any(value == ok for ok in noops):
-                continue
-            out.append((name, why))
-        return out
-
 
 # ---- structured outputs ---------------------------------------------------------------------
 
@@ -325,6 +205,15 @@ _COMMON_UNSUPPORTED = {
     "logits_processors": (([],), "logits_processors is not supported"),
     "vllm_xargs": (({},), "vllm_xargs is not supported"),
     "kv_transfer_params": ((), "KV transfer (disaggregated serving) is not supported"),
+    "ec_transfer_params": (({},), "encoder-cache transfer (disaggregated serving) is not supported"),
+    "logprob_token_ids": (([],), "logprobs of chosen token ids are not supported: use logprobs "
+                                 "(the top ones) or prompt_logprobs"),
+    "repetition_detection": ((), "repetition_detection is not supported: stop on repeats with "
+                                 "repetition_penalty or stop strings"),
+    "thinking_token_budget": ((-1,), "thinking_token_budget is not supported (-1, unlimited, is)"),
+    # vLLM reads these on its /render endpoints only, which pagedserve does not serve
+    "return_token_offsets": ((False,), "token offsets are returned by vLLM's /render endpoints "
+                                       "only, which pagedserve does not serve"),
 }
 
 
@@ -346,16 +235,31 @@ class VLLMExtraFields(FieldAudit):
     # honoured as vLLM honours it (engine/detokenizer.py); only with skip_special_tokens=false
     spaces_between_special_tokens: Optional[bool] = None
     cache_salt: Optional[str] = Field(None, min_length=1)  # honoured: prefix cache shared only within a salt
+    # honoured: the side truncate_prompt_tokens cuts (left keeps the last ids: vLLM's default)
+    truncation_side: Optional[Literal["left", "right"]] = None
+    # honoured: the response's id is cmpl- / chatcmpl-<request_id> (an X-Request-Id header wins,
+    # as in vLLM); the engine's own ids stay random, so equal ids never collide there
+    request_id: Optional[str] = Field(None, min_length=1, max_length=256)
+    # honoured: each choice carries its token_ids, and prompt_token_ids (streamed: in the first chunk)
+    return_token_ids: Optional[bool] = None
     vllm_xargs: Optional[dict[str, Any]] = None
     kv_transfer_params: Optional[dict[str, Any]] = None
+    ec_transfer_params: Optional[dict[str, Any]] = None
+    logprob_token_ids: Optional[list[int]] = None
+    repetition_detection: Optional[dict[str, Any]] = None
+    thinking_token_budget: Optional[int] = None
+    return_token_offsets: Optional[bool] = None
 
 
 class CompletionRequest(SamplingFields, VLLMExtraFields):
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
         **_COMMON_UNSUPPORTED,
         "suffix": (("",), "suffix (insertion) is not supported"),
+        "prompt_embeds": ((), "prompt_embeds are not supported: send the prompt as text or token ids"),
     }
     prompt: PromptType
+    prompt_embeds: Optional[Any] = None
+    add_special_tokens: bool = True  # honoured: a text prompt's BOS (and the like) from the tokenizer
     max_tokens: Optional[int] = Field(16, ge=0, le=MAX_TOKEN_ID)  # 0: with echo, score the prompt only
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_TOKEN_ID)  # <= --max-logprobs: serving_common
@@ -395,6 +299,9 @@ class CompletionChoice(OpenAIModel):
     finish_reason: Optional[str] = None
     stop_reason: StopReason = None
     prompt_logprobs: PromptLogprobs = Field(None, exclude_if=lambda v: v is None)
+    # vLLM's, with return_token_ids (streamed: the prompt's in a choice's first chunk)
+    prompt_token_ids: Optional[list[int]] = Field(None, exclude_if=lambda v: v is None)
+    token_ids: Optional[list[int]] = Field(None, exclude_if=lambda v: v is None)
 
 
 class PromptTokensDetails(OpenAIModel):
@@ -454,6 +361,12 @@ class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
         "verbosity": ((), "verbosity is not supported"),
         "prompt_cache_retention": (("in_memory",), "the prefix cache lives in memory only"),
         "prompt_cache_options": (({},), "prompt_cache_options is not supported"),
+        "media_io_kwargs": (({},), "multimodal inputs are not supported (text models only)"),
+        "mm_processor_kwargs": (({},), "multimodal inputs are not supported (text models only)"),
+        "return_prompt_text": ((False,), "return_prompt_text is not supported: /tokenize with the "
+                                         "same messages gives the prompt's tokens"),
+        "return_assistant_tokens_mask": ((False,), "the assistant tokens mask is returned by vLLM's "
+                                                   "/render endpoints only, which pagedserve does not serve"),
     }
     # OpenAI fields kept for the audit above; prompt_cache_key and safety_identifier are hints
     # and identifiers with nothing to do here (the prefix cache is automatic), like `user`.
@@ -473,8 +386,17 @@ class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[Any] = None
     safety_identifier: Optional[str] = None
-    # vLLM's chat extras: continue_final_message is honoured; the others are audited above.
+    # vLLM's chat extras: continue_final_message, add_special_tokens (added to the rendered
+    # prompt, as vLLM's tokenizer call adds them) and include_reasoning (false: no
+    # reasoning_content, and no logprobs or token_ids that would show it) are honoured; the
+    # others are audited above.
     continue_final_message: bool = False
+    add_special_tokens: bool = False
+    include_reasoning: bool = True
+    media_io_kwargs: Optional[dict[str, Any]] = None
+    mm_processor_kwargs: Optional[dict[str, Any]] = None
+    return_prompt_text: Optional[bool] = None
+    return_assistant_tokens_mask: Optional[bool] = None
     echo: Optional[bool] = None
     chat_template: Optional[str] = None
     documents: Optional[list[dict[str, Any]]] = None
@@ -514,6 +436,7 @@ class ChatChoice(OpenAIModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: StopReason = None
+    token_ids: Optional[list[int]] = Field(None, exclude_if=lambda v: v is None)  # return_token_ids
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -524,6 +447,7 @@ class ChatCompletionResponse(OpenAIModel):
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
     prompt_logprobs: PromptLogprobs = Field(None, exclude_if=lambda v: v is None)  # vLLM's, at the top
+    prompt_token_ids: Optional[list[int]] = Field(None, exclude_if=lambda v: v is None)  # return_token_ids
 
 
 class DeltaMessage(OpenAIModel):
@@ -544,6 +468,7 @@ class ChatStreamChoice(OpenAIModel):
     logprobs: Optional[ChatLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: StopReason = None
+    token_ids: Optional[list[int]] = Field(None, exclude_if=lambda v: v is None)  # return_token_ids
 
 
 class ChatCompletionChunk(OpenAIModel):
@@ -553,6 +478,8 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[Usage] = None
+    # return_token_ids: in the role chunks that open the stream
+    prompt_token_ids: Optional[list[int]] = Field(None, exclude_if=lambda v: v is None)
 
 
 # ---- models ---------------------------------------------------------------------------------

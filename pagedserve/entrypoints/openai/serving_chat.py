@@ -13,11 +13,11 @@ from pagedserve.entrypoints.openai.logprob_names import finite_logprob, prompt_l
 from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                     ChatCompletionRequest, ChatCompletionResponse,
                                                     ChatLogprobs, ChatResponseMessage,
-                                                    ChatStreamChoice, DeltaMessage, TokenLogprob,
-                                                    random_id)
+                                                    ChatStreamChoice, DeltaMessage, TokenLogprob)
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
-                                                          engine_error, error_event,
-                                                          OpenAIServing, sse, StreamedChoice, until_disconnected, usage)
+                                                          engine_error, error_event, OpenAIServing,
+                                                          request_ids, sse, StreamedChoice,
+                                                          until_disconnected, usage)
 from pagedserve.entrypoints.openai.message_stream import (MessageParser, MessageStreamer,
                                                           finish_reason)
 from pagedserve.entrypoints.openai.reasoning_parsers import ReasoningParser
@@ -79,6 +79,9 @@ class OpenAIServingChat(OpenAIServing):
         # A grammar constrains the output from its first token: no <think> block to split off.
         reasoning = self.reasoning_parser() if self.reasoning_parser and structured is None else None
         parser = MessageParser(reasoning, plan.parser, plan.parallel)
+        # include_reasoning=false: the reasoning is withheld, and with it what would show it
+        # (logprobs, token ids), as vLLM withholds them
+        hide = not req.include_reasoning and reasoning is not None
         if req.max_completion_tokens is not None:
             max_tokens, tokens_param = req.max_completion_tokens, "max_completion_tokens"
         else:
@@ -86,27 +89,28 @@ class OpenAIServingChat(OpenAIServing):
         keep = self.truncation_size(req.truncate_prompt_tokens, max_tokens, tokens_param)
         # The rendered ids keep their last `keep` (vLLM tokenizes the rendered text without added
         # special tokens, its BOS being the template's text, and cuts that on the left).
-        prompt_ids, _ = truncated_prompt(None, await self.engine.run(self._render, req, plan.tools), keep)
+        prompt_ids, _ = truncated_prompt(None, await self.engine.run(self._render, req, plan.tools), keep,
+                                         side=req.truncation_side)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), max_tokens, "messages", tokens_param,
                                              num_seqs=req.n)
         k = self._top_k(req) if req.logprobs else None
         keep_special = plan.parser is not None and plan.parser.keeps_special_tokens
-        request_id = random_id("chatcmpl")
+        request_id, engine_id = request_ids("chatcmpl", req, raw_request)
         if beam:
             bp = beam_search_params(req, max_tokens, self.default_sampling, structured, k)
             self.check_kv_capacity(len(prompt_ids), max_tokens, req.n, "messages", tokens_param)
-            stream = await self.start_beam(prompt_ids, bp, request_id, req, False if keep_special else None)
+            stream = await self.start_beam(prompt_ids, bp, engine_id, req, False if keep_special else None)
         else:
             params = self.sampling_params(req, max_tokens=max_tokens, logprobs=k,
                                           structured_outputs=structured,
                                           skip_special_tokens=False if keep_special else None,
                                           prompt_logprobs=prompt_k)
             self.check_kv_capacity(len(prompt_ids), max_tokens, params.best_of, "messages", tokens_param)
-            stream = await self.start(prompt_ids, params, request_id, req.cache_salt, req.priority)
+            stream = await self.start(prompt_ids, params, engine_id, req.cache_salt, req.priority)
         if req.stream:
-            return self._stream(req, request_id, len(prompt_ids), stream, parser, constraint_param)
+            return self._stream(req, request_id, prompt_ids, stream, parser, constraint_param, hide)
         final = await until_disconnected(raw_request, self._collect(stream, constraint_param))
-        return self._response(req, request_id, final, parser)
+        return self._response(req, request_id, final, parser, hide)
 
     @staticmethod
     async def _collect(stream: RequestStream, constraint_param: str | None = None) -> RequestOutput:
@@ -134,29 +138,34 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     def _response(self, req: ChatCompletionRequest, request_id: str, out: RequestOutput,
-                  parser: MessageParser) -> ChatCompletionResponse:
+                  parser: MessageParser, hide: bool = False) -> ChatCompletionResponse:
         choices = []
+        ids = req.return_token_ids and not hide
         for c in out.outputs:
             lp = self._logprobs(c.token_ids, c.logprobs, self._top_k(req),
-                                    self.tokens_as_ids(req)) if req.logprobs else None
+                                    self.tokens_as_ids(req)) if req.logprobs and not hide else None
             message = parser.message(c.text) if parser.active else ChatResponseMessage(content=c.text)
+            if hide:
+                message.reasoning_content = None
             choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
                                       finish_reason=finish_reason(c.finish_reason,
                                                                   bool(message.tool_calls)),
-                                      stop_reason=c.stop_reason))
+                                      stop_reason=c.stop_reason, token_ids=list(c.token_ids) if ids else None))
         choices.sort(key=lambda ch: ch.index)
         completion_tokens = sum(len(c.token_ids) for c in out.outputs)
         return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
                                       usage=usage(len(out.prompt_token_ids), completion_tokens,
                                                   self.cached_tokens([out])),
                                       prompt_logprobs=prompt_logprobs_json(out.prompt_logprobs)
-                                      if req.prompt_logprobs is not None else None)
+                                      if req.prompt_logprobs is not None else None,
+                                      prompt_token_ids=list(out.prompt_token_ids) if req.return_token_ids else None)
 
-    async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_len: int,
+    async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
                       stream: RequestStream, parser: MessageParser,
-                      constraint_param: str | None = None) -> AsyncIterator[str]:
+                      constraint_param: str | None = None, hide: bool = False) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
-        model = self.served_model_name
+        model, prompt_len = self.served_model_name, len(prompt_ids)
+        ids = req.return_token_ids and not hide
         states: dict[int, StreamedChoice] = {}
         streamers: dict[int, MessageStreamer] = {}
         try:
@@ -164,7 +173,8 @@ class OpenAIServingChat(OpenAIServing):
             # as OpenAI's and vLLM's do with n > 1 (a client may read choices[0] and its index).
             for i in range(req.n):
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
-                    ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))]))
+                    ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                    prompt_token_ids=prompt_ids if req.return_token_ids else None))
             last = None
             async for out in stream:
                 last = out
@@ -175,19 +185,26 @@ class OpenAIServingChat(OpenAIServing):
                     if not states.setdefault(c.index, StreamedChoice()).take(c):
                         continue
                     lp = None
-                    if req.logprobs:
+                    if req.logprobs and not hide:
                         lp = self._logprobs(c.token_ids, c.logprobs, self._top_k(req),
                                     self.tokens_as_ids(req))
                     delta, finish = DeltaMessage(content=c.text), c.finish_reason
                     if parser.active:
                         st = streamers.setdefault(c.index, MessageStreamer(parser))
                         delta = st.feed(c.text, final=finish is not None)
-                        if delta is None and finish is None and lp is None:
-                            continue  # held back: may be the start of a tag
+                        if hide and delta is not None:
+                            delta.reasoning_content = None
+                            if delta.content is None and delta.tool_calls is None:
+                                delta = None
+                        # held back (may be the start of a tag) or withheld: no chunk, unless
+                        # it carries logprobs or token ids (every token is in one, as in vLLM)
+                        if delta is None and finish is None and lp is None and not ids:
+                            continue
                         delta = delta or DeltaMessage()
                         finish = finish_reason(finish, st.called_tools)
                     choices.append(ChatStreamChoice(index=c.index, delta=delta, logprobs=lp,
-                                                    finish_reason=finish, stop_reason=c.stop_reason))
+                                                    finish_reason=finish, stop_reason=c.stop_reason,
+                                                    token_ids=list(c.token_ids) if ids else None))
                 for choice in choices:
                     yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
             if include_usage:

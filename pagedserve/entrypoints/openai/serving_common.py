@@ -14,7 +14,7 @@ from pagedserve.engine.request_stream import RequestStream
 from pagedserve.engine.input_processor import truncation_size
 from pagedserve.entrypoints.openai.logprob_names import LogprobNames
 from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingFields,
-                                                    Usage)
+                                                    Usage, random_id)
 from pagedserve.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
                                          StructuredOutputsParams)
 
@@ -101,6 +101,21 @@ SSE_DONE = "data: [DONE]\n\n"
 
 def error_event(err: APIError) -> str:
     return sse(json.dumps(err.response().model_dump()))
+
+
+def request_ids(prefix: str, req: Any, raw_request: Any) -> tuple[str, str]:
+    """(the response's id, the base of the engine's request ids). As in vLLM, an X-Request-Id
+    header, else the request_id field, names the response <prefix>-<id>. The engine's ids stay
+    random: two clients may send one id, and a client's text in them would reach the logs."""
+    headers = getattr(raw_request, "headers", None)
+    given = (headers.get("x-request-id") if headers is not None else None) or req.request_id
+    if given is None:
+        rid = random_id(prefix)
+        return rid, rid
+    if len(given) > 256:
+        raise APIError(f"the request id has {len(given)} characters, more than 256",
+                       param="request_id")
+    return f"{prefix}-{given}", random_id(prefix)
 
 
 class OpenAIServing(LogprobNames):

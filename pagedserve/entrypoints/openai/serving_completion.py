@@ -14,11 +14,10 @@ from pagedserve.engine.request_stream import RequestStream
 from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
 from pagedserve.entrypoints.openai.logprob_names import finite_logprob, prompt_logprobs_json
 from pagedserve.entrypoints.openai.protocol import (CompletionChoice, CompletionLogProbs,
-                                                    CompletionRequest, CompletionResponse, now,
-                                                    random_id)
+                                                    CompletionRequest, CompletionResponse, now)
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
-                                                          engine_error, error_event,
-                                                          merge_streams, OpenAIServing, sse, StreamedChoice,
+                                                          engine_error, error_event, merge_streams,
+                                                          OpenAIServing, request_ids, sse, StreamedChoice,
                                                           until_disconnected, usage)
 from pagedserve.entrypoints.openai.structured_outputs import resolve_structured_outputs
 from pagedserve.logprobs import Logprob
@@ -71,12 +70,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 if not item:
                     raise APIError("prompt must not be empty", param="prompt")
                 self.check_text_length(len(item), "prompt")
-                ids, cut = await self.engine.run(truncated_prompt, tok, item, keep)
+                ids, cut = await self.engine.run(truncated_prompt, tok, item, keep, None, "max_model_len",
+                                                 req.truncation_side, req.add_special_tokens)
             else:
                 if not item:
                     raise APIError("prompt must not be empty", param="prompt")
                 self.check_token_ids(item, "prompt")
-                ids, cut = truncated_prompt(None, item, keep)
+                ids, cut = truncated_prompt(None, item, keep, side=req.truncation_side)
             # echo returns a cut text prompt as its kept tokens' text, an uncut one verbatim
             out.append(_Prompt(None if cut or not isinstance(item, str) else item, ids))
         return out
@@ -120,11 +120,11 @@ class OpenAIServingCompletion(OpenAIServing):
                                           prompt_logprobs=prompt_k)
                 self.check_kv_capacity(len(p.token_ids), max_tokens, sp.best_of, "prompt")
             params.append(sp)
-        request_id = random_id("cmpl")
+        request_id, engine_id = request_ids("cmpl", req, raw_request)
         streams: list[RequestStream] = []
         try:
             for i, (p, sp) in enumerate(zip(prompts, params)):
-                rid = f"{request_id}-{i}"
+                rid = f"{engine_id}-{i}"
                 streams.append(await (self.start_beam(p.token_ids, sp, rid, req) if beam else
                                       self.start(p.token_ids, sp, rid, req.cache_salt, req.priority)))
         except BaseException:
@@ -198,9 +198,12 @@ class OpenAIServingCompletion(OpenAIServing):
                         lp = self._with_prompt(p, out.prompt_logprobs, req.logprobs, lp, as_ids)
                 # vLLM's prompt_logprobs, each choice its prompt's (asked for, not implied by echo)
                 plp = prompt_logprobs_json(out.prompt_logprobs) if req.prompt_logprobs is not None else None
+                ids = req.return_token_ids  # vLLM's: the prompt's ids and the choice's own
                 choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
                                                 logprobs=lp, finish_reason=c.finish_reason,
-                                                stop_reason=c.stop_reason, prompt_logprobs=plp))
+                                                stop_reason=c.stop_reason, prompt_logprobs=plp,
+                                                prompt_token_ids=p.token_ids if ids else None,
+                                                token_ids=list(c.token_ids) if ids else None))
         choices.sort(key=lambda ch: ch.index)
         prompt_tokens = sum(len(p.token_ids) for p in prompts)
         return CompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
@@ -213,8 +216,9 @@ class OpenAIServingCompletion(OpenAIServing):
         as_ids = self.tokens_as_ids(req)
         states: dict[tuple[int, int], StreamedChoice] = {}
         model = self.served_model_name
-        # Without logprobs (the common case) chunks are encoded directly: same bytes.
-        fast = CompletionChunkEncoder(request_id, model) if req.logprobs is None else None
+        # Without logprobs or token ids (the common case) chunks are encoded directly: same bytes.
+        plain = req.logprobs is None and not req.return_token_ids
+        fast = CompletionChunkEncoder(request_id, model) if plain else None
         prompt_lps: dict[int, list] = {}  # prompt_logprobs arrive in one output per prompt (DELTA)
         last: dict[int, Any] = {}  # each prompt's latest output (its metrics: cached tokens)
         try:
@@ -227,7 +231,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 for c in out.outputs:
                     c = _scored_only(c) if req.max_tokens == 0 else c
                     st = states.get((i, c.index))
-                    if st is None:
+                    first = st is None
+                    if first:
                         st = states[(i, c.index)] = StreamedChoice()
                         prefix = self._echo_text(prompts[i]) if req.echo else ""
                     else:
@@ -238,13 +243,19 @@ class OpenAIServingCompletion(OpenAIServing):
                     if fast is not None:
                         choices.append((i * req.n + c.index, prefix + c.text, c.finish_reason, c.stop_reason))
                         continue
-                    lp, st.text_offset = self._logprobs(c.token_ids, c.logprobs, req.logprobs,
-                                                        st.text_offset + len(prefix), as_ids)
-                    if prefix and req.logprobs is not None:
-                        lp = self._with_prompt(prompts[i], prompt_lps.get(i), req.logprobs, lp, as_ids)
+                    lp = None
+                    if req.logprobs is not None:
+                        lp, st.text_offset = self._logprobs(c.token_ids, c.logprobs, req.logprobs,
+                                                            st.text_offset + len(prefix), as_ids)
+                        if prefix:
+                            lp = self._with_prompt(prompts[i], prompt_lps.get(i), req.logprobs, lp, as_ids)
+                    # return_token_ids: the prompt's ids in each choice's first chunk (vLLM's)
+                    ids = req.return_token_ids
                     choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
                                                     logprobs=lp, finish_reason=c.finish_reason,
-                                                    stop_reason=c.stop_reason))
+                                                    stop_reason=c.stop_reason,
+                                                    prompt_token_ids=prompts[i].token_ids if ids and first else None,
+                                                    token_ids=list(c.token_ids) if ids else None))
                 for choice in choices:  # one a chunk, as OpenAI's and vLLM's streams with n > 1
                     yield fast.encode([choice]) if fast is not None else \
                         sse(CompletionResponse(id=request_id, model=model, choices=[choice]))

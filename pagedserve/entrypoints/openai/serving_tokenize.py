@@ -32,7 +32,8 @@ class TokenizeRequest(FieldAudit):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
-    # None: true for a prompt, false for messages (their template places the special tokens).
+    # None: true for a prompt, false for messages (their template places the special tokens;
+    # true adds the tokenizer's own too, as chat completions' add_special_tokens does).
     add_special_tokens: Optional[bool] = None
     return_token_strs: Optional[bool] = False
     add_generation_prompt: bool = True
@@ -77,9 +78,6 @@ class OpenAIServingTokenization(OpenAIServing):
             raise APIError("give either prompt or messages", param="prompt" if req.prompt is None else "messages")
         if req.messages is not None:
             tok = self._tokenizer("messages")
-            if req.add_special_tokens:
-                raise APIError("add_special_tokens must be false for messages: the chat template "
-                               "places the special tokens", param="add_special_tokens")
             self.chat.check_messages(req)
             ids = await self.engine.run(self.chat._render, req, rendered_tools(req))
         else:
