@@ -55,6 +55,8 @@ def test_detokenize_is_hfs_decode(http, tok):
     ("/tokenize", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 1 }}"}, "chat_template"),
     ("/tokenize", {"prompt": "x", "mm_processor_kwargs": {"a": 1}}, "mm_processor_kwargs"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "media_io_kwargs": {"image": {}}},
+     "media_io_kwargs"),
     ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, "add_generation_prompt"),
     ("/detokenize", {"tokens": [1, 10**6]}, "tokens"),
     ("/detokenize", {"tokens": [-1]}, "tokens.0"),
@@ -77,3 +79,13 @@ def test_tokenize_renders_tools_through_the_chat_template(tools_http, tools_mode
 def test_version(http):
     from pagedserve import __version__
     assert http.get("/version").json() == {"version": __version__}
+
+
+def test_every_vllm_tokenize_field_is_declared():
+    """vLLM 0.26's TokenizeCompletionRequest and TokenizeChatRequest fields (its
+    vllm/entrypoints/serve/tokenize/protocol.py): honoured or refused by name, none ignored."""
+    from pagedserve.entrypoints.openai.serving_tokenize import TokenizeRequest
+    vllm_fields = {"model", "prompt", "add_special_tokens", "return_token_strs", "messages",
+                   "add_generation_prompt", "continue_final_message", "chat_template",
+                   "chat_template_kwargs", "media_io_kwargs", "mm_processor_kwargs", "tools"}
+    assert vllm_fields - set(TokenizeRequest.model_fields) == set()

@@ -26,9 +26,11 @@ class TokenizeRequest(FieldAudit):
         "chat_template": ((), "a per-request chat_template is not supported: the server's template "
                               "(the model's, or --chat-template) renders every request"),
         "mm_processor_kwargs": (({},), "mm_processor_kwargs is not supported (text models only)"),
+        "media_io_kwargs": (({},), "media_io_kwargs is not supported (text models only)"),
     }
     chat_template: Optional[str] = None
     mm_processor_kwargs: Optional[dict[str, Any]] = None
+    media_io_kwargs: Optional[dict[str, Any]] = None
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[Annotated[list[ChatMessage], Field(min_length=1)]] = None
