@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import hmac
+import json
 import logging
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
@@ -35,6 +36,20 @@ from pagedserve.serving.pool import NoReplicaAvailable, ReplicaFailed, ReplicaPo
 from pagedserve.serving.prefix_key import chat_token_ids, kept_prompt_ids, prefix_block_hashes, request_token_ids
 
 logger = logging.getLogger("pagedserve.dp")
+
+
+def with_request_id(body: bytes, request_id: str) -> bytes:
+    """The body with request_id set from the client's X-Request-Id header, which names the
+    response on a replica as it does in vLLM (serving_common.request_ids): replicas see only the
+    body. A body that is no JSON object goes as it came (the replica answers it)."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return body
+    if not isinstance(obj, dict):
+        return body
+    obj["request_id"] = request_id
+    return json.dumps(obj).encode()
 
 
 async def merged_metrics(pool: ReplicaPool) -> str:
@@ -165,6 +180,8 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
         body = await request.body()
         hashes: list[bytes] = []
         if path in ("/v1/completions", "/v1/chat/completions"):  # the others: any replica
+            if "x-request-id" in request.headers:
+                body = with_request_id(body, request.headers["x-request-id"])
             loop = asyncio.get_running_loop()
             hashes = await loop.run_in_executor(tokenize, routing_key, path, body)
         try:

@@ -42,6 +42,10 @@ def check_openai_client(server, reference_v1: str) -> None:
         model=MODEL, messages=msgs, max_tokens=10, temperature=0, stream=True) if c.choices)
     assert chat.choices[0].message.content == streamed == ref_chat.choices[0].message.content != ""
 
+    # vLLM's X-Request-Id names the response on the replica behind the front end too
+    named = client.completions.create(**kw, extra_headers={"X-Request-Id": "dp-7"})
+    assert named.id == "cmpl-dp-7" and named.choices[0].text == ref.choices[0].text
+
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=server.v1, api_key="wrong", max_retries=0).models.list()
     with pytest.raises(openai.BadRequestError) as e:  # the replica's own validation, passed through
