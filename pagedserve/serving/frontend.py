@@ -157,7 +157,7 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
             raise RequestValidationError(e.errors(include_url=False)) from None
         if path == "/v1/chat/completions":  # rendered from the validated request, as the replica does
             ids = kept_prompt_ids(None, chat_token_ids(tokenizer, req, chat_template_content_format),
-                                  req.truncate_prompt_tokens)
+                                  req.truncate_prompt_tokens, req.truncation_side)
         else:  # the ids truncate_prompt_tokens keeps, a text prompt cut as the replica's tokenizer cuts it
             ids = request_token_ids(tokenizer, path, body)
         return prefix_block_hashes(ids, block_size, cache_salt=req.cache_salt)

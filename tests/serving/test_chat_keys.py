@@ -276,10 +276,13 @@ def test_keys_follow_add_special_tokens_and_truncation_side(tokenizer, special, 
         kept = asyncio.run(replica._prompts(req, replica.truncation_size(13, req.max_tokens, "max_tokens")))[0].token_ids
         assert len(kept) == 13
         assert request_token_ids(tok, "/v1/completions", json.dumps(body).encode()) == kept
+        assert front_end_keys(tok, [("/v1/completions", body)])[0] == prefix_block_hashes(kept, 4)
     msgs = [{"role": "user", "content": text}]
     body = {"messages": msgs, "add_special_tokens": special, "truncate_prompt_tokens": 9,
             **({"truncation_side": side} if side else {})}
     whole = replica_ids(tok, {"messages": msgs, "add_special_tokens": special}, "string")
     want = whole[:9] if side == "right" else whole[-9:]
     assert request_token_ids(tok, "/v1/chat/completions", json.dumps(body).encode(), "string") == want
+    keys = front_end_keys(tok, [("/v1/chat/completions", body)], chat_template_content_format="string")
+    assert keys[0] == prefix_block_hashes(want, 4)
     assert (whole[0] == tok.bos_token_id) == special  # (PARTS writes no BOS of its own)
