@@ -209,3 +209,8 @@ def test_include_reasoning_false_withholds_the_reasoning(r1_http):
     streamed = chunks(r1_http, CHAT, include_reasoning=True)
     text = "".join(c["choices"][0]["delta"].get("reasoning_content") or "" for c in streamed)
     assert text == shown["message"]["reasoning_content"]
+
+
+def test_ping_is_health(tools_http):
+    """vLLM's /ping (GET or POST, SageMaker's check) answers as /health does."""
+    assert tools_http.get("/ping").status_code == tools_http.post("/ping").status_code == 200

@@ -42,6 +42,7 @@ def check_openai_client(server, reference_v1: str) -> None:
         model=MODEL, messages=msgs, max_tokens=10, temperature=0, stream=True) if c.choices)
     assert chat.choices[0].message.content == streamed == ref_chat.choices[0].message.content != ""
 
+    assert httpx.get(server.base_url + "/ping").status_code == 200  # vLLM's alias of /health
     # vLLM's X-Request-Id names the response on the replica behind the front end too
     named = client.completions.create(**kw, extra_headers={"X-Request-Id": "dp-7"})
     assert named.id == "cmpl-dp-7" and named.choices[0].text == ref.choices[0].text
