@@ -147,8 +147,8 @@ CASES = [
     ("two-constraints", CHAT, ch(response_format=JS, guided_regex="a+"), "guided_regex", "both"),
     ("backend", CMPL, c(guided_json={"type": "object"}, guided_decoding_backend="outlines"),
      "guided_decoding_backend", "xgrammar"),
-    ("continuous-usage", CHAT, ch(stream=True, stream_options={"continuous_usage_stats": True}),
-     "stream_options.continuous_usage_stats", "usage"),
+    ("obfuscation", CHAT, ch(stream=True, stream_options={"include_obfuscation": True}),
+     "stream_options.include_obfuscation", "obfuscation"),
     ("tool-choice-without-tools", CHAT, ch(tool_choice="required"), "tool_choice", "tools"),
     ("tool-choice-unknown-function", CHAT, ch(tools=[TOOL], tool_choice={
         "type": "function", "function": {"name": "nope"}}), "tool_choice", "nope"),

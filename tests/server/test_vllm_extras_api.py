@@ -214,3 +214,31 @@ def test_include_reasoning_false_withholds_the_reasoning(r1_http):
 def test_ping_is_health(tools_http):
     """vLLM's /ping (GET or POST, SageMaker's check) answers as /health does."""
     assert tools_http.get("/ping").status_code == tools_http.post("/ping").status_code == 200
+
+
+def test_continuous_usage_stats(tools_http):
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, each chunk carries its
+    choice's usage so far (its prompt's tokens, the tokens it streamed: counted here from the
+    chunks' own token ids); the last chunk the totals. Without include_usage it adds nothing."""
+    prompts = [TEXT, "The stars above the forest"]
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    got = chunks(tools_http, CMPL, prompt=prompts, return_token_ids=True, stream_options=opts)
+    lens = {i: len(post(tools_http, CMPL, prompt=p, return_token_ids=True)["choices"][0]["prompt_token_ids"])
+            for i, p in enumerate(prompts)}
+    seen = {0: 0, 1: 0}
+    for chunk in got[:-1]:
+        (c,) = chunk["choices"]
+        seen[c["index"]] += len(c["token_ids"])
+        assert chunk["usage"] == {"prompt_tokens": lens[c["index"]], "completion_tokens": seen[c["index"]],
+                                  "total_tokens": lens[c["index"]] + seen[c["index"]]}
+    assert got[-1]["choices"] == [] and got[-1]["usage"]["completion_tokens"] == 12 == sum(seen.values())
+    chat = chunks(tools_http, CHAT, return_token_ids=True, stream_options=opts)
+    prompt_len = len(chat[0]["prompt_token_ids"])
+    assert chat[0]["usage"]["completion_tokens"] == 0 and chat[0]["usage"]["prompt_tokens"] == prompt_len
+    n = 0
+    for chunk in chat[1:-1]:
+        n += len(chunk["choices"][0]["token_ids"])
+        assert chunk["usage"] == {"prompt_tokens": prompt_len, "completion_tokens": n, "total_tokens": prompt_len + n}
+    assert chat[-1]["usage"]["completion_tokens"] == n == 6
+    alone = chunks(tools_http, CHAT, stream_options={"continuous_usage_stats": True})
+    assert all(c["usage"] is None for c in alone)

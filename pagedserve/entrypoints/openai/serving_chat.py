@@ -16,7 +16,7 @@ from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionCh
                                                     ChatStreamChoice, DeltaMessage, TokenLogprob)
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
                                                           engine_error, error_event, OpenAIServing,
-                                                          request_ids, sse, StreamedChoice,
+                                                          continuous_usage, request_ids, sse, StreamedChoice,
                                                           until_disconnected, usage)
 from pagedserve.entrypoints.openai.message_stream import (MessageParser, MessageStreamer,
                                                           finish_reason)
@@ -166,6 +166,7 @@ class OpenAIServingChat(OpenAIServing):
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model, prompt_len = self.served_model_name, len(prompt_ids)
         ids = req.return_token_ids and not hide
+        each_usage = continuous_usage(req)
         states: dict[int, StreamedChoice] = {}
         streamers: dict[int, MessageStreamer] = {}
         try:
@@ -174,7 +175,8 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(req.n):
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
                     ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
-                    prompt_token_ids=prompt_ids if req.return_token_ids else None))
+                    prompt_token_ids=prompt_ids if req.return_token_ids else None,
+                    usage=usage(prompt_len, 0) if each_usage else None))
             last = None
             async for out in stream:
                 last = out
@@ -206,7 +208,8 @@ class OpenAIServingChat(OpenAIServing):
                                                     finish_reason=finish, stop_reason=c.stop_reason,
                                                     token_ids=list(c.token_ids) if ids else None))
                 for choice in choices:
-                    yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice]))
+                    u = usage(prompt_len, states[choice.index].num_tokens) if each_usage else None
+                    yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[choice], usage=u))
             if include_usage:
                 completion_tokens = sum(st.num_tokens for st in states.values())
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[],

@@ -159,10 +159,6 @@ class OpenAIServing(LogprobNames):
             raise APIError("Stream options can only be defined when `stream=True`.",
                            param="stream_options")
         if so is not None:
-            if so.continuous_usage_stats:
-                raise APIError("stream_options.continuous_usage_stats is not supported: usage "
-                               "comes in the last chunk with include_usage",
-                               param="stream_options.continuous_usage_stats")
             if so.include_obfuscation:
                 raise APIError("stream_options.include_obfuscation is not supported",
                                param="stream_options.include_obfuscation")
@@ -372,6 +368,13 @@ class OpenAIServing(LogprobNames):
             raise APIError.from_value_error(e) from None
         except EngineDeadError as e:
             raise engine_error(e) from None
+
+
+def continuous_usage(req: Any) -> bool:
+    """vLLM's stream_options.continuous_usage_stats: with include_usage, every chunk carries its
+    choice's usage so far (its prompt's tokens, the tokens it has streamed)."""
+    so = req.stream_options
+    return bool(so and so.include_usage and so.continuous_usage_stats)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> Usage:

@@ -17,7 +17,8 @@ from pagedserve.entrypoints.openai.protocol import (CompletionChoice, Completion
                                                     CompletionRequest, CompletionResponse, now)
 from pagedserve.entrypoints.openai.serving_common import (SSE_DONE, APIError, check_not_ignored,
                                                           engine_error, error_event, merge_streams,
-                                                          OpenAIServing, request_ids, sse, StreamedChoice,
+                                                          OpenAIServing, continuous_usage, request_ids, sse,
+                                                          StreamedChoice,
                                                           until_disconnected, usage)
 from pagedserve.entrypoints.openai.structured_outputs import resolve_structured_outputs
 from pagedserve.logprobs import Logprob
@@ -213,11 +214,12 @@ class OpenAIServingCompletion(OpenAIServing):
                       streams: list[RequestStream], constraint_param: str | None = None
                       ) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
+        each_usage = continuous_usage(req)
         as_ids = self.tokens_as_ids(req)
         states: dict[tuple[int, int], StreamedChoice] = {}
         model = self.served_model_name
         # Without logprobs or token ids (the common case) chunks are encoded directly: same bytes.
-        plain = req.logprobs is None and not req.return_token_ids
+        plain = req.logprobs is None and not req.return_token_ids and not each_usage
         fast = CompletionChunkEncoder(request_id, model) if plain else None
         prompt_lps: dict[int, list] = {}  # prompt_logprobs arrive in one output per prompt (DELTA)
         last: dict[int, Any] = {}  # each prompt's latest output (its metrics: cached tokens)
@@ -256,9 +258,14 @@ class OpenAIServingCompletion(OpenAIServing):
                                                     stop_reason=c.stop_reason,
                                                     prompt_token_ids=prompts[i].token_ids if ids and first else None,
                                                     token_ids=list(c.token_ids) if ids else None))
+                    if each_usage:
+                        choices[-1] = (choices[-1], usage(len(prompts[i].token_ids), st.num_tokens))
                 for choice in choices:  # one a chunk, as OpenAI's and vLLM's streams with n > 1
-                    yield fast.encode([choice]) if fast is not None else \
-                        sse(CompletionResponse(id=request_id, model=model, choices=[choice]))
+                    if fast is not None:
+                        yield fast.encode([choice])
+                    else:
+                        choice, u = choice if each_usage else (choice, None)
+                        yield sse(CompletionResponse(id=request_id, model=model, choices=[choice], usage=u))
             if include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
                 completion_tokens = sum(st.num_tokens for st in states.values())
