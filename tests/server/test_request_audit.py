@@ -49,7 +49,7 @@ UNHONOURED = {
     "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1}, "ec_transfer_params": {"a": 1},
     "logprob_token_ids": [3, 4], "repetition_detection": {"max_pattern_size": 4},
     "thinking_token_budget": 64, "return_token_offsets": True,
-    "echo": True, "chat_template": "{{ messages }}", "documents": [{"text": "x"}],
+    "chat_template": "{{ messages }}", "documents": [{"text": "x"}],
     "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"fps": 1}, "return_prompt_text": True,
     "return_assistant_tokens_mask": True,
 }

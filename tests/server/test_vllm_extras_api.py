@@ -242,3 +242,24 @@ def test_continuous_usage_stats(tools_http):
     assert chat[-1]["usage"]["completion_tokens"] == n == 6
     alone = chunks(tools_http, CHAT, stream_options={"continuous_usage_stats": True})
     assert all(c["usage"] is None for c in alone)
+
+
+def test_chat_echo(tools_http):
+    """vLLM's chat echo: the last message's text before the answer's where its role is the
+    answer's (assistant, or without a generation prompt the last message's own), streamed as
+    its own chunk after the role; otherwise nothing changes."""
+    partial = [*MSG, {"role": "assistant", "content": "Once upon a time"}]
+    body = dict(messages=partial, add_generation_prompt=False, continue_final_message=True)
+    plain = post(tools_http, CHAT, **body)["choices"][0]["message"]
+    echoed = post(tools_http, CHAT, echo=True, **body)["choices"][0]["message"]
+    assert echoed == {**plain, "content": "Once upon a time" + plain["content"]}
+    got = chunks(tools_http, CHAT, echo=True, **body)
+    assert got[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert got[1]["choices"][0]["delta"] == {"content": "Once upon a time"}
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in got) == echoed["content"]
+    # a user message last, no generation prompt: the answer's role is the user's, echoed too
+    user = post(tools_http, CHAT, echo=True, add_generation_prompt=False)["choices"][0]["message"]
+    alone = post(tools_http, CHAT, add_generation_prompt=False)["choices"][0]["message"]
+    assert user["role"] == alone["role"] == "user" and user["content"] == MSG[0]["content"] + alone["content"]
+    # with the generation prompt the answer is the assistant's: a user message is not echoed
+    assert post(tools_http, CHAT, echo=True)["choices"][0]["message"] == post(tools_http, CHAT)["choices"][0]["message"]

@@ -341,7 +341,6 @@ class ChatMessage(MessageExtras):
 class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
     UNSUPPORTED: ClassVar[dict[str, tuple[tuple, str]]] = {
         **_COMMON_UNSUPPORTED,
-        "echo": ((False,), "echo is not supported for chat"),
         "chat_template": ((), "a per-request chat_template is not supported: the server's "
                               "template (the model's, or --chat-template) renders every request"),
         "documents": (([],), "documents are not supported"),
@@ -386,7 +385,8 @@ class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[Any] = None
     safety_identifier: Optional[str] = None
-    # vLLM's chat extras: continue_final_message, add_special_tokens (added to the rendered
+    # vLLM's chat extras: continue_final_message, echo (the last message's content before the
+    # answer's, where its role is the answer's), add_special_tokens (added to the rendered
     # prompt, as vLLM's tokenizer call adds them) and include_reasoning (false: no
     # reasoning_content, and no logprobs or token_ids that would show it) are honoured; the
     # others are audited above.
@@ -424,7 +424,8 @@ class ChatLogprobs(OpenAIModel):
 
 
 class ChatResponseMessage(OpenAIModel):
-    role: Literal["assistant"] = "assistant"
+    # assistant, or with add_generation_prompt=false the last message's role (vLLM's rule)
+    role: str = "assistant"
     content: Optional[str] = None
     reasoning_content: Optional[str] = None  # vLLM's, with --reasoning-parser
     tool_calls: Optional[list[ToolCall]] = None

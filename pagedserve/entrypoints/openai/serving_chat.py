@@ -96,6 +96,7 @@ class OpenAIServingChat(OpenAIServing):
         k = self._top_k(req) if req.logprobs else None
         keep_special = plan.parser is not None and plan.parser.keeps_special_tokens
         request_id, engine_id = request_ids("chatcmpl", req, raw_request)
+        role, echo = self._role_and_echo(req)
         if beam:
             bp = beam_search_params(req, max_tokens, self.default_sampling, structured, k)
             self.check_kv_capacity(len(prompt_ids), max_tokens, req.n, "messages", tokens_param)
@@ -108,9 +109,21 @@ class OpenAIServingChat(OpenAIServing):
             self.check_kv_capacity(len(prompt_ids), max_tokens, params.best_of, "messages", tokens_param)
             stream = await self.start(prompt_ids, params, engine_id, req.cache_salt, req.priority)
         if req.stream:
-            return self._stream(req, request_id, prompt_ids, stream, parser, constraint_param, hide)
+            return self._stream(req, request_id, prompt_ids, stream, parser, constraint_param, hide, role, echo)
         final = await until_disconnected(raw_request, self._collect(stream, constraint_param))
-        return self._response(req, request_id, final, parser, hide)
+        return self._response(req, request_id, final, parser, hide, role, echo)
+
+    @staticmethod
+    def _role_and_echo(req: ChatCompletionRequest) -> tuple[str, str]:
+        """The answer's role (assistant; without a generation prompt, the last message's, as in
+        vLLM) and what echo puts before its content: the last message's text where its role is
+        the answer's ("" otherwise, or without echo)."""
+        last = req.messages[-1]
+        role = "assistant" if req.add_generation_prompt else last.role
+        if not req.echo or last.role != role or not last.content:
+            return role, ""
+        content = last.content
+        return role, content if isinstance(content, str) else "\n".join(p.text for p in content)
 
     @staticmethod
     async def _collect(stream: RequestStream, constraint_param: str | None = None) -> RequestOutput:
@@ -138,15 +151,19 @@ class OpenAIServingChat(OpenAIServing):
         return ChatLogprobs(content=content)
 
     def _response(self, req: ChatCompletionRequest, request_id: str, out: RequestOutput,
-                  parser: MessageParser, hide: bool = False) -> ChatCompletionResponse:
+                  parser: MessageParser, hide: bool = False, role: str = "assistant",
+                  echo: str = "") -> ChatCompletionResponse:
         choices = []
         ids = req.return_token_ids and not hide
         for c in out.outputs:
             lp = self._logprobs(c.token_ids, c.logprobs, self._top_k(req),
                                     self.tokens_as_ids(req)) if req.logprobs and not hide else None
             message = parser.message(c.text) if parser.active else ChatResponseMessage(content=c.text)
+            message.role = role
             if hide:
                 message.reasoning_content = None
+            if echo:
+                message.content = echo + (message.content or "")
             choices.append(ChatChoice(index=c.index, message=message, logprobs=lp,
                                       finish_reason=finish_reason(c.finish_reason,
                                                                   bool(message.tool_calls)),
@@ -162,7 +179,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
                       stream: RequestStream, parser: MessageParser,
-                      constraint_param: str | None = None, hide: bool = False) -> AsyncIterator[str]:
+                      constraint_param: str | None = None, hide: bool = False, role: str = "assistant",
+                      echo: str = "") -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model, prompt_len = self.served_model_name, len(prompt_ids)
         ids = req.return_token_ids and not hide
@@ -174,8 +192,12 @@ class OpenAIServingChat(OpenAIServing):
             # as OpenAI's and vLLM's do with n > 1 (a client may read choices[0] and its index).
             for i in range(req.n):
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
-                    ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))],
+                    ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))],
                     prompt_token_ids=prompt_ids if req.return_token_ids else None,
+                    usage=usage(prompt_len, 0) if each_usage else None))
+            for i in range(req.n if echo else 0):  # vLLM's: the echoed text, a chunk per choice
+                yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
+                    ChatStreamChoice(index=i, delta=DeltaMessage(content=echo))],
                     usage=usage(prompt_len, 0) if each_usage else None))
             last = None
             async for out in stream:
