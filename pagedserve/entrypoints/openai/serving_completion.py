@@ -73,6 +73,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 self.check_text_length(len(item), "prompt")
                 ids, cut = await self.engine.run(truncated_prompt, tok, item, keep, None, "max_model_len",
                                                  req.truncation_side, req.add_special_tokens)
+                if not ids:  # (a tokenizer may give no tokens for some text without its BOS)
+                    raise APIError("prompt has no tokens", param="prompt")
             else:
                 if not item:
                     raise APIError("prompt must not be empty", param="prompt")
