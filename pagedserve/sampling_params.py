@@ -180,6 +180,39 @@ class StructuredOutputsParams:
 
 
 @dataclass
+class RepetitionDetectionParams:
+    """vLLM's repetition_detection: finish a sequence (finish_reason "repetition", stop_reason
+    "repetition_detected") once its output ends in a pattern of min_pattern_size (0: 1) to
+    max_pattern_size tokens repeated min_count times in a row (engine/repetition.py)."""
+    max_pattern_size: int = 0  # 0: off
+    min_pattern_size: int = 0
+    min_count: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("max_pattern_size", "min_pattern_size", "min_count"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"repetition_detection.{name} must be an integer, got {v!r}")
+        if self.max_pattern_size < 0 or self.min_pattern_size < 0 or self.min_pattern_size > self.max_pattern_size:
+            raise ValueError("repetition_detection: max_pattern_size and min_pattern_size must be >= 0, "
+                             "with min_pattern_size <= max_pattern_size (both 0: off)")
+        if self.max_pattern_size > 0 and self.min_count < 2:
+            raise ValueError(f"repetition_detection.min_count must be >= 2, got {self.min_count}")
+
+    @classmethod
+    def coerce(cls, value: Any) -> "RepetitionDetectionParams | None":
+        """A dict of the fields (as a request sends them) is built into one."""
+        if isinstance(value, dict):
+            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)}, key=str)
+            if unknown:
+                raise TypeError(f"repetition_detection has no field {unknown[0]!r}")
+            return cls(**value)
+        if value is not None and not isinstance(value, cls):
+            raise TypeError(f"repetition_detection must be a RepetitionDetectionParams or a dict, got {value!r}")
+        return value
+
+
+@dataclass
 class SamplingParams:
     n: int = 1
     best_of: int | None = None
@@ -222,10 +255,13 @@ class SamplingParams:
     # BOS). -1: max_model_len. The engine's InputProcessor applies it before the length checks
     # (input_processor.truncated_prompt).
     truncate_prompt_tokens: int | None = None
+    # Finish on a repeated token pattern (vLLM's; RepetitionDetectionParams).
+    repetition_detection: RepetitionDetectionParams | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
         self.structured_outputs = StructuredOutputsParams.coerce(self.structured_outputs)
+        self.repetition_detection = RepetitionDetectionParams.coerce(self.repetition_detection)
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)

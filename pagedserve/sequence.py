@@ -31,6 +31,7 @@ class SequenceStatus(enum.Enum):
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
     FINISHED_IGNORED = "ignored"  # rejected: can never fit
+    FINISHED_REPETITION = "repetition"  # repetition_detection (vLLM's)
 
     def __init__(self, value: str) -> None:
         # Plain attributes, fixed per member: read for every sequence on every step.

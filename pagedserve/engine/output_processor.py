@@ -6,6 +6,8 @@ Stop rules (vLLM / OpenAI semantics), checked in this order after each appended 
   2. A stop string appears in the text -> "stop"; the text is cut before it (after it with
      include_stop_str_in_output).
   3. max_tokens generated, or the sequence reached max_model_len -> "length".
+  4. repetition_detection: the output ends in a repeated pattern -> "repetition" (stop_reason
+     "repetition_detected"; vLLM's, from min_tokens tokens on).
 Rules 1 and 2 only apply once more than min_tokens tokens exist (the sampler also masks EOS
 and stop_token_ids until then).
 """
@@ -18,6 +20,7 @@ from pagedserve.engine import prompt_logprobs
 from pagedserve.engine.detokenizer import (added_token_contents, detokenize_incrementally, find_stop_string,
                                            initial_state)
 from pagedserve.engine.logprob_tokens import LogprobTokens, output_position, prompt_positions
+from pagedserve.engine.repetition import STOP_REASON as REPETITION, ends_in_repetition
 from pagedserve.logprobs import PositionLogprobs
 from pagedserve.outputs import CompletionOutput, RequestOutput
 from pagedserve.sampling_params import RequestOutputKind
@@ -85,6 +88,9 @@ class OutputProcessor:
         if status is None and (n_out >= (p.max_tokens or self.max_model_len)
                                or len(seq.prompt_token_ids) + n_out >= self.max_model_len):
             status = SequenceStatus.FINISHED_LENGTH
+        if status is None and p.repetition_detection is not None and n_out >= p.min_tokens \
+                and ends_in_repetition(seq.output_token_ids, p.repetition_detection):
+            status, seq.stop_reason = SequenceStatus.FINISHED_REPETITION, REPETITION
         if status is not None and detok and stop_hit is None:
             visible = seq.output_token_ids[:-1] if hide_token else seq.output_token_ids
             self._detokenize(seq, group, visible, final=True)
@@ -119,6 +125,10 @@ class OutputProcessor:
                     continue
             if n_out >= (p.max_tokens or max_len) or len(seq.prompt_token_ids) + n_out >= max_len:
                 done.append((seq, length))
+            elif p.repetition_detection is not None and n_out >= p.min_tokens \
+                    and ends_in_repetition(out, p.repetition_detection):
+                seq.stop_reason = REPETITION
+                done.append((seq, SequenceStatus.FINISHED_REPETITION))
         return done
 
     def _detokenize(self, seq: Sequence, group: SequenceGroup, output_ids: list[int], final: bool) -> str:

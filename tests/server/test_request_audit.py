@@ -47,7 +47,7 @@ UNHONOURED = {
     # vLLM's extras (use_beam_search and length_penalty are honoured: test_beam_search_api.py)
     "logits_processors": ["x"],
     "vllm_xargs": {"a": 1}, "kv_transfer_params": {"a": 1}, "ec_transfer_params": {"a": 1},
-    "logprob_token_ids": [3, 4], "repetition_detection": {"max_pattern_size": 4},
+    "logprob_token_ids": [3, 4],
     "thinking_token_budget": 64, "return_token_offsets": True,
     "chat_template": "{{ messages }}", "documents": [{"text": "x"}],
     "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"fps": 1}, "return_prompt_text": True,

@@ -263,3 +263,31 @@ def test_chat_echo(tools_http):
     assert user["role"] == alone["role"] == "user" and user["content"] == MSG[0]["content"] + alone["content"]
     # with the generation prompt the answer is the assistant's: a user message is not echoed
     assert post(tools_http, CHAT, echo=True)["choices"][0]["message"] == post(tools_http, CHAT)["choices"][0]["message"]
+
+
+@pytest.mark.parametrize("logprobs", [None, 1])
+def test_repetition_detection(tools_http, logprobs):
+    """vLLM's repetition_detection through the server: a bias that makes one token win every step
+    repeats it, so the output ends after min_count of it, finish_reason "repetition" (streamed
+    too); the core's token-only rows and its rows with logprobs alike."""
+    rd = {"max_pattern_size": 2, "min_count": 3}
+    body = dict(logit_bias={"100": 100}, repetition_detection=rd, max_tokens=16, logprobs=logprobs)
+    c = post(tools_http, CMPL, return_token_ids=True, **body)["choices"][0]
+    assert (c["token_ids"], c["finish_reason"], c["stop_reason"]) == ([100] * 3, "repetition", "repetition_detected")
+    last = chunks(tools_http, CMPL, **body)[-1]["choices"][0]
+    assert (last["finish_reason"], last["stop_reason"]) == ("repetition", "repetition_detected")
+    assert post(tools_http, CMPL, **{**body, "min_tokens": 5})["usage"]["completion_tokens"] == 5
+    free = post(tools_http, CMPL, logit_bias={"100": 100}, max_tokens=16)["choices"][0]
+    assert free["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("body", [
+    {"repetition_detection": {"max_pattern_size": 2, "min_count": 1}},
+    {"repetition_detection": {"max_pattern_size": 1, "min_pattern_size": 2, "min_count": 2}},
+    {"repetition_detection": {"max_pattern_size": -1}},
+    {"repetition_detection": {"max_pattern_size": 2, "min_count": 2}, "use_beam_search": True, "n": 2},
+])
+def test_bad_repetition_detection_is_a_400(tools_http, body):
+    r = tools_http.post(CMPL, json={"prompt": TEXT, "max_tokens": 4, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"].startswith("repetition_detection")

@@ -42,7 +42,7 @@ _NOT_FOR_BEAMS: dict[str, tuple] = {
     "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,),
     "min_tokens": (0,), "stop": ([], ""), "stop_token_ids": ([],),
     "logit_bias": ({},), "bad_words": ([],), "allowed_token_ids": (),
-    "prompt_logprobs": (),
+    "prompt_logprobs": (), "repetition_detection": (),
     # vLLM's beam search decodes each text whole, without it: refused rather than dropped
     "spaces_between_special_tokens": (True,),
 }

@@ -208,13 +208,18 @@ _COMMON_UNSUPPORTED = {
     "ec_transfer_params": (({},), "encoder-cache transfer (disaggregated serving) is not supported"),
     "logprob_token_ids": (([],), "logprobs of chosen token ids are not supported: use logprobs "
                                  "(the top ones) or prompt_logprobs"),
-    "repetition_detection": ((), "repetition_detection is not supported: stop on repeats with "
-                                 "repetition_penalty or stop strings"),
     "thinking_token_budget": ((-1,), "thinking_token_budget is not supported (-1, unlimited, is)"),
     # vLLM reads these on its /render endpoints only, which pagedserve does not serve
     "return_token_offsets": ((False,), "token offsets are returned by vLLM's /render endpoints "
                                        "only, which pagedserve does not serve"),
 }
+
+
+class RepetitionDetection(Request):
+    """vLLM's repetition_detection (sampling_params.RepetitionDetectionParams checks the rest)."""
+    max_pattern_size: int = Field(0, ge=0, le=MAX_TOKEN_ID)
+    min_pattern_size: int = Field(0, ge=0, le=MAX_TOKEN_ID)
+    min_count: int = Field(0, ge=0, le=MAX_TOKEN_ID)
 
 
 class VLLMExtraFields(FieldAudit):
@@ -246,7 +251,8 @@ class VLLMExtraFields(FieldAudit):
     kv_transfer_params: Optional[dict[str, Any]] = None
     ec_transfer_params: Optional[dict[str, Any]] = None
     logprob_token_ids: Optional[list[int]] = None
-    repetition_detection: Optional[dict[str, Any]] = None
+    # honoured: finish_reason "repetition" once the output ends in a repeated token pattern
+    repetition_detection: Optional[RepetitionDetection] = None
     thinking_token_budget: Optional[int] = None
     return_token_offsets: Optional[bool] = None
 

@@ -15,8 +15,8 @@ from pagedserve.engine.input_processor import truncation_size
 from pagedserve.entrypoints.openai.logprob_names import LogprobNames
 from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingFields,
                                                     Usage, random_id)
-from pagedserve.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
-                                         StructuredOutputsParams)
+from pagedserve.sampling_params import (BeamSearchParams, RepetitionDetectionParams, RequestOutputKind,
+                                         SamplingParams, StructuredOutputsParams)
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -295,6 +295,11 @@ class OpenAIServing(LogprobNames):
             kw["allowed_token_ids"] = req.allowed_token_ids
         if req.spaces_between_special_tokens is not None:
             kw["spaces_between_special_tokens"] = req.spaces_between_special_tokens
+        if req.repetition_detection is not None:
+            try:
+                kw["repetition_detection"] = RepetitionDetectionParams(**req.repetition_detection.model_dump())
+            except ValueError as e:
+                raise APIError(str(e), param="repetition_detection") from None
         try:
             return SamplingParams(**kw)
         except ValueError as e:
