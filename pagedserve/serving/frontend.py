@@ -163,7 +163,8 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
         return prefix_block_hashes(ids, block_size, cache_salt=req.cache_salt)
 
     @app.get("/health")
-    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's alias (SageMaker's health check)
+    @app.get("/ping", include_in_schema=False)  # vLLM's alias (SageMaker's health check)
+    @app.post("/ping", include_in_schema=False)
     async def health(request: Request) -> Response:
         """Live, degraded or down for anyone; the replicas' internals (URLs, pids, loads) only
         with the API key, when the front end has one."""

@@ -112,7 +112,8 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str, api_key: str | Non
     _install_error_handlers(app)
 
     @app.get("/health")
-    @app.api_route("/ping", methods=["GET", "POST"])  # vLLM's alias (SageMaker's health check)
+    @app.get("/ping", include_in_schema=False)  # vLLM's alias (SageMaker's health check)
+    @app.post("/ping", include_in_schema=False)
     async def health() -> Response:
         if not engine.is_running:
             return _error(503, str(engine.errored), type="server_error", code="engine_dead")
