@@ -50,7 +50,7 @@ UNHONOURED = {
     "logprob_token_ids": [3, 4],
     "thinking_token_budget": 64, "return_token_offsets": True,
     "chat_template": "{{ messages }}", "documents": [{"text": "x"}],
-    "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"fps": 1}, "return_prompt_text": True,
+    "media_io_kwargs": {"image": {}}, "mm_processor_kwargs": {"fps": 1},
     "return_assistant_tokens_mask": True,
 }
 

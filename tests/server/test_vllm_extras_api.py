@@ -291,3 +291,19 @@ def test_bad_repetition_detection_is_a_400(tools_http, body):
     r = tools_http.post(CMPL, json={"prompt": TEXT, "max_tokens": 4, **body})
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"].startswith("repetition_detection")
+
+
+def test_return_prompt_text(tools_http, ref):
+    """vLLM's return_prompt_text: the chat template's text (HF's rendering is the reference),
+    at the top of the answer, and streamed in the role chunk; its tokens are the prompt's."""
+    text = ref.apply_chat_template(MSG, add_generation_prompt=True, tokenize=False)
+    whole = post(tools_http, CHAT, return_prompt_text=True, return_token_ids=True)
+    assert whole["prompt_text"] == text
+    assert ref(text, add_special_tokens=False).input_ids == whole["prompt_token_ids"]
+    got = chunks(tools_http, CHAT, return_prompt_text=True)
+    assert got[0]["prompt_text"] == text and all("prompt_text" not in c for c in got[1:])
+    assert "prompt_text" not in post(tools_http, CHAT)
+    partial = [*MSG, {"role": "assistant", "content": "Once upon"}]
+    open_turn = post(tools_http, CHAT, messages=partial, add_generation_prompt=False,
+                     continue_final_message=True, return_prompt_text=True)["prompt_text"]
+    assert open_turn == ref.apply_chat_template(partial, continue_final_message=True, tokenize=False)

@@ -27,6 +27,29 @@ def render_request_ids(tokenizer: Any, req: Any, content_format_setting: str,
     the tokenizer's chat template. content_format_setting: --chat-template-content-format (chat_tokens.content_format);
     tools: as the template takes them (tools.plan_tools' ToolPlan.tools). APIError (400) where
     the request cannot be rendered."""
+    messages, kwargs = _template_inputs(tokenizer, req, content_format_setting)
+    try:
+        return render_chat_ids(tokenizer, messages, req.add_generation_prompt,
+                               bool(getattr(req, "add_special_tokens", False)), tools=tools,
+                               continue_final_message=req.continue_final_message, **kwargs)
+    except SpecialTokenInContent as e:
+        raise APIError(str(e), param=str(e).split(":", 1)[0]) from None
+    except Exception as e:  # jinja raises for conversations its template refuses
+        raise APIError(f"messages could not be rendered by the chat template: {e}",
+                       param="messages") from None
+
+
+def render_request_text(tokenizer: Any, req: Any, content_format_setting: str,
+                        tools: list[dict] | None = None) -> str:
+    """The chat template's text for req, as render_request_ids renders it before tokenizing
+    (vLLM's return_prompt_text): message text shown as written, no special tokens added."""
+    messages, kwargs = _template_inputs(tokenizer, req, content_format_setting)
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=req.add_generation_prompt,
+                                         tokenize=False, tools=tools,
+                                         continue_final_message=req.continue_final_message, **kwargs)
+
+
+def _template_inputs(tokenizer: Any, req: Any, content_format_setting: str) -> tuple[list[dict], dict]:
     if not getattr(tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template: start the server with "
                        "--chat-template, or use /v1/completions",
@@ -38,12 +61,4 @@ def render_request_ids(tokenizer: Any, req: Any, content_format_setting: str,
     if clash:
         raise APIError(f"chat_template_kwargs may not set {', '.join(clash)}",
                        param="chat_template_kwargs")
-    try:
-        return render_chat_ids(tokenizer, messages, req.add_generation_prompt,
-                               bool(getattr(req, "add_special_tokens", False)), tools=tools,
-                               continue_final_message=req.continue_final_message, **kwargs)
-    except SpecialTokenInContent as e:
-        raise APIError(str(e), param=str(e).split(":", 1)[0]) from None
-    except Exception as e:  # jinja raises for conversations its template refuses
-        raise APIError(f"messages could not be rendered by the chat template: {e}",
-                       param="messages") from None
+    return messages, kwargs

@@ -368,8 +368,6 @@ class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
         "prompt_cache_options": (({},), "prompt_cache_options is not supported"),
         "media_io_kwargs": (({},), "multimodal inputs are not supported (text models only)"),
         "mm_processor_kwargs": (({},), "multimodal inputs are not supported (text models only)"),
-        "return_prompt_text": ((False,), "return_prompt_text is not supported: /tokenize with the "
-                                         "same messages gives the prompt's tokens"),
         "return_assistant_tokens_mask": ((False,), "the assistant tokens mask is returned by vLLM's "
                                                    "/render endpoints only, which pagedserve does not serve"),
     }
@@ -391,7 +389,7 @@ class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[Any] = None
     safety_identifier: Optional[str] = None
-    # vLLM's chat extras: continue_final_message, echo (the last message's content before the
+    # vLLM's chat extras: continue_final_message, return_prompt_text, echo (the last message's content before the
     # answer's, where its role is the answer's), add_special_tokens (added to the rendered
     # prompt, as vLLM's tokenizer call adds them) and include_reasoning (false: no
     # reasoning_content, and no logprobs or token_ids that would show it) are honoured; the
@@ -455,6 +453,7 @@ class ChatCompletionResponse(OpenAIModel):
     usage: Optional[Usage] = None
     prompt_logprobs: PromptLogprobs = Field(None, exclude_if=lambda v: v is None)  # vLLM's, at the top
     prompt_token_ids: Optional[list[int]] = Field(None, exclude_if=lambda v: v is None)  # return_token_ids
+    prompt_text: Optional[str] = Field(None, exclude_if=lambda v: v is None)  # return_prompt_text
 
 
 class DeltaMessage(OpenAIModel):
@@ -485,8 +484,9 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: Optional[Usage] = None
-    # return_token_ids: in the role chunks that open the stream
+    # return_token_ids / return_prompt_text: in the role chunks that open the stream
     prompt_token_ids: Optional[list[int]] = Field(None, exclude_if=lambda v: v is None)
+    prompt_text: Optional[str] = Field(None, exclude_if=lambda v: v is None)
 
 
 # ---- models ---------------------------------------------------------------------------------

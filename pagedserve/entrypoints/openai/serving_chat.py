@@ -8,7 +8,7 @@ from pagedserve.engine.async_engine import EngineDeadError
 from pagedserve.engine.input_processor import truncated_prompt
 from pagedserve.engine.request_stream import RequestStream
 from pagedserve.entrypoints.openai.beam_search import beam_search_params, check_beam_search
-from pagedserve.entrypoints.openai.chat_render import render_request_ids
+from pagedserve.entrypoints.openai.chat_render import render_request_ids, render_request_text
 from pagedserve.entrypoints.openai.logprob_names import finite_logprob, prompt_logprobs_json, token_bytes
 from pagedserve.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk,
                                                     ChatCompletionRequest, ChatCompletionResponse,
@@ -91,6 +91,9 @@ class OpenAIServingChat(OpenAIServing):
         # special tokens, its BOS being the template's text, and cuts that on the left).
         prompt_ids, _ = truncated_prompt(None, await self.engine.run(self._render, req, plan.tools), keep,
                                          side=req.truncation_side)
+        # vLLM's return_prompt_text: the template's text (rendered once more, only when asked)
+        prompt_text = (await self.engine.run(render_request_text, self.engine.tokenizer, req, self.content_format,
+                                             plan.tools) if req.return_prompt_text else None)
         max_tokens = self.resolve_max_tokens(len(prompt_ids), max_tokens, "messages", tokens_param,
                                              num_seqs=req.n)
         k = self._top_k(req) if req.logprobs else None
@@ -109,9 +112,12 @@ class OpenAIServingChat(OpenAIServing):
             self.check_kv_capacity(len(prompt_ids), max_tokens, params.best_of, "messages", tokens_param)
             stream = await self.start(prompt_ids, params, engine_id, req.cache_salt, req.priority)
         if req.stream:
-            return self._stream(req, request_id, prompt_ids, stream, parser, constraint_param, hide, role, echo)
+            return self._stream(req, request_id, prompt_ids, stream, parser, constraint_param, hide, role, echo,
+                                prompt_text)
         final = await until_disconnected(raw_request, self._collect(stream, constraint_param))
-        return self._response(req, request_id, final, parser, hide, role, echo)
+        response = self._response(req, request_id, final, parser, hide, role, echo)
+        response.prompt_text = prompt_text
+        return response
 
     @staticmethod
     def _role_and_echo(req: ChatCompletionRequest) -> tuple[str, str]:
@@ -180,7 +186,7 @@ class OpenAIServingChat(OpenAIServing):
     async def _stream(self, req: ChatCompletionRequest, request_id: str, prompt_ids: list[int],
                       stream: RequestStream, parser: MessageParser,
                       constraint_param: str | None = None, hide: bool = False, role: str = "assistant",
-                      echo: str = "") -> AsyncIterator[str]:
+                      echo: str = "", prompt_text: str | None = None) -> AsyncIterator[str]:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         model, prompt_len = self.served_model_name, len(prompt_ids)
         ids = req.return_token_ids and not hide
@@ -193,7 +199,7 @@ class OpenAIServingChat(OpenAIServing):
             for i in range(req.n):
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
                     ChatStreamChoice(index=i, delta=DeltaMessage(role=role, content=""))],
-                    prompt_token_ids=prompt_ids if req.return_token_ids else None,
+                    prompt_token_ids=prompt_ids if req.return_token_ids else None, prompt_text=prompt_text,
                     usage=usage(prompt_len, 0) if each_usage else None))
             for i in range(req.n if echo else 0):  # vLLM's: the echoed text, a chunk per choice
                 yield sse(ChatCompletionChunk(id=request_id, model=model, choices=[
