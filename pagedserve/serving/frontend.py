@@ -182,9 +182,9 @@ def build_dp_app(pool: ReplicaPool, tokenizer: Any, block_size: int, api_key: st
         body = await request.body()
         hashes: list[bytes] = []
         if path in ("/v1/completions", "/v1/chat/completions"):  # the others: any replica
-            if "x-request-id" in request.headers:
-                body = with_request_id(body, request.headers["x-request-id"])
             loop = asyncio.get_running_loop()
+            if "x-request-id" in request.headers:  # (a JSON round trip: off the event loop too)
+                body = await loop.run_in_executor(tokenize, with_request_id, body, request.headers["x-request-id"])
             hashes = await loop.run_in_executor(tokenize, routing_key, path, body)
         try:
             # A client that leaves before the answer starts cancels the relay, and the closed

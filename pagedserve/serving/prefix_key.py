@@ -3,8 +3,9 @@
 The chain is the engine's own (core.block_pool.hash_block_tokens), so equal keys mean the
 replica that served the first request holds exactly those blocks in its prefix cache.
 The prompt is tokenized the way the replica's server will tokenize it (plain completions:
-the tokenizer with special tokens unless add_special_tokens is false; chat: the replica's own rendering, chat_render.py, with the
-replicas' chat template, content format and the tools it would render).
+the tokenizer with special tokens unless add_special_tokens is false; chat: the replica's own
+rendering, chat_render.py, with the replicas' chat template, content format and the tools it
+would render), and cut as truncate_prompt_tokens and truncation_side cut it there.
 """
 from __future__ import annotations
 

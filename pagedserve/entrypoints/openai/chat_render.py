@@ -24,9 +24,9 @@ def render_request_ids(tokenizer: Any, req: Any, content_format_setting: str,
                        tools: list[dict] | None = None) -> list[int]:
     """Prompt ids of req (a ChatCompletionRequest, or /tokenize's messages request: messages,
     add_generation_prompt, continue_final_message, chat_template_kwargs, add_special_tokens) by
-    the tokenizer's chat template. content_format_setting: --chat-template-content-format (chat_tokens.content_format);
-    tools: as the template takes them (tools.plan_tools' ToolPlan.tools). APIError (400) where
-    the request cannot be rendered."""
+    the tokenizer's chat template. content_format_setting: --chat-template-content-format
+    (chat_tokens.content_format); tools: as the template takes them (tools.plan_tools'
+    ToolPlan.tools). APIError (400) where the request cannot be rendered."""
     messages, kwargs = _template_inputs(tokenizer, req, content_format_setting)
     try:
         return render_chat_ids(tokenizer, messages, req.add_generation_prompt,

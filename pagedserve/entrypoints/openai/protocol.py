@@ -389,9 +389,9 @@ class ChatCompletionRequest(SamplingFields, ChatToolFields, VLLMExtraFields):
     prompt_cache_retention: Optional[str] = None
     prompt_cache_options: Optional[Any] = None
     safety_identifier: Optional[str] = None
-    # vLLM's chat extras: continue_final_message, return_prompt_text, echo (the last message's content before the
-    # answer's, where its role is the answer's), add_special_tokens (added to the rendered
-    # prompt, as vLLM's tokenizer call adds them) and include_reasoning (false: no
+    # vLLM's chat extras: continue_final_message, return_prompt_text, echo (the last message's
+    # content before the answer's, where its role is the answer's), add_special_tokens (added to
+    # the rendered prompt, as vLLM's tokenizer call adds them) and include_reasoning (false: no
     # reasoning_content, and no logprobs or token_ids that would show it) are honoured; the
     # others are audited above.
     continue_final_message: bool = False

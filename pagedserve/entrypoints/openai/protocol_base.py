@@ -93,13 +93,10 @@ Stop = Union[Annotated[str, Field(min_length=1)],
 TokenId = Annotated[int, Field(ge=0, le=MAX_TOKEN_ID)]
 
 
-
-# ---- the field audit (issue #32) --------------------------------------------------------------
-# FieldAudit.UNSUPPORTED lists the OpenAI fields pagedserve accepts only at their no-op value;
-# serving_common.OpenAIServing.audit turns any other value into a 400 naming the field and logs
-# the keys outside the API (ignored, as vLLM ignores them).
-
-
+# ---- the field audit (issue #32) ------------------------------------------------------------
+# FieldAudit.UNSUPPORTED lists the OpenAI and vLLM fields pagedserve accepts only at their no-op
+# value; serving_common.OpenAIServing.audit turns any other value into a 400 naming the field and
+# logs the keys outside the API (ignored, as vLLM ignores them).
 
 class FieldAudit(Request):
     """Remembers the request keys outside the model (ignored, as vLLM ignores them) and lists the
