@@ -151,19 +151,9 @@ class StructuredOutputsParams:
 
     @classmethod
     def coerce(cls, value: Any) -> "StructuredOutputsParams | None":
-        """A structured_outputs argument as the dataclass: a dict of its fields is built into one;
-        anything else but the dataclass or None is a TypeError naming the field (a bare string
-        failed in the engine with "'str' object has no attribute 'kind'")."""
-        if isinstance(value, dict):
-            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)}, key=str)
-            if unknown:
-                raise TypeError(f"structured_outputs has no field {unknown[0]!r}; its fields: "
-                                f"{', '.join(f.name for f in dataclasses.fields(cls))}")
-            return cls(**value)
-        if value is not None and not isinstance(value, cls):
-            raise TypeError(f"structured_outputs must be a StructuredOutputsParams or a dict of its fields, "
-                            f"got {value!r}")
-        return value
+        """A structured_outputs argument as the dataclass (a bare string failed in the engine
+        with "'str' object has no attribute 'kind'")."""
+        return _coerce_params(cls, value, "structured_outputs")
 
     @property
     def kind(self) -> str:
@@ -201,15 +191,21 @@ class RepetitionDetectionParams:
 
     @classmethod
     def coerce(cls, value: Any) -> "RepetitionDetectionParams | None":
-        """A dict of the fields (as a request sends them) is built into one."""
-        if isinstance(value, dict):
-            unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)}, key=str)
-            if unknown:
-                raise TypeError(f"repetition_detection has no field {unknown[0]!r}")
-            return cls(**value)
-        if value is not None and not isinstance(value, cls):
-            raise TypeError(f"repetition_detection must be a RepetitionDetectionParams or a dict, got {value!r}")
-        return value
+        return _coerce_params(cls, value, "repetition_detection")
+
+
+def _coerce_params(cls: type, value: Any, name: str) -> Any:
+    """A SamplingParams field holding the dataclass cls: a dict of its fields is built into one;
+    anything else but the dataclass or None is a TypeError naming the field."""
+    if isinstance(value, dict):
+        unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)}, key=str)
+        if unknown:
+            raise TypeError(f"{name} has no field {unknown[0]!r}; its fields: "
+                            f"{', '.join(f.name for f in dataclasses.fields(cls))}")
+        return cls(**value)
+    if value is not None and not isinstance(value, cls):
+        raise TypeError(f"{name} must be a {cls.__name__} or a dict of its fields, got {value!r}")
+    return value
 
 
 @dataclass

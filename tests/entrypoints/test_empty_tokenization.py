@@ -23,8 +23,8 @@ class SpaceEatingTokenizer:
         return ([1] if add_special_tokens else []) + ids
 
 
-async def run(fn, *args):
-    return fn(*args)
+async def run(fn, *args, **kw):
+    return fn(*args, **kw)
 
 
 @pytest.mark.parametrize("special", [True, False])

@@ -243,8 +243,8 @@ def test_a_text_prompts_key_keeps_the_bos_as_the_replica_does(tokenizer):
     want = ref(text, truncation=True, max_length=keep).input_ids
     assert want[0] == ref.bos_token_id and want != ref(text).input_ids[-keep:]
 
-    async def run(fn, *args):
-        return fn(*args)
+    async def run(fn, *args, **kw):
+        return fn(*args, **kw)
     replica = OpenAIServingCompletion(SimpleNamespace(tokenizer=tok, run=run, max_model_len=1024, vocab_size=10**6), "m")
     req = CompletionRequest.model_validate({"prompt": text, "truncate_prompt_tokens": keep})
     kept = asyncio.run(replica._prompts(req, replica.truncation_size(keep, req.max_tokens, "max_tokens")))[0].token_ids
@@ -266,8 +266,8 @@ def test_keys_follow_add_special_tokens_and_truncation_side(tokenizer, special, 
     tok = tokenizer(PARTS)
     text = "and the earth was without form, and void; and darkness was upon the face of the deep " * 2
 
-    async def run(fn, *args):
-        return fn(*args)
+    async def run(fn, *args, **kw):
+        return fn(*args, **kw)
     replica = OpenAIServingCompletion(SimpleNamespace(tokenizer=tok, run=run, max_model_len=1024, vocab_size=10**6), "m")
     for prompt in (text, list(range(40, 80))):
         body = {"prompt": prompt, "truncate_prompt_tokens": 13, "add_special_tokens": special,

@@ -15,8 +15,8 @@ from pagedserve.engine.input_processor import truncation_size
 from pagedserve.entrypoints.openai.logprob_names import LogprobNames
 from pagedserve.entrypoints.openai.protocol import (ErrorInfo, ErrorResponse, PromptTokensDetails, SamplingFields,
                                                     Usage, random_id)
-from pagedserve.sampling_params import (BeamSearchParams, RepetitionDetectionParams, RequestOutputKind,
-                                         SamplingParams, StructuredOutputsParams)
+from pagedserve.sampling_params import (BeamSearchParams, RequestOutputKind, SamplingParams,
+                                         StructuredOutputsParams)
 
 logger = logging.getLogger("pagedserve.server")
 
@@ -25,7 +25,7 @@ MAX_CHOICES = 256  # prompts x n in one request; each one is a sequence in the b
 _SAMPLING_FIELDS = ("n", "best_of", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens",
                     "min_tokens", "stop", "stop_token_ids", "ignore_eos", "logprobs", "prompt_logprobs",
                     "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias",
-                    "allowed_token_ids", "priority", "cache_salt", "bad_words")
+                    "allowed_token_ids", "priority", "cache_salt", "bad_words", "repetition_detection")
 
 
 class APIError(Exception):
@@ -295,11 +295,8 @@ class OpenAIServing(LogprobNames):
             kw["allowed_token_ids"] = req.allowed_token_ids
         if req.spaces_between_special_tokens is not None:
             kw["spaces_between_special_tokens"] = req.spaces_between_special_tokens
-        if req.repetition_detection is not None:
-            try:
-                kw["repetition_detection"] = RepetitionDetectionParams(**req.repetition_detection.model_dump())
-            except ValueError as e:
-                raise APIError(str(e), param="repetition_detection") from None
+        if req.repetition_detection is not None:  # (its own checks name it: from_value_error)
+            kw["repetition_detection"] = req.repetition_detection.model_dump()
         try:
             return SamplingParams(**kw)
         except ValueError as e:

@@ -71,8 +71,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 if not item:
                     raise APIError("prompt must not be empty", param="prompt")
                 self.check_text_length(len(item), "prompt")
-                ids, cut = await self.engine.run(truncated_prompt, tok, item, keep, None, "max_model_len",
-                                                 req.truncation_side, req.add_special_tokens)
+                ids, cut = await self.engine.run(truncated_prompt, tok, item, keep, side=req.truncation_side,
+                                                 add_special_tokens=req.add_special_tokens)
                 if not ids:  # (a tokenizer may give no tokens for some text without its BOS)
                     raise APIError("prompt has no tokens", param="prompt")
             else:
@@ -255,19 +255,15 @@ class OpenAIServingCompletion(OpenAIServing):
                             lp = self._with_prompt(prompts[i], prompt_lps.get(i), req.logprobs, lp, as_ids)
                     # return_token_ids: the prompt's ids in each choice's first chunk (vLLM's)
                     ids = req.return_token_ids
-                    choices.append(CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
-                                                    logprobs=lp, finish_reason=c.finish_reason,
-                                                    stop_reason=c.stop_reason,
-                                                    prompt_token_ids=prompts[i].token_ids if ids and first else None,
-                                                    token_ids=list(c.token_ids) if ids else None))
-                    if each_usage:
-                        choices[-1] = (choices[-1], usage(len(prompts[i].token_ids), st.num_tokens))
+                    choices.append((CompletionChoice(index=i * req.n + c.index, text=prefix + c.text,
+                                                     logprobs=lp, finish_reason=c.finish_reason,
+                                                     stop_reason=c.stop_reason,
+                                                     prompt_token_ids=prompts[i].token_ids if ids and first else None,
+                                                     token_ids=list(c.token_ids) if ids else None),
+                                    usage(len(prompts[i].token_ids), st.num_tokens) if each_usage else None))
                 for choice in choices:  # one a chunk, as OpenAI's and vLLM's streams with n > 1
-                    if fast is not None:
-                        yield fast.encode([choice])
-                    else:
-                        choice, u = choice if each_usage else (choice, None)
-                        yield sse(CompletionResponse(id=request_id, model=model, choices=[choice], usage=u))
+                    yield fast.encode([choice]) if fast is not None else \
+                        sse(CompletionResponse(id=request_id, model=model, choices=[choice[0]], usage=choice[1]))
             if include_usage:
                 prompt_tokens = sum(len(p.token_ids) for p in prompts)
                 completion_tokens = sum(st.num_tokens for st in states.values())
